@@ -1,0 +1,50 @@
+"""``generate_batch``: the blocking convenience over :class:`~aiocb.Manager`."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from transformers import GenerationConfig, PreTrainedModel
+
+from aiocb.config import ContinuousBatchingConfig
+from aiocb.engine.manager import Manager
+from aiocb.outputs import GenerationOutput
+
+
+def generate_batch(
+    model: PreTrainedModel,
+    inputs: Sequence[Sequence[int]],
+    generation_config: GenerationConfig | None = None,
+    continuous_batching_config: ContinuousBatchingConfig | None = None,
+    *,
+    progress: bool = False,
+    max_new_tokens: int | None = None,
+    **params: Any,
+) -> dict[str, GenerationOutput]:
+    """Generate for every prompt and block until all are done.
+
+    Returns ``{request_id: output}`` in input order, with ids ``req_0``, ``req_1``, ...
+    Per-request parameters (``temperature``, ``seed``, ...) apply to every prompt. It runs
+    its own event loop, so it cannot be called from async code: there, use
+    ``await manager.generate_batch(inputs)``.
+    """
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    else:
+        raise RuntimeError(
+            "aiocb.generate_batch() blocks, so it cannot run inside a running event loop; "
+            "use `await manager.generate_batch(inputs)` on an aiocb.Manager instead"
+        )
+    if not inputs:
+        return {}
+
+    async def run() -> dict[str, GenerationOutput]:
+        manager = Manager(model, generation_config, continuous_batching_config, num_requests_hint=len(inputs))
+        async with manager:
+            return await manager.generate_batch(inputs, max_new_tokens, progress=progress, **params)
+
+    return asyncio.run(run())

@@ -1,0 +1,207 @@
+"""``ContinuousBatchingConfig``: the hardware-side settings, with transformers' names and defaults.
+
+The model-side settings (``max_new_tokens``, ``eos_token_id``, sampling) live in a
+transformers ``GenerationConfig``; this config says how the runtime uses the machine.
+Every value is checked when the config is built, so a bad value fails at the line that
+wrote it rather than deep inside the step loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from aiocb.errors import InvalidConfigError
+
+SchedulerType = Literal["fifo", "prefill_first"]
+
+#: ``max_batch_tokens`` when it is not given; memory sizing may lower it, never below the floor.
+DEFAULT_MAX_BATCH_TOKENS = 8192
+MIN_AUTO_MAX_BATCH_TOKENS = 256
+#: ``max_requests_per_batch`` when neither the config nor the workload says otherwise.
+DEFAULT_MAX_REQUESTS_PER_BATCH = 1024
+#: ``q_padding_interval_size`` / ``kv_padding_interval_size`` when they are 0.
+DEFAULT_Q_PADDING_INTERVAL = 64
+DEFAULT_KV_PADDING_INTERVAL = 16384
+#: ``max_blocks_per_request`` when it cannot be inferred from the workload.
+DEFAULT_MAX_BLOCKS_PER_REQUEST = 32
+#: ``safety_margin`` per scheduler when it is None.
+DEFAULT_SAFETY_MARGIN: dict[str, float] = {"fifo": 0.15, "prefill_first": 0.0}
+#: ``max_memory_percent`` when it is None: host memory is shared with everything else.
+DEFAULT_MEMORY_PERCENT_CPU = 0.6
+DEFAULT_MEMORY_PERCENT_ACCELERATOR = 0.9
+
+
+@dataclass
+class ContinuousBatchingConfig:
+    """How the runtime batches, caches and runs requests on the device.
+
+    Field names and defaults follow transformers' ``ContinuousBatchingConfig``; ``None``
+    means "size it from the machine and the workload". Fields aiocb adds are marked.
+
+    Attributes:
+        page_size: KV tokens per page of one layer (the block size). At least 4.
+        num_blocks: KV cache blocks; by default they fill the memory budget.
+        max_batch_tokens: query tokens per forward pass (longer prompts are chunked);
+            8192 by default, lowered to fit memory but never below 256.
+        max_memory_percent: share of free device memory (host memory on CPU) the cache and
+            batch buffers may use; 0.9 on accelerators, 0.6 on CPU by default.
+        max_requests_per_batch: requests per forward pass; by default the number of
+            prompts submitted (``generate_batch``) or 1024, capped by ``max_batch_tokens``.
+        max_blocks_per_request: width of the decode fast path's block table; inferred
+            from the workload, else 32; 0 disables the fast path.
+        allow_block_sharing: prefix caching across requests (full-attention models only).
+        use_async_batching: overlap scheduling of step N+1 with step N on the device
+            (CUDA only); on by default when CUDA graphs are on.
+        use_cuda_graph: capture and replay CUDA graphs; ``(varlen, decode)`` sets the two
+            paths apart. On by default on CUDA for the decode path.
+        q_padding_interval_size: query-length padding interval of graph shapes (0 = 64).
+        kv_padding_interval_size: KV-length padding interval of graph shapes (0 = 16384).
+        varlen_compile_config: ``torch.compile`` keyword arguments for mixed/prefill steps.
+        decode_compile_config: ``torch.compile`` keyword arguments for decode-only steps.
+        default_compile_level: 0 (no compile) to 3; explicit compile configs win.
+        scheduler_type: ``"fifo"`` (decode first) or ``"prefill_first"``.
+        safety_margin: fraction of the cache kept free for running requests: below it no
+            new request is admitted; 0.15 for fifo and 0.0 for prefill_first by default.
+        return_logprobs: return each generated token's log-probability by default.
+        seed: seeds the per-request random streams of requests that bring no seed.
+        auto_switch_to_flash: use flash-attn for the paged attention when it is importable.
+        cpu_offload_space: GiB of host memory for KV blocks of preempted requests (0 = off;
+            None sizes it from ``cpu_offload_space_safety_threshold``).
+        cpu_offload_space_safety_threshold: share of available host memory the offload
+            pool may take when ``cpu_offload_space`` is None.
+        cpu_group_timeout: seconds a tensor-parallel collective may wait (None = forever).
+        per_request_processors: accepted for compatibility; per-request sampling
+            parameters always apply in aiocb.
+        max_queue_size: waiting requests admitted before ``add_request`` waits (0 = no bound).
+        max_queued_tokens: (aiocb) waiting prompt tokens before ``add_request`` waits
+            (0 = no bound).
+    """
+
+    page_size: int = 256
+    num_blocks: int | None = None
+    max_batch_tokens: int | None = None
+    max_memory_percent: float | None = None
+    max_requests_per_batch: int | None = None
+    max_blocks_per_request: int | None = None
+    allow_block_sharing: bool = True
+    use_async_batching: bool | None = None
+    use_cuda_graph: bool | tuple[bool, bool] | None = None
+    q_padding_interval_size: int = 0
+    kv_padding_interval_size: int = 0
+    varlen_compile_config: dict[str, Any] | None = None
+    decode_compile_config: dict[str, Any] | None = None
+    default_compile_level: int = 0
+    scheduler_type: SchedulerType = "fifo"
+    safety_margin: float | None = None
+    return_logprobs: bool = False
+    seed: int | None = None
+    auto_switch_to_flash: bool = True
+    cpu_offload_space: float | None = 0.0
+    cpu_offload_space_safety_threshold: float = 0.8
+    cpu_group_timeout: float | None = 300.0
+    per_request_processors: bool = False
+    max_queue_size: int = 0
+    max_queued_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        _check_int(self.page_size, "page_size", minimum=4)
+        _check_optional_int(self.num_blocks, "num_blocks", minimum=1)
+        _check_optional_int(self.max_batch_tokens, "max_batch_tokens", minimum=1)
+        _check_optional_int(self.max_requests_per_batch, "max_requests_per_batch", minimum=1)
+        _check_optional_int(self.max_blocks_per_request, "max_blocks_per_request", minimum=0)
+        _check_int(self.q_padding_interval_size, "q_padding_interval_size", minimum=0)
+        _check_int(self.kv_padding_interval_size, "kv_padding_interval_size", minimum=0)
+        _check_int(self.max_queue_size, "max_queue_size", minimum=0)
+        _check_int(self.max_queued_tokens, "max_queued_tokens", minimum=0)
+        _check_int(self.default_compile_level, "default_compile_level", minimum=0)
+        if self.default_compile_level > 3:
+            raise InvalidConfigError(
+                f"default_compile_level must be 0, 1, 2 or 3, got {self.default_compile_level}"
+            )
+        if self.max_memory_percent is not None and not 0.0 < self.max_memory_percent <= 1.0:
+            raise InvalidConfigError(
+                f"max_memory_percent must be in (0, 1], got {self.max_memory_percent}"
+            )
+        if self.scheduler_type not in DEFAULT_SAFETY_MARGIN:
+            raise InvalidConfigError(
+                f"scheduler_type must be one of {sorted(DEFAULT_SAFETY_MARGIN)}, "
+                f"got {self.scheduler_type!r}"
+            )
+        if self.safety_margin is not None and not 0.0 <= self.safety_margin <= 1.0:
+            raise InvalidConfigError(f"safety_margin must be in [0, 1], got {self.safety_margin}")
+        if self.cpu_offload_space is not None and self.cpu_offload_space < 0:
+            raise InvalidConfigError(
+                f"cpu_offload_space must be >= 0 GiB or None, got {self.cpu_offload_space}"
+            )
+        if not 0.0 < self.cpu_offload_space_safety_threshold <= 1.0:
+            raise InvalidConfigError(
+                "cpu_offload_space_safety_threshold must be in (0, 1], "
+                f"got {self.cpu_offload_space_safety_threshold}"
+            )
+        if self.cpu_group_timeout is not None and self.cpu_group_timeout <= 0:
+            raise InvalidConfigError(
+                f"cpu_group_timeout must be > 0 seconds or None, got {self.cpu_group_timeout}"
+            )
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise InvalidConfigError(f"seed must be an int or None, got {self.seed!r}")
+        graphs = self.use_cuda_graph
+        if not (
+            graphs is None
+            or isinstance(graphs, bool)
+            or (isinstance(graphs, tuple) and len(graphs) == 2 and all(isinstance(g, bool) for g in graphs))
+        ):
+            raise InvalidConfigError(
+                f"use_cuda_graph must be a bool, a (varlen, decode) pair of bools or None, got {graphs!r}"
+            )
+        for name in ("varlen_compile_config", "decode_compile_config"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, dict):
+                raise InvalidConfigError(f"{name} must be a dict of torch.compile arguments or None")
+
+    @property
+    def resolved_safety_margin(self) -> float:
+        """The safety margin in effect: the field, or the scheduler's default."""
+        if self.safety_margin is not None:
+            return self.safety_margin
+        return DEFAULT_SAFETY_MARGIN[self.scheduler_type]
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> ContinuousBatchingConfig:
+        """Build a config from a mapping, rejecting unknown field names by name."""
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> ContinuousBatchingConfig:
+        """A copy with some fields changed (validated like a new config)."""
+        return dataclasses.replace(self, **changes)
+
+
+_FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(ContinuousBatchingConfig))
+_dataclass_init = ContinuousBatchingConfig.__init__
+
+
+def _checked_init(self: ContinuousBatchingConfig, *args: Any, **kwargs: Any) -> None:
+    # A misspelt field would otherwise surface as a bare TypeError about __init__.
+    unknown = sorted(set(kwargs) - _FIELD_NAMES)
+    if unknown:
+        raise InvalidConfigError(
+            f"unknown ContinuousBatchingConfig field(s): {', '.join(unknown)}; "
+            f"known fields: {', '.join(sorted(_FIELD_NAMES))}"
+        )
+    _dataclass_init(self, *args, **kwargs)
+
+
+ContinuousBatchingConfig.__init__ = _checked_init  # type: ignore[method-assign]
+
+
+def _check_int(value: object, name: str, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidConfigError(f"{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise InvalidConfigError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _check_optional_int(value: object, name: str, *, minimum: int) -> None:
+    if value is not None:
+        _check_int(value, name, minimum=minimum)

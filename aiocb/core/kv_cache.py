@@ -1,0 +1,153 @@
+"""Per-request block tables over one block pool per cache group.
+
+A cache group is a set of layers that share a block table. Full-attention layers form
+one group whose table grows with the sequence; layers with a sliding window form a group
+whose table is a small ring: position ``p`` lives in ring block ``(p // page_size) % R``,
+with ``R`` just large enough for the last ``window - 1`` positions, which is all a later
+query can see. Hybrid models have both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aiocb.core.block_pool import ROOT_HASH, BlockPool, hash_block
+from aiocb.core.request import Request
+
+
+@dataclass(frozen=True, slots=True)
+class CacheGroup:
+    """The layers of one cache group and the number of blocks its pool holds."""
+
+    layer_ids: tuple[int, ...]
+    num_blocks: int
+    sliding_window: int | None = None
+
+
+def ring_size(sliding_window: int, page_size: int) -> int:
+    """Blocks a sliding-window request needs at most: the last ``window - 1`` positions
+    can straddle one block more than they fill."""
+    return -(-(sliding_window - 1) // page_size) + 1
+
+
+class KVCacheManager:
+    """Allocates, shares and frees the KV blocks of every request."""
+
+    def __init__(self, groups: list[CacheGroup], page_size: int, *, enable_prefix_caching: bool) -> None:
+        if not groups:
+            raise ValueError("a KV cache needs at least one cache group")
+        self.groups = groups
+        self.page_size = page_size
+        self.pools = [BlockPool(group.num_blocks) for group in groups]
+        self._ring = [
+            ring_size(g.sliding_window, page_size) if g.sliding_window is not None else None for g in groups
+        ]
+        # A sliding layer forgets old positions, so a block's content depends on more than
+        # its prefix: sharing is only sound when every layer keeps every position.
+        self.prefix_caching = enable_prefix_caching and all(g.sliding_window is None for g in groups)
+        self.num_prefix_hit_tokens = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Free blocks, summed over the groups."""
+        return sum(pool.num_free for pool in self.pools)
+
+    @property
+    def num_total_blocks(self) -> int:
+        """All blocks, summed over the groups."""
+        return sum(pool.num_blocks for pool in self.pools)
+
+    @property
+    def free_fraction(self) -> float:
+        """The free share of the tightest group."""
+        return min(pool.num_free / pool.num_blocks for pool in self.pools)
+
+    @property
+    def capacity_tokens(self) -> int:
+        """The longest sequence the cache can hold when it holds nothing else."""
+        full = [p.num_blocks for p, r in zip(self.pools, self._ring, strict=True) if r is None]
+        if not full:
+            return 2**62  # sliding windows only: any length fits in the ring
+        return min(full) * self.page_size
+
+    def fits_alone(self, num_tokens: int) -> bool:
+        """Whether one request of ``num_tokens`` tokens fits the whole cache."""
+        return all(
+            self._blocks_wanted(i, num_tokens) <= pool.num_blocks for i, pool in enumerate(self.pools)
+        )
+
+    def _blocks_wanted(self, group: int, num_tokens: int) -> int:
+        blocks = -(-num_tokens // self.page_size)
+        ring = self._ring[group]
+        return blocks if ring is None else min(blocks, ring)
+
+    def allocate(self, request: Request, num_new_tokens: int) -> bool:
+        """Give ``request`` the blocks for ``num_new_tokens`` more tokens; all or nothing."""
+        if not request.block_ids:
+            request.block_ids = [[] for _ in self.pools]
+        total = request.num_computed_tokens + num_new_tokens
+        needed = [self._blocks_wanted(i, total) - len(request.block_ids[i]) for i in range(len(self.pools))]
+        if any(n > pool.num_free for n, pool in zip(needed, self.pools, strict=True)):
+            return False
+        for i, (n, pool) in enumerate(zip(needed, self.pools, strict=True)):
+            if n > 0:
+                new_blocks = pool.allocate(n)
+                assert new_blocks is not None  # checked above
+                request.block_ids[i].extend(new_blocks)
+        return True
+
+    def free(self, request: Request) -> None:
+        """Return every block of ``request``; hashed full blocks stay findable."""
+        for pool, blocks in zip(self.pools, request.block_ids, strict=False):
+            pool.free(blocks)
+        request.block_ids = []
+        request.num_registered_blocks = 0
+
+    def match_prefix(self, request: Request) -> int:
+        """Attach cached blocks holding a prefix of ``request``; returns the tokens covered.
+
+        The last token is never served from the cache: its logits are needed to sample.
+        """
+        if not self.prefix_caching or request.block_ids:
+            return 0
+        pool = self.pools[0]
+        max_blocks = (request.num_tokens - 1) // self.page_size
+        self._extend_hashes(request, max_blocks)
+        hits: list[int] = []
+        parent = ROOT_HASH
+        for i in range(max_blocks):
+            block_hash = request.block_hashes[i]
+            tokens = request.token_ids[i * self.page_size : (i + 1) * self.page_size]
+            block = pool.lookup(block_hash, parent, tokens)
+            if block is None:
+                break
+            hits.append(block)
+            parent = block_hash
+        for block in hits:
+            pool.acquire(block)
+        request.block_ids = [hits]
+        request.num_registered_blocks = len(hits)
+        num_tokens = len(hits) * self.page_size
+        self.num_prefix_hit_tokens += num_tokens
+        return num_tokens
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the request's newly completed blocks for prefix sharing."""
+        if not self.prefix_caching or not request.block_ids:
+            return
+        num_full = min(request.num_computed_tokens // self.page_size, len(request.block_ids[0]))
+        self._extend_hashes(request, num_full)
+        pool = self.pools[0]
+        for i in range(request.num_registered_blocks, num_full):
+            block = request.block_ids[0][i]
+            parent = request.block_hashes[i - 1] if i else ROOT_HASH
+            tokens = request.token_ids[i * self.page_size : (i + 1) * self.page_size]
+            pool.register(block, request.block_hashes[i], parent, tokens)
+        request.num_registered_blocks = max(request.num_registered_blocks, num_full)
+
+    def _extend_hashes(self, request: Request, num_blocks: int) -> None:
+        hashes = request.block_hashes
+        page = self.page_size
+        for i in range(len(hashes), num_blocks):
+            parent = hashes[i - 1] if i else ROOT_HASH
+            hashes.append(hash_block(parent, request.token_ids[i * page : (i + 1) * page]))

@@ -1,0 +1,85 @@
+"""A request's mutable state, owned by the scheduler."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from aiocb.core.params import SamplingParams
+from aiocb.outputs import FinishReason, GenerationOutput, RequestStatus
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    """One generation request as the scheduler sees it.
+
+    ``token_ids`` is the prompt followed by every generated token. The KV cache holds the
+    first ``num_computed_tokens`` of them; the scheduler's one rule is to let
+    ``num_computed_tokens`` catch up with ``len(token_ids)``, which covers prefill, chunked
+    prefill, prefix hits, recompute after preemption and decode alike.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    deadline: float | None = None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.PENDING
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    num_computed_tokens: int = 0
+    #: per cache group, the physical blocks holding this request's KV, in order
+    block_ids: list[list[int]] = field(default_factory=list)
+    #: chained hashes of this request's full blocks (prefix caching), in order
+    block_hashes: list[bytes] = field(default_factory=list)
+    #: how many of this request's blocks were offered to the prefix cache
+    num_registered_blocks: int = 0
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Prompt length."""
+        return len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        """The generated tokens (a new list)."""
+        return self.token_ids[len(self.prompt_ids) :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        """How many tokens were generated."""
+        return len(self.token_ids) - len(self.prompt_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        """Whether the request has ended."""
+        return self.status.is_finished()
+
+    def to_output(self) -> GenerationOutput:
+        """A snapshot of the request as the public output type."""
+        return GenerationOutput(
+            request_id=self.request_id,
+            prompt_ids=list(self.prompt_ids),
+            generated_tokens=self.output_ids,
+            logprobs=list(self.logprobs) if self.params.return_logprobs else None,
+            status=self.status,
+            finish_reason=self.finish_reason,
+            error=self.error,
+            created_time=self.arrival_time,
+            first_token_time=self.first_token_time,
+            finished_time=self.finished_time,
+        )

@@ -1,0 +1,253 @@
+"""Which requests run in the next forward pass, and how many tokens each computes.
+
+There are no prefill and decode phases: every request's ``num_computed_tokens`` catches
+up with its length, as much as the step's token budget allows. A long prompt therefore
+spreads over several steps (chunked prefill), prefill and decode tokens share a step, and
+a prefix hit or a recompute after preemption is the same rule with another starting point.
+
+When the cache runs out of blocks the newest running request is preempted: its blocks are
+freed and it goes back to the front of the queue to be recomputed later. The oldest
+request is never preempted in favour of a newer one, so it always progresses, and any
+request that fits the cache alone eventually runs: no deadlock, no error.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from aiocb.core.kv_cache import KVCacheManager
+from aiocb.core.request import Request
+from aiocb.outputs import FinishReason, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's share of a step: positions ``start .. start + num_tokens - 1``."""
+
+    request: Request
+    start: int
+    num_tokens: int
+    #: whether the step reaches the request's last token, so its logits are sampled
+    sample: bool = False
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """The plan of one step."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        """Query tokens in the step."""
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        """Whether there is nothing to run."""
+        return not self.scheduled
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """Counters since the scheduler was built."""
+
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_computed_tokens: int = 0
+    num_generated_tokens: int = 0
+    #: computed tokens whose KV a preemption threw away (they will be computed again)
+    num_recomputed_tokens: int = 0
+
+
+class Scheduler:
+    """Plans steps under a token budget, a request budget and the cache's capacity."""
+
+    def __init__(
+        self,
+        kv_cache: KVCacheManager,
+        *,
+        max_batch_tokens: int,
+        max_requests_per_batch: int,
+        scheduler_type: str = "fifo",
+        safety_margin: float = 0.15,
+        max_model_len: int | None = None,
+    ) -> None:
+        self.kv_cache = kv_cache
+        self.max_batch_tokens = max_batch_tokens
+        self.max_requests_per_batch = max_requests_per_batch
+        self.prefill_first = scheduler_type == "prefill_first"
+        self.safety_margin = safety_margin
+        self.max_model_len = max_model_len
+        # Ordered sets: O(1) removal of a cancelled request, insertion order = priority.
+        self.waiting: OrderedDict[Request, None] = OrderedDict()
+        self.running: dict[Request, None] = {}
+        #: tokens of the waiting requests (what admission backpressure bounds)
+        self.num_waiting_tokens = 0
+        self.stats = SchedulerStats()
+
+    @property
+    def has_work(self) -> bool:
+        """Whether any request is waiting or running."""
+        return bool(self.waiting or self.running)
+
+    def add(self, request: Request) -> None:
+        """Queue a new request behind the others."""
+        request.status = RequestStatus.PENDING
+        self._enqueue(request)
+
+    def finish(
+        self,
+        request: Request,
+        reason: FinishReason,
+        now: float,
+        *,
+        status: RequestStatus = RequestStatus.FINISHED,
+        error: str | None = None,
+    ) -> None:
+        """End ``request`` wherever it is and free its blocks."""
+        if request.is_finished:
+            return
+        self.running.pop(request, None)
+        if request in self.waiting:
+            self._dequeue(request)
+        self.kv_cache.free(request)
+        request.status = status
+        request.finish_reason = reason
+        request.error = error
+        request.finished_time = now
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan the next step and allocate its blocks."""
+        budget = self.max_batch_tokens
+        planned: dict[Request, int] = {}
+        preempted: list[Request] = []
+
+        for request in self._running_by_priority():
+            if request not in self.running:
+                continue  # preempted earlier in this step
+            if len(planned) >= self.max_requests_per_batch or budget <= 0:
+                break
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv_cache.allocate(request, num_new):
+                victim = next(reversed(self.running))
+                self._preempt(victim)
+                preempted.append(victim)
+                budget += planned.pop(victim, 0)
+                if victim is request:
+                    break
+            else:
+                planned[request] = num_new
+                budget -= num_new
+
+        if not preempted:
+            budget = self._admit(planned, budget)
+
+        output = SchedulerOutput(preempted=preempted)
+        for request, num_new in planned.items():
+            start = request.num_computed_tokens
+            request.num_computed_tokens = start + num_new
+            output.scheduled.append(
+                ScheduledRequest(request, start, num_new, request.num_computed_tokens == request.num_tokens)
+            )
+        if output.scheduled:
+            self.stats.num_steps += 1
+            self.stats.num_computed_tokens += output.num_tokens
+        return output
+
+    def update(
+        self,
+        output: SchedulerOutput,
+        token_ids: Sequence[int],
+        logprobs: Sequence[float] | None,
+        now: float,
+    ) -> list[Request]:
+        """Append the sampled tokens of a step; returns the requests it finished.
+
+        ``token_ids[i]`` belongs to the i-th scheduled request whose ``sample`` is set.
+        Requests that ended while the step ran (a cancellation) drop their token.
+        """
+        finished: list[Request] = []
+        row = 0
+        for item in output.scheduled:
+            request = item.request
+            if not item.sample:
+                if not request.is_finished:
+                    self.kv_cache.cache_full_blocks(request)
+                continue
+            token = int(token_ids[row])
+            logprob = None if logprobs is None else float(logprobs[row])
+            row += 1
+            if request.is_finished:
+                continue
+            request.token_ids.append(token)
+            if logprob is not None:
+                request.logprobs.append(logprob)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            request.status = RequestStatus.DECODING
+            self.stats.num_generated_tokens += 1
+            self.kv_cache.cache_full_blocks(request)
+            reason = self._stop_reason(request, token)
+            if reason is not None:
+                self.finish(request, reason, now)
+                finished.append(request)
+        return finished
+
+    def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
+        if token in request.params.stop_token_ids:
+            return FinishReason.STOP
+        if request.num_output_tokens >= request.params.max_new_tokens:
+            return FinishReason.LENGTH
+        if self.max_model_len is not None and request.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _running_by_priority(self) -> list[Request]:
+        decoding = [r for r in self.running if r.status is RequestStatus.DECODING]
+        prefilling = [r for r in self.running if r.status is not RequestStatus.DECODING]
+        return prefilling + decoding if self.prefill_first else decoding + prefilling
+
+    def _admit(self, planned: dict[Request, int], budget: int) -> int:
+        """Move waiting requests into the step while budget, cache and margin allow."""
+        while self.waiting and budget > 0 and len(planned) < self.max_requests_per_batch:
+            if self.running and self.kv_cache.free_fraction < self.safety_margin:
+                break  # keep the rest of the cache for the requests already running
+            request = next(iter(self.waiting))
+            if not request.block_ids:
+                request.num_computed_tokens = self.kv_cache.match_prefix(request)
+                request.num_cached_tokens = request.num_computed_tokens
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.kv_cache.allocate(request, num_new):
+                self.kv_cache.free(request)  # let go of prefix hits until it can run
+                request.num_computed_tokens = 0
+                break
+            self._dequeue(request)
+            self.running[request] = None
+            request.status = RequestStatus.PREFILLING
+            planned[request] = num_new
+            budget -= num_new
+        return budget
+
+    def _preempt(self, request: Request) -> None:
+        """Free the request's blocks and put it at the front of the queue (recompute)."""
+        del self.running[request]
+        self.kv_cache.free(request)
+        self.stats.num_recomputed_tokens += request.num_computed_tokens  # work thrown away
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.PENDING
+        self._enqueue(request)
+        self.waiting.move_to_end(request, last=False)
+        self.stats.num_preemptions += 1
+
+    def _enqueue(self, request: Request) -> None:
+        self.waiting[request] = None
+        self.num_waiting_tokens += request.num_tokens
+
+    def _dequeue(self, request: Request) -> None:
+        del self.waiting[request]
+        self.num_waiting_tokens -= request.num_tokens

@@ -1,0 +1,749 @@
+"""The public asyncio manager: lifecycle, requests, results, streams and statistics."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import enum
+import itertools
+import logging
+import random
+import time
+import types
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from transformers import GenerationConfig, PreTrainedModel
+
+from aiocb.config import ContinuousBatchingConfig
+from aiocb.core.kv_cache import KVCacheManager
+from aiocb.core.request import Request
+from aiocb.core.scheduler import Scheduler
+from aiocb.engine.step_loop import StepLoop
+from aiocb.engine.stream import Consumer, RequestHandle
+from aiocb.errors import (
+    EngineDeadError,
+    InvalidRequestError,
+    ManagerClosedError,
+    RequestAbortedError,
+    WouldBlock,
+    WrongEventLoopError,
+)
+from aiocb.outputs import FinishReason, GenerationOutput, RequestStatus
+from aiocb.runner.model_runner import ModelRunner
+from aiocb.sampling import RequestLimits, build_params, eos_ids, normalize_prompt
+
+logger = logging.getLogger(__name__)
+
+_CACHED_MANAGER_ATTR = "_aiocb_persistent_manager"
+
+
+class _State(enum.Enum):
+    CREATED = "created"
+    RUNNING = "running"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+    DEAD = "dead"
+    DESTROYED = "destroyed"
+
+
+@dataclass(frozen=True, slots=True)
+class ManagerStatistics:
+    """A snapshot of the manager's state and counters."""
+
+    is_running: bool
+    running_requests: int
+    waiting_requests: int
+    free_blocks: int
+    total_blocks: int
+    cache_usage: float
+    steps: int
+    tokens_computed: int
+    tokens_generated: int
+    preemptions: int
+    recomputed_tokens: int
+    prefix_hit_tokens: int
+
+
+class Manager:
+    """Continuous batching for one transformers causal LM, driven by the running event loop.
+
+    One step coroutine on the loop schedules requests, awaits the forward pass (run by a
+    worker thread on CPU, so the loop stays free) and delivers tokens to awaiters and
+    streams. All state belongs to the loop's thread. Typical use::
+
+        async with aiocb.Manager(model, generation_config=gen_cfg) as manager:
+            output = await manager.generate(prompt_ids, max_new_tokens=32)
+
+    With ``persistent_manager=True`` the manager outlives its ``async with`` block: the
+    next ``aiocb.Manager(model, persistent_manager=True)`` on the same model returns the
+    same manager (and its cache), even under a new event loop.
+    """
+
+    def __new__(cls, model: PreTrainedModel, *args: Any, persistent_manager: bool = False, **kwargs: Any) -> Manager:
+        cached = getattr(model, _CACHED_MANAGER_ATTR, None)
+        if persistent_manager and isinstance(cached, cls) and cached._state is not _State.DESTROYED:
+            return cached
+        return super().__new__(cls)
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        generation_config: GenerationConfig | None = None,
+        continuous_batching_config: ContinuousBatchingConfig | None = None,
+        *,
+        persistent_manager: bool = False,
+        num_requests_hint: int | None = None,
+    ) -> None:
+        if getattr(self, "_initialized", False):
+            return  # a cached persistent manager, returned by __new__
+        self._initialized = True
+        self.model = model
+        self.generation_config = copy.deepcopy(generation_config or model.generation_config)
+        self.config = continuous_batching_config or ContinuousBatchingConfig()
+        self.persistent = persistent_manager
+        self._num_requests_hint = num_requests_hint
+        model_eos = getattr(model.config.get_text_config(), "eos_token_id", None)
+        self._default_eos = eos_ids(model_eos)
+        self._seeds = random.Random(self.config.seed)
+        self._ids = itertools.count()
+        self._state = _State.CREATED
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._runner: ModelRunner | None = None
+        self._steps: StepLoop | None = None
+        self._dead_error: EngineDeadError | None = None
+        self._handles: dict[str, RequestHandle] = {}
+        self._results: deque[RequestHandle] = deque()
+        self._results_changed = asyncio.Event()
+        self._room_waiters: deque[tuple[asyncio.Future[None], Request]] = deque()
+        if persistent_manager:
+            setattr(model, _CACHED_MANAGER_ATTR, self)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def is_running(self) -> bool:
+        """Whether the step loop runs (also while stopping gracefully)."""
+        return self._state in (_State.RUNNING, _State.STOPPING)
+
+    @property
+    def is_dead(self) -> bool:
+        """Whether the step loop failed; only :meth:`destroy` is left to do."""
+        return self._state is _State.DEAD
+
+    def start(self) -> None:
+        """Start the step loop on the running event loop (allocates the cache on first use)."""
+        if self._state is _State.DESTROYED:
+            raise ManagerClosedError("this manager was destroyed and cannot be restarted; create a new Manager")
+        if self._state is _State.DEAD:
+            raise self._dead()
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            raise RuntimeError(
+                "Manager.start() needs a running event loop: call it from async code, or use "
+                "`async with aiocb.Manager(...)`; for blocking use, call aiocb.generate_batch()"
+            ) from None
+        if self.is_running:
+            if loop is not self._loop:
+                raise self._wrong_loop()
+            logger.warning("Manager.start(): the manager is already running")
+            return
+        if self._runner is None:
+            self._runner = ModelRunner(self.model, self.config, num_requests_hint=self._num_requests_hint)
+        runner = self._runner
+        runner.attach()
+        groups = runner.spec.cache_groups(runner.plan.num_blocks)
+        kv_cache = KVCacheManager(groups, runner.plan.page_size, enable_prefix_caching=self.config.allow_block_sharing)
+        scheduler = Scheduler(
+            kv_cache,
+            max_batch_tokens=runner.plan.max_batch_tokens,
+            max_requests_per_batch=runner.plan.max_requests_per_batch,
+            scheduler_type=self.config.scheduler_type,
+            safety_margin=self.config.resolved_safety_margin,
+            max_model_len=runner.spec.max_position_embeddings,
+        )
+        self._steps = StepLoop(scheduler, runner, self._on_step)
+        self._results_changed = asyncio.Event()
+        self._loop = loop
+        self._state = _State.RUNNING
+        self._task = loop.create_task(self._run_steps(self._steps), name="aiocb-step-loop")
+
+    async def stop(self, hard_stop: bool = False, timeout: float | None = None) -> None:
+        """Stop accepting requests, then finish every queued and running one.
+
+        With ``hard_stop=True`` they end at once instead: their awaiters and streams get
+        :class:`~aiocb.RequestAbortedError`. If ``timeout`` seconds pass before a graceful
+        stop completes, the remaining requests are aborted the same way.
+        """
+        if self._state in (_State.CREATED, _State.STOPPED, _State.DESTROYED, _State.DEAD):
+            if self._state is _State.CREATED:
+                logger.warning("Manager.stop(): the manager was never started")
+            return
+        self._check_loop()
+        self._state = _State.STOPPING
+        self._fail_room_waiters(ManagerClosedError("the manager is stopping; the request was not queued"))
+        if hard_stop:
+            self._abort_all("stop(hard_stop=True) aborted the request")
+        assert self._steps is not None and self._task is not None
+        self._steps.drain()
+        try:
+            await asyncio.wait_for(asyncio.shield(self._task), timeout)
+        except TimeoutError:
+            logger.warning("Manager.stop(): not finished after %s s; aborting what is left", timeout)
+            self._abort_all(f"stop(timeout={timeout}) aborted the request")
+            await asyncio.shield(self._task)
+
+    async def destroy(self) -> None:
+        """Stop if running, free the cache and forget the model; idempotent, final."""
+        if self._state is _State.DESTROYED:
+            return
+        if self.is_running:
+            await self.stop()
+        if self._runner is not None:
+            self._runner.detach()
+            self._runner = None
+        if getattr(self.model, _CACHED_MANAGER_ATTR, None) is self:
+            delattr(self.model, _CACHED_MANAGER_ATTR)
+        self._state = _State.DESTROYED
+
+    async def __aenter__(self) -> Manager:
+        self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: types.TracebackType | None,
+    ) -> None:
+        # Leaving because of an error or a cancellation: nobody will read the rest.
+        await self.stop(hard_stop=exc_type is not None)
+        if not self.persistent:
+            await self.destroy()
+
+    async def _run_steps(self, steps: StepLoop) -> None:
+        try:
+            await steps.run()
+        except asyncio.CancelledError:
+            # The event loop is closing under us (asyncio.run() returned, say).
+            self._abort_all("the event loop running the manager shut down")
+            self._end_session()
+            raise
+        except Exception as exc:
+            self._die(exc)
+        else:
+            self._end_session()
+
+    def _end_session(self) -> None:
+        if self._runner is not None:
+            self._runner.detach()
+            if not self.persistent:
+                self._runner = None  # free the cache; start() builds a new one
+        self._state = _State.STOPPED
+        self._loop = None
+        self._results_changed.set()
+
+    def _die(self, exc: BaseException) -> None:
+        logger.error("aiocb step loop failed; every pending request fails", exc_info=exc)
+        self._dead_error = EngineDeadError(f"the step loop failed: {exc!r}", exc)
+        self._state = _State.DEAD
+        for handle in list(self._handles.values()):
+            request = handle.request
+            if not request.is_finished and self._steps is not None:
+                self._steps.finish(request, FinishReason.ERROR, status=RequestStatus.FAILED, error=str(exc))
+            handle.error = self._dead_error
+            handle.notify()
+        self._fail_room_waiters(self._dead_error)
+        if self._runner is not None:
+            self._runner.detach()
+        self._results_changed.set()
+
+    def _dead(self) -> EngineDeadError:
+        assert self._dead_error is not None
+        return self._dead_error
+
+    # ------------------------------------------------------------------ requests
+
+    async def add_request(
+        self,
+        input_ids: Sequence[int],
+        request_id: str | None = None,
+        max_new_tokens: int | None = None,
+        streaming: bool = False,
+        **params: Any,
+    ) -> str:
+        """Queue one request and return its id, waiting while the admission queue is full.
+
+        Keyword parameters (all optional): ``temperature``, ``top_k``, ``top_p``,
+        ``do_sample``, ``seed``, ``eos_token_id``, ``stop_token_ids``,
+        ``return_logprobs`` and ``timeout`` (seconds, queue time included). With
+        ``streaming=True`` partial outputs also reach :meth:`get_result` and iteration.
+        """
+        request = self._new_request(input_ids, request_id, max_new_tokens, params)
+        await self._wait_for_room(request)
+        return self._submit(request, streaming=streaming, consumer=Consumer.RESULTS)
+
+    def add_request_nowait(
+        self,
+        input_ids: Sequence[int],
+        request_id: str | None = None,
+        max_new_tokens: int | None = None,
+        streaming: bool = False,
+        **params: Any,
+    ) -> str:
+        """Like :meth:`add_request`, but raise :class:`~aiocb.WouldBlock` instead of waiting."""
+        request = self._new_request(input_ids, request_id, max_new_tokens, params)
+        if not self._has_room(request):
+            raise WouldBlock("the admission queue is full (max_queue_size / max_queued_tokens)")
+        return self._submit(request, streaming=streaming, consumer=Consumer.RESULTS)
+
+    async def add_requests(
+        self, inputs: Sequence[Sequence[int]], max_new_tokens: int | None = None, streaming: bool = False, **params: Any
+    ) -> list[str]:
+        """Queue many requests; returns their ids in input order.
+
+        With block sharing on, they are submitted sorted by prompt so that prompts with a
+        common prefix are neighbours in the queue.
+        """
+        return await self._add_many(inputs, max_new_tokens, params, streaming=streaming, consumer=Consumer.RESULTS)
+
+    def cancel_request(self, request_id: str) -> bool:
+        """End a queued or running request now; its blocks are free when this returns.
+
+        Returns whether a live request was cancelled (unknown or finished ids are ignored).
+        """
+        self._check_loop()
+        handle = self._handles.get(request_id)
+        if handle is None or handle.request.is_finished or self._steps is None:
+            return False
+        self._steps.finish(handle.request, FinishReason.CANCELLED, status=RequestStatus.CANCELLED)
+        self._deliver(handle)
+        return True
+
+    async def generate(
+        self, input_ids: Sequence[int], max_new_tokens: int | None = None, **params: Any
+    ) -> GenerationOutput:
+        """Run one request to its end and return its final output.
+
+        Cancelling the awaiting task cancels the request.
+        """
+        request = self._new_request(input_ids, params.pop("request_id", None), max_new_tokens, params)
+        await self._wait_for_room(request)
+        handle = self._handles[self._submit(request, streaming=False, consumer=Consumer.AWAITER)]
+        return await self._await_final(handle)
+
+    async def generate_batch(
+        self,
+        inputs: Sequence[Sequence[int]],
+        max_new_tokens: int | None = None,
+        *,
+        progress: bool = False,
+        **params: Any,
+    ) -> dict[str, GenerationOutput]:
+        """Run many requests to their end; returns ``{request_id: output}`` in input order."""
+        bar = _progress_bar(len(inputs)) if progress else None
+        ids = await self._add_many(
+            inputs,
+            max_new_tokens,
+            params,
+            streaming=False,
+            consumer=Consumer.AWAITER,
+            on_finish=bar.update if bar is not None else None,
+        )
+        try:
+            return {rid: await self._await_final(self._handles[rid]) for rid in ids}
+        except BaseException:
+            for rid in ids:
+                self._cancel_quietly(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def stream(self, request_id: str) -> RequestStream:
+        """Iterate the outputs of one request: each new output carries every token so far,
+        the last one is final (``status`` ``FINISHED``, or ``CANCELLED`` / ``FAILED``).
+
+        Breaking out of the loop, closing the stream or cancelling the task iterating it
+        cancels the request.
+        """
+        self._check_loop()
+        handle = self._handles.get(request_id)
+        if handle is None:
+            raise InvalidRequestError(f"no pending request with id {request_id!r}")
+        if handle.consumer is not Consumer.RESULTS:
+            raise InvalidRequestError(f"request {request_id!r} already has a consumer ({handle.consumer.value})")
+        handle.consumer = Consumer.STREAM
+        self._drop_from_results(handle)
+        return RequestStream(self, handle)
+
+    async def get_result(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
+        """The next output from the shared results, or the next one of ``request_id``.
+
+        Returns None when ``timeout`` passes first, or (without a request id) when the
+        manager is not running and no result is left.
+        """
+        self._check_loop()
+        try:
+            async with asyncio.timeout(timeout):
+                if request_id is None:
+                    return await self._next_shared_result()
+                return await self._next_result_of(request_id)
+        except TimeoutError:
+            return None
+
+    def __aiter__(self) -> AsyncIterator[GenerationOutput]:
+        return self._iterate_results()
+
+    async def _iterate_results(self) -> AsyncIterator[GenerationOutput]:
+        while (output := await self.get_result()) is not None:
+            yield output
+
+    def statistics(self) -> ManagerStatistics:
+        """A snapshot of queue lengths, cache use and counters."""
+        steps = self._steps
+        if steps is None:
+            return ManagerStatistics(self.is_running, 0, 0, 0, 0, 0.0, 0, 0, 0, 0, 0, 0)
+        scheduler = steps.scheduler
+        kv = scheduler.kv_cache
+        stats = scheduler.stats
+        return ManagerStatistics(
+            is_running=self.is_running,
+            running_requests=len(scheduler.running),
+            waiting_requests=len(scheduler.waiting),
+            free_blocks=kv.num_free_blocks,
+            total_blocks=kv.num_total_blocks,
+            cache_usage=1.0 - kv.num_free_blocks / kv.num_total_blocks,
+            steps=stats.num_steps,
+            tokens_computed=stats.num_computed_tokens,
+            tokens_generated=stats.num_generated_tokens,
+            preemptions=stats.num_preemptions,
+            recomputed_tokens=stats.num_recomputed_tokens,
+            prefix_hit_tokens=kv.num_prefix_hit_tokens,
+        )
+
+    # ------------------------------------------------------------------ internals
+
+    def _check_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop is not None and loop is not self._loop:
+            raise self._wrong_loop()
+
+    def _wrong_loop(self) -> WrongEventLoopError:
+        return WrongEventLoopError(
+            "this manager runs on another event loop than the caller's; use it from the loop "
+            "it was started on, or stop() it there before using it from a new loop"
+        )
+
+    def _check_accepting(self) -> None:
+        if self._state is _State.RUNNING:
+            return
+        if self._state is _State.DEAD:
+            raise self._dead()
+        message = {
+            _State.CREATED: "the manager is not started: call start() or use `async with`",
+            _State.STOPPING: "the manager is stopping and accepts no new requests",
+            _State.STOPPED: "the manager is stopped and accepts no new requests; call start() again",
+            _State.DESTROYED: "the manager was destroyed",
+        }[self._state]
+        logger.warning("request refused: %s", message)
+        raise ManagerClosedError(message)
+
+    def _new_request(
+        self, input_ids: Any, request_id: str | None, max_new_tokens: int | None, params: dict[str, Any]
+    ) -> Request:
+        self._check_loop()
+        self._check_accepting()
+        assert self._runner is not None and self._steps is not None
+        timeout = params.pop("timeout", None)
+        unknown = sorted(set(params) - _REQUEST_PARAMS)
+        if unknown:
+            raise InvalidRequestError(
+                f"unknown request parameter(s): {', '.join(unknown)}; known: {', '.join(sorted(_REQUEST_PARAMS | {'timeout'}))}"
+            )
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+            raise InvalidRequestError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        spec = self._runner.spec
+        limits = RequestLimits(spec.vocab_size, spec.max_position_embeddings, self._steps.scheduler.kv_cache.capacity_tokens)
+        prompt = normalize_prompt(input_ids, limits)
+        sampling = build_params(
+            self.generation_config,
+            len(prompt),
+            limits,
+            default_eos=self._default_eos,
+            default_logprobs=self.config.return_logprobs,
+            default_seed=self._seeds.getrandbits(32),
+            max_new_tokens=max_new_tokens,
+            **params,
+        )
+        if request_id is None:
+            request_id = self._fresh_id()
+        elif not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError(f"request_id must be a non-empty str, got {request_id!r}")
+        elif request_id in self._handles:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use by a live request")
+        now = time.perf_counter()
+        return Request(
+            request_id, prompt, sampling, now, deadline=None if timeout is None else now + float(timeout)
+        )
+
+    def _fresh_id(self) -> str:
+        while (request_id := f"req_{next(self._ids)}") in self._handles:
+            pass
+        return request_id
+
+    async def _add_many(
+        self,
+        inputs: Sequence[Sequence[int]],
+        max_new_tokens: int | None,
+        params: dict[str, Any],
+        *,
+        streaming: bool,
+        consumer: Consumer,
+        on_finish: Callable[[], object] | None = None,
+    ) -> list[str]:
+        requests = [self._new_request(p, None, max_new_tokens, dict(params)) for p in inputs]
+        order = list(range(len(requests)))
+        if self.config.allow_block_sharing:
+            order.sort(key=lambda i: requests[i].prompt_ids)
+        submitted: list[str] = []
+        try:
+            for i in order:
+                await self._wait_for_room(requests[i])
+                submitted.append(self._submit(requests[i], streaming=streaming, consumer=consumer, on_finish=on_finish))
+        except BaseException:
+            for rid in submitted:
+                self._cancel_quietly(rid)
+            raise
+        return [r.request_id for r in requests]
+
+    def _submit(
+        self,
+        request: Request,
+        *,
+        streaming: bool,
+        consumer: Consumer,
+        on_finish: Callable[[], object] | None = None,
+    ) -> str:
+        self._check_accepting()
+        if request.request_id in self._handles:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use by a live request")
+        assert self._steps is not None
+        handle = RequestHandle(request, streaming=streaming, consumer=consumer, on_finish=on_finish)
+        self._handles[request.request_id] = handle
+        if request.deadline is not None and request.deadline <= time.perf_counter():
+            # It spent its whole timeout waiting for room in the queue.
+            self._steps.scheduler.finish(request, FinishReason.TIMEOUT, time.perf_counter())
+            self._deliver(handle)
+        else:
+            self._steps.add(request)
+        return request.request_id
+
+    def _has_room(self, request: Request) -> bool:
+        if self._room_waiters:
+            return False  # first come, first served
+        return self._fits_queue(request)
+
+    def _fits_queue(self, request: Request) -> bool:
+        assert self._steps is not None
+        scheduler = self._steps.scheduler
+        if self.config.max_queue_size and len(scheduler.waiting) >= self.config.max_queue_size:
+            return False
+        limit = self.config.max_queued_tokens
+        waiting_tokens = scheduler.num_waiting_tokens
+        return not limit or waiting_tokens == 0 or waiting_tokens + request.num_tokens <= limit
+
+    async def _wait_for_room(self, request: Request) -> None:
+        if self._has_room(request):
+            return
+        assert self._loop is not None
+        waiter: asyncio.Future[None] = self._loop.create_future()
+        entry = (waiter, request)
+        self._room_waiters.append(entry)
+        remaining = None if request.deadline is None else request.deadline - time.perf_counter()
+        try:
+            async with asyncio.timeout(remaining):
+                await waiter
+        except TimeoutError:
+            pass  # _submit finishes it with finish_reason "timeout"
+        finally:
+            if entry in self._room_waiters:
+                self._room_waiters.remove(entry)
+                self._release_room_waiters()
+
+    def _release_room_waiters(self) -> None:
+        while self._room_waiters and self._fits_queue(self._room_waiters[0][1]):
+            waiter, _ = self._room_waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def _fail_room_waiters(self, error: BaseException) -> None:
+        while self._room_waiters:
+            waiter, _ = self._room_waiters.popleft()
+            if not waiter.done():
+                waiter.set_exception(error)
+
+    def _on_step(self, updated: list[Request], finished: list[Request]) -> None:
+        for request in updated:
+            handle = self._handles.get(request.request_id)
+            if handle is not None and not request.is_finished:
+                self._deliver(handle)
+        for request in finished:
+            handle = self._handles.get(request.request_id)
+            if handle is not None:
+                self._deliver(handle)
+        self._release_room_waiters()
+
+    def _deliver(self, handle: RequestHandle) -> None:
+        """Tell whoever consumes ``handle`` that it changed (O(1), never blocks)."""
+        if handle.request.is_finished and handle.on_finish is not None:
+            handle.on_finish()
+            handle.on_finish = None
+        if handle.consumer is Consumer.RESULTS:
+            if not handle.in_results and handle.has_news(partial=handle.streaming):
+                handle.in_results = True
+                self._results.append(handle)
+                self._results_changed.set()
+        handle.notify()
+
+    def _drop_from_results(self, handle: RequestHandle) -> None:
+        if handle.in_results:
+            self._results.remove(handle)
+            handle.in_results = False
+
+    def _take(self, handle: RequestHandle) -> GenerationOutput:
+        output = handle.take()
+        if handle.final_delivered:
+            self._handles.pop(handle.request.request_id, None)
+        return output
+
+    async def _next_shared_result(self) -> GenerationOutput | None:
+        while not self._results:
+            if self._state is _State.DEAD:
+                raise self._dead()
+            if not self.is_running:
+                return None
+            self._results_changed.clear()
+            await self._results_changed.wait()
+        handle = self._results.popleft()
+        handle.in_results = False
+        return self._take(handle)
+
+    async def _next_result_of(self, request_id: str) -> GenerationOutput:
+        handle = self._handles.get(request_id)
+        if handle is None:
+            raise InvalidRequestError(f"no pending request with id {request_id!r}")
+        if handle.consumer is Consumer.STREAM:
+            raise InvalidRequestError(f"request {request_id!r} is consumed by a stream")
+        while not handle.has_news(partial=handle.streaming):
+            await handle.wait()
+        if handle.error is not None:
+            self._handles.pop(request_id, None)
+            raise handle.error
+        self._drop_from_results(handle)
+        return self._take(handle)
+
+    async def _await_final(self, handle: RequestHandle) -> GenerationOutput:
+        try:
+            while not handle.has_news(partial=False):
+                await handle.wait()
+        except asyncio.CancelledError:
+            self._cancel_quietly(handle.request.request_id)
+            raise
+        self._handles.pop(handle.request.request_id, None)
+        if handle.error is not None:
+            raise handle.error
+        return handle.take()
+
+    def _cancel_quietly(self, request_id: str) -> None:
+        handle = self._handles.pop(request_id, None)
+        if handle is not None and not handle.request.is_finished and self._steps is not None:
+            self._steps.finish(handle.request, FinishReason.CANCELLED, status=RequestStatus.CANCELLED)
+            self._release_room_waiters()
+
+    def _abort_all(self, reason: str) -> None:
+        if self._steps is None:
+            return
+        error = RequestAbortedError(reason)
+        for handle in list(self._handles.values()):
+            if not handle.request.is_finished:
+                self._steps.finish(handle.request, FinishReason.ABORTED, status=RequestStatus.FAILED, error=reason)
+                if handle.consumer is not Consumer.RESULTS:
+                    handle.error = error
+                self._deliver(handle)
+
+
+class RequestStream:
+    """Async iterator over one request's outputs; see :meth:`Manager.stream`.
+
+    Also an async context manager; leaving it (or :meth:`aclose`) before the final output
+    cancels the request.
+    """
+
+    def __init__(self, manager: Manager, handle: RequestHandle) -> None:
+        self._manager = manager
+        self._handle = handle
+        self._done = False
+
+    @property
+    def request_id(self) -> str:
+        """The id of the streamed request."""
+        return self._handle.request.request_id
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> GenerationOutput:
+        if self._done:
+            raise StopAsyncIteration
+        handle = self._handle
+        try:
+            while not handle.has_news(partial=True):
+                await handle.wait()
+        except asyncio.CancelledError:
+            self._close()
+            raise
+        if handle.error is not None:
+            self._close()
+            raise handle.error
+        output = self._manager._take(handle)
+        if output.is_finished():
+            self._done = True
+        return output
+
+    async def aclose(self) -> None:
+        """Stop streaming; cancels the request if it has not finished."""
+        self._close()
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        if not self._done:
+            self._done = True
+            self._manager._cancel_quietly(self.request_id)
+
+    def __del__(self) -> None:
+        # An `async for` left with break drops the iterator without closing it.
+        if not self._done:
+            loop = self._manager._loop
+            if loop is not None and not loop.is_closed():
+                loop.call_soon_threadsafe(self._manager._cancel_quietly, self.request_id)
+
+
+_REQUEST_PARAMS = frozenset(
+    {"temperature", "top_k", "top_p", "do_sample", "seed", "eos_token_id", "stop_token_ids", "return_logprobs"}
+)
+
+
+def _progress_bar(total: int) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="aiocb", unit="req")

@@ -1,0 +1,101 @@
+"""The step coroutine: schedule, run the device work without blocking the loop, deliver.
+
+All request and cache state is owned by the event loop's thread; the only other thread
+is one worker that runs the forward pass, and it sees nothing but an immutable
+:class:`~aiocb.runner.inputs.StepBatch`. There is no lock anywhere on this path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from aiocb.core.request import Request
+from aiocb.core.scheduler import Scheduler
+from aiocb.outputs import FinishReason
+from aiocb.runner.inputs import snapshot
+from aiocb.runner.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+#: Called on the loop thread after each step with (requests that got a token, requests that ended).
+StepCallback = Callable[[list[Request], list[Request]], None]
+
+
+class StepLoop:
+    """Runs steps while there is work; sleeps on an event (no polling) when idle."""
+
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, on_step: StepCallback) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self._on_step = on_step
+        self._work = asyncio.Event()
+        self._draining = False
+        self._deadlines: list[tuple[float, int, Request]] = []
+        self._tie = itertools.count()
+        self._executor: ThreadPoolExecutor | None = None
+        self.num_steps = 0
+        self.busy_seconds = 0.0
+
+    def add(self, request: Request) -> None:
+        """Queue a request and wake the loop."""
+        self.scheduler.add(request)
+        if request.deadline is not None:
+            heapq.heappush(self._deadlines, (request.deadline, next(self._tie), request))
+        self._work.set()
+
+    def finish(self, request: Request, reason: FinishReason, **kwargs: object) -> None:
+        """End a request now (cancel, abort); its blocks are free when this returns."""
+        self.scheduler.finish(request, reason, time.perf_counter(), **kwargs)  # type: ignore[arg-type]
+
+    def drain(self) -> None:
+        """Let :meth:`run` return once every queued and running request has ended."""
+        self._draining = True
+        self._work.set()
+
+    async def run(self) -> None:
+        """The step loop. Returns after :meth:`drain` once idle; raises if a step fails."""
+        loop = asyncio.get_running_loop()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aiocb-step")
+        try:
+            while True:
+                self._expire_deadlines()
+                if not self.scheduler.has_work:
+                    if self._draining:
+                        return
+                    self._work.clear()
+                    await self._work.wait()
+                    continue
+                output = self.scheduler.schedule()
+                if output.is_empty:
+                    raise RuntimeError("the scheduler planned an empty step while requests were pending")
+                batch = snapshot(output)
+                started = time.perf_counter()
+                result = await loop.run_in_executor(self._executor, self.runner.execute, batch)
+                now = time.perf_counter()
+                self.busy_seconds += now - started
+                self.num_steps += 1
+                finished = self.scheduler.update(output, result.token_ids, result.logprobs, now)
+                updated = [item.request for item in output.scheduled if item.sample]
+                self._on_step(updated, finished)
+        finally:
+            self._executor.shutdown(wait=False)
+            self._executor = None
+
+    def _expire_deadlines(self) -> None:
+        if not self._deadlines:
+            return
+        now = time.perf_counter()
+        expired: list[Request] = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, _, request = heapq.heappop(self._deadlines)
+            if not request.is_finished:
+                self.scheduler.finish(request, FinishReason.TIMEOUT, now)
+                expired.append(request)
+        if expired:
+            self._on_step([], expired)

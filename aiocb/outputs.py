@@ -1,0 +1,58 @@
+"""What a request produces: :class:`GenerationOutput` and :class:`RequestStatus`."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class RequestStatus(enum.IntEnum):
+    """Where a request is in its life. Values at or above ``FINISHED`` are terminal."""
+
+    PENDING = 0
+    PREFILLING = 1
+    DECODING = 2
+    FINISHED = 3
+    FAILED = 4
+    CANCELLED = 5
+
+    def is_finished(self) -> bool:
+        """Whether the request has ended (finished, failed or cancelled)."""
+        return self >= RequestStatus.FINISHED
+
+
+class FinishReason(enum.StrEnum):
+    """Why a request ended."""
+
+    STOP = "stop"  # an EOS or stop token was generated (it is the last generated token)
+    LENGTH = "length"  # max_new_tokens or the model's context length was reached
+    CANCELLED = "cancelled"  # cancel_request(), a cancelled awaiter, or a closed stream
+    TIMEOUT = "timeout"  # the request's deadline passed (queue time included)
+    ABORTED = "aborted"  # stop(hard_stop=True)
+    ERROR = "error"  # the engine failed
+
+
+@dataclass(slots=True)
+class GenerationOutput:
+    """A request's output so far, or its final output once ``status.is_finished()``.
+
+    ``generated_tokens`` always holds every token generated so far (not a delta), as in
+    transformers' continuous batching. ``logprobs[i]`` is the log-probability of
+    ``generated_tokens[i]`` under the model's raw distribution (a log-softmax of its
+    logits, before temperature, top-k or top-p), present when logprobs were requested.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    generated_tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = None
+    status: RequestStatus = RequestStatus.PENDING
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    created_time: float = 0.0
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    def is_finished(self) -> bool:
+        """Whether this is the request's final output."""
+        return self.status.is_finished()

@@ -1,0 +1,159 @@
+"""Paged attention, plugged into transformers through its ``AttentionInterface``.
+
+The model runs on one flat sequence holding every scheduled token of the step. For each
+layer, transformers hands this function the step's queries, keys and values (RoPE and
+norms applied); it writes the new keys and values into the paged cache and attends, for
+each request, over that request's own cached context and new tokens. No dense mask over
+the flattened batch is built: the cost of a request grows with its own length only.
+
+Single-token rows (decode) are attended together, padded to the longest context in the
+step; multi-token rows (prefill chunks) one by one, each over its own keys.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from aiocb.runner.inputs import AttentionMetadata
+
+#: The name the attention function is registered under.
+ATTENTION_NAME = "aiocb_paged"
+#: The keyword argument that carries :class:`AttentionMetadata` through the model.
+METADATA_KWARG = "aiocb_metadata"
+_FALLBACK_ATTR = "_aiocb_fallback_attention"
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Attention over the paged cache; ``query [1, Hq, T, D]``, ``key/value [1, Hkv, T, D]``.
+
+    Returns ``[1, T, Hq, D]``. Called without aiocb's metadata (a plain ``model(...)`` or
+    ``model.generate`` while a manager holds the model), it defers to the model's
+    original attention implementation.
+    """
+    metadata: AttentionMetadata | None = kwargs.pop(METADATA_KWARG, None)
+    if metadata is None:
+        fallback = _fallback_for(module)
+        return fallback(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    layer: int = module.layer_idx  # type: ignore[assignment]
+    scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+    softcap = kwargs.get("softcap")
+    out = reference_paged_attention(
+        layer, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), metadata, scale, softcap
+    )
+    return out[None], None
+
+
+def reference_paged_attention(
+    layer: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """The portable backend: ``query [T, Hq, D]``, ``key/value [T, Hkv, D]`` -> ``[T, Hq, D]``."""
+    cache = metadata.cache
+    group = metadata.groups[cache.layer_group[layer]]
+    key_cache, value_cache = cache.flat(layer)
+
+    # A prefill chunk reads its past before the step writes: in a sliding-window ring the
+    # chunk's own tokens may land on slots of positions it still needs.
+    past = [(key_cache.index_select(0, s), value_cache.index_select(0, s)) for s in group.prefill_past_slots]
+    key_cache.index_copy_(0, group.slot_mapping, key)
+    value_cache.index_copy_(0, group.slot_mapping, value)
+
+    out = torch.empty_like(query)
+    if metadata.decode_token_index is not None:
+        assert group.decode_slots is not None and group.decode_valid is not None
+        rows, width = group.decode_slots.shape
+        flat_slots = group.decode_slots.reshape(-1)
+        k = key_cache.index_select(0, flat_slots).view(rows, width, *key_cache.shape[1:]).transpose(1, 2)
+        v = value_cache.index_select(0, flat_slots).view(rows, width, *value_cache.shape[1:]).transpose(1, 2)
+        q = query.index_select(0, metadata.decode_token_index)[:, :, None, :]
+        mask = group.decode_valid[:, None, None, :]
+        decoded = _attend(q, k, v, mask, scale, softcap)  # [Bd, Hq, 1, D]
+        out.index_copy_(0, metadata.decode_token_index, decoded[:, :, 0, :])
+
+    for (first, length), (past_k, past_v), mask in zip(
+        metadata.prefill_rows, past, group.prefill_masks, strict=True
+    ):
+        k = torch.cat((past_k, key[first : first + length])).transpose(0, 1)[None]
+        v = torch.cat((past_v, value[first : first + length])).transpose(0, 1)[None]
+        q = query[first : first + length].transpose(0, 1)[None]
+        attended = _attend(q, k, v, mask, scale, softcap, causal=mask is None)
+        out[first : first + length] = attended[0].transpose(0, 1)
+    return out
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None,
+    *,
+    causal: bool = False,
+) -> torch.Tensor:
+    """``q [B, Hq, Lq, D]`` over ``k/v [B, Hkv, Lk, D]`` with grouped heads; mask is boolean."""
+    if not softcap:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        )
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1)
+    v = v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if causal:
+        lq, lk = scores.shape[-2:]
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
+def _fallback_for(module: torch.nn.Module) -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]]:
+    name = getattr(module, _FALLBACK_ATTR, "sdpa")
+    if name in AttentionInterface._global_mapping:
+        return AttentionInterface._global_mapping[name]  # type: ignore[no-any-return]
+    # "eager" is not registered: each transformers model module defines its own.
+    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    return eager if callable(eager) else sdpa_attention_forward
+
+
+def install(model: PreTrainedModel) -> str:
+    """Route the model's attention through the paged function; returns the original name."""
+    AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
+    original = str(model.config._attn_implementation)
+    if original == ATTENTION_NAME:
+        return original
+    for module in model.modules():
+        if hasattr(module, "layer_idx"):
+            setattr(module, _FALLBACK_ATTR, original)
+    model.set_attn_implementation(ATTENTION_NAME)
+    return original
+
+
+def uninstall(model: PreTrainedModel, original: str) -> None:
+    """Give the model its original attention implementation back."""
+    if original != ATTENTION_NAME and model.config._attn_implementation == ATTENTION_NAME:
+        model.set_attn_implementation(original)

@@ -1,0 +1,137 @@
+"""Sizing the paged cache and the step budget from the memory the device has free."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from aiocb.config import (
+    DEFAULT_MAX_BATCH_TOKENS,
+    DEFAULT_MAX_REQUESTS_PER_BATCH,
+    DEFAULT_MEMORY_PERCENT_ACCELERATOR,
+    DEFAULT_MEMORY_PERCENT_CPU,
+    MIN_AUTO_MAX_BATCH_TOKENS,
+    ContinuousBatchingConfig,
+)
+from aiocb.core.kv_cache import ring_size
+from aiocb.runner.model_spec import ModelSpec
+
+logger = logging.getLogger(__name__)
+
+#: Share of the budget the per-step buffers may take before max_batch_tokens is lowered.
+_MAX_ACTIVATION_SHARE = 0.25
+
+
+@dataclass(frozen=True, slots=True)
+class CachePlan:
+    """The sizes the cache and the scheduler are built with."""
+
+    page_size: int
+    #: blocks per cache group, in ``ModelSpec.group_layers()`` order
+    num_blocks: list[int]
+    max_batch_tokens: int
+    max_requests_per_batch: int
+    budget_bytes: int
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Memory free for the cache: the device's free memory, or available host RAM on CPU."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    return int(psutil.virtual_memory().available)
+
+
+def activation_bytes_per_token(spec: ModelSpec) -> int:
+    """A generous estimate of the transient memory one query token needs in a forward."""
+    width = 6 * spec.hidden_size + 3 * spec.intermediate_size
+    width += 2 * (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
+    return width * spec.dtype_bytes
+
+
+def plan_cache(
+    spec: ModelSpec,
+    config: ContinuousBatchingConfig,
+    *,
+    num_requests_hint: int | None = None,
+    free_bytes: int | None = None,
+) -> CachePlan:
+    """Decide ``max_batch_tokens``, ``max_requests_per_batch`` and blocks per cache group.
+
+    ``max_batch_tokens`` and ``num_blocks`` share one budget (``max_memory_percent`` of
+    free memory): the step buffers are reserved first, lowering a default
+    ``max_batch_tokens`` if they would take more than a quarter of it, but never below
+    256; the blocks fill the rest unless ``num_blocks`` is given.
+    """
+    page = config.page_size
+    percent = config.max_memory_percent
+    if percent is None:
+        percent = DEFAULT_MEMORY_PERCENT_CPU if spec.device.type == "cpu" else DEFAULT_MEMORY_PERCENT_ACCELERATOR
+    free = free_memory_bytes(spec.device) if free_bytes is None else free_bytes
+    budget = int(free * percent)
+
+    per_token = activation_bytes_per_token(spec)
+    max_batch_tokens = config.max_batch_tokens
+    if max_batch_tokens is None:
+        affordable = int(budget * _MAX_ACTIVATION_SHARE) // per_token
+        max_batch_tokens = max(MIN_AUTO_MAX_BATCH_TOKENS, min(DEFAULT_MAX_BATCH_TOKENS, affordable))
+
+    if config.max_requests_per_batch is not None:
+        max_requests = config.max_requests_per_batch
+    else:
+        max_requests = min(num_requests_hint or DEFAULT_MAX_REQUESTS_PER_BATCH, DEFAULT_MAX_REQUESTS_PER_BATCH)
+    max_requests = max(1, min(max_requests, max_batch_tokens))
+
+    # fp32 logits of every sampled row, plus the sampler's noise and sort buffers.
+    logits_bytes = 3 * max_requests * spec.vocab_size * 4
+    remaining = budget - max_batch_tokens * per_token - logits_bytes
+
+    groups = spec.group_layers()
+    if config.num_blocks is not None:
+        num_blocks = [config.num_blocks] * len(groups)
+    else:
+        num_blocks = _fill_budget(spec, groups, page, max_requests, remaining)
+    if min(num_blocks) < 1:
+        raise MemoryError(
+            f"no room for the KV cache: {budget / 2**30:.2f} GiB budget "
+            f"({percent:.0%} of {free / 2**30:.2f} GiB free) is taken by the step buffers; "
+            "lower max_batch_tokens or max_requests_per_batch, or raise max_memory_percent"
+        )
+    max_requests = min(max_requests, max(num_blocks) * page)
+    logger.info(
+        "KV cache: %s blocks of %d tokens per group, max_batch_tokens=%d, max_requests_per_batch=%d",
+        num_blocks, page, max_batch_tokens, max_requests,
+    )
+    return CachePlan(page, num_blocks, max_batch_tokens, max_requests, budget)
+
+
+def _fill_budget(
+    spec: ModelSpec,
+    groups: list[tuple[int | None, tuple[int, ...]]],
+    page: int,
+    max_requests: int,
+    remaining: int,
+) -> list[int]:
+    """Sliding groups get a full ring per concurrent request; full groups the rest."""
+    sliding_bytes = 0
+    blocks: list[int] = []
+    for window, layers in groups:
+        if window is None:
+            blocks.append(0)
+            continue
+        want = ring_size(window, page) * max_requests
+        blocks.append(want)
+        sliding_bytes += want * spec.bytes_per_block(page, len(layers))
+    full = [i for i, (window, _) in enumerate(groups) if window is None]
+    if not full:
+        if sliding_bytes > remaining:  # scale the rings down to what fits
+            scale = max(remaining, 0) / sliding_bytes
+            blocks = [int(b * scale) for b in blocks]
+        return blocks
+    full_bytes_per_block = sum(spec.bytes_per_block(page, len(groups[i][1])) for i in full)
+    for i in full:
+        blocks[i] = (remaining - sliding_bytes) // full_bytes_per_block
+    return blocks

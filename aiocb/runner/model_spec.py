@@ -1,0 +1,82 @@
+"""What the runtime needs to know about a transformers causal LM, read from its config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from aiocb.core.kv_cache import CacheGroup
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """Shapes of a model's attention and cache, per layer where they differ."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int | None
+    #: per layer, the sliding window (None for full attention)
+    layer_windows: tuple[int | None, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def dtype_bytes(self) -> int:
+        """Bytes per element of the cache."""
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def cache_groups(self, num_blocks: list[int]) -> list[CacheGroup]:
+        """The cache groups, full attention first, then one per window size."""
+        return [
+            CacheGroup(layer_ids=layers, num_blocks=n, sliding_window=window)
+            for (window, layers), n in zip(self.group_layers(), num_blocks, strict=True)
+        ]
+
+    def group_layers(self) -> list[tuple[int | None, tuple[int, ...]]]:
+        """``(window, layer ids)`` per cache group, full attention first."""
+        windows = sorted({w for w in self.layer_windows}, key=lambda w: -1 if w is None else w)
+        return [(w, tuple(i for i, lw in enumerate(self.layer_windows) if lw == w)) for w in windows]
+
+    def bytes_per_block(self, page_size: int, num_layers: int) -> int:
+        """Bytes of K and V for one block of ``num_layers`` layers."""
+        return 2 * num_layers * page_size * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+
+def model_spec(model: PreTrainedModel) -> ModelSpec:
+    """Read a model's attention layout from its (text) config."""
+    config = model.config.get_text_config()
+    num_layers = int(config.num_hidden_layers)
+    num_heads = int(config.num_attention_heads)
+    num_kv_heads = int(getattr(config, "num_key_value_heads", None) or num_heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // num_heads)
+    param = next(model.parameters())
+    return ModelSpec(
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        hidden_size=int(config.hidden_size),
+        intermediate_size=int(getattr(config, "intermediate_size", None) or 4 * config.hidden_size),
+        vocab_size=int(config.vocab_size),
+        max_position_embeddings=getattr(config, "max_position_embeddings", None),
+        layer_windows=_layer_windows(config, num_layers),
+        dtype=param.dtype,
+        device=param.device,
+    )
+
+
+def _layer_windows(config: object, num_layers: int) -> tuple[int | None, ...]:
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return tuple(window if t == "sliding_attention" and window else None for t in layer_types)
+    if window and getattr(config, "use_sliding_window", True):
+        return (int(window),) * num_layers  # Mistral: every layer slides
+    return (None,) * num_layers

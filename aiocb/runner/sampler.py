@@ -1,0 +1,126 @@
+"""Batched per-request sampling: greedy, temperature, top-k and top-p in one pass.
+
+Randomness comes from a counter-based hash of ``(request seed, token index, vocab id)``
+rather than a shared generator, so a request's samples depend on its seed alone, not on
+which requests share its batch or in which order, and no host synchronisation is needed.
+A token is drawn with the Gumbel-max trick: ``argmax(logits / T + Gumbel noise)`` over
+the tokens that survive top-k and top-p.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+
+
+class _SamplingRow(Protocol):
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    offset: int
+    logprobs: bool
+
+
+@dataclass(slots=True)
+class SamplingTensors:
+    """Per-row sampling parameters of one step, as tensors on the device."""
+
+    temperature: torch.Tensor  # [S] float32, 0 for greedy rows
+    top_k: torch.Tensor  # [S] int64, 0 = off
+    top_p: torch.Tensor  # [S] float32, 1 = off
+    seed: torch.Tensor  # [S] int64, 32-bit values
+    offset: torch.Tensor  # [S] int64, tokens the request generated before
+    all_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+    any_logprobs: bool
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[_SamplingRow], device: torch.device) -> SamplingTensors:
+        """Gather the sampled rows' parameters."""
+        greedy = [r.temperature == 0.0 or r.top_k == 1 for r in rows]
+        return cls(
+            temperature=torch.tensor([0.0 if g else r.temperature for r, g in zip(rows, greedy, strict=True)], dtype=torch.float32).to(device),
+            top_k=torch.tensor([r.top_k for r in rows], dtype=torch.long).to(device),
+            top_p=torch.tensor([r.top_p for r in rows], dtype=torch.float32).to(device),
+            seed=torch.tensor([r.seed & _MASK32 for r in rows], dtype=torch.long).to(device),
+            offset=torch.tensor([r.offset for r in rows], dtype=torch.long).to(device),
+            all_greedy=all(greedy),
+            any_top_k=any(r.top_k > 1 for r, g in zip(rows, greedy, strict=True) if not g),
+            any_top_p=any(r.top_p < 1.0 for r, g in zip(rows, greedy, strict=True) if not g),
+            any_logprobs=any(r.logprobs for r in rows),
+        )
+
+
+def sample(logits: torch.Tensor, params: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Pick one token per row of ``logits [S, V]`` (float32).
+
+    Returns the tokens ``[S]`` and, when any row asked for them, the log-probabilities
+    ``[S]`` of those tokens under the raw distribution (log-softmax of ``logits``).
+    """
+    greedy_tokens = logits.argmax(dim=-1)
+    if params.all_greedy:
+        tokens = greedy_tokens
+    else:
+        is_greedy = params.temperature == 0.0
+        temperature = torch.where(is_greedy, 1.0, params.temperature)
+        scaled = logits / temperature[:, None]
+        if params.any_top_k or params.any_top_p:
+            scaled = _apply_top_k_top_p(scaled, params.top_k, params.top_p)
+        noise = _gumbel(params.seed, params.offset, logits.shape[-1])
+        sampled = (scaled + noise).argmax(dim=-1)
+        tokens = torch.where(is_greedy, greedy_tokens, sampled)
+    logprobs = None
+    if params.any_logprobs:
+        logprobs = logits.log_softmax(dim=-1).gather(1, tokens[:, None])[:, 0]
+    return tokens, logprobs
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Set every logit outside a row's top-k, then outside its top-p mass, to -inf."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    k = torch.where(top_k > 0, top_k, vocab)
+    sorted_logits = sorted_logits.masked_fill(ranks >= k[:, None], float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    # The most likely token always survives, whatever top_p is.
+    drop = (mass_before > top_p[:, None]) & (ranks > 0)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
+    """``(x * constant) mod 2**32`` for 32-bit values in int64 without overflow."""
+    low = x * (constant & 0xFFFF)
+    high = ((x * (constant >> 16)) & 0xFFFF) << 16
+    return (low + high) & _MASK32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (lowbias32) with good avalanche."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seed: torch.Tensor, offset: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``[S, V]`` uniform values in (0, 1), a pure function of (seed, offset, vocab id)."""
+    row_key = _mix32(_mix32(seed) ^ _mix32((offset + 0x9E3779B9) & _MASK32))
+    second_key = _mix32(row_key ^ 0x5BD1E995)
+    ids = torch.arange(vocab, device=seed.device, dtype=torch.long)[None, :]
+    bits = _mix32(_mix32(ids ^ row_key[:, None]) ^ second_key[:, None])
+    return ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def _gumbel(seed: torch.Tensor, offset: torch.Tensor, vocab: int) -> torch.Tensor:
+    return -torch.log(-torch.log(uniform_noise(seed, offset, vocab)))

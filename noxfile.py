@@ -1,0 +1,57 @@
+"""Development sessions: `nox -s tests` is what CI runs."""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.sessions = ["tests", "lint", "typecheck"]
+nox.options.reuse_existing_virtualenvs = True
+nox.options.default_venv_backend = "venv"
+
+CONSTRAINTS = ("-c", "constraints.txt")
+
+
+def _install(session: nox.Session, *groups: str) -> None:
+    session.install("pip>=25.1")  # dependency groups (--group) need a recent pip
+    session.install(*CONSTRAINTS, "-e", ".")
+    for group in groups:
+        session.install(*CONSTRAINTS, "--group", group)
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Run the test suite on CPU (no slow or GPU tests)."""
+    _install(session, "test")
+    session.run("pytest", "-m", "not slow and not gpu", *session.posargs)
+
+
+@nox.session
+def slow(session: nox.Session) -> None:
+    """Run the slow tests."""
+    _install(session, "test")
+    session.run("pytest", "-m", "slow", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """Check style and common bugs with ruff."""
+    session.install("pip>=25.1")
+    session.install(*CONSTRAINTS, "--group", "lint")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """Type-check the package with mypy (strict)."""
+    _install(session, "lint")
+    session.run("mypy")
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Run the CPU benchmarks (pass a script name to run one)."""
+    _install(session)
+    scripts = session.posargs or ["bench/throughput.py"]
+    for script in scripts:
+        session.run("python", script)

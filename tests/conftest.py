@@ -1,0 +1,89 @@
+"""Shared fixtures: tiny seeded models and `model.generate` references."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen3Config, Qwen3ForCausalLM
+
+VOCAB = 512
+MAX_NEW_TOKENS = 24
+
+
+def tiny_qwen3(seed: int = 0, **overrides: object) -> PreTrainedModel:
+    """A 2-layer Qwen3 with seeded random weights (fp32, CPU, no EOS)."""
+    torch.manual_seed(seed)
+    config = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=2048,
+        initializer_range=0.3,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
+        **overrides,
+    )
+    return Qwen3ForCausalLM(config).eval()
+
+
+def tiny_llama(seed: int = 0, **overrides: object) -> PreTrainedModel:
+    """A 2-layer Llama with seeded random weights (fp32, CPU, no EOS)."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        initializer_range=0.3,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
+        **overrides,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def random_prompts(count: int, min_len: int, max_len: int, seed: int = 0, vocab: int = VOCAB) -> list[list[int]]:
+    """Seeded prompts of uniformly drawn lengths; the first is min_len long, the second max_len."""
+    rng = random.Random(seed)
+    lengths = [min_len, max_len] + [rng.randint(min_len, max_len) for _ in range(count - 2)]
+    return [[rng.randrange(1, vocab) for _ in range(n)] for n in lengths[:count]]
+
+
+def reference_generate(model: PreTrainedModel, prompt: Sequence[int], max_new_tokens: int, **kwargs: object) -> list[int]:
+    """Greedy tokens `model.generate` gives for one prompt alone."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([list(prompt)]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            **kwargs,
+        )
+    return [int(t) for t in out[0, len(prompt) :]]
+
+
+ModelFactory = Callable[..., PreTrainedModel]
+MODELS: dict[str, ModelFactory] = {"llama": tiny_llama, "qwen3": tiny_qwen3}
+
+
+@pytest.fixture(scope="session")
+def qwen3() -> PreTrainedModel:
+    return tiny_qwen3()
+
+
+@pytest.fixture(scope="session")
+def llama() -> PreTrainedModel:
+    return tiny_llama()
