@@ -82,6 +82,8 @@ class GroupAttention:
     window: int | None
     #: ``[T]`` the cache slot each new token's K/V goes to
     slot_mapping: torch.Tensor
+    #: ``[B, max_blocks]`` int32 block ids of each row, padded with the null block
+    block_table: torch.Tensor
     #: ``[Bd, Lmax]`` slots of each single-token row's keys (its window), padded with the null slot
     decode_slots: torch.Tensor | None = None
     #: ``[Bd, Lmax]`` which entries of ``decode_slots`` are real
@@ -99,6 +101,12 @@ class AttentionMetadata:
     cache: PagedKVCache
     groups: list[GroupAttention]
     num_tokens: int
+    #: ``[B + 1]`` int32 flat index of each row's first token, then the total
+    query_start: torch.Tensor
+    #: ``[B]`` int32 each row's context length after this step (cached + new tokens)
+    seq_lens: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
     #: ``[Bd]`` flat token index of each single-token row
     decode_token_index: torch.Tensor | None
     #: per multi-token row, ``(first flat token, number of tokens)``
@@ -147,7 +155,9 @@ def prepare_inputs(batch: StepBatch, cache: PagedKVCache, device: torch.device) 
             written = positions >= last - (window - 1)
         slots = _slots(table[row_of_token], positions, page, ring)
         slot_mapping = torch.where(written, slots, cache.trash_block(g) * page)
-        group = GroupAttention(window=window, slot_mapping=slot_mapping.to(device))
+        group = GroupAttention(
+            window=window, slot_mapping=slot_mapping.to(device), block_table=table.to(device, torch.int32)
+        )
 
         if decode:
             pos = starts[decode_index]
@@ -169,10 +179,16 @@ def prepare_inputs(batch: StepBatch, cache: PagedKVCache, device: torch.device) 
             group.prefill_masks.append(_prefill_mask(lo, start, q_len, window, device))
         groups.append(group)
 
+    seq_lens = starts + q_lens
+    query_start = torch.cat((first_token, torch.tensor([num_tokens])))
     attention = AttentionMetadata(
         cache=cache,
         groups=groups,
         num_tokens=num_tokens,
+        query_start=query_start.to(device, torch.int32),
+        seq_lens=seq_lens.to(device, torch.int32),
+        max_query_len=int(q_lens.max()),
+        max_seq_len=int(seq_lens.max()),
         decode_token_index=first_token[decode_index].to(device) if decode else None,
         prefill_rows=[(int(first_token[i]), rows[i].num_tokens) for i in prefill],
     )
