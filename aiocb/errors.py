@@ -5,7 +5,7 @@ purpose::
 
     AiocbError
     ├── InvalidRequestError (also ValueError)   bad input; nothing was queued
-    ├── InvalidConfigError (also ValueError)    a ContinuousBatchingConfig value is wrong
+    │   └── InvalidConfigError                  a ContinuousBatchingConfig field or value is wrong
     ├── WouldBlock                              a *_nowait call found no room
     ├── ManagerClosedError (also RuntimeError)  the manager is stopped, stopping or destroyed
     ├── RequestAbortedError (also RuntimeError) a hard stop ended the request
@@ -22,11 +22,11 @@ class AiocbError(Exception):
 
 
 class InvalidRequestError(AiocbError, ValueError):
-    """A request was rejected before it was queued; the message names the problem."""
+    """Bad input was rejected before anything was queued; the message names the problem."""
 
 
-class InvalidConfigError(AiocbError, ValueError):
-    """A :class:`~aiocb.ContinuousBatchingConfig` field holds an invalid value."""
+class InvalidConfigError(InvalidRequestError):
+    """A :class:`~aiocb.ContinuousBatchingConfig` field is unknown or holds an invalid value."""
 
 
 class WouldBlock(AiocbError):

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
+if not os.environ.get("AIOCB_GPU_TESTS"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run on CPU tensors in CI
+
 import random
 from collections.abc import Callable, Sequence
 
@@ -11,46 +16,32 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen3Co
 
 VOCAB = 512
 MAX_NEW_TOKENS = 24
+_TINY: dict[str, object] = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 2048,
+    "initializer_range": 0.3,
+    "bos_token_id": None,
+    "eos_token_id": None,
+    "pad_token_id": 0,
+}
 
 
 def tiny_qwen3(seed: int = 0, **overrides: object) -> PreTrainedModel:
     """A 2-layer Qwen3 with seeded random weights (fp32, CPU, no EOS)."""
     torch.manual_seed(seed)
-    config = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=2048,
-        initializer_range=0.3,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=0,
-        **overrides,
-    )
+    config = Qwen3Config(**{**_TINY, "head_dim": 16, **overrides})
     return Qwen3ForCausalLM(config).eval()
 
 
 def tiny_llama(seed: int = 0, **overrides: object) -> PreTrainedModel:
     """A 2-layer Llama with seeded random weights (fp32, CPU, no EOS)."""
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        initializer_range=0.3,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=0,
-        **overrides,
-    )
+    config = LlamaConfig(**{**_TINY, **overrides})
     return LlamaForCausalLM(config).eval()
 
 

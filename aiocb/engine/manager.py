@@ -98,7 +98,10 @@ class Manager:
         num_requests_hint: int | None = None,
     ) -> None:
         if getattr(self, "_initialized", False):
-            return  # a cached persistent manager, returned by __new__
+            # A cached persistent manager, returned by __new__: it keeps its configuration.
+            if continuous_batching_config is not None and continuous_batching_config != self.config:
+                logger.info("reusing the model's persistent manager; the new continuous_batching_config is ignored")
+            return
         self._initialized = True
         self.model = model
         self.generation_config = copy.deepcopy(generation_config or model.generation_config)

@@ -1,0 +1,93 @@
+"""Bad input is refused with InvalidRequestError naming the problem, and harms nobody."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import torch
+from transformers import PreTrainedModel
+
+import aiocb
+from tests.conftest import VOCAB, random_prompts, reference_generate
+
+GOOD = random_prompts(1, 30, 30, seed=13)[0]
+
+BAD_REQUESTS: list[tuple[str, Any, dict[str, Any], str]] = [
+    ("empty prompt", [], {}, "empty"),
+    ("negative id", [1, -2, 3], {}, r"input_ids\[1\] = -2 is outside the vocabulary"),
+    ("id beyond vocab", [1, VOCAB], {}, "outside the vocabulary"),
+    ("float id", [1, 2.0, 3], {}, r"input_ids\[1\].*must be ints"),
+    ("string prompt", "hello", {}, "list of token ids"),
+    ("2-d tensor", torch.ones(2, 3, dtype=torch.long), {}, "one-dimensional"),
+    ("beyond context", [1] * 2000, {"max_new_tokens": 100}, "context length"),
+    ("max_new_tokens zero", [1, 2], {"max_new_tokens": 0}, "max_new_tokens must be >= 1"),
+    ("max_new_tokens float", [1, 2], {"max_new_tokens": 2.5}, "max_new_tokens must be an int"),
+    ("negative temperature", [1, 2], {"temperature": -0.1}, "temperature"),
+    ("top_p zero", [1, 2], {"top_p": 0.0}, "top_p"),
+    ("top_p above one", [1, 2], {"top_p": 1.5}, "top_p"),
+    ("negative top_k", [1, 2], {"top_k": -1}, "top_k must be >= 0"),
+    ("unknown parameter", [1, 2], {"temprature": 0.5}, "unknown request parameter.*temprature"),
+    ("bad stop token", [1, 2], {"stop_token_ids": [VOCAB + 1]}, "stop_token_ids"),
+    ("bad timeout", [1, 2], {"timeout": -1}, "timeout"),
+    ("bad seed", [1, 2], {"seed": "x"}, "seed must be an int"),
+]
+
+
+@pytest.mark.parametrize(("name", "prompt", "params", "message"), BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
+async def test_bad_request_is_refused_and_harms_nobody(
+    qwen3: PreTrainedModel, name: str, prompt: Any, params: dict[str, Any], message: str
+) -> None:
+    async with aiocb.Manager(qwen3) as manager:
+        healthy = asyncio.create_task(manager.generate(GOOD, max_new_tokens=10))
+        await asyncio.sleep(0)
+        with pytest.raises(aiocb.InvalidRequestError, match=message):
+            await manager.add_request(prompt, **params)
+        with pytest.raises(ValueError, match=message):
+            await manager.generate(prompt, **params)
+        with pytest.raises(aiocb.InvalidRequestError, match=message):
+            manager.add_request_nowait(prompt, **params)
+        output = await healthy
+        assert output.generated_tokens == reference_generate(qwen3, GOOD, 10)
+        stats = manager.statistics()
+        assert stats.free_blocks == stats.total_blocks
+
+
+async def test_a_prompt_that_cannot_fit_the_cache_is_refused(qwen3: PreTrainedModel) -> None:
+    config = aiocb.ContinuousBatchingConfig(page_size=16, num_blocks=4)  # 64 tokens in all
+    async with aiocb.Manager(qwen3, continuous_batching_config=config) as manager:
+        with pytest.raises(aiocb.InvalidRequestError, match="cannot fit the whole KV cache"):
+            await manager.add_request([1] * 65, max_new_tokens=1)
+        with pytest.raises(aiocb.InvalidRequestError, match="cannot fit the whole KV cache"):
+            await manager.add_request([1] * 40, max_new_tokens=30)
+        output = await manager.generate([1] * 40, max_new_tokens=24)
+        assert len(output.generated_tokens) == 24
+
+
+async def test_duplicate_live_request_id_is_refused(qwen3: PreTrainedModel) -> None:
+    async with aiocb.Manager(qwen3) as manager:
+        await manager.add_request(GOOD, request_id="mine", max_new_tokens=50)
+        with pytest.raises(aiocb.InvalidRequestError, match="already in use"):
+            await manager.add_request(GOOD, request_id="mine")
+        with pytest.raises(aiocb.InvalidRequestError, match="request_id"):
+            await manager.add_request(GOOD, request_id="")
+        first = await manager.get_result("mine")
+        assert first is not None and len(first.generated_tokens) == 50
+        # Once delivered, the id is free again.
+        await manager.add_request(GOOD, request_id="mine", max_new_tokens=1)
+
+
+async def test_one_bad_prompt_in_a_batch_queues_none_of_it(qwen3: PreTrainedModel) -> None:
+    async with aiocb.Manager(qwen3) as manager:
+        with pytest.raises(aiocb.InvalidRequestError, match="empty"):
+            await manager.add_requests([GOOD, []])
+        assert manager.statistics().waiting_requests == 0
+        assert await manager.get_result(timeout=0.05) is None
+
+
+def test_invalid_config_fails_at_construction() -> None:
+    with pytest.raises(aiocb.InvalidRequestError, match="unknown ContinuousBatchingConfig field.*page_sise"):
+        aiocb.ContinuousBatchingConfig(page_sise=16)  # type: ignore[call-arg]
+    with pytest.raises(ValueError, match="page_size"):
+        aiocb.ContinuousBatchingConfig(page_size=2)

@@ -1,0 +1,106 @@
+"""Cancellation the asyncio way: cancelled tasks, closed streams and cancel_request."""
+
+from __future__ import annotations
+
+import asyncio
+
+from transformers import PreTrainedModel
+
+import aiocb
+from tests.conftest import random_prompts, reference_generate
+
+PROMPTS = random_prompts(4, 30, 80, seed=9)
+
+
+async def _until_steps(manager: aiocb.Manager, steps: int) -> None:
+    while manager.statistics().steps < steps:
+        await asyncio.sleep(0.001)
+
+
+async def test_cancelling_a_generate_task_cancels_the_request(qwen3: PreTrainedModel) -> None:
+    async with aiocb.Manager(qwen3) as manager:
+        other = asyncio.create_task(manager.generate(PROMPTS[1], max_new_tokens=60))
+        victim = asyncio.create_task(manager.generate(PROMPTS[0], max_new_tokens=1000))
+        await _until_steps(manager, 3)
+        assert manager.statistics().running_requests == 2
+        victim.cancel()
+        await asyncio.gather(victim, return_exceptions=True)
+        assert victim.cancelled()
+        stats = manager.statistics()
+        assert stats.running_requests == 1, "the cancelled request left the batch at once"
+        result = await other
+        assert result.generated_tokens == reference_generate(qwen3, PROMPTS[1], 60)
+        stats = manager.statistics()
+        assert stats.free_blocks == stats.total_blocks
+
+
+async def test_breaking_out_of_a_stream_cancels_the_request(qwen3: PreTrainedModel) -> None:
+    async with aiocb.Manager(qwen3) as manager:
+        keeps_running = await manager.add_request(PROMPTS[1], max_new_tokens=1000)
+        rid = await manager.add_request(PROMPTS[0], max_new_tokens=1000)
+        async for chunk in manager.stream(rid):
+            if len(chunk.generated_tokens) >= 3:
+                break
+        steps = manager.statistics().steps
+        await _until_steps(manager, steps + 1)
+        stats = manager.statistics()
+        assert stats.running_requests == 1 and stats.waiting_requests == 0
+        manager.cancel_request(keeps_running)
+        stats = manager.statistics()
+        assert stats.free_blocks == stats.total_blocks
+
+
+async def test_cancelling_a_task_iterating_a_stream_cancels_the_request(qwen3: PreTrainedModel) -> None:
+    async with aiocb.Manager(qwen3) as manager:
+        rid = await manager.add_request(PROMPTS[2], max_new_tokens=1000)
+
+        async def consume() -> None:  # holds the stream while it is cancelled
+            async for _ in manager.stream(rid):
+                pass
+
+        task = asyncio.create_task(consume())
+        await _until_steps(manager, 3)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        stats = manager.statistics()
+        assert stats.running_requests == 0 and stats.free_blocks == stats.total_blocks
+
+
+async def test_a_request_cancelled_before_its_first_token_never_runs(qwen3: PreTrainedModel) -> None:
+    async with aiocb.Manager(qwen3) as manager:
+        rid = await manager.add_request(PROMPTS[3], max_new_tokens=5)
+        assert manager.cancel_request(rid)
+        result = await manager.get_result(rid)
+        assert result is not None
+        assert result.status is aiocb.RequestStatus.CANCELLED
+        assert result.finish_reason is aiocb.FinishReason.CANCELLED
+        assert result.generated_tokens == []
+        await asyncio.sleep(0.05)
+        assert manager.statistics().tokens_computed == 0
+        assert not manager.cancel_request(rid)
+        assert not manager.cancel_request("unknown")
+
+
+async def test_cancel_request_ends_a_stream_with_a_cancelled_output(qwen3: PreTrainedModel) -> None:
+    async with aiocb.Manager(qwen3) as manager:
+        rid = await manager.add_request(PROMPTS[0], max_new_tokens=1000)
+        chunks = []
+        async for chunk in manager.stream(rid):
+            chunks.append(chunk)
+            if len(chunks) == 2:
+                manager.cancel_request(rid)
+        assert chunks[-1].status is aiocb.RequestStatus.CANCELLED
+        assert len(chunks[-1].generated_tokens) >= 2
+        stats = manager.statistics()
+        assert stats.free_blocks == stats.total_blocks
+
+
+async def test_cancelling_generate_batch_cancels_all_its_requests(qwen3: PreTrainedModel) -> None:
+    async with aiocb.Manager(qwen3) as manager:
+        task = asyncio.create_task(manager.generate_batch(PROMPTS, max_new_tokens=1000))
+        await _until_steps(manager, 3)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        stats = manager.statistics()
+        assert stats.running_requests == stats.waiting_requests == 0
+        assert stats.free_blocks == stats.total_blocks

@@ -1,0 +1,73 @@
+"""asyncio, uvloop and anyio's asyncio backend; the wrong loop gets a clear error."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import anyio
+import pytest
+import uvloop
+from transformers import PreTrainedModel
+
+import aiocb
+from tests.conftest import random_prompts, reference_generate
+
+PROMPT = random_prompts(1, 20, 20, seed=12)[0]
+
+
+async def _generate(model: PreTrainedModel) -> list[int]:
+    async with aiocb.Manager(model) as manager:
+        first, second = await asyncio.gather(
+            manager.generate(PROMPT, max_new_tokens=6),
+            manager.generate(PROMPT[:10], max_new_tokens=6),
+        )
+    return first.generated_tokens + second.generated_tokens
+
+
+def test_runs_under_plain_asyncio(qwen3: PreTrainedModel) -> None:
+    expected = reference_generate(qwen3, PROMPT, 6) + reference_generate(qwen3, PROMPT[:10], 6)
+    assert asyncio.run(_generate(qwen3)) == expected
+
+
+def test_runs_under_uvloop(qwen3: PreTrainedModel) -> None:
+    expected = reference_generate(qwen3, PROMPT, 6) + reference_generate(qwen3, PROMPT[:10], 6)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        assert isinstance(runner.get_loop(), uvloop.Loop)
+        assert runner.run(_generate(qwen3)) == expected
+
+
+def test_runs_under_anyio_asyncio_backend(qwen3: PreTrainedModel) -> None:
+    expected = reference_generate(qwen3, PROMPT, 6) + reference_generate(qwen3, PROMPT[:10], 6)
+    assert anyio.run(_generate, qwen3, backend="asyncio") == expected
+
+
+def test_use_from_another_loop_raises_instead_of_hanging(qwen3: PreTrainedModel) -> None:
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+    manager = aiocb.Manager(qwen3)
+
+    async def own() -> None:
+        manager.start()
+        ready.set()
+        while manager.is_running:
+            await asyncio.sleep(0.01)
+
+    thread = threading.Thread(target=loop.run_until_complete, args=(own(),))
+    thread.start()
+    ready.wait(10)
+    try:
+
+        async def foreign() -> None:
+            with pytest.raises(aiocb.WrongEventLoopError, match="another event loop"):
+                await manager.add_request(PROMPT)
+            with pytest.raises(aiocb.WrongEventLoopError):
+                await manager.generate(PROMPT)
+            with pytest.raises(aiocb.WrongEventLoopError):
+                await manager.stop()
+
+        asyncio.run(foreign())
+    finally:
+        asyncio.run_coroutine_threadsafe(manager.destroy(), loop).result(10)
+        thread.join(10)
+        loop.close()

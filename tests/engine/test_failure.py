@@ -1,0 +1,74 @@
+"""A forward pass that raises kills the engine loudly, never silently or with a hang."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+import aiocb
+from tests.conftest import random_prompts, tiny_qwen3
+
+PROMPTS = random_prompts(4, 10, 40, seed=11)
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def _arm(model: torch.nn.Module) -> dict[str, bool]:
+    """Make the model's first layer raise once `switch["fail"]` is set."""
+    switch = {"fail": False}
+
+    def hook(module: torch.nn.Module, args: object) -> None:
+        if switch["fail"]:
+            raise Boom("injected failure")
+
+    model.model.layers[0].register_forward_pre_hook(hook)
+    return switch
+
+
+async def test_a_failing_forward_reaches_every_awaiter_and_stream() -> None:
+    model = tiny_qwen3()
+    switch = _arm(model)
+    manager = aiocb.Manager(model)
+    manager.start()
+    await manager.generate(PROMPTS[0], max_new_tokens=2)  # healthy first
+    awaiting = [asyncio.create_task(manager.generate(p, max_new_tokens=500)) for p in PROMPTS]
+    streamed = await manager.add_request(PROMPTS[0], max_new_tokens=500)
+    shared = await manager.add_request(PROMPTS[1], max_new_tokens=500)
+    stream = manager.stream(streamed)
+    await anext(stream)
+    results_waiter = asyncio.create_task(manager.get_result(shared))
+    switch["fail"] = True
+
+    for task in awaiting:
+        with pytest.raises(aiocb.EngineDeadError) as caught:
+            await asyncio.wait_for(task, 10)
+        assert isinstance(caught.value.__cause__, Boom)
+        assert isinstance(caught.value.cause, Boom)
+    with pytest.raises(aiocb.EngineDeadError):
+        await asyncio.wait_for(anext(stream), 10)
+    with pytest.raises(aiocb.EngineDeadError):
+        await asyncio.wait_for(results_waiter, 10)
+    assert manager.is_dead and not manager.is_running
+    with pytest.raises(aiocb.EngineDeadError):
+        await manager.add_request(PROMPTS[2])
+    with pytest.raises(aiocb.EngineDeadError):
+        await manager.get_result()
+    with pytest.raises(aiocb.EngineDeadError):
+        manager.start()
+    await manager.stop()  # no-op on a dead manager
+    await manager.destroy()
+    assert model.config._attn_implementation == "sdpa"
+
+
+async def test_async_with_around_a_dying_engine_exits_cleanly() -> None:
+    model = tiny_qwen3()
+    switch = _arm(model)
+    switch["fail"] = True
+    with pytest.raises(aiocb.EngineDeadError):
+        async with aiocb.Manager(model) as manager:
+            await manager.generate(PROMPTS[0], max_new_tokens=3)
+    assert model.config._attn_implementation == "sdpa"

@@ -1,0 +1,161 @@
+"""start / stop / hard stop / restart / destroy / async with / persistent managers."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+from transformers import PreTrainedModel
+
+import aiocb
+from tests.conftest import random_prompts, reference_generate
+
+PROMPTS = random_prompts(6, 10, 60, seed=7)
+
+
+async def test_stop_finishes_queued_and_running_requests(qwen3: PreTrainedModel) -> None:
+    manager = aiocb.Manager(qwen3)
+    manager.start()
+    assert manager.is_running
+    ids = await manager.add_requests(PROMPTS, max_new_tokens=8)
+    await manager.stop()
+    assert not manager.is_running
+    results = {}
+    while (result := await manager.get_result()) is not None:
+        results[result.request_id] = result
+    assert sorted(results) == sorted(ids)
+    assert all(r.status is aiocb.RequestStatus.FINISHED and len(r.generated_tokens) == 8 for r in results.values())
+    await manager.destroy()
+
+
+async def test_hard_stop_fails_pending_requests(qwen3: PreTrainedModel) -> None:
+    manager = aiocb.Manager(qwen3)
+    manager.start()
+    waiters = [asyncio.create_task(manager.generate(p, max_new_tokens=500)) for p in PROMPTS]
+    queued = await manager.add_request(PROMPTS[0], max_new_tokens=500)
+    await asyncio.sleep(0.05)
+    await manager.stop(hard_stop=True)
+    for waiter in waiters:
+        with pytest.raises(aiocb.RequestAbortedError):
+            await waiter
+        assert isinstance(waiter.exception(), RuntimeError)
+    result = await manager.get_result(queued)
+    assert result is not None
+    assert result.status is aiocb.RequestStatus.FAILED and result.error
+    assert result.finish_reason is aiocb.FinishReason.ABORTED
+    await manager.destroy()
+
+
+async def test_stop_timeout_aborts_what_is_left(qwen3: PreTrainedModel) -> None:
+    manager = aiocb.Manager(qwen3)
+    manager.start()
+    waiter = asyncio.create_task(manager.generate(PROMPTS[0], max_new_tokens=1500))
+    await asyncio.sleep(0.05)
+    await manager.stop(timeout=0.1)
+    with pytest.raises(aiocb.RequestAbortedError):
+        await waiter
+    await manager.destroy()
+
+
+async def test_add_after_stop_is_refused_with_a_warning(qwen3: PreTrainedModel, caplog: pytest.LogCaptureFixture) -> None:
+    manager = aiocb.Manager(qwen3)
+    with pytest.raises(aiocb.ManagerClosedError, match="not started"):
+        await manager.add_request(PROMPTS[0])
+    manager.start()
+    await manager.stop()
+    with caplog.at_level(logging.WARNING, logger="aiocb"), pytest.raises(aiocb.ManagerClosedError, match="stopped"):
+        await manager.add_request(PROMPTS[0])
+    assert any("refused" in r.message for r in caplog.records)
+    with pytest.raises(aiocb.ManagerClosedError):
+        await manager.add_requests(PROMPTS)
+    await manager.destroy()
+
+
+async def test_restart_after_stop_runs_a_new_session(qwen3: PreTrainedModel) -> None:
+    expected = reference_generate(qwen3, PROMPTS[1], 5)
+    manager = aiocb.Manager(qwen3)
+    for _ in range(2):
+        manager.start()
+        output = await manager.generate(PROMPTS[1], max_new_tokens=5)
+        assert output.generated_tokens == expected
+        await manager.stop()
+    await manager.destroy()
+    with pytest.raises(aiocb.ManagerClosedError, match="destroyed"):
+        manager.start()
+    await manager.destroy()  # idempotent
+
+
+async def test_async_with_stops_and_destroys(qwen3: PreTrainedModel) -> None:
+    async with aiocb.Manager(qwen3) as manager:
+        assert manager.is_running
+        await manager.generate(PROMPTS[0], max_new_tokens=2)
+    assert not manager.is_running
+    with pytest.raises(aiocb.ManagerClosedError):
+        manager.start()
+    # The model's own attention is back: plain generate works and matches.
+    assert qwen3.config._attn_implementation == "sdpa"
+
+
+async def test_async_with_hard_stops_when_the_body_raises(qwen3: PreTrainedModel) -> None:
+    pending: asyncio.Task[aiocb.GenerationOutput] | None = None
+    with pytest.raises(KeyError):
+        async with aiocb.Manager(qwen3) as manager:
+            pending = asyncio.create_task(manager.generate(PROMPTS[0], max_new_tokens=2000))
+            await asyncio.sleep(0.02)
+            raise KeyError("boom")
+    assert pending is not None
+    with pytest.raises(aiocb.RequestAbortedError):
+        await pending
+
+
+async def test_persistent_manager_is_reused_by_the_next_async_with(qwen3: PreTrainedModel) -> None:
+    async with aiocb.Manager(qwen3, persistent_manager=True) as first:
+        await first.generate(PROMPTS[0], max_new_tokens=2)
+        runner = first._runner
+    async with aiocb.Manager(qwen3, persistent_manager=True) as second:
+        assert second is first
+        assert second._runner is runner, "the cache and compiled state are kept"
+        await second.generate(PROMPTS[0], max_new_tokens=2)
+    await second.destroy()
+    async with aiocb.Manager(qwen3, persistent_manager=True) as third:
+        assert third is not first
+
+
+def test_persistent_manager_survives_successive_asyncio_runs(qwen3: PreTrainedModel) -> None:
+    expected = reference_generate(qwen3, PROMPTS[2], 4)
+
+    async def session() -> tuple[aiocb.Manager, list[int]]:
+        async with aiocb.Manager(qwen3, persistent_manager=True) as manager:
+            output = await manager.generate(PROMPTS[2], max_new_tokens=4)
+        return manager, output.generated_tokens
+
+    first, tokens_a = asyncio.run(session())
+    second, tokens_b = asyncio.run(session())
+    assert first is second and tokens_a == tokens_b == expected
+    asyncio.run(first.destroy())
+
+
+def test_a_manager_abandoned_by_its_loop_can_start_on_a_new_one(qwen3: PreTrainedModel) -> None:
+    manager = aiocb.Manager(qwen3, persistent_manager=True)
+
+    async def abandon() -> None:
+        manager.start()
+        await manager.generate(PROMPTS[0], max_new_tokens=2)
+        # asyncio.run() returns without stop(): the loop cancels the step task.
+
+    asyncio.run(abandon())
+    assert not manager.is_running
+
+    async def reuse() -> list[int]:
+        async with manager:
+            return (await manager.generate(PROMPTS[0], max_new_tokens=2)).generated_tokens
+
+    assert asyncio.run(reuse()) == reference_generate(qwen3, PROMPTS[0], 2)
+    asyncio.run(manager.destroy())
+
+
+def test_start_outside_a_running_loop_says_how_to_use_it(qwen3: PreTrainedModel) -> None:
+    manager = aiocb.Manager(qwen3)
+    with pytest.raises(RuntimeError, match="running event loop"):
+        manager.start()

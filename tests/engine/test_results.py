@@ -1,0 +1,126 @@
+"""add_requests, get_result, iteration, streams and the streaming flag."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from transformers import PreTrainedModel
+
+import aiocb
+from tests.conftest import random_prompts, reference_generate
+
+PROMPTS = random_prompts(8, 5, 50, seed=8)
+
+
+async def test_add_requests_returns_ids_in_input_order(qwen3: PreTrainedModel) -> None:
+    shared = PROMPTS[0]
+    inputs = [shared + [3], PROMPTS[1], shared + [1], PROMPTS[2], shared + [2]]
+    async with aiocb.Manager(qwen3) as manager:
+        ids = await manager.add_requests(inputs, max_new_tokens=4)
+        assert ids == [f"req_{i}" for i in range(5)]
+        results = {}
+        for _ in inputs:
+            result = await manager.get_result()
+            assert result is not None
+            results[result.request_id] = result
+    for rid, prompt in zip(ids, inputs, strict=True):
+        assert results[rid].prompt_ids == prompt
+        assert results[rid].generated_tokens == reference_generate(qwen3, prompt, 4)
+
+
+async def test_get_result_for_an_id_and_with_timeout(qwen3: PreTrainedModel) -> None:
+    async with aiocb.Manager(qwen3) as manager:
+        assert await manager.get_result(timeout=0.01) is None
+        slow = await manager.add_request(PROMPTS[0], max_new_tokens=30)
+        fast = await manager.add_request(PROMPTS[1], max_new_tokens=2)
+        assert await manager.get_result(slow, timeout=0.001) is None
+        first = await manager.get_result(fast)
+        assert first is not None and first.request_id == fast and first.is_finished()
+        second = await manager.get_result()
+        assert second is not None and second.request_id == slow
+        with pytest.raises(aiocb.InvalidRequestError, match="no pending request"):
+            await manager.get_result("nope")
+
+
+async def test_async_for_yields_results_until_the_manager_stops(qwen3: PreTrainedModel) -> None:
+    manager = aiocb.Manager(qwen3)
+    manager.start()
+    ids = await manager.add_requests(PROMPTS, max_new_tokens=3)
+    seen: list[str] = []
+
+    async def consume() -> None:
+        async for result in manager:
+            assert result.is_finished()
+            seen.append(result.request_id)
+
+    consumer = asyncio.create_task(consume())
+    await manager.stop()
+    await asyncio.wait_for(consumer, 5)
+    assert sorted(seen) == sorted(ids)
+    await manager.destroy()
+
+
+async def test_streaming_flag_sends_partial_outputs_to_get_result(qwen3: PreTrainedModel) -> None:
+    async with aiocb.Manager(qwen3) as manager:
+        rid = await manager.add_request(PROMPTS[3], max_new_tokens=6, streaming=True)
+        outputs = []
+        while True:
+            output = await manager.get_result(rid)
+            assert output is not None
+            outputs.append(output)
+            if output.is_finished():
+                break
+        assert len(outputs) > 1
+        assert outputs[-1].status is aiocb.RequestStatus.FINISHED
+        assert outputs[-1].generated_tokens == reference_generate(qwen3, PROMPTS[3], 6)
+        # Without the flag only the final output is delivered.
+        plain = await manager.add_request(PROMPTS[3], max_new_tokens=6)
+        only = await manager.get_result(plain)
+        assert only is not None and only.is_finished()
+
+
+async def test_a_slow_stream_consumer_gets_merged_updates(qwen3: PreTrainedModel) -> None:
+    async with aiocb.Manager(qwen3) as manager:
+        rid = await manager.add_request(PROMPTS[4], max_new_tokens=40)
+        chunks = []
+        async for chunk in manager.stream(rid):
+            chunks.append(chunk)
+            await asyncio.sleep(0.02)  # slower than the steps: updates pile up and merge
+        assert chunks[-1].generated_tokens == reference_generate(qwen3, PROMPTS[4], 40)
+        assert len(chunks) < 40
+        assert any(len(b.generated_tokens) - len(a.generated_tokens) > 1 for a, b in zip(chunks, chunks[1:]))
+
+
+async def test_stream_of_a_finished_request_yields_its_final_output(qwen3: PreTrainedModel) -> None:
+    async with aiocb.Manager(qwen3) as manager:
+        rid = await manager.add_request(PROMPTS[5], max_new_tokens=2)
+        await asyncio.sleep(0.2)
+        chunks = [c async for c in manager.stream(rid)]
+        assert len(chunks) == 1 and chunks[0].is_finished()
+        with pytest.raises(aiocb.InvalidRequestError):
+            manager.stream(rid)  # delivered and forgotten
+
+
+async def test_one_stream_per_request(qwen3: PreTrainedModel) -> None:
+    async with aiocb.Manager(qwen3) as manager:
+        rid = await manager.add_request(PROMPTS[6], max_new_tokens=5)
+        stream = manager.stream(rid)
+        with pytest.raises(aiocb.InvalidRequestError, match="consumer"):
+            manager.stream(rid)
+        async with stream:
+            assert [c async for c in stream][-1].is_finished()
+
+
+async def test_statistics_snapshot(qwen3: PreTrainedModel) -> None:
+    async with aiocb.Manager(qwen3) as manager:
+        before = manager.statistics()
+        assert before.is_running and before.free_blocks == before.total_blocks and before.steps == 0
+        await manager.generate_batch(PROMPTS[:3], max_new_tokens=5)
+        after = manager.statistics()
+    assert after.steps > 0 and after.tokens_generated == 15
+    assert after.tokens_computed >= sum(len(p) for p in PROMPTS[:3]) + 12
+    assert after.running_requests == after.waiting_requests == 0
+    assert after.cache_usage == 0.0
+    with pytest.raises(AttributeError):
+        after.steps = 3  # type: ignore[misc]

@@ -1,0 +1,75 @@
+"""Per-request sampling, seeds and logprobs through the public API."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+from transformers import PreTrainedModel
+
+import aiocb
+from tests.conftest import random_prompts, reference_generate
+
+PROMPTS = random_prompts(8, 5, 80, seed=5)
+
+
+async def test_per_request_parameters_apply_independently_in_one_step(qwen3: PreTrainedModel) -> None:
+    reference = reference_generate(qwen3, PROMPTS[0], 20)
+    async with aiocb.Manager(qwen3) as manager:
+        hot = manager.generate(PROMPTS[0], max_new_tokens=20, temperature=2.5, top_k=0, seed=1)
+        top1 = manager.generate(PROMPTS[0], max_new_tokens=20, temperature=1.0, top_k=1, seed=2)
+        greedy = manager.generate(PROMPTS[0], max_new_tokens=20)
+        hot_out, top1_out, greedy_out = await asyncio.gather(hot, top1, greedy)
+        assert manager.statistics().steps <= 21, "the three requests shared their steps"
+    assert top1_out.generated_tokens == reference
+    assert greedy_out.generated_tokens == reference
+    assert hot_out.generated_tokens != reference
+
+
+async def test_same_seed_gives_same_tokens_whatever_the_neighbours(qwen3: PreTrainedModel) -> None:
+    params = {"max_new_tokens": 24, "temperature": 1.0, "top_p": 0.9, "top_k": 40, "seed": 1234}
+    async with aiocb.Manager(qwen3) as manager:
+        alone = await manager.generate(PROMPTS[1], **params)
+        neighbours = [
+            manager.generate(p, max_new_tokens=30, temperature=0.5 + i / 4, seed=i) for i, p in enumerate(PROMPTS)
+        ]
+        crowded, *_ = await asyncio.gather(manager.generate(PROMPTS[1], **params), *neighbours)
+        other_seed = await manager.generate(PROMPTS[1], **{**params, "seed": 99})
+    assert crowded.generated_tokens == alone.generated_tokens
+    assert other_seed.generated_tokens != alone.generated_tokens
+
+
+async def test_unseeded_requests_are_reproducible_with_the_config_seed(qwen3: PreTrainedModel) -> None:
+    config = aiocb.ContinuousBatchingConfig(seed=7)
+
+    async def run() -> list[list[int]]:
+        async with aiocb.Manager(qwen3, continuous_batching_config=config) as manager:
+            outs = await manager.generate_batch(PROMPTS[:3], max_new_tokens=10, temperature=1.0)
+        return [o.generated_tokens for o in outs.values()]
+
+    assert await run() == await run()
+
+
+async def test_logprobs_match_log_softmax_of_the_model(qwen3: PreTrainedModel) -> None:
+    async with aiocb.Manager(qwen3) as manager:
+        outputs = await asyncio.gather(
+            manager.generate(PROMPTS[2], max_new_tokens=12, return_logprobs=True),
+            manager.generate(PROMPTS[3], max_new_tokens=12, return_logprobs=True, temperature=0.7, seed=3),
+        )
+    for prompt, output in zip(PROMPTS[2:4], outputs, strict=True):
+        assert output.logprobs is not None and len(output.logprobs) == 12
+        sequence = prompt + output.generated_tokens
+        with torch.no_grad():
+            logits = qwen3(torch.tensor([sequence])).logits[0]
+        expected = logits.log_softmax(-1)[len(prompt) - 1 : -1].gather(1, torch.tensor(output.generated_tokens)[:, None])
+        assert torch.allclose(torch.tensor(output.logprobs), expected[:, 0], atol=1e-4)
+
+
+async def test_logprobs_are_absent_unless_asked(qwen3: PreTrainedModel) -> None:
+    async with aiocb.Manager(qwen3) as manager:
+        plain = await manager.generate(PROMPTS[0], max_new_tokens=3)
+    assert plain.logprobs is None
+    config = aiocb.ContinuousBatchingConfig(return_logprobs=True)
+    async with aiocb.Manager(qwen3, continuous_batching_config=config) as manager:
+        with_config = await manager.generate(PROMPTS[0], max_new_tokens=3)
+    assert with_config.logprobs is not None and len(with_config.logprobs) == 3

@@ -1,0 +1,76 @@
+"""The batched sampler: distributions, filters and seeded reproducibility."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from aiocb.runner.sampler import SamplingTensors, sample, uniform_noise
+
+
+@dataclass
+class Row:
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    offset: int = 0
+    logprobs: bool = False
+
+
+def _draw(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
+    tokens, _ = sample(logits, SamplingTensors.from_rows(rows, logits.device))
+    return tokens
+
+
+def test_samples_follow_the_softmax_distribution() -> None:
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0, -3.0])
+    temperature = 0.8
+    rows = [Row(temperature=temperature, seed=s) for s in range(4000)]
+    tokens = _draw(logits.expand(len(rows), -1).contiguous(), rows)
+    observed = torch.bincount(tokens, minlength=5).float() / len(rows)
+    expected = (logits / temperature).softmax(-1)
+    assert torch.allclose(observed, expected, atol=0.03)
+
+
+def test_top_k_and_top_p_restrict_the_support() -> None:
+    logits = torch.tensor([3.0, 2.9, 2.8, 0.0, -1.0, -2.0])
+    rows_k = [Row(top_k=2, seed=s) for s in range(500)]
+    tokens_k = _draw(logits.expand(500, -1).contiguous(), rows_k)
+    assert set(tokens_k.tolist()) == {0, 1}
+    # The first three tokens hold ~95% of the mass: top_p=0.9 keeps exactly them.
+    rows_p = [Row(top_p=0.9, seed=s) for s in range(500)]
+    tokens_p = _draw(logits.expand(500, -1).contiguous(), rows_p)
+    assert set(tokens_p.tolist()) == {0, 1, 2}
+
+
+def test_greedy_rows_take_the_argmax_next_to_sampled_rows() -> None:
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0))
+    rows = [Row(temperature=0.0), Row(temperature=3.0, seed=1), Row(top_k=1, temperature=2.0)] * 2
+    tokens = _draw(logits, rows)
+    argmax = logits.argmax(-1)
+    for i in (0, 2, 3, 5):
+        assert tokens[i] == argmax[i]
+
+
+def test_noise_depends_only_on_seed_offset_and_vocab_id() -> None:
+    seed = torch.tensor([5, 6, 5])
+    offset = torch.tensor([0, 0, 1])
+    noise = uniform_noise(seed, offset, 64)
+    again = uniform_noise(seed.flip(0), offset.flip(0), 64).flip(0)
+    assert torch.equal(noise, again)
+    assert not torch.equal(noise[0], noise[1]) and not torch.equal(noise[0], noise[2])
+    assert float(noise.min()) > 0.0 and float(noise.max()) < 1.0
+    # Roughly uniform.
+    big = uniform_noise(torch.arange(64), torch.zeros(64, dtype=torch.long), 1024)
+    assert abs(float(big.mean()) - 0.5) < 0.01
+
+
+def test_logprobs_are_the_raw_log_softmax() -> None:
+    logits = torch.randn(3, 20, generator=torch.Generator().manual_seed(1))
+    rows = [Row(temperature=0.0, logprobs=True), Row(temperature=0.5, seed=3), Row(top_k=5, seed=4)]
+    tokens, logprobs = sample(logits, SamplingTensors.from_rows(rows, logits.device))
+    assert logprobs is not None
+    expected = logits.log_softmax(-1).gather(1, tokens[:, None])[:, 0]
+    assert torch.allclose(logprobs, expected)
