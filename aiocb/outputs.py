@@ -39,13 +39,19 @@ class GenerationOutput:
     ``generated_tokens`` always holds every token generated so far (not a delta), as in
     transformers' continuous batching. ``logprobs[i]`` is the log-probability of
     ``generated_tokens[i]`` under the model's raw distribution (a log-softmax of its
-    logits, before temperature, top-k or top-p), present when logprobs were requested.
+    logits, before temperature, top-k or top-p), present when logprobs were requested;
+    ``top_logprobs[i]`` maps the most likely tokens at that step to theirs. With
+    ``prompt_logprobs``, ``prompt_logprobs[j]`` is the log-probability of prompt token
+    ``j`` given the ones before it (None for the first), set once the prompt is computed.
     """
 
     request_id: str
     prompt_ids: list[int]
     generated_tokens: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None
+    top_logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None
     status: RequestStatus = RequestStatus.PENDING
     finish_reason: FinishReason | None = None
     error: str | None = None

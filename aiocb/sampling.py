@@ -88,6 +88,8 @@ def build_params(
     eos_token_id: int | list[int] | None = None,
     stop_token_ids: Iterable[int] | None = None,
     return_logprobs: bool | None = None,
+    top_logprobs: int | None = None,
+    prompt_logprobs: bool | None = None,
 ) -> SamplingParams:
     """Resolve a request's parameters: explicit values, then the GenerationConfig, then
     transformers' defaults; check them against the model and the cache.
@@ -117,6 +119,10 @@ def build_params(
         raise InvalidRequestError(f"top_p must be in (0, 1], got {top_p!r}")
     if seed is not None:
         _require_int("seed", seed, minimum=None)
+    if top_logprobs is not None:
+        _require_int("top_logprobs", top_logprobs, minimum=0)
+        if top_logprobs > limits.vocab_size:
+            raise InvalidRequestError(f"top_logprobs ({top_logprobs}) exceeds the vocabulary size {limits.vocab_size}")
 
     if eos_token_id is None:
         stops = eos_ids(gen.eos_token_id) if gen.eos_token_id is not None else default_eos
@@ -148,7 +154,9 @@ def build_params(
         top_p=float(top_p),
         seed=int(seed) if seed is not None else default_seed,
         stop_token_ids=stops,
-        return_logprobs=default_logprobs if return_logprobs is None else bool(return_logprobs),
+        return_logprobs=bool(top_logprobs) or (default_logprobs if return_logprobs is None else bool(return_logprobs)),
+        top_logprobs=int(top_logprobs or 0),
+        prompt_logprobs=bool(prompt_logprobs),
     )
 
 

@@ -21,6 +21,10 @@ class SamplingParams:
     seed: int = 0
     stop_token_ids: frozenset[int] = frozenset()
     return_logprobs: bool = False
+    #: how many most likely alternatives (id, logprob) to return with each generated token
+    top_logprobs: int = 0
+    #: return the log-probability of every prompt token given the ones before it
+    prompt_logprobs: bool = False
 
     @property
     def greedy(self) -> bool:

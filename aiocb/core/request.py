@@ -25,6 +25,10 @@ class Request:
     deadline: float | None = None
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    #: per prompt position, the token's log-probability given the ones before (None first)
+    prompt_logprobs: list[float | None] = field(default_factory=list)
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
     status: RequestStatus = RequestStatus.PENDING
     finish_reason: FinishReason | None = None
     error: str | None = None
@@ -43,6 +47,9 @@ class Request:
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_ids)
+        if self.params.prompt_logprobs and not self.prompt_logprobs:
+            self.prompt_logprobs = [None]
+            self.prompt_top_logprobs = [None]
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -71,11 +78,20 @@ class Request:
 
     def to_output(self) -> GenerationOutput:
         """A snapshot of the request as the public output type."""
+        params = self.params
+        prompt_done = params.prompt_logprobs and len(self.prompt_logprobs) == len(self.prompt_ids)
         return GenerationOutput(
             request_id=self.request_id,
             prompt_ids=list(self.prompt_ids),
             generated_tokens=self.output_ids,
-            logprobs=list(self.logprobs) if self.params.return_logprobs else None,
+            logprobs=list(self.logprobs) if params.return_logprobs else None,
+            top_logprobs=[dict(t) for t in self.top_logprobs] if params.top_logprobs else None,
+            prompt_logprobs=list(self.prompt_logprobs) if prompt_done else None,
+            prompt_top_logprobs=(
+                [None if t is None else dict(t) for t in self.prompt_top_logprobs]
+                if prompt_done and params.top_logprobs
+                else None
+            ),
             status=self.status,
             finish_reason=self.finish_reason,
             error=self.error,

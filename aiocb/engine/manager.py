@@ -283,7 +283,9 @@ class Manager:
 
         Keyword parameters (all optional): ``temperature``, ``top_k``, ``top_p``,
         ``do_sample``, ``seed``, ``eos_token_id``, ``stop_token_ids``,
-        ``return_logprobs`` and ``timeout`` (seconds, queue time included). With
+        ``return_logprobs``, ``top_logprobs`` (alternatives per generated token),
+        ``prompt_logprobs`` (score the prompt too) and ``timeout`` (seconds, queue time
+        included). With
         ``streaming=True`` partial outputs also reach :meth:`get_result` and iteration.
         """
         request = self._new_request(input_ids, request_id, max_new_tokens, params)
@@ -742,7 +744,18 @@ class RequestStream:
 
 
 _REQUEST_PARAMS = frozenset(
-    {"temperature", "top_k", "top_p", "do_sample", "seed", "eos_token_id", "stop_token_ids", "return_logprobs"}
+    {
+        "temperature",
+        "top_k",
+        "top_p",
+        "do_sample",
+        "seed",
+        "eos_token_id",
+        "stop_token_ids",
+        "return_logprobs",
+        "top_logprobs",
+        "prompt_logprobs",
+    }
 )
 
 

@@ -80,7 +80,7 @@ class StepLoop:
                 now = time.perf_counter()
                 self.busy_seconds += now - started
                 self.num_steps += 1
-                finished = self.scheduler.update(output, result.token_ids, result.logprobs, now)
+                finished = self.scheduler.update(output, result, now)
                 updated = [item.request for item in output.scheduled if item.sample]
                 self._on_step(updated, finished)
         finally:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from aiocb.core.kv_cache import ring_size
-from aiocb.core.scheduler import SchedulerOutput
+from aiocb.core.scheduler import SchedulerOutput, wants_prompt_logprobs
 from aiocb.runner.paged_cache import PagedKVCache
 from aiocb.runner.sampler import SamplingTensors
 
@@ -35,6 +35,9 @@ class RowSpec:
     #: how many tokens the request generated before this step (its random stream offset)
     offset: int = 0
     logprobs: bool = False
+    top_logprobs: int = 0
+    #: with prompt logprobs: the prompt tokens that this step's positions predict
+    prompt_targets: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +61,10 @@ def snapshot(output: SchedulerOutput) -> StepBatch:
         request = item.request
         params = request.params
         token_ids.extend(request.token_ids[item.start : item.start + item.num_tokens])
+        targets: tuple[int, ...] = ()
+        if wants_prompt_logprobs(request, item.start):
+            last = min(item.start + item.num_tokens, request.num_prompt_tokens - 1)
+            targets = tuple(request.token_ids[item.start + 1 : last + 1])
         rows.append(
             RowSpec(
                 start=item.start,
@@ -70,6 +77,8 @@ def snapshot(output: SchedulerOutput) -> StepBatch:
                 seed=params.seed,
                 offset=request.num_output_tokens,
                 logprobs=params.return_logprobs,
+                top_logprobs=params.top_logprobs,
+                prompt_targets=targets,
             )
         )
     return StepBatch(token_ids, rows)
@@ -119,9 +128,14 @@ class StepInputs:
 
     input_ids: torch.Tensor  # [T]
     position_ids: torch.Tensor  # [T]
-    logits_indices: torch.Tensor  # [S] flat index of each sampled row's last token
+    #: [S + P] flat index of each sampled row's last token, then of each scored prompt position
+    logits_indices: torch.Tensor
     attention: AttentionMetadata
     sampling: SamplingTensors
+    #: [P] the prompt token each scored position predicts
+    prompt_targets: torch.Tensor
+    #: per row that scores prompt tokens, how many (in row order)
+    prompt_counts: list[int]
 
 
 def prepare_inputs(batch: StepBatch, cache: PagedKVCache, device: torch.device) -> StepInputs:
@@ -136,7 +150,13 @@ def prepare_inputs(batch: StepBatch, cache: PagedKVCache, device: torch.device) 
     first_token = torch.cumsum(q_lens, 0) - q_lens
     positions = torch.arange(num_tokens) - first_token[row_of_token] + starts[row_of_token]
     sampled = [i for i, r in enumerate(rows) if r.sample]
-    logits_indices = (first_token + q_lens - 1)[sampled]
+    scored = [i for i, r in enumerate(rows) if r.prompt_targets]
+    prompt_counts = [len(rows[i].prompt_targets) for i in scored]
+    prompt_indices = [int(first_token[i]) + j for i, n in zip(scored, prompt_counts, strict=True) for j in range(n)]
+    logits_indices = torch.cat((
+        (first_token + q_lens - 1)[sampled],
+        torch.tensor(prompt_indices, dtype=long),
+    ))
 
     decode = [i for i, r in enumerate(rows) if r.num_tokens == 1]
     prefill = [i for i, r in enumerate(rows) if r.num_tokens > 1]
@@ -198,6 +218,8 @@ def prepare_inputs(batch: StepBatch, cache: PagedKVCache, device: torch.device) 
         logits_indices=logits_indices.to(device),
         attention=attention,
         sampling=SamplingTensors.from_rows([rows[i] for i in sampled], device),
+        prompt_targets=torch.tensor([t for i in scored for t in rows[i].prompt_targets], dtype=long).to(device),
+        prompt_counts=prompt_counts,
     )
 
 

@@ -2,26 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from transformers import PreTrainedModel
 
 from aiocb.config import ContinuousBatchingConfig
+from aiocb.core.scheduler import StepResult
 from aiocb.runner import attention
-from aiocb.runner.inputs import StepBatch, prepare_inputs
+from aiocb.runner.inputs import StepBatch, StepInputs, prepare_inputs
 from aiocb.runner.memory import CachePlan, plan_cache
 from aiocb.runner.model_spec import ModelSpec, model_spec
 from aiocb.runner.paged_cache import PagedKVCache
-from aiocb.runner.sampler import sample
-
-
-@dataclass(frozen=True, slots=True)
-class StepResult:
-    """The sampled token (and its log-probability) of each sampled row, in row order."""
-
-    token_ids: list[int]
-    logprobs: list[float] | None
+from aiocb.runner.sampler import sample, score
 
 
 class ModelRunner:
@@ -67,8 +58,36 @@ class ModelRunner:
             logits_to_keep=inputs.logits_indices,
             **{attention.METADATA_KWARG: inputs.attention},
         )
-        if batch.num_sampled == 0:
-            return StepResult([], None)
         logits = output.logits[0].float()
-        tokens, logprobs = sample(logits, inputs.sampling)
-        return StepResult(tokens.tolist(), None if logprobs is None else logprobs.tolist())
+        num_sampled = batch.num_sampled
+        picked = sample(logits[:num_sampled], inputs.sampling)
+        return StepResult(
+            token_ids=picked.tokens.tolist(),
+            logprobs=None if picked.logprobs is None else picked.logprobs.tolist(),
+            top_logprobs=_pairs(picked.top_ids, picked.top_logprobs),
+            prompt_logprobs=self._score_prompts(logits[num_sampled:], inputs, batch),
+        )
+
+    def _score_prompts(
+        self, logits: torch.Tensor, inputs: StepInputs, batch: StepBatch
+    ) -> list[tuple[list[float], list[list[tuple[int, float]]] | None]] | None:
+        if not inputs.prompt_counts:
+            return None
+        top = max(r.top_logprobs for r in batch.rows if r.prompt_targets)
+        chosen, ids, values = score(logits, inputs.prompt_targets, top)
+        chosen_list = chosen.tolist()
+        pairs = _pairs(ids, values)
+        scored: list[tuple[list[float], list[list[tuple[int, float]]] | None]] = []
+        start = 0
+        for count in inputs.prompt_counts:
+            end = start + count
+            scored.append((chosen_list[start:end], None if pairs is None else pairs[start:end]))
+            start = end
+        return scored
+
+
+def _pairs(ids: torch.Tensor | None, values: torch.Tensor | None) -> list[list[tuple[int, float]]] | None:
+    """``[N, k]`` ids and values as N lists of ``(id, value)``."""
+    if ids is None or values is None:
+        return None
+    return [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]

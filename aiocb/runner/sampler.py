@@ -25,6 +25,7 @@ class _SamplingRow(Protocol):
     seed: int
     offset: int
     logprobs: bool
+    top_logprobs: int
 
 
 @dataclass(slots=True)
@@ -40,6 +41,8 @@ class SamplingTensors:
     any_top_k: bool
     any_top_p: bool
     any_logprobs: bool
+    #: the most alternatives any row asked for (0: none)
+    max_top_logprobs: int
 
     @classmethod
     def from_rows(cls, rows: Sequence[_SamplingRow], device: torch.device) -> SamplingTensors:
@@ -54,15 +57,26 @@ class SamplingTensors:
             all_greedy=all(greedy),
             any_top_k=any(r.top_k > 1 for r, g in zip(rows, greedy, strict=True) if not g),
             any_top_p=any(r.top_p < 1.0 for r, g in zip(rows, greedy, strict=True) if not g),
-            any_logprobs=any(r.logprobs for r in rows),
+            any_logprobs=any(r.logprobs or r.top_logprobs for r in rows),
+            max_top_logprobs=max((r.top_logprobs for r in rows), default=0),
         )
 
 
-def sample(logits: torch.Tensor, params: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor | None]:
+@dataclass(slots=True)
+class Sampled:
+    """One step's picks: ``tokens [S]``; with logprobs, theirs ``[S]`` and the top ``[S, k]``."""
+
+    tokens: torch.Tensor
+    logprobs: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+
+
+def sample(logits: torch.Tensor, params: SamplingTensors) -> Sampled:
     """Pick one token per row of ``logits [S, V]`` (float32).
 
-    Returns the tokens ``[S]`` and, when any row asked for them, the log-probabilities
-    ``[S]`` of those tokens under the raw distribution (log-softmax of ``logits``).
+    When any row asked for them, also the log-probabilities of the picks and the most
+    likely alternatives, under the raw distribution (log-softmax of ``logits``).
     """
     greedy_tokens = logits.argmax(dim=-1)
     if params.all_greedy:
@@ -76,10 +90,22 @@ def sample(logits: torch.Tensor, params: SamplingTensors) -> tuple[torch.Tensor,
         noise = _gumbel(params.seed, params.offset, logits.shape[-1])
         sampled = (scaled + noise).argmax(dim=-1)
         tokens = torch.where(is_greedy, greedy_tokens, sampled)
-    logprobs = None
+    result = Sampled(tokens)
     if params.any_logprobs:
-        logprobs = logits.log_softmax(dim=-1).gather(1, tokens[:, None])[:, 0]
-    return tokens, logprobs
+        result.logprobs, result.top_ids, result.top_logprobs = score(logits, tokens, params.max_top_logprobs)
+    return result
+
+
+def score(
+    logits: torch.Tensor, targets: torch.Tensor, top: int
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Log-probabilities of ``targets [N]`` under ``logits [N, V]``, and the ``top`` best."""
+    logprobs = logits.log_softmax(dim=-1)
+    chosen = logprobs.gather(1, targets[:, None])[:, 0]
+    if top <= 0:
+        return chosen, None, None
+    values, ids = logprobs.topk(min(top, logprobs.shape[-1]), dim=-1)
+    return chosen, ids, values
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

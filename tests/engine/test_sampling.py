@@ -73,3 +73,27 @@ async def test_logprobs_are_absent_unless_asked(qwen3: PreTrainedModel) -> None:
     async with aiocb.Manager(qwen3, continuous_batching_config=config) as manager:
         with_config = await manager.generate(PROMPTS[0], max_new_tokens=3)
     assert with_config.logprobs is not None and len(with_config.logprobs) == 3
+
+
+async def test_top_logprobs_and_prompt_logprobs(qwen3: PreTrainedModel) -> None:
+    prompt = PROMPTS[4]
+    async with aiocb.Manager(qwen3, continuous_batching_config=aiocb.ContinuousBatchingConfig(max_batch_tokens=32)) as m:
+        # A long prompt chunked over several steps still scores every prompt token once.
+        output = await m.generate(prompt, max_new_tokens=5, top_logprobs=3, prompt_logprobs=True)
+    sequence = prompt + output.generated_tokens
+    with torch.no_grad():
+        logprobs = qwen3(torch.tensor([sequence])).logits[0].log_softmax(-1)
+    assert output.prompt_logprobs is not None and output.prompt_top_logprobs is not None
+    assert len(output.prompt_logprobs) == len(prompt) and output.prompt_logprobs[0] is None
+    expected_prompt = logprobs[: len(prompt) - 1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(output.prompt_logprobs[1:]), expected_prompt, atol=1e-4)
+    for j in range(1, len(prompt)):
+        top = output.prompt_top_logprobs[j]
+        assert top is not None and len(top) == 3
+        assert set(top) == set(logprobs[j - 1].topk(3).indices.tolist())
+    assert output.top_logprobs is not None and len(output.top_logprobs) == 5
+    for i, (token, top) in enumerate(zip(output.generated_tokens, output.top_logprobs, strict=True)):
+        position = len(prompt) - 1 + i
+        assert max(top, key=top.__getitem__) == token  # greedy: the pick is the best
+        assert abs(top[token] - float(logprobs[position, token])) < 1e-4
+    assert output.logprobs is not None and len(output.logprobs) == 5

@@ -17,11 +17,11 @@ class Row:
     seed: int = 0
     offset: int = 0
     logprobs: bool = False
+    top_logprobs: int = 0
 
 
 def _draw(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
-    tokens, _ = sample(logits, SamplingTensors.from_rows(rows, logits.device))
-    return tokens
+    return sample(logits, SamplingTensors.from_rows(rows, logits.device)).tokens
 
 
 def test_samples_follow_the_softmax_distribution() -> None:
@@ -69,8 +69,11 @@ def test_noise_depends_only_on_seed_offset_and_vocab_id() -> None:
 
 def test_logprobs_are_the_raw_log_softmax() -> None:
     logits = torch.randn(3, 20, generator=torch.Generator().manual_seed(1))
-    rows = [Row(temperature=0.0, logprobs=True), Row(temperature=0.5, seed=3), Row(top_k=5, seed=4)]
-    tokens, logprobs = sample(logits, SamplingTensors.from_rows(rows, logits.device))
-    assert logprobs is not None
-    expected = logits.log_softmax(-1).gather(1, tokens[:, None])[:, 0]
-    assert torch.allclose(logprobs, expected)
+    rows = [Row(temperature=0.0, logprobs=True), Row(temperature=0.5, seed=3), Row(top_k=5, seed=4, top_logprobs=3)]
+    picked = sample(logits, SamplingTensors.from_rows(rows, logits.device))
+    assert picked.logprobs is not None and picked.top_ids is not None and picked.top_logprobs is not None
+    full = logits.log_softmax(-1)
+    assert torch.allclose(picked.logprobs, full.gather(1, picked.tokens[:, None])[:, 0])
+    best = full.topk(3, -1)
+    assert torch.equal(picked.top_ids, best.indices)
+    assert torch.allclose(picked.top_logprobs, best.values)
