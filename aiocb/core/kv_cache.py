@@ -43,8 +43,9 @@ class KVCacheManager:
             ring_size(g.sliding_window, page_size) if g.sliding_window is not None else None for g in groups
         ]
         # A sliding layer forgets old positions, so a block's content depends on more than
-        # its prefix: sharing is only sound when every layer keeps every position.
-        self.prefix_caching = enable_prefix_caching and all(g.sliding_window is None for g in groups)
+        # its prefix: sharing is only sound when every layer keeps every position. Hits are
+        # looked up and registered in the first pool only, so that must be the only pool.
+        self.prefix_caching = enable_prefix_caching and len(groups) == 1 and groups[0].sliding_window is None
         self.num_prefix_hit_tokens = 0
 
     @property
@@ -65,10 +66,14 @@ class KVCacheManager:
     @property
     def capacity_tokens(self) -> int:
         """The longest sequence the cache can hold when it holds nothing else."""
-        full = [p.num_blocks for p, r in zip(self.pools, self._ring, strict=True) if r is None]
-        if not full:
-            return 2**62  # sliding windows only: any length fits in the ring
-        return min(full) * self.page_size
+        # A full group holds one block per page of the sequence; a sliding group a whole
+        # ring, so any length fits unless its pool is smaller than one ring.
+        limits = [
+            pool.num_blocks * self.page_size
+            for pool, ring in zip(self.pools, self._ring, strict=True)
+            if ring is None or pool.num_blocks < ring
+        ]
+        return min(limits, default=2**62)
 
     def fits_alone(self, num_tokens: int) -> bool:
         """Whether one request of ``num_tokens`` tokens fits the whole cache."""

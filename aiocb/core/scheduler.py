@@ -14,7 +14,6 @@ request that fits the cache alone eventually runs: no deadlock, no error.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from aiocb.core.kv_cache import KVCacheManager
@@ -49,6 +48,22 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         """Whether there is nothing to run."""
         return not self.scheduled
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """What one step produced, per sampled row in plan order.
+
+    ``prompt_logprobs`` has one entry per scheduled request that asked for prompt
+    logprobs and computed prompt positions in this step (in plan order): the
+    log-probabilities of the prompt tokens after the step's positions, with their top
+    alternatives when the request asked for them.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_logprobs: list[tuple[list[float], list[list[tuple[int, float]]] | None]] | None = None
 
 
 @dataclass(slots=True)
@@ -158,34 +173,37 @@ class Scheduler:
             self.stats.num_computed_tokens += output.num_tokens
         return output
 
-    def update(
-        self,
-        output: SchedulerOutput,
-        token_ids: Sequence[int],
-        logprobs: Sequence[float] | None,
-        now: float,
-    ) -> list[Request]:
+    def update(self, output: SchedulerOutput, result: StepResult, now: float) -> list[Request]:
         """Append the sampled tokens of a step; returns the requests it finished.
 
-        ``token_ids[i]`` belongs to the i-th scheduled request whose ``sample`` is set.
-        Requests that ended while the step ran (a cancellation) drop their token.
+        ``result.token_ids[i]`` belongs to the i-th scheduled request whose ``sample`` is
+        set. Requests that ended while the step ran (a cancellation) drop their token.
         """
         finished: list[Request] = []
         row = 0
+        prompt_row = 0
         for item in output.scheduled:
             request = item.request
+            if wants_prompt_logprobs(request, item.start):
+                assert result.prompt_logprobs is not None
+                values, tops = result.prompt_logprobs[prompt_row]
+                prompt_row += 1
+                _record_prompt_logprobs(request, item.start, values, tops)
             if not item.sample:
                 if not request.is_finished:
                     self.kv_cache.cache_full_blocks(request)
                 continue
-            token = int(token_ids[row])
-            logprob = None if logprobs is None else float(logprobs[row])
+            token = int(result.token_ids[row])
+            logprob = None if result.logprobs is None else float(result.logprobs[row])
+            top = None if result.top_logprobs is None else result.top_logprobs[row]
             row += 1
             if request.is_finished:
                 continue
             request.token_ids.append(token)
             if logprob is not None:
                 request.logprobs.append(logprob)
+            if top is not None and request.params.top_logprobs:
+                request.top_logprobs.append(top[: request.params.top_logprobs])
             if request.first_token_time is None:
                 request.first_token_time = now
             request.status = RequestStatus.DECODING
@@ -217,13 +235,17 @@ class Scheduler:
             if self.running and self.kv_cache.free_fraction < self.safety_margin:
                 break  # keep the rest of the cache for the requests already running
             request = next(iter(self.waiting))
-            if not request.block_ids:
+            if not request.block_ids and not request.params.prompt_logprobs:
+                # (a request scoring its prompt must compute every prompt position)
                 request.num_computed_tokens = self.kv_cache.match_prefix(request)
                 request.num_cached_tokens = request.num_computed_tokens
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self.kv_cache.allocate(request, num_new):
                 self.kv_cache.free(request)  # let go of prefix hits until it can run
+                # they were not used: the next try looks them up (and counts them) again
+                self.kv_cache.num_prefix_hit_tokens -= request.num_cached_tokens
                 request.num_computed_tokens = 0
+                request.num_cached_tokens = 0
                 break
             self._dequeue(request)
             self.running[request] = None
@@ -251,3 +273,19 @@ class Scheduler:
     def _dequeue(self, request: Request) -> None:
         del self.waiting[request]
         self.num_waiting_tokens -= request.num_tokens
+
+
+def wants_prompt_logprobs(request: Request, start: int) -> bool:
+    """Whether a step starting at ``start`` computes logits that score prompt tokens."""
+    return request.params.prompt_logprobs and start < request.num_prompt_tokens - 1
+
+
+def _record_prompt_logprobs(
+    request: Request, start: int, values: list[float], tops: list[list[tuple[int, float]]] | None
+) -> None:
+    # After a preemption the prompt is computed again: keep what was recorded first.
+    for i, value in enumerate(values):
+        position = start + 1 + i
+        if position == len(request.prompt_logprobs):
+            request.prompt_logprobs.append(value)
+            request.prompt_top_logprobs.append(None if tops is None else tops[i])
