@@ -140,7 +140,9 @@ class KVCacheManager:
         """Register the request's newly completed blocks for prefix sharing."""
         if not self.prefix_caching or not request.block_ids:
             return
-        num_full = min(request.num_computed_tokens // self.page_size, len(request.block_ids[0]))
+        # Only positions whose token is known: a step in flight may still be sampling one.
+        known = min(request.num_computed_tokens, request.num_tokens)
+        num_full = min(known // self.page_size, len(request.block_ids[0]))
         self._extend_hashes(request, num_full)
         pool = self.pools[0]
         for i in range(request.num_registered_blocks, num_full):

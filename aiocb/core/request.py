@@ -33,6 +33,8 @@ class Request:
     finish_reason: FinishReason | None = None
     error: str | None = None
     num_computed_tokens: int = 0
+    #: tokens a step in flight will sample for this request (async batching: 0 or 1)
+    num_pending_tokens: int = 0
     #: per cache group, the physical blocks holding this request's KV, in order
     block_ids: list[list[int]] = field(default_factory=list)
     #: chained hashes of this request's full blocks (prefix caching), in order
@@ -65,6 +67,11 @@ class Request:
     def output_ids(self) -> list[int]:
         """The generated tokens (a new list)."""
         return self.token_ids[len(self.prompt_ids) :]
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Tokens including those still being sampled by a step in flight."""
+        return len(self.token_ids) + self.num_pending_tokens
 
     @property
     def num_output_tokens(self) -> int:

@@ -30,6 +30,9 @@ class ScheduledRequest:
     num_tokens: int
     #: whether the step reaches the request's last token, so its logits are sampled
     sample: bool = False
+    #: whether the last position's token is still being sampled by the step before
+    #: (async batching): the device takes it from that step's output
+    carries: bool = False
 
 
 @dataclass(slots=True)
@@ -76,6 +79,8 @@ class SchedulerStats:
     num_generated_tokens: int = 0
     #: computed tokens whose KV a preemption threw away (they will be computed again)
     num_recomputed_tokens: int = 0
+    #: decode inputs planned while their token was still being sampled (async batching)
+    num_carried_tokens: int = 0
 
 
 class Scheduler:
@@ -100,7 +105,7 @@ class Scheduler:
         # Ordered sets: O(1) removal of a cancelled request, insertion order = priority.
         self.waiting: OrderedDict[Request, None] = OrderedDict()
         self.running: dict[Request, None] = {}
-        #: tokens of the waiting requests (what admission backpressure bounds)
+        #: prompt tokens of the waiting requests (what admission backpressure bounds)
         self.num_waiting_tokens = 0
         self.stats = SchedulerStats()
 
@@ -146,7 +151,9 @@ class Scheduler:
                 continue  # preempted earlier in this step
             if len(planned) >= self.max_requests_per_batch or budget <= 0:
                 break
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(request.num_scheduled_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0 or self._ends_in_flight(request):
+                continue
             while not self.kv_cache.allocate(request, num_new):
                 victim = next(reversed(self.running))
                 self._preempt(victim)
@@ -164,10 +171,16 @@ class Scheduler:
         output = SchedulerOutput(preempted=preempted)
         for request, num_new in planned.items():
             start = request.num_computed_tokens
-            request.num_computed_tokens = start + num_new
+            end = start + num_new
+            request.num_computed_tokens = end
+            sample = end == request.num_scheduled_tokens
             output.scheduled.append(
-                ScheduledRequest(request, start, num_new, request.num_computed_tokens == request.num_tokens)
+                ScheduledRequest(request, start, num_new, sample, carries=end > request.num_tokens)
             )
+            if sample:
+                request.num_pending_tokens += 1
+            if end > request.num_tokens:
+                self.stats.num_carried_tokens += 1
         if output.scheduled:
             self.stats.num_steps += 1
             self.stats.num_computed_tokens += output.num_tokens
@@ -197,6 +210,7 @@ class Scheduler:
             logprob = None if result.logprobs is None else float(result.logprobs[row])
             top = None if result.top_logprobs is None else result.top_logprobs[row]
             row += 1
+            request.num_pending_tokens -= 1
             if request.is_finished:
                 continue
             request.token_ids.append(token)
@@ -206,7 +220,8 @@ class Scheduler:
                 request.top_logprobs.append(top[: request.params.top_logprobs])
             if request.first_token_time is None:
                 request.first_token_time = now
-            request.status = RequestStatus.DECODING
+            if request in self.running:  # (not if preempted while the step ran)
+                request.status = RequestStatus.DECODING
             self.stats.num_generated_tokens += 1
             self.kv_cache.cache_full_blocks(request)
             reason = self._stop_reason(request, token)
@@ -224,6 +239,15 @@ class Scheduler:
             return FinishReason.LENGTH
         return None
 
+    def _ends_in_flight(self, request: Request) -> bool:
+        """Whether the token a step in flight samples surely ends the request: then there
+        is nothing to schedule ahead for it."""
+        if not request.num_pending_tokens:
+            return False
+        if request.num_output_tokens + request.num_pending_tokens >= request.params.max_new_tokens:
+            return True
+        return self.max_model_len is not None and request.num_scheduled_tokens >= self.max_model_len
+
     def _running_by_priority(self) -> list[Request]:
         decoding = [r for r in self.running if r.status is RequestStatus.DECODING]
         prefilling = [r for r in self.running if r.status is not RequestStatus.DECODING]
@@ -235,6 +259,8 @@ class Scheduler:
             if self.running and self.kv_cache.free_fraction < self.safety_margin:
                 break  # keep the rest of the cache for the requests already running
             request = next(iter(self.waiting))
+            if request.num_pending_tokens:
+                break  # preempted while its token was in flight: resume once it has landed
             if not request.block_ids and not request.params.prompt_logprobs:
                 # (a request scoring its prompt must compute every prompt position)
                 request.num_computed_tokens = self.kv_cache.match_prefix(request)
@@ -268,11 +294,11 @@ class Scheduler:
 
     def _enqueue(self, request: Request) -> None:
         self.waiting[request] = None
-        self.num_waiting_tokens += request.num_tokens
+        self.num_waiting_tokens += request.num_prompt_tokens
 
     def _dequeue(self, request: Request) -> None:
         del self.waiting[request]
-        self.num_waiting_tokens -= request.num_tokens
+        self.num_waiting_tokens -= request.num_prompt_tokens
 
 
 def wants_prompt_logprobs(request: Request, start: int) -> bool:

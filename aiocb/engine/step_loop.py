@@ -16,10 +16,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from aiocb.core.request import Request
-from aiocb.core.scheduler import Scheduler
+from aiocb.core.scheduler import Scheduler, SchedulerOutput
 from aiocb.outputs import FinishReason
 from aiocb.runner.inputs import snapshot
-from aiocb.runner.model_runner import ModelRunner
+from aiocb.runner.model_runner import ModelRunner, PendingStep
 
 logger = logging.getLogger(__name__)
 
@@ -59,30 +59,47 @@ class StepLoop:
         self._work.set()
 
     async def run(self) -> None:
-        """The step loop. Returns after :meth:`drain` once idle; raises if a step fails."""
+        """The step loop. Returns after :meth:`drain` once idle; raises if a step fails.
+
+        With async batching the device always has the next step queued: step N+1 is
+        planned (its decode tokens left on the device) and launched before the loop
+        waits for step N's tokens.
+        """
         loop = asyncio.get_running_loop()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aiocb-step")
+        in_flight: tuple[SchedulerOutput, PendingStep] | None = None
+        pipelined = self.runner.async_batching
         try:
             while True:
                 self._expire_deadlines()
-                if not self.scheduler.has_work:
+                if not self.scheduler.has_work and in_flight is None:
                     if self._draining:
                         return
                     self._work.clear()
                     await self._work.wait()
                     continue
-                output = self.scheduler.schedule()
-                if output.is_empty:
-                    raise RuntimeError("the scheduler planned an empty step while requests were pending")
-                batch = snapshot(output)
+                output = self.scheduler.schedule() if self.scheduler.has_work else None
+                if output is not None and output.is_empty:
+                    if in_flight is None:
+                        raise RuntimeError("the scheduler planned an empty step while requests were pending")
+                    output = None  # everything left waits on the step in flight
                 started = time.perf_counter()
-                result = await loop.run_in_executor(self._executor, self.runner.execute, batch)
+                if pipelined:
+                    batch = None if output is None else snapshot(output, in_flight[0] if in_flight else None)
+                    previous = None if in_flight is None else in_flight[1]
+                    result, pending = await loop.run_in_executor(self._executor, self.runner.advance, batch, previous)
+                    done = None if in_flight is None else in_flight[0]
+                    in_flight = None if output is None or pending is None else (output, pending)
+                else:
+                    assert output is not None
+                    result = await loop.run_in_executor(self._executor, self.runner.execute, snapshot(output))
+                    done = output
                 now = time.perf_counter()
                 self.busy_seconds += now - started
-                self.num_steps += 1
-                finished = self.scheduler.update(output, result, now)
-                updated = [item.request for item in output.scheduled if item.sample]
-                self._on_step(updated, finished)
+                if done is not None and result is not None:
+                    self.num_steps += 1
+                    finished = self.scheduler.update(done, result, now)
+                    self._on_step([item.request for item in done.scheduled if item.sample], finished)
         finally:
             self._executor.shutdown(wait=False)
             self._executor = None

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from aiocb.runner.inputs import AttentionMetadata
+from aiocb.runner.backends import paged_kernel
+from aiocb.runner.inputs import REFERENCE, AttentionMetadata
 
 #: The name the attention function is registered under.
 ATTENTION_NAME = "aiocb_paged"
@@ -30,6 +31,7 @@ METADATA_KWARG = "aiocb_metadata"
 _FALLBACK_ATTR = "_aiocb_fallback_attention"
 
 
+@torch.compiler.disable  # per-step Python metadata: compiled models call it eagerly
 def paged_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -53,9 +55,26 @@ def paged_attention_forward(
     layer: int = module.layer_idx  # type: ignore[assignment]
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
     softcap = kwargs.get("softcap")
-    out = reference_paged_attention(
-        layer, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), metadata, scale, softcap
-    )
+    q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
+    group = metadata.groups[metadata.cache.layer_group[layer]]
+    if group.backend == REFERENCE:
+        out = reference_paged_attention(layer, q, k, v, metadata, scale, softcap)
+    else:
+        key_cache, value_cache = metadata.cache.flat(layer)
+        key_cache.index_copy_(0, group.slot_mapping, k)
+        value_cache.index_copy_(0, group.slot_mapping, v)
+        out = paged_kernel(group.backend)(
+            q,
+            metadata.cache.key[layer],
+            metadata.cache.value[layer],
+            group.block_table,
+            metadata.query_start,
+            metadata.seq_lens,
+            metadata.max_query_len,
+            metadata.max_seq_len,
+            scale,
+            softcap,
+        )
     return out[None], None
 
 

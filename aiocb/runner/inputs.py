@@ -1,14 +1,16 @@
 """A scheduled step as flat tensors: no padding between requests.
 
-The loop thread takes a :class:`StepBatch` snapshot of the plan (plain lists, so the
+The loop thread takes a :class:`StepBatch` snapshot of the plan (plain values, so the
 scheduler may move on while the device works); :func:`prepare_inputs` turns it into the
 tensors of one forward pass: token ids and positions of every scheduled token back to
-back, cache slots to write, per-request KV slots to read, and the rows whose logits are
-sampled.
+back, cache slots to write, per-request KV slots or block tables to read, and the rows
+whose logits are sampled. Tensors are built on the host and moved to the device in one
+copy per dtype through :class:`HostToDevice` (pinned, double-buffered, on a side stream).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -17,6 +19,11 @@ from aiocb.core.kv_cache import ring_size
 from aiocb.core.scheduler import SchedulerOutput, wants_prompt_logprobs
 from aiocb.runner.paged_cache import PagedKVCache
 from aiocb.runner.sampler import SamplingTensors
+
+#: Attention backends. "reference" gathers each request's keys with torch ops (any
+#: device, any layer); "paged" kernels read the cache in place through block tables.
+REFERENCE = "reference"
+PAGED = "paged"
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +45,9 @@ class RowSpec:
     top_logprobs: int = 0
     #: with prompt logprobs: the prompt tokens that this step's positions predict
     prompt_targets: tuple[int, ...] = ()
+    #: async batching: the row, among the previous step's sampled rows, whose token is
+    #: this row's last input (still on the device when this step was planned); -1 if none
+    carry_row: int = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,14 +63,27 @@ class StepBatch:
         return sum(1 for r in self.rows if r.sample)
 
 
-def snapshot(output: SchedulerOutput) -> StepBatch:
-    """Copy what the device needs out of the scheduler's live state."""
+def snapshot(output: SchedulerOutput, previous: SchedulerOutput | None = None) -> StepBatch:
+    """Copy what the device needs out of the scheduler's live state.
+
+    ``previous`` is the step still in flight (async batching): a row whose last token it
+    has yet to sample takes that token from its output on the device.
+    """
+    carry_rows: dict[int, int] = {}
+    if previous is not None:
+        sampled = (item.request for item in previous.scheduled if item.sample)
+        carry_rows = {id(request): row for row, request in enumerate(sampled)}
     token_ids: list[int] = []
     rows: list[RowSpec] = []
     for item in output.scheduled:
         request = item.request
         params = request.params
-        token_ids.extend(request.token_ids[item.start : item.start + item.num_tokens])
+        known = request.token_ids[item.start : item.start + item.num_tokens]
+        carry_row = -1
+        if item.carries:
+            carry_row = carry_rows[id(request)]
+            known.append(0)  # replaced on the device by the previous step's sample
+        token_ids.extend(known)
         targets: tuple[int, ...] = ()
         if wants_prompt_logprobs(request, item.start):
             last = min(item.start + item.num_tokens, request.num_prompt_tokens - 1)
@@ -75,10 +98,11 @@ def snapshot(output: SchedulerOutput) -> StepBatch:
                 top_k=params.top_k,
                 top_p=params.top_p,
                 seed=params.seed,
-                offset=request.num_output_tokens,
+                offset=request.num_output_tokens + request.num_pending_tokens - (1 if item.sample else 0),
                 logprobs=params.return_logprobs,
                 top_logprobs=params.top_logprobs,
                 prompt_targets=targets,
+                carry_row=carry_row,
             )
         )
     return StepBatch(token_ids, rows)
@@ -89,17 +113,18 @@ class GroupAttention:
     """Where one cache group's layers write and read in this step."""
 
     window: int | None
+    backend: str
     #: ``[T]`` the cache slot each new token's K/V goes to
     slot_mapping: torch.Tensor
     #: ``[B, max_blocks]`` int32 block ids of each row, padded with the null block
     block_table: torch.Tensor
-    #: ``[Bd, Lmax]`` slots of each single-token row's keys (its window), padded with the null slot
+    #: reference backend: ``[Bd, Lmax]`` slots of each single-token row's keys (its
+    #: window), padded with the null slot, and which of them are real
     decode_slots: torch.Tensor | None = None
-    #: ``[Bd, Lmax]`` which entries of ``decode_slots`` are real
     decode_valid: torch.Tensor | None = None
-    #: per multi-token row, the slots of the keys before its first new token
+    #: reference backend, per multi-token row: the slots of its keys before its first new
+    #: token, and a ``[q, past + q]`` mask (None for plain causal attention)
     prefill_past_slots: list[torch.Tensor] = field(default_factory=list)
-    #: per multi-token row, a ``[q, past + q]`` mask, or None for plain causal attention
     prefill_masks: list[torch.Tensor | None] = field(default_factory=list)
 
 
@@ -124,7 +149,7 @@ class AttentionMetadata:
 
 @dataclass(slots=True)
 class StepInputs:
-    """The model's inputs for one step."""
+    """The model's inputs for one step, on the device."""
 
     input_ids: torch.Tensor  # [T]
     position_ids: torch.Tensor  # [T]
@@ -136,90 +161,186 @@ class StepInputs:
     prompt_targets: torch.Tensor
     #: per row that scores prompt tokens, how many (in row order)
     prompt_counts: list[int]
+    #: async batching: flat indices of placeholder tokens, and which previous sampled row
+    #: each takes its token from
+    carry_index: torch.Tensor | None = None
+    carry_rows: torch.Tensor | None = None
 
 
-def prepare_inputs(batch: StepBatch, cache: PagedKVCache, device: torch.device) -> StepInputs:
-    """Flatten a step into tensors on ``device``."""
+class HostToDevice:
+    """Moves a step's host tensors to the device in one copy per dtype.
+
+    On CUDA the tensors are packed into pinned host buffers, two per dtype used in turn
+    (the copy of step N may still be reading one while step N+1 fills the other), and
+    copied on a side stream that the compute stream then waits for. On CPU it is the
+    identity.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._cuda = device.type == "cuda"
+        self._turn = 0
+        self._buffers: dict[tuple[torch.dtype, int], torch.Tensor] = {}
+        self._done: list[torch.cuda.Event | None] = [None, None]
+        self._stream = torch.cuda.Stream(device) if self._cuda else None
+
+    def __call__(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The same tensors on the device, by name."""
+        if not self._cuda:
+            return tensors
+        turn = self._turn
+        self._turn ^= 1
+        done = self._done[turn]
+        if done is not None:
+            done.synchronize()  # the copy that last read this turn's buffers (long finished)
+        packed: dict[str, torch.Tensor] = {}
+        stream = self._stream
+        assert stream is not None
+        compute = torch.cuda.current_stream(self.device)
+        for kind in (torch.int64, torch.float32):
+            names = [n for n, t in tensors.items() if (t.dtype == torch.float32) == (kind == torch.float32)]
+            if not names:
+                continue
+            total = sum(tensors[n].numel() for n in names)
+            host = self._host_buffer(kind, turn, total)
+            offset = 0
+            for name in names:
+                flat = tensors[name].reshape(-1)
+                host[offset : offset + flat.numel()].copy_(flat)
+                offset += flat.numel()
+            with torch.cuda.stream(stream):
+                device_buffer = host[:total].to(self.device, non_blocking=True)
+            device_buffer.record_stream(compute)
+            offset = 0
+            for name in names:
+                source = tensors[name]
+                view = device_buffer[offset : offset + source.numel()].view(source.shape)
+                packed[name] = view if source.dtype == kind else view.to(source.dtype)
+                offset += source.numel()
+        event = torch.cuda.Event()
+        event.record(stream)
+        self._done[turn] = event
+        compute.wait_stream(stream)
+        return packed
+
+    def _host_buffer(self, dtype: torch.dtype, turn: int, numel: int) -> torch.Tensor:
+        buffer = self._buffers.get((dtype, turn))
+        if buffer is None or buffer.numel() < numel:
+            size = max(numel, 2 * (0 if buffer is None else buffer.numel()), 4096)
+            buffer = torch.empty(size, dtype=dtype, pin_memory=True)
+            self._buffers[(dtype, turn)] = buffer
+        return buffer
+
+
+def prepare_inputs(
+    batch: StepBatch, cache: PagedKVCache, transfer: HostToDevice, backends: Sequence[str]
+) -> StepInputs:
+    """Flatten a step into device tensors; ``backends[g]`` is cache group g's attention."""
     rows = batch.rows
     page = cache.page_size
     long = torch.long
+    host: dict[str, torch.Tensor] = {}
     q_lens = torch.tensor([r.num_tokens for r in rows], dtype=long)
     starts = torch.tensor([r.start for r in rows], dtype=long)
     num_tokens = len(batch.token_ids)
     row_of_token = torch.repeat_interleave(torch.arange(len(rows)), q_lens)
     first_token = torch.cumsum(q_lens, 0) - q_lens
     positions = torch.arange(num_tokens) - first_token[row_of_token] + starts[row_of_token]
+    host["input_ids"] = torch.tensor(batch.token_ids, dtype=long)
+    host["positions"] = positions
+
     sampled = [i for i, r in enumerate(rows) if r.sample]
     scored = [i for i, r in enumerate(rows) if r.prompt_targets]
     prompt_counts = [len(rows[i].prompt_targets) for i in scored]
     prompt_indices = [int(first_token[i]) + j for i, n in zip(scored, prompt_counts, strict=True) for j in range(n)]
-    logits_indices = torch.cat((
-        (first_token + q_lens - 1)[sampled],
-        torch.tensor(prompt_indices, dtype=long),
-    ))
+    host["logits_indices"] = torch.cat(((first_token + q_lens - 1)[sampled], torch.tensor(prompt_indices, dtype=long)))
+    host["prompt_targets"] = torch.tensor([t for i in scored for t in rows[i].prompt_targets], dtype=long)
+    seq_lens = starts + q_lens
+    host["query_start"] = torch.cat((first_token, torch.tensor([num_tokens])))
+    host["seq_lens"] = seq_lens
+    carried = [i for i, r in enumerate(rows) if r.carry_row >= 0]
+    if carried:
+        host["carry_index"] = (first_token + q_lens - 1)[carried]
+        host["carry_rows"] = torch.tensor([rows[i].carry_row for i in carried], dtype=long)
 
     decode = [i for i, r in enumerate(rows) if r.num_tokens == 1]
     prefill = [i for i, r in enumerate(rows) if r.num_tokens > 1]
     decode_index = torch.tensor(decode, dtype=long)
+    if decode:
+        host["decode_token_index"] = first_token[decode_index]
 
-    groups: list[GroupAttention] = []
+    masks: dict[str, torch.Tensor | None] = {}
     for g, window in enumerate(cache.group_windows):
         ring = ring_size(window, page) if window is not None else None
         null = cache.null_block(g)
         table = _block_table(rows, g, null)
-        # Sliding layers keep only the last window-1 positions of a chunk; earlier ones
-        # would land on ring slots that later tokens of the same chunk overwrite.
-        written = torch.ones(num_tokens, dtype=torch.bool)
-        if window is not None:
-            last = (starts + q_lens)[row_of_token]
-            written = positions >= last - (window - 1)
         slots = _slots(table[row_of_token], positions, page, ring)
-        slot_mapping = torch.where(written, slots, cache.trash_block(g) * page)
-        group = GroupAttention(
-            window=window, slot_mapping=slot_mapping.to(device), block_table=table.to(device, torch.int32)
-        )
-
+        if window is not None:
+            # Sliding layers keep only a chunk's last window-1 positions; earlier ones
+            # would land on ring slots that later tokens of the same chunk overwrite.
+            written = positions >= seq_lens[row_of_token] - (window - 1)
+            slots = torch.where(written, slots, cache.trash_block(g) * page)
+        host[f"slots{g}"] = slots
+        host[f"table{g}"] = table
+        if backends[g] != REFERENCE:
+            continue
         if decode:
             pos = starts[decode_index]
             lo = (pos - window + 1).clamp_min(0) if window is not None else torch.zeros_like(pos)
             lengths = pos - lo + 1
-            width = int(lengths.max())
-            steps = torch.arange(width)
+            steps = torch.arange(int(lengths.max()))
             valid = steps[None, :] < lengths[:, None]
             key_pos = torch.where(valid, lo[:, None] + steps[None, :], pos[:, None])
-            key_slots = _slots(table[decode_index], key_pos, page, ring)
-            group.decode_slots = torch.where(valid, key_slots, null * page).to(device)
-            group.decode_valid = valid.to(device)
-
+            host[f"decode_slots{g}"] = torch.where(valid, _slots(table[decode_index], key_pos, page, ring), null * page)
+            host[f"decode_valid{g}"] = valid
         for i in prefill:
             start, q_len = rows[i].start, rows[i].num_tokens
             lo = max(0, start - (window - 1)) if window is not None else 0
-            past_pos = torch.arange(lo, start)
-            group.prefill_past_slots.append(_slots(table[i : i + 1].expand(len(past_pos), -1), past_pos, page, ring).to(device))
-            group.prefill_masks.append(_prefill_mask(lo, start, q_len, window, device))
-        groups.append(group)
+            past = torch.arange(lo, start)
+            host[f"past{g}_{i}"] = _slots(table[i : i + 1].expand(len(past), -1), past, page, ring)
+            mask = _prefill_mask(lo, start, q_len, window)
+            if mask is not None:
+                host[f"mask{g}_{i}"] = mask
+            masks[f"mask{g}_{i}"] = mask
 
-    seq_lens = starts + q_lens
-    query_start = torch.cat((first_token, torch.tensor([num_tokens])))
+    host.update(SamplingTensors.host_tensors([rows[i] for i in sampled]))
+    dev = transfer(host)
+
+    groups: list[GroupAttention] = []
+    for g, window in enumerate(cache.group_windows):
+        group = GroupAttention(
+            window=window,
+            backend=backends[g],
+            slot_mapping=dev[f"slots{g}"],
+            block_table=dev[f"table{g}"].to(torch.int32),
+        )
+        if backends[g] == REFERENCE:
+            group.decode_slots = dev.get(f"decode_slots{g}")
+            group.decode_valid = dev.get(f"decode_valid{g}")
+            group.prefill_past_slots = [dev[f"past{g}_{i}"] for i in prefill]
+            group.prefill_masks = [dev[k] if masks[k] is not None else None for k in (f"mask{g}_{i}" for i in prefill)]
+        groups.append(group)
     attention = AttentionMetadata(
         cache=cache,
         groups=groups,
         num_tokens=num_tokens,
-        query_start=query_start.to(device, torch.int32),
-        seq_lens=seq_lens.to(device, torch.int32),
+        query_start=dev["query_start"].to(torch.int32),
+        seq_lens=dev["seq_lens"].to(torch.int32),
         max_query_len=int(q_lens.max()),
         max_seq_len=int(seq_lens.max()),
-        decode_token_index=first_token[decode_index].to(device) if decode else None,
+        decode_token_index=dev.get("decode_token_index"),
         prefill_rows=[(int(first_token[i]), rows[i].num_tokens) for i in prefill],
     )
     return StepInputs(
-        input_ids=torch.tensor(batch.token_ids, dtype=long).to(device),
-        position_ids=positions.to(device),
-        logits_indices=logits_indices.to(device),
+        input_ids=dev["input_ids"],
+        position_ids=dev["positions"],
+        logits_indices=dev["logits_indices"],
         attention=attention,
-        sampling=SamplingTensors.from_rows([rows[i] for i in sampled], device),
-        prompt_targets=torch.tensor([t for i in scored for t in rows[i].prompt_targets], dtype=long).to(device),
+        sampling=SamplingTensors.from_device(dev, [rows[i] for i in sampled]),
+        prompt_targets=dev["prompt_targets"],
         prompt_counts=prompt_counts,
+        carry_index=dev.get("carry_index"),
+        carry_rows=dev.get("carry_rows"),
     )
 
 
@@ -232,11 +353,8 @@ def _block_table(rows: list[RowSpec], group: int, null: int) -> torch.Tensor:
 
 
 def _slots(table: torch.Tensor, positions: torch.Tensor, page: int, ring: int | None) -> torch.Tensor:
-    """Cache slots of ``positions`` (any shape) given each position's block-table row.
-
-    ``table`` has shape ``positions.shape + (max_blocks,)`` minus the last positions
-    dimension broadcast: ``[..., max_blocks]`` aligned with ``positions[..., :]``.
-    """
+    """Cache slots of ``positions``; ``table`` holds the block-table row of each position
+    (``[N, max_blocks]`` for 1-D positions of length N) or of each row of 2-D positions."""
     column = positions // page
     if ring is not None:
         column = column % ring
@@ -247,7 +365,7 @@ def _slots(table: torch.Tensor, positions: torch.Tensor, page: int, ring: int | 
     return blocks * page + positions % page
 
 
-def _prefill_mask(lo: int, start: int, q_len: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+def _prefill_mask(lo: int, start: int, q_len: int, window: int | None) -> torch.Tensor | None:
     """Which keys (positions ``lo .. start + q_len - 1``) each new query may see."""
     if lo == start and (window is None or q_len <= window):
         return None  # plain causal attention over the new tokens
@@ -256,4 +374,4 @@ def _prefill_mask(lo: int, start: int, q_len: int, window: int | None, device: t
     mask = key_pos[None, :] <= query_pos[:, None]
     if window is not None:
         mask &= key_pos[None, :] > query_pos[:, None] - window
-    return mask.to(device)
+    return mask

@@ -1,22 +1,52 @@
-"""Runs one step of a transformers model over the paged cache (torch only, no asyncio)."""
+"""Runs steps of a transformers model over the paged cache (torch only, no asyncio).
+
+A step is *launched* (inputs copied, forward pass and sampling enqueued on the device,
+results copied back without blocking) and later *collected* (wait for the copy, turn
+tensors into lists). Between the two, the next step may be launched: its decode inputs
+are read on the device from this step's sampled tokens (async batching).
+"""
 
 from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
 
-from aiocb.config import ContinuousBatchingConfig
+from aiocb.config import DEFAULT_MAX_BLOCKS_PER_REQUEST, ContinuousBatchingConfig
 from aiocb.core.scheduler import StepResult
 from aiocb.runner import attention
-from aiocb.runner.inputs import StepBatch, StepInputs, prepare_inputs
+from aiocb.runner.backends import select_backends
+from aiocb.runner.compile import compile_configs, compiled
+from aiocb.runner.cuda_graphs import DecodeGraphs
+from aiocb.runner.inputs import REFERENCE, AttentionMetadata, HostToDevice, StepBatch, StepInputs, prepare_inputs
 from aiocb.runner.memory import CachePlan, plan_cache
 from aiocb.runner.model_spec import ModelSpec, model_spec
 from aiocb.runner.paged_cache import PagedKVCache
 from aiocb.runner.sampler import sample, score
 
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class PendingStep:
+    """A launched step: its results on their way to the host."""
+
+    prompt_counts: list[int]
+    event: torch.cuda.Event | None
+    tokens: torch.Tensor
+    logprobs: torch.Tensor | None
+    top_ids: torch.Tensor | None
+    top_values: torch.Tensor | None
+    prompt_chosen: torch.Tensor | None
+    prompt_top_ids: torch.Tensor | None
+    prompt_top_values: torch.Tensor | None
+
 
 class ModelRunner:
-    """Owns the model's paged cache and turns a :class:`StepBatch` into sampled tokens."""
+    """Owns the model's paged cache and turns :class:`StepBatch` plans into sampled tokens."""
 
     def __init__(
         self,
@@ -26,9 +56,18 @@ class ModelRunner:
         num_requests_hint: int | None = None,
     ) -> None:
         self.model = model
+        self.config = config
         self.spec: ModelSpec = model_spec(model)
         self.plan: CachePlan = plan_cache(self.spec, config, num_requests_hint=num_requests_hint)
         self.cache = PagedKVCache(self.spec, self.plan)
+        self.backends = select_backends(self.device, config, self.cache.group_windows, self.plan.page_size)
+        self._transfer = HostToDevice(self.device)
+        varlen_config, decode_config = compile_configs(config)
+        self._varlen_model = compiled(model, varlen_config)
+        self._decode_model = compiled(model, decode_config)
+        self.graphs = self._decode_graphs()
+        self.async_batching = self._resolve_async_batching()
+        self._last_tokens: torch.Tensor | None = None
         self._original_attention: str | None = None
 
     @property
@@ -47,43 +86,131 @@ class ModelRunner:
             attention.uninstall(self.model, self._original_attention)
             self._original_attention = None
 
-    @torch.inference_mode()
     def execute(self, batch: StepBatch) -> StepResult:
-        """Run one forward pass and sample; blocks until the tokens are on the host."""
-        inputs = prepare_inputs(batch, self.cache, self.device)
-        output = self.model(
-            input_ids=inputs.input_ids[None],
-            position_ids=inputs.position_ids[None],
-            use_cache=False,
-            logits_to_keep=inputs.logits_indices,
-            **{attention.METADATA_KWARG: inputs.attention},
-        )
-        logits = output.logits[0].float()
+        """Run one step and wait for its results."""
+        return self.collect(self.launch(batch))
+
+    def advance(self, batch: StepBatch | None, previous: PendingStep | None) -> tuple[StepResult | None, PendingStep | None]:
+        """Async batching: launch ``batch`` behind ``previous``, then collect ``previous``.
+
+        The device never waits for the host between the two steps: ``batch`` is queued
+        before the host waits for ``previous``'s results.
+        """
+        pending = self.launch(batch) if batch is not None else None
+        result = self.collect(previous) if previous is not None else None
+        return result, pending
+
+    @torch.inference_mode()
+    def launch(self, batch: StepBatch) -> PendingStep:
+        """Enqueue one step's forward pass and sampling; returns without waiting."""
+        inputs = prepare_inputs(batch, self.cache, self._transfer, self.backends)
+        if inputs.carry_index is not None:
+            assert inputs.carry_rows is not None and self._last_tokens is not None
+            inputs.input_ids.index_copy_(0, inputs.carry_index, self._last_tokens.index_select(0, inputs.carry_rows))
+        logits = self._logits(batch, inputs)
         num_sampled = batch.num_sampled
-        picked = sample(logits[:num_sampled], inputs.sampling)
+        picked = sample(logits[:num_sampled].float(), inputs.sampling)
+        self._last_tokens = picked.tokens
+        prompt: tuple[torch.Tensor | None, ...] = (None, None, None)
+        if inputs.prompt_counts:
+            top = max(r.top_logprobs for r in batch.rows if r.prompt_targets)
+            prompt = score(logits[num_sampled:].float(), inputs.prompt_targets, top)
+        pending = PendingStep(
+            inputs.prompt_counts,
+            None,
+            *(_to_host(t) for t in (picked.tokens, picked.logprobs, picked.top_ids, picked.top_logprobs, *prompt)),  # type: ignore[arg-type]
+        )
+        if self.device.type == "cuda":
+            pending.event = torch.cuda.Event()
+            pending.event.record()
+        return pending
+
+    def collect(self, pending: PendingStep) -> StepResult:
+        """Wait for a launched step's results and return them as lists."""
+        if pending.event is not None:
+            pending.event.synchronize()
+        prompt_logprobs = None
+        if pending.prompt_counts:
+            assert pending.prompt_chosen is not None
+            chosen = pending.prompt_chosen.tolist()
+            pairs = _pairs(pending.prompt_top_ids, pending.prompt_top_values)
+            prompt_logprobs = []
+            start = 0
+            for count in pending.prompt_counts:
+                end = start + count
+                prompt_logprobs.append((chosen[start:end], None if pairs is None else pairs[start:end]))
+                start = end
         return StepResult(
-            token_ids=picked.tokens.tolist(),
-            logprobs=None if picked.logprobs is None else picked.logprobs.tolist(),
-            top_logprobs=_pairs(picked.top_ids, picked.top_logprobs),
-            prompt_logprobs=self._score_prompts(logits[num_sampled:], inputs, batch),
+            token_ids=pending.tokens.tolist(),
+            logprobs=None if pending.logprobs is None else pending.logprobs.tolist(),
+            top_logprobs=_pairs(pending.top_ids, pending.top_values),
+            prompt_logprobs=prompt_logprobs,
         )
 
-    def _score_prompts(
-        self, logits: torch.Tensor, inputs: StepInputs, batch: StepBatch
-    ) -> list[tuple[list[float], list[list[tuple[int, float]]] | None]] | None:
-        if not inputs.prompt_counts:
+    def _logits(self, batch: StepBatch, inputs: StepInputs) -> torch.Tensor:
+        if self.graphs is not None and self.graphs.eligible(batch):
+            return self.graphs.run(inputs, len(batch.rows))
+        decode_only = all(r.num_tokens == 1 for r in batch.rows)
+        model = self._decode_model if decode_only else self._varlen_model
+        return _forward(model, inputs.input_ids[None], inputs.position_ids[None], inputs.logits_indices, inputs.attention)
+
+    def _decode_graphs(self) -> DecodeGraphs | None:
+        wanted = self.config.use_cuda_graph
+        if isinstance(wanted, tuple):
+            varlen, wanted = wanted
+            if varlen:
+                logger.info("mixed and prefill steps run without CUDA graphs (decode steps use them)")
+        paged = all(b != REFERENCE for b in self.backends)
+        if wanted is None:
+            wanted = self.device.type == "cuda" and paged
+        if not wanted:
             return None
-        top = max(r.top_logprobs for r in batch.rows if r.prompt_targets)
-        chosen, ids, values = score(logits, inputs.prompt_targets, top)
-        chosen_list = chosen.tolist()
-        pairs = _pairs(ids, values)
-        scored: list[tuple[list[float], list[list[tuple[int, float]]] | None]] = []
-        start = 0
-        for count in inputs.prompt_counts:
-            end = start + count
-            scored.append((chosen_list[start:end], None if pairs is None else pairs[start:end]))
-            start = end
-        return scored
+        if self.device.type != "cuda" or not paged:
+            logger.warning(
+                "use_cuda_graph is ignored: decode graphs need CUDA and in-place paged attention "
+                "(device %s, backends %s)", self.device, self.backends,
+            )  # fmt: skip
+            return None
+        blocks = self.config.max_blocks_per_request or DEFAULT_MAX_BLOCKS_PER_REQUEST
+        return DecodeGraphs(
+            lambda ids, pos, keep, meta: _forward(self._decode_model, ids, pos, keep, meta),
+            self.cache,
+            self.backends,
+            self.plan.max_requests_per_batch,
+            blocks,
+            self.device,
+        )
+
+    def _resolve_async_batching(self) -> bool:
+        wanted = self.config.use_async_batching
+        if wanted is None:
+            return self.graphs is not None
+        return wanted
+
+
+def _forward(
+    model: Any,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    logits_indices: torch.Tensor,
+    metadata: AttentionMetadata,
+) -> torch.Tensor:
+    output = model(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        use_cache=False,
+        logits_to_keep=logits_indices,
+        **{attention.METADATA_KWARG: metadata},
+    )
+    logits: torch.Tensor = output.logits[0]
+    return logits
+
+
+def _to_host(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """Start copying to host memory (pinned, asynchronous on CUDA)."""
+    if tensor is None or tensor.device.type == "cpu":
+        return tensor
+    return tensor.to("cpu", non_blocking=True)
 
 
 def _pairs(ids: torch.Tensor | None, values: torch.Tensor | None) -> list[list[tuple[int, float]]] | None:

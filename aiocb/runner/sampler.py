@@ -44,16 +44,33 @@ class SamplingTensors:
     #: the most alternatives any row asked for (0: none)
     max_top_logprobs: int
 
+    @staticmethod
+    def host_tensors(rows: Sequence[_SamplingRow]) -> dict[str, torch.Tensor]:
+        """The per-row parameters as host tensors, named for :meth:`from_device`."""
+        return {
+            "temperature": torch.tensor([0.0 if _greedy(r) else r.temperature for r in rows], dtype=torch.float32),
+            "top_k": torch.tensor([r.top_k for r in rows], dtype=torch.long),
+            "top_p": torch.tensor([r.top_p for r in rows], dtype=torch.float32),
+            "seed": torch.tensor([r.seed & _MASK32 for r in rows], dtype=torch.long),
+            "offset": torch.tensor([r.offset for r in rows], dtype=torch.long),
+        }
+
     @classmethod
     def from_rows(cls, rows: Sequence[_SamplingRow], device: torch.device) -> SamplingTensors:
-        """Gather the sampled rows' parameters."""
-        greedy = [r.temperature == 0.0 or r.top_k == 1 for r in rows]
+        """Gather the sampled rows' parameters onto ``device``."""
+        host = cls.host_tensors(rows)
+        return cls.from_device({name: t.to(device) for name, t in host.items()}, rows)
+
+    @classmethod
+    def from_device(cls, tensors: dict[str, torch.Tensor], rows: Sequence[_SamplingRow]) -> SamplingTensors:
+        """Wrap :meth:`host_tensors` moved to the device, with the rows' batch-wide flags."""
+        greedy = [_greedy(r) for r in rows]
         return cls(
-            temperature=torch.tensor([0.0 if g else r.temperature for r, g in zip(rows, greedy, strict=True)], dtype=torch.float32).to(device),
-            top_k=torch.tensor([r.top_k for r in rows], dtype=torch.long).to(device),
-            top_p=torch.tensor([r.top_p for r in rows], dtype=torch.float32).to(device),
-            seed=torch.tensor([r.seed & _MASK32 for r in rows], dtype=torch.long).to(device),
-            offset=torch.tensor([r.offset for r in rows], dtype=torch.long).to(device),
+            temperature=tensors["temperature"],
+            top_k=tensors["top_k"],
+            top_p=tensors["top_p"],
+            seed=tensors["seed"],
+            offset=tensors["offset"],
             all_greedy=all(greedy),
             any_top_k=any(r.top_k > 1 for r, g in zip(rows, greedy, strict=True) if not g),
             any_top_p=any(r.top_p < 1.0 for r, g in zip(rows, greedy, strict=True) if not g),
@@ -70,6 +87,10 @@ class Sampled:
     logprobs: torch.Tensor | None = None
     top_ids: torch.Tensor | None = None
     top_logprobs: torch.Tensor | None = None
+
+
+def _greedy(row: _SamplingRow) -> bool:
+    return row.temperature == 0.0 or row.top_k == 1
 
 
 def sample(logits: torch.Tensor, params: SamplingTensors) -> Sampled:

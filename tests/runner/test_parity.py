@@ -16,6 +16,10 @@ CONFIGS: dict[str, dict[str, object]] = {
     "preemption": {"page_size": 16, "num_blocks": 40},
     "prefill_first": {"scheduler_type": "prefill_first", "max_batch_tokens": 96, "page_size": 32},
     "fifo_small_cache": {"scheduler_type": "fifo", "page_size": 16, "num_blocks": 80, "max_batch_tokens": 100},
+    # Async batching runs the same pipeline on CPU: step N+1 is planned and launched
+    # before step N's tokens reach the host, its decode inputs taken from N's output.
+    "async_batching": {"use_async_batching": True, "max_batch_tokens": 128},
+    "async_preemption": {"use_async_batching": True, "page_size": 16, "num_blocks": 40, "max_batch_tokens": 96},
 }
 
 

@@ -1,0 +1,126 @@
+"""Choosing how each cache group's attention runs, and the in-place paged kernels.
+
+* ``reference``: torch ops gather each request's keys (any device, any layer type).
+* ``triton``: aiocb's Triton kernel reads the cache in place through block tables (CUDA).
+* ``flash``: flash-attn's varlen kernel with a block table (CUDA, when importable and
+  ``auto_switch_to_flash`` is on).
+
+Sliding-window groups keep a ring of blocks per request that a chunk may overwrite
+while reading it, so they always use ``reference`` (as transformers turns its decode fast
+path off for any sliding layer).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from collections.abc import Callable
+
+import torch
+
+from aiocb.config import ContinuousBatchingConfig
+from aiocb.runner.inputs import REFERENCE
+
+logger = logging.getLogger(__name__)
+
+TRITON = "triton"
+FLASH = "flash"
+#: flash-attn's paged KV needs blocks of a multiple of this many tokens.
+FLASH_PAGE_MULTIPLE = 256
+
+#: ``kernel(query, key_cache, value_cache, block_table, query_start, seq_lens,
+#: max_query_len, max_seq_len, scale, softcap) -> [T, Hq, D]``
+PagedKernel = Callable[..., torch.Tensor]
+
+_logged: set[tuple[str, ...]] = set()
+
+
+def select_backends(
+    device: torch.device, config: ContinuousBatchingConfig, windows: list[int | None], page_size: int
+) -> list[str]:
+    """The attention backend of each cache group; logs the choice once per distinct result."""
+    paged = _paged_backend(device, config, page_size)
+    chosen = [REFERENCE if window is not None else paged for window in windows]
+    key = (device.type, *chosen)
+    if key not in _logged:
+        _logged.add(key)
+        logger.info("aiocb attention backends per cache group: %s (device %s)", chosen, device)
+    return chosen
+
+
+def _paged_backend(device: torch.device, config: ContinuousBatchingConfig, page_size: int) -> str:
+    if config.max_blocks_per_request == 0:
+        return REFERENCE  # the seed's switch for the in-place (decode fast path) kernels
+    forced = os.environ.get("AIOCB_ATTENTION_BACKEND")
+    if forced:
+        return forced
+    if device.type != "cuda":
+        return REFERENCE
+    if config.auto_switch_to_flash and page_size % FLASH_PAGE_MULTIPLE == 0 and _flash_available():
+        return FLASH
+    from aiocb.runner import triton_attention
+
+    return TRITON if triton_attention.is_available(device) else REFERENCE
+
+
+def _flash_available() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def paged_kernel(backend: str) -> PagedKernel:
+    """The in-place kernel of a ``triton`` or ``flash`` backend."""
+    if backend == TRITON:
+        return _triton_kernel
+    if backend == FLASH:
+        return _flash_kernel
+    raise ValueError(f"no in-place kernel for attention backend {backend!r}")
+
+
+def _triton_kernel(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    from aiocb.runner.triton_attention import triton_paged_attention
+
+    return triton_paged_attention(
+        query, key_cache, value_cache, block_table, query_start, seq_lens, max_query_len, scale, softcap
+    )
+
+
+def _flash_kernel(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    from flash_attn import flash_attn_varlen_func
+
+    cu_seqlens_k = torch.nn.functional.pad(seq_lens.cumsum(0, dtype=torch.int32), (1, 0))
+    return flash_attn_varlen_func(  # type: ignore[no-any-return]
+        query,
+        key_cache,
+        value_cache,
+        cu_seqlens_q=query_start,
+        cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_query_len,
+        max_seqlen_k=max_seq_len,
+        softmax_scale=scale,
+        causal=True,
+        softcap=softcap or 0.0,
+        block_table=block_table,
+    )

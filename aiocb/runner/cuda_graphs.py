@@ -1,0 +1,155 @@
+"""CUDA graphs of decode-only steps, one per padded batch size.
+
+A decode step's shapes depend only on its number of rows, so graphs are keyed by a
+batch-size bucket: the step is padded up to the next bucket, with padding rows that
+write to the cache's trash block and read its zero block, so padding never touches a
+request's KV. All graphs share one memory pool and read static input buffers, which each
+replay fills from the step's inputs with a few device copies (no host sync).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections.abc import Callable
+
+import torch
+
+from aiocb.runner.inputs import AttentionMetadata, GroupAttention, StepBatch, StepInputs
+from aiocb.runner.paged_cache import PagedKVCache
+
+logger = logging.getLogger(__name__)
+
+#: ``forward(input_ids [1, T], position_ids [1, T], logits_indices [S], metadata) -> logits [S, V]``
+Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+
+
+def batch_buckets(max_rows: int) -> list[int]:
+    """Padded batch sizes: powers of two up to 16, then steps of about 1.5x (waste <= 1/3)."""
+    sizes = [1, 2, 4, 8, 16]
+    while sizes[-1] < max_rows:
+        last = sizes[-1]
+        sizes.append(last * 3 // 2 if last & (last - 1) == 0 else (last // 3) * 4)
+    return sorted({min(s, max_rows) for s in sizes})
+
+
+class DecodeGraphs:
+    """Captures and replays the forward pass of decode-only steps."""
+
+    def __init__(
+        self,
+        forward: Forward,
+        cache: PagedKVCache,
+        backends: list[str],
+        max_rows: int,
+        max_blocks_per_request: int,
+        device: torch.device,
+    ) -> None:
+        self._forward = forward
+        self._cache = cache
+        self._backends = backends
+        self.buckets = batch_buckets(max_rows)
+        self.max_blocks = max_blocks_per_request
+        self._device = device
+        self._pool: tuple[int, int] | None = None
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        rows = self.buckets[-1]
+        groups = len(cache.group_windows)
+        long, int32 = torch.long, torch.int32
+        self._input_ids = torch.zeros(rows, dtype=long, device=device)
+        self._positions = torch.zeros(rows, dtype=long, device=device)
+        self._slots = [torch.zeros(rows, dtype=long, device=device) for _ in range(groups)]
+        self._tables = [torch.zeros(rows, max_blocks_per_request, dtype=int32, device=device) for _ in range(groups)]
+        self._query_start = torch.arange(rows + 1, dtype=int32, device=device)
+        self._seq_lens = torch.ones(rows, dtype=int32, device=device)
+        self._logits_indices = torch.arange(rows, dtype=long, device=device)
+        self._pad_rows = torch.arange(rows + 1, dtype=int32, device=device)
+
+    def eligible(self, batch: StepBatch) -> bool:
+        """Whether the step is a decode step a graph can run."""
+        rows = batch.rows
+        return (
+            0 < len(rows) <= self.buckets[-1]
+            and all(r.num_tokens == 1 and r.sample and not r.prompt_targets for r in rows)
+            and all(len(blocks) <= self.max_blocks for r in rows for blocks in r.block_ids)
+        )
+
+    def run(self, inputs: StepInputs, num_rows: int) -> torch.Tensor:
+        """Logits ``[num_rows, V]`` of a decode step, replaying (capturing first) its bucket's graph."""
+        bucket = self.buckets[bisect.bisect_left(self.buckets, num_rows)]
+        graph, logits = self._graphs.get(bucket) or self._capture(bucket)
+        self._fill(inputs, num_rows, bucket)
+        graph.replay()
+        return logits[:num_rows]
+
+    def capture_all(self) -> None:
+        """Capture every bucket up front, largest first so smaller ones reuse its memory."""
+        for bucket in reversed(self.buckets):
+            if bucket not in self._graphs:
+                self._capture(bucket)
+
+    def _fill(self, inputs: StepInputs, n: int, bucket: int) -> None:
+        cache = self._cache
+        page = cache.page_size
+        self._input_ids[:n].copy_(inputs.input_ids)
+        self._input_ids[n:bucket].zero_()
+        self._positions[:n].copy_(inputs.position_ids)
+        self._positions[n:bucket].zero_()
+        self._seq_lens[:n].copy_(inputs.attention.seq_lens)
+        self._seq_lens[n:bucket].fill_(1)
+        # Padding rows hold one query token each: row i of the bucket starts at token i.
+        self._query_start[: bucket + 1].copy_(self._pad_rows[: bucket + 1])
+        for g, group in enumerate(inputs.attention.groups):
+            self._slots[g][:n].copy_(group.slot_mapping)
+            self._slots[g][n:bucket].fill_(cache.trash_block(g) * page)
+            table = self._tables[g]
+            table[:bucket].fill_(cache.null_block(g))
+            width = group.block_table.shape[1]
+            table[:n, :width].copy_(group.block_table)
+
+    def _metadata(self, bucket: int) -> AttentionMetadata:
+        groups = [
+            GroupAttention(
+                window=window,
+                backend=self._backends[g],
+                slot_mapping=self._slots[g][:bucket],
+                block_table=self._tables[g][:bucket],
+            )
+            for g, window in enumerate(self._cache.group_windows)
+        ]
+        return AttentionMetadata(
+            cache=self._cache,
+            groups=groups,
+            num_tokens=bucket,
+            query_start=self._query_start[: bucket + 1],
+            seq_lens=self._seq_lens[:bucket],
+            max_query_len=1,
+            max_seq_len=self.max_blocks * self._cache.page_size,
+            decode_token_index=None,
+            prefill_rows=[],
+        )
+
+    def _capture(self, bucket: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        cache = self._cache
+        for g in range(len(cache.group_windows)):
+            self._slots[g][:bucket].fill_(cache.trash_block(g) * cache.page_size)
+            self._tables[g][:bucket].fill_(cache.null_block(g))
+        self._seq_lens[:bucket].fill_(1)
+        self._query_start[: bucket + 1].copy_(self._pad_rows[: bucket + 1])
+        metadata = self._metadata(bucket)
+        args = (self._input_ids[None, :bucket], self._positions[None, :bucket], self._logits_indices[:bucket], metadata)
+        # Warm up on a side stream (lazy initialisations, autotuning) before capturing.
+        side = torch.cuda.Stream(self._device)
+        side.wait_stream(torch.cuda.current_stream(self._device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._forward(*args)
+        torch.cuda.current_stream(self._device).wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self._forward(*args)
+        self._graphs[bucket] = (graph, logits)
+        logger.debug("captured the decode CUDA graph for %d rows", bucket)
+        return graph, logits
