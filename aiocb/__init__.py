@@ -1,8 +1,17 @@
-"""aiocb: asyncio-native continuous batching for transformers causal LMs."""
+"""aiocb: asyncio-native continuous batching for transformers causal LMs.
 
-from aiocb.batch import generate_batch
+The engine (and with it torch and transformers) is imported on first use of
+:class:`Manager`, :class:`RequestStream`, :class:`ManagerStatistics` or
+:func:`generate_batch`, so the configuration, errors and output types stay cheap to
+import and ``aiocb.core`` stays free of torch and asyncio.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from aiocb.config import ContinuousBatchingConfig
-from aiocb.engine.manager import Manager, ManagerStatistics, RequestStream
 from aiocb.errors import (
     AiocbError,
     DistributedError,
@@ -16,7 +25,18 @@ from aiocb.errors import (
 )
 from aiocb.outputs import FinishReason, GenerationOutput, RequestStatus
 
+if TYPE_CHECKING:
+    from aiocb.batch import generate_batch
+    from aiocb.engine.manager import Manager, ManagerStatistics, RequestStream
+
 __version__ = "0.1.0"
+
+_LAZY = {
+    "Manager": "aiocb.engine.manager",
+    "ManagerStatistics": "aiocb.engine.manager",
+    "RequestStream": "aiocb.engine.manager",
+    "generate_batch": "aiocb.batch",
+}
 
 __all__ = [
     "AiocbError",
@@ -38,3 +58,12 @@ __all__ = [
     "__version__",
     "generate_batch",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'aiocb' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

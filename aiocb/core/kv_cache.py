@@ -22,6 +22,8 @@ class CacheGroup:
     layer_ids: tuple[int, ...]
     num_blocks: int
     sliding_window: int | None = None
+    #: blocks of host memory for the KV of preempted requests (CPU offloading)
+    num_host_blocks: int = 0
 
 
 def ring_size(sliding_window: int, page_size: int) -> int:
@@ -47,6 +49,10 @@ class KVCacheManager:
         # looked up and registered in the first pool only, so that must be the only pool.
         self.prefix_caching = enable_prefix_caching and len(groups) == 1 and groups[0].sliding_window is None
         self.num_prefix_hit_tokens = 0
+        self.host_pools = [BlockPool(g.num_host_blocks) if g.num_host_blocks else None for g in groups]
+        self.offloading = all(pool is not None for pool in self.host_pools)
+        self.num_offloaded_blocks = 0
+        self.num_restored_blocks = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -107,6 +113,49 @@ class KVCacheManager:
             pool.free(blocks)
         request.block_ids = []
         request.num_registered_blocks = 0
+
+    def offload(self, request: Request) -> list[list[tuple[int, int]]] | None:
+        """Move a request's blocks to host memory: returns, per group, the
+        ``(device block, host block)`` copies to make before the device blocks are reused,
+        and frees the device blocks. None (and nothing done) if the host pool is too full.
+        """
+        if not self.offloading or not request.block_ids:
+            return None
+        host_pools = [p for p in self.host_pools if p is not None]
+        if any(len(blocks) > pool.num_free for blocks, pool in zip(request.block_ids, host_pools, strict=True)):
+            return None
+        copies: list[list[tuple[int, int]]] = []
+        host_ids: list[list[int]] = []
+        for blocks, pool in zip(request.block_ids, host_pools, strict=True):
+            taken = pool.allocate(len(blocks)) or []
+            copies.append(list(zip(blocks, taken, strict=True)))
+            host_ids.append(taken)
+            self.num_offloaded_blocks += len(blocks)
+        self.free(request)
+        request.host_block_ids = host_ids
+        return copies
+
+    def restore(self, request: Request) -> list[list[tuple[int, int]]]:
+        """After :meth:`allocate` gave an offloaded request device blocks again: per
+        group, the ``(host block, device block)`` copies that bring its KV back; the host
+        blocks are free once those copies are made (they are ordered before any later
+        offload's copies)."""
+        copies: list[list[tuple[int, int]]] = []
+        for g, host_blocks in enumerate(request.host_block_ids):
+            pool = self.host_pools[g]
+            assert pool is not None
+            copies.append(list(zip(host_blocks, request.block_ids[g], strict=False)))
+            pool.free(host_blocks)
+            self.num_restored_blocks += len(host_blocks)
+        request.host_block_ids = []
+        return copies
+
+    def drop_host_copy(self, request: Request) -> None:
+        """Free the host blocks of an offloaded request that ended before it resumed."""
+        for pool, blocks in zip(self.host_pools, request.host_block_ids, strict=False):
+            if pool is not None:
+                pool.free(blocks)
+        request.host_block_ids = []
 
     def match_prefix(self, request: Request) -> int:
         """Attach cached blocks holding a prefix of ``request``; returns the tokens covered.

@@ -41,6 +41,8 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     #: how many of this request's blocks were offered to the prefix cache
     num_registered_blocks: int = 0
+    #: per cache group, host blocks holding the KV of this (preempted, offloaded) request
+    host_block_ids: list[list[int]] = field(default_factory=list)
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     first_token_time: float | None = None

@@ -41,6 +41,11 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    #: per cache group, ``(device block, host block)`` copies to make before the step
+    #: (offloaded preempted requests) ...
+    swap_out: list[list[tuple[int, int]]] = field(default_factory=list)
+    #: ... and ``(host block, device block)`` copies bringing resumed requests back
+    swap_in: list[list[tuple[int, int]]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -49,8 +54,8 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        """Whether there is nothing to run."""
-        return not self.scheduled
+        """Whether there is nothing to run (no request and no cache copy)."""
+        return not self.scheduled and not any(self.swap_out) and not any(self.swap_in)
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +140,7 @@ class Scheduler:
         if request in self.waiting:
             self._dequeue(request)
         self.kv_cache.free(request)
+        self.kv_cache.drop_host_copy(request)
         request.status = status
         request.finish_reason = reason
         request.error = error
@@ -143,8 +149,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Plan the next step and allocate its blocks."""
         budget = self.max_batch_tokens
-        planned: dict[Request, int] = {}
+        planned: dict[Request, int] = {}  # request -> first position of this step
         preempted: list[Request] = []
+        output = SchedulerOutput(preempted=preempted)
 
         for request in self._running_by_priority():
             if request not in self.running:
@@ -156,23 +163,31 @@ class Scheduler:
                 continue
             while not self.kv_cache.allocate(request, num_new):
                 victim = next(reversed(self.running))
-                self._preempt(victim)
+                if victim in planned:  # un-plan it: give its tokens back
+                    start = planned.pop(victim)
+                    budget += victim.num_computed_tokens - start
+                    victim.num_computed_tokens = start
+                self._preempt(victim, output)
                 preempted.append(victim)
-                budget += planned.pop(victim, 0)
                 if victim is request:
                     break
             else:
-                planned[request] = num_new
+                planned[request] = request.num_computed_tokens
+                request.num_computed_tokens += num_new
                 budget -= num_new
 
+        # Full blocks are shareable as soon as a step that computes them is planned (and
+        # no longer un-plannable): a request admitted later, even in this same step, reads
+        # them after they are written (device work runs in plan order, and a step writes
+        # every new token's K/V before any request of it reads the cache).
+        for request in planned:
+            self.kv_cache.cache_full_blocks(request)
         if not preempted:
-            budget = self._admit(planned, budget)
+            self._admit(planned, budget, output)
 
-        output = SchedulerOutput(preempted=preempted)
-        for request, num_new in planned.items():
-            start = request.num_computed_tokens
-            end = start + num_new
-            request.num_computed_tokens = end
+        for request, start in planned.items():
+            end = request.num_computed_tokens
+            num_new = end - start
             sample = end == request.num_scheduled_tokens
             output.scheduled.append(
                 ScheduledRequest(request, start, num_new, sample, carries=end > request.num_tokens)
@@ -203,8 +218,6 @@ class Scheduler:
                 prompt_row += 1
                 _record_prompt_logprobs(request, item.start, values, tops)
             if not item.sample:
-                if not request.is_finished:
-                    self.kv_cache.cache_full_blocks(request)
                 continue
             token = int(result.token_ids[row])
             logprob = None if result.logprobs is None else float(result.logprobs[row])
@@ -223,7 +236,6 @@ class Scheduler:
             if request in self.running:  # (not if preempted while the step ran)
                 request.status = RequestStatus.DECODING
             self.stats.num_generated_tokens += 1
-            self.kv_cache.cache_full_blocks(request)
             reason = self._stop_reason(request, token)
             if reason is not None:
                 self.finish(request, reason, now)
@@ -253,7 +265,7 @@ class Scheduler:
         prefilling = [r for r in self.running if r.status is not RequestStatus.DECODING]
         return prefilling + decoding if self.prefill_first else decoding + prefilling
 
-    def _admit(self, planned: dict[Request, int], budget: int) -> int:
+    def _admit(self, planned: dict[Request, int], budget: int, output: SchedulerOutput) -> None:
         """Move waiting requests into the step while budget, cache and margin allow."""
         while self.waiting and budget > 0 and len(planned) < self.max_requests_per_batch:
             if self.running and self.kv_cache.free_fraction < self.safety_margin:
@@ -261,31 +273,41 @@ class Scheduler:
             request = next(iter(self.waiting))
             if request.num_pending_tokens:
                 break  # preempted while its token was in flight: resume once it has landed
-            if not request.block_ids and not request.params.prompt_logprobs:
+            offloaded = bool(request.host_block_ids)
+            if not request.block_ids and not offloaded and not request.params.prompt_logprobs:
                 # (a request scoring its prompt must compute every prompt position)
                 request.num_computed_tokens = self.kv_cache.match_prefix(request)
                 request.num_cached_tokens = request.num_computed_tokens
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self.kv_cache.allocate(request, num_new):
-                self.kv_cache.free(request)  # let go of prefix hits until it can run
-                # they were not used: the next try looks them up (and counts them) again
-                self.kv_cache.num_prefix_hit_tokens -= request.num_cached_tokens
-                request.num_computed_tokens = 0
-                request.num_cached_tokens = 0
+                if not offloaded:
+                    self.kv_cache.free(request)  # let go of prefix hits until it can run
+                    # they were not used: the next try looks them up (and counts them) again
+                    self.kv_cache.num_prefix_hit_tokens -= request.num_cached_tokens
+                    request.num_computed_tokens = 0
+                    request.num_cached_tokens = 0
                 break
+            if offloaded:
+                _extend(output.swap_in, self.kv_cache.restore(request))
             self._dequeue(request)
             self.running[request] = None
             request.status = RequestStatus.PREFILLING
-            planned[request] = num_new
+            planned[request] = request.num_computed_tokens
+            request.num_computed_tokens += num_new
             budget -= num_new
-        return budget
+            self.kv_cache.cache_full_blocks(request)
 
-    def _preempt(self, request: Request) -> None:
-        """Free the request's blocks and put it at the front of the queue (recompute)."""
+    def _preempt(self, request: Request, output: SchedulerOutput) -> None:
+        """Take the request's blocks and put it at the front of the queue: its KV goes to
+        host memory when CPU offloading has room, otherwise it is computed again later."""
         del self.running[request]
-        self.kv_cache.free(request)
-        self.stats.num_recomputed_tokens += request.num_computed_tokens  # work thrown away
-        request.num_computed_tokens = 0
+        copies = self.kv_cache.offload(request)
+        if copies is not None:
+            _extend(output.swap_out, copies)
+        else:
+            self.kv_cache.free(request)
+            self.stats.num_recomputed_tokens += request.num_computed_tokens  # work thrown away
+            request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.PENDING
         self._enqueue(request)
@@ -315,3 +337,11 @@ def _record_prompt_logprobs(
         if position == len(request.prompt_logprobs):
             request.prompt_logprobs.append(value)
             request.prompt_top_logprobs.append(None if tops is None else tops[i])
+
+
+def _extend(per_group: list[list[tuple[int, int]]], more: list[list[tuple[int, int]]]) -> None:
+    """Append per-group copy lists."""
+    while len(per_group) < len(more):
+        per_group.append([])
+    for mine, theirs in zip(per_group, more, strict=False):
+        mine.extend(theirs)

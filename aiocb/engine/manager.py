@@ -65,6 +65,8 @@ class ManagerStatistics:
     preemptions: int
     recomputed_tokens: int
     prefix_hit_tokens: int
+    offloaded_blocks: int
+    restored_blocks: int
 
 
 class Manager:
@@ -159,7 +161,7 @@ class Manager:
             self._runner = ModelRunner(self.model, self.config, num_requests_hint=self._num_requests_hint)
         runner = self._runner
         runner.attach()
-        groups = runner.spec.cache_groups(runner.plan.num_blocks)
+        groups = runner.spec.cache_groups(runner.plan.num_blocks, runner.plan.num_host_blocks)
         kv_cache = KVCacheManager(groups, runner.plan.page_size, enable_prefix_caching=self.config.allow_block_sharing)
         scheduler = Scheduler(
             kv_cache,
@@ -412,7 +414,7 @@ class Manager:
         """A snapshot of queue lengths, cache use and counters."""
         steps = self._steps
         if steps is None:
-            return ManagerStatistics(self.is_running, 0, 0, 0, 0, 0.0, 0, 0, 0, 0, 0, 0)
+            return ManagerStatistics(self.is_running, 0, 0, 0, 0, 0.0, 0, 0, 0, 0, 0, 0, 0, 0)
         scheduler = steps.scheduler
         kv = scheduler.kv_cache
         stats = scheduler.stats
@@ -429,6 +431,8 @@ class Manager:
             preemptions=stats.num_preemptions,
             recomputed_tokens=stats.num_recomputed_tokens,
             prefix_hit_tokens=kv.num_prefix_hit_tokens,
+            offloaded_blocks=kv.num_offloaded_blocks,
+            restored_blocks=kv.num_restored_blocks,
         )
 
     # ------------------------------------------------------------------ internals

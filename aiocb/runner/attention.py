@@ -92,11 +92,17 @@ def reference_paged_attention(
     group = metadata.groups[cache.layer_group[layer]]
     key_cache, value_cache = cache.flat(layer)
 
-    # A prefill chunk reads its past before the step writes: in a sliding-window ring the
-    # chunk's own tokens may land on slots of positions it still needs.
-    past = [(key_cache.index_select(0, s), value_cache.index_select(0, s)) for s in group.prefill_past_slots]
+    # In a sliding-window ring a chunk's own tokens may land on slots of positions it
+    # still needs, so there a chunk reads its past before the step writes. Full layers
+    # write first: a request may reuse prefix blocks another computes in this same step.
+    def gather_past() -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(key_cache.index_select(0, s), value_cache.index_select(0, s)) for s in group.prefill_past_slots]
+
+    past = gather_past() if group.window is not None else []
     key_cache.index_copy_(0, group.slot_mapping, key)
     value_cache.index_copy_(0, group.slot_mapping, value)
+    if group.window is None:
+        past = gather_past()
 
     out = torch.empty_like(query)
     if metadata.decode_token_index is not None:

@@ -25,7 +25,8 @@ Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]
 
 
 def batch_buckets(max_rows: int) -> list[int]:
-    """Padded batch sizes: powers of two up to 16, then steps of about 1.5x (waste <= 1/3)."""
+    """Padded batch sizes: powers of two up to 16, then growing by 1.5x and 4/3 in turn, so a
+    step of more than 16 rows is padded by at most half its size."""
     sizes = [1, 2, 4, 8, 16]
     while sizes[-1] < max_rows:
         last = sizes[-1]
@@ -130,6 +131,7 @@ class DecodeGraphs:
         )
 
     def _capture(self, bucket: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        # Capture runs on all-padding inputs: the warm-up passes must not touch real KV.
         cache = self._cache
         for g in range(len(cache.group_windows)):
             self._slots[g][:bucket].fill_(cache.trash_block(g) * cache.page_size)
@@ -138,6 +140,15 @@ class DecodeGraphs:
         self._query_start[: bucket + 1].copy_(self._pad_rows[: bucket + 1])
         metadata = self._metadata(bucket)
         args = (self._input_ids[None, :bucket], self._positions[None, :bucket], self._logits_indices[:bucket], metadata)
+        graph, logits = self._record(args)
+        self._graphs[bucket] = (graph, logits)
+        logger.debug("captured the decode CUDA graph for %d rows", bucket)
+        return graph, logits
+
+    def _record(
+        self, args: tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]
+    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Capture the forward pass on the static buffers; returns the graph and its output."""
         # Warm up on a side stream (lazy initialisations, autotuning) before capturing.
         side = torch.cuda.Stream(self._device)
         side.wait_stream(torch.cuda.current_stream(self._device))
@@ -150,6 +161,4 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             logits = self._forward(*args)
-        self._graphs[bucket] = (graph, logits)
-        logger.debug("captured the decode CUDA graph for %d rows", bucket)
         return graph, logits

@@ -56,6 +56,9 @@ class StepBatch:
 
     token_ids: list[int]
     rows: list[RowSpec]
+    #: per cache group, block copies to make before the step (CPU offloading)
+    swap_out: list[list[tuple[int, int]]] = field(default_factory=list)
+    swap_in: list[list[tuple[int, int]]] = field(default_factory=list)
 
     @property
     def num_sampled(self) -> int:
@@ -105,7 +108,9 @@ def snapshot(output: SchedulerOutput, previous: SchedulerOutput | None = None) -
                 carry_row=carry_row,
             )
         )
-    return StepBatch(token_ids, rows)
+    return StepBatch(
+        token_ids, rows, [list(pairs) for pairs in output.swap_out], [list(pairs) for pairs in output.swap_in]
+    )
 
 
 @dataclass(slots=True)

@@ -35,6 +35,8 @@ class CachePlan:
     max_batch_tokens: int
     max_requests_per_batch: int
     budget_bytes: int
+    #: host-memory blocks per cache group for CPU offloading (zeros: off)
+    num_host_blocks: list[int]
 
 
 def free_memory_bytes(device: torch.device) -> int:
@@ -101,11 +103,33 @@ def plan_cache(
             "lower max_batch_tokens or max_requests_per_batch, or raise max_memory_percent"
         )
     max_requests = min(max_requests, max(num_blocks) * page)
+    host_blocks = _host_blocks(spec, groups, page, num_blocks, config)
     logger.info(
-        "KV cache: %s blocks of %d tokens per group, max_batch_tokens=%d, max_requests_per_batch=%d",
-        num_blocks, page, max_batch_tokens, max_requests,
-    )
-    return CachePlan(page, num_blocks, max_batch_tokens, max_requests, budget)
+        "KV cache: %s blocks of %d tokens per group, max_batch_tokens=%d, max_requests_per_batch=%d, "
+        "host offload blocks %s",
+        num_blocks, page, max_batch_tokens, max_requests, host_blocks,
+    )  # fmt: skip
+    return CachePlan(page, num_blocks, max_batch_tokens, max_requests, budget, host_blocks)
+
+
+def _host_blocks(
+    spec: ModelSpec,
+    groups: list[tuple[int | None, tuple[int, ...]]],
+    page: int,
+    num_blocks: list[int],
+    config: ContinuousBatchingConfig,
+) -> list[int]:
+    """Host blocks per group for CPU offloading, shared out like the device cache."""
+    space = config.cpu_offload_space
+    if space is None:
+        host_bytes = int(psutil.virtual_memory().available * config.cpu_offload_space_safety_threshold)
+    else:
+        host_bytes = int(space * 2**30)
+    if host_bytes <= 0:
+        return [0] * len(groups)
+    per_block = [spec.bytes_per_block(page, len(layers)) for _, layers in groups]
+    device_bytes = sum(n * b for n, b in zip(num_blocks, per_block, strict=True))
+    return [int(host_bytes * n * b / device_bytes) // b for n, b in zip(num_blocks, per_block, strict=True)]
 
 
 def _fill_budget(

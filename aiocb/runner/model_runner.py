@@ -103,6 +103,14 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, batch: StepBatch) -> PendingStep:
         """Enqueue one step's forward pass and sampling; returns without waiting."""
+        # Cache copies of offloaded or resumed requests come first: the step may reuse
+        # the blocks that were swapped out, and reads the ones swapped in.
+        if any(batch.swap_out):
+            self.cache.swap_out(batch.swap_out)
+        if any(batch.swap_in):
+            self.cache.swap_in(batch.swap_in)
+        if not batch.rows:
+            return PendingStep([], None, torch.empty(0, dtype=torch.long), None, None, None, None, None, None)
         inputs = prepare_inputs(batch, self.cache, self._transfer, self.backends)
         if inputs.carry_index is not None:
             assert inputs.carry_rows is not None and self._last_tokens is not None

@@ -32,11 +32,12 @@ class ModelSpec:
         """Bytes per element of the cache."""
         return torch.empty((), dtype=self.dtype).element_size()
 
-    def cache_groups(self, num_blocks: list[int]) -> list[CacheGroup]:
+    def cache_groups(self, num_blocks: list[int], num_host_blocks: list[int] | None = None) -> list[CacheGroup]:
         """The cache groups, full attention first, then one per window size."""
+        host = num_host_blocks or [0] * len(num_blocks)
         return [
-            CacheGroup(layer_ids=layers, num_blocks=n, sliding_window=window)
-            for (window, layers), n in zip(self.group_layers(), num_blocks, strict=True)
+            CacheGroup(layer_ids=layers, num_blocks=n, sliding_window=window, num_host_blocks=h)
+            for (window, layers), n, h in zip(self.group_layers(), num_blocks, host, strict=True)
         ]
 
     def group_layers(self) -> list[tuple[int | None, tuple[int, ...]]]:

@@ -30,6 +30,10 @@ class PagedKVCache:
                 self.layer_group[layer] = g
         self.key: list[torch.Tensor] = []
         self.value: list[torch.Tensor] = []
+        # CPU offloading: the same layout in (pinned, on CUDA) host memory.
+        self.host_key: list[torch.Tensor | None] = []
+        self.host_value: list[torch.Tensor | None] = []
+        pinned = spec.device.type == "cuda"
         for layer in range(spec.num_layers):
             shape = (self.group_num_blocks[self.layer_group[layer]] + 2, self.page_size, spec.num_kv_heads, spec.head_dim)
             k = torch.empty(shape, dtype=spec.dtype, device=spec.device)
@@ -39,6 +43,11 @@ class PagedKVCache:
             v[null].zero_()
             self.key.append(k)
             self.value.append(v)
+            host_blocks = plan.num_host_blocks[self.layer_group[layer]]
+            for store in (self.host_key, self.host_value):
+                store.append(
+                    torch.empty((host_blocks, *shape[1:]), dtype=spec.dtype, pin_memory=pinned) if host_blocks else None
+                )
 
     def null_block(self, group: int) -> int:
         """The always-zero block of ``group`` that padded reads point to."""
@@ -52,6 +61,34 @@ class PagedKVCache:
         """The layer's K and V viewed as ``[slots, kv_heads, head_dim]`` (slot = block * page + offset)."""
         shape = (-1, self.num_kv_heads, self.head_dim)
         return self.key[layer].view(shape), self.value[layer].view(shape)
+
+    def swap_out(self, copies: list[list[tuple[int, int]]]) -> None:
+        """Copy ``(device block, host block)`` pairs of each group to host memory.
+
+        Blocking: the device blocks may be handed to another request right after.
+        """
+        for layer, group in enumerate(self.layer_group):
+            pairs = copies[group] if group < len(copies) else []
+            if not pairs:
+                continue
+            device_ids = torch.tensor([d for d, _ in pairs], device=self.key[layer].device)
+            host_ids = torch.tensor([h for _, h in pairs])
+            for cache, host in ((self.key[layer], self.host_key[layer]), (self.value[layer], self.host_value[layer])):
+                assert host is not None
+                host.index_copy_(0, host_ids, cache.index_select(0, device_ids).cpu())
+
+    def swap_in(self, copies: list[list[tuple[int, int]]]) -> None:
+        """Copy ``(host block, device block)`` pairs of each group back into the cache."""
+        for layer, group in enumerate(self.layer_group):
+            pairs = copies[group] if group < len(copies) else []
+            if not pairs:
+                continue
+            device = self.key[layer].device
+            host_ids = torch.tensor([h for h, _ in pairs])
+            device_ids = torch.tensor([d for _, d in pairs], device=device)
+            for cache, host in ((self.key[layer], self.host_key[layer]), (self.value[layer], self.host_value[layer])):
+                assert host is not None
+                cache.index_copy_(0, device_ids, host.index_select(0, host_ids).to(device))
 
     @property
     def nbytes(self) -> int:

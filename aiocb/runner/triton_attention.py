@@ -1,0 +1,453 @@
+"""A Triton paged-attention kernel that reads the KV cache in place through block tables.
+
+One kernel serves every row of a step, decode rows (one new token) and prefill chunks
+(several new tokens after a cached past) alike, so a mixed batch is one launch and no
+keys are gathered into a dense copy first.
+
+Layout (see :mod:`aiocb.runner.paged_cache`): per layer a K and a V tensor
+``[num_blocks + 2, page_size, kv_heads, head_dim]``; the key at position ``p`` of row
+``b`` lives in block ``block_table[b, p // page_size]`` at offset ``p % page_size``.
+
+Work split: the grid is ``(rows, kv_heads, query tiles)``. A program owns ``BLOCK_Q``
+consecutive query tokens of one row times the ``G = Hq // Hkv`` query heads that share
+one KV head, flattened into a ``BLOCK_M = BLOCK_Q * G_PAD`` tile (token-major). Packing
+the head group into the tile is what keeps decode efficient: a single token still gives
+the matrix units ``G`` live rows, and each K/V tile is read from memory once for the
+whole group. The program walks the row's keys in ``BLOCK_N`` tiles up to the causal
+limit of its last query (from the window start of its first query when a sliding window
+is set) with an online, flash-attention style softmax accumulated in fp32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - exercised only where triton is absent
+    HAS_TRITON = False
+
+__all__ = ["HAS_TRITON", "is_available", "triton_paged_attention"]
+
+
+if HAS_TRITON:
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _attend_tile(  # type: ignore[no-untyped-def]
+        start_n,
+        q,
+        q_pos,
+        m_i,
+        l_i,
+        acc,
+        kv_end,
+        table_row,
+        k_head,
+        v_head,
+        stride_kb,
+        stride_kp,
+        stride_vb,
+        stride_vp,
+        scale,
+        softcap,
+        window,
+        ring_blocks,
+        offs_n,
+        offs_d,
+        d_valid,
+        PAGE_SIZE: tl.constexpr,
+        USE_SOFTCAP: tl.constexpr,
+        USE_WINDOW: tl.constexpr,
+        USE_RING: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+        UPCAST_DOT: tl.constexpr,
+        TILE_IN_PAGE: tl.constexpr,
+    ):
+        """One BLOCK_N tile of keys: scores, mask, online-softmax update of (m_i, l_i, acc)."""
+        key_pos = start_n + offs_n
+        key_valid = key_pos < kv_end
+        in_page = key_pos % PAGE_SIZE
+        if TILE_IN_PAGE:
+            # BLOCK_N divides the page and tiles start aligned: the whole tile is in one
+            # block. One scalar lookup; per-element offsets stay int32 (fewer registers).
+            column = start_n // PAGE_SIZE
+            if USE_RING:
+                column = column % ring_blocks
+            block = tl.load(table_row + column).to(tl.int64)  # int64: big caches overflow int32
+            k_tile = k_head + block * stride_kb
+            v_tile = v_head + block * stride_vb
+            k_ptrs = k_tile + in_page[None, :] * stride_kp + offs_d[:, None]
+            v_ptrs = v_tile + in_page[:, None] * stride_vp + offs_d[None, :]
+        else:
+            # The tile may straddle pages: one block-table lookup per key.
+            column = key_pos // PAGE_SIZE
+            if USE_RING:
+                column = column % ring_blocks
+            blocks = tl.load(table_row + column, mask=key_valid, other=0).to(tl.int64)
+            k_ptrs = k_head + blocks[None, :] * stride_kb + in_page[None, :] * stride_kp + offs_d[:, None]
+            v_ptrs = v_head + blocks[:, None] * stride_vb + in_page[:, None] * stride_vp + offs_d[None, :]
+        # K is loaded transposed, [D, N], ready for q @ k.
+        k = tl.load(k_ptrs, mask=key_valid[None, :] & d_valid[:, None], other=0.0)
+        if UPCAST_DOT:
+            k = k.to(tl.float32)
+
+        s = tl.dot(q, k, input_precision=DOT_PRECISION)
+        if USE_SOFTCAP:
+            s = s * scale
+            # tanh through exp: libdevice (tl.extra.*.tanh) is missing in the interpreter.
+            # exp(-2|x|) never overflows.
+            x = s / softcap
+            e = tl.exp(-2.0 * tl.abs(x))
+            t = (1.0 - e) / (1.0 + e)
+            s = tl.where(x < 0, -t, t) * softcap
+            s = s * 1.4426950408889634  # log2(e): the softmax below runs on exp2
+        else:
+            s = s * (scale * 1.4426950408889634)
+
+        visible = (key_pos[None, :] <= q_pos[:, None]) & key_valid[None, :]
+        if USE_WINDOW:
+            visible = visible & (key_pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
+
+        # Online softmax in the log2 domain (exp2 is the native instruction).
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+
+        v = tl.load(v_ptrs, mask=key_valid[:, None] & d_valid[None, :], other=0.0)
+        # P is rounded to the cache dtype, as the tensor cores want both operands alike.
+        p = p.to(v.dtype)
+        if UPCAST_DOT:
+            p = p.to(tl.float32)
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p, v, acc=acc, input_precision=DOT_PRECISION)
+        return m_new, l_i, acc
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _paged_attention_kernel(  # type: ignore[no-untyped-def]
+        q_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        out_ptr,
+        block_table_ptr,
+        query_start_ptr,
+        seq_lens_ptr,
+        scale,
+        softcap,
+        window,
+        ring_blocks,
+        stride_qt,
+        stride_qh,
+        stride_ot,
+        stride_oh,
+        stride_kb,
+        stride_kp,
+        stride_kh,
+        stride_vb,
+        stride_vp,
+        stride_vh,
+        stride_bt,
+        GROUP: tl.constexpr,
+        GROUP_PAD: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        HEAD_DIM_PAD: tl.constexpr,
+        PAGE_SIZE: tl.constexpr,
+        BLOCK_Q: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        USE_SOFTCAP: tl.constexpr,
+        USE_WINDOW: tl.constexpr,
+        USE_RING: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+        INTERPRETED: tl.constexpr,
+        TILE_IN_PAGE: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        q_tile = tl.program_id(2)
+
+        q_begin = tl.load(query_start_ptr + row)
+        q_len = tl.load(query_start_ptr + row + 1) - q_begin
+        # The grid is sized for the longest row; shorter rows (and q_len == 0 padding
+        # rows) leave their surplus programs here without touching memory.
+        if q_tile * BLOCK_Q >= q_len:
+            return
+        seq_len = tl.load(seq_lens_ptr + row)
+        context_start = seq_len - q_len  # position of the row's first new token
+
+        # Tile row m is query token m // GROUP_PAD of this tile, head m % GROUP_PAD of the group.
+        offs_m = tl.arange(0, BLOCK_M)
+        token = q_tile * BLOCK_Q + offs_m // GROUP_PAD
+        group_idx = offs_m % GROUP_PAD
+        head = kv_head * GROUP + group_idx
+        row_valid = (token < q_len) & (group_idx < GROUP)
+        q_pos = context_start + token
+
+        offs_d = tl.arange(0, HEAD_DIM_PAD)
+        d_valid = offs_d < HEAD_DIM
+
+        q_rows = (q_begin + token).to(tl.int64)
+        q_ptrs = q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+        q = tl.load(q_ptrs, mask=row_valid[:, None] & d_valid[None, :], other=0.0)
+        if INTERPRETED:
+            # The 3.6 interpreter multiplies bf16 operands of tl.dot as their raw uint16
+            # bits; it gets fp32 operands (values rounded to the cache dtype first).
+            q = q.to(tl.float32)
+
+        # Keys this tile needs: up to its last query's position (causal), and from its
+        # first query's window start on. The lower bound is aligned down to BLOCK_N so
+        # tiles stay aligned to pages when BLOCK_N divides the page size.
+        last_token = tl.minimum(q_len, (q_tile + 1) * BLOCK_Q)
+        kv_end = context_start + last_token
+        kv_begin = 0
+        if USE_WINDOW:
+            first_pos = context_start + q_tile * BLOCK_Q
+            kv_begin = tl.maximum(first_pos - window + 1, 0)
+            kv_begin = (kv_begin // BLOCK_N) * BLOCK_N
+
+        # Running max starts finite (not -inf) so fully masked tiles give exp2(-inf) = 0
+        # instead of exp2(-inf + inf) = NaN.
+        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+
+        offs_n = tl.arange(0, BLOCK_N)
+        table_row = block_table_ptr + row.to(tl.int64) * stride_bt
+        k_head = k_cache_ptr + kv_head * stride_kh
+        v_head = v_cache_ptr + kv_head * stride_vh
+        if INTERPRETED:
+            # Triton 3.6's interpreter converts range() bounds with int() on shape-[1]
+            # arrays, which NumPy >= 2.4 rejects; a while loop compares instead. Compiled
+            # kernels take the for loop (constexpr branch), which the compiler pipelines.
+            start_n = kv_begin
+            while start_n < kv_end:
+                m_i, l_i, acc = _attend_tile(
+                    start_n, q, q_pos, m_i, l_i, acc, kv_end, table_row, k_head, v_head,
+                    stride_kb, stride_kp, stride_vb, stride_vp, scale, softcap, window, ring_blocks,
+                    offs_n, offs_d, d_valid, PAGE_SIZE, USE_SOFTCAP, USE_WINDOW, USE_RING, DOT_PRECISION, INTERPRETED,
+                    TILE_IN_PAGE,
+                )  # fmt: skip
+                start_n += BLOCK_N
+        else:
+            for start_n in range(kv_begin, kv_end, BLOCK_N):
+                m_i, l_i, acc = _attend_tile(
+                    start_n, q, q_pos, m_i, l_i, acc, kv_end, table_row, k_head, v_head,
+                    stride_kb, stride_kp, stride_vb, stride_vp, scale, softcap, window, ring_blocks,
+                    offs_n, offs_d, d_valid, PAGE_SIZE, USE_SOFTCAP, USE_WINDOW, USE_RING, DOT_PRECISION, INTERPRETED,
+                    TILE_IN_PAGE,
+                )  # fmt: skip
+
+        # Every valid row sees at least its own key, so l_i > 0 there; padding rows of the
+        # tile are not stored but must not divide by zero either.
+        l_i = tl.where(l_i == 0.0, 1.0, l_i)
+        acc = acc / l_i[:, None]
+        out_ptrs = out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
+
+
+def is_available(device: torch.device) -> bool:
+    """Whether :func:`triton_paged_attention` can run on tensors of ``device``.
+
+    True on CUDA when triton imports, and on the CPU when the kernel was built by Triton's
+    interpreter (``TRITON_INTERPRET=1`` set before this module was imported).
+    """
+    if not HAS_TRITON:
+        return False
+    if device.type == "cuda":
+        return torch.cuda.is_available()
+    if device.type == "cpu":
+        return _interpreted()
+    return False
+
+
+def _interpreted() -> bool:
+    """Whether the kernel runs in Triton's interpreter (chosen when it was decorated)."""
+    return HAS_TRITON and type(_paged_attention_kernel).__name__ == "InterpretedFunction"
+
+
+@dataclass(frozen=True, slots=True)
+class _Config:
+    """Tile sizes and launch options."""
+
+    block_m: int  # query rows per program: BLOCK_Q tokens x GROUP_PAD heads
+    block_n: int  # keys per inner-loop tile
+    num_warps: int
+    num_stages: int
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
+def _choose_config(
+    max_query_len: int, group_pad: int, head_dim_pad: int, page_size: int, dtype: torch.dtype
+) -> _Config:
+    """Pick tiles from the step's shape (host ints only: no device sync).
+
+    Sizes were checked by compiling for sm_90 (no spills, cp.async pipelining, wgmma for
+    64-row tiles), not tuned by timing.
+    """
+    # tl.dot needs every dim >= 16. Decode-only steps fill the tile with the head group;
+    # longer chunks get a taller tile so each K/V tile is reused across more queries.
+    wide = head_dim_pad > 128
+    if dtype == torch.float32:
+        # fp32 goes through exact (FMA, not tensor-core) dots: small tiles or it spills.
+        tall, block_n, stages = 16, (16 if wide else 32), (1 if wide else 2)
+    else:
+        tall, block_n, stages = (32 if wide else 64), (32 if wide else 64), 2
+    block_m = max(16, group_pad, min(tall, _next_pow2(max_query_len * group_pad)))
+    if page_size >= 16 and page_size & (page_size - 1) == 0:
+        # Keep each K/V tile inside one page (aligned tiles never straddle): one
+        # block-table entry per tile.
+        block_n = min(block_n, page_size)
+    return _Config(block_m=block_m, block_n=block_n, num_warps=4, num_stages=stages)
+
+
+def triton_paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    softcap: float | None = None,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+    *,
+    ring_blocks: int | None = None,
+) -> torch.Tensor:
+    """Causal paged attention of a step's flat queries over the cache, ``-> [T, Hq, D]``.
+
+    ``query [T, Hq, D]`` holds every scheduled token back to back; row ``b`` owns
+    ``query[query_start[b]:query_start[b + 1]]`` (``q_len`` tokens, possibly 0), at
+    positions ``seq_lens[b] - q_len .. seq_lens[b] - 1``. The step's new K/V must already
+    be in ``key_cache``/``value_cache`` (``[num_blocks + 2, page_size, Hkv, D]``), reached
+    through ``block_table [B, max_blocks]`` (int32). Each query attends to its row's keys
+    at positions ``<= its own`` (and ``> its own - sliding_window`` when given), with
+    query head ``h`` reading KV head ``h // (Hq // Hkv)``. ``softcap`` applies
+    ``tanh(s / c) * c`` to the scaled logits before masking. Accumulation is fp32.
+
+    ``max_query_len`` (a host int, ``>= max q_len``) sizes the grid, so the launch needs
+    no device-to-host sync. ``ring_blocks`` is for sliding-window cache groups whose
+    block table is a ring (aiocb's layout): the key at ``p`` is then in column
+    ``(p // page_size) % ring_blocks``; the caller must make sure no key a query needs was
+    overwritten by a later token of the same step.
+
+    Rows not covered by any query (and the rows of ``out`` belonging to no row) are left
+    untouched in ``out``.
+    """
+    if not HAS_TRITON:
+        raise RuntimeError("triton is not installed")
+    if query.dim() != 3 or key_cache.dim() != 4:
+        raise ValueError("expected query [T, Hq, D] and caches [blocks, page, Hkv, D]")
+    _, num_heads, head_dim = query.shape
+    _, page_size, num_kv_heads, cache_dim = key_cache.shape
+    if value_cache.shape != key_cache.shape:
+        raise ValueError("key_cache and value_cache shapes differ")
+    if cache_dim != head_dim or num_heads % num_kv_heads:
+        raise ValueError(f"incompatible heads: query {tuple(query.shape)}, cache {tuple(key_cache.shape)}")
+    if not query.dtype == key_cache.dtype == value_cache.dtype:
+        raise ValueError(f"query {query.dtype} and caches {key_cache.dtype}/{value_cache.dtype} differ")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError("sliding_window must be >= 1")
+    group = num_heads // num_kv_heads
+
+    # The kernel indexes the head dim with unit stride.
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
+        raise ValueError("the caches' head dim must be contiguous")
+    if out is None:
+        out = torch.empty_like(query)
+    elif out.shape != query.shape or out.stride(-1) != 1:
+        raise ValueError("out must have the query's shape and a contiguous head dim")
+    block_table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
+
+    num_rows = block_table.shape[0]
+    if num_rows == 0 or max_query_len <= 0 or query.shape[0] == 0:
+        return out
+
+    group_pad = _next_pow2(group)
+    head_dim_pad = max(16, _next_pow2(head_dim))
+    config = _choose_config(max_query_len, group_pad, head_dim_pad, page_size, query.dtype)
+    return _launch(
+        query, key_cache, value_cache, block_table, query_start, seq_lens, max_query_len, scale,
+        softcap, sliding_window, ring_blocks, out, config,
+    )  # fmt: skip
+
+
+def _launch(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    softcap: float | None,
+    sliding_window: int | None,
+    ring_blocks: int | None,
+    out: torch.Tensor,
+    config: _Config,
+) -> torch.Tensor:
+    """Launch with explicit tiles (tests use it to force small, multi-tile shapes)."""
+    num_heads, head_dim = query.shape[1:]
+    page_size, num_kv_heads = key_cache.shape[1:3]
+    group = num_heads // num_kv_heads
+    group_pad = _next_pow2(group)
+    if config.block_m % group_pad or config.block_m < 16 or config.block_n < 16:
+        raise ValueError(f"bad tiles {config} for a head group of {group}")
+    block_q = config.block_m // group_pad
+    grid = (block_table.shape[0], num_kv_heads, triton.cdiv(max_query_len, block_q))
+    _paged_attention_kernel[grid](
+        query,
+        key_cache,
+        value_cache,
+        out,
+        block_table,
+        query_start,
+        seq_lens,
+        float(scale),
+        float(softcap) if softcap else 1.0,
+        int(sliding_window) if sliding_window is not None else 0,
+        int(ring_blocks) if ring_blocks is not None else 1,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        block_table.stride(0),
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=max(16, _next_pow2(head_dim)),
+        PAGE_SIZE=page_size,
+        BLOCK_Q=block_q,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        USE_SOFTCAP=bool(softcap),
+        USE_WINDOW=sliding_window is not None,
+        USE_RING=ring_blocks is not None,
+        # fp32 inputs would otherwise go through TF32 tensor cores on the GPU (~1e-3 error).
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        INTERPRETED=_interpreted(),
+        TILE_IN_PAGE=page_size % config.block_n == 0,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    return out

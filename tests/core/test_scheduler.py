@@ -1,0 +1,761 @@
+"""Scheduler: token and request budgets, chunked prefill, admission, preemption, stopping.
+
+Most tests drive a simulated engine loop: ``schedule()``, then "run" the step against a
+fake physical cache that checks every position a step reads holds what it should, then
+``update()`` with deterministic fake tokens.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from aiocb.core.kv_cache import CacheGroup, KVCacheManager, ring_size
+from aiocb.core.params import SamplingParams
+from aiocb.core.request import Request
+from aiocb.core.scheduler import Scheduler, SchedulerOutput, StepResult
+from aiocb.outputs import FinishReason, RequestStatus
+
+PAGE = 4
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def make_request(
+    request_id: str,
+    prompt_len: int,
+    max_new_tokens: int = 4,
+    *,
+    stop: frozenset[int] = frozenset(),
+    prompt: list[int] | None = None,
+) -> Request:
+    if prompt is None:
+        seed = sum(map(ord, request_id))
+        prompt = [1 + (seed * 31 + i * 7) % 997 for i in range(prompt_len)]
+    params = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=stop)
+    return Request(request_id, prompt, params, arrival_time=0.0)
+
+
+def fake_token(request: Request) -> int:
+    """The token 'sampled' after ``request``'s current tokens: a function of its content only."""
+    return 2000 + (sum(request.prompt_ids[:3]) * 13 + request.num_tokens * 7) % 1000
+
+
+def expected_output(request: Request, count: int) -> list[int]:
+    shadow = Request("shadow", list(request.prompt_ids), request.params, 0.0)
+    for _ in range(count):
+        shadow.token_ids.append(fake_token(shadow))
+    return shadow.output_ids
+
+
+def full_cache(num_blocks: int, *, prefix: bool = False, page: int = PAGE) -> KVCacheManager:
+    return KVCacheManager([CacheGroup((0,), num_blocks)], page, enable_prefix_caching=prefix)
+
+
+def make_scheduler(
+    kv: KVCacheManager,
+    *,
+    budget: int = 64,
+    max_requests: int = 64,
+    scheduler_type: str = "fifo",
+    margin: float = 0.0,
+    max_model_len: int | None = None,
+) -> Scheduler:
+    return Scheduler(
+        kv,
+        max_batch_tokens=budget,
+        max_requests_per_batch=max_requests,
+        scheduler_type=scheduler_type,
+        safety_margin=margin,
+        max_model_len=max_model_len,
+    )
+
+
+def plan(output: SchedulerOutput) -> list[tuple[str, int, int, bool]]:
+    """``(request id, start, num_tokens, sample)`` per scheduled request, in order."""
+    return [(s.request.request_id, s.start, s.num_tokens, s.sample) for s in output.scheduled]
+
+
+def step(scheduler: Scheduler, now: float = 1.0) -> tuple[SchedulerOutput, list[Request]]:
+    """One engine step with fake tokens."""
+    output = scheduler.schedule()
+    tokens = [fake_token(s.request) for s in output.scheduled if s.sample]
+    return output, scheduler.update(output, StepResult(tokens), now)
+
+
+class PhysicalCache:
+    """What the KV tensors would hold: ``(position, token)`` per (group, block, offset).
+
+    Before a step writes, it checks every earlier position each scheduled request attends
+    to is stored where its block table says, with the right token: a wrong prefix hit, a
+    block handed to two requests, or a ring too small shows up as a mismatch.
+    """
+
+    def __init__(self, kv: KVCacheManager) -> None:
+        self.kv = kv
+        self.windows = [g.sliding_window for g in kv.groups]
+        self.rings = [None if w is None else ring_size(w, kv.page_size) for w in self.windows]
+        self.slots: list[dict[tuple[int, int], tuple[int, int]]] = [{} for _ in kv.groups]
+
+    def _where(self, group: int, table: list[int], position: int) -> tuple[int, int]:
+        column = position // self.kv.page_size
+        ring = self.rings[group]
+        if ring is not None:
+            column %= ring
+        return table[column], position % self.kv.page_size
+
+    def registered(self) -> list[dict[int, bytes]]:
+        """Per group, the blocks that hold a registered (shareable, immutable) prefix block."""
+        return [
+            {b: h for b in range(pool.num_blocks) if (h := pool.block_hash(b)) is not None} for pool in self.kv.pools
+        ]
+
+    def run(self, output: SchedulerOutput, registered_before: list[dict[int, bytes]]) -> None:
+        """Apply a step: check every read against what was written, and that a shared block
+        is only written by the one request computing it in this step.
+
+        (Blocks a step computes are registered when it is planned, so that a request
+        admitted into the same step can share them; a block overwritten while another
+        request could still hit it shows up as a wrong read.)
+        """
+        writers: list[dict[int, Request]] = [{} for _ in self.windows]
+        for item in output.scheduled:
+            request = item.request
+            for group, window in enumerate(self.windows):
+                table = request.block_ids[group]
+                first = 0 if window is None else max(0, item.start - (window - 1))
+                for position in range(first, item.start):
+                    where = self._where(group, table, position)
+                    held = self.slots[group].get(where)
+                    assert held == (position, request.token_ids[position]), (request.request_id, group, position)
+                pool = self.kv.pools[group]
+                for position in range(item.start, item.start + item.num_tokens):
+                    block, offset = self._where(group, table, position)
+                    # Shared only with requests admitted into this step to reuse what it computes.
+                    assert pool.ref_count(block) == 1 or block not in registered_before[group], "writes a shared block"
+                    assert writers[group].setdefault(block, request) is request, "two requests write one block"
+                    self.slots[group][(block, offset)] = (position, request.token_ids[position])
+
+
+@dataclass
+class SimResult:
+    steps: int = 0
+    finished: Counter[str] = field(default_factory=Counter)
+    preempted: Counter[str] = field(default_factory=Counter)
+    #: the step (0-based) at which each request finished
+    finished_at: dict[str, int] = field(default_factory=dict)
+    max_running: int = 0
+
+
+def check_state(scheduler: Scheduler) -> None:
+    """Invariants that hold between steps (and right after ``schedule()``)."""
+    kv = scheduler.kv_cache
+    assert not set(scheduler.waiting) & set(scheduler.running)
+    # prompt tokens: what admission backpressure bounds (a preempted request's output is not counted)
+    assert scheduler.num_waiting_tokens == sum(r.num_prompt_tokens for r in scheduler.waiting)
+    for request in scheduler.waiting:
+        assert request.status is RequestStatus.PENDING
+        assert request.block_ids == []
+        assert request.num_computed_tokens == 0
+    for g, pool in enumerate(kv.pools):
+        held: Counter[int] = Counter()
+        for request in scheduler.running:
+            assert request.status in (RequestStatus.PREFILLING, RequestStatus.DECODING)
+            table = request.block_ids[g]
+            assert len(set(table)) == len(table)
+            assert len(table) == kv._blocks_wanted(g, request.num_computed_tokens)
+            held.update(table)
+        for block in range(pool.num_blocks):
+            assert pool.ref_count(block) == held[block], (g, block)
+        assert pool.num_free == pool.num_blocks - len(held)
+
+
+def simulate(
+    scheduler: Scheduler,
+    requests: list[Request],
+    *,
+    max_steps: int = 10_000,
+) -> SimResult:
+    """Run the engine loop until every request has finished; check invariants each step."""
+    physical = PhysicalCache(scheduler.kv_cache)
+    result = SimResult()
+    for request in requests:
+        scheduler.add(request)
+    while scheduler.has_work:
+        assert result.steps < max_steps, "no progress: deadlock or livelock"
+        order = {r: i for i, r in enumerate(scheduler.running)}
+        before = {r: r.num_computed_tokens for r in scheduler.running}
+        registered_before = physical.registered()
+        output = scheduler.schedule()
+        assert not output.is_empty, "an empty step while requests are pending"
+        assert output.num_tokens <= scheduler.max_batch_tokens
+        assert len(output.scheduled) <= scheduler.max_requests_per_batch
+        scheduled = [s.request for s in output.scheduled]
+        assert len(set(scheduled)) == len(scheduled)
+        for item in output.scheduled:
+            request = item.request
+            assert item.num_tokens >= 1
+            assert request in scheduler.running
+            assert item.start + item.num_tokens == request.num_computed_tokens <= request.num_tokens
+            assert item.sample == (request.num_computed_tokens == request.num_tokens)
+            if request in before:  # a running request continues where it was
+                assert item.start == before[request]
+        # preemption takes the newest running requests and puts them first in line, in order
+        for victim in output.preempted:
+            assert victim in order
+            assert victim not in scheduler.running
+            assert all(order[victim] > order[r] for r in scheduler.running if r in order)
+            result.preempted[victim.request_id] += 1
+        assert list(scheduler.waiting)[: len(output.preempted)] == sorted(output.preempted, key=order.__getitem__)
+        check_state(scheduler)
+        physical.run(output, registered_before)
+        result.max_running = max(result.max_running, len(scheduler.running))
+        tokens = [fake_token(s.request) for s in output.scheduled if s.sample]
+        finished = scheduler.update(output, StepResult(tokens), float(result.steps))
+        for request in finished:
+            assert request.is_finished
+            assert request.block_ids == []
+            assert request not in scheduler.running
+            assert request not in scheduler.waiting
+            result.finished[request.request_id] += 1
+            result.finished_at[request.request_id] = result.steps
+        check_state(scheduler)
+        result.steps += 1
+    kv = scheduler.kv_cache
+    assert kv.num_free_blocks == kv.num_total_blocks, "blocks leaked"
+    assert scheduler.num_waiting_tokens == 0
+    return result
+
+
+def assert_all_finished(result: SimResult, requests: list[Request]) -> None:
+    assert result.finished == Counter({r.request_id: 1 for r in requests})
+    for request in requests:
+        assert request.status is RequestStatus.FINISHED
+        assert request.finish_reason is FinishReason.LENGTH
+        assert request.output_ids == expected_output(request, request.params.max_new_tokens)
+        assert request.num_preemptions == result.preempted[request.request_id]
+
+
+# ---------------------------------------------------------------------- budgets, chunking
+
+
+def test_chunked_prefill_spreads_a_long_prompt_and_samples_only_at_its_end() -> None:
+    scheduler = make_scheduler(full_cache(64), budget=10)
+    request = make_request("a", 25, max_new_tokens=3)
+    scheduler.add(request)
+    plans = []
+    for _ in range(5):
+        output, _ = step(scheduler)
+        plans.append(plan(output))
+    assert plans == [
+        [("a", 0, 10, False)],
+        [("a", 10, 10, False)],
+        [("a", 20, 5, True)],
+        [("a", 25, 1, True)],
+        [("a", 26, 1, True)],
+    ]
+    assert request.status is RequestStatus.FINISHED
+    assert request.first_token_time == 1.0
+    assert request.num_output_tokens == 3
+    assert not scheduler.has_work
+
+
+def test_update_takes_tokens_only_for_sampled_rows() -> None:
+    scheduler = make_scheduler(full_cache(64), budget=12)
+    a, b = make_request("a", 3), make_request("b", 20)
+    scheduler.add(a)
+    scheduler.add(b)
+    output = scheduler.schedule()
+    assert plan(output) == [("a", 0, 3, True), ("b", 0, 9, False)]
+    assert scheduler.update(output, StepResult([42]), 1.0) == []
+    assert a.output_ids == [42]
+    assert b.output_ids == []
+    assert a.status is RequestStatus.DECODING
+    assert b.status is RequestStatus.PREFILLING
+    assert b.first_token_time is None
+
+
+def test_update_records_logprobs() -> None:
+    scheduler = make_scheduler(full_cache(64))
+    a, b = make_request("a", 3), make_request("b", 5)
+    scheduler.add(a)
+    scheduler.add(b)
+    output = scheduler.schedule()
+    scheduler.update(output, StepResult([7, 8], [-0.5, -1.5]), 1.0)
+    assert (a.output_ids, a.logprobs) == ([7], [-0.5])
+    assert (b.output_ids, b.logprobs) == ([8], [-1.5])
+
+
+@pytest.mark.parametrize("budget", [1, 3, 7, 16])
+def test_token_budget_is_respected_every_step(budget: int) -> None:
+    scheduler = make_scheduler(full_cache(200), budget=budget)
+    requests = [make_request(f"r{i}", 5 + 3 * i, max_new_tokens=4) for i in range(6)]
+    result = simulate(scheduler, requests)  # simulate() asserts the budget at every step
+    assert_all_finished(result, requests)
+    # a one-token budget still finishes, one token per step
+    total = sum(r.num_prompt_tokens + r.params.max_new_tokens - 1 for r in requests)
+    assert result.steps >= -(-total // budget)
+    assert scheduler.stats.num_computed_tokens == total
+
+
+def test_a_step_fills_the_budget_when_work_allows() -> None:
+    scheduler = make_scheduler(full_cache(200), budget=16)
+    for i in range(4):
+        scheduler.add(make_request(f"r{i}", 10))
+    output = scheduler.schedule()
+    assert output.num_tokens == 16
+    assert plan(output) == [("r0", 0, 10, True), ("r1", 0, 6, False)]
+
+
+@pytest.mark.parametrize("max_requests", [1, 2, 3])
+def test_max_requests_per_batch_is_respected(max_requests: int) -> None:
+    scheduler = make_scheduler(full_cache(200), budget=64, max_requests=max_requests)
+    requests = [make_request(f"r{i}", 3, max_new_tokens=3) for i in range(5)]
+    for request in requests:
+        scheduler.add(request)
+    output = scheduler.schedule()
+    assert len(output.scheduled) == max_requests
+    assert len(scheduler.running) == max_requests
+    assert len(scheduler.waiting) == 5 - max_requests
+    # and over a whole run (simulate() checks every step)
+    fresh = [make_request(f"r{i}", 3, max_new_tokens=3) for i in range(5)]
+    result = simulate(make_scheduler(full_cache(200), budget=64, max_requests=max_requests), fresh)
+    assert result.max_running == max_requests
+    assert_all_finished(result, fresh)
+
+
+def test_decode_and_prefill_share_a_step() -> None:
+    scheduler = make_scheduler(full_cache(64), budget=8)
+    a = make_request("a", 4, max_new_tokens=5)
+    scheduler.add(a)
+    step(scheduler)
+    b = make_request("b", 20)
+    scheduler.add(b)
+    output, _ = step(scheduler)
+    assert plan(output) == [("a", 4, 1, True), ("b", 0, 7, False)]
+    assert b.status is RequestStatus.PREFILLING
+
+
+def _decoder_and_long_prefill(scheduler_type: str) -> tuple[Scheduler, SchedulerOutput]:
+    scheduler = make_scheduler(full_cache(64), budget=16, scheduler_type=scheduler_type)
+    scheduler.add(make_request("a", 4, max_new_tokens=8))
+    scheduler.add(make_request("b", 30))
+    first, _ = step(scheduler)
+    assert plan(first) == [("a", 0, 4, True), ("b", 0, 12, False)]
+    return scheduler, scheduler.schedule()
+
+
+def test_fifo_schedules_decoding_requests_before_prefilling_ones() -> None:
+    _, output = _decoder_and_long_prefill("fifo")
+    assert plan(output) == [("a", 4, 1, True), ("b", 12, 15, False)]
+
+
+def test_prefill_first_schedules_prefilling_requests_before_decoding_ones() -> None:
+    scheduler, output = _decoder_and_long_prefill("prefill_first")
+    assert plan(output) == [("b", 12, 16, False)]  # b takes the whole budget, a waits a step
+    scheduler.update(output, StepResult([]), 2.0)
+    output, _ = step(scheduler)
+    assert plan(output) == [("b", 28, 2, True), ("a", 4, 1, True)]
+
+
+def test_fifo_decoding_order_follows_admission_order() -> None:
+    scheduler = make_scheduler(full_cache(64), budget=64)
+    for name in "abc":
+        scheduler.add(make_request(name, 3, max_new_tokens=5))
+    step(scheduler)
+    output, _ = step(scheduler)
+    assert [s.request.request_id for s in output.scheduled] == ["a", "b", "c"]
+
+
+# ---------------------------------------------------------------------- admission
+
+
+def test_safety_margin_blocks_admission_while_requests_run() -> None:
+    scheduler = make_scheduler(full_cache(10), budget=64, margin=0.5)
+    a = make_request("a", 24, max_new_tokens=2)  # 6 of 10 blocks: 40% left, under the margin
+    scheduler.add(a)
+    step(scheduler)
+    b = make_request("b", 4, max_new_tokens=2)
+    scheduler.add(b)
+    output, _ = step(scheduler)
+    assert plan(output) == [("a", 24, 1, True)]  # b fits, but the margin keeps it waiting
+    assert b in scheduler.waiting
+    assert a.is_finished
+    output, _ = step(scheduler)  # nothing runs now: b is admitted
+    assert plan(output) == [("b", 0, 4, True)]
+
+
+def test_no_margin_admits_what_fits() -> None:
+    scheduler = make_scheduler(full_cache(10), budget=64, margin=0.0)
+    scheduler.add(make_request("a", 24, max_new_tokens=2))
+    step(scheduler)
+    scheduler.add(make_request("b", 4, max_new_tokens=2))
+    output, _ = step(scheduler)
+    assert plan(output) == [("a", 24, 1, True), ("b", 0, 4, True)]
+
+
+def test_a_full_margin_runs_one_request_at_a_time_but_never_stalls() -> None:
+    scheduler = make_scheduler(full_cache(20), budget=64, margin=1.0)
+    requests = [make_request(f"r{i}", 6, max_new_tokens=3) for i in range(4)]
+    result = simulate(scheduler, requests)
+    assert result.max_running == 1  # nothing runs: admitted; something runs: margin not met
+    assert_all_finished(result, requests)
+
+
+def test_admission_is_first_in_first_out() -> None:
+    scheduler = make_scheduler(full_cache(4), budget=64)
+    big = make_request("big", 16, max_new_tokens=1)  # the whole cache
+    small = make_request("small", 2, max_new_tokens=1)
+    scheduler.add(make_request("a", 4, max_new_tokens=3))
+    scheduler.add(big)
+    scheduler.add(small)
+    output, _ = step(scheduler)
+    assert plan(output) == [("a", 0, 4, True)]  # small would fit, but big is first in line
+    assert list(scheduler.waiting) == [big, small]
+    assert big.block_ids == []
+
+
+def test_admission_stops_at_the_token_budget() -> None:
+    scheduler = make_scheduler(full_cache(64), budget=5)
+    for name in "abc":
+        scheduler.add(make_request(name, 5))
+    output = scheduler.schedule()
+    assert plan(output) == [("a", 0, 5, True)]
+    assert len(scheduler.waiting) == 2
+
+
+# ---------------------------------------------------------------------- preemption
+
+
+def test_preemption_frees_the_newest_request_and_requeues_it_first() -> None:
+    scheduler = make_scheduler(full_cache(4), budget=64)
+    a = make_request("a", 8, max_new_tokens=3)
+    b = make_request("b", 8, max_new_tokens=3)
+    c = make_request("c", 2, max_new_tokens=1)
+    for request in (a, b, c):
+        scheduler.add(request)
+    output, _ = step(scheduler)
+    assert plan(output) == [("a", 0, 8, True), ("b", 0, 8, True)]  # the cache is full: c waits
+    b_tokens = list(b.token_ids)
+    # a's 9th token needs a third block: b, the newest, makes room
+    output, _ = step(scheduler)
+    assert plan(output) == [("a", 8, 1, True)]
+    assert output.preempted == [b]
+    assert list(scheduler.waiting) == [b, c]
+    assert b.status is RequestStatus.PENDING
+    assert b.block_ids == []
+    assert b.num_computed_tokens == 0
+    assert b.num_preemptions == 1
+    assert b.token_ids == b_tokens  # generated tokens are kept, only the KV is recomputed
+    assert scheduler.num_waiting_tokens == 8 + 2  # prompt tokens
+    assert scheduler.stats.num_preemptions == 1
+    assert scheduler.stats.num_recomputed_tokens == 8
+    # a finishes; b is recomputed from scratch, its generated token included
+    output, _ = step(scheduler)
+    assert plan(output) == [("a", 9, 1, True)]
+    assert a.is_finished
+    output, _ = step(scheduler)
+    assert plan(output) == [("b", 0, 9, True), ("c", 0, 2, True)]
+    assert b.output_ids == expected_output(b, 2)
+
+
+def test_preemption_of_a_request_planned_earlier_in_the_step_unplans_it() -> None:
+    # prefill_first: b (newest, prefilling) is planned first and takes the last block; a
+    # (decoding, older) then needs a block, so b is preempted and must leave the plan.
+    kv = full_cache(3)
+    scheduler = make_scheduler(kv, budget=5, scheduler_type="prefill_first")
+    a = make_request("a", 3, max_new_tokens=8)
+    scheduler.add(a)
+    step(scheduler)
+    b = make_request("b", 5, max_new_tokens=1)
+    scheduler.add(b)
+    output, _ = step(scheduler)
+    assert plan(output) == [("a", 3, 1, True), ("b", 0, 4, False)]
+    assert kv.num_free_blocks == 1
+    output = scheduler.schedule()
+    assert output.preempted == [b]
+    assert plan(output) == [("a", 4, 1, True)]
+    assert list(scheduler.waiting) == [b]
+    assert b.num_computed_tokens == 0
+    assert scheduler.stats.num_recomputed_tokens == 4
+    check_state(scheduler)
+
+
+def test_the_oldest_request_is_never_preempted() -> None:
+    kv = full_cache(6)
+    scheduler = make_scheduler(kv, budget=16)
+    requests = [make_request(f"r{i}", 6 + i % 3, max_new_tokens=10) for i in range(8)]
+    result = simulate(scheduler, requests)
+    assert_all_finished(result, requests)
+    assert sum(result.preempted.values()) > 0  # the cache really was too small
+    assert result.preempted["r0"] == 0
+    # and it progresses every step: prefill in the first, then one token per step
+    assert result.finished_at["r0"] == requests[0].params.max_new_tokens - 1
+
+
+@pytest.mark.parametrize("scheduler_type", ["fifo", "prefill_first"])
+@pytest.mark.parametrize("prefix", [False, True])
+def test_many_requests_on_a_tiny_cache_all_finish(scheduler_type: str, prefix: bool) -> None:
+    kv = full_cache(8, prefix=prefix)  # 32 tokens of cache
+    scheduler = make_scheduler(kv, budget=12, max_requests=6, scheduler_type=scheduler_type, margin=0.1)
+    lengths = [3, 17, 9, 1, 20, 5, 12, 8, 2, 15, 11, 4, 7, 13, 6, 10]
+    requests = [make_request(f"r{i}", n, max_new_tokens=1 + (i * 5) % 12) for i, n in enumerate(lengths)]
+    result = simulate(scheduler, requests, max_steps=2000)
+    assert_all_finished(result, requests)
+    assert sum(result.preempted.values()) > 0
+    assert scheduler.stats.num_preemptions == sum(result.preempted.values())
+    assert scheduler.stats.num_generated_tokens == sum(r.params.max_new_tokens for r in requests)
+
+
+def test_requests_sharing_a_prefix_on_a_tiny_cache() -> None:
+    kv = full_cache(10, prefix=True)
+    scheduler = make_scheduler(kv, budget=10, max_requests=4, margin=0.0)
+    system = list(range(500, 512))  # 3 pages shared by everyone
+    requests = [
+        make_request(f"r{i}", 0, max_new_tokens=2 + i % 5, prompt=[*system, *range(i, i + 1 + i % 7)])
+        for i in range(12)
+    ]
+    result = simulate(scheduler, requests, max_steps=2000)
+    assert_all_finished(result, requests)
+    assert kv.num_prefix_hit_tokens > 0
+    assert any(r.num_cached_tokens >= 12 for r in requests)
+
+
+def test_hybrid_cache_with_a_sliding_group_finishes_everything() -> None:
+    groups = [CacheGroup((0,), 12), CacheGroup((1,), 6, sliding_window=6)]  # ring of 3
+    kv = KVCacheManager(groups, PAGE, enable_prefix_caching=True)
+    scheduler = make_scheduler(kv, budget=9, max_requests=4)
+    requests = [make_request(f"r{i}", 3 + 4 * i, max_new_tokens=6) for i in range(6)]
+    result = simulate(scheduler, requests, max_steps=2000)
+    assert_all_finished(result, requests)
+    assert sum(result.preempted.values()) > 0  # the sliding pool ran out of rings
+
+
+# ---------------------------------------------------------------------- stopping
+
+
+def test_a_stop_token_finishes_with_stop_and_is_kept() -> None:
+    scheduler = make_scheduler(full_cache(16))
+    probe = make_request("a", 4, max_new_tokens=10)
+    stop_after_two = expected_output(probe, 2)[1]
+    assert expected_output(probe, 1)[0] != stop_after_two  # so the stop ends the second token
+    request = make_request("a", 4, max_new_tokens=10, stop=frozenset({stop_after_two}))
+    scheduler.add(request)
+    finished: list[Request] = []
+    for _ in range(5):
+        finished += step(scheduler)[1]
+    assert finished == [request]
+    assert request.finish_reason is FinishReason.STOP
+    assert request.status is RequestStatus.FINISHED
+    assert request.output_ids == expected_output(request, 2)
+    assert request.output_ids[-1] == stop_after_two
+
+
+def test_max_new_tokens_finishes_with_length() -> None:
+    scheduler = make_scheduler(full_cache(16))
+    request = make_request("a", 4, max_new_tokens=3)
+    scheduler.add(request)
+    results = [step(scheduler, now=float(i))[1] for i in range(3)]
+    assert results == [[], [], [request]]
+    assert request.finish_reason is FinishReason.LENGTH
+    assert request.num_output_tokens == 3
+    assert request.finished_time == 2.0
+    assert request.first_token_time == 0.0
+    assert request.block_ids == []
+    assert not scheduler.has_work
+
+
+def test_max_model_len_finishes_with_length() -> None:
+    scheduler = make_scheduler(full_cache(16), max_model_len=7)
+    request = make_request("a", 5, max_new_tokens=10)
+    scheduler.add(request)
+    step(scheduler)
+    assert not request.is_finished
+    _, finished = step(scheduler)
+    assert finished == [request]
+    assert request.finish_reason is FinishReason.LENGTH
+    assert request.num_tokens == 7
+
+
+def test_a_stop_token_wins_over_length() -> None:
+    scheduler = make_scheduler(full_cache(16))
+    probe = make_request("a", 4, max_new_tokens=1)
+    request = make_request("a", 4, max_new_tokens=1, stop=frozenset(expected_output(probe, 1)))
+    scheduler.add(request)
+    step(scheduler)
+    assert request.finish_reason is FinishReason.STOP
+
+
+# ---------------------------------------------------------------------- finish()
+
+
+def test_finish_a_waiting_request() -> None:
+    scheduler = make_scheduler(full_cache(16))
+    a, b = make_request("a", 5), make_request("b", 7)
+    scheduler.add(a)
+    scheduler.add(b)
+    assert scheduler.num_waiting_tokens == 12
+    scheduler.finish(a, FinishReason.CANCELLED, 3.0, status=RequestStatus.CANCELLED)
+    assert a.status is RequestStatus.CANCELLED
+    assert a.finish_reason is FinishReason.CANCELLED
+    assert a.finished_time == 3.0
+    assert list(scheduler.waiting) == [b]
+    assert scheduler.num_waiting_tokens == 7
+    output, _ = step(scheduler)
+    assert plan(output) == [("b", 0, 7, True)]
+
+
+def test_finish_a_running_request_frees_its_blocks_and_drops_its_token() -> None:
+    kv = full_cache(16)
+    scheduler = make_scheduler(kv)
+    a, b = make_request("a", 5), make_request("b", 6)
+    scheduler.add(a)
+    scheduler.add(b)
+    step(scheduler)
+    output = scheduler.schedule()
+    assert kv.num_free_blocks == 16 - 2 - 2
+    scheduler.finish(a, FinishReason.ERROR, 2.0, status=RequestStatus.FAILED, error="boom")
+    assert kv.num_free_blocks == 16 - 2
+    assert a.block_ids == []
+    assert a not in scheduler.running
+    # the step was already planned with a in it: its row is skipped, b gets its own token
+    assert scheduler.update(output, StepResult([111, 222]), 3.0) == []
+    assert a.num_output_tokens == 1
+    assert b.output_ids[-1] == 222
+    assert (a.status, a.finish_reason, a.error) == (RequestStatus.FAILED, FinishReason.ERROR, "boom")
+    check_state(scheduler)
+
+
+def test_finish_is_idempotent() -> None:
+    kv = full_cache(16)
+    scheduler = make_scheduler(kv)
+    request = make_request("a", 5)
+    scheduler.add(request)
+    step(scheduler)
+    scheduler.finish(request, FinishReason.CANCELLED, 2.0, status=RequestStatus.CANCELLED)
+    scheduler.finish(request, FinishReason.TIMEOUT, 5.0, status=RequestStatus.FAILED, error="late")
+    assert (request.status, request.finish_reason, request.finished_time, request.error) == (
+        RequestStatus.CANCELLED,
+        FinishReason.CANCELLED,
+        2.0,
+        None,
+    )
+    assert kv.num_free_blocks == kv.num_total_blocks
+    assert scheduler.num_waiting_tokens == 0
+    assert not scheduler.has_work
+
+
+def test_num_waiting_tokens_tracks_the_queue() -> None:
+    scheduler = make_scheduler(full_cache(4), budget=64)
+    a, b, c = make_request("a", 8, 3), make_request("b", 8, 3), make_request("c", 3, 3)
+    for request in (a, b, c):
+        scheduler.add(request)
+    assert scheduler.num_waiting_tokens == 19
+    step(scheduler)  # a, b admitted
+    assert scheduler.num_waiting_tokens == 3
+    step(scheduler)  # b preempted with its generated token: its prompt counts again
+    assert b in scheduler.waiting
+    assert b.num_output_tokens == 1
+    assert scheduler.num_waiting_tokens == 3 + 8
+    scheduler.finish(b, FinishReason.CANCELLED, 1.0)
+    assert scheduler.num_waiting_tokens == 3
+    check_state(scheduler)
+
+
+# ---------------------------------------------------------------------- prefix hits in the scheduler
+
+
+def test_a_prefix_hit_skips_the_cached_tokens() -> None:
+    kv = full_cache(16, prefix=True)
+    scheduler = make_scheduler(kv)
+    prompt = list(range(1, 15))  # 3 full pages + 2
+    a = make_request("a", 0, max_new_tokens=1, prompt=prompt)
+    scheduler.add(a)
+    step(scheduler)
+    b = make_request("b", 0, max_new_tokens=1, prompt=prompt)
+    scheduler.add(b)
+    output, _ = step(scheduler)
+    assert plan(output) == [("b", 12, 2, True)]
+    assert b.num_cached_tokens == 12
+    assert kv.num_prefix_hit_tokens == 12
+    assert scheduler.stats.num_computed_tokens == 14 + 2
+
+
+def test_a_failed_admission_does_not_count_prefix_hits() -> None:
+    # Regression: a request whose hits are released because it does not fit yet counted
+    # its hits again at every retry.
+    kv = full_cache(6, prefix=True)
+    scheduler = make_scheduler(kv)
+    shared = list(range(1, 9))  # 2 pages
+    a = make_request("a", 0, max_new_tokens=6, prompt=[*shared, 50, 51, 52, 53, 54, 55, 56, 57])  # 4 blocks
+    scheduler.add(a)
+    step(scheduler)
+    b = make_request("b", 0, max_new_tokens=1, prompt=[*shared, *range(60, 72)])  # 2 hits + 3 new blocks
+    scheduler.add(b)
+    for _ in range(3):
+        output, _ = step(scheduler)
+        assert [s.request for s in output.scheduled] == [a]  # b does not fit next to a
+        assert b.num_computed_tokens == 0
+        assert b.block_ids == []
+    assert kv.num_prefix_hit_tokens == 0
+    while not a.is_finished:
+        step(scheduler)
+    output, _ = step(scheduler)
+    assert plan(output) == [("b", 8, 12, True)]
+    assert b.num_cached_tokens == 8
+    assert kv.num_prefix_hit_tokens == 8
+
+
+# ---------------------------------------------------------------------- property test
+
+
+@st.composite
+def workloads(draw: st.DrawFn) -> tuple[Scheduler, list[Request]]:
+    page = draw(st.sampled_from([1, 2, 4, 8]))
+    num_blocks = draw(st.integers(2, 24))
+    sliding = draw(st.one_of(st.none(), st.integers(1, 20)))
+    groups = [CacheGroup((0,), num_blocks)]
+    if sliding is not None:
+        ring = ring_size(sliding, page)
+        groups.append(CacheGroup((1,), draw(st.integers(ring, 3 * ring)), sliding_window=sliding))
+    kv = KVCacheManager(groups, page, enable_prefix_caching=draw(st.booleans()))
+    capacity = kv.capacity_tokens
+    assert capacity == num_blocks * page
+    scheduler = make_scheduler(
+        kv,
+        budget=draw(st.integers(1, 40)),
+        max_requests=draw(st.integers(1, 8)),
+        scheduler_type=draw(st.sampled_from(["fifo", "prefill_first"])),
+        margin=draw(st.sampled_from([0.0, 0.1, 0.15, 0.5, 1.0])),
+    )
+    shared = draw(st.lists(st.integers(1, 5), max_size=capacity))  # e.g. a system prompt
+    requests: list[Request] = []
+    for i in range(draw(st.integers(1, 10))):
+        # the manager's limit: prompt + max_new_tokens fits the cache alone
+        total = draw(st.integers(2, capacity + 1))  # the last token's KV is never needed
+        max_new = draw(st.integers(1, total - 1))
+        prompt_len = total - max_new
+        kind = draw(st.sampled_from(["fresh", "shared", "repeat"]))
+        if kind == "repeat" and requests:  # an earlier prompt again (or its start): full-page hits
+            prompt = requests[draw(st.integers(0, len(requests) - 1))].prompt_ids[:prompt_len]
+        else:
+            prompt = shared[:prompt_len] if kind == "shared" else []
+        prompt = prompt + [100 + (i * 37 + j) % 50 for j in range(prompt_len - len(prompt))]
+        requests.append(make_request(f"r{i}", 0, max_new_tokens=max_new, prompt=prompt))
+    return scheduler, requests
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workload=workloads())
+def test_random_workloads_run_to_completion(workload: tuple[Scheduler, list[Request]]) -> None:
+    scheduler, requests = workload
+    total = sum(r.num_prompt_tokens + r.params.max_new_tokens for r in requests)
+    result = simulate(scheduler, requests, max_steps=50 * total + 50)
+    assert_all_finished(result, requests)
+    assert result.preempted[requests[0].request_id] == 0
+    assert scheduler.stats.num_generated_tokens == sum(r.params.max_new_tokens for r in requests)

@@ -1,0 +1,153 @@
+"""The GPU path's logic, exercised on the CPU: backends, graph padding, compile levels."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import pytest
+import torch
+from transformers import PreTrainedModel
+
+import aiocb
+from aiocb.runner import attention
+from aiocb.runner.backends import TRITON, select_backends
+from aiocb.runner.compile import compile_configs
+from aiocb.runner.cuda_graphs import DecodeGraphs, batch_buckets
+from aiocb.runner.inputs import REFERENCE, AttentionMetadata, HostToDevice, StepBatch, prepare_inputs, snapshot
+from aiocb.runner.model_runner import ModelRunner, _forward
+from tests.conftest import random_prompts, reference_generate, tiny_qwen3
+
+PROMPTS = random_prompts(4, 5, 40, seed=16)
+
+
+def test_triton_backend_matches_generate_through_the_whole_model(
+    qwen3: PreTrainedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("triton")
+    monkeypatch.setenv("AIOCB_ATTENTION_BACKEND", TRITON)
+    config = aiocb.ContinuousBatchingConfig(page_size=16, max_batch_tokens=48)
+    outputs = aiocb.generate_batch(qwen3, PROMPTS, max_new_tokens=6, continuous_batching_config=config)
+    assert [o.generated_tokens for o in outputs.values()] == [reference_generate(qwen3, p, 6) for p in PROMPTS]
+
+
+def test_backend_selection() -> None:
+    cpu, default = torch.device("cpu"), aiocb.ContinuousBatchingConfig()
+    assert select_backends(cpu, default, [None], 256) == [REFERENCE]
+    cuda = torch.device("cuda")
+    off = aiocb.ContinuousBatchingConfig(max_blocks_per_request=0)
+    assert select_backends(cuda, off, [None, 64], 256) == [REFERENCE, REFERENCE]
+    chosen = select_backends(cuda, aiocb.ContinuousBatchingConfig(auto_switch_to_flash=False), [None, 64], 256)
+    # Sliding-window groups always use the reference backend.
+    assert chosen[1] == REFERENCE
+
+
+def test_batch_buckets_bound_padding_waste() -> None:
+    buckets = batch_buckets(1024)
+    assert buckets[:5] == [1, 2, 4, 8, 16] and buckets[-1] == 1024
+    assert buckets == sorted(set(buckets))
+    for rows in range(1, 1025):
+        bucket = next(b for b in buckets if b >= rows)
+        assert bucket <= (2 * rows if rows <= 16 else 1.5 * rows), rows
+    assert batch_buckets(5)[-1] == 5
+
+
+def test_compile_levels_and_explicit_configs() -> None:
+    assert compile_configs(aiocb.ContinuousBatchingConfig()) == (None, None)
+    varlen, decode = compile_configs(aiocb.ContinuousBatchingConfig(default_compile_level=3))
+    assert varlen == decode == {"mode": "max-autotune-no-cudagraphs", "dynamic": False}
+    explicit = {"mode": "reduce-overhead"}
+    varlen, decode = compile_configs(
+        aiocb.ContinuousBatchingConfig(default_compile_level=1, decode_compile_config=explicit)
+    )
+    assert varlen == {"mode": "default", "dynamic": True} and decode == explicit
+
+
+def test_cuda_graphs_are_refused_without_cuda(qwen3: PreTrainedModel, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="aiocb"):
+        runner = ModelRunner(qwen3, aiocb.ContinuousBatchingConfig(use_cuda_graph=True, num_blocks=64))
+    assert runner.graphs is None
+    assert any("use_cuda_graph is ignored" in r.message for r in caplog.records)
+    assert not runner.async_batching
+
+
+class _EagerGraph:
+    """Stands in for a CUDA graph on the CPU: replay re-runs the forward on the static buffers."""
+
+    def __init__(self, forward: Callable[[], torch.Tensor]) -> None:
+        self.forward = forward
+        self.out = forward().clone()  # the "capture": one pass on the padding inputs
+
+    def replay(self) -> None:
+        self.out.copy_(self.forward())
+
+
+class _CpuDecodeGraphs(DecodeGraphs):
+    def _record(
+        self, args: tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]
+    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        graph = _EagerGraph(lambda: self._forward(*args))
+        return graph, graph.out  # type: ignore[return-value]
+
+
+def test_padded_decode_replay_equals_the_unpadded_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("triton")
+    monkeypatch.setenv("AIOCB_ATTENTION_BACKEND", TRITON)
+    model = tiny_qwen3()
+    runner = ModelRunner(model, aiocb.ContinuousBatchingConfig(page_size=16, num_blocks=64))
+    for tensor in (*runner.cache.key, *runner.cache.value):
+        tensor.zero_()  # (fresh cache memory is uninitialised: compare writes against zeros)
+    runner.attach()
+    try:
+        graphs = _CpuDecodeGraphs(
+            lambda ids, pos, keep, meta: _forward(model, ids, pos, keep, meta),
+            runner.cache,
+            runner.backends,
+            max_rows=8,
+            max_blocks_per_request=4,
+            device=runner.device,
+        )
+        # Three requests decode their second token: bucket 4, one padding row.
+        from aiocb.core.kv_cache import KVCacheManager
+        from aiocb.core.params import SamplingParams
+        from aiocb.core.request import Request
+        from aiocb.core.scheduler import Scheduler
+
+        kv = KVCacheManager(runner.spec.cache_groups(runner.plan.num_blocks), 16, enable_prefix_caching=False)
+        scheduler = Scheduler(kv, max_batch_tokens=256, max_requests_per_batch=8)
+        for i, prompt in enumerate(PROMPTS[:3]):
+            scheduler.add(Request(f"r{i}", prompt, SamplingParams(max_new_tokens=4), 0.0))
+        prefill = scheduler.schedule()
+        scheduler.update(prefill, runner.execute(snapshot(prefill)), 0.0)
+        decode = scheduler.schedule()
+        batch: StepBatch = snapshot(decode)
+        assert graphs.eligible(batch)
+        before = [t.clone() for t in runner.cache.key]
+        inputs = prepare_inputs(batch, runner.cache, HostToDevice(runner.device), runner.backends)
+        with torch.inference_mode():
+            padded = graphs.run(inputs, len(batch.rows))
+        # The padding row wrote only to the trash block.
+        trash = runner.cache.trash_block(0)
+        for layer, old in enumerate(before):
+            changed = (runner.cache.key[layer] != old).flatten(1).any(1).nonzero().flatten().tolist()
+            real = {b for r in batch.rows for b in r.block_ids[0]}
+            assert set(changed) <= real | {trash}
+        for layer, old in enumerate(before):  # undo this step's writes, then run it unpadded
+            runner.cache.key[layer].copy_(old)
+        inputs = prepare_inputs(batch, runner.cache, HostToDevice(runner.device), runner.backends)
+        with torch.inference_mode():
+            metadata: AttentionMetadata = inputs.attention
+            eager = _forward(model, inputs.input_ids[None], inputs.position_ids[None], inputs.logits_indices, metadata)
+        assert torch.allclose(padded, eager, atol=1e-5)
+    finally:
+        runner.detach()
+    assert model.config._attn_implementation == "sdpa"
+    assert attention.ATTENTION_NAME != "sdpa"
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_compile_level_one_matches_generate(qwen3: PreTrainedModel) -> None:
+    config = aiocb.ContinuousBatchingConfig(default_compile_level=1, max_batch_tokens=64)
+    outputs = aiocb.generate_batch(qwen3, PROMPTS, max_new_tokens=6, continuous_batching_config=config)
+    assert [o.generated_tokens for o in outputs.values()] == [reference_generate(qwen3, p, 6) for p in PROMPTS]

@@ -1,0 +1,333 @@
+"""The Triton paged-attention kernel against a dense torch reference.
+
+On the CPU the kernel runs in Triton's interpreter (``TRITON_INTERPRET=1``, set in
+``conftest.py``), which is slow: shapes here are small. The ``gpu`` test repeats the
+comparison with realistic shapes on CUDA and times decode.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from aiocb.runner import triton_attention
+from aiocb.runner.triton_attention import _Config, _launch, is_available, triton_paged_attention
+
+PAGE = 16
+
+needs_kernel = pytest.mark.skipif(
+    not is_available(torch.device("cpu")), reason="Triton interpreter not enabled (TRITON_INTERPRET=1)"
+)
+
+
+@dataclass
+class Case:
+    """A step's inputs plus each row's logical (unpaged) keys and values."""
+
+    query: torch.Tensor
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    block_table: torch.Tensor
+    query_start: torch.Tensor
+    seq_lens: torch.Tensor
+    max_query_len: int
+    keys: list[torch.Tensor]  # per row [seq_len, Hkv, D]
+    values: list[torch.Tensor]
+    q_lens: list[int]
+
+
+def make_case(
+    rows: list[tuple[int, int]],
+    *,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 32,
+    page: int = PAGE,
+    dtype: torch.dtype = torch.float32,
+    ring: int | None = None,
+    device: str = "cpu",
+    seed: int = 0,
+) -> Case:
+    """``rows`` are ``(seq_len, q_len)``; blocks are handed out in shuffled order.
+
+    Unused blocks hold garbage, the null block zeros, so reading a wrong block shows.
+    With ``ring``, a row's block table is a ring of ``ring`` blocks (sliding layers).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    counts = [min(-(-seq // page), ring) if ring else -(-seq // page) for seq, _ in rows]
+    num_blocks = sum(counts) + 3
+    null = num_blocks
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    key_cache = torch.randn(num_blocks + 2, page, num_kv_heads, head_dim, generator=gen)
+    value_cache = torch.randn(num_blocks + 2, page, num_kv_heads, head_dim, generator=gen)
+    key_cache[null] = 0
+    value_cache[null] = 0
+    width = max(counts, default=0) + 1  # one padding column at least
+    block_table = torch.full((len(rows), width), null, dtype=torch.int32)
+    keys, values = [], []
+    for b, ((seq, _), count) in enumerate(zip(rows, counts, strict=True)):
+        ids = torch.tensor(order[:count], dtype=torch.long)
+        order = order[count:]
+        block_table[b, :count] = ids.to(torch.int32)
+        k = torch.randn(seq, num_kv_heads, head_dim, generator=gen)
+        v = torch.randn(seq, num_kv_heads, head_dim, generator=gen)
+        # A ring keeps the last ring * page positions only (the ones written last).
+        pos = torch.arange(max(0, seq - ring * page) if ring else 0, seq)
+        column = pos // page % ring if ring else pos // page
+        key_cache[ids[column], pos % page] = k[pos]
+        value_cache[ids[column], pos % page] = v[pos]
+        keys.append(k.to(dtype))
+        values.append(v.to(dtype))
+    q_lens = [q for _, q in rows]
+    query = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen)
+    query_start = torch.tensor([0, *torch.tensor(q_lens, dtype=torch.long).cumsum(0).tolist()], dtype=torch.int32)
+    return Case(
+        query=query.to(device, dtype),
+        key_cache=key_cache.to(device, dtype),
+        value_cache=value_cache.to(device, dtype),
+        block_table=block_table.to(device),
+        query_start=query_start.to(device),
+        seq_lens=torch.tensor([s for s, _ in rows], dtype=torch.int32, device=device),
+        max_query_len=max(q_lens, default=0),
+        keys=[k.to(device) for k in keys],
+        values=[v.to(device) for v in values],
+        q_lens=q_lens,
+    )
+
+
+def reference(
+    case: Case, scale: float, softcap: float | None = None, window: int | None = None, acc: torch.dtype = torch.float64
+) -> torch.Tensor:
+    """Row by row: explicit bottom-right causal (and window) mask over the row's keys."""
+    query = case.query.to(acc)
+    out = torch.zeros_like(query)
+    group = query.shape[1] // case.keys[0].shape[1] if case.keys else 1
+    first = 0
+    for k, v, q_len in zip(case.keys, case.values, case.q_lens, strict=True):
+        if q_len == 0:
+            continue
+        seq = k.shape[0]
+        q = query[first : first + q_len]
+        k = k.to(acc).repeat_interleave(group, dim=1)
+        v = v.to(acc).repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        q_pos = torch.arange(seq - q_len, seq, device=q.device)[:, None]
+        k_pos = torch.arange(seq, device=q.device)[None, :]
+        mask = k_pos <= q_pos
+        if window is not None:
+            mask &= k_pos > q_pos - window
+        scores = scores.masked_fill(~mask, float("-inf"))
+        out[first : first + q_len] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+        first += q_len
+    return out
+
+
+def run_kernel(
+    case: Case,
+    scale: float,
+    softcap: float | None = None,
+    window: int | None = None,
+    ring: int | None = None,
+    config: _Config | None = None,
+) -> torch.Tensor:
+    if config is None:
+        return triton_paged_attention(
+            case.query, case.key_cache, case.value_cache, case.block_table, case.query_start, case.seq_lens,
+            case.max_query_len, scale, softcap=softcap, sliding_window=window, ring_blocks=ring,
+        )  # fmt: skip
+    return _launch(
+        case.query, case.key_cache, case.value_cache, case.block_table, case.query_start, case.seq_lens,
+        case.max_query_len, scale, softcap, window, ring, torch.empty_like(case.query), config,
+    )  # fmt: skip
+
+
+def check(
+    case: Case,
+    *,
+    softcap: float | None = None,
+    window: int | None = None,
+    ring: int | None = None,
+    config: _Config | None = None,
+    atol: float = 1e-5,
+    rtol: float = 1e-5,
+) -> None:
+    scale = case.query.shape[-1] ** -0.5
+    got = run_kernel(case, scale, softcap, window, ring, config)
+    assert got.dtype == case.query.dtype
+    assert got.shape == case.query.shape
+    want = reference(case, scale, softcap, window)
+    torch.testing.assert_close(got.to(want.dtype), want, atol=atol, rtol=rtol)
+
+
+# (seq_len, q_len): decode rows, prefill chunks after a cached past, a first chunk,
+# zero-length padding rows (empty, and with cached keys), a 1-token context.
+MIXED = [(37, 1), (53, 20), (0, 0), (17, 17), (1, 1), (70, 1), (9, 0), (40, 3)]
+
+
+@needs_kernel
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 2), (2, 2)], ids=["gqa", "mha"])
+def test_mixed_batch_matches_reference(num_heads: int, num_kv_heads: int) -> None:
+    check(make_case(MIXED, num_heads=num_heads, num_kv_heads=num_kv_heads))
+
+
+@needs_kernel
+def test_softcap() -> None:
+    case = make_case(MIXED, seed=1)
+    case.query *= 4  # large logits, so the cap matters
+    check(case, softcap=5.0)
+
+
+@needs_kernel
+def test_sliding_window() -> None:
+    # Window shorter than a chunk, than a past, and a row shorter than the window.
+    rows = [(70, 1), (60, 20), (45, 30), (10, 1), (0, 0), (12, 12)]
+    check(make_case(rows, seed=2), window=24)
+
+
+@needs_kernel
+def test_sliding_window_ring_block_table() -> None:
+    # aiocb's sliding layers keep a ring of ceil((window - 1) / page) + 1 blocks per row.
+    window = 24
+    ring = -(-(window - 1) // PAGE) + 1
+    rows = [(70, 1), (95, 1), (20, 1), (60, 8), (9, 9)]
+    case = make_case(rows, ring=ring, seed=3)
+    check(case, window=window, ring=ring)
+    # Key tiles wider than a page: per-key block lookups through the ring.
+    check(case, window=window, ring=ring, config=_Config(block_m=16, block_n=32, num_warps=4, num_stages=1))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")])
+def test_half_precision(dtype: torch.dtype) -> None:
+    check(make_case(MIXED, dtype=dtype, seed=4), softcap=None, atol=2e-2, rtol=2e-2)
+
+
+@needs_kernel
+@pytest.mark.parametrize("head_dim", [16, 64, 80, 128, 256])
+def test_head_dims(head_dim: int) -> None:
+    check(make_case([(33, 1), (30, 9), (0, 0)], head_dim=head_dim, seed=5))
+
+
+@needs_kernel
+def test_group_not_a_power_of_two() -> None:
+    # Three query heads per KV head: the tile pads the group to four rows.
+    check(make_case(MIXED[:4], num_heads=6, num_kv_heads=2, seed=6))
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    ("page", "config"),
+    [
+        (PAGE, _Config(block_m=16, block_n=16, num_warps=4, num_stages=1)),  # several query tiles per row
+        (32, _Config(block_m=16, block_n=16, num_warps=4, num_stages=1)),  # two key tiles per page
+        (PAGE, _Config(block_m=32, block_n=32, num_warps=4, num_stages=1)),  # key tiles straddle pages
+    ],
+    ids=["small-tiles", "tile-in-page", "tile-across-pages"],
+)
+def test_tilings(page: int, config: _Config) -> None:
+    rows = [(53, 20), (37, 1), (0, 0), (45, 30)]
+    check(make_case(rows, page=page, seed=7), config=config)
+    check(make_case(rows, page=page, seed=8), window=20, config=config)
+
+
+@needs_kernel
+def test_out_and_padding_rows_untouched() -> None:
+    # Trailing query rows owned by no request (CUDA-graph style padding) keep their value.
+    case = make_case([(20, 2), (0, 0), (9, 1)], seed=9)
+    padded = torch.cat((case.query, torch.zeros(2, *case.query.shape[1:])))
+    out = torch.full_like(padded, 7.0)
+    result = triton_paged_attention(
+        padded, case.key_cache, case.value_cache, case.block_table, case.query_start, case.seq_lens,
+        case.max_query_len, 0.2, out=out,
+    )  # fmt: skip
+    assert result is out
+    torch.testing.assert_close(out[:3], reference(case, 0.2).float(), atol=1e-5, rtol=1e-5)
+    assert bool((out[3:] == 7.0).all())
+
+
+@needs_kernel
+def test_empty_step() -> None:
+    case = make_case([(0, 0), (0, 0)])
+    out = triton_paged_attention(
+        case.query, case.key_cache, case.value_cache, case.block_table, case.query_start, case.seq_lens, 0, 1.0
+    )
+    assert out.shape == (0, 4, 32)
+
+
+def test_is_available() -> None:
+    assert not is_available(torch.device("meta"))
+    interpreted = type(triton_attention._paged_attention_kernel).__name__ == "InterpretedFunction"
+    assert is_available(torch.device("cpu")) == interpreted
+
+
+def test_rejects_mismatched_heads() -> None:
+    case = make_case([(4, 1)], num_heads=3, num_kv_heads=1)
+    with pytest.raises(ValueError, match="incompatible heads"):
+        triton_paged_attention(
+            case.query, case.key_cache[..., :16], case.value_cache[..., :16], case.block_table, case.query_start,
+            case.seq_lens, 1, 1.0,
+        )  # fmt: skip
+
+
+_CUDA_KERNEL = (
+    torch.cuda.is_available() and is_available(torch.device("cuda")) and not is_available(torch.device("cpu"))
+)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _CUDA_KERNEL, reason="needs CUDA and a compiled kernel (AIOCB_GPU_TESTS=1)")
+@pytest.mark.parametrize("page", [64, 256])
+def test_gpu_realistic_bf16_and_decode_timing(page: int) -> None:
+    heads, kv_heads, head_dim = 16, 8, 128
+    gen = torch.Generator().manual_seed(10)
+    rows = [(int(n), 1) for n in torch.randint(540, 660, (64,), generator=gen)] + [(700, 512), (512, 512)]
+    case = make_case(
+        rows, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, page=page, dtype=torch.bfloat16,
+        device="cuda", seed=11,
+    )  # fmt: skip
+    scale = head_dim**-0.5
+    want = reference(case, scale, acc=torch.float32)
+    got = run_kernel(case, scale)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    got = run_kernel(case, scale, softcap=30.0, window=256)
+    torch.testing.assert_close(got.float(), reference(case, scale, 30.0, 256, acc=torch.float32), atol=2e-2, rtol=2e-2)
+
+    # Decode timing: batch 256 x context 768, in place in a bf16 cache.
+    batch, context = 256, 768
+    blocks_per_row = math.ceil(context / page)
+    num_blocks = batch * blocks_per_row
+    shape = (num_blocks + 2, page, kv_heads, head_dim)
+    key_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    value_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    block_table = torch.randperm(num_blocks, device="cuda").view(batch, blocks_per_row).to(torch.int32)
+    query = torch.randn(batch, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    query_start = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+    seq_lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
+    out = torch.empty_like(query)
+
+    def step() -> None:
+        triton_paged_attention(query, key_cache, value_cache, block_table, query_start, seq_lens, 1, scale, out=out)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    iters = 50
+    start = time.perf_counter()
+    for _ in range(iters):
+        step()
+    torch.cuda.synchronize()
+    per_call_ms = (time.perf_counter() - start) / iters * 1e3
+    kv_bytes = 2 * batch * context * kv_heads * head_dim * 2
+    print(
+        f"\ntriton paged decode page={page}: {per_call_ms:.3f} ms/call "
+        f"({kv_bytes / per_call_ms / 1e6:.0f} GB/s of KV) for batch {batch} x context {context}"
+    )
+    assert per_call_ms < 5.0

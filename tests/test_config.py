@@ -1,0 +1,252 @@
+"""ContinuousBatchingConfig: transformers' names and defaults, every value checked at construction."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any
+
+import pytest
+
+import aiocb
+from aiocb.config import ContinuousBatchingConfig
+from aiocb.errors import AiocbError, InvalidConfigError
+
+#: transformers' defaults for the fields aiocb shares with its ContinuousBatchingConfig
+SEED_DEFAULTS: dict[str, Any] = {
+    "page_size": 256,
+    "num_blocks": None,
+    "max_batch_tokens": None,
+    "max_memory_percent": None,
+    "max_requests_per_batch": None,
+    "max_blocks_per_request": None,
+    "allow_block_sharing": True,
+    "use_async_batching": None,
+    "use_cuda_graph": None,
+    "q_padding_interval_size": 0,
+    "kv_padding_interval_size": 0,
+    "varlen_compile_config": None,
+    "decode_compile_config": None,
+    "default_compile_level": 0,
+    "scheduler_type": "fifo",
+    "safety_margin": None,
+    "return_logprobs": False,
+    "seed": None,
+    "auto_switch_to_flash": True,
+    "cpu_offload_space": 0.0,
+    "cpu_offload_space_safety_threshold": 0.8,
+    "cpu_group_timeout": 300.0,
+    "per_request_processors": False,
+    "max_queue_size": 0,
+}
+
+
+def test_defaults_follow_the_seed() -> None:
+    config = ContinuousBatchingConfig()
+    values = dataclasses.asdict(config)
+    for name, default in SEED_DEFAULTS.items():
+        assert values[name] == default, name
+        assert type(values[name]) is type(default), name
+    assert set(values) == {*SEED_DEFAULTS, "max_queued_tokens"}  # the one field aiocb adds
+    assert config.max_queued_tokens == 0
+
+
+def test_shared_defaults_equal_transformers_own() -> None:
+    from transformers import ContinuousBatchingConfig as SeedConfig
+
+    seed_defaults = {
+        name: p.default
+        for name, p in inspect.signature(SeedConfig.__init__).parameters.items()
+        if p.default is not inspect.Parameter.empty
+    }
+    shared = set(SEED_DEFAULTS) & set(seed_defaults)
+    assert len(shared) >= 20  # the names are transformers' names
+    for name in shared:
+        assert getattr(ContinuousBatchingConfig(), name) == seed_defaults[name], name
+
+
+def test_the_config_is_exported() -> None:
+    assert aiocb.ContinuousBatchingConfig is ContinuousBatchingConfig
+
+
+def test_invalid_config_error_is_a_value_error() -> None:
+    assert issubclass(InvalidConfigError, ValueError)
+    assert issubclass(InvalidConfigError, AiocbError)
+
+
+# ---------------------------------------------------------------------- page_size
+
+
+@pytest.mark.parametrize("page_size", [3, 1, 0, -16])
+def test_page_size_below_four_raises_value_error(page_size: int) -> None:
+    with pytest.raises(ValueError, match="page_size") as info:
+        ContinuousBatchingConfig(page_size=page_size)
+    assert isinstance(info.value, InvalidConfigError)
+
+
+@pytest.mark.parametrize("page_size", [4, 16, 256, 1024])
+def test_page_size_of_four_or_more_is_accepted(page_size: int) -> None:
+    assert ContinuousBatchingConfig(page_size=page_size).page_size == page_size
+
+
+@pytest.mark.parametrize("page_size", [True, 16.0, "16", None])
+def test_page_size_must_be_an_int(page_size: Any) -> None:
+    with pytest.raises(InvalidConfigError, match="page_size must be an int"):
+        ContinuousBatchingConfig(page_size=page_size)
+
+
+def test_positional_page_size_is_checked_too() -> None:
+    assert ContinuousBatchingConfig(64).page_size == 64
+    with pytest.raises(InvalidConfigError, match="page_size"):
+        ContinuousBatchingConfig(2)
+
+
+# ---------------------------------------------------------------------- unknown fields
+
+
+def test_unknown_field_raises_naming_it() -> None:
+    with pytest.raises(InvalidConfigError, match=r"unknown ContinuousBatchingConfig field\(s\): pagesize;"):
+        ContinuousBatchingConfig(pagesize=16)
+
+
+def test_several_unknown_fields_are_all_named() -> None:
+    with pytest.raises(InvalidConfigError, match=r"field\(s\): block_size, max_tokens;") as info:
+        ContinuousBatchingConfig(page_size=16, max_tokens=3, block_size=32)
+    assert "page_size" in str(info.value)  # the message lists the known fields
+
+
+def test_from_dict() -> None:
+    config = ContinuousBatchingConfig.from_dict({"page_size": 32, "scheduler_type": "prefill_first"})
+    assert (config.page_size, config.scheduler_type) == (32, "prefill_first")
+    with pytest.raises(InvalidConfigError, match=r"field\(s\): typo;"):
+        ContinuousBatchingConfig.from_dict({"typo": 1})
+    with pytest.raises(InvalidConfigError, match="page_size"):
+        ContinuousBatchingConfig.from_dict({"page_size": 1})
+
+
+def test_replace_validates_and_copies() -> None:
+    config = ContinuousBatchingConfig(page_size=32)
+    other = config.replace(num_blocks=100)
+    assert other.num_blocks == 100
+    assert other.page_size == 32
+    assert config.num_blocks is None
+    with pytest.raises(InvalidConfigError, match="page_size"):
+        config.replace(page_size=2)
+    with pytest.raises(InvalidConfigError, match=r"field\(s\): nope;"):
+        config.replace(nope=1)
+
+
+# ---------------------------------------------------------------------- scheduler, margin
+
+
+@pytest.mark.parametrize("scheduler_type", ["lifo", "FIFO", "", None, "prefill-first"])
+def test_bad_scheduler_type(scheduler_type: Any) -> None:
+    with pytest.raises(InvalidConfigError, match=r"scheduler_type must be one of \['fifo', 'prefill_first'\]"):
+        ContinuousBatchingConfig(scheduler_type=scheduler_type)
+
+
+@pytest.mark.parametrize("margin", [-0.01, 1.01, 2.0, -1.0])
+def test_safety_margin_out_of_range(margin: float) -> None:
+    with pytest.raises(InvalidConfigError, match="safety_margin must be in"):
+        ContinuousBatchingConfig(safety_margin=margin)
+
+
+@pytest.mark.parametrize("margin", [0.0, 0.3, 1.0])
+def test_safety_margin_in_range(margin: float) -> None:
+    assert ContinuousBatchingConfig(safety_margin=margin).resolved_safety_margin == margin
+    config = ContinuousBatchingConfig(scheduler_type="prefill_first", safety_margin=margin)
+    assert config.resolved_safety_margin == margin
+
+
+def test_resolved_safety_margin_defaults_per_scheduler() -> None:
+    assert ContinuousBatchingConfig().resolved_safety_margin == 0.15
+    assert ContinuousBatchingConfig(scheduler_type="fifo").resolved_safety_margin == 0.15
+    assert ContinuousBatchingConfig(scheduler_type="prefill_first").resolved_safety_margin == 0.0
+    assert ContinuousBatchingConfig().safety_margin is None  # the field itself stays unset
+
+
+# ---------------------------------------------------------------------- other values
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("num_blocks", 0),
+        ("num_blocks", -1),
+        ("max_batch_tokens", 0),
+        ("max_batch_tokens", -8),
+        ("max_requests_per_batch", 0),
+        ("max_requests_per_batch", -1),
+        ("max_blocks_per_request", -1),
+        ("q_padding_interval_size", -1),
+        ("kv_padding_interval_size", -1),
+        ("max_queue_size", -1),
+        ("max_queued_tokens", -1),
+        ("default_compile_level", -1),
+    ],
+)
+def test_negative_or_zero_counts_raise(field: str, value: int) -> None:
+    with pytest.raises(InvalidConfigError, match=f"{field} must be >= "):
+        ContinuousBatchingConfig(**{field: value})
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("num_blocks", 1),
+        ("max_batch_tokens", 1),
+        ("max_requests_per_batch", 1),
+        ("max_blocks_per_request", 0),  # 0 turns the decode fast path off
+        ("q_padding_interval_size", 0),
+        ("kv_padding_interval_size", 128),
+        ("max_queue_size", 0),
+        ("max_queued_tokens", 10_000),
+        ("default_compile_level", 3),
+        ("max_memory_percent", 1.0),
+        ("max_memory_percent", 0.05),
+        ("cpu_offload_space", None),
+        ("cpu_offload_space", 2.5),
+        ("cpu_offload_space_safety_threshold", 1.0),
+        ("cpu_group_timeout", None),
+        ("cpu_group_timeout", 0.5),
+        ("seed", 0),
+        ("seed", 2**40),
+        ("use_cuda_graph", True),
+        ("use_cuda_graph", (True, False)),
+        ("varlen_compile_config", {"mode": "max-autotune"}),
+        ("decode_compile_config", {}),
+    ],
+)
+def test_edge_values_are_accepted(field: str, value: Any) -> None:
+    assert getattr(ContinuousBatchingConfig(**{field: value}), field) == value
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("num_blocks", 1.5, "num_blocks must be an int"),
+        ("max_batch_tokens", "8192", "max_batch_tokens must be an int"),
+        ("max_requests_per_batch", True, "max_requests_per_batch must be an int"),
+        ("default_compile_level", 4, "default_compile_level must be 0, 1, 2 or 3"),
+        ("max_memory_percent", 0.0, "max_memory_percent must be in"),
+        ("max_memory_percent", 1.5, "max_memory_percent must be in"),
+        ("max_memory_percent", -0.2, "max_memory_percent must be in"),
+        ("cpu_offload_space", -1.0, "cpu_offload_space must be >= 0"),
+        ("cpu_offload_space_safety_threshold", 0.0, "cpu_offload_space_safety_threshold must be in"),
+        ("cpu_offload_space_safety_threshold", 1.2, "cpu_offload_space_safety_threshold must be in"),
+        ("cpu_group_timeout", 0, "cpu_group_timeout must be > 0"),
+        ("cpu_group_timeout", -5.0, "cpu_group_timeout must be > 0"),
+        ("seed", True, "seed must be an int"),
+        ("seed", 1.0, "seed must be an int"),
+        ("seed", "7", "seed must be an int"),
+        ("use_cuda_graph", "yes", "use_cuda_graph must be"),
+        ("use_cuda_graph", (True,), "use_cuda_graph must be"),
+        ("use_cuda_graph", (True, 1), "use_cuda_graph must be"),
+        ("use_cuda_graph", [True, False], "use_cuda_graph must be"),
+        ("varlen_compile_config", ["mode"], "varlen_compile_config must be a dict"),
+        ("decode_compile_config", "max-autotune", "decode_compile_config must be a dict"),
+    ],
+)
+def test_invalid_values_raise(field: str, value: Any, message: str) -> None:
+    with pytest.raises(InvalidConfigError, match=message):
+        ContinuousBatchingConfig(**{field: value})
