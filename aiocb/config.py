@@ -9,10 +9,14 @@ wrote it rather than deep inside the step loop.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from aiocb.errors import InvalidConfigError
+
+logger = logging.getLogger(__name__)
 
 SchedulerType = Literal["fifo", "prefill_first"]
 
@@ -77,6 +81,13 @@ class ContinuousBatchingConfig:
         max_queue_size: waiting requests admitted before ``add_request`` waits (0 = no bound).
         max_queued_tokens: (aiocb) waiting prompt tokens before ``add_request`` waits
             (0 = no bound).
+        drop_unsupported_processors: accepted for compatibility; aiocb applies its own
+            per-request sampling and no transformers logits processors.
+        disable_nccl_graph_mixing: under tensor parallelism (``WORLD_SIZE`` > 1), set
+            ``NCCL_GRAPH_MIXING_SUPPORT=0`` (as transformers does).
+        block_size: deprecated name of ``page_size``.
+        use_default_compile_configs, max_cached_graphs: deprecated in transformers;
+            accepted and ignored, with a log message.
     """
 
     page_size: int = 256
@@ -104,8 +115,21 @@ class ContinuousBatchingConfig:
     per_request_processors: bool = False
     max_queue_size: int = 0
     max_queued_tokens: int = 0
+    drop_unsupported_processors: bool = True
+    disable_nccl_graph_mixing: bool = True
+    block_size: int | None = None
+    use_default_compile_configs: bool | None = None
+    max_cached_graphs: int | None = None
 
     def __post_init__(self) -> None:
+        if self.block_size is not None:
+            logger.warning("ContinuousBatchingConfig.block_size is deprecated: use page_size")
+            self.page_size, self.block_size = self.block_size, None
+        for name in ("use_default_compile_configs", "max_cached_graphs"):
+            if getattr(self, name) is not None:
+                logger.info("ContinuousBatchingConfig.%s is deprecated and has no effect", name)
+        if self.disable_nccl_graph_mixing and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            os.environ.setdefault("NCCL_GRAPH_MIXING_SUPPORT", "0")
         _check_int(self.page_size, "page_size", minimum=4)
         _check_optional_int(self.num_blocks, "num_blocks", minimum=1)
         _check_optional_int(self.max_batch_tokens, "max_batch_tokens", minimum=1)

@@ -38,6 +38,11 @@ SEED_DEFAULTS: dict[str, Any] = {
     "cpu_group_timeout": 300.0,
     "per_request_processors": False,
     "max_queue_size": 0,
+    "drop_unsupported_processors": True,
+    "disable_nccl_graph_mixing": True,
+    "block_size": None,
+    "use_default_compile_configs": None,
+    "max_cached_graphs": None,
 }
 
 
@@ -63,6 +68,14 @@ def test_shared_defaults_equal_transformers_own() -> None:
     assert len(shared) >= 20  # the names are transformers' names
     for name in shared:
         assert getattr(ContinuousBatchingConfig(), name) == seed_defaults[name], name
+
+
+def test_block_size_is_the_deprecated_name_of_page_size() -> None:
+    config = ContinuousBatchingConfig(block_size=32)
+    assert config.page_size == 32
+    assert config.block_size is None
+    with pytest.raises(ValueError, match="page_size"):
+        ContinuousBatchingConfig(block_size=2)
 
 
 def test_the_config_is_exported() -> None:
@@ -110,8 +123,8 @@ def test_unknown_field_raises_naming_it() -> None:
 
 
 def test_several_unknown_fields_are_all_named() -> None:
-    with pytest.raises(InvalidConfigError, match=r"field\(s\): block_size, max_tokens;") as info:
-        ContinuousBatchingConfig(page_size=16, max_tokens=3, block_size=32)
+    with pytest.raises(InvalidConfigError, match=r"field\(s\): blocksize, max_tokens;") as info:
+        ContinuousBatchingConfig(page_size=16, max_tokens=3, blocksize=32)
     assert "page_size" in str(info.value)  # the message lists the known fields
 
 
