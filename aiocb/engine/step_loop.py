@@ -12,6 +12,7 @@ import heapq
 import itertools
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -41,6 +42,8 @@ class StepLoop:
         self._executor: ThreadPoolExecutor | None = None
         self.num_steps = 0
         self.busy_seconds = 0.0
+        #: the last steps as ``(finished at, rows, query tokens)``, for step-time statistics
+        self.step_log: deque[tuple[float, int, int]] = deque(maxlen=4096)
 
     def add(self, request: Request) -> None:
         """Queue a request and wake the loop."""
@@ -98,6 +101,7 @@ class StepLoop:
                 self.busy_seconds += now - started
                 if done is not None and result is not None:
                     self.num_steps += 1
+                    self.step_log.append((now, len(done.scheduled), done.num_tokens))
                     finished = self.scheduler.update(done, result, now)
                     self._on_step([item.request for item in done.scheduled if item.sample], finished)
         finally:

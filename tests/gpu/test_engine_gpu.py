@@ -1,0 +1,111 @@
+"""End-to-end checks that need a CUDA device (run by bench/gpu_check.py, skipped elsewhere).
+
+Plain functions driving asyncio themselves, so they need nothing beyond pytest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any
+
+import pytest
+import torch
+from transformers import PreTrainedModel, Qwen3Config, Qwen3ForCausalLM
+
+import aiocb
+from aiocb.runner.cuda_graphs import DecodeGraphs
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def _model(dtype: torch.dtype) -> PreTrainedModel:
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=4096,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        max_position_embeddings=4096,
+        initializer_range=0.3,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return Qwen3ForCausalLM(config).to("cuda", dtype).eval()
+
+
+def _prompts(count: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 4096) for _ in range(rng.randint(8, 300))] for _ in range(count)]
+
+
+def _reference(model: PreTrainedModel, prompt: list[int], new: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt], device="cuda"),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device="cuda"),
+            max_new_tokens=new,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return [int(t) for t in out[0, len(prompt) :]]
+
+
+def _run(model: PreTrainedModel, prompts: list[list[int]], new: int, **config: Any) -> list[list[int]]:
+    async def main() -> list[list[int]]:
+        cb = aiocb.ContinuousBatchingConfig(max_memory_percent=0.3, **config)
+        async with aiocb.Manager(model, continuous_batching_config=cb) as manager:
+            outputs = await manager.generate_batch(prompts, max_new_tokens=new)
+            stats = manager.statistics()
+            assert stats.free_blocks == stats.total_blocks
+        return [o.generated_tokens for o in outputs.values()]
+
+    return asyncio.run(main())
+
+
+def test_bf16_greedy_matches_generate_on_the_first_32_tokens() -> None:
+    model = _model(torch.bfloat16)
+    prompts = _prompts(64)
+    outputs = _run(model, prompts, 32)
+    exact = sum(out == _reference(model, p, 32) for out, p in zip(outputs, prompts, strict=True))
+    print(f"bf16 parity: {exact}/{len(prompts)} requests exact for 32 tokens")
+    assert exact >= 0.95 * len(prompts)
+
+
+def test_async_batching_equals_synchronous_steps() -> None:
+    model = _model(torch.float32)
+    prompts = _prompts(48, seed=1)
+    sync = _run(model, prompts, 24, use_async_batching=False, use_cuda_graph=False)
+    pipelined = _run(model, prompts, 24, use_async_batching=True, use_cuda_graph=False)
+    assert pipelined == sync
+
+
+def test_cuda_graph_replay_equals_eager() -> None:
+    model = _model(torch.float32)
+    prompts = _prompts(40, seed=2)
+    eager = _run(model, prompts, 24, use_cuda_graph=False, use_async_batching=False)
+    graphs = _run(model, prompts, 24, use_cuda_graph=True, use_async_batching=False)
+    same = sum(a == b for a, b in zip(eager, graphs, strict=True))
+    print(f"graphs vs eager: {same}/{len(prompts)} identical")
+    assert same >= 0.95 * len(prompts)
+
+
+def test_graphs_and_async_batching_are_on_by_default_on_cuda() -> None:
+    model = _model(torch.bfloat16)
+
+    async def main() -> None:
+        async with aiocb.Manager(model, continuous_batching_config=aiocb.ContinuousBatchingConfig(max_memory_percent=0.2)) as manager:
+            runner = manager._runner
+            assert runner is not None
+            assert isinstance(runner.graphs, DecodeGraphs), runner.backends
+            assert runner.async_batching
+            await manager.generate(_prompts(1)[0], max_new_tokens=8)
+
+    asyncio.run(main())
