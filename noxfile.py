@@ -9,11 +9,12 @@ nox.options.reuse_existing_virtualenvs = True
 nox.options.default_venv_backend = "venv"
 
 CONSTRAINTS = ("-c", "constraints.txt")
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
 def _install(session: nox.Session, *groups: str) -> None:
     session.install("pip>=25.1")  # dependency groups (--group) need a recent pip
-    session.install(*CONSTRAINTS, "-e", ".")
+    session.install(*CONSTRAINTS, "-e", ".[serve]")
     for group in groups:
         session.install(*CONSTRAINTS, "--group", group)
 
@@ -27,9 +28,16 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def slow(session: nox.Session) -> None:
-    """Run the slow tests."""
-    _install(session, "test")
-    session.run("pytest", "-m", "slow", *session.posargs)
+    """Run the slow tests (torch.compile, lm-evaluation-harness against the server)."""
+    _install(session, "test", "eval")
+    session.run("pytest", "-m", "slow", *session.posargs, env=OFFLINE)
+
+
+@nox.session
+def lm_eval(session: nox.Session) -> None:
+    """Score the served tiny test model with lm-evaluation-harness, offline (local JSONL tasks)."""
+    _install(session, "test", "eval")
+    session.run("pytest", "-m", "slow", "-s", "tests/server/test_lm_eval.py", *session.posargs, env=OFFLINE)
 
 
 @nox.session
@@ -51,7 +59,7 @@ def typecheck(session: nox.Session) -> None:
 @nox.session
 def bench(session: nox.Session) -> None:
     """Run the CPU benchmarks (pass a script name to run one)."""
-    _install(session)
+    _install(session, "test")
     scripts = session.posargs or ["bench/throughput.py"]
     for script in scripts:
         session.run("python", script)

@@ -8,6 +8,7 @@ if not os.environ.get("AIOCB_GPU_TESTS"):
     os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run on CPU tensors in CI
 
 import random
+import weakref
 from collections.abc import Callable, Sequence
 
 import pytest
@@ -52,8 +53,21 @@ def random_prompts(count: int, min_len: int, max_len: int, seed: int = 0, vocab:
     return [[rng.randrange(1, vocab) for _ in range(n)] for n in lengths[:count]]
 
 
+_REFERENCES: weakref.WeakKeyDictionary[PreTrainedModel, dict[tuple[object, ...], list[int]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 def reference_generate(model: PreTrainedModel, prompt: Sequence[int], max_new_tokens: int, **kwargs: object) -> list[int]:
-    """Greedy tokens `model.generate` gives for one prompt alone."""
+    """Greedy tokens `model.generate` gives for one prompt alone (cached per model)."""
+    key = (tuple(prompt), max_new_tokens, tuple(sorted((k, repr(v)) for k, v in kwargs.items())))
+    cache = _REFERENCES.setdefault(model, {})
+    if key not in cache:
+        cache[key] = _generate_alone(model, prompt, max_new_tokens, **kwargs)
+    return list(cache[key])
+
+
+def _generate_alone(model: PreTrainedModel, prompt: Sequence[int], max_new_tokens: int, **kwargs: object) -> list[int]:
     with torch.no_grad():
         out = model.generate(
             torch.tensor([list(prompt)]),

@@ -1,0 +1,241 @@
+"""``aiocb serve MODEL``: an OpenAI-compatible HTTP server (uvicorn) over one Manager.
+
+The HTTP handlers and the manager's step coroutine run on the same event loop (uvloop when
+it is installed). Every :class:`~aiocb.ContinuousBatchingConfig` field is a flag, made
+from the dataclass itself: ``--page-size 32``, ``--num-blocks 4096``,
+``--allow-block-sharing`` / ``--no-allow-block-sharing``, ``--use-cuda-graph false,true``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import logging
+import os
+import sys
+import types
+import typing
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from aiocb.config import ContinuousBatchingConfig
+from aiocb.errors import InvalidConfigError
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = ("auto", "float32", "float16", "bfloat16")
+_NONE_WORDS = frozenset({"none", "null", "auto"})
+_TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
+_FALSE_WORDS = frozenset({"0", "false", "no", "off"})
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``aiocb serve``: model loading, HTTP, and one per ContinuousBatchingConfig field."""
+    parser.add_argument("model", help="a local model directory or a hub id (AutoModelForCausalLM)")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer path or hub id (default: the model's)")
+    parser.add_argument("--served-model-name", default=None, help="the model id clients send (default: MODEL)")
+    parser.add_argument("--dtype", choices=_DTYPES, default="auto", help="weights dtype (default: the checkpoint's)")
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
+    parser.add_argument("--trust-remote-code", action="store_true", help="allow custom model code from the hub")
+    parser.add_argument(
+        "--torch-threads", type=int, default=None, help="CPU threads of torch's intra-op pool (default: torch's choice)"
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port to bind (default 8000; 0 picks a free one)")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("AIOCB_API_KEY"),
+        help="require 'Authorization: Bearer KEY' (default: $AIOCB_API_KEY, else no key)",
+    )
+    parser.add_argument(
+        "--loop", choices=("auto", "uvloop", "asyncio"), default="auto", help="event loop (auto: uvloop if installed)"
+    )
+    parser.add_argument(
+        "--shutdown-timeout", type=float, default=10.0, help="seconds running requests get on shutdown (default 10)"
+    )
+    parser.add_argument(
+        "--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info", help="log level"
+    )
+    group = parser.add_argument_group(
+        "continuous batching", "ContinuousBatchingConfig fields; unset flags keep the config's defaults"
+    )
+    for flag, kwargs in config_flags():
+        group.add_argument(flag, **kwargs)
+
+
+def config_flags() -> list[tuple[str, dict[str, Any]]]:
+    """``(flag, add_argument keyword arguments)`` for every ContinuousBatchingConfig field."""
+    hints = typing.get_type_hints(ContinuousBatchingConfig)
+    docs = _attribute_docs(ContinuousBatchingConfig.__doc__ or "")
+    flags: list[tuple[str, dict[str, Any]]] = []
+    for field in dataclasses.fields(ContinuousBatchingConfig):
+        kwargs = _argument_for(hints[field.name])
+        default = field.default if field.default is not dataclasses.MISSING else None
+        doc = docs.get(field.name, "").replace("%", "%%")
+        kwargs.update(dest=f"cb_{field.name}", default=argparse.SUPPRESS, help=f"{doc} (default: {default!r})")
+        flags.append(("--" + field.name.replace("_", "-"), kwargs))
+    return flags
+
+
+def config_from_args(args: argparse.Namespace) -> ContinuousBatchingConfig:
+    """The ContinuousBatchingConfig the flags describe (fields not given keep their defaults)."""
+    values = {
+        field.name: getattr(args, f"cb_{field.name}")
+        for field in dataclasses.fields(ContinuousBatchingConfig)
+        if hasattr(args, f"cb_{field.name}")
+    }
+    return ContinuousBatchingConfig(**values)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Load the model and tokenizer, then serve until interrupted; returns the exit status."""
+    try:
+        config = config_from_args(args)
+    except InvalidConfigError as exc:
+        print(f"aiocb serve: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        import uvicorn
+
+        from aiocb.server import build_app
+    except ImportError as exc:
+        print(f"aiocb serve needs the 'serve' extra (pip install 'aiocb[serve]'): {exc}", file=sys.stderr)
+        return 2
+    import aiocb
+
+    model, tokenizer = load_model(args)
+    manager = aiocb.Manager(model, continuous_batching_config=config)
+    name = args.served_model_name or args.model
+    app = build_app(manager, tokenizer, name, api_key=args.api_key, shutdown_timeout=args.shutdown_timeout)
+    loop = args.loop
+    if loop == "auto":
+        loop = "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
+    logger.info("serving %s on http://%s:%d (event loop: %s)", name, args.host, args.port, loop)
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        loop=loop,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=max(1, int(args.shutdown_timeout)),
+    )
+    return 0
+
+
+def load_model(args: argparse.Namespace) -> tuple[Any, Any]:
+    """``AutoModelForCausalLM`` and ``AutoTokenizer`` from ``args.model`` (or ``args.tokenizer``)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype: Any = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model, trust_remote_code=args.trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, trust_remote_code=args.trust_remote_code)
+    return model.to(device).eval(), tokenizer
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m aiocb.cli.serve MODEL ...``."""
+    parser = argparse.ArgumentParser(prog="aiocb serve", description=__doc__.splitlines()[0] if __doc__ else None)
+    add_serve_arguments(parser)
+    return run_serve(parser.parse_args(argv))
+
+
+# --------------------------------------------------------------------------- flags from types
+
+
+def _argument_for(hint: Any) -> dict[str, Any]:
+    """add_argument keyword arguments that parse a value of type ``hint``."""
+    options = set(typing.get_args(hint)) if _is_union(hint) else {hint}
+    optional = type(None) in options
+    options.discard(type(None))
+    if options == {bool}:
+        return {"action": argparse.BooleanOptionalAction}
+    if len(options) == 1:
+        (only,) = options
+        if typing.get_origin(only) is typing.Literal:
+            return {"choices": list(typing.get_args(only))}
+        if only in (int, float):
+            return {"type": _nullable(only) if optional else only, "metavar": only.__name__.upper()}
+        if typing.get_origin(only) is dict:
+            return {"type": _json_object, "metavar": "JSON"}
+    if bool in options and any(typing.get_origin(o) is tuple for o in options):
+        return {"type": _bool_or_pair, "metavar": "BOOL[,BOOL]"}
+    raise TypeError(f"no command-line parser for a config field of type {hint!r}")
+
+
+def _is_union(hint: Any) -> bool:
+    return typing.get_origin(hint) in (typing.Union, types.UnionType)
+
+
+def _nullable(kind: Callable[[str], Any]) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        return None if text.lower() in _NONE_WORDS else kind(text)
+
+    parse.__name__ = getattr(kind, "__name__", "value")
+    return parse
+
+
+def _parse_bool(text: str) -> bool:
+    word = text.strip().lower()
+    if word in _TRUE_WORDS:
+        return True
+    if word in _FALSE_WORDS:
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _bool_or_pair(text: str) -> bool | tuple[bool, bool] | None:
+    if text.lower() in _NONE_WORDS:
+        return None
+    parts = text.split(",")
+    if len(parts) == 1:
+        return _parse_bool(parts[0])
+    if len(parts) == 2:
+        return (_parse_bool(parts[0]), _parse_bool(parts[1]))
+    raise argparse.ArgumentTypeError(f"expected BOOL or BOOL,BOOL, got {text!r}")
+
+
+def _json_object(text: str) -> dict[str, Any] | None:
+    if text.lower() in _NONE_WORDS:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"expected a JSON object: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
+
+
+def _attribute_docs(docstring: str) -> dict[str, str]:
+    """``{name: text}`` from a Google-style ``Attributes:`` section."""
+    docs: dict[str, str] = {}
+    inside = False
+    current: str | None = None
+    for line in docstring.splitlines():
+        stripped = line.strip()
+        if stripped == "Attributes:":
+            inside = True
+            continue
+        if not inside or not stripped:
+            continue
+        indent = len(line) - len(line.lstrip())
+        name, colon, text = stripped.partition(":")
+        if colon and name.isidentifier() and indent <= 8:
+            current = name
+            docs[name] = text.strip()
+        elif current is not None:
+            docs[current] += " " + stripped
+    return docs
+
+
+if __name__ == "__main__":
+    sys.exit(main())

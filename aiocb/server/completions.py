@@ -1,0 +1,232 @@
+"""``POST /v1/completions``: prompts in, text completions out (whole or streamed)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiocb.server.context import ServerContext, finite
+from aiocb.server.detokenize import IncrementalDetokenizer
+from aiocb.server.protocol import DEFAULT_COMPLETION_MAX_TOKENS, CompletionRequest
+from aiocb.server.serving import (
+    ChoiceDelta,
+    ChoiceSpec,
+    Submission,
+    choice_seed,
+    engine_params,
+)
+
+
+@dataclass(slots=True)
+class _Prompt:
+    ids: list[int]
+    #: what ``echo`` puts before the completion
+    text: str
+
+
+@dataclass(slots=True)
+class _Choice:
+    """A choice's output gathered from its deltas."""
+
+    prompt: _Prompt
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    text_offsets: list[int] = field(default_factory=list)
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None
+    finish_reason: str | None = None
+    num_generated: int = 0
+
+    def add(self, delta: ChoiceDelta) -> None:
+        self.text += delta.text
+        self.token_ids += delta.token_ids
+        self.logprobs += delta.logprobs
+        self.top_logprobs += delta.top_logprobs
+        self.text_offsets += delta.text_offsets
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+            self.prompt_top_logprobs = delta.prompt_top_logprobs
+        self.finish_reason = delta.finish_reason or self.finish_reason
+        self.num_generated = delta.num_generated
+
+
+class Completion:
+    """One completions request from submission to its response or stream."""
+
+    def __init__(self, ctx: ServerContext, request: CompletionRequest, received: float) -> None:
+        self.ctx = ctx
+        self.request = request
+        self.received = received
+        self.id = f"cmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.prompts = [self._prompt(p) for p in request.prompts]
+        sampling = request.sampling
+        self.max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if sampling.max_tokens is None else sampling.max_tokens
+        want_logprobs = request.logprobs is not None
+        specs: list[ChoiceSpec] = []
+        for p, prompt in enumerate(self.prompts):
+            for j in range(sampling.n):
+                params = engine_params(
+                    sampling,
+                    seed=choice_seed(sampling, j),
+                    logprobs=want_logprobs,
+                    top_logprobs=request.logprobs or 0,
+                    prompt_logprobs=want_logprobs and request.echo,
+                    score_only=self.max_tokens == 0,
+                )
+                specs.append(
+                    ChoiceSpec(
+                        index=p * sampling.n + j,
+                        prompt_ids=prompt.ids,
+                        max_tokens=self.max_tokens,
+                        params=params,
+                        stop=sampling.stop,
+                        skip_special_tokens=sampling.skip_special_tokens,
+                    )
+                )
+        self.submission = Submission(ctx, specs, received)
+
+    def _prompt(self, prompt: str | list[int]) -> _Prompt:
+        if isinstance(prompt, str):
+            return _Prompt(self.ctx.encode(prompt, add_special_tokens=True), prompt)
+        return _Prompt(prompt, self.ctx.decode(prompt) if self.request.echo else "")
+
+    async def submit(self) -> None:
+        """Queue every choice (or none: the error is raised)."""
+        await self.submission.submit()
+
+    async def response(self) -> dict[str, Any]:
+        """Run every choice to its end; the whole response body."""
+        n = self.request.sampling.n
+        choices = [_Choice(self.prompts[i // n]) for i in range(len(self.submission.specs))]
+        try:
+            async with aclosing(self.submission.deltas()) as deltas:
+                async for delta in deltas:
+                    choices[delta.index].add(delta)
+        finally:
+            await self.submission.aclose()
+        body_choices = []
+        for index, choice in enumerate(choices):
+            body_choices.append(
+                {
+                    "index": index,
+                    "text": (choice.prompt.text if self.request.echo else "") + choice.text,
+                    "logprobs": self._logprobs(choice, echo=self.request.echo),
+                    "finish_reason": choice.finish_reason,
+                }
+            )
+        completion_tokens = sum(c.num_generated for c in choices)
+        return {**self._header(), "choices": body_choices, "usage": self._usage(completion_tokens)}
+
+    async def chunks(self) -> AsyncIterator[dict[str, Any]]:
+        """The stream's chunks (after :meth:`submit`)."""
+        try:
+            async with aclosing(self._chunks()) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        finally:
+            await self.submission.aclose()
+
+    async def _chunks(self) -> AsyncGenerator[dict[str, Any]]:
+        n = self.request.sampling.n
+        echoed: set[int] = set()
+        generated = [0] * len(self.submission.specs)
+        want_logprobs = self.request.logprobs is not None
+        async with aclosing(self.submission.deltas()) as deltas:
+            async for delta in deltas:
+                generated[delta.index] = delta.num_generated
+                prompt = self.prompts[delta.index // n]
+                text = delta.text
+                echo = self.request.echo and delta.index not in echoed
+                if echo:
+                    echoed.add(delta.index)
+                    text = prompt.text + text
+                elif not text and delta.finish_reason is None and not (want_logprobs and delta.token_ids):
+                    continue
+                choice = _Choice(prompt)
+                choice.add(delta)
+                yield {
+                    **self._header(),
+                    "choices": [
+                        {
+                            "index": delta.index,
+                            "text": text,
+                            "logprobs": self._logprobs(choice, echo=echo),
+                            "finish_reason": delta.finish_reason,
+                        }
+                    ],
+                }
+        if self.request.sampling.include_usage:
+            yield {**self._header(), "choices": [], "usage": self._usage(sum(generated))}
+
+    def _header(self) -> dict[str, Any]:
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.ctx.model_name}
+
+    def _usage(self, completion_tokens: int) -> dict[str, int]:
+        prompt_tokens = sum(len(p.ids) for p in self.prompts)
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
+
+    def _logprobs(self, choice: _Choice, *, echo: bool) -> dict[str, Any] | None:
+        """Completions-style logprobs: the prompt's first when ``echo``, then the generated tokens'."""
+        if self.request.logprobs is None:
+            return None
+        ctx = self.ctx
+        top_n = self.request.logprobs
+        tokens: list[str] = []
+        token_logprobs: list[float | None] = []
+        top_logprobs: list[dict[str, float] | None] = []
+        text_offset: list[int] = []
+        base = len(choice.prompt.text) if self.request.echo else 0
+        if echo:
+            ids = choice.prompt.ids
+            scores = choice.prompt_logprobs or [None] * len(ids)
+            tops = choice.prompt_top_logprobs or [None] * len(ids)
+            detokenizer = IncrementalDetokenizer(ctx.tokenizer, skip_special_tokens=False)
+            for position, token_id in enumerate(ids):
+                text_offset.append(detokenizer.num_chars)
+                detokenizer.add(token_id)
+                tokens.append(ctx.token_text(token_id))
+                score = scores[position] if position < len(scores) else None
+                token_logprobs.append(None if score is None else finite(score))
+                top = tops[position] if position < len(tops) else None
+                top_logprobs.append(None if score is None else _top_dict(ctx, top, token_id, score, top_n))
+        for token_id, score, top, at in zip(
+            choice.token_ids, choice.logprobs, choice.top_logprobs, choice.text_offsets, strict=False
+        ):
+            tokens.append(ctx.token_text(token_id))
+            token_logprobs.append(finite(score))
+            top_logprobs.append(_top_dict(ctx, top, token_id, score, top_n))
+            text_offset.append(base + at)
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": top_logprobs,
+            "text_offset": text_offset,
+        }
+
+
+def _top_dict(
+    ctx: ServerContext, alternatives: dict[int, float] | None, token_id: int, logprob: float, top_n: int
+) -> dict[str, float]:
+    """``{token text: logprob}`` of the alternatives plus the chosen token (as vLLM does).
+
+    Two ids with the same text keep the higher logprob, so ``max(values)`` is the greedy
+    choice's and lm-eval's ``is_greedy`` check stays right.
+    """
+    result: dict[str, float] = {}
+    items = list((alternatives or {}).items())[:top_n]
+    for tid, score in [*items, (token_id, logprob)]:
+        text = ctx.token_text(tid)
+        if text not in result or score > result[text]:
+            result[text] = finite(score)
+    return result

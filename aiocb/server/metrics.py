@@ -1,0 +1,123 @@
+"""Prometheus metrics of the server and its manager, on a registry of their own.
+
+Queue lengths, cache use and the engine's counters are read from
+:meth:`aiocb.Manager.statistics` when ``/metrics`` is scraped; latencies and token counts
+are observed by the request handlers as tokens reach clients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from aiocb.engine.manager import Manager
+
+#: Latency buckets in seconds, from sub-millisecond (loopback, tiny models) to a minute.
+_TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 60.0)
+_ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+_E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
+
+
+class _ManagerCollector(Collector):
+    """Reads the manager's statistics at scrape time."""
+
+    def __init__(self, manager: Manager, model_name: str) -> None:
+        self._manager = manager
+        self._model_name = model_name
+
+    def collect(self) -> Iterable[Metric]:
+        stats = self._manager.statistics()
+        labels = ["model_name"]
+        value = [self._model_name]
+
+        def gauge(name: str, doc: str, number: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, doc, labels=labels)
+            family.add_metric(value, number)
+            return family
+
+        def counter(name: str, doc: str, number: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(name, doc, labels=labels)
+            family.add_metric(value, number)
+            return family
+
+        yield gauge("aiocb_num_requests_running", "Requests in the running batch.", stats.running_requests)
+        yield gauge("aiocb_num_requests_waiting", "Requests waiting for admission.", stats.waiting_requests)
+        yield gauge("aiocb_kv_cache_usage_perc", "Share of KV cache blocks in use (0 to 1).", stats.cache_usage)
+        yield gauge("aiocb_kv_cache_free_blocks", "Free KV cache blocks.", stats.free_blocks)
+        yield gauge("aiocb_kv_cache_total_blocks", "KV cache blocks in all.", stats.total_blocks)
+        yield gauge("aiocb_engine_running", "1 while the step loop runs.", 1.0 if stats.is_running else 0.0)
+        yield counter("aiocb_engine_steps", "Forward steps run.", stats.steps)
+        yield counter("aiocb_engine_computed_tokens", "Tokens run through the model.", stats.tokens_computed)
+        yield counter("aiocb_engine_generated_tokens", "Tokens sampled by the engine.", stats.tokens_generated)
+        yield counter("aiocb_prefix_cache_hit_tokens", "Prompt tokens read from the cache.", stats.prefix_hit_tokens)
+        yield counter("aiocb_num_preemptions", "Requests preempted for lack of cache blocks.", stats.preemptions)
+        yield counter("aiocb_recomputed_tokens", "Tokens recomputed after preemption.", stats.recomputed_tokens)
+
+
+class ServerMetrics:
+    """The server's metrics; :meth:`render` is the body of ``GET /metrics``."""
+
+    def __init__(self, manager: Manager, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_ManagerCollector(manager, model_name))
+        labels = ["model_name"]
+        self._model_name = model_name
+        self.time_to_first_token = Histogram(
+            "aiocb_time_to_first_token_seconds",
+            "Seconds from receiving a request to its first generated token.",
+            labels,
+            buckets=_TTFT_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self.inter_token_latency = Histogram(
+            "aiocb_inter_token_latency_seconds",
+            "Seconds between consecutive generated tokens of a request.",
+            labels,
+            buckets=_ITL_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self.e2e_latency = Histogram(
+            "aiocb_e2e_request_latency_seconds",
+            "Seconds from receiving a request to its last token.",
+            labels,
+            buckets=_E2E_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self.prompt_tokens = Counter(
+            "aiocb_prompt_tokens", "Prompt tokens of finished requests.", labels, registry=self.registry
+        ).labels(model_name)
+        self.generation_tokens = Counter(
+            "aiocb_generation_tokens", "Generated tokens returned to clients.", labels, registry=self.registry
+        ).labels(model_name)
+        self._finished = Counter(
+            "aiocb_request_success",
+            "Finished choices, by finish reason.",
+            [*labels, "finished_reason"],
+            registry=self.registry,
+        )
+        self._errors = Counter(
+            "aiocb_http_errors", "Error responses, by HTTP status.", [*labels, "status"], registry=self.registry
+        )
+
+    def observe_finished(self, finish_reason: str) -> None:
+        """Count one finished choice."""
+        self._finished.labels(self._model_name, finish_reason).inc()
+
+    def observe_error(self, status: int) -> None:
+        """Count one error response."""
+        self._errors.labels(self._model_name, str(status)).inc()
+
+    def observe_inter_token(self, count: int, interval: float) -> None:
+        """``count`` tokens arrived together ``interval`` seconds after the previous ones."""
+        if count <= 0:
+            return
+        share = interval / count
+        for _ in range(count):
+            self.inter_token_latency.observe(share)
+
+    def render(self) -> bytes:
+        """The metrics in Prometheus' text format."""
+        return generate_latest(self.registry)

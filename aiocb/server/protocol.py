@@ -1,0 +1,384 @@
+"""OpenAI request bodies parsed into typed values, and errors in OpenAI's shape.
+
+Parsing is lenient where real clients need it (unknown fields are ignored, ``null``
+means "not given") and strict where a wrong value would silently change the result (a
+negative ``max_tokens``, a ``temperature`` that is a string): those are refused with an
+:class:`APIError` of status 400 that names the field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from aiocb.errors import (
+    EngineDeadError,
+    InvalidRequestError,
+    ManagerClosedError,
+    RequestAbortedError,
+    WouldBlock,
+)
+
+#: ``max_tokens`` of a completion that does not say (OpenAI's default).
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+#: The most alternatives per token (``logprobs`` / ``top_logprobs``) a request may ask for.
+MAX_TOP_LOGPROBS = 20
+#: The most choices per prompt (``n``).
+MAX_N = 128
+
+
+class APIError(Exception):
+    """An error answered as ``{"error": {"message", "type", "param", "code"}}`` with ``status``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON body of the error response."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    """A 400 error about the request body."""
+    return APIError(400, message, param=param)
+
+
+def error_from_exception(exc: BaseException) -> APIError:
+    """Map an exception from the engine (or anything else) to the error a client should see."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, WouldBlock):
+        return APIError(
+            429,
+            "the server's admission queue is full; retry later",
+            type="rate_limit_exceeded",
+            code="rate_limit_exceeded",
+        )
+    if isinstance(exc, InvalidRequestError):
+        return bad_request(str(exc))
+    if isinstance(exc, ManagerClosedError):
+        return APIError(503, f"the server is not accepting requests: {exc}", type="service_unavailable")
+    if isinstance(exc, (EngineDeadError, RequestAbortedError)):
+        return APIError(500, f"the engine failed: {exc}", type="internal_server_error")
+    return APIError(500, f"internal error: {exc!r}", type="internal_server_error")
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingRequest:
+    """The sampling and streaming fields shared by completions and chat completions."""
+
+    model: str | None
+    #: None: the endpoint's default
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    n: int
+    stop: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
+    ignore_eos: bool
+    skip_special_tokens: bool
+    stream: bool
+    include_usage: bool
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionRequest:
+    """A ``POST /v1/completions`` body."""
+
+    #: one entry per prompt: text, or token ids
+    prompts: list[str | list[int]]
+    sampling: SamplingRequest
+    #: alternatives per token (0 to 20), or None for no logprobs
+    logprobs: int | None
+    echo: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ChatCompletionRequest:
+    """A ``POST /v1/chat/completions`` body; message contents are flattened to strings."""
+
+    messages: list[dict[str, Any]]
+    sampling: SamplingRequest
+    logprobs: bool
+    top_logprobs: int
+    add_generation_prompt: bool
+    chat_template_kwargs: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizeRequest:
+    """A ``POST /tokenize`` body: a text prompt or chat messages."""
+
+    model: str | None
+    prompt: str | None
+    messages: list[dict[str, Any]] | None
+    add_special_tokens: bool
+    add_generation_prompt: bool
+
+
+@dataclass(frozen=True, slots=True)
+class DetokenizeRequest:
+    """A ``POST /detokenize`` body."""
+
+    model: str | None
+    tokens: list[int]
+
+
+# --------------------------------------------------------------------------- bodies
+
+
+def parse_completion_request(body: Any) -> CompletionRequest:
+    """Validate a completions body."""
+    body = _object(body)
+    if "prompt" not in body or body["prompt"] is None:
+        raise bad_request("'prompt' is required", "prompt")
+    prompts = _prompts(body["prompt"])
+    logprobs = _opt_int(body, "logprobs", minimum=0, maximum=MAX_TOP_LOGPROBS)
+    _refuse_unsupported(body)
+    return CompletionRequest(
+        prompts=prompts,
+        sampling=_sampling(body, max_tokens_keys=("max_tokens",)),
+        logprobs=logprobs,
+        echo=_bool(body, "echo", False),
+    )
+
+
+def parse_chat_request(body: Any) -> ChatCompletionRequest:
+    """Validate a chat completions body."""
+    body = _object(body)
+    messages = _messages(body.get("messages"))
+    logprobs = _bool(body, "logprobs", False)
+    top_logprobs = _opt_int(body, "top_logprobs", minimum=0, maximum=MAX_TOP_LOGPROBS)
+    if top_logprobs and not logprobs:
+        raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    _refuse_unsupported(body)
+    return ChatCompletionRequest(
+        messages=messages,
+        sampling=_sampling(body, max_tokens_keys=("max_completion_tokens", "max_tokens")),
+        logprobs=logprobs,
+        top_logprobs=top_logprobs or 0,
+        add_generation_prompt=_bool(body, "add_generation_prompt", True),
+        chat_template_kwargs=dict(kwargs or {}),
+    )
+
+
+def parse_tokenize_request(body: Any) -> TokenizeRequest:
+    """Validate a tokenize body: ``prompt`` (text) or ``messages`` (chat)."""
+    body = _object(body)
+    prompt = body.get("prompt")
+    messages = body.get("messages")
+    if (prompt is None) == (messages is None):
+        raise bad_request("give exactly one of 'prompt' (a string) or 'messages'", "prompt")
+    if prompt is not None and not isinstance(prompt, str):
+        raise bad_request("'prompt' must be a string", "prompt")
+    return TokenizeRequest(
+        model=_opt_str(body, "model"),
+        prompt=prompt,
+        messages=None if messages is None else _messages(messages),
+        add_special_tokens=_bool(body, "add_special_tokens", prompt is not None),
+        add_generation_prompt=_bool(body, "add_generation_prompt", True),
+    )
+
+
+def parse_detokenize_request(body: Any) -> DetokenizeRequest:
+    """Validate a detokenize body."""
+    body = _object(body)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(_is_int(t) and t >= 0 for t in tokens):
+        raise bad_request("'tokens' must be a list of token ids", "tokens")
+    return DetokenizeRequest(model=_opt_str(body, "model"), tokens=list(tokens))
+
+
+# --------------------------------------------------------------------------- fields
+
+
+def _sampling(body: Mapping[str, Any], *, max_tokens_keys: tuple[str, ...]) -> SamplingRequest:
+    max_tokens = None
+    for key in max_tokens_keys:
+        max_tokens = _opt_int(body, key, minimum=0)
+        if max_tokens is not None:
+            break
+    top_k = _opt_int(body, "top_k", minimum=-1)
+    stream_options = body.get("stream_options")
+    if stream_options is not None and not isinstance(stream_options, dict):
+        raise bad_request("'stream_options' must be an object", "stream_options")
+    return SamplingRequest(
+        model=_opt_str(body, "model"),
+        max_tokens=max_tokens,
+        temperature=_float(body, "temperature", 1.0, minimum=0.0, maximum=2.0),
+        top_p=_float(body, "top_p", 1.0, minimum=0.0, maximum=1.0, exclusive_minimum=True),
+        top_k=max(top_k or 0, 0),  # -1 (vLLM) and 0 both mean "off"
+        seed=_opt_int(body, "seed", minimum=None),
+        n=_opt_int(body, "n", minimum=1, maximum=MAX_N) or 1,
+        stop=_stop(body.get("stop")),
+        stop_token_ids=tuple(_token_ids(body.get("stop_token_ids") or [], "stop_token_ids")),
+        ignore_eos=_bool(body, "ignore_eos", False),
+        skip_special_tokens=_bool(body, "skip_special_tokens", True),
+        stream=_bool(body, "stream", False),
+        include_usage=bool(stream_options and _bool(stream_options, "include_usage", False)),
+    )
+
+
+def _refuse_unsupported(body: Mapping[str, Any]) -> None:
+    """Refuse known OpenAI fields whose non-default values this server cannot honour."""
+    for key in ("presence_penalty", "frequency_penalty"):
+        value = body.get(key)
+        if value not in (None, 0, 0.0):
+            raise bad_request(f"'{key}' is not supported by this server (only 0)", key)
+    if body.get("logit_bias"):
+        raise bad_request("'logit_bias' is not supported by this server", "logit_bias")
+    if body.get("suffix"):
+        raise bad_request("'suffix' is not supported by this server", "suffix")
+    tools = body.get("tools")
+    if tools and body.get("tool_choice") not in (None, "none"):
+        raise bad_request("tool calling is not supported by this server", "tools")
+    best_of = body.get("best_of")
+    n = body.get("n") or 1
+    if best_of is not None and best_of != n:
+        raise bad_request("'best_of' is not supported by this server (only best_of == n)", "best_of")
+
+
+def _object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    return body
+
+
+def _prompts(value: Any) -> list[str | list[int]]:
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list) or not value:
+        raise bad_request("'prompt' must be a string, a list of strings, token ids or lists of token ids", "prompt")
+    if all(isinstance(v, str) for v in value):
+        return list(value)
+    if all(_is_int(v) for v in value):
+        return [_token_ids(value, "prompt")]
+    if all(isinstance(v, list) for v in value):
+        prompts: list[str | list[int]] = [_token_ids(v, "prompt") for v in value]
+        return prompts
+    raise bad_request("'prompt' mixes strings and token ids; send one kind", "prompt")
+
+
+def _token_ids(value: Any, param: str) -> list[int]:
+    if not isinstance(value, list) or not all(_is_int(v) for v in value):
+        raise bad_request(f"'{param}' must be a list of token ids (ints)", param)
+    if any(v < 0 for v in value):
+        raise bad_request(f"'{param}' holds a negative token id", param)
+    return list(value)
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise bad_request("'stop' must be a string or a list of strings", "stop")
+    return tuple(dict.fromkeys(v for v in value if v))
+
+
+def _messages(value: Any) -> list[dict[str, Any]]:
+    if not isinstance(value, list) or not value:
+        raise bad_request("'messages' must be a non-empty list of messages", "messages")
+    messages: list[dict[str, Any]] = []
+    for i, message in enumerate(value):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise bad_request(f"messages[{i}] must be an object with a string 'role'", "messages")
+        flat = dict(message)
+        flat["content"] = _content(message.get("content"), i)
+        messages.append(flat)
+    return messages
+
+
+def _content(content: Any, index: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts: list[str] = []
+        for part in content:
+            if isinstance(part, str):
+                texts.append(part)
+            elif isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                texts.append(part["text"])
+            else:
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise bad_request(f"messages[{index}].content: only text parts are supported, got {kind!r}", "messages")
+        return "\n".join(texts)
+    raise bad_request(f"messages[{index}].content must be a string or a list of text parts", "messages")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _opt_int(body: Mapping[str, Any], key: str, *, minimum: int | None, maximum: int | None = None) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not _is_int(value):
+        raise bad_request(f"'{key}' must be an integer, got {value!r}", key)
+    if minimum is not None and value < minimum:
+        raise bad_request(f"'{key}' must be >= {minimum}, got {value}", key)
+    if maximum is not None and value > maximum:
+        raise bad_request(f"'{key}' must be <= {maximum}, got {value}", key)
+    return int(value)
+
+
+def _float(
+    body: Mapping[str, Any],
+    key: str,
+    default: float,
+    *,
+    minimum: float,
+    maximum: float,
+    exclusive_minimum: bool = False,
+) -> float:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise bad_request(f"'{key}' must be a number, got {value!r}", key)
+    low_ok = value > minimum if exclusive_minimum else value >= minimum
+    if not low_ok or value > maximum:
+        bracket = "(" if exclusive_minimum else "["
+        raise bad_request(f"'{key}' must be in {bracket}{minimum}, {maximum}], got {value}", key)
+    return float(value)
+
+
+def _bool(body: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad_request(f"'{key}' must be true or false, got {value!r}", key)
+    return value
+
+
+def _opt_str(body: Mapping[str, Any], key: str) -> str | None:
+    value = body.get(key)
+    if value is not None and not isinstance(value, str):
+        raise bad_request(f"'{key}' must be a string", key)
+    return value

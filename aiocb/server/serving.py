@@ -1,0 +1,265 @@
+"""Requests to the manager and their outputs as text deltas, shared by both endpoints.
+
+A *choice* is one request to the manager. :func:`submit_choices` queues all the choices of
+an HTTP request at once, or none (``add_request_nowait``: a full admission queue is a
+429, not a wait). :func:`choice_deltas` turns one choice's stream into
+:class:`ChoiceDelta` values: new text (detokenized incrementally, stop strings held back
+and trimmed), the tokens behind it with their logprobs, and at the end a finish reason.
+Leaving the iteration early (a stop string, a client that went away) closes the stream,
+which cancels the request and frees its blocks at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiocb.engine.manager import Manager, RequestStream
+from aiocb.outputs import FinishReason, GenerationOutput, RequestStatus
+from aiocb.server.context import ServerContext
+from aiocb.server.detokenize import IncrementalDetokenizer, StopStringMatcher
+from aiocb.server.protocol import APIError, SamplingRequest
+
+_FINISH_REASONS = {
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.TIMEOUT: "length",
+    FinishReason.CANCELLED: "abort",
+    FinishReason.ABORTED: "abort",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ChoiceSpec:
+    """One request to submit."""
+
+    index: int
+    prompt_ids: list[int]
+    #: tokens to generate; 0 scores the prompt only (one token is generated and dropped)
+    max_tokens: int
+    params: dict[str, Any]
+    stop: tuple[str, ...]
+    skip_special_tokens: bool
+
+
+@dataclass(slots=True)
+class ChoiceDelta:
+    """What one choice adds in one step; the last one carries ``finish_reason``."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    #: logprob of each of ``token_ids`` (when asked for)
+    logprobs: list[float] = field(default_factory=list)
+    #: most likely alternatives at each of ``token_ids`` (when asked for)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    #: character offset of each of ``token_ids`` in the choice's generated text
+    text_offsets: list[int] = field(default_factory=list)
+    #: set on the first delta when prompt logprobs were asked for
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None
+    finish_reason: str | None = None
+    #: tokens generated so far by the choice (usage)
+    num_generated: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        """Whether the delta carries nothing worth sending."""
+        return not self.text and not self.token_ids and self.finish_reason is None and self.prompt_logprobs is None
+
+
+def engine_params(
+    sampling: SamplingRequest,
+    *,
+    seed: int | None,
+    logprobs: bool,
+    top_logprobs: int,
+    prompt_logprobs: bool,
+    score_only: bool,
+) -> dict[str, Any]:
+    """``Manager.add_request`` keyword arguments for one choice."""
+    greedy = sampling.temperature == 0.0
+    params: dict[str, Any] = {
+        "do_sample": not greedy,
+        "temperature": 0.0 if greedy else sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k,
+        "return_logprobs": logprobs,
+        "top_logprobs": top_logprobs if logprobs else 0,
+        "prompt_logprobs": prompt_logprobs,
+    }
+    if seed is not None:
+        params["seed"] = seed
+    if sampling.ignore_eos or score_only:
+        params["eos_token_id"] = []
+    if sampling.stop_token_ids:
+        params["stop_token_ids"] = list(sampling.stop_token_ids)
+    return params
+
+
+def choice_seed(sampling: SamplingRequest, choice: int) -> int | None:
+    """The seed of the ``choice``-th sample of a prompt: distinct, derived from the request's seed."""
+    if sampling.seed is None:
+        return None
+    return (sampling.seed + choice) % 2**63
+
+
+async def submit_choices(manager: Manager, specs: Sequence[ChoiceSpec]) -> list[RequestStream]:
+    """Queue every choice without waiting, or none of them (the error is raised)."""
+    streams: list[RequestStream] = []
+    try:
+        for spec in specs:
+            rid = manager.add_request_nowait(spec.prompt_ids, max_new_tokens=max(spec.max_tokens, 1), **spec.params)
+            streams.append(manager.stream(rid))
+    except BaseException:
+        for stream in streams:
+            await stream.aclose()  # cancels the request
+        raise
+    return streams
+
+
+class Submission:
+    """The choices of one HTTP request: queued together, iterated together, closed together."""
+
+    def __init__(self, ctx: ServerContext, specs: Sequence[ChoiceSpec], received: float) -> None:
+        self.ctx = ctx
+        self.specs = list(specs)
+        self.received = received
+        self._streams: list[RequestStream] = []
+
+    async def submit(self) -> None:
+        """Queue every choice, or raise (nothing queued) when one is refused."""
+        self._streams = await submit_choices(self.ctx.manager, self.specs)
+
+    def deltas(self) -> AsyncGenerator[ChoiceDelta]:
+        """The deltas of all choices as they come (see :func:`choice_deltas`)."""
+        iterators = [
+            choice_deltas(self.ctx, spec, stream, self.received)
+            for spec, stream in zip(self.specs, self._streams, strict=True)
+        ]
+        return merge_deltas(iterators)
+
+    async def aclose(self) -> None:
+        """Cancel whatever has not finished (idempotent)."""
+        for stream in self._streams:
+            await stream.aclose()
+
+
+async def choice_deltas(
+    ctx: ServerContext, spec: ChoiceSpec, stream: RequestStream, received: float
+) -> AsyncGenerator[ChoiceDelta]:
+    """The deltas of one choice; ``received`` is when the HTTP request arrived (perf_counter)."""
+    detokenizer = IncrementalDetokenizer(ctx.tokenizer, spec.prompt_ids, skip_special_tokens=spec.skip_special_tokens)
+    stopper = StopStringMatcher(spec.stop)
+    metrics = ctx.metrics
+    score_only = spec.max_tokens == 0
+    seen = 0
+    first = True
+    last_time = received
+    async with stream:
+        async for output in stream:
+            now = time.perf_counter()
+            delta = ChoiceDelta(spec.index)
+            if first:
+                delta.prompt_logprobs = output.prompt_logprobs
+                delta.prompt_top_logprobs = output.prompt_top_logprobs
+            new = [] if score_only else output.generated_tokens[seen:]
+            if new:
+                metrics.generation_tokens.inc(len(new))
+                if seen == 0:
+                    metrics.time_to_first_token.observe(now - received)
+                else:
+                    metrics.observe_inter_token(len(new), now - last_time)
+                last_time = now
+            _add_tokens(delta, output, new, seen, detokenizer, stopper)
+            seen += len(delta.token_ids)
+            delta.num_generated = seen
+            first = False
+            if stopper.matched is not None:
+                delta.finish_reason = "stop"
+            elif output.is_finished():
+                _check_failed(output)
+                delta.text += stopper.feed(detokenizer.flush())
+                delta.text += stopper.flush()
+                delta.finish_reason = "stop" if stopper.matched is not None else _finish_reason(output, score_only)
+            if delta.finish_reason is not None:
+                metrics.e2e_latency.observe(now - received)
+                metrics.prompt_tokens.inc(len(spec.prompt_ids))
+                metrics.observe_finished(delta.finish_reason)
+                yield delta
+                return  # leaving `async with stream` cancels a request cut short by a stop string
+            if not delta.is_empty:
+                yield delta
+
+
+def _add_tokens(
+    delta: ChoiceDelta,
+    output: GenerationOutput,
+    new: list[int],
+    start: int,
+    detokenizer: IncrementalDetokenizer,
+    stopper: StopStringMatcher,
+) -> None:
+    logprobs = output.logprobs
+    top = output.top_logprobs
+    for position, token_id in enumerate(new, start=start):
+        delta.text_offsets.append(detokenizer.num_chars)
+        delta.text += stopper.feed(detokenizer.add(token_id))
+        delta.token_ids.append(token_id)
+        if logprobs is not None and position < len(logprobs):
+            delta.logprobs.append(logprobs[position])
+            delta.top_logprobs.append(top[position] if top is not None and position < len(top) else {})
+        if stopper.matched is not None:
+            return
+
+
+def _check_failed(output: GenerationOutput) -> None:
+    if output.status is RequestStatus.FAILED or output.finish_reason is FinishReason.ERROR:
+        raise APIError(500, f"the engine failed the request: {output.error}", type="internal_server_error")
+
+
+def _finish_reason(output: GenerationOutput, score_only: bool) -> str:
+    if score_only:
+        return "length"
+    assert output.finish_reason is not None
+    return _FINISH_REASONS.get(output.finish_reason, "stop")
+
+
+async def merge_deltas(iterators: Sequence[AsyncGenerator[ChoiceDelta]]) -> AsyncGenerator[ChoiceDelta]:
+    """The deltas of several choices as they come; the first error cancels the others."""
+    if len(iterators) == 1:
+        async with aclosing(iterators[0]) as only:
+            async for delta in only:
+                yield delta
+        return
+    queue: asyncio.Queue[ChoiceDelta | BaseException | None] = asyncio.Queue()
+
+    async def pump(iterator: AsyncGenerator[ChoiceDelta]) -> None:
+        try:
+            async with aclosing(iterator):
+                async for delta in iterator:
+                    queue.put_nowait(delta)
+        except Exception as exc:
+            queue.put_nowait(exc)
+        else:
+            queue.put_nowait(None)
+
+    tasks = [asyncio.create_task(pump(iterator)) for iterator in iterators]
+    try:
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,77 @@
+"""Server-sent events as OpenAI streams them: ``data: {json}`` lines, then ``data: [DONE]``."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import ClientDisconnect
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from aiocb.server.metrics import ServerMetrics
+from aiocb.server.protocol import error_from_exception
+
+logger = logging.getLogger(__name__)
+
+DONE = b"data: [DONE]\n\n"
+
+
+#: Characters that ``str.splitlines`` (and so httpx's ``aiter_lines`` and requests'
+#: ``iter_lines``) breaks lines at, which JSON leaves raw inside strings: escaped, so a
+#: generated U+2028 does not cut an event in two on the client.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def dumps(value: Any) -> str:
+    """Compact JSON on one line for any line splitter; other non-ASCII text kept as is."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKS)
+
+
+def event(value: Any) -> bytes:
+    """One ``data:`` event."""
+    return b"data: " + dumps(value).encode() + b"\n\n"
+
+
+async def events(chunks: AsyncIterator[dict[str, Any]], metrics: ServerMetrics) -> AsyncIterator[bytes]:
+    """The chunks as events, ended by ``[DONE]``; an error mid-stream becomes an error event."""
+    try:
+        async for chunk in chunks:
+            yield event(chunk)
+    except Exception as exc:
+        error = error_from_exception(exc)
+        if error.status >= 500:
+            logger.error("a streamed request failed", exc_info=exc)
+        metrics.observe_error(error.status)
+        yield event(error.to_dict())
+    finally:
+        aclose = getattr(chunks, "aclose", None)
+        if aclose is not None:
+            await aclose()
+    yield DONE
+
+
+class EventStreamResponse(StreamingResponse):
+    """A ``text/event-stream`` response that always closes its iterator.
+
+    When the client goes away, Starlette stops sending; closing the iterator here (rather
+    than whenever it is garbage-collected) cancels the requests behind it at once.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[bytes]) -> None:
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._iterator = content
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except ClientDisconnect:
+            pass
+        finally:
+            aclose = getattr(self._iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()

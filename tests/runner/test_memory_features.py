@@ -1,0 +1,159 @@
+"""Prefix caching, CPU offloading, sliding-window and hybrid models: parity with generate."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedModel,
+)
+
+import aiocb
+from aiocb.config import DEFAULT_MAX_REQUESTS_PER_BATCH
+from aiocb.core.kv_cache import CacheGroup
+from tests.conftest import _TINY, random_prompts, reference_generate
+
+NEW = 16
+
+
+def _shared_prefix_prompts() -> list[list[int]]:
+    rng = random.Random(21)
+    prefix = [rng.randrange(1, 512) for _ in range(200)]
+    return [prefix + suffix for suffix in random_prompts(32, 1, 40, seed=22)]
+
+
+async def _generate(
+    model: PreTrainedModel, prompts: list[list[int]], config: aiocb.ContinuousBatchingConfig
+) -> tuple[list[list[int]], aiocb.ManagerStatistics, list[CacheGroup]]:
+    async with aiocb.Manager(model, continuous_batching_config=config) as manager:
+        outputs = await manager.generate_batch(prompts, max_new_tokens=NEW)
+        stats = manager.statistics()
+        assert stats.free_blocks == stats.total_blocks, "blocks leaked"
+        assert stats.running_requests == stats.waiting_requests == 0
+        assert manager._steps is not None
+        groups = manager._steps.scheduler.kv_cache.groups
+    return [o.generated_tokens for o in outputs.values()], stats, groups
+
+
+@pytest.mark.parametrize("async_batching", [False, True])
+async def test_prefix_sharing_matches_generate(qwen3: PreTrainedModel, async_batching: bool) -> None:
+    prompts = _shared_prefix_prompts()
+    config = aiocb.ContinuousBatchingConfig(page_size=16, use_async_batching=async_batching)
+    outputs, stats, _ = await _generate(qwen3, prompts, config)
+    assert outputs == [reference_generate(qwen3, p, NEW) for p in prompts]
+    # All but the first request reuse the 12 full blocks (192 tokens) of the prefix.
+    assert stats.prefix_hit_tokens == 31 * 192
+    prefill = sum(len(p) for p in prompts)
+    assert stats.tokens_computed - 32 * (NEW - 1) == prefill - stats.prefix_hit_tokens
+
+
+async def test_prefix_sharing_under_preemption(qwen3: PreTrainedModel) -> None:
+    prompts = _shared_prefix_prompts()
+    config = aiocb.ContinuousBatchingConfig(page_size=16, num_blocks=48, max_batch_tokens=256)
+    outputs, stats, _ = await _generate(qwen3, prompts, config)
+    assert outputs == [reference_generate(qwen3, p, NEW) for p in prompts]
+    assert stats.preemptions > 0 and stats.prefix_hit_tokens > 0
+
+
+async def test_prefix_sharing_off(qwen3: PreTrainedModel) -> None:
+    prompts = _shared_prefix_prompts()[:4]
+    config = aiocb.ContinuousBatchingConfig(page_size=16, allow_block_sharing=False)
+    outputs, stats, _ = await _generate(qwen3, prompts, config)
+    assert stats.prefix_hit_tokens == 0
+    assert outputs == [reference_generate(qwen3, p, NEW) for p in prompts]
+
+
+@pytest.mark.parametrize("async_batching", [False, True])
+async def test_cpu_offloading_restores_without_recompute(qwen3: PreTrainedModel, async_batching: bool) -> None:
+    prompts = random_prompts(16, 20, 200, seed=23)
+    config = aiocb.ContinuousBatchingConfig(
+        page_size=16, num_blocks=40, cpu_offload_space=0.01, use_async_batching=async_batching
+    )
+    outputs, stats, manager = await _generate(qwen3, prompts, config)
+    assert outputs == [reference_generate(qwen3, p, NEW) for p in prompts]
+    assert stats.preemptions > 0
+    assert stats.offloaded_blocks > 0 and stats.restored_blocks == stats.offloaded_blocks
+    assert stats.recomputed_tokens == 0, "offloaded requests resume without recomputing"
+    prompt_tokens = sum(len(p) for p in prompts)
+    assert stats.tokens_computed == prompt_tokens + len(prompts) * (NEW - 1)
+
+
+async def test_cpu_offloading_falls_back_to_recompute_when_the_host_pool_is_full(qwen3: PreTrainedModel) -> None:
+    prompts = random_prompts(12, 40, 100, seed=25)
+    # Room on the host for 6 blocks of 16 tokens (K and V, 2 layers, 2 heads of 16, fp32).
+    space = 6 * (2 * 2 * 16 * 2 * 16 * 4) / 2**30
+    config = aiocb.ContinuousBatchingConfig(page_size=16, num_blocks=24, cpu_offload_space=space, safety_margin=0.0)
+    async with aiocb.Manager(qwen3, continuous_batching_config=config) as manager:
+        outputs = await manager.generate_batch(prompts, max_new_tokens=60)
+        stats = manager.statistics()
+    assert [o.generated_tokens for o in outputs.values()] == [reference_generate(qwen3, p, 60) for p in prompts]
+    assert stats.offloaded_blocks > 0 and stats.restored_blocks == stats.offloaded_blocks
+    assert stats.recomputed_tokens > 0, "the host pool was too small for every preempted request"
+    assert stats.free_blocks == stats.total_blocks
+
+
+def _mistral() -> PreTrainedModel:
+    torch.manual_seed(0)
+    return MistralForCausalLM(MistralConfig(**{**_TINY, "num_hidden_layers": 3, "head_dim": 16}, sliding_window=40)).eval()
+
+
+def _gemma2() -> PreTrainedModel:
+    torch.manual_seed(0)
+    config = Gemma2Config(
+        **{**_TINY, "num_hidden_layers": 4, "head_dim": 16},
+        sliding_window=40,
+        tie_word_embeddings=False,
+        final_logit_softcapping=None,
+        attn_implementation="eager",
+    )
+    return Gemma2ForCausalLM(config).eval()
+
+
+def _gemma3() -> PreTrainedModel:
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(
+        **{**_TINY, "num_hidden_layers": 4, "head_dim": 16},
+        sliding_window=40,
+        sliding_window_pattern=2,
+        tie_word_embeddings=False,
+        final_logit_softcapping=None,
+        attn_implementation="eager",
+    )
+    return Gemma3ForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("factory", [_mistral, _gemma2, _gemma3], ids=["mistral", "gemma2", "gemma3"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"page_size": 16},
+        {"page_size": 16, "num_blocks": 60, "max_batch_tokens": 50},
+        {"page_size": 16, "num_blocks": 60, "max_batch_tokens": 50, "use_async_batching": True},
+    ],
+    ids=["roomy", "chunked_and_preempted", "async"],
+)
+def test_sliding_window_and_hybrid_models_match_generate(factory: object, config: dict[str, object]) -> None:
+    model = factory()  # type: ignore[operator]
+    prompts = random_prompts(10, 1, 150, seed=24)  # many longer than the window of 40
+    cb_config = aiocb.ContinuousBatchingConfig(**config)  # type: ignore[arg-type]
+    outputs, stats, groups = asyncio.run(_generate(model, prompts, cb_config))
+    assert outputs == [reference_generate(model, p, NEW) for p in prompts]
+    assert stats.prefix_hit_tokens == 0, "no prefix sharing when any layer slides"
+    windows = {g.sliding_window for g in groups}
+    assert 40 in windows
+    if factory is not _mistral:
+        assert None in windows, "hybrid: full and sliding groups side by side"
+    if "num_blocks" not in config:
+        # A sliding group is sized for a ring of ceil(39 / 16) + 1 = 4 blocks per concurrent
+        # request (1024 by default), whatever the sequence length.
+        sliding = next(g for g in groups if g.sliding_window == 40)
+        assert sliding.num_blocks == 4 * DEFAULT_MAX_REQUESTS_PER_BATCH

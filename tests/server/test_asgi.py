@@ -1,0 +1,425 @@
+"""The app over ASGI with httpx: formats, sampling fields, logprobs, errors, tokenizer routes."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from transformers import GenerationConfig, PreTrainedModel
+
+import aiocb
+from aiocb.server import build_app
+from tests.server.conftest import API_KEY, MODEL_NAME, serve_config, serve_model, wait_until_idle, wait_until_running
+
+PROMPT = "Once upon a time"
+
+
+def sse_events(body: str) -> list[Any]:
+    """The ``data:`` payloads of an event stream, ``[DONE]`` as the string."""
+    blocks = [b for b in body.split("\n\n") if b]
+    assert all(b.startswith("data: ") for b in blocks), body
+    return [b[len("data: ") :] if b == "data: [DONE]" else json.loads(b[len("data: ") :]) for b in blocks]
+
+
+async def greedy(manager: aiocb.Manager, ids: list[int], n: int, **params: Any) -> aiocb.GenerationOutput:
+    return await manager.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=[], **params)
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None = None) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    if param is not None:
+        assert error["param"] == param
+    return dict(error)
+
+
+# --------------------------------------------------------------------------- completions
+
+
+async def test_greedy_completion_matches_the_engine(
+    client: httpx.AsyncClient, manager: aiocb.Manager, tokenizer: Any
+) -> None:
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    response = await client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    data = response.json()
+    ids = tokenizer.encode(PROMPT)
+    reference = await greedy(manager, ids, 12)
+    assert data["object"] == "text_completion"
+    assert data["id"].startswith("cmpl-")
+    assert data["model"] == MODEL_NAME
+    (choice,) = data["choices"]
+    assert choice["index"] == 0
+    assert choice["finish_reason"] == "length"
+    assert choice["logprobs"] is None
+    assert choice["text"] == tokenizer.decode(reference.generated_tokens, skip_special_tokens=True)
+    assert data["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 12, "total_tokens": len(ids) + 12}
+
+
+async def test_prompt_forms_give_one_choice_per_prompt(client: httpx.AsyncClient, tokenizer: Any) -> None:
+    texts = ["Once upon a time", "Question: What is the capital of France?"]
+    ids = [tokenizer.encode(t) for t in texts]
+    common = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    by_text = (await client.post("/v1/completions", json={"prompt": texts, **common})).json()
+    by_ids = (await client.post("/v1/completions", json={"prompt": ids, **common})).json()
+    single = (await client.post("/v1/completions", json={"prompt": ids[1], **common})).json()
+    assert [c["index"] for c in by_text["choices"]] == [0, 1]
+    assert [c["text"] for c in by_text["choices"]] == [c["text"] for c in by_ids["choices"]]
+    assert single["choices"][0]["text"] == by_text["choices"][1]["text"]
+    assert by_text["usage"]["prompt_tokens"] == sum(len(i) for i in ids)
+    assert by_text["usage"]["completion_tokens"] == 12
+
+
+async def test_n_samples_with_derived_seeds(client: httpx.AsyncClient) -> None:
+    body = {
+        "prompt": ["Once", "Numbers:"],
+        "n": 3,
+        "max_tokens": 10,
+        "temperature": 1.0,
+        "seed": 11,
+        "ignore_eos": True,
+    }
+    first = (await client.post("/v1/completions", json=body)).json()
+    again = (await client.post("/v1/completions", json=body)).json()
+    assert [c["index"] for c in first["choices"]] == list(range(6))
+    texts = [c["text"] for c in first["choices"]]
+    assert texts == [c["text"] for c in again["choices"]], "a seed makes the samples reproducible"
+    assert len(set(texts[:3])) == 3, "each choice has its own seed"
+    assert len(set(texts[3:])) == 3
+    assert first["usage"]["completion_tokens"] == 60
+
+
+async def test_stop_strings_are_trimmed_and_free_the_request(
+    client: httpx.AsyncClient, manager: aiocb.Manager, tokenizer: Any
+) -> None:
+    ids = tokenizer.encode(PROMPT)
+    reference = await greedy(manager, ids, 40)
+    text = tokenizer.decode(reference.generated_tokens)
+    middle = len(text) // 2
+    stop = next(text[i : i + 2] for i in range(middle, len(text)) if "\ufffd" not in text[i : i + 2])
+    expected = text[: text.find(stop)]
+    body = {"prompt": PROMPT, "max_tokens": 40, "temperature": 0, "ignore_eos": True, "stop": [stop, "never seen"]}
+    data = (await client.post("/v1/completions", json=body)).json()
+    (choice,) = data["choices"]
+    assert choice["text"] == expected
+    assert choice["finish_reason"] == "stop"
+    assert data["usage"]["completion_tokens"] < 40
+    streamed = (await client.post("/v1/completions", json={**body, "stream": True})).text
+    chunks = [e for e in sse_events(streamed) if e != "[DONE]"]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == expected
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    stats = await wait_until_idle(manager)
+    assert stats.free_blocks == stats.total_blocks
+
+
+async def test_stop_token_ids_and_ignore_eos(model: PreTrainedModel, tokenizer: Any) -> None:
+    ids = tokenizer.encode(PROMPT)
+    async with aiocb.Manager(model, continuous_batching_config=serve_config()) as plain:
+        reference = (await greedy(plain, ids, 20)).generated_tokens
+    eos = reference[4]
+    first = reference.index(eos)
+    config = GenerationConfig(eos_token_id=eos, pad_token_id=0)
+    async with aiocb.Manager(model, generation_config=config, continuous_batching_config=serve_config()) as manager:
+        app = build_app(manager, tokenizer, MODEL_NAME)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+            body = {"prompt": PROMPT, "max_tokens": 20, "temperature": 0}
+            stopped = (await http.post("/v1/completions", json=body)).json()
+            ignored = (await http.post("/v1/completions", json={**body, "ignore_eos": True})).json()
+            by_id = (
+                await http.post("/v1/completions", json={**body, "ignore_eos": True, "stop_token_ids": [eos]})
+            ).json()
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+    assert stopped["usage"]["completion_tokens"] == first + 1
+    assert ignored["choices"][0]["finish_reason"] == "length"
+    assert ignored["usage"]["completion_tokens"] == 20
+    assert by_id["usage"]["completion_tokens"] == first + 1
+
+
+async def test_logprobs_with_alternatives(client: httpx.AsyncClient, manager: aiocb.Manager, tokenizer: Any) -> None:
+    body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 3}
+    data = (await client.post("/v1/completions", json=body)).json()
+    logprobs = data["choices"][0]["logprobs"]
+    reference = await greedy(manager, tokenizer.encode(PROMPT), 6, return_logprobs=True)
+    assert reference.logprobs is not None
+    assert len(logprobs["tokens"]) == 6
+    assert logprobs["token_logprobs"] == pytest.approx(reference.logprobs, abs=1e-5)
+    for token_logprob, top in zip(logprobs["token_logprobs"], logprobs["top_logprobs"], strict=True):
+        assert 1 <= len(top) <= 4
+        assert token_logprob == pytest.approx(max(top.values()))  # greedy: the chosen one is the best
+    offsets = logprobs["text_offset"]
+    assert offsets[0] == 0
+    assert offsets == sorted(offsets)
+    assert all(isinstance(t, str) for t in logprobs["tokens"])
+
+
+async def test_echo_scores_the_prompt_for_loglikelihood(
+    client: httpx.AsyncClient, manager: aiocb.Manager, tokenizer: Any
+) -> None:
+    ids = tokenizer.encode("Question: Which planet is known as the red planet? Answer: Mars.")
+    scored = await manager.generate(ids, max_new_tokens=1, prompt_logprobs=True, top_logprobs=1, do_sample=False)
+    assert scored.prompt_logprobs is not None
+    assert scored.prompt_top_logprobs is not None
+    body = {"prompt": [ids], "max_tokens": 0, "echo": True, "logprobs": 1, "temperature": 0}
+    data = (await client.post("/v1/completions", json=body)).json()
+    (choice,) = data["choices"]
+    assert choice["text"] == tokenizer.decode(ids)
+    logprobs = choice["logprobs"]
+    assert len(logprobs["tokens"]) == len(ids)
+    assert logprobs["token_logprobs"][0] is None
+    assert logprobs["top_logprobs"][0] is None
+    assert logprobs["token_logprobs"][1:] == pytest.approx(scored.prompt_logprobs[1:], abs=1e-5)
+    for position in range(1, len(ids)):
+        best = scored.prompt_top_logprobs[position]
+        assert best is not None
+        is_greedy = ids[position] in best
+        top = logprobs["top_logprobs"][position]
+        assert (logprobs["token_logprobs"][position] == max(top.values())) == is_greedy
+    assert data["usage"]["completion_tokens"] == 0
+    # lm-eval's own payload: max_tokens=1, the generated token last.
+    body = {**body, "max_tokens": 1}
+    logprobs = (await client.post("/v1/completions", json=body)).json()["choices"][0]["logprobs"]
+    assert len(logprobs["token_logprobs"]) == len(ids) + 1
+    assert logprobs["token_logprobs"][1:-1] == pytest.approx(scored.prompt_logprobs[1:], abs=1e-5)
+
+
+async def test_streaming_completion_matches_the_whole_one(client: httpx.AsyncClient) -> None:
+    body = {
+        "prompt": ["Emoji: 😀", "你好"],
+        "max_tokens": 16,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": 2,
+        "echo": True,
+    }
+    whole = (await client.post("/v1/completions", json=body)).json()
+    events = sse_events(
+        (
+            await client.post(
+                "/v1/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}}
+            )
+        ).text
+    )
+    assert events[-1] == "[DONE]"
+    usage = events[-2]
+    assert usage["choices"] == []
+    assert usage["usage"] == whole["usage"]
+    for index in (0, 1):
+        chunks = [e["choices"][0] for e in events[:-2] if e["choices"][0]["index"] == index]
+        expected = whole["choices"][index]
+        assert "".join(c["text"] for c in chunks) == expected["text"]
+        assert [t for c in chunks for t in c["logprobs"]["tokens"]] == expected["logprobs"]["tokens"]
+        assert [t for c in chunks for t in c["logprobs"]["text_offset"]] == expected["logprobs"]["text_offset"]
+        assert chunks[-1]["finish_reason"] == "length"
+        assert all(c["finish_reason"] is None for c in chunks[:-1])
+
+
+async def test_stream_without_usage_has_no_usage_chunk(client: httpx.AsyncClient) -> None:
+    body = {"prompt": PROMPT, "max_tokens": 4, "stream": True, "ignore_eos": True}
+    response = await client.post("/v1/completions", json=body)
+    assert response.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(response.text)
+    assert events[-1] == "[DONE]"
+    assert all(e["choices"] for e in events[:-1])
+
+
+# --------------------------------------------------------------------------- chat
+
+
+async def test_chat_completion(client: httpx.AsyncClient, manager: aiocb.Manager, tokenizer: Any) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me a story."}]
+    body = {
+        "model": MODEL_NAME,
+        "messages": messages,
+        "max_completion_tokens": 10,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    data = (await client.post("/v1/chat/completions", json=body)).json()
+    ids = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+    reference = await greedy(manager, ids, 10)
+    assert data["object"] == "chat.completion"
+    assert data["id"].startswith("chatcmpl-")
+    (choice,) = data["choices"]
+    content = tokenizer.decode(reference.generated_tokens, skip_special_tokens=True)
+    assert choice["message"] == {"role": "assistant", "content": content}
+    assert choice["finish_reason"] == "length"
+    assert data["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 10, "total_tokens": len(ids) + 10}
+    parts = [{"type": "text", "text": "Tell me a story."}]
+    as_parts = {**body, "messages": [messages[0], {"role": "user", "content": parts}]}
+    assert (await client.post("/v1/chat/completions", json=as_parts)).json()["choices"] == data["choices"]
+
+
+async def test_chat_stream_and_logprobs(client: httpx.AsyncClient) -> None:
+    body = {
+        "messages": [{"role": "user", "content": "Hello"}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": True,
+        "top_logprobs": 2,
+        "n": 2,
+    }
+    whole = (await client.post("/v1/chat/completions", json=body)).json()
+    content = whole["choices"][0]["logprobs"]["content"]
+    assert len(content) == 8
+    assert all(len(entry["top_logprobs"]) == 2 and isinstance(entry["bytes"], list) for entry in content)
+    stream_body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    events = sse_events((await client.post("/v1/chat/completions", json=stream_body)).text)
+    assert events[-1] == "[DONE]"
+    assert events[-2]["usage"] == whole["usage"]
+    chunks = events[:-2]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    for index in (0, 1):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == index]
+        assert mine[0]["delta"] == {"role": "assistant", "content": ""}
+        text = "".join(c["delta"].get("content", "") for c in mine)
+        assert text == whole["choices"][index]["message"]["content"]
+        assert mine[-1]["finish_reason"] == "length"
+        streamed = [e for c in mine if c["logprobs"] for e in c["logprobs"]["content"]]
+        expected = whole["choices"][index]["logprobs"]["content"]
+        assert [e["token"] for e in streamed] == [e["token"] for e in expected]
+        assert [e["logprob"] for e in streamed] == pytest.approx([e["logprob"] for e in expected], abs=1e-4)
+
+
+# --------------------------------------------------------------------------- errors
+
+
+async def test_bad_input_is_a_400(client: httpx.AsyncClient, tokenizer: Any) -> None:
+    response = await client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert_error(response, 400)
+    assert_error(await client.post("/v1/completions", json={"prompt": "x", "temperature": -1}), 400, "temperature")
+    assert_error(await client.post("/v1/completions", json={"prompt": [[len(tokenizer) + 5]]}), 400)
+    assert_error(await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 10**6}), 400)
+    assert_error(await client.post("/v1/chat/completions", json={"messages": "hi"}), 400, "messages")
+
+
+async def test_unknown_fields_are_ignored(client: httpx.AsyncClient) -> None:
+    body = {"prompt": "x", "max_tokens": 2, "some_new_field": [1, 2], "user": "me", "metadata": {"a": "b"}}
+    assert (await client.post("/v1/completions", json=body)).status_code == 200
+
+
+async def test_unknown_model_route_and_method(client: httpx.AsyncClient) -> None:
+    error = assert_error(await client.post("/v1/completions", json={"model": "gpt-9", "prompt": "x"}), 404, "model")
+    assert error["code"] == "model_not_found"
+    assert_error(await client.get("/v1/models/gpt-9"), 404)
+    assert_error(await client.get("/v1/nothing"), 404)
+    assert_error(await client.get("/v1/completions"), 405)
+
+
+async def test_api_key(manager: aiocb.Manager, tokenizer: Any) -> None:
+    app = build_app(manager, tokenizer, MODEL_NAME, api_key=API_KEY)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+        body = {"prompt": "x", "max_tokens": 1}
+        error = assert_error(await http.post("/v1/completions", json=body), 401)
+        assert error["code"] == "invalid_api_key"
+        wrong = {"Authorization": "Bearer nope"}
+        assert_error(await http.post("/v1/completions", json=body, headers=wrong), 401)
+        assert_error(await http.get("/v1/models", headers=wrong), 401)
+        right = {"Authorization": f"Bearer {API_KEY}"}
+        assert (await http.post("/v1/completions", json=body, headers=right)).status_code == 200
+        assert (await http.get("/health")).status_code == 200
+        assert (await http.get("/metrics")).status_code == 200
+
+
+async def test_a_full_admission_queue_is_a_429(model: PreTrainedModel, tokenizer: Any) -> None:
+    config = serve_config(max_queue_size=1, max_requests_per_batch=1)
+    async with aiocb.Manager(model, continuous_batching_config=config) as manager:
+        app = build_app(manager, tokenizer, MODEL_NAME)
+        ids = tokenizer.encode(PROMPT)
+        running = await manager.add_request(ids, max_new_tokens=500, eos_token_id=[])
+        await wait_until_running(manager, 1)
+        queued = await manager.add_request(ids, max_new_tokens=5)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+            error = assert_error(await http.post("/v1/completions", json={"prompt": PROMPT, "n": 1}), 429)
+            assert error["type"] == "rate_limit_exceeded"
+            manager.cancel_request(running)
+            manager.cancel_request(queued)
+            assert (await http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})).status_code == 200
+
+
+async def test_n_choices_are_queued_all_or_none(model: PreTrainedModel, tokenizer: Any) -> None:
+    config = serve_config(max_queue_size=2, max_requests_per_batch=1)
+    async with aiocb.Manager(model, continuous_batching_config=config) as manager:
+        app = build_app(manager, tokenizer, MODEL_NAME)
+        running = await manager.add_request(tokenizer.encode(PROMPT), max_new_tokens=500, eos_token_id=[])
+        await wait_until_running(manager, 1)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+            assert_error(await http.post("/v1/completions", json={"prompt": PROMPT, "n": 3}), 429)
+            assert manager.statistics().waiting_requests == 0, "the choices queued before the refusal were withdrawn"
+        manager.cancel_request(running)
+
+
+async def test_an_engine_failure_is_a_500(tokenizer: Any) -> None:
+    model = serve_model(tokenizer)
+    failing = {"on": False}
+
+    def hook(module: torch.nn.Module, args: object) -> None:
+        if failing["on"]:
+            raise RuntimeError("injected failure")
+
+    model.model.layers[0].register_forward_pre_hook(hook)
+    manager = aiocb.Manager(model, continuous_batching_config=serve_config())
+    app = build_app(manager, tokenizer, MODEL_NAME)
+    manager.start()
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+            assert (await http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})).status_code == 200
+            failing["on"] = True
+            error = assert_error(await http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}), 500)
+            assert error["type"] == "internal_server_error"
+            streamed = await http.post("/v1/completions", json={"prompt": PROMPT, "stream": True})
+            assert streamed.status_code == 500
+            assert_error(await http.get("/health"), 503)
+    finally:
+        await manager.destroy()
+
+
+# --------------------------------------------------------------------------- other routes
+
+
+async def test_models_health_and_tokenizer_routes(client: httpx.AsyncClient, tokenizer: Any) -> None:
+    models = (await client.get("/v1/models")).json()
+    assert models["object"] == "list"
+    assert [m["id"] for m in models["data"]] == [MODEL_NAME]
+    assert (await client.get(f"/v1/models/{MODEL_NAME}")).json()["id"] == MODEL_NAME
+    assert (await client.get("/health")).status_code == 200
+    text = "Héllo wörld 🚀"
+    tokens = (await client.post("/tokenize", json={"prompt": text, "add_special_tokens": False})).json()
+    assert tokens["tokens"] == tokenizer.encode(text, add_special_tokens=False)
+    assert tokens["count"] == len(tokens["tokens"])
+    assert (await client.post("/detokenize", json={"tokens": tokens["tokens"]})).json() == {"prompt": text}
+    chat = (await client.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]})).json()
+    assert tokenizer.decode(chat["tokens"]) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    info = (await client.get("/tokenizer_info")).json()
+    assert info["eos_token"] == tokenizer.eos_token
+    assert info["eos_token_id"] == tokenizer.eos_token_id
+    assert info["chat_template"] == tokenizer.chat_template
+    assert_error(await client.post("/detokenize", json={"tokens": [len(tokenizer)]}), 400)
+
+
+async def test_metrics(client: httpx.AsyncClient) -> None:
+    body = {"prompt": PROMPT, "max_tokens": 5, "ignore_eos": True, "stream": True}
+    await client.post("/v1/completions", json=body)
+    await client.post("/v1/completions", json={"prompt": "x", "model": "nope"})
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = {f.name: f for f in text_string_to_metric_families((await client.get("/metrics")).text)}
+    value = {f"{s.name}{dict(s.labels).get('le', '')}": s.value for f in families.values() for s in f.samples}
+    for name in ("aiocb_num_requests_running", "aiocb_num_requests_waiting", "aiocb_kv_cache_usage_perc"):
+        assert name in families
+    assert value["aiocb_num_requests_running"] == 0
+    assert value["aiocb_kv_cache_free_blocks"] == value["aiocb_kv_cache_total_blocks"]
+    assert value["aiocb_time_to_first_token_seconds_count"] == 1
+    assert value["aiocb_inter_token_latency_seconds_count"] == 4
+    assert value["aiocb_generation_tokens_total"] == 5
+    assert value["aiocb_engine_generated_tokens_total"] >= 5
+    assert "aiocb_prefix_cache_hit_tokens_total" in value
+    assert not math.isnan(value["aiocb_e2e_request_latency_seconds_sum"])
+    errors = [s for s in families["aiocb_http_errors"].samples if s.name.endswith("_total")]
+    assert [(s.labels["status"], s.value) for s in errors] == [("404", 1.0)]

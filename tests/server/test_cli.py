@@ -1,0 +1,127 @@
+"""``aiocb serve``: one flag per ContinuousBatchingConfig field, and a real server process."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+import aiocb
+from aiocb.cli.serve import add_serve_arguments, config_flags, config_from_args, run_serve
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    return parser.parse_args(["some/model", *argv])
+
+
+def test_every_config_field_has_a_flag() -> None:
+    flags = {flag for flag, _ in config_flags()}
+    fields = {"--" + f.name.replace("_", "-") for f in dataclasses.fields(aiocb.ContinuousBatchingConfig)}
+    assert flags == fields
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    help_text = parser.format_help()
+    assert all(flag in help_text for flag in fields)
+
+
+def test_unset_flags_keep_the_defaults() -> None:
+    assert config_from_args(parse()) == aiocb.ContinuousBatchingConfig()
+
+
+def test_flags_of_every_kind() -> None:
+    args = parse(
+        "--page-size", "32",
+        "--num-blocks", "none",
+        "--max-batch-tokens", "512",
+        "--max-memory-percent", "0.5",
+        "--no-allow-block-sharing",
+        "--use-async-batching",
+        "--use-cuda-graph", "false,true",
+        "--varlen-compile-config", '{"mode": "max-autotune"}',
+        "--scheduler-type", "prefill_first",
+        "--safety-margin", "0.1",
+        "--seed", "7",
+        "--cpu-offload-space", "none",
+        "--max-queue-size", "64",
+    )  # fmt: skip
+    config = config_from_args(args)
+    expected = aiocb.ContinuousBatchingConfig(
+        page_size=32,
+        num_blocks=None,
+        max_batch_tokens=512,
+        max_memory_percent=0.5,
+        allow_block_sharing=False,
+        use_async_batching=True,
+        use_cuda_graph=(False, True),
+        varlen_compile_config={"mode": "max-autotune"},
+        scheduler_type="prefill_first",
+        safety_margin=0.1,
+        seed=7,
+        cpu_offload_space=None,
+        max_queue_size=64,
+    )
+    assert config == expected
+    assert parse("--use-cuda-graph", "true").cb_use_cuda_graph is True
+    assert args.host == "127.0.0.1"
+    assert args.port == 8000
+    assert args.dtype == "auto"
+
+
+def test_bad_values_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse("--scheduler-type", "lifo")
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        parse("--use-cuda-graph", "maybe")
+    capsys.readouterr()
+    assert run_serve(parse("--page-size", "2")) == 2  # validated before anything loads
+    assert "page_size" in capsys.readouterr().err
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def test_serve_runs_a_model_directory(model_dir: Path) -> None:
+    port = _free_port()
+    command = [sys.executable, "-m", "aiocb.cli.serve", str(model_dir), "--port", str(port)]
+    command += ["--served-model-name", "tiny", "--api-key", "k", "--page-size", "16", "--num-blocks", "128"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None, process.communicate()[0]
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.2)
+        headers = {"Authorization": "Bearer k"}
+        body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 4, "ignore_eos": True}
+        response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, headers=headers, timeout=60)
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 4
+    finally:
+        process.send_signal(signal.SIGINT)
+        output, _ = process.communicate(timeout=60)
+    assert process.returncode == 0, output
+    assert "event loop: uvloop" in output

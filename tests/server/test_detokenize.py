@@ -1,0 +1,107 @@
+"""Incremental detokenization and stop strings, on the byte-level BPE test tokenizer."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from aiocb.server.detokenize import IncrementalDetokenizer, StopStringMatcher
+
+TEXTS = [
+    "Héllo wörld, naïve café!",
+    "你好，世界！今天天气很好。",
+    "Emoji: 😀 🚀 🌍 ✨ 👍🏽 ❤️ 🇫🇷 and more 🚀🚀",
+    "Привет, мир! Как дела?",
+    "def add(a, b):\n    return a + b\n",
+]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_deltas_add_up_to_the_text_and_never_split_a_character(tokenizer: Any, text: str) -> None:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    deltas = [detokenizer.add(i) for i in ids]
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) + detokenizer.flush() == text
+    assert detokenizer.num_chars == len(text)
+
+
+def test_the_tokenizer_splits_characters_across_tokens(tokenizer: Any) -> None:
+    # Otherwise the test above would prove nothing.
+    ids = tokenizer.encode(TEXTS[2], add_special_tokens=False)
+    assert any("\ufffd" in tokenizer.decode([i]) for i in ids)
+
+
+def test_context_tokens_are_not_repeated(tokenizer: Any) -> None:
+    prompt = tokenizer.encode("Once upon a time", add_special_tokens=False)
+    completion = tokenizer.encode(" there lived an old fisherman 🐟", add_special_tokens=False)
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt)
+    text = "".join(detokenizer.add(i) for i in completion) + detokenizer.flush()
+    assert text == " there lived an old fisherman 🐟"
+
+
+def test_random_ids_match_a_full_decode(tokenizer: Any) -> None:
+    # Random ids make invalid UTF-8 too: deltas still add up to what decode() gives.
+    rng = random.Random(0)
+    for _ in range(20):
+        ids = [rng.randrange(3, len(tokenizer)) for _ in range(rng.randint(1, 60))]
+        detokenizer = IncrementalDetokenizer(tokenizer)
+        text = "".join(detokenizer.add(i) for i in ids) + detokenizer.flush()
+        assert text == tokenizer.decode(ids)
+
+
+def test_special_tokens_are_skipped_or_kept(tokenizer: Any) -> None:
+    ids = [*tokenizer.encode("Paris.", add_special_tokens=False), tokenizer.eos_token_id]
+    skipping = IncrementalDetokenizer(tokenizer)
+    assert skipping.add_many(ids) + skipping.flush() == "Paris."
+    keeping = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)
+    assert keeping.add_many(ids) + keeping.flush() == "Paris.<|endoftext|>"
+
+
+def test_long_outputs_keep_a_small_window(tokenizer: Any) -> None:
+    ids = tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 40, add_special_tokens=False)
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    assert detokenizer.add_many(ids) == tokenizer.decode(ids)
+    assert len(detokenizer._ids) < 80
+
+
+def _feed(stop: list[str], pieces: list[str]) -> tuple[list[str], str | None, str]:
+    matcher = StopStringMatcher(stop)
+    released = [matcher.feed(p) for p in pieces]
+    return released, matcher.matched, matcher.flush()
+
+
+def test_stop_string_is_trimmed_across_pieces() -> None:
+    released, matched, tail = _feed(["Answer:"], ["The ", "capital. An", "swer", ": Paris"])
+    assert "".join(released) == "The capital. "
+    assert matched == "Answer:"
+    assert tail == ""
+    assert released[1] == "capital. "  # "An" is held back: it may start "Answer:"
+
+
+def test_held_text_is_released_when_it_is_not_a_stop() -> None:
+    released, matched, tail = _feed(["\n\n"], ["line one\n", "line two\n"])
+    assert matched is None
+    assert released == ["line one", "\nline two"]
+    assert tail == "\n"
+
+
+def test_the_earliest_stop_string_wins() -> None:
+    released, matched, _ = _feed(["world", "lo w"], ["hello world"])
+    assert matched == "lo w"
+    assert released == ["hel"]
+
+
+def test_stop_inside_one_piece_and_nothing_after_a_match() -> None:
+    matcher = StopStringMatcher(["STOP"])
+    assert matcher.feed("abcSTOPdef") == "abc"
+    assert matcher.feed("more") == ""
+    assert matcher.flush() == ""
+
+
+def test_no_stop_strings_passes_text_through() -> None:
+    matcher = StopStringMatcher(["", ""])
+    assert matcher.feed("anything") == "anything"
+    assert matcher.held == ""

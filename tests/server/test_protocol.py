@@ -1,0 +1,186 @@
+"""Request parsing: what real clients send is accepted; wrong values are named."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from aiocb.errors import EngineDeadError, InvalidRequestError, ManagerClosedError, WouldBlock
+from aiocb.server.protocol import (
+    APIError,
+    error_from_exception,
+    parse_chat_request,
+    parse_completion_request,
+    parse_detokenize_request,
+    parse_tokenize_request,
+)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "expected"),
+    [
+        ("hi", ["hi"]),
+        (["a", "b"], ["a", "b"]),
+        ([1, 2, 3], [[1, 2, 3]]),
+        ([[1, 2], [3]], [[1, 2], [3]]),
+    ],
+)
+def test_prompt_forms(prompt: Any, expected: list[Any]) -> None:
+    assert parse_completion_request({"prompt": prompt}).prompts == expected
+
+
+def test_defaults_and_unknown_fields() -> None:
+    request = parse_completion_request({"prompt": "x", "model": "m", "user": "u", "whatever": {"a": 1}})
+    sampling = request.sampling
+    assert sampling.model == "m"
+    assert sampling.max_tokens is None
+    assert sampling.temperature == 1.0
+    assert sampling.top_p == 1.0
+    assert sampling.top_k == 0
+    assert sampling.n == 1
+    assert sampling.stop == ()
+    assert not sampling.stream
+    assert request.logprobs is None
+    assert not request.echo
+
+
+def test_sampling_fields() -> None:
+    request = parse_completion_request(
+        {
+            "prompt": "x",
+            "max_tokens": 0,
+            "temperature": 0,
+            "top_p": 0.5,
+            "top_k": -1,
+            "seed": 7,
+            "n": 3,
+            "stop": "\n",
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "logprobs": 5,
+            "echo": True,
+            "frequency_penalty": 0,
+        }
+    )
+    s = request.sampling
+    assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed, s.n) == (0, 0.0, 0.5, 0, 7, 3)
+    assert s.stop == ("\n",)
+    assert s.ignore_eos
+    assert s.stream
+    assert s.include_usage
+    assert request.logprobs == 5
+    assert request.echo
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({}, "prompt"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": ["a", 1]}, "prompt"),
+        ({"prompt": [1, -2]}, "prompt"),
+        ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
+        ({"prompt": "x", "max_tokens": "10"}, "max_tokens"),
+        ({"prompt": "x", "temperature": "hot"}, "temperature"),
+        ({"prompt": "x", "temperature": 3}, "temperature"),
+        ({"prompt": "x", "top_p": 0}, "top_p"),
+        ({"prompt": "x", "n": 0}, "n"),
+        ({"prompt": "x", "stop": [1]}, "stop"),
+        ({"prompt": "x", "logprobs": 21}, "logprobs"),
+        ({"prompt": "x", "echo": "yes"}, "echo"),
+        ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+        ({"prompt": "x", "logit_bias": {"1": 5}}, "logit_bias"),
+        ({"prompt": "x", "best_of": 3}, "best_of"),
+    ],
+)
+def test_bad_completion_fields_are_named(body: dict[str, Any], param: str) -> None:
+    with pytest.raises(APIError) as caught:
+        parse_completion_request(body)
+    assert caught.value.status == 400
+    assert caught.value.param == param
+
+
+def test_body_must_be_an_object() -> None:
+    with pytest.raises(APIError, match="JSON object"):
+        parse_completion_request(["prompt"])
+
+
+def test_chat_content_parts_and_max_completion_tokens() -> None:
+    request = parse_chat_request(
+        {
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]},
+                {"role": "assistant", "content": None},
+            ],
+            "max_completion_tokens": 9,
+            "max_tokens": 4,
+            "logprobs": True,
+            "top_logprobs": 2,
+        }
+    )
+    assert [m["content"] for m in request.messages] == ["Be brief.", "one\ntwo", ""]
+    assert request.sampling.max_tokens == 9
+    assert request.logprobs
+    assert request.top_logprobs == 2
+    assert (
+        parse_chat_request({"messages": [{"role": "user", "content": "x"}], "max_tokens": 4}).sampling.max_tokens == 4
+    )
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"messages": []},
+        {"messages": [{"content": "no role"}]},
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+    ],
+)
+def test_bad_chat_bodies(body: dict[str, Any]) -> None:
+    with pytest.raises(APIError) as caught:
+        parse_chat_request(body)
+    assert caught.value.status == 400
+
+
+def test_tokenize_bodies() -> None:
+    assert parse_tokenize_request({"prompt": "x"}).add_special_tokens
+    chat = parse_tokenize_request({"messages": [{"role": "user", "content": "x"}]})
+    assert chat.messages is not None
+    assert not chat.add_special_tokens
+    with pytest.raises(APIError):
+        parse_tokenize_request({})
+    assert parse_detokenize_request({"tokens": [1, 2]}).tokens == [1, 2]
+    with pytest.raises(APIError):
+        parse_detokenize_request({"tokens": ["a"]})
+
+
+@pytest.mark.parametrize(
+    ("exc", "status"),
+    [
+        (WouldBlock("full"), 429),
+        (InvalidRequestError("bad"), 400),
+        (ManagerClosedError("stopped"), 503),
+        (EngineDeadError("dead"), 500),
+        (RuntimeError("bug"), 500),
+    ],
+)
+def test_error_mapping(exc: Exception, status: int) -> None:
+    error = error_from_exception(exc)
+    assert error.status == status
+    assert set(error.to_dict()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_events_stay_on_one_line_for_any_line_splitter() -> None:
+    from aiocb.server.sse import event
+
+    text = "a\u2028b\x85c\u2029d\ne\rf"
+    raw = event({"text": text}).decode()
+    assert raw.startswith("data: ")
+    assert raw.endswith("\n\n")
+    line = raw[len("data: ") : -2]
+    assert line.splitlines() == [line]
+    assert json.loads(line) == {"text": text}
