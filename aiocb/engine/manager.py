@@ -32,6 +32,7 @@ from aiocb.errors import (
     WrongEventLoopError,
 )
 from aiocb.outputs import FinishReason, GenerationOutput, RequestStatus
+from aiocb.runner.distributed import build_runner
 from aiocb.runner.model_runner import ModelRunner
 from aiocb.sampling import RequestLimits, build_params, eos_ids, normalize_prompt
 
@@ -158,7 +159,9 @@ class Manager:
             logger.warning("Manager.start(): the manager is already running")
             return
         if self._runner is None:
-            self._runner = ModelRunner(self.model, self.config, num_requests_hint=self._num_requests_hint)
+            self._runner = build_runner(
+                self.model, self.config, num_requests_hint=self._num_requests_hint, keep_cache=self.persistent
+            )
         runner = self._runner
         runner.attach()
         groups = runner.spec.cache_groups(runner.plan.num_blocks, runner.plan.num_host_blocks)
@@ -190,6 +193,8 @@ class Manager:
             return
         self._check_loop()
         self._state = _State.STOPPING
+        if self._runner is not None:
+            self._runner.notify("stop", hard_stop)  # for the other tensor-parallel ranks
         self._fail_room_waiters(ManagerClosedError("the manager is stopping; the request was not queued"))
         if hard_stop:
             self._abort_all("stop(hard_stop=True) aborted the request")

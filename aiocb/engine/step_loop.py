@@ -55,6 +55,7 @@ class StepLoop:
     def finish(self, request: Request, reason: FinishReason, **kwargs: object) -> None:
         """End a request now (cancel, abort); its blocks are free when this returns."""
         self.scheduler.finish(request, reason, time.perf_counter(), **kwargs)  # type: ignore[arg-type]
+        self.runner.notify("cancel", request.request_id, reason.value)
 
     def drain(self) -> None:
         """Let :meth:`run` return once every queued and running request has ended."""

@@ -54,11 +54,13 @@ class ModelRunner:
         config: ContinuousBatchingConfig,
         *,
         num_requests_hint: int | None = None,
+        plan: CachePlan | None = None,
     ) -> None:
         self.model = model
         self.config = config
         self.spec: ModelSpec = model_spec(model)
-        self.plan: CachePlan = plan_cache(self.spec, config, num_requests_hint=num_requests_hint)
+        # Under tensor parallelism every rank gets the plan all ranks agreed on.
+        self.plan: CachePlan = plan or plan_cache(self.spec, config, num_requests_hint=num_requests_hint)
         self.cache = PagedKVCache(self.spec, self.plan)
         self.backends = select_backends(self.device, config, self.cache.group_windows, self.plan.page_size)
         self._transfer = HostToDevice(self.device)
@@ -85,6 +87,10 @@ class ModelRunner:
         if self._original_attention is not None:
             attention.uninstall(self.model, self._original_attention)
             self._original_attention = None
+
+    def notify(self, *event: object) -> None:
+        """A control event (``("cancel", request_id, reason)``, ``("stop", hard)``) for the other
+        tensor-parallel ranks; nothing to do on one process (see :mod:`aiocb.runner.distributed`)."""
 
     def execute(self, batch: StepBatch) -> StepResult:
         """Run one step and wait for its results."""

@@ -12,7 +12,10 @@ from aiocb.core.kv_cache import CacheGroup
 
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
-    """Shapes of a model's attention and cache, per layer where they differ."""
+    """Shapes of a model's attention and cache, per layer where they differ.
+
+    Under tensor parallelism the head counts are this rank's shard of them.
+    """
 
     num_layers: int
     num_heads: int
@@ -26,6 +29,8 @@ class ModelSpec:
     layer_windows: tuple[int | None, ...]
     dtype: torch.dtype
     device: torch.device
+    #: tensor-parallel ranks the attention heads are split over
+    tp_size: int = 1
 
     @property
     def dtype_bytes(self) -> int:
@@ -57,6 +62,9 @@ def model_spec(model: PreTrainedModel) -> ModelSpec:
     num_heads = int(config.num_attention_heads)
     num_kv_heads = int(getattr(config, "num_key_value_heads", None) or num_heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // num_heads)
+    from aiocb.runner.distributed import shard_heads  # it imports this module
+
+    tp_size, num_heads, num_kv_heads = shard_heads(model, num_heads, num_kv_heads)
     param = next(model.parameters())
     return ModelSpec(
         num_layers=num_layers,
@@ -70,6 +78,7 @@ def model_spec(model: PreTrainedModel) -> ModelSpec:
         layer_windows=_layer_windows(config, num_layers),
         dtype=param.dtype,
         device=param.device,
+        tp_size=tp_size,
     )
 
 

@@ -1,0 +1,214 @@
+"""One rank of a 2-process tensor-parallel test run (launched by ``tests/distributed/launch.py``).
+
+``python -m tests.distributed._ranks SCENARIO MODEL_DIR OUT_DIR`` with torchrun's
+environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``). Rank 0 runs the
+scenario's coroutine on an aiocb.Manager and writes what it saw to ``OUT_DIR/rank0.json``;
+rank 1 runs ``run_follower`` and writes its report (or its error) to ``OUT_DIR/rank1.json``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+import aiocb
+import aiocb.distributed
+
+#: Prompts of the parity checks (vocabulary of the tiny test models: 512).
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12, 100, 200, 300, 4], [400, 401, 7, 7, 7, 9, 250, 1, 2, 3, 4, 5, 6, 7]]
+MAX_NEW_TOKENS = 12
+#: The generated tokens of these prompts, written to OUT_DIR by the test before launch.
+Scenario = Callable[[Any, Path], Awaitable[dict[str, Any]]]
+
+
+def _config(**changes: Any) -> aiocb.ContinuousBatchingConfig:
+    return aiocb.ContinuousBatchingConfig(page_size=16, num_blocks=128, **changes)
+
+
+async def _until_steps(manager: aiocb.Manager, steps: int) -> None:
+    while manager.statistics().steps < steps:  # noqa: ASYNC110 (polling the statistics is the point)
+        await asyncio.sleep(0.001)
+
+
+async def _generate(manager: aiocb.Manager, **params: Any) -> list[list[int]]:
+    outputs = await manager.generate_batch(PROMPTS, max_new_tokens=MAX_NEW_TOKENS, **params)
+    return [o.generated_tokens for o in outputs.values()]
+
+
+async def scenario_main(model: Any, out: Path) -> dict[str, Any]:
+    """Parity, cancellation, idle heartbeats, stop + restart, hard stop, async batching."""
+    result: dict[str, Any] = {"steps": 0}
+    manager = aiocb.Manager(model, continuous_batching_config=_config(cpu_group_timeout=3.0))
+    manager.start()
+    result["kv_heads_per_shard"] = manager._runner.spec.num_kv_heads  # type: ignore[union-attr]
+    result["greedy"] = await _generate(manager)
+
+    # Cancel a running request: its rows leave the batch, the follower hears of it.
+    victim = await manager.add_request(PROMPTS[0], max_new_tokens=1000)
+    await _until_steps(manager, manager.statistics().steps + 3)
+    result["cancelled_id"] = victim
+    result["cancel_returned"] = manager.cancel_request(victim)
+
+    # Idle for longer than cpu_group_timeout: heartbeats keep the follower waiting.
+    await asyncio.sleep(4.0)
+    result["after_idle"] = await _generate(manager)
+
+    # Graceful stop with a request in flight: it completes, then the session ends everywhere.
+    finishing = asyncio.create_task(manager.generate(PROMPTS[1], max_new_tokens=MAX_NEW_TOKENS))
+    await _until_steps(manager, manager.statistics().steps + 2)
+    await manager.stop()
+    result["steps"] += manager.statistics().steps
+    result["finished_during_stop"] = (await finishing).generated_tokens
+
+    # Restart: a new cache on every rank, same outputs.
+    manager.start()
+    result["after_restart"] = await _generate(manager)
+
+    # Hard stop: the running request is aborted on rank 0, the follower hears of both.
+    doomed = asyncio.create_task(manager.generate(PROMPTS[2], max_new_tokens=1000))
+    await _until_steps(manager, manager.statistics().steps + 3)
+    await manager.stop(hard_stop=True)
+    result["steps"] += manager.statistics().steps
+    try:
+        await doomed
+        result["hard_stop_error"] = None
+    except aiocb.RequestAbortedError as exc:
+        result["hard_stop_error"] = type(exc).__name__
+    await manager.destroy()
+
+    # Async batching: step N + 1 is launched on every rank before step N is collected.
+    async with aiocb.Manager(model, continuous_batching_config=_config(use_async_batching=True)) as pipelined:
+        result["async_batching"] = await _generate(pipelined)
+    result["steps"] += pipelined.statistics().steps
+
+    # A persistent manager keeps its cache between sessions; another manager in between
+    # replaces the followers' cache, which the persistent one takes back when it restarts.
+    kept = aiocb.Manager(model, continuous_batching_config=_config(), persistent_manager=True)
+    result["persistent"] = []
+    for manager in (kept, aiocb.Manager(model, continuous_batching_config=_config()), kept):
+        async with manager:
+            result["persistent"].append(await _generate(manager))
+        result["steps"] += manager.statistics().steps
+    await kept.destroy()
+    return result
+
+
+async def scenario_kill_follower(model: Any, out: Path) -> dict[str, Any]:
+    """SIGKILL the follower mid-generation: every awaiter gets EngineDeadError < DistributedError."""
+    result: dict[str, Any] = {}
+    manager = aiocb.Manager(model, continuous_batching_config=_config(cpu_group_timeout=10.0))
+    manager.start()  # returns once the follower runs run_follower, so it wrote its pid
+    follower = int((out / "pid1").read_text())
+    tasks = [asyncio.create_task(manager.generate(p, max_new_tokens=1500)) for p in PROMPTS]
+    await _until_steps(manager, 5)
+    os.kill(follower, signal.SIGKILL)
+    killed = time.monotonic()
+    outcomes = await asyncio.gather(*(asyncio.wait_for(t, 60) for t in tasks), return_exceptions=True)
+    result["seconds_to_fail"] = time.monotonic() - killed
+    result["errors"] = [_describe(e) for e in outcomes]
+    try:
+        await manager.add_request(PROMPTS[0])
+        result["after_death"] = None
+    except aiocb.AiocbError as exc:
+        result["after_death"] = type(exc).__name__
+    await manager.destroy()
+    return result
+
+
+async def scenario_hang_follower(model: Any, out: Path) -> dict[str, Any]:
+    """SIGSTOP the follower mid-generation: rank 0 fails within cpu_group_timeout, then kills it."""
+    result: dict[str, Any] = {}
+    manager = aiocb.Manager(model, continuous_batching_config=_config(cpu_group_timeout=4.0))
+    manager.start()
+    follower = int((out / "pid1").read_text())
+    task = asyncio.create_task(manager.generate(PROMPTS[0], max_new_tokens=1500))
+    await _until_steps(manager, 5)
+    os.kill(follower, signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        outcome: Any = await asyncio.wait_for(task, 60)
+    except Exception as exc:
+        outcome = exc
+    result["seconds_to_fail"] = time.monotonic() - stopped
+    result["errors"] = [_describe(outcome)]
+    os.kill(follower, signal.SIGKILL)
+    await asyncio.sleep(1.0)  # the driver thread, stuck in the forward, sees the closed connection
+    await manager.destroy()
+    return result
+
+
+async def scenario_kill_driver(model: Any, out: Path) -> dict[str, Any]:
+    """Rank 0 dies mid-generation: the follower fails with a clear error."""
+    manager = aiocb.Manager(model, continuous_batching_config=_config(cpu_group_timeout=10.0))
+    manager.start()
+    asyncio.create_task(manager.generate(PROMPTS[0], max_new_tokens=1500))  # noqa: RUF006
+    await _until_steps(manager, 5)
+    (out / "rank0.json").write_text(json.dumps({"killed_at": time.time()}))
+    os.kill(os.getpid(), signal.SIGKILL)
+    return {}
+
+
+async def _start_a_manager(model: Any) -> str | None:
+    """On a follower: the error a Manager gives at start."""
+    try:
+        aiocb.Manager(model).start()
+    except aiocb.AiocbError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _describe(outcome: object) -> dict[str, Any]:
+    if not isinstance(outcome, BaseException):
+        return {"type": None}
+    cause = outcome.__cause__
+    return {
+        "type": type(outcome).__name__,
+        "message": str(outcome),
+        "cause_type": None if cause is None else type(cause).__name__,
+        "cause_message": None if cause is None else str(cause),
+    }
+
+
+SCENARIOS: dict[str, Scenario] = {
+    "main": scenario_main,
+    "kill_follower": scenario_kill_follower,
+    "hang_follower": scenario_hang_follower,
+    "kill_driver": scenario_kill_driver,
+}
+
+
+def main() -> None:
+    scenario, model_dir, out_dir = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
+    model = aiocb.distributed.load_model(model_dir, tp_size=2)
+    if aiocb.distributed.is_driver(model):
+        result = asyncio.run(SCENARIOS[scenario](model, out_dir))
+        aiocb.distributed.shutdown()
+        (out_dir / "rank0.json").write_text(json.dumps(result))
+    else:
+        (out_dir / f"pid{rank}").write_text(str(os.getpid()))
+        record: dict[str, Any] = {"manager_here": asyncio.run(_start_a_manager(model))}
+        try:
+            report = aiocb.distributed.run_follower(model, _config(cpu_group_timeout=10.0))
+            record |= {"report": dataclasses.asdict(report), "error": None}
+        except Exception as exc:
+            record |= {"report": None, "error": {"type": type(exc).__name__, "message": str(exc)}}
+        (out_dir / f"rank{rank}.json").write_text(json.dumps(record))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""Two ranks on CPU (gloo), a tiny Llama sharded over both: rank 0 drives an aiocb.Manager.
+
+Each test launches two Python processes that import torch and transformers (~5-10 s).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from transformers import PreTrainedModel
+
+from tests.conftest import reference_generate
+from tests.distributed._ranks import MAX_NEW_TOKENS, PROMPTS
+from tests.distributed.launch import launch, logs_of
+
+pytestmark = pytest.mark.skipif(
+    not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo"
+)
+
+
+def test_two_ranks_match_one_process_and_follow_every_control(
+    llama_model: PreTrainedModel, llama_dir: Path, tmp_path: Path
+) -> None:
+    ranks = launch("main", llama_dir, tmp_path)
+    driver, follower = ranks.driver, ranks.follower
+    assert driver is not None, logs_of(tmp_path)
+    assert follower is not None, logs_of(tmp_path)
+    assert ranks.exit_codes == [0, 0], logs_of(tmp_path)
+    expected = [reference_generate(llama_model, p, MAX_NEW_TOKENS) for p in PROMPTS]
+
+    assert driver["kv_heads_per_shard"] == 1, "2 KV heads over 2 ranks: the cache holds one per rank"
+    assert driver["greedy"] == expected
+    assert driver["after_idle"] == expected
+    assert driver["finished_during_stop"] == expected[1], "a graceful stop finishes what runs"
+    assert driver["after_restart"] == expected
+    assert driver["async_batching"] == expected
+    assert driver["persistent"] == [expected] * 3
+    assert driver["cancel_returned"] is True
+    assert driver["hard_stop_error"] == "RequestAbortedError"
+
+    assert follower["error"] is None, logs_of(tmp_path)
+    assert follower["manager_here"].startswith("InvalidRequestError: this process is tensor-parallel rank 1")
+    report = follower["report"]
+    assert report["steps"] == driver["steps"], "every step rank 0 ran reached the follower"
+    assert [driver["cancelled_id"], "cancelled"] in report["cancelled"]
+    assert any(reason == "aborted" for _, reason in report["cancelled"]), "the hard stop's abort"
+    assert report["stops"] == 5, "stop() and four `async with` exits"
+    assert report["hard_stops"] == 1
+    assert report["inits"] == 6, "a cache per non-persistent session, the persistent one's twice"
+    assert report["sessions"] == 6
+    assert report["heartbeats"] >= 1, "idle for longer than cpu_group_timeout, kept alive by heartbeats"
+    assert report["plan"]["num_blocks"] == [128]
+
+
+def test_a_killed_follower_fails_rank_0_with_a_clear_error(llama_dir: Path, tmp_path: Path) -> None:
+    ranks = launch("kill_follower", llama_dir, tmp_path)
+    driver = ranks.driver
+    assert driver is not None, logs_of(tmp_path)
+    assert ranks.exit_codes[0] == 0, logs_of(tmp_path)
+    assert driver["seconds_to_fail"] < 10.0 + 5.0, "within cpu_group_timeout (10 s), with slack"
+    for error in driver["errors"]:
+        assert error["type"] == "EngineDeadError", error
+        assert error["cause_type"] == "DistributedError", error
+        assert "rank 1 stopped responding" in error["cause_message"], error
+    assert driver["after_death"] == "EngineDeadError"
+
+
+def test_a_hung_follower_fails_rank_0_within_the_timeout(llama_dir: Path, tmp_path: Path) -> None:
+    driver = launch("hang_follower", llama_dir, tmp_path).driver
+    assert driver is not None, logs_of(tmp_path)
+    assert driver["seconds_to_fail"] < 4.0 + 4.0, "within cpu_group_timeout (4 s), with slack"
+    [error] = driver["errors"]
+    assert error["type"] == "EngineDeadError", error
+    assert error["cause_type"] == "DistributedError", error
+    assert "rank 1 stopped responding" in error["cause_message"], error
+    assert "cpu_group_timeout=4.0" in error["cause_message"], error
+
+
+@pytest.mark.slow
+def test_a_dead_rank_0_fails_the_follower_with_a_clear_error(llama_dir: Path, tmp_path: Path) -> None:
+    follower = launch("kill_driver", llama_dir, tmp_path).follower
+    assert follower is not None, logs_of(tmp_path)
+    assert follower["report"] is None
+    assert follower["error"]["type"] == "DistributedError"
+    assert "rank 0" in follower["error"]["message"]

@@ -1,0 +1,121 @@
+"""Clear errors at start, in one process: a TP size that does not divide the KV heads,
+``device_map`` with tensor parallelism, meshes aiocb cannot run, misplaced calls."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from transformers import PreTrainedModel
+
+import aiocb
+import aiocb.distributed
+from aiocb.runner.distributed import _minimum_plan, shard_heads
+from aiocb.runner.memory import CachePlan
+from tests.conftest import tiny_llama
+
+
+class _FakeMesh:
+    """Just enough of a DeviceMesh for the checks that run before any process group is used."""
+
+    def __init__(self, sizes: dict[str, int]) -> None:
+        self._sizes = sizes
+        self.mesh_dim_names = tuple(sizes)
+
+    def size(self) -> int:
+        total = 1
+        for size in self._sizes.values():
+            total *= size
+        return total
+
+    def __getitem__(self, name: str) -> _FakeMesh:
+        return _FakeMesh({name: self._sizes[name]})
+
+
+def _as_if_sharded(model: PreTrainedModel, **sizes: int) -> PreTrainedModel:
+    model._device_mesh = _FakeMesh(sizes)
+    model._tp_size = sizes.get("tp", 1)
+    return model
+
+
+def test_a_tp_size_that_does_not_divide_the_kv_heads_fails_before_loading(llama_dir: Path) -> None:
+    with pytest.raises(aiocb.InvalidConfigError, match=r"tp_size=4 does not divide .*num_key_value_heads=2"):
+        aiocb.distributed.load_model(llama_dir, tp_size=4)
+    with pytest.raises(aiocb.InvalidConfigError, match=r"tp_size=3 .*num_key_value_heads=2.*\[1, 2\]"):
+        aiocb.distributed.validate_tp(llama_dir, 3)
+    assert not dist.is_initialized(), "the check runs before transformers sets up torch.distributed"
+
+
+def test_device_map_with_tensor_parallelism_is_an_error(llama_dir: Path) -> None:
+    with pytest.raises(aiocb.InvalidConfigError, match=r"device_map='cpu' and tensor parallelism \(tp_size=2\)"):
+        aiocb.distributed.load_model(llama_dir, tp_size=2, device_map="cpu")
+    assert not dist.is_initialized()
+
+
+def test_bad_tp_sizes_and_arguments(llama_dir: Path) -> None:
+    aiocb.distributed.validate_tp(llama_dir, 2)
+    aiocb.distributed.validate_tp(llama_dir, 1, device_map="cpu")
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(aiocb.InvalidConfigError, match="tp_size must be an int"):
+            aiocb.distributed.validate_tp(llama_dir, bad)  # type: ignore[arg-type]
+    with pytest.raises(aiocb.InvalidConfigError, match="distributed config"):
+        aiocb.distributed.load_model(llama_dir, tp_size=2, tp_plan="auto")
+
+
+def test_tp_size_1_loads_an_ordinary_model(llama_dir: Path) -> None:
+    model = aiocb.distributed.load_model(llama_dir, tp_size=1)
+    assert aiocb.distributed.tensor_parallel_layout(model) is None
+    assert aiocb.distributed.is_driver(model)
+    aiocb.distributed.shutdown()  # nothing to release
+
+
+async def test_a_manager_checks_an_already_sharded_model_at_start() -> None:
+    model = _as_if_sharded(tiny_llama(), pp=1, fsdp=1, tp=4)
+    manager = aiocb.Manager(model)
+    with pytest.raises(aiocb.InvalidConfigError, match=r"tp_size=4 does not divide .*num_key_value_heads=2"):
+        manager.start()
+    assert not manager.is_running
+
+
+async def test_fsdp_and_pipeline_meshes_are_refused() -> None:
+    for sizes in ({"fsdp": 2, "tp": 2}, {"pp": 2, "tp": 1}):
+        model = _as_if_sharded(tiny_llama(), **sizes)
+        with pytest.raises(aiocb.InvalidConfigError, match="tensor parallelism only"):
+            aiocb.Manager(model).start()
+
+
+async def test_a_device_map_over_several_devices_next_to_tp_is_refused() -> None:
+    model = _as_if_sharded(tiny_llama(), tp=2)
+    model.hf_device_map = {"model": "cpu", "lm_head": "disk"}
+    with pytest.raises(aiocb.InvalidConfigError, match=r"device_map .* mutually exclusive"):
+        aiocb.Manager(model).start()
+
+
+def test_run_follower_needs_a_sharded_model(llama_model: PreTrainedModel) -> None:
+    with pytest.raises(aiocb.InvalidRequestError, match="tensor parallelism"):
+        aiocb.distributed.run_follower(llama_model)
+
+
+@pytest.mark.parametrize(
+    ("plan", "expected"),
+    [
+        ({"model.layers.*.self_attn.k_proj": "colwise", "model.layers.*.self_attn.v_proj": "colwise"}, (2, 2, 1)),
+        ({"model.layers.*.self_attn.qkv_proj": "colwise_gather_output"}, (2, 4, 2)),  # Phi-3 gathers q, k, v
+        ({"model.layers.*.mlp.up_proj": "colwise"}, (2, 4, 2)),  # attention not in the plan: replicated
+    ],
+)
+def test_the_cache_holds_this_rank_s_share_of_the_kv_heads(
+    plan: dict[str, str], expected: tuple[int, int, int]
+) -> None:
+    model = _as_if_sharded(tiny_llama(), tp=2)
+    model._tp_plan = plan
+    assert shard_heads(model, 4, 2) == expected
+
+
+def test_sharded_plans_agree_on_the_smallest_sizes() -> None:
+    plans = [
+        CachePlan(16, [100, 40], 4096, 256, 10_000, [0, 0]),
+        CachePlan(16, [90, 50], 8192, 128, 9_000, [5, 0]),
+    ]
+    assert _minimum_plan(plans) == CachePlan(16, [90, 40], 4096, 128, 9_000, [0, 0])
