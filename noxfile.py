@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import nox
 
 nox.options.sessions = ["tests", "lint", "typecheck"]
@@ -38,6 +40,15 @@ def lm_eval(session: nox.Session) -> None:
     """Score the served tiny test model with lm-evaluation-harness, offline (local JSONL tasks)."""
     _install(session, "test", "eval")
     session.run("pytest", "-m", "slow", "-s", "tests/server/test_lm_eval.py", *session.posargs, env=OFFLINE)
+
+
+@nox.session
+def examples(session: nox.Session) -> None:
+    """Run every example in examples/ on the bundled model (the tensor-parallel one under torchrun)."""
+    _install(session, "test")
+    for script in sorted(Path("examples").glob("0*.py")):
+        session.run("python", str(script), env=OFFLINE)
+    session.run("torchrun", "--nproc-per-node", "2", "examples/tp_torchrun.py", env=OFFLINE)
 
 
 @nox.session

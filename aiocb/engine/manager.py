@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import enum
+import gc
 import itertools
 import logging
 import random
@@ -21,6 +22,7 @@ from aiocb.config import ContinuousBatchingConfig
 from aiocb.core.kv_cache import KVCacheManager
 from aiocb.core.request import Request
 from aiocb.core.scheduler import Scheduler
+from aiocb.engine.admission import Turnstile
 from aiocb.engine.step_loop import StepLoop
 from aiocb.engine.stream import Consumer, RequestHandle
 from aiocb.errors import (
@@ -125,6 +127,7 @@ class Manager:
         self._results: deque[RequestHandle] = deque()
         self._results_changed = asyncio.Event()
         self._room_waiters: deque[tuple[asyncio.Future[None], Request]] = deque()
+        self._turnstile = Turnstile()
         if persistent_manager:
             setattr(model, _CACHED_MANAGER_ATTR, self)
 
@@ -158,6 +161,7 @@ class Manager:
                 raise self._wrong_loop()
             logger.warning("Manager.start(): the manager is already running")
             return
+        _freeze_long_lived_objects()
         if self._runner is None:
             self._runner = build_runner(
                 self.model, self.config, num_requests_hint=self._num_requests_hint, keep_cache=self.persistent
@@ -274,7 +278,7 @@ class Manager:
 
     def _dead(self) -> EngineDeadError:
         assert self._dead_error is not None
-        return self._dead_error
+        return _fresh(self._dead_error)
 
     # ------------------------------------------------------------------ requests
 
@@ -295,6 +299,7 @@ class Manager:
         included). With
         ``streaming=True`` partial outputs also reach :meth:`get_result` and iteration.
         """
+        await self._turnstile.enter()
         request = self._new_request(input_ids, request_id, max_new_tokens, params)
         await self._wait_for_room(request)
         return self._submit(request, streaming=streaming, consumer=Consumer.RESULTS)
@@ -343,6 +348,7 @@ class Manager:
 
         Cancelling the awaiting task cancels the request.
         """
+        await self._turnstile.enter()
         request = self._new_request(input_ids, params.pop("request_id", None), max_new_tokens, params)
         await self._wait_for_room(request)
         handle = self._handles[self._submit(request, streaming=False, consumer=Consumer.AWAITER)]
@@ -520,13 +526,19 @@ class Manager:
         consumer: Consumer,
         on_finish: Callable[[], object] | None = None,
     ) -> list[str]:
-        requests = [self._new_request(p, None, max_new_tokens, dict(params)) for p in inputs]
+        requests: list[Request] = []
+        for i, prompt in enumerate(inputs):
+            if i and i % self._turnstile.per_iteration == 0:
+                await asyncio.sleep(0)  # a long list must not hold the loop in one go
+            requests.append(self._new_request(prompt, None, max_new_tokens, dict(params)))
         order = list(range(len(requests)))
         if self.config.allow_block_sharing:
             order.sort(key=lambda i: requests[i].prompt_ids)
         submitted: list[str] = []
         try:
-            for i in order:
+            for n, i in enumerate(order):
+                if n and n % self._turnstile.per_iteration == 0:
+                    await asyncio.sleep(0)
                 await self._wait_for_room(requests[i])
                 submitted.append(self._submit(requests[i], streaming=streaming, consumer=consumer, on_finish=on_finish))
         except BaseException:
@@ -613,8 +625,12 @@ class Manager:
         self._release_room_waiters()
 
     def _deliver(self, handle: RequestHandle) -> None:
-        """Tell whoever consumes ``handle`` that it changed (O(1), never blocks)."""
-        if handle.request.is_finished and handle.on_finish is not None:
+        """Tell whoever consumes ``handle`` that it changed (O(1), never blocks).
+
+        Awaiters of a final output are only woken by it, not by every token.
+        """
+        finished = handle.request.is_finished
+        if finished and handle.on_finish is not None:
             handle.on_finish()
             handle.on_finish = None
         if handle.consumer is Consumer.RESULTS:
@@ -622,7 +638,8 @@ class Manager:
                 handle.in_results = True
                 self._results.append(handle)
                 self._results_changed.set()
-        handle.notify()
+        if finished or handle.consumer is Consumer.STREAM or handle.streaming:
+            handle.notify()
 
     def _drop_from_results(self, handle: RequestHandle) -> None:
         if handle.in_results:
@@ -657,7 +674,7 @@ class Manager:
             await handle.wait()
         if handle.error is not None:
             self._handles.pop(request_id, None)
-            raise handle.error
+            raise _fresh(handle.error)
         self._drop_from_results(handle)
         return self._take(handle)
 
@@ -670,7 +687,7 @@ class Manager:
             raise
         self._handles.pop(handle.request.request_id, None)
         if handle.error is not None:
-            raise handle.error
+            raise _fresh(handle.error)
         return handle.take()
 
     def _cancel_quietly(self, request_id: str) -> None:
@@ -723,7 +740,7 @@ class RequestStream:
             raise
         if handle.error is not None:
             self._close()
-            raise handle.error
+            raise _fresh(handle.error)
         output = self._manager._take(handle)
         if output.is_finished():
             self._done = True
@@ -766,6 +783,29 @@ _REQUEST_PARAMS = frozenset(
         "prompt_logprobs",
     }
 )
+
+
+_frozen = False
+
+
+def _freeze_long_lived_objects() -> None:
+    """Move everything alive now (torch, transformers, the model) out of the garbage
+    collector's view, once per process: otherwise every full collection rescans hundreds
+    of thousands of objects that never die, a pause of hundreds of milliseconds that
+    stalls the event loop (and the step thread, through the GIL)."""
+    global _frozen
+    if not _frozen:
+        _frozen = True
+        gc.collect()
+        gc.freeze()
+
+
+def _fresh(error: BaseException) -> BaseException:
+    """A new exception like ``error`` for one awaiter: sharing one object among awaiters
+    would chain every awaiter's frames into one ever-growing traceback."""
+    if isinstance(error, EngineDeadError):
+        return EngineDeadError(str(error), error.cause)
+    return type(error)(*error.args)
 
 
 def _progress_bar(total: int) -> Any:
