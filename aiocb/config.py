@@ -141,33 +141,23 @@ class ContinuousBatchingConfig:
         _check_int(self.max_queued_tokens, "max_queued_tokens", minimum=0)
         _check_int(self.default_compile_level, "default_compile_level", minimum=0)
         if self.default_compile_level > 3:
-            raise InvalidConfigError(
-                f"default_compile_level must be 0, 1, 2 or 3, got {self.default_compile_level}"
-            )
+            raise InvalidConfigError(f"default_compile_level must be 0, 1, 2 or 3, got {self.default_compile_level}")
         if self.max_memory_percent is not None and not 0.0 < self.max_memory_percent <= 1.0:
-            raise InvalidConfigError(
-                f"max_memory_percent must be in (0, 1], got {self.max_memory_percent}"
-            )
+            raise InvalidConfigError(f"max_memory_percent must be in (0, 1], got {self.max_memory_percent}")
         if self.scheduler_type not in DEFAULT_SAFETY_MARGIN:
             raise InvalidConfigError(
-                f"scheduler_type must be one of {sorted(DEFAULT_SAFETY_MARGIN)}, "
-                f"got {self.scheduler_type!r}"
+                f"scheduler_type must be one of {sorted(DEFAULT_SAFETY_MARGIN)}, got {self.scheduler_type!r}"
             )
         if self.safety_margin is not None and not 0.0 <= self.safety_margin <= 1.0:
             raise InvalidConfigError(f"safety_margin must be in [0, 1], got {self.safety_margin}")
         if self.cpu_offload_space is not None and self.cpu_offload_space < 0:
-            raise InvalidConfigError(
-                f"cpu_offload_space must be >= 0 GiB or None, got {self.cpu_offload_space}"
-            )
+            raise InvalidConfigError(f"cpu_offload_space must be >= 0 GiB or None, got {self.cpu_offload_space}")
         if not 0.0 < self.cpu_offload_space_safety_threshold <= 1.0:
             raise InvalidConfigError(
-                "cpu_offload_space_safety_threshold must be in (0, 1], "
-                f"got {self.cpu_offload_space_safety_threshold}"
+                f"cpu_offload_space_safety_threshold must be in (0, 1], got {self.cpu_offload_space_safety_threshold}"
             )
         if self.cpu_group_timeout is not None and self.cpu_group_timeout <= 0:
-            raise InvalidConfigError(
-                f"cpu_group_timeout must be > 0 seconds or None, got {self.cpu_group_timeout}"
-            )
+            raise InvalidConfigError(f"cpu_group_timeout must be > 0 seconds or None, got {self.cpu_group_timeout}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise InvalidConfigError(f"seed must be an int or None, got {self.seed!r}")
         graphs = self.use_cuda_graph

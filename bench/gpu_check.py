@@ -21,9 +21,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
+import inspect
 import json
 import os
-import inspect
 import random
 import re
 import statistics
@@ -106,7 +106,9 @@ def run_tests(out: Path | None, dry: bool) -> dict[str, Any]:
     command += ["-rA", "tests/gpu", "tests/runner/test_triton_attention.py"]
     started = time.perf_counter()
     try:
-        done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300 if not dry else 600)
+        done = subprocess.run(
+            command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300 if not dry else 600
+        )
         text, code = done.stdout + done.stderr, done.returncode
     except subprocess.TimeoutExpired as error:
         text, code = f"timed out after {error.timeout} s\n{error.stdout or ''}", -1
@@ -147,7 +149,9 @@ def bench_static(model: Any, prompts: list[list[int]], new: int) -> dict[str, An
     sync()
     started = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+        out = model.generate(
+            ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0
+        )
     sync()
     seconds = time.perf_counter() - started
     generated = (out.shape[1] - ids.shape[1]) * out.shape[0]
@@ -266,7 +270,12 @@ def transformers_only(name: str, dry: bool) -> None:
     sync()
     seconds = time.perf_counter() - started
     tokens = sum(len(o.generated_tokens) for o in outputs.values())
-    result = {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds, "version": transformers.__version__}
+    result = {
+        "seconds": seconds,
+        "tokens": tokens,
+        "tokens_per_s": tokens / seconds,
+        "version": transformers.__version__,
+    }
     print("RESULT " + json.dumps(result), flush=True)
 
 
@@ -309,7 +318,9 @@ def table(results: dict[str, Any]) -> str:
                     f"{row['decode_step_ms']:.2f} ({floor:.2f})",
                 ]
             lines.append(
-                f"| {name} | {engine} | {row['tokens_per_s']:.0f} | {ratio} | {row['seconds']:.1f} | " + " | ".join(extra) + " |"
+                f"| {name} | {engine} | {row['tokens_per_s']:.0f} | {ratio} | {row['seconds']:.1f} | "
+                + " | ".join(extra)
+                + " |"
             )
     return "\n".join(lines)
 
@@ -325,7 +336,7 @@ def main() -> int:
         return 0
     out = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     results: dict[str, Any] = {
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "commit": os.environ.get("AIOCB_COMMIT", "unknown"),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__,
@@ -348,7 +359,8 @@ def main() -> int:
     model = build_model(args.dry_run)
     runs = {name: workload(name, args.dry_run) for name in WORKLOADS}
     results["floor_ms"] = {
-        name: decode_floor_ms(model, prompts, new, results["bandwidth_gb_s"] * 1e9) for name, (prompts, new) in runs.items()
+        name: decode_floor_ms(model, prompts, new, results["bandwidth_gb_s"] * 1e9)
+        for name, (prompts, new) in runs.items()
     }
     results["static"] = {}
     for name, (prompts, new) in runs.items():

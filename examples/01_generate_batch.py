@@ -5,7 +5,12 @@ from __future__ import annotations
 import aiocb
 from aiocb.default_model import load_default_model
 
-PROMPTS = ["def read_config(path):\n", "class Stack:\n    def push(self, item):\n", "import os\n\n\ndef ", "for line in"]
+PROMPTS = [
+    "def read_config(path):\n",
+    "class Stack:\n    def push(self, item):\n",
+    "import os\n\n\ndef ",
+    "for line in",
+]
 
 
 def main() -> None:

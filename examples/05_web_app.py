@@ -56,7 +56,10 @@ async def demo() -> None:
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:
             replies = await asyncio.gather(
-                *(client.post("/complete", json={"prompt": f"def task_{i}(self):\n", "max_tokens": 24}) for i in range(8))
+                *(
+                    client.post("/complete", json={"prompt": f"def task_{i}(self):\n", "max_tokens": 24})
+                    for i in range(8)
+                )
             )
     for reply in replies[:3]:
         print(reply.status_code, reply.json())

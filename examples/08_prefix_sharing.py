@@ -34,7 +34,9 @@ async def run(sharing: bool) -> aiocb.ManagerStatistics:
 
 async def main() -> None:
     shared, separate = await run(True), await run(False)
-    print(f"with sharing:    {shared.tokens_computed} tokens computed, {shared.prefix_hit_tokens} served from the cache")
+    print(
+        f"with sharing:    {shared.tokens_computed} tokens computed, {shared.prefix_hit_tokens} served from the cache"
+    )
     print(f"without sharing: {separate.tokens_computed} tokens computed")
 
 

@@ -58,7 +58,9 @@ _REFERENCES: weakref.WeakKeyDictionary[PreTrainedModel, dict[tuple[object, ...],
 )
 
 
-def reference_generate(model: PreTrainedModel, prompt: Sequence[int], max_new_tokens: int, **kwargs: object) -> list[int]:
+def reference_generate(
+    model: PreTrainedModel, prompt: Sequence[int], max_new_tokens: int, **kwargs: object
+) -> list[int]:
     """Greedy tokens `model.generate` gives for one prompt alone (cached per model)."""
     key = (tuple(prompt), max_new_tokens, tuple(sorted((k, repr(v)) for k, v in kwargs.items())))
     cache = _REFERENCES.setdefault(model, {})

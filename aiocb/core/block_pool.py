@@ -103,9 +103,7 @@ class BlockPool:
             del self._free_hashed[block_id]
         self._ref_counts[block_id] += 1
 
-    def register(
-        self, block_id: int, block_hash: bytes, parent_hash: bytes, token_ids: Sequence[int]
-    ) -> None:
+    def register(self, block_id: int, block_hash: bytes, parent_hash: bytes, token_ids: Sequence[int]) -> None:
         """Record that ``block_id`` now holds a full block with this hash.
 
         If another block already holds the same content, the first one stays the one

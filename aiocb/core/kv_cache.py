@@ -41,14 +41,13 @@ class KVCacheManager:
         self.groups = groups
         self.page_size = page_size
         self.pools = [BlockPool(group.num_blocks) for group in groups]
-        self._ring = [
-            ring_size(g.sliding_window, page_size) if g.sliding_window is not None else None for g in groups
-        ]
+        self._ring = [ring_size(g.sliding_window, page_size) if g.sliding_window is not None else None for g in groups]
         # A sliding layer forgets old positions, so a block's content depends on more than
         # its prefix: sharing is only sound when every layer keeps every position. Hits are
         # looked up and registered in the first pool only, so that must be the only pool.
         self.prefix_caching = enable_prefix_caching and len(groups) == 1 and groups[0].sliding_window is None
         self.num_prefix_hit_tokens = 0
+        self._single_full = len(groups) == 1 and groups[0].sliding_window is None
         self.host_pools = [BlockPool(g.num_host_blocks) if g.num_host_blocks else None for g in groups]
         self.offloading = all(pool is not None for pool in self.host_pools)
         self.num_offloaded_blocks = 0
@@ -83,9 +82,7 @@ class KVCacheManager:
 
     def fits_alone(self, num_tokens: int) -> bool:
         """Whether one request of ``num_tokens`` tokens fits the whole cache."""
-        return all(
-            self._blocks_wanted(i, num_tokens) <= pool.num_blocks for i, pool in enumerate(self.pools)
-        )
+        return all(self._blocks_wanted(i, num_tokens) <= pool.num_blocks for i, pool in enumerate(self.pools))
 
     def _blocks_wanted(self, group: int, num_tokens: int) -> int:
         blocks = -(-num_tokens // self.page_size)
@@ -97,6 +94,8 @@ class KVCacheManager:
         if not request.block_ids:
             request.block_ids = [[] for _ in self.pools]
         total = request.num_computed_tokens + num_new_tokens
+        if self._single_full and total <= len(request.block_ids[0]) * self.page_size:
+            return True  # the common decode step: the last block has room
         needed = [self._blocks_wanted(i, total) - len(request.block_ids[i]) for i in range(len(self.pools))]
         if any(n > pool.num_free for n, pool in zip(needed, self.pools, strict=True)):
             return False
@@ -192,6 +191,8 @@ class KVCacheManager:
         # Only positions whose token is known: a step in flight may still be sampling one.
         known = min(request.num_computed_tokens, request.num_tokens)
         num_full = min(known // self.page_size, len(request.block_ids[0]))
+        if num_full <= request.num_registered_blocks:
+            return  # (most steps: no block completed)
         self._extend_hashes(request, num_full)
         pool = self.pools[0]
         for i in range(request.num_registered_blocks, num_full):

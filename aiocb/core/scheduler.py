@@ -189,9 +189,7 @@ class Scheduler:
             end = request.num_computed_tokens
             num_new = end - start
             sample = end == request.num_scheduled_tokens
-            output.scheduled.append(
-                ScheduledRequest(request, start, num_new, sample, carries=end > request.num_tokens)
-            )
+            output.scheduled.append(ScheduledRequest(request, start, num_new, sample, carries=end > request.num_tokens))
             if sample:
                 request.num_pending_tokens += 1
             if end > request.num_tokens:

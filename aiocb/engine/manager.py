@@ -87,6 +87,8 @@ class Manager:
     same manager (and its cache), even under a new event loop.
     """
 
+    config: ContinuousBatchingConfig
+
     def __new__(cls, model: PreTrainedModel, *args: Any, persistent_manager: bool = False, **kwargs: Any) -> Manager:
         cached = getattr(model, _CACHED_MANAGER_ATTR, None)
         if persistent_manager and isinstance(cached, cls) and cached._state is not _State.DESTROYED:
@@ -278,7 +280,7 @@ class Manager:
 
     def _dead(self) -> EngineDeadError:
         assert self._dead_error is not None
-        return _fresh(self._dead_error)
+        return EngineDeadError(str(self._dead_error), self._dead_error.cause)
 
     # ------------------------------------------------------------------ requests
 
@@ -482,13 +484,14 @@ class Manager:
         timeout = params.pop("timeout", None)
         unknown = sorted(set(params) - _REQUEST_PARAMS)
         if unknown:
-            raise InvalidRequestError(
-                f"unknown request parameter(s): {', '.join(unknown)}; known: {', '.join(sorted(_REQUEST_PARAMS | {'timeout'}))}"
-            )
+            known = ", ".join(sorted(_REQUEST_PARAMS | {"timeout"}))
+            raise InvalidRequestError(f"unknown request parameter(s): {', '.join(unknown)}; known: {known}")
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
             raise InvalidRequestError(f"timeout must be a positive number of seconds, got {timeout!r}")
         spec = self._runner.spec
-        limits = RequestLimits(spec.vocab_size, spec.max_position_embeddings, self._steps.scheduler.kv_cache.capacity_tokens)
+        limits = RequestLimits(
+            spec.vocab_size, spec.max_position_embeddings, self._steps.scheduler.kv_cache.capacity_tokens
+        )
         prompt = normalize_prompt(input_ids, limits)
         sampling = build_params(
             self.generation_config,
@@ -507,9 +510,7 @@ class Manager:
         elif request_id in self._handles:
             raise InvalidRequestError(f"request id {request_id!r} is already in use by a live request")
         now = time.perf_counter()
-        return Request(
-            request_id, prompt, sampling, now, deadline=None if timeout is None else now + float(timeout)
-        )
+        return Request(request_id, prompt, sampling, now, deadline=None if timeout is None else now + float(timeout))
 
     def _fresh_id(self) -> str:
         while (request_id := f"req_{next(self._ids)}") in self._handles:
@@ -633,11 +634,11 @@ class Manager:
         if finished and handle.on_finish is not None:
             handle.on_finish()
             handle.on_finish = None
-        if handle.consumer is Consumer.RESULTS:
-            if not handle.in_results and handle.has_news(partial=handle.streaming):
-                handle.in_results = True
-                self._results.append(handle)
-                self._results_changed.set()
+        queue = handle.consumer is Consumer.RESULTS and not handle.in_results
+        if queue and handle.has_news(partial=handle.streaming):
+            handle.in_results = True
+            self._results.append(handle)
+            self._results_changed.set()
         if finished or handle.consumer is Consumer.STREAM or handle.streaming:
             handle.notify()
 

@@ -31,7 +31,7 @@ METADATA_KWARG = "aiocb_metadata"
 _FALLBACK_ATTR = "_aiocb_fallback_attention"
 
 
-@torch.compiler.disable  # per-step Python metadata: compiled models call it eagerly
+@torch.compiler.disable  # type: ignore[untyped-decorator]  # per-step Python metadata: compiled models call it eagerly
 def paged_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -51,7 +51,8 @@ def paged_attention_forward(
     metadata: AttentionMetadata | None = kwargs.pop(METADATA_KWARG, None)
     if metadata is None:
         fallback = _fallback_for(module)
-        return fallback(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        output, _ = fallback(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        return output, None
     layer: int = module.layer_idx  # type: ignore[assignment]
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
     softcap = kwargs.get("softcap")
@@ -116,13 +117,13 @@ def reference_paged_attention(
         decoded = _attend(q, k, v, mask, scale, softcap)  # [Bd, Hq, 1, D]
         out.index_copy_(0, metadata.decode_token_index, decoded[:, :, 0, :])
 
-    for (first, length), (past_k, past_v), mask in zip(
+    for (first, length), (past_k, past_v), prefill_mask in zip(
         metadata.prefill_rows, past, group.prefill_masks, strict=True
     ):
         k = torch.cat((past_k, key[first : first + length])).transpose(0, 1)[None]
         v = torch.cat((past_v, value[first : first + length])).transpose(0, 1)[None]
         q = query[first : first + length].transpose(0, 1)[None]
-        attended = _attend(q, k, v, mask, scale, softcap, causal=mask is None)
+        attended = _attend(q, k, v, prefill_mask, scale, softcap, causal=prefill_mask is None)
         out[first : first + length] = attended[0].transpose(0, 1)
     return out
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -52,7 +53,7 @@ class DecodeGraphs:
         self.buckets = batch_buckets(max_rows)
         self.max_blocks = max_blocks_per_request
         self._device = device
-        self._pool: tuple[int, int] | None = None
+        self._pool: Any = None  # torch.cuda.graph_pool_handle()
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         rows = self.buckets[-1]
         groups = len(cache.group_windows)
@@ -150,7 +151,7 @@ class DecodeGraphs:
     ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Capture the forward pass on the static buffers; returns the graph and its output."""
         # Warm up on a side stream (lazy initialisations, autotuning) before capturing.
-        side = torch.cuda.Stream(self._device)
+        side = torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]
         side.wait_stream(torch.cuda.current_stream(self._device))
         with torch.cuda.stream(side):
             for _ in range(2):

@@ -26,7 +26,7 @@ REFERENCE = "reference"
 PAGED = "paged"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # (not frozen: a frozen __init__ costs several times more per row)
 class RowSpec:
     """One scheduled request: positions ``start .. start + num_tokens - 1``."""
 
@@ -187,7 +187,7 @@ class HostToDevice:
         self._turn = 0
         self._buffers: dict[tuple[torch.dtype, int], torch.Tensor] = {}
         self._done: list[torch.cuda.Event | None] = [None, None]
-        self._stream = torch.cuda.Stream(device) if self._cuda else None
+        self._stream = torch.cuda.Stream(device) if self._cuda else None  # type: ignore[no-untyped-call]
 
     def __call__(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The same tensors on the device, by name."""
@@ -222,7 +222,7 @@ class HostToDevice:
                 view = device_buffer[offset : offset + source.numel()].view(source.shape)
                 packed[name] = view if source.dtype == kind else view.to(source.dtype)
                 offset += source.numel()
-        event = torch.cuda.Event()
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         event.record(stream)
         self._done[turn] = event
         compute.wait_stream(stream)
@@ -291,11 +291,11 @@ def prepare_inputs(
             continue
         if decode:
             pos = starts[decode_index]
-            lo = (pos - window + 1).clamp_min(0) if window is not None else torch.zeros_like(pos)
-            lengths = pos - lo + 1
+            first_key = (pos - window + 1).clamp_min(0) if window is not None else torch.zeros_like(pos)
+            lengths = pos - first_key + 1
             steps = torch.arange(int(lengths.max()))
             valid = steps[None, :] < lengths[:, None]
-            key_pos = torch.where(valid, lo[:, None] + steps[None, :], pos[:, None])
+            key_pos = torch.where(valid, first_key[:, None] + steps[None, :], pos[:, None])
             host[f"decode_slots{g}"] = torch.where(valid, _slots(table[decode_index], key_pos, page, ring), null * page)
             host[f"decode_valid{g}"] = valid
         for i in prefill:
@@ -363,10 +363,7 @@ def _slots(table: torch.Tensor, positions: torch.Tensor, page: int, ring: int | 
     column = positions // page
     if ring is not None:
         column = column % ring
-    if positions.dim() == 1:
-        blocks = table.gather(1, column[:, None])[:, 0]
-    else:
-        blocks = table.gather(1, column)
+    blocks = table.gather(1, column[:, None])[:, 0] if positions.dim() == 1 else table.gather(1, column)
     return blocks * page + positions % page
 
 

@@ -96,7 +96,9 @@ class ModelRunner:
         """Run one step and wait for its results."""
         return self.collect(self.launch(batch))
 
-    def advance(self, batch: StepBatch | None, previous: PendingStep | None) -> tuple[StepResult | None, PendingStep | None]:
+    def advance(
+        self, batch: StepBatch | None, previous: PendingStep | None
+    ) -> tuple[StepResult | None, PendingStep | None]:
         """Async batching: launch ``batch`` behind ``previous``, then collect ``previous``.
 
         The device never waits for the host between the two steps: ``batch`` is queued
@@ -135,7 +137,7 @@ class ModelRunner:
             *(_to_host(t) for t in (picked.tokens, picked.logprobs, picked.top_ids, picked.top_logprobs, *prompt)),  # type: ignore[arg-type]
         )
         if self.device.type == "cuda":
-            pending.event = torch.cuda.Event()
+            pending.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             pending.event.record()
         return pending
 
@@ -166,7 +168,9 @@ class ModelRunner:
             return self.graphs.run(inputs, len(batch.rows))
         decode_only = all(r.num_tokens == 1 for r in batch.rows)
         model = self._decode_model if decode_only else self._varlen_model
-        return _forward(model, inputs.input_ids[None], inputs.position_ids[None], inputs.logits_indices, inputs.attention)
+        return _forward(
+            model, inputs.input_ids[None], inputs.position_ids[None], inputs.logits_indices, inputs.attention
+        )
 
     def _decode_graphs(self) -> DecodeGraphs | None:
         wanted = self.config.use_cuda_graph

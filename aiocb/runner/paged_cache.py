@@ -35,7 +35,12 @@ class PagedKVCache:
         self.host_value: list[torch.Tensor | None] = []
         pinned = spec.device.type == "cuda"
         for layer in range(spec.num_layers):
-            shape = (self.group_num_blocks[self.layer_group[layer]] + 2, self.page_size, spec.num_kv_heads, spec.head_dim)
+            shape = (
+                self.group_num_blocks[self.layer_group[layer]] + 2,
+                self.page_size,
+                spec.num_kv_heads,
+                spec.head_dim,
+            )
             k = torch.empty(shape, dtype=spec.dtype, device=spec.device)
             v = torch.empty(shape, dtype=spec.dtype, device=spec.device)
             null = self.null_block(self.layer_group[layer])

@@ -18,7 +18,9 @@ PROMPTS = random_prompts(6, 5, 60, seed=15)
 ASYNC = aiocb.ContinuousBatchingConfig(use_async_batching=True)
 
 
-async def _run(model: PreTrainedModel, config: aiocb.ContinuousBatchingConfig, **params: object) -> list[aiocb.GenerationOutput]:
+async def _run(
+    model: PreTrainedModel, config: aiocb.ContinuousBatchingConfig, **params: object
+) -> list[aiocb.GenerationOutput]:
     async with aiocb.Manager(model, continuous_batching_config=config) as manager:
         outputs = await manager.generate_batch(PROMPTS, **params)
         if config.use_async_batching:

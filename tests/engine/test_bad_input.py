@@ -87,7 +87,7 @@ async def test_one_bad_prompt_in_a_batch_queues_none_of_it(qwen3: PreTrainedMode
 
 
 def test_invalid_config_fails_at_construction() -> None:
-    with pytest.raises(aiocb.InvalidRequestError, match="unknown ContinuousBatchingConfig field.*page_sise"):
+    with pytest.raises(aiocb.InvalidRequestError, match=r"unknown ContinuousBatchingConfig field.*page_sise"):
         aiocb.ContinuousBatchingConfig(page_sise=16)  # type: ignore[call-arg]
     with pytest.raises(ValueError, match="page_size"):
         aiocb.ContinuousBatchingConfig(page_size=2)

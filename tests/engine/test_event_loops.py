@@ -50,7 +50,7 @@ def test_use_from_another_loop_raises_instead_of_hanging(qwen3: PreTrainedModel)
     async def own() -> None:
         manager.start()
         ready.set()
-        while manager.is_running:
+        while manager.is_running:  # noqa: ASYNC110 (polls a property from another thread's loop)
             await asyncio.sleep(0.01)
 
     thread = threading.Thread(target=loop.run_until_complete, args=(own(),))

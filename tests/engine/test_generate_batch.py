@@ -23,7 +23,7 @@ def test_blocking_generate_batch_of_nothing(qwen3: PreTrainedModel) -> None:
 
 
 async def test_blocking_generate_batch_refuses_a_running_loop(qwen3: PreTrainedModel) -> None:
-    with pytest.raises(RuntimeError, match="await manager.generate_batch"):
+    with pytest.raises(RuntimeError, match=r"await manager\.generate_batch"):
         aiocb.generate_batch(qwen3, PROMPTS)
 
 

@@ -58,7 +58,9 @@ async def test_stop_timeout_aborts_what_is_left(qwen3: PreTrainedModel) -> None:
     await manager.destroy()
 
 
-async def test_add_after_stop_is_refused_with_a_warning(qwen3: PreTrainedModel, caplog: pytest.LogCaptureFixture) -> None:
+async def test_add_after_stop_is_refused_with_a_warning(
+    qwen3: PreTrainedModel, caplog: pytest.LogCaptureFixture
+) -> None:
     manager = aiocb.Manager(qwen3)
     with pytest.raises(aiocb.ManagerClosedError, match="not started"):
         await manager.add_request(PROMPTS[0])
@@ -99,11 +101,16 @@ async def test_async_with_stops_and_destroys(qwen3: PreTrainedModel) -> None:
 
 async def test_async_with_hard_stops_when_the_body_raises(qwen3: PreTrainedModel) -> None:
     pending: asyncio.Task[aiocb.GenerationOutput] | None = None
-    with pytest.raises(KeyError):
+
+    async def body() -> None:
+        nonlocal pending
         async with aiocb.Manager(qwen3) as manager:
             pending = asyncio.create_task(manager.generate(PROMPTS[0], max_new_tokens=2000))
             await asyncio.sleep(0.02)
             raise KeyError("boom")
+
+    with pytest.raises(KeyError):
+        await body()
     assert pending is not None
     with pytest.raises(aiocb.RequestAbortedError):
         await pending

@@ -4,6 +4,7 @@ and every failed awaiter gets its own exception."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import pytest
 from transformers import PreTrainedModel
@@ -71,7 +72,7 @@ async def test_a_burst_of_requests_leaves_the_loop_responsive(qwen3: PreTrainedM
         await beat
     assert len(set(ids)) == 600
     # The heartbeat ran between admissions: no more than one turnstile's worth at a time.
-    steps = [b - a for a, b in zip(seen_by_heartbeat, seen_by_heartbeat[1:], strict=False)]
+    steps = [b - a for a, b in itertools.pairwise(seen_by_heartbeat)]
     assert len(seen_by_heartbeat) >= 600 // 64
     assert max(steps) <= 64
 

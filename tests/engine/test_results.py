@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import pytest
 from transformers import PreTrainedModel
@@ -15,7 +16,7 @@ PROMPTS = random_prompts(8, 5, 50, seed=8)
 
 async def test_add_requests_returns_ids_in_input_order(qwen3: PreTrainedModel) -> None:
     shared = PROMPTS[0]
-    inputs = [shared + [3], PROMPTS[1], shared + [1], PROMPTS[2], shared + [2]]
+    inputs = [[*shared, 3], PROMPTS[1], [*shared, 1], PROMPTS[2], [*shared, 2]]
     async with aiocb.Manager(qwen3) as manager:
         ids = await manager.add_requests(inputs, max_new_tokens=4)
         assert ids == [f"req_{i}" for i in range(5)]
@@ -89,7 +90,7 @@ async def test_a_slow_stream_consumer_gets_merged_updates(qwen3: PreTrainedModel
             await asyncio.sleep(0.02)  # slower than the steps: updates pile up and merge
         assert chunks[-1].generated_tokens == reference_generate(qwen3, PROMPTS[4], 40)
         assert len(chunks) < 40
-        assert any(len(b.generated_tokens) - len(a.generated_tokens) > 1 for a, b in zip(chunks, chunks[1:]))
+        assert any(len(b.generated_tokens) - len(a.generated_tokens) > 1 for a, b in itertools.pairwise(chunks))
 
 
 async def test_stream_of_a_finished_request_yields_its_final_output(qwen3: PreTrainedModel) -> None:

@@ -61,7 +61,9 @@ async def test_logprobs_match_log_softmax_of_the_model(qwen3: PreTrainedModel) -
         sequence = prompt + output.generated_tokens
         with torch.no_grad():
             logits = qwen3(torch.tensor([sequence])).logits[0]
-        expected = logits.log_softmax(-1)[len(prompt) - 1 : -1].gather(1, torch.tensor(output.generated_tokens)[:, None])
+        expected = logits.log_softmax(-1)[len(prompt) - 1 : -1].gather(
+            1, torch.tensor(output.generated_tokens)[:, None]
+        )
         assert torch.allclose(torch.tensor(output.logprobs), expected[:, 0], atol=1e-4)
 
 
@@ -77,7 +79,9 @@ async def test_logprobs_are_absent_unless_asked(qwen3: PreTrainedModel) -> None:
 
 async def test_top_logprobs_and_prompt_logprobs(qwen3: PreTrainedModel) -> None:
     prompt = PROMPTS[4]
-    async with aiocb.Manager(qwen3, continuous_batching_config=aiocb.ContinuousBatchingConfig(max_batch_tokens=32)) as m:
+    async with aiocb.Manager(
+        qwen3, continuous_batching_config=aiocb.ContinuousBatchingConfig(max_batch_tokens=32)
+    ) as m:
         # A long prompt chunked over several steps still scores every prompt token once.
         output = await m.generate(prompt, max_new_tokens=5, top_logprobs=3, prompt_logprobs=True)
     sequence = prompt + output.generated_tokens

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 from transformers import GenerationConfig, PreTrainedModel
 
 import aiocb
@@ -70,9 +71,5 @@ async def test_generation_stops_at_the_model_context_length() -> None:
     async with aiocb.Manager(model) as manager:
         output = await manager.generate(PROMPT, max_new_tokens=10)
         assert len(PROMPT) + len(output.generated_tokens) <= 40
-        try:
+        with pytest.raises(aiocb.InvalidRequestError, match="context length"):
             await manager.generate(PROMPT, max_new_tokens=11)
-        except aiocb.InvalidRequestError as error:
-            assert "context length" in str(error)
-        else:
-            raise AssertionError("a request beyond the context length must be refused")

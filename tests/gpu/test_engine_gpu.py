@@ -101,7 +101,9 @@ def test_graphs_and_async_batching_are_on_by_default_on_cuda() -> None:
     model = _model(torch.bfloat16)
 
     async def main() -> None:
-        async with aiocb.Manager(model, continuous_batching_config=aiocb.ContinuousBatchingConfig(max_memory_percent=0.2)) as manager:
+        async with aiocb.Manager(
+            model, continuous_batching_config=aiocb.ContinuousBatchingConfig(max_memory_percent=0.2)
+        ) as manager:
             runner = manager._runner
             assert runner is not None
             assert isinstance(runner.graphs, DecodeGraphs), runner.backends

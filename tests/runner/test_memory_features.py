@@ -78,7 +78,7 @@ async def test_cpu_offloading_restores_without_recompute(qwen3: PreTrainedModel,
     config = aiocb.ContinuousBatchingConfig(
         page_size=16, num_blocks=40, cpu_offload_space=0.01, use_async_batching=async_batching
     )
-    outputs, stats, manager = await _generate(qwen3, prompts, config)
+    outputs, stats, _manager = await _generate(qwen3, prompts, config)
     assert outputs == [reference_generate(qwen3, p, NEW) for p in prompts]
     assert stats.preemptions > 0
     assert stats.offloaded_blocks > 0 and stats.restored_blocks == stats.offloaded_blocks
@@ -103,7 +103,9 @@ async def test_cpu_offloading_falls_back_to_recompute_when_the_host_pool_is_full
 
 def _mistral() -> PreTrainedModel:
     torch.manual_seed(0)
-    return MistralForCausalLM(MistralConfig(**{**_TINY, "num_hidden_layers": 3, "head_dim": 16}, sliding_window=40)).eval()
+    return MistralForCausalLM(
+        MistralConfig(**{**_TINY, "num_hidden_layers": 3, "head_dim": 16}, sliding_window=40)
+    ).eval()
 
 
 def _gemma2() -> PreTrainedModel:

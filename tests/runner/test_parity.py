@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from transformers import PreTrainedModel
 
@@ -47,7 +49,10 @@ async def test_streams_match_generate_under_preemption(
 ) -> None:
     model, references = case
     config = aiocb.ContinuousBatchingConfig(
-        page_size=16, num_blocks=40, max_batch_tokens=128, scheduler_type=scheduler_type  # type: ignore[arg-type]
+        page_size=16,
+        num_blocks=40,
+        max_batch_tokens=128,
+        scheduler_type=scheduler_type,  # type: ignore[arg-type]
     )
     async with aiocb.Manager(model, continuous_batching_config=config) as manager:
         ids = [await manager.add_request(p, max_new_tokens=MAX_NEW_TOKENS) for p in PROMPTS]
@@ -57,7 +62,7 @@ async def test_streams_match_generate_under_preemption(
             assert all(not c.is_finished() for c in chunks[:-1])
             assert chunks[-1].generated_tokens == reference
             # Every chunk extends the previous one.
-            for before, after in zip(chunks, chunks[1:], strict=False):
+            for before, after in itertools.pairwise(chunks):
                 assert after.generated_tokens[: len(before.generated_tokens)] == before.generated_tokens
         stats = manager.statistics()
         assert stats.preemptions > 0, "the cache was sized so that requests must be preempted"
