@@ -1,0 +1,78 @@
+"""``aiocb demo``: the README's first command, run non-interactively."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import re
+
+import pytest
+
+from aiocb.__main__ import main
+from aiocb.cli.demo import _demo, _fit, _Glyphs, _visible, add_demo_arguments
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+_REQUEST_LINE = re.compile(r"^\[(req_\d+)\] (\d+) tokens \((\w+)\), time to first token (\d+) ms: ", re.MULTILINE)
+
+
+def _summary(out: str) -> dict[str, float]:
+    lines = [line for line in out.splitlines() if line.startswith("summary: ")]
+    assert len(lines) == 1, out
+    fields = dict(pair.split("=", 1) for pair in lines[0].removeprefix("summary: ").split())
+    return {key: float(value) for key, value in fields.items()}
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_demo_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_plain_demo_prints_each_request_and_a_summary(capsys: pytest.CaptureFixture[str]) -> None:
+    status = main(["demo", "--plain", "--requests", "5", "--concurrency", "2", "--max-new-tokens", "8", "--seed", "3"])
+    out = capsys.readouterr().out
+    assert status == 0
+    assert "\x1b" not in out
+    requests = _REQUEST_LINE.findall(out)
+    assert sorted(rid for rid, *_ in requests) == [f"req_{i}" for i in range(5)]
+    assert all(1 <= int(tokens) <= 8 and reason in ("length", "stop") for _, tokens, reason, _ in requests)
+    summary = _summary(out)
+    assert summary["requests"] == 5
+    assert summary["tokens"] == sum(int(tokens) for _, tokens, *_ in requests)
+    assert summary["tokens_per_s"] > 0
+    assert 0 < summary["ttft_median_ms"] <= summary["ttft_p90_ms"]
+    assert summary["elapsed_s"] > 0
+    # Two slots share the steps: fewer steps than tokens means requests were batched.
+    assert summary["steps"] < summary["tokens"]
+
+
+def test_demo_output_is_plain_when_stdout_is_not_a_terminal(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--requests", "2", "--concurrency", "2", "--max-new-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out
+    assert _summary(out)["requests"] == 2
+
+
+def test_live_view_redraws_slots_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    out = io.StringIO()
+    status = asyncio.run(_demo(_args("--requests", "3", "--concurrency", "2", "--max-new-tokens", "6"), out, live=True))
+    text = out.getvalue()
+    assert status == 0
+    assert "\x1b[3F" in text  # moved up over the two slot lines and the footer to redraw them
+    assert text.count("\x1b[?25l") == text.count("\x1b[?25h") == 1  # cursor hidden, then shown again
+    plain = _ANSI.sub("", text)
+    assert all(f"req_{i}" in plain for i in range(3))
+    assert _summary(plain)["requests"] == 3
+
+
+def test_visible_text_is_one_line_of_single_cells() -> None:
+    glyphs = _Glyphs(newline="⏎", tab="⇥", ellipsis="…", running=">", done="*")
+    assert _visible("a\n\tb\x07漢", glyphs) == "a⏎⇥b??"
+
+
+def test_fit_keeps_the_newest_text() -> None:
+    assert _fit("def ", "f(x):", 20, "…") == ("def ", "f(x):")
+    assert _fit("def ", "f(x):", 7, "…") == ("… ", "f(x):")
+    assert _fit("def ", "abcdefghij", 5, "…") == ("", "…ghij")
