@@ -298,8 +298,8 @@ class Manager:
         ``do_sample``, ``seed``, ``eos_token_id``, ``stop_token_ids``,
         ``return_logprobs``, ``top_logprobs`` (alternatives per generated token),
         ``prompt_logprobs`` (score the prompt too) and ``timeout`` (seconds, queue time
-        included). With
-        ``streaming=True`` partial outputs also reach :meth:`get_result` and iteration.
+        included). With ``streaming=True`` partial outputs also reach :meth:`get_result`
+        and iteration.
         """
         await self._turnstile.enter()
         request = self._new_request(input_ids, request_id, max_new_tokens, params)

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from aiocb.core.request import Request
-from aiocb.core.scheduler import Scheduler, SchedulerOutput
+from aiocb.core.scheduler import Scheduler, SchedulerOutput, StepResult
 from aiocb.outputs import FinishReason
 from aiocb.runner.inputs import snapshot
 from aiocb.runner.model_runner import ModelRunner, PendingStep
@@ -40,6 +40,7 @@ class StepLoop:
         self._deadlines: list[tuple[float, int, Request]] = []
         self._tie = itertools.count()
         self._executor: ThreadPoolExecutor | None = None
+        self._waiter: ThreadPoolExecutor | None = None
         self.num_steps = 0
         self.busy_seconds = 0.0
         #: the last steps as ``(finished at, rows, query tokens)``, for step-time statistics
@@ -67,11 +68,14 @@ class StepLoop:
 
         With async batching the device always has the next step queued: step N+1 is
         planned (its decode tokens left on the device) and launched before the loop
-        waits for step N's tokens.
+        collects step N's tokens, so the host's bookkeeping of step N overlaps the device
+        work of step N+1.
         """
         loop = asyncio.get_running_loop()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aiocb-step")
-        in_flight: tuple[SchedulerOutput, PendingStep] | None = None
+        # Waiting for a GPU step's results must not queue behind the next launch.
+        self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aiocb-wait")
+        in_flight: tuple[SchedulerOutput, asyncio.Future[PendingStep]] | None = None
         pipelined = self.runner.async_batching
         try:
             while True:
@@ -89,11 +93,15 @@ class StepLoop:
                     output = None  # everything left waits on the step in flight
                 started = time.perf_counter()
                 if pipelined:
-                    batch = None if output is None else snapshot(output, in_flight[0] if in_flight else None)
-                    previous = None if in_flight is None else in_flight[1]
-                    result, pending = await loop.run_in_executor(self._executor, self.runner.advance, batch, previous)
-                    done = None if in_flight is None else in_flight[0]
-                    in_flight = None if output is None or pending is None else (output, pending)
+                    launched = None
+                    if output is not None:
+                        batch = snapshot(output, in_flight[0] if in_flight else None)
+                        launched = loop.run_in_executor(self._executor, self.runner.launch, batch)
+                    done, result = None, None
+                    if in_flight is not None:
+                        done = in_flight[0]
+                        result = await self._collect(await in_flight[1])
+                    in_flight = None if launched is None or output is None else (output, launched)
                 else:
                     assert output is not None
                     result = await loop.run_in_executor(self._executor, self.runner.execute, snapshot(output))
@@ -106,8 +114,22 @@ class StepLoop:
                     finished = self.scheduler.update(done, result, now)
                     self._on_step([item.request for item in done.scheduled if item.sample], finished)
         finally:
+            if in_flight is not None:  # (the loop failed with a step in flight)
+                future = in_flight[1]
+                if future.done() and not future.cancelled():
+                    future.exception()  # retrieved: the loop's own error is the one that matters
+                else:
+                    future.cancel()
             self._executor.shutdown(wait=False)
+            self._waiter.shutdown(wait=False)
             self._executor = None
+
+    async def _collect(self, pending: PendingStep) -> StepResult:
+        """A launched step's results; a device step is waited for off the loop thread."""
+        if pending.event is None:
+            return self.runner.collect(pending)  # a CPU step: already computed
+        assert self._waiter is not None
+        return await asyncio.get_running_loop().run_in_executor(self._waiter, self.runner.collect, pending)
 
     def _expire_deadlines(self) -> None:
         if not self._deadlines:

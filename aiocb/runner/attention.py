@@ -105,17 +105,33 @@ def reference_paged_attention(
     if group.window is None:
         past = gather_past()
 
-    out = torch.empty_like(query)
+    decode_only = not metadata.prefill_rows
+    out = query if decode_only else torch.empty_like(query)  # (decode-only: every row replaced below)
     if metadata.decode_token_index is not None:
         assert group.decode_slots is not None and group.decode_valid is not None
         rows, width = group.decode_slots.shape
         flat_slots = group.decode_slots.reshape(-1)
         k = key_cache.index_select(0, flat_slots).view(rows, width, *key_cache.shape[1:]).transpose(1, 2)
         v = value_cache.index_select(0, flat_slots).view(rows, width, *value_cache.shape[1:]).transpose(1, 2)
-        q = query.index_select(0, metadata.decode_token_index)[:, :, None, :]
-        mask = group.decode_valid[:, None, None, :]
-        decoded = _attend(q, k, v, mask, scale, softcap)  # [Bd, Hq, 1, D]
-        out.index_copy_(0, metadata.decode_token_index, decoded[:, :, 0, :])
+        # In a decode-only step the rows are the step's tokens, in order.
+        q = query if decode_only else query.index_select(0, metadata.decode_token_index)
+        if group.decode_shared_slots is not None:
+            shared = group.decode_shared_slots
+            decoded = _attend_shared_prefix(
+                q,
+                key_cache.index_select(0, shared),
+                value_cache.index_select(0, shared),
+                k,
+                v,
+                group.decode_valid,
+                scale,
+                softcap,
+            )
+        else:
+            decoded = _attend(q[:, :, None, :], k, v, group.decode_valid[:, None, None, :], scale, softcap)[:, :, 0, :]
+        if decode_only:
+            return decoded
+        out.index_copy_(0, metadata.decode_token_index, decoded)
 
     for (first, length), (past_k, past_v), prefill_mask in zip(
         metadata.prefill_rows, past, group.prefill_masks, strict=True
@@ -126,6 +142,40 @@ def reference_paged_attention(
         attended = _attend(q, k, v, prefill_mask, scale, softcap, causal=prefill_mask is None)
         out[first : first + length] = attended[0].transpose(0, 1)
     return out
+
+
+def _attend_shared_prefix(
+    q: torch.Tensor,
+    shared_k: torch.Tensor,
+    shared_v: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    valid: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Decode attention over a prefix all rows share plus each row's own keys.
+
+    ``q [B, Hq, D]``; ``shared_k/v [S, Hkv, D]`` read once for every row (no per-row copy
+    of the prefix); ``k/v [B, Hkv, L, D]`` each row's keys after it, ``valid [B, L]``. One
+    softmax spans both parts. Returns ``[B, Hq, D]``.
+    """
+    rows, heads, dim = q.shape
+    kv_heads = shared_k.shape[1]
+    grouped = q.view(rows, kv_heads, heads // kv_heads, dim).float()
+    shared_scores = torch.einsum("bkgd,skd->bkgs", grouped, shared_k.float()) * scale
+    own_scores = torch.einsum("bkgd,bkld->bkgl", grouped, k.float()) * scale
+    if softcap:
+        shared_scores = torch.tanh(shared_scores / softcap) * softcap
+        own_scores = torch.tanh(own_scores / softcap) * softcap
+    own_scores = own_scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    peak = torch.maximum(shared_scores.amax(-1), own_scores.amax(-1))[..., None]
+    shared_weights = torch.exp(shared_scores - peak)
+    own_weights = torch.exp(own_scores - peak)
+    total = shared_weights.sum(-1, keepdim=True) + own_weights.sum(-1, keepdim=True)
+    mixed = torch.einsum("bkgs,skd->bkgd", shared_weights, shared_v.float())
+    mixed = mixed + torch.einsum("bkgl,bkld->bkgd", own_weights, v.float())
+    return (mixed / total).to(q.dtype).reshape(rows, heads, dim)
 
 
 def _attend(

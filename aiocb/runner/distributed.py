@@ -495,15 +495,14 @@ class DriverRunner(ModelRunner):
 
     def execute(self, batch: StepBatch) -> StepResult:
         """Run one step on every rank and wait for its results."""
-        return self._driver.call("a step", lambda: self._step(batch, lambda: ModelRunner.execute(self, batch)))
-
-    def advance(
-        self, batch: StepBatch | None, previous: PendingStep | None
-    ) -> tuple[StepResult | None, PendingStep | None]:
-        """Async batching: launch ``batch`` on every rank, then collect ``previous`` here."""
         return self._driver.call(
-            "a step", lambda: self._step(batch, lambda: ModelRunner.advance(self, batch, previous))
+            "a step", lambda: self._step(batch, lambda: ModelRunner.collect(self, ModelRunner.launch(self, batch)))
         )
+
+    def launch(self, batch: StepBatch) -> PendingStep:
+        """Async batching: launch ``batch`` on every rank (followers collect the step before
+        it when they launch it; rank 0 collects separately)."""
+        return self._driver.call("a step", lambda: self._step(batch, lambda: ModelRunner.launch(self, batch)))
 
     def _step(self, batch: StepBatch | None, run: Callable[[], T]) -> T:
         if batch is not None:

@@ -127,6 +127,9 @@ class GroupAttention:
     #: window), padded with the null slot, and which of them are real
     decode_slots: torch.Tensor | None = None
     decode_valid: torch.Tensor | None = None
+    #: reference backend: ``[S]`` slots of the blocks every single-token row shares (a
+    #: common prefix); then ``decode_slots`` holds only each row's keys after them
+    decode_shared_slots: torch.Tensor | None = None
     #: reference backend, per multi-token row: the slots of its keys before its first new
     #: token, and a ``[q, past + q]`` mask (None for plain causal attention)
     prefill_past_slots: list[torch.Tensor] = field(default_factory=list)
@@ -291,7 +294,13 @@ def prepare_inputs(
             continue
         if decode:
             pos = starts[decode_index]
-            first_key = (pos - window + 1).clamp_min(0) if window is not None else torch.zeros_like(pos)
+            shared = _shared_prefix_blocks([rows[i].block_ids[g] for i in decode]) if window is None else 0
+            if shared * page < _MIN_SHARED_TOKENS:
+                shared = 0
+            if shared:
+                blocks = torch.tensor(rows[decode[0]].block_ids[g][:shared], dtype=long)
+                host[f"decode_shared{g}"] = (blocks[:, None] * page + torch.arange(page)[None, :]).reshape(-1)
+            first_key = (pos - window + 1).clamp_min(0) if window is not None else torch.full_like(pos, shared * page)
             lengths = pos - first_key + 1
             steps = torch.arange(int(lengths.max()))
             valid = steps[None, :] < lengths[:, None]
@@ -322,6 +331,7 @@ def prepare_inputs(
         if backends[g] == REFERENCE:
             group.decode_slots = dev.get(f"decode_slots{g}")
             group.decode_valid = dev.get(f"decode_valid{g}")
+            group.decode_shared_slots = dev.get(f"decode_shared{g}")
             group.prefill_past_slots = [dev[f"past{g}_{i}"] for i in prefill]
             group.prefill_masks = [dev[k] if masks[k] is not None else None for k in (f"mask{g}_{i}" for i in prefill)]
         groups.append(group)
@@ -347,6 +357,32 @@ def prepare_inputs(
         carry_index=dev.get("carry_index"),
         carry_rows=dev.get("carry_rows"),
     )
+
+
+#: Single-token rows attend to a prefix they all share in one matrix product (the keys read
+#: once) when it holds at least this many blocks' worth of tokens.
+_MIN_SHARED_TOKENS = 256
+
+
+def _shared_prefix_blocks(tables: list[tuple[int, ...]]) -> int:
+    """How many leading blocks every table holds in common (0 if not worth sharing).
+
+    Prefix caching maps a common prompt prefix to the same physical blocks, so decode rows
+    behind one system prompt share their first blocks; the last block of a row is never
+    counted (it is still being written).
+    """
+    if len(tables) < 2:
+        return 0
+    shared = min(len(t) for t in tables) - 1
+    first = tables[0]
+    for table in tables[1:]:
+        common = 0
+        while common < shared and table[common] == first[common]:
+            common += 1
+        shared = common
+        if not shared:
+            return 0
+    return shared
 
 
 def _block_table(rows: list[RowSpec], group: int, null: int) -> torch.Tensor:

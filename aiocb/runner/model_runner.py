@@ -96,18 +96,6 @@ class ModelRunner:
         """Run one step and wait for its results."""
         return self.collect(self.launch(batch))
 
-    def advance(
-        self, batch: StepBatch | None, previous: PendingStep | None
-    ) -> tuple[StepResult | None, PendingStep | None]:
-        """Async batching: launch ``batch`` behind ``previous``, then collect ``previous``.
-
-        The device never waits for the host between the two steps: ``batch`` is queued
-        before the host waits for ``previous``'s results.
-        """
-        pending = self.launch(batch) if batch is not None else None
-        result = self.collect(previous) if previous is not None else None
-        return result, pending
-
     @torch.inference_mode()
     def launch(self, batch: StepBatch) -> PendingStep:
         """Enqueue one step's forward pass and sampling; returns without waiting."""

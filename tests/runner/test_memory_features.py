@@ -159,3 +159,27 @@ def test_sliding_window_and_hybrid_models_match_generate(factory: object, config
         # request (1024 by default), whatever the sequence length.
         sliding = next(g for g in groups if g.sliding_window == 40)
         assert sliding.num_blocks == 4 * DEFAULT_MAX_REQUESTS_PER_BATCH
+
+
+async def test_decode_over_a_shared_prefix_reads_it_once(
+    qwen3: PreTrainedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from aiocb.runner import attention
+
+    calls = 0
+    original = attention._attend_shared_prefix
+
+    def counting(*args: object, **kwargs: object) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        return original(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(attention, "_attend_shared_prefix", counting)
+    rng = random.Random(26)
+    prefix = [rng.randrange(1, 512) for _ in range(300)]
+    prompts = [prefix + suffix for suffix in random_prompts(12, 1, 30, seed=27)]
+    config = aiocb.ContinuousBatchingConfig(page_size=16)
+    outputs, stats, _ = await _generate(qwen3, prompts, config)
+    assert outputs == [reference_generate(qwen3, p, NEW) for p in prompts]
+    assert stats.prefix_hit_tokens == 11 * 288
+    assert calls > 0, "decode steps attended to the shared blocks in one product"
