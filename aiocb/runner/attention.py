@@ -136,8 +136,12 @@ def reference_paged_attention(
     for (first, length), (past_k, past_v), prefill_mask in zip(
         metadata.prefill_rows, past, group.prefill_masks, strict=True
     ):
-        k = torch.cat((past_k, key[first : first + length])).transpose(0, 1)[None]
-        v = torch.cat((past_v, value[first : first + length])).transpose(0, 1)[None]
+        if len(past_k):
+            k = torch.cat((past_k, key[first : first + length])).transpose(0, 1)[None]
+            v = torch.cat((past_v, value[first : first + length])).transpose(0, 1)[None]
+        else:  # a fresh prompt: its keys are this step's, no copy needed
+            k = key[first : first + length].transpose(0, 1)[None]
+            v = value[first : first + length].transpose(0, 1)[None]
         q = query[first : first + length].transpose(0, 1)[None]
         attended = _attend(q, k, v, prefill_mask, scale, softcap, causal=prefill_mask is None)
         out[first : first + length] = attended[0].transpose(0, 1)
