@@ -172,6 +172,8 @@ class Manager:
         runner.attach()
         groups = runner.spec.cache_groups(runner.plan.num_blocks, runner.plan.num_host_blocks)
         kv_cache = KVCacheManager(groups, runner.plan.page_size, enable_prefix_caching=self.config.allow_block_sharing)
+        if self.config.allow_block_sharing and not kv_cache.prefix_caching:
+            logger.info("prefix caching is off: the model has sliding-window layers, which keep no full prefix")
         scheduler = Scheduler(
             kv_cache,
             max_batch_tokens=runner.plan.max_batch_tokens,

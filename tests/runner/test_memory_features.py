@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 
 import pytest
@@ -183,3 +184,14 @@ async def test_decode_over_a_shared_prefix_reads_it_once(
     assert outputs == [reference_generate(qwen3, p, NEW) for p in prompts]
     assert stats.prefix_hit_tokens == 11 * 288
     assert calls > 0, "decode steps attended to the shared blocks in one product"
+
+
+def test_prefix_caching_is_off_for_sliding_models_with_a_log_line(caplog: pytest.LogCaptureFixture) -> None:
+    async def start_and_stop() -> bool:
+        async with aiocb.Manager(_mistral()) as manager:
+            assert manager._steps is not None
+            return manager._steps.scheduler.kv_cache.prefix_caching
+
+    with caplog.at_level(logging.INFO, logger="aiocb"):
+        assert not asyncio.run(start_and_stop())
+    assert any("prefix caching is off" in r.message and "sliding" in r.message for r in caplog.records)
