@@ -169,7 +169,7 @@ class StepInputs:
     prompt_targets: torch.Tensor
     #: per row that scores prompt tokens, how many (in row order)
     prompt_counts: list[int]
-    #: async batching: flat indices of placeholder tokens, and which previous sampled row
+    #: async batching: flat indices of tokens still on the device, and which previous sampled row
     #: each takes its token from
     carry_index: torch.Tensor | None = None
     carry_rows: torch.Tensor | None = None

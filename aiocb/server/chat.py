@@ -93,14 +93,9 @@ class ChatCompletion:
             "usage": self._usage(sum(generated)),
         }
 
-    async def chunks(self) -> AsyncIterator[dict[str, Any]]:
+    def chunks(self) -> AsyncIterator[dict[str, Any]]:
         """The stream's chunks (after :meth:`submit`): the role first, then content deltas."""
-        try:
-            async with aclosing(self._chunks()) as chunks:
-                async for chunk in chunks:
-                    yield chunk
-        finally:
-            await self.submission.aclose()
+        return self.submission.closing(self._chunks())
 
     async def _chunks(self) -> AsyncGenerator[dict[str, Any]]:
         n = self.request.sampling.n

@@ -124,14 +124,9 @@ class Completion:
         completion_tokens = sum(c.num_generated for c in choices)
         return {**self._header(), "choices": body_choices, "usage": self._usage(completion_tokens)}
 
-    async def chunks(self) -> AsyncIterator[dict[str, Any]]:
+    def chunks(self) -> AsyncIterator[dict[str, Any]]:
         """The stream's chunks (after :meth:`submit`)."""
-        try:
-            async with aclosing(self._chunks()) as chunks:
-                async for chunk in chunks:
-                    yield chunk
-        finally:
-            await self.submission.aclose()
+        return self.submission.closing(self._chunks())
 
     async def _chunks(self) -> AsyncGenerator[dict[str, Any]]:
         n = self.request.sampling.n

@@ -148,6 +148,16 @@ class Submission:
         for stream in self._streams:
             await stream.aclose()
 
+    async def closing(self, chunks: AsyncGenerator[dict[str, Any]]) -> AsyncGenerator[dict[str, Any]]:
+        """Yield a response's ``chunks``, then close them and cancel whatever has not finished
+        (also when the client goes away mid-stream)."""
+        try:
+            async with aclosing(chunks) as stream:
+                async for chunk in stream:
+                    yield chunk
+        finally:
+            await self.aclose()
+
 
 async def choice_deltas(
     ctx: ServerContext, spec: ChoiceSpec, stream: RequestStream, received: float
