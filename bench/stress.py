@@ -398,9 +398,9 @@ async def stress(
     return result
 
 
-def run_once(args: argparse.Namespace, model: Any, prompts: list[list[int]]) -> StressResult:
-    """One stress run in its own event loop (uvloop with ``--uvloop``)."""
-    coro = stress(
+def _stress_run(args: argparse.Namespace, model: Any, prompts: list[list[int]]) -> Any:
+    """The stress coroutine with the command line's settings."""
+    return stress(
         model,
         prompts,
         args.new_tokens,
@@ -411,6 +411,11 @@ def run_once(args: argparse.Namespace, model: Any, prompts: list[list[int]]) -> 
         heartbeat_s=args.heartbeat_ms / 1000.0,
         gc_freeze=args.gc_freeze,
     )
+
+
+def run_once(args: argparse.Namespace, model: Any, prompts: list[list[int]]) -> StressResult:
+    """One stress run in its own event loop (uvloop with ``--uvloop``)."""
+    coro = _stress_run(args, model, prompts)
     if args.uvloop:
         import uvloop
 
@@ -425,19 +430,7 @@ def profile_loop(args: argparse.Namespace, model: Any, prompts: list[list[int]],
     with trace_loop(trace):
         profiler.enable()
         try:
-            result = asyncio.run(
-                stress(
-                    model,
-                    prompts,
-                    args.new_tokens,
-                    cancel_fraction=args.cancel_fraction,
-                    cancel_window=args.cancel_window,
-                    hang_deadline=args.hang_deadline,
-                    seed=args.seed,
-                    heartbeat_s=args.heartbeat_ms / 1000.0,
-                    gc_freeze=args.gc_freeze,
-                )
-            )
+            result = asyncio.run(_stress_run(args, model, prompts))
         finally:
             profiler.disable()
     out = sys.stderr
