@@ -29,6 +29,15 @@ def tests(session: nox.Session) -> None:
 
 
 @nox.session
+def fuzz(session: nox.Session) -> None:
+    """Run the property-based tests on many random examples: ``AIOCB_FUZZ_SCALE`` (default 50,
+    or the first argument) times the fixed set that the default session runs."""
+    _install(session, "test")
+    scale = session.posargs[0] if session.posargs else "50"
+    session.run("pytest", "-m", "hypothesis and not slow and not gpu", env={"AIOCB_FUZZ_SCALE": scale})
+
+
+@nox.session
 def slow(session: nox.Session) -> None:
     """Run the slow tests (torch.compile, lm-evaluation-harness against the server)."""
     _install(session, "test", "eval")

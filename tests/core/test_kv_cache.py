@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from aiocb.core.kv_cache import CacheGroup, KVCacheManager, ring_size
 from aiocb.core.params import SamplingParams
 from aiocb.core.request import Request
+from tests.fuzzing import fuzz_settings
 
 PAGE = 4
 
@@ -63,6 +64,7 @@ def test_ring_size_examples(window: int, page: int, expected: int) -> None:
     assert ring_size(window, page) == expected
 
 
+@fuzz_settings(100)
 @given(window=st.integers(1, 64), page=st.integers(1, 16))
 def test_ring_size_is_the_most_blocks_one_window_spans(window: int, page: int) -> None:
     # A query at position p reads keys p - window + 1 .. p: every such range must sit in
@@ -106,6 +108,7 @@ def test_fits_alone() -> None:
     assert not too_small_ring.fits_alone(2 * PAGE + 1)
 
 
+@fuzz_settings(100)
 @given(
     full=st.one_of(st.none(), st.integers(1, 12)),
     sliding=st.lists(st.tuples(st.integers(1, 8), st.integers(1, 20)), max_size=2),

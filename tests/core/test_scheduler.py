@@ -11,7 +11,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from aiocb.core.kv_cache import CacheGroup, KVCacheManager, ring_size
@@ -19,6 +19,7 @@ from aiocb.core.params import SamplingParams
 from aiocb.core.request import Request
 from aiocb.core.scheduler import Scheduler, SchedulerOutput, StepResult
 from aiocb.outputs import FinishReason, RequestStatus
+from tests.fuzzing import fuzz_settings
 
 PAGE = 4
 
@@ -109,13 +110,16 @@ class PhysicalCache:
             column %= ring
         return table[column], position % self.kv.page_size
 
-    def registered(self) -> list[dict[int, bytes]]:
-        """Per group, the blocks that hold a registered (shareable, immutable) prefix block."""
+    def sealed(self) -> list[set[int]]:
+        """Per group, the blocks a request holds that hold a registered prefix: no step may
+        write them while they are shared. (A free block that keeps a hash may be evicted
+        and written, and a block a step completes is registered as the step is planned.)"""
         return [
-            {b: h for b in range(pool.num_blocks) if (h := pool.block_hash(b)) is not None} for pool in self.kv.pools
+            {b for b in range(pool.num_blocks) if pool.ref_count(b) and pool.block_hash(b) is not None}
+            for pool in self.kv.pools
         ]
 
-    def run(self, output: SchedulerOutput, registered_before: list[dict[int, bytes]]) -> None:
+    def run(self, output: SchedulerOutput, sealed_before: list[set[int]]) -> None:
         """Apply a step: check every read against what was written, and that a shared block
         is only written by the one request computing it in this step.
 
@@ -137,7 +141,7 @@ class PhysicalCache:
                 for position in range(item.start, item.start + item.num_tokens):
                     block, offset = self._where(group, table, position)
                     # Shared only with requests admitted into this step to reuse what it computes.
-                    assert pool.ref_count(block) == 1 or block not in registered_before[group], "writes a shared block"
+                    assert pool.ref_count(block) == 1 or block not in sealed_before[group], "writes a shared block"
                     assert writers[group].setdefault(block, request) is request, "two requests write one block"
                     self.slots[group][(block, offset)] = (position, request.token_ids[position])
 
@@ -190,7 +194,7 @@ def simulate(
         assert result.steps < max_steps, "no progress: deadlock or livelock"
         order = {r: i for i, r in enumerate(scheduler.running)}
         before = {r: r.num_computed_tokens for r in scheduler.running}
-        registered_before = physical.registered()
+        sealed_before = physical.sealed()
         output = scheduler.schedule()
         assert not output.is_empty, "an empty step while requests are pending"
         assert output.num_tokens <= scheduler.max_batch_tokens
@@ -213,7 +217,7 @@ def simulate(
             result.preempted[victim.request_id] += 1
         assert list(scheduler.waiting)[: len(output.preempted)] == sorted(output.preempted, key=order.__getitem__)
         check_state(scheduler)
-        physical.run(output, registered_before)
+        physical.run(output, sealed_before)
         result.max_running = max(result.max_running, len(scheduler.running))
         tokens = [fake_token(s.request) for s in output.scheduled if s.sample]
         finished = scheduler.update(output, StepResult(tokens), float(result.steps))
@@ -750,7 +754,29 @@ def workloads(draw: st.DrawFn) -> tuple[Scheduler, list[Request]]:
     return scheduler, requests
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@pytest.mark.parametrize(
+    ("page", "budget", "prompts"),
+    [
+        # r2 takes the block that held r0's prefix and registers its own prompt there
+        (1, 2, [[100], [137], [124], [124, 111]]),
+        # r2 takes the block that held this very prefix (the pool evicted it) and registers it again
+        (2, 8, [[1, 4], [8, 8], [1, 4], [1, 4, 7]]),
+        # r2's prompt is chunked: its second step completes the block r3 shares
+        (2, 2, [[100], [137, 138], [124, 125], [124, 125, 111]]),
+    ],
+)
+def test_a_block_registered_in_a_step_is_shared_in_that_step(page: int, budget: int, prompts: list[list[int]]) -> None:
+    """r2 registers a prefix block as the step that writes it is planned; r3, admitted into
+    the same step, shares it while r2 writes it."""
+    kv = KVCacheManager([CacheGroup((0,), 2)], page, enable_prefix_caching=True)
+    scheduler = make_scheduler(kv, budget=budget, max_requests=2)
+    requests = [make_request(f"r{i}", 0, max_new_tokens=1, prompt=p) for i, p in enumerate(prompts)]
+    result = simulate(scheduler, requests)
+    assert_all_finished(result, requests)
+    assert requests[3].num_cached_tokens == len(prompts[2])
+
+
+@fuzz_settings(200)
 @given(workload=workloads())
 def test_random_workloads_run_to_completion(workload: tuple[Scheduler, list[Request]]) -> None:
     scheduler, requests = workload

@@ -35,12 +35,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, given
 from hypothesis import strategies as st
 from transformers import PreTrainedModel
 
 import aiocb
 from tests.conftest import random_prompts, reference_generate
+from tests.fuzzing import fuzz_settings
 
 #: Prompts are prefixes of these, so requests share prefixes (prefix-cache hits).
 BASE_PROMPTS = random_prompts(6, 40, 40, seed=23)
@@ -621,7 +622,7 @@ def _check_request(model: PreTrainedModel, t: Tracked) -> None:
         raise AssertionError(f"{t.rid}: a final output with status {final.status!r}")
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@fuzz_settings(25, suppress=(HealthCheck.data_too_large,))
 @given(setup=setups, operations=st.lists(ops, min_size=10, max_size=40))
 def test_random_operation_sequences_keep_the_invariants(
     qwen3: PreTrainedModel, setup: Setup, operations: list[Op]
