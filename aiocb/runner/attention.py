@@ -6,8 +6,10 @@ norms applied); it writes the new keys and values into the paged cache and atten
 each request, over that request's own cached context and new tokens. No dense mask over
 the flattened batch is built: the cost of a request grows with its own length only.
 
-Single-token rows (decode) are attended together, padded to the longest context in the
-step; multi-token rows (prefill chunks) one by one, each over its own keys.
+Single-token rows (decode) are attended in batches, each row's keys gathered and padded
+to the longest in its batch (on CPU, batches of rows of similar length small enough to
+stay in the processor's cache; on GPUs one batch); multi-token rows (prefill chunks) one
+by one, each over its own keys.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from aiocb.runner.backends import paged_kernel
-from aiocb.runner.inputs import REFERENCE, AttentionMetadata
+from aiocb.runner.inputs import REFERENCE, AttentionMetadata, DecodeChunk, GroupAttention
+from aiocb.runner.paged_cache import PagedKVCache
 
 #: The name the attention function is registered under.
 ATTENTION_NAME = "aiocb_paged"
@@ -108,27 +111,9 @@ def reference_paged_attention(
     decode_only = not metadata.prefill_rows
     out = query if decode_only else torch.empty_like(query)  # (decode-only: every row replaced below)
     if metadata.decode_token_index is not None:
-        assert group.decode_slots is not None and group.decode_valid is not None
-        rows, width = group.decode_slots.shape
-        flat_slots = group.decode_slots.reshape(-1)
-        k = key_cache.index_select(0, flat_slots).view(rows, width, *key_cache.shape[1:]).transpose(1, 2)
-        v = value_cache.index_select(0, flat_slots).view(rows, width, *value_cache.shape[1:]).transpose(1, 2)
         # In a decode-only step the rows are the step's tokens, in order.
         q = query if decode_only else query.index_select(0, metadata.decode_token_index)
-        if group.decode_shared_slots is not None:
-            shared = group.decode_shared_slots
-            decoded = _attend_shared_prefix(
-                q,
-                key_cache.index_select(0, shared),
-                value_cache.index_select(0, shared),
-                k,
-                v,
-                group.decode_valid,
-                scale,
-                softcap,
-            )
-        else:
-            decoded = _attend(q[:, :, None, :], k, v, group.decode_valid[:, None, None, :], scale, softcap)[:, :, 0, :]
+        decoded = _attend_decode(layer, q, group, cache, scale, softcap)
         if decode_only:
             return decoded
         out.index_copy_(0, metadata.decode_token_index, decoded)
@@ -146,6 +131,44 @@ def reference_paged_attention(
         attended = _attend(q, k, v, prefill_mask, scale, softcap, causal=prefill_mask is None)
         out[first : first + length] = attended[0].transpose(0, 1)
     return out
+
+
+def _attend_decode(
+    layer: int,
+    q: torch.Tensor,
+    group: GroupAttention,
+    cache: PagedKVCache,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Single-token rows ``q [Bd, Hq, D]``, batch by batch, each row over its own keys."""
+
+    def keys_of(chunk: DecodeChunk) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = q.shape[0] if chunk.rows is None else chunk.rows.shape[0]
+        keys, values = cache.gather(layer, chunk.slots)
+        shape = (rows, chunk.width, *keys.shape[1:])
+        return keys.view(shape).transpose(1, 2), values.view(shape).transpose(1, 2)
+
+    if group.decode_shared_slots is not None:  # then one batch holds every row, in order
+        (chunk,) = group.decode_chunks
+        k, v = keys_of(chunk)
+        valid = chunk.valid
+        if valid is None:
+            valid = torch.ones(q.shape[0], chunk.width, dtype=torch.bool, device=q.device)
+        shared = group.decode_shared_slots
+        key_cache, value_cache = cache.flat(layer)
+        shared_k, shared_v = key_cache.index_select(0, shared), value_cache.index_select(0, shared)
+        return _attend_shared_prefix(q, shared_k, shared_v, k, v, valid, scale, softcap)
+    decoded = torch.empty_like(q)
+    for chunk in group.decode_chunks:
+        k, v = keys_of(chunk)
+        mask = None if chunk.valid is None else chunk.valid[:, None, None, :]
+        rows_q = q if chunk.rows is None else q.index_select(0, chunk.rows)
+        attended = _attend(rows_q[:, :, None, :], k, v, mask, scale, softcap)[:, :, 0, :]
+        if chunk.rows is None:
+            return attended
+        decoded.index_copy_(0, chunk.rows, attended)
+    return decoded
 
 
 def _attend_shared_prefix(

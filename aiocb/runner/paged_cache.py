@@ -18,6 +18,7 @@ class PagedKVCache:
     """
 
     def __init__(self, spec: ModelSpec, plan: CachePlan) -> None:
+        self.device = spec.device
         self.page_size = plan.page_size
         self.num_kv_heads = spec.num_kv_heads
         self.head_dim = spec.head_dim
@@ -30,6 +31,8 @@ class PagedKVCache:
                 self.layer_group[layer] = g
         self.key: list[torch.Tensor] = []
         self.value: list[torch.Tensor] = []
+        # CPU: reused buffers for gathered keys and values (see gather()).
+        self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
         # CPU offloading: the same layout in (pinned, on CUDA) host memory.
         self.host_key: list[torch.Tensor | None] = []
         self.host_value: list[torch.Tensor | None] = []
@@ -66,6 +69,31 @@ class PagedKVCache:
         """The layer's K and V viewed as ``[slots, kv_heads, head_dim]`` (slot = block * page + offset)."""
         shape = (-1, self.num_kv_heads, self.head_dim)
         return self.key[layer].view(shape), self.value[layer].view(shape)
+
+    @property
+    def slot_nbytes(self) -> int:
+        """Bytes one slot's keys take in one layer (its values take as many)."""
+        return self.num_kv_heads * self.head_dim * self.key[0].element_size()
+
+    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's K and V at ``slots`` (``[N]``), each ``[N, kv_heads, head_dim]``.
+
+        On CPU they are written into buffers reused from one call to the next (valid until
+        the next call): a fresh multi-megabyte tensor per call would come from the system
+        allocator as new pages, and faulting them in costs more than the copy itself.
+        """
+        key_cache, value_cache = self.flat(layer)
+        if self.device.type != "cpu":
+            return key_cache.index_select(0, slots), value_cache.index_select(0, slots)
+        count = slots.numel()
+        if self._workspace is None or self._workspace[0].shape[0] < count:
+            shape = (count, self.num_kv_heads, self.head_dim)
+            self._workspace = (torch.empty(shape, dtype=key_cache.dtype), torch.empty(shape, dtype=key_cache.dtype))
+        key_buffer, value_buffer = self._workspace
+        return (
+            torch.index_select(key_cache, 0, slots, out=key_buffer[:count]),
+            torch.index_select(value_cache, 0, slots, out=value_buffer[:count]),
+        )
 
     def swap_out(self, copies: list[list[tuple[int, int]]]) -> None:
         """Copy ``(device block, host block)`` pairs of each group to host memory.

@@ -21,6 +21,7 @@ from transformers import (
 import aiocb
 from aiocb.config import DEFAULT_MAX_REQUESTS_PER_BATCH
 from aiocb.core.kv_cache import CacheGroup
+from aiocb.runner import inputs
 from tests.conftest import _TINY, random_prompts, reference_generate
 
 NEW = 16
@@ -195,3 +196,13 @@ def test_prefix_caching_is_off_for_sliding_models_with_a_log_line(caplog: pytest
     with caplog.at_level(logging.INFO, logger="aiocb"):
         assert not asyncio.run(start_and_stop())
     assert any("prefix caching is off" in r.message and "sliding" in r.message for r in caplog.records)
+
+
+@pytest.mark.parametrize("factory", [_mistral, _gemma3], ids=["mistral", "gemma3"])
+def test_sliding_window_decode_rows_in_batches_match_generate(factory: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Single-token rows attended a few at a time (see ``inputs._decode_chunks``), over rings."""
+    monkeypatch.setattr(inputs, "_CPU_DECODE_CHUNK_BYTES", 1 << 14)
+    model = factory()  # type: ignore[operator]
+    prompts = random_prompts(10, 1, 150, seed=24)
+    outputs, _, _ = asyncio.run(_generate(model, prompts, aiocb.ContinuousBatchingConfig(page_size=16)))
+    assert outputs == [reference_generate(model, p, NEW) for p in prompts]

@@ -5,9 +5,11 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import torch
 from transformers import PreTrainedModel
 
 import aiocb
+from aiocb.runner import inputs
 from tests.conftest import MAX_NEW_TOKENS, MODELS, random_prompts, reference_generate
 
 PROMPTS = random_prompts(32, 1, 300, seed=1)
@@ -67,3 +69,26 @@ async def test_streams_match_generate_under_preemption(
         stats = manager.statistics()
         assert stats.preemptions > 0, "the cache was sized so that requests must be preempted"
         assert stats.free_blocks == stats.total_blocks
+
+
+@pytest.mark.parametrize("chunk_bytes", [4096, 1 << 16], ids=["row_by_row", "a_few_rows"])
+def test_decode_rows_attended_in_batches_match_generate(
+    case: tuple[PreTrainedModel, list[list[int]]], chunk_bytes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On CPU, single-token rows are attended in batches small enough to stay in the
+    processor's cache, sorted by length; shrink the batches so that every step has many."""
+    model, references = case
+    monkeypatch.setattr(inputs, "_CPU_DECODE_CHUNK_BYTES", chunk_bytes)
+    batches: list[int] = []
+    split = inputs._decode_chunks
+
+    def counting(lengths: torch.Tensor, max_slots: int | None) -> list[torch.Tensor | None]:
+        chunks = split(lengths, max_slots)
+        batches.append(len(chunks))
+        return chunks
+
+    monkeypatch.setattr(inputs, "_decode_chunks", counting)
+    config = aiocb.ContinuousBatchingConfig(max_batch_tokens=512)
+    outputs = aiocb.generate_batch(model, PROMPTS, continuous_batching_config=config, max_new_tokens=MAX_NEW_TOKENS)
+    assert [o.generated_tokens for o in outputs.values()] == references
+    assert max(batches) > 4
