@@ -6,7 +6,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from aiocb.server.context import ServerContext, finite
@@ -26,34 +26,6 @@ class _Prompt:
     ids: list[int]
     #: what ``echo`` puts before the completion
     text: str
-
-
-@dataclass(slots=True)
-class _Choice:
-    """A choice's output gathered from its deltas."""
-
-    prompt: _Prompt
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[dict[int, float]] = field(default_factory=list)
-    text_offsets: list[int] = field(default_factory=list)
-    prompt_logprobs: list[float | None] | None = None
-    prompt_top_logprobs: list[dict[int, float] | None] | None = None
-    finish_reason: str | None = None
-    num_generated: int = 0
-
-    def add(self, delta: ChoiceDelta) -> None:
-        self.text += delta.text
-        self.token_ids += delta.token_ids
-        self.logprobs += delta.logprobs
-        self.top_logprobs += delta.top_logprobs
-        self.text_offsets += delta.text_offsets
-        if delta.prompt_logprobs is not None:
-            self.prompt_logprobs = delta.prompt_logprobs
-            self.prompt_top_logprobs = delta.prompt_top_logprobs
-        self.finish_reason = delta.finish_reason or self.finish_reason
-        self.num_generated = delta.num_generated
 
 
 class Completion:
@@ -104,20 +76,21 @@ class Completion:
     async def response(self) -> dict[str, Any]:
         """Run every choice to its end; the whole response body."""
         n = self.request.sampling.n
-        choices = [_Choice(self.prompts[i // n]) for i in range(len(self.submission.specs))]
+        choices = [ChoiceDelta(i) for i in range(len(self.submission.specs))]
         try:
             async with aclosing(self.submission.deltas()) as deltas:
                 async for delta in deltas:
-                    choices[delta.index].add(delta)
+                    choices[delta.index].extend(delta)
         finally:
             await self.submission.aclose()
         body_choices = []
         for index, choice in enumerate(choices):
+            prompt = self.prompts[index // n]
             body_choices.append(
                 {
                     "index": index,
-                    "text": (choice.prompt.text if self.request.echo else "") + choice.text,
-                    "logprobs": self._logprobs(choice, echo=self.request.echo),
+                    "text": (prompt.text if self.request.echo else "") + choice.text,
+                    "logprobs": self._logprobs(prompt, choice, echo=self.request.echo),
                     "finish_reason": choice.finish_reason,
                 }
             )
@@ -144,15 +117,13 @@ class Completion:
                     text = prompt.text + text
                 elif not text and delta.finish_reason is None and not (want_logprobs and delta.token_ids):
                     continue
-                choice = _Choice(prompt)
-                choice.add(delta)
                 yield {
                     **self._header(),
                     "choices": [
                         {
                             "index": delta.index,
                             "text": text,
-                            "logprobs": self._logprobs(choice, echo=echo),
+                            "logprobs": self._logprobs(prompt, delta, echo=echo),
                             "finish_reason": delta.finish_reason,
                         }
                     ],
@@ -171,7 +142,7 @@ class Completion:
             "total_tokens": prompt_tokens + completion_tokens,
         }
 
-    def _logprobs(self, choice: _Choice, *, echo: bool) -> dict[str, Any] | None:
+    def _logprobs(self, prompt: _Prompt, choice: ChoiceDelta, *, echo: bool) -> dict[str, Any] | None:
         """Completions-style logprobs: the prompt's first when ``echo``, then the generated tokens'."""
         if self.request.logprobs is None:
             return None
@@ -181,9 +152,9 @@ class Completion:
         token_logprobs: list[float | None] = []
         top_logprobs: list[dict[str, float] | None] = []
         text_offset: list[int] = []
-        base = len(choice.prompt.text) if self.request.echo else 0
+        base = len(prompt.text) if self.request.echo else 0
         if echo:
-            ids = choice.prompt.ids
+            ids = prompt.ids
             scores = choice.prompt_logprobs or [None] * len(ids)
             tops = choice.prompt_top_logprobs or [None] * len(ids)
             detokenizer = IncrementalDetokenizer(ctx.tokenizer, skip_special_tokens=False)

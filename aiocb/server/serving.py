@@ -71,6 +71,19 @@ class ChoiceDelta:
         """Whether the delta carries nothing worth sending."""
         return not self.text and not self.token_ids and self.finish_reason is None and self.prompt_logprobs is None
 
+    def extend(self, later: ChoiceDelta) -> None:
+        """Append what a later delta of the same choice adds (a whole choice from its deltas)."""
+        self.text += later.text
+        self.token_ids += later.token_ids
+        self.logprobs += later.logprobs
+        self.top_logprobs += later.top_logprobs
+        self.text_offsets += later.text_offsets
+        if later.prompt_logprobs is not None:
+            self.prompt_logprobs = later.prompt_logprobs
+            self.prompt_top_logprobs = later.prompt_top_logprobs
+        self.finish_reason = later.finish_reason or self.finish_reason
+        self.num_generated = later.num_generated
+
 
 def engine_params(
     sampling: SamplingRequest,
