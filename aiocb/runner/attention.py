@@ -24,7 +24,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from aiocb.runner.backends import paged_kernel
-from aiocb.runner.inputs import REFERENCE, AttentionMetadata, DecodeChunk, GroupAttention
+from aiocb.runner.inputs import REFERENCE, AttentionMetadata, GroupAttention
 from aiocb.runner.paged_cache import PagedKVCache
 
 #: The name the attention function is registered under.
@@ -141,30 +141,24 @@ def _attend_decode(
     scale: float,
     softcap: float | None,
 ) -> torch.Tensor:
-    """Single-token rows ``q [Bd, Hq, D]``, batch by batch, each row over its own keys."""
-
-    def keys_of(chunk: DecodeChunk) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = q.shape[0] if chunk.rows is None else chunk.rows.shape[0]
-        keys, values = cache.gather(layer, chunk.slots)
-        shape = (rows, chunk.width, *keys.shape[1:])
-        return keys.view(shape).transpose(1, 2), values.view(shape).transpose(1, 2)
-
-    if group.decode_shared_slots is not None:  # then one batch holds every row, in order
-        (chunk,) = group.decode_chunks
-        k, v = keys_of(chunk)
-        valid = chunk.valid
-        if valid is None:
-            valid = torch.ones(q.shape[0], chunk.width, dtype=torch.bool, device=q.device)
-        shared = group.decode_shared_slots
+    """Single-token rows ``q [Bd, Hq, D]``, batch by batch, each row over its own keys
+    (after the blocks every row shares, when they share a prefix)."""
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None
+    if group.decode_shared_slots is not None:  # read once for every batch
         key_cache, value_cache = cache.flat(layer)
-        shared_k, shared_v = key_cache.index_select(0, shared), value_cache.index_select(0, shared)
-        return _attend_shared_prefix(q, shared_k, shared_v, k, v, valid, scale, softcap)
+        slots = group.decode_shared_slots
+        shared = key_cache.index_select(0, slots), value_cache.index_select(0, slots)
     decoded = torch.empty_like(q)
     for chunk in group.decode_chunks:
-        k, v = keys_of(chunk)
-        mask = None if chunk.valid is None else chunk.valid[:, None, None, :]
-        rows_q = q if chunk.rows is None else q.index_select(0, chunk.rows)
-        attended = _attend(rows_q[:, :, None, :], k, v, mask, scale, softcap)[:, :, 0, :]
+        rows = q if chunk.rows is None else q.index_select(0, chunk.rows)
+        keys, values = cache.gather(layer, chunk.slots)
+        shape = (rows.shape[0], chunk.width, *keys.shape[1:])
+        k, v = keys.view(shape).transpose(1, 2), values.view(shape).transpose(1, 2)
+        if shared is not None:
+            attended = _attend_shared_prefix(rows, *shared, k, v, chunk.valid, scale, softcap)
+        else:
+            mask = None if chunk.valid is None else chunk.valid[:, None, None, :]
+            attended = _attend(rows[:, :, None, :], k, v, mask, scale, softcap)[:, :, 0, :]
         if chunk.rows is None:
             return attended
         decoded.index_copy_(0, chunk.rows, attended)
@@ -177,32 +171,40 @@ def _attend_shared_prefix(
     shared_v: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    valid: torch.Tensor,
+    valid: torch.Tensor | None,
     scale: float,
     softcap: float | None,
 ) -> torch.Tensor:
     """Decode attention over a prefix all rows share plus each row's own keys.
 
     ``q [B, Hq, D]``; ``shared_k/v [S, Hkv, D]`` read once for every row (no per-row copy
-    of the prefix); ``k/v [B, Hkv, L, D]`` each row's keys after it, ``valid [B, L]``. One
-    softmax spans both parts. Returns ``[B, Hq, D]``.
+    of the prefix); ``k/v [B, Hkv, L, D]`` each row's keys after it, ``valid [B, L]`` (None:
+    all). One softmax spans both parts. Returns ``[B, Hq, D]``.
     """
     rows, heads, dim = q.shape
     kv_heads = shared_k.shape[1]
-    grouped = q.view(rows, kv_heads, heads // kv_heads, dim).float()
-    shared_scores = torch.einsum("bkgd,skd->bkgs", grouped, shared_k.float()) * scale
-    own_scores = torch.einsum("bkgd,bkld->bkgl", grouped, k.float()) * scale
+    group = heads // kv_heads
+    grouped = (q.float() * scale).view(rows, kv_heads, group, dim)
+    # The shared part KV-head major, [Hkv, B * G, S]: one matrix product per KV head, and
+    # the large weights never need a transposed copy.
+    flat_q = grouped.permute(1, 0, 2, 3).reshape(kv_heads, rows * group, dim)
+    shared_scores = torch.bmm(flat_q, shared_k.float().permute(1, 2, 0))
+    own_scores = torch.matmul(grouped, k.float().transpose(-1, -2))  # [B, Hkv, G, L]
     if softcap:
         shared_scores = torch.tanh(shared_scores / softcap) * softcap
         own_scores = torch.tanh(own_scores / softcap) * softcap
-    own_scores = own_scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    peak = torch.maximum(shared_scores.amax(-1), own_scores.amax(-1))[..., None]
-    shared_weights = torch.exp(shared_scores - peak)
-    own_weights = torch.exp(own_scores - peak)
+    if valid is not None:
+        own_scores = own_scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    own_scores = own_scores.permute(1, 0, 2, 3).reshape(kv_heads, rows * group, -1)
+    peak = torch.maximum(shared_scores.amax(-1, keepdim=True), own_scores.amax(-1, keepdim=True))
+    shared_weights = shared_scores.sub_(peak).exp_()
+    own_weights = own_scores.sub_(peak).exp_()
     total = shared_weights.sum(-1, keepdim=True) + own_weights.sum(-1, keepdim=True)
-    mixed = torch.einsum("bkgs,skd->bkgd", shared_weights, shared_v.float())
-    mixed = mixed + torch.einsum("bkgl,bkld->bkgd", own_weights, v.float())
-    return (mixed / total).to(q.dtype).reshape(rows, heads, dim)
+    mixed = torch.bmm(shared_weights, shared_v.float().transpose(0, 1))  # [Hkv, B * G, D]
+    own_mixed = torch.matmul(own_weights.view(kv_heads, rows, group, -1), v.float().transpose(0, 1))
+    mixed += own_mixed.view(kv_heads, rows * group, dim)
+    out = (mixed / total).view(kv_heads, rows, group, dim).permute(1, 0, 2, 3)
+    return out.reshape(rows, heads, dim).to(q.dtype)
 
 
 def _attend(

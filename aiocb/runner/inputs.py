@@ -139,7 +139,7 @@ class GroupAttention:
     #: reference backend: the single-token rows, in batches whose keys are gathered together
     decode_chunks: list[DecodeChunk] = field(default_factory=list)
     #: reference backend: ``[S]`` slots of the blocks every single-token row shares (a
-    #: common prefix); then one chunk holds every row's keys after them
+    #: common prefix); then the chunks hold each row's keys after them
     decode_shared_slots: torch.Tensor | None = None
     #: reference backend, per multi-token row: the slots of its keys before its first new
     #: token, and a ``[q, past + q]`` mask (None for plain causal attention)
@@ -314,8 +314,7 @@ def prepare_inputs(
                 host[f"decode_shared{g}"] = (blocks[:, None] * page + torch.arange(page)[None, :]).reshape(-1)
             first_key = (pos - window + 1).clamp_min(0) if window is not None else torch.full_like(pos, shared * page)
             lengths = pos - first_key + 1
-            max_slots = None if shared else _decode_chunk_slots(cache)
-            for c, chunk in enumerate(_decode_chunks(lengths, max_slots)):
+            for c, chunk in enumerate(_decode_chunks(lengths, _decode_chunk_slots(cache))):
                 which = slice(None) if chunk is None else chunk
                 n_keys, chunk_pos = lengths[which], pos[which]
                 steps = torch.arange(int(n_keys.max()))

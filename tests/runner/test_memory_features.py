@@ -163,18 +163,23 @@ def test_sliding_window_and_hybrid_models_match_generate(factory: object, config
         assert sliding.num_blocks == 4 * DEFAULT_MAX_REQUESTS_PER_BATCH
 
 
+@pytest.mark.parametrize("chunk_bytes", [None, 1 << 12], ids=["one_batch", "row_batches"])
 async def test_decode_over_a_shared_prefix_reads_it_once(
-    qwen3: PreTrainedModel, monkeypatch: pytest.MonkeyPatch
+    qwen3: PreTrainedModel, monkeypatch: pytest.MonkeyPatch, chunk_bytes: int | None
 ) -> None:
     from aiocb.runner import attention
 
+    if chunk_bytes is not None:
+        monkeypatch.setattr(inputs, "_CPU_DECODE_CHUNK_BYTES", chunk_bytes)
     calls = 0
+    batch_rows: set[int] = set()
     original = attention._attend_shared_prefix
 
-    def counting(*args: object, **kwargs: object) -> torch.Tensor:
+    def counting(q: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
         nonlocal calls
         calls += 1
-        return original(*args, **kwargs)  # type: ignore[arg-type]
+        batch_rows.add(q.shape[0])
+        return original(q, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(attention, "_attend_shared_prefix", counting)
     rng = random.Random(26)
@@ -185,6 +190,10 @@ async def test_decode_over_a_shared_prefix_reads_it_once(
     assert outputs == [reference_generate(qwen3, p, NEW) for p in prompts]
     assert stats.prefix_hit_tokens == 11 * 288
     assert calls > 0, "decode steps attended to the shared blocks in one product"
+    if chunk_bytes is None:
+        assert max(batch_rows) == len(prompts), "every row in one batch"
+    else:
+        assert max(batch_rows) < len(prompts), "rows in several batches, each reading the shared blocks"
 
 
 def test_prefix_caching_is_off_for_sliding_models_with_a_log_line(caplog: pytest.LogCaptureFixture) -> None:
