@@ -87,7 +87,8 @@ class PagedKVCache:
             return key_cache.index_select(0, slots), value_cache.index_select(0, slots)
         count = slots.numel()
         if self._workspace is None or self._workspace[0].shape[0] < count:
-            shape = (count, self.num_kv_heads, self.head_dim)
+            # with headroom: a lone long request's keys grow a slot per step
+            shape = (count + count // 4, self.num_kv_heads, self.head_dim)
             self._workspace = (torch.empty(shape, dtype=key_cache.dtype), torch.empty(shape, dtype=key_cache.dtype))
         key_buffer, value_buffer = self._workspace
         return (
