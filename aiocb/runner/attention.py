@@ -99,14 +99,12 @@ def reference_paged_attention(
     # In a sliding-window ring a chunk's own tokens may land on slots of positions it
     # still needs, so there a chunk reads its past before the step writes. Full layers
     # write first: a request may reuse prefix blocks another computes in this same step.
-    def gather_past() -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(key_cache.index_select(0, s), value_cache.index_select(0, s)) for s in group.prefill_past_slots]
-
-    past = gather_past() if group.window is not None else []
+    sliding_past: list[tuple[torch.Tensor, torch.Tensor]] = []
+    if group.window is not None:
+        for slots in group.prefill_past_slots:
+            sliding_past.append((key_cache.index_select(0, slots), value_cache.index_select(0, slots)))
     key_cache.index_copy_(0, group.slot_mapping, key)
     value_cache.index_copy_(0, group.slot_mapping, value)
-    if group.window is None:
-        past = gather_past()
 
     decode_only = not metadata.prefill_rows
     out = query if decode_only else torch.empty_like(query)  # (decode-only: every row replaced below)
@@ -118,15 +116,17 @@ def reference_paged_attention(
             return decoded
         out.index_copy_(0, metadata.decode_token_index, decoded)
 
-    for (first, length), (past_k, past_v), prefill_mask in zip(
-        metadata.prefill_rows, past, group.prefill_masks, strict=True
+    for i, ((first, length), past_slots, prefill_mask) in enumerate(
+        zip(metadata.prefill_rows, group.prefill_past_slots, group.prefill_masks, strict=True)
     ):
-        if len(past_k):
-            k = torch.cat((past_k, key[first : first + length])).transpose(0, 1)[None]
-            v = torch.cat((past_v, value[first : first + length])).transpose(0, 1)[None]
-        else:  # a fresh prompt: its keys are this step's, no copy needed
-            k = key[first : first + length].transpose(0, 1)[None]
-            v = value[first : first + length].transpose(0, 1)[None]
+        new_k, new_v = key[first : first + length], value[first : first + length]
+        if not len(past_slots):  # a fresh prompt: its keys are this step's, no copy needed
+            k, v = new_k, new_v
+        elif group.window is not None:
+            k, v = torch.cat((sliding_past[i][0], new_k)), torch.cat((sliding_past[i][1], new_v))
+        else:  # the new keys are in the cache already: one gather reads the past and them
+            k, v = cache.gather(layer, torch.cat((past_slots, group.slot_mapping[first : first + length])))
+        k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
         q = query[first : first + length].transpose(0, 1)[None]
         attended = _attend(q, k, v, prefill_mask, scale, softcap, causal=prefill_mask is None)
         out[first : first + length] = attended[0].transpose(0, 1)
