@@ -101,7 +101,7 @@ def reference_paged_attention(
     # write first: a request may reuse prefix blocks another computes in this same step.
     sliding_past: list[tuple[torch.Tensor, torch.Tensor]] = []
     if group.window is not None:
-        for slots in group.prefill_past_slots:
+        for slots in group.prefill_read_slots:
             sliding_past.append((key_cache.index_select(0, slots), value_cache.index_select(0, slots)))
     key_cache.index_copy_(0, group.slot_mapping, key)
     value_cache.index_copy_(0, group.slot_mapping, value)
@@ -116,16 +116,16 @@ def reference_paged_attention(
             return decoded
         out.index_copy_(0, metadata.decode_token_index, decoded)
 
-    for i, ((first, length), past_slots, prefill_mask) in enumerate(
-        zip(metadata.prefill_rows, group.prefill_past_slots, group.prefill_masks, strict=True)
+    for i, ((first, length), read_slots, prefill_mask) in enumerate(
+        zip(metadata.prefill_rows, group.prefill_read_slots, group.prefill_masks, strict=True)
     ):
         new_k, new_v = key[first : first + length], value[first : first + length]
-        if not len(past_slots):  # a fresh prompt: its keys are this step's, no copy needed
+        if not len(read_slots):  # a fresh prompt: its keys are this step's, no copy needed
             k, v = new_k, new_v
         elif group.window is not None:
             k, v = torch.cat((sliding_past[i][0], new_k)), torch.cat((sliding_past[i][1], new_v))
         else:  # the new keys are in the cache already: one gather reads the past and them
-            k, v = cache.gather(layer, torch.cat((past_slots, group.slot_mapping[first : first + length])))
+            k, v = cache.gather(layer, read_slots)
         k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
         q = query[first : first + length].transpose(0, 1)[None]
         attended = _attend(q, k, v, prefill_mask, scale, softcap, causal=prefill_mask is None)

@@ -141,9 +141,11 @@ class GroupAttention:
     #: reference backend: ``[S]`` slots of the blocks every single-token row shares (a
     #: common prefix); then the chunks hold each row's keys after them
     decode_shared_slots: torch.Tensor | None = None
-    #: reference backend, per multi-token row: the slots of its keys before its first new
-    #: token, and a ``[q, past + q]`` mask (None for plain causal attention)
-    prefill_past_slots: list[torch.Tensor] = field(default_factory=list)
+    #: reference backend, per multi-token row with cached keys: the slots to read them from
+    #: (sliding layers: its keys before its first new token, read before the step writes;
+    #: full layers: those and its new ones, read after), empty for a fresh prompt; and a
+    #: ``[q, past + q]`` mask (None for plain causal attention)
+    prefill_read_slots: list[torch.Tensor] = field(default_factory=list)
     prefill_masks: list[torch.Tensor | None] = field(default_factory=list)
 
 
@@ -330,8 +332,8 @@ def prepare_inputs(
         for i in prefill:
             start, q_len = rows[i].start, rows[i].num_tokens
             lo = max(0, start - (window - 1)) if window is not None else 0
-            past = torch.arange(lo, start)
-            host[f"past{g}_{i}"] = _slots(table[i : i + 1].expand(len(past), -1), past, page, ring)
+            read = torch.arange(lo, start if window is not None or start == 0 else start + q_len)
+            host[f"read{g}_{i}"] = _slots(table[i : i + 1].expand(len(read), -1), read, page, ring)
             mask = _prefill_mask(lo, start, q_len, window)
             if mask is not None:
                 host[f"mask{g}_{i}"] = mask
@@ -354,7 +356,7 @@ def prepare_inputs(
                 for c, width in enumerate(chunk_widths[g])
             ]
             group.decode_shared_slots = dev.get(f"decode_shared{g}")
-            group.prefill_past_slots = [dev[f"past{g}_{i}"] for i in prefill]
+            group.prefill_read_slots = [dev[f"read{g}_{i}"] for i in prefill]
             group.prefill_masks = [dev[k] if masks[k] is not None else None for k in (f"mask{g}_{i}" for i in prefill)]
         groups.append(group)
     attention = AttentionMetadata(
