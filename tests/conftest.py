@@ -82,6 +82,18 @@ def _generate_alone(model: PreTrainedModel, prompt: Sequence[int], max_new_token
     return [int(t) for t in out[0, len(prompt) :]]
 
 
+def arm_failure(model: PreTrainedModel, error: type[Exception] = RuntimeError) -> dict[str, bool]:
+    """Make the model's first layer raise ``error`` once ``switch["fail"]`` is set."""
+    switch = {"fail": False}
+
+    def hook(module: torch.nn.Module, args: object) -> None:
+        if switch["fail"]:
+            raise error("injected failure")
+
+    model.model.layers[0].register_forward_pre_hook(hook)
+    return switch
+
+
 ModelFactory = Callable[..., PreTrainedModel]
 MODELS: dict[str, ModelFactory] = {"llama": tiny_llama, "qwen3": tiny_qwen3}
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import torch
 
 import aiocb
-from tests.conftest import random_prompts, tiny_qwen3
+from tests.conftest import arm_failure, random_prompts, tiny_qwen3
 
 PROMPTS = random_prompts(4, 10, 40, seed=11)
 
@@ -17,21 +16,9 @@ class Boom(RuntimeError):
     pass
 
 
-def _arm(model: torch.nn.Module) -> dict[str, bool]:
-    """Make the model's first layer raise once `switch["fail"]` is set."""
-    switch = {"fail": False}
-
-    def hook(module: torch.nn.Module, args: object) -> None:
-        if switch["fail"]:
-            raise Boom("injected failure")
-
-    model.model.layers[0].register_forward_pre_hook(hook)
-    return switch
-
-
 async def test_a_failing_forward_reaches_every_awaiter_and_stream() -> None:
     model = tiny_qwen3()
-    switch = _arm(model)
+    switch = arm_failure(model, Boom)
     manager = aiocb.Manager(model)
     manager.start()
     await manager.generate(PROMPTS[0], max_new_tokens=2)  # healthy first
@@ -66,7 +53,7 @@ async def test_a_failing_forward_reaches_every_awaiter_and_stream() -> None:
 
 async def test_async_with_around_a_dying_engine_exits_cleanly() -> None:
     model = tiny_qwen3()
-    switch = _arm(model)
+    switch = arm_failure(model, Boom)
     switch["fail"] = True
     with pytest.raises(aiocb.EngineDeadError):
         async with aiocb.Manager(model) as manager:

@@ -8,11 +8,11 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 import aiocb
 from aiocb.server import build_app
+from tests.conftest import arm_failure
 from tests.server.conftest import API_KEY, MODEL_NAME, serve_config, serve_model, wait_until_idle, wait_until_running
 
 PROMPT = "Once upon a time"
@@ -357,20 +357,14 @@ async def test_n_choices_are_queued_all_or_none(model: PreTrainedModel, tokenize
 
 async def test_an_engine_failure_is_a_500(tokenizer: Any) -> None:
     model = serve_model(tokenizer)
-    failing = {"on": False}
-
-    def hook(module: torch.nn.Module, args: object) -> None:
-        if failing["on"]:
-            raise RuntimeError("injected failure")
-
-    model.model.layers[0].register_forward_pre_hook(hook)
+    failing = arm_failure(model)
     manager = aiocb.Manager(model, continuous_batching_config=serve_config())
     app = build_app(manager, tokenizer, MODEL_NAME)
     manager.start()
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
             assert (await http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})).status_code == 200
-            failing["on"] = True
+            failing["fail"] = True
             error = assert_error(await http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}), 500)
             assert error["type"] == "internal_server_error"
             streamed = await http.post("/v1/completions", json={"prompt": PROMPT, "stream": True})

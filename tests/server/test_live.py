@@ -10,11 +10,11 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import torch
 from openai import AsyncOpenAI
 from transformers import PreTrainedModel
 
 import aiocb
+from tests.conftest import arm_failure
 from tests.server.conftest import (
     API_KEY,
     MODEL_NAME,
@@ -136,13 +136,7 @@ async def test_error_mapping(openai_client: AsyncOpenAI, server: LiveServer) -> 
 
 async def test_rate_limit_and_engine_failure(tokenizer: Any) -> None:
     model = serve_model(tokenizer)
-    failing = {"on": False}
-
-    def hook(module: torch.nn.Module, args: object) -> None:
-        if failing["on"]:
-            raise RuntimeError("injected failure")
-
-    model.model.layers[0].register_forward_pre_hook(hook)
+    failing = arm_failure(model)
     manager = aiocb.Manager(model, continuous_batching_config=serve_config(max_queue_size=1, max_requests_per_batch=1))
     async with live_server(manager, tokenizer) as server:  # the server's lifespan starts the manager
         assert manager.is_running
@@ -155,7 +149,7 @@ async def test_rate_limit_and_engine_failure(tokenizer: Any) -> None:
                 await client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2)
             manager.cancel_request(running)
             manager.cancel_request(queued)
-            failing["on"] = True
+            failing["fail"] = True
             with pytest.raises(openai.InternalServerError):
                 await client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2)
     assert not manager.is_running
