@@ -1,9 +1,15 @@
-"""``aiocb serve MODEL``: an OpenAI-compatible HTTP server (uvicorn) over one Manager.
+"""``aiocb serve [MODEL]``: an OpenAI-compatible HTTP server (uvicorn) over one Manager.
 
 The HTTP handlers and the manager's step coroutine run on the same event loop (uvloop when
-it is installed). Every :class:`~aiocb.ContinuousBatchingConfig` field is a flag, made
-from the dataclass itself: ``--page-size 32``, ``--num-blocks 4096``,
-``--allow-block-sharing`` / ``--no-allow-block-sharing``, ``--use-cuda-graph false,true``.
+it is installed). Without MODEL it serves the bundled ``pycode-tiny``. Every
+:class:`~aiocb.ContinuousBatchingConfig` field is a flag, made from the dataclass itself:
+``--page-size 32``, ``--num-blocks 4096``, ``--allow-block-sharing`` /
+``--no-allow-block-sharing``, ``--use-cuda-graph false,true``; so is every
+:class:`~aiocb.server.limits.ServerLimits` field (``--max-request-bytes``, ...).
+
+``SIGTERM`` (or ``Ctrl-C``) drains: the server stops accepting connections, ``/ready``
+answers 503, and running requests get ``--shutdown-timeout`` seconds to finish before they
+are aborted.
 """
 
 from __future__ import annotations
@@ -22,10 +28,14 @@ from typing import Any
 
 from aiocb.config import ContinuousBatchingConfig
 from aiocb.errors import InvalidConfigError
+from aiocb.server.limits import ServerLimits
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
+#: The name the bundled model is served under when no MODEL is given.
+_DEFAULT_MODEL_NAME = "pycode-tiny"
+_SHUTDOWN_MARGIN_S = 5.0
 _NONE_WORDS = frozenset({"none", "null", "auto"})
 _TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
 _FALSE_WORDS = frozenset({"0", "false", "no", "off"})
@@ -33,9 +43,18 @@ _FALSE_WORDS = frozenset({"0", "false", "no", "off"})
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``aiocb serve``: model loading, HTTP, and one per ContinuousBatchingConfig field."""
-    parser.add_argument("model", help="a local model directory or a hub id (AutoModelForCausalLM)")
+    parser.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="a local model directory or a hub id (AutoModelForCausalLM); default: the bundled pycode-tiny",
+    )
     parser.add_argument("--tokenizer", default=None, help="tokenizer path or hub id (default: the model's)")
-    parser.add_argument("--served-model-name", default=None, help="the model id clients send (default: MODEL)")
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model id clients send (default: MODEL, or pycode-tiny without one)",
+    )
     parser.add_argument("--dtype", choices=_DTYPES, default="auto", help="weights dtype (default: the checkpoint's)")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
     parser.add_argument("--trust-remote-code", action="store_true", help="allow custom model code from the hub")
@@ -58,6 +77,34 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info", help="log level"
     )
+    parser.add_argument(
+        "--no-access-log", dest="access_log", action="store_false", help="no access-log line per request"
+    )
+    connections = parser.add_argument_group("connections", "bounds that uvicorn enforces per connection")
+    connections.add_argument(
+        "--max-connections",
+        type=int,
+        default=4096,
+        help="open connections (and tasks) at most; beyond them uvicorn answers a plain 503 (default 4096)",
+    )
+    connections.add_argument(
+        "--header-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a request's headers may take to arrive before the connection is closed (default 30)",
+    )
+    connections.add_argument(
+        "--timeout-keep-alive", type=float, default=5.0, help="seconds an idle keep-alive connection stays (default 5)"
+    )
+    connections.add_argument(
+        "--max-header-bytes",
+        type=int,
+        default=16384,
+        help="bytes of request line and headers at most; beyond them the connection gets 400 (default 16384)",
+    )
+    limits = parser.add_argument_group("request limits", "ServerLimits fields: what one request may cost")
+    for flag, kwargs in _dataclass_flags(ServerLimits, prefix="limit_"):
+        limits.add_argument(flag, **kwargs)
     group = parser.add_argument_group(
         "continuous batching", "ContinuousBatchingConfig fields; unset flags keep the config's defaults"
     )
@@ -67,40 +114,57 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_flags() -> list[tuple[str, dict[str, Any]]]:
     """``(flag, add_argument keyword arguments)`` for every ContinuousBatchingConfig field."""
-    hints = typing.get_type_hints(ContinuousBatchingConfig)
-    docs = _attribute_docs(ContinuousBatchingConfig.__doc__ or "")
-    flags: list[tuple[str, dict[str, Any]]] = []
-    for field in dataclasses.fields(ContinuousBatchingConfig):
-        kwargs = _argument_for(hints[field.name])
-        default = field.default if field.default is not dataclasses.MISSING else None
-        doc = docs.get(field.name, "").replace("%", "%%")
-        kwargs.update(dest=f"cb_{field.name}", default=argparse.SUPPRESS, help=f"{doc} (default: {default!r})")
-        flags.append(("--" + field.name.replace("_", "-"), kwargs))
-    return flags
+    return _dataclass_flags(ContinuousBatchingConfig, prefix="cb_")
 
 
 def config_from_args(args: argparse.Namespace) -> ContinuousBatchingConfig:
     """The ContinuousBatchingConfig the flags describe (fields not given keep their defaults)."""
-    values = {
-        field.name: getattr(args, f"cb_{field.name}")
-        for field in dataclasses.fields(ContinuousBatchingConfig)
-        if hasattr(args, f"cb_{field.name}")
+    return ContinuousBatchingConfig(**_given(args, ContinuousBatchingConfig, "cb_"))
+
+
+def limits_from_args(args: argparse.Namespace) -> ServerLimits:
+    """The ServerLimits the flags describe (fields not given keep their defaults)."""
+    return ServerLimits(**_given(args, ServerLimits, "limit_"))
+
+
+def _dataclass_flags(cls: type, *, prefix: str) -> list[tuple[str, dict[str, Any]]]:
+    """``(flag, add_argument keyword arguments)`` for every field of the dataclass ``cls``."""
+    hints = typing.get_type_hints(cls)
+    docs = _attribute_docs(cls.__doc__ or "")
+    flags: list[tuple[str, dict[str, Any]]] = []
+    for field in dataclasses.fields(cls):
+        kwargs = _argument_for(hints[field.name])
+        default = field.default if field.default is not dataclasses.MISSING else None
+        doc = docs.get(field.name, "").replace("%", "%%")
+        kwargs.update(dest=f"{prefix}{field.name}", default=argparse.SUPPRESS, help=f"{doc} (default: {default!r})")
+        flags.append(("--" + field.name.replace("_", "-"), kwargs))
+    return flags
+
+
+def _given(args: argparse.Namespace, cls: type, prefix: str) -> dict[str, Any]:
+    return {
+        field.name: getattr(args, prefix + field.name)
+        for field in dataclasses.fields(cls)
+        if hasattr(args, prefix + field.name)
     }
-    return ContinuousBatchingConfig(**values)
 
 
 def run_serve(args: argparse.Namespace) -> int:
     """Load the model and tokenizer, then serve until interrupted; returns the exit status."""
     try:
         config = config_from_args(args)
-    except InvalidConfigError as exc:
+        limits = limits_from_args(args)
+    except (InvalidConfigError, ValueError) as exc:
         print(f"aiocb serve: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if not args.access_log:
+        logging.getLogger("aiocb.access").setLevel(logging.WARNING)
     try:
         import uvicorn
 
         from aiocb.server import build_app
+        from aiocb.server.connections import DrainingServer, h11_protocol
     except ImportError as exc:
         print(f"aiocb serve needs the 'serve' extra (pip install 'aiocb[serve]'): {exc}", file=sys.stderr)
         return 2
@@ -108,20 +172,30 @@ def run_serve(args: argparse.Namespace) -> int:
 
     model, tokenizer = load_model(args)
     manager = aiocb.Manager(model, continuous_batching_config=config)
-    name = args.served_model_name or args.model
-    app = build_app(manager, tokenizer, name, api_key=args.api_key, shutdown_timeout=args.shutdown_timeout)
+    name = args.served_model_name or (args.model if args.model is not None else _DEFAULT_MODEL_NAME)
+    app = build_app(
+        manager, tokenizer, name, api_key=args.api_key, shutdown_timeout=args.shutdown_timeout, limits=limits
+    )
     loop = args.loop
     if loop == "auto":
         loop = "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
     logger.info("serving %s on http://%s:%d (event loop: %s)", name, args.host, args.port, loop)
-    uvicorn.run(
+    server_config = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
         loop=loop,
+        http=h11_protocol(args.header_timeout),
         log_level=args.log_level,
-        timeout_graceful_shutdown=max(1, int(args.shutdown_timeout)),
+        access_log=False,  # aiocb.access logs each request with its id, tokens and latency
+        limit_concurrency=args.max_connections,
+        timeout_keep_alive=args.timeout_keep_alive,
+        h11_max_incomplete_event_size=args.max_header_bytes,
+        # The drain aborts what is left at --shutdown-timeout; the margin lets those
+        # responses reach their clients before uvicorn cancels the connections.
+        timeout_graceful_shutdown=args.shutdown_timeout + _SHUTDOWN_MARGIN_S,
     )
+    DrainingServer(server_config, app, args.shutdown_timeout).run()
     return 0
 
 
@@ -136,8 +210,13 @@ def load_model(args: argparse.Namespace) -> tuple[Any, Any]:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype: Any = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model, trust_remote_code=args.trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, trust_remote_code=args.trust_remote_code)
+    source = args.model
+    if source is None:
+        from aiocb.default_model import DEFAULT_MODEL_PATH
+
+        source = str(DEFAULT_MODEL_PATH)
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or source, trust_remote_code=args.trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, trust_remote_code=args.trust_remote_code)
     return model.to(device).eval(), tokenizer
 
 

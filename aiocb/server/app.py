@@ -15,6 +15,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any, TypeVar
 
 from starlette.applications import Starlette
@@ -27,16 +28,18 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from aiocb.engine.manager import Manager
-from aiocb.server.chat import ChatCompletion
-from aiocb.server.completions import Completion
+from aiocb.server.chat import ChatCompletion, prepare_chat
+from aiocb.server.completions import Completion, prepare_completion
 from aiocb.server.context import ServerContext
+from aiocb.server.edge import OPEN_PATHS, EdgeMiddleware, access_record
+from aiocb.server.limits import ServerLimits, parse_json, read_body
 from aiocb.server.metrics import ServerMetrics
 from aiocb.server.protocol import (
     APIError,
+    DetokenizeRequest,
+    TokenizeRequest,
     bad_request,
     error_from_exception,
-    parse_chat_request,
-    parse_completion_request,
     parse_detokenize_request,
     parse_tokenize_request,
 )
@@ -46,8 +49,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: Paths served without an API key (probes and scrapers).
-_OPEN_PATHS = frozenset({"/health", "/metrics"})
 #: Status of a response to a client that has gone (nginx's "client closed request").
 _CLIENT_GONE = 499
 
@@ -59,27 +60,34 @@ def build_app(
     api_key: str | None = None,
     *,
     shutdown_timeout: float = 10.0,
+    limits: ServerLimits | None = None,
 ) -> Starlette:
     """An OpenAI-compatible ASGI app serving ``manager``'s model as ``model_name``.
 
     The app's lifespan starts the manager on the server's event loop unless it already
     runs, and stops the manager it started on shutdown (requests still running after
     ``shutdown_timeout`` seconds are aborted). With ``api_key`` every route but
-    ``/health`` and ``/metrics`` needs ``Authorization: Bearer <api_key>``.
+    ``/health``, ``/ready`` and ``/metrics`` needs ``Authorization: Bearer <api_key>``.
+    ``limits`` bound what one request may cost (:class:`ServerLimits`' defaults when None).
     """
+    limits = limits or ServerLimits()
     metrics = ServerMetrics(manager, model_name)
-    api = _Api(ServerContext(manager, tokenizer, model_name, metrics))
+    ctx = ServerContext(manager, tokenizer, model_name, metrics, limits)
+    api = _Api(ctx)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         started_here = not manager.is_running
         if started_here:
             manager.start()
+        ctx.draining = False
         try:
             yield
         finally:
+            ctx.draining = True
             if started_here and manager.is_running:
                 await manager.stop(timeout=shutdown_timeout)
+            ctx.close()
 
     routes = [
         Route("/v1/completions", api.completions, methods=["POST"]),
@@ -87,20 +95,35 @@ def build_app(
         Route("/v1/models", api.models, methods=["GET"]),
         Route("/v1/models/{model:path}", api.model, methods=["GET"]),
         Route("/health", api.health, methods=["GET"]),
+        Route("/ready", api.ready, methods=["GET"]),
         Route("/tokenize", api.tokenize, methods=["POST"]),
         Route("/detokenize", api.detokenize, methods=["POST"]),
         Route("/tokenizer_info", api.tokenizer_info, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),
     ]
-    middleware = [Middleware(_ApiKeyMiddleware, api_key=api_key, metrics=metrics)] if api_key else []
+    middleware = [Middleware(EdgeMiddleware, limits=limits, metrics=metrics)]
+    if api_key:
+        middleware.append(Middleware(_ApiKeyMiddleware, api_key=api_key, metrics=metrics))
     app = Starlette(
         routes=routes,
         middleware=middleware,
         lifespan=lifespan,
         exception_handlers={HTTPException: api.http_error},
     )
-    app.state.aiocb = api.ctx
+    app.state.aiocb = ctx
     return app
+
+
+def begin_drain(app: Starlette, timeout: float) -> asyncio.Task[None] | None:
+    """Start shutting the app down gracefully (on ``SIGTERM``): ``/ready`` answers 503, new
+    generations are refused with 503, and running ones finish, or are aborted once
+    ``timeout`` seconds have passed. Call it on the app's event loop."""
+    ctx: ServerContext = app.state.aiocb
+    ctx.draining = True
+    if not ctx.manager.is_running:
+        return None
+    logger.info("draining: no new requests; running ones get %s s to finish", timeout)
+    return asyncio.get_running_loop().create_task(ctx.manager.stop(timeout=timeout), name="aiocb-drain")
 
 
 class _Api:
@@ -115,13 +138,13 @@ class _Api:
         """``POST /v1/completions``."""
         received = time.perf_counter()
         try:
-            parsed = parse_completion_request(await _json(request))
-            self._check_model(parsed.sampling.model)
-            completion = Completion(self.ctx, parsed, received)
+            prepared = await self.ctx.prepare(await self._body(request), partial(prepare_completion, self.ctx))
+            completion = Completion(self.ctx, prepared, received)
+            completion.submission.record = access_record(request.scope)
             await completion.submit()
         except Exception as exc:
             return self.error(exc)
-        if parsed.sampling.stream:
+        if prepared.request.sampling.stream:
             return EventStreamResponse(events(completion.chunks(), self.ctx.metrics))
         return await self._respond(request, completion.response())
 
@@ -129,15 +152,33 @@ class _Api:
         """``POST /v1/chat/completions``."""
         received = time.perf_counter()
         try:
-            parsed = parse_chat_request(await _json(request))
-            self._check_model(parsed.sampling.model)
-            chat = ChatCompletion(self.ctx, parsed, received)
+            prepared = await self.ctx.prepare(await self._body(request), partial(prepare_chat, self.ctx))
+            chat = ChatCompletion(self.ctx, prepared, received)
+            chat.submission.record = access_record(request.scope)
             await chat.submit()
         except Exception as exc:
             return self.error(exc)
-        if parsed.sampling.stream:
+        if prepared.request.sampling.stream:
             return EventStreamResponse(events(chat.chunks(), self.ctx.metrics))
         return await self._respond(request, chat.response())
+
+    async def _body(self, request: Request) -> bytes:
+        """The request's body, bounded in size (413) and in the time the client takes to send it (408).
+
+        A server that drains takes no new work: 503 before anything is read.
+        """
+        if self.ctx.draining:
+            raise APIError(503, "the server is shutting down; send the request elsewhere", type="service_unavailable")
+        limits = self.ctx.limits
+        try:
+            async with asyncio.timeout(limits.body_timeout):
+                return await read_body(request.stream(), limits)
+        except TimeoutError:
+            raise APIError(
+                408,
+                f"the request body did not arrive within {limits.body_timeout} s (--body-timeout)",
+                code="request_timeout",
+            ) from None
 
     async def _respond(self, request: Request, work: Coroutine[Any, Any, dict[str, Any]]) -> Response:
         try:
@@ -157,18 +198,32 @@ class _Api:
     async def model(self, request: Request) -> Response:
         """``GET /v1/models/{model}``."""
         try:
-            self._check_model(request.path_params["model"])
+            self.ctx.check_model(request.path_params["model"])
         except APIError as exc:
             return self.error(exc)
         return JSONResponse(self._model_card())
 
     async def health(self, request: Request) -> Response:
-        """``GET /health``: 200 while the engine runs, 503 otherwise."""
+        """``GET /health`` (liveness): 200 while the engine runs, draining included; 503 otherwise."""
         manager = self.ctx.manager
         if manager.is_running:
             return JSONResponse({"status": "ok"})
         state = "dead" if manager.is_dead else "stopped"
         return self.error(APIError(503, f"the engine is {state}", type="service_unavailable"))
+
+    async def ready(self, request: Request) -> Response:
+        """``GET /ready`` (readiness): 200 while the model is loaded, the engine alive and the
+        server not draining; 503 otherwise, saying which."""
+        manager = self.ctx.manager
+        if manager.is_dead:
+            reason = "the engine is dead"
+        elif self.ctx.draining:
+            reason = "the server is shutting down"
+        elif not manager.is_running:
+            reason = "the engine is not running"
+        else:
+            return JSONResponse({"status": "ready"})
+        return self.error(APIError(503, reason, type="service_unavailable"))
 
     async def metrics(self, request: Request) -> Response:
         """``GET /metrics`` in Prometheus' text format."""
@@ -181,32 +236,38 @@ class _Api:
     async def tokenize(self, request: Request) -> Response:
         """``POST /tokenize``: ``{"prompt": text}`` or ``{"messages": [...]}`` to token ids."""
         try:
-            parsed = parse_tokenize_request(await _json(request))
-            self._check_model(parsed.model)
-            if parsed.prompt is not None:
-                text = parsed.prompt
-            else:
-                assert parsed.messages is not None
-                text = self.ctx.render_chat(
-                    parsed.messages, add_generation_prompt=parsed.add_generation_prompt, kwargs={}
-                )
-            tokens = self.ctx.encode(text, add_special_tokens=parsed.add_special_tokens)
+            # The response is rendered with the tokens: a long prompt's ids are slow to encode too.
+            content = await self.ctx.prepare(await self._body(request), self._tokenize)
         except Exception as exc:
             return self.error(exc)
-        return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": self.ctx.max_model_len})
+        return Response(content, media_type="application/json")
+
+    def _tokenize(self, body: bytes) -> bytes:
+        parsed: TokenizeRequest = parse_tokenize_request(parse_json(body, self.ctx.limits.max_json_depth))
+        self.ctx.check_model(parsed.model)
+        if parsed.prompt is not None:
+            text = parsed.prompt
+        else:
+            assert parsed.messages is not None
+            text = self.ctx.render_chat(parsed.messages, add_generation_prompt=parsed.add_generation_prompt, kwargs={})
+        tokens = self.ctx.encode(text, add_special_tokens=parsed.add_special_tokens)
+        return _json_bytes({"tokens": tokens, "count": len(tokens), "max_model_len": self.ctx.max_model_len})
 
     async def detokenize(self, request: Request) -> Response:
         """``POST /detokenize``: token ids to text."""
         try:
-            parsed = parse_detokenize_request(await _json(request))
-            self._check_model(parsed.model)
-            vocab = len(self.ctx.tokenizer)
-            if any(t >= vocab for t in parsed.tokens):
-                raise bad_request(f"'tokens' holds ids outside the vocabulary [0, {vocab})", "tokens")
-            text = self.ctx.decode(parsed.tokens)
+            content = await self.ctx.prepare(await self._body(request), self._detokenize)
         except Exception as exc:
             return self.error(exc)
-        return JSONResponse({"prompt": text})
+        return Response(content, media_type="application/json")
+
+    def _detokenize(self, body: bytes) -> bytes:
+        parsed: DetokenizeRequest = parse_detokenize_request(parse_json(body, self.ctx.limits.max_json_depth))
+        self.ctx.check_model(parsed.model)
+        vocab = len(self.ctx.tokenizer)
+        if any(t >= vocab for t in parsed.tokens):
+            raise bad_request(f"'tokens' holds ids outside the vocabulary [0, {vocab})", "tokens")
+        return _json_bytes({"prompt": self.ctx.decode(parsed.tokens)})
 
     async def tokenizer_info(self, request: Request) -> Response:
         """``GET /tokenizer_info``: special tokens, chat template and limits."""
@@ -233,10 +294,11 @@ class _Api:
     def error(self, exc: BaseException) -> JSONResponse:
         """The OpenAI-shaped response for ``exc`` (logged when it is the server's fault)."""
         error = error_from_exception(exc)
-        if error.status >= 500:
+        if error.status >= 500 and error.status != 503:
             logger.error("request failed: %s", error.message, exc_info=exc if not isinstance(exc, APIError) else None)
         self.ctx.metrics.observe_error(error.status)
-        return JSONResponse(error.to_dict(), status_code=error.status)
+        headers = {"Retry-After": str(self.ctx.limits.retry_after)} if error.status in (429, 503) else None
+        return JSONResponse(error.to_dict(), status_code=error.status, headers=headers)
 
     async def http_error(self, request: Request, exc: Exception) -> Response:
         """Starlette's own errors (unknown route, wrong method) in OpenAI's shape."""
@@ -247,15 +309,6 @@ class _Api:
         if exc.headers:
             response.headers.update(exc.headers)
         return response
-
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.ctx.model_name:
-            raise APIError(
-                404,
-                f"The model `{model}` does not exist; this server serves `{self.ctx.model_name}`.",
-                param="model",
-                code="model_not_found",
-            )
 
     def _model_card(self) -> dict[str, Any]:
         return {
@@ -268,14 +321,9 @@ class _Api:
         }
 
 
-async def _json(request: Request) -> Any:
-    body = await request.body()
-    if not body:
-        raise bad_request("the request has no body; send a JSON object")
-    try:
-        return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise bad_request(f"the request body is not valid JSON: {exc}") from None
+def _json_bytes(value: Any) -> bytes:
+    """``value`` as a JSONResponse would send it."""
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
@@ -310,7 +358,7 @@ class _ApiKeyMiddleware:
         self._metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in _OPEN_PATHS:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
         scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")

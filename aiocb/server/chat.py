@@ -6,10 +6,12 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Any
 
 from aiocb.server.context import ServerContext, finite
-from aiocb.server.protocol import ChatCompletionRequest
+from aiocb.server.limits import parse_json
+from aiocb.server.protocol import ChatCompletionRequest, parse_chat_request
 from aiocb.server.serving import (
     ChoiceDelta,
     ChoiceSpec,
@@ -19,18 +21,35 @@ from aiocb.server.serving import (
 )
 
 
+@dataclass(frozen=True, slots=True)
+class PreparedChat:
+    """A chat completions body parsed, checked, rendered and tokenized (see :func:`prepare_chat`)."""
+
+    request: ChatCompletionRequest
+    prompt_ids: list[int]
+
+
+def prepare_chat(ctx: ServerContext, body: bytes) -> PreparedChat:
+    """Parse, check, render and tokenize a chat body (thread-safe: runs off the loop when large)."""
+    request = parse_chat_request(parse_json(body, ctx.limits.max_json_depth))
+    ctx.check_model(request.sampling.model)
+    ctx.limits.check_stop(request.sampling.stop)
+    text = ctx.render_chat(
+        request.messages, add_generation_prompt=request.add_generation_prompt, kwargs=request.chat_template_kwargs
+    )
+    ctx.check_prompt_chars(text, "messages")
+    return PreparedChat(request, ctx.encode(text, add_special_tokens=False))
+
+
 class ChatCompletion:
     """One chat completions request from submission to its response or stream."""
 
-    def __init__(self, ctx: ServerContext, request: ChatCompletionRequest, received: float) -> None:
+    def __init__(self, ctx: ServerContext, prepared: PreparedChat, received: float) -> None:
         self.ctx = ctx
-        self.request = request
+        self.request = request = prepared.request
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        text = ctx.render_chat(
-            request.messages, add_generation_prompt=request.add_generation_prompt, kwargs=request.chat_template_kwargs
-        )
-        self.prompt_ids = ctx.encode(text, add_special_tokens=False)
+        self.prompt_ids = prepared.prompt_ids
         sampling = request.sampling
         max_tokens = sampling.max_tokens
         if max_tokens is None:

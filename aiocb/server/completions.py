@@ -11,7 +11,8 @@ from typing import Any
 
 from aiocb.server.context import ServerContext, finite
 from aiocb.server.detokenize import IncrementalDetokenizer
-from aiocb.server.protocol import DEFAULT_COMPLETION_MAX_TOKENS, CompletionRequest
+from aiocb.server.limits import parse_json
+from aiocb.server.protocol import DEFAULT_COMPLETION_MAX_TOKENS, CompletionRequest, parse_completion_request
 from aiocb.server.serving import (
     ChoiceDelta,
     ChoiceSpec,
@@ -22,22 +23,47 @@ from aiocb.server.serving import (
 
 
 @dataclass(slots=True)
-class _Prompt:
+class Prompt:
+    """One prompt of a completions request, tokenized."""
+
     ids: list[int]
     #: what ``echo`` puts before the completion
     text: str
 
 
+@dataclass(frozen=True, slots=True)
+class PreparedCompletion:
+    """A completions body parsed, checked and tokenized (see :func:`prepare_completion`)."""
+
+    request: CompletionRequest
+    prompts: list[Prompt]
+
+
+def prepare_completion(ctx: ServerContext, body: bytes) -> PreparedCompletion:
+    """Parse, check and tokenize a completions body (thread-safe: runs off the loop when large)."""
+    request = parse_completion_request(parse_json(body, ctx.limits.max_json_depth))
+    ctx.check_model(request.sampling.model)
+    ctx.limits.check_stop(request.sampling.stop)
+    prompts: list[Prompt] = []
+    for prompt in request.prompts:
+        if isinstance(prompt, str):
+            ctx.check_prompt_chars(prompt, "prompt")
+            prompts.append(Prompt(ctx.encode(prompt, add_special_tokens=True), prompt))
+        else:
+            prompts.append(Prompt(prompt, ctx.decode(prompt) if request.echo else ""))
+    return PreparedCompletion(request, prompts)
+
+
 class Completion:
     """One completions request from submission to its response or stream."""
 
-    def __init__(self, ctx: ServerContext, request: CompletionRequest, received: float) -> None:
+    def __init__(self, ctx: ServerContext, prepared: PreparedCompletion, received: float) -> None:
         self.ctx = ctx
-        self.request = request
+        self.request = request = prepared.request
         self.received = received
         self.id = f"cmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.prompts = [self._prompt(p) for p in request.prompts]
+        self.prompts = prepared.prompts
         sampling = request.sampling
         self.max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if sampling.max_tokens is None else sampling.max_tokens
         want_logprobs = request.logprobs is not None
@@ -63,11 +89,6 @@ class Completion:
                     )
                 )
         self.submission = Submission(ctx, specs, received)
-
-    def _prompt(self, prompt: str | list[int]) -> _Prompt:
-        if isinstance(prompt, str):
-            return _Prompt(self.ctx.encode(prompt, add_special_tokens=True), prompt)
-        return _Prompt(prompt, self.ctx.decode(prompt) if self.request.echo else "")
 
     async def submit(self) -> None:
         """Queue every choice (or none: the error is raised)."""
@@ -142,7 +163,7 @@ class Completion:
             "total_tokens": prompt_tokens + completion_tokens,
         }
 
-    def _logprobs(self, prompt: _Prompt, choice: ChoiceDelta, *, echo: bool) -> dict[str, Any] | None:
+    def _logprobs(self, prompt: Prompt, choice: ChoiceDelta, *, echo: bool) -> dict[str, Any] | None:
         """Completions-style logprobs: the prompt's first when ``echo``, then the generated tokens'."""
         if self.request.logprobs is None:
             return None

@@ -2,14 +2,28 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from aiocb.engine.manager import Manager
+from aiocb.server.limits import ServerLimits
 from aiocb.server.metrics import ServerMetrics
 from aiocb.server.protocol import APIError, bad_request
+
+T = TypeVar("T")
+
+#: Bodies up to this size are parsed and tokenized on the event loop (well under a
+#: millisecond); larger ones in the tokenizer thread, so that a big prompt never holds
+#: the loop (the tokenizers library releases the GIL while it encodes).
+INLINE_BODY_BYTES = 2048
+#: A prompt is refused unseen when it has more characters than this many times the
+#: context times the vocabulary's longest token: no tokenization could make it fit
+#: (the factor covers normalizers that merge characters).
+_CHARS_MARGIN = 4
 
 _REPLACEMENT = "\ufffd"
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
@@ -34,15 +48,63 @@ _BYTE_LEVEL_DECODER = _byte_level_decoder()
 class ServerContext:
     """What the handlers share: the manager, the tokenizer and the metrics."""
 
-    def __init__(self, manager: Manager, tokenizer: Any, model_name: str, metrics: ServerMetrics) -> None:
+    def __init__(
+        self, manager: Manager, tokenizer: Any, model_name: str, metrics: ServerMetrics, limits: ServerLimits
+    ) -> None:
         self.manager = manager
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.metrics = metrics
+        self.limits = limits
         self.created = int(time.time())
         text_config = manager.model.config.get_text_config()
         self.max_model_len: int | None = getattr(text_config, "max_position_embeddings", None)
+        longest_token = max((len(piece) for piece in tokenizer.get_vocab()), default=1)
+        self.max_prompt_chars: int | None = (
+            None if self.max_model_len is None else self.max_model_len * max(longest_token, 1) * _CHARS_MARGIN
+        )
+        #: set when the server begins to shut down: ``/ready`` answers 503 from then on
+        self.draining = False
         self._token_texts: dict[int, str] = {}
+        self._executor: ThreadPoolExecutor | None = None
+
+    async def prepare(self, body: bytes, work: Callable[[bytes], T]) -> T:
+        """``work(body)``: parsing and tokenizing a request, off the loop when the body is large.
+
+        One thread does it for every large body in turn (the tokenizer is not used from
+        two threads at once for long inputs); small bodies are cheaper than the hop.
+        """
+        if len(body) <= INLINE_BODY_BYTES:
+            return work(body)
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aiocb-tokenizer")
+        return await asyncio.get_running_loop().run_in_executor(self._executor, work, body)
+
+    def close(self) -> None:
+        """Let the tokenizer thread go (at shutdown)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+
+    def check_model(self, model: str | None) -> None:
+        """A 404 unless ``model`` (when given) is the served model's name."""
+        if model is not None and model != self.model_name:
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
+                param="model",
+                code="model_not_found",
+            )
+
+    def check_prompt_chars(self, text: str, param: str) -> None:
+        """Refuse, before tokenizing it, a prompt far too long for the context by its length alone."""
+        bound = self.max_prompt_chars
+        if bound is not None and len(text) > bound:
+            raise bad_request(
+                f"the prompt has {len(text)} characters, which cannot fit the model's context of "
+                f"{self.max_model_len} tokens",
+                param,
+            )
 
     def token_text(self, token_id: int) -> str:
         """One token's text as logprobs show it (cached; special tokens included).

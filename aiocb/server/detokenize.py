@@ -83,7 +83,7 @@ class StopStringMatcher:
     """Holds back text that may begin a stop string; trims the stop string when it appears."""
 
     def __init__(self, stop: Sequence[str]) -> None:
-        self._stop = tuple(s for s in stop if s)
+        self._stop = tuple(dict.fromkeys(s for s in stop if s))
         self._held = ""
         #: the stop string that was found, once one was
         self.matched: str | None = None

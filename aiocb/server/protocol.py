@@ -293,7 +293,7 @@ def _stop(value: Any) -> tuple[str, ...]:
         value = [value]
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise bad_request("'stop' must be a string or a list of strings", "stop")
-    return tuple(dict.fromkeys(v for v in value if v))
+    return tuple(value)  # as sent, so that the server's bound counts what the client sent
 
 
 def _messages(value: Any) -> list[dict[str, Any]]:

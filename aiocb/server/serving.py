@@ -22,6 +22,7 @@ from aiocb.engine.manager import Manager, RequestStream
 from aiocb.outputs import FinishReason, GenerationOutput, RequestStatus
 from aiocb.server.context import ServerContext
 from aiocb.server.detokenize import IncrementalDetokenizer, StopStringMatcher
+from aiocb.server.edge import AccessRecord
 from aiocb.server.protocol import APIError, SamplingRequest
 
 _FINISH_REASONS = {
@@ -142,19 +143,27 @@ class Submission:
         self.ctx = ctx
         self.specs = list(specs)
         self.received = received
+        #: the access log's record of the HTTP request: the token counts go there
+        self.record = AccessRecord("")
         self._streams: list[RequestStream] = []
 
     async def submit(self) -> None:
         """Queue every choice, or raise (nothing queued) when one is refused."""
         self._streams = await submit_choices(self.ctx.manager, self.specs)
+        prompts = {id(spec.prompt_ids): len(spec.prompt_ids) for spec in self.specs}
+        self.record.prompt_tokens = sum(prompts.values())
 
-    def deltas(self) -> AsyncGenerator[ChoiceDelta]:
+    async def deltas(self) -> AsyncGenerator[ChoiceDelta]:
         """The deltas of all choices as they come (see :func:`choice_deltas`)."""
         iterators = [
             choice_deltas(self.ctx, spec, stream, self.received)
             for spec, stream in zip(self.specs, self._streams, strict=True)
         ]
-        return merge_deltas(iterators)
+        record = self.record
+        async with aclosing(merge_deltas(iterators)) as merged:
+            async for delta in merged:
+                record.completion_tokens += len(delta.token_ids)
+                yield delta
 
     async def aclose(self) -> None:
         """Cancel whatever has not finished (idempotent)."""

@@ -19,6 +19,8 @@ from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast
 
 import aiocb
 from aiocb.server import build_app
+from aiocb.server.connections import h11_protocol
+from aiocb.server.limits import ServerLimits
 from tests.conftest import tiny_qwen3
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the CLI test forks after tokenizing
@@ -138,15 +140,23 @@ class LiveServer:
 
 
 @asynccontextmanager
-async def live_server(manager: aiocb.Manager, tokenizer: Any, api_key: str | None = None) -> AsyncIterator[LiveServer]:
+async def live_server(
+    manager: aiocb.Manager,
+    tokenizer: Any,
+    api_key: str | None = None,
+    *,
+    limits: ServerLimits | None = None,
+    header_timeout: float = 30.0,
+) -> AsyncIterator[LiveServer]:
     """uvicorn on 127.0.0.1 with a free port, as a task of the running loop; stopped on exit."""
     import uvicorn
 
-    app = build_app(manager, tokenizer, MODEL_NAME, api_key=api_key)
+    app = build_app(manager, tokenizer, MODEL_NAME, api_key=api_key, limits=limits)
     config = uvicorn.Config(
         app,
         host="127.0.0.1",
         port=0,
+        http=h11_protocol(header_timeout),
         lifespan="on",
         log_config=None,
         log_level="warning",

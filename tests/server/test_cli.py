@@ -16,7 +16,8 @@ import httpx
 import pytest
 
 import aiocb
-from aiocb.cli.serve import add_serve_arguments, config_flags, config_from_args, run_serve
+from aiocb.cli.serve import add_serve_arguments, config_flags, config_from_args, limits_from_args, load_model, run_serve
+from aiocb.server.limits import ServerLimits
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -125,3 +126,71 @@ def test_serve_runs_a_model_directory(model_dir: Path) -> None:
         output, _ = process.communicate(timeout=60)
     assert process.returncode == 0, output
     assert "event loop: uvloop" in output
+
+
+def test_limit_flags() -> None:
+    assert limits_from_args(parse()) == ServerLimits()
+    args = parse("--max-request-bytes", "1024", "--max-json-depth", "8", "--max-stop-strings", "2")
+    assert limits_from_args(args) == ServerLimits(max_request_bytes=1024, max_json_depth=8, max_stop_strings=2)
+    args = parse("--max-concurrent-requests", "3", "--body-timeout", "2.5", "--header-timeout", "4")
+    assert limits_from_args(args) == ServerLimits(max_concurrent_requests=3, body_timeout=2.5)
+    assert args.header_timeout == 4.0
+    assert (args.max_connections, args.timeout_keep_alive, args.max_header_bytes) == (4096, 5.0, 16384)
+
+
+def test_bad_limits_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_serve(parse("--max-request-bytes", "0")) == 2  # before anything loads
+    assert "max_request_bytes" in capsys.readouterr().err
+
+
+def test_without_a_model_the_bundled_one_is_loaded() -> None:
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    args = parser.parse_args([])
+    assert args.model is None
+    model, tokenizer = load_model(args)
+    assert model.config.model_type == "qwen3"
+    assert len(tokenizer) == model.config.vocab_size == 4096
+
+
+def test_sigterm_drains(tmp_path: Path) -> None:
+    """The bundled model by default; SIGTERM lets a running stream finish, then exits 0."""
+    port = _free_port()
+    command = [sys.executable, "-m", "aiocb.cli.serve", "--port", str(port), "--shutdown-timeout", "30"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    with (tmp_path / "server.log").open("w") as log:
+        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None, (tmp_path / "server.log").read_text()
+            try:
+                if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.2)
+        assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "pycode-tiny"
+        body = {"prompt": "def main():", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as stream:
+            assert stream.status_code == 200
+            lines = stream.iter_lines()
+            assert next(lines).startswith("data: {")
+            process.send_signal(signal.SIGTERM)
+            events = [line for line in lines if line.startswith("data: ")]
+            request_id = stream.headers["x-request-id"]
+        assert events[-1] == "data: [DONE]"
+        assert '"finish_reason":"length"' in events[-2]
+        with pytest.raises(httpx.TransportError):  # no longer accepting connections
+            httpx.get(f"{url}/health", timeout=2)
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    output = (tmp_path / "server.log").read_text()
+    assert "draining" in output
+    assert f'"POST /v1/completions" 200 request_id={request_id}' in output
+    assert "completion_tokens=200" in output

@@ -1,0 +1,108 @@
+"""uvicorn, bounded and draining: a deadline on request headers, a drain on exit signals.
+
+:class:`DrainingServer` is uvicorn's server that, on the first ``SIGTERM`` or ``SIGINT``,
+also drains the app (:func:`~aiocb.server.app.begin_drain`) while uvicorn stops accepting
+connections and waits for the open ones.
+
+About the protocols:
+
+uvicorn closes a keep-alive connection that stays idle, but a connection that sends its
+headers a byte at a time (or nothing at all after connecting) is kept for ever: a few
+thousand such clients hold every file descriptor. These protocols give each request's
+headers ``header_timeout`` seconds from the first byte (or from the connection, for its
+first request); past that the connection is closed. The body has a deadline of its own,
+enforced by the app (``--body-timeout``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import types
+from typing import Any
+
+import uvicorn
+from starlette.applications import Starlette
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from aiocb.server.app import begin_drain
+
+
+class _HeaderDeadline:
+    """Mixed into a uvicorn protocol, before it in the bases."""
+
+    header_timeout: float = 30.0
+    _header_timer: asyncio.TimerHandle | None = None
+    # provided by the uvicorn protocol
+    cycle: Any
+    loop: asyncio.AbstractEventLoop
+    transport: asyncio.Transport
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        super().connection_made(transport)  # type: ignore[misc]
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        before = self.cycle
+        super().data_received(data)  # type: ignore[misc]
+        if self.cycle is not before:
+            self._disarm()  # a new request's headers arrived
+        elif self.cycle is None or self.cycle.response_complete:
+            self._arm()  # part of the next request's headers: they are now on the clock
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)  # type: ignore[misc]
+
+    def _arm(self) -> None:
+        if self._header_timer is None:
+            self._header_timer = self.loop.call_later(self.header_timeout, self._headers_too_slow)
+
+    def _disarm(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_too_slow(self) -> None:
+        self._header_timer = None
+        if self.cycle is None or self.cycle.response_complete:
+            self.transport.close()
+
+
+def h11_protocol(header_timeout: float) -> type[asyncio.Protocol]:
+    """uvicorn's h11 protocol with a ``header_timeout`` deadline on request headers."""
+    return type("H11ProtocolWithDeadline", (_HeaderDeadline, H11Protocol), {"header_timeout": header_timeout})
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, draining the app on the first exit signal."""
+
+    def __init__(self, config: uvicorn.Config, app: Starlette, shutdown_timeout: float) -> None:
+        super().__init__(config)
+        self._app = app
+        self._shutdown_timeout = shutdown_timeout
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain: asyncio.Task[None] | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        """Remember the loop (for the signal handler), then start as uvicorn does."""
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig: int, frame: types.FrameType | None) -> None:
+        """The signal handler: begin the drain and uvicorn's shutdown; a second ``SIGINT`` forces it.
+
+        Unlike uvicorn's own handler, the signal is not raised again once the server has
+        stopped: a drained server exits with status 0.
+        """
+        if self.should_exit:
+            self.force_exit = self.force_exit or sig == signal.SIGINT
+            return
+        self.should_exit = True
+        if self._loop is not None:
+            # A signal handler may run anywhere in the loop's own code: hand over to the loop.
+            self._loop.call_soon_threadsafe(self._begin_drain)
+
+    def _begin_drain(self) -> None:
+        self._drain = begin_drain(self._app, self._shutdown_timeout)

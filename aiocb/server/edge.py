@@ -1,0 +1,140 @@
+"""The outermost layer of the app: request ids, the access log, and the cheap refusals.
+
+:class:`EdgeMiddleware` is pure ASGI (streams pass through untouched). For every HTTP
+request it
+
+- gives the request an id, the client's ``X-Request-Id`` when it is a sane one, else a
+  fresh one, and puts it on the response's ``X-Request-Id`` header;
+- refuses, before the app runs, a body whose ``Content-Length`` is over the limit (413,
+  with the body unread) and an API request beyond ``max_concurrent_requests`` (429 with
+  ``Retry-After``); probes (``/health``, ``/ready``) and ``/metrics`` are never refused;
+- writes one access-log line when the response ends: status, tokens and latency.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.datastructures import Headers
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from aiocb.server.limits import ServerLimits
+from aiocb.server.metrics import ServerMetrics
+from aiocb.server.protocol import APIError
+
+access_logger = logging.getLogger("aiocb.access")
+
+#: Paths that stay open whatever the load (and without an API key): probes and scrapers.
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+_SCOPE_KEY = "aiocb.access"
+_MAX_ID_CHARS = 128
+
+
+@dataclass(slots=True)
+class AccessRecord:
+    """What the access log says of one request; the handlers fill in the token counts."""
+
+    request_id: str
+    status: int = 500
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+def access_record(scope: Scope) -> AccessRecord:
+    """The record of the request in ``scope`` (a detached one outside the middleware)."""
+    record = scope.get(_SCOPE_KEY)
+    return record if isinstance(record, AccessRecord) else AccessRecord("")
+
+
+def request_id_from(value: str | None) -> str:
+    """The client's request id when it is 1 to 128 visible ASCII characters, else a fresh one."""
+    if value and len(value) <= _MAX_ID_CHARS and all("!" <= char <= "~" for char in value):
+        return value
+    return uuid.uuid4().hex
+
+
+class EdgeMiddleware:
+    """Request ids, the access log, the body-size precheck and the concurrency bound."""
+
+    def __init__(self, app: ASGIApp, *, limits: ServerLimits, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.limits = limits
+        self.metrics = metrics
+        #: API requests in flight (a stream until it ends)
+        self.in_flight = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        headers = Headers(scope=scope)
+        record = AccessRecord(request_id_from(headers.get("x-request-id")))
+        scope[_SCOPE_KEY] = record
+        id_header = (b"x-request-id", record.request_id.encode())
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                record.status = message["status"]
+                message = {**message, "headers": [*message.get("headers", ()), id_header]}
+            await send(message)
+
+        gated = scope["path"] not in OPEN_PATHS
+        try:
+            refusal = self._refusal(headers) if gated else None
+            if refusal is not None:
+                self.metrics.observe_error(refusal.status)
+                response = JSONResponse(refusal.to_dict(), status_code=refusal.status, headers=self._headers(refusal))
+                await response(scope, receive, send_with_id)
+                return
+            if gated:
+                self.in_flight += 1
+            try:
+                await self.app(scope, receive, send_with_id)
+            finally:
+                if gated:
+                    self.in_flight -= 1
+        finally:
+            self._log(scope, record, time.perf_counter() - started)
+
+    def _refusal(self, headers: Headers) -> APIError | None:
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.limits.max_request_bytes:
+            return self.limits.too_large(int(length))
+        bound = self.limits.max_concurrent_requests
+        if bound and self.in_flight >= bound:
+            return APIError(
+                429,
+                f"the server is handling its limit of {bound} concurrent requests "
+                "(--max-concurrent-requests); retry later",
+                type="rate_limit_exceeded",
+                code="too_many_concurrent_requests",
+            )
+        return None
+
+    def _headers(self, error: APIError) -> dict[str, str]:
+        if error.status == 413:
+            return {"Connection": "close"}  # the body was not read: the connection cannot go on
+        return {"Retry-After": str(self.limits.retry_after)}
+
+    def _log(self, scope: Scope, record: AccessRecord, seconds: float) -> None:
+        if not access_logger.isEnabledFor(logging.INFO):
+            return
+        client: Any = scope.get("client")
+        peer = f"{client[0]}:{client[1]}" if client else "-"
+        access_logger.info(
+            '%s "%s %s" %d request_id=%s prompt_tokens=%d completion_tokens=%d latency_ms=%.1f',
+            peer,
+            scope["method"],
+            scope["path"],
+            record.status,
+            record.request_id,
+            record.prompt_tokens,
+            record.completion_tokens,
+            seconds * 1e3,
+        )

@@ -1,0 +1,129 @@
+"""The server's bounds on what one request may cost, and the checks that enforce them.
+
+Every bound has a flag of ``aiocb serve`` and a default here; each refusal is an
+OpenAI-shaped error that names the bound (and the flag that raises it), so a client knows
+what to change and an operator knows what to tune. The checks run before the expensive
+work they protect: the body size before the body is read whole, the nesting depth while
+JSON is parsed, a prompt's character count before it is tokenized.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from aiocb.server.protocol import APIError, bad_request
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class ServerLimits:
+    """What one request may cost the server. ``0`` turns a count bound off.
+
+    Attributes:
+        max_request_bytes: request body size; larger ones get 413, refused from their
+            ``Content-Length`` before the body is read, or as soon as a body sent without
+            one grows past it.
+        max_json_depth: nesting of arrays and objects in a JSON body (400 beyond).
+        max_stop_strings: stop strings per request (400 beyond).
+        max_stop_string_chars: characters of one stop string (400 beyond).
+        max_concurrent_requests: requests on the API routes in flight at once, streams
+            counted until they end; one more gets 429 with ``Retry-After``.
+        body_timeout: seconds a client may take to send its body once its headers have
+            arrived (408 beyond).
+        retry_after: seconds a 429 or 503 response tells the client to wait.
+    """
+
+    max_request_bytes: int = 8 * MiB
+    max_json_depth: int = 64
+    max_stop_strings: int = 64
+    max_stop_string_chars: int = 1024
+    max_concurrent_requests: int = 1024
+    body_timeout: float = 60.0
+    retry_after: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("max_request_bytes", "max_json_depth"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("max_stop_strings", "max_stop_string_chars", "max_concurrent_requests", "retry_after"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0: no bound), got {getattr(self, name)}")
+        if not self.body_timeout > 0:
+            raise ValueError(f"body_timeout must be a positive number of seconds, got {self.body_timeout}")
+
+    def too_large(self, size: int | None = None) -> APIError:
+        """The 413 for a body over :attr:`max_request_bytes`."""
+        said = f" ({size} bytes)" if size is not None else ""
+        return APIError(
+            413,
+            f"the request body{said} is larger than the server's limit of {self.max_request_bytes} bytes "
+            "(--max-request-bytes)",
+            code="request_too_large",
+        )
+
+    def check_stop(self, stop: tuple[str, ...]) -> None:
+        """Refuse too many or too long stop strings."""
+        if self.max_stop_strings and len(stop) > self.max_stop_strings:
+            raise bad_request(
+                f"'stop' has {len(stop)} strings; the server allows at most {self.max_stop_strings} "
+                "(--max-stop-strings)",
+                "stop",
+            )
+        longest = max(map(len, stop), default=0)
+        if self.max_stop_string_chars and longest > self.max_stop_string_chars:
+            raise bad_request(
+                f"a 'stop' string has {longest} characters; the server allows at most "
+                f"{self.max_stop_string_chars} (--max-stop-string-chars)",
+                "stop",
+            )
+
+
+async def read_body(chunks: AsyncIterator[bytes], limits: ServerLimits) -> bytes:
+    """The whole body from ``chunks``, refused with 413 as soon as it outgrows the limit."""
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in chunks:
+        size += len(chunk)
+        if size > limits.max_request_bytes:
+            raise limits.too_large()
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def parse_json(body: bytes, max_depth: int) -> Any:
+    """The JSON value of ``body``; a 400 when it is not JSON or nests deeper than ``max_depth``."""
+    if not body:
+        raise bad_request("the request has no body; send a JSON object")
+    try:
+        value = json.loads(body)
+    except RecursionError:
+        raise _too_deep(max_depth) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc}") from None
+    # No body with fewer brackets than the bound can nest deeper than it: the common case
+    # (a prompt, even a list of a million token ids) skips the walk.
+    if body.count(b"[") + body.count(b"{") > max_depth and _depth_exceeds(value, max_depth):
+        raise _too_deep(max_depth)
+    return value
+
+
+def _depth_exceeds(value: Any, max_depth: int) -> bool:
+    stack: list[tuple[Any, int]] = [(value, 1)] if isinstance(value, (dict, list)) else []
+    while stack:
+        node, depth = stack.pop()
+        if depth > max_depth:
+            return True
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return False
+
+
+def _too_deep(max_depth: int) -> APIError:
+    return bad_request(
+        f"the request body nests JSON arrays and objects deeper than the server's limit of {max_depth} "
+        "levels (--max-json-depth)"
+    )

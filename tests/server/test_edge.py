@@ -1,0 +1,331 @@
+"""The server's edge: every bound refused clearly, request ids, the access log, readiness,
+draining, and an event loop that keeps serving while huge inputs are refused or tokenized."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+from transformers import PreTrainedModel
+
+import aiocb
+from aiocb.server import build_app
+from aiocb.server.app import begin_drain
+from aiocb.server.limits import MiB, ServerLimits
+from tests.server.conftest import MODEL_NAME, live_server, serve_config, wait_until_idle, wait_until_running
+from tests.server.test_asgi import assert_error, sse_events
+
+COMPLETIONS = "/v1/completions"
+
+
+def body(**fields: Any) -> dict[str, Any]:
+    return {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 4, **fields}
+
+
+@pytest.fixture
+async def limited(manager: aiocb.Manager, tokenizer: Any) -> AsyncIterator[httpx.AsyncClient]:
+    """The app over ASGI with small limits, to reach each one cheaply."""
+    limits = ServerLimits(
+        max_request_bytes=4096,
+        max_json_depth=4,
+        max_stop_strings=3,
+        max_stop_string_chars=8,
+        max_concurrent_requests=2,
+        body_timeout=0.5,
+        retry_after=7,
+    )
+    app = build_app(manager, tokenizer, MODEL_NAME, limits=limits)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+        yield http
+
+
+# --------------------------------------------------------------------------- bounds
+
+
+async def test_a_body_over_the_limit_is_413(limited: httpx.AsyncClient) -> None:
+    error = assert_error(await limited.post(COMPLETIONS, json=body(prompt="x" * 5000)), 413)
+    assert "--max-request-bytes" in error["message"] and "4096" in error["message"]
+
+    async def chunks() -> AsyncIterator[bytes]:  # no Content-Length: refused as it grows
+        for _ in range(10):
+            yield b" " * 1000
+
+    error = assert_error(await limited.post(COMPLETIONS, content=chunks()), 413)
+    assert error["code"] == "request_too_large"
+    assert (await limited.post(COMPLETIONS, json=body())).status_code == 200
+
+
+async def test_the_413_comes_before_the_body_is_read(manager: aiocb.Manager, tokenizer: Any) -> None:
+    limits = ServerLimits(max_request_bytes=1 * MiB)
+    async with live_server(manager, tokenizer, limits=limits) as server:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        head = f"POST {COMPLETIONS} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        writer.write(f"{head}Content-Length: {16 * MiB}\r\n\r\n".encode())  # and not one byte of it
+        await writer.drain()
+        status_line = await asyncio.wait_for(reader.readline(), 10)
+        response = await asyncio.wait_for(reader.read(), 10)  # the server closes the connection
+        writer.close()
+    assert status_line.startswith(b"HTTP/1.1 413"), status_line
+    assert b"--max-request-bytes" in response and b"x-request-id" in response.lower()
+
+
+async def test_nesting_beyond_the_limit_is_400(limited: httpx.AsyncClient, client: httpx.AsyncClient) -> None:
+    nested = {"a": {"b": {"c": {"d": 1}}}}  # depth 5 with the body itself
+    error = assert_error(await limited.post(COMPLETIONS, json=body(user=nested)), 400)
+    assert "--max-json-depth" in error["message"]
+    assert (await limited.post(COMPLETIONS, json=body(user={"a": {"b": 1}}))).status_code == 200
+    # 100,000 levels: a 400 (never a RecursionError's 500) with the default limits
+    error = assert_error(await client.post(COMPLETIONS, content=b"[" * 100_000 + b"]" * 100_000), 400)
+    assert "64 levels" in error["message"]
+
+
+async def test_stop_strings_are_bounded(limited: httpx.AsyncClient, client: httpx.AsyncClient) -> None:
+    error = assert_error(await limited.post(COMPLETIONS, json=body(stop=["a", "a", "b", "c"])), 400, "stop")
+    assert "--max-stop-strings" in error["message"]
+    error = assert_error(await limited.post(COMPLETIONS, json=body(stop="123456789")), 400, "stop")
+    assert "--max-stop-string-chars" in error["message"]
+    assert (await limited.post(COMPLETIONS, json=body(stop=["a", "bb", "12345678"]))).status_code == 200
+    many = [f"stop{i}" for i in range(10_000)]
+    assert_error(await client.post(COMPLETIONS, json=body(stop=many)), 400, "stop")
+    assert_error(await client.post(COMPLETIONS, json=body(stop="x" * MiB)), 400, "stop")
+    chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "stop": many}
+    assert_error(await client.post("/v1/chat/completions", json=chat), 400, "stop")
+
+
+async def test_a_prompt_too_long_by_its_length_is_refused_untokenized(
+    client: httpx.AsyncClient, manager: aiocb.Manager
+) -> None:
+    app_ctx = client._transport.app.state.aiocb  # type: ignore[attr-defined]
+    calls: list[int] = []
+    encode = app_ctx.encode
+    app_ctx.encode = lambda text, **kw: calls.append(len(text)) or encode(text, **kw)
+    bound = app_ctx.max_prompt_chars
+    error = assert_error(await client.post(COMPLETIONS, json=body(prompt="y" * (bound + 1))), 400, "prompt")
+    assert "cannot fit the model's context of 2048 tokens" in error["message"]
+    chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "y" * (bound + 1)}]}
+    assert_error(await client.post("/v1/chat/completions", json=chat), 400, "messages")
+    assert calls == []
+    # Under the bound it is tokenized, and the engine says it does not fit
+    error = assert_error(await client.post(COMPLETIONS, json=body(prompt="y " * 3000)), 400)
+    assert calls == [6000]
+    assert (await wait_until_idle(manager)).free_blocks == manager.statistics().total_blocks
+
+
+async def test_concurrent_requests_beyond_the_limit_are_429(manager: aiocb.Manager, tokenizer: Any) -> None:
+    limits = ServerLimits(max_concurrent_requests=2, retry_after=7)
+    async with live_server(manager, tokenizer, limits=limits) as server, httpx.AsyncClient(base_url=server.url) as http:
+        stream_body = body(max_tokens=1500, ignore_eos=True, stream=True)
+        async with (
+            http.stream("POST", COMPLETIONS, json=stream_body) as first,
+            http.stream("POST", COMPLETIONS, json=stream_body) as second,
+        ):
+            assert first.status_code == second.status_code == 200
+            await wait_until_running(manager, 2)
+            refused = await http.post(COMPLETIONS, json=body())
+            error = assert_error(refused, 429)
+            assert refused.headers["retry-after"] == "7"
+            assert "--max-concurrent-requests" in error["message"]
+            assert error["code"] == "too_many_concurrent_requests"
+            assert (await http.get("/health")).status_code == 200  # probes are never refused
+            assert (await http.get("/ready")).status_code == 200
+            assert (await http.get("/metrics")).status_code == 200
+        await wait_until_idle(manager)
+        assert (await http.post(COMPLETIONS, json=body())).status_code == 200  # the slots came back
+
+
+async def test_a_body_too_slow_to_arrive_is_408(limited: httpx.AsyncClient) -> None:
+    async def slow() -> AsyncIterator[bytes]:
+        yield b'{"prompt": '
+        await asyncio.sleep(2)
+        yield b'"x"}'
+
+    error = assert_error(await limited.post(COMPLETIONS, content=slow()), 408)
+    assert "--body-timeout" in error["message"]
+
+
+async def test_headers_too_slow_to_arrive_close_the_connection(manager: aiocb.Manager, tokenizer: Any) -> None:
+    async with live_server(manager, tokenizer, header_timeout=0.3) as server:
+        # Nothing at all, then a header trickling in, then a second request on a kept-alive connection.
+        idle_reader, idle_writer = await asyncio.open_connection("127.0.0.1", server.port)
+        slow_reader, slow_writer = await asyncio.open_connection("127.0.0.1", server.port)
+        slow_writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        started = time.perf_counter()
+        assert await asyncio.wait_for(idle_reader.read(), 5) == b""
+        assert await asyncio.wait_for(slow_reader.read(), 5) == b""
+        assert time.perf_counter() - started < 2
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await asyncio.wait_for(reader.readline(), 5)).startswith(b"HTTP/1.1 200")
+        writer.write(b"GET /health HTTP/1.1\r\n")  # the next request's headers never end
+        assert b"" in (await asyncio.wait_for(reader.read(), 5)).split(b"\r\n")
+        for w in (idle_writer, slow_writer, writer):
+            w.close()
+
+
+# --------------------------------------------------------------------------- request ids and the access log
+
+
+async def test_every_response_carries_a_request_id(
+    client: httpx.AsyncClient, limited: httpx.AsyncClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="aiocb.access"):
+        mine = await client.post(COMPLETIONS, json=body(), headers={"X-Request-Id": "trace-42"})
+        assert mine.headers["x-request-id"] == "trace-42"
+        fresh = [
+            await client.post(COMPLETIONS, json=body()),
+            await client.get("/nowhere"),
+            await client.get("/health"),
+            await limited.post(COMPLETIONS, json=body(prompt="x" * 5000)),  # 413
+            await client.post(COMPLETIONS, json=body(), headers={"X-Request-Id": "bad id" + "x" * 200}),
+        ]
+        async with client.stream("POST", COMPLETIONS, json=body(stream=True)) as stream:
+            events = sse_events((await stream.aread()).decode())
+    ids = [r.headers["x-request-id"] for r in [*fresh, stream]]
+    assert len(set(ids)) == len(ids) and all(len(i) == 32 for i in ids)
+    assert events[-1] == "[DONE]"
+    lines = [r.getMessage() for r in caplog.records if r.name == "aiocb.access"]
+    (line,) = [line for line in lines if "request_id=trace-42" in line]
+    assert '"POST /v1/completions" 200' in line
+    prompt_tokens = mine.json()["usage"]["prompt_tokens"]
+    assert f"prompt_tokens={prompt_tokens} completion_tokens=4 latency_ms=" in line
+    assert any(f"request_id={ids[-1]}" in line and "completion_tokens=4" in line for line in lines)  # the stream
+    assert any('"GET /nowhere" 404' in line for line in lines)
+    assert any('"POST /v1/completions" 413' in line for line in lines)
+
+
+# --------------------------------------------------------------------------- readiness and draining
+
+
+async def test_ready_and_health(model: PreTrainedModel, tokenizer: Any) -> None:
+    manager = aiocb.Manager(model, continuous_batching_config=serve_config())
+    app = build_app(manager, tokenizer, MODEL_NAME)
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http,
+    ):
+        assert (await http.get("/ready")).json() == {"status": "ready"}
+        assert (await http.get("/health")).status_code == 200
+        stream_body = body(max_tokens=1500, ignore_eos=True, stream=True)
+        running = asyncio.create_task(http.post(COMPLETIONS, json=stream_body))
+        await wait_until_running(manager, 1)
+        drain = begin_drain(app, timeout=0.3)
+        assert drain is not None
+        error = assert_error(await http.get("/ready"), 503)
+        assert "shutting down" in error["message"]
+        assert (await http.get("/health")).status_code == 200  # alive while draining
+        refused = await http.post(COMPLETIONS, json=body())
+        assert_error(refused, 503)
+        assert "retry-after" in refused.headers
+        events = sse_events((await running).text)
+        await drain
+        assert "aborted" in events[-2]["error"]["message"]  # the drain's timeout cut it short
+        assert events[-1] == "[DONE]"
+        assert not manager.is_running
+        assert_error(await http.get("/health"), 503)
+        assert_error(await http.get("/ready"), 503)
+    await manager.destroy()
+
+
+async def test_a_drain_lets_running_requests_finish(model: PreTrainedModel, tokenizer: Any) -> None:
+    manager = aiocb.Manager(model, continuous_batching_config=serve_config())
+    app = build_app(manager, tokenizer, MODEL_NAME)
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http,
+    ):
+        pending = asyncio.create_task(http.post(COMPLETIONS, json=body(max_tokens=64, ignore_eos=True)))
+        await wait_until_running(manager, 1)
+        drain = begin_drain(app, timeout=30)
+        assert drain is not None
+        response = await pending
+        await drain
+        assert response.status_code == 200
+        assert response.json()["choices"][0]["finish_reason"] == "length"
+        assert response.json()["usage"]["completion_tokens"] == 64
+    await manager.destroy()
+
+
+# --------------------------------------------------------------------------- the loop keeps serving
+
+
+async def test_the_loop_keeps_serving_while_huge_inputs_are_refused_or_tokenized(
+    manager: aiocb.Manager, tokenizer: Any
+) -> None:
+    lags: list[float] = []
+    health: list[float] = []
+
+    async def heartbeat() -> None:
+        while True:
+            before = time.perf_counter()
+            await asyncio.sleep(0.001)
+            lags.append(time.perf_counter() - before - 0.001)
+
+    async with live_server(manager, tokenizer) as server, httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+
+        async def probe() -> None:
+            while True:
+                before = time.perf_counter()
+                assert (await http.get("/health")).status_code == 200
+                health.append(time.perf_counter() - before)
+                await asyncio.sleep(0.02)
+
+        stream_body = body(max_tokens=1000, ignore_eos=True, stream=True)
+        async with http.stream("POST", COMPLETIONS, json=stream_body) as stream:
+            chunks = stream.aiter_lines()
+            await anext(chunks)
+            beat = asyncio.create_task(heartbeat())
+            probes = asyncio.create_task(probe())
+
+            async def huge() -> int:  # 16 MiB sent chunked: read up to the limit, then refused
+                async def parts() -> AsyncIterator[bytes]:
+                    yield b'{"prompt": "'
+                    for _ in range(16):
+                        yield b"z" * MiB
+                    yield b'"}'
+
+                try:
+                    return (await http.post(COMPLETIONS, content=parts())).status_code
+                except httpx.TransportError:
+                    return 413  # the server answered and closed while the client was still sending
+
+            million = "The quick brown fox jumps over the lazy dog. " * 22_223  # a million characters
+            statuses = await asyncio.gather(
+                huge(),
+                http.post("/tokenize", json={"prompt": million}),
+                http.post(COMPLETIONS, json=body(prompt="z " * 20_000)),  # tokenized, then too long
+            )
+            received = 0
+            async for line in chunks:  # the stream went on meanwhile and still does
+                received += line.startswith("data: {")
+                if received == 20:
+                    break
+            beat.cancel()
+            probes.cancel()
+    assert statuses[0] == 413
+    assert statuses[1].status_code == 200 and statuses[1].json()["count"] > 100_000
+    assert_error(statuses[2], 400)
+    lags.sort()
+    p99 = lags[int(len(lags) * 0.99)]
+    logging.getLogger(__name__).info("loop lag p99 %.2f ms, max %.2f ms", p99 * 1e3, lags[-1] * 1e3)
+    # Generous against a loaded 2-core runner: tokenizing the million characters on the
+    # loop held it for about a second.
+    assert p99 < 0.05 and lags[-1] < 0.25, (p99, lags[-1])
+    assert max(health) < 0.25, max(health)
+    assert received == 20
+    await wait_until_idle(manager)
+
+
+def test_limits_are_validated() -> None:
+    with pytest.raises(ValueError, match="max_request_bytes"):
+        ServerLimits(max_request_bytes=0)
+    with pytest.raises(ValueError, match="max_concurrent_requests"):
+        ServerLimits(max_concurrent_requests=-1)
+    with pytest.raises(ValueError, match="body_timeout"):
+        ServerLimits(body_timeout=0)
+    assert json.loads(json.dumps(ServerLimits().max_request_bytes)) == 8 * MiB
