@@ -10,6 +10,7 @@ import itertools
 import logging
 import random
 import time
+import traceback
 import types
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -93,6 +94,9 @@ class Manager:
         cached = getattr(model, _CACHED_MANAGER_ATTR, None)
         if persistent_manager and isinstance(cached, cls) and cached._state is not _State.DESTROYED:
             return cached
+        # Before the manager exists, so that it (and the runner and cache it will build)
+        # stays out of the frozen set; see _freeze_long_lived_objects.
+        _freeze_long_lived_objects()
         return super().__new__(cls)
 
     def __init__(
@@ -124,6 +128,8 @@ class Manager:
         self._task: asyncio.Task[None] | None = None
         self._runner: ModelRunner | None = None
         self._steps: StepLoop | None = None
+        #: the last statistics, kept when destroy() drops the step loop and its scheduler
+        self._final_statistics: ManagerStatistics | None = None
         self._dead_error: EngineDeadError | None = None
         self._handles: dict[str, RequestHandle] = {}
         self._results: deque[RequestHandle] = deque()
@@ -163,7 +169,6 @@ class Manager:
                 raise self._wrong_loop()
             logger.warning("Manager.start(): the manager is already running")
             return
-        _freeze_long_lived_objects()
         if self._runner is None:
             self._runner = build_runner(
                 self.model, self.config, num_requests_hint=self._num_requests_hint, keep_cache=self.persistent
@@ -216,7 +221,12 @@ class Manager:
             await asyncio.shield(self._task)
 
     async def destroy(self) -> None:
-        """Stop if running, free the cache and forget the model; idempotent, final."""
+        """Stop if running, free the cache and forget the model; idempotent, final.
+
+        When it returns, nothing in the manager refers to the model runner, its KV cache
+        or the step loop any more: they are freed by reference counting alone, whether or
+        not the manager itself is kept. Outputs not yet read stay readable.
+        """
         if self._state is _State.DESTROYED:
             return
         if self.is_running:
@@ -224,6 +234,16 @@ class Manager:
         if self._runner is not None:
             self._runner.detach()
             self._runner = None
+        if self._steps is not None:
+            self._final_statistics = self.statistics()
+            self._steps.close()
+            self._steps = None  # the scheduler, its block pool and prefix maps
+        self._task = None
+        if self._dead_error is not None:
+            # The failure's traceback holds the failed step's frames, and through them the
+            # runner and the cache, for as long as any awaiter keeps the error; it is also
+            # a cycle: error -> traceback -> _run_steps frame -> manager -> error.
+            _release_tracebacks(self._dead_error)
         if getattr(self.model, _CACHED_MANAGER_ATTR, None) is self:
             delattr(self.model, _CACHED_MANAGER_ATTR)
         self._state = _State.DESTROYED
@@ -257,6 +277,10 @@ class Manager:
             self._end_session()
 
     def _end_session(self) -> None:
+        if self._steps is not None:
+            # The session's step loop is kept for statistics() only: drop its references
+            # to the runner and to this manager (its callback), a cycle otherwise.
+            self._steps.close()
         if self._runner is not None:
             self._runner.detach()
             if not self.persistent:
@@ -276,6 +300,8 @@ class Manager:
             handle.error = self._dead_error
             handle.notify()
         self._fail_room_waiters(self._dead_error)
+        if self._steps is not None:
+            self._steps.close()
         if self._runner is not None:
             self._runner.detach()
         self._results_changed.set()
@@ -428,6 +454,8 @@ class Manager:
     def statistics(self) -> ManagerStatistics:
         """A snapshot of queue lengths, cache use and counters."""
         steps = self._steps
+        if steps is None and self._final_statistics is not None:
+            return self._final_statistics
         if steps is None:
             return ManagerStatistics(self.is_running, 0, 0, 0, 0, 0.0, 0, 0, 0, 0, 0, 0, 0, 0)
         scheduler = steps.scheduler
@@ -795,12 +823,47 @@ def _freeze_long_lived_objects() -> None:
     """Move everything alive now (torch, transformers, the model) out of the garbage
     collector's view, once per process: otherwise every full collection rescans hundreds
     of thousands of objects that never die, a pause of hundreds of milliseconds that
-    stalls the event loop (and the step thread, through the GIL)."""
+    stalls the event loop (and the step thread, through the GIL).
+
+    It runs when the first manager is being created, before that manager exists: the
+    objects that make the pauses long (modules, the model's parameters and submodules,
+    the libraries' registries) are all alive by then, since the model is an argument,
+    while the manager, its runner and its KV cache are not, so they are not frozen. A
+    frozen object is never collected by the cyclic collector, so freezing a manager
+    would pin anything in a reference cycle with it (its step loop, and through that the
+    runner and the cache) for the life of the process."""
     global _frozen
     if not _frozen:
         _frozen = True
         gc.collect()
         gc.freeze()
+
+
+def _release_tracebacks(error: BaseException) -> None:
+    """Detach the tracebacks of ``error`` and of its causes and contexts, keeping them as text.
+
+    A traceback holds the frames of the failed step (the step loop, the runner, the
+    batch's tensors, and through the closures of the frames' functions, the attention
+    metadata and with it the KV cache) for as long as anyone holds the error. Each one
+    becomes a note on its exception, so that printing the error still shows where it was
+    raised, and its frames' locals are cleared for whoever holds the traceback itself (a
+    logging record, say).
+    """
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [error]
+    while pending:
+        exc = pending.pop()
+        if exc is None or id(exc) in seen:
+            continue
+        seen.add(id(exc))
+        pending += [exc.__cause__, exc.__context__]
+        tb = exc.__traceback__
+        if tb is None:
+            continue
+        frames = "".join(traceback.format_tb(tb))
+        exc.add_note(f"Traceback (frames released when the manager was destroyed):\n{frames.rstrip()}")
+        traceback.clear_frames(tb)
+        exc.__traceback__ = None
 
 
 def _fresh(error: BaseException) -> BaseException:

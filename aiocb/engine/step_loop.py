@@ -33,7 +33,8 @@ class StepLoop:
 
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, on_step: StepCallback) -> None:
         self.scheduler = scheduler
-        self.runner = runner
+        #: None once :meth:`close` ended the session
+        self.runner: ModelRunner | None = runner
         self._on_step = on_step
         self._work = asyncio.Event()
         self._draining = False
@@ -56,7 +57,21 @@ class StepLoop:
     def finish(self, request: Request, reason: FinishReason, **kwargs: object) -> None:
         """End a request now (cancel, abort); its blocks are free when this returns."""
         self.scheduler.finish(request, reason, time.perf_counter(), **kwargs)  # type: ignore[arg-type]
-        self.runner.notify("cancel", request.request_id, reason.value)
+        if self.runner is not None:
+            self.runner.notify("cancel", request.request_id, reason.value)
+
+    def close(self) -> None:
+        """Forget the runner and the step callback once the session is over.
+
+        The callback is a bound method of the manager, which holds this loop: a reference
+        cycle that only the cyclic garbage collector could free, and never if the manager
+        was frozen (``gc.freeze``). Dropping both lets reference counting free the runner
+        and its cache as soon as the manager lets go of them. The scheduler stays, for the
+        statistics of the ended session.
+        """
+        self.runner = None
+        self._on_step = _ignore_step
+        self._deadlines.clear()
 
     def drain(self) -> None:
         """Let :meth:`run` return once every queued and running request has ended."""
@@ -72,16 +87,21 @@ class StepLoop:
         work of step N+1.
         """
         loop = asyncio.get_running_loop()
+        runner = self.runner
+        if runner is None:
+            raise RuntimeError("this step loop was closed; a new session needs a new StepLoop")
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aiocb-step")
         # Waiting for a GPU step's results must not queue behind the next launch.
         self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aiocb-wait")
         in_flight: tuple[SchedulerOutput, asyncio.Future[PendingStep]] | None = None
-        pipelined = self.runner.async_batching
+        pipelined = runner.async_batching
+        idle = False  # whether the loop ends with nothing left in the worker threads
         try:
             while True:
                 self._expire_deadlines()
                 if not self.scheduler.has_work and in_flight is None:
                     if self._draining:
+                        idle = True
                         return
                     self._work.clear()
                     await self._work.wait()
@@ -96,15 +116,15 @@ class StepLoop:
                     launched = None
                     if output is not None:
                         batch = snapshot(output, in_flight[0] if in_flight else None)
-                        launched = loop.run_in_executor(self._executor, self.runner.launch, batch)
+                        launched = loop.run_in_executor(self._executor, runner.launch, batch)
                     done, result = None, None
                     if in_flight is not None:
                         done = in_flight[0]
-                        result = await self._collect(await in_flight[1])
+                        result = await self._collect(runner, await in_flight[1])
                     in_flight = None if launched is None or output is None else (output, launched)
                 else:
                     assert output is not None
-                    result = await loop.run_in_executor(self._executor, self.runner.execute, snapshot(output))
+                    result = await loop.run_in_executor(self._executor, runner.execute, snapshot(output))
                     done = output
                 now = time.perf_counter()
                 self.busy_seconds += now - started
@@ -120,16 +140,21 @@ class StepLoop:
                     future.exception()  # retrieved: the loop's own error is the one that matters
                 else:
                     future.cancel()
-            self._executor.shutdown(wait=False)
-            self._waiter.shutdown(wait=False)
-            self._executor = None
+            # A worker thread keeps its last work item (the runner's bound method) until it
+            # takes the next one from its queue: when idle, wait for both threads to exit
+            # (they have nothing left but that, a fraction of a millisecond), so the
+            # runner and its cache can be freed as soon as the session ends. After a
+            # failure a step may still be running: do not block the loop on it.
+            self._executor.shutdown(wait=idle)
+            self._waiter.shutdown(wait=idle)
+            self._executor = self._waiter = None
 
-    async def _collect(self, pending: PendingStep) -> StepResult:
+    async def _collect(self, runner: ModelRunner, pending: PendingStep) -> StepResult:
         """A launched step's results; a device step is waited for off the loop thread."""
         if pending.event is None:
-            return self.runner.collect(pending)  # a CPU step: already computed
+            return runner.collect(pending)  # a CPU step: already computed
         assert self._waiter is not None
-        return await asyncio.get_running_loop().run_in_executor(self._waiter, self.runner.collect, pending)
+        return await asyncio.get_running_loop().run_in_executor(self._waiter, runner.collect, pending)
 
     def _expire_deadlines(self) -> None:
         if not self._deadlines:
@@ -143,3 +168,7 @@ class StepLoop:
                 expired.append(request)
         if expired:
             self._on_step([], expired)
+
+
+def _ignore_step(updated: list[Request], finished: list[Request]) -> None:
+    """The step callback of a closed step loop."""

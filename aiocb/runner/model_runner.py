@@ -178,8 +178,11 @@ class ModelRunner:
             )  # fmt: skip
             return None
         blocks = self.config.max_blocks_per_request or DEFAULT_MAX_BLOCKS_PER_REQUEST
+        # The forward closes over the model, not over self: runner -> graphs -> forward ->
+        # runner would be a cycle, keeping the cache alive until a cyclic collection.
+        decode_model = self._decode_model
         return DecodeGraphs(
-            lambda ids, pos, keep, meta: _forward(self._decode_model, ids, pos, keep, meta),
+            lambda ids, pos, keep, meta: _forward(decode_model, ids, pos, keep, meta),
             self.cache,
             self.backends,
             self.plan.max_requests_per_batch,
