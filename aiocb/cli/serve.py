@@ -100,7 +100,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-header-bytes",
         type=int,
         default=16384,
-        help="bytes of request line and headers at most; beyond them the connection gets 400 (default 16384)",
+        help="bytes of request line and headers at most; beyond them the connection gets 431 (default 16384)",
     )
     limits = parser.add_argument_group("request limits", "ServerLimits fields: what one request may cost")
     for flag, kwargs in _dataclass_flags(ServerLimits, prefix="limit_"):
@@ -164,7 +164,7 @@ def run_serve(args: argparse.Namespace) -> int:
         import uvicorn
 
         from aiocb.server import build_app
-        from aiocb.server.connections import DrainingServer, h11_protocol
+        from aiocb.server.connections import DrainingServer, http_protocol
     except ImportError as exc:
         print(f"aiocb serve needs the 'serve' extra (pip install 'aiocb[serve]'): {exc}", file=sys.stderr)
         return 2
@@ -185,7 +185,7 @@ def run_serve(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         loop=loop,
-        http=h11_protocol(args.header_timeout),
+        http=http_protocol(args.header_timeout, args.max_header_bytes),
         log_level=args.log_level,
         access_log=False,  # aiocb.access logs each request with its id, tokens and latency
         limit_concurrency=args.max_connections,
