@@ -16,6 +16,14 @@ event loop, each asking for ``--max-tokens`` tokens with EOS ignored, and record
     python bench/serve_load.py                  # 500 clients x 32 tokens
     python bench/serve_load.py --quick          # 50 clients x 8 tokens, smoke test
     python bench/serve_load.py --json out.json  # also write the numbers
+    python bench/serve_load.py --frontend-cost  # server CPU per token against Manager.stream
+
+``--frontend-cost`` serves a near-zero-compute model (one layer, hidden size 16), so that
+what is measured is the host work around the forward pass. It streams the same requests
+(``--clients`` x ``--max-tokens``, token-id prompts, sampled, EOS ignored) through the
+server and, in a fresh process, through ``Manager.stream`` directly, ``--repeats`` times
+each, interleaved, and compares the CPU time of the process that serves them per
+generated token. The ratio is printed last.
 
 The markdown table is printed last. The run is bounded: every request has a timeout and
 the server is stopped at the end, whatever happens.
@@ -40,6 +48,8 @@ from typing import Any
 
 if __package__ in (None, ""):  # run as `python bench/serve_load.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import psutil
 
 from bench.common import REPO_ROOT, CpuContention, build_model, machine_info, markdown_table
 
@@ -256,13 +266,7 @@ async def run_load(args: argparse.Namespace, model_dir: Path, tokenizer: Any, se
                     break
                 await asyncio.sleep(0.05)
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGINT)
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop_server(process)
     errors = [r.error for r in results if not r.ok and r.error is not None]
     ttfts = [r.ttft_s for r in results if r.ok and r.ttft_s is not None]
     latencies = [r.latency_s for r in results if r.ok]
@@ -291,6 +295,134 @@ async def run_load(args: argparse.Namespace, model_dir: Path, tokenizer: Any, se
         client_cores=cpu.own_cores,
         other_cores=cpu.other_cores,
     )
+
+
+#: The near-zero-compute model of ``--frontend-cost``: what it measures is the host's work.
+_TINY_COMPUTE = {"num_hidden_layers": 1, "hidden_size": 16, "intermediate_size": 32, "num_attention_heads": 2,
+                 "num_key_value_heads": 1, "head_dim": 8}  # fmt: skip
+
+
+@dataclass
+class FrontendCost:
+    clients: int
+    max_tokens: int
+    repeats: int
+    #: CPU microseconds of the serving process per generated token, one value per repeat
+    server_us_per_token: list[float]
+    in_process_us_per_token: list[float]
+    ratio_median: float
+    machine: dict[str, Any] = field(default_factory=dict)
+    command: str = ""
+
+
+def save_tiny_compute_model(directory: Path) -> Any:
+    """Save the near-zero-compute model and its tokenizer; returns the tokenizer."""
+    tokenizer = build_tokenizer(vocab_size=2048)
+    model = build_model(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, **_TINY_COMPUTE)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return tokenizer
+
+
+def frontend_prompts(tokenizer: Any, count: int) -> list[list[int]]:
+    rng = random.Random(1)
+    return [tokenizer.encode(" ".join(rng.choice(_WORDS) for _ in range(12))) for _ in range(count)]
+
+
+def cpu_seconds(pid: int | None = None) -> float:
+    times = psutil.Process(pid).cpu_times()
+    return float(times.user + times.system)
+
+
+async def in_process_cost(model_dir: Path, clients: int, max_tokens: int, threads: int) -> float:
+    """CPU microseconds per token of this process streaming the requests through ``Manager.stream``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import aiocb
+
+    torch.set_num_threads(threads)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    prompts = frontend_prompts(tokenizer, clients)
+
+    async def one(manager: aiocb.Manager, prompt: list[int], seed: int, tokens: int) -> int:
+        rid = await manager.add_request(prompt, max_new_tokens=tokens, temperature=0.8, seed=seed, eos_token_id=[])
+        count = 0
+        async for output in manager.stream(rid):
+            count = len(output.generated_tokens)
+        return count
+
+    async with aiocb.Manager(model) as manager:
+        await asyncio.gather(*(one(manager, p, i, 4) for i, p in enumerate(prompts[:8])))  # warm-up
+        before = cpu_seconds()
+        counts = await asyncio.gather(*(one(manager, p, i, max_tokens) for i, p in enumerate(prompts)))
+        spent = cpu_seconds() - before
+    return spent / sum(counts) * 1e6
+
+
+async def server_cost(model_dir: Path, tokenizer: Any, args: argparse.Namespace, server_log: Any) -> float:
+    """CPU microseconds per token of the server process streaming the requests over HTTP."""
+    import httpx
+
+    port = free_port()
+    process = start_server(model_dir, port, ["--torch-threads", str(args.server_threads or 1)], server_log)
+    prompts = frontend_prompts(tokenizer, args.clients)
+    limits = httpx.Limits(max_connections=args.clients + 16, max_keepalive_connections=args.clients + 16)
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", limits=limits, timeout=None) as http:
+            await wait_healthy(http, process)
+            await asyncio.gather(*(one_client(http, p, 4, i, 120) for i, p in enumerate(prompts[:8])))
+            before = cpu_seconds(process.pid)
+            results = await asyncio.gather(
+                *(one_client(http, p, args.max_tokens, i, args.timeout) for i, p in enumerate(prompts))
+            )
+            spent = cpu_seconds(process.pid) - before
+    finally:
+        stop_server(process)
+    failed = [r.error for r in results if not r.ok]
+    if failed:
+        raise RuntimeError(f"{len(failed)} requests failed, e.g. {failed[0]}")
+    return spent / sum(r.completion_tokens for r in results) * 1e6
+
+
+def run_frontend_cost(args: argparse.Namespace, tmp: Path, server_log: Any) -> FrontendCost:
+    model_dir = tmp / "tiny-compute"
+    tokenizer = save_tiny_compute_model(model_dir)
+    server: list[float] = []
+    in_process: list[float] = []
+    for repeat in range(args.repeats):
+        server.append(_run_loop(server_cost(model_dir, tokenizer, args, server_log)))
+        command = [sys.executable, __file__, "--in-process-baseline", str(model_dir), "--clients", str(args.clients)]
+        command += ["--max-tokens", str(args.max_tokens), "--server-threads", str(args.server_threads or 1)]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO_ROOT)}
+        done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+        in_process.append(float(done.stdout.strip().splitlines()[-1]))
+        print(
+            f"repeat {repeat + 1}: server {server[-1]:.0f} us/token, Manager.stream {in_process[-1]:.0f} us/token",
+            flush=True,
+        )
+    ratios = sorted(s / i for s, i in zip(server, in_process, strict=True))
+    return FrontendCost(args.clients, args.max_tokens, args.repeats, server, in_process, ratios[len(ratios) // 2])
+
+
+def stop_server(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _run_loop(coroutine: Any) -> Any:
+    try:
+        import uvloop
+
+        return uvloop.run(coroutine)
+    except ImportError:
+        return asyncio.run(coroutine)
 
 
 def table(report: Report) -> str:
@@ -327,11 +459,41 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--quick", action="store_true", help="50 clients x 8 tokens, a smoke test")
     parser.add_argument("--json", type=Path, default=None, help="also write the report as JSON here")
+    parser.add_argument(
+        "--frontend-cost",
+        action="store_true",
+        help="server CPU per token against Manager.stream in-process, near-zero-compute model (256 x 64 by default)",
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="--frontend-cost: runs of each (default 3)")
+    parser.add_argument("--in-process-baseline", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.in_process_baseline is not None:  # the baseline's own process (see run_frontend_cost)
+        threads = args.server_threads or 1
+        print(_run_loop(in_process_cost(args.in_process_baseline, args.clients, args.max_tokens, threads)))
+        return 0
     if args.quick:
         args.clients, args.max_tokens = min(args.clients, 50), min(args.max_tokens, 8)
     machine = machine_info()
     print(machine.describe(), flush=True)
+    command = " ".join(["python", "bench/serve_load.py", *(argv if argv is not None else sys.argv[1:])])
+    if args.frontend_cost:
+        if "--clients" not in (argv if argv is not None else sys.argv):
+            args.clients = 256
+        if "--max-tokens" not in (argv if argv is not None else sys.argv):
+            args.max_tokens = 64
+        with tempfile.TemporaryDirectory(prefix="aiocb-frontend-") as tmp, open(Path(tmp) / "log", "w+b") as log:
+            cost = run_frontend_cost(args, Path(tmp), log)
+        cost.machine, cost.command = machine.as_dict(), command
+        if args.json is not None:
+            args.json.write_text(json.dumps(asdict(cost), indent=2) + "\n")
+        server_range = f"{min(cost.server_us_per_token):.0f}-{max(cost.server_us_per_token):.0f}"
+        stream_range = f"{min(cost.in_process_us_per_token):.0f}-{max(cost.in_process_us_per_token):.0f}"
+        print(
+            f"\n{cost.clients} streams x {cost.max_tokens} tokens, {cost.repeats} runs each: server "
+            f"{server_range} us/token, Manager.stream {stream_range} us/token of CPU"
+        )
+        print(f"frontend cost ratio (server / Manager.stream, median): {cost.ratio_median:.2f}x")
+        return 0
     with tempfile.TemporaryDirectory(prefix="aiocb-serve-load-") as tmp:
         model_dir = Path(tmp) / "model"
         tokenizer = save_model(model_dir)
@@ -351,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
                 if log:
                     print("server log (last lines):\n" + "\n".join(log.splitlines()[-20:]), file=sys.stderr)
     report.machine = machine.as_dict()
-    report.command = " ".join(["python", "bench/serve_load.py", *(argv if argv is not None else sys.argv[1:])])
+    report.command = command
     if report.error_samples:
         print("errors:", *report.error_samples, sep="\n  ")
     ok = report.errors == 0 and report.leaked_blocks == 0 and report.running_after == 0 and report.waiting_after == 0

@@ -9,8 +9,8 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
+from aiocb.detokenize import IncrementalDetokenizer
 from aiocb.server.context import ServerContext, finite
-from aiocb.server.detokenize import IncrementalDetokenizer
 from aiocb.server.limits import parse_json
 from aiocb.server.protocol import DEFAULT_COMPLETION_MAX_TOKENS, CompletionRequest, parse_completion_request
 from aiocb.server.serving import (

@@ -18,10 +18,10 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
+from aiocb.detokenize import IncrementalDetokenizer, StopStringMatcher
 from aiocb.engine.manager import Manager, RequestStream
 from aiocb.outputs import FinishReason, GenerationOutput, RequestStatus
 from aiocb.server.context import ServerContext
-from aiocb.server.detokenize import IncrementalDetokenizer, StopStringMatcher
 from aiocb.server.edge import AccessRecord
 from aiocb.server.protocol import APIError, SamplingRequest
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+import orjson
 from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -20,19 +20,24 @@ DONE = b"data: [DONE]\n\n"
 
 
 #: Characters that ``str.splitlines`` (and so httpx's ``aiter_lines`` and requests'
-#: ``iter_lines``) breaks lines at, which JSON leaves raw inside strings: escaped, so a
-#: generated U+2028 does not cut an event in two on the client.
-_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+#: ``iter_lines``) breaks lines at, which JSON leaves raw inside strings, as UTF-8: escaped,
+#: so a generated U+2028 does not cut an event in two on the client. They can only occur
+#: inside JSON strings, where the escape means the same character.
+_LINE_BREAKS = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"))
 
 
-def dumps(value: Any) -> str:
-    """Compact JSON on one line for any line splitter; other non-ASCII text kept as is."""
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKS)
+def dumps(value: Any) -> bytes:
+    """Compact JSON (UTF-8, non-ASCII kept as is) that stays on one line for any line splitter."""
+    data = orjson.dumps(value)
+    if b"\xc2\x85" in data or b"\xe2\x80" in data:
+        for raw, escaped in _LINE_BREAKS:
+            data = data.replace(raw, escaped)
+    return data
 
 
 def event(value: Any) -> bytes:
     """One ``data:`` event."""
-    return b"data: " + dumps(value).encode() + b"\n\n"
+    return b"data: " + dumps(value) + b"\n\n"
 
 
 async def events(chunks: AsyncIterator[dict[str, Any]], metrics: ServerMetrics) -> AsyncIterator[bytes]:

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from aiocb.server.detokenize import IncrementalDetokenizer, StopStringMatcher
+from aiocb.detokenize import IncrementalDetokenizer, StopStringMatcher
 
 TEXTS = [
     "Héllo wörld, naïve café!",
@@ -105,3 +105,40 @@ def test_no_stop_strings_passes_text_through() -> None:
     matcher = StopStringMatcher(["", ""])
     assert matcher.feed("anything") == "anything"
     assert matcher.held == ""
+
+
+class _DecodeOnly:
+    """A tokenizer with nothing but ``decode``: the detokenizer's window method."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        text: str = self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        return text
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_the_decode_stream_and_the_window_method_give_the_same_deltas(
+    tokenizer: Any, skip_special_tokens: bool
+) -> None:
+    rng = random.Random(1)
+    specials = tokenizer.all_special_ids
+    for _ in range(30):
+        ids = [rng.choice(specials) if rng.random() < 0.05 else rng.randrange(len(tokenizer)) for _ in range(50)]
+        context = [rng.randrange(len(tokenizer)) for _ in range(rng.randint(0, 8))]
+        runs = []
+        for tok in (tokenizer, _DecodeOnly(tokenizer)):
+            detokenizer = IncrementalDetokenizer(tok, context, skip_special_tokens=skip_special_tokens)
+            deltas = [detokenizer.add(i) for i in ids[:25]]
+            deltas.append(detokenizer.flush())  # mid-way, as after a held character
+            deltas += [detokenizer.add(i) for i in ids[25:]]
+            deltas.append(detokenizer.flush())
+            runs.append((deltas, detokenizer.num_chars))
+        assert runs[0] == runs[1]
+
+
+def test_a_fast_tokenizer_decodes_through_the_stream(tokenizer: Any) -> None:
+    prompt = tokenizer.encode("Once upon a time", add_special_tokens=False)
+    assert IncrementalDetokenizer(tokenizer, prompt)._stream is not None
+    assert IncrementalDetokenizer(_DecodeOnly(tokenizer), prompt)._stream is None

@@ -3,8 +3,9 @@
 :class:`IncrementalDetokenizer` turns each new token into the text it adds. A token that
 ends inside a multi-byte character (byte-level BPE splits UTF-8 freely) adds nothing until
 the character is complete, so a delta never carries half a character or a stray U+FFFD.
-It decodes a small window of recent tokens rather than the whole sequence, so the cost of
-a token does not grow with the length of the output.
+With a fast (``tokenizers``) tokenizer it is the library's own ``DecodeStream``, one call
+into Rust per token; with any other tokenizer it decodes a small window of recent tokens
+(the same "offsets" method), so the cost of a token never grows with the output.
 
 :class:`StopStringMatcher` finds stop strings in that text as it grows. Text that could be
 the start of a stop string is held back until it is known not to be one; when a stop
@@ -16,36 +17,66 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
 #: Prompt tokens decoded with the first generated ones, so that a tokenizer that drops a
 #: leading space at the start of a text (SentencePiece) puts it back where it belongs.
 _CONTEXT_TOKENS = 5
 _REPLACEMENT = "\ufffd"
 
 
-class IncrementalDetokenizer:
-    """Text deltas for token ids added one by one (the TGI / vLLM "offsets" method).
+def _stream_backend(tokenizer: Any) -> Tokenizer | None:
+    """The ``tokenizers.Tokenizer`` behind ``tokenizer`` when decoding through it alone gives
+    what ``tokenizer.decode`` gives (no Python post-processing of the text), else None."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if not isinstance(backend, Tokenizer):
+        return None
+    if getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        bpe = type(backend.model).__name__ == "BPE"  # transformers skips the clean-up for BPE
+        if not bpe or getattr(
+            tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False
+        ):
+            return None
+    return backend
 
-    ``prefix`` is the text the last emitted window decodes to; a new token is decoded with
-    that window, and what follows the prefix is the token's text, unless it ends in an
-    incomplete character, in which case the token waits for the next one.
+
+class IncrementalDetokenizer:
+    """Text deltas for token ids added one by one.
+
+    ``context_ids`` (the prompt) are decoded with the first tokens but never emitted. The
+    concatenated deltas, with :meth:`flush` at the end, equal ``tokenizer.decode`` of the
+    added ids.
     """
 
     def __init__(self, tokenizer: Any, context_ids: Sequence[int] = (), *, skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
-        self._ids: list[int] = list(context_ids[-_CONTEXT_TOKENS:]) if context_ids else []
+        context = list(context_ids[-_CONTEXT_TOKENS:]) if context_ids else []
+        self._backend = _stream_backend(tokenizer)
+        self._stream = self._new_stream(self._backend, context) if self._backend else None
+        # The window of the offsets method; with a stream, only what flush() needs: the
+        # last tokens that produced text, then the ones still held.
+        self._ids: list[int] = context
         self._prefix_offset = 0
-        self._read_offset = len(self._ids)
+        self._read_offset = len(context)
         #: characters of text emitted so far (not counting the context)
         self.num_chars = 0
 
     def add(self, token_id: int) -> str:
         """Append one token; returns the text it completes (often all of its own text, maybe "")."""
         self._ids.append(token_id)
+        if self._stream is not None:
+            text = self._stream.step(self._backend, token_id)  # type: ignore[arg-type]  # set with the stream
+            if not text:
+                return ""  # a special token skipped, or a character still incomplete
+            self._advance()
+            self.num_chars += len(text)
+            return text
         prefix = self._decode(self._prefix_offset, self._read_offset)
         text = self._decode(self._prefix_offset, len(self._ids))
         if len(text) <= len(prefix) or text.endswith(_REPLACEMENT):
-            return ""  # a special token skipped, or a character still incomplete
+            return ""
         delta = text[len(prefix) :]
         self._advance()
         self.num_chars += len(delta)
@@ -57,12 +88,25 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """The text of tokens still held (an incomplete character at the very end), as it decodes."""
+        if self._read_offset == len(self._ids):
+            return ""
         prefix = self._decode(self._prefix_offset, self._read_offset)
         text = self._decode(self._prefix_offset, len(self._ids))
         self._advance()
+        if self._stream is not None and self._backend is not None:
+            # The held tokens are spent: a later token starts after them, as with a decode.
+            self._stream = self._new_stream(self._backend, self._ids[-_CONTEXT_TOKENS:])
         delta = text[len(prefix) :] if len(text) > len(prefix) else ""
         self.num_chars += len(delta)
         return delta
+
+    def _new_stream(self, backend: Tokenizer, context: list[int]) -> DecodeStream | None:
+        """A stream that has decoded ``context`` and will emit only what follows it; None
+        when ``context`` ends inside a character (the stream would emit its bytes later)."""
+        stream = DecodeStream(skip_special_tokens=self._skip_special)
+        if context and stream.step(backend, context) is None and self._decode_ids(context):
+            return None
+        return stream
 
     def _advance(self) -> None:
         self._prefix_offset = self._read_offset
@@ -73,9 +117,10 @@ class IncrementalDetokenizer:
             self._prefix_offset = 0
 
     def _decode(self, start: int, end: int) -> str:
-        if start >= end:
-            return ""
-        text: str = self._tokenizer.decode(self._ids[start:end], skip_special_tokens=self._skip_special)
+        return self._decode_ids(self._ids[start:end]) if start < end else ""
+
+    def _decode_ids(self, ids: list[int]) -> str:
+        text: str = self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
         return text
 
 
