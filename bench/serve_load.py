@@ -23,7 +23,9 @@ what is measured is the host work around the forward pass. It streams the same r
 (``--clients`` x ``--max-tokens``, token-id prompts, sampled, EOS ignored) through the
 server and, in a fresh process, through ``Manager.stream`` directly, ``--repeats`` times
 each, interleaved, and compares the CPU time of the process that serves them per
-generated token. The ratio is printed last.
+generated token. With ``--api-workers N`` the server runs N HTTP processes in front of
+its engine process: the engine process's CPU is compared (the loop that owns the cache),
+and the CPU of all the server's processes is reported beside it. The ratio is printed last.
 
 The markdown table is printed last. The run is bounded: every request has a timeout and
 the server is stopped at the end, whatever happens.
@@ -308,9 +310,13 @@ class FrontendCost:
     max_tokens: int
     repeats: int
     #: CPU microseconds of the serving process per generated token, one value per repeat
+    #: (with API workers: of the engine process)
     server_us_per_token: list[float]
     in_process_us_per_token: list[float]
     ratio_median: float
+    api_workers: int = 0
+    #: CPU microseconds per generated token of all the server's processes (engine and workers)
+    server_total_us_per_token: list[float] = field(default_factory=list)
     machine: dict[str, Any] = field(default_factory=dict)
     command: str = ""
 
@@ -361,49 +367,63 @@ async def in_process_cost(model_dir: Path, clients: int, max_tokens: int, thread
     return spent / sum(counts) * 1e6
 
 
-async def server_cost(model_dir: Path, tokenizer: Any, args: argparse.Namespace, server_log: Any) -> float:
-    """CPU microseconds per token of the server process streaming the requests over HTTP."""
+async def server_cost(
+    model_dir: Path, tokenizer: Any, args: argparse.Namespace, server_log: Any
+) -> tuple[float, float]:
+    """CPU microseconds per token of the server process streaming the requests over HTTP,
+    and of all its processes (the same without API workers)."""
     import httpx
 
     port = free_port()
-    process = start_server(model_dir, port, ["--torch-threads", str(args.server_threads or 1)], server_log)
+    extra = ["--torch-threads", str(args.server_threads or 1), "--api-workers", str(args.api_workers)]
+    process = start_server(model_dir, port, extra, server_log)
     prompts = frontend_prompts(tokenizer, args.clients)
     limits = httpx.Limits(max_connections=args.clients + 16, max_keepalive_connections=args.clients + 16)
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", limits=limits, timeout=None) as http:
             await wait_healthy(http, process)
             await asyncio.gather(*(one_client(http, p, 4, i, 120) for i, p in enumerate(prompts[:8])))
-            before = cpu_seconds(process.pid)
+            family = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
+            before = [cpu_seconds(p.pid) for p in family]
             results = await asyncio.gather(
                 *(one_client(http, p, args.max_tokens, i, args.timeout) for i, p in enumerate(prompts))
             )
-            spent = cpu_seconds(process.pid) - before
+            spent = [cpu_seconds(p.pid) - b for p, b in zip(family, before, strict=True)]
     finally:
         stop_server(process)
     failed = [r.error for r in results if not r.ok]
     if failed:
         raise RuntimeError(f"{len(failed)} requests failed, e.g. {failed[0]}")
-    return spent / sum(r.completion_tokens for r in results) * 1e6
+    tokens = sum(r.completion_tokens for r in results)
+    return spent[0] / tokens * 1e6, sum(spent) / tokens * 1e6
 
 
 def run_frontend_cost(args: argparse.Namespace, tmp: Path, server_log: Any) -> FrontendCost:
     model_dir = tmp / "tiny-compute"
     tokenizer = save_tiny_compute_model(model_dir)
     server: list[float] = []
+    total: list[float] = []
     in_process: list[float] = []
     for repeat in range(args.repeats):
-        server.append(_run_loop(server_cost(model_dir, tokenizer, args, server_log)))
+        engine_cost, total_cost = _run_loop(server_cost(model_dir, tokenizer, args, server_log))
+        server.append(engine_cost)
+        total.append(total_cost)
         command = [sys.executable, __file__, "--in-process-baseline", str(model_dir), "--clients", str(args.clients)]
         command += ["--max-tokens", str(args.max_tokens), "--server-threads", str(args.server_threads or 1)]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO_ROOT)}
         done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
         in_process.append(float(done.stdout.strip().splitlines()[-1]))
+        all_processes = f" (all its processes {total[-1]:.0f})" if args.api_workers else ""
         print(
-            f"repeat {repeat + 1}: server {server[-1]:.0f} us/token, Manager.stream {in_process[-1]:.0f} us/token",
+            f"repeat {repeat + 1}: server {server[-1]:.0f} us/token{all_processes}, "
+            f"Manager.stream {in_process[-1]:.0f} us/token",
             flush=True,
         )
     ratios = sorted(s / i for s, i in zip(server, in_process, strict=True))
-    return FrontendCost(args.clients, args.max_tokens, args.repeats, server, in_process, ratios[len(ratios) // 2])
+    median = ratios[len(ratios) // 2]
+    return FrontendCost(
+        args.clients, args.max_tokens, args.repeats, server, in_process, median, args.api_workers, total
+    )
 
 
 def stop_server(process: subprocess.Popen[bytes]) -> None:
@@ -465,6 +485,9 @@ def main(argv: list[str] | None = None) -> int:
         help="server CPU per token against Manager.stream in-process, near-zero-compute model (256 x 64 by default)",
     )
     parser.add_argument("--repeats", type=int, default=3, help="--frontend-cost: runs of each (default 3)")
+    parser.add_argument(
+        "--api-workers", type=int, default=0, help="--frontend-cost: the server's --api-workers (default 0)"
+    )
     parser.add_argument("--in-process-baseline", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.in_process_baseline is not None:  # the baseline's own process (see run_frontend_cost)
@@ -488,11 +511,15 @@ def main(argv: list[str] | None = None) -> int:
             args.json.write_text(json.dumps(asdict(cost), indent=2) + "\n")
         server_range = f"{min(cost.server_us_per_token):.0f}-{max(cost.server_us_per_token):.0f}"
         stream_range = f"{min(cost.in_process_us_per_token):.0f}-{max(cost.in_process_us_per_token):.0f}"
+        where = f"engine process with {cost.api_workers} API workers" if cost.api_workers else "server"
         print(
-            f"\n{cost.clients} streams x {cost.max_tokens} tokens, {cost.repeats} runs each: server "
+            f"\n{cost.clients} streams x {cost.max_tokens} tokens, {cost.repeats} runs each: {where} "
             f"{server_range} us/token, Manager.stream {stream_range} us/token of CPU"
         )
-        print(f"frontend cost ratio (server / Manager.stream, median): {cost.ratio_median:.2f}x")
+        if cost.api_workers:
+            totals = cost.server_total_us_per_token
+            print(f"all the server's processes: {min(totals):.0f}-{max(totals):.0f} us/token")
+        print(f"frontend cost ratio ({where} / Manager.stream, median): {cost.ratio_median:.2f}x")
         return 0
     with tempfile.TemporaryDirectory(prefix="aiocb-serve-load-") as tmp:
         model_dir = Path(tmp) / "model"

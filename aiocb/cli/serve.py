@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 #: The name the bundled model is served under when no MODEL is given.
 _DEFAULT_MODEL_NAME = "pycode-tiny"
-_SHUTDOWN_MARGIN_S = 5.0
+SHUTDOWN_MARGIN_S = 5.0
 _NONE_WORDS = frozenset({"none", "null", "auto"})
 _TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
 _FALSE_WORDS = frozenset({"0", "false", "no", "off"})
@@ -67,6 +67,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--api-key",
         default=os.environ.get("AIOCB_API_KEY"),
         help="require 'Authorization: Bearer KEY' (default: $AIOCB_API_KEY, else no key)",
+    )
+    parser.add_argument(
+        "--api-workers",
+        type=int,
+        default=0,
+        metavar="N",
+        help="HTTP processes in front of the engine's: N of them parse requests, tokenize and stream, while "
+        "the engine process only runs the model (default 0: all in one process)",
     )
     parser.add_argument(
         "--loop", choices=("auto", "uvloop", "asyncio"), default="auto", help="event loop (auto: uvloop if installed)"
@@ -160,27 +168,53 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if not args.access_log:
         logging.getLogger("aiocb.access").setLevel(logging.WARNING)
+    if args.api_workers < 0:
+        print(f"aiocb serve: --api-workers must be 0 or more, got {args.api_workers}", file=sys.stderr)
+        return 2
     try:
-        import uvicorn
-
         from aiocb.server import build_app
-        from aiocb.server.connections import DrainingServer, http_protocol
+        from aiocb.server.connections import DrainingServer
     except ImportError as exc:
         print(f"aiocb serve needs the 'serve' extra (pip install 'aiocb[serve]'): {exc}", file=sys.stderr)
         return 2
+    if args.api_workers:
+        from aiocb.cli.api_workers import serve_with_workers
+
+        return serve_with_workers(args, config)
     import aiocb
 
     model, tokenizer = load_model(args)
     manager = aiocb.Manager(model, continuous_batching_config=config)
-    name = args.served_model_name or (args.model if args.model is not None else _DEFAULT_MODEL_NAME)
+    name = served_model_name(args)
     app = build_app(
         manager, tokenizer, name, api_key=args.api_key, shutdown_timeout=args.shutdown_timeout, limits=limits
     )
-    loop = args.loop
+    loop = event_loop_name(args)
+    logger.info("serving %s on http://%s:%d (event loop: %s)", name, args.host, args.port, loop)
+    DrainingServer(uvicorn_config(app, args, loop), app, args.shutdown_timeout).run()
+    return 0
+
+
+def served_model_name(args: argparse.Namespace) -> str:
+    """The model id clients send."""
+    return args.served_model_name or (args.model if args.model is not None else _DEFAULT_MODEL_NAME)
+
+
+def event_loop_name(args: argparse.Namespace) -> str:
+    """uvicorn's name of the event loop to run (``--loop``, auto: uvloop when installed)."""
+    loop: str = args.loop
     if loop == "auto":
         loop = "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
-    logger.info("serving %s on http://%s:%d (event loop: %s)", name, args.host, args.port, loop)
-    server_config = uvicorn.Config(
+    return loop
+
+
+def uvicorn_config(app: Any, args: argparse.Namespace, loop: str) -> Any:
+    """uvicorn's configuration of the HTTP side, from the flags."""
+    import uvicorn
+
+    from aiocb.server.connections import http_protocol
+
+    return uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
@@ -193,10 +227,8 @@ def run_serve(args: argparse.Namespace) -> int:
         h11_max_incomplete_event_size=args.max_header_bytes,
         # The drain aborts what is left at --shutdown-timeout; the margin lets those
         # responses reach their clients before uvicorn cancels the connections.
-        timeout_graceful_shutdown=args.shutdown_timeout + _SHUTDOWN_MARGIN_S,
+        timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_MARGIN_S,
     )
-    DrainingServer(server_config, app, args.shutdown_timeout).run()
-    return 0
 
 
 def load_model(args: argparse.Namespace) -> tuple[Any, Any]:

@@ -27,7 +27,6 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from aiocb.engine.manager import Manager
 from aiocb.server.chat import ChatCompletion, prepare_chat
 from aiocb.server.completions import Completion, prepare_completion
 from aiocb.server.context import ServerContext
@@ -43,6 +42,7 @@ from aiocb.server.protocol import (
     parse_detokenize_request,
     parse_tokenize_request,
 )
+from aiocb.server.remote import ServedEngine
 from aiocb.server.sse import EventStreamResponse, events
 
 logger = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ _CLIENT_GONE = 499
 
 
 def build_app(
-    manager: Manager,
+    manager: ServedEngine,
     tokenizer: Any,
     model_name: str,
     api_key: str | None = None,

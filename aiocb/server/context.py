@@ -9,10 +9,10 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from aiocb.engine.manager import Manager
 from aiocb.server.limits import ServerLimits
 from aiocb.server.metrics import ServerMetrics
 from aiocb.server.protocol import APIError, bad_request
+from aiocb.server.remote import ServedEngine
 
 T = TypeVar("T")
 
@@ -49,7 +49,7 @@ class ServerContext:
     """What the handlers share: the manager, the tokenizer and the metrics."""
 
     def __init__(
-        self, manager: Manager, tokenizer: Any, model_name: str, metrics: ServerMetrics, limits: ServerLimits
+        self, manager: ServedEngine, tokenizer: Any, model_name: str, metrics: ServerMetrics, limits: ServerLimits
     ) -> None:
         self.manager = manager
         self.tokenizer = tokenizer

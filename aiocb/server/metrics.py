@@ -7,13 +7,15 @@ are observed by the request handlers as tokens reach clients.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
-from aiocb.engine.manager import Manager
+from aiocb.server.remote import ServedEngine
 
 #: Latency buckets in seconds, from sub-millisecond (loopback, tiny models) to a minute.
 _TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 60.0)
@@ -24,7 +26,7 @@ _E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.
 class _ManagerCollector(Collector):
     """Reads the manager's statistics at scrape time."""
 
-    def __init__(self, manager: Manager, model_name: str) -> None:
+    def __init__(self, manager: ServedEngine, model_name: str) -> None:
         self._manager = manager
         self._model_name = model_name
 
@@ -58,11 +60,17 @@ class _ManagerCollector(Collector):
 
 
 class ServerMetrics:
-    """The server's metrics; :meth:`render` is the body of ``GET /metrics``."""
+    """The server's metrics; :meth:`render` is the body of ``GET /metrics``.
 
-    def __init__(self, manager: Manager, model_name: str) -> None:
+    In an API worker of ``aiocb serve --api-workers N`` (``PROMETHEUS_MULTIPROC_DIR`` set
+    before prometheus_client was imported), the request metrics of every worker are kept
+    in that directory and :meth:`render` adds them up.
+    """
+
+    def __init__(self, manager: ServedEngine, model_name: str) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(_ManagerCollector(manager, model_name))
+        self._engine = _ManagerCollector(manager, model_name)
+        self.registry.register(self._engine)
         labels = ["model_name"]
         self._model_name = model_name
         self.time_to_first_token = Histogram(
@@ -120,4 +128,9 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         """The metrics in Prometheus' text format."""
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry)  # type: ignore[no-untyped-call]  # registers itself
+            registry.register(self._engine)
+            return generate_latest(registry)
         return generate_latest(self.registry)

@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiocb.detokenize import IncrementalDetokenizer, StopStringMatcher
-from aiocb.engine.manager import Manager, RequestStream
 from aiocb.outputs import FinishReason, GenerationOutput, RequestStatus
 from aiocb.server.context import ServerContext
 from aiocb.server.edge import AccessRecord
 from aiocb.server.protocol import APIError, SamplingRequest
+from aiocb.server.remote import OutputStream, RemoteManager, ServedEngine
 
 _FINISH_REASONS = {
     FinishReason.STOP: "stop",
@@ -122,9 +122,11 @@ def choice_seed(sampling: SamplingRequest, choice: int) -> int | None:
     return (sampling.seed + choice) % 2**63
 
 
-async def submit_choices(manager: Manager, specs: Sequence[ChoiceSpec]) -> list[RequestStream]:
-    """Queue every choice without waiting, or none of them (the error is raised)."""
-    streams: list[RequestStream] = []
+async def submit_choices(manager: ServedEngine, specs: Sequence[ChoiceSpec]) -> list[OutputStream]:
+    """Queue every choice without waiting for room, or none of them (the error is raised)."""
+    if isinstance(manager, RemoteManager):
+        return await _submit_remote(manager, specs)
+    streams: list[OutputStream] = []
     try:
         for spec in specs:
             rid = manager.add_request_nowait(spec.prompt_ids, max_new_tokens=max(spec.max_tokens, 1), **spec.params)
@@ -133,6 +135,20 @@ async def submit_choices(manager: Manager, specs: Sequence[ChoiceSpec]) -> list[
         for stream in streams:
             await stream.aclose()  # cancels the request
         raise
+    return streams
+
+
+async def _submit_remote(manager: RemoteManager, specs: Sequence[ChoiceSpec]) -> list[OutputStream]:
+    """The choices queued in the engine process, in one round trip for all of them."""
+    opened = await asyncio.gather(
+        *(manager.open_stream(s.prompt_ids, max(s.max_tokens, 1), **s.params) for s in specs), return_exceptions=True
+    )
+    streams: list[OutputStream] = [stream for stream in opened if not isinstance(stream, BaseException)]
+    errors = [error for error in opened if isinstance(error, BaseException)]
+    if errors:
+        for stream in streams:
+            await stream.aclose()
+        raise errors[0]
     return streams
 
 
@@ -145,7 +161,7 @@ class Submission:
         self.received = received
         #: the access log's record of the HTTP request: the token counts go there
         self.record = AccessRecord("")
-        self._streams: list[RequestStream] = []
+        self._streams: list[OutputStream] = []
 
     async def submit(self) -> None:
         """Queue every choice, or raise (nothing queued) when one is refused."""
@@ -182,7 +198,7 @@ class Submission:
 
 
 async def choice_deltas(
-    ctx: ServerContext, spec: ChoiceSpec, stream: RequestStream, received: float
+    ctx: ServerContext, spec: ChoiceSpec, stream: OutputStream, received: float
 ) -> AsyncGenerator[ChoiceDelta]:
     """The deltas of one choice; ``received`` is when the HTTP request arrived (perf_counter)."""
     detokenizer = IncrementalDetokenizer(ctx.tokenizer, spec.prompt_ids, skip_special_tokens=spec.skip_special_tokens)

@@ -194,3 +194,89 @@ def test_sigterm_drains(tmp_path: Path) -> None:
     assert "draining" in output
     assert f'"POST /v1/completions" 200 request_id={request_id}' in output
     assert "completion_tokens=200" in output
+
+
+def _wait_ready(url: str, process: subprocess.Popen[str], log: Path) -> None:
+    deadline = time.monotonic() + 120
+    while True:
+        assert process.poll() is None, log.read_text()
+        try:
+            if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "the server did not come up"
+        time.sleep(0.2)
+
+
+def _access_log_pids(log: Path) -> set[str]:
+    """The processes that wrote access-log lines."""
+    return {
+        line.split("aiocb.access[")[1].split("]")[0] for line in log.read_text().splitlines() if "aiocb.access[" in line
+    }
+
+
+def _metric(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def test_api_workers_serve_together_and_drain(model_dir: Path, tmp_path: Path) -> None:
+    """Two HTTP processes over one engine: the same answers, metrics summed, SIGTERM drains."""
+    port = _free_port()
+    command = [sys.executable, "-m", "aiocb.cli.serve", str(model_dir), "--port", str(port), "--api-workers", "2"]
+    command += ["--served-model-name", "tiny", "--page-size", "16", "--num-blocks", "128", "--shutdown-timeout", "30"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    log = tmp_path / "server.log"
+    with log.open("w") as out:
+        process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(url, process, log)
+        body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        # Fresh connections, which the kernel hands to either worker, until both have served.
+        answers = []
+        while len(answers) < 60 and len(_access_log_pids(log)) < 2:
+            answers.append(httpx.post(f"{url}/v1/completions", json=body, timeout=60))
+        assert len(_access_log_pids(log)) == 2, "both workers served requests"
+        assert {a.status_code for a in answers} == {200}
+        assert len({a.json()["choices"][0]["text"] for a in answers}) == 1, "greedy: one answer"
+        refused = httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": 10**6}, timeout=60)
+        assert refused.status_code == 400 and "context length" in refused.json()["error"]["message"]
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+        assert _metric(metrics, "aiocb_generation_tokens_total") == len(answers) * 6, "every worker's tokens"
+        stream_body = {**body, "max_tokens": 150, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=stream_body, timeout=60) as stream:
+            assert stream.status_code == 200
+            lines = stream.iter_lines()
+            assert next(lines).startswith("data: {")
+            process.send_signal(signal.SIGTERM)
+            events = [line for line in lines if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]"
+        assert '"finish_reason":"length"' in events[-2]
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    output = log.read_text()
+    assert "with 2 API workers" in output
+    assert output.count("draining: no new requests") == 2
+
+
+def test_a_dead_api_worker_stops_the_server(model_dir: Path, tmp_path: Path) -> None:
+    port = _free_port()
+    command = [sys.executable, "-m", "aiocb.cli.serve", str(model_dir), "--port", str(port), "--api-workers", "1"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    log = tmp_path / "server.log"
+    with log.open("w") as out:
+        process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_ready(f"http://127.0.0.1:{port}", process, log)
+        worker = int(log.read_text().split("API workers (pids ")[1].split(")")[0])
+        os.kill(worker, signal.SIGKILL)
+        assert process.wait(timeout=60) == 1
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert f"API worker {worker} exited" in log.read_text()

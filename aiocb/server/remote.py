@@ -1,0 +1,551 @@
+"""The engine behind a process boundary, for ``aiocb serve --api-workers N``.
+
+One process owns the model, the KV cache and the :class:`~aiocb.Manager`, whose event loop
+runs the steps; N API worker processes each parse HTTP, tokenize, detokenize and write the
+SSE events of their own connections. On a fast device that keeps the engine's loop free
+of the per-token work that grows with the number of streams: a write system call per
+event per client, above all.
+
+The two sides speak over a Unix socket, in length-prefixed pickled frames (both ends are
+this package in processes of one user; the socket lives in a private directory):
+
+- worker to engine: ``("add", key, input_ids, max_new_tokens, params)`` queues a request
+  (``add_request_nowait``), ``("cancel", key)`` cancels it;
+- engine to worker: ``("hello", EngineInfo)`` once, then ``("batch", [(key, event), ...])``
+  with everything that happened to that worker's requests in one turn of the engine's
+  loop (so a step's tokens for all of a worker's streams cost one frame and one write),
+  and ``("stats", ManagerStatistics, is_dead)`` a few times a second.
+
+An event is ``("added",)``, ``("refused", error)``, ``("output", OutputDelta)`` or
+``("failed", error)``. :class:`EngineService` is the engine's side; :class:`RemoteManager`
+is the worker's, with the part of the :class:`~aiocb.Manager` interface the app uses.
+A worker whose connection drops has its requests cancelled; an engine that goes away
+fails every open stream of every worker with :class:`~aiocb.EngineDeadError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import pickle
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiocb.config import ContinuousBatchingConfig
+from aiocb.engine.manager import Manager, ManagerStatistics, RequestStream
+from aiocb.errors import (
+    AiocbError,
+    EngineDeadError,
+    InvalidRequestError,
+    ManagerClosedError,
+    RequestAbortedError,
+    WouldBlock,
+)
+from aiocb.outputs import FinishReason, GenerationOutput, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+_LENGTH = struct.Struct("!I")
+#: How often the engine sends its statistics to each worker (for /metrics, /health).
+STATS_INTERVAL_S = 0.2
+#: The errors a refusal or a failure is sent as; anything else becomes EngineDeadError.
+_ERRORS: dict[str, type[AiocbError]] = {
+    cls.__name__: cls
+    for cls in (InvalidRequestError, WouldBlock, ManagerClosedError, RequestAbortedError, EngineDeadError)
+}
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """What a worker learns of the engine when it connects."""
+
+    config: ContinuousBatchingConfig
+    statistics: ManagerStatistics
+    is_dead: bool
+
+
+@dataclass(slots=True)
+class OutputDelta:
+    """What one request's output gained since the last delta sent for it."""
+
+    tokens: list[int]
+    logprobs: list[float] | None
+    top_logprobs: list[dict[int, float]] | None
+    #: sent once, with the first delta after the prompt was computed
+    prompt_logprobs: list[float | None] | None
+    prompt_top_logprobs: list[dict[int, float] | None] | None
+    status: RequestStatus
+    finish_reason: FinishReason | None
+    error: str | None
+    created_time: float
+    first_token_time: float | None
+    finished_time: float | None
+
+
+def encode_frame(message: object) -> bytes:
+    """One frame: the pickled ``message`` after its length."""
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    return _LENGTH.pack(len(data)) + data
+
+
+async def read_frame(reader: asyncio.StreamReader) -> Any:
+    """The next message; ``asyncio.IncompleteReadError`` when the peer closed the connection."""
+    (size,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
+    return pickle.loads(await reader.readexactly(size))
+
+
+def error_to_wire(error: BaseException) -> tuple[str, str]:
+    """An exception as ``(class name, message)``; one outside aiocb's own tree becomes a dead engine."""
+    name = type(error).__name__ if type(error).__name__ in _ERRORS else EngineDeadError.__name__
+    return name, str(error) or repr(error)
+
+
+def error_from_wire(wire: tuple[str, str]) -> AiocbError:
+    """The exception that :func:`error_to_wire` described."""
+    name, message = wire
+    return _ERRORS.get(name, EngineDeadError)(message)
+
+
+# --------------------------------------------------------------------------- the engine's side
+
+
+class EngineService:
+    """Serves a running :class:`~aiocb.Manager` to API workers over a Unix socket, on the manager's loop."""
+
+    def __init__(self, manager: Manager) -> None:
+        self.manager = manager
+        self._server: asyncio.Server | None = None
+        self._connections: set[_WorkerConnection] = set()
+
+    async def start(self, path: str) -> None:
+        """Listen on the Unix socket ``path``."""
+        self._server = await asyncio.start_unix_server(self._serve, path=path)
+
+    @property
+    def connections(self) -> int:
+        """Workers connected now."""
+        return len(self._connections)
+
+    async def close(self) -> None:
+        """Stop listening and drop every connection (their requests are cancelled)."""
+        if self._server is not None:
+            self._server.close()
+        for connection in list(self._connections):
+            connection.close()
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connection = _WorkerConnection(self.manager, writer)
+        self._connections.add(connection)
+        try:
+            connection.send_hello()
+            while True:
+                connection.handle(await read_frame(reader))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass  # the worker went away
+        except Exception:
+            logger.exception("an API worker sent a message the engine cannot read; dropping it")
+        finally:
+            self._connections.discard(connection)
+            connection.close()
+
+
+class _WorkerConnection:
+    """One worker's requests on the engine: a pump task per request, one frame per loop turn."""
+
+    def __init__(self, manager: Manager, writer: asyncio.StreamWriter) -> None:
+        self.manager = manager
+        self.writer = writer
+        self._loop = asyncio.get_running_loop()
+        self._pumps: dict[int, asyncio.Task[None]] = {}
+        self._outbox: list[tuple[int, tuple[Any, ...]]] = []
+        self._flush_scheduled = False
+        self._closed = False
+        self._stats_task = self._loop.create_task(self._send_statistics(), name="aiocb-engine-stats")
+
+    def send_hello(self) -> None:
+        manager = self.manager
+        info = EngineInfo(manager.config, manager.statistics(), manager.is_dead)
+        self.writer.write(encode_frame(("hello", info)))
+
+    def handle(self, message: tuple[Any, ...]) -> None:
+        kind = message[0]
+        if kind == "add":
+            _, key, input_ids, max_new_tokens, params = message
+            self._add(key, input_ids, max_new_tokens, params)
+        elif kind == "cancel":
+            pump = self._pumps.pop(message[1], None)
+            if pump is not None:
+                pump.cancel()  # closing its stream cancels the request
+        else:
+            raise ValueError(f"unknown message kind {kind!r}")
+
+    def close(self) -> None:
+        """Cancel every request of this worker and stop writing to it."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stats_task.cancel()
+        for pump in self._pumps.values():
+            pump.cancel()
+        self._pumps.clear()
+        self.writer.close()
+
+    def _add(self, key: int, input_ids: list[int], max_new_tokens: int | None, params: dict[str, Any]) -> None:
+        try:
+            request_id = self.manager.add_request_nowait(input_ids, max_new_tokens=max_new_tokens, **params)
+            stream = self.manager.stream(request_id)
+        except Exception as exc:
+            self._queue(key, ("refused", error_to_wire(exc)))
+            return
+        self._queue(key, ("added",))
+        self._pumps[key] = self._loop.create_task(self._pump(key, stream))
+
+    async def _pump(self, key: int, stream: RequestStream) -> None:
+        tokens = 0
+        logprobs = 0
+        prompt_sent = False
+        try:
+            async with stream:
+                async for output in stream:
+                    prompt = output.prompt_logprobs if not prompt_sent else None
+                    prompt_sent = prompt_sent or prompt is not None
+                    delta = OutputDelta(
+                        output.generated_tokens[tokens:],
+                        None if output.logprobs is None else output.logprobs[logprobs:],
+                        None if output.top_logprobs is None else output.top_logprobs[logprobs:],
+                        prompt,
+                        output.prompt_top_logprobs if prompt is not None else None,
+                        output.status,
+                        output.finish_reason,
+                        output.error,
+                        output.created_time,
+                        output.first_token_time,
+                        output.finished_time,
+                    )
+                    tokens = len(output.generated_tokens)
+                    logprobs = len(output.logprobs) if output.logprobs is not None else 0
+                    self._queue(key, ("output", delta))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._queue(key, ("failed", error_to_wire(exc)))
+        finally:
+            if self._pumps.get(key) is asyncio.current_task():
+                del self._pumps[key]
+
+    def _queue(self, key: int, event: tuple[Any, ...]) -> None:
+        if self._closed:
+            return
+        self._outbox.append((key, event))
+        if not self._flush_scheduled:
+            # Runs after every callback already due in this turn of the loop: after a step,
+            # all the pumps it woke, so their tokens leave together.
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        if self._closed or not self._outbox:
+            return
+        batch, self._outbox = self._outbox, []
+        self.writer.write(encode_frame(("batch", batch)))
+
+    async def _send_statistics(self) -> None:
+        with contextlib.suppress(ConnectionError):
+            while not self._closed:
+                await asyncio.sleep(STATS_INTERVAL_S)
+                manager = self.manager
+                self.writer.write(encode_frame(("stats", manager.statistics(), manager.is_dead)))
+
+
+# --------------------------------------------------------------------------- the worker's side
+
+
+class _ModelConfigOnly:
+    """Stands for the model where the app reads only its config (the context length)."""
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+
+
+@dataclass(slots=True)
+class _StreamState:
+    output: GenerationOutput
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    #: set once the engine said whether it queued the request
+    added: asyncio.Future[None] | None = None
+    error: AiocbError | None = None
+
+
+class RemoteManager:
+    """The part of :class:`~aiocb.Manager` that the app uses, for an engine in another process.
+
+    Made by :meth:`connect`. Requests are queued with :meth:`open_stream` (one round trip:
+    a refusal raises what ``add_request_nowait`` raised in the engine); their outputs
+    arrive as the engine's loop produces them.
+    """
+
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        info: EngineInfo,
+        model_config: Any,
+    ) -> None:
+        self.config = info.config
+        self.model = _ModelConfigOnly(model_config)
+        self._reader = reader
+        self._writer = writer
+        self._statistics = info.statistics
+        self._engine_dead = info.is_dead
+        self._lost: str | None = None
+        self._streams: dict[int, _StreamState] = {}
+        #: set whenever the last of this worker's requests ended
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._keys = itertools.count()
+        self._loop = asyncio.get_running_loop()
+        self._receiver = self._loop.create_task(self._receive(), name="aiocb-remote-engine")
+
+    @classmethod
+    async def connect(cls, path: str, model_config: Any) -> RemoteManager:
+        """Connect to the :class:`EngineService` listening on ``path``."""
+        reader, writer = await asyncio.open_unix_connection(path)
+        kind, info = await read_frame(reader)
+        if kind != "hello":
+            writer.close()
+            raise ConnectionError(f"the engine answered {kind!r} instead of hello")
+        return cls(reader, writer, info, model_config)
+
+    # ------------------------------------------------------------------ what the app reads
+
+    @property
+    def is_running(self) -> bool:
+        """Whether the engine is reachable and its step loop runs."""
+        return self._lost is None and not self._engine_dead and self._statistics.is_running
+
+    @property
+    def is_dead(self) -> bool:
+        """Whether the engine failed or the connection to it was lost."""
+        return self._lost is not None or self._engine_dead
+
+    def statistics(self) -> ManagerStatistics:
+        """The engine's statistics, as last sent (at most ``STATS_INTERVAL_S`` old)."""
+        return self._statistics
+
+    def start(self) -> None:
+        """The engine's own process runs it: nothing to start here."""
+
+    async def stop(self, timeout: float | None = None) -> None:
+        """Drain this worker's requests: wait ``timeout`` seconds (None: for ever) for them to end,
+        then cancel the rest, whose streams raise :class:`~aiocb.RequestAbortedError` (as the
+        manager's do after its own drain). The engine keeps running for the other workers."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await self._idle.wait()
+        for key, state in list(self._streams.items()):
+            self._cancel(key)
+            state.error = RequestAbortedError(f"the server stopped before the request finished ({timeout} s drain)")
+            state.changed.set()
+
+    async def close(self) -> None:
+        """Close the connection (the engine cancels whatever this worker still had)."""
+        self._receiver.cancel()
+        self._writer.close()
+        with contextlib.suppress(Exception):
+            await self._writer.wait_closed()
+        self._fail_all("the connection to the engine was closed")
+
+    # ------------------------------------------------------------------ requests
+
+    async def open_stream(self, input_ids: Sequence[int], max_new_tokens: int | None, **params: Any) -> RemoteStream:
+        """Queue a request in the engine without waiting for room; its stream of outputs.
+
+        Raises what the engine's ``add_request_nowait`` raised (``WouldBlock`` when its
+        admission queue is full, ``InvalidRequestError`` for bad parameters).
+        """
+        if self._lost is not None:
+            raise EngineDeadError(self._lost)
+        key = next(self._keys)
+        state = _StreamState(GenerationOutput(f"remote-{key}", list(input_ids)))
+        state.added = asyncio.get_running_loop().create_future()
+        self._streams[key] = state
+        self._idle.clear()
+        self._writer.write(encode_frame(("add", key, list(input_ids), max_new_tokens, params)))
+        try:
+            await state.added
+        except BaseException:
+            self._cancel(key)
+            raise
+        return RemoteStream(self, key, state)
+
+    def _cancel(self, key: int) -> None:
+        if self._forget(key) and self._lost is None:
+            self._writer.write(encode_frame(("cancel", key)))
+
+    def _forget(self, key: int) -> bool:
+        """Stop tracking a request; whether it was tracked."""
+        known = self._streams.pop(key, None) is not None
+        if not self._streams:
+            self._idle.set()
+        return known
+
+    async def _receive(self) -> None:
+        reason = "the engine closed the connection"
+        try:
+            while True:
+                message = await read_frame(self._reader)
+                if message[0] == "batch":
+                    for key, event in message[1]:
+                        self._dispatch(key, event)
+                elif message[0] == "stats":
+                    _, self._statistics, self._engine_dead = message
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        except Exception as exc:
+            logger.exception("unreadable message from the engine")
+            reason = f"unreadable message from the engine: {exc!r}"
+        self._lost = reason
+        self._fail_all(reason)
+
+    def _dispatch(self, key: int, event: tuple[Any, ...]) -> None:
+        state = self._streams.get(key)
+        if state is None:
+            return  # cancelled here already
+        kind = event[0]
+        if kind == "added":
+            if state.added is not None and not state.added.done():
+                state.added.set_result(None)
+            return
+        if kind == "refused":
+            self._forget(key)
+            if state.added is not None and not state.added.done():
+                state.added.set_exception(error_from_wire(event[1]))
+            return
+        if kind == "failed":
+            state.error = error_from_wire(event[1])
+            self._forget(key)
+        else:
+            _apply(state.output, event[1])
+            if state.output.is_finished():
+                self._forget(key)
+        state.changed.set()
+
+    def _fail_all(self, reason: str) -> None:
+        for state in self._streams.values():
+            state.error = EngineDeadError(reason)
+            if state.added is not None and not state.added.done():
+                state.added.set_exception(EngineDeadError(reason))
+            state.changed.set()
+        self._streams.clear()
+        self._idle.set()
+
+
+def _apply(output: GenerationOutput, delta: OutputDelta) -> None:
+    output.generated_tokens += delta.tokens
+    if delta.logprobs is not None:
+        output.logprobs = (output.logprobs or []) + delta.logprobs
+    if delta.top_logprobs is not None:
+        output.top_logprobs = (output.top_logprobs or []) + delta.top_logprobs
+    if delta.prompt_logprobs is not None:
+        output.prompt_logprobs = delta.prompt_logprobs
+        output.prompt_top_logprobs = delta.prompt_top_logprobs
+    output.status = delta.status
+    output.finish_reason = delta.finish_reason
+    output.error = delta.error
+    output.created_time = delta.created_time
+    output.first_token_time = delta.first_token_time
+    output.finished_time = delta.finished_time
+
+
+class RemoteStream:
+    """Async iterator over one remote request's outputs, like :class:`~aiocb.engine.manager.RequestStream`.
+
+    Each output is a snapshot with every token so far. Leaving it (or :meth:`aclose`)
+    before the final output cancels the request.
+    """
+
+    def __init__(self, manager: RemoteManager, key: int, state: _StreamState) -> None:
+        self._manager = manager
+        self._key = key
+        self._state = state
+        self._delivered = -1
+        self._done = False
+
+    def __aiter__(self) -> RemoteStream:
+        return self
+
+    async def __anext__(self) -> GenerationOutput:
+        if self._done:
+            raise StopAsyncIteration
+        state = self._state
+        output = state.output
+        try:
+            while (
+                state.error is None
+                and not output.is_finished()
+                and len(output.generated_tokens) <= max(self._delivered, 0)
+            ):
+                state.changed.clear()
+                await state.changed.wait()
+        except asyncio.CancelledError:
+            self._close()
+            raise
+        if state.error is not None:
+            self._done = True
+            raise state.error
+        self._delivered = len(output.generated_tokens)
+        if output.is_finished():
+            self._done = True
+        return _snapshot(output)
+
+    async def aclose(self) -> None:
+        """Stop streaming; cancels the request if it has not finished."""
+        self._close()
+
+    async def __aenter__(self) -> RemoteStream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        if not self._done:
+            self._done = True
+            self._manager._cancel(self._key)
+
+    def __del__(self) -> None:
+        # An `async for` left with break drops the iterator without closing it.
+        loop = self._manager._loop
+        if not self._done and not loop.is_closed():
+            loop.call_soon_threadsafe(self._manager._cancel, self._key)
+
+
+def _snapshot(output: GenerationOutput) -> GenerationOutput:
+    return GenerationOutput(
+        output.request_id,
+        output.prompt_ids,
+        list(output.generated_tokens),
+        None if output.logprobs is None else list(output.logprobs),
+        None if output.top_logprobs is None else list(output.top_logprobs),
+        output.prompt_logprobs,
+        output.prompt_top_logprobs,
+        output.status,
+        output.finish_reason,
+        output.error,
+        output.created_time,
+        output.first_token_time,
+        output.finished_time,
+    )
+
+
+#: What the app serves: a manager on its own loop, or one in the engine process.
+ServedEngine = Manager | RemoteManager
+#: A request's outputs, from either.
+OutputStream = RequestStream | RemoteStream
