@@ -160,14 +160,34 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def uniform_noise(seed: torch.Tensor, offset: torch.Tensor, vocab: int) -> torch.Tensor:
-    """``[S, V]`` uniform values in (0, 1), a pure function of (seed, offset, vocab id)."""
+def random_bits(seed: torch.Tensor, offset: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``[S, V]`` 32-bit values (in int64), a pure function of (seed, offset, vocab id)."""
     row_key = _mix32(_mix32(seed) ^ _mix32((offset + 0x9E3779B9) & _MASK32))
     second_key = _mix32(row_key ^ 0x5BD1E995)
     ids = torch.arange(vocab, device=seed.device, dtype=torch.long)[None, :]
-    bits = _mix32(_mix32(ids ^ row_key[:, None]) ^ second_key[:, None])
-    return ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return _mix32(_mix32(ids ^ row_key[:, None]) ^ second_key[:, None])
+
+
+def bits_to_uniform(bits: torch.Tensor) -> torch.Tensor:
+    """32-bit values to float32 uniforms strictly inside (0, 1): ``(top 23 bits + 0.5) / 2**23``.
+
+    23 bits, not 24: ``2**24 - 1 + 0.5`` has no float32 form and rounds up to ``2**24``,
+    which would make a draw exactly 1.0 and its Gumbel noise infinite (that token would
+    win whatever its probability, a masked one included). With 23 bits every value and
+    the mapping are exact: the extremes are ``2**-24`` and ``1 - 2**-24``.
+    """
+    return ((bits >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
+
+
+def uniform_noise(seed: torch.Tensor, offset: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``[S, V]`` uniform values strictly inside (0, 1), a pure function of (seed, offset, vocab id)."""
+    return bits_to_uniform(random_bits(seed, offset, vocab))
+
+
+def gumbel(uniform: torch.Tensor) -> torch.Tensor:
+    """Gumbel noise ``-log(-log(u))``, finite for every ``u`` of :func:`bits_to_uniform`."""
+    return -torch.log(-torch.log(uniform))
 
 
 def _gumbel(seed: torch.Tensor, offset: torch.Tensor, vocab: int) -> torch.Tensor:
-    return -torch.log(-torch.log(uniform_noise(seed, offset, vocab)))
+    return gumbel(uniform_noise(seed, offset, vocab))

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from aiocb.runner.sampler import SamplingTensors, sample, uniform_noise
+from aiocb.runner.sampler import SamplingTensors, bits_to_uniform, gumbel, sample, uniform_noise
 
 
 @dataclass
@@ -77,3 +77,36 @@ def test_logprobs_are_the_raw_log_softmax() -> None:
     best = full.topk(3, -1)
     assert torch.equal(picked.top_ids, best.indices)
     assert torch.allclose(picked.top_logprobs, best.values)
+
+
+def test_extreme_bit_patterns_map_strictly_inside_zero_and_one() -> None:
+    # Every pattern whose top 23 bits are all ones or all zeros, through the real mapping.
+    patterns = torch.tensor([0, 1, 0x1FF, 0x200, 0xFFFFFE00, 0xFFFFFEFF, 0xFFFFFF00, 0xFFFFFFFF, 1 << 31])
+    uniform = bits_to_uniform(patterns)
+    assert uniform.dtype == torch.float32
+    assert bool((uniform > 0.0).all()) and bool((uniform < 1.0).all())
+    assert float(uniform[0]) == 2.0**-24 and float(uniform[7]) == 1.0 - 2.0**-24
+    noise = gumbel(uniform)
+    assert bool(torch.isfinite(noise).all()), noise
+    # A masked logit stays masked: -inf plus finite noise is -inf, never NaN.
+    assert bool(((torch.full_like(noise, float("-inf")) + noise) == float("-inf")).all())
+
+
+def test_no_draw_escapes_top_k_or_top_p_at_a_large_vocabulary() -> None:
+    vocab = 151_936
+    # With the old 24-bit mapping each of these seeds (offset 0) drew 1.0, so an infinite
+    # noise value, at one vocabulary id: that token won whatever the filters said.
+    escaped = [55, 129, 166, 197, 322, 341, 391, 480]
+    seeds = [*escaped, *range(1000, 1024)]
+    logits = torch.randn(len(seeds), vocab, generator=torch.Generator().manual_seed(7)) * 3
+    rows = [Row(top_k=50, top_p=0.8, seed=seed) for seed in seeds]
+    params = SamplingTensors.from_rows(rows, logits.device)
+    assert bool(torch.isfinite(gumbel(uniform_noise(params.seed, params.offset, vocab))).all())
+    tokens = sample(logits, params).tokens
+    # The filters' own definition: the top 50, then the nucleus of their renormalized mass.
+    top_logits, top_ids = logits.topk(50, dim=-1)
+    probs = top_logits.softmax(-1)
+    allowed = (probs.cumsum(-1) - probs <= 0.8) | (torch.arange(50) == 0)
+    picked = top_ids == tokens[:, None]
+    assert bool(picked.any(dim=-1).all()), "every pick within its row's top 50"
+    assert bool((picked & allowed).any(dim=-1).all()), "and within its nucleus"
