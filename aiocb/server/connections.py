@@ -37,6 +37,7 @@ class _HeaderBounds:
     max_header_bytes: int = 16384
     _header_timer: asyncio.TimerHandle | None = None
     _header_bytes: int = 0
+    _header_tail = b""
     # provided by the uvicorn protocol
     cycle: Any
     loop: asyncio.AbstractEventLoop
@@ -50,12 +51,19 @@ class _HeaderBounds:
         before = self.cycle
         waiting = before is None or before.response_complete
         if waiting:
-            self._header_bytes += len(data)
+            # The bytes of this chunk that belong to the headers: up to the blank line
+            # that ends them (which may straddle two chunks), or all of it.
+            seen = self._header_tail + data
+            end = seen.find(b"\r\n\r\n")
+            head = len(data) if end < 0 else end + 4 - len(self._header_tail)
+            self._header_bytes += head
+            if self._header_bytes > self.max_header_bytes:
+                self._refuse_headers()  # before the parser sees them
+                return
+            self._header_tail = seen[-3:] if end < 0 else b""
         super().data_received(data)  # type: ignore[misc]
         if self.cycle is not before:
             self._disarm()  # a new request's headers arrived
-        elif waiting and self._header_bytes > self.max_header_bytes:
-            self._refuse_headers()
         elif waiting:
             self._arm()  # part of the next request's headers: they are now on the clock
 
@@ -69,6 +77,7 @@ class _HeaderBounds:
 
     def _disarm(self) -> None:
         self._header_bytes = 0
+        self._header_tail = b""
         if self._header_timer is not None:
             self._header_timer.cancel()
             self._header_timer = None
@@ -98,21 +107,21 @@ class _HeaderBounds:
 
 def http_protocol(header_timeout: float, max_header_bytes: int) -> type[asyncio.Protocol]:
     """uvicorn's fastest HTTP protocol here (httptools when installed, else h11), with bounded headers."""
-    base: type[asyncio.Protocol] = H11Protocol
     if importlib.util.find_spec("httptools") is not None:
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-
-        base = HttpToolsProtocol
-    return (
-        h11_protocol(header_timeout, max_header_bytes)
-        if base is H11Protocol
-        else _bounded(base, header_timeout, max_header_bytes)
-    )
+        return httptools_protocol(header_timeout, max_header_bytes)
+    return h11_protocol(header_timeout, max_header_bytes)
 
 
 def h11_protocol(header_timeout: float, max_header_bytes: int = 16384) -> type[asyncio.Protocol]:
     """uvicorn's h11 protocol with bounded headers."""
     return _bounded(H11Protocol, header_timeout, max_header_bytes)
+
+
+def httptools_protocol(header_timeout: float, max_header_bytes: int = 16384) -> type[asyncio.Protocol]:
+    """uvicorn's httptools protocol with bounded headers (needs httptools)."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    return _bounded(HttpToolsProtocol, header_timeout, max_header_bytes)
 
 
 def _bounded(base: type[asyncio.Protocol], header_timeout: float, max_header_bytes: int) -> type[asyncio.Protocol]:

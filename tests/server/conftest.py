@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -147,6 +147,8 @@ async def live_server(
     *,
     limits: ServerLimits | None = None,
     header_timeout: float = 30.0,
+    max_header_bytes: int = 16384,
+    protocol: Callable[[float, int], type[asyncio.Protocol]] = h11_protocol,
 ) -> AsyncIterator[LiveServer]:
     """uvicorn on 127.0.0.1 with a free port, as a task of the running loop; stopped on exit."""
     import uvicorn
@@ -156,7 +158,7 @@ async def live_server(
         app,
         host="127.0.0.1",
         port=0,
-        http=h11_protocol(header_timeout),
+        http=protocol(header_timeout, max_header_bytes),
         lifespan="on",
         log_config=None,
         log_level="warning",

@@ -7,7 +7,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
@@ -17,6 +17,7 @@ from transformers import PreTrainedModel
 import aiocb
 from aiocb.server import build_app
 from aiocb.server.app import begin_drain
+from aiocb.server.connections import h11_protocol, httptools_protocol
 from aiocb.server.limits import MiB, ServerLimits
 from tests.server.conftest import MODEL_NAME, live_server, serve_config, wait_until_idle, wait_until_running
 from tests.server.test_asgi import assert_error, sse_events
@@ -166,6 +167,22 @@ async def test_headers_too_slow_to_arrive_close_the_connection(manager: aiocb.Ma
         assert b"" in (await asyncio.wait_for(reader.read(), 5)).split(b"\r\n")
         for w in (idle_writer, slow_writer, writer):
             w.close()
+
+
+@pytest.mark.parametrize("protocol", [h11_protocol, httptools_protocol], ids=["h11", "httptools"])
+async def test_headers_too_large_are_431(
+    manager: aiocb.Manager, tokenizer: Any, protocol: Callable[[float, int], type[asyncio.Protocol]]
+) -> None:
+    async with live_server(manager, tokenizer, max_header_bytes=2048, protocol=protocol) as server:
+        http = httpx.AsyncClient(base_url=server.url)
+        async with http:
+            assert (await http.get("/health", headers={"X-Small": "a" * 1000})).status_code == 200
+            # One huge header, then many headers that add up: both over the bound.
+            for headers in ({"X-Big": "a" * 4000}, {f"X-{i}": "b" * 100 for i in range(40)}):
+                refused = await http.get("/health", headers=headers)
+                assert refused.status_code == 431
+                assert "--max-header-bytes" in refused.json()["error"]["message"]
+            assert (await http.get("/health")).status_code == 200, "the server goes on"
 
 
 # --------------------------------------------------------------------------- request ids and the access log
