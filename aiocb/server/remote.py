@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import pickle
@@ -528,20 +529,12 @@ class RemoteStream:
 
 
 def _snapshot(output: GenerationOutput) -> GenerationOutput:
-    return GenerationOutput(
-        output.request_id,
-        output.prompt_ids,
-        list(output.generated_tokens),
-        None if output.logprobs is None else list(output.logprobs),
-        None if output.top_logprobs is None else list(output.top_logprobs),
-        output.prompt_logprobs,
-        output.prompt_top_logprobs,
-        output.status,
-        output.finish_reason,
-        output.error,
-        output.created_time,
-        output.first_token_time,
-        output.finished_time,
+    """A copy whose lists later deltas do not extend."""
+    return dataclasses.replace(
+        output,
+        generated_tokens=list(output.generated_tokens),
+        logprobs=None if output.logprobs is None else list(output.logprobs),
+        top_logprobs=None if output.top_logprobs is None else list(output.top_logprobs),
     )
 
 

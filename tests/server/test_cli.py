@@ -162,16 +162,7 @@ def test_sigterm_drains(tmp_path: Path) -> None:
         process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None, (tmp_path / "server.log").read_text()
-            try:
-                if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.2)
+        _wait_ready(url, process, tmp_path / "server.log")
         assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "pycode-tiny"
         body = {"prompt": "def main():", "max_tokens": 200, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as stream:
