@@ -214,10 +214,10 @@ class HostToDevice:
         done = self._done[turn]
         if done is not None:
             done.synchronize()  # the copy that last read this turn's buffers (long finished)
-        packed: dict[str, torch.Tensor] = {}
         stream = self._stream
         assert stream is not None
         compute = torch.cuda.current_stream(self.device)
+        copies: list[tuple[list[str], torch.Tensor]] = []
         for kind in (torch.int64, torch.float32):
             names = [n for n, t in tensors.items() if (t.dtype == torch.float32) == (kind == torch.float32)]
             if not names:
@@ -232,16 +232,21 @@ class HostToDevice:
             with torch.cuda.stream(stream):
                 device_buffer = host[:total].to(self.device, non_blocking=True)
             device_buffer.record_stream(compute)
+            copies.append((names, device_buffer))
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(stream)
+        self._done[turn] = event
+        # Only now may the compute stream touch the copies: every view and dtype conversion
+        # below is queued on it after this wait, never before.
+        compute.wait_stream(stream)
+        packed: dict[str, torch.Tensor] = {}
+        for names, device_buffer in copies:
             offset = 0
             for name in names:
                 source = tensors[name]
                 view = device_buffer[offset : offset + source.numel()].view(source.shape)
-                packed[name] = view if source.dtype == kind else view.to(source.dtype)
+                packed[name] = view if source.dtype == device_buffer.dtype else view.to(source.dtype)
                 offset += source.numel()
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        event.record(stream)
-        self._done[turn] = event
-        compute.wait_stream(stream)
         return packed
 
     def _host_buffer(self, dtype: torch.dtype, turn: int, numel: int) -> torch.Tensor:
