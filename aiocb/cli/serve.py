@@ -10,6 +10,9 @@ it is installed). Without MODEL it serves the bundled ``pycode-tiny``. Every
 ``SIGTERM`` (or ``Ctrl-C``) drains: the server stops accepting connections, ``/ready``
 answers 503, and running requests get ``--shutdown-timeout`` seconds to finish before they
 are aborted.
+
+``--api-workers N`` runs the HTTP side in N processes in front of the engine's (see
+:mod:`aiocb.cli.api_workers`).
 """
 
 from __future__ import annotations
