@@ -53,6 +53,9 @@ logger = logging.getLogger(__name__)
 _LENGTH = struct.Struct("!I")
 #: How often the engine sends its statistics to each worker (for /metrics, /health).
 STATS_INTERVAL_S = 0.2
+#: Bytes written to a worker and not yet read by it beyond which the engine gives up on
+#: it (a stuck worker must not grow the engine's memory without bound).
+MAX_UNREAD_BYTES = 256 * 2**20
 #: The errors a refusal or a failure is sent as; anything else becomes EngineDeadError.
 _ERRORS: dict[str, type[AiocbError]] = {
     cls.__name__: cls
@@ -256,6 +259,11 @@ class _WorkerConnection:
             return
         batch, self._outbox = self._outbox, []
         self.writer.write(encode_frame(("batch", batch)))
+        unread = self.writer.transport.get_write_buffer_size()
+        if unread > MAX_UNREAD_BYTES:
+            logger.error("an API worker left %d bytes unread; dropping it and cancelling its requests", unread)
+            self.close()
+            self.writer.transport.abort()  # close() would wait for the unread bytes to drain
 
     async def _send_statistics(self) -> None:
         with contextlib.suppress(ConnectionError):

@@ -14,9 +14,10 @@ import pytest
 
 import aiocb
 from aiocb.server import build_app
-from aiocb.server.remote import EngineService, RemoteManager
+from aiocb.server import remote as remote_module
+from aiocb.server.remote import EngineService, RemoteManager, encode_frame, read_frame
 from tests.conftest import random_prompts
-from tests.server.conftest import MODEL_NAME, wait_until_idle
+from tests.server.conftest import MODEL_NAME, wait_until_idle, wait_until_running
 
 PROMPTS = random_prompts(4, 6, 30, seed=5)
 
@@ -165,3 +166,26 @@ def _choices(response: httpx.Response) -> dict[int, Any]:
                 texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
                 reasons[choice["index"]] = choice["finish_reason"] or reasons.get(choice["index"])
     return {index: (text, None, reasons[index]) for index, text in texts.items()}
+
+
+async def test_a_worker_that_stops_reading_is_dropped(
+    manager: aiocb.Manager, service: tuple[EngineService, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reader, writer = await asyncio.open_unix_connection(service[1])
+    assert (await read_frame(reader))[0] == "hello"
+    (connection,) = service[0]._connections
+    for key, prompt in enumerate(PROMPTS):  # then never read again
+        writer.write(encode_frame(("add", key, prompt, 2000, {"eos_token_id": []})))
+    await wait_until_running(manager, len(PROMPTS))
+    # What the engine's transport reports once the kernel's buffer is full too.
+    transport = connection.writer.transport
+    monkeypatch.setattr(transport, "get_write_buffer_size", lambda: remote_module.MAX_UNREAD_BYTES + 1)
+    for _ in range(1200):  # a minute at most
+        if not service[0].connections:
+            break
+        await asyncio.sleep(0.05)
+    assert service[0].connections == 0, "the engine dropped the worker"
+    assert transport.is_closing()
+    stats = await wait_until_idle(manager)
+    assert stats.free_blocks == stats.total_blocks and stats.running_requests == 0
+    writer.close()
