@@ -22,7 +22,7 @@ from starlette.applications import Starlette
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -173,6 +173,11 @@ class _Api:
         try:
             async with asyncio.timeout(limits.body_timeout):
                 return await read_body(request.stream(), limits)
+        except ClientDisconnect:
+            # The client's to answer for, not the server's: counted, never logged as an error.
+            raise APIError(
+                _CLIENT_GONE, "the client closed the connection before its body arrived", type="client_closed_request"
+            ) from None
         except TimeoutError:
             raise APIError(
                 408,

@@ -185,6 +185,23 @@ async def test_headers_too_large_are_431(
             assert (await http.get("/health")).status_code == 200, "the server goes on"
 
 
+async def test_a_client_gone_before_its_body_is_no_server_error(
+    manager: aiocb.Manager, tokenizer: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with live_server(manager, tokenizer) as server:
+        _, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        writer.write(f'{head}Content-Length: 1000\r\n\r\n{{"prompt": '.encode())
+        await writer.drain()
+        await asyncio.sleep(0.2)  # the handler is reading the body
+        writer.close()
+        await asyncio.sleep(0.3)
+        async with httpx.AsyncClient(base_url=server.url) as http:
+            metrics = (await http.get("/metrics")).text
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], "nothing logged as the server's fault"
+    assert 'aiocb_http_errors_total{model_name="tiny-qwen3",status="499"} 1.0' in metrics
+
+
 # --------------------------------------------------------------------------- request ids and the access log
 
 
