@@ -24,6 +24,7 @@ from aiocb.errors import (
     WrongEventLoopError,
 )
 from aiocb.outputs import FinishReason, GenerationOutput, RequestStatus
+from aiocb.params import SamplingParams
 
 if TYPE_CHECKING:
     from aiocb.batch import generate_batch
@@ -53,6 +54,7 @@ __all__ = [
     "RequestAbortedError",
     "RequestStatus",
     "RequestStream",
+    "SamplingParams",
     "WouldBlock",
     "WrongEventLoopError",
     "__version__",

@@ -6,27 +6,33 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-from transformers import GenerationConfig, PreTrainedModel
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from aiocb.config import ContinuousBatchingConfig
 from aiocb.engine.manager import Manager
 from aiocb.outputs import GenerationOutput
+from aiocb.params import SamplingParams
+from aiocb.prompts import Prompt
 
 
 def generate_batch(
     model: PreTrainedModel,
-    inputs: Sequence[Sequence[int]],
+    inputs: Sequence[Prompt],
     generation_config: GenerationConfig | None = None,
     continuous_batching_config: ContinuousBatchingConfig | None = None,
     *,
+    tokenizer: PreTrainedTokenizerBase | None = None,
     progress: bool = False,
     max_new_tokens: int | None = None,
+    sampling_params: SamplingParams | None = None,
     **params: Any,
 ) -> dict[str, GenerationOutput]:
     """Generate for every prompt and block until all are done.
 
     Returns ``{request_id: output}`` in input order, with ids ``req_0``, ``req_1``, ...
-    Per-request parameters (``temperature``, ``seed``, ...) apply to every prompt. It runs
+    ``sampling_params`` and the request parameters given as keywords (``temperature``,
+    ``seed``, ``stop``, ...) apply to every prompt. With a ``tokenizer``, prompts may be
+    texts or chat messages and outputs carry ``text``. It runs
     its own event loop, so it cannot be called from async code: there, use
     ``await manager.generate_batch(inputs)``.
     """
@@ -43,8 +49,12 @@ def generate_batch(
         return {}
 
     async def run() -> dict[str, GenerationOutput]:
-        manager = Manager(model, generation_config, continuous_batching_config, num_requests_hint=len(inputs))
+        manager = Manager(
+            model, generation_config, continuous_batching_config, tokenizer=tokenizer, num_requests_hint=len(inputs)
+        )
         async with manager:
-            return await manager.generate_batch(inputs, max_new_tokens, progress=progress, **params)
+            return await manager.generate_batch(
+                inputs, max_new_tokens, progress=progress, sampling_params=sampling_params, **params
+            )
 
     return asyncio.run(run())

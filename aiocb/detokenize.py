@@ -125,10 +125,17 @@ class IncrementalDetokenizer:
 
 
 class StopStringMatcher:
-    """Holds back text that may begin a stop string; trims the stop string when it appears."""
+    """Holds back text that may begin a stop string; trims the stop string when it appears.
 
-    def __init__(self, stop: Sequence[str]) -> None:
+    Stop strings are looked for only in text of tokens after the first ``min_tokens``
+    (text before is released as it comes). The stop string found is dropped from the
+    released text unless ``include``; text after it always is.
+    """
+
+    def __init__(self, stop: Sequence[str], *, min_tokens: int = 0, include: bool = False) -> None:
         self._stop = tuple(dict.fromkeys(s for s in stop if s))
+        self._min_tokens = min_tokens
+        self._include = include
         self._held = ""
         #: the stop string that was found, once one was
         self.matched: str | None = None
@@ -138,8 +145,9 @@ class StopStringMatcher:
         """Text received but not released yet."""
         return self._held
 
-    def feed(self, text: str) -> str:
-        """Add text; returns what can be released now.
+    def feed(self, text: str, num_output_tokens: int | None = None) -> str:
+        """Add the text of the ``num_output_tokens``-th generated token (None: the text
+        left at the end); returns what can be released now.
 
         After a stop string is found (:attr:`matched` is set), returns the text before it
         and ignores everything fed later.
@@ -149,15 +157,19 @@ class StopStringMatcher:
         if not self._stop:
             return text
         buffer = self._held + text
+        if num_output_tokens is not None and num_output_tokens <= self._min_tokens:
+            self._held = ""
+            return buffer
         first: tuple[int, str] | None = None
         for stop in self._stop:
             at = buffer.find(stop)
             if at >= 0 and (first is None or at < first[0]):
                 first = (at, stop)
         if first is not None:
-            self.matched = first[1]
+            at, stop = first
+            self.matched = stop
             self._held = ""
-            return buffer[: first[0]]
+            return buffer[: at + len(stop)] if self._include else buffer[:at]
         keep = self._longest_stop_prefix_suffix(buffer)
         self._held = buffer[len(buffer) - keep :] if keep else ""
         return buffer[: len(buffer) - keep]
@@ -174,3 +186,57 @@ class StopStringMatcher:
             if any(stop.startswith(tail) for stop in self._stop):
                 return size
         return 0
+
+
+class TextTracker:
+    """A request's generated text as its tokens arrive, and the stop string that ended it
+    (see :class:`StopStringMatcher` for ``stop``, ``min_tokens`` and ``include_stop_str``)."""
+
+    __slots__ = ("_detokenizer", "_matcher", "_parts", "matched")
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_ids: Sequence[int],
+        *,
+        stop: Sequence[str] = (),
+        include_stop_str: bool = False,
+        skip_special_tokens: bool = True,
+        min_tokens: int = 0,
+    ) -> None:
+        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=skip_special_tokens)
+        self._matcher = StopStringMatcher(stop, min_tokens=min_tokens, include=include_stop_str) if stop else None
+        self._parts: list[str] = []
+        #: the stop string found, once one was
+        self.matched: str | None = None
+
+    @property
+    def text(self) -> str:
+        """The text released so far."""
+        if len(self._parts) > 1:
+            self._parts[:] = ["".join(self._parts)]
+        return self._parts[0] if self._parts else ""
+
+    def add(self, token_id: int, num_output_tokens: int) -> str | None:
+        """Add the ``num_output_tokens``-th generated token; returns the stop string it completes, if any."""
+        if self.matched is not None:
+            return None
+        self._release(self._detokenizer.add(token_id), num_output_tokens)
+        return self.matched
+
+    def finish(self) -> None:
+        """The request ended: release the text still held (an incomplete character, a
+        possible stop string's beginning)."""
+        if self.matched is not None:
+            return
+        self._release(self._detokenizer.flush(), None)
+        if self._matcher is not None and self.matched is None:
+            self._parts.append(self._matcher.flush())
+
+    def _release(self, piece: str, num_output_tokens: int | None) -> None:
+        matcher = self._matcher
+        released = piece if matcher is None else matcher.feed(piece, num_output_tokens)
+        if released:
+            self._parts.append(released)
+        if matcher is not None:
+            self.matched = matcher.matched

@@ -24,7 +24,7 @@ class RequestStatus(enum.IntEnum):
 class FinishReason(enum.StrEnum):
     """Why a request ended."""
 
-    STOP = "stop"  # an EOS or stop token was generated (it is the last generated token)
+    STOP = "stop"  # an EOS or stop token (the last generated token), or a stop string
     LENGTH = "length"  # max_new_tokens or the model's context length was reached
     CANCELLED = "cancelled"  # cancel_request(), a cancelled awaiter, or a closed stream
     TIMEOUT = "timeout"  # the request's deadline passed (queue time included)
@@ -43,6 +43,10 @@ class GenerationOutput:
     ``top_logprobs[i]`` maps the most likely tokens at that step to theirs. With
     ``prompt_logprobs``, ``prompt_logprobs[j]`` is the log-probability of prompt token
     ``j`` given the ones before it (None for the first), set once the prompt is computed.
+    With a tokenizer, ``text`` is the generated text so far and ``text_delta`` what it
+    gained since the previous output of the same consumer; a character split across
+    tokens appears once it is complete, and a possible stop string is held back until it
+    is known not to be one.
     """
 
     request_id: str
@@ -52,9 +56,17 @@ class GenerationOutput:
     top_logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[dict[int, float] | None] | None = None
+    #: the generated text so far, when the manager has a tokenizer (stop strings trimmed)
+    text: str | None = None
+    #: the text added since the previous output handed to the same consumer
+    text_delta: str | None = None
     status: RequestStatus = RequestStatus.PENDING
     finish_reason: FinishReason | None = None
+    #: what stopped the request (``finish_reason`` "stop"): the stop token id or stop string
+    stop_reason: int | str | None = None
     error: str | None = None
+    #: prompt tokens whose KV came from the prefix cache instead of being computed
+    num_cached_tokens: int = 0
     created_time: float = 0.0
     first_token_time: float | None = None
     finished_time: float | None = None

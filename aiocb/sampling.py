@@ -6,14 +6,18 @@ Every check of a request's input lives here, so a bad request is refused with an
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from transformers import GenerationConfig
 
-from aiocb.core.params import SamplingParams
+from aiocb.core.params import ResolvedParams
 from aiocb.errors import InvalidRequestError
+from aiocb.params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 #: transformers' own defaults for fields a GenerationConfig leaves unset.
 _DEFAULT_TEMPERATURE = 1.0
@@ -71,65 +75,171 @@ def eos_ids(value: int | Iterable[int] | None) -> frozenset[int]:
     return frozenset(int(v) for v in value if int(v) >= 0)
 
 
-def build_params(
-    generation_config: GenerationConfig,
+@dataclass(frozen=True, slots=True)
+class ConfigDefaults:
+    """What a manager's ``GenerationConfig`` contributes to every request."""
+
+    #: the fields it gives, as request parameters
+    params: SamplingParams
+    max_length: int | None = None
+    min_length: int | None = None
+    suppress_tokens: tuple[int, ...] = ()
+    begin_suppress_tokens: tuple[int, ...] = ()
+
+
+#: GenerationConfig fields aiocb cannot honour, with the values that mean "off".
+_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "num_beams": (1,),
+    "num_beam_groups": (1,),
+    "diversity_penalty": (0.0,),
+    "penalty_alpha": (),
+    "typical_p": (1.0,),
+    "epsilon_cutoff": (0.0,),
+    "eta_cutoff": (0.0,),
+    "top_h": (),
+    "guidance_scale": (1.0,),
+    "no_repeat_ngram_size": (0,),
+    "encoder_no_repeat_ngram_size": (0,),
+    "encoder_repetition_penalty": (1.0,),
+    "forced_bos_token_id": (),
+    "forced_eos_token_id": (),
+    "exponential_decay_length_penalty": (),
+    "watermarking_config": (),
+    "remove_invalid_values": (False,),
+    "num_return_sequences": (1,),
+    "constraints": (),
+    "force_words_ids": (),
+    "dola_layers": (),
+    "token_healing": (False,),
+    "assistant_early_exit": (),
+    "prompt_lookup_num_tokens": (),
+    "use_mtp": (False,),
+    "speculation_type": (),
+}
+
+
+def config_defaults(
+    generation_config: GenerationConfig, *, has_tokenizer: bool, drop_unsupported: bool
+) -> ConfigDefaults:
+    """The request defaults a ``GenerationConfig`` sets: every field aiocb honours is
+    honoured; any other field that would change outputs raises InvalidRequestError
+    naming it, or with ``drop_unsupported`` is dropped with one warning naming it."""
+    gen = generation_config
+    unsupported = [name for name, off in _UNSUPPORTED.items() if getattr(gen, name, None) not in (None, *off)]
+    stop_strings = gen.stop_strings
+    if stop_strings is not None and not has_tokenizer:
+        unsupported.append("stop_strings (stop strings need the Manager's tokenizer=)")
+        stop_strings = None
+    if unsupported:
+        message = f"the GenerationConfig sets fields aiocb does not support: {', '.join(unsupported)}"
+        if not drop_unsupported:
+            raise InvalidRequestError(f"{message}; unset them, or pass drop_unsupported_processors=True to drop them")
+        logger.warning("%s; they are dropped (drop_unsupported_processors=True)", message)
+    sequence_bias = gen.sequence_bias
+    if isinstance(sequence_bias, list):  # transformers' JSON form: [[ids, bias], ...]
+        sequence_bias = [(tuple(ids), bias) for ids, bias in sequence_bias]
+    params = SamplingParams(
+        max_new_tokens=gen.max_new_tokens,
+        min_tokens=gen.min_new_tokens,
+        do_sample=gen.do_sample,
+        temperature=gen.temperature,
+        top_k=gen.top_k,
+        top_p=gen.top_p,
+        min_p=gen.min_p,
+        repetition_penalty=gen.repetition_penalty,
+        sequence_bias=sequence_bias,
+        bad_words_ids=gen.bad_words_ids,
+        eos_token_id=gen.eos_token_id,
+        # transformers keeps the stop string in the output (it ends on whole tokens)
+        stop=stop_strings,
+        include_stop_str_in_output=True if stop_strings is not None else None,
+        timeout=gen.max_time,
+    )
+    return ConfigDefaults(
+        params=params,
+        max_length=gen.max_length,
+        min_length=gen.min_length,
+        suppress_tokens=tuple(gen.suppress_tokens or ()),
+        begin_suppress_tokens=tuple(gen.begin_suppress_tokens or ()),
+    )
+
+
+def resolve_params(
+    request: SamplingParams,
+    defaults: ConfigDefaults,
     prompt_len: int,
     limits: RequestLimits,
     *,
     default_eos: frozenset[int],
     default_logprobs: bool,
     default_seed: int,
-    max_new_tokens: int | None = None,
-    temperature: float | None = None,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    do_sample: bool | None = None,
-    seed: int | None = None,
-    eos_token_id: int | list[int] | None = None,
-    stop_token_ids: Iterable[int] | None = None,
-    return_logprobs: bool | None = None,
-    top_logprobs: int | None = None,
-    prompt_logprobs: bool | None = None,
-) -> SamplingParams:
-    """Resolve a request's parameters: explicit values, then the GenerationConfig, then
+    has_tokenizer: bool,
+) -> ResolvedParams:
+    """Resolve a request's parameters: its own values, then the GenerationConfig's, then
     transformers' defaults; check them against the model and the cache.
 
     A request samples when ``do_sample`` says so; if ``do_sample`` is not given, passing
     any of ``temperature``, ``top_k`` or ``top_p`` asks for sampling, otherwise the
     GenerationConfig decides. ``temperature=0`` is always greedy.
     """
-    gen = generation_config
+    config = defaults.params
+
+    def pick(name: str, default: Any) -> Any:
+        value = getattr(request, name)
+        if value is None:
+            value = getattr(config, name)
+        return default if value is None else value
+
+    max_new_tokens = pick("max_new_tokens", None)
     if max_new_tokens is None:
-        max_new_tokens = gen.max_new_tokens
-    if max_new_tokens is None:
-        max_length = gen.max_length if gen.max_length is not None else _DEFAULT_MAX_LENGTH
+        max_length = defaults.max_length if defaults.max_length is not None else _DEFAULT_MAX_LENGTH
         max_new_tokens = max(1, max_length - prompt_len)
-    _require_int("max_new_tokens", max_new_tokens, minimum=1)
-
+    min_tokens = pick("min_tokens", 0)
+    if defaults.min_length and request.min_tokens is None:
+        min_tokens = max(min_tokens, defaults.min_length - prompt_len)
+    do_sample = request.do_sample
     if do_sample is None:
-        explicit = temperature is not None or top_k is not None or top_p is not None
-        do_sample = explicit or bool(gen.do_sample)
-    temperature = _pick(temperature, gen.temperature, _DEFAULT_TEMPERATURE)
-    top_k = _pick(top_k, gen.top_k, _DEFAULT_TOP_K)
-    top_p = _pick(top_p, gen.top_p, _DEFAULT_TOP_P)
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0:
-        raise InvalidRequestError(f"temperature must be a number >= 0, got {temperature!r}")
-    _require_int("top_k", top_k, minimum=0)
-    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
-        raise InvalidRequestError(f"top_p must be in (0, 1], got {top_p!r}")
-    if seed is not None:
-        _require_int("seed", seed, minimum=None)
-    if top_logprobs is not None:
-        _require_int("top_logprobs", top_logprobs, minimum=0)
-        if top_logprobs > limits.vocab_size:
-            raise InvalidRequestError(f"top_logprobs ({top_logprobs}) exceeds the vocabulary size {limits.vocab_size}")
+        explicit = request.temperature is not None or request.top_k is not None or request.top_p is not None
+        do_sample = explicit or bool(config.do_sample)
+    temperature = pick("temperature", _DEFAULT_TEMPERATURE)
+    top_logprobs = pick("top_logprobs", 0)
+    if top_logprobs > limits.vocab_size:
+        raise InvalidRequestError(f"top_logprobs ({top_logprobs}) exceeds the vocabulary size {limits.vocab_size}")
+    vocab = limits.vocab_size
 
-    if eos_token_id is None:
-        stops = eos_ids(gen.eos_token_id) if gen.eos_token_id is not None else default_eos
-    else:
-        stops = _checked_ids("eos_token_id", eos_token_id, limits.vocab_size)
-    if stop_token_ids is not None:
-        stops = stops | _checked_ids("stop_token_ids", stop_token_ids, limits.vocab_size)
+    eos = request.eos_token_id if request.eos_token_id is not None else config.eos_token_id
+    eos_set = default_eos if eos is None else _checked_ids("eos_token_id", eos, vocab)
+    stops = frozenset() if pick("ignore_eos", False) else eos_set
+    if request.stop_token_ids:
+        stops = stops | _checked_ids("stop_token_ids", request.stop_token_ids, vocab)
+    stop = pick("stop", ())
+    if stop and not has_tokenizer:
+        raise InvalidRequestError("stop strings need a tokenizer: create the Manager with tokenizer=...")
+
+    biases: list[tuple[int, float]] = []
+    sequences: list[tuple[tuple[int, ...], float]] = []
+    for ids, bias in pick("sequence_bias", ()):
+        _checked_ids("sequence_bias", ids, vocab)
+        if len(ids) == 1:
+            biases.append((ids[0], bias))
+        else:
+            sequences.append((ids, bias))
+    for token, bias in pick("logit_bias", ()):
+        _checked_ids("logit_bias", [token], vocab)
+        biases.append((token, bias))
+    bans: list[int] = list(_checked_ids("suppress_tokens", defaults.suppress_tokens, vocab))
+    bad_sequences: list[tuple[int, ...]] = []
+    for word in pick("bad_words_ids", ()):
+        _checked_ids("bad_words_ids", word, vocab)
+        if len(word) == 1 and word[0] in eos_set:
+            continue  # as transformers: a bad word that is an EOS token stays allowed
+        if len(word) == 1:
+            bans.append(word[0])
+        else:
+            bad_sequences.append(word)
+    allowed = pick("allowed_token_ids", None)
+    if allowed is not None:
+        allowed = tuple(sorted(_checked_ids("allowed_token_ids", allowed, vocab)))
 
     total = prompt_len + max_new_tokens
     if limits.max_model_len is not None and total > limits.max_model_len:
@@ -147,30 +257,33 @@ def build_params(
             f"prompt plus max_new_tokens ({total} tokens) cannot fit the whole KV cache "
             f"({limits.cache_capacity} tokens); lower max_new_tokens or enlarge the cache"
         )
-    return SamplingParams(
-        max_new_tokens=int(max_new_tokens),
-        temperature=float(temperature) if do_sample else 0.0,
-        top_k=int(top_k),
-        top_p=float(top_p),
-        seed=int(seed) if seed is not None else default_seed,
+    return_logprobs = request.return_logprobs
+    seed = pick("seed", None)
+    return ResolvedParams(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature if do_sample else 0.0,
+        top_k=pick("top_k", _DEFAULT_TOP_K),
+        top_p=pick("top_p", _DEFAULT_TOP_P),
+        min_p=pick("min_p", 0.0),
+        seed=default_seed if seed is None else seed,
         stop_token_ids=stops,
-        return_logprobs=bool(top_logprobs) or (default_logprobs if return_logprobs is None else bool(return_logprobs)),
-        top_logprobs=int(top_logprobs or 0),
-        prompt_logprobs=bool(prompt_logprobs),
+        min_tokens=min_tokens,
+        return_logprobs=bool(top_logprobs) or (default_logprobs if return_logprobs is None else return_logprobs),
+        top_logprobs=top_logprobs,
+        prompt_logprobs=pick("prompt_logprobs", False),
+        repetition_penalty=pick("repetition_penalty", 1.0),
+        presence_penalty=pick("presence_penalty", 0.0),
+        frequency_penalty=pick("frequency_penalty", 0.0),
+        biases=tuple(biases),
+        sequence_biases=tuple(sequences),
+        bad_sequences=tuple(dict.fromkeys(bad_sequences)),
+        bans=tuple(dict.fromkeys(bans)),
+        begin_bans=tuple(_checked_ids("begin_suppress_tokens", defaults.begin_suppress_tokens, vocab)),
+        allowed_token_ids=allowed,
+        stop=stop,
+        include_stop_str_in_output=pick("include_stop_str_in_output", False),
+        skip_special_tokens=pick("skip_special_tokens", True),
     )
-
-
-def _pick(explicit: Any, configured: Any, default: Any) -> Any:
-    if explicit is not None:
-        return explicit
-    return configured if configured is not None else default
-
-
-def _require_int(name: str, value: Any, *, minimum: int | None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidRequestError(f"{name} must be an int, got {value!r}")
-    if minimum is not None and value < minimum:
-        raise InvalidRequestError(f"{name} must be >= {minimum}, got {value}")
 
 
 def _checked_ids(name: str, value: int | Iterable[int], vocab_size: int) -> frozenset[int]:

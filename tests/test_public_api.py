@@ -26,6 +26,7 @@ EXPECTED_PUBLIC_NAMES = [
     "RequestAbortedError",
     "RequestStatus",
     "RequestStream",
+    "SamplingParams",
     "WouldBlock",
     "WrongEventLoopError",
     "__version__",

@@ -2,31 +2,81 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+#: A sequence of token ids and the bias added to its last token when the history ends with the rest.
+SequenceBias = tuple[tuple[int, ...], float]
 
 
 @dataclass(frozen=True, slots=True)
-class SamplingParams:
-    """Everything that decides which tokens a request produces and when it stops.
+class ResolvedParams:
+    """Everything that decides which tokens a request produces and when it stops, resolved
+    from :class:`aiocb.SamplingParams` and the manager's ``GenerationConfig``.
 
-    ``temperature == 0`` means greedy decoding; ``top_k == 0`` and ``top_p == 1.0`` turn
-    those filters off. ``seed`` selects the request's own random stream, so its samples do
-    not depend on which other requests share its batch.
+    ``temperature == 0`` means greedy decoding; ``top_k == 0``, ``top_p == 1.0``,
+    ``min_p == 0`` turn those filters off. ``seed`` selects the request's own random
+    stream, so its samples do not depend on which other requests share its batch.
     """
 
     max_new_tokens: int
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
     seed: int = 0
+    #: EOS ids (unless ignored) and the request's stop tokens
     stop_token_ids: frozenset[int] = frozenset()
+    #: no stop token or stop string before this many generated tokens
+    min_tokens: int = 0
     return_logprobs: bool = False
     #: how many most likely alternatives (id, logprob) to return with each generated token
     top_logprobs: int = 0
     #: return the log-probability of every prompt token given the ones before it
     prompt_logprobs: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    #: ``(token, bias)`` added at every step (logit_bias, one-token sequence biases)
+    biases: tuple[tuple[int, float], ...] = ()
+    #: multi-token sequences whose last token is biased when the history ends with the others
+    sequence_biases: tuple[SequenceBias, ...] = ()
+    #: multi-token bad words: their last token is banned when the history ends with the others
+    bad_sequences: tuple[tuple[int, ...], ...] = ()
+    #: tokens never generated (one-token bad words, the GenerationConfig's suppress_tokens)
+    bans: tuple[int, ...] = ()
+    #: tokens not generated first (the GenerationConfig's begin_suppress_tokens)
+    begin_bans: tuple[int, ...] = ()
+    #: when set, the only tokens that may be generated
+    allowed_token_ids: tuple[int, ...] | None = None
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    #: whether any logits control is used (computed): rows without one cost nothing extra
+    uses_controls: bool = field(init=False, default=False)
+
+    def __post_init__(self) -> None:
+        uses = (
+            self.min_tokens > 0
+            or self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or bool(self.biases or self.sequence_biases or self.bad_sequences or self.bans or self.begin_bans)
+            or self.allowed_token_ids is not None
+        )
+        object.__setattr__(self, "uses_controls", uses)
 
     @property
     def greedy(self) -> bool:
         """Whether the request picks the most likely token at every step."""
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def penalizes(self) -> bool:
+        """Whether a step needs the request's token history on the device."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def needs_known_history(self) -> bool:
+        """Whether each step's controls depend on the last token itself (multi-token
+        sequence biases, bad words), so no step may be planned while it is being sampled."""
+        return bool(self.sequence_biases or self.bad_sequences)

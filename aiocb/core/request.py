@@ -3,9 +3,21 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from aiocb.core.params import SamplingParams
+from aiocb.core.params import ResolvedParams
 from aiocb.outputs import FinishReason, GenerationOutput, RequestStatus
+
+
+class TextState(Protocol):
+    """A request's generated text (``aiocb.detokenize.TextTracker``), when a tokenizer is given."""
+
+    @property
+    def text(self) -> str: ...
+
+    def add(self, token_id: int, num_output_tokens: int) -> str | None: ...
+
+    def finish(self) -> None: ...
 
 
 @dataclass(eq=False, slots=True)
@@ -20,9 +32,13 @@ class Request:
 
     request_id: str
     prompt_ids: list[int]
-    params: SamplingParams
+    params: ResolvedParams
     arrival_time: float
     deadline: float | None = None
+    #: the generated text and its stop strings (None without a tokenizer)
+    text: TextState | None = None
+    #: the stop token id or stop string that ended the request
+    stop_reason: int | str | None = None
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
@@ -101,9 +117,12 @@ class Request:
                 if prompt_done and params.top_logprobs
                 else None
             ),
+            text=None if self.text is None else self.text.text,
             status=self.status,
             finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
             error=self.error,
+            num_cached_tokens=self.num_cached_tokens,
             created_time=self.arrival_time,
             first_token_time=self.first_token_time,
             finished_time=self.finished_time,

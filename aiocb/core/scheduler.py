@@ -141,6 +141,8 @@ class Scheduler:
             self._dequeue(request)
         self.kv_cache.free(request)
         self.kv_cache.drop_host_copy(request)
+        if request.text is not None:
+            request.text.finish()
         request.status = status
         request.finish_reason = reason
         request.error = error
@@ -159,7 +161,7 @@ class Scheduler:
             if len(planned) >= self.max_requests_per_batch or budget <= 0:
                 break
             num_new = min(request.num_scheduled_tokens - request.num_computed_tokens, budget)
-            if num_new <= 0 or self._ends_in_flight(request):
+            if num_new <= 0 or self._waits_for_token(request):
                 continue
             while not self.kv_cache.allocate(request, num_new):
                 victim = next(reversed(self.running))
@@ -241,19 +243,29 @@ class Scheduler:
         return finished
 
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
-        if token in request.params.stop_token_ids:
+        params = request.params
+        num_output = request.num_output_tokens
+        matched = None if request.text is None else request.text.add(token, num_output)
+        if num_output > params.min_tokens and token in params.stop_token_ids:
+            request.stop_reason = token
             return FinishReason.STOP
-        if request.num_output_tokens >= request.params.max_new_tokens:
+        if matched is not None:
+            request.stop_reason = matched
+            return FinishReason.STOP
+        if num_output >= params.max_new_tokens:
             return FinishReason.LENGTH
         if self.max_model_len is not None and request.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 
-    def _ends_in_flight(self, request: Request) -> bool:
-        """Whether the token a step in flight samples surely ends the request: then there
-        is nothing to schedule ahead for it."""
+    def _waits_for_token(self, request: Request) -> bool:
+        """Whether nothing can be planned for ``request`` until the token a step in flight
+        samples for it lands: that token surely ends it, or its next step's logits
+        controls depend on that token's value."""
         if not request.num_pending_tokens:
             return False
+        if request.params.needs_known_history:
+            return True
         if request.num_output_tokens + request.num_pending_tokens >= request.params.max_new_tokens:
             return True
         return self.max_model_len is not None and request.num_scheduled_tokens >= self.max_model_len

@@ -17,12 +17,13 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from transformers import GenerationConfig, PreTrainedModel
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from aiocb.config import ContinuousBatchingConfig
 from aiocb.core.kv_cache import KVCacheManager
 from aiocb.core.request import Request
 from aiocb.core.scheduler import Scheduler
+from aiocb.detokenize import TextTracker
 from aiocb.engine.admission import Turnstile
 from aiocb.engine.step_loop import StepLoop
 from aiocb.engine.stream import Consumer, RequestHandle
@@ -35,9 +36,11 @@ from aiocb.errors import (
     WrongEventLoopError,
 )
 from aiocb.outputs import FinishReason, GenerationOutput, RequestStatus
+from aiocb.params import SamplingParams
+from aiocb.prompts import Prompt, encode_prompt, is_large
 from aiocb.runner.distributed import build_runner
 from aiocb.runner.model_runner import ModelRunner
-from aiocb.sampling import RequestLimits, build_params, eos_ids, normalize_prompt
+from aiocb.sampling import RequestLimits, config_defaults, eos_ids, normalize_prompt, resolve_params
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +108,7 @@ class Manager:
         generation_config: GenerationConfig | None = None,
         continuous_batching_config: ContinuousBatchingConfig | None = None,
         *,
+        tokenizer: PreTrainedTokenizerBase | None = None,
         persistent_manager: bool = False,
         num_requests_hint: int | None = None,
     ) -> None:
@@ -117,6 +121,13 @@ class Manager:
         self.model = model
         self.generation_config = copy.deepcopy(generation_config or model.generation_config)
         self.config = continuous_batching_config or ContinuousBatchingConfig()
+        #: with a tokenizer, prompts may be text or chat messages and outputs carry text
+        self.tokenizer = tokenizer
+        self._defaults = config_defaults(
+            self.generation_config,
+            has_tokenizer=tokenizer is not None,
+            drop_unsupported=self.config.drop_unsupported_processors,
+        )
         self.persistent = persistent_manager
         self._num_requests_hint = num_requests_hint
         model_eos = getattr(model.config.get_text_config(), "eos_token_id", None)
@@ -314,49 +325,63 @@ class Manager:
 
     async def add_request(
         self,
-        input_ids: Sequence[int],
+        input_ids: Prompt,
         request_id: str | None = None,
         max_new_tokens: int | None = None,
         streaming: bool = False,
+        *,
+        sampling_params: SamplingParams | None = None,
         **params: Any,
     ) -> str:
         """Queue one request and return its id, waiting while the admission queue is full.
 
-        Keyword parameters (all optional): ``temperature``, ``top_k``, ``top_p``,
-        ``do_sample``, ``seed``, ``eos_token_id``, ``stop_token_ids``,
-        ``return_logprobs``, ``top_logprobs`` (alternatives per generated token),
-        ``prompt_logprobs`` (score the prompt too) and ``timeout`` (seconds, queue time
-        included). With ``streaming=True`` partial outputs also reach :meth:`get_result`
-        and iteration.
+        ``input_ids`` are token ids, or with a tokenizer a text or chat messages. The
+        request's controls are ``sampling_params`` (:class:`~aiocb.SamplingParams`) and
+        any of its fields given as keyword arguments, which take precedence. With
+        ``streaming=True`` partial outputs also reach :meth:`get_result` and iteration.
         """
         await self._turnstile.enter()
-        request = self._new_request(input_ids, request_id, max_new_tokens, params)
+        request = self._new_request(await self._encode(input_ids), request_id, max_new_tokens, sampling_params, params)
         await self._wait_for_room(request)
         return self._submit(request, streaming=streaming, consumer=Consumer.RESULTS)
 
     def add_request_nowait(
         self,
-        input_ids: Sequence[int],
+        input_ids: Prompt,
         request_id: str | None = None,
         max_new_tokens: int | None = None,
         streaming: bool = False,
+        *,
+        sampling_params: SamplingParams | None = None,
         **params: Any,
     ) -> str:
-        """Like :meth:`add_request`, but raise :class:`~aiocb.WouldBlock` instead of waiting."""
-        request = self._new_request(input_ids, request_id, max_new_tokens, params)
+        """Like :meth:`add_request`, but raise :class:`~aiocb.WouldBlock` instead of waiting.
+
+        A text prompt is tokenized right here, on the event loop's thread.
+        """
+        prompt = encode_prompt(input_ids, self.tokenizer)
+        request = self._new_request(prompt, request_id, max_new_tokens, sampling_params, params)
         if not self._has_room(request):
             raise WouldBlock("the admission queue is full (max_queue_size / max_queued_tokens)")
         return self._submit(request, streaming=streaming, consumer=Consumer.RESULTS)
 
     async def add_requests(
-        self, inputs: Sequence[Sequence[int]], max_new_tokens: int | None = None, streaming: bool = False, **params: Any
+        self,
+        inputs: Sequence[Prompt],
+        max_new_tokens: int | None = None,
+        streaming: bool = False,
+        *,
+        sampling_params: SamplingParams | None = None,
+        **params: Any,
     ) -> list[str]:
         """Queue many requests; returns their ids in input order.
 
         With block sharing on, they are submitted sorted by prompt so that prompts with a
         common prefix are neighbours in the queue.
         """
-        return await self._add_many(inputs, max_new_tokens, params, streaming=streaming, consumer=Consumer.RESULTS)
+        return await self._add_many(
+            inputs, max_new_tokens, sampling_params, params, streaming=streaming, consumer=Consumer.RESULTS
+        )
 
     def cancel_request(self, request_id: str) -> bool:
         """End a queued or running request now; its blocks are free when this returns.
@@ -372,24 +397,31 @@ class Manager:
         return True
 
     async def generate(
-        self, input_ids: Sequence[int], max_new_tokens: int | None = None, **params: Any
+        self,
+        input_ids: Prompt,
+        max_new_tokens: int | None = None,
+        *,
+        request_id: str | None = None,
+        sampling_params: SamplingParams | None = None,
+        **params: Any,
     ) -> GenerationOutput:
         """Run one request to its end and return its final output.
 
         Cancelling the awaiting task cancels the request.
         """
         await self._turnstile.enter()
-        request = self._new_request(input_ids, params.pop("request_id", None), max_new_tokens, params)
+        request = self._new_request(await self._encode(input_ids), request_id, max_new_tokens, sampling_params, params)
         await self._wait_for_room(request)
         handle = self._handles[self._submit(request, streaming=False, consumer=Consumer.AWAITER)]
         return await self._await_final(handle)
 
     async def generate_batch(
         self,
-        inputs: Sequence[Sequence[int]],
+        inputs: Sequence[Prompt],
         max_new_tokens: int | None = None,
         *,
         progress: bool = False,
+        sampling_params: SamplingParams | None = None,
         **params: Any,
     ) -> dict[str, GenerationOutput]:
         """Run many requests to their end; returns ``{request_id: output}`` in input order."""
@@ -397,6 +429,7 @@ class Manager:
         ids = await self._add_many(
             inputs,
             max_new_tokens,
+            sampling_params,
             params,
             streaming=False,
             consumer=Consumer.AWAITER,
@@ -505,33 +538,44 @@ class Manager:
         logger.warning("request refused: %s", message)
         raise ManagerClosedError(message)
 
+    async def _encode(self, prompt: Prompt) -> Any:
+        """Token ids of a text or chat prompt; a long one is tokenized on a worker thread."""
+        if is_large(prompt):
+            return await asyncio.to_thread(encode_prompt, prompt, self.tokenizer)
+        return encode_prompt(prompt, self.tokenizer)
+
     def _new_request(
-        self, input_ids: Any, request_id: str | None, max_new_tokens: int | None, params: dict[str, Any]
+        self,
+        input_ids: Any,
+        request_id: str | None,
+        max_new_tokens: int | None,
+        sampling_params: SamplingParams | None,
+        params: dict[str, Any],
     ) -> Request:
         self._check_loop()
         self._check_accepting()
         assert self._runner is not None and self._steps is not None
-        timeout = params.pop("timeout", None)
-        unknown = sorted(set(params) - _REQUEST_PARAMS)
-        if unknown:
-            known = ", ".join(sorted(_REQUEST_PARAMS | {"timeout"}))
-            raise InvalidRequestError(f"unknown request parameter(s): {', '.join(unknown)}; known: {known}")
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
-            raise InvalidRequestError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
+            raise InvalidRequestError(
+                f"sampling_params must be an aiocb.SamplingParams, got {type(sampling_params).__name__}"
+            )
+        requested = sampling_params or _NO_PARAMS
+        if params or max_new_tokens is not None:
+            requested = requested.updated(max_new_tokens=max_new_tokens, **params)
         spec = self._runner.spec
         limits = RequestLimits(
             spec.vocab_size, spec.max_position_embeddings, self._steps.scheduler.kv_cache.capacity_tokens
         )
         prompt = normalize_prompt(input_ids, limits)
-        sampling = build_params(
-            self.generation_config,
+        resolved = resolve_params(
+            requested,
+            self._defaults,
             len(prompt),
             limits,
             default_eos=self._default_eos,
             default_logprobs=self.config.return_logprobs,
             default_seed=self._seeds.getrandbits(32),
-            max_new_tokens=max_new_tokens,
-            **params,
+            has_tokenizer=self.tokenizer is not None,
         )
         if request_id is None:
             request_id = self._fresh_id()
@@ -539,8 +583,21 @@ class Manager:
             raise InvalidRequestError(f"request_id must be a non-empty str, got {request_id!r}")
         elif request_id in self._handles:
             raise InvalidRequestError(f"request id {request_id!r} is already in use by a live request")
+        text = None
+        if self.tokenizer is not None:
+            text = TextTracker(
+                self.tokenizer,
+                prompt,
+                stop=resolved.stop,
+                include_stop_str=resolved.include_stop_str_in_output,
+                skip_special_tokens=resolved.skip_special_tokens,
+                min_tokens=resolved.min_tokens,
+            )
+        timeout = requested.timeout if requested.timeout is not None else self._defaults.params.timeout
         now = time.perf_counter()
-        return Request(request_id, prompt, sampling, now, deadline=None if timeout is None else now + float(timeout))
+        return Request(
+            request_id, prompt, resolved, now, deadline=None if timeout is None else now + timeout, text=text
+        )
 
     def _fresh_id(self) -> str:
         while (request_id := f"req_{next(self._ids)}") in self._handles:
@@ -549,8 +606,9 @@ class Manager:
 
     async def _add_many(
         self,
-        inputs: Sequence[Sequence[int]],
+        inputs: Sequence[Prompt],
         max_new_tokens: int | None,
+        sampling_params: SamplingParams | None,
         params: dict[str, Any],
         *,
         streaming: bool,
@@ -561,7 +619,8 @@ class Manager:
         for i, prompt in enumerate(inputs):
             if i and i % self._turnstile.per_iteration == 0:
                 await asyncio.sleep(0)  # a long list must not hold the loop in one go
-            requests.append(self._new_request(prompt, None, max_new_tokens, dict(params)))
+            ids = await self._encode(prompt)
+            requests.append(self._new_request(ids, None, max_new_tokens, sampling_params, params))
         order = list(range(len(requests)))
         if self.config.allow_block_sharing:
             order.sort(key=lambda i: requests[i].prompt_ids)
@@ -800,20 +859,8 @@ class RequestStream:
                 loop.call_soon_threadsafe(self._manager._cancel_quietly, self.request_id)
 
 
-_REQUEST_PARAMS = frozenset(
-    {
-        "temperature",
-        "top_k",
-        "top_p",
-        "do_sample",
-        "seed",
-        "eos_token_id",
-        "stop_token_ids",
-        "return_logprobs",
-        "top_logprobs",
-        "prompt_logprobs",
-    }
-)
+#: a request that gives no parameter: everything from the GenerationConfig
+_NO_PARAMS = SamplingParams()
 
 
 _frozen = False

@@ -30,6 +30,7 @@ class RequestHandle:
     __slots__ = (
         "_changed",
         "consumer",
+        "delivered_chars",
         "delivered_tokens",
         "error",
         "final_delivered",
@@ -56,6 +57,8 @@ class RequestHandle:
         self.in_results = False
         #: output tokens in the last output handed out (-1: none handed out yet)
         self.delivered_tokens = -1
+        #: characters of text in the last output handed out
+        self.delivered_chars = 0
         self.final_delivered = False
         #: what awaiters raise when the request failed (hard stop, dead engine)
         self.error: BaseException | None = None
@@ -81,6 +84,9 @@ class RequestHandle:
     def take(self) -> GenerationOutput:
         """The request's output now; marks it delivered."""
         output = self.request.to_output()
+        if output.text is not None:
+            output.text_delta = output.text[self.delivered_chars :]
+            self.delivered_chars = len(output.text)
         self.delivered_tokens = len(output.generated_tokens)
         if output.is_finished():
             self.final_delivered = True

@@ -16,7 +16,9 @@ from dataclasses import dataclass, field
 import torch
 
 from aiocb.core.kv_cache import ring_size
+from aiocb.core.request import Request
 from aiocb.core.scheduler import SchedulerOutput, wants_prompt_logprobs
+from aiocb.runner.logits_controls import matched_sequence_bias
 from aiocb.runner.paged_cache import PagedKVCache
 from aiocb.runner.sampler import SamplingTensors
 
@@ -24,6 +26,25 @@ from aiocb.runner.sampler import SamplingTensors
 #: device, any layer); "paged" kernels read the cache in place through block tables.
 REFERENCE = "reference"
 PAGED = "paged"
+
+
+@dataclass(slots=True)
+class RowControls:
+    """A sampled row's logits controls for one step (rows that use none have no such object)."""
+
+    #: prompt and output tokens known to the host (penalizing rows only; else empty) ...
+    history: tuple[int, ...]
+    num_prompt_tokens: int
+    #: ... and whether the row's last token, still being sampled, follows them
+    carries: bool
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    #: ``(token, bias)`` added this step
+    biases: list[tuple[int, float]]
+    #: tokens banned this step
+    bans: list[int]
+    allowed: tuple[int, ...] | None
 
 
 @dataclass(slots=True)  # (not frozen: a frozen __init__ costs several times more per row)
@@ -38,9 +59,11 @@ class RowSpec:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
     seed: int = 0
     #: how many tokens the request generated before this step (its random stream offset)
     offset: int = 0
+    controls: RowControls | None = None
     logprobs: bool = False
     top_logprobs: int = 0
     #: with prompt logprobs: the prompt tokens that this step's positions predict
@@ -91,6 +114,7 @@ def snapshot(output: SchedulerOutput, previous: SchedulerOutput | None = None) -
         if wants_prompt_logprobs(request, item.start):
             last = min(item.start + item.num_tokens, request.num_prompt_tokens - 1)
             targets = tuple(request.token_ids[item.start + 1 : last + 1])
+        offset = request.num_output_tokens + request.num_pending_tokens - (1 if item.sample else 0)
         rows.append(
             RowSpec(
                 start=item.start,
@@ -100,8 +124,10 @@ def snapshot(output: SchedulerOutput, previous: SchedulerOutput | None = None) -
                 temperature=params.temperature,
                 top_k=params.top_k,
                 top_p=params.top_p,
+                min_p=params.min_p,
                 seed=params.seed,
-                offset=request.num_output_tokens + request.num_pending_tokens - (1 if item.sample else 0),
+                offset=offset,
+                controls=row_controls(request, offset, item.carries) if item.sample and params.uses_controls else None,
                 logprobs=params.return_logprobs,
                 top_logprobs=params.top_logprobs,
                 prompt_targets=targets,
@@ -111,6 +137,116 @@ def snapshot(output: SchedulerOutput, previous: SchedulerOutput | None = None) -
     return StepBatch(
         token_ids, rows, [list(pairs) for pairs in output.swap_out], [list(pairs) for pairs in output.swap_in]
     )
+
+
+def row_controls(request: Request, offset: int, carries: bool) -> RowControls:
+    """What a request's controls do at the step sampling its ``offset``-th output token
+    (counted from 0); ``carries``: its last token is still being sampled by the step before."""
+    params = request.params
+    history = tuple(request.token_ids) if params.penalizes else ()
+    biases = list(params.biases)
+    bans = list(params.bans)
+    if params.sequence_biases or params.bad_sequences:
+        # (the scheduler plans no step for such a request while its last token is in flight)
+        known = request.token_ids
+        biases += matched_sequence_bias(known, params.sequence_biases)
+        bans += [token for token, _ in matched_sequence_bias(known, [(w, 0.0) for w in params.bad_sequences])]
+    if offset < params.min_tokens:
+        bans += params.stop_token_ids
+    if offset == 0:
+        bans += params.begin_bans
+    return RowControls(
+        history=history,
+        num_prompt_tokens=request.num_prompt_tokens,
+        carries=carries and params.penalizes,
+        repetition_penalty=params.repetition_penalty,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        biases=biases,
+        bans=bans,
+        allowed=params.allowed_token_ids,
+    )
+
+
+def controls_host_tensors(rows: Sequence[RowSpec]) -> dict[str, torch.Tensor]:
+    """The sampled rows' controls as flat host tensors (none when no row uses one).
+
+    Names start with ``c_``; :func:`~aiocb.runner.sampler.SamplingTensors.from_device`
+    turns them into a :class:`~aiocb.runner.logits_controls.LogitsControls`. A history
+    entry whose token is still being sampled by the previous step is a placeholder:
+    ``c_history_carry`` says where, ``c_history_carry_rows`` from which previous row.
+    """
+    host: dict[str, torch.Tensor] = {}
+    with_controls = [(i, r.controls) for i, r in enumerate(rows) if r.controls is not None]
+    if not with_controls:
+        return host
+    long = torch.long
+    bias_rows: list[int] = []
+    bias_ids: list[int] = []
+    bias_values: list[float] = []
+    ban_rows: list[int] = []
+    ban_ids: list[int] = []
+    allow_rows: list[int] = []
+    allow_ids: list[int] = []
+    history: list[int] = []
+    history_lengths: list[int] = []
+    prompt_lengths: list[int] = []
+    penalized: list[int] = []
+    carry_at: list[int] = []
+    carry_rows: list[int] = []
+    restrict = [False] * len(rows)
+    for i, c in with_controls:
+        for token, bias in c.biases:
+            bias_rows.append(i)
+            bias_ids.append(token)
+            bias_values.append(bias)
+        ban_rows += [i] * len(c.bans)
+        ban_ids += c.bans
+        if c.allowed is not None:
+            restrict[i] = True
+            allow_rows += [i] * len(c.allowed)
+            allow_ids += c.allowed
+        if c.history or c.carries:
+            penalized.append(i)
+            history += c.history
+            if c.carries:
+                carry_at.append(len(history))
+                carry_rows.append(rows[i].carry_row)
+                history.append(0)  # replaced on the device by the previous step's sample
+            history_lengths.append(len(c.history) + c.carries)
+            prompt_lengths.append(c.num_prompt_tokens)
+    if bias_rows:
+        host["c_bias_rows"] = torch.tensor(bias_rows, dtype=long)
+        host["c_bias_ids"] = torch.tensor(bias_ids, dtype=long)
+        host["c_bias_values"] = torch.tensor(bias_values, dtype=torch.float32)
+    if ban_rows:
+        host["c_ban_rows"] = torch.tensor(ban_rows, dtype=long)
+        host["c_ban_ids"] = torch.tensor(ban_ids, dtype=long)
+    if allow_rows:
+        host["c_restrict_rows"] = torch.tensor(restrict, dtype=torch.bool)
+        host["c_allow_rows"] = torch.tensor(allow_rows, dtype=long)
+        host["c_allow_ids"] = torch.tensor(allow_ids, dtype=long)
+    if penalized:
+        lengths = torch.tensor(history_lengths, dtype=long)
+        host["c_history_rows"] = torch.repeat_interleave(torch.tensor(penalized, dtype=long), lengths)
+        host["c_history_ids"] = torch.tensor(history, dtype=long)
+        # position of each entry within its row's history, against the row's prompt length
+        starts = torch.cumsum(lengths, 0) - lengths
+        within = torch.arange(len(history)) - torch.repeat_interleave(starts, lengths)
+        host["c_history_is_output"] = within >= torch.repeat_interleave(torch.tensor(prompt_lengths), lengths)
+        for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
+            host[f"c_{name}"] = torch.tensor(
+                [getattr(r.controls, name) if r.controls is not None else _OFF[name] for r in rows],
+                dtype=torch.float32,
+            )
+        if carry_at:
+            host["c_history_carry"] = torch.tensor(carry_at, dtype=long)
+            host["c_history_carry_rows"] = torch.tensor(carry_rows, dtype=long)
+    return host
+
+
+#: The value of each penalty that leaves a row's logits as they are.
+_OFF = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
 
 
 @dataclass(slots=True)
@@ -344,7 +480,9 @@ def prepare_inputs(
                 host[f"mask{g}_{i}"] = mask
             masks[f"mask{g}_{i}"] = mask
 
-    host.update(SamplingTensors.host_tensors([rows[i] for i in sampled]))
+    sampled_rows = [rows[i] for i in sampled]
+    host.update(SamplingTensors.host_tensors(sampled_rows))
+    host.update(controls_host_tensors(sampled_rows))
     dev = transfer(host)
 
     groups: list[GroupAttention] = []
@@ -380,7 +518,7 @@ def prepare_inputs(
         position_ids=dev["positions"],
         logits_indices=dev["logits_indices"],
         attention=attention,
-        sampling=SamplingTensors.from_device(dev, [rows[i] for i in sampled]),
+        sampling=SamplingTensors.from_device(dev, sampled_rows),
         prompt_targets=dev["prompt_targets"],
         prompt_counts=prompt_counts,
         carry_index=dev.get("carry_index"),

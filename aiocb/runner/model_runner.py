@@ -111,6 +111,12 @@ class ModelRunner:
         if inputs.carry_index is not None:
             assert inputs.carry_rows is not None and self._last_tokens is not None
             inputs.input_ids.index_copy_(0, inputs.carry_index, self._last_tokens.index_select(0, inputs.carry_rows))
+        sampling = inputs.sampling
+        if sampling.history_carry is not None:
+            assert sampling.controls is not None and sampling.controls.history_ids is not None
+            assert sampling.history_carry_rows is not None and self._last_tokens is not None
+            carried = self._last_tokens.index_select(0, sampling.history_carry_rows)
+            sampling.controls.history_ids.index_copy_(0, sampling.history_carry, carried)
         logits = self._logits(batch, inputs)
         num_sampled = batch.num_sampled
         picked = sample(logits[:num_sampled].float(), inputs.sampling)

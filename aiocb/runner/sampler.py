@@ -1,4 +1,4 @@
-"""Batched per-request sampling: greedy, temperature, top-k and top-p in one pass.
+"""Batched per-request sampling: controls, greedy, temperature, top-k, top-p and min-p in one pass.
 
 Randomness comes from a counter-based hash of ``(request seed, token index, vocab id)``
 rather than a shared generator, so a request's samples depend on its seed alone, not on
@@ -9,11 +9,14 @@ the tokens that survive top-k and top-p.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+from aiocb.runner.logits_controls import LogitsControls, apply_controls, apply_min_p
 
 _MASK32 = 0xFFFFFFFF
 
@@ -22,6 +25,7 @@ class _SamplingRow(Protocol):
     temperature: float
     top_k: int
     top_p: float
+    min_p: float
     seed: int
     offset: int
     logprobs: bool
@@ -43,17 +47,28 @@ class SamplingTensors:
     any_logprobs: bool
     #: the most alternatives any row asked for (0: none)
     max_top_logprobs: int
+    #: [S] float32, 0 = off; None when no sampled row uses min-p
+    min_p: torch.Tensor | None = None
+    #: biases, penalties, bans and allow-lists; None when no row uses one
+    controls: LogitsControls | None = None
+    #: entries of ``controls.history_ids`` still being sampled by the previous step, and
+    #: which of its sampled rows each comes from (async batching)
+    history_carry: torch.Tensor | None = None
+    history_carry_rows: torch.Tensor | None = None
 
     @staticmethod
     def host_tensors(rows: Sequence[_SamplingRow]) -> dict[str, torch.Tensor]:
         """The per-row parameters as host tensors, named for :meth:`from_device`."""
-        return {
+        host = {
             "temperature": torch.tensor([0.0 if _greedy(r) else r.temperature for r in rows], dtype=torch.float32),
             "top_k": torch.tensor([r.top_k for r in rows], dtype=torch.long),
             "top_p": torch.tensor([r.top_p for r in rows], dtype=torch.float32),
             "seed": torch.tensor([r.seed & _MASK32 for r in rows], dtype=torch.long),
             "offset": torch.tensor([r.offset for r in rows], dtype=torch.long),
         }
+        if any(r.min_p > 0.0 and not _greedy(r) for r in rows):
+            host["min_p"] = torch.tensor([0.0 if _greedy(r) else r.min_p for r in rows], dtype=torch.float32)
+        return host
 
     @classmethod
     def from_rows(cls, rows: Sequence[_SamplingRow], device: torch.device) -> SamplingTensors:
@@ -76,7 +91,18 @@ class SamplingTensors:
             any_top_p=any(r.top_p < 1.0 for r, g in zip(rows, greedy, strict=True) if not g),
             any_logprobs=any(r.logprobs or r.top_logprobs for r in rows),
             max_top_logprobs=max((r.top_logprobs for r in rows), default=0),
+            min_p=tensors.get("min_p"),
+            controls=_controls(tensors),
+            history_carry=tensors.get("c_history_carry"),
+            history_carry_rows=tensors.get("c_history_carry_rows"),
         )
+
+
+def _controls(tensors: dict[str, torch.Tensor]) -> LogitsControls | None:
+    """The ``c_*`` tensors of :func:`~aiocb.runner.inputs.controls_host_tensors` as controls."""
+    if not any(name.startswith("c_") for name in tensors):
+        return None
+    return LogitsControls(**{f.name: tensors.get(f"c_{f.name}") for f in dataclasses.fields(LogitsControls)})
 
 
 @dataclass(slots=True)
@@ -99,6 +125,9 @@ def sample(logits: torch.Tensor, params: SamplingTensors) -> Sampled:
     When any row asked for them, also the log-probabilities of the picks and the most
     likely alternatives, under the raw distribution (log-softmax of ``logits``).
     """
+    raw = logits
+    if params.controls is not None:
+        logits = apply_controls(logits, params.controls)
     greedy_tokens = logits.argmax(dim=-1)
     if params.all_greedy:
         tokens = greedy_tokens
@@ -108,12 +137,14 @@ def sample(logits: torch.Tensor, params: SamplingTensors) -> Sampled:
         scaled = logits / temperature[:, None]
         if params.any_top_k or params.any_top_p:
             scaled = _apply_top_k_top_p(scaled, params.top_k, params.top_p)
+        if params.min_p is not None:
+            scaled = apply_min_p(scaled, params.min_p)
         noise = _gumbel(params.seed, params.offset, logits.shape[-1])
         sampled = (scaled + noise).argmax(dim=-1)
         tokens = torch.where(is_greedy, greedy_tokens, sampled)
     result = Sampled(tokens)
     if params.any_logprobs:
-        result.logprobs, result.top_ids, result.top_logprobs = score(logits, tokens, params.max_top_logprobs)
+        result.logprobs, result.top_ids, result.top_logprobs = score(raw, tokens, params.max_top_logprobs)
     return result
 
 

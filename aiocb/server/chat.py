@@ -69,6 +69,8 @@ class ChatCompletion:
                 ),
                 stop=sampling.stop,
                 skip_special_tokens=sampling.skip_special_tokens,
+                min_tokens=sampling.min_tokens,
+                include_stop_str_in_output=sampling.include_stop_str_in_output,
             )
             for j in range(sampling.n)
         ]

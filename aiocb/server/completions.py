@@ -86,6 +86,8 @@ class Completion:
                         params=params,
                         stop=sampling.stop,
                         skip_special_tokens=sampling.skip_special_tokens,
+                        min_tokens=sampling.min_tokens,
+                        include_stop_str_in_output=sampling.include_stop_str_in_output,
                     )
                 )
         self.submission = Submission(ctx, specs, received)

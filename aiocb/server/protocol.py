@@ -1,15 +1,15 @@
 """OpenAI request bodies parsed into typed values, and errors in OpenAI's shape.
 
-Parsing is lenient where real clients need it (unknown fields are ignored, ``null``
-means "not given") and strict where a wrong value would silently change the result (a
-negative ``max_tokens``, a ``temperature`` that is a string): those are refused with an
-:class:`APIError` of status 400 that names the field.
+Parsing is lenient where real clients need it (``null`` means "not given") and strict
+everywhere a value would otherwise change the result without a word: a field the server
+does not implement, a negative ``max_tokens``, a ``temperature`` that is a string. Those
+are refused with an :class:`APIError` of status 400 that names the field.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiocb.errors import (
@@ -19,6 +19,7 @@ from aiocb.errors import (
     RequestAbortedError,
     WouldBlock,
 )
+from aiocb.params import SamplingParams
 
 #: ``max_tokens`` of a completion that does not say (OpenAI's default).
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -95,6 +96,11 @@ class SamplingRequest:
     skip_special_tokens: bool
     stream: bool
     include_usage: bool
+    #: no stop token or stop string before this many tokens
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    #: the logits controls (penalties, biases, allow-lists), as ``aiocb.SamplingParams`` fields
+    controls: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +156,7 @@ def parse_completion_request(body: Any) -> CompletionRequest:
         raise bad_request("'prompt' is required", "prompt")
     prompts = _prompts(body["prompt"])
     logprobs = _opt_int(body, "logprobs", minimum=0, maximum=MAX_TOP_LOGPROBS)
+    _refuse_unknown(body, COMPLETION_FIELDS)
     _refuse_unsupported(body)
     return CompletionRequest(
         prompts=prompts,
@@ -170,6 +177,7 @@ def parse_chat_request(body: Any) -> ChatCompletionRequest:
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    _refuse_unknown(body, CHAT_FIELDS)
     _refuse_unsupported(body)
     return ChatCompletionRequest(
         messages=messages,
@@ -235,17 +243,93 @@ def _sampling(body: Mapping[str, Any], *, max_tokens_keys: tuple[str, ...]) -> S
         skip_special_tokens=_bool(body, "skip_special_tokens", True),
         stream=_bool(body, "stream", False),
         include_usage=bool(stream_options and _bool(stream_options, "include_usage", False)),
+        min_tokens=_opt_int(body, "min_tokens", minimum=0) or 0,
+        include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False),
+        controls=_controls(body),
     )
+
+
+#: Body fields that become ``aiocb.SamplingParams`` fields of the same name, checked there.
+_CONTROLS = (
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_p",
+    "logit_bias",
+    "allowed_token_ids",
+)
+
+
+def _controls(body: Mapping[str, Any]) -> dict[str, Any]:
+    controls: dict[str, Any] = {}
+    for key in _CONTROLS:
+        value = body.get(key)
+        if value is None:
+            continue
+        try:
+            SamplingParams(**{key: value})
+        except InvalidRequestError as exc:
+            raise bad_request(str(exc), key) from None
+        controls[key] = value
+    return controls
+
+
+#: Fields that do not change what is generated (identifiers, bookkeeping): accepted as they are.
+_NO_EFFECT = frozenset({"user", "metadata", "store", "service_tier", "request_id"})
+_SAMPLING_FIELDS = frozenset(
+    {
+        "model",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "n",
+        "stop",
+        "stop_token_ids",
+        "ignore_eos",
+        "skip_special_tokens",
+        "stream",
+        "stream_options",
+        "min_tokens",
+        "include_stop_str_in_output",
+        "best_of",
+        *_CONTROLS,
+    }
+)
+#: Every field each endpoint honours; any other one is refused with a 400 naming it.
+COMPLETION_FIELDS = _SAMPLING_FIELDS | _NO_EFFECT | {"prompt", "logprobs", "echo", "suffix"}
+CHAT_FIELDS = (
+    _SAMPLING_FIELDS
+    | _NO_EFFECT
+    | {
+        "messages",
+        "max_completion_tokens",
+        "logprobs",
+        "top_logprobs",
+        "add_generation_prompt",
+        "chat_template_kwargs",
+        "tools",
+        "tool_choice",
+        "response_format",
+    }
+)
+
+
+def _refuse_unknown(body: Mapping[str, Any], known: frozenset[str]) -> None:
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise bad_request(
+            f"unsupported field(s): {', '.join(repr(k) for k in unknown)}; this server does not implement them",
+            unknown[0],
+        )
 
 
 def _refuse_unsupported(body: Mapping[str, Any]) -> None:
     """Refuse known OpenAI fields whose non-default values this server cannot honour."""
-    for key in ("presence_penalty", "frequency_penalty"):
-        value = body.get(key)
-        if value not in (None, 0, 0.0):
-            raise bad_request(f"'{key}' is not supported by this server (only 0)", key)
-    if body.get("logit_bias"):
-        raise bad_request("'logit_bias' is not supported by this server", "logit_bias")
+    response_format = body.get("response_format")
+    if response_format is not None and response_format != {"type": "text"}:
+        raise bad_request("'response_format' other than text is not supported by this server", "response_format")
     if body.get("suffix"):
         raise bad_request("'suffix' is not supported by this server", "suffix")
     tools = body.get("tools")

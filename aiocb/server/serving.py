@@ -45,6 +45,9 @@ class ChoiceSpec:
     params: dict[str, Any]
     stop: tuple[str, ...]
     skip_special_tokens: bool
+    #: stop strings are looked for once this many tokens were generated
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
 
 
 @dataclass(slots=True)
@@ -112,6 +115,9 @@ def engine_params(
         params["eos_token_id"] = []
     if sampling.stop_token_ids:
         params["stop_token_ids"] = list(sampling.stop_token_ids)
+    if sampling.min_tokens:
+        params["min_tokens"] = sampling.min_tokens
+    params.update(sampling.controls)
     return params
 
 
@@ -202,7 +208,7 @@ async def choice_deltas(
 ) -> AsyncGenerator[ChoiceDelta]:
     """The deltas of one choice; ``received`` is when the HTTP request arrived (perf_counter)."""
     detokenizer = IncrementalDetokenizer(ctx.tokenizer, spec.prompt_ids, skip_special_tokens=spec.skip_special_tokens)
-    stopper = StopStringMatcher(spec.stop)
+    stopper = StopStringMatcher(spec.stop, min_tokens=spec.min_tokens, include=spec.include_stop_str_in_output)
     metrics = ctx.metrics
     score_only = spec.max_tokens == 0
     seen = 0
@@ -256,7 +262,7 @@ def _add_tokens(
     top = output.top_logprobs
     for position, token_id in enumerate(new, start=start):
         delta.text_offsets.append(detokenizer.num_chars)
-        delta.text += stopper.feed(detokenizer.add(token_id))
+        delta.text += stopper.feed(detokenizer.add(token_id), position + 1)
         delta.token_ids.append(token_id)
         if logprobs is not None and position < len(logprobs):
             delta.logprobs.append(logprobs[position])

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from aiocb.core.kv_cache import CacheGroup, KVCacheManager, ring_size
-from aiocb.core.params import SamplingParams
+from aiocb.core.params import ResolvedParams
 from aiocb.core.request import Request
 from tests.fuzzing import fuzz_settings
 
@@ -15,7 +15,7 @@ PAGE = 4
 
 
 def make_request(prompt: list[int], request_id: str = "r") -> Request:
-    return Request(request_id, list(prompt), SamplingParams(max_new_tokens=8), arrival_time=0.0)
+    return Request(request_id, list(prompt), ResolvedParams(max_new_tokens=8), arrival_time=0.0)
 
 
 def full_cache(num_blocks: int = 16, *, prefix: bool = True, page: int = PAGE) -> KVCacheManager:

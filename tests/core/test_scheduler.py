@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from aiocb.core.kv_cache import CacheGroup, KVCacheManager, ring_size
-from aiocb.core.params import SamplingParams
+from aiocb.core.params import ResolvedParams
 from aiocb.core.request import Request
 from aiocb.core.scheduler import Scheduler, SchedulerOutput, StepResult
 from aiocb.outputs import FinishReason, RequestStatus
@@ -38,7 +38,7 @@ def make_request(
     if prompt is None:
         seed = sum(map(ord, request_id))
         prompt = [1 + (seed * 31 + i * 7) % 997 for i in range(prompt_len)]
-    params = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=stop)
+    params = ResolvedParams(max_new_tokens=max_new_tokens, stop_token_ids=stop)
     return Request(request_id, prompt, params, arrival_time=0.0)
 
 

@@ -109,14 +109,14 @@ def test_padded_decode_replay_equals_the_unpadded_step(monkeypatch: pytest.Monke
         )
         # Three requests decode their second token: bucket 4, one padding row.
         from aiocb.core.kv_cache import KVCacheManager
-        from aiocb.core.params import SamplingParams
+        from aiocb.core.params import ResolvedParams
         from aiocb.core.request import Request
         from aiocb.core.scheduler import Scheduler
 
         kv = KVCacheManager(runner.spec.cache_groups(runner.plan.num_blocks), 16, enable_prefix_caching=False)
         scheduler = Scheduler(kv, max_batch_tokens=256, max_requests_per_batch=8)
         for i, prompt in enumerate(PROMPTS[:3]):
-            scheduler.add(Request(f"r{i}", prompt, SamplingParams(max_new_tokens=4), 0.0))
+            scheduler.add(Request(f"r{i}", prompt, ResolvedParams(max_new_tokens=4), 0.0))
         prefill = scheduler.schedule()
         scheduler.update(prefill, runner.execute(snapshot(prefill)), 0.0)
         decode = scheduler.schedule()

@@ -14,6 +14,7 @@ class Row:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
     seed: int = 0
     offset: int = 0
     logprobs: bool = False
@@ -22,6 +23,22 @@ class Row:
 
 def _draw(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
     return sample(logits, SamplingTensors.from_rows(rows, logits.device)).tokens
+
+
+def test_min_p_samples_follow_the_renormalized_distribution() -> None:
+    """min-p keeps the tokens with at least min_p times the top probability (after the
+    temperature), and the draws follow the softmax over those alone."""
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -3.0])
+    temperature, min_p = 0.9, 0.3
+    probs = (logits / temperature).softmax(-1)
+    kept = probs >= min_p * probs.max()
+    assert 1 < int(kept.sum()) < len(logits)  # the filter matters here
+    expected = torch.where(kept, probs, 0.0) / probs[kept].sum()
+    rows = [Row(temperature=temperature, min_p=min_p, seed=s) for s in range(4000)]
+    draws = _draw(logits.expand(len(rows), -1).contiguous(), rows)
+    freq = torch.bincount(draws, minlength=len(logits)).float() / len(rows)
+    assert torch.all(freq[~kept] == 0)
+    assert torch.allclose(freq, expected, atol=0.03), (freq, expected)
 
 
 def test_samples_follow_the_softmax_distribution() -> None:

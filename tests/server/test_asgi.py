@@ -299,9 +299,15 @@ async def test_bad_input_is_a_400(client: httpx.AsyncClient, tokenizer: Any) -> 
     assert_error(await client.post("/v1/chat/completions", json={"messages": "hi"}), 400, "messages")
 
 
-async def test_unknown_fields_are_ignored(client: httpx.AsyncClient) -> None:
-    body = {"prompt": "x", "max_tokens": 2, "some_new_field": [1, 2], "user": "me", "metadata": {"a": "b"}}
+async def test_unknown_fields_are_refused_and_bookkeeping_ones_accepted(client: httpx.AsyncClient) -> None:
+    body = {"prompt": "x", "max_tokens": 2, "user": "me", "metadata": {"a": "b"}}
     assert (await client.post("/v1/completions", json=body)).status_code == 200
+    error = assert_error(await client.post("/v1/completions", json={**body, "some_new_field": [1]}), 400)
+    assert error["param"] == "some_new_field" and "some_new_field" in error["message"]
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert_error(await client.post("/v1/chat/completions", json={**chat, "use_beam_search": True}), 400)
+    fmt = {**chat, "response_format": {"type": "json_object"}}
+    assert_error(await client.post("/v1/chat/completions", json=fmt), 400, "response_format")
 
 
 async def test_unknown_model_route_and_method(client: httpx.AsyncClient) -> None:
@@ -417,3 +423,58 @@ async def test_metrics(client: httpx.AsyncClient) -> None:
     assert not math.isnan(value["aiocb_e2e_request_latency_seconds_sum"])
     errors = [s for s in families["aiocb_http_errors"].samples if s.name.endswith("_total")]
     assert [(s.labels["status"], s.value) for s in errors] == [("404", 1.0)]
+
+
+async def test_generation_controls_are_honoured(client: httpx.AsyncClient, manager: aiocb.Manager, tokenizer: Any) -> None:
+    """Penalties, biases, min_p, min_tokens and allow-lists reach the engine: the text equals
+    the library's for the same parameters, and differs from the plain greedy text."""
+    ids = tokenizer.encode(PROMPT)
+    plain = await greedy(manager, ids, 16)
+    allowed = sorted(set(plain.generated_tokens))[:3]
+    cases: list[dict[str, Any]] = [
+        {"repetition_penalty": 1.8},
+        {"presence_penalty": 1.5, "frequency_penalty": 1.0},
+        {"logit_bias": {str(plain.generated_tokens[0]): -100}},
+        {"allowed_token_ids": allowed},
+        {"min_p": 0.2, "temperature": 1.0, "seed": 3},
+    ]
+    for controls in cases:
+        body = {"prompt": PROMPT, "max_tokens": 16, "temperature": 0, "ignore_eos": True, **controls}
+        response = await client.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        library = dict(controls)
+        if "logit_bias" in library:
+            library["logit_bias"] = {int(k): v for k, v in library["logit_bias"].items()}
+        expected = await manager.generate(ids, max_new_tokens=16, ignore_eos=True, **{"temperature": 0.0, **library})
+        text = response.json()["choices"][0]["text"]
+        assert text == tokenizer.decode(expected.generated_tokens, skip_special_tokens=True), controls
+        if "temperature" not in controls:
+            assert expected.generated_tokens != plain.generated_tokens, controls
+
+
+async def test_stop_strings_give_the_library_text(client: httpx.AsyncClient, tokenizer: Any) -> None:
+    """One stop-string implementation: for stop strings that span tokens, sit inside a
+    multi-byte character's bytes, or are held back by min_tokens, the server's text equals
+    the library's ``output.text`` (a Manager with the tokenizer, on an identical model)."""
+    prompts = ["Once upon a time", "Привет, мир", "你好，世界", "Emoji: 😀"]
+    library_model = serve_model(tokenizer)  # the same seeded weights as the server's model
+    async with aiocb.Manager(library_model, tokenizer=tokenizer) as library:
+        plain = [await library.generate(p, max_new_tokens=24, ignore_eos=True) for p in prompts]
+        cases: list[tuple[str, dict[str, Any]]] = []
+        for prompt, output in zip(prompts, plain, strict=True):
+            text = output.text or ""
+            tokens = output.generated_tokens
+            start = len(tokenizer.decode(tokens[:2])) - 1
+            cases.append((prompt, {"stop": [text[start : start + 4]]}))  # spans tokens 2 and 3
+            cases.append((prompt, {"stop": text[start : start + 3], "include_stop_str_in_output": True}))
+            cases.append((prompt, {"stop": [text[start : start + 2]], "min_tokens": 6}))
+            wide = [c for c in text if len(c.encode()) > 1 and c != "\ufffd"]
+            if wide:
+                cases.append((prompt, {"stop": wide[0]}))
+        assert any(len(c["stop"][0].encode()) > 1 for _, c in cases if len(c["stop"]) == 1), "no multi-byte stop"
+        for prompt, params in cases:
+            expected = await library.generate(prompt, max_new_tokens=24, ignore_eos=True, **params)
+            body = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True, **params}
+            response = await client.post("/v1/completions", json=body)
+            assert response.status_code == 200, response.text
+            assert response.json()["choices"][0]["text"] == expected.text, (prompt, params)

@@ -32,7 +32,10 @@ def test_prompt_forms(prompt: Any, expected: list[Any]) -> None:
 
 
 def test_defaults_and_unknown_fields() -> None:
-    request = parse_completion_request({"prompt": "x", "model": "m", "user": "u", "whatever": {"a": 1}})
+    request = parse_completion_request({"prompt": "x", "model": "m", "user": "u"})
+    with pytest.raises(APIError, match="whatever") as caught:
+        parse_completion_request({"prompt": "x", "whatever": {"a": 1}})
+    assert caught.value.param == "whatever"
     sampling = request.sampling
     assert sampling.model == "m"
     assert sampling.max_tokens is None
@@ -91,8 +94,13 @@ def test_sampling_fields() -> None:
         ({"prompt": "x", "stop": [1]}, "stop"),
         ({"prompt": "x", "logprobs": 21}, "logprobs"),
         ({"prompt": "x", "echo": "yes"}, "echo"),
-        ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
-        ({"prompt": "x", "logit_bias": {"1": 5}}, "logit_bias"),
+        ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+        ({"prompt": "x", "logit_bias": {"1": 500}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"one": 5}}, "logit_bias"),
+        ({"prompt": "x", "min_p": 2}, "min_p"),
+        ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+        ({"prompt": "x", "min_tokens": -1}, "min_tokens"),
+        ({"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids"),
         ({"prompt": "x", "best_of": 3}, "best_of"),
     ],
 )

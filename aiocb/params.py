@@ -1,0 +1,294 @@
+"""``aiocb.SamplingParams``: every control of one request, typed and checked in one place.
+
+A field left at ``None`` is "not given": the manager's ``GenerationConfig`` decides, and
+then transformers' own defaults (see :mod:`aiocb.sampling`). The checks here need no
+model (types and ranges); the ones that do (token ids within the vocabulary, a prompt
+that fits the context) happen when a request is built. Every error is an
+:class:`~aiocb.InvalidRequestError` that names the field.
+
+The README's table of request parameters is generated from this class
+(:func:`parameter_table`), and a test keeps the two equal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiocb.errors import InvalidRequestError
+
+#: A sequence of token ids and the bias added to its last token (transformers' ``sequence_bias``).
+SequenceBias = tuple[tuple[int, ...], float]
+
+
+def _doc(text: str, default: str = "") -> dict[str, str]:
+    return {"doc": text, "default": default}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SamplingParams:
+    """Which tokens one request produces, when it stops and what it reports.
+
+    Pass one to ``Manager.add_request(..., sampling_params=...)`` (and ``generate``,
+    ``add_requests``, ``generate_batch``), or give the same fields as keyword arguments.
+    Values are normalised on construction: ``stop`` becomes a tuple of strings,
+    ``logit_bias`` a tuple of ``(token id, bias)`` pairs sorted by id, ``sequence_bias``
+    a tuple of ``(token ids, bias)``, id lists tuples.
+    """
+
+    max_new_tokens: int | None = field(
+        default=None, metadata=_doc("tokens to generate at most", "GenerationConfig, else `max_length` 20")
+    )
+    min_tokens: int | None = field(
+        default=None,
+        metadata=_doc("no EOS, stop token or stop string before this many tokens (`min_new_tokens`)", "0"),
+    )
+    do_sample: bool | None = field(
+        default=None,
+        metadata=_doc(
+            "sample instead of greedy; when not given, passing `temperature`, `top_k` or `top_p` samples",
+            "GenerationConfig",
+        ),
+    )
+    temperature: float | None = field(default=None, metadata=_doc("softmax temperature; 0 is greedy", "1.0"))
+    top_k: int | None = field(default=None, metadata=_doc("keep the k most likely tokens (0: off)", "50"))
+    top_p: float | None = field(default=None, metadata=_doc("keep the smallest set with this mass (1: off)", "1.0"))
+    min_p: float | None = field(
+        default=None, metadata=_doc("drop tokens below `min_p` times the top probability (0: off)", "0")
+    )
+    seed: int | None = field(
+        default=None, metadata=_doc("the request's own random stream: same seed, same samples", "random")
+    )
+    repetition_penalty: float | None = field(
+        default=None,
+        metadata=_doc("transformers' penalty on prompt and output tokens (> 1 discourages repeats; 1: off)", "1.0"),
+    )
+    presence_penalty: float | None = field(
+        default=None, metadata=_doc("OpenAI's: subtracted once from every token already generated", "0")
+    )
+    frequency_penalty: float | None = field(
+        default=None, metadata=_doc("OpenAI's: subtracted per occurrence in the output", "0")
+    )
+    logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] | None = field(
+        default=None, metadata=_doc("`{token id: bias}` added to the logits (-100 bans, 100 forces)", "none")
+    )
+    sequence_bias: Mapping[tuple[int, ...], float] | tuple[SequenceBias, ...] | None = field(
+        default=None,
+        metadata=_doc("transformers': bias a sequence's last token when the output ends with the rest", "none"),
+    )
+    bad_words_ids: Iterable[Iterable[int]] | None = field(
+        default=None, metadata=_doc("token sequences never generated", "none")
+    )
+    allowed_token_ids: Iterable[int] | None = field(
+        default=None, metadata=_doc("only these tokens may be generated", "all")
+    )
+    stop: str | Iterable[str] | None = field(
+        default=None,
+        metadata=_doc("stop strings, matched across tokens (needs a tokenizer); not in `text`", "none"),
+    )
+    include_stop_str_in_output: bool | None = field(
+        default=None, metadata=_doc("keep the stop string at the end of `text`", "False")
+    )
+    stop_token_ids: Iterable[int] | None = field(
+        default=None, metadata=_doc("tokens that end the request, as EOS does (kept in the output)", "none")
+    )
+    eos_token_id: int | Iterable[int] | None = field(
+        default=None, metadata=_doc("replaces the EOS ids (`[]`: none)", "GenerationConfig, else the model's")
+    )
+    ignore_eos: bool | None = field(
+        default=None, metadata=_doc("do not stop at EOS (`stop_token_ids` still stop)", "False")
+    )
+    skip_special_tokens: bool | None = field(default=None, metadata=_doc("leave special tokens out of `text`", "True"))
+    return_logprobs: bool | None = field(
+        default=None,
+        metadata=_doc("each generated token's log-probability", "`ContinuousBatchingConfig.return_logprobs`"),
+    )
+    top_logprobs: int | None = field(
+        default=None, metadata=_doc("the most likely alternatives per generated token, with theirs", "0")
+    )
+    prompt_logprobs: bool | None = field(
+        default=None, metadata=_doc("each prompt token's log-probability given the ones before", "False")
+    )
+    timeout: float | None = field(
+        default=None, metadata=_doc("seconds until the request ends with `timeout` (queue time included)", "none")
+    )
+
+    def __post_init__(self) -> None:
+        _check_int(self, "max_new_tokens", minimum=1)
+        _check_int(self, "min_tokens", minimum=0)
+        _check_int(self, "top_k", minimum=0)
+        _check_int(self, "top_logprobs", minimum=0)
+        _check_int(self, "seed", minimum=None)
+        for name in ("do_sample", "include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            _check_bool(self, name)
+        for name in ("return_logprobs", "prompt_logprobs"):
+            _check_bool(self, name)
+        _check_float(self, "temperature", low=0.0)
+        _check_float(self, "top_p", low=0.0, low_open=True, high=1.0)
+        _check_float(self, "min_p", low=0.0, high=1.0)
+        _check_float(self, "repetition_penalty", low=0.0, low_open=True)
+        _check_float(self, "presence_penalty", low=-2.0, high=2.0)
+        _check_float(self, "frequency_penalty", low=-2.0, high=2.0)
+        _check_float(self, "timeout", low=0.0, low_open=True)
+        _set(self, "stop", _strings(self.stop))
+        _set(self, "stop_token_ids", _ids("stop_token_ids", self.stop_token_ids))
+        _set(self, "allowed_token_ids", _ids("allowed_token_ids", self.allowed_token_ids, empty_ok=False))
+        if self.eos_token_id is not None:
+            value = self.eos_token_id
+            _set(self, "eos_token_id", _ids("eos_token_id", [value] if _is_int(value) else value, negative_ok=True))
+        _set(self, "logit_bias", _logit_bias(self.logit_bias))
+        _set(self, "sequence_bias", _sequence_bias(self.sequence_bias))
+        _set(self, "bad_words_ids", _bad_words(self.bad_words_ids))
+
+    def given(self) -> dict[str, Any]:
+        """The fields that were given (not ``None``), by name."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+
+    def updated(self, **fields: Any) -> SamplingParams:
+        """A copy with ``fields`` given (``None`` values are left out); unknown names are refused."""
+        check_names(fields)
+        return dataclasses.replace(self, **{k: v for k, v in fields.items() if v is not None})
+
+
+FIELD_NAMES: frozenset[str] = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+
+def check_names(fields: Mapping[str, Any]) -> None:
+    """Refuse names that are not :class:`SamplingParams` fields, naming them."""
+    unknown = sorted(set(fields) - FIELD_NAMES)
+    if unknown:
+        raise InvalidRequestError(
+            f"unknown request parameter(s): {', '.join(unknown)}; known: {', '.join(sorted(FIELD_NAMES))}"
+        )
+
+
+def parameter_table() -> str:
+    """The Markdown table of request parameters (the README's, kept equal by a test)."""
+    lines = ["| parameter | default | meaning |", "|---|---|---|"]
+    for f in dataclasses.fields(SamplingParams):
+        lines.append(f"| `{f.name}` | {f.metadata['default']} | {f.metadata['doc']} |")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _set(params: SamplingParams, name: str, value: Any) -> None:
+    object.__setattr__(params, name, value)
+
+
+def _check_int(params: SamplingParams, name: str, *, minimum: int | None) -> None:
+    value = getattr(params, name)
+    if value is None:
+        return
+    if not _is_int(value):
+        raise InvalidRequestError(f"{name} must be an int, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise InvalidRequestError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _check_bool(params: SamplingParams, name: str) -> None:
+    value = getattr(params, name)
+    if value is not None and not isinstance(value, bool):
+        raise InvalidRequestError(f"{name} must be True or False, got {value!r}")
+
+
+def _check_float(
+    params: SamplingParams, name: str, *, low: float, high: float | None = None, low_open: bool = False
+) -> None:
+    value = getattr(params, name)
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InvalidRequestError(f"{name} must be a finite number, got {value!r}")
+    if (value <= low if low_open else value < low) or (high is not None and value > high):
+        bracket = "(" if low_open else "["
+        top = "inf)" if high is None else f"{high}]"
+        raise InvalidRequestError(f"{name} must be in {bracket}{low}, {top}, got {value}")
+    _set(params, name, float(value))
+
+
+def _strings(value: Any) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = [value]
+    if isinstance(value, (bytes, Mapping)) or not isinstance(value, Iterable):
+        raise InvalidRequestError(f"stop must be a string or a list of strings, got {type(value).__name__}")
+    strings = tuple(value)
+    for s in strings:
+        if not isinstance(s, str):
+            raise InvalidRequestError(f"stop must hold strings, got {s!r}")
+        if not s:
+            raise InvalidRequestError("stop holds an empty string, which would match everywhere")
+    return strings
+
+
+def _ids(name: str, value: Any, *, empty_ok: bool = True, negative_ok: bool = False) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
+        raise InvalidRequestError(f"{name} must be a list of token ids, got {type(value).__name__}")
+    ids = tuple(value)
+    for v in ids:
+        if not _is_int(v):
+            raise InvalidRequestError(f"{name} must hold token ids (ints), got {v!r}")
+        if v < 0 and not negative_ok:
+            raise InvalidRequestError(f"{name} holds a negative token id ({v})")
+    if not ids and not empty_ok:
+        raise InvalidRequestError(f"{name} is empty: no token could be generated")
+    return ids
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...] | None:
+    if value is None:
+        return None
+    items = value.items() if isinstance(value, Mapping) else value
+    pairs: dict[int, float] = {}
+    for item in items:
+        token, bias = item
+        if isinstance(token, str) and token.lstrip("-").isdigit():
+            token = int(token)  # JSON object keys are strings
+        if not _is_int(token) or token < 0:
+            raise InvalidRequestError(f"logit_bias keys must be token ids, got {token!r}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise InvalidRequestError(f"logit_bias[{token}] must be a number in [-100, 100], got {bias!r}")
+        pairs[token] = float(bias)
+    return tuple(sorted(pairs.items()))
+
+
+def _sequence_bias(value: Any) -> tuple[SequenceBias, ...] | None:
+    if value is None:
+        return None
+    items = value.items() if isinstance(value, Mapping) else value
+    out: dict[tuple[int, ...], float] = {}  # as transformers: a sequence given twice keeps its last bias
+    for item in items:
+        sequence, bias = item
+        ids = _ids("sequence_bias", [sequence] if _is_int(sequence) else sequence, empty_ok=False)
+        assert ids is not None
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or math.isnan(bias):
+            raise InvalidRequestError(f"sequence_bias of {list(ids)} must be a number, got {bias!r}")
+        out[ids] = float(bias)
+    return tuple(out.items())
+
+
+def _bad_words(value: Any) -> tuple[tuple[int, ...], ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise InvalidRequestError("bad_words_ids must be a list of lists of token ids")
+    words = []
+    for word in value:
+        if _is_int(word):
+            raise InvalidRequestError("bad_words_ids must be a list of lists of token ids, e.g. [[42], [7, 9]]")
+        ids = _ids("bad_words_ids", word, empty_ok=False)
+        assert ids is not None
+        words.append(ids)
+    return tuple(words)

@@ -1,0 +1,142 @@
+"""Logits controls (penalties, biases, bad words, min tokens) match ``model.generate`` greedily.
+
+Each control is given once through a ``GenerationConfig`` and once through
+``aiocb.SamplingParams`` / keyword arguments, under plain, pipelined (async batching, the
+decode input and the penalty history taken from the step before on the device) and
+preempting schedules, with requests that use no control sharing the batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from transformers import GenerationConfig, PreTrainedModel
+
+import aiocb
+from tests.conftest import MODELS, random_prompts, reference_generate
+
+PROMPTS = random_prompts(6, 3, 60, seed=21)
+NEW = 20
+
+SCHEDULES: dict[str, dict[str, Any]] = {
+    "plain": {},
+    "async_batching": {"use_async_batching": True, "max_batch_tokens": 64},
+    "preemption": {"page_size": 16, "num_blocks": 24, "max_batch_tokens": 64},
+}
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def model(request: pytest.FixtureRequest) -> PreTrainedModel:
+    return MODELS[request.param]()
+
+
+def _eos_for(model: PreTrainedModel, prompt: list[int]) -> int:
+    """A token the model generates early for ``prompt``: as EOS it would end the request at once."""
+    return reference_generate(model, prompt, NEW)[2]
+
+
+def _cases(model: PreTrainedModel) -> dict[str, dict[str, Any]]:
+    """generate() kwargs per control; the tokens are picked from the plain outputs so that each
+    control changes them."""
+    plain = reference_generate(model, PROMPTS[0], NEW)
+    return {
+        "repetition_penalty": {"repetition_penalty": 1.8},
+        "repetition_penalty_below_one": {"repetition_penalty": 0.7},
+        "bad_words": {"bad_words_ids": [[plain[1]], [plain[4], plain[5]], [PROMPTS[0][-1], plain[0]]]},
+        "sequence_bias": {"sequence_bias": {(plain[3],): -5.0, (plain[0], plain[1]): -50.0, (7,): 4.0}},
+        "min_new_tokens": {"min_new_tokens": 6, "eos_token_id": _eos_for(model, PROMPTS[0])},
+        "combined": {
+            "repetition_penalty": 1.3,
+            "bad_words_ids": [[plain[2]]],
+            "sequence_bias": {(plain[5],): -3.0},
+            "min_new_tokens": 4,
+            "eos_token_id": _eos_for(model, PROMPTS[0]),
+        },
+    }
+
+
+def _as_sampling_params(kwargs: dict[str, Any]) -> aiocb.SamplingParams:
+    mapped = dict(kwargs)
+    if "min_new_tokens" in mapped:
+        mapped["min_tokens"] = mapped.pop("min_new_tokens")
+    bias = mapped.get("sequence_bias")
+    if bias is not None:  # the one-token entries as OpenAI's logit_bias, the rest as sequence_bias
+        mapped["logit_bias"] = {ids[0]: b for ids, b in bias.items() if len(ids) == 1}
+        mapped["sequence_bias"] = {ids: b for ids, b in bias.items() if len(ids) > 1}
+    return aiocb.SamplingParams(**mapped)
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+@pytest.mark.parametrize("via", ["generation_config", "sampling_params"])
+async def test_controls_match_generate(model: PreTrainedModel, schedule: str, via: str) -> None:
+    config = aiocb.ContinuousBatchingConfig(**SCHEDULES[schedule])
+    for name, kwargs in _cases(model).items():
+        references = [reference_generate(model, p, NEW, **kwargs) for p in PROMPTS]
+        plain = [reference_generate(model, p, NEW) for p in PROMPTS]
+        if name != "repetition_penalty_below_one":
+            assert references != plain, f"{name} changes nothing: the test would not notice it broken"
+        if via == "generation_config":
+            gen = GenerationConfig(do_sample=False, max_new_tokens=NEW, **kwargs)
+            manager = aiocb.Manager(model, gen, config)
+            params: dict[str, Any] = {}
+        else:
+            manager = aiocb.Manager(model, GenerationConfig(do_sample=False), config)
+            params = {"sampling_params": _as_sampling_params(kwargs), "max_new_tokens": NEW}
+        async with manager:
+            # Every other request uses no control: those must come out as plain greedy.
+            ids = []
+            for i, prompt in enumerate(PROMPTS):
+                extra = params if i % 2 == 0 or via == "generation_config" else {"max_new_tokens": NEW}
+                ids.append(await manager.add_request(prompt, **extra))
+            outputs = {}
+            async for output in manager:
+                outputs[output.request_id] = output
+                if len(outputs) == len(ids):
+                    break
+        for i, rid in enumerate(ids):
+            expected = references[i] if i % 2 == 0 or via == "generation_config" else plain[i]
+            assert outputs[rid].generated_tokens == expected, f"{name}, prompt {i}"
+        stats = manager.statistics()
+        assert stats.free_blocks == stats.total_blocks
+
+
+async def test_stop_reason_is_the_stop_token(model: PreTrainedModel) -> None:
+    eos = _eos_for(model, PROMPTS[0])
+    async with aiocb.Manager(model, GenerationConfig(do_sample=False)) as manager:
+        stopped = await manager.generate(PROMPTS[0], max_new_tokens=NEW, stop_token_ids=[eos])
+        later = await manager.generate(PROMPTS[0], max_new_tokens=NEW, stop_token_ids=[eos], min_tokens=5)
+    assert stopped.generated_tokens[-1] == eos and len(stopped.generated_tokens) == 3
+    assert stopped.finish_reason is aiocb.FinishReason.STOP and stopped.stop_reason == eos
+    assert len(later.generated_tokens) > 5 and eos not in later.generated_tokens[:5]
+
+
+async def test_allowed_token_ids_and_penalties_restrict_outputs(model: PreTrainedModel) -> None:
+    allowed = [5, 17, 99, 300]
+    async with aiocb.Manager(model, GenerationConfig(do_sample=False)) as manager:
+        greedy = await manager.generate(PROMPTS[1], max_new_tokens=NEW, allowed_token_ids=allowed)
+        sampled = await manager.generate(PROMPTS[1], max_new_tokens=NEW, allowed_token_ids=allowed, temperature=1.0)
+        # A presence penalty of 2 on a tiny random model forbids almost every repeat.
+        free = await manager.generate(PROMPTS[1], max_new_tokens=NEW, temperature=0.0)
+        penalized = await manager.generate(PROMPTS[1], max_new_tokens=NEW, presence_penalty=2.0, frequency_penalty=2.0)
+    assert set(greedy.generated_tokens) <= set(allowed)
+    assert set(sampled.generated_tokens) <= set(allowed)
+    repeats = len(free.generated_tokens) - len(set(free.generated_tokens))
+    assert len(penalized.generated_tokens) - len(set(penalized.generated_tokens)) < repeats
+
+
+async def test_unsupported_generation_config_fields_are_named() -> None:
+    model = MODELS["qwen3"]()
+    strict = aiocb.ContinuousBatchingConfig(drop_unsupported_processors=False)
+    with pytest.raises(aiocb.InvalidRequestError, match=r"num_beams, .*no_repeat_ngram_size"):
+        aiocb.Manager(model, GenerationConfig(num_beams=2, no_repeat_ngram_size=3), strict)
+    with pytest.raises(aiocb.InvalidRequestError, match="stop_strings"):
+        aiocb.Manager(model, GenerationConfig(stop_strings=["\n"]), strict)
+
+
+def test_unsupported_generation_config_fields_are_dropped_with_one_warning(caplog: pytest.LogCaptureFixture) -> None:
+    model = MODELS["qwen3"]()
+    with caplog.at_level("WARNING", logger="aiocb"):
+        aiocb.Manager(model, GenerationConfig(typical_p=0.5, do_sample=True))
+    warnings = [r for r in caplog.records if "typical_p" in r.getMessage()]
+    assert len(warnings) == 1 and "dropped" in warnings[0].getMessage()

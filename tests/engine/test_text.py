@@ -1,0 +1,146 @@
+"""Text in, text out: prompts as text or chat, ``text`` / ``text_delta`` outputs, stop strings."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from transformers import PreTrainedModel
+
+import aiocb
+from tests.server.conftest import build_tokenizer, serve_model
+
+PROMPTS = ["Привет, мир", "你好，世界", "Héllo wörld", "Emoji: 😀", "こんにちは", "The quick brown"]
+NEW = 40
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer: Any) -> PreTrainedModel:
+    return serve_model(tokenizer)
+
+
+@pytest.fixture(scope="module")
+def plain(model: PreTrainedModel, tokenizer: Any) -> list[list[int]]:
+    """Greedy outputs of every prompt, with EOS off so that each has its NEW tokens."""
+    outputs = aiocb.generate_batch(model, [tokenizer.encode(p) for p in PROMPTS], max_new_tokens=NEW, ignore_eos=True)
+    return [o.generated_tokens for o in outputs.values()]
+
+
+def _split_character(tokenizer: Any, tokens: list[int]) -> tuple[str, int] | None:
+    """A multi-byte character of the text of ``tokens`` whose bytes come from several
+    tokens, and the index of the token that completes it; None if there is none."""
+    for end in range(1, len(tokens)):
+        before, after = tokenizer.decode(tokens[:end]), tokenizer.decode(tokens[: end + 1])
+        if not before.endswith("\ufffd") or after.endswith("\ufffd"):
+            continue
+        char = after[-1]
+        if len(char.encode()) > 1 and tokenizer.decode(tokens[: end + 1]).count(char) == 1:
+            return char, end
+    return None
+
+
+async def test_text_prompts_and_outputs(model: PreTrainedModel, tokenizer: Any, plain: list[list[int]]) -> None:
+    async with aiocb.Manager(model, tokenizer=tokenizer) as manager:
+        output = await manager.generate(PROMPTS[0], max_new_tokens=NEW, ignore_eos=True)
+        rid = await manager.add_request(PROMPTS[1], max_new_tokens=NEW, ignore_eos=True)
+        deltas = []
+        async for chunk in manager.stream(rid):
+            deltas.append(chunk.text_delta)
+            final = chunk
+    assert output.prompt_ids == tokenizer.encode(PROMPTS[0])
+    assert output.generated_tokens == plain[0]
+    assert output.text == tokenizer.decode(plain[0], skip_special_tokens=True)
+    assert final.generated_tokens == plain[1]
+    assert len(deltas) > 1 and "".join(deltas) == final.text == tokenizer.decode(plain[1], skip_special_tokens=True)
+
+
+async def test_text_deltas_never_split_a_character(
+    model: PreTrainedModel, tokenizer: Any, plain: list[list[int]]
+) -> None:
+    """The streamed text only ever grows by whole characters: at every chunk it is a prefix of
+    the final text, including the chunk whose last token holds the first bytes of a character
+    (a stray U+FFFD there would not be)."""
+    index, (_, end) = next((i, found) for i, t in enumerate(plain) if (found := _split_character(tokenizer, t)))
+    async with aiocb.Manager(model, tokenizer=tokenizer) as manager:
+        rid = await manager.add_request(PROMPTS[index], max_new_tokens=NEW, ignore_eos=True)
+        seen: dict[int, str] = {}
+        text = ""
+        async for chunk in manager.stream(rid):
+            text += chunk.text_delta or ""
+            seen[len(chunk.generated_tokens)] = text
+    final = tokenizer.decode(plain[index])
+    assert end in seen, "no chunk ended inside the split character: the test did not exercise it"
+    for count, streamed in seen.items():
+        assert final.startswith(streamed), f"after {count} tokens"
+    assert seen[end] == tokenizer.decode(plain[index][:end]).rstrip("\ufffd")
+
+
+@pytest.mark.parametrize("include", [False, True])
+async def test_stop_string_spanning_tokens(
+    model: PreTrainedModel, tokenizer: Any, plain: list[list[int]], include: bool
+) -> None:
+    tokens = plain[5]
+    text = tokenizer.decode(tokens)
+    # The text of tokens 3 and 4 with one character on each side: it spans three tokens.
+    start = len(tokenizer.decode(tokens[:3])) - 1
+    stop = text[start : len(tokenizer.decode(tokens[:5])) + 1]
+    assert len(stop) >= 3 and text.find(stop) == start
+    async with aiocb.Manager(model, tokenizer=tokenizer) as manager:
+        output = await manager.generate(
+            PROMPTS[5],
+            max_new_tokens=NEW,
+            ignore_eos=True,
+            stop=[stop, "never matches"],
+            include_stop_str_in_output=include,
+        )
+        stats = manager.statistics()
+    assert output.finish_reason is aiocb.FinishReason.STOP and output.stop_reason == stop
+    assert output.text == text[: start + (len(stop) if include else 0)]
+    assert output.generated_tokens == tokens[:6]  # ended by the token that completed the match
+    assert stats.free_blocks == stats.total_blocks
+
+
+async def test_stop_string_inside_a_multibyte_character(
+    model: PreTrainedModel, tokenizer: Any, plain: list[list[int]]
+) -> None:
+    index, (char, end) = next((i, found) for i, t in enumerate(plain) if (found := _split_character(tokenizer, t)))
+    text = tokenizer.decode(plain[index])
+    async with aiocb.Manager(model, tokenizer=tokenizer) as manager:
+        output = await manager.generate(PROMPTS[index], max_new_tokens=NEW, ignore_eos=True, stop=char)
+    assert output.stop_reason == char
+    assert output.text == text[: text.index(char)]
+    assert output.generated_tokens == plain[index][: end + 1]
+
+
+async def test_min_tokens_holds_back_stop_strings(
+    model: PreTrainedModel, tokenizer: Any, plain: list[list[int]]
+) -> None:
+    tokens = plain[5]
+    stop = tokenizer.decode(tokens)[len(tokenizer.decode(tokens[:2])) :][:2]
+    async with aiocb.Manager(model, tokenizer=tokenizer) as manager:
+        early = await manager.generate(PROMPTS[5], max_new_tokens=NEW, ignore_eos=True, stop=stop)
+        held = await manager.generate(PROMPTS[5], max_new_tokens=NEW, ignore_eos=True, stop=stop, min_tokens=10)
+    assert len(early.generated_tokens) <= 4
+    assert held.generated_tokens[:10] == tokens[:10] and len(held.generated_tokens) > 10
+
+
+async def test_chat_messages_use_the_template(model: PreTrainedModel, tokenizer: Any) -> None:
+    messages = [{"role": "user", "content": "Question: What is the capital of France?"}]
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    async with aiocb.Manager(model, tokenizer=tokenizer) as manager:
+        output = await manager.generate(messages, max_new_tokens=8)
+        with pytest.raises(aiocb.InvalidRequestError, match=r"messages\[0\]"):
+            await manager.generate([{"content": "no role"}], max_new_tokens=8)
+    assert output.prompt_ids == tokenizer.encode(rendered, add_special_tokens=False)
+
+
+def test_generate_batch_with_a_tokenizer(model: PreTrainedModel, tokenizer: Any, plain: list[list[int]]) -> None:
+    params = aiocb.SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    outputs = aiocb.generate_batch(model, PROMPTS[:2], tokenizer=tokenizer, sampling_params=params)
+    for output, tokens in zip(outputs.values(), plain, strict=False):
+        assert output.text == tokenizer.decode(tokens, skip_special_tokens=True)

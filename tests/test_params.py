@@ -1,0 +1,76 @@
+"""``aiocb.SamplingParams``: one typed, frozen, validated source of every request control."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+import aiocb
+from aiocb.params import FIELD_NAMES, parameter_table
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def test_readme_parameter_table_is_generated_from_the_class() -> None:
+    text = README.read_text()
+    match = re.search(r"<!-- parameters:[^\n]*-->\n(.*?)\n<!-- end of parameters -->", text, re.S)
+    assert match is not None, "the README lost its generated parameter table"
+    assert match.group(1) == parameter_table(), "regenerate it with aiocb.params.parameter_table()"
+    for name in FIELD_NAMES:
+        assert f"| `{name}` |" in match.group(1)
+
+
+def test_values_are_normalised_and_frozen() -> None:
+    params = aiocb.SamplingParams(
+        stop="\n\n",
+        logit_bias={"7": 2, 3: -1.5},
+        sequence_bias={(1, 2): -1.0, 5: 2.0},
+        bad_words_ids=[[4], (8, 9)],
+        stop_token_ids=[2],
+        eos_token_id=-1,
+        temperature=1,
+    )
+    assert params.stop == ("\n\n",)
+    assert params.logit_bias == ((3, -1.5), (7, 2.0))
+    assert params.sequence_bias == (((1, 2), -1.0), ((5,), 2.0))
+    assert params.bad_words_ids == ((4,), (8, 9))
+    assert params.stop_token_ids == (2,) and params.eos_token_id == (-1,)
+    assert params.temperature == 1.0 and isinstance(params.temperature, float)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        params.temperature = 2.0  # type: ignore[misc]
+    assert params.updated(top_k=3, seed=None) == dataclasses.replace(params, top_k=3)
+    assert params.given().keys() >= {"stop", "logit_bias", "temperature"}
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"max_new_tokens": 0}, "max_new_tokens must be >= 1"),
+        ({"top_k": 2.0}, "top_k must be an int"),
+        ({"temperature": "hot"}, "temperature must be a finite number"),
+        ({"top_p": 0.0}, r"top_p must be in \(0.0, 1.0\]"),
+        ({"repetition_penalty": -1.0}, "repetition_penalty"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"ignore_eos": 1}, "ignore_eos must be True or False"),
+        ({"stop": [1]}, "stop must hold strings"),
+        ({"stop": b"x"}, "stop must be a string or a list of strings"),
+        ({"logit_bias": {"a": 1}}, "logit_bias keys must be token ids"),
+        ({"sequence_bias": {(): 1.0}}, "sequence_bias is empty"),
+        ({"bad_words_ids": [[]]}, "bad_words_ids is empty"),
+        ({"stop_token_ids": [-3]}, "stop_token_ids holds a negative token id"),
+        ({"timeout": 0}, "timeout must be in"),
+    ],
+)
+def test_bad_values_name_the_field(fields: dict[str, object], message: str) -> None:
+    with pytest.raises(aiocb.InvalidRequestError, match=message):
+        aiocb.SamplingParams(**fields)  # type: ignore[arg-type]
+
+
+def test_unknown_names_are_refused() -> None:
+    with pytest.raises(aiocb.InvalidRequestError, match=r"unknown request parameter.*temprature"):
+        aiocb.SamplingParams().updated(temprature=0.5)
+    with pytest.raises(TypeError):
+        aiocb.SamplingParams(temprature=0.5)  # type: ignore[call-arg]
