@@ -67,7 +67,10 @@ class GenerationOutput:
     error: str | None = None
     #: prompt tokens whose KV came from the prefix cache instead of being computed
     num_cached_tokens: int = 0
+    #: when the request was queued, first admitted into a step, got its first token and
+    #: ended (``time.perf_counter()`` values)
     created_time: float = 0.0
+    scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
 

@@ -61,6 +61,8 @@ class Request:
     host_block_ids: list[list[int]] = field(default_factory=list)
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    #: when the request was first admitted into a step (its queue time ends)
+    scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
 
@@ -124,6 +126,7 @@ class Request:
             error=self.error,
             num_cached_tokens=self.num_cached_tokens,
             created_time=self.arrival_time,
+            scheduled_time=self.scheduled_time,
             first_token_time=self.first_token_time,
             finished_time=self.finished_time,
         )

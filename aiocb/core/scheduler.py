@@ -13,6 +13,7 @@ request that fits the cache alone eventually runs: no deadlock, no error.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -301,6 +302,8 @@ class Scheduler:
                 _extend(output.swap_in, self.kv_cache.restore(request))
             self._dequeue(request)
             self.running[request] = None
+            if request.scheduled_time is None:
+                request.scheduled_time = time.perf_counter()
             request.status = RequestStatus.PREFILLING
             planned[request] = request.num_computed_tokens
             request.num_computed_tokens += num_new

@@ -144,13 +144,8 @@ class ChatCompletion:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         return {**self._header(), "choices": [choice]}
 
-    def _usage(self, completion_tokens: int) -> dict[str, int]:
-        prompt_tokens = len(self.prompt_ids)
-        return {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-        }
+    def _usage(self, completion_tokens: int) -> dict[str, Any]:
+        return self.submission.usage(completion_tokens)
 
     def _logprob_entries(self, delta: ChoiceDelta) -> list[dict[str, Any]]:
         if not self.request.logprobs:

@@ -157,13 +157,8 @@ class Completion:
     def _header(self) -> dict[str, Any]:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.ctx.model_name}
 
-    def _usage(self, completion_tokens: int) -> dict[str, int]:
-        prompt_tokens = sum(len(p.ids) for p in self.prompts)
-        return {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-        }
+    def _usage(self, completion_tokens: int) -> dict[str, Any]:
+        return self.submission.usage(completion_tokens)
 
     def _logprobs(self, prompt: Prompt, choice: ChoiceDelta, *, echo: bool) -> dict[str, Any] | None:
         """Completions-style logprobs: the prompt's first when ``echo``, then the generated tokens'."""

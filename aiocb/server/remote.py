@@ -92,8 +92,11 @@ class OutputDelta(NamedTuple):
     finish_reason: str | None
     error: str | None
     created_time: float
+    scheduled_time: float | None
     first_token_time: float | None
     finished_time: float | None
+    stop_reason: int | str | None
+    num_cached_tokens: int
 
 
 def encode_frame(message: object) -> bytes:
@@ -235,8 +238,11 @@ class _WorkerConnection:
                         None if output.finish_reason is None else output.finish_reason.value,
                         output.error,
                         output.created_time,
+                        output.scheduled_time,
                         output.first_token_time,
                         output.finished_time,
+                        output.stop_reason,
+                        output.num_cached_tokens,
                     )
                     tokens = len(output.generated_tokens)
                     logprobs = len(output.logprobs) if output.logprobs is not None else 0
@@ -475,8 +481,11 @@ def _apply(output: GenerationOutput, delta: OutputDelta) -> None:
     output.finish_reason = None if delta.finish_reason is None else FinishReason(delta.finish_reason)
     output.error = delta.error
     output.created_time = delta.created_time
+    output.scheduled_time = delta.scheduled_time
     output.first_token_time = delta.first_token_time
     output.finished_time = delta.finished_time
+    output.stop_reason = delta.stop_reason
+    output.num_cached_tokens = delta.num_cached_tokens
 
 
 class RemoteStream:

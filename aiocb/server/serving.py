@@ -69,6 +69,8 @@ class ChoiceDelta:
     finish_reason: str | None = None
     #: tokens generated so far by the choice (usage)
     num_generated: int = 0
+    #: prompt tokens the choice found in the prefix cache (usage)
+    num_cached_tokens: int = 0
 
     @property
     def is_empty(self) -> bool:
@@ -87,6 +89,7 @@ class ChoiceDelta:
             self.prompt_top_logprobs = later.prompt_top_logprobs
         self.finish_reason = later.finish_reason or self.finish_reason
         self.num_generated = later.num_generated
+        self.num_cached_tokens = later.num_cached_tokens
 
 
 def engine_params(
@@ -168,6 +171,8 @@ class Submission:
         #: the access log's record of the HTTP request: the token counts go there
         self.record = AccessRecord("")
         self._streams: list[OutputStream] = []
+        #: per choice, the prompt tokens it found in the prefix cache
+        self._cached = [0] * len(self.specs)
 
     async def submit(self) -> None:
         """Queue every choice, or raise (nothing queued) when one is refused."""
@@ -185,7 +190,25 @@ class Submission:
         async with aclosing(merge_deltas(iterators)) as merged:
             async for delta in merged:
                 record.completion_tokens += len(delta.token_ids)
+                self._cached[delta.index] = delta.num_cached_tokens
                 yield delta
+
+    def usage(self, completion_tokens: int) -> dict[str, Any]:
+        """The response's ``usage``. A prompt's cached tokens are those its least lucky choice
+        found in the prefix cache: the others of an ``n`` > 1 request may reuse its blocks."""
+        cached: dict[int, int] = {}
+        prompts: dict[int, int] = {}
+        for spec in self.specs:
+            key = id(spec.prompt_ids)
+            prompts[key] = len(spec.prompt_ids)
+            cached[key] = min(cached.get(key, self._cached[spec.index]), self._cached[spec.index])
+        prompt_tokens = sum(prompts.values())
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(cached.values())},
+        }
 
     async def aclose(self) -> None:
         """Cancel whatever has not finished (idempotent)."""
@@ -232,6 +255,7 @@ async def choice_deltas(
             _add_tokens(delta, output, new, seen, detokenizer, stopper)
             seen += len(delta.token_ids)
             delta.num_generated = seen
+            delta.num_cached_tokens = output.num_cached_tokens
             first = False
             if stopper.matched is not None:
                 delta.finish_reason = "stop"

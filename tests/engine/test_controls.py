@@ -8,6 +8,7 @@ preempting schedules, with requests that use no control sharing the batch.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -140,3 +141,32 @@ def test_unsupported_generation_config_fields_are_dropped_with_one_warning(caplo
         aiocb.Manager(model, GenerationConfig(typical_p=0.5, do_sample=True))
     warnings = [r for r in caplog.records if "typical_p" in r.getMessage()]
     assert len(warnings) == 1 and "dropped" in warnings[0].getMessage()
+
+
+MIXED: list[dict[str, Any]] = [
+    {"temperature": 1.0, "seed": 11, "repetition_penalty": 1.4},
+    {"temperature": 0.8, "top_k": 40, "seed": 12, "presence_penalty": 1.0, "frequency_penalty": 0.5},
+    {"temperature": 1.2, "top_p": 0.9, "min_p": 0.05, "seed": 13, "logit_bias": {7: 3.0, 9: -2.0}},
+    {"temperature": 1.0, "seed": 14, "bad_words_ids": [[5], [8, 9]], "sequence_bias": {(3, 4): 2.0}},
+    {"temperature": 1.0, "seed": 15, "allowed_token_ids": list(range(0, 512, 3)), "min_tokens": 4},
+    {"temperature": 0.0, "repetition_penalty": 1.3},
+    {"temperature": 1.0, "seed": 16},
+]
+
+
+@pytest.mark.parametrize("schedule", ["plain", "async_batching"])
+async def test_seeded_outputs_do_not_depend_on_the_batch(schedule: str) -> None:
+    """Each request, alone, gives the same tokens as in a batch where every control is mixed."""
+    model = MODELS["qwen3"]()
+    config = aiocb.ContinuousBatchingConfig(**SCHEDULES[schedule])
+    prompts = random_prompts(len(MIXED), 4, 40, seed=33)
+    async with aiocb.Manager(model, GenerationConfig(), config) as manager:
+        alone = [await manager.generate(p, max_new_tokens=NEW, **kw) for p, kw in zip(prompts, MIXED, strict=True)]
+        together = await asyncio.gather(
+            *(manager.generate(p, max_new_tokens=NEW, **kw) for p, kw in zip(prompts, MIXED, strict=True)),
+            # and neighbours using no control
+            *(manager.generate(p, max_new_tokens=NEW, temperature=1.0, seed=99) for p in prompts[:3]),
+        )
+    for i, (a, b) in enumerate(zip(alone, together, strict=False)):
+        assert a.generated_tokens == b.generated_tokens, f"request {i}: {MIXED[i]}"
+    assert set(alone[4].generated_tokens) <= set(range(0, 512, 3))

@@ -125,3 +125,17 @@ async def test_statistics_snapshot(qwen3: PreTrainedModel) -> None:
     assert after.cache_usage == 0.0
     with pytest.raises(AttributeError):
         after.steps = 3  # type: ignore[misc]
+
+
+async def test_outputs_carry_cached_tokens_and_timestamps(qwen3: PreTrainedModel) -> None:
+    prompt = random_prompts(1, 70, 70, seed=77)[0]
+    config = aiocb.ContinuousBatchingConfig(page_size=16)
+    async with aiocb.Manager(qwen3, continuous_batching_config=config) as manager:
+        first = await manager.generate(prompt, max_new_tokens=4)
+        again = await manager.generate(prompt, max_new_tokens=4)
+    assert first.num_cached_tokens == 0
+    assert again.num_cached_tokens == 64  # four full blocks; the last token is always computed
+    for output in (first, again):
+        assert output.scheduled_time is not None and output.first_token_time is not None
+        assert output.finished_time is not None
+        assert output.created_time <= output.scheduled_time <= output.first_token_time <= output.finished_time

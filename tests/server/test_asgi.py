@@ -59,7 +59,12 @@ async def test_greedy_completion_matches_the_engine(
     assert choice["finish_reason"] == "length"
     assert choice["logprobs"] is None
     assert choice["text"] == tokenizer.decode(reference.generated_tokens, skip_special_tokens=True)
-    assert data["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 12, "total_tokens": len(ids) + 12}
+    assert data["usage"] == {
+        "prompt_tokens": len(ids),
+        "completion_tokens": 12,
+        "total_tokens": len(ids) + 12,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 async def test_prompt_forms_give_one_choice_per_prompt(client: httpx.AsyncClient, tokenizer: Any) -> None:
@@ -249,7 +254,12 @@ async def test_chat_completion(client: httpx.AsyncClient, manager: aiocb.Manager
     content = tokenizer.decode(reference.generated_tokens, skip_special_tokens=True)
     assert choice["message"] == {"role": "assistant", "content": content}
     assert choice["finish_reason"] == "length"
-    assert data["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 10, "total_tokens": len(ids) + 10}
+    assert data["usage"] == {
+        "prompt_tokens": len(ids),
+        "completion_tokens": 10,
+        "total_tokens": len(ids) + 10,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     parts = [{"type": "text", "text": "Tell me a story."}]
     as_parts = {**body, "messages": [messages[0], {"role": "user", "content": parts}]}
     assert (await client.post("/v1/chat/completions", json=as_parts)).json()["choices"] == data["choices"]
@@ -272,7 +282,10 @@ async def test_chat_stream_and_logprobs(client: httpx.AsyncClient) -> None:
     stream_body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     events = sse_events((await client.post("/v1/chat/completions", json=stream_body)).text)
     assert events[-1] == "[DONE]"
-    assert events[-2]["usage"] == whole["usage"]
+    streamed = dict(events[-2]["usage"])
+    # the second request of the same prompt found its first full block in the prefix cache
+    assert streamed.pop("prompt_tokens_details") == {"cached_tokens": 16}
+    assert streamed == {k: v for k, v in whole["usage"].items() if k != "prompt_tokens_details"}
     chunks = events[:-2]
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
     for index in (0, 1):
@@ -478,3 +491,16 @@ async def test_stop_strings_give_the_library_text(client: httpx.AsyncClient, tok
             response = await client.post("/v1/completions", json=body)
             assert response.status_code == 200, response.text
             assert response.json()["choices"][0]["text"] == expected.text, (prompt, params)
+
+
+async def test_usage_reports_cached_prompt_tokens(client: httpx.AsyncClient, tokenizer: Any) -> None:
+    """A prompt whose full blocks are in the prefix cache reports them as cached_tokens;
+    with n > 1, the choices reusing the first one's blocks do not count as cached."""
+    prompt = "Question: What is the capital of France? Answer: Paris. " * 3
+    ids = tokenizer.encode(prompt)
+    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0}
+    first = (await client.post("/v1/completions", json={**body, "n": 3})).json()["usage"]
+    second = (await client.post("/v1/completions", json=body)).json()["usage"]
+    assert first["prompt_tokens_details"] == {"cached_tokens": 0}
+    page = 16  # serve_config's page size: the cache holds whole blocks
+    assert second["prompt_tokens_details"]["cached_tokens"] == (len(ids) - 1) // page * page > 0
