@@ -438,7 +438,9 @@ async def test_metrics(client: httpx.AsyncClient) -> None:
     assert [(s.labels["status"], s.value) for s in errors] == [("404", 1.0)]
 
 
-async def test_generation_controls_are_honoured(client: httpx.AsyncClient, manager: aiocb.Manager, tokenizer: Any) -> None:
+async def test_generation_controls_are_honoured(
+    client: httpx.AsyncClient, manager: aiocb.Manager, tokenizer: Any
+) -> None:
     """Penalties, biases, min_p, min_tokens and allow-lists reach the engine: the text equals
     the library's for the same parameters, and differs from the plain greedy text."""
     ids = tokenizer.encode(PROMPT)
