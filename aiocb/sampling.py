@@ -283,6 +283,7 @@ def resolve_params(
         stop=stop,
         include_stop_str_in_output=pick("include_stop_str_in_output", False),
         skip_special_tokens=pick("skip_special_tokens", True),
+        priority=pick("priority", 0),
     )
 
 

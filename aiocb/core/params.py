@@ -51,6 +51,8 @@ class ResolvedParams:
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    #: lower runs first (admission and preemption order); 0 for every request: arrival order
+    priority: int = 0
     #: whether any logits control is used (computed): rows without one cost nothing extra
     uses_controls: bool = field(init=False, default=False)
 

@@ -9,10 +9,17 @@ When the cache runs out of blocks the newest running request is preempted: its b
 freed and it goes back to the front of the queue to be recomputed later. The oldest
 request is never preempted in favour of a newer one, so it always progresses, and any
 request that fits the cache alone eventually runs: no deadlock, no error.
+
+Once a request brings a ``priority`` (lower runs first, as vLLM's), "oldest" becomes
+"first by (priority, arrival)": requests are admitted and planned in that order, the last
+in it is the one preempted, and a waiting request preempts running ones that come after
+it when the cache has no room for it. Without priorities nothing of this applies.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -114,6 +121,12 @@ class Scheduler:
         #: prompt tokens of the waiting requests (what admission backpressure bounds)
         self.num_waiting_tokens = 0
         self.stats = SchedulerStats()
+        #: whether any request brought a priority: then order is (priority, arrival)
+        self.prioritized = False
+        self._arrivals = itertools.count()
+        self._order: dict[Request, tuple[int, int]] = {}
+        #: the waiting requests by order, with stale entries (dropped when met)
+        self._heap: list[tuple[int, int, Request]] = []
 
     @property
     def has_work(self) -> bool:
@@ -121,8 +134,13 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def add(self, request: Request) -> None:
-        """Queue a new request behind the others."""
+        """Queue a new request behind the others (of its priority)."""
         request.status = RequestStatus.PENDING
+        self._order[request] = (request.params.priority, next(self._arrivals))
+        if request.params.priority and not self.prioritized:
+            self.prioritized = True
+            self._heap = [(*self._order[r], r) for r in self.waiting]
+            heapq.heapify(self._heap)
         self._enqueue(request)
 
     def finish(
@@ -138,6 +156,7 @@ class Scheduler:
         if request.is_finished:
             return
         self.running.pop(request, None)
+        self._order.pop(request, None)
         if request in self.waiting:
             self._dequeue(request)
         self.kv_cache.free(request)
@@ -155,6 +174,9 @@ class Scheduler:
         planned: dict[Request, int] = {}  # request -> first position of this step
         preempted: list[Request] = []
         output = SchedulerOutput(preempted=preempted)
+        if self.prioritized:
+            self._make_room_for_priority(output)
+        out_of_room = False
 
         for request in self._running_by_priority():
             if request not in self.running:
@@ -165,7 +187,8 @@ class Scheduler:
             if num_new <= 0 or self._waits_for_token(request):
                 continue
             while not self.kv_cache.allocate(request, num_new):
-                victim = next(reversed(self.running))
+                out_of_room = True
+                victim = self._last_running()
                 if victim in planned:  # un-plan it: give its tokens back
                     start = planned.pop(victim)
                     budget += victim.num_computed_tokens - start
@@ -185,7 +208,7 @@ class Scheduler:
         # every new token's K/V before any request of it reads the cache).
         for request in planned:
             self.kv_cache.cache_full_blocks(request)
-        if not preempted:
+        if not out_of_room:
             self._admit(planned, budget, output)
 
         for request, start in planned.items():
@@ -274,14 +297,58 @@ class Scheduler:
     def _running_by_priority(self) -> list[Request]:
         decoding = [r for r in self.running if r.status is RequestStatus.DECODING]
         prefilling = [r for r in self.running if r.status is not RequestStatus.DECODING]
+        if self.prioritized:  # (stable: within a priority, the phase order below)
+            decoding.sort(key=self._order.__getitem__)
+            prefilling.sort(key=self._order.__getitem__)
+            ordered = prefilling + decoding if self.prefill_first else decoding + prefilling
+            return sorted(ordered, key=lambda r: self._order[r][0])
         return prefilling + decoding if self.prefill_first else decoding + prefilling
+
+    def _last_running(self) -> Request:
+        """The running request to preempt first: the newest, or the last by (priority, arrival)."""
+        if self.prioritized:
+            return max(self.running, key=self._order.__getitem__)
+        return next(reversed(self.running))
+
+    def _first_waiting(self) -> Request:
+        """The waiting request to admit next: the front of the queue, or the first by (priority, arrival)."""
+        if not self.prioritized:
+            return next(iter(self.waiting))
+        heap = self._heap
+        while heap[0][2] not in self.waiting:
+            heapq.heappop(heap)
+        return heap[0][2]
+
+    def _make_room_for_priority(self, output: SchedulerOutput) -> None:
+        """Preempt running requests that come after the first waiting one, until it fits."""
+        if not self.waiting:
+            return
+        request = self._first_waiting()
+        if request.num_pending_tokens:
+            return  # it resumes once its token has landed
+        page = self.kv_cache.page_size
+        first_chunk = min(request.num_tokens - request.num_computed_tokens, self.max_batch_tokens)
+        needed = -(-first_chunk // page) + 1
+        while self.running:
+            victim = self._last_running()
+            if self._order[victim] <= self._order[request]:
+                return
+            room = (
+                self.kv_cache.num_free_blocks >= needed
+                and (self.kv_cache.free_fraction >= self.safety_margin)
+                and len(self.running) < self.max_requests_per_batch
+            )
+            if room:
+                return
+            self._preempt(victim, output)
+            output.preempted.append(victim)
 
     def _admit(self, planned: dict[Request, int], budget: int, output: SchedulerOutput) -> None:
         """Move waiting requests into the step while budget, cache and margin allow."""
         while self.waiting and budget > 0 and len(planned) < self.max_requests_per_batch:
             if self.running and self.kv_cache.free_fraction < self.safety_margin:
                 break  # keep the rest of the cache for the requests already running
-            request = next(iter(self.waiting))
+            request = self._first_waiting()
             if request.num_pending_tokens:
                 break  # preempted while its token was in flight: resume once it has landed
             offloaded = bool(request.host_block_ids)
@@ -330,6 +397,11 @@ class Scheduler:
     def _enqueue(self, request: Request) -> None:
         self.waiting[request] = None
         self.num_waiting_tokens += request.num_prompt_tokens
+        if self.prioritized:
+            heapq.heappush(self._heap, (*self._order[request], request))
+            if len(self._heap) > 2 * len(self.waiting) + 64:  # mostly stale entries: rebuild
+                self._heap = [(*self._order[r], r) for r in self.waiting]
+                heapq.heapify(self._heap)
 
     def _dequeue(self, request: Request) -> None:
         del self.waiting[request]

@@ -257,6 +257,7 @@ _CONTROLS = (
     "min_p",
     "logit_bias",
     "allowed_token_ids",
+    "priority",
 )
 
 
