@@ -112,6 +112,13 @@ class SamplingParams:
     prompt_logprobs: bool | None = field(
         default=None, metadata=_doc("each prompt token's log-probability given the ones before", "False")
     )
+    n: int | None = field(
+        default=None,
+        metadata=_doc(
+            "samples of the prompt, computed once; `generate` returns a list, children are `<id>__child#<i>`",
+            "1",
+        ),
+    )
     priority: int | None = field(
         default=None,
         metadata=_doc("lower runs first: admitted before, and may preempt, requests with a higher value", "0"),
@@ -127,6 +134,7 @@ class SamplingParams:
         _check_int(self, "top_logprobs", minimum=0)
         _check_int(self, "seed", minimum=None)
         _check_int(self, "priority", minimum=None)
+        _check_int(self, "n", minimum=1)
         for name in ("do_sample", "include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             _check_bool(self, name)
         for name in ("return_logprobs", "prompt_logprobs"):

@@ -106,7 +106,6 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "exponential_decay_length_penalty": (),
     "watermarking_config": (),
     "remove_invalid_values": (False,),
-    "num_return_sequences": (1,),
     "constraints": (),
     "force_words_ids": (),
     "dola_layers": (),
@@ -154,6 +153,7 @@ def config_defaults(
         stop=stop_strings,
         include_stop_str_in_output=True if stop_strings is not None else None,
         timeout=gen.max_time,
+        n=gen.num_return_sequences,
     )
     return ConfigDefaults(
         params=params,

@@ -106,6 +106,35 @@ class KVCacheManager:
                 request.block_ids[i].extend(new_blocks)
         return True
 
+    def fork(self, parent: Request, child: Request) -> list[list[tuple[int, int]]] | None:
+        """Give ``child`` the KV of the parent's ``num_computed_tokens`` tokens: the full blocks
+        of full-attention groups are shared (one more reference: they are never written
+        again), the rest (the partial last block; every block of a sliding ring, which
+        wraps around) are copied. Returns, per group, the ``(parent block, child block)``
+        copies to make before the child's next step, or None (nothing done) when a pool has
+        no room for the copies."""
+        full = parent.num_computed_tokens // self.page_size
+        plan: list[tuple[list[int], list[int]]] = []
+        for g, blocks in enumerate(parent.block_ids):
+            shared = blocks[:full] if self._ring[g] is None else []
+            plan.append((shared, blocks[len(shared) :]))
+        if any(len(copied) > pool.num_free for (_, copied), pool in zip(plan, self.pools, strict=True)):
+            return None
+        child.block_ids = []
+        copies: list[list[tuple[int, int]]] = []
+        for (shared, copied), pool in zip(plan, self.pools, strict=True):
+            for block in shared:
+                pool.acquire(block)
+            fresh = pool.allocate(len(copied)) if copied else []
+            assert fresh is not None  # checked above
+            child.block_ids.append(shared + fresh)
+            copies.append(list(zip(copied, fresh, strict=True)))
+        if self.prefix_caching:
+            child.block_hashes = list(parent.block_hashes[:full])
+            child.num_registered_blocks = min(parent.num_registered_blocks, full)
+        child.num_computed_tokens = parent.num_computed_tokens
+        return copies
+
     def free(self, request: Request) -> None:
         """Return every block of ``request``; hashed full blocks stay findable."""
         for pool, blocks in zip(self.pools, request.block_ids, strict=False):
@@ -183,6 +212,15 @@ class KVCacheManager:
         num_tokens = len(hits) * self.page_size
         self.num_prefix_hit_tokens += num_tokens
         return num_tokens
+
+    def unmatch_last_block(self, request: Request) -> None:
+        """Give back the last block :meth:`match_prefix` attached (its tokens are computed again)."""
+        block = request.block_ids[0].pop()
+        self.pools[0].free([block])
+        request.num_registered_blocks -= 1
+        request.num_computed_tokens -= self.page_size
+        request.num_cached_tokens -= self.page_size
+        self.num_prefix_hit_tokens -= self.page_size
 
     def cache_full_blocks(self, request: Request) -> None:
         """Register the request's newly completed blocks for prefix sharing."""

@@ -39,6 +39,8 @@ class Request:
     text: TextState | None = None
     #: the stop token id or stop string that ended the request
     stop_reason: int | str | None = None
+    #: more samples of this prompt (``n``), forked from this request once it computed the prompt
+    children: list[Request] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)

@@ -14,6 +14,12 @@ Once a request brings a ``priority`` (lower runs first, as vLLM's), "oldest" bec
 "first by (priority, arrival)": requests are admitted and planned in that order, the last
 in it is the one preempted, and a waiting request preempts running ones that come after
 it when the cache has no room for it. Without priorities nothing of this applies.
+
+Several samples of one prompt (``n``) are one parent request and children held aside: the
+parent computes the prompt but its last token, then each child forks from it (sharing its
+full blocks, with a copy of the partial one) and all of them compute the last token and
+sample on their own. A child that finds no room for its copy, or whose parent ended
+first, is queued as a request of its own.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import heapq
 import itertools
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from aiocb.core.kv_cache import KVCacheManager
@@ -54,6 +61,8 @@ class SchedulerOutput:
     swap_out: list[list[tuple[int, int]]] = field(default_factory=list)
     #: ... and ``(host block, device block)`` copies bringing resumed requests back
     swap_in: list[list[tuple[int, int]]] = field(default_factory=list)
+    #: per cache group, ``(parent block, child block)`` copies of forked samples (before the swaps)
+    copy_blocks: list[list[tuple[int, int]]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -63,7 +72,7 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         """Whether there is nothing to run (no request and no cache copy)."""
-        return not self.scheduled and not any(self.swap_out) and not any(self.swap_in)
+        return not self.scheduled and not any(self.swap_out) and not any(self.swap_in) and not any(self.copy_blocks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,21 +136,35 @@ class Scheduler:
         self._order: dict[Request, tuple[int, int]] = {}
         #: the waiting requests by order, with stale entries (dropped when met)
         self._heap: list[tuple[int, int, Request]] = []
+        #: parents still computing their prompt, and the children that will fork from them
+        self._forks: dict[Request, list[Request]] = {}
 
     @property
     def has_work(self) -> bool:
         """Whether any request is waiting or running."""
         return bool(self.waiting or self.running)
 
-    def add(self, request: Request) -> None:
-        """Queue a new request behind the others (of its priority)."""
-        request.status = RequestStatus.PENDING
-        self._order[request] = (request.params.priority, next(self._arrivals))
+    def add(self, request: Request, children: Sequence[Request] = ()) -> None:
+        """Queue a new request behind the others (of its priority); ``children`` are more
+        samples of its prompt, forked from it once it has computed the prompt."""
+        for r in (request, *children):
+            r.status = RequestStatus.PENDING
+            self._order[r] = (r.params.priority, next(self._arrivals))
         if request.params.priority and not self.prioritized:
             self.prioritized = True
             self._heap = [(*self._order[r], r) for r in self.waiting]
             heapq.heapify(self._heap)
         self._enqueue(request)
+        if children and request.num_prompt_tokens > 1 and not request.params.prompt_logprobs:
+            self._forks[request] = list(children)
+        else:  # nothing to share (a sample scoring its prompt computes every position itself)
+            for child in children:
+                self._enqueue(child)
+
+    @property
+    def num_held_children(self) -> int:
+        """Samples waiting for their parent to compute the prompt."""
+        return sum(len(children) for children in self._forks.values())
 
     def finish(
         self,
@@ -159,6 +182,9 @@ class Scheduler:
         self._order.pop(request, None)
         if request in self.waiting:
             self._dequeue(request)
+        for child in self._forks.pop(request, ()):
+            if not child.is_finished:
+                self._enqueue(child)  # the parent will not compute the prompt: they do
         self.kv_cache.free(request)
         self.kv_cache.drop_host_copy(request)
         if request.text is not None:
@@ -174,6 +200,8 @@ class Scheduler:
         planned: dict[Request, int] = {}  # request -> first position of this step
         preempted: list[Request] = []
         output = SchedulerOutput(preempted=preempted)
+        if self._forks:
+            self._fork_children(output)
         if self.prioritized:
             self._make_room_for_priority(output)
         out_of_room = False
@@ -184,6 +212,8 @@ class Scheduler:
             if len(planned) >= self.max_requests_per_batch or budget <= 0:
                 break
             num_new = min(request.num_scheduled_tokens - request.num_computed_tokens, budget)
+            if request in self._forks:  # its children fork before the prompt's last token
+                num_new = min(num_new, request.num_prompt_tokens - 1 - request.num_computed_tokens)
             if num_new <= 0 or self._waits_for_token(request):
                 continue
             while not self.kv_cache.allocate(request, num_new):
@@ -319,6 +349,27 @@ class Scheduler:
             heapq.heappop(heap)
         return heap[0][2]
 
+    def _fork_children(self, output: SchedulerOutput) -> None:
+        """Fork the children of every parent whose planned steps cover its prompt but the
+        last token (its KV is written by steps launched before this one)."""
+        for parent in list(self._forks):
+            if parent not in self.running or parent.num_computed_tokens < parent.num_prompt_tokens - 1:
+                continue
+            assert parent.num_computed_tokens == parent.num_prompt_tokens - 1
+            for child in self._forks.pop(parent):
+                if child.is_finished:
+                    continue
+                copies = self.kv_cache.fork(parent, child)
+                if copies is None:
+                    self._enqueue(child)  # no room for its copy: it computes its prompt itself
+                    continue
+                _extend(output.copy_blocks, copies)
+                self.kv_cache.num_prefix_hit_tokens += child.num_computed_tokens
+                child.num_cached_tokens = child.num_computed_tokens
+                self.running[child] = None
+                child.status = RequestStatus.PREFILLING
+                child.scheduled_time = time.perf_counter()
+
     def _make_room_for_priority(self, output: SchedulerOutput) -> None:
         """Preempt running requests that come after the first waiting one, until it fits."""
         if not self.waiting:
@@ -356,7 +407,14 @@ class Scheduler:
                 # (a request scoring its prompt must compute every prompt position)
                 request.num_computed_tokens = self.kv_cache.match_prefix(request)
                 request.num_cached_tokens = request.num_computed_tokens
+                if request in self._forks and request.num_computed_tokens == request.num_prompt_tokens - 1:
+                    # The prefix cache holds all but the last token: the fork point. A parent
+                    # must compute something before its children fork (next step), so that
+                    # the fork never waits on an empty step.
+                    self.kv_cache.unmatch_last_block(request)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request in self._forks:  # its children fork before the prompt's last token
+                num_new = min(num_new, request.num_prompt_tokens - 1 - request.num_computed_tokens)
             if not self.kv_cache.allocate(request, num_new):
                 if not offloaded:
                     self.kv_cache.free(request)  # let go of prefix hits until it can run

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import enum
 import gc
 import itertools
@@ -15,12 +16,13 @@ import types
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, overload
 
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from aiocb.config import ContinuousBatchingConfig
 from aiocb.core.kv_cache import KVCacheManager
+from aiocb.core.params import ResolvedParams
 from aiocb.core.request import Request
 from aiocb.core.scheduler import Scheduler
 from aiocb.detokenize import TextTracker
@@ -396,6 +398,7 @@ class Manager:
         self._deliver(handle)
         return True
 
+    @overload
     async def generate(
         self,
         input_ids: Prompt,
@@ -403,17 +406,53 @@ class Manager:
         *,
         request_id: str | None = None,
         sampling_params: SamplingParams | None = None,
+        n: Literal[1] | None = None,
         **params: Any,
-    ) -> GenerationOutput:
-        """Run one request to its end and return its final output.
+    ) -> GenerationOutput: ...
+
+    @overload
+    async def generate(
+        self,
+        input_ids: Prompt,
+        max_new_tokens: int | None = None,
+        *,
+        request_id: str | None = None,
+        sampling_params: SamplingParams | None = None,
+        n: int,
+        **params: Any,
+    ) -> list[GenerationOutput]: ...
+
+    async def generate(
+        self,
+        input_ids: Prompt,
+        max_new_tokens: int | None = None,
+        *,
+        request_id: str | None = None,
+        sampling_params: SamplingParams | None = None,
+        n: int | None = None,
+        **params: Any,
+    ) -> GenerationOutput | list[GenerationOutput]:
+        """Run one request to its end and return its final :class:`~aiocb.GenerationOutput`;
+        with ``n`` > 1 (here or in ``sampling_params``), the list of the ``n`` samples'
+        outputs (the request's, then its children's), whose prompt is computed once.
 
         Cancelling the awaiting task cancels the request.
         """
         await self._turnstile.enter()
+        if n is not None:
+            params["n"] = n
         request = self._new_request(await self._encode(input_ids), request_id, max_new_tokens, sampling_params, params)
         await self._wait_for_room(request)
-        handle = self._handles[self._submit(request, streaming=False, consumer=Consumer.AWAITER)]
-        return await self._await_final(handle)
+        self._submit(request, streaming=False, consumer=Consumer.AWAITER)
+        handles = [self._handles[r.request_id] for r in (request, *request.children)]
+        if not request.children:
+            return await self._await_final(handles[0])
+        try:
+            return [await self._await_final(handle) for handle in handles]
+        except BaseException:
+            for r in (request, *request.children):
+                self._cancel_quietly(r.request_id)
+            raise
 
     async def generate_batch(
         self,
@@ -424,7 +463,10 @@ class Manager:
         sampling_params: SamplingParams | None = None,
         **params: Any,
     ) -> dict[str, GenerationOutput]:
-        """Run many requests to their end; returns ``{request_id: output}`` in input order."""
+        """Run many requests to their end; returns ``{request_id: output}`` in input order.
+
+        With ``n`` > 1, each request's children (``<id>__child#<i>``) come before it, as in
+        transformers."""
         bar = _progress_bar(len(inputs)) if progress else None
         ids = await self._add_many(
             inputs,
@@ -435,10 +477,11 @@ class Manager:
             consumer=Consumer.AWAITER,
             on_finish=bar.update if bar is not None else None,
         )
+        order = [rid for parent in ids for rid in (*self._child_ids(parent), parent)]
         try:
-            return {rid: await self._await_final(self._handles[rid]) for rid in ids}
+            return {rid: await self._await_final(self._handles[rid]) for rid in order}
         except BaseException:
-            for rid in ids:
+            for rid in order:
                 self._cancel_quietly(rid)
             raise
         finally:
@@ -583,21 +626,41 @@ class Manager:
             raise InvalidRequestError(f"request_id must be a non-empty str, got {request_id!r}")
         elif request_id in self._handles:
             raise InvalidRequestError(f"request id {request_id!r} is already in use by a live request")
-        text = None
-        if self.tokenizer is not None:
-            text = TextTracker(
-                self.tokenizer,
-                prompt,
-                stop=resolved.stop,
-                include_stop_str=resolved.include_stop_str_in_output,
-                skip_special_tokens=resolved.skip_special_tokens,
-                min_tokens=resolved.min_tokens,
-            )
+        text = self._text_tracker(prompt, resolved)
         timeout = requested.timeout if requested.timeout is not None else self._defaults.params.timeout
         now = time.perf_counter()
-        return Request(
-            request_id, prompt, resolved, now, deadline=None if timeout is None else now + timeout, text=text
+        deadline = None if timeout is None else now + timeout
+        request = Request(request_id, prompt, resolved, now, deadline=deadline, text=text)
+        n = requested.n if requested.n is not None else (self._defaults.params.n or 1)
+        if self.config.max_queue_size and n > self.config.max_queue_size:
+            raise InvalidRequestError(
+                f"n ({n}) is more samples than the admission queue holds (max_queue_size {self.config.max_queue_size})"
+            )
+        for i in range(1, n):
+            child_id = f"{request_id}__child#{i - 1}"
+            if child_id in self._handles:
+                raise InvalidRequestError(f"request id {child_id!r} (a sample of {request_id!r}) is already in use")
+            # Each sample draws from its own stream: the request's seed plus its index.
+            child_params = dataclasses.replace(resolved, seed=resolved.seed + i)
+            text = self._text_tracker(prompt, resolved)
+            request.children.append(Request(child_id, prompt, child_params, now, deadline=deadline, text=text))
+        return request
+
+    def _text_tracker(self, prompt: list[int], params: ResolvedParams) -> TextTracker | None:
+        if self.tokenizer is None:
+            return None
+        return TextTracker(
+            self.tokenizer,
+            prompt,
+            stop=params.stop,
+            include_stop_str=params.include_stop_str_in_output,
+            skip_special_tokens=params.skip_special_tokens,
+            min_tokens=params.min_tokens,
         )
+
+    def _child_ids(self, request_id: str) -> list[str]:
+        handle = self._handles.get(request_id)
+        return [] if handle is None else [child.request_id for child in handle.request.children]
 
     def _fresh_id(self) -> str:
         while (request_id := f"req_{next(self._ids)}") in self._handles:
@@ -632,8 +695,9 @@ class Manager:
                 await self._wait_for_room(requests[i])
                 submitted.append(self._submit(requests[i], streaming=streaming, consumer=consumer, on_finish=on_finish))
         except BaseException:
-            for rid in submitted:
-                self._cancel_quietly(rid)
+            for request in requests:
+                for r in (request, *request.children):
+                    self._cancel_quietly(r.request_id)
             raise
         return [r.request_id for r in requests]
 
@@ -646,17 +710,21 @@ class Manager:
         on_finish: Callable[[], object] | None = None,
     ) -> str:
         self._check_accepting()
-        if request.request_id in self._handles:
-            raise InvalidRequestError(f"request id {request.request_id!r} is already in use by a live request")
+        group = (request, *request.children)
+        for r in group:
+            if r.request_id in self._handles:
+                raise InvalidRequestError(f"request id {r.request_id!r} is already in use by a live request")
         assert self._steps is not None
-        handle = RequestHandle(request, streaming=streaming, consumer=consumer, on_finish=on_finish)
-        self._handles[request.request_id] = handle
+        handles = [RequestHandle(r, streaming=streaming, consumer=consumer, on_finish=on_finish) for r in group]
+        for handle in handles:
+            self._handles[handle.request.request_id] = handle
         if request.deadline is not None and request.deadline <= time.perf_counter():
-            # It spent its whole timeout waiting for room in the queue.
-            self._steps.scheduler.finish(request, FinishReason.TIMEOUT, time.perf_counter())
-            self._deliver(handle)
+            # They spent their whole timeout waiting for room in the queue.
+            for handle in handles:
+                self._steps.scheduler.finish(handle.request, FinishReason.TIMEOUT, time.perf_counter())
+                self._deliver(handle)
         else:
-            self._steps.add(request)
+            self._steps.add(request, request.children)
         return request.request_id
 
     def _has_room(self, request: Request) -> bool:
@@ -667,7 +735,9 @@ class Manager:
     def _fits_queue(self, request: Request) -> bool:
         assert self._steps is not None
         scheduler = self._steps.scheduler
-        if self.config.max_queue_size and len(scheduler.waiting) >= self.config.max_queue_size:
+        queued = len(scheduler.waiting) + scheduler.num_held_children
+        # (a group of n samples counts as n requests)
+        if self.config.max_queue_size and queued + 1 + len(request.children) > self.config.max_queue_size:
             return False
         limit = self.config.max_queued_tokens
         waiting_tokens = scheduler.num_waiting_tokens

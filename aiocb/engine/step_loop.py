@@ -13,7 +13,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from aiocb.core.request import Request
@@ -47,11 +47,12 @@ class StepLoop:
         #: the last steps as ``(finished at, rows, query tokens)``, for step-time statistics
         self.step_log: deque[tuple[float, int, int]] = deque(maxlen=4096)
 
-    def add(self, request: Request) -> None:
-        """Queue a request and wake the loop."""
-        self.scheduler.add(request)
-        if request.deadline is not None:
-            heapq.heappush(self._deadlines, (request.deadline, next(self._tie), request))
+    def add(self, request: Request, children: Sequence[Request] = ()) -> None:
+        """Queue a request (with more samples of its prompt, ``children``) and wake the loop."""
+        self.scheduler.add(request, children)
+        for r in (request, *children):
+            if r.deadline is not None:
+                heapq.heappush(self._deadlines, (r.deadline, next(self._tie), r))
         self._work.set()
 
     def finish(self, request: Request, reason: FinishReason, **kwargs: object) -> None:

@@ -82,6 +82,8 @@ class StepBatch:
     #: per cache group, block copies to make before the step (CPU offloading)
     swap_out: list[list[tuple[int, int]]] = field(default_factory=list)
     swap_in: list[list[tuple[int, int]]] = field(default_factory=list)
+    #: per cache group, ``(source, destination)`` block copies within the cache (forks)
+    copy_blocks: list[list[tuple[int, int]]] = field(default_factory=list)
 
     @property
     def num_sampled(self) -> int:
@@ -135,7 +137,11 @@ def snapshot(output: SchedulerOutput, previous: SchedulerOutput | None = None) -
             )
         )
     return StepBatch(
-        token_ids, rows, [list(pairs) for pairs in output.swap_out], [list(pairs) for pairs in output.swap_in]
+        token_ids,
+        rows,
+        [list(pairs) for pairs in output.swap_out],
+        [list(pairs) for pairs in output.swap_in],
+        [list(pairs) for pairs in output.copy_blocks],
     )
 
 

@@ -99,8 +99,11 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, batch: StepBatch) -> PendingStep:
         """Enqueue one step's forward pass and sampling; returns without waiting."""
-        # Cache copies of offloaded or resumed requests come first: the step may reuse
-        # the blocks that were swapped out, and reads the ones swapped in.
+        # Cache copies come first: the step may reuse the blocks that were swapped out, and
+        # reads the ones swapped in. Forks copy before any swap, as a fork's source block may
+        # be freed in the same plan and handed to a request being swapped in.
+        if any(batch.copy_blocks):
+            self.cache.copy_blocks(batch.copy_blocks)
         if any(batch.swap_out):
             self.cache.swap_out(batch.swap_out)
         if any(batch.swap_in):

@@ -96,6 +96,18 @@ class PagedKVCache:
             torch.index_select(value_cache, 0, slots, out=value_buffer[:count]),
         )
 
+    def copy_blocks(self, copies: list[list[tuple[int, int]]]) -> None:
+        """Copy ``(source block, destination block)`` pairs of each group within the cache."""
+        for layer, group in enumerate(self.layer_group):
+            pairs = copies[group] if group < len(copies) else []
+            if not pairs:
+                continue
+            device = self.key[layer].device
+            sources = torch.tensor([s for s, _ in pairs], device=device)
+            targets = torch.tensor([d for _, d in pairs], device=device)
+            for cache in (self.key[layer], self.value[layer]):
+                cache.index_copy_(0, targets, cache.index_select(0, sources))
+
     def swap_out(self, copies: list[list[tuple[int, int]]]) -> None:
         """Copy ``(device block, host block)`` pairs of each group to host memory.
 

@@ -137,14 +137,29 @@ async def submit_choices(manager: ServedEngine, specs: Sequence[ChoiceSpec]) -> 
         return await _submit_remote(manager, specs)
     streams: list[OutputStream] = []
     try:
-        for spec in specs:
-            rid = manager.add_request_nowait(spec.prompt_ids, max_new_tokens=max(spec.max_tokens, 1), **spec.params)
+        # The choices of one prompt are one request with n samples: the prompt is computed once.
+        for group in _by_prompt(specs):
+            first = group[0]
+            params = {**first.params, "n": len(group)} if len(group) > 1 else first.params
+            rid = manager.add_request_nowait(first.prompt_ids, max_new_tokens=max(first.max_tokens, 1), **params)
             streams.append(manager.stream(rid))
+            streams += [manager.stream(f"{rid}__child#{i}") for i in range(len(group) - 1)]
     except BaseException:
         for stream in streams:
             await stream.aclose()  # cancels the request
         raise
     return streams
+
+
+def _by_prompt(specs: Sequence[ChoiceSpec]) -> list[list[ChoiceSpec]]:
+    """Consecutive choices of one prompt (they differ only by their seeds: ``seed + i``)."""
+    groups: list[list[ChoiceSpec]] = []
+    for spec in specs:
+        if groups and groups[-1][0].prompt_ids is spec.prompt_ids:
+            groups[-1].append(spec)
+        else:
+            groups.append([spec])
+    return groups
 
 
 async def _submit_remote(manager: RemoteManager, specs: Sequence[ChoiceSpec]) -> list[OutputStream]:

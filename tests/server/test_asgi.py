@@ -369,8 +369,12 @@ async def test_n_choices_are_queued_all_or_none(model: PreTrainedModel, tokenize
         running = await manager.add_request(tokenizer.encode(PROMPT), max_new_tokens=500, eos_token_id=[])
         await wait_until_running(manager, 1)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
-            assert_error(await http.post("/v1/completions", json={"prompt": PROMPT, "n": 3}), 429)
-            assert manager.statistics().waiting_requests == 0, "the choices queued before the refusal were withdrawn"
+            # n samples are one request: they are queued together or refused together
+            assert_error(await http.post("/v1/completions", json={"prompt": PROMPT, "n": 3}), 400)
+            queued = await manager.add_request(tokenizer.encode(PROMPT), max_new_tokens=1)
+            assert_error(await http.post("/v1/completions", json={"prompt": PROMPT, "n": 2}), 429)
+            assert manager.statistics().waiting_requests == 1, "nothing of the refused request was queued"
+            manager.cancel_request(queued)
         manager.cancel_request(running)
 
 
