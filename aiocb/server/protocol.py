@@ -333,9 +333,11 @@ def _refuse_unsupported(body: Mapping[str, Any]) -> None:
         raise bad_request("'response_format' other than text is not supported by this server", "response_format")
     if body.get("suffix"):
         raise bad_request("'suffix' is not supported by this server", "suffix")
-    tools = body.get("tools")
-    if tools and body.get("tool_choice") not in (None, "none"):
+    # With tools and no tool_choice a client expects "auto": the model may call them.
+    if body.get("tools") and body.get("tool_choice") != "none":
         raise bad_request("tool calling is not supported by this server", "tools")
+    if body.get("tool_choice") not in (None, "none"):
+        raise bad_request("tool calling is not supported by this server", "tool_choice")
     best_of = body.get("best_of")
     n = body.get("n") or 1
     if best_of is not None and best_of != n:

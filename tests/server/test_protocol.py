@@ -102,6 +102,8 @@ def test_sampling_fields() -> None:
         ({"prompt": "x", "min_tokens": -1}, "min_tokens"),
         ({"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids"),
         ({"prompt": "x", "best_of": 3}, "best_of"),
+        ({"prompt": "x", "bad_words": ["no"]}, "bad_words"),
+        ({"prompt": "x", "use_beam_search": True}, "use_beam_search"),
     ],
 )
 def test_bad_completion_fields_are_named(body: dict[str, Any], param: str) -> None:
@@ -146,6 +148,11 @@ def test_chat_content_parts_and_max_completion_tokens() -> None:
         {"messages": [{"content": "no role"}]},
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
         {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+        # tools without tool_choice mean "auto": refused, not silently dropped
+        {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
+        {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
+        {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+        {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ messages }}"},
     ],
 )
 def test_bad_chat_bodies(body: dict[str, Any]) -> None:
