@@ -28,14 +28,15 @@ from aiocb.params import SamplingParams
 
 if TYPE_CHECKING:
     from aiocb.batch import generate_batch
-    from aiocb.engine.manager import Manager, ManagerStatistics, RequestStream
+    from aiocb.engine.manager import Manager, ManagerStatistics
+    from aiocb.engine.stream import RequestStream
 
 __version__ = "0.1.0"
 
 _LAZY = {
     "Manager": "aiocb.engine.manager",
     "ManagerStatistics": "aiocb.engine.manager",
-    "RequestStream": "aiocb.engine.manager",
+    "RequestStream": "aiocb.engine.stream",
     "generate_batch": "aiocb.batch",
 }
 

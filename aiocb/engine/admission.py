@@ -1,4 +1,4 @@
-"""Spreading a burst of new requests over loop iterations.
+"""Admission: spreading a burst of new requests over loop iterations, and backpressure.
 
 When thousands of tasks call ``add_request`` at once (``asyncio.gather`` over an agent's
 fan-out), their first steps all run in one event-loop iteration: validating and queueing
@@ -10,7 +10,11 @@ per iteration and parks the rest on futures released in later iterations, in ord
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
+
+from aiocb.core.request import Request
+from aiocb.core.scheduler import Scheduler
 
 
 class Turnstile:
@@ -56,3 +60,64 @@ class Turnstile:
                 self._passed += 1
         if self._passed:
             self._schedule_reset()
+
+
+class AdmissionQueue:
+    """Backpressure: room in the scheduler's queue (``max_queue_size``, ``max_queued_tokens``),
+    handed out first come, first served to the callers waiting for it."""
+
+    def __init__(self, max_queue_size: int, max_queued_tokens: int) -> None:
+        self.max_queue_size = max_queue_size
+        self.max_queued_tokens = max_queued_tokens
+        #: the scheduler of the running session (None between sessions)
+        self.scheduler: Scheduler | None = None
+        self._waiters: deque[tuple[asyncio.Future[None], Request]] = deque()
+
+    def has_room(self, request: Request) -> bool:
+        """Whether ``request`` (and its samples) may be queued now, ahead of nobody."""
+        if self._waiters:
+            return False  # first come, first served
+        return self._fits(request)
+
+    async def wait_for_room(self, request: Request) -> None:
+        """Return once ``request`` may be queued, or once its deadline passed."""
+        if self.has_room(request):
+            return
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        entry = (waiter, request)
+        self._waiters.append(entry)
+        remaining = None if request.deadline is None else request.deadline - time.perf_counter()
+        try:
+            async with asyncio.timeout(remaining):
+                await waiter
+        except TimeoutError:
+            pass  # the caller finds the deadline passed and ends it with finish_reason "timeout"
+        finally:
+            if entry in self._waiters:
+                self._waiters.remove(entry)
+                self.release()
+
+    def release(self) -> None:
+        """Let through the waiters that fit now, in order (call when the queue shrank)."""
+        while self._waiters and self._fits(self._waiters[0][1]):
+            waiter, _ = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def fail(self, error: BaseException) -> None:
+        """Wake every waiter with ``error`` (the manager stops or died)."""
+        while self._waiters:
+            waiter, _ = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_exception(error)
+
+    def _fits(self, request: Request) -> bool:
+        scheduler = self.scheduler
+        assert scheduler is not None
+        queued = len(scheduler.waiting) + scheduler.num_held_children
+        # (a group of n samples counts as n requests)
+        if self.max_queue_size and queued + 1 + len(request.children) > self.max_queue_size:
+            return False
+        limit = self.max_queued_tokens
+        waiting_tokens = scheduler.num_waiting_tokens
+        return not limit or waiting_tokens == 0 or waiting_tokens + request.num_tokens <= limit

@@ -1,19 +1,22 @@
-"""The public asyncio manager: lifecycle, requests, results, streams and statistics."""
+"""The public asyncio manager: lifecycle, and the request API over its parts.
+
+A :class:`Manager` is a facade. A :class:`~aiocb.engine.requests.RequestFactory` checks
+and builds requests, an :class:`~aiocb.engine.admission.AdmissionQueue` applies
+backpressure, the :class:`~aiocb.engine.step_loop.StepLoop` runs the steps and an
+:class:`~aiocb.engine.router.OutputRouter` takes each request's outputs to its awaiter,
+its stream or the shared results. The manager itself starts, stops and fails them.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import copy
-import dataclasses
 import enum
 import gc
-import itertools
 import logging
-import random
 import time
 import traceback
 import types
-from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, overload
@@ -22,27 +25,20 @@ from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerB
 
 from aiocb.config import ContinuousBatchingConfig
 from aiocb.core.kv_cache import KVCacheManager
-from aiocb.core.params import ResolvedParams
 from aiocb.core.request import Request
 from aiocb.core.scheduler import Scheduler
-from aiocb.detokenize import TextTracker
-from aiocb.engine.admission import Turnstile
+from aiocb.engine.admission import AdmissionQueue, Turnstile
+from aiocb.engine.requests import RequestFactory
+from aiocb.engine.router import OutputRouter
 from aiocb.engine.step_loop import StepLoop
-from aiocb.engine.stream import Consumer, RequestHandle
-from aiocb.errors import (
-    EngineDeadError,
-    InvalidRequestError,
-    ManagerClosedError,
-    RequestAbortedError,
-    WouldBlock,
-    WrongEventLoopError,
-)
+from aiocb.engine.stream import Consumer, RequestHandle, RequestStream
+from aiocb.errors import EngineDeadError, ManagerClosedError, WouldBlock, WrongEventLoopError
 from aiocb.outputs import FinishReason, GenerationOutput, RequestStatus
 from aiocb.params import SamplingParams
-from aiocb.prompts import Prompt, encode_prompt, is_large
+from aiocb.prompts import Prompt
 from aiocb.runner.distributed import build_runner
 from aiocb.runner.model_runner import ModelRunner
-from aiocb.sampling import RequestLimits, config_defaults, eos_ids, normalize_prompt, resolve_params
+from aiocb.sampling import RequestLimits, eos_ids
 
 logger = logging.getLogger(__name__)
 
@@ -125,17 +121,10 @@ class Manager:
         self.config = continuous_batching_config or ContinuousBatchingConfig()
         #: with a tokenizer, prompts may be text or chat messages and outputs carry text
         self.tokenizer = tokenizer
-        self._defaults = config_defaults(
-            self.generation_config,
-            has_tokenizer=tokenizer is not None,
-            drop_unsupported=self.config.drop_unsupported_processors,
-        )
+        model_eos = eos_ids(getattr(model.config.get_text_config(), "eos_token_id", None))
+        self._requests = RequestFactory(self.generation_config, self.config, tokenizer, model_eos)
         self.persistent = persistent_manager
         self._num_requests_hint = num_requests_hint
-        model_eos = getattr(model.config.get_text_config(), "eos_token_id", None)
-        self._default_eos = eos_ids(model_eos)
-        self._seeds = random.Random(self.config.seed)
-        self._ids = itertools.count()
         self._state = _State.CREATED
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
@@ -144,10 +133,8 @@ class Manager:
         #: the last statistics, kept when destroy() drops the step loop and its scheduler
         self._final_statistics: ManagerStatistics | None = None
         self._dead_error: EngineDeadError | None = None
-        self._handles: dict[str, RequestHandle] = {}
-        self._results: deque[RequestHandle] = deque()
-        self._results_changed = asyncio.Event()
-        self._room_waiters: deque[tuple[asyncio.Future[None], Request]] = deque()
+        self._admission = AdmissionQueue(self.config.max_queue_size, self.config.max_queued_tokens)
+        self._router = OutputRouter(on_room=self._admission.release)
         self._turnstile = Turnstile()
         if persistent_manager:
             setattr(model, _CACHED_MANAGER_ATTR, self)
@@ -200,8 +187,10 @@ class Manager:
             safety_margin=self.config.resolved_safety_margin,
             max_model_len=runner.spec.max_position_embeddings,
         )
-        self._steps = StepLoop(scheduler, runner, self._on_step)
-        self._results_changed = asyncio.Event()
+        self._steps = StepLoop(scheduler, runner, self._router.on_step)
+        self._admission.scheduler = scheduler
+        self._router.steps = self._steps
+        self._router.results_changed = asyncio.Event()  # (one per event loop)
         self._loop = loop
         self._state = _State.RUNNING
         self._task = loop.create_task(self._run_steps(self._steps), name="aiocb-step-loop")
@@ -221,16 +210,16 @@ class Manager:
         self._state = _State.STOPPING
         if self._runner is not None:
             self._runner.notify("stop", hard_stop)  # for the other tensor-parallel ranks
-        self._fail_room_waiters(ManagerClosedError("the manager is stopping; the request was not queued"))
+        self._admission.fail(ManagerClosedError("the manager is stopping; the request was not queued"))
         if hard_stop:
-            self._abort_all("stop(hard_stop=True) aborted the request")
+            self._router.abort_all("stop(hard_stop=True) aborted the request")
         assert self._steps is not None and self._task is not None
         self._steps.drain()
         try:
             await asyncio.wait_for(asyncio.shield(self._task), timeout)
         except TimeoutError:
             logger.warning("Manager.stop(): not finished after %s s; aborting what is left", timeout)
-            self._abort_all(f"stop(timeout={timeout}) aborted the request")
+            self._router.abort_all(f"stop(timeout={timeout}) aborted the request")
             await asyncio.shield(self._task)
 
     async def destroy(self) -> None:
@@ -251,6 +240,8 @@ class Manager:
             self._final_statistics = self.statistics()
             self._steps.close()
             self._steps = None  # the scheduler, its block pool and prefix maps
+            self._router.steps = None
+            self._admission.scheduler = None
         self._task = None
         if self._dead_error is not None:
             # The failure's traceback holds the failed step's frames, and through them the
@@ -281,7 +272,7 @@ class Manager:
             await steps.run()
         except asyncio.CancelledError:
             # The event loop is closing under us (asyncio.run() returned, say).
-            self._abort_all("the event loop running the manager shut down")
+            self._router.abort_all("the event loop running the manager shut down")
             self._end_session()
             raise
         except Exception as exc:
@@ -300,24 +291,18 @@ class Manager:
                 self._runner = None  # free the cache; start() builds a new one
         self._state = _State.STOPPED
         self._loop = None
-        self._results_changed.set()
+        self._router.results_changed.set()
 
     def _die(self, exc: BaseException) -> None:
         logger.error("aiocb step loop failed; every pending request fails", exc_info=exc)
         self._dead_error = EngineDeadError(f"the step loop failed: {exc!r}", exc)
         self._state = _State.DEAD
-        for handle in list(self._handles.values()):
-            request = handle.request
-            if not request.is_finished and self._steps is not None:
-                self._steps.finish(request, FinishReason.ERROR, status=RequestStatus.FAILED, error=str(exc))
-            handle.error = self._dead_error
-            handle.notify()
-        self._fail_room_waiters(self._dead_error)
+        self._router.fail_all(self._dead_error, exc)
+        self._admission.fail(self._dead_error)
         if self._steps is not None:
             self._steps.close()
         if self._runner is not None:
             self._runner.detach()
-        self._results_changed.set()
 
     def _dead(self) -> EngineDeadError:
         assert self._dead_error is not None
@@ -343,8 +328,9 @@ class Manager:
         ``streaming=True`` partial outputs also reach :meth:`get_result` and iteration.
         """
         await self._turnstile.enter()
-        request = self._new_request(await self._encode(input_ids), request_id, max_new_tokens, sampling_params, params)
-        await self._wait_for_room(request)
+        ids = await self._requests.encode(input_ids)
+        request = self._new_request(ids, request_id, max_new_tokens, sampling_params, params)
+        await self._admission.wait_for_room(request)
         return self._submit(request, streaming=streaming, consumer=Consumer.RESULTS)
 
     def add_request_nowait(
@@ -361,9 +347,9 @@ class Manager:
 
         A text prompt is tokenized right here, on the event loop's thread.
         """
-        prompt = encode_prompt(input_ids, self.tokenizer)
+        prompt = self._requests.encode_now(input_ids)
         request = self._new_request(prompt, request_id, max_new_tokens, sampling_params, params)
-        if not self._has_room(request):
+        if not self._admission.has_room(request):
             raise WouldBlock("the admission queue is full (max_queue_size / max_queued_tokens)")
         return self._submit(request, streaming=streaming, consumer=Consumer.RESULTS)
 
@@ -381,9 +367,10 @@ class Manager:
         With block sharing on, they are submitted sorted by prompt so that prompts with a
         common prefix are neighbours in the queue.
         """
-        return await self._add_many(
+        requests = await self._add_many(
             inputs, max_new_tokens, sampling_params, params, streaming=streaming, consumer=Consumer.RESULTS
         )
+        return [r.request_id for r in requests]
 
     def cancel_request(self, request_id: str) -> bool:
         """End a queued or running request now; its blocks are free when this returns.
@@ -391,12 +378,7 @@ class Manager:
         Returns whether a live request was cancelled (unknown or finished ids are ignored).
         """
         self._check_loop()
-        handle = self._handles.get(request_id)
-        if handle is None or handle.request.is_finished or self._steps is None:
-            return False
-        self._steps.finish(handle.request, FinishReason.CANCELLED, status=RequestStatus.CANCELLED)
-        self._deliver(handle)
-        return True
+        return self._steps is not None and self._router.cancel(request_id)
 
     @overload
     async def generate(
@@ -441,17 +423,17 @@ class Manager:
         await self._turnstile.enter()
         if n is not None:
             params["n"] = n
-        request = self._new_request(await self._encode(input_ids), request_id, max_new_tokens, sampling_params, params)
-        await self._wait_for_room(request)
-        self._submit(request, streaming=False, consumer=Consumer.AWAITER)
-        handles = [self._handles[r.request_id] for r in (request, *request.children)]
+        ids = await self._requests.encode(input_ids)
+        request = self._new_request(ids, request_id, max_new_tokens, sampling_params, params)
+        await self._admission.wait_for_room(request)
+        handles = self._submit_group(request, streaming=False, consumer=Consumer.AWAITER)
         if not request.children:
-            return await self._await_final(handles[0])
+            return await self._router.final(handles[0])
         try:
-            return [await self._await_final(handle) for handle in handles]
+            return [await self._router.final(handle) for handle in handles]
         except BaseException:
-            for r in (request, *request.children):
-                self._cancel_quietly(r.request_id)
+            for handle in handles:
+                self._router.cancel(handle.request.request_id, forget=True)
             raise
 
     async def generate_batch(
@@ -468,7 +450,7 @@ class Manager:
         With ``n`` > 1, each request's children (``<id>__child#<i>``) come before it, as in
         transformers."""
         bar = _progress_bar(len(inputs)) if progress else None
-        ids = await self._add_many(
+        requests = await self._add_many(
             inputs,
             max_new_tokens,
             sampling_params,
@@ -477,12 +459,13 @@ class Manager:
             consumer=Consumer.AWAITER,
             on_finish=bar.update if bar is not None else None,
         )
-        order = [rid for parent in ids for rid in (*self._child_ids(parent), parent)]
+        order = [r for parent in requests for r in (*parent.children, parent)]
+        handles = [self._router.get(r.request_id) for r in order]
         try:
-            return {rid: await self._await_final(self._handles[rid]) for rid in order}
+            return {r.request_id: await self._router.final(h) for r, h in zip(order, handles, strict=True) if h}
         except BaseException:
-            for rid in order:
-                self._cancel_quietly(rid)
+            for r in order:
+                self._router.cancel(r.request_id, forget=True)
             raise
         finally:
             if bar is not None:
@@ -496,14 +479,8 @@ class Manager:
         cancels the request.
         """
         self._check_loop()
-        handle = self._handles.get(request_id)
-        if handle is None:
-            raise InvalidRequestError(f"no pending request with id {request_id!r}")
-        if handle.consumer is not Consumer.RESULTS:
-            raise InvalidRequestError(f"request {request_id!r} already has a consumer ({handle.consumer.value})")
-        handle.consumer = Consumer.STREAM
-        self._drop_from_results(handle)
-        return RequestStream(self, handle)
+        handle = self._router.claim_for_stream(request_id)
+        return RequestStream(self._router, handle, self._loop or asyncio.get_running_loop())
 
     async def get_result(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
         """The next output from the shared results, or the next one of ``request_id``.
@@ -515,8 +492,8 @@ class Manager:
         try:
             async with asyncio.timeout(timeout):
                 if request_id is None:
-                    return await self._next_shared_result()
-                return await self._next_result_of(request_id)
+                    return await self._router.next_shared(self._results_may_come)
+                return await self._router.next_of(request_id)
         except TimeoutError:
             return None
 
@@ -581,11 +558,11 @@ class Manager:
         logger.warning("request refused: %s", message)
         raise ManagerClosedError(message)
 
-    async def _encode(self, prompt: Prompt) -> Any:
-        """Token ids of a text or chat prompt; a long one is tokenized on a worker thread."""
-        if is_large(prompt):
-            return await asyncio.to_thread(encode_prompt, prompt, self.tokenizer)
-        return encode_prompt(prompt, self.tokenizer)
+    def _results_may_come(self) -> bool:
+        """Whether the shared results can still grow (raises if the engine died)."""
+        if self._state is _State.DEAD:
+            raise self._dead()
+        return self.is_running
 
     def _new_request(
         self,
@@ -598,74 +575,12 @@ class Manager:
         self._check_loop()
         self._check_accepting()
         assert self._runner is not None and self._steps is not None
-        if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
-            raise InvalidRequestError(
-                f"sampling_params must be an aiocb.SamplingParams, got {type(sampling_params).__name__}"
-            )
-        requested = sampling_params or _NO_PARAMS
-        if params or max_new_tokens is not None:
-            requested = requested.updated(max_new_tokens=max_new_tokens, **params)
         spec = self._runner.spec
-        limits = RequestLimits(
-            spec.vocab_size, spec.max_position_embeddings, self._steps.scheduler.kv_cache.capacity_tokens
+        capacity = self._steps.scheduler.kv_cache.capacity_tokens
+        limits = RequestLimits(spec.vocab_size, spec.max_position_embeddings, capacity)
+        return self._requests.build(
+            input_ids, request_id, max_new_tokens, sampling_params, params, limits=limits, in_use=self._router
         )
-        prompt = normalize_prompt(input_ids, limits)
-        resolved = resolve_params(
-            requested,
-            self._defaults,
-            len(prompt),
-            limits,
-            default_eos=self._default_eos,
-            default_logprobs=self.config.return_logprobs,
-            default_seed=self._seeds.getrandbits(32),
-            has_tokenizer=self.tokenizer is not None,
-        )
-        if request_id is None:
-            request_id = self._fresh_id()
-        elif not isinstance(request_id, str) or not request_id:
-            raise InvalidRequestError(f"request_id must be a non-empty str, got {request_id!r}")
-        elif request_id in self._handles:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use by a live request")
-        text = self._text_tracker(prompt, resolved)
-        timeout = requested.timeout if requested.timeout is not None else self._defaults.params.timeout
-        now = time.perf_counter()
-        deadline = None if timeout is None else now + timeout
-        request = Request(request_id, prompt, resolved, now, deadline=deadline, text=text)
-        n = requested.n if requested.n is not None else (self._defaults.params.n or 1)
-        if self.config.max_queue_size and n > self.config.max_queue_size:
-            raise InvalidRequestError(
-                f"n ({n}) is more samples than the admission queue holds (max_queue_size {self.config.max_queue_size})"
-            )
-        for i in range(1, n):
-            child_id = f"{request_id}__child#{i - 1}"
-            if child_id in self._handles:
-                raise InvalidRequestError(f"request id {child_id!r} (a sample of {request_id!r}) is already in use")
-            # Each sample draws from its own stream: the request's seed plus its index.
-            child_params = dataclasses.replace(resolved, seed=resolved.seed + i)
-            text = self._text_tracker(prompt, resolved)
-            request.children.append(Request(child_id, prompt, child_params, now, deadline=deadline, text=text))
-        return request
-
-    def _text_tracker(self, prompt: list[int], params: ResolvedParams) -> TextTracker | None:
-        if self.tokenizer is None:
-            return None
-        return TextTracker(
-            self.tokenizer,
-            prompt,
-            stop=params.stop,
-            include_stop_str=params.include_stop_str_in_output,
-            skip_special_tokens=params.skip_special_tokens,
-            min_tokens=params.min_tokens,
-        )
-
-    def _child_ids(self, request_id: str) -> list[str]:
-        handle = self._handles.get(request_id)
-        return [] if handle is None else [child.request_id for child in handle.request.children]
-
-    def _fresh_id(self) -> str:
-        while (request_id := f"req_{next(self._ids)}") in self._handles:
-            pass
-        return request_id
 
     async def _add_many(
         self,
@@ -677,260 +592,53 @@ class Manager:
         streaming: bool,
         consumer: Consumer,
         on_finish: Callable[[], object] | None = None,
-    ) -> list[str]:
+    ) -> list[Request]:
         requests: list[Request] = []
         for i, prompt in enumerate(inputs):
             if i and i % self._turnstile.per_iteration == 0:
                 await asyncio.sleep(0)  # a long list must not hold the loop in one go
-            ids = await self._encode(prompt)
+            ids = await self._requests.encode(prompt)
             requests.append(self._new_request(ids, None, max_new_tokens, sampling_params, params))
         order = list(range(len(requests)))
         if self.config.allow_block_sharing:
             order.sort(key=lambda i: requests[i].prompt_ids)
-        submitted: list[str] = []
         try:
             for n, i in enumerate(order):
                 if n and n % self._turnstile.per_iteration == 0:
                     await asyncio.sleep(0)
-                await self._wait_for_room(requests[i])
-                submitted.append(self._submit(requests[i], streaming=streaming, consumer=consumer, on_finish=on_finish))
+                await self._admission.wait_for_room(requests[i])
+                self._submit_group(requests[i], streaming=streaming, consumer=consumer, on_finish=on_finish)
         except BaseException:
             for request in requests:
                 for r in (request, *request.children):
-                    self._cancel_quietly(r.request_id)
+                    self._router.cancel(r.request_id, forget=True)
             raise
-        return [r.request_id for r in requests]
+        return requests
 
-    def _submit(
+    def _submit(self, request: Request, *, streaming: bool, consumer: Consumer) -> str:
+        self._submit_group(request, streaming=streaming, consumer=consumer)
+        return request.request_id
+
+    def _submit_group(
         self,
         request: Request,
         *,
         streaming: bool,
         consumer: Consumer,
         on_finish: Callable[[], object] | None = None,
-    ) -> str:
+    ) -> list[RequestHandle]:
+        """Queue a request and its samples; their handles, the request's first."""
         self._check_accepting()
-        group = (request, *request.children)
-        for r in group:
-            if r.request_id in self._handles:
-                raise InvalidRequestError(f"request id {r.request_id!r} is already in use by a live request")
         assert self._steps is not None
-        handles = [RequestHandle(r, streaming=streaming, consumer=consumer, on_finish=on_finish) for r in group]
-        for handle in handles:
-            self._handles[handle.request.request_id] = handle
+        group = [request, *request.children]
+        handles = self._router.register(group, streaming=streaming, consumer=consumer, on_finish=on_finish)
         if request.deadline is not None and request.deadline <= time.perf_counter():
             # They spent their whole timeout waiting for room in the queue.
             for handle in handles:
-                self._steps.scheduler.finish(handle.request, FinishReason.TIMEOUT, time.perf_counter())
-                self._deliver(handle)
+                self._router.end(handle, FinishReason.TIMEOUT, status=RequestStatus.FINISHED)
         else:
             self._steps.add(request, request.children)
-        return request.request_id
-
-    def _has_room(self, request: Request) -> bool:
-        if self._room_waiters:
-            return False  # first come, first served
-        return self._fits_queue(request)
-
-    def _fits_queue(self, request: Request) -> bool:
-        assert self._steps is not None
-        scheduler = self._steps.scheduler
-        queued = len(scheduler.waiting) + scheduler.num_held_children
-        # (a group of n samples counts as n requests)
-        if self.config.max_queue_size and queued + 1 + len(request.children) > self.config.max_queue_size:
-            return False
-        limit = self.config.max_queued_tokens
-        waiting_tokens = scheduler.num_waiting_tokens
-        return not limit or waiting_tokens == 0 or waiting_tokens + request.num_tokens <= limit
-
-    async def _wait_for_room(self, request: Request) -> None:
-        if self._has_room(request):
-            return
-        assert self._loop is not None
-        waiter: asyncio.Future[None] = self._loop.create_future()
-        entry = (waiter, request)
-        self._room_waiters.append(entry)
-        remaining = None if request.deadline is None else request.deadline - time.perf_counter()
-        try:
-            async with asyncio.timeout(remaining):
-                await waiter
-        except TimeoutError:
-            pass  # _submit finishes it with finish_reason "timeout"
-        finally:
-            if entry in self._room_waiters:
-                self._room_waiters.remove(entry)
-                self._release_room_waiters()
-
-    def _release_room_waiters(self) -> None:
-        while self._room_waiters and self._fits_queue(self._room_waiters[0][1]):
-            waiter, _ = self._room_waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-
-    def _fail_room_waiters(self, error: BaseException) -> None:
-        while self._room_waiters:
-            waiter, _ = self._room_waiters.popleft()
-            if not waiter.done():
-                waiter.set_exception(error)
-
-    def _on_step(self, updated: list[Request], finished: list[Request]) -> None:
-        for request in updated:
-            handle = self._handles.get(request.request_id)
-            if handle is not None and not request.is_finished:
-                self._deliver(handle)
-        for request in finished:
-            handle = self._handles.get(request.request_id)
-            if handle is not None:
-                self._deliver(handle)
-        self._release_room_waiters()
-
-    def _deliver(self, handle: RequestHandle) -> None:
-        """Tell whoever consumes ``handle`` that it changed (O(1), never blocks).
-
-        Awaiters of a final output are only woken by it, not by every token.
-        """
-        finished = handle.request.is_finished
-        if finished and handle.on_finish is not None:
-            handle.on_finish()
-            handle.on_finish = None
-        queue = handle.consumer is Consumer.RESULTS and not handle.in_results
-        if queue and handle.has_news(partial=handle.streaming):
-            handle.in_results = True
-            self._results.append(handle)
-            self._results_changed.set()
-        if finished or handle.consumer is Consumer.STREAM or handle.streaming:
-            handle.notify()
-
-    def _drop_from_results(self, handle: RequestHandle) -> None:
-        if handle.in_results:
-            self._results.remove(handle)
-            handle.in_results = False
-
-    def _take(self, handle: RequestHandle) -> GenerationOutput:
-        output = handle.take()
-        if handle.final_delivered:
-            self._handles.pop(handle.request.request_id, None)
-        return output
-
-    async def _next_shared_result(self) -> GenerationOutput | None:
-        while not self._results:
-            if self._state is _State.DEAD:
-                raise self._dead()
-            if not self.is_running:
-                return None
-            self._results_changed.clear()
-            await self._results_changed.wait()
-        handle = self._results.popleft()
-        handle.in_results = False
-        return self._take(handle)
-
-    async def _next_result_of(self, request_id: str) -> GenerationOutput:
-        handle = self._handles.get(request_id)
-        if handle is None:
-            raise InvalidRequestError(f"no pending request with id {request_id!r}")
-        if handle.consumer is Consumer.STREAM:
-            raise InvalidRequestError(f"request {request_id!r} is consumed by a stream")
-        while not handle.has_news(partial=handle.streaming):
-            await handle.wait()
-        if handle.error is not None:
-            self._handles.pop(request_id, None)
-            raise _fresh(handle.error)
-        self._drop_from_results(handle)
-        return self._take(handle)
-
-    async def _await_final(self, handle: RequestHandle) -> GenerationOutput:
-        try:
-            while not handle.has_news(partial=False):
-                await handle.wait()
-        except asyncio.CancelledError:
-            self._cancel_quietly(handle.request.request_id)
-            raise
-        self._handles.pop(handle.request.request_id, None)
-        if handle.error is not None:
-            raise _fresh(handle.error)
-        return handle.take()
-
-    def _cancel_quietly(self, request_id: str) -> None:
-        handle = self._handles.pop(request_id, None)
-        if handle is not None and not handle.request.is_finished and self._steps is not None:
-            self._steps.finish(handle.request, FinishReason.CANCELLED, status=RequestStatus.CANCELLED)
-            self._release_room_waiters()
-
-    def _abort_all(self, reason: str) -> None:
-        if self._steps is None:
-            return
-        error = RequestAbortedError(reason)
-        for handle in list(self._handles.values()):
-            if not handle.request.is_finished:
-                self._steps.finish(handle.request, FinishReason.ABORTED, status=RequestStatus.FAILED, error=reason)
-                if handle.consumer is not Consumer.RESULTS:
-                    handle.error = error
-                self._deliver(handle)
-
-
-class RequestStream:
-    """Async iterator over one request's outputs; see :meth:`Manager.stream`.
-
-    Also an async context manager; leaving it (or :meth:`aclose`) before the final output
-    cancels the request.
-    """
-
-    def __init__(self, manager: Manager, handle: RequestHandle) -> None:
-        self._manager = manager
-        self._handle = handle
-        self._done = False
-
-    @property
-    def request_id(self) -> str:
-        """The id of the streamed request."""
-        return self._handle.request.request_id
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> GenerationOutput:
-        if self._done:
-            raise StopAsyncIteration
-        handle = self._handle
-        try:
-            while not handle.has_news(partial=True):
-                await handle.wait()
-        except asyncio.CancelledError:
-            self._close()
-            raise
-        if handle.error is not None:
-            self._close()
-            raise _fresh(handle.error)
-        output = self._manager._take(handle)
-        if output.is_finished():
-            self._done = True
-        return output
-
-    async def aclose(self) -> None:
-        """Stop streaming; cancels the request if it has not finished."""
-        self._close()
-
-    async def __aenter__(self) -> RequestStream:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        self._close()
-
-    def _close(self) -> None:
-        if not self._done:
-            self._done = True
-            self._manager._cancel_quietly(self.request_id)
-
-    def __del__(self) -> None:
-        # An `async for` left with break drops the iterator without closing it.
-        if not self._done:
-            loop = self._manager._loop
-            if loop is not None and not loop.is_closed():
-                loop.call_soon_threadsafe(self._manager._cancel_quietly, self.request_id)
-
-
-#: a request that gives no parameter: everything from the GenerationConfig
-_NO_PARAMS = SamplingParams()
+        return handles
 
 
 _frozen = False
@@ -981,14 +689,6 @@ def _release_tracebacks(error: BaseException) -> None:
         exc.add_note(f"Traceback (frames released when the manager was destroyed):\n{frames.rstrip()}")
         traceback.clear_frames(tb)
         exc.__traceback__ = None
-
-
-def _fresh(error: BaseException) -> BaseException:
-    """A new exception like ``error`` for one awaiter: sharing one object among awaiters
-    would chain every awaiter's frames into one ever-growing traceback."""
-    if isinstance(error, EngineDeadError):
-        return EngineDeadError(str(error), error.cause)
-    return type(error)(*error.args)
 
 
 def _progress_bar(total: int) -> Any:

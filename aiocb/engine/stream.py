@@ -10,10 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from aiocb.core.request import Request
+from aiocb.errors import EngineDeadError
 from aiocb.outputs import GenerationOutput
+
+if TYPE_CHECKING:
+    from aiocb.engine.router import OutputRouter
 
 
 class Consumer(enum.Enum):
@@ -91,3 +97,71 @@ class RequestHandle:
         if output.is_finished():
             self.final_delivered = True
         return output
+
+
+class RequestStream:
+    """Async iterator over one request's outputs; see :meth:`aiocb.Manager.stream`.
+
+    Also an async context manager; leaving it (or :meth:`aclose`) before the final output
+    cancels the request.
+    """
+
+    def __init__(self, router: OutputRouter, handle: RequestHandle, loop: asyncio.AbstractEventLoop) -> None:
+        self._router = router
+        self._handle = handle
+        self._loop = loop
+        self._done = False
+
+    @property
+    def request_id(self) -> str:
+        """The id of the streamed request."""
+        return self._handle.request.request_id
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> GenerationOutput:
+        if self._done:
+            raise StopAsyncIteration
+        handle = self._handle
+        try:
+            while not handle.has_news(partial=True):
+                await handle.wait()
+        except asyncio.CancelledError:
+            self._close()
+            raise
+        if handle.error is not None:
+            self._close()
+            raise fresh_error(handle.error)
+        output = self._router.take(handle)
+        if output.is_finished():
+            self._done = True
+        return output
+
+    async def aclose(self) -> None:
+        """Stop streaming; cancels the request if it has not finished."""
+        self._close()
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        if not self._done:
+            self._done = True
+            self._router.cancel(self.request_id, forget=True)
+
+    def __del__(self) -> None:
+        # An `async for` left with break drops the iterator without closing it.
+        if not self._done and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(functools.partial(self._router.cancel, self.request_id, forget=True))
+
+
+def fresh_error(error: BaseException) -> BaseException:
+    """A new exception like ``error`` for one awaiter: sharing one object among awaiters
+    would chain every awaiter's frames into one ever-growing traceback."""
+    if isinstance(error, EngineDeadError):
+        return EngineDeadError(str(error), error.cause)
+    return type(error)(*error.args)

@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from aiocb.config import ContinuousBatchingConfig
-from aiocb.engine.manager import Manager, ManagerStatistics, RequestStream
+from aiocb.engine.manager import Manager, ManagerStatistics
+from aiocb.engine.stream import RequestStream
 from aiocb.errors import (
     AiocbError,
     EngineDeadError,
@@ -489,7 +490,7 @@ def _apply(output: GenerationOutput, delta: OutputDelta) -> None:
 
 
 class RemoteStream:
-    """Async iterator over one remote request's outputs, like :class:`~aiocb.engine.manager.RequestStream`.
+    """Async iterator over one remote request's outputs, like :class:`~aiocb.engine.stream.RequestStream`.
 
     Each output is a snapshot with every token so far. Leaving it (or :meth:`aclose`)
     before the final output cancels the request.

@@ -1,0 +1,136 @@
+"""Building a :class:`~aiocb.core.request.Request` from what a caller gives.
+
+This is the one place where a request's input is checked and its parameters resolved:
+the prompt (token ids, or a text or chat messages with a tokenizer), the
+:class:`~aiocb.SamplingParams` and keyword arguments over the manager's
+``GenerationConfig``, its id, its deadline, and the samples (``n``) forked from it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import random
+import time
+from collections.abc import Container
+from typing import Any
+
+from transformers import GenerationConfig, PreTrainedTokenizerBase
+
+from aiocb.config import ContinuousBatchingConfig
+from aiocb.core.params import ResolvedParams
+from aiocb.core.request import Request
+from aiocb.detokenize import TextTracker
+from aiocb.errors import InvalidRequestError
+from aiocb.params import SamplingParams
+from aiocb.prompts import Prompt, encode_prompt, is_large
+from aiocb.sampling import RequestLimits, config_defaults, normalize_prompt, resolve_params
+
+#: a request that gives no parameter: everything from the GenerationConfig
+_NO_PARAMS = SamplingParams()
+
+
+class RequestFactory:
+    """Checks requests and builds them, with the manager's defaults."""
+
+    def __init__(
+        self,
+        generation_config: GenerationConfig,
+        config: ContinuousBatchingConfig,
+        tokenizer: PreTrainedTokenizerBase | None,
+        default_eos: frozenset[int],
+    ) -> None:
+        self.tokenizer = tokenizer
+        # Checked once, here: a GenerationConfig field aiocb cannot honour is refused (or
+        # dropped with one warning) when the manager is built, not per request.
+        self.defaults = config_defaults(
+            generation_config, has_tokenizer=tokenizer is not None, drop_unsupported=config.drop_unsupported_processors
+        )
+        self._default_eos = default_eos
+        self._default_logprobs = config.return_logprobs
+        self._max_queue_size = config.max_queue_size
+        self._seeds = random.Random(config.seed)
+        self._ids = itertools.count()
+
+    def encode_now(self, prompt: Prompt) -> Any:
+        """Token ids of a text or chat prompt, tokenized on the calling thread."""
+        return encode_prompt(prompt, self.tokenizer)
+
+    async def encode(self, prompt: Prompt) -> Any:
+        """Token ids of a text or chat prompt; a long one is tokenized on a worker thread."""
+        if is_large(prompt):
+            return await asyncio.to_thread(encode_prompt, prompt, self.tokenizer)
+        return encode_prompt(prompt, self.tokenizer)
+
+    def build(
+        self,
+        input_ids: Any,
+        request_id: str | None,
+        max_new_tokens: int | None,
+        sampling_params: SamplingParams | None,
+        params: dict[str, Any],
+        *,
+        limits: RequestLimits,
+        in_use: Container[str],
+    ) -> Request:
+        """The request (its other samples in ``children``), or InvalidRequestError naming the problem."""
+        if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
+            raise InvalidRequestError(
+                f"sampling_params must be an aiocb.SamplingParams, got {type(sampling_params).__name__}"
+            )
+        requested = sampling_params or _NO_PARAMS
+        if params or max_new_tokens is not None:
+            requested = requested.updated(max_new_tokens=max_new_tokens, **params)
+        prompt = normalize_prompt(input_ids, limits)
+        resolved = resolve_params(
+            requested,
+            self.defaults,
+            len(prompt),
+            limits,
+            default_eos=self._default_eos,
+            default_logprobs=self._default_logprobs,
+            default_seed=self._seeds.getrandbits(32),
+            has_tokenizer=self.tokenizer is not None,
+        )
+        if request_id is None:
+            request_id = self._fresh_id(in_use)
+        elif not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError(f"request_id must be a non-empty str, got {request_id!r}")
+        elif request_id in in_use:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use by a live request")
+        n = requested.n if requested.n is not None else (self.defaults.params.n or 1)
+        if self._max_queue_size and n > self._max_queue_size:
+            raise InvalidRequestError(
+                f"n ({n}) is more samples than the admission queue holds (max_queue_size {self._max_queue_size})"
+            )
+        timeout = requested.timeout if requested.timeout is not None else self.defaults.params.timeout
+        now = time.perf_counter()
+        deadline = None if timeout is None else now + timeout
+        request = Request(request_id, prompt, resolved, now, deadline=deadline, text=self._text(prompt, resolved))
+        for i in range(1, n):
+            child_id = f"{request_id}__child#{i - 1}"  # transformers' name for it
+            if child_id in in_use:
+                raise InvalidRequestError(f"request id {child_id!r} (a sample of {request_id!r}) is already in use")
+            # Each sample draws from its own stream: the request's seed plus its index.
+            child_params = dataclasses.replace(resolved, seed=resolved.seed + i)
+            text = self._text(prompt, resolved)
+            request.children.append(Request(child_id, prompt, child_params, now, deadline=deadline, text=text))
+        return request
+
+    def _text(self, prompt: list[int], params: ResolvedParams) -> TextTracker | None:
+        if self.tokenizer is None:
+            return None
+        return TextTracker(
+            self.tokenizer,
+            prompt,
+            stop=params.stop,
+            include_stop_str=params.include_stop_str_in_output,
+            skip_special_tokens=params.skip_special_tokens,
+            min_tokens=params.min_tokens,
+        )
+
+    def _fresh_id(self, in_use: Container[str]) -> str:
+        while (request_id := f"req_{next(self._ids)}") in in_use:
+            pass
+        return request_id

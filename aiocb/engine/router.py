@@ -1,0 +1,212 @@
+"""Where each request's outputs go: its awaiter, its stream, or the shared results.
+
+The :class:`OutputRouter` owns every live request's :class:`RequestHandle`. The step loop
+tells it which requests changed (:meth:`OutputRouter.on_step`); consumers take outputs
+from it. Every way a request can end early (a cancellation, a hard stop, a dead engine)
+goes through one path, :meth:`OutputRouter.end`: the scheduler frees its blocks, and its
+consumer is told, with an error where it must raise one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable, Sequence
+
+from aiocb.core.request import Request
+from aiocb.engine.step_loop import StepLoop
+from aiocb.engine.stream import Consumer, RequestHandle, fresh_error
+from aiocb.errors import EngineDeadError, InvalidRequestError, RequestAbortedError
+from aiocb.outputs import FinishReason, GenerationOutput, RequestStatus
+
+
+class OutputRouter:
+    """Delivery state of every live request, and the shared results queue."""
+
+    def __init__(self, on_room: Callable[[], None]) -> None:
+        #: called when requests left the scheduler's queue (admission may let others in)
+        self._on_room = on_room
+        #: the running session's step loop (None between sessions)
+        self.steps: StepLoop | None = None
+        self._handles: dict[str, RequestHandle] = {}
+        self._results: deque[RequestHandle] = deque()
+        self.results_changed = asyncio.Event()
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._handles
+
+    def get(self, request_id: str) -> RequestHandle | None:
+        """The handle of a live (or finished but unread) request."""
+        return self._handles.get(request_id)
+
+    def register(
+        self,
+        requests: Sequence[Request],
+        *,
+        streaming: bool,
+        consumer: Consumer,
+        on_finish: Callable[[], object] | None = None,
+    ) -> list[RequestHandle]:
+        """Handles for new requests (checked free of id clashes first: all or none)."""
+        for request in requests:
+            if request.request_id in self._handles:
+                raise InvalidRequestError(f"request id {request.request_id!r} is already in use by a live request")
+        handles = [RequestHandle(r, streaming=streaming, consumer=consumer, on_finish=on_finish) for r in requests]
+        for handle in handles:
+            self._handles[handle.request.request_id] = handle
+        return handles
+
+    # ------------------------------------------------------------------ from the step loop
+
+    def on_step(self, updated: list[Request], finished: list[Request]) -> None:
+        """After a step: wake the consumers of the requests it touched."""
+        for request in updated:
+            handle = self._handles.get(request.request_id)
+            if handle is not None and not request.is_finished:
+                self.deliver(handle)
+        for request in finished:
+            handle = self._handles.get(request.request_id)
+            if handle is not None:
+                self.deliver(handle)
+        self._on_room()
+
+    def deliver(self, handle: RequestHandle) -> None:
+        """Tell whoever consumes ``handle`` that it changed (O(1), never blocks).
+
+        Awaiters of a final output are only woken by it, not by every token.
+        """
+        finished = handle.request.is_finished
+        if finished and handle.on_finish is not None:
+            handle.on_finish()
+            handle.on_finish = None
+        queue = handle.consumer is Consumer.RESULTS and not handle.in_results
+        if queue and handle.has_news(partial=handle.streaming):
+            handle.in_results = True
+            self._results.append(handle)
+            self.results_changed.set()
+        if finished or handle.consumer is Consumer.STREAM or handle.streaming:
+            handle.notify()
+
+    # ------------------------------------------------------------------ ending requests
+
+    def end(
+        self,
+        handle: RequestHandle,
+        reason: FinishReason,
+        *,
+        status: RequestStatus,
+        error: str | None = None,
+        raises: BaseException | None = None,
+        forget: bool = False,
+        queue: bool = True,
+    ) -> None:
+        """End a live request now and notify its consumer: the one path every early end takes.
+
+        Its blocks are free when this returns. ``raises`` is what its consumer raises instead
+        of reading an output; with ``forget`` nobody reads it any more (its handle goes);
+        without ``queue`` its output does not join the shared results (only its own
+        consumers are woken).
+        """
+        request = handle.request
+        if not request.is_finished and self.steps is not None:
+            self.steps.finish(request, reason, status=status, error=error)
+        if raises is not None:
+            handle.error = raises
+        if forget:
+            self._handles.pop(request.request_id, None)
+            self._on_room()
+        elif queue:
+            self.deliver(handle)
+        else:
+            handle.notify()
+
+    def cancel(self, request_id: str, *, forget: bool = False) -> bool:
+        """Cancel a live request; whether there was one to cancel."""
+        handle = self._handles.get(request_id)
+        if handle is None or handle.request.is_finished:
+            if forget:
+                self._handles.pop(request_id, None)
+            return False
+        self.end(handle, FinishReason.CANCELLED, status=RequestStatus.CANCELLED, forget=forget)
+        return True
+
+    def abort_all(self, reason: str) -> None:
+        """End every live request as aborted; awaiters and streams raise RequestAbortedError."""
+        error = RequestAbortedError(reason)
+        for handle in list(self._handles.values()):
+            if not handle.request.is_finished:
+                raises = error if handle.consumer is not Consumer.RESULTS else None
+                self.end(handle, FinishReason.ABORTED, status=RequestStatus.FAILED, error=reason, raises=raises)
+
+    def fail_all(self, error: EngineDeadError, cause: BaseException) -> None:
+        """The engine died: every consumer, of a finished request too, raises ``error``
+        (the shared results raise it too, once drained)."""
+        reason, failed = FinishReason.ERROR, RequestStatus.FAILED
+        for handle in list(self._handles.values()):
+            self.end(handle, reason, status=failed, error=str(cause), raises=error, queue=False)
+        self.results_changed.set()
+
+    # ------------------------------------------------------------------ to consumers
+
+    def take(self, handle: RequestHandle) -> GenerationOutput:
+        """The request's output now; forgets the handle once the final output is out."""
+        output = handle.take()
+        if handle.final_delivered:
+            self._handles.pop(handle.request.request_id, None)
+        return output
+
+    def claim_for_stream(self, request_id: str) -> RequestHandle:
+        """Make a request's outputs go to one stream (from the shared results)."""
+        handle = self._handles.get(request_id)
+        if handle is None:
+            raise InvalidRequestError(f"no pending request with id {request_id!r}")
+        if handle.consumer is not Consumer.RESULTS:
+            raise InvalidRequestError(f"request {request_id!r} already has a consumer ({handle.consumer.value})")
+        handle.consumer = Consumer.STREAM
+        self._drop_from_results(handle)
+        return handle
+
+    async def next_shared(self, check: Callable[[], bool]) -> GenerationOutput | None:
+        """The next output of the shared results; None once ``check()`` (which raises if the
+        engine died) says no more will come."""
+        while not self._results:
+            if not check():
+                return None
+            self.results_changed.clear()
+            await self.results_changed.wait()
+        handle = self._results.popleft()
+        handle.in_results = False
+        return self.take(handle)
+
+    async def next_of(self, request_id: str) -> GenerationOutput:
+        """The next output of one request (its final one unless it streams)."""
+        handle = self._handles.get(request_id)
+        if handle is None:
+            raise InvalidRequestError(f"no pending request with id {request_id!r}")
+        if handle.consumer is Consumer.STREAM:
+            raise InvalidRequestError(f"request {request_id!r} is consumed by a stream")
+        while not handle.has_news(partial=handle.streaming):
+            await handle.wait()
+        if handle.error is not None:
+            self._handles.pop(request_id, None)
+            raise fresh_error(handle.error)
+        self._drop_from_results(handle)
+        return self.take(handle)
+
+    async def final(self, handle: RequestHandle) -> GenerationOutput:
+        """The request's final output; cancelling the waiting task cancels the request."""
+        try:
+            while not handle.has_news(partial=False):
+                await handle.wait()
+        except asyncio.CancelledError:
+            self.cancel(handle.request.request_id, forget=True)
+            raise
+        self._handles.pop(handle.request.request_id, None)
+        if handle.error is not None:
+            raise fresh_error(handle.error)
+        return handle.take()
+
+    def _drop_from_results(self, handle: RequestHandle) -> None:
+        if handle.in_results:
+            self._results.remove(handle)
+            handle.in_results = False
