@@ -41,6 +41,9 @@ class Request:
     stop_reason: int | str | None = None
     #: more samples of this prompt (``n``), forked from this request once it computed the prompt
     children: list[Request] = field(default_factory=list)
+    #: the model runner's own state of the request (opaque here): its token history as a
+    #: host tensor, kept up to date a token at a time, when penalties need it
+    runner_state: object = None
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)

@@ -25,6 +25,7 @@ from aiocb.detokenize import TextTracker
 from aiocb.errors import InvalidRequestError
 from aiocb.params import SamplingParams
 from aiocb.prompts import Prompt, encode_prompt, is_large
+from aiocb.runner.inputs import token_history
 from aiocb.sampling import RequestLimits, config_defaults, normalize_prompt, resolve_params
 
 #: a request that gives no parameter: everything from the GenerationConfig
@@ -108,6 +109,8 @@ class RequestFactory:
         now = time.perf_counter()
         deadline = None if timeout is None else now + timeout
         request = Request(request_id, prompt, resolved, now, deadline=deadline, text=self._text(prompt, resolved))
+        if resolved.penalizes:
+            token_history(request)  # its prompt copied now, not in the step that admits it
         for i in range(1, n):
             child_id = f"{request_id}__child#{i - 1}"  # transformers' name for it
             if child_id in in_use:

@@ -10,12 +10,14 @@ copy per dtype through :class:`HostToDevice` (pinned, double-buffered, on a side
 
 from __future__ import annotations
 
+import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from aiocb.core.kv_cache import ring_size
+from aiocb.core.params import ResolvedParams
 from aiocb.core.request import Request
 from aiocb.core.scheduler import SchedulerOutput, wants_prompt_logprobs
 from aiocb.runner.logits_controls import matched_sequence_bias
@@ -32,19 +34,18 @@ PAGED = "paged"
 class RowControls:
     """A sampled row's logits controls for one step (rows that use none have no such object)."""
 
-    #: prompt and output tokens known to the host (penalizing rows only; else empty) ...
-    history: tuple[int, ...]
+    params: ResolvedParams
+    #: prompt and output tokens (penalizing rows only), of which the first ``history_length``
+    #: are known to this step ...
+    history: array.array[int] | None
+    history_length: int
     num_prompt_tokens: int
     #: ... and whether the row's last token, still being sampled, follows them
     carries: bool
-    repetition_penalty: float
-    presence_penalty: float
-    frequency_penalty: float
-    #: ``(token, bias)`` added this step
-    biases: list[tuple[int, float]]
-    #: tokens banned this step
-    bans: list[int]
-    allowed: tuple[int, ...] | None
+    #: ``(token, bias)`` added this step besides the request's own (matched sequence biases)
+    biases: list[tuple[int, float]] | None
+    #: tokens banned this step besides the request's own (bad words, min_tokens, first token)
+    bans: list[int] | None
 
 
 @dataclass(slots=True)  # (not frozen: a frozen __init__ costs several times more per row)
@@ -149,29 +150,42 @@ def row_controls(request: Request, offset: int, carries: bool) -> RowControls:
     """What a request's controls do at the step sampling its ``offset``-th output token
     (counted from 0); ``carries``: its last token is still being sampled by the step before."""
     params = request.params
-    history = tuple(request.token_ids) if params.penalizes else ()
-    biases = list(params.biases)
-    bans = list(params.bans)
+    penalizes = params.penalizes
+    biases: list[tuple[int, float]] | None = None
+    bans: list[int] | None = None
     if params.sequence_biases or params.bad_sequences:
         # (the scheduler plans no step for such a request while its last token is in flight)
         known = request.token_ids
-        biases += matched_sequence_bias(known, params.sequence_biases)
-        bans += [token for token, _ in matched_sequence_bias(known, [(w, 0.0) for w in params.bad_sequences])]
+        biases = matched_sequence_bias(known, params.sequence_biases)
+        bans = [token for token, _ in matched_sequence_bias(known, [(w, 0.0) for w in params.bad_sequences])]
     if offset < params.min_tokens:
-        bans += params.stop_token_ids
-    if offset == 0:
-        bans += params.begin_bans
+        bans = [*(bans or ()), *params.stop_token_ids]
+    if offset == 0 and params.begin_bans:
+        bans = [*(bans or ()), *params.begin_bans]
     return RowControls(
-        history=history,
-        num_prompt_tokens=request.num_prompt_tokens,
-        carries=carries and params.penalizes,
-        repetition_penalty=params.repetition_penalty,
-        presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty,
-        biases=biases,
-        bans=bans,
-        allowed=params.allowed_token_ids,
+        params,
+        token_history(request) if penalizes else None,
+        request.num_tokens,
+        request.num_prompt_tokens,
+        carries and penalizes,
+        biases,
+        bans,
     )
+
+
+def token_history(request: Request) -> array.array[int]:
+    """The request's prompt and generated tokens so far, in an ``array`` kept up to date a
+    few tokens at a time (the step's snapshot costs the new tokens, not the history).
+
+    The loop thread only appends to it; the step's worker copies the first ``n`` entries
+    (one C call, atomic under the GIL), so it never sees a token beyond the snapshot's.
+    """
+    history = request.runner_state
+    if not isinstance(history, array.array):
+        history = request.runner_state = array.array("q")
+    if len(history) < len(request.token_ids):
+        history.extend(request.token_ids[len(history) :])
+    return history
 
 
 def controls_host_tensors(rows: Sequence[RowSpec]) -> dict[str, torch.Tensor]:
@@ -194,32 +208,39 @@ def controls_host_tensors(rows: Sequence[RowSpec]) -> dict[str, torch.Tensor]:
     ban_ids: list[int] = []
     allow_rows: list[int] = []
     allow_ids: list[int] = []
-    history: list[int] = []
+    history: list[torch.Tensor] = []
     history_lengths: list[int] = []
+    num_history = 0
     prompt_lengths: list[int] = []
     penalized: list[int] = []
     carry_at: list[int] = []
     carry_rows: list[int] = []
     restrict = [False] * len(rows)
     for i, c in with_controls:
-        for token, bias in c.biases:
-            bias_rows.append(i)
-            bias_ids.append(token)
-            bias_values.append(bias)
-        ban_rows += [i] * len(c.bans)
-        ban_ids += c.bans
-        if c.allowed is not None:
+        params = c.params
+        for biases in (params.biases, c.biases or ()):
+            for token, bias in biases:
+                bias_rows.append(i)
+                bias_ids.append(token)
+                bias_values.append(bias)
+        for bans in (params.bans, c.bans or ()):
+            ban_rows += [i] * len(bans)
+            ban_ids += bans
+        allowed = params.allowed_token_ids
+        if allowed is not None:
             restrict[i] = True
-            allow_rows += [i] * len(c.allowed)
-            allow_ids += c.allowed
-        if c.history or c.carries:
+            allow_rows += [i] * len(allowed)
+            allow_ids += allowed
+        if c.history is not None:
             penalized.append(i)
-            history += c.history
+            length = c.history_length
+            history.append(torch.frombuffer(c.history[:length], dtype=torch.long))
             if c.carries:
-                carry_at.append(len(history))
+                carry_at.append(num_history + length)
                 carry_rows.append(rows[i].carry_row)
-                history.append(0)  # replaced on the device by the previous step's sample
-            history_lengths.append(len(c.history) + c.carries)
+                history.append(_PLACEHOLDER)  # replaced on the device by the previous step's sample
+            history_lengths.append(length + c.carries)
+            num_history += length + c.carries
             prompt_lengths.append(c.num_prompt_tokens)
     if bias_rows:
         host["c_bias_rows"] = torch.tensor(bias_rows, dtype=long)
@@ -234,15 +255,15 @@ def controls_host_tensors(rows: Sequence[RowSpec]) -> dict[str, torch.Tensor]:
         host["c_allow_ids"] = torch.tensor(allow_ids, dtype=long)
     if penalized:
         lengths = torch.tensor(history_lengths, dtype=long)
-        host["c_history_rows"] = torch.repeat_interleave(torch.tensor(penalized, dtype=long), lengths)
-        host["c_history_ids"] = torch.tensor(history, dtype=long)
-        # position of each entry within its row's history, against the row's prompt length
+        host["c_history_ids"] = torch.cat(history)
         starts = torch.cumsum(lengths, 0) - lengths
-        within = torch.arange(len(history)) - torch.repeat_interleave(starts, lengths)
-        host["c_history_is_output"] = within >= torch.repeat_interleave(torch.tensor(prompt_lengths), lengths)
+        host["c_history_rows"] = _expand(torch.tensor(penalized, dtype=long), starts, num_history)
+        # an entry is an output token when it lies past its row's start plus prompt length
+        prompt_ends = _expand(starts + torch.tensor(prompt_lengths, dtype=long), starts, num_history)
+        host["c_history_is_output"] = torch.arange(num_history) >= prompt_ends
         for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
             host[f"c_{name}"] = torch.tensor(
-                [getattr(r.controls, name) if r.controls is not None else _OFF[name] for r in rows],
+                [getattr(r.controls.params, name) if r.controls is not None else _OFF[name] for r in rows],
                 dtype=torch.float32,
             )
         if carry_at:
@@ -250,6 +271,17 @@ def controls_host_tensors(rows: Sequence[RowSpec]) -> dict[str, torch.Tensor]:
             host["c_history_carry_rows"] = torch.tensor(carry_rows, dtype=long)
     return host
 
+
+def _expand(values: torch.Tensor, starts: torch.Tensor, total: int) -> torch.Tensor:
+    """``values[k]`` repeated over the run ``starts[k] ..`` of a ``[total]`` tensor (runs
+    back to back, none empty): a cumulative sum of the differences placed at the starts,
+    several times cheaper on a CPU than ``repeat_interleave``."""
+    marks = torch.zeros(total, dtype=values.dtype)
+    marks[starts] = torch.diff(values, prepend=values.new_zeros(1))
+    return torch.cumsum(marks, 0)
+
+
+_PLACEHOLDER = torch.zeros(1, dtype=torch.long)
 
 #: The value of each penalty that leaves a row's logits as they are.
 _OFF = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
