@@ -517,7 +517,7 @@ class Manager:
         return ManagerStatistics(
             is_running=self.is_running,
             running_requests=len(scheduler.running),
-            waiting_requests=len(scheduler.waiting),
+            waiting_requests=len(scheduler.waiting) + scheduler.num_held_children,
             free_blocks=kv.num_free_blocks,
             total_blocks=kv.num_total_blocks,
             cache_usage=1.0 - kv.num_free_blocks / kv.num_total_blocks,
