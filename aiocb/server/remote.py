@@ -9,8 +9,9 @@ event per client, above all.
 The two sides speak over a Unix socket, in length-prefixed pickled frames (both ends are
 this package in processes of one user; the socket lives in a private directory):
 
-- worker to engine: ``("add", key, input_ids, max_new_tokens, params)`` queues a request
-  (``add_request_nowait``), ``("cancel", key)`` cancels it;
+- worker to engine: ``("add", keys, input_ids, max_new_tokens, params)`` queues a request
+  (``add_request_nowait``) with ``len(keys)`` samples, one key each; ``("cancel", key)``
+  cancels one;
 - engine to worker: ``("hello", EngineInfo)`` once, then ``("batch", [(key, event), ...])``
   with everything that happened to that worker's requests in one turn of the engine's
   loop (so a step's tokens for all of a worker's streams cost one frame and one write),
@@ -190,8 +191,8 @@ class _WorkerConnection:
     def handle(self, message: tuple[Any, ...]) -> None:
         kind = message[0]
         if kind == "add":
-            _, key, input_ids, max_new_tokens, params = message
-            self._add(key, input_ids, max_new_tokens, params)
+            _, keys, input_ids, max_new_tokens, params = message
+            self._add(keys, input_ids, max_new_tokens, params)
         elif kind == "cancel":
             pump = self._pumps.pop(message[1], None)
             if pump is not None:
@@ -210,15 +211,20 @@ class _WorkerConnection:
         self._pumps.clear()
         self.writer.close()
 
-    def _add(self, key: int, input_ids: list[int], max_new_tokens: int | None, params: dict[str, Any]) -> None:
+    def _add(self, keys: list[int], input_ids: list[int], max_new_tokens: int | None, params: dict[str, Any]) -> None:
         try:
+            if len(keys) > 1:
+                params = {**params, "n": len(keys)}
             request_id = self.manager.add_request_nowait(input_ids, max_new_tokens=max_new_tokens, **params)
-            stream = self.manager.stream(request_id)
+            ids = [request_id, *(f"{request_id}__child#{i}" for i in range(len(keys) - 1))]
+            streams = [self.manager.stream(rid) for rid in ids]
         except Exception as exc:
-            self._queue(key, ("refused", error_to_wire(exc)))
+            for key in keys:
+                self._queue(key, ("refused", error_to_wire(exc)))
             return
-        self._queue(key, ("added",))
-        self._pumps[key] = self._loop.create_task(self._pump(key, stream))
+        for key, stream in zip(keys, streams, strict=True):
+            self._queue(key, ("added",))
+            self._pumps[key] = self._loop.create_task(self._pump(key, stream))
 
     async def _pump(self, key: int, stream: RequestStream) -> None:
         tokens = 0
@@ -392,20 +398,35 @@ class RemoteManager:
         Raises what the engine's ``add_request_nowait`` raised (``WouldBlock`` when its
         admission queue is full, ``InvalidRequestError`` for bad parameters).
         """
+        (stream,) = await self.open_streams(input_ids, max_new_tokens, 1, **params)
+        return stream
+
+    async def open_streams(
+        self, input_ids: Sequence[int], max_new_tokens: int | None, n: int, **params: Any
+    ) -> list[RemoteStream]:
+        """Like :meth:`open_stream` for a request with ``n`` samples (the prompt computed
+        once in the engine): one stream per sample, the request's first."""
         if self._lost is not None:
             raise EngineDeadError(self._lost)
-        key = next(self._keys)
-        state = _StreamState(GenerationOutput(f"remote-{key}", list(input_ids)))
-        state.added = asyncio.get_running_loop().create_future()
-        self._streams[key] = state
+        keys = [next(self._keys) for _ in range(n)]
+        states = [_StreamState(GenerationOutput(f"remote-{key}", list(input_ids))) for key in keys]
+        loop = asyncio.get_running_loop()
+        for key, state in zip(keys, states, strict=True):
+            state.added = loop.create_future()
+            self._streams[key] = state
         self._idle.clear()
-        self._writer.write(encode_frame(("add", key, list(input_ids), max_new_tokens, params)))
+        self._writer.write(encode_frame(("add", keys, list(input_ids), max_new_tokens, params)))
         try:
-            await state.added
+            for state in states:
+                assert state.added is not None
+                await state.added
         except BaseException:
-            self._cancel(key)
+            for key, state in zip(keys, states, strict=True):
+                self._cancel(key)
+                if state.added is not None and state.added.done() and not state.added.cancelled():
+                    state.added.exception()  # the samples share one refusal: retrieved once is enough
             raise
-        return RemoteStream(self, key, state)
+        return [RemoteStream(self, key, state) for key, state in zip(keys, states, strict=True)]
 
     def _cancel(self, key: int) -> None:
         if self._forget(key) and self._lost is None:

@@ -164,10 +164,12 @@ def _by_prompt(specs: Sequence[ChoiceSpec]) -> list[list[ChoiceSpec]]:
 
 async def _submit_remote(manager: RemoteManager, specs: Sequence[ChoiceSpec]) -> list[OutputStream]:
     """The choices queued in the engine process, in one round trip for all of them."""
+    groups = _by_prompt(specs)
     opened = await asyncio.gather(
-        *(manager.open_stream(s.prompt_ids, max(s.max_tokens, 1), **s.params) for s in specs), return_exceptions=True
+        *(manager.open_streams(g[0].prompt_ids, max(g[0].max_tokens, 1), len(g), **g[0].params) for g in groups),
+        return_exceptions=True,
     )
-    streams: list[OutputStream] = [stream for stream in opened if not isinstance(stream, BaseException)]
+    streams: list[OutputStream] = [s for group in opened if not isinstance(group, BaseException) for s in group]
     errors = [error for error in opened if isinstance(error, BaseException)]
     if errors:
         for stream in streams:

@@ -175,7 +175,7 @@ async def test_a_worker_that_stops_reading_is_dropped(
     assert (await read_frame(reader))[0] == "hello"
     (connection,) = service[0]._connections
     for key, prompt in enumerate(PROMPTS):  # then never read again
-        writer.write(encode_frame(("add", key, prompt, 2000, {"eos_token_id": []})))
+        writer.write(encode_frame(("add", [key], prompt, 2000, {"eos_token_id": []})))
     await wait_until_running(manager, len(PROMPTS))
     # What the engine's transport reports once the kernel's buffer is full too.
     transport = connection.writer.transport
@@ -189,3 +189,13 @@ async def test_a_worker_that_stops_reading_is_dropped(
     stats = await wait_until_idle(manager)
     assert stats.free_blocks == stats.total_blocks and stats.running_requests == 0
     writer.close()
+
+
+async def test_remote_samples_fork_in_the_engine(manager: aiocb.Manager, remote: RemoteManager) -> None:
+    """n samples opened from a worker are one request in the engine: the prompt is computed once."""
+    before = manager.statistics().prefix_hit_tokens
+    streams = await remote.open_streams(PROMPTS[0], 4, 3, temperature=1.0, seed=3)
+    outputs = [(await _last(stream))[0] for stream in streams]
+    assert manager.statistics().prefix_hit_tokens - before == 2 * (len(PROMPTS[0]) - 1)
+    local = await manager.generate(PROMPTS[0], n=3, max_new_tokens=4, temperature=1.0, seed=3)
+    assert [o.generated_tokens for o in outputs] == [o.generated_tokens for o in local]
