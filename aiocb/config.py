@@ -81,8 +81,10 @@ class ContinuousBatchingConfig:
         max_queue_size: waiting requests admitted before ``add_request`` waits (0 = no bound).
         max_queued_tokens: (aiocb) waiting prompt tokens before ``add_request`` waits
             (0 = no bound).
-        drop_unsupported_processors: accepted for compatibility; aiocb applies its own
-            per-request sampling and no transformers logits processors.
+        drop_unsupported_processors: a ``GenerationConfig`` field that changes outputs and
+            that aiocb cannot honour (beam search, ``no_repeat_ngram_size``, ``typical_p``,
+            ...) is dropped with one warning naming it; with False it is refused with
+            ``InvalidRequestError`` when the manager is built.
         disable_nccl_graph_mixing: under tensor parallelism (``WORLD_SIZE`` > 1), set
             ``NCCL_GRAPH_MIXING_SUPPORT=0`` (as transformers does).
         block_size: deprecated name of ``page_size``.
