@@ -173,7 +173,8 @@ async def _aiocb_run(manager: aiocb.Manager, prompts: list[list[int]], new: int)
     beat = asyncio.create_task(heartbeat())
     steps = manager._steps
     assert steps is not None
-    first_step = len(steps.step_log)
+    # The step log is a bounded deque: count this run's steps, then take the last ones.
+    first_step = steps.num_steps
     started = time.perf_counter()
     outputs = await manager.generate_batch(prompts, max_new_tokens=new)
     seconds = time.perf_counter() - started
@@ -187,7 +188,7 @@ async def _aiocb_run(manager: aiocb.Manager, prompts: list[list[int]], new: int)
         for o in results
         if len(o.generated_tokens) > 1
     )
-    log_entries = list(steps.step_log)[first_step:]
+    log_entries = list(steps.step_log)[-(steps.num_steps - first_step) :] if steps.num_steps > first_step else []
     # Decode-only steps at full batch: rows == query tokens == number of requests.
     full = [i for i, (_, rows, toks) in enumerate(log_entries) if rows == toks == len(prompts)]
     intervals = [log_entries[i][0] - log_entries[i - 1][0] for i in full if i > 0 and (i - 1) in full]
