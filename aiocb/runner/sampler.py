@@ -1,10 +1,11 @@
-"""Batched per-request sampling: controls, greedy, temperature, top-k, top-p and min-p in one pass.
+"""Batched per-request sampling: controls, greedy, temperature, top-k, top-p and min-p.
 
 Randomness comes from a counter-based hash of ``(request seed, token index, vocab id)``
 rather than a shared generator, so a request's samples depend on its seed alone, not on
-which requests share its batch or in which order, and no host synchronisation is needed.
-A token is drawn with the Gumbel-max trick: ``argmax(logits / T + Gumbel noise)`` over
-the tokens that survive top-k and top-p.
+which requests share its batch or in which order, and no host synchronisation is needed
+on a GPU. A token is drawn with the Gumbel-max trick (:mod:`aiocb.runner.draw`): on a CPU
+from each row's largest logits where they suffice, on a GPU over the whole vocabulary;
+both give the same pick.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from typing import Protocol
 
 import torch
 
-from aiocb.runner.logits_controls import LogitsControls, apply_controls, apply_min_p
+from aiocb.runner.draw import draw, draw_full
+from aiocb.runner.logits_controls import LogitsControls, apply_controls
 
 _MASK32 = 0xFFFFFFFF
 
@@ -128,20 +130,31 @@ def sample(logits: torch.Tensor, params: SamplingTensors) -> Sampled:
     raw = logits
     if params.controls is not None:
         logits = apply_controls(logits, params.controls)
-    greedy_tokens = logits.argmax(dim=-1)
     if params.all_greedy:
-        tokens = greedy_tokens
+        tokens = logits.argmax(dim=-1)
+    elif logits.device.type == "cpu":
+        rows = (params.temperature != 0.0).nonzero()[:, 0]
+        every = rows.numel() == logits.shape[0]
+
+        def take(t: torch.Tensor) -> torch.Tensor:
+            return t if every else t.index_select(0, rows)
+
+        min_p = None if params.min_p is None else take(params.min_p)
+        temperature, seed, offset = take(params.temperature), take(params.seed), take(params.offset)
+        drawn = draw(take(logits), temperature, seed, offset, take(params.top_k), take(params.top_p), min_p)
+        if every:
+            tokens = drawn
+        else:
+            tokens = logits.argmax(dim=-1)
+            tokens[rows] = drawn
     else:
+        # No data-dependent branch here: a device sampler must not wait for the device.
         is_greedy = params.temperature == 0.0
         temperature = torch.where(is_greedy, 1.0, params.temperature)
-        scaled = logits / temperature[:, None]
-        if params.any_top_k or params.any_top_p:
-            scaled = _apply_top_k_top_p(scaled, params.top_k, params.top_p)
-        if params.min_p is not None:
-            scaled = apply_min_p(scaled, params.min_p)
-        noise = _gumbel(params.seed, params.offset, logits.shape[-1])
-        sampled = (scaled + noise).argmax(dim=-1)
-        tokens = torch.where(is_greedy, greedy_tokens, sampled)
+        filtered = params.any_top_k or params.any_top_p
+        top_k, top_p = (params.top_k, params.top_p) if filtered else (None, None)
+        sampled = draw_full(logits / temperature[:, None], params.seed, params.offset, top_k, top_p, params.min_p)
+        tokens = torch.where(is_greedy, logits.argmax(dim=-1), sampled)
     result = Sampled(tokens)
     if params.any_logprobs:
         result.logprobs, result.top_ids, result.top_logprobs = score(raw, tokens, params.max_top_logprobs)
@@ -158,67 +171,3 @@ def score(
         return chosen, None, None
     values, ids = logprobs.topk(min(top, logprobs.shape[-1]), dim=-1)
     return chosen, ids, values
-
-
-def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Set every logit outside a row's top-k, then outside its top-p mass, to -inf."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    vocab = logits.shape[-1]
-    ranks = torch.arange(vocab, device=logits.device)[None, :]
-    k = torch.where(top_k > 0, top_k, vocab)
-    sorted_logits = sorted_logits.masked_fill(ranks >= k[:, None], float("-inf"))
-    probs = sorted_logits.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    # The most likely token always survives, whatever top_p is.
-    drop = (mass_before > top_p[:, None]) & (ranks > 0)
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
-
-
-def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
-    """``(x * constant) mod 2**32`` for 32-bit values in int64 without overflow."""
-    low = x * (constant & 0xFFFF)
-    high = ((x * (constant >> 16)) & 0xFFFF) << 16
-    return (low + high) & _MASK32
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (lowbias32) with good avalanche."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def random_bits(seed: torch.Tensor, offset: torch.Tensor, vocab: int) -> torch.Tensor:
-    """``[S, V]`` 32-bit values (in int64), a pure function of (seed, offset, vocab id)."""
-    row_key = _mix32(_mix32(seed) ^ _mix32((offset + 0x9E3779B9) & _MASK32))
-    second_key = _mix32(row_key ^ 0x5BD1E995)
-    ids = torch.arange(vocab, device=seed.device, dtype=torch.long)[None, :]
-    return _mix32(_mix32(ids ^ row_key[:, None]) ^ second_key[:, None])
-
-
-def bits_to_uniform(bits: torch.Tensor) -> torch.Tensor:
-    """32-bit values to float32 uniforms strictly inside (0, 1): ``(top 23 bits + 0.5) / 2**23``.
-
-    23 bits, not 24: ``2**24 - 1 + 0.5`` has no float32 form and rounds up to ``2**24``,
-    which would make a draw exactly 1.0 and its Gumbel noise infinite (that token would
-    win whatever its probability, a masked one included). With 23 bits every value and
-    the mapping are exact: the extremes are ``2**-24`` and ``1 - 2**-24``.
-    """
-    return ((bits >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
-
-
-def uniform_noise(seed: torch.Tensor, offset: torch.Tensor, vocab: int) -> torch.Tensor:
-    """``[S, V]`` uniform values strictly inside (0, 1), a pure function of (seed, offset, vocab id)."""
-    return bits_to_uniform(random_bits(seed, offset, vocab))
-
-
-def gumbel(uniform: torch.Tensor) -> torch.Tensor:
-    """Gumbel noise ``-log(-log(u))``, finite for every ``u`` of :func:`bits_to_uniform`."""
-    return -torch.log(-torch.log(uniform))
-
-
-def _gumbel(seed: torch.Tensor, offset: torch.Tensor, vocab: int) -> torch.Tensor:
-    return gumbel(uniform_noise(seed, offset, vocab))

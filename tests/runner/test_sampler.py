@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from aiocb.runner.sampler import SamplingTensors, bits_to_uniform, gumbel, sample, uniform_noise
+from aiocb.runner.noise import GUMBEL_BOUND, bits_to_uniform, gumbel, random_bits, random_bits_at, uniform_noise
+from aiocb.runner.sampler import SamplingTensors, sample
 
 
 @dataclass
@@ -127,3 +128,12 @@ def test_no_draw_escapes_top_k_or_top_p_at_a_large_vocabulary() -> None:
     picked = top_ids == tokens[:, None]
     assert bool(picked.any(dim=-1).all()), "every pick within its row's top 50"
     assert bool((picked & allowed).any(dim=-1).all()), "and within its nucleus"
+
+
+def test_noise_at_ids_is_the_rows_noise_there_and_bounded() -> None:
+    seed, offset = torch.tensor([3, 99]), torch.tensor([0, 7])
+    full = random_bits(seed, offset, 500)
+    ids = torch.tensor([[4, 499, 0], [17, 17, 250]])
+    assert torch.equal(random_bits_at(seed, offset, ids), full.gather(1, ids))
+    extreme = gumbel(bits_to_uniform(torch.tensor([0xFFFFFFFF, 0])))
+    assert float(extreme.max()) < GUMBEL_BOUND < float(extreme.max()) + 0.01

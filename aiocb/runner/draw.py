@@ -1,0 +1,117 @@
+"""Drawing a token per row with the Gumbel-max trick, over candidates or over the vocabulary.
+
+A row's token is ``argmax(logits / T + Gumbel noise)`` over the tokens that survive its
+top-k, top-p and min-p (transformers' filters, in that order), with the noise hashed from
+``(seed, offset, vocab id)`` (:mod:`aiocb.runner.noise`). Argmax picks are robust: the
+logits of one request differ in their last bits with the shape of its batch, and a pick
+only changes when two scores tie to those bits.
+
+:func:`draw_full` computes it over the whole vocabulary with one sort: on a GPU, where no
+branch may depend on the data (the host would wait for the device).
+
+:func:`draw` computes the same pick from a row's :data:`CANDIDATES` largest logits (one
+partial ``topk``, noise for those ids only): the tokens a filter keeps are a prefix of
+them by decreasing logit, and a token outside them cannot win when the best candidate's
+score beats the largest logit left out plus the largest noise there is. Rows for which
+neither holds (a flat nucleus, a top-k larger than the candidates) are redone by
+:func:`draw_full`. It looks at the data to decide, so it is the CPU's sampler.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from aiocb.runner.logits_controls import apply_min_p
+from aiocb.runner.noise import GUMBEL_BOUND, gumbel, gumbel_at, uniform_noise
+
+#: How many largest logits a row's draw looks at before falling back to the vocabulary.
+CANDIDATES = 1024
+
+
+def draw_full(
+    scaled: torch.Tensor,
+    seed: torch.Tensor,
+    offset: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None,
+) -> torch.Tensor:
+    """The pick of every row of ``scaled [R, V]`` (logits over temperature); a filter that
+    no row uses may be None."""
+    if top_k is not None or top_p is not None:
+        scaled = apply_top_k_top_p(scaled, top_k, top_p)
+    if min_p is not None:
+        scaled = apply_min_p(scaled, min_p)
+    noise = gumbel(uniform_noise(seed, offset, scaled.shape[-1]))
+    return (scaled + noise).argmax(dim=-1)
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Set every logit outside a row's top-k, then outside its top-p mass, to -inf."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    if top_k is not None:
+        k = torch.where(top_k > 0, top_k, vocab)
+        sorted_logits = sorted_logits.masked_fill(ranks >= k[:, None], float("-inf"))
+    if top_p is not None:
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        # The most likely token always survives, whatever top_p is.
+        drop = (mass_before > top_p[:, None]) & (ranks > 0)
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def draw(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    seed: torch.Tensor,
+    offset: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor | None,
+) -> torch.Tensor:
+    """The pick of every row of ``logits [R, V]`` (float32) at ``temperature`` (``[R]``,
+    positive), as :func:`draw_full` makes it, from the rows' largest logits where they suffice."""
+    vocab = logits.shape[-1]
+    k = torch.where(top_k > 0, top_k, vocab)
+    # As few candidates as the rows' top-k allow (a row without one needs the most).
+    width = min(vocab, CANDIDATES, int(torch.where(top_k > 0, top_k, CANDIDATES).max()))
+    values, ids = logits.topk(width, dim=-1)  # (a row's order over its temperature too)
+    scaled = values / temperature[:, None]
+    ranks = torch.arange(width, device=logits.device)
+    in_k = ranks[None, :] < k[:, None]
+    keep = in_k
+    nucleus = top_p < 1.0
+    if bool(nucleus.any()):
+        # The softmax over the top-k set: over the candidates when the set lies within
+        # them, else over the whole row.
+        normaliser = torch.where(in_k, scaled, float("-inf")).logsumexp(-1, keepdim=True)
+        whole = ((k >= vocab) & nucleus).nonzero()[:, 0]
+        if whole.numel():
+            rows = logits.index_select(0, whole) / temperature.index_select(0, whole)[:, None]
+            normaliser[whole] = rows.logsumexp(-1, keepdim=True)
+        probs = torch.where(in_k, (scaled - normaliser).exp(), 0.0)
+        mass_before = probs.cumsum(-1) - probs
+        keep = keep & ((mass_before <= top_p[:, None]) | (ranks[None, :] == 0))
+    if min_p is not None:
+        # min-p compares probabilities with the row's largest: a difference of logits.
+        keep = keep & ((scaled - scaled[:, :1]) >= torch.log(min_p)[:, None])
+    scores = torch.where(keep, scaled + gumbel_at(seed, offset, ids), float("-inf"))
+    best_score, best = scores.max(dim=-1)
+    tokens = ids.gather(1, best[:, None])[:, 0]
+    if width < vocab:
+        # The kept tokens may go on past the candidates: then the pick stands only if no
+        # token left out (logit at most the last candidate's) can beat it.
+        beyond = keep[:, -1] & (k > width)
+        unbeatable = best_score >= scaled[:, -1] + GUMBEL_BOUND
+        # (a nucleus over a top-k set larger than the candidates needs that set's softmax)
+        redo = (beyond & ~unbeatable) | ((k > width) & (k < vocab) & nucleus)
+        again = redo.nonzero()[:, 0]
+        if again.numel():
+            rows = logits.index_select(0, again) / temperature.index_select(0, again)[:, None]
+            seeds, offsets, ks, ps = (t.index_select(0, again) for t in (seed, offset, top_k, top_p))
+            mp = None if min_p is None else min_p.index_select(0, again)
+            tokens[again] = draw_full(rows, seeds, offsets, ks, ps, mp)
+    return tokens
