@@ -113,5 +113,8 @@ def draw(
             rows = logits.index_select(0, again) / temperature.index_select(0, again)[:, None]
             seeds, offsets, ks, ps = (t.index_select(0, again) for t in (seed, offset, top_k, top_p))
             mp = None if min_p is None else min_p.index_select(0, again)
-            tokens[again] = draw_full(rows, seeds, offsets, ks, ps, mp)
+            if bool(((ks > 0) | (ps < 1.0)).any()):
+                tokens[again] = draw_full(rows, seeds, offsets, ks, ps, mp)
+            else:  # (rows without top-k and top-p need no sort)
+                tokens[again] = draw_full(rows, seeds, offsets, None, None, mp)
     return tokens
