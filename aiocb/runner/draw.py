@@ -98,16 +98,28 @@ def draw(
     if min_p is not None:
         # min-p compares probabilities with the row's largest: a difference of logits.
         keep = keep & ((scaled - scaled[:, :1]) >= torch.log(min_p)[:, None])
-    scores = torch.where(keep, scaled + gumbel_at(seed, offset, ids), float("-inf"))
-    best_score, best = scores.max(dim=-1)
-    tokens = ids.gather(1, best[:, None])[:, 0]
+    tokens = torch.zeros_like(top_k)
+    redo = torch.zeros_like(nucleus)
     if width < vocab:
-        # The kept tokens may go on past the candidates: then the pick stands only if no
-        # token left out (logit at most the last candidate's) can beat it.
+        # A nucleus over a top-k set larger than the candidates needs that set's softmax.
+        redo = (k > width) & (k < vocab) & nucleus
+        # The kept tokens may go on past the candidates: then a pick stands only if no token
+        # left out (logit at most the last candidate's) can beat it. Rows where it almost
+        # surely would not stand (the best score falls about this far short of the bound
+        # less than once in fifty) go to the full draw without the candidates' noise.
         beyond = keep[:, -1] & (k > width)
-        unbeatable = best_score >= scaled[:, -1] + GUMBEL_BOUND
-        # (a nucleus over a top-k set larger than the candidates needs that set's softmax)
-        redo = (beyond & ~unbeatable) | ((k > width) & (k < vocab) & nucleus)
+        expected_best = torch.where(keep, scaled, float("-inf")).logsumexp(-1)
+        redo |= beyond & (expected_best + 4.0 < scaled[:, -1] + GUMBEL_BOUND)
+    tried = (~redo).nonzero()[:, 0]
+    if tried.numel():
+        noise = gumbel_at(seed.index_select(0, tried), offset.index_select(0, tried), ids.index_select(0, tried))
+        kept, candidates = keep.index_select(0, tried), scaled.index_select(0, tried)
+        best_score, best = torch.where(kept, candidates + noise, float("-inf")).max(dim=-1)
+        tokens[tried] = ids.index_select(0, tried).gather(1, best[:, None])[:, 0]
+        if width < vocab:
+            failed = kept[:, -1] & (k.index_select(0, tried) > width) & (best_score < candidates[:, -1] + GUMBEL_BOUND)
+            redo[tried[failed]] = True
+    if width < vocab:
         again = redo.nonzero()[:, 0]
         if again.numel():
             rows = logits.index_select(0, again) / temperature.index_select(0, again)[:, None]

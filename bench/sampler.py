@@ -1,0 +1,77 @@
+"""The sampler alone: the CPU's pick from candidates against the whole-vocabulary pick.
+
+Random logits (normal, times ``--scale``) at two vocabulary sizes, every row sampled with
+top-k 50 + top-p 0.9, with top-p 0.9 alone, and with the temperature alone. The
+whole-vocabulary draw is what a GPU runs; ``sample()`` on a CPU takes the candidates
+where they suffice. Both give the same tokens (checked). Random logits are flatter than a
+language model's, so the rows without top-k mostly fall back to the whole vocabulary.
+
+    python bench/sampler.py [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as `python bench/sampler.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+from aiocb.runner.draw import draw_full
+from aiocb.runner.sampler import SamplingTensors, sample
+
+
+@dataclass
+class _Row:
+    temperature: float = 1.0
+    top_k: int = 50
+    top_p: float = 0.9
+    min_p: float = 0.0
+    seed: int = 0
+    offset: int = 0
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+
+def _full(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+    filtered = params.any_top_k or params.any_top_p
+    top_k, top_p = (params.top_k, params.top_p) if filtered else (None, None)
+    return draw_full(logits / params.temperature[:, None], params.seed, params.offset, top_k, top_p, params.min_p)
+
+
+def _ms(run: Callable[..., object], repeats: int, *args: object) -> float:
+    run(*args)
+    started = time.perf_counter()
+    for _ in range(repeats):
+        run(*args)
+    return (time.perf_counter() - started) / repeats * 1e3
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--scale", type=float, default=3.0)
+    args = parser.parse_args(argv)
+    print("| vocab | rows | filters | whole vocabulary ms | candidates ms | argmax ms |")
+    print("|---:|---:|---|---:|---:|---:|")
+    kinds = {"top-k 50, top-p 0.9": {}, "top-p 0.9": {"top_k": 0}, "temperature only": {"top_k": 0, "top_p": 1.0}}
+    for vocab, rows in ((4096, 256), (151_936, 64)):
+        logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(vocab)) * args.scale
+        for name, fields in kinds.items():
+            params = SamplingTensors.from_rows([_Row(seed=i, **fields) for i in range(rows)], logits.device)  # type: ignore[arg-type]
+            assert torch.equal(_full(logits, params), sample(logits, params).tokens)
+            full = _ms(_full, args.repeats, logits, params)
+            candidates = _ms(sample, args.repeats, logits, params)
+            argmax = _ms(torch.argmax, args.repeats, logits, -1)
+            print(f"| {vocab} | {rows} | {name} | {full:.1f} | {candidates:.1f} | {argmax:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
