@@ -1,7 +1,10 @@
-"""Per-request generation parameters: a transformers ``GenerationConfig`` plus overrides.
+"""A request's parameters resolved: its :class:`~aiocb.SamplingParams`, then the manager's
+``GenerationConfig``, then transformers' defaults, checked against the model and the cache.
 
-Every check of a request's input lives here, so a bad request is refused with an
-:class:`~aiocb.InvalidRequestError` naming the problem before anything is queued.
+The checks that need the model (token ids within the vocabulary, a prompt that fits the
+context and the cache) live here, the others in :class:`~aiocb.SamplingParams`, so a bad
+request is refused with an :class:`~aiocb.InvalidRequestError` naming the problem before
+anything is queued.
 """
 
 from __future__ import annotations
