@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from aiocb.runner.backends import paged_kernel
-from aiocb.runner.inputs import REFERENCE, AttentionMetadata, GroupAttention
+from aiocb.runner.backends import Backend, paged_kernel
+from aiocb.runner.inputs import AttentionMetadata, GroupAttention
 from aiocb.runner.paged_cache import PagedKVCache
 
 #: The name the attention function is registered under.
@@ -61,7 +61,7 @@ def paged_attention_forward(
     softcap = kwargs.get("softcap")
     q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
     group = metadata.groups[metadata.cache.layer_group[layer]]
-    if group.backend == REFERENCE:
+    if group.backend == Backend.REFERENCE:
         out = reference_paged_attention(layer, q, k, v, metadata, scale, softcap)
     else:
         key_cache, value_cache = metadata.cache.flat(layer)

@@ -12,6 +12,7 @@ path off for any sliding layer).
 
 from __future__ import annotations
 
+import enum
 import importlib.util
 import logging
 import os
@@ -20,12 +21,24 @@ from collections.abc import Callable
 import torch
 
 from aiocb.config import ContinuousBatchingConfig
-from aiocb.runner.inputs import REFERENCE
 
 logger = logging.getLogger(__name__)
 
-TRITON = "triton"
-FLASH = "flash"
+
+class Backend(enum.StrEnum):
+    """How a cache group's attention runs; the values are the names logs and ``AIOCB_ATTENTION_BACKEND`` use."""
+
+    #: torch ops gather each request's keys (any device, any layer)
+    REFERENCE = "reference"
+    #: in-place paged kernels, which read the cache through block tables
+    TRITON = "triton"
+    FLASH = "flash"
+
+    def __repr__(self) -> str:
+        # Lists of backends are logged with %s, which shows each item's repr: keep the plain string's.
+        return repr(self.value)
+
+
 #: flash-attn's paged KV needs blocks of a multiple of this many tokens.
 FLASH_PAGE_MULTIPLE = 256
 
@@ -41,7 +54,7 @@ def select_backends(
 ) -> list[str]:
     """The attention backend of each cache group; logs the choice once per distinct result."""
     paged = _paged_backend(device, config, page_size)
-    chosen = [REFERENCE if window is not None else paged for window in windows]
+    chosen = [Backend.REFERENCE if window is not None else paged for window in windows]
     key = (device.type, *chosen)
     if key not in _logged:
         _logged.add(key)
@@ -51,17 +64,17 @@ def select_backends(
 
 def _paged_backend(device: torch.device, config: ContinuousBatchingConfig, page_size: int) -> str:
     if config.max_blocks_per_request == 0:
-        return REFERENCE  # the seed's switch for the in-place (decode fast path) kernels
+        return Backend.REFERENCE  # the seed's switch for the in-place (decode fast path) kernels
     forced = os.environ.get("AIOCB_ATTENTION_BACKEND")
     if forced:
-        return forced
+        return forced  # unchecked, so backends are typed str: an unknown name fails at the first forward
     if device.type != "cuda":
-        return REFERENCE
+        return Backend.REFERENCE
     if config.auto_switch_to_flash and page_size % FLASH_PAGE_MULTIPLE == 0 and _flash_available():
-        return FLASH
+        return Backend.FLASH
     from aiocb.runner import triton_attention
 
-    return TRITON if triton_attention.is_available(device) else REFERENCE
+    return Backend.TRITON if triton_attention.is_available(device) else Backend.REFERENCE
 
 
 def _flash_available() -> bool:
@@ -70,9 +83,9 @@ def _flash_available() -> bool:
 
 def paged_kernel(backend: str) -> PagedKernel:
     """The in-place kernel of a ``triton`` or ``flash`` backend."""
-    if backend == TRITON:
+    if backend == Backend.TRITON:
         return _triton_kernel
-    if backend == FLASH:
+    if backend == Backend.FLASH:
         return _flash_kernel
     raise ValueError(f"no in-place kernel for attention backend {backend!r}")
 

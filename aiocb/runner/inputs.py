@@ -20,14 +20,10 @@ from aiocb.core.kv_cache import ring_size
 from aiocb.core.params import ResolvedParams
 from aiocb.core.request import Request
 from aiocb.core.scheduler import SchedulerOutput, wants_prompt_logprobs
+from aiocb.runner.backends import Backend
 from aiocb.runner.logits_controls import matched_sequence_bias
 from aiocb.runner.paged_cache import PagedKVCache
 from aiocb.runner.sampler import SamplingTensors
-
-#: Attention backends. "reference" gathers each request's keys with torch ops (any
-#: device, any layer); "paged" kernels read the cache in place through block tables.
-REFERENCE = "reference"
-PAGED = "paged"
 
 
 @dataclass(slots=True)
@@ -483,7 +479,7 @@ def prepare_inputs(
             slots = torch.where(written, slots, cache.trash_block(g) * page)
         host[f"slots{g}"] = slots
         host[f"table{g}"] = table
-        if backends[g] != REFERENCE:
+        if backends[g] != Backend.REFERENCE:
             continue
         if decode:
             pos = starts[decode_index]
@@ -531,7 +527,7 @@ def prepare_inputs(
             slot_mapping=dev[f"slots{g}"],
             block_table=dev[f"table{g}"].to(torch.int32),
         )
-        if backends[g] == REFERENCE:
+        if backends[g] == Backend.REFERENCE:
             group.decode_chunks = [
                 DecodeChunk(dev.get(f"drows{g}_{c}"), dev[f"dslots{g}_{c}"], dev.get(f"dvalid{g}_{c}"), width)
                 for c, width in enumerate(chunk_widths[g])

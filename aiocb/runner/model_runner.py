@@ -18,10 +18,10 @@ from transformers import PreTrainedModel
 from aiocb.config import DEFAULT_MAX_BLOCKS_PER_REQUEST, ContinuousBatchingConfig
 from aiocb.core.scheduler import StepResult
 from aiocb.runner import attention
-from aiocb.runner.backends import select_backends
+from aiocb.runner.backends import Backend, select_backends
 from aiocb.runner.compile import compile_configs, compiled
 from aiocb.runner.cuda_graphs import DecodeGraphs
-from aiocb.runner.inputs import REFERENCE, AttentionMetadata, HostToDevice, StepBatch, StepInputs, prepare_inputs
+from aiocb.runner.inputs import AttentionMetadata, HostToDevice, StepBatch, StepInputs, prepare_inputs
 from aiocb.runner.memory import CachePlan, plan_cache
 from aiocb.runner.model_spec import ModelSpec, model_spec
 from aiocb.runner.paged_cache import PagedKVCache
@@ -175,7 +175,7 @@ class ModelRunner:
             varlen, wanted = wanted
             if varlen:
                 logger.info("mixed and prefill steps run without CUDA graphs (decode steps use them)")
-        paged = all(b != REFERENCE for b in self.backends)
+        paged = all(b != Backend.REFERENCE for b in self.backends)
         if wanted is None:
             wanted = self.device.type == "cuda" and paged
         if not wanted:

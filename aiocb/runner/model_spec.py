@@ -8,6 +8,7 @@ import torch
 from transformers import PreTrainedModel
 
 from aiocb.core.kv_cache import CacheGroup
+from aiocb.runner.tp_layout import shard_heads
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,8 +63,6 @@ def model_spec(model: PreTrainedModel) -> ModelSpec:
     num_heads = int(config.num_attention_heads)
     num_kv_heads = int(getattr(config, "num_key_value_heads", None) or num_heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // num_heads)
-    from aiocb.runner.distributed import shard_heads  # it imports this module
-
     tp_size, num_heads, num_kv_heads = shard_heads(model, num_heads, num_kv_heads)
     param = next(model.parameters())
     return ModelSpec(

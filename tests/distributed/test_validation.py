@@ -11,8 +11,9 @@ from transformers import PreTrainedModel
 
 import aiocb
 import aiocb.distributed
-from aiocb.runner.distributed import _minimum_plan, shard_heads
 from aiocb.runner.memory import CachePlan
+from aiocb.runner.tp_channel import _minimum_plan
+from aiocb.runner.tp_layout import shard_heads
 from tests.conftest import tiny_llama
 
 

@@ -11,10 +11,10 @@ from transformers import PreTrainedModel
 
 import aiocb
 from aiocb.runner import attention
-from aiocb.runner.backends import TRITON, select_backends
+from aiocb.runner.backends import Backend, select_backends
 from aiocb.runner.compile import compile_configs
 from aiocb.runner.cuda_graphs import DecodeGraphs, batch_buckets
-from aiocb.runner.inputs import REFERENCE, AttentionMetadata, HostToDevice, StepBatch, prepare_inputs, snapshot
+from aiocb.runner.inputs import AttentionMetadata, HostToDevice, StepBatch, prepare_inputs, snapshot
 from aiocb.runner.model_runner import ModelRunner, _forward
 from tests.conftest import random_prompts, reference_generate, tiny_qwen3
 
@@ -25,7 +25,7 @@ def test_triton_backend_matches_generate_through_the_whole_model(
     qwen3: PreTrainedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pytest.importorskip("triton")
-    monkeypatch.setenv("AIOCB_ATTENTION_BACKEND", TRITON)
+    monkeypatch.setenv("AIOCB_ATTENTION_BACKEND", Backend.TRITON)
     config = aiocb.ContinuousBatchingConfig(page_size=16, max_batch_tokens=48)
     outputs = aiocb.generate_batch(qwen3, PROMPTS, max_new_tokens=6, continuous_batching_config=config)
     assert [o.generated_tokens for o in outputs.values()] == [reference_generate(qwen3, p, 6) for p in PROMPTS]
@@ -33,13 +33,13 @@ def test_triton_backend_matches_generate_through_the_whole_model(
 
 def test_backend_selection() -> None:
     cpu, default = torch.device("cpu"), aiocb.ContinuousBatchingConfig()
-    assert select_backends(cpu, default, [None], 256) == [REFERENCE]
+    assert select_backends(cpu, default, [None], 256) == [Backend.REFERENCE]
     cuda = torch.device("cuda")
     off = aiocb.ContinuousBatchingConfig(max_blocks_per_request=0)
-    assert select_backends(cuda, off, [None, 64], 256) == [REFERENCE, REFERENCE]
+    assert select_backends(cuda, off, [None, 64], 256) == [Backend.REFERENCE, Backend.REFERENCE]
     chosen = select_backends(cuda, aiocb.ContinuousBatchingConfig(auto_switch_to_flash=False), [None, 64], 256)
     # Sliding-window groups always use the reference backend.
-    assert chosen[1] == REFERENCE
+    assert chosen[1] == Backend.REFERENCE
 
 
 def test_batch_buckets_bound_padding_waste() -> None:
@@ -92,7 +92,7 @@ class _CpuDecodeGraphs(DecodeGraphs):
 
 def test_padded_decode_replay_equals_the_unpadded_step(monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("triton")
-    monkeypatch.setenv("AIOCB_ATTENTION_BACKEND", TRITON)
+    monkeypatch.setenv("AIOCB_ATTENTION_BACKEND", Backend.TRITON)
     model = tiny_qwen3()
     runner = ModelRunner(model, aiocb.ContinuousBatchingConfig(page_size=16, num_blocks=64))
     for tensor in (*runner.cache.key, *runner.cache.value):

@@ -1,0 +1,308 @@
+"""Tensor parallelism on rank 0: the runner whose every step also goes to the follower ranks.
+
+On rank 0 one daemon thread sends every message and runs every forward pass, in order,
+so a step is never started that the followers did not receive (a gloo send completes
+only once the receiver has it). ``cpu_group_timeout`` bounds each collective of the CPU
+group, and rank 0 waits at most that long for any step, so a dead or hung rank fails
+the others with :class:`~aiocb.DistributedError` instead of a hang; rank 0 sends a
+heartbeat after a quarter of it without traffic, so an idle server does not time out.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeoutError
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+from transformers import PreTrainedModel
+
+from aiocb.config import ContinuousBatchingConfig
+from aiocb.core.scheduler import StepResult
+from aiocb.errors import DistributedError, InvalidRequestError
+from aiocb.runner.inputs import StepBatch
+from aiocb.runner.memory import CachePlan
+from aiocb.runner.model_runner import ModelRunner, PendingStep
+from aiocb.runner.tp_channel import ControlChannel, Event, control_channel, is_comm_failure, own_plan
+from aiocb.runner.tp_layout import TensorParallelLayout, tensor_parallel_layout
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Longest wait for the followers to take the shutdown message at interpreter exit.
+_EXIT_TIMEOUT = 10.0
+
+
+def _followers(layout: TensorParallelLayout) -> str:
+    """The follower ranks, for messages: gloo does not say which peer failed."""
+    if len(layout.followers) == 1:
+        return f"rank {layout.followers[0]}"
+    return "one of ranks " + ", ".join(str(rank) for rank in layout.followers)
+
+
+class Driver:
+    """Rank 0's end of the control channel: one thread sends every message and runs every
+    forward pass, in order, and sends heartbeats when there is nothing else to send."""
+
+    def __init__(self, channel: ControlChannel) -> None:
+        self.channel = channel
+        #: events for the followers, carried by the next message (appended from any thread)
+        self.events: deque[Event] = deque()
+        #: why the group is unusable (a rank failed, or a step failed half-way); None while healthy
+        self.failure: DistributedError | None = None
+        self.closed = False
+        #: the runner whose cache the followers hold (only the driver thread changes it)
+        self.current: ModelRunner | None = None
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._work, name="aiocb-tp-driver", daemon=True)
+        self._thread.start()
+
+    @property
+    def usable(self) -> bool:
+        """Whether messages can still be sent."""
+        return self.failure is None and not self.closed
+
+    def call(self, what: str, job: Callable[[], T]) -> T:
+        """Run ``job`` on the driver thread and wait at most ``cpu_group_timeout`` for it."""
+        if self.failure is not None:
+            raise self.failure
+        if self.closed:
+            raise DistributedError(
+                "aiocb.distributed.shutdown() released the follower ranks; they must call run_follower() again"
+            )
+        future: Future[T] = Future()
+        self._jobs.put((job, future))
+        timeout = self.channel.timeout
+        try:
+            return future.result(timeout=timeout)
+        except FutureTimeoutError:
+            self._fail(
+                DistributedError(
+                    f"tensor-parallel {_followers(self.channel.layout)} stopped responding (hung or died): {what} "
+                    f"did not complete within cpu_group_timeout={timeout} s; restart every rank"
+                )
+            )
+            assert self.failure is not None
+            raise self.failure from None
+
+    def send(self, kind: str, *payload: Any) -> None:
+        """Broadcast one message with the pending events (driver thread only)."""
+        events: list[Event] = []
+        while self.events:
+            events.append(self.events.popleft())
+        try:
+            self.channel.broadcast((kind, *payload, events))
+        except Exception as exc:
+            raise DistributedError(
+                f"tensor-parallel {_followers(self.channel.layout)} stopped responding (died or hung): rank 0 "
+                f"could not send it {kind!r} ({exc})"
+            ) from exc
+
+    def close(self, timeout: float | None = None) -> None:
+        """Send ``shutdown`` (if the group is healthy) and end the driver thread."""
+        if self.closed:
+            return
+        if not dist.is_initialized():
+            logger.warning(
+                "the process group was destroyed before aiocb.distributed.shutdown(): the follower ranks "
+                "fail instead of returning"
+            )
+        elif self.failure is None:
+            future: Future[None] = Future()
+            self._jobs.put((lambda: self.send("shutdown"), future))
+            try:
+                future.result(timeout=timeout if timeout is not None else self.channel.timeout)
+            except (FutureTimeoutError, DistributedError) as exc:
+                logger.warning("could not release the follower ranks: %s", exc)
+        self.closed = True
+        self._jobs.put(None)
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.failure is None:
+            if isinstance(exc, DistributedError):
+                self.failure = exc
+            else:
+                self.failure = DistributedError(
+                    f"a step failed on rank 0 after the other tensor-parallel ranks started it ({exc!r}); "
+                    "the ranks are out of step: restart every rank"
+                )
+                self.failure.__cause__ = exc
+
+    def _work(self) -> None:
+        while True:
+            try:
+                item = self._jobs.get(timeout=self.channel.heartbeat_interval)
+            except queue.Empty:
+                if not dist.is_initialized():
+                    self.closed = True  # destroy_process_group() ran: nothing left to talk over
+                    return
+                if self.usable:
+                    try:
+                        self.send("heartbeat")
+                    except DistributedError as exc:
+                        logger.error("%s", exc)
+                        self._fail(exc)
+                continue
+            if item is None:
+                return
+            job, future = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = job()
+            except BaseException as exc:
+                self._fail(exc)
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+
+
+_DRIVERS: dict[tuple[int, tuple[int, ...]], Driver] = {}
+
+
+def driver_for(layout: TensorParallelLayout, timeout: float | None) -> Driver:
+    """This process's driver for ``layout``: reused across managers until :func:`shutdown`."""
+    key = (id(dist.group.WORLD), layout.ranks)
+    driver = _DRIVERS.get(key)
+    if driver is None or driver.closed:
+        driver = _DRIVERS[key] = Driver(control_channel(layout, timeout))
+    return driver
+
+
+def shutdown(timeout: float | None = None) -> None:
+    """Rank 0: release the follower ranks (their :func:`~aiocb.runner.tp_follower.follow` returns); no-op elsewhere."""
+    for driver in list(_DRIVERS.values()):
+        driver.close(timeout)
+
+
+@atexit.register
+def _release_followers_at_exit() -> None:
+    shutdown(_EXIT_TIMEOUT)
+
+
+class DriverRunner(ModelRunner):
+    """The model runner of rank 0 under tensor parallelism: each step goes to every rank."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        config: ContinuousBatchingConfig,
+        layout: TensorParallelLayout,
+        *,
+        num_requests_hint: int | None = None,
+        keep_cache: bool = False,
+    ) -> None:
+        driver = driver_for(layout, config.cpu_group_timeout)
+        own = own_plan(model, config, num_requests_hint)
+
+        def start() -> CachePlan | str:
+            driver.send("init", config, num_requests_hint, keep_cache, None)
+            driver.channel.set_timeout(config.cpu_group_timeout)
+            agreed = driver.channel.agree_on_plan(own)
+            driver.current = None if isinstance(agreed, str) else self
+            return agreed
+
+        plan = driver.call("agreeing on the cache size", start)
+        if isinstance(plan, str):
+            raise MemoryError(plan)
+        self._driver = driver
+        self._num_requests_hint = num_requests_hint
+        self._keep_cache = keep_cache
+        self.layout = layout
+        super().__init__(model, config, num_requests_hint=num_requests_hint, plan=plan)
+        logger.info("tensor parallelism over ranks %s: rank 0 drives, the others follow", list(layout.ranks))
+        mixing = os.environ.get("NCCL_GRAPH_MIXING_SUPPORT")
+        if self.device.type == "cuda" and config.disable_nccl_graph_mixing and mixing != "0":
+            logger.warning(
+                "NCCL_GRAPH_MIXING_SUPPORT is not 0: build the ContinuousBatchingConfig before "
+                "init_process_group() / from_pretrained(), or set it in the launch environment"
+            )
+
+    def attach(self) -> None:
+        """Start a session on every rank."""
+
+        def attach() -> None:
+            if self._driver.current is not self:  # another manager's cache replaced this one's
+                self._driver.send("init", self.config, self._num_requests_hint, self._keep_cache, self.plan)
+                self._driver.channel.set_timeout(self.config.cpu_group_timeout)
+                self._driver.current = self
+            self._driver.send("attach")
+            ModelRunner.attach(self)
+
+        self._driver.call("starting a session", attach)
+
+    def detach(self) -> None:
+        """End the session on every rank (only here when the group has failed)."""
+        if self._driver.usable:
+
+            def detach() -> None:
+                self._driver.send("detach")
+                if not self._keep_cache:
+                    self._driver.current = None  # the followers drop their cache too
+                ModelRunner.detach(self)
+
+            try:
+                self._driver.call("ending a session", detach)
+                return
+            except DistributedError as exc:
+                logger.warning("%s", exc)
+        ModelRunner.detach(self)
+
+    def notify(self, *event: object) -> None:
+        """Queue a control event for the followers (thread-safe)."""
+        self._driver.events.append(event)
+
+    def execute(self, batch: StepBatch) -> StepResult:
+        """Run one step on every rank and wait for its results."""
+        return self._driver.call(
+            "a step", lambda: self._step(batch, lambda: ModelRunner.collect(self, ModelRunner.launch(self, batch)))
+        )
+
+    def launch(self, batch: StepBatch) -> PendingStep:
+        """Async batching: launch ``batch`` on every rank (followers collect the step before
+        it when they launch it; rank 0 collects separately)."""
+        return self._driver.call("a step", lambda: self._step(batch, lambda: ModelRunner.launch(self, batch)))
+
+    def _step(self, batch: StepBatch | None, run: Callable[[], T]) -> T:
+        if batch is not None:
+            self._driver.send("step", batch)
+        try:
+            return run()
+        except Exception as exc:
+            if is_comm_failure(exc):
+                raise DistributedError(
+                    f"tensor-parallel {_followers(self.layout)} stopped responding (died or hung) during a forward "
+                    f"pass ({exc})"
+                ) from exc
+            raise
+
+
+def build_runner(
+    model: PreTrainedModel,
+    config: ContinuousBatchingConfig,
+    *,
+    num_requests_hint: int | None = None,
+    keep_cache: bool = False,
+) -> ModelRunner:
+    """The runner for ``model``: a plain one, or rank 0's :class:`DriverRunner` under tensor parallelism.
+
+    ``keep_cache`` tells the followers to keep their cache between sessions, as a
+    persistent manager keeps its own.
+    """
+    layout = tensor_parallel_layout(model)
+    if layout is None:
+        return ModelRunner(model, config, num_requests_hint=num_requests_hint)
+    if not layout.is_driver:
+        raise InvalidRequestError(
+            f"this process is tensor-parallel rank {layout.rank} of {layout.size}: only rank 0 runs an "
+            "aiocb.Manager; call aiocb.distributed.run_follower(model) here instead"
+        )
+    return DriverRunner(model, config, layout, num_requests_hint=num_requests_hint, keep_cache=keep_cache)

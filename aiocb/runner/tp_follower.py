@@ -1,0 +1,199 @@
+"""Tensor parallelism on the other ranks: replay the steps rank 0 broadcasts, on this rank's shard."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers import PreTrainedModel
+
+from aiocb.config import ContinuousBatchingConfig
+from aiocb.errors import DistributedError, InvalidRequestError
+from aiocb.runner.inputs import StepBatch
+from aiocb.runner.memory import CachePlan
+from aiocb.runner.model_runner import ModelRunner, PendingStep
+from aiocb.runner.tp_channel import ControlChannel, Event, control_channel, is_comm_failure, own_plan
+from aiocb.runner.tp_layout import tensor_parallel_layout
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class FollowerReport:
+    """What a follower rank received from rank 0, returned by :func:`follow`."""
+
+    steps: int
+    heartbeats: int
+    #: runners (caches) built, and manager sessions started
+    inits: int
+    sessions: int
+    #: ``stop()`` and ``stop(hard_stop=True)`` calls on rank 0
+    stops: int
+    hard_stops: int
+    #: ``(request id, finish reason)`` of each request cancelled or aborted on rank 0
+    cancelled: tuple[tuple[str, str], ...]
+    #: the cache plan of the last runner
+    plan: CachePlan | None
+
+
+@dataclass(slots=True)
+class _Counters:
+    steps: int = 0
+    heartbeats: int = 0
+    inits: int = 0
+    sessions: int = 0
+    stops: int = 0
+    hard_stops: int = 0
+    cancelled: list[tuple[str, str]] = field(default_factory=list)
+    plan: CachePlan | None = None
+
+    def record(self, events: list[Event]) -> None:
+        for event in events:
+            if event[0] == "cancel":
+                self.cancelled.append((str(event[1]), str(event[2])))
+                logger.debug("rank 0 cancelled request %s (%s)", event[1], event[2])
+            elif event[0] == "stop":
+                if event[1]:
+                    self.hard_stops += 1
+                else:
+                    self.stops += 1
+                logger.info("rank 0 stopped its manager%s", " (hard stop)" if event[1] else "")
+
+    def report(self) -> FollowerReport:
+        return FollowerReport(
+            self.steps,
+            self.heartbeats,
+            self.inits,
+            self.sessions,
+            self.stops,
+            self.hard_stops,
+            tuple(self.cancelled),
+            self.plan,
+        )
+
+
+def follow(model: PreTrainedModel, config: ContinuousBatchingConfig | None = None) -> FollowerReport:
+    """Run the steps tensor-parallel rank 0 broadcasts until it sends ``shutdown``.
+
+    ``config`` gives only the ``cpu_group_timeout`` to use until rank 0's first manager
+    starts; from then on every setting comes from rank 0's configuration.
+    """
+    layout = tensor_parallel_layout(model)
+    if layout is None:
+        raise InvalidRequestError("run_follower() needs a model loaded with tensor parallelism (tp_size > 1)")
+    if layout.is_driver:
+        raise InvalidRequestError(
+            "this process is tensor-parallel rank 0: it runs the aiocb.Manager, not run_follower()"
+        )
+    channel = control_channel(layout, (config or ContinuousBatchingConfig()).cpu_group_timeout)
+    logger.info("tensor-parallel rank %d of %d follows rank 0", layout.rank, layout.size)
+    return _Follower(model, channel).run()
+
+
+class _Follower:
+    """A follower rank's state: a runner (or none) and the step it has yet to collect."""
+
+    def __init__(self, model: PreTrainedModel, channel: ControlChannel) -> None:
+        self.model = model
+        self.channel = channel
+        self.layout = channel.layout
+        self.counters = _Counters()
+        self.runner: ModelRunner | None = None
+        self.keep_cache = False
+        #: the last step launched: collected after the next one is launched, as rank 0 does
+        self.previous: PendingStep | None = None
+
+    def run(self) -> FollowerReport:
+        try:
+            while True:
+                kind, *payload, events = _receive(self.channel)
+                self.counters.record(events)
+                if kind != "step":
+                    self._collect()
+                if kind == "shutdown":
+                    logger.info("rank 0 released tensor-parallel rank %d", self.layout.rank)
+                    return self.counters.report()
+                handler = getattr(self, f"_on_{kind}", None)
+                if handler is None:
+                    raise DistributedError(f"unknown control message {kind!r} from rank 0")
+                handler(*payload)
+        finally:
+            self.previous = None  # after a failure there is nothing worth collecting
+            if self.runner is not None:
+                self.runner.detach()
+
+    def _on_init(
+        self, config: ContinuousBatchingConfig, hint: int | None, keep_cache: bool, plan: CachePlan | None
+    ) -> None:
+        self._drop()  # free the old cache before sizing the new one
+        self.keep_cache = keep_cache
+        self.channel.set_timeout(config.cpu_group_timeout)
+        agreed = plan if plan is not None else self.channel.agree_on_plan(own_plan(self.model, config, hint))
+        if isinstance(agreed, str):
+            logger.error("no cache this time: %s", agreed)
+            return
+        self.runner = ModelRunner(self.model, config, num_requests_hint=hint, plan=agreed)
+        self.counters.inits += 1
+        self.counters.plan = agreed
+
+    def _on_attach(self) -> None:
+        self._runner().attach()
+        self.counters.sessions += 1
+
+    def _on_detach(self) -> None:
+        if self.runner is not None:
+            self.runner.detach()
+            if not self.keep_cache:
+                self.runner = None
+
+    def _on_heartbeat(self) -> None:
+        self.counters.heartbeats += 1
+
+    def _on_step(self, batch: StepBatch) -> None:
+        runner = self._runner()
+        try:
+            pending = runner.launch(batch)
+            self._collect()  # rank 0's order: launch N + 1, then collect N
+        except Exception as exc:
+            if is_comm_failure(exc):
+                peers = "rank 0 (the driver)" if self.layout.size == 2 else "rank 0 or another follower"
+                raise DistributedError(
+                    f"a forward pass failed on tensor-parallel rank {self.layout.rank}: {peers} died or "
+                    f"stopped responding ({exc})"
+                ) from exc
+            raise
+        self.previous = pending
+        self.counters.steps += 1
+
+    def _runner(self) -> ModelRunner:
+        if self.runner is None:
+            raise DistributedError("rank 0 sent work before the cache was built: the ranks are out of step")
+        return self.runner
+
+    def _collect(self) -> None:
+        if self.previous is not None and self.runner is not None:
+            self.runner.collect(self.previous)
+        self.previous = None
+
+    def _drop(self) -> None:
+        self._collect()
+        if self.runner is not None:
+            self.runner.detach()
+            self.runner = None
+
+
+def _receive(channel: ControlChannel) -> Any:
+    try:
+        return channel.broadcast()
+    except Exception as exc:
+        timeout = channel.timeout
+        if "timed out" in str(exc).lower():
+            raise DistributedError(
+                f"rank 0 (the driver, global rank {channel.layout.ranks[0]}) sent nothing for "
+                f"cpu_group_timeout={timeout} s, not even a heartbeat: it hung or died"
+            ) from exc
+        raise DistributedError(
+            f"rank 0 (the driver, global rank {channel.layout.ranks[0]}) stopped responding: it died or "
+            f"closed its process group without aiocb.distributed.shutdown() ({exc})"
+        ) from exc
