@@ -138,6 +138,8 @@ class Scheduler:
         self._heap: list[tuple[int, int, Request]] = []
         #: parents still computing their prompt, and the children that will fork from them
         self._forks: dict[Request, list[Request]] = {}
+        #: each held child's parent
+        self._held: dict[Request, Request] = {}
 
     @property
     def has_work(self) -> bool:
@@ -157,6 +159,7 @@ class Scheduler:
         self._enqueue(request)
         if children and request.num_prompt_tokens > 1 and not request.params.prompt_logprobs:
             self._forks[request] = list(children)
+            self._held.update((child, request) for child in children)
         else:  # nothing to share (a sample scoring its prompt computes every position itself)
             for child in children:
                 self._enqueue(child)
@@ -164,7 +167,7 @@ class Scheduler:
     @property
     def num_held_children(self) -> int:
         """Samples waiting for their parent to compute the prompt."""
-        return sum(len(children) for children in self._forks.values())
+        return len(self._held)
 
     def finish(
         self,
@@ -182,9 +185,12 @@ class Scheduler:
         self._order.pop(request, None)
         if request in self.waiting:
             self._dequeue(request)
+        parent = self._held.pop(request, None)
+        if parent is not None:  # a held sample: it no longer waits for the fork
+            self._forks[parent].remove(request)
         for child in self._forks.pop(request, ()):
-            if not child.is_finished:
-                self._enqueue(child)  # the parent will not compute the prompt: they do
+            del self._held[child]
+            self._enqueue(child)  # the parent will not compute the prompt: they do
         self.kv_cache.free(request)
         self.kv_cache.drop_host_copy(request)
         if request.text is not None:
@@ -357,8 +363,7 @@ class Scheduler:
                 continue
             assert parent.num_computed_tokens == parent.num_prompt_tokens - 1
             for child in self._forks.pop(parent):
-                if child.is_finished:
-                    continue
+                del self._held[child]
                 copies = self.kv_cache.fork(parent, child)
                 if copies is None:
                     self._enqueue(child)  # no room for its copy: it computes its prompt itself
