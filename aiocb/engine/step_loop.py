@@ -134,6 +134,11 @@ class StepLoop:
                     self.step_log.append((now, len(done.scheduled), done.num_tokens))
                     finished = self.scheduler.update(done, result, now)
                     self._on_step([item.request for item in done.scheduled if item.sample], finished)
+                    # The loop is the user's too: a large batch's bookkeeping (this update and
+                    # delivery, then the next plan and its snapshot) is given back to it in
+                    # two halves. Only here: between a plan and its snapshot, a request
+                    # ended by another coroutine would leave the plan pointing at freed blocks.
+                    await asyncio.sleep(0)
         finally:
             if in_flight is not None:  # (the loop failed with a step in flight)
                 future = in_flight[1]
