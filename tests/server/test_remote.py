@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -149,8 +150,21 @@ async def test_the_app_over_a_remote_engine_answers_as_over_the_manager(
             # refused in the engine (beyond the context): a 400 naming the problem, as in one process
             refused = await http.post("/v1/completions", json={**body, "max_tokens": 100_000})
             answers[-1].append((refused.status_code, refused.json()["error"]["message"]))
-    assert answers[0] == answers[1]
+    # The same tokens and text; logprobs equal but for float rounding: a request's logits
+    # differ in their last bits with the shape of the batch it ran in, which timing decides.
+    assert _close(answers[0], answers[1]), (answers[0], answers[1])
     assert answers[1][-1][0] == 400 and "context length" in answers[1][-1][1]
+
+
+def _close(a: Any, b: Any) -> bool:
+    """Equal through dicts, lists and tuples, floats within 1e-4."""
+    if isinstance(a, float) and isinstance(b, float):
+        return math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-4)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
 
 
 def _choices(response: httpx.Response) -> dict[int, Any]:
