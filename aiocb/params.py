@@ -18,10 +18,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from aiocb.core.params import SequenceBias
 from aiocb.errors import InvalidRequestError
-
-#: A sequence of token ids and the bias added to its last token (transformers' ``sequence_bias``).
-SequenceBias = tuple[tuple[int, ...], float]
 
 
 def _doc(text: str, default: str = "") -> dict[str, str]:

@@ -279,7 +279,7 @@ def resolve_params(
         frequency_penalty=pick("frequency_penalty", 0.0),
         biases=tuple(biases),
         sequence_biases=tuple(sequences),
-        bad_sequences=tuple(dict.fromkeys(bad_sequences)),
+        bad_sequences=tuple((word, 0.0) for word in dict.fromkeys(bad_sequences)),
         bans=tuple(dict.fromkeys(bans)),
         begin_bans=tuple(_checked_ids("begin_suppress_tokens", defaults.begin_suppress_tokens, vocab)),
         allowed_token_ids=allowed,

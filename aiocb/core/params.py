@@ -40,8 +40,9 @@ class ResolvedParams:
     biases: tuple[tuple[int, float], ...] = ()
     #: multi-token sequences whose last token is biased when the history ends with the others
     sequence_biases: tuple[SequenceBias, ...] = ()
-    #: multi-token bad words: their last token is banned when the history ends with the others
-    bad_sequences: tuple[tuple[int, ...], ...] = ()
+    #: multi-token bad words, each with a bias of 0 (the matcher's form): their last token is
+    #: banned when the history ends with the others
+    bad_sequences: tuple[SequenceBias, ...] = ()
     #: tokens never generated (one-token bad words, the GenerationConfig's suppress_tokens)
     bans: tuple[int, ...] = ()
     #: tokens not generated first (the GenerationConfig's begin_suppress_tokens)

@@ -153,7 +153,7 @@ def row_controls(request: Request, offset: int, carries: bool) -> RowControls:
         # (the scheduler plans no step for such a request while its last token is in flight)
         known = request.token_ids
         biases = matched_sequence_bias(known, params.sequence_biases)
-        bans = [token for token, _ in matched_sequence_bias(known, [(w, 0.0) for w in params.bad_sequences])]
+        bans = [token for token, _ in matched_sequence_bias(known, params.bad_sequences)]
     if offset < params.min_tokens:
         bans = [*(bans or ()), *params.stop_token_ids]
     if offset == 0 and params.begin_bans:
