@@ -2,10 +2,12 @@
 
     AIOCB_COMMIT=$(git rev-parse --short HEAD) python bench/gpu_check.py
 
-1. ``pytest -m gpu`` (the Triton kernel on CUDA, bf16 parity with ``model.generate``,
+1. ``pytest -m gpu`` (the Triton kernels on CUDA, bf16 parity with ``model.generate``,
    CUDA-graph replay against eager, async batching against synchronous steps).
 2. The device's memory bandwidth (a large device-to-device copy).
-3. A random-weight bf16 model with Qwen3-0.6B's shape on two workloads, EOS disabled:
+3. The Triton sampler against ``draw_full`` at 1,024 rows x 151,936 tokens: times, and
+   how many picks differ.
+4. A random-weight bf16 model with Qwen3-0.6B's shape on two workloads, EOS disabled:
    (a) 256 requests, 512-token prompts, 256 new tokens; (b) 1,024 requests, 128-token
    prompts, 128 new tokens; through aiocb, static ``model.generate`` and transformers'
    ``generate_batch`` (in a subprocess with a time limit). For aiocb: output tokens/s,
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
+import functools
 import inspect
 import json
 import os
@@ -30,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -103,7 +107,7 @@ def run_tests(out: Path | None, dry: bool) -> dict[str, Any]:
     """pytest -m gpu in a subprocess (own config: the project's needs pytest-asyncio)."""
     env = dict(os.environ, AIOCB_GPU_TESTS="1", PYTHONPATH=str(REPO))
     command = [sys.executable, "-m", "pytest", "-c", str(REPO / "bench" / "gpu_pytest.ini"), "-m", "gpu", "-q"]
-    command += ["-rA", "tests/gpu", "tests/runner/test_triton_attention.py"]
+    command += ["-rA", "tests/gpu", "tests/runner/test_triton_attention.py", "tests/runner/test_triton_sampler.py"]
     started = time.perf_counter()
     try:
         done = subprocess.run(
@@ -139,6 +143,116 @@ def measure_bandwidth() -> float:
     del source, target
     torch.cuda.empty_cache()
     return 2 * 2 * 2**30 / seconds
+
+
+SAMPLER_SHAPE = (1024, 151936)  # rows, vocabulary (Qwen3's)
+DRY_SAMPLER_SHAPE = (8, 2048)
+
+
+def _device_ms(run: Callable[[], object], repeats: int = 10) -> float:
+    """Median milliseconds of ``run()`` after two warm-up calls (the first compiles)."""
+    for _ in range(2):
+        run()
+    times = []
+    for _ in range(repeats):
+        sync()
+        started = time.perf_counter()
+        run()
+        sync()
+        times.append(1000 * (time.perf_counter() - started))
+    return statistics.median(times)
+
+
+def _draw_full_scaled(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    seed: torch.Tensor,
+    offset: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+) -> torch.Tensor:
+    """``draw_full`` as ``sample()`` calls it without Triton (the division included)."""
+    from aiocb.runner.draw import draw_full
+
+    return draw_full(logits / temperature[:, None], seed, offset, top_k, top_p, None)
+
+
+def bench_sampler(dry: bool) -> dict[str, Any]:
+    """The Triton sampler (top-k thresholds included) against ``draw_full``, both on the
+    device, on Zipf-shaped logits (a language model's) and on normal ones (flatter), with
+    top-k 50 + top-p 0.9 and with the temperature alone, at temperature 0.8.
+
+    Every case is caught on its own: a kernel that fails reports its error, the rest runs.
+    """
+    from aiocb.runner import triton_sampler
+
+    rows, vocab = DRY_SAMPLER_SHAPE if dry else SAMPLER_SHAPE
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    results: dict[str, Any] = {"shape": [rows, vocab]}
+    if not triton_sampler.is_available(device):
+        results["error"] = f"the Triton sampler does not run on {device}"
+        return results
+    gen = torch.Generator(device=device).manual_seed(0)
+    normal = torch.randn(rows, vocab, device=device, generator=gen) * 3
+    ranks = torch.rand(rows, vocab, device=device, generator=gen).argsort(dim=-1) + 1
+    zipf = -ranks.float().log() + 0.3 * torch.randn(rows, vocab, device=device, generator=gen)
+    del ranks
+    temperature = torch.full((rows,), 0.8, device=device)
+    seed = torch.arange(rows, device=device)
+    offset = torch.zeros(rows, dtype=torch.long, device=device)
+    filters = {
+        "top-k 50 + top-p 0.9": (torch.full((rows,), 50, device=device), torch.full((rows,), 0.9, device=device)),
+        "temperature only": (None, None),
+    }
+    for shape, logits in (("zipf", zipf), ("normal", normal)):
+        for name, (top_k, top_p) in filters.items():
+            case = f"{shape}, {name}"
+            try:
+                kernel = functools.partial(
+                    triton_sampler.triton_draw, logits, temperature, seed, offset, top_k, top_p, None, 50
+                )
+                reference = functools.partial(_draw_full_scaled, logits, temperature, seed, offset, top_k, top_p)
+                row: dict[str, Any] = {
+                    "mismatches": int((kernel() != reference()).sum()),
+                    "triton_ms": _device_ms(kernel),
+                    "draw_full_ms": _device_ms(reference),
+                }
+                if top_k is not None:
+                    thresholds = functools.partial(triton_sampler.top_k_thresholds, logits, top_k, 50)
+                    row["top_k_thresholds_ms"] = _device_ms(thresholds)
+                row["speedup"] = row["draw_full_ms"] / row["triton_ms"]
+                results[case] = row
+                log(
+                    f"sampler {case}: triton {row['triton_ms']:.3f} ms, draw_full {row['draw_full_ms']:.2f} ms, "
+                    f"{row['mismatches']} mismatches"
+                )
+            except Exception as error:  # a kernel that does not compile must not cost the rest
+                results[case] = {"error": repr(error)[:300]}
+                log(f"sampler {case}: {results[case]['error']}")
+    del normal, zipf
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return results
+
+
+def sampler_lines(results: dict[str, Any]) -> list[str]:
+    """One line per case of :func:`bench_sampler`."""
+    rows, vocab = results.get("shape", ["?", "?"])
+    if "error" in results:
+        return [f"sampler {rows}x{vocab}: {results['error']}"]
+    lines = []
+    for case, row in results.items():
+        if case == "shape":
+            continue
+        if "error" in row:
+            lines.append(f"sampler {rows}x{vocab} {case}: {row['error']}")
+            continue
+        thresholds = f" (top-k thresholds {row['top_k_thresholds_ms']:.3f})" if "top_k_thresholds_ms" in row else ""
+        lines.append(
+            f"sampler {rows}x{vocab} {case}: triton {row['triton_ms']:.3f} ms{thresholds}, "
+            f"draw_full {row['draw_full_ms']:.2f} ms ({row['speedup']:.1f}x), {row['mismatches']} picks differ"
+        )
+    return lines
 
 
 def bench_static(model: Any, prompts: list[list[int]], new: int) -> dict[str, Any]:
@@ -357,6 +471,11 @@ def main() -> int:
         save()
     results["bandwidth_gb_s"] = measure_bandwidth() / 1e9
     log(f"bandwidth: {results['bandwidth_gb_s']:.0f} GB/s")
+    try:
+        results["sampler"] = bench_sampler(args.dry_run)
+    except Exception as error:  # (its setup: each case catches its own errors)
+        results["sampler"] = {"error": repr(error)[:300]}
+    save()
     model = build_model(args.dry_run)
     runs = {name: workload(name, args.dry_run) for name in WORKLOADS}
     results["floor_ms"] = {
@@ -394,6 +513,7 @@ def main() -> int:
     if "tests" in results:
         print(f"gpu tests: {results['tests']['summary']} {results['tests']['notes']}")
     print(f"bandwidth {results['bandwidth_gb_s']:.0f} GB/s; aiocb setup {results['aiocb'].get('setup')}")
+    print("\n".join(sampler_lines(results["sampler"])))
     print(table(results))
     return 0
 

@@ -4,13 +4,15 @@ Randomness comes from a counter-based hash of ``(request seed, token index, voca
 rather than a shared generator, so a request's samples depend on its seed alone, not on
 which requests share its batch or in which order, and no host synchronisation is needed
 on a GPU. A token is drawn with the Gumbel-max trick (:mod:`aiocb.runner.draw`): on a CPU
-from each row's largest logits where they suffice, on a GPU over the whole vocabulary;
-both give the same pick.
+from each row's largest logits where they suffice, on a GPU by a Triton kernel's
+rejection passes over the vocabulary (:mod:`aiocb.runner.triton_sampler`), or over the
+sorted vocabulary without Triton; all give the same pick.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -19,6 +21,8 @@ import torch
 
 from aiocb.runner.draw import draw, draw_full
 from aiocb.runner.logits_controls import LogitsControls, apply_controls
+
+logger = logging.getLogger(__name__)
 
 _MASK32 = 0xFFFFFFFF
 
@@ -49,6 +53,8 @@ class SamplingTensors:
     any_logprobs: bool
     #: the most alternatives any row asked for (0: none)
     max_top_logprobs: int
+    #: the largest top_k of a sampled row (0: none), which bounds a top-k selection's width
+    max_top_k: int = 0
     #: [S] float32, 0 = off; None when no sampled row uses min-p
     min_p: torch.Tensor | None = None
     #: biases, penalties, bans and allow-lists; None when no row uses one
@@ -93,14 +99,15 @@ class SamplingTensors:
             any_top_p=any(r.top_p < 1.0 for r, g in zip(rows, greedy, strict=True) if not g),
             any_logprobs=any(r.logprobs or r.top_logprobs for r in rows),
             max_top_logprobs=max((r.top_logprobs for r in rows), default=0),
+            max_top_k=max((r.top_k for r, g in zip(rows, greedy, strict=True) if not g), default=0),
             min_p=tensors.get("min_p"),
-            controls=_controls(tensors),
+            controls=controls_from_tensors(tensors),
             history_carry=tensors.get("c_history_carry"),
             history_carry_rows=tensors.get("c_history_carry_rows"),
         )
 
 
-def _controls(tensors: dict[str, torch.Tensor]) -> LogitsControls | None:
+def controls_from_tensors(tensors: dict[str, torch.Tensor]) -> LogitsControls | None:
     """The ``c_*`` tensors of :func:`~aiocb.runner.inputs.controls_host_tensors` as controls."""
     if not any(name.startswith("c_") for name in tensors):
         return None
@@ -148,17 +155,44 @@ def sample(logits: torch.Tensor, params: SamplingTensors) -> Sampled:
             tokens = logits.argmax(dim=-1)
             tokens[rows] = drawn
     else:
-        # No data-dependent branch here: a device sampler must not wait for the device.
-        is_greedy = params.temperature == 0.0
-        temperature = torch.where(is_greedy, 1.0, params.temperature)
-        filtered = params.any_top_k or params.any_top_p
-        top_k, top_p = (params.top_k, params.top_p) if filtered else (None, None)
-        sampled = draw_full(logits / temperature[:, None], params.seed, params.offset, top_k, top_p, params.min_p)
-        tokens = torch.where(is_greedy, logits.argmax(dim=-1), sampled)
+        tokens = draw_on_device(logits, params)
     result = Sampled(tokens)
     if params.any_logprobs:
         result.logprobs, result.top_ids, result.top_logprobs = score(raw, tokens, params.max_top_logprobs)
     return result
+
+
+#: whether the Triton sampler failed once in this process (it is not tried again)
+_kernel_failed = False
+
+
+def draw_on_device(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+    """:func:`sample`'s pick on a GPU: no branch on the data, as the host must not wait for
+    the device. The Triton kernel where it runs, else :func:`~aiocb.runner.draw.draw_full`.
+
+    It also runs on CPU tensors, with the kernel in Triton's interpreter when that is on.
+    """
+    from aiocb.runner import triton_sampler  # (imports triton: only where this path runs)
+
+    global _kernel_failed
+    is_greedy = params.temperature == 0.0
+    temperature = torch.where(is_greedy, 1.0, params.temperature)
+    sampled = None
+    if not _kernel_failed and triton_sampler.is_available(logits.device):
+        top_k = params.top_k if params.any_top_k else None
+        top_p = params.top_p if params.any_top_p else None
+        try:
+            sampled = triton_sampler.triton_draw(
+                logits, temperature, params.seed, params.offset, top_k, top_p, params.min_p, params.max_top_k
+            )
+        except Exception:  # (a kernel that does not compile here): the same picks, slower
+            logger.exception("the Triton sampler failed; sampling over the sorted vocabulary from now on")
+            _kernel_failed = True
+    if sampled is None:
+        filtered = params.any_top_k or params.any_top_p
+        top_k, top_p = (params.top_k, params.top_p) if filtered else (None, None)
+        sampled = draw_full(logits / temperature[:, None], params.seed, params.offset, top_k, top_p, params.min_p)
+    return torch.where(is_greedy, logits.argmax(dim=-1), sampled)
 
 
 def score(

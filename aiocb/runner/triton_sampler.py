@@ -1,0 +1,324 @@
+"""A Triton sampler: :func:`~aiocb.runner.draw.draw_full`'s pick without sorting the vocabulary.
+
+One program per row. Noise is the hash of :mod:`aiocb.runner.noise`, computed in
+registers (never stored). A row's support after top-k, top-p and min-p is an upper set
+of its scaled logits ``s = l / T``: every token with ``s`` at least some threshold. The
+Gumbel-max winner over the support is then the winner over any superset whose winner
+lies in the support, which gives a sorting-free rejection loop (FlashInfer's rejection
+sampling, with fixed noise instead of fresh draws):
+
+1. One pass: the row max ``m``, the top-k set's mass ``Z_k = sum exp(s - m)`` and the
+   winner ``c = argmax(s + g)`` over the top-k set.
+2. While ``c`` may be outside the support, one more pass: the mass of the tokens above
+   ``c`` (its top-p test: ``mass <= top_p * Z_k``) and, in case it fails, the winner
+   among the tokens above ``c`` that pass top-k and min-p (the support lies above a
+   rejected candidate). The next candidate's test is computed by the next pass.
+
+Top-k enters as a per-row threshold on the raw logits (the k-th largest, from one
+``torch.topk`` over the batch's largest k), so a candidate is always in the top-k set,
+and min-p as ``s - m >= log(min_p)`` (:func:`~aiocb.runner.draw.draw`'s form), known
+once ``m`` is. Rows without top-p need one pass, or two when the first winner fails
+min-p; rows with top-p two, more only when the candidate falls outside the nucleus.
+Noise is computed only in blocks that hold an eligible token: in the first pass a top-k
+row skips the blocks without a top-k token, in later ones every row skips the blocks
+without a token above its candidate (most of them, past a peaked row's head).
+
+Ties (common in a bf16 model's upcast logits): at a top-k tie (several tokens equal to
+the k-th largest logit) this keeps all of them where ``draw_full`` keeps exactly k by
+its sort order, and tokens tied with a candidate are not ranked before it for top-p;
+``draw_full`` ranks them by sort order.
+Rows with ``top_p >= 1`` skip the top-p test, where ``draw_full`` could still drop tail
+tokens whose float32 cumulative sum rounds above 1. Otherwise the two differ only where
+a float32 test lands within rounding of its threshold. On the GPU the division is the
+IEEE-rounded one (``div_rn``) and the logarithm libdevice's, as torch computes them
+there, so the scores should match torch's bit for bit (the ``gpu`` test compares the
+picks); the masses use Triton's fast exponential, which can matter only at a threshold.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+    from triton.language.extra import libdevice
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - exercised only where triton is absent
+    HAS_TRITON = False
+
+__all__ = ["HAS_TRITON", "is_available", "triton_draw", "triton_noise"]
+
+#: Logits per block on the GPU and the launch width that goes with it (sm_90: 64 registers
+#: a thread, no spills; not tuned by timing).
+_BLOCK = 2048
+_NUM_WARPS = 8
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _mix32(x):  # type: ignore[no-untyped-def]
+        """lowbias32 on uint32 (multiplies wrap mod 2**32), as noise._mix32 emulates in int64."""
+        x = x ^ (x >> 16)
+        x = x * 0x7FEB352D
+        x = x ^ (x >> 15)
+        x = x * 0x846CA68B
+        return x ^ (x >> 16)
+
+    @triton.jit
+    def _row_keys(seed_ptr, offset_ptr, row):  # type: ignore[no-untyped-def]
+        """The two per-row keys of noise.random_bits_at."""
+        seed = tl.load(seed_ptr + row).to(tl.uint32)  # (32-bit values in int64)
+        # int64 addition, then truncation: (offset + 0x9E3779B9) mod 2**32.
+        offset = (tl.load(offset_ptr + row) + 0x9E3779B9).to(tl.uint32)
+        row_key = _mix32(_mix32(seed) ^ _mix32(offset))
+        return row_key, _mix32(row_key ^ 0x5BD1E995)
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _log(x, PRECISE: tl.constexpr):  # type: ignore[no-untyped-def]
+        # libdevice's logf is the one torch uses on CUDA; the interpreter has no libdevice.
+        if PRECISE:
+            return libdevice.log(x)
+        else:
+            return tl.log(x)
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _bits_and_gumbel(ids, row_key, second_key, PRECISE: tl.constexpr):  # type: ignore[no-untyped-def]
+        """noise.random_bits_at, then bits_to_uniform and gumbel, at vocabulary ids ``ids``."""
+        bits = _mix32(_mix32(ids.to(tl.uint32) ^ row_key) ^ second_key)
+        uniform = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # exact: 23 bits, times 2**-23
+        return bits, -_log(-_log(uniform, PRECISE), PRECISE)
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _noise_kernel(  # type: ignore[no-untyped-def]
+        seed_ptr,
+        offset_ptr,
+        bits_ptr,
+        noise_ptr,
+        VOCAB: tl.constexpr,
+        BLOCK: tl.constexpr,
+        PRECISE: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        row_key, second_key = _row_keys(seed_ptr, offset_ptr, row)
+        base = row.to(tl.int64) * VOCAB
+        for start in range(0, VOCAB, BLOCK):
+            ids = start + tl.arange(0, BLOCK)
+            bits, noise = _bits_and_gumbel(ids, row_key, second_key, PRECISE)
+            tl.store(bits_ptr + base + ids, bits.to(tl.int64), mask=ids < VOCAB)
+            tl.store(noise_ptr + base + ids, noise, mask=ids < VOCAB)
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _block_winner(eligible, scaled, ids, start, best, cand, row_key, second_key, PRECISE: tl.constexpr):  # type: ignore[no-untyped-def]
+        """Fold one block's ``argmax(scaled + noise)`` over ``eligible`` into ``(best, cand)``."""
+        _, noise = _bits_and_gumbel(ids, row_key, second_key, PRECISE)
+        score = tl.where(eligible, scaled + noise, float("-inf"))
+        block_best = tl.max(score, 0)
+        # Leftmost in a block, strictly greater across blocks: the first index among ties,
+        # as torch's argmax.
+        take = block_best > best
+        cand = tl.where(take, start + tl.argmax(score, 0, tie_break_left=True), cand)
+        return tl.maximum(best, block_best), cand
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _sample_kernel(  # type: ignore[no-untyped-def]
+        logits_ptr,
+        stride_row,
+        temperature_ptr,
+        seed_ptr,
+        offset_ptr,
+        threshold_ptr,
+        top_p_ptr,
+        log_min_p_ptr,
+        out_ptr,
+        VOCAB: tl.constexpr,
+        BLOCK: tl.constexpr,
+        USE_TOP_K: tl.constexpr,
+        USE_TOP_P: tl.constexpr,
+        USE_MIN_P: tl.constexpr,
+        PRECISE: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+        temperature = tl.load(temperature_ptr + row)
+        row_key, second_key = _row_keys(seed_ptr, offset_ptr, row)
+        threshold = float("-inf")  # the smallest raw logit of the top-k set
+        if USE_TOP_K:
+            threshold = tl.load(threshold_ptr + row)
+        offs = tl.arange(0, BLOCK)
+
+        # Pass 1: row max, top-k mass (online: rescaled as the max grows) and the winner
+        # over the top-k set. A finite start keeps exp(m - m_new) finite on -inf blocks.
+        m = -1.0e30
+        mass_k = 0.0
+        best = float("-inf")
+        cand = tl.zeros((), tl.int32)  # torch's argmax of an all -inf row
+        for start in range(0, VOCAB, BLOCK):
+            ids = start + offs
+            logits = tl.load(row_ptr + ids, mask=ids < VOCAB, other=float("-inf"))
+            # IEEE-rounded, as torch's logits / temperature (`/` may lower to an approximation).
+            scaled = tl.math.div_rn(logits, temperature)
+            in_k = logits >= threshold
+            m_new = tl.maximum(m, tl.max(scaled, 0))
+            if USE_TOP_P:
+                mass_k = mass_k * tl.exp(m - m_new) + tl.sum(tl.where(in_k, tl.exp(scaled - m_new), 0.0), 0)
+            m = m_new
+            # Outside the top-k set no noise is needed (most blocks of a top-k row).
+            if tl.max(in_k.to(tl.int32), 0) > 0:
+                best, cand = _block_winner(in_k, scaled, ids, start, best, cand, row_key, second_key, PRECISE)
+
+        log_min_p = float("-inf")
+        if USE_MIN_P:
+            log_min_p = tl.load(log_min_p_ptr + row)
+        top_p = 1.0
+        if USE_TOP_P:
+            top_p = tl.load(top_p_ptr + row)
+        # draw_full keeps a token when the mass ranked before it is at most top_p.
+        bound = top_p * mass_k
+        nucleus = top_p < 1.0
+        cand_scaled = tl.math.div_rn(tl.load(row_ptr + cand), temperature)
+        passes_min_p = (cand_scaled - m) >= log_min_p
+        pending = (~passes_min_p) | nucleus
+        while pending:
+            # One pass: the mass above the candidate (its top-p test) and the winner among
+            # the tokens above it that pass top-k and min-p (in case the test fails).
+            above_mass = 0.0
+            next_best = float("-inf")
+            next_cand = cand
+            for start in range(0, VOCAB, BLOCK):
+                ids = start + offs
+                logits = tl.load(row_ptr + ids, mask=ids < VOCAB, other=float("-inf"))
+                scaled = tl.math.div_rn(logits, temperature)
+                above = scaled > cand_scaled
+                # Past a peaked row's head most blocks hold nothing above the candidate.
+                if tl.max(above.to(tl.int32), 0) > 0:
+                    if USE_TOP_P:
+                        above_mass += tl.sum(tl.where(above, tl.exp(scaled - m), 0.0), 0)
+                    eligible = above & (logits >= threshold) & ((scaled - m) >= log_min_p)
+                    if tl.max(eligible.to(tl.int32), 0) > 0:
+                        next_best, next_cand = _block_winner(
+                            eligible, scaled, ids, start, next_best, next_cand, row_key, second_key, PRECISE
+                        )
+            # (Without top-p, both sides are 0.)
+            accepted = passes_min_p & (above_mass <= bound)
+            # The row max is always in the support, so a rejected candidate has an eligible
+            # token above it; the guard only ends the loop on invalid parameters (min_p > 1).
+            move = (~accepted) & (next_best > float("-inf"))
+            cand = tl.where(move, next_cand, cand)
+            cand_scaled = tl.math.div_rn(tl.load(row_ptr + cand), temperature)
+            # A new candidate passes top-k and min-p by construction: only top-p is left.
+            passes_min_p = passes_min_p | move
+            pending = move & nucleus
+        tl.store(out_ptr + row, cand.to(tl.int64))
+
+
+def is_available(device: torch.device) -> bool:
+    """Whether :func:`triton_draw` can run on tensors of ``device``.
+
+    True on CUDA when triton imports, and on the CPU when the kernels were built by
+    Triton's interpreter (``TRITON_INTERPRET=1`` set before this module was imported).
+    """
+    if not HAS_TRITON:
+        return False
+    if device.type == "cuda":
+        return torch.cuda.is_available()
+    if device.type == "cpu":
+        return _interpreted()
+    return False
+
+
+def _interpreted() -> bool:
+    """Whether the kernels run in Triton's interpreter (chosen when they were decorated)."""
+    return HAS_TRITON and type(_sample_kernel).__name__ == "InterpretedFunction"
+
+
+def top_k_thresholds(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int | None = None) -> torch.Tensor:
+    """Each row's k-th largest logit (``-inf`` where ``top_k`` is 0 or at least the vocabulary).
+
+    One ``torch.topk`` of width ``min(max_top_k, V)``, where ``max_top_k`` (a host int, so
+    no synchronisation) is at least every row's ``top_k`` below the vocabulary size; None
+    takes the whole row (a sort). A row asking for a top-k of at least the vocabulary
+    means no top-k, but next to smaller ones it makes the caller's bound that large.
+    """
+    vocab = logits.shape[-1]
+    width = vocab if max_top_k is None else max(1, min(max_top_k, vocab))
+    values = logits.topk(width, dim=-1).values
+    active = (top_k > 0) & (top_k < vocab)
+    index = (torch.where(active, top_k, 1) - 1).clamp(max=width - 1)
+    kth = values.gather(1, index[:, None])[:, 0]
+    return torch.where(active, kth, float("-inf"))
+
+
+def triton_draw(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    seed: torch.Tensor,
+    offset: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None,
+    max_top_k: int | None = None,
+    *,
+    block: int = _BLOCK,
+) -> torch.Tensor:
+    """The pick of ``draw_full(logits / temperature[:, None], seed, offset, top_k, top_p, min_p)``.
+
+    ``logits [R, V]`` (float32), ``temperature [R]`` (positive), ``seed`` and ``offset``
+    ``[R]`` (int64); a filter that no row uses may be None. ``max_top_k`` bounds the rows'
+    ``top_k`` (see :func:`top_k_thresholds`). Differences from ``draw_full`` are limited
+    to ties (see the module's docstring). No host synchronisation: the launch depends on
+    shapes and on which filters are given, never on the values. ``block`` (a power of
+    two) is the number of logits a program reads at once.
+    """
+    if not HAS_TRITON:
+        raise RuntimeError("triton is not installed")
+    if logits.dim() != 2 or logits.dtype != torch.float32:
+        raise ValueError(f"expected float32 logits [R, V], got {logits.dtype} {tuple(logits.shape)}")
+    rows, vocab = logits.shape
+    out = torch.empty(rows, dtype=torch.long, device=logits.device)
+    if rows == 0:
+        return out
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    temperature = temperature.to(torch.float32)
+    # A filter no row uses gets a placeholder pointer, which its kernel variant never reads.
+    threshold = temperature if top_k is None else top_k_thresholds(logits, top_k, max_top_k)
+    log_min_p = temperature if min_p is None else torch.log(min_p)  # log(0) = -inf: off
+    _sample_kernel[(rows,)](
+        logits,
+        logits.stride(0),
+        temperature.contiguous(),
+        seed.contiguous(),
+        offset.contiguous(),
+        threshold.contiguous(),
+        (temperature if top_p is None else top_p).contiguous(),
+        log_min_p.contiguous(),
+        out,
+        VOCAB=vocab,
+        BLOCK=block,
+        USE_TOP_K=top_k is not None,
+        USE_TOP_P=top_p is not None,
+        USE_MIN_P=min_p is not None,
+        PRECISE=not _interpreted(),
+        num_warps=_NUM_WARPS,
+    )
+    return out
+
+
+def triton_noise(
+    seed: torch.Tensor, offset: torch.Tensor, vocab: int, *, block: int = _BLOCK
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' noise for rows ``(seed, offset)``: ``[R, V]`` random bits (int64) and
+    Gumbel noise (float32), to compare with :mod:`aiocb.runner.noise`."""
+    if not HAS_TRITON:
+        raise RuntimeError("triton is not installed")
+    rows = seed.shape[0]
+    bits = torch.empty(rows, vocab, dtype=torch.long, device=seed.device)
+    noise = torch.empty(rows, vocab, dtype=torch.float32, device=seed.device)
+    if rows:
+        _noise_kernel[(rows,)](
+            seed.contiguous(), offset.contiguous(), bits, noise, VOCAB=vocab, BLOCK=block, PRECISE=not _interpreted()
+        )
+    return bits, noise

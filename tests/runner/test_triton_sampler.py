@@ -1,0 +1,285 @@
+"""The Triton sampler against ``draw_full``: the same noise, the same picks.
+
+On the CPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set in
+``conftest.py``), which costs milliseconds per row: a few rows per case, small
+vocabularies, blocks smaller than the GPU's so that rows span several blocks. The ``gpu``
+test repeats the comparison at a real vocabulary on CUDA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from aiocb.runner import sampler, triton_sampler
+from aiocb.runner.draw import draw_full
+from aiocb.runner.noise import gumbel, gumbel_at, random_bits, uniform_noise
+from aiocb.runner.sampler import SamplingTensors, draw_on_device, sample
+from aiocb.runner.triton_sampler import is_available, triton_draw, triton_noise
+
+needs_kernel = pytest.mark.skipif(
+    not is_available(torch.device("cpu")), reason="Triton interpreter not enabled (TRITON_INTERPRET=1)"
+)
+
+BLOCK = 256  # (the GPU's is larger; vocabularies below are not multiples of it)
+
+
+@dataclass
+class Row:
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int = 0
+    offset: int = 0
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+
+def _inputs(rows: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row temperatures, 32-bit seeds and offsets."""
+    temperature = torch.rand(rows, generator=gen) + 0.5
+    seed = torch.randint(0, 2**32, (rows,), generator=gen)
+    offset = torch.randint(0, 5000, (rows,), generator=gen)
+    return temperature, seed, offset
+
+
+def _both(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    seed: torch.Tensor,
+    offset: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's picks and draw_full's."""
+    max_top_k = None if top_k is None else int(top_k.max())
+    got = triton_draw(logits, temperature, seed, offset, top_k, top_p, min_p, max_top_k, block=BLOCK)
+    want = draw_full(logits / temperature[:, None], seed, offset, top_k, top_p, min_p)
+    return got, want
+
+
+@needs_kernel
+def test_noise_is_the_noise_modules() -> None:
+    seed = torch.tensor([0, 1, 5, 0xFFFFFFFF, 123456789, 2**31])
+    offset = torch.tensor([0, 0, 3, 7, 2**33 + 5, 4095])
+    vocab = 1000
+    bits, noise = triton_noise(seed, offset, vocab, block=BLOCK)
+    assert torch.equal(bits, random_bits(seed, offset, vocab))
+    ids = torch.arange(vocab)[None, :]
+    torch.testing.assert_close(noise, gumbel_at(seed, offset, ids), rtol=1e-6, atol=1e-6)
+    assert torch.equal(gumbel(uniform_noise(seed, offset, vocab)), gumbel_at(seed, offset, ids))
+
+
+CASES = {
+    # name: (vocab, top_k, top_p, min_p, logit scale, fraction masked to -inf)
+    "temperature": (1000, 0, 1.0, 0.0, 3.0, 0.0),
+    "temperature-flat": (1000, 0, 1.0, 0.0, 0.3, 0.0),
+    "top-k": (1000, 20, 1.0, 0.0, 3.0, 0.0),
+    "top-k-flat": (1000, 300, 1.0, 0.0, 0.5, 0.0),
+    "top-p": (1000, 0, 0.9, 0.0, 3.0, 0.0),
+    "top-p-flat": (1000, 0, 0.5, 0.0, 0.3, 0.0),  # many tokens above the nucleus: several passes
+    "top-p-peaked": (1000, 0, 0.9, 0.0, 8.0, 0.0),
+    "top-p-small": (1000, 0, 0.2, 0.0, 1.0, 0.0),
+    "top-k-top-p": (1000, 50, 0.9, 0.0, 3.0, 0.0),
+    "top-k-top-p-flat": (1000, 400, 0.6, 0.0, 0.5, 0.0),
+    "min-p": (1000, 0, 1.0, 0.1, 3.0, 0.0),
+    "min-p-flat": (1000, 0, 1.0, 0.5, 0.3, 0.0),
+    "all-three": (1000, 40, 0.9, 0.05, 2.0, 0.0),
+    "masked": (1000, 30, 0.8, 0.0, 3.0, 0.6),  # a bias / ban / allow-list leaves -inf entries
+    "masked-min-p": (1000, 0, 1.0, 0.1, 3.0, 0.9),
+    "one-block": (200, 10, 0.95, 0.0, 3.0, 0.0),
+    "exact-blocks": (1024, 50, 0.9, 0.0, 3.0, 0.0),
+}
+
+
+@needs_kernel
+@pytest.mark.parametrize("case", CASES)
+def test_picks_what_draw_full_picks(case: str) -> None:
+    vocab, k, p, mp, scale, masked = CASES[case]
+    rows = 16
+    gen = torch.Generator().manual_seed(sum(map(ord, case)))
+    logits = torch.randn(rows, vocab, generator=gen) * scale
+    if masked:
+        drop = torch.rand(rows, vocab, generator=gen) < masked
+        drop[:, 0] = False  # (at least one finite logit per row)
+        logits = logits.masked_fill(drop, float("-inf"))
+    temperature, seed, offset = _inputs(rows, gen)
+    filtered = k > 0 or p < 1.0
+    top_k = torch.full((rows,), k) if filtered else None
+    top_p = torch.full((rows,), p) if filtered else None
+    min_p = torch.full((rows,), mp) if mp else None
+    got, want = _both(logits, temperature, seed, offset, top_k, top_p, min_p)
+    assert torch.equal(got, want), (got, want)
+
+
+@needs_kernel
+def test_rows_with_different_filters_in_one_batch() -> None:
+    vocab = 700
+    # (top_k, top_p, min_p, scale): filters off, each alone, together, top-k of the whole
+    # vocabulary and beyond it (off), peaked and flat rows.
+    params = [
+        (0, 1.0, 0.0, 3.0),
+        (5, 1.0, 0.0, 3.0),
+        (0, 0.7, 0.0, 3.0),
+        (0, 1.0, 0.2, 3.0),
+        (50, 0.9, 0.0, 0.5),
+        (vocab, 0.9, 0.0, 3.0),
+        (vocab + 100, 1.0, 0.0, 1.0),
+        (300, 0.3, 0.1, 0.2),
+        (2, 0.5, 0.0, 10.0),
+        (0, 0.99, 0.05, 0.1),
+        (0, 1.0, 0.0, 0.1),
+        (100, 1.0, 0.3, 6.0),
+    ]
+    gen = torch.Generator().manual_seed(5)
+    scale = torch.tensor([s for *_, s in params])
+    logits = torch.randn(len(params), vocab, generator=gen) * scale[:, None]
+    temperature, seed, offset = _inputs(len(params), gen)
+    top_k = torch.tensor([k for k, *_ in params])
+    top_p = torch.tensor([p for _, p, *_ in params])
+    min_p = torch.tensor([m for *_, m, _ in params])
+    got, want = _both(logits, temperature, seed, offset, top_k, top_p, min_p)
+    assert torch.equal(got, want), (got, want)
+    for i in range(len(params)):
+        alone = triton_draw(
+            logits[i : i + 1], temperature[i : i + 1], seed[i : i + 1], offset[i : i + 1],
+            top_k[i : i + 1], top_p[i : i + 1], min_p[i : i + 1], int(top_k[i]), block=BLOCK,
+        )  # fmt: skip
+        assert int(alone[0]) == int(got[i]), "a row's pick must not depend on its batch-mates"
+
+
+@needs_kernel
+def test_rows_with_few_finite_logits() -> None:
+    """Allow-lists leave a handful of finite logits; a single one always wins."""
+    vocab = 600
+    gen = torch.Generator().manual_seed(8)
+    logits = torch.full((6, vocab), float("-inf"))
+    for row, count in enumerate([1, 1, 2, 3, 5, 40]):
+        ids = torch.randperm(vocab, generator=gen)[:count]
+        logits[row, ids] = torch.randn(count, generator=gen) * 2
+    temperature, seed, offset = _inputs(6, gen)
+    for top_k, top_p, min_p in [
+        (None, None, None),
+        (torch.full((6,), 3), torch.full((6,), 0.5), None),
+        (None, None, torch.full((6,), 0.3)),
+    ]:
+        got, want = _both(logits, temperature, seed, offset, top_k, top_p, min_p)
+        assert torch.equal(got, want), (got, want)
+        assert torch.isfinite(logits.gather(1, got[:, None])).all()
+
+
+def _tie_inclusive_pick(
+    logits: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor, k: int, p: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Gumbel winner over the support with ties kept whole, and that support.
+
+    Top-k keeps every logit at least the k-th largest; top-p keeps a token when the mass
+    strictly above it, over the top-k set's total, is at most ``p``.
+    """
+    scaled = logits / temperature[:, None]
+    kth = logits.topk(k, dim=-1).values[:, -1:]
+    in_k = logits >= kth
+    weights = torch.where(in_k, (scaled - scaled.amax(-1, keepdim=True)).exp(), 0.0)
+    above = (scaled[:, None, :] > scaled[:, :, None]).float()  # [R, i, j]: j above i
+    mass_above = (above * weights[:, None, :]).sum(-1)
+    support = in_k & (mass_above <= p * weights.sum(-1, keepdim=True))
+    ids = torch.arange(logits.shape[-1])[None, :]
+    noise = gumbel_at(seed, offset, ids)
+    return torch.where(support, scaled + noise, float("-inf")).argmax(-1), support
+
+
+@needs_kernel
+def test_ties_are_kept_whole() -> None:
+    """bf16 logits (a model's, upcast) tie often: at the k-th largest the kernel keeps the
+    whole tie, where draw_full keeps exactly k by its sort order."""
+    vocab, rows, k, p = 300, 12, 20, 0.8
+    gen = torch.Generator().manual_seed(9)
+    logits = (torch.randn(rows, vocab, generator=gen) * 2).round(decimals=1)  # ~50 distinct values
+    assert (logits.topk(k + 1, dim=-1).values[:, -2:].diff(dim=-1) == 0).any(), "some row ties at the k-th"
+    temperature, seed, offset = _inputs(rows, gen)
+    top_k, top_p = torch.full((rows,), k), torch.full((rows,), p)
+    got = triton_draw(logits, temperature, seed, offset, top_k, top_p, None, k, block=BLOCK)
+    want, support = _tie_inclusive_pick(logits, temperature, seed, offset, k, p)
+    assert torch.equal(got, want), (got, want)
+    assert support.gather(1, got[:, None]).all()
+
+
+@needs_kernel
+def test_the_device_path_matches_the_cpu_sampler() -> None:
+    """sample()'s GPU path (here on CPU tensors, the kernel interpreted) picks what its CPU
+    path picks, greedy rows included."""
+    vocab = 500
+    rows = [
+        Row(temperature=0.0),
+        Row(temperature=0.8, seed=1, offset=3),
+        Row(temperature=1.2, top_k=1, seed=2),  # top-k 1 is greedy
+        Row(temperature=0.7, top_k=50, top_p=0.9, seed=3),
+        Row(temperature=1.0, min_p=0.1, seed=4, offset=100),
+        Row(temperature=1.5, top_p=0.5, seed=5),
+        Row(temperature=0.9, top_k=vocab + 5, seed=6),
+    ]
+    logits = torch.randn(len(rows), vocab, generator=torch.Generator().manual_seed(6)) * 3
+    params = SamplingTensors.from_rows(rows, logits.device)
+    assert params.max_top_k == vocab + 5
+    tokens = draw_on_device(logits, params)
+    assert torch.equal(tokens, sample(logits, params).tokens)
+    assert tokens[0] == logits[0].argmax() and tokens[2] == logits[2].argmax()
+
+
+@needs_kernel
+def test_a_kernel_that_fails_gives_way_to_the_sorted_draw(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A kernel that cannot run (say it does not compile on some GPU) is reported once and
+    replaced by draw_full, with the same picks."""
+    calls = 0
+
+    def broken(*args: object) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        raise RuntimeError("no kernel here")
+
+    monkeypatch.setattr(triton_sampler, "triton_draw", broken)
+    monkeypatch.setattr(sampler, "_kernel_failed", False)
+    rows = [Row(temperature=0.8, top_k=20, top_p=0.9, seed=i) for i in range(4)]
+    logits = torch.randn(len(rows), 300, generator=torch.Generator().manual_seed(8)) * 3
+    params = SamplingTensors.from_rows(rows, logits.device)
+    expected = sample(logits, params).tokens
+    with caplog.at_level("ERROR"):
+        assert torch.equal(draw_on_device(logits, params), expected)
+        assert torch.equal(draw_on_device(logits, params), expected)
+    assert calls == 1 and "Triton sampler failed" in caplog.text
+
+
+_CUDA_KERNEL = (
+    torch.cuda.is_available() and is_available(torch.device("cuda")) and not is_available(torch.device("cpu"))
+)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _CUDA_KERNEL, reason="needs CUDA and a compiled kernel (AIOCB_GPU_TESTS=1)")
+def test_gpu_picks_what_draw_full_picks() -> None:
+    vocab, rows = 151_936, 64
+    gen = torch.Generator().manual_seed(12)
+    logits = (torch.randn(rows, vocab, generator=gen) * 3).cuda()
+    logits[rows // 2 :, ::7] = float("-inf")
+    temperature, seed, offset = (t.cuda() for t in _inputs(rows, gen))
+    full = torch.full((rows,), 1, device="cuda")
+    for top_k, top_p, min_p in [
+        (None, None, None),
+        (full * 50, full * 0.9, None),
+        (None, full * 0.9, None),
+        (None, None, full * 0.05),
+        (full * 1000, full * 0.7, full * 0.02),
+    ]:
+        max_top_k = None if top_k is None else int(top_k.max())
+        got = triton_draw(logits, temperature, seed, offset, top_k, top_p, min_p, max_top_k)
+        want = draw_full(logits / temperature[:, None], seed, offset, top_k, top_p, min_p)
+        mismatched = (got != want).nonzero()[:, 0].tolist()
+        assert not mismatched, f"rows {mismatched}: {got[mismatched].tolist()} != {want[mismatched].tolist()}"
