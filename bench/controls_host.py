@@ -23,7 +23,7 @@ if __package__ in (None, ""):  # run as `python bench/controls_host.py`
 from aiocb.core.params import ResolvedParams
 from aiocb.core.request import Request
 from aiocb.core.scheduler import ScheduledRequest, SchedulerOutput
-from aiocb.runner import inputs
+from aiocb.runner import inputs, step_batch
 
 
 def _requests(rows: int, controls: bool, rng: random.Random) -> list[Request]:
@@ -37,7 +37,7 @@ def _requests(rows: int, controls: bool, rng: random.Random) -> list[Request]:
         request.block_ids = [list(range(i * 70, i * 70 + 70))]
         request.num_computed_tokens = request.num_tokens - 1
         if controls:
-            inputs.token_history(request)  # as aiocb's RequestFactory does when it builds the request
+            step_batch.token_history(request)  # as aiocb's RequestFactory does when it builds the request
         requests.append(request)
     return requests
 
@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(0)
     for controls in (False, True):
         requests = _requests(args.rows, controls, rng)
+        writer = step_batch.BatchWriter(1)
         loop_ms: list[float] = []
         worker_ms: list[float] = []
         for _ in range(args.steps):
@@ -59,10 +60,10 @@ def main(argv: list[str] | None = None) -> int:
             scheduled = [ScheduledRequest(r, r.num_computed_tokens - 1, 1, True) for r in requests]
             plan = SchedulerOutput(scheduled=scheduled)
             started = time.perf_counter()
-            batch = inputs.snapshot(plan)
+            batch = writer.snapshot(plan)
             loop_ms.append((time.perf_counter() - started) * 1e3)
             started = time.perf_counter()
-            inputs.controls_host_tensors(batch.rows)
+            inputs.controls_host_tensors(batch.controls, batch.num_sampled)
             worker_ms.append((time.perf_counter() - started) * 1e3)
         name = "controls" if controls else "plain"
         print(

@@ -46,10 +46,11 @@ class Request:
     runner_state: object = None
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    #: per generated token, the most likely tokens and their log-probabilities
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
     #: per prompt position, the token's log-probability given the ones before (None first)
     prompt_logprobs: list[float | None] = field(default_factory=list)
-    prompt_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
+    prompt_top_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     status: RequestStatus = RequestStatus.PENDING
     finish_reason: FinishReason | None = None
     error: str | None = None
@@ -70,6 +71,8 @@ class Request:
     scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    #: the prompt as outputs carry it: one copy shared by all of them
+    output_prompt: list[int] | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -109,21 +112,24 @@ class Request:
         return self.status.is_finished()
 
     def to_output(self) -> GenerationOutput:
-        """A snapshot of the request as the public output type."""
+        """A snapshot of the request as the public output type.
+
+        Every output of the request shares one copy of the prompt list and the same
+        top-logprob dictionaries, so a streamed output costs little more than its new
+        tokens; consumers must not change those in place.
+        """
         params = self.params
         prompt_done = params.prompt_logprobs and len(self.prompt_logprobs) == len(self.prompt_ids)
+        if self.output_prompt is None:
+            self.output_prompt = list(self.prompt_ids)
         return GenerationOutput(
             request_id=self.request_id,
-            prompt_ids=list(self.prompt_ids),
-            generated_tokens=self.output_ids,
+            prompt_ids=self.output_prompt,
+            generated_tokens=self.token_ids[len(self.prompt_ids) :],
             logprobs=list(self.logprobs) if params.return_logprobs else None,
-            top_logprobs=[dict(t) for t in self.top_logprobs] if params.top_logprobs else None,
+            top_logprobs=list(self.top_logprobs) if params.top_logprobs else None,
             prompt_logprobs=list(self.prompt_logprobs) if prompt_done else None,
-            prompt_top_logprobs=(
-                [None if t is None else dict(t) for t in self.prompt_top_logprobs]
-                if prompt_done and params.top_logprobs
-                else None
-            ),
+            prompt_top_logprobs=list(self.prompt_top_logprobs) if prompt_done and params.top_logprobs else None,
             text=None if self.text is None else self.text.text,
             status=self.status,
             finish_reason=self.finish_reason,

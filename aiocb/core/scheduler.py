@@ -28,7 +28,7 @@ import heapq
 import itertools
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from aiocb.core.kv_cache import KVCacheManager
@@ -140,6 +140,11 @@ class Scheduler:
         self._forks: dict[Request, list[Request]] = {}
         #: each held child's parent
         self._held: dict[Request, Request] = {}
+        #: requests that left the running set since the last plan
+        self._departed: list[Request] = []
+        #: while set, ended requests keep their blocks (see :meth:`hold_blocks`)
+        self._holding = False
+        self._ended_holding: list[Request] = []
 
     @property
     def has_work(self) -> bool:
@@ -178,10 +183,13 @@ class Scheduler:
         status: RequestStatus = RequestStatus.FINISHED,
         error: str | None = None,
     ) -> None:
-        """End ``request`` wherever it is and free its blocks."""
+        """End ``request`` wherever it is and free its blocks (at once, or when the plan
+        being made and copied out is complete: see :meth:`hold_blocks`)."""
         if request.is_finished:
             return
-        self.running.pop(request, None)
+        if request in self.running:
+            del self.running[request]
+            self._departed.append(request)
         self._order.pop(request, None)
         if request in self.waiting:
             self._dequeue(request)
@@ -191,8 +199,11 @@ class Scheduler:
         for child in self._forks.pop(request, ()):
             del self._held[child]
             self._enqueue(child)  # the parent will not compute the prompt: they do
-        self.kv_cache.free(request)
-        self.kv_cache.drop_host_copy(request)
+        if self._holding:
+            self._ended_holding.append(request)
+        else:
+            self.kv_cache.free(request)
+            self.kv_cache.drop_host_copy(request)
         if request.text is not None:
             request.text.finish()
         request.status = status
@@ -200,8 +211,49 @@ class Scheduler:
         request.error = error
         request.finished_time = now
 
+    def take_departed(self) -> list[Request]:
+        """The requests that left the running set (ended, or preempted) since the last call.
+
+        One ended while a paused plan was being made may still be in that plan.
+        """
+        departed, self._departed = self._departed, []
+        return departed
+
+    def hold_blocks(self) -> None:
+        """Until :meth:`release_blocks`, a request that ends keeps its blocks.
+
+        A caller that lets other work run while it makes a plan (:meth:`plan`) and copies it
+        out sets this first: a request ended meanwhile (a cancellation) may still be in the
+        plan, whose copy reads its blocks; they must not be handed to another request before.
+        """
+        self._holding = True
+
+    def release_blocks(self) -> None:
+        """Free the blocks of the requests that ended since :meth:`hold_blocks`."""
+        self._holding = False
+        ended, self._ended_holding = self._ended_holding, []
+        for request in ended:
+            self.kv_cache.free(request)
+            self.kv_cache.drop_host_copy(request)
+
     def schedule(self) -> SchedulerOutput:
-        """Plan the next step and allocate its blocks."""
+        """Plan the next step and allocate its blocks, in one go."""
+        planner = self.plan()
+        while True:
+            try:
+                next(planner)
+            except StopIteration as done:
+                output: SchedulerOutput = done.value
+                return output
+
+    def plan(self, chunk: int = 256) -> Generator[None, None, SchedulerOutput]:
+        """Plan the next step and allocate its blocks, pausing (a bare ``yield``) after
+        each ``chunk`` requests looked at; the plan is the generator's return value.
+
+        While it is paused, requests may be added or ended: an ended one is skipped if not
+        yet planned, and stays in the plan (its sampled token is dropped) if already
+        planned, so pause only under :meth:`hold_blocks`.
+        """
         budget = self.max_batch_tokens
         planned: dict[Request, int] = {}  # request -> first position of this step
         preempted: list[Request] = []
@@ -212,17 +264,23 @@ class Scheduler:
             self._make_room_for_priority(output)
         out_of_room = False
 
-        for request in self._running_by_priority():
-            if request not in self.running:
-                continue  # preempted earlier in this step
-            if len(planned) >= self.max_requests_per_batch or budget <= 0:
+        # (the loops below run for every running request each step: names are bound locally)
+        running, forks, kv = self.running, self._forks, self.kv_cache
+        max_rows = self.max_requests_per_batch
+        for looked, request in enumerate(self._running_by_priority(), 1):
+            if looked % chunk == 0:
+                yield
+            if request not in running:
+                continue  # preempted earlier in this step (or ended while paused)
+            if len(planned) >= max_rows or budget <= 0:
                 break
-            num_new = min(request.num_scheduled_tokens - request.num_computed_tokens, budget)
-            if request in self._forks:  # its children fork before the prompt's last token
-                num_new = min(num_new, request.num_prompt_tokens - 1 - request.num_computed_tokens)
-            if num_new <= 0 or self._waits_for_token(request):
+            computed = request.num_computed_tokens
+            num_new = min(len(request.token_ids) + request.num_pending_tokens - computed, budget)
+            if forks and request in forks:  # its children fork before the prompt's last token
+                num_new = min(num_new, request.num_prompt_tokens - 1 - computed)
+            if num_new <= 0 or (request.num_pending_tokens and self._waits_for_token(request)):
                 continue
-            while not self.kv_cache.allocate(request, num_new):
+            while not kv.allocate(request, num_new):
                 out_of_room = True
                 victim = self._last_running()
                 if victim in planned:  # un-plan it: give its tokens back
@@ -234,31 +292,40 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                planned[request] = request.num_computed_tokens
-                request.num_computed_tokens += num_new
+                planned[request] = computed
+                request.num_computed_tokens = computed + num_new
                 budget -= num_new
 
         # Full blocks are shareable as soon as a step that computes them is planned (and
         # no longer un-plannable): a request admitted later, even in this same step, reads
         # them after they are written (device work runs in plan order, and a step writes
         # every new token's K/V before any request of it reads the cache).
-        for request in planned:
-            self.kv_cache.cache_full_blocks(request)
+        if kv.prefix_caching:
+            for looked, request in enumerate(planned, 1):
+                if looked % chunk == 0:
+                    yield
+                kv.cache_full_blocks(request)
         if not out_of_room:
-            self._admit(planned, budget, output)
+            yield from self._admit(planned, budget, output, chunk)
 
-        for request, start in planned.items():
+        scheduled = output.scheduled
+        num_tokens = num_carried = 0
+        for looked, (request, start) in enumerate(planned.items(), 1):
+            if looked % chunk == 0:
+                yield
             end = request.num_computed_tokens
-            num_new = end - start
-            sample = end == request.num_scheduled_tokens
-            output.scheduled.append(ScheduledRequest(request, start, num_new, sample, carries=end > request.num_tokens))
+            known = len(request.token_ids)
+            sample = end == known + request.num_pending_tokens
+            scheduled.append(ScheduledRequest(request, start, end - start, sample, end > known))
+            num_tokens += end - start
             if sample:
                 request.num_pending_tokens += 1
-            if end > request.num_tokens:
-                self.stats.num_carried_tokens += 1
-        if output.scheduled:
+            if end > known:
+                num_carried += 1
+        self.stats.num_carried_tokens += num_carried
+        if scheduled:
             self.stats.num_steps += 1
-            self.stats.num_computed_tokens += output.num_tokens
+            self.stats.num_computed_tokens += num_tokens
         return output
 
     def update(self, output: SchedulerOutput, result: StepResult, now: float) -> list[Request]:
@@ -268,39 +335,62 @@ class Scheduler:
         set. Requests that ended while the step ran (a cancellation) drop their token.
         """
         finished: list[Request] = []
+        for _, ended in self.update_in_chunks(output, result, now, chunk=max(1, len(output.scheduled))):
+            finished += ended
+        return finished
+
+    def update_in_chunks(
+        self, output: SchedulerOutput, result: StepResult, now: float, chunk: int = 256
+    ) -> Iterator[tuple[list[Request], list[Request]]]:
+        """:meth:`update`, ``chunk`` scheduled requests at a time: after each chunk, yields
+        those of its requests that got a token and those that ended (the caller may let
+        other work run before taking the next chunk)."""
+        if not output.scheduled:
+            yield [], []
+            return
         row = 0
         prompt_row = 0
-        for item in output.scheduled:
+        updated: list[Request] = []
+        finished: list[Request] = []
+        for looked, item in enumerate(output.scheduled, 1):
             request = item.request
             if wants_prompt_logprobs(request, item.start):
                 assert result.prompt_logprobs is not None
                 values, tops = result.prompt_logprobs[prompt_row]
                 prompt_row += 1
                 _record_prompt_logprobs(request, item.start, values, tops)
-            if not item.sample:
-                continue
-            token = int(result.token_ids[row])
-            logprob = None if result.logprobs is None else float(result.logprobs[row])
-            top = None if result.top_logprobs is None else result.top_logprobs[row]
-            row += 1
-            request.num_pending_tokens -= 1
-            if request.is_finished:
-                continue
-            request.token_ids.append(token)
-            if logprob is not None:
-                request.logprobs.append(logprob)
-            if top is not None and request.params.top_logprobs:
-                request.top_logprobs.append(top[: request.params.top_logprobs])
-            if request.first_token_time is None:
-                request.first_token_time = now
-            if request in self.running:  # (not if preempted while the step ran)
-                request.status = RequestStatus.DECODING
-            self.stats.num_generated_tokens += 1
-            reason = self._stop_reason(request, token)
-            if reason is not None:
-                self.finish(request, reason, now)
-                finished.append(request)
-        return finished
+            if item.sample:
+                token = int(result.token_ids[row])
+                logprob = None if result.logprobs is None else float(result.logprobs[row])
+                top = None if result.top_logprobs is None else result.top_logprobs[row]
+                row += 1
+                request.num_pending_tokens -= 1
+                if not request.is_finished:
+                    updated.append(request)
+                    self._append(request, token, logprob, top, now)
+                    if request.is_finished:
+                        finished.append(request)
+            if looked % chunk == 0 or looked == len(output.scheduled):
+                yield updated, finished
+                updated, finished = [], []
+
+    def _append(
+        self, request: Request, token: int, logprob: float | None, top: list[tuple[int, float]] | None, now: float
+    ) -> None:
+        """Give ``request`` its sampled token, and end it if that token stops it."""
+        request.token_ids.append(token)
+        if logprob is not None:
+            request.logprobs.append(logprob)
+        if top is not None and request.params.top_logprobs:
+            request.top_logprobs.append(dict(top[: request.params.top_logprobs]))
+        if request.first_token_time is None:
+            request.first_token_time = now
+        if request in self.running:  # (not if preempted while the step ran)
+            request.status = RequestStatus.DECODING
+        self.stats.num_generated_tokens += 1
+        reason = self._stop_reason(request, token)
+        if reason is not None:
+            self.finish(request, reason, now)
 
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
         params = request.params
@@ -399,8 +489,12 @@ class Scheduler:
             self._preempt(victim, output)
             output.preempted.append(victim)
 
-    def _admit(self, planned: dict[Request, int], budget: int, output: SchedulerOutput) -> None:
-        """Move waiting requests into the step while budget, cache and margin allow."""
+    def _admit(
+        self, planned: dict[Request, int], budget: int, output: SchedulerOutput, chunk: int
+    ) -> Generator[None, None, None]:
+        """Move waiting requests into the step while budget, cache and margin allow
+        (pausing after each ``chunk`` admitted)."""
+        admitted = 0
         while self.waiting and budget > 0 and len(planned) < self.max_requests_per_batch:
             if self.running and self.kv_cache.free_fraction < self.safety_margin:
                 break  # keep the rest of the cache for the requests already running
@@ -439,11 +533,15 @@ class Scheduler:
             request.num_computed_tokens += num_new
             budget -= num_new
             self.kv_cache.cache_full_blocks(request)
+            admitted += 1
+            if admitted % chunk == 0:
+                yield  # (the loop's conditions are checked again after it)
 
     def _preempt(self, request: Request, output: SchedulerOutput) -> None:
         """Take the request's blocks and put it at the front of the queue: its KV goes to
         host memory when CPU offloading has room, otherwise it is computed again later."""
         del self.running[request]
+        self._departed.append(request)
         copies = self.kv_cache.offload(request)
         if copies is not None:
             _extend(output.swap_out, copies)
@@ -484,7 +582,7 @@ def _record_prompt_logprobs(
         position = start + 1 + i
         if position == len(request.prompt_logprobs):
             request.prompt_logprobs.append(value)
-            request.prompt_top_logprobs.append(None if tops is None else tops[i])
+            request.prompt_top_logprobs.append(None if tops is None else dict(tops[i]))
 
 
 def _extend(per_group: list[list[tuple[int, int]]], more: list[list[tuple[int, int]]]) -> None:

@@ -25,7 +25,7 @@ from aiocb.detokenize import TextTracker
 from aiocb.errors import InvalidRequestError
 from aiocb.params import SamplingParams
 from aiocb.prompts import Prompt, encode_prompt, is_large
-from aiocb.runner.inputs import token_history
+from aiocb.runner.step_batch import token_history
 from aiocb.sampling import RequestLimits, config_defaults, normalize_prompt, resolve_params
 
 #: a request that gives no parameter: everything from the GenerationConfig

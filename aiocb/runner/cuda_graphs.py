@@ -16,8 +16,9 @@ from typing import Any
 
 import torch
 
-from aiocb.runner.inputs import AttentionMetadata, GroupAttention, StepBatch, StepInputs
+from aiocb.runner.inputs import AttentionMetadata, GroupAttention, StepInputs
 from aiocb.runner.paged_cache import PagedKVCache
+from aiocb.runner.step_batch import StepBatch
 
 logger = logging.getLogger(__name__)
 
@@ -67,13 +68,12 @@ class DecodeGraphs:
         self._logits_indices = torch.arange(rows, dtype=long, device=device)
         self._pad_rows = torch.arange(rows + 1, dtype=int32, device=device)
 
-    def eligible(self, batch: StepBatch) -> bool:
-        """Whether the step is a decode step a graph can run."""
-        rows = batch.rows
+    def eligible(self, batch: StepBatch, inputs: StepInputs) -> bool:
+        """Whether the step (with its inputs made) is a decode step a graph can run."""
         return (
-            0 < len(rows) <= self.buckets[-1]
-            and all(r.num_tokens == 1 and r.sample and not r.prompt_targets for r in rows)
-            and all(len(blocks) <= self.max_blocks for r in rows for blocks in r.block_ids)
+            batch.is_decode
+            and batch.num_rows <= self.buckets[-1]
+            and all(group.block_table.shape[1] <= self.max_blocks for group in inputs.attention.groups)
         )
 
     def run(self, inputs: StepInputs, num_rows: int) -> torch.Tensor:

@@ -1,191 +1,35 @@
 """A scheduled step as flat tensors: no padding between requests.
 
-The loop thread takes a :class:`StepBatch` snapshot of the plan (plain values, so the
-scheduler may move on while the device works); :func:`prepare_inputs` turns it into the
-tensors of one forward pass: token ids and positions of every scheduled token back to
-back, cache slots to write, per-request KV slots or block tables to read, and the rows
-whose logits are sampled. Tensors are built on the host and moved to the device in one
-copy per dtype through :class:`HostToDevice` (pinned, double-buffered, on a side stream).
+The loop thread copies each plan out as a :class:`~aiocb.runner.step_batch.StepBatch`
+(the changes to the persistent batch, plain values, so the scheduler may move on while
+the device works); :func:`prepare_inputs` applies them to the
+:class:`~aiocb.runner.input_batch.InputBatch` and builds the tensors of one forward pass:
+token ids and positions of every scheduled token back to back, cache slots to write,
+per-request KV slots or block tables to read, and the rows whose logits are sampled.
+Tensors are built on the host with vectorised operations (a step's cost hardly depends
+on its rows' lengths) and moved to the device in one copy per dtype through
+:class:`HostToDevice` (pinned, double-buffered, on a side stream).
 """
 
 from __future__ import annotations
 
-import array
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from aiocb.core.kv_cache import ring_size
-from aiocb.core.params import ResolvedParams
-from aiocb.core.request import Request
-from aiocb.core.scheduler import SchedulerOutput, wants_prompt_logprobs
 from aiocb.runner.backends import Backend
-from aiocb.runner.logits_controls import matched_sequence_bias
+from aiocb.runner.input_batch import InputBatch
 from aiocb.runner.paged_cache import PagedKVCache
-from aiocb.runner.sampler import SamplingTensors
+from aiocb.runner.sampler import SamplingTensors, controls_from_tensors
+from aiocb.runner.step_batch import RowControls, StepBatch
 
 
-@dataclass(slots=True)
-class RowControls:
-    """A sampled row's logits controls for one step (rows that use none have no such object)."""
-
-    params: ResolvedParams
-    #: prompt and output tokens (penalizing rows only), of which the first ``history_length``
-    #: are known to this step ...
-    history: array.array[int] | None
-    history_length: int
-    num_prompt_tokens: int
-    #: ... and whether the row's last token, still being sampled, follows them
-    carries: bool
-    #: ``(token, bias)`` added this step besides the request's own (matched sequence biases)
-    biases: list[tuple[int, float]] | None
-    #: tokens banned this step besides the request's own (bad words, min_tokens, first token)
-    bans: list[int] | None
-
-
-@dataclass(slots=True)  # (not frozen: a frozen __init__ costs several times more per row)
-class RowSpec:
-    """One scheduled request: positions ``start .. start + num_tokens - 1``."""
-
-    start: int
-    num_tokens: int
-    #: per cache group, the request's blocks in order
-    block_ids: tuple[tuple[int, ...], ...]
-    sample: bool
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int = 0
-    #: how many tokens the request generated before this step (its random stream offset)
-    offset: int = 0
-    controls: RowControls | None = None
-    logprobs: bool = False
-    top_logprobs: int = 0
-    #: with prompt logprobs: the prompt tokens that this step's positions predict
-    prompt_targets: tuple[int, ...] = ()
-    #: async batching: the row, among the previous step's sampled rows, whose token is
-    #: this row's last input (still on the device when this step was planned); -1 if none
-    carry_row: int = -1
-
-
-@dataclass(frozen=True, slots=True)
-class StepBatch:
-    """An immutable snapshot of one step's plan."""
-
-    token_ids: list[int]
-    rows: list[RowSpec]
-    #: per cache group, block copies to make before the step (CPU offloading)
-    swap_out: list[list[tuple[int, int]]] = field(default_factory=list)
-    swap_in: list[list[tuple[int, int]]] = field(default_factory=list)
-    #: per cache group, ``(source, destination)`` block copies within the cache (forks)
-    copy_blocks: list[list[tuple[int, int]]] = field(default_factory=list)
-
-    @property
-    def num_sampled(self) -> int:
-        """Rows whose next token is sampled."""
-        return sum(1 for r in self.rows if r.sample)
-
-
-def snapshot(output: SchedulerOutput, previous: SchedulerOutput | None = None) -> StepBatch:
-    """Copy what the device needs out of the scheduler's live state.
-
-    ``previous`` is the step still in flight (async batching): a row whose last token it
-    has yet to sample takes that token from its output on the device.
-    """
-    carry_rows: dict[int, int] = {}
-    if previous is not None:
-        sampled = (item.request for item in previous.scheduled if item.sample)
-        carry_rows = {id(request): row for row, request in enumerate(sampled)}
-    token_ids: list[int] = []
-    rows: list[RowSpec] = []
-    for item in output.scheduled:
-        request = item.request
-        params = request.params
-        known = request.token_ids[item.start : item.start + item.num_tokens]
-        carry_row = -1
-        if item.carries:
-            carry_row = carry_rows[id(request)]
-            known.append(0)  # replaced on the device by the previous step's sample
-        token_ids.extend(known)
-        targets: tuple[int, ...] = ()
-        if wants_prompt_logprobs(request, item.start):
-            last = min(item.start + item.num_tokens, request.num_prompt_tokens - 1)
-            targets = tuple(request.token_ids[item.start + 1 : last + 1])
-        offset = request.num_output_tokens + request.num_pending_tokens - (1 if item.sample else 0)
-        rows.append(
-            RowSpec(
-                start=item.start,
-                num_tokens=item.num_tokens,
-                block_ids=tuple(tuple(blocks) for blocks in request.block_ids),
-                sample=item.sample,
-                temperature=params.temperature,
-                top_k=params.top_k,
-                top_p=params.top_p,
-                min_p=params.min_p,
-                seed=params.seed,
-                offset=offset,
-                controls=row_controls(request, offset, item.carries) if item.sample and params.uses_controls else None,
-                logprobs=params.return_logprobs,
-                top_logprobs=params.top_logprobs,
-                prompt_targets=targets,
-                carry_row=carry_row,
-            )
-        )
-    return StepBatch(
-        token_ids,
-        rows,
-        [list(pairs) for pairs in output.swap_out],
-        [list(pairs) for pairs in output.swap_in],
-        [list(pairs) for pairs in output.copy_blocks],
-    )
-
-
-def row_controls(request: Request, offset: int, carries: bool) -> RowControls:
-    """What a request's controls do at the step sampling its ``offset``-th output token
-    (counted from 0); ``carries``: its last token is still being sampled by the step before."""
-    params = request.params
-    penalizes = params.penalizes
-    biases: list[tuple[int, float]] | None = None
-    bans: list[int] | None = None
-    if params.sequence_biases or params.bad_sequences:
-        # (the scheduler plans no step for such a request while its last token is in flight)
-        known = request.token_ids
-        biases = matched_sequence_bias(known, params.sequence_biases)
-        bans = [token for token, _ in matched_sequence_bias(known, params.bad_sequences)]
-    if offset < params.min_tokens:
-        bans = [*(bans or ()), *params.stop_token_ids]
-    if offset == 0 and params.begin_bans:
-        bans = [*(bans or ()), *params.begin_bans]
-    return RowControls(
-        params,
-        token_history(request) if penalizes else None,
-        request.num_tokens,
-        request.num_prompt_tokens,
-        carries and penalizes,
-        biases,
-        bans,
-    )
-
-
-def token_history(request: Request) -> array.array[int]:
-    """The request's prompt and generated tokens so far, in an ``array`` kept up to date a
-    few tokens at a time (the step's snapshot costs the new tokens, not the history).
-
-    The loop thread only appends to it; the step's worker copies the first ``n`` entries
-    (one C call, atomic under the GIL), so it never sees a token beyond the snapshot's.
-    """
-    history = request.runner_state
-    if not isinstance(history, array.array):
-        history = request.runner_state = array.array("q")
-    if len(history) < len(request.token_ids):
-        history.extend(request.token_ids[len(history) :])
-    return history
-
-
-def controls_host_tensors(rows: Sequence[RowSpec]) -> dict[str, torch.Tensor]:
-    """The sampled rows' controls as flat host tensors (none when no row uses one).
+def controls_host_tensors(controls: dict[int, RowControls], num_rows: int) -> dict[str, torch.Tensor]:
+    """The controls of the sampled rows (by row, of ``num_rows``) as flat host tensors
+    (none when no row uses one).
 
     Names start with ``c_``; :func:`~aiocb.runner.sampler.SamplingTensors.from_device`
     turns them into a :class:`~aiocb.runner.logits_controls.LogitsControls`. A history
@@ -193,8 +37,7 @@ def controls_host_tensors(rows: Sequence[RowSpec]) -> dict[str, torch.Tensor]:
     ``c_history_carry`` says where, ``c_history_carry_rows`` from which previous row.
     """
     host: dict[str, torch.Tensor] = {}
-    with_controls = [(i, r.controls) for i, r in enumerate(rows) if r.controls is not None]
-    if not with_controls:
+    if not controls:
         return host
     long = torch.long
     bias_rows: list[int] = []
@@ -211,8 +54,8 @@ def controls_host_tensors(rows: Sequence[RowSpec]) -> dict[str, torch.Tensor]:
     penalized: list[int] = []
     carry_at: list[int] = []
     carry_rows: list[int] = []
-    restrict = [False] * len(rows)
-    for i, c in with_controls:
+    restrict = [False] * num_rows
+    for i, c in controls.items():
         params = c.params
         for biases in (params.biases, c.biases or ()):
             for token, bias in biases:
@@ -233,7 +76,7 @@ def controls_host_tensors(rows: Sequence[RowSpec]) -> dict[str, torch.Tensor]:
             history.append(torch.frombuffer(c.history[:length], dtype=torch.long))
             if c.carries:
                 carry_at.append(num_history + length)
-                carry_rows.append(rows[i].carry_row)
+                carry_rows.append(c.carry_row)
                 history.append(_PLACEHOLDER)  # replaced on the device by the previous step's sample
             history_lengths.append(length + c.carries)
             num_history += length + c.carries
@@ -258,10 +101,10 @@ def controls_host_tensors(rows: Sequence[RowSpec]) -> dict[str, torch.Tensor]:
         prompt_ends = _expand(starts + torch.tensor(prompt_lengths, dtype=long), starts, num_history)
         host["c_history_is_output"] = torch.arange(num_history) >= prompt_ends
         for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
-            host[f"c_{name}"] = torch.tensor(
-                [getattr(r.controls.params, name) if r.controls is not None else _OFF[name] for r in rows],
-                dtype=torch.float32,
-            )
+            values = [_OFF[name]] * num_rows
+            for i, c in controls.items():
+                values[i] = getattr(c.params, name)
+            host[f"c_{name}"] = torch.tensor(values, dtype=torch.float32)
         if carry_at:
             host["c_history_carry"] = torch.tensor(carry_at, dtype=long)
             host["c_history_carry_rows"] = torch.tensor(carry_rows, dtype=long)
@@ -429,75 +272,95 @@ class HostToDevice:
 
 
 def prepare_inputs(
-    batch: StepBatch, cache: PagedKVCache, transfer: HostToDevice, backends: Sequence[str]
+    batch: StepBatch, cache: PagedKVCache, transfer: HostToDevice, backends: Sequence[str], state: InputBatch
 ) -> StepInputs:
-    """Flatten a step into device tensors; ``backends[g]`` is cache group g's attention."""
-    rows = batch.rows
+    """Apply a step's changes to the persistent batch ``state`` and flatten the step into
+    device tensors; ``backends[g]`` is cache group g's attention."""
+    state.apply(batch)
     page = cache.page_size
     long = torch.long
     host: dict[str, torch.Tensor] = {}
-    q_lens = torch.tensor([r.num_tokens for r in rows], dtype=long)
-    starts = torch.tensor([r.start for r in rows], dtype=long)
+    num_rows = batch.num_rows
+    slots = torch.tensor(batch.slots, dtype=long)
+    q_lens = torch.tensor(batch.num_tokens, dtype=long)
+    starts = torch.tensor(batch.starts, dtype=long)
     num_tokens = len(batch.token_ids)
-    row_of_token = torch.repeat_interleave(torch.arange(len(rows)), q_lens)
-    first_token = torch.cumsum(q_lens, 0) - q_lens
-    positions = torch.arange(num_tokens) - first_token[row_of_token] + starts[row_of_token]
+    single = batch.num_single_token_rows == num_rows  # (every row's token is its last)
+    if single:
+        first_token = torch.arange(num_rows)
+        row_of_token = first_token
+        positions = starts
+    else:
+        row_of_token = torch.repeat_interleave(torch.arange(num_rows), q_lens)
+        first_token = torch.cumsum(q_lens, 0) - q_lens
+        positions = torch.arange(num_tokens) - first_token[row_of_token] + starts[row_of_token]
+    last_token = first_token + q_lens - 1
     host["input_ids"] = torch.tensor(batch.token_ids, dtype=long)
     host["positions"] = positions
 
-    sampled = [i for i, r in enumerate(rows) if r.sample]
-    scored = [i for i, r in enumerate(rows) if r.prompt_targets]
-    prompt_counts = [len(rows[i].prompt_targets) for i in scored]
-    prompt_indices = [int(first_token[i]) + j for i, n in zip(scored, prompt_counts, strict=True) for j in range(n)]
-    host["logits_indices"] = torch.cat(((first_token + q_lens - 1)[sampled], torch.tensor(prompt_indices, dtype=long)))
-    host["prompt_targets"] = torch.tensor([t for i in scored for t in rows[i].prompt_targets], dtype=long)
+    sampled = torch.tensor(batch.sampled, dtype=long)
+    prompt_counts = [len(targets) for targets in batch.prompt_targets.values()]
+    logits_indices = last_token.index_select(0, sampled)
+    if batch.prompt_targets:
+        scored = torch.tensor(list(batch.prompt_targets), dtype=long)
+        counts = torch.tensor(prompt_counts, dtype=long)
+        prompt_rows = torch.repeat_interleave(scored, counts)
+        within = torch.arange(int(counts.sum())) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+        logits_indices = torch.cat((logits_indices, first_token[prompt_rows] + within))
+    host["logits_indices"] = logits_indices
+    host["prompt_targets"] = torch.tensor([t for targets in batch.prompt_targets.values() for t in targets], dtype=long)
     seq_lens = starts + q_lens
     host["query_start"] = torch.cat((first_token, torch.tensor([num_tokens])))
     host["seq_lens"] = seq_lens
-    carried = [i for i, r in enumerate(rows) if r.carry_row >= 0]
-    if carried:
-        host["carry_index"] = (first_token + q_lens - 1)[carried]
-        host["carry_rows"] = torch.tensor([rows[i].carry_row for i in carried], dtype=long)
+    if batch.carry_rows:
+        host["carry_index"] = last_token[torch.tensor(batch.carry_rows, dtype=long)]
+        host["carry_rows"] = torch.tensor(batch.carry_from, dtype=long)
 
-    decode = [i for i, r in enumerate(rows) if r.num_tokens == 1]
-    prefill = [i for i, r in enumerate(rows) if r.num_tokens > 1]
-    decode_index = torch.tensor(decode, dtype=long)
-    if decode:
-        host["decode_token_index"] = first_token[decode_index]
+    decode_index = first_token if single else (q_lens == 1).nonzero()[:, 0]
+    prefill = [] if single else [i for i, n in enumerate(batch.num_tokens) if n > 1]
+    num_decode = batch.num_single_token_rows
+    if num_decode:
+        host["decode_token_index"] = first_token.index_select(0, decode_index)
 
     masks: dict[str, torch.Tensor | None] = {}
     chunk_widths: list[list[int]] = [[] for _ in cache.group_windows]
     for g, window in enumerate(cache.group_windows):
         ring = ring_size(window, page) if window is not None else None
         null = cache.null_block(g)
-        table = _block_table(rows, g, null)
-        slots = _slots(table[row_of_token], positions, page, ring)
+        table, table_lengths = state.table(g, slots)
+        token_tables = table if single else table[row_of_token]
+        slot_mapping = _slots(token_tables, positions, page, ring)
         if window is not None:
             # Sliding layers keep only a chunk's last window-1 positions; earlier ones
             # would land on ring slots that later tokens of the same chunk overwrite.
-            written = positions >= seq_lens[row_of_token] - (window - 1)
-            slots = torch.where(written, slots, cache.trash_block(g) * page)
-        host[f"slots{g}"] = slots
+            written = positions >= (seq_lens if single else seq_lens[row_of_token]) - (window - 1)
+            slot_mapping = torch.where(written, slot_mapping, cache.trash_block(g) * page)
+        host[f"slots{g}"] = slot_mapping
         host[f"table{g}"] = table
         if backends[g] != Backend.REFERENCE:
             continue
-        if decode:
-            pos = starts[decode_index]
-            shared = _shared_prefix_blocks([rows[i].block_ids[g] for i in decode]) if window is None else 0
+        if num_decode:
+            pos = starts.index_select(0, decode_index)
+            decode_table = table if single else table.index_select(0, decode_index)
+            shared = 0
+            if window is None:
+                shared = _shared_prefix_blocks(decode_table, table_lengths.index_select(0, decode_index))
             if shared * page < _MIN_SHARED_TOKENS:
                 shared = 0
             if shared:
-                blocks = torch.tensor(rows[decode[0]].block_ids[g][:shared], dtype=long)
+                blocks = decode_table[0, :shared]
                 host[f"decode_shared{g}"] = (blocks[:, None] * page + torch.arange(page)[None, :]).reshape(-1)
             first_key = (pos - window + 1).clamp_min(0) if window is not None else torch.full_like(pos, shared * page)
             lengths = pos - first_key + 1
             for c, chunk in enumerate(_decode_chunks(lengths, _decode_chunk_slots(cache))):
-                which = slice(None) if chunk is None else chunk
-                n_keys, chunk_pos = lengths[which], pos[which]
+                n_keys = lengths if chunk is None else lengths[chunk]
+                chunk_pos = pos if chunk is None else pos[chunk]
+                chunk_first = first_key if chunk is None else first_key[chunk]
+                chunk_table = decode_table if chunk is None else decode_table[chunk]
                 steps = torch.arange(int(n_keys.max()))
                 valid = steps[None, :] < n_keys[:, None]
-                key_pos = torch.where(valid, first_key[which][:, None] + steps[None, :], chunk_pos[:, None])
-                chunk_slots = _slots(table[decode_index[which]], key_pos, page, ring)
+                key_pos = torch.where(valid, chunk_first[:, None] + steps[None, :], chunk_pos[:, None])
+                chunk_slots = _slots(chunk_table, key_pos, page, ring)
                 host[f"dslots{g}_{c}"] = torch.where(valid, chunk_slots, null * page).reshape(-1)
                 if not bool(valid.all()):
                     host[f"dvalid{g}_{c}"] = valid
@@ -505,7 +368,7 @@ def prepare_inputs(
                     host[f"drows{g}_{c}"] = chunk
                 chunk_widths[g].append(len(steps))
         for i in prefill:
-            start, q_len = rows[i].start, rows[i].num_tokens
+            start, q_len = batch.starts[i], batch.num_tokens[i]
             lo = max(0, start - (window - 1)) if window is not None else 0
             read = torch.arange(lo, start if window is not None or start == 0 else start + q_len)
             host[f"read{g}_{i}"] = _slots(table[i : i + 1].expand(len(read), -1), read, page, ring)
@@ -514,9 +377,9 @@ def prepare_inputs(
                 host[f"mask{g}_{i}"] = mask
             masks[f"mask{g}_{i}"] = mask
 
-    sampled_rows = [rows[i] for i in sampled]
-    host.update(SamplingTensors.host_tensors(sampled_rows))
-    host.update(controls_host_tensors(sampled_rows))
+    sampling = _sampling_host_tensors(batch, state, slots.index_select(0, sampled))
+    host.update(sampling.tensors)
+    host.update(controls_host_tensors(batch.controls, batch.num_sampled))
     dev = transfer(host)
 
     groups: list[GroupAttention] = []
@@ -542,21 +405,83 @@ def prepare_inputs(
         num_tokens=num_tokens,
         query_start=dev["query_start"].to(torch.int32),
         seq_lens=dev["seq_lens"].to(torch.int32),
-        max_query_len=int(q_lens.max()),
+        max_query_len=max(batch.num_tokens),
         max_seq_len=int(seq_lens.max()),
         decode_token_index=dev.get("decode_token_index"),
-        prefill_rows=[(int(first_token[i]), rows[i].num_tokens) for i in prefill],
+        prefill_rows=[(int(first_token[i]), batch.num_tokens[i]) for i in prefill],
     )
     return StepInputs(
         input_ids=dev["input_ids"],
         position_ids=dev["positions"],
         logits_indices=dev["logits_indices"],
         attention=attention,
-        sampling=SamplingTensors.from_device(dev, sampled_rows),
+        sampling=sampling.on_device(dev),
         prompt_targets=dev["prompt_targets"],
         prompt_counts=prompt_counts,
         carry_index=dev.get("carry_index"),
         carry_rows=dev.get("carry_rows"),
+    )
+
+
+@dataclass(slots=True)
+class _SamplingColumns:
+    """The sampled rows' parameters as host tensors, with the batch-wide flags read from them."""
+
+    tensors: dict[str, torch.Tensor]
+    all_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+    any_logprobs: bool
+    max_top_logprobs: int
+    max_top_k: int
+
+    def on_device(self, dev: dict[str, torch.Tensor]) -> SamplingTensors:
+        return SamplingTensors(
+            temperature=dev["temperature"],
+            top_k=dev["top_k"],
+            top_p=dev["top_p"],
+            seed=dev["seed"],
+            offset=dev["offset"],
+            all_greedy=self.all_greedy,
+            any_top_k=self.any_top_k,
+            any_top_p=self.any_top_p,
+            any_logprobs=self.any_logprobs,
+            max_top_logprobs=self.max_top_logprobs,
+            max_top_k=self.max_top_k,
+            min_p=dev.get("min_p"),
+            controls=controls_from_tensors(dev),
+            history_carry=dev.get("c_history_carry"),
+            history_carry_rows=dev.get("c_history_carry_rows"),
+        )
+
+
+def _sampling_host_tensors(batch: StepBatch, state: InputBatch, slots: torch.Tensor) -> _SamplingColumns:
+    """The parameters of the sampled rows, whose slots are ``slots``, gathered from ``state``
+    (a greedy row's temperature and min-p are 0 there)."""
+    temperature = state.temperature.index_select(0, slots)
+    top_k = state.top_k.index_select(0, slots)
+    top_p = state.top_p.index_select(0, slots)
+    tensors = {
+        "temperature": temperature,
+        "top_k": top_k,
+        "top_p": top_p,
+        "seed": state.seed.index_select(0, slots),
+        "offset": torch.tensor(batch.offsets, dtype=torch.long),
+    }
+    min_p = state.min_p.index_select(0, slots)
+    if bool((min_p > 0.0).any()):
+        tensors["min_p"] = min_p
+    drawn = temperature != 0.0
+    tops = state.top_logprobs.index_select(0, slots)
+    drawn_k = top_k[drawn]
+    return _SamplingColumns(
+        tensors,
+        all_greedy=not bool(drawn.any()),
+        any_top_k=bool((drawn_k > 1).any()),
+        any_top_p=bool((top_p[drawn] < 1.0).any()),
+        any_logprobs=bool((state.logprobs.index_select(0, slots) | (tops > 0)).any()),
+        max_top_logprobs=int(tops.max()) if tops.numel() else 0,
+        max_top_k=int(drawn_k.max()) if drawn_k.numel() else 0,
     )
 
 
@@ -585,47 +510,41 @@ def _decode_chunks(lengths: torch.Tensor, max_slots: int | None) -> list[torch.T
 
     Returns each batch's row indices, or ``[None]``: every row in one batch, in order.
     """
-    if max_slots is None:
+    if max_slots is None or int(lengths.max()) * len(lengths) <= max_slots:
         return [None]
-    sizes = lengths.tolist()
-    order = sorted(range(len(sizes)), key=sizes.__getitem__)
+    sizes, order = torch.sort(lengths, stable=True)
+    count = len(sizes)
     chunks: list[torch.Tensor | None] = []
     first = 0
-    for i in range(1, len(order) + 1):
-        # rows first .. i-1 fit; with row i (the longest yet) each would pad to its length
-        if i == len(order) or (i + 1 - first) * sizes[order[i]] > max_slots:
-            chunks.append(torch.tensor(order[first:i], dtype=torch.long))
-            first = i
+    while first < count:
+        # rows first .. i fit while (i + 1 - first) * sizes[i] (increasing in i) stays in budget
+        padded = (torch.arange(1, count - first + 1) * sizes[first:]).tolist()
+        fit = max(1, _count_at_most(padded, max_slots))
+        chunks.append(order[first : first + fit])
+        first += fit
     return chunks if len(chunks) > 1 else [None]
 
 
-def _shared_prefix_blocks(tables: list[tuple[int, ...]]) -> int:
-    """How many leading blocks every table holds in common (0 if not worth sharing).
+def _count_at_most(increasing: list[int], bound: int) -> int:
+    """How many leading values of a non-decreasing list are at most ``bound``."""
+    return bisect.bisect_right(increasing, bound)
+
+
+def _shared_prefix_blocks(tables: torch.Tensor, lengths: torch.Tensor) -> int:
+    """How many leading blocks every row of ``tables`` (``[rows, width]``, ``lengths``
+    real entries each) holds in common (0 if not worth sharing).
 
     Prefix caching maps a common prompt prefix to the same physical blocks, so decode rows
     behind one system prompt share their first blocks; the last block of a row is never
     counted (it is still being written).
     """
-    if len(tables) < 2:
+    if tables.shape[0] < 2:
         return 0
-    shared = min(len(t) for t in tables) - 1
-    first = tables[0]
-    for table in tables[1:]:
-        common = 0
-        while common < shared and table[common] == first[common]:
-            common += 1
-        shared = common
-        if not shared:
-            return 0
-    return shared
-
-
-def _block_table(rows: list[RowSpec], group: int, null: int) -> torch.Tensor:
-    width = max(1, max(len(r.block_ids[group]) for r in rows))
-    return torch.tensor(
-        [list(r.block_ids[group]) + [null] * (width - len(r.block_ids[group])) for r in rows],
-        dtype=torch.long,
-    )
+    most = int(lengths.min()) - 1
+    if most <= 0:
+        return 0
+    same = (tables[:, :most] == tables[:1, :most]).all(0)
+    return int(same.to(torch.long).cumprod(0).sum())
 
 
 def _slots(table: torch.Tensor, positions: torch.Tensor, page: int, ring: int | None) -> torch.Tensor:

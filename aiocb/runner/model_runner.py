@@ -21,11 +21,13 @@ from aiocb.runner import attention
 from aiocb.runner.backends import Backend, select_backends
 from aiocb.runner.compile import compile_configs, compiled
 from aiocb.runner.cuda_graphs import DecodeGraphs
-from aiocb.runner.inputs import AttentionMetadata, HostToDevice, StepBatch, StepInputs, prepare_inputs
+from aiocb.runner.input_batch import InputBatch
+from aiocb.runner.inputs import AttentionMetadata, HostToDevice, StepInputs, prepare_inputs
 from aiocb.runner.memory import CachePlan, plan_cache
 from aiocb.runner.model_spec import ModelSpec, model_spec
 from aiocb.runner.paged_cache import PagedKVCache
 from aiocb.runner.sampler import sample, score
+from aiocb.runner.step_batch import BatchWriter, StepBatch
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +66,11 @@ class ModelRunner:
         self.cache = PagedKVCache(self.spec, self.plan)
         self.backends = select_backends(self.device, config, self.cache.group_windows, self.plan.page_size)
         self._transfer = HostToDevice(self.device)
+        groups = range(len(self.cache.group_windows))
+        #: the event loop's side of the persistent batch (it copies plans out) ...
+        self.writer = BatchWriter(len(groups))
+        #: ... and the worker's (every slot's tables and sampling parameters)
+        self.input_batch = InputBatch([self.cache.null_block(g) for g in groups])
         varlen_config, decode_config = compile_configs(config)
         self._varlen_model = compiled(model, varlen_config)
         self._decode_model = compiled(model, decode_config)
@@ -108,9 +115,9 @@ class ModelRunner:
             self.cache.swap_out(batch.swap_out)
         if any(batch.swap_in):
             self.cache.swap_in(batch.swap_in)
-        if not batch.rows:
+        if not batch.num_rows:
             return PendingStep([], None, torch.empty(0, dtype=torch.long), None, None, None, None, None, None)
-        inputs = prepare_inputs(batch, self.cache, self._transfer, self.backends)
+        inputs = prepare_inputs(batch, self.cache, self._transfer, self.backends, self.input_batch)
         if inputs.carry_index is not None:
             assert inputs.carry_rows is not None and self._last_tokens is not None
             inputs.input_ids.index_copy_(0, inputs.carry_index, self._last_tokens.index_select(0, inputs.carry_rows))
@@ -126,8 +133,7 @@ class ModelRunner:
         self._last_tokens = picked.tokens
         prompt: tuple[torch.Tensor | None, ...] = (None, None, None)
         if inputs.prompt_counts:
-            top = max(r.top_logprobs for r in batch.rows if r.prompt_targets)
-            prompt = score(logits[num_sampled:].float(), inputs.prompt_targets, top)
+            prompt = score(logits[num_sampled:].float(), inputs.prompt_targets, batch.prompt_top_logprobs)
         pending = PendingStep(
             inputs.prompt_counts,
             None,
@@ -161,9 +167,9 @@ class ModelRunner:
         )
 
     def _logits(self, batch: StepBatch, inputs: StepInputs) -> torch.Tensor:
-        if self.graphs is not None and self.graphs.eligible(batch):
-            return self.graphs.run(inputs, len(batch.rows))
-        decode_only = all(r.num_tokens == 1 for r in batch.rows)
+        if self.graphs is not None and self.graphs.eligible(batch, inputs):
+            return self.graphs.run(inputs, batch.num_rows)
+        decode_only = batch.num_single_token_rows == batch.num_rows
         model = self._decode_model if decode_only else self._varlen_model
         return _forward(
             model, inputs.input_ids[None], inputs.position_ids[None], inputs.logits_indices, inputs.attention

@@ -27,9 +27,9 @@ from transformers import PreTrainedModel
 from aiocb.config import ContinuousBatchingConfig
 from aiocb.core.scheduler import StepResult
 from aiocb.errors import DistributedError, InvalidRequestError
-from aiocb.runner.inputs import StepBatch
 from aiocb.runner.memory import CachePlan
 from aiocb.runner.model_runner import ModelRunner, PendingStep
+from aiocb.runner.step_batch import StepBatch
 from aiocb.runner.tp_channel import ControlChannel, Event, control_channel, is_comm_failure, own_plan
 from aiocb.runner.tp_layout import TensorParallelLayout, tensor_parallel_layout
 

@@ -5,14 +5,20 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Generator
 
 import pytest
 from transformers import PreTrainedModel
 
 import aiocb
+from aiocb.core.request import Request
+from aiocb.core.scheduler import Scheduler, SchedulerOutput
+from aiocb.engine import step_loop
 from aiocb.engine.admission import Turnstile
+from aiocb.engine.router import OutputRouter
 from aiocb.engine.stream import RequestHandle
-from tests.conftest import random_prompts
+from aiocb.runner.step_batch import BatchWriter
+from tests.conftest import random_prompts, reference_generate
 
 PROMPTS = random_prompts(4, 5, 30, seed=31)
 
@@ -117,3 +123,72 @@ def _frames(error: BaseException | None) -> list[object]:
         frames.append(tb.tb_frame)
         tb = tb.tb_next
     return frames
+
+
+async def test_a_large_step_gives_the_loop_back_and_survives_cancellations_meanwhile(
+    qwen3: PreTrainedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A step's planning, its copy for the device and its delivery each give the loop back
+    # every CHUNK requests; requests cancelled at those moments (while a plan holds them)
+    # must not disturb the others or leak blocks.
+    monkeypatch.setattr(step_loop, "CHUNK", 3)
+    events: list[tuple[str, int]] = []  # (what paused, the other coroutine's turns so far)
+    turns = 0
+    plan, add_rows, on_step = Scheduler.plan, BatchWriter.add_rows, OutputRouter.on_step
+
+    def recorded_plan(self: Scheduler, chunk: int = 256) -> Generator[None, None, SchedulerOutput]:
+        planner = plan(self, chunk)
+        while True:
+            try:
+                next(planner)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+            events.append(("plan", turns))
+            yield
+
+    def recorded_add_rows(self: BatchWriter, stop: int) -> None:
+        add_rows(self, stop)
+        events.append(("copy", turns))
+
+    def recorded_on_step(self: OutputRouter, updated: list[Request], finished: list[Request]) -> None:
+        on_step(self, updated, finished)
+        events.append(("delivery", turns))
+
+    monkeypatch.setattr(Scheduler, "plan", recorded_plan)
+    monkeypatch.setattr(BatchWriter, "add_rows", recorded_add_rows)
+    monkeypatch.setattr(OutputRouter, "on_step", recorded_on_step)
+    prompts = random_prompts(20, 5, 30, seed=33)
+    config = aiocb.ContinuousBatchingConfig(max_requests_per_batch=32, max_batch_tokens=1024)
+    cancelled_mid_plan = 0
+    async with aiocb.Manager(qwen3, continuous_batching_config=config) as manager:
+        ids = [await manager.add_request(p, max_new_tokens=8) for p in prompts]
+        doomed = ids[1::4]
+        finished = False
+
+        async def probe() -> None:
+            nonlocal turns, cancelled_mid_plan
+            while not finished:
+                await asyncio.sleep(0)
+                turns += 1
+                if events and events[-1][0] in ("plan", "copy") and doomed and manager.statistics().steps >= 2:
+                    manager.cancel_request(doomed.pop())  # ended while a plan or its copy is paused
+                    cancelled_mid_plan += 1
+
+        probing = asyncio.create_task(probe())
+        outputs = {i: await manager.get_result(i) for i in ids}
+        finished = True
+        await probing
+        stats = manager.statistics()
+    assert cancelled_mid_plan == len(ids[1::4])
+    assert stats.free_blocks == stats.total_blocks, "blocks leaked"
+    for request_id, prompt in zip(ids, prompts, strict=True):
+        output = outputs[request_id]
+        assert output is not None
+        if request_id in ids[1::4]:
+            assert output.status is aiocb.RequestStatus.CANCELLED
+        else:
+            assert output.generated_tokens == reference_generate(qwen3, prompt, 8)
+    for kind in ("plan", "copy", "delivery"):
+        marks = [t for k, t in events if k == kind]
+        gave_back = sum(1 for a, b in itertools.pairwise(marks) if b > a)
+        assert gave_back >= 10, f"the loop was not given back during {kind}"

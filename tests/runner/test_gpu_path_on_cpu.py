@@ -14,8 +14,9 @@ from aiocb.runner import attention
 from aiocb.runner.backends import Backend, select_backends
 from aiocb.runner.compile import compile_configs
 from aiocb.runner.cuda_graphs import DecodeGraphs, batch_buckets
-from aiocb.runner.inputs import AttentionMetadata, HostToDevice, StepBatch, prepare_inputs, snapshot
+from aiocb.runner.inputs import AttentionMetadata, HostToDevice, prepare_inputs
 from aiocb.runner.model_runner import ModelRunner, _forward
+from aiocb.runner.step_batch import StepBatch
 from tests.conftest import random_prompts, reference_generate, tiny_qwen3
 
 PROMPTS = random_prompts(4, 5, 40, seed=16)
@@ -118,23 +119,23 @@ def test_padded_decode_replay_equals_the_unpadded_step(monkeypatch: pytest.Monke
         for i, prompt in enumerate(PROMPTS[:3]):
             scheduler.add(Request(f"r{i}", prompt, ResolvedParams(max_new_tokens=4), 0.0))
         prefill = scheduler.schedule()
-        scheduler.update(prefill, runner.execute(snapshot(prefill)), 0.0)
+        scheduler.update(prefill, runner.execute(runner.writer.snapshot(prefill)), 0.0)
         decode = scheduler.schedule()
-        batch: StepBatch = snapshot(decode)
-        assert graphs.eligible(batch)
+        batch: StepBatch = runner.writer.snapshot(decode)
         before = [t.clone() for t in runner.cache.key]
-        inputs = prepare_inputs(batch, runner.cache, HostToDevice(runner.device), runner.backends)
+        inputs = prepare_inputs(batch, runner.cache, HostToDevice(runner.device), runner.backends, runner.input_batch)
+        assert graphs.eligible(batch, inputs)
         with torch.inference_mode():
-            padded = graphs.run(inputs, len(batch.rows))
+            padded = graphs.run(inputs, batch.num_rows)
         # The padding row wrote only to the trash block.
         trash = runner.cache.trash_block(0)
         for layer, old in enumerate(before):
             changed = (runner.cache.key[layer] != old).flatten(1).any(1).nonzero().flatten().tolist()
-            real = {b for r in batch.rows for b in r.block_ids[0]}
+            real = {b for item in decode.scheduled for b in item.request.block_ids[0]}
             assert set(changed) <= real | {trash}
         for layer, old in enumerate(before):  # undo this step's writes, then run it unpadded
             runner.cache.key[layer].copy_(old)
-        inputs = prepare_inputs(batch, runner.cache, HostToDevice(runner.device), runner.backends)
+        inputs = prepare_inputs(batch, runner.cache, HostToDevice(runner.device), runner.backends, runner.input_batch)
         with torch.inference_mode():
             metadata: AttentionMetadata = inputs.attention
             eager = _forward(model, inputs.input_ids[None], inputs.position_ids[None], inputs.logits_indices, metadata)

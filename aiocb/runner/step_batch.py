@@ -1,0 +1,400 @@
+"""A scheduled step copied out of the scheduler: what changed since the step before.
+
+The device side keeps every running request's state in a persistent batch
+(:class:`~aiocb.runner.input_batch.InputBatch`): a *slot* per request holding its block
+tables and sampling parameters. A :class:`StepBatch` therefore carries, besides the
+step's tokens and positions, only the rows that joined (their parameters), the blocks
+appended to tables, and the rare per-row extras (logits controls, prompt logprobs). A
+steady decode row costs a few list appends on the loop thread and vectorised copies on
+the worker, whatever its length.
+
+:class:`BatchWriter` lives on the event loop's thread: it assigns slots and remembers
+what each slot was sent. It may copy a plan out a chunk of rows at a time (the loop
+runs other work between chunks); the scheduler keeps ended requests' blocks until the
+copy is complete (:meth:`~aiocb.core.scheduler.Scheduler.hold_blocks`).
+"""
+
+from __future__ import annotations
+
+import array
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from aiocb.core.params import ResolvedParams
+from aiocb.core.request import Request
+from aiocb.core.scheduler import SchedulerOutput, wants_prompt_logprobs
+from aiocb.runner.logits_controls import matched_sequence_bias
+
+_MASK32 = 0xFFFFFFFF
+
+
+@dataclass(slots=True)
+class RowControls:
+    """A sampled row's logits controls for one step (rows that use none have no such object)."""
+
+    params: ResolvedParams
+    #: prompt and output tokens (penalizing rows only), of which the first ``history_length``
+    #: are known to this step ...
+    history: array.array[int] | None
+    history_length: int
+    num_prompt_tokens: int
+    #: ... and whether the row's last token, still being sampled, follows them: then the
+    #: previous step's sampled row ``carry_row`` has it
+    carries: bool
+    carry_row: int
+    #: ``(token, bias)`` added this step besides the request's own (matched sequence biases)
+    biases: list[tuple[int, float]] | None
+    #: tokens banned this step besides the request's own (bad words, min_tokens, first token)
+    bans: list[int] | None
+
+
+#: A slot's sampling parameters: temperature (0 when greedy), top-k, top-p, min-p (0 when
+#: greedy), 32-bit seed, whether to return logprobs, how many top alternatives.
+RowParams = tuple[float, int, float, float, int, bool, int]
+
+
+def row_params(params: ResolvedParams) -> RowParams:
+    """The sampling parameters a slot keeps for ``params``."""
+    greedy = params.greedy
+    return (
+        0.0 if greedy else params.temperature,
+        params.top_k,
+        params.top_p,
+        0.0 if greedy else params.min_p,
+        params.seed & _MASK32,
+        params.return_logprobs,
+        params.top_logprobs,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class TableWrites:
+    """One cache group's block-table changes: ``table[slots[i], columns[i]] = blocks[i]``,
+    after clearing the rows of ``resets`` (slots given to a new owner or a new table)."""
+
+    resets: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    columns: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class StepBatch:
+    """An immutable copy of one step's plan, as changes to the persistent batch."""
+
+    #: every scheduled token, row after row (0 where the previous step's sample goes)
+    token_ids: list[int]
+    #: per row: its slot, its first position and its number of tokens
+    slots: list[int]
+    starts: list[int]
+    num_tokens: list[int]
+    #: the rows whose next token is sampled, in order, and each one's random stream offset
+    #: (how many tokens its request generated before this step)
+    sampled: list[int]
+    offsets: list[int]
+    #: async batching: rows whose last input is still being sampled by the previous step,
+    #: and which of that step's sampled rows samples it
+    carry_rows: list[int]
+    carry_from: list[int]
+    #: slots given to a request this step, and its sampling parameters
+    join_slots: list[int]
+    join_params: list[RowParams]
+    #: per cache group, the block tables' changes
+    tables: list[TableWrites]
+    #: by sampled row (its index in ``sampled``), the logits controls of rows that use them
+    controls: dict[int, RowControls]
+    #: by row (in row order), the prompt tokens that the row's positions predict (prompt logprobs)
+    prompt_targets: dict[int, tuple[int, ...]]
+    #: slots handed out so far (the persistent batch's height)
+    num_slots: int = 0
+    #: the most top alternatives a row scoring prompt tokens asked for
+    prompt_top_logprobs: int = 0
+    #: how many rows compute one token
+    num_single_token_rows: int = 0
+    #: per cache group, block copies to make before the step (CPU offloading)
+    swap_out: list[list[tuple[int, int]]] = field(default_factory=list)
+    swap_in: list[list[tuple[int, int]]] = field(default_factory=list)
+    #: per cache group, ``(source, destination)`` block copies within the cache (forks)
+    copy_blocks: list[list[tuple[int, int]]] = field(default_factory=list)
+
+    @property
+    def num_rows(self) -> int:
+        """Scheduled requests."""
+        return len(self.slots)
+
+    @property
+    def num_sampled(self) -> int:
+        """Rows whose next token is sampled."""
+        return len(self.sampled)
+
+    @property
+    def is_decode(self) -> bool:
+        """Whether every row computes and samples one token, scoring no prompt token."""
+        n = len(self.slots)
+        return 0 < n == self.num_single_token_rows == len(self.sampled) and not self.prompt_targets
+
+
+@dataclass(slots=True)
+class RowState:
+    """What a :class:`BatchWriter` sent about one request (kept in ``request.runner_state``)."""
+
+    writer: BatchWriter | None = None
+    #: the request's slot in the persistent batch; -1: none
+    slot: int = -1
+    #: the ``request.block_ids`` list last sent, and how many blocks of each group were sent
+    tables: list[list[int]] | None = None
+    sent: list[int] = field(default_factory=list)
+    #: the last step (writer's count) that scheduled the request, and its sampled row there
+    step: int = -1
+    sampled_row: int = -1
+    #: prompt and output tokens, kept up to date for penalties (see :func:`token_history`)
+    history: array.array[int] | None = None
+
+
+def row_state(request: Request) -> RowState:
+    """The request's :class:`RowState`, made on first use."""
+    state = request.runner_state
+    if not isinstance(state, RowState):
+        state = request.runner_state = RowState()
+    return state
+
+
+def token_history(request: Request) -> array.array[int]:
+    """The request's prompt and generated tokens so far, in an ``array`` kept up to date a
+    few tokens at a time (the step's copy costs the new tokens, not the history).
+
+    The loop thread only appends to it; the step's worker copies the first ``n`` entries
+    (one C call, atomic under the GIL), so it never sees a token beyond the step's.
+    """
+    state = row_state(request)
+    history = state.history
+    if history is None:
+        history = state.history = array.array("q")
+    if len(history) < len(request.token_ids):
+        history.extend(request.token_ids[len(history) :])
+    return history
+
+
+class BatchWriter:
+    """Copies plans out of the scheduler as :class:`StepBatch` changes (event-loop thread).
+
+    :meth:`begin`, then :meth:`add_rows` over the plan's rows in order (in as many chunks
+    as the caller likes), then :meth:`finish`. :meth:`snapshot` does all three.
+    """
+
+    def __init__(self, num_groups: int) -> None:
+        self.num_groups = num_groups
+        self._free: list[int] = []
+        self._next_slot = 0
+        self._steps = 0
+        self._output: SchedulerOutput | None = None
+        self._parts: _Parts | None = None
+        self._departed: list[Request] = []
+
+    @property
+    def num_slots(self) -> int:
+        """Slots handed out at some point (the persistent batch's height)."""
+        return self._next_slot
+
+    @property
+    def num_live_slots(self) -> int:
+        """Slots owned by a request now."""
+        return self._next_slot - len(self._free)
+
+    def snapshot(self, output: SchedulerOutput, departed: Sequence[Request] = (), pipelined: bool = False) -> StepBatch:
+        """The whole plan at once (see :meth:`begin`)."""
+        self.begin(output, departed, pipelined)
+        self.add_rows(len(output.scheduled))
+        return self.finish()
+
+    def begin(self, output: SchedulerOutput, departed: Sequence[Request] = (), pipelined: bool = False) -> None:
+        """Start copying ``output``. ``departed``: the requests that left the running set
+        since the last copy (:meth:`~aiocb.core.scheduler.Scheduler.take_departed`), whose
+        slots are given back; ``pipelined``: the previous copy's step is still in flight,
+        and rows that carry take their last token from its samples."""
+        assert self._output is None, "the previous plan's copy was not finished"
+        self._steps += 1
+        self._output = output
+        self._departed = list(departed)
+        self._parts = _Parts(self.num_groups, pipelined)
+        for request in self._departed:
+            state = request.runner_state
+            if isinstance(state, RowState) and state.writer is self and state.slot >= 0 and not request.is_finished:
+                # Preempted: its blocks are gone. If the same plan admitted it again it gets a
+                # new slot below; an ended request's slot is freed once the copy is complete
+                # (it may still be in this plan: ended while the plan was being made).
+                self._release(state)
+
+    def add_rows(self, stop: int) -> None:
+        """Copy the plan's rows up to ``stop`` (exclusive), after those already copied."""
+        output, parts = self._output, self._parts
+        assert output is not None and parts is not None
+        scheduled = output.scheduled
+        step = self._steps
+        for row in range(len(parts.slots), min(stop, len(scheduled))):
+            item = scheduled[row]
+            request = item.request
+            state = request.runner_state
+            if not isinstance(state, RowState) or state.writer is not self:
+                state = row_state(request)
+                state.writer, state.slot = self, -1
+            if state.slot < 0:
+                self._assign(state, request, parts)
+            else:
+                # A request's block lists only grow while it runs: one given back (a
+                # preemption) departs, and the slot goes with it.
+                assert request.block_ids is state.tables, "a running request's blocks were replaced"
+                sent = state.sent
+                for g, blocks in enumerate(request.block_ids):
+                    if len(blocks) > sent[g]:
+                        writes = parts.tables[g]
+                        for column in range(sent[g], len(blocks)):
+                            writes.slots.append(state.slot)
+                            writes.columns.append(column)
+                            writes.blocks.append(blocks[column])
+                        sent[g] = len(blocks)
+            parts.slots.append(state.slot)
+            start, num = item.start, item.num_tokens
+            parts.starts.append(start)
+            parts.num_tokens.append(num)
+            if num == 1:
+                parts.single += 1
+                parts.token_ids.append(0 if item.carries else request.token_ids[start])
+            else:
+                parts.token_ids.extend(request.token_ids[start : start + num])
+                if item.carries:  # (the slice stopped short of it)
+                    parts.token_ids.append(0)
+            carry_row = -1
+            if item.carries:
+                assert parts.pipelined and state.step == step - 1, "a carried token must come from the step before"
+                carry_row = state.sampled_row
+                parts.carry_rows.append(row)
+                parts.carry_from.append(carry_row)
+            state.step = step
+            params = request.params
+            if item.sample:
+                offset = request.num_output_tokens + request.num_pending_tokens - 1
+                state.sampled_row = len(parts.sampled)
+                if params.uses_controls:
+                    parts.controls[state.sampled_row] = row_controls(request, offset, item.carries, carry_row)
+                parts.sampled.append(row)
+                parts.offsets.append(offset)
+            if params.prompt_logprobs and wants_prompt_logprobs(request, start):
+                last = min(start + num, request.num_prompt_tokens - 1)
+                parts.prompt_targets[row] = tuple(request.token_ids[start + 1 : last + 1])
+                parts.prompt_top = max(parts.prompt_top, params.top_logprobs)
+
+    def finish(self) -> StepBatch:
+        """The copied plan (every row must have been added)."""
+        output, parts = self._output, self._parts
+        assert output is not None and parts is not None
+        assert len(parts.slots) == len(output.scheduled), "rows were left out of the copy"
+        self._output = self._parts = None
+        departed, self._departed = self._departed, []
+        for request in departed:
+            state = request.runner_state
+            if isinstance(state, RowState) and state.writer is self and state.slot >= 0 and request.is_finished:
+                self._release(state)
+        return StepBatch(
+            token_ids=parts.token_ids,
+            slots=parts.slots,
+            starts=parts.starts,
+            num_tokens=parts.num_tokens,
+            sampled=parts.sampled,
+            offsets=parts.offsets,
+            carry_rows=parts.carry_rows,
+            carry_from=parts.carry_from,
+            join_slots=parts.join_slots,
+            join_params=parts.join_params,
+            tables=parts.tables,
+            controls=parts.controls,
+            prompt_targets=parts.prompt_targets,
+            num_slots=self._next_slot,
+            prompt_top_logprobs=parts.prompt_top,
+            num_single_token_rows=parts.single,
+            swap_out=[list(pairs) for pairs in output.swap_out],
+            swap_in=[list(pairs) for pairs in output.swap_in],
+            copy_blocks=[list(pairs) for pairs in output.copy_blocks],
+        )
+
+    def _assign(self, state: RowState, request: Request, parts: _Parts) -> None:
+        state.slot = self._free.pop() if self._free else self._take_new_slot()
+        parts.join_slots.append(state.slot)
+        parts.join_params.append(row_params(request.params))
+        slot = state.slot
+        for g in range(self.num_groups):
+            writes = parts.tables[g]
+            writes.resets.append(slot)
+            blocks = request.block_ids[g] if g < len(request.block_ids) else []
+            writes.slots.extend([slot] * len(blocks))
+            writes.columns.extend(range(len(blocks)))
+            writes.blocks.extend(blocks)
+        state.tables = request.block_ids
+        state.sent = [len(blocks) for blocks in request.block_ids]
+        state.sent.extend([0] * (self.num_groups - len(state.sent)))
+
+    def _take_new_slot(self) -> int:
+        slot = self._next_slot
+        self._next_slot += 1
+        return slot
+
+    def _release(self, state: RowState) -> None:
+        self._free.append(state.slot)
+        state.slot = -1
+        state.tables = None
+        state.sent = []
+
+
+@dataclass(slots=True)
+class _Parts:
+    """A :class:`StepBatch` being put together."""
+
+    num_groups: int
+    pipelined: bool
+    token_ids: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)
+    sampled: list[int] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    carry_rows: list[int] = field(default_factory=list)
+    carry_from: list[int] = field(default_factory=list)
+    join_slots: list[int] = field(default_factory=list)
+    join_params: list[RowParams] = field(default_factory=list)
+    tables: list[TableWrites] = field(init=False)
+    controls: dict[int, RowControls] = field(default_factory=dict)
+    prompt_targets: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    prompt_top: int = 0
+    single: int = 0
+
+    def __post_init__(self) -> None:
+        self.tables = [TableWrites() for _ in range(self.num_groups)]
+
+
+def row_controls(request: Request, offset: int, carries: bool, carry_row: int = -1) -> RowControls:
+    """What a request's controls do at the step sampling its ``offset``-th output token
+    (counted from 0); ``carries``: its last token is still being sampled by the step before,
+    in that step's sampled row ``carry_row``."""
+    params = request.params
+    penalizes = params.penalizes
+    biases: list[tuple[int, float]] | None = None
+    bans: list[int] | None = None
+    if params.sequence_biases or params.bad_sequences:
+        # (the scheduler plans no step for such a request while its last token is in flight)
+        known = request.token_ids
+        biases = matched_sequence_bias(known, params.sequence_biases)
+        bans = [token for token, _ in matched_sequence_bias(known, params.bad_sequences)]
+    if offset < params.min_tokens:
+        bans = [*(bans or ()), *params.stop_token_ids]
+    if offset == 0 and params.begin_bans:
+        bans = [*(bans or ()), *params.begin_bans]
+    return RowControls(
+        params,
+        token_history(request) if penalizes else None,
+        request.num_tokens,
+        request.num_prompt_tokens,
+        carries and penalizes,
+        carry_row,
+        biases,
+        bans,
+    )
