@@ -493,7 +493,7 @@ class Scheduler:
         self, planned: dict[Request, int], budget: int, output: SchedulerOutput, chunk: int
     ) -> Generator[None, None, None]:
         """Move waiting requests into the step while budget, cache and margin allow
-        (pausing after each ``chunk`` admitted)."""
+        (pausing after each quarter ``chunk`` admitted)."""
         admitted = 0
         while self.waiting and budget > 0 and len(planned) < self.max_requests_per_batch:
             if self.running and self.kv_cache.free_fraction < self.safety_margin:
@@ -534,7 +534,7 @@ class Scheduler:
             budget -= num_new
             self.kv_cache.cache_full_blocks(request)
             admitted += 1
-            if admitted % chunk == 0:
+            if admitted % max(1, chunk // 4) == 0:  # (admitting one costs several running ones)
                 yield  # (the loop's conditions are checked again after it)
 
     def _preempt(self, request: Request, output: SchedulerOutput) -> None:

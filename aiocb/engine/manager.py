@@ -44,6 +44,9 @@ logger = logging.getLogger(__name__)
 
 _CACHED_MANAGER_ATTR = "_aiocb_persistent_manager"
 
+#: Adding a list of requests gives the loop back whenever it has held it this long (seconds).
+_LOOP_SLICE = 0.0005
+
 
 class _State(enum.Enum):
     CREATED = "created"
@@ -594,18 +597,23 @@ class Manager:
         on_finish: Callable[[], object] | None = None,
     ) -> list[Request]:
         requests: list[Request] = []
-        for i, prompt in enumerate(inputs):
-            if i and i % self._turnstile.per_iteration == 0:
-                await asyncio.sleep(0)  # a long list must not hold the loop in one go
+        # The same parameters for every prompt: merged once, not once per request.
+        sampling_params = self._requests.merged(sampling_params, max_new_tokens, params)
+        turn = time.perf_counter()
+        for prompt in inputs:
+            if time.perf_counter() - turn >= _LOOP_SLICE:  # a long list must not hold the loop in one go
+                await asyncio.sleep(0)
+                turn = time.perf_counter()
             ids = await self._requests.encode(prompt)
-            requests.append(self._new_request(ids, None, max_new_tokens, sampling_params, params))
+            requests.append(self._new_request(ids, None, None, sampling_params, {}))
         order = list(range(len(requests)))
         if self.config.allow_block_sharing:
             order.sort(key=lambda i: requests[i].prompt_ids)
         try:
-            for n, i in enumerate(order):
-                if n and n % self._turnstile.per_iteration == 0:
+            for i in order:
+                if time.perf_counter() - turn >= _LOOP_SLICE:
                     await asyncio.sleep(0)
+                    turn = time.perf_counter()
                 await self._admission.wait_for_room(requests[i])
                 self._submit_group(requests[i], streaming=streaming, consumer=consumer, on_finish=on_finish)
         except BaseException:

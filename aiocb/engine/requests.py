@@ -76,13 +76,7 @@ class RequestFactory:
         in_use: Container[str],
     ) -> Request:
         """The request (its other samples in ``children``), or InvalidRequestError naming the problem."""
-        if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
-            raise InvalidRequestError(
-                f"sampling_params must be an aiocb.SamplingParams, got {type(sampling_params).__name__}"
-            )
-        requested = sampling_params or _NO_PARAMS
-        if params or max_new_tokens is not None:
-            requested = requested.updated(max_new_tokens=max_new_tokens, **params)
+        requested = self.merged(sampling_params, max_new_tokens, params)
         prompt = normalize_prompt(input_ids, limits)
         resolved = resolve_params(
             requested,
@@ -120,6 +114,20 @@ class RequestFactory:
             text = self._text(prompt, resolved)
             request.children.append(Request(child_id, prompt, child_params, now, deadline=deadline, text=text))
         return request
+
+    @staticmethod
+    def merged(
+        sampling_params: SamplingParams | None, max_new_tokens: int | None, params: dict[str, Any]
+    ) -> SamplingParams:
+        """A request's :class:`SamplingParams` with its keyword arguments (which take precedence)."""
+        if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
+            raise InvalidRequestError(
+                f"sampling_params must be an aiocb.SamplingParams, got {type(sampling_params).__name__}"
+            )
+        requested = sampling_params or _NO_PARAMS
+        if params or max_new_tokens is not None:
+            requested = requested.updated(max_new_tokens=max_new_tokens, **params)
+        return requested
 
     def _text(self, prompt: list[int], params: ResolvedParams) -> TextTracker | None:
         if self.tokenizer is None:
