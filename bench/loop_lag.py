@@ -5,7 +5,11 @@ A 1-layer Qwen3 (hidden 16, vocab 256) generates 32 tokens for each of ``--rows`
 and records how late it wakes: the time aiocb's own work (planning, snapshots, updates,
 delivery) held the loop.
 
-    python bench/loop_lag.py [--rows 1024] [--repeats 3]
+    python bench/loop_lag.py [--rows 1024] [--repeats 3] [--torch-threads N]
+
+On a machine with few cores, torch's own threads (one per core by default) and the
+event loop's thread compete for them: ``--torch-threads`` (the cores less one) leaves the
+loop a core of its own.
 """
 
 from __future__ import annotations
@@ -59,7 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--torch-threads", type=int, default=0, help="torch's intra-op threads (0: its default)")
     args = parser.parse_args(argv)
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
     torch.manual_seed(0)
     config = Qwen3Config(
         vocab_size=256,

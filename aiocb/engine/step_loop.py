@@ -28,9 +28,12 @@ logger = logging.getLogger(__name__)
 StepCallback = Callable[[list[Request], list[Request]], None]
 
 #: The loop is the user's too: a large step's bookkeeping (planning, copying the plan out,
-#: taking its tokens in, delivery) gives the loop back after this many requests, well
-#: under a millisecond of work on a CPU core.
-CHUNK = 128
+#: taking its tokens in, delivery) goes in chunks of this many requests, and gives the
+#: loop back between two chunks once it has held it for :data:`SLICE` seconds. (A
+#: coroutine woken by a timer runs two loop iterations after its timer is due, so the
+#: loop is held about two slices at a time.)
+CHUNK = 32
+SLICE = 0.00025
 
 
 class StepLoop:
@@ -137,9 +140,11 @@ class StepLoop:
                 if done is not None and result is not None:
                     self.num_steps += 1
                     self.step_log.append((now, len(done.scheduled), done.num_tokens))
+                    turn = _Turn()
                     for updated, finished in self.scheduler.update_in_chunks(done, result, now, CHUNK):
                         self._on_step(updated, finished)
-                        await asyncio.sleep(0)
+                        await turn.give()
+                    await asyncio.sleep(0)  # (once per step whatever its size)
         finally:
             if in_flight is not None:  # (the loop failed with a step in flight)
                 future = in_flight[1]
@@ -158,7 +163,7 @@ class StepLoop:
 
     async def _plan(self, writer: BatchWriter, pipelined: bool) -> tuple[SchedulerOutput, StepBatch | None] | None:
         """Plan the next step and copy it out (None without work; no copy for an empty plan),
-        giving the loop back every :data:`CHUNK` requests.
+        giving the loop back every :data:`SLICE` seconds.
 
         Requests may end meanwhile (another coroutine cancels them): the scheduler keeps
         their blocks until the copy is complete, as the plan may still hold them.
@@ -168,6 +173,7 @@ class StepLoop:
             return None
         scheduler.hold_blocks()
         try:
+            turn = _Turn()
             planner = scheduler.plan(CHUNK)
             while True:
                 try:
@@ -175,16 +181,14 @@ class StepLoop:
                 except StopIteration as done:
                     output: SchedulerOutput = done.value
                     break
-                await asyncio.sleep(0)
+                await turn.give()
             if output.is_empty:
                 return output, None
             rows = len(output.scheduled)
-            if rows > CHUNK:
-                await asyncio.sleep(0)
             writer.begin(output, scheduler.take_departed(), pipelined)
             for stop in range(CHUNK, rows, CHUNK):
                 writer.add_rows(stop)
-                await asyncio.sleep(0)
+                await turn.give()
             writer.add_rows(rows)
             return output, writer.finish()
         finally:
@@ -209,6 +213,20 @@ class StepLoop:
                 expired.append(request)
         if expired:
             self._on_step([], expired)
+
+
+class _Turn:
+    """Gives the loop back once it has been held for :data:`SLICE` seconds."""
+
+    __slots__ = ("_since",)
+
+    def __init__(self) -> None:
+        self._since = time.perf_counter()
+
+    async def give(self) -> None:
+        if time.perf_counter() - self._since >= SLICE:
+            await asyncio.sleep(0)
+            self._since = time.perf_counter()
 
 
 def _ignore_step(updated: list[Request], finished: list[Request]) -> None:

@@ -132,6 +132,7 @@ async def test_a_large_step_gives_the_loop_back_and_survives_cancellations_meanw
     # every CHUNK requests; requests cancelled at those moments (while a plan holds them)
     # must not disturb the others or leak blocks.
     monkeypatch.setattr(step_loop, "CHUNK", 3)
+    monkeypatch.setattr(step_loop, "SLICE", 0.0)  # give the loop back after every chunk
     events: list[tuple[str, int]] = []  # (what paused, the other coroutine's turns so far)
     turns = 0
     plan, add_rows, on_step = Scheduler.plan, BatchWriter.add_rows, OutputRouter.on_step
