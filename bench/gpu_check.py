@@ -7,6 +7,10 @@
 2. The device's memory bandwidth (a large device-to-device copy).
 3. The Triton sampler against ``draw_full`` at 1,024 rows x 151,936 tokens: times, and
    how many picks differ.
+3b. Host overhead per step: a near-zero-compute model (1 layer, hidden 16, vocab 4,096 and
+   151,936) at 256 and 1,024 rows, 16-token prompts, 32 new tokens: aiocb's ms per step
+   (greedy, and sampled at temperature 0.8, top-k 50, top-p 0.9) against static
+   ``generate``'s, whose difference is the host work aiocb adds to a step.
 4. A random-weight bf16 model with Qwen3-0.6B's shape on two workloads, EOS disabled:
    (a) 256 requests, 512-token prompts, 256 new tokens; (b) 1,024 requests, 128-token
    prompts, 128 new tokens; through aiocb, static ``model.generate`` and transformers'
@@ -233,6 +237,88 @@ def bench_sampler(dry: bool) -> dict[str, Any]:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return results
+
+
+HOST_SHAPE = {
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 1,
+    "num_key_value_heads": 1,
+    "head_dim": 16,
+    "max_position_embeddings": 512,
+}
+
+
+def bench_host_overhead(dry: bool) -> dict[str, Any]:
+    """ms per step of static generate and of aiocb (greedy, sampled) on a model whose compute
+    is near zero; each case catches its own errors."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    device = "cpu" if dry else "cuda"
+    new = 4 if dry else 32
+    results: dict[str, Any] = {}
+    for vocab in (4096,) if dry else (4096, 151936):
+        config = Qwen3Config(**HOST_SHAPE, vocab_size=vocab, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+        torch.manual_seed(0)
+        with torch.device(device):
+            static_model = Qwen3ForCausalLM(config).eval()
+            engine_model = Qwen3ForCausalLM(config).eval()
+        for rows in (8, 16) if dry else (256, 1024):
+            case = f"vocab {vocab}, {rows} rows"
+            try:
+                results[case] = _host_case(static_model, engine_model, vocab, rows, new)
+                log(f"host overhead {case}: {results[case]}")
+            except Exception as error:
+                results[case] = {"error": repr(error)[:300]}
+    return results
+
+
+def _host_case(static_model: Any, engine_model: Any, vocab: int, rows: int, new: int) -> dict[str, float]:
+    rng = random.Random(rows)
+    prompts = [[rng.randrange(1, vocab) for _ in range(16)] for _ in range(rows)]
+    input_ids = torch.tensor(prompts, device=static_model.device)
+
+    def static() -> None:
+        with torch.inference_mode():
+            static_model.generate(
+                input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new, min_new_tokens=new,
+                do_sample=False, pad_token_id=0, eos_token_id=None,
+            )  # fmt: skip
+        sync()
+
+    def best(run: Callable[[], object]) -> float:
+        run()  # warm-up
+        times = []
+        for _ in range(3):
+            started = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - started)
+        return min(times) * 1e3 / new
+
+    out = {"generate_ms": best(static)}
+    sampled = aiocb.SamplingParams(do_sample=True, temperature=0.8, top_k=50, top_p=0.9, seed=0)
+    config = aiocb.ContinuousBatchingConfig(
+        max_requests_per_batch=rows, max_batch_tokens=rows * 16, num_blocks=2 * rows + 8, page_size=64
+    )
+
+    async def main() -> None:
+        async with aiocb.Manager(engine_model, continuous_batching_config=config) as manager:
+            loop = asyncio.get_running_loop()
+            for name, params in (("greedy_ms", None), ("sampled_ms", sampled)):
+
+                def run(params: aiocb.SamplingParams | None = params) -> None:
+                    future = asyncio.run_coroutine_threadsafe(
+                        manager.generate_batch(prompts, max_new_tokens=new, sampling_params=params), loop
+                    )
+                    future.result()
+
+                out[name] = await asyncio.to_thread(best, run)
+
+    asyncio.run(main())
+    out["host_overhead_ms"] = out["greedy_ms"] - out["generate_ms"]
+    out["sampled_over_greedy"] = out["sampled_ms"] / out["greedy_ms"]
+    return {k: round(v, 3) for k, v in out.items()}
 
 
 def sampler_lines(results: dict[str, Any]) -> list[str]:
@@ -476,6 +562,11 @@ def main() -> int:
     except Exception as error:  # (its setup: each case catches its own errors)
         results["sampler"] = {"error": repr(error)[:300]}
     save()
+    try:
+        results["host_overhead"] = bench_host_overhead(args.dry_run)
+    except Exception as error:
+        results["host_overhead"] = {"error": repr(error)[:300]}
+    save()
     model = build_model(args.dry_run)
     runs = {name: workload(name, args.dry_run) for name in WORKLOADS}
     results["floor_ms"] = {
@@ -514,6 +605,8 @@ def main() -> int:
         print(f"gpu tests: {results['tests']['summary']} {results['tests']['notes']}")
     print(f"bandwidth {results['bandwidth_gb_s']:.0f} GB/s; aiocb setup {results['aiocb'].get('setup')}")
     print("\n".join(sampler_lines(results["sampler"])))
+    for case, row in results["host_overhead"].items():
+        print(f"host overhead {case}: {row}")
     print(table(results))
     return 0
 

@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def profiled_execute(self, batch):  # type: ignore[no-untyped-def]
         steps["n"] += 1
-        if all(r.num_tokens == 1 for r in batch.rows):
+        if batch.num_single_token_rows == batch.num_rows:
             steps["decode_only"] += 1
         worker_prof.enable()
         t = time.perf_counter()
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         phase = {"name": "decode"}
 
         def torch_profiled_execute(self, batch):  # type: ignore[no-untyped-def]
-            phase["name"] = "decode" if all(r.num_tokens == 1 for r in batch.rows) else "prefill/mixed"
+            phase["name"] = "decode" if batch.num_single_token_rows == batch.num_rows else "prefill/mixed"
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 result = orig_execute(self, batch)
             for evt in prof.key_averages():
