@@ -13,6 +13,7 @@ The README's table of request parameters is generated from this class
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -124,6 +125,19 @@ class SamplingParams:
     timeout: float | None = field(
         default=None, metadata=_doc("seconds until the request ends with `timeout` (queue time included)", "none")
     )
+    json_schema: Mapping[str, Any] | str | type | None = field(
+        default=None,
+        metadata=_doc(
+            "the output is JSON valid under this schema: a dict, its JSON text or a pydantic model class "
+            "(needs a tokenizer and `aiocb[structured]`)",
+            "none",
+        ),
+    )
+    regex: str | None = field(default=None, metadata=_doc("the output matches this regular expression", "none"))
+    choice: Iterable[str] | None = field(default=None, metadata=_doc("the output is one of these strings", "none"))
+    grammar: str | None = field(
+        default=None, metadata=_doc("the output follows this EBNF grammar (start rule `root`)", "none")
+    )
 
     def __post_init__(self) -> None:
         _check_int(self, "max_new_tokens", minimum=1)
@@ -153,6 +167,35 @@ class SamplingParams:
         _set(self, "logit_bias", _logit_bias(self.logit_bias))
         _set(self, "sequence_bias", _sequence_bias(self.sequence_bias))
         _set(self, "bad_words_ids", _bad_words(self.bad_words_ids))
+        _set(self, "json_schema", _json_schema(self.json_schema))
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InvalidRequestError(f"{name} must be a non-empty str, got {value!r}")
+        if self.choice is not None:
+            listed = isinstance(self.choice, Iterable) and not isinstance(self.choice, str | bytes | Mapping)
+            choices = tuple(self.choice) if listed else ()
+            if not choices or not all(isinstance(c, str) and c for c in choices):
+                raise InvalidRequestError(f"choice must be a non-empty list of non-empty strings, got {self.choice!r}")
+            _set(self, "choice", choices)
+        given = [name for name in STRUCTURE_FIELDS if getattr(self, name) is not None]
+        if len(given) > 1:
+            fields = ", ".join(STRUCTURE_FIELDS)
+            raise InvalidRequestError(f"at most one of {fields} may be given, got {', '.join(given)}")
+
+    def structure(self) -> tuple[str, str] | None:
+        """The output's constraint as ``(kind, text)``: ``("json_schema", schema JSON)``,
+        ``("regex", pattern)`` or ``("grammar", EBNF)`` (a ``choice`` becomes a grammar)."""
+        if self.json_schema is not None:
+            return ("json_schema", str(self.json_schema))
+        if self.regex is not None:
+            return ("regex", self.regex)
+        if self.grammar is not None:
+            return ("grammar", self.grammar)
+        if self.choice is not None:
+            alternatives = " | ".join(json.dumps(text, ensure_ascii=False) for text in self.choice)
+            return ("grammar", f"root ::= {alternatives}")
+        return None
 
     def given(self) -> dict[str, Any]:
         """The fields that were given (not ``None``), by name."""
@@ -174,6 +217,32 @@ def check_names(fields: Mapping[str, Any]) -> None:
         raise InvalidRequestError(
             f"unknown request parameter(s): {', '.join(unknown)}; known: {', '.join(sorted(FIELD_NAMES))}"
         )
+
+
+#: The fields that constrain the output's form; one at most.
+STRUCTURE_FIELDS: tuple[str, ...] = ("json_schema", "regex", "choice", "grammar")
+
+
+def _json_schema(value: Any) -> str | None:
+    """A JSON schema given as a dict, JSON text or pydantic model class, as JSON text."""
+    if value is None:
+        return None
+    if isinstance(value, type):
+        to_schema = getattr(value, "model_json_schema", None)
+        if to_schema is None:
+            raise InvalidRequestError(f"json_schema: {value.__name__} is not a pydantic model class")
+        value = to_schema()
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as error:
+            raise InvalidRequestError(f"json_schema is not valid JSON: {error}") from None
+    if not isinstance(value, Mapping):
+        raise InvalidRequestError(f"json_schema must be a JSON object (a dict), got {type(value).__name__}")
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError) as error:
+        raise InvalidRequestError(f"json_schema cannot be written as JSON: {error}") from None
 
 
 def parameter_table() -> str:

@@ -18,7 +18,7 @@ from transformers import GenerationConfig
 
 from aiocb.core.params import ResolvedParams
 from aiocb.errors import InvalidRequestError
-from aiocb.params import SamplingParams
+from aiocb.params import STRUCTURE_FIELDS, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -218,6 +218,10 @@ def resolve_params(
     stop = pick("stop", ())
     if stop and not has_tokenizer:
         raise InvalidRequestError("stop strings need a tokenizer: create the Manager with tokenizer=...")
+    structure = request.structure()
+    if structure is not None and not has_tokenizer:
+        given = next(name for name in STRUCTURE_FIELDS if getattr(request, name) is not None)
+        raise InvalidRequestError(f"{given} needs a tokenizer: create the Manager with tokenizer=...")
 
     biases: list[tuple[int, float]] = []
     sequences: list[tuple[tuple[int, ...], float]] = []
@@ -287,6 +291,7 @@ def resolve_params(
         include_stop_str_in_output=pick("include_stop_str_in_output", False),
         skip_special_tokens=pick("skip_special_tokens", True),
         priority=pick("priority", 0),
+        structure=structure,
     )
 
 

@@ -54,6 +54,9 @@ class ResolvedParams:
     skip_special_tokens: bool = True
     #: lower runs first (admission and preemption order); 0 for every request: arrival order
     priority: int = 0
+    #: the output's form, ``(kind, text)``: ``("json_schema", schema)``, ``("regex", pattern)``
+    #: or ``("grammar", EBNF)``; None: free
+    structure: tuple[str, str] | None = None
     #: whether any logits control is used (computed): rows without one cost nothing extra
     uses_controls: bool = field(init=False, default=False)
 
@@ -81,5 +84,6 @@ class ResolvedParams:
     @property
     def needs_known_history(self) -> bool:
         """Whether each step's controls depend on the last token itself (multi-token
-        sequence biases, bad words), so no step may be planned while it is being sampled."""
-        return bool(self.sequence_biases or self.bad_sequences)
+        sequence biases, bad words, a grammar), so no step may be planned while it is being
+        sampled."""
+        return bool(self.sequence_biases or self.bad_sequences) or self.structure is not None

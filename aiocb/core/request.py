@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from aiocb.core.params import ResolvedParams
 from aiocb.outputs import FinishReason, GenerationOutput, RequestStatus
@@ -18,6 +18,14 @@ class TextState(Protocol):
     def add(self, token_id: int, num_output_tokens: int) -> str | None: ...
 
     def finish(self) -> None: ...
+
+
+class GrammarState(Protocol):
+    """A constrained request's place in its grammar (``aiocb.structured.GrammarState``)."""
+
+    def accept(self, token: int) -> bool: ...
+
+    def fill(self, bitmask: Any, row: int) -> None: ...
 
 
 @dataclass(eq=False, slots=True)
@@ -37,6 +45,8 @@ class Request:
     deadline: float | None = None
     #: the generated text and its stop strings (None without a tokenizer)
     text: TextState | None = None
+    #: the grammar its output follows (json_schema, regex, choice, grammar); None: free
+    grammar: GrammarState | None = None
     #: the stop token id or stop string that ended the request
     stop_reason: int | str | None = None
     #: more samples of this prompt (``n``), forked from this request once it computed the prompt

@@ -396,11 +396,14 @@ class Scheduler:
         params = request.params
         num_output = request.num_output_tokens
         matched = None if request.text is None else request.text.add(token, num_output)
+        completed = request.grammar is not None and request.grammar.accept(token)
         if num_output > params.min_tokens and token in params.stop_token_ids:
             request.stop_reason = token
             return FinishReason.STOP
         if matched is not None:
             request.stop_reason = matched
+            return FinishReason.STOP
+        if completed:  # (its grammar allows nothing more, min_tokens or not)
             return FinishReason.STOP
         if num_output >= params.max_new_tokens:
             return FinishReason.LENGTH

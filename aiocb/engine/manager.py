@@ -34,7 +34,7 @@ from aiocb.engine.step_loop import StepLoop
 from aiocb.engine.stream import Consumer, RequestHandle, RequestStream
 from aiocb.errors import EngineDeadError, ManagerClosedError, WouldBlock, WrongEventLoopError
 from aiocb.outputs import FinishReason, GenerationOutput, RequestStatus
-from aiocb.params import SamplingParams
+from aiocb.params import STRUCTURE_FIELDS, SamplingParams
 from aiocb.prompts import Prompt
 from aiocb.runner.distributed import build_runner
 from aiocb.runner.model_runner import ModelRunner
@@ -331,8 +331,7 @@ class Manager:
         ``streaming=True`` partial outputs also reach :meth:`get_result` and iteration.
         """
         await self._turnstile.enter()
-        ids = await self._requests.encode(input_ids)
-        request = self._new_request(ids, request_id, max_new_tokens, sampling_params, params)
+        request = await self._prepared(input_ids, request_id, max_new_tokens, sampling_params, params)
         await self._admission.wait_for_room(request)
         return self._submit(request, streaming=streaming, consumer=Consumer.RESULTS)
 
@@ -426,8 +425,7 @@ class Manager:
         await self._turnstile.enter()
         if n is not None:
             params["n"] = n
-        ids = await self._requests.encode(input_ids)
-        request = self._new_request(ids, request_id, max_new_tokens, sampling_params, params)
+        request = await self._prepared(input_ids, request_id, max_new_tokens, sampling_params, params)
         await self._admission.wait_for_room(request)
         handles = self._submit_group(request, streaming=False, consumer=Consumer.AWAITER)
         if not request.children:
@@ -567,6 +565,28 @@ class Manager:
             raise self._dead()
         return self.is_running
 
+    async def _prepared(
+        self,
+        input_ids: Prompt,
+        request_id: str | None,
+        max_new_tokens: int | None,
+        sampling_params: SamplingParams | None,
+        params: dict[str, Any],
+    ) -> Request:
+        """A request built from a prompt, with its tokenizing and its constraint's
+        compiling done off the loop where they are long."""
+        ids = await self._requests.encode(input_ids)
+        if not params.keys().isdisjoint(STRUCTURE_FIELDS) or (
+            isinstance(sampling_params, SamplingParams) and sampling_params.structure() is not None
+        ):
+            await self._precompile(self._requests.merged(sampling_params, max_new_tokens, params))
+        return self._new_request(ids, request_id, max_new_tokens, sampling_params, params)
+
+    async def _precompile(self, requested: SamplingParams) -> None:
+        """Compile a request's output constraint off the loop (when it has one)."""
+        if requested.structure() is not None and self._runner is not None:
+            await self._requests.precompile(requested, self._runner.spec.vocab_size)
+
     def _new_request(
         self,
         input_ids: Any,
@@ -599,6 +619,7 @@ class Manager:
         requests: list[Request] = []
         # The same parameters for every prompt: merged once, not once per request.
         sampling_params = self._requests.merged(sampling_params, max_new_tokens, params)
+        await self._precompile(sampling_params)
         turn = time.perf_counter()
         for prompt in inputs:
             if time.perf_counter() - turn >= _LOOP_SLICE:  # a long list must not hold the loop in one go

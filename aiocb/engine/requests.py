@@ -27,6 +27,7 @@ from aiocb.params import SamplingParams
 from aiocb.prompts import Prompt, encode_prompt, is_large
 from aiocb.runner.step_batch import token_history
 from aiocb.sampling import RequestLimits, config_defaults, normalize_prompt, resolve_params
+from aiocb.structured import GrammarCompiler
 
 #: a request that gives no parameter: everything from the GenerationConfig
 _NO_PARAMS = SamplingParams()
@@ -53,6 +54,7 @@ class RequestFactory:
         self._max_queue_size = config.max_queue_size
         self._seeds = random.Random(config.seed)
         self._ids = itertools.count()
+        self._grammar_compiler: GrammarCompiler | None = None
 
     def encode_now(self, prompt: Prompt) -> Any:
         """Token ids of a text or chat prompt, tokenized on the calling thread."""
@@ -102,7 +104,11 @@ class RequestFactory:
         timeout = requested.timeout if requested.timeout is not None else self.defaults.params.timeout
         now = time.perf_counter()
         deadline = None if timeout is None else now + timeout
+        grammar = None if resolved.structure is None else self._grammars(limits.vocab_size).state
         request = Request(request_id, prompt, resolved, now, deadline=deadline, text=self._text(prompt, resolved))
+        if grammar is not None:
+            assert resolved.structure is not None
+            request.grammar = grammar(resolved.structure)
         if resolved.penalizes:
             token_history(request)  # its prompt copied now, not in the step that admits it
         for i in range(1, n):
@@ -112,8 +118,29 @@ class RequestFactory:
             # Each sample draws from its own stream: the request's seed plus its index.
             child_params = dataclasses.replace(resolved, seed=resolved.seed + i)
             text = self._text(prompt, resolved)
-            request.children.append(Request(child_id, prompt, child_params, now, deadline=deadline, text=text))
+            child = Request(child_id, prompt, child_params, now, deadline=deadline, text=text)
+            if grammar is not None:
+                assert resolved.structure is not None
+                child.grammar = grammar(resolved.structure)
+            request.children.append(child)
         return request
+
+    async def precompile(self, requested: SamplingParams, vocab_size: int) -> None:
+        """Compile a request's constraint on a worker thread, so that :meth:`build` (on the
+        loop) finds it compiled; InvalidRequestError when it does not compile."""
+        structure = requested.structure()
+        if structure is None or self.tokenizer is None:
+            return  # (build refuses a constraint without a tokenizer)
+        grammars = self._grammars(vocab_size)
+        if not grammars.is_cached(structure):
+            await asyncio.to_thread(grammars.compile, structure)
+
+    def _grammars(self, vocab_size: int) -> GrammarCompiler:
+        """The compiler of constraints for the model's vocabulary (built on first use)."""
+        assert self.tokenizer is not None  # (resolve_params refuses a constraint without one)
+        if self._grammar_compiler is None:
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, vocab_size)
+        return self._grammar_compiler
 
     @staticmethod
     def merged(

@@ -378,6 +378,9 @@ def prepare_inputs(
             masks[f"mask{g}_{i}"] = mask
 
     sampling = _sampling_host_tensors(batch, state, slots.index_select(0, sampled))
+    if batch.bitmask is not None:
+        host["bitmask"] = batch.bitmask
+        host["bitmask_rows"] = torch.tensor(batch.bitmask_rows, dtype=long)
     host.update(sampling.tensors)
     host.update(controls_host_tensors(batch.controls, batch.num_sampled))
     dev = transfer(host)
@@ -452,6 +455,8 @@ class _SamplingColumns:
             controls=controls_from_tensors(dev),
             history_carry=dev.get("c_history_carry"),
             history_carry_rows=dev.get("c_history_carry_rows"),
+            bitmask=dev.get("bitmask"),
+            bitmask_rows=dev.get("bitmask_rows"),
         )
 
 

@@ -68,7 +68,7 @@ class ModelRunner:
         self._transfer = HostToDevice(self.device)
         groups = range(len(self.cache.group_windows))
         #: the event loop's side of the persistent batch (it copies plans out) ...
-        self.writer = BatchWriter(len(groups))
+        self.writer = BatchWriter(len(groups), self.spec.vocab_size)
         #: ... and the worker's (every slot's tables and sampling parameters)
         self.input_batch = InputBatch([self.cache.null_block(g) for g in groups])
         varlen_config, decode_config = compile_configs(config)

@@ -63,6 +63,10 @@ class SamplingTensors:
     #: which of its sampled rows each comes from (async batching)
     history_carry: torch.Tensor | None = None
     history_carry_rows: torch.Tensor | None = None
+    #: constrained decoding: the tokens each constrained row's grammar allows (int32 bits),
+    #: and which rows those are
+    bitmask: torch.Tensor | None = None
+    bitmask_rows: torch.Tensor | None = None
 
     @staticmethod
     def host_tensors(rows: Sequence[_SamplingRow]) -> dict[str, torch.Tensor]:
@@ -137,6 +141,13 @@ def sample(logits: torch.Tensor, params: SamplingTensors) -> Sampled:
     raw = logits
     if params.controls is not None:
         logits = apply_controls(logits, params.controls)
+    if params.bitmask is not None:
+        from aiocb.structured import apply_bitmask  # (imports xgrammar: only where it is used)
+
+        assert params.bitmask_rows is not None
+        if logits is raw:
+            logits = logits.clone()  # (logprobs are of the raw distribution)
+        apply_bitmask(logits, params.bitmask, params.bitmask_rows)
     if params.all_greedy:
         tokens = logits.argmax(dim=-1)
     elif logits.device.type == "cpu":

@@ -20,10 +20,13 @@ import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from aiocb.core.params import ResolvedParams
 from aiocb.core.request import Request
 from aiocb.core.scheduler import SchedulerOutput, wants_prompt_logprobs
 from aiocb.runner.logits_controls import matched_sequence_bias
+from aiocb.structured import new_bitmask
 
 _MASK32 = 0xFFFFFFFF
 
@@ -109,6 +112,10 @@ class StepBatch:
     num_slots: int = 0
     #: the most top alternatives a row scoring prompt tokens asked for
     prompt_top_logprobs: int = 0
+    #: constrained rows (their indices in ``sampled``) and, row by row, the tokens their
+    #: grammars allow (``[rows, ceil(vocab / 32)]`` int32 bits); None when no row is constrained
+    bitmask_rows: list[int] = field(default_factory=list)
+    bitmask: torch.Tensor | None = None
     #: how many rows compute one token
     num_single_token_rows: int = 0
     #: per cache group, block copies to make before the step (CPU offloading)
@@ -182,8 +189,9 @@ class BatchWriter:
     as the caller likes), then :meth:`finish`. :meth:`snapshot` does all three.
     """
 
-    def __init__(self, num_groups: int) -> None:
+    def __init__(self, num_groups: int, vocab_size: int) -> None:
         self.num_groups = num_groups
+        self.vocab_size = vocab_size
         self._free: list[int] = []
         self._next_slot = 0
         self._steps = 0
@@ -217,6 +225,9 @@ class BatchWriter:
         self._output = output
         self._departed = list(departed)
         self._parts = _Parts(self.num_groups, pipelined)
+        constrained = sum(1 for item in output.scheduled if item.sample and item.request.grammar is not None)
+        if constrained:
+            self._parts.bitmask = new_bitmask(constrained, self.vocab_size)
         for request in self._departed:
             state = request.runner_state
             if isinstance(state, RowState) and state.writer is self and state.slot >= 0 and not request.is_finished:
@@ -277,6 +288,10 @@ class BatchWriter:
                 state.sampled_row = len(parts.sampled)
                 if params.uses_controls:
                     parts.controls[state.sampled_row] = row_controls(request, offset, item.carries, carry_row)
+                if request.grammar is not None:
+                    assert parts.bitmask is not None
+                    request.grammar.fill(parts.bitmask, len(parts.bitmask_rows))
+                    parts.bitmask_rows.append(state.sampled_row)
                 parts.sampled.append(row)
                 parts.offsets.append(offset)
             if params.prompt_logprobs and wants_prompt_logprobs(request, start):
@@ -311,6 +326,8 @@ class BatchWriter:
             prompt_targets=parts.prompt_targets,
             num_slots=self._next_slot,
             prompt_top_logprobs=parts.prompt_top,
+            bitmask_rows=parts.bitmask_rows,
+            bitmask=parts.bitmask,
             num_single_token_rows=parts.single,
             swap_out=[list(pairs) for pairs in output.swap_out],
             swap_in=[list(pairs) for pairs in output.swap_in],
@@ -366,6 +383,8 @@ class _Parts:
     prompt_targets: dict[int, tuple[int, ...]] = field(default_factory=dict)
     prompt_top: int = 0
     single: int = 0
+    bitmask_rows: list[int] = field(default_factory=list)
+    bitmask: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.tables = [TableWrites() for _ in range(self.num_groups)]

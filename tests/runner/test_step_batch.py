@@ -98,7 +98,7 @@ def test_the_persistent_batch_follows_the_scheduler(seed: int, num_blocks: int, 
         groups = [CacheGroup((0, 1), num_blocks, num_host_blocks=num_blocks if layout == "offload" else 0)]
     kv = KVCacheManager(groups, PAGE, enable_prefix_caching=layout == "prefix")
     scheduler = Scheduler(kv, max_batch_tokens=24, max_requests_per_batch=6)
-    writer = BatchWriter(len(groups))
+    writer = BatchWriter(len(groups), 500)
     state = InputBatch([1000 + g for g in range(len(groups))], num_slots=2, width=2)
     pending = _requests(rng, 24)
     in_flight: SchedulerOutput | None = None

@@ -1,0 +1,104 @@
+"""Constrained decoding: outputs that follow a JSON schema, a regular expression, a choice
+of strings or an EBNF grammar, through xgrammar (the ``aiocb[structured]`` extra).
+
+A constraint is compiled once per ``(kind, text)`` against the tokenizer's vocabulary
+(:class:`GrammarCompiler`, cached; the manager's async methods compile off the event
+loop). Each constrained request keeps a :class:`GrammarState` on the loop's thread: the
+plan's copy for the device fills the request's row of the step's token bitmask (what the
+grammar allows next), the sampler masks that row's logits with it, and the sampled token
+moves the state on. Rows without a constraint are not touched, so their tokens are what
+they would be alone. A constrained request is never planned while its last token is still
+being sampled (the next mask depends on it), and it ends when its grammar is complete.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from aiocb.errors import InvalidRequestError
+
+
+def _xgrammar() -> Any:
+    try:
+        import xgrammar
+    except ImportError:
+        raise InvalidRequestError(
+            "json_schema, regex, choice and grammar need xgrammar: pip install 'aiocb[structured]'"
+        ) from None
+    return xgrammar
+
+
+class GrammarCompiler:
+    """Compiles constraints against one tokenizer's vocabulary, and caches them."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> None:
+        xgr = _xgrammar()
+        self.vocab_size = vocab_size
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        self._compiler = xgr.GrammarCompiler(info)
+        self._compiled: dict[tuple[str, str], Any] = {}
+        self._lock = threading.Lock()  # (compiled on worker threads too)
+
+    def is_cached(self, structure: tuple[str, str]) -> bool:
+        """Whether ``structure`` was compiled already."""
+        return structure in self._compiled
+
+    def compile(self, structure: tuple[str, str]) -> Any:
+        """The compiled grammar of ``(kind, text)``; InvalidRequestError naming what is wrong."""
+        compiled = self._compiled.get(structure)
+        if compiled is not None:
+            return compiled
+        kind, text = structure
+        try:
+            if kind == "json_schema":
+                # No free whitespace: a weak model could otherwise pad its JSON without end.
+                compiled = self._compiler.compile_json_schema(text, any_whitespace=False)
+            elif kind == "regex":
+                compiled = self._compiler.compile_regex(text)
+            else:
+                compiled = self._compiler.compile_grammar(text)
+        except Exception as error:  # (xgrammar raises RuntimeError and others on bad input)
+            raise InvalidRequestError(f"{kind} cannot be compiled: {error}") from None
+        with self._lock:
+            self._compiled[structure] = compiled
+        return compiled
+
+    def state(self, structure: tuple[str, str]) -> GrammarState:
+        """A fresh matcher for one request (or one sample of it)."""
+        return GrammarState(_xgrammar().GrammarMatcher(self.compile(structure)))
+
+
+class GrammarState:
+    """Where one request stands in its grammar (event-loop thread)."""
+
+    __slots__ = ("_matcher",)
+
+    def __init__(self, matcher: Any) -> None:
+        self._matcher = matcher
+
+    def accept(self, token: int) -> bool:
+        """Take the request's next token; whether the request ends here (its grammar is
+        complete, or the token was not one it allowed)."""
+        return not self._matcher.accept_token(token) or bool(self._matcher.is_terminated())
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the tokens allowed next into row ``row`` of ``bitmask``."""
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+
+def new_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """A ``[rows, ceil(vocab / 32)]`` int32 bitmask (one bit per token) on the host."""
+    bitmask: torch.Tensor = _xgrammar().allocate_token_bitmask(rows, vocab_size)
+    return bitmask
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """Set to -inf the logits of the tokens that row i of ``bitmask`` forbids, in row
+    ``rows[i]`` of ``logits`` (in place)."""
+    constrained = logits.index_select(0, rows)
+    _xgrammar().apply_token_bitmask_inplace(constrained, bitmask.to(logits.device))
+    logits.index_copy_(0, rows, constrained)

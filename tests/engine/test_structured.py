@@ -1,0 +1,166 @@
+"""Constrained decoding: JSON schemas, regular expressions, choices and grammars, through
+the manager with the bundled model and its tokenizer, at temperature 1.0."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import pytest
+
+pytest.importorskip("xgrammar")
+jsonschema = pytest.importorskip("jsonschema")
+pydantic = pytest.importorskip("pydantic")
+
+import aiocb  # noqa: E402
+from aiocb.default_model import load_default_model  # noqa: E402
+
+NEW = 120
+
+SCHEMAS: list[dict[str, Any]] = [
+    {  # nested objects, required fields
+        "type": "object",
+        "properties": {
+            "user": {
+                "type": "object",
+                "properties": {"id": {"type": "integer"}, "name": {"type": "string", "maxLength": 10}},
+                "required": ["id", "name"],
+            },
+            "active": {"type": "boolean"},
+        },
+        "required": ["user", "active"],
+    },
+    {  # an array of enums
+        "type": "object",
+        "properties": {"tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 4}},
+        "required": ["tags"],
+    },
+    {  # numbers with bounds
+        "type": "object",
+        "properties": {
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "score": {"type": "number", "minimum": -1, "maximum": 1},
+        },
+        "required": ["age", "score"],
+    },
+    {"type": "array", "items": {"type": "integer", "minimum": 1, "maximum": 9}, "minItems": 1, "maxItems": 5},
+    {  # an enum and an optional field
+        "type": "object",
+        "properties": {"kind": {"enum": ["a", "b"]}, "note": {"type": "string", "maxLength": 8}},
+        "required": ["kind"],
+        "additionalProperties": False,
+    },
+]
+PROMPTS = ["def parse(data):", "import json\n", "class Config:", "# settings\n", "x = {", "return "]
+
+
+@pytest.fixture(scope="module")
+def bundled() -> tuple[Any, Any]:
+    return load_default_model()
+
+
+async def _run(model: Any, tokenizer: Any, specs: list[dict[str, Any]], **config: Any) -> list[aiocb.GenerationOutput]:
+    cb_config = aiocb.ContinuousBatchingConfig(**config) if config else None
+    async with aiocb.Manager(model, tokenizer=tokenizer, continuous_batching_config=cb_config) as manager:
+        ids = [await manager.add_request(spec.pop("prompt"), max_new_tokens=NEW, **spec) for spec in specs]
+        outputs = [await manager.get_result(i) for i in ids]
+        stats = manager.statistics()
+    assert stats.free_blocks == stats.total_blocks, "blocks leaked"
+    assert all(o is not None for o in outputs)
+    return outputs  # type: ignore[return-value]
+
+
+def _specs(constrained: bool, free: bool, count: int = 20) -> list[dict[str, Any]]:
+    specs = []
+    for i in range(count):
+        spec: dict[str, Any] = {"prompt": PROMPTS[i % len(PROMPTS)], "temperature": 1.0, "seed": 1000 + i}
+        if i % 2 == 0 and constrained:
+            specs.append({**spec, "json_schema": SCHEMAS[(i // 2) % len(SCHEMAS)]})
+        elif i % 2 == 1 and free:
+            specs.append(spec)
+    return specs
+
+
+async def test_json_schema_outputs_validate_and_free_rows_do_not_notice(bundled: tuple[Any, Any]) -> None:
+    model, tokenizer = bundled
+    mixed = await _run(model, tokenizer, _specs(constrained=True, free=True))
+    free_alone = await _run(model, tokenizer, _specs(constrained=False, free=True))
+    constrained, free = mixed[0::2], mixed[1::2]
+    for i, output in enumerate(constrained):
+        schema = SCHEMAS[i % len(SCHEMAS)]
+        assert output.finish_reason is aiocb.FinishReason.STOP, output.text
+        jsonschema.validate(json.loads(output.text or ""), schema)
+    assert [o.generated_tokens for o in free] == [o.generated_tokens for o in free_alone]
+    assert len({o.text for o in constrained}) > len(SCHEMAS) // 2, "samples should differ"
+
+
+async def test_async_batching_gives_the_same_constrained_outputs(bundled: tuple[Any, Any]) -> None:
+    # The next mask depends on the last token: a constrained row is never planned ahead.
+    model, tokenizer = bundled
+    plain = await _run(model, tokenizer, _specs(constrained=True, free=True, count=10))
+    pipelined = await _run(model, tokenizer, _specs(constrained=True, free=True, count=10), use_async_batching=True)
+    assert [o.generated_tokens for o in pipelined] == [o.generated_tokens for o in plain]
+
+
+async def test_regex_choice_and_grammar_outputs_match(bundled: tuple[Any, Any]) -> None:
+    model, tokenizer = bundled
+    grammar = 'root ::= "(" num ("," num)* ")"\nnum ::= [1-9] [0-9]?'
+    choices = ["alpha", "beta", "gamma delta"]
+    specs: list[dict[str, Any]] = []
+    for i in range(6):
+        base = {"prompt": PROMPTS[i], "temperature": 1.0, "seed": i}
+        specs += [
+            {**base, "regex": r"[a-f]{3}-[0-9]{2,4}"},
+            {**base, "choice": choices},
+            {**base, "grammar": grammar},
+        ]
+    outputs = await _run(model, tokenizer, specs)
+    for regex_out, choice_out, grammar_out in zip(outputs[0::3], outputs[1::3], outputs[2::3], strict=True):
+        assert re.fullmatch(r"[a-f]{3}-[0-9]{2,4}", regex_out.text or ""), regex_out.text
+        assert choice_out.text in choices
+        assert re.fullmatch(r"\(([1-9][0-9]?)(,[1-9][0-9]?)*\)", grammar_out.text or ""), grammar_out.text
+        for output in (regex_out, choice_out, grammar_out):
+            assert output.finish_reason is aiocb.FinishReason.STOP
+
+
+async def test_a_pydantic_model_and_several_samples(bundled: tuple[Any, Any]) -> None:
+    model, tokenizer = bundled
+
+    class Point(pydantic.BaseModel):  # type: ignore[misc,name-defined]
+        x: int = pydantic.Field(ge=-50, le=50)
+        y: int = pydantic.Field(ge=-50, le=50)
+        label: str = pydantic.Field(max_length=6)
+
+    async with aiocb.Manager(model, tokenizer=tokenizer) as manager:
+        samples = await manager.generate("p = ", max_new_tokens=NEW, json_schema=Point, temperature=1.0, seed=7, n=3)
+    assert isinstance(samples, list) and len(samples) == 3
+    assert all(s.finish_reason is aiocb.FinishReason.STOP for s in samples)
+    points = [Point.model_validate_json(s.text or "") for s in samples]
+    assert len({p.model_dump_json() for p in points}) > 1, "each sample follows its own stream"
+
+
+async def test_bad_constraints_are_refused_by_name(bundled: tuple[Any, Any]) -> None:
+    model, tokenizer = bundled
+    async with aiocb.Manager(model, tokenizer=tokenizer) as manager:
+        cases: list[tuple[dict[str, Any], str]] = [
+            ({"json_schema": {"type": "nonsense"}}, "json_schema cannot be compiled"),
+            ({"json_schema": "{not json"}, "json_schema is not valid JSON"),
+            ({"json_schema": int}, "not a pydantic model class"),
+            ({"regex": "("}, "regex cannot be compiled"),
+            ({"grammar": "root ::= "}, "grammar cannot be compiled"),
+            ({"choice": []}, "choice must be a non-empty list"),
+            ({"choice": "yes"}, "choice must be a non-empty list"),
+            ({"regex": "a", "choice": ["a"]}, "at most one of"),
+        ]
+        for params, message in cases:
+            with pytest.raises(aiocb.InvalidRequestError, match=message):
+                await manager.generate("x = ", max_new_tokens=4, **params)
+        # the manager goes on serving
+        output = await manager.generate("x = ", max_new_tokens=4, choice=["ok"])
+        assert output.text == "ok"
+        stats = manager.statistics()
+    assert stats.free_blocks == stats.total_blocks
+    async with aiocb.Manager(model) as manager:  # no tokenizer
+        with pytest.raises(aiocb.InvalidRequestError, match="regex needs a tokenizer"):
+            await manager.generate(tokenizer.encode("x = "), max_new_tokens=4, regex="[0-9]+")
