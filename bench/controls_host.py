@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(0)
     for controls in (False, True):
         requests = _requests(args.rows, controls, rng)
-        writer = step_batch.BatchWriter(1)
+        writer = step_batch.BatchWriter(1, 1000)
         loop_ms: list[float] = []
         worker_ms: list[float] = []
         for _ in range(args.steps):
