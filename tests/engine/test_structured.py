@@ -24,7 +24,10 @@ SCHEMAS: list[dict[str, Any]] = [
         "properties": {
             "user": {
                 "type": "object",
-                "properties": {"id": {"type": "integer"}, "name": {"type": "string", "maxLength": 10}},
+                "properties": {
+                    "id": {"type": "integer", "minimum": 0, "maximum": 99999},
+                    "name": {"type": "string", "maxLength": 10},
+                },
                 "required": ["id", "name"],
             },
             "active": {"type": "boolean"},
@@ -164,3 +167,14 @@ async def test_bad_constraints_are_refused_by_name(bundled: tuple[Any, Any]) -> 
     async with aiocb.Manager(model) as manager:  # no tokenizer
         with pytest.raises(aiocb.InvalidRequestError, match="regex needs a tokenizer"):
             await manager.generate(tokenizer.encode("x = "), max_new_tokens=4, regex="[0-9]+")
+
+
+@pytest.mark.slow
+async def test_a_thousand_requests_half_constrained_by_five_schemas(bundled: tuple[Any, Any]) -> None:
+    model, tokenizer = bundled
+    config = {"max_requests_per_batch": 256, "num_blocks": 512, "page_size": 64}
+    mixed = await _run(model, tokenizer, _specs(constrained=True, free=True, count=1000), **config)
+    free_alone = await _run(model, tokenizer, _specs(constrained=False, free=True, count=1000), **config)
+    for i, output in enumerate(mixed[0::2]):
+        jsonschema.validate(json.loads(output.text or ""), SCHEMAS[i % len(SCHEMAS)])
+    assert [o.generated_tokens for o in mixed[1::2]] == [o.generated_tokens for o in free_alone]
