@@ -1,9 +1,9 @@
 """What constrained decoding costs: the same workload free, then with half of it under a
 JSON schema, interleaved.
 
-The bundled model and tokenizer (``aiocb.default_model``), W1's shape of workload: 64
-requests, prompts of 16..256 tokens (seeded, drawn from the vocabulary), up to 64 new
-tokens at temperature 1.0, seeded per request. In the constrained run every other request
+The bundled model and tokenizer (``aiocb.default_model``), W1's shape of workload within
+the model's 256-token context: 64 requests, prompts of 16..128 tokens (seeded, drawn from
+the vocabulary), up to 64 new tokens at temperature 1.0, seeded per request. In the constrained run every other request
 must produce JSON under a small schema (an object with a bounded integer, an enum and a
 short array); such a request ends as soon as its JSON is complete, so the two runs make a
 different number of tokens: compare the tokens per second and the mean step time, both
@@ -75,13 +75,13 @@ def main(argv: list[str] | None = None) -> int:
     model, tokenizer = load_default_model()
     rng = random.Random(0)
     vocab = model.config.vocab_size
-    prompts = [[rng.randrange(1, vocab) for _ in range(rng.randint(16, 256))] for _ in range(args.requests)]
+    prompts = [[rng.randrange(1, vocab) for _ in range(rng.randint(16, 128))] for _ in range(args.requests)]
     runs: dict[str, list[dict[str, float]]] = {"free": [], "half constrained": []}
     for _ in range(args.repeats):
         for name, constrained in (("free", False), ("half constrained", True)):
             runs[name].append(asyncio.run(_run(model, tokenizer, prompts, args.new_tokens, constrained)))
     print(machine_info().describe())
-    print(f"\n{args.requests} requests, prompts 16..256 tokens, up to {args.new_tokens} new tokens, temperature 1.0\n")
+    print(f"\n{args.requests} requests, prompts 16..128 tokens, up to {args.new_tokens} new tokens, temperature 1.0\n")
     print("| run | tokens | tokens/s | mean step ms |")
     print("| :--- | ---: | ---: | ---: |")
     for name, results in runs.items():
