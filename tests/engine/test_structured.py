@@ -178,3 +178,15 @@ async def test_a_thousand_requests_half_constrained_by_five_schemas(bundled: tup
     for i, output in enumerate(mixed[0::2]):
         jsonschema.validate(json.loads(output.text or ""), SCHEMAS[i % len(SCHEMAS)])
     assert [o.generated_tokens for o in mixed[1::2]] == [o.generated_tokens for o in free_alone]
+
+
+async def test_a_stop_string_ends_a_constrained_request_first(bundled: tuple[Any, Any]) -> None:
+    model, tokenizer = bundled
+    async with aiocb.Manager(model, tokenizer=tokenizer) as manager:
+        outputs = [
+            await manager.generate("x = ", max_new_tokens=20, regex=r"(ab)+;", stop="b", temperature=1.0, seed=s)
+            for s in range(3)
+        ]
+    for output in outputs:
+        assert output.text == "a" and output.stop_reason == "b"
+        assert output.finish_reason is aiocb.FinishReason.STOP
