@@ -14,8 +14,10 @@ on its rows' lengths) and moved to the device in one copy per dtype through
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar, cast
 
 import torch
 
@@ -218,10 +220,18 @@ class HostToDevice:
         self._done: list[torch.cuda.Event | None] = [None, None]
         self._stream = torch.cuda.Stream(device) if self._cuda else None  # type: ignore[no-untyped-call]
 
-    def __call__(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The same tensors on the device, by name."""
+    def move(self, inputs: _T) -> _T:
+        """``inputs`` (dataclasses and lists holding tensors) with every tensor on the device;
+        on CPU, ``inputs`` itself."""
         if not self._cuda:
-            return tensors
+            return inputs
+        found: list[torch.Tensor] = []
+        _find_tensors(inputs, found)
+        moved = self._copy(found)
+        return cast(_T, _with_tensors(inputs, iter(moved)))
+
+    def _copy(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The same tensors on the device, in order."""
         turn = self._turn
         self._turn ^= 1
         done = self._done[turn]
@@ -230,35 +240,35 @@ class HostToDevice:
         stream = self._stream
         assert stream is not None
         compute = torch.cuda.current_stream(self.device)
-        copies: list[tuple[list[str], torch.Tensor]] = []
+        copies: list[tuple[list[int], torch.Tensor]] = []
         for kind in (torch.int64, torch.float32):
-            names = [n for n, t in tensors.items() if (t.dtype == torch.float32) == (kind == torch.float32)]
-            if not names:
+            which = [i for i, t in enumerate(tensors) if (t.dtype == torch.float32) == (kind == torch.float32)]
+            if not which:
                 continue
-            total = sum(tensors[n].numel() for n in names)
+            total = sum(tensors[i].numel() for i in which)
             host = self._host_buffer(kind, turn, total)
             offset = 0
-            for name in names:
-                flat = tensors[name].reshape(-1)
+            for i in which:
+                flat = tensors[i].reshape(-1)
                 host[offset : offset + flat.numel()].copy_(flat)
                 offset += flat.numel()
             with torch.cuda.stream(stream):
                 device_buffer = host[:total].to(self.device, non_blocking=True)
             device_buffer.record_stream(compute)
-            copies.append((names, device_buffer))
+            copies.append((which, device_buffer))
         event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         event.record(stream)
         self._done[turn] = event
         # Only now may the compute stream touch the copies: every view and dtype conversion
         # below is queued on it after this wait, never before.
         compute.wait_stream(stream)
-        packed: dict[str, torch.Tensor] = {}
-        for names, device_buffer in copies:
+        packed: list[torch.Tensor] = list(tensors)
+        for which, device_buffer in copies:
             offset = 0
-            for name in names:
-                source = tensors[name]
+            for i in which:
+                source = tensors[i]
                 view = device_buffer[offset : offset + source.numel()].view(source.shape)
-                packed[name] = view if source.dtype == device_buffer.dtype else view.to(source.dtype)
+                packed[i] = view if source.dtype == device_buffer.dtype else view.to(source.dtype)
                 offset += source.numel()
         return packed
 
@@ -271,15 +281,46 @@ class HostToDevice:
         return buffer
 
 
+_T = TypeVar("_T")
+
+
+def _find_tensors(value: object, found: list[torch.Tensor]) -> None:
+    """Every tensor of a structure of dataclasses and lists, in a fixed order."""
+    if isinstance(value, torch.Tensor):
+        found.append(value)
+    elif isinstance(value, list):
+        for item in value:
+            _find_tensors(item, found)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            _find_tensors(getattr(value, f.name), found)
+
+
+def _with_tensors(value: object, moved: Iterator[torch.Tensor]) -> object:
+    """The same structure with its tensors replaced, in :func:`_find_tensors`'s order."""
+    if isinstance(value, torch.Tensor):
+        return next(moved)
+    if isinstance(value, list):
+        return [_with_tensors(item, moved) for item in value]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        changes = {f.name: _with_tensors(getattr(value, f.name), moved) for f in dataclasses.fields(value)}
+        return dataclasses.replace(value, **changes)
+    return value
+
+
 def prepare_inputs(
     batch: StepBatch, cache: PagedKVCache, transfer: HostToDevice, backends: Sequence[str], state: InputBatch
 ) -> StepInputs:
     """Apply a step's changes to the persistent batch ``state`` and flatten the step into
-    device tensors; ``backends[g]`` is cache group g's attention."""
+    device tensors; ``backends[g]`` is cache group g's attention.
+
+    Everything is built on the host as the typed structures the model and sampler take
+    (:class:`StepInputs`, :class:`AttentionMetadata`, :class:`GroupAttention`,
+    :class:`~aiocb.runner.sampler.SamplingTensors`), which ``transfer`` then moves to the
+    device in a few packed copies.
+    """
     state.apply(batch)
-    page = cache.page_size
     long = torch.long
-    host: dict[str, torch.Tensor] = {}
     num_rows = batch.num_rows
     slots = torch.tensor(batch.slots, dtype=long)
     q_lens = torch.tensor(batch.num_tokens, dtype=long)
@@ -295,8 +336,8 @@ def prepare_inputs(
         first_token = torch.cumsum(q_lens, 0) - q_lens
         positions = torch.arange(num_tokens) - first_token[row_of_token] + starts[row_of_token]
     last_token = first_token + q_lens - 1
-    host["input_ids"] = torch.tensor(batch.token_ids, dtype=long)
-    host["positions"] = positions
+    seq_lens = starts + q_lens
+    step = _Step(batch, cache, single, starts, positions, row_of_token, seq_lens)
 
     sampled = torch.tensor(batch.sampled, dtype=long)
     prompt_counts = [len(targets) for targets in batch.prompt_targets.values()]
@@ -307,186 +348,153 @@ def prepare_inputs(
         prompt_rows = torch.repeat_interleave(scored, counts)
         within = torch.arange(int(counts.sum())) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
         logits_indices = torch.cat((logits_indices, first_token[prompt_rows] + within))
-    host["logits_indices"] = logits_indices
-    host["prompt_targets"] = torch.tensor([t for targets in batch.prompt_targets.values() for t in targets], dtype=long)
-    seq_lens = starts + q_lens
-    host["query_start"] = torch.cat((first_token, torch.tensor([num_tokens])))
-    host["seq_lens"] = seq_lens
-    if batch.carry_rows:
-        host["carry_index"] = last_token[torch.tensor(batch.carry_rows, dtype=long)]
-        host["carry_rows"] = torch.tensor(batch.carry_from, dtype=long)
-
     decode_index = first_token if single else (q_lens == 1).nonzero()[:, 0]
     prefill = [] if single else [i for i, n in enumerate(batch.num_tokens) if n > 1]
-    num_decode = batch.num_single_token_rows
-    if num_decode:
-        host["decode_token_index"] = first_token.index_select(0, decode_index)
 
-    masks: dict[str, torch.Tensor | None] = {}
-    chunk_widths: list[list[int]] = [[] for _ in cache.group_windows]
+    groups = []
     for g, window in enumerate(cache.group_windows):
-        ring = ring_size(window, page) if window is not None else None
-        null = cache.null_block(g)
         table, table_lengths = state.table(g, slots)
-        token_tables = table if single else table[row_of_token]
-        slot_mapping = _slots(token_tables, positions, page, ring)
-        if window is not None:
-            # Sliding layers keep only a chunk's last window-1 positions; earlier ones
-            # would land on ring slots that later tokens of the same chunk overwrite.
-            written = positions >= (seq_lens if single else seq_lens[row_of_token]) - (window - 1)
-            slot_mapping = torch.where(written, slot_mapping, cache.trash_block(g) * page)
-        host[f"slots{g}"] = slot_mapping
-        host[f"table{g}"] = table
-        if backends[g] != Backend.REFERENCE:
-            continue
-        if num_decode:
-            pos = starts.index_select(0, decode_index)
-            decode_table = table if single else table.index_select(0, decode_index)
-            shared = 0
-            if window is None:
-                shared = _shared_prefix_blocks(decode_table, table_lengths.index_select(0, decode_index))
-            if shared * page < _MIN_SHARED_TOKENS:
-                shared = 0
-            if shared:
-                blocks = decode_table[0, :shared]
-                host[f"decode_shared{g}"] = (blocks[:, None] * page + torch.arange(page)[None, :]).reshape(-1)
-            first_key = (pos - window + 1).clamp_min(0) if window is not None else torch.full_like(pos, shared * page)
-            lengths = pos - first_key + 1
-            for c, chunk in enumerate(_decode_chunks(lengths, _decode_chunk_slots(cache))):
-                n_keys = lengths if chunk is None else lengths[chunk]
-                chunk_pos = pos if chunk is None else pos[chunk]
-                chunk_first = first_key if chunk is None else first_key[chunk]
-                chunk_table = decode_table if chunk is None else decode_table[chunk]
-                steps = torch.arange(int(n_keys.max()))
-                valid = steps[None, :] < n_keys[:, None]
-                key_pos = torch.where(valid, chunk_first[:, None] + steps[None, :], chunk_pos[:, None])
-                chunk_slots = _slots(chunk_table, key_pos, page, ring)
-                host[f"dslots{g}_{c}"] = torch.where(valid, chunk_slots, null * page).reshape(-1)
-                if not bool(valid.all()):
-                    host[f"dvalid{g}_{c}"] = valid
-                if chunk is not None:
-                    host[f"drows{g}_{c}"] = chunk
-                chunk_widths[g].append(len(steps))
-        for i in prefill:
-            start, q_len = batch.starts[i], batch.num_tokens[i]
-            lo = max(0, start - (window - 1)) if window is not None else 0
-            read = torch.arange(lo, start if window is not None or start == 0 else start + q_len)
-            host[f"read{g}_{i}"] = _slots(table[i : i + 1].expand(len(read), -1), read, page, ring)
-            mask = _prefill_mask(lo, start, q_len, window)
-            if mask is not None:
-                host[f"mask{g}_{i}"] = mask
-            masks[f"mask{g}_{i}"] = mask
-
-    sampling = _sampling_host_tensors(batch, state, slots.index_select(0, sampled))
-    if batch.bitmask is not None:
-        host["bitmask"] = batch.bitmask
-        host["bitmask_rows"] = torch.tensor(batch.bitmask_rows, dtype=long)
-    host.update(sampling.tensors)
-    host.update(controls_host_tensors(batch.controls, batch.num_sampled))
-    dev = transfer(host)
-
-    groups: list[GroupAttention] = []
-    for g, window in enumerate(cache.group_windows):
         group = GroupAttention(
             window=window,
             backend=backends[g],
-            slot_mapping=dev[f"slots{g}"],
-            block_table=dev[f"table{g}"].to(torch.int32),
+            slot_mapping=step.write_slots(g, table),
+            block_table=table.to(torch.int32),
         )
         if backends[g] == Backend.REFERENCE:
-            group.decode_chunks = [
-                DecodeChunk(dev.get(f"drows{g}_{c}"), dev[f"dslots{g}_{c}"], dev.get(f"dvalid{g}_{c}"), width)
-                for c, width in enumerate(chunk_widths[g])
-            ]
-            group.decode_shared_slots = dev.get(f"decode_shared{g}")
-            group.prefill_read_slots = [dev[f"read{g}_{i}"] for i in prefill]
-            group.prefill_masks = [dev[k] if masks[k] is not None else None for k in (f"mask{g}_{i}" for i in prefill)]
+            if batch.num_single_token_rows:
+                step.reference_decode(group, g, table, table_lengths, decode_index)
+            step.reference_prefill(group, g, table, prefill)
         groups.append(group)
     attention = AttentionMetadata(
         cache=cache,
         groups=groups,
         num_tokens=num_tokens,
-        query_start=dev["query_start"].to(torch.int32),
-        seq_lens=dev["seq_lens"].to(torch.int32),
+        query_start=torch.cat((first_token, torch.tensor([num_tokens]))).to(torch.int32),
+        seq_lens=seq_lens.to(torch.int32),
         max_query_len=max(batch.num_tokens),
         max_seq_len=int(seq_lens.max()),
-        decode_token_index=dev.get("decode_token_index"),
+        decode_token_index=first_token.index_select(0, decode_index) if batch.num_single_token_rows else None,
         prefill_rows=[(int(first_token[i]), batch.num_tokens[i]) for i in prefill],
     )
-    return StepInputs(
-        input_ids=dev["input_ids"],
-        position_ids=dev["positions"],
-        logits_indices=dev["logits_indices"],
+    carry_index = carry_rows = None
+    if batch.carry_rows:
+        carry_index = last_token[torch.tensor(batch.carry_rows, dtype=long)]
+        carry_rows = torch.tensor(batch.carry_from, dtype=long)
+    inputs = StepInputs(
+        input_ids=torch.tensor(batch.token_ids, dtype=long),
+        position_ids=positions,
+        logits_indices=logits_indices,
         attention=attention,
-        sampling=sampling.on_device(dev),
-        prompt_targets=dev["prompt_targets"],
+        sampling=_sampling_tensors(batch, state, slots.index_select(0, sampled)),
+        prompt_targets=torch.tensor([t for targets in batch.prompt_targets.values() for t in targets], dtype=long),
         prompt_counts=prompt_counts,
-        carry_index=dev.get("carry_index"),
-        carry_rows=dev.get("carry_rows"),
+        carry_index=carry_index,
+        carry_rows=carry_rows,
     )
+    return transfer.move(inputs)
 
 
 @dataclass(slots=True)
-class _SamplingColumns:
-    """The sampled rows' parameters as host tensors, with the batch-wide flags read from them."""
+class _Step:
+    """What the per-group builders of :func:`prepare_inputs` share (host tensors)."""
 
-    tensors: dict[str, torch.Tensor]
-    all_greedy: bool
-    any_top_k: bool
-    any_top_p: bool
-    any_logprobs: bool
-    max_top_logprobs: int
-    max_top_k: int
+    batch: StepBatch
+    cache: PagedKVCache
+    single: bool
+    starts: torch.Tensor
+    positions: torch.Tensor
+    row_of_token: torch.Tensor
+    seq_lens: torch.Tensor
 
-    def on_device(self, dev: dict[str, torch.Tensor]) -> SamplingTensors:
-        return SamplingTensors(
-            temperature=dev["temperature"],
-            top_k=dev["top_k"],
-            top_p=dev["top_p"],
-            seed=dev["seed"],
-            offset=dev["offset"],
-            all_greedy=self.all_greedy,
-            any_top_k=self.any_top_k,
-            any_top_p=self.any_top_p,
-            any_logprobs=self.any_logprobs,
-            max_top_logprobs=self.max_top_logprobs,
-            max_top_k=self.max_top_k,
-            min_p=dev.get("min_p"),
-            controls=controls_from_tensors(dev),
-            history_carry=dev.get("c_history_carry"),
-            history_carry_rows=dev.get("c_history_carry_rows"),
-            bitmask=dev.get("bitmask"),
-            bitmask_rows=dev.get("bitmask_rows"),
-        )
+    def write_slots(self, g: int, table: torch.Tensor) -> torch.Tensor:
+        """``[T]`` the cache slot each new token's K/V goes to, in cache group ``g``."""
+        cache, page, window = self.cache, self.cache.page_size, self.cache.group_windows[g]
+        ring = ring_size(window, page) if window is not None else None
+        token_tables = table if self.single else table[self.row_of_token]
+        slot_mapping = _slots(token_tables, self.positions, page, ring)
+        if window is not None:
+            # Sliding layers keep only a chunk's last window-1 positions; earlier ones
+            # would land on ring slots that later tokens of the same chunk overwrite.
+            seq_lens = self.seq_lens if self.single else self.seq_lens[self.row_of_token]
+            written = self.positions >= seq_lens - (window - 1)
+            slot_mapping = torch.where(written, slot_mapping, cache.trash_block(g) * page)
+        return slot_mapping
+
+    def reference_decode(
+        self, group: GroupAttention, g: int, table: torch.Tensor, lengths: torch.Tensor, decode_index: torch.Tensor
+    ) -> None:
+        """The reference backend's single-token rows: batches of gathered keys, and the
+        prefix they all share."""
+        cache, page, window = self.cache, self.cache.page_size, self.cache.group_windows[g]
+        ring = ring_size(window, page) if window is not None else None
+        null = cache.null_block(g)
+        pos = self.starts.index_select(0, decode_index)
+        decode_table = table if self.single else table.index_select(0, decode_index)
+        shared = 0
+        if window is None:
+            shared = _shared_prefix_blocks(decode_table, lengths.index_select(0, decode_index))
+        if shared * page < _MIN_SHARED_TOKENS:
+            shared = 0
+        if shared:
+            blocks = decode_table[0, :shared]
+            group.decode_shared_slots = (blocks[:, None] * page + torch.arange(page)[None, :]).reshape(-1)
+        first_key = (pos - window + 1).clamp_min(0) if window is not None else torch.full_like(pos, shared * page)
+        key_counts = pos - first_key + 1
+        for chunk in _decode_chunks(key_counts, _decode_chunk_slots(cache)):
+            n_keys = key_counts if chunk is None else key_counts[chunk]
+            chunk_pos = pos if chunk is None else pos[chunk]
+            chunk_first = first_key if chunk is None else first_key[chunk]
+            chunk_table = decode_table if chunk is None else decode_table[chunk]
+            steps = torch.arange(int(n_keys.max()))
+            valid = steps[None, :] < n_keys[:, None]
+            key_pos = torch.where(valid, chunk_first[:, None] + steps[None, :], chunk_pos[:, None])
+            chunk_slots = torch.where(valid, _slots(chunk_table, key_pos, page, ring), null * page).reshape(-1)
+            group.decode_chunks.append(
+                DecodeChunk(chunk, chunk_slots, None if bool(valid.all()) else valid, len(steps))
+            )
+
+    def reference_prefill(self, group: GroupAttention, g: int, table: torch.Tensor, prefill: list[int]) -> None:
+        """The reference backend's multi-token rows: the slots of their cached keys, and masks."""
+        page, window = self.cache.page_size, self.cache.group_windows[g]
+        ring = ring_size(window, page) if window is not None else None
+        for i in prefill:
+            start, q_len = self.batch.starts[i], self.batch.num_tokens[i]
+            lo = max(0, start - (window - 1)) if window is not None else 0
+            read = torch.arange(lo, start if window is not None or start == 0 else start + q_len)
+            group.prefill_read_slots.append(_slots(table[i : i + 1].expand(len(read), -1), read, page, ring))
+            group.prefill_masks.append(_prefill_mask(lo, start, q_len, window))
 
 
-def _sampling_host_tensors(batch: StepBatch, state: InputBatch, slots: torch.Tensor) -> _SamplingColumns:
-    """The parameters of the sampled rows, whose slots are ``slots``, gathered from ``state``
-    (a greedy row's temperature and min-p are 0 there)."""
+def _sampling_tensors(batch: StepBatch, state: InputBatch, slots: torch.Tensor) -> SamplingTensors:
+    """The sampled rows' parameters (their slots are ``slots``) gathered from ``state`` (a
+    greedy row's temperature and min-p are 0 there), their controls and grammar masks, and
+    the batch-wide flags read from them on the host."""
     temperature = state.temperature.index_select(0, slots)
     top_k = state.top_k.index_select(0, slots)
     top_p = state.top_p.index_select(0, slots)
-    tensors = {
-        "temperature": temperature,
-        "top_k": top_k,
-        "top_p": top_p,
-        "seed": state.seed.index_select(0, slots),
-        "offset": torch.tensor(batch.offsets, dtype=torch.long),
-    }
     min_p = state.min_p.index_select(0, slots)
-    if bool((min_p > 0.0).any()):
-        tensors["min_p"] = min_p
     drawn = temperature != 0.0
     tops = state.top_logprobs.index_select(0, slots)
     drawn_k = top_k[drawn]
-    return _SamplingColumns(
-        tensors,
+    controls = controls_host_tensors(batch.controls, batch.num_sampled)
+    return SamplingTensors(
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=state.seed.index_select(0, slots),
+        offset=torch.tensor(batch.offsets, dtype=torch.long),
         all_greedy=not bool(drawn.any()),
         any_top_k=bool((drawn_k > 1).any()),
         any_top_p=bool((top_p[drawn] < 1.0).any()),
         any_logprobs=bool((state.logprobs.index_select(0, slots) | (tops > 0)).any()),
         max_top_logprobs=int(tops.max()) if tops.numel() else 0,
         max_top_k=int(drawn_k.max()) if drawn_k.numel() else 0,
+        min_p=min_p if bool((min_p > 0.0).any()) else None,
+        controls=controls_from_tensors(controls),
+        history_carry=controls.get("c_history_carry"),
+        history_carry_rows=controls.get("c_history_carry_rows"),
+        bitmask=batch.bitmask,
+        bitmask_rows=None if batch.bitmask is None else torch.tensor(batch.bitmask_rows, dtype=torch.long),
     )
 
 

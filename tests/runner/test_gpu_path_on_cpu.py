@@ -152,3 +152,34 @@ def test_compile_level_one_matches_generate(qwen3: PreTrainedModel) -> None:
     config = aiocb.ContinuousBatchingConfig(default_compile_level=1, max_batch_tokens=64)
     outputs = aiocb.generate_batch(qwen3, PROMPTS, max_new_tokens=6, continuous_batching_config=config)
     assert [o.generated_tokens for o in outputs.values()] == [reference_generate(qwen3, p, 6) for p in PROMPTS]
+
+
+def test_a_steps_inputs_are_moved_tensor_by_tensor_in_place(qwen3: PreTrainedModel) -> None:
+    """HostToDevice.move walks the typed inputs (dataclasses and lists): every tensor is
+    replaced where it was, everything else is kept."""
+    from aiocb.core.kv_cache import KVCacheManager
+    from aiocb.core.params import ResolvedParams
+    from aiocb.core.request import Request
+    from aiocb.core.scheduler import Scheduler
+    from aiocb.runner.inputs import _find_tensors, _with_tensors
+
+    runner = ModelRunner(qwen3, aiocb.ContinuousBatchingConfig(num_blocks=64, page_size=16))
+    kv = KVCacheManager(runner.spec.cache_groups(runner.plan.num_blocks), 16, enable_prefix_caching=False)
+    scheduler = Scheduler(kv, max_batch_tokens=256, max_requests_per_batch=8)
+    for i, prompt in enumerate(PROMPTS):
+        params = ResolvedParams(max_new_tokens=4, temperature=0.7, top_k=5, seed=i, repetition_penalty=1.2)
+        scheduler.add(Request(f"r{i}", prompt, params, 0.0))
+    batch = runner.writer.snapshot(scheduler.schedule())
+    inputs = prepare_inputs(batch, runner.cache, HostToDevice(runner.device), runner.backends, runner.input_batch)
+    found: list[torch.Tensor] = []
+    _find_tensors(inputs, found)
+    assert any(t is inputs.attention.groups[0].prefill_read_slots[-1] for t in found)
+    assert inputs.sampling.controls is not None and any(t is inputs.sampling.controls.history_ids for t in found)
+    moved = _with_tensors(inputs, iter([t.clone() for t in found]))
+    again: list[torch.Tensor] = []
+    _find_tensors(moved, again)
+    assert len(again) == len(found)
+    for before, after in zip(found, again, strict=True):
+        assert after is not before and after.dtype == before.dtype and torch.equal(after, before)
+    assert moved.attention.cache is runner.cache  # type: ignore[attr-defined]
+    assert moved.prompt_counts == inputs.prompt_counts  # type: ignore[attr-defined]
