@@ -177,9 +177,13 @@ def resolve_params(
     default_logprobs: bool,
     default_seed: int,
     has_tokenizer: bool,
+    can_constrain: bool,
 ) -> ResolvedParams:
     """Resolve a request's parameters: its own values, then the GenerationConfig's, then
     transformers' defaults; check them against the model and the cache.
+
+    ``has_tokenizer``: text is available (stop strings); ``can_constrain``: output
+    constraints can be compiled (a tokenizer's vocabulary is known).
 
     A request samples when ``do_sample`` says so; if ``do_sample`` is not given, passing
     any of ``temperature``, ``top_k`` or ``top_p`` asks for sampling, otherwise the
@@ -219,7 +223,7 @@ def resolve_params(
     if stop and not has_tokenizer:
         raise InvalidRequestError("stop strings need a tokenizer: create the Manager with tokenizer=...")
     structure = request.structure()
-    if structure is not None and not has_tokenizer:
+    if structure is not None and not can_constrain:
         given = next(name for name in STRUCTURE_FIELDS if getattr(request, name) is not None)
         raise InvalidRequestError(f"{given} needs a tokenizer: create the Manager with tokenizer=...")
 

@@ -55,8 +55,8 @@ def serve_with_workers(args: argparse.Namespace, config: ContinuousBatchingConfi
     """Run the engine process of ``aiocb serve --api-workers N`` until a signal; the exit status."""
     import aiocb
 
-    model, _ = load_model(args)
-    manager = aiocb.Manager(model, continuous_batching_config=config)
+    model, tokenizer = load_model(args)
+    manager = aiocb.Manager(model, continuous_batching_config=config, grammar_tokenizer=tokenizer)
     listener = socket.create_server((args.host, args.port), backlog=4096)
     workdir = Path(tempfile.mkdtemp(prefix="aiocb-engine-"))  # private (0700): the socket and metrics
     try:

@@ -187,7 +187,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import aiocb
 
     model, tokenizer = load_model(args)
-    manager = aiocb.Manager(model, continuous_batching_config=config)
+    manager = aiocb.Manager(model, continuous_batching_config=config, grammar_tokenizer=tokenizer)
     name = served_model_name(args)
     app = build_app(
         manager, tokenizer, name, api_key=args.api_key, shutdown_timeout=args.shutdown_timeout, limits=limits

@@ -110,6 +110,7 @@ class Manager:
         continuous_batching_config: ContinuousBatchingConfig | None = None,
         *,
         tokenizer: PreTrainedTokenizerBase | None = None,
+        grammar_tokenizer: PreTrainedTokenizerBase | None = None,
         persistent_manager: bool = False,
         num_requests_hint: int | None = None,
     ) -> None:
@@ -125,7 +126,11 @@ class Manager:
         #: with a tokenizer, prompts may be text or chat messages and outputs carry text
         self.tokenizer = tokenizer
         model_eos = eos_ids(getattr(model.config.get_text_config(), "eos_token_id", None))
-        self._requests = RequestFactory(self.generation_config, self.config, tokenizer, model_eos)
+        # A manager in token ids (a server doing its own text) may still constrain outputs:
+        # ``grammar_tokenizer`` gives the vocabulary (``tokenizer`` does, when given).
+        self._requests = RequestFactory(
+            self.generation_config, self.config, tokenizer, model_eos, grammar_tokenizer=grammar_tokenizer
+        )
         self.persistent = persistent_manager
         self._num_requests_hint = num_requests_hint
         self._state = _State.CREATED
@@ -586,6 +591,15 @@ class Manager:
         """Compile a request's output constraint off the loop (when it has one)."""
         if requested.structure() is not None and self._runner is not None:
             await self._requests.precompile(requested, self._runner.spec.vocab_size)
+
+    async def precompile(self, sampling_params: SamplingParams | None = None, **params: Any) -> None:
+        """Compile the output constraint these parameters carry (``json_schema``, ``regex``,
+        ``choice`` or ``grammar``) on a worker thread and cache it, so that a request added
+        with them later, by :meth:`add_request_nowait` too, does not compile it on the loop.
+        Raises :class:`~aiocb.InvalidRequestError` when it does not compile."""
+        self._check_loop()
+        self._check_accepting()
+        await self._precompile(self._requests.merged(sampling_params, None, params))
 
     def _new_request(
         self,

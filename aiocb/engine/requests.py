@@ -42,8 +42,11 @@ class RequestFactory:
         config: ContinuousBatchingConfig,
         tokenizer: PreTrainedTokenizerBase | None,
         default_eos: frozenset[int],
+        grammar_tokenizer: PreTrainedTokenizerBase | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        #: whose vocabulary output constraints are compiled against
+        self.grammar_tokenizer = grammar_tokenizer or tokenizer
         # Checked once, here: a GenerationConfig field aiocb cannot honour is refused (or
         # dropped with one warning) when the manager is built, not per request.
         self.defaults = config_defaults(
@@ -89,6 +92,7 @@ class RequestFactory:
             default_logprobs=self._default_logprobs,
             default_seed=self._seeds.getrandbits(32),
             has_tokenizer=self.tokenizer is not None,
+            can_constrain=self.grammar_tokenizer is not None,
         )
         if request_id is None:
             request_id = self._fresh_id(in_use)
@@ -129,7 +133,7 @@ class RequestFactory:
         """Compile a request's constraint on a worker thread, so that :meth:`build` (on the
         loop) finds it compiled; InvalidRequestError when it does not compile."""
         structure = requested.structure()
-        if structure is None or self.tokenizer is None:
+        if structure is None or self.grammar_tokenizer is None:
             return  # (build refuses a constraint without a tokenizer)
         grammars = self._grammars(vocab_size)
         if not grammars.is_cached(structure):
@@ -137,9 +141,9 @@ class RequestFactory:
 
     def _grammars(self, vocab_size: int) -> GrammarCompiler:
         """The compiler of constraints for the model's vocabulary (built on first use)."""
-        assert self.tokenizer is not None  # (resolve_params refuses a constraint without one)
+        assert self.grammar_tokenizer is not None  # (resolve_params refuses a constraint without one)
         if self._grammar_compiler is None:
-            self._grammar_compiler = GrammarCompiler(self.tokenizer, vocab_size)
+            self._grammar_compiler = GrammarCompiler(self.grammar_tokenizer, vocab_size)
         return self._grammar_compiler
 
     @staticmethod

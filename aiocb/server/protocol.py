@@ -245,7 +245,7 @@ def _sampling(body: Mapping[str, Any], *, max_tokens_keys: tuple[str, ...]) -> S
         include_usage=bool(stream_options and _bool(stream_options, "include_usage", False)),
         min_tokens=_opt_int(body, "min_tokens", minimum=0) or 0,
         include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False),
-        controls=_controls(body),
+        controls={**_controls(body), **_structure(body)},
     )
 
 
@@ -275,6 +275,59 @@ def _controls(body: Mapping[str, Any]) -> dict[str, Any]:
     return controls
 
 
+#: vLLM's fields for constrained decoding, and the ``aiocb.SamplingParams`` field each becomes.
+_GUIDED = {
+    "guided_json": "json_schema",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+#: The keys of vLLM's ``structured_outputs`` object, likewise.
+_STRUCTURED_OUTPUTS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+
+
+def _structure(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The output constraint of a body (OpenAI's ``response_format``, vLLM's
+    ``structured_outputs`` and ``guided_*``) as a ``SamplingParams`` field; at most one."""
+    found: list[tuple[str, str, Any]] = []  # (body field, SamplingParams field, value)
+    response_format = body.get("response_format")
+    if response_format is not None:
+        kind = response_format.get("type") if isinstance(response_format, dict) else None
+        if kind == "json_object":
+            found.append(("response_format", "json_schema", {"type": "object"}))
+        elif kind == "json_schema":
+            spec = response_format.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                message = "'response_format.json_schema.schema' must be a JSON schema object"
+                raise bad_request(message, "response_format")
+            found.append(("response_format", "json_schema", spec["schema"]))
+        elif kind != "text":
+            raise bad_request(
+                "'response_format' must be an object whose 'type' is text, json_object or json_schema",
+                "response_format",
+            )
+    outputs = body.get("structured_outputs")
+    if outputs is not None:
+        if not isinstance(outputs, dict):
+            raise bad_request("'structured_outputs' must be an object", "structured_outputs")
+        unknown = sorted(set(outputs) - set(_STRUCTURED_OUTPUTS))
+        if unknown:
+            message = f"unsupported 'structured_outputs' key(s) {unknown}; known: {', '.join(_STRUCTURED_OUTPUTS)}"
+            raise bad_request(message, "structured_outputs")
+        found += [(f"structured_outputs.{k}", _STRUCTURED_OUTPUTS[k], v) for k, v in outputs.items() if v is not None]
+    found += [(key, name, body[key]) for key, name in _GUIDED.items() if body.get(key) is not None]
+    if not found:
+        return {}
+    if len(found) > 1:
+        raise bad_request(f"give one output constraint, got {', '.join(f for f, _, _ in found)}", found[1][0])
+    where, name, value = found[0]
+    try:
+        SamplingParams(**{name: value})
+    except InvalidRequestError as exc:
+        raise bad_request(f"{where}: {exc}", where.split(".")[0]) from None
+    return {name: value}
+
+
 #: Fields that do not change what is generated (identifiers, bookkeeping): accepted as they are.
 _NO_EFFECT = frozenset({"user", "metadata", "store", "service_tier", "request_id"})
 _SAMPLING_FIELDS = frozenset(
@@ -295,6 +348,9 @@ _SAMPLING_FIELDS = frozenset(
         "min_tokens",
         "include_stop_str_in_output",
         "best_of",
+        "response_format",
+        "structured_outputs",
+        *_GUIDED,
         *_CONTROLS,
     }
 )
@@ -312,7 +368,6 @@ CHAT_FIELDS = (
         "chat_template_kwargs",
         "tools",
         "tool_choice",
-        "response_format",
     }
 )
 
@@ -328,9 +383,6 @@ def _refuse_unknown(body: Mapping[str, Any], known: frozenset[str]) -> None:
 
 def _refuse_unsupported(body: Mapping[str, Any]) -> None:
     """Refuse known OpenAI fields whose non-default values this server cannot honour."""
-    response_format = body.get("response_format")
-    if response_format is not None and response_format != {"type": "text"}:
-        raise bad_request("'response_format' other than text is not supported by this server", "response_format")
     if body.get("suffix"):
         raise bad_request("'suffix' is not supported by this server", "suffix")
     # With tools and no tool_choice a client expects "auto": the model may call them.

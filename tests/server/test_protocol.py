@@ -151,7 +151,12 @@ def test_chat_content_parts_and_max_completion_tokens() -> None:
         # tools without tool_choice mean "auto": refused, not silently dropped
         {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
         {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
-        {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+        {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "response_format": {"type": "json_object"},
+            "guided_regex": ".",
+        },
         {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ messages }}"},
     ],
 )
