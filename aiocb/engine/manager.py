@@ -380,7 +380,8 @@ class Manager:
         return [r.request_id for r in requests]
 
     def cancel_request(self, request_id: str) -> bool:
-        """End a queued or running request now; its blocks are free when this returns.
+        """End a queued or running request now; its blocks are free when this returns (or,
+        if the step being planned holds them, once its copy for the device is complete).
 
         Returns whether a live request was cancelled (unknown or finished ids are ignored).
         """

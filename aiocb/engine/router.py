@@ -102,10 +102,11 @@ class OutputRouter:
     ) -> None:
         """End a live request now and notify its consumer: the one path every early end takes.
 
-        Its blocks are free when this returns. ``raises`` is what its consumer raises instead
-        of reading an output; with ``forget`` nobody reads it any more (its handle goes);
-        without ``queue`` its output does not join the shared results (only its own
-        consumers are woken).
+        Its blocks are free when this returns, or, when a plan being copied for the device
+        still holds them, as soon as that copy is complete (well under a millisecond).
+        ``raises`` is what its consumer raises instead of reading an output; with
+        ``forget`` nobody reads it any more (its handle goes); without ``queue`` its output
+        does not join the shared results (only its own consumers are woken).
         """
         request = handle.request
         if not request.is_finished and self.steps is not None:

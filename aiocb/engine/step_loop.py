@@ -64,7 +64,8 @@ class StepLoop:
         self._work.set()
 
     def finish(self, request: Request, reason: FinishReason, **kwargs: object) -> None:
-        """End a request now (cancel, abort); its blocks are free when this returns."""
+        """End a request now (cancel, abort); its blocks are free when this returns, or once
+        the plan being copied for the device lets them go (see ``Scheduler.hold_blocks``)."""
         self.scheduler.finish(request, reason, time.perf_counter(), **kwargs)  # type: ignore[arg-type]
         if self.runner is not None:
             self.runner.notify("cancel", request.request_id, reason.value)
