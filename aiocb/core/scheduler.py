@@ -352,49 +352,46 @@ class Scheduler:
         prompt_row = 0
         updated: list[Request] = []
         finished: list[Request] = []
+        # (this loop runs for every sampled row each step: names are bound locally)
+        running, decoding = self.running, RequestStatus.DECODING
+        tokens, logprobs, tops = result.token_ids, result.logprobs, result.top_logprobs
+        last = len(output.scheduled)
         for looked, item in enumerate(output.scheduled, 1):
             request = item.request
-            if wants_prompt_logprobs(request, item.start):
+            params = request.params
+            if params.prompt_logprobs and wants_prompt_logprobs(request, item.start):
                 assert result.prompt_logprobs is not None
-                values, tops = result.prompt_logprobs[prompt_row]
+                values, top_prompt = result.prompt_logprobs[prompt_row]
                 prompt_row += 1
-                _record_prompt_logprobs(request, item.start, values, tops)
+                _record_prompt_logprobs(request, item.start, values, top_prompt)
             if item.sample:
-                token = int(result.token_ids[row])
-                logprob = None if result.logprobs is None else float(result.logprobs[row])
-                top = None if result.top_logprobs is None else result.top_logprobs[row]
-                row += 1
                 request.num_pending_tokens -= 1
-                if not request.is_finished:
+                if not request.status.is_finished():  # (else ended while the step ran: no token)
+                    token = int(tokens[row])
+                    request.token_ids.append(token)
+                    if logprobs is not None:
+                        request.logprobs.append(float(logprobs[row]))
+                    if tops is not None and params.top_logprobs:
+                        request.top_logprobs.append(dict(tops[row][: params.top_logprobs]))
+                    if request.first_token_time is None:
+                        request.first_token_time = now
+                    if request in running:  # (not if preempted while the step ran)
+                        request.status = decoding
                     updated.append(request)
-                    self._append(request, token, logprob, top, now)
-                    if request.is_finished:
+                    reason = self._stop_reason(request, token)
+                    if reason is not None:
+                        self.finish(request, reason, now)
                         finished.append(request)
-            if looked % chunk == 0 or looked == len(output.scheduled):
+                row += 1
+            if looked % chunk == 0 or looked == last:
+                self.stats.num_generated_tokens += len(updated)
                 yield updated, finished
                 updated, finished = [], []
 
-    def _append(
-        self, request: Request, token: int, logprob: float | None, top: list[tuple[int, float]] | None, now: float
-    ) -> None:
-        """Give ``request`` its sampled token, and end it if that token stops it."""
-        request.token_ids.append(token)
-        if logprob is not None:
-            request.logprobs.append(logprob)
-        if top is not None and request.params.top_logprobs:
-            request.top_logprobs.append(dict(top[: request.params.top_logprobs]))
-        if request.first_token_time is None:
-            request.first_token_time = now
-        if request in self.running:  # (not if preempted while the step ran)
-            request.status = RequestStatus.DECODING
-        self.stats.num_generated_tokens += 1
-        reason = self._stop_reason(request, token)
-        if reason is not None:
-            self.finish(request, reason, now)
-
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
+        """Why ``request``, just given ``token``, ends now (None: it goes on)."""
         params = request.params
-        num_output = request.num_output_tokens
+        num_output = len(request.token_ids) - len(request.prompt_ids)
         matched = None if request.text is None else request.text.add(token, num_output)
         completed = request.grammar is not None and request.grammar.accept(token)
         if num_output > params.min_tokens and token in params.stop_token_ids:
