@@ -301,10 +301,13 @@ class Scheduler:
         # them after they are written (device work runs in plan order, and a step writes
         # every new token's K/V before any request of it reads the cache).
         if kv.prefix_caching:
+            page = kv.page_size
             for looked, request in enumerate(planned, 1):
                 if looked % chunk == 0:
                     yield
-                kv.cache_full_blocks(request)
+                # (most steps complete no block: only then is the call worth its cost)
+                if min(request.num_computed_tokens, len(request.token_ids)) // page > request.num_registered_blocks:
+                    kv.cache_full_blocks(request)
         if not out_of_room:
             yield from self._admit(planned, budget, output, chunk)
 
