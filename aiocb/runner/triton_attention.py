@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from aiocb.runner.triton_support import interpreted, runs_on
+
 try:
     import triton
     import triton.language as tl
@@ -253,23 +255,9 @@ if HAS_TRITON:
 
 
 def is_available(device: torch.device) -> bool:
-    """Whether :func:`triton_paged_attention` can run on tensors of ``device``.
-
-    True on CUDA when triton imports, and on the CPU when the kernel was built by Triton's
-    interpreter (``TRITON_INTERPRET=1`` set before this module was imported).
-    """
-    if not HAS_TRITON:
-        return False
-    if device.type == "cuda":
-        return torch.cuda.is_available()
-    if device.type == "cpu":
-        return _interpreted()
-    return False
-
-
-def _interpreted() -> bool:
-    """Whether the kernel runs in Triton's interpreter (chosen when it was decorated)."""
-    return HAS_TRITON and type(_paged_attention_kernel).__name__ == "InterpretedFunction"
+    """Whether :func:`triton_paged_attention` can run on tensors of ``device``: on CUDA when triton
+    imports, on the CPU in Triton's interpreter (see :mod:`aiocb.runner.triton_support`)."""
+    return runs_on(_paged_attention_kernel if HAS_TRITON else None, device)
 
 
 @dataclass(frozen=True, slots=True)
@@ -445,7 +433,7 @@ def _launch(
         USE_RING=ring_blocks is not None,
         # fp32 inputs would otherwise go through TF32 tensor cores on the GPU (~1e-3 error).
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        INTERPRETED=_interpreted(),
+        INTERPRETED=interpreted(_paged_attention_kernel),
         TILE_IN_PAGE=page_size % config.block_n == 0,
         num_warps=config.num_warps,
         num_stages=config.num_stages,

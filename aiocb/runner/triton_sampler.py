@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import torch
 
+from aiocb.runner.triton_support import interpreted, runs_on
+
 try:
     import triton
     import triton.language as tl
@@ -215,23 +217,9 @@ if HAS_TRITON:
 
 
 def is_available(device: torch.device) -> bool:
-    """Whether :func:`triton_draw` can run on tensors of ``device``.
-
-    True on CUDA when triton imports, and on the CPU when the kernels were built by
-    Triton's interpreter (``TRITON_INTERPRET=1`` set before this module was imported).
-    """
-    if not HAS_TRITON:
-        return False
-    if device.type == "cuda":
-        return torch.cuda.is_available()
-    if device.type == "cpu":
-        return _interpreted()
-    return False
-
-
-def _interpreted() -> bool:
-    """Whether the kernels run in Triton's interpreter (chosen when they were decorated)."""
-    return HAS_TRITON and type(_sample_kernel).__name__ == "InterpretedFunction"
+    """Whether :func:`triton_draw` can run on tensors of ``device``: on CUDA when triton
+    imports, on the CPU in Triton's interpreter (see :mod:`aiocb.runner.triton_support`)."""
+    return runs_on(_sample_kernel if HAS_TRITON else None, device)
 
 
 def top_k_thresholds(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int | None = None) -> torch.Tensor:
@@ -283,7 +271,8 @@ def triton_draw(
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     temperature = temperature.to(torch.float32)
-    # A filter no row uses gets a placeholder pointer, which its kernel variant never reads.
+    # A filter no row uses is compiled out of the kernel (a constexpr flag), so any tensor
+    # stands in for its argument.
     threshold = temperature if top_k is None else top_k_thresholds(logits, top_k, max_top_k)
     log_min_p = temperature if min_p is None else torch.log(min_p)  # log(0) = -inf: off
     _sample_kernel[(rows,)](
@@ -301,7 +290,7 @@ def triton_draw(
         USE_TOP_K=top_k is not None,
         USE_TOP_P=top_p is not None,
         USE_MIN_P=min_p is not None,
-        PRECISE=not _interpreted(),
+        PRECISE=not interpreted(_sample_kernel),
         num_warps=_NUM_WARPS,
     )
     return out
@@ -318,7 +307,8 @@ def triton_noise(
     bits = torch.empty(rows, vocab, dtype=torch.long, device=seed.device)
     noise = torch.empty(rows, vocab, dtype=torch.float32, device=seed.device)
     if rows:
+        precise = not interpreted(_sample_kernel)
         _noise_kernel[(rows,)](
-            seed.contiguous(), offset.contiguous(), bits, noise, VOCAB=vocab, BLOCK=block, PRECISE=not _interpreted()
+            seed.contiguous(), offset.contiguous(), bits, noise, VOCAB=vocab, BLOCK=block, PRECISE=precise
         )
     return bits, noise

@@ -22,6 +22,7 @@ import torch
 
 from aiocb.runner.draw import draw_full
 from aiocb.runner.sampler import SamplingTensors, sample
+from tests.runner.test_sampler import Row
 
 DRAWS = 20_000
 MARGIN = 0.01
@@ -43,18 +44,6 @@ SETTINGS = {
     "temperature": Setting(temperature=1.0, vary="offset"),
     "min-p": Setting(temperature=1.0, min_p=0.05),
 }
-
-
-@dataclass
-class Row:
-    temperature: float
-    top_k: int
-    top_p: float
-    min_p: float
-    seed: int
-    offset: int
-    logprobs: bool = False
-    top_logprobs: int = 0
 
 
 def realistic_logits(vocab: int) -> torch.Tensor:

@@ -8,8 +8,6 @@ test repeats the comparison at a real vocabulary on CUDA.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 
@@ -20,24 +18,13 @@ from aiocb.runner.draw import draw_full
 from aiocb.runner.noise import gumbel, gumbel_at, random_bits, uniform_noise
 from aiocb.runner.sampler import SamplingTensors, draw_on_device, sample
 from aiocb.runner.triton_sampler import is_available, triton_draw, triton_noise
+from tests.runner.test_sampler import Row
 
 needs_kernel = pytest.mark.skipif(
     not is_available(torch.device("cpu")), reason="Triton interpreter not enabled (TRITON_INTERPRET=1)"
 )
 
 BLOCK = 256  # (the GPU's is larger; vocabularies below are not multiples of it)
-
-
-@dataclass
-class Row:
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int = 0
-    offset: int = 0
-    logprobs: bool = False
-    top_logprobs: int = 0
 
 
 def _inputs(rows: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
