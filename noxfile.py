@@ -55,7 +55,7 @@ def lm_eval(session: nox.Session) -> None:
 def examples(session: nox.Session) -> None:
     """Run every example in examples/ on the bundled model (the tensor-parallel one under torchrun)."""
     _install(session, "test")
-    for script in sorted(Path("examples").glob("0*.py")):
+    for script in sorted(Path("examples").glob("[0-9]*.py")):
         session.run("python", str(script), env=OFFLINE)
     session.run("torchrun", "--nproc-per-node", "2", "examples/tp_torchrun.py", env=OFFLINE)
 

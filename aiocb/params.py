@@ -138,6 +138,14 @@ class SamplingParams:
     grammar: str | None = field(
         default=None, metadata=_doc("the output follows this EBNF grammar (start rule `root`)", "none")
     )
+    structural_tag: Mapping[str, Any] | str | None = field(
+        default=None,
+        metadata=_doc(
+            "the output follows this xgrammar structural tag (a dict or its JSON text): free text with "
+            "constrained spans, such as tool calls",
+            "none",
+        ),
+    )
 
     def __post_init__(self) -> None:
         _check_int(self, "max_new_tokens", minimum=1)
@@ -168,6 +176,7 @@ class SamplingParams:
         _set(self, "sequence_bias", _sequence_bias(self.sequence_bias))
         _set(self, "bad_words_ids", _bad_words(self.bad_words_ids))
         _set(self, "json_schema", _json_schema(self.json_schema))
+        _set(self, "structural_tag", _json_object("structural_tag", self.structural_tag))
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
@@ -192,6 +201,8 @@ class SamplingParams:
             return ("regex", self.regex)
         if self.grammar is not None:
             return ("grammar", self.grammar)
+        if self.structural_tag is not None:
+            return ("structural_tag", str(self.structural_tag))
         if self.choice is not None:
             alternatives = " | ".join(json.dumps(text, ensure_ascii=False) for text in self.choice)
             return ("grammar", f"root ::= {alternatives}")
@@ -220,29 +231,34 @@ def check_names(fields: Mapping[str, Any]) -> None:
 
 
 #: The fields that constrain the output's form; one at most.
-STRUCTURE_FIELDS: tuple[str, ...] = ("json_schema", "regex", "choice", "grammar")
+STRUCTURE_FIELDS: tuple[str, ...] = ("json_schema", "regex", "choice", "grammar", "structural_tag")
 
 
 def _json_schema(value: Any) -> str | None:
     """A JSON schema given as a dict, JSON text or pydantic model class, as JSON text."""
-    if value is None:
-        return None
     if isinstance(value, type):
         to_schema = getattr(value, "model_json_schema", None)
         if to_schema is None:
             raise InvalidRequestError(f"json_schema: {value.__name__} is not a pydantic model class")
         value = to_schema()
+    return _json_object("json_schema", value)
+
+
+def _json_object(name: str, value: Any) -> str | None:
+    """A JSON object given as a dict or as JSON text, as JSON text."""
+    if value is None:
+        return None
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except ValueError as error:
-            raise InvalidRequestError(f"json_schema is not valid JSON: {error}") from None
+            raise InvalidRequestError(f"{name} is not valid JSON: {error}") from None
     if not isinstance(value, Mapping):
-        raise InvalidRequestError(f"json_schema must be a JSON object (a dict), got {type(value).__name__}")
+        raise InvalidRequestError(f"{name} must be a JSON object (a dict), got {type(value).__name__}")
     try:
         return json.dumps(value)
     except (TypeError, ValueError) as error:
-        raise InvalidRequestError(f"json_schema cannot be written as JSON: {error}") from None
+        raise InvalidRequestError(f"{name} cannot be written as JSON: {error}") from None
 
 
 def parameter_table() -> str:

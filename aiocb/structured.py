@@ -1,5 +1,5 @@
 """Constrained decoding: outputs that follow a JSON schema, a regular expression, a choice
-of strings or an EBNF grammar, through xgrammar (the ``aiocb[structured]`` extra).
+of strings, an EBNF grammar or a structural tag, through xgrammar (the ``aiocb[structured]`` extra).
 
 A constraint is compiled once per ``(kind, text)`` against the tokenizer's vocabulary
 (:class:`GrammarCompiler`, cached; the manager's async methods compile off the event
@@ -13,7 +13,9 @@ being sampled (the next mask depends on it), and it ends when its grammar is com
 
 from __future__ import annotations
 
+import json
 import threading
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -27,7 +29,7 @@ def _xgrammar() -> Any:
         import xgrammar
     except ImportError:
         raise InvalidRequestError(
-            "json_schema, regex, choice and grammar need xgrammar: pip install 'aiocb[structured]'"
+            "json_schema, regex, choice, grammar and structural_tag need xgrammar: pip install 'aiocb[structured]'"
         ) from None
     return xgrammar
 
@@ -35,10 +37,15 @@ def _xgrammar() -> Any:
 class GrammarCompiler:
     """Compiles constraints against one tokenizer's vocabulary, and caches them."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> None:
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_token_ids: Collection[int] = ()
+    ) -> None:
         xgr = _xgrammar()
         self.vocab_size = vocab_size
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        # The model's own end tokens end a complete grammar (a chat model's <|im_end|>, say,
+        # which the tokenizer's eos_token need not be).
+        stops = sorted(i for i in stop_token_ids if 0 <= i < vocab_size) or None
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stops)
         self._compiler = xgr.GrammarCompiler(info)
         self._compiled: dict[tuple[str, str], Any] = {}
         self._lock = threading.Lock()  # (compiled on worker threads too)
@@ -59,6 +66,8 @@ class GrammarCompiler:
                 compiled = self._compiler.compile_json_schema(text, any_whitespace=False)
             elif kind == "regex":
                 compiled = self._compiler.compile_regex(text)
+            elif kind == "structural_tag":
+                compiled = self._compiler.compile_structural_tag(_current_structural_tag(text))
             else:
                 compiled = self._compiler.compile_grammar(text)
         except Exception as error:  # (xgrammar raises RuntimeError and others on bad input)
@@ -88,6 +97,21 @@ class GrammarState:
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the tokens allowed next into row ``row`` of ``bitmask``."""
         self._matcher.fill_next_token_bitmask(bitmask, row)
+
+
+def _current_structural_tag(text: str) -> str:
+    """A structural tag in xgrammar's current form. The older form that vLLM and SGLang
+    clients still send (``structures`` of ``begin``/``schema``/``end``, and ``triggers``) is
+    a ``triggered_tags`` format; its JSON gets no runs of whitespace, as ``json_schema`` does."""
+    tag = json.loads(text)
+    if "format" in tag or "structures" not in tag:
+        return text
+    tags = []
+    for structure in tag["structures"]:
+        content = {"type": "json_schema", "json_schema": structure.get("schema"), "max_whitespace_cnt": 1}
+        tags.append({"type": "tag", "begin": structure.get("begin"), "content": content, "end": structure.get("end")})
+    triggered = {"type": "triggered_tags", "triggers": tag.get("triggers", []), "tags": tags}
+    return json.dumps({"type": "structural_tag", "format": triggered})
 
 
 def new_bitmask(rows: int, vocab_size: int) -> torch.Tensor:

@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 
 from aiocb.cli.serve import (
     SHUTDOWN_MARGIN_S,
+    chat_parsers,
     event_loop_name,
     limits_from_args,
     load_model,
@@ -177,6 +178,7 @@ async def _worker(args: argparse.Namespace, engine_socket: str, listener: socket
         api_key=args.api_key,
         shutdown_timeout=args.shutdown_timeout,
         limits=limits_from_args(args),
+        **chat_parsers(args),
     )
     server = DrainingServer(uvicorn_config(app, args, event_loop_name(args)), app, args.shutdown_timeout)
     try:

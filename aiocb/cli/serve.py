@@ -32,6 +32,8 @@ from typing import Any
 from aiocb.config import ContinuousBatchingConfig
 from aiocb.errors import InvalidConfigError
 from aiocb.server.limits import ServerLimits
+from aiocb.server.reasoning import ReasoningSplitter
+from aiocb.server.tool_parsers import PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +92,19 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--no-access-log", dest="access_log", action="store_false", help="no access-log line per request"
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=("auto", "none", *PARSERS),
+        default="auto",
+        help="the format of tool calls in chat outputs (default auto: the one the chat template writes; "
+        "none: requests with tools are refused)",
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        choices=ReasoningSplitter.names,
+        default=None,
+        help="split <think>...</think> into reasoning_content (default: reasoning stays in the content)",
     )
     connections = parser.add_argument_group("connections", "bounds that uvicorn enforces per connection")
     connections.add_argument(
@@ -190,12 +205,24 @@ def run_serve(args: argparse.Namespace) -> int:
     manager = aiocb.Manager(model, continuous_batching_config=config, grammar_tokenizer=tokenizer)
     name = served_model_name(args)
     app = build_app(
-        manager, tokenizer, name, api_key=args.api_key, shutdown_timeout=args.shutdown_timeout, limits=limits
+        manager,
+        tokenizer,
+        name,
+        api_key=args.api_key,
+        shutdown_timeout=args.shutdown_timeout,
+        limits=limits,
+        **chat_parsers(args),
     )
     loop = event_loop_name(args)
     logger.info("serving %s on http://%s:%d (event loop: %s)", name, args.host, args.port, loop)
     DrainingServer(uvicorn_config(app, args, loop), app, args.shutdown_timeout).run()
     return 0
+
+
+def chat_parsers(args: argparse.Namespace) -> dict[str, str | None]:
+    """``build_app``'s tool-call and reasoning parser arguments, from the flags."""
+    tool_call_parser = None if args.tool_call_parser == "none" else args.tool_call_parser
+    return {"tool_call_parser": tool_call_parser, "reasoning_parser": args.reasoning_parser}
 
 
 def served_model_name(args: argparse.Namespace) -> str:

@@ -143,7 +143,7 @@ class RequestFactory:
         """The compiler of constraints for the model's vocabulary (built on first use)."""
         assert self.grammar_tokenizer is not None  # (resolve_params refuses a constraint without one)
         if self._grammar_compiler is None:
-            self._grammar_compiler = GrammarCompiler(self.grammar_tokenizer, vocab_size)
+            self._grammar_compiler = GrammarCompiler(self.grammar_tokenizer, vocab_size, self._default_eos)
         return self._grammar_compiler
 
     @staticmethod

@@ -42,8 +42,11 @@ from aiocb.server.protocol import (
     parse_detokenize_request,
     parse_tokenize_request,
 )
+from aiocb.server.reasoning import ReasoningSplitter
 from aiocb.server.remote import ServedEngine
 from aiocb.server.sse import EventStreamResponse, events
+from aiocb.server.tool_parsers import PARSERS, ToolCallParser, detect_parser
+from aiocb.server.tools import template_messages
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +64,8 @@ def build_app(
     *,
     shutdown_timeout: float = 10.0,
     limits: ServerLimits | None = None,
+    tool_call_parser: str | None = "auto",
+    reasoning_parser: str | None = None,
 ) -> Starlette:
     """An OpenAI-compatible ASGI app serving ``manager``'s model as ``model_name``.
 
@@ -69,10 +74,24 @@ def build_app(
     ``shutdown_timeout`` seconds are aborted). With ``api_key`` every route but
     ``/health``, ``/ready`` and ``/metrics`` needs ``Authorization: Bearer <api_key>``.
     ``limits`` bound what one request may cost (:class:`ServerLimits`' defaults when None).
+
+    ``tool_call_parser`` names the format chat outputs' tool calls are found in
+    (``hermes``, ``llama3_json``, ``mistral``; ``"auto"``: the one the chat template
+    writes; None: requests with tools are refused). ``reasoning_parser`` (``qwen3`` or
+    ``deepseek_r1``, both the ``<think>`` format) splits reasoning into
+    ``reasoning_content``; None leaves it in the content.
     """
     limits = limits or ServerLimits()
     metrics = ServerMetrics(manager, model_name)
-    ctx = ServerContext(manager, tokenizer, model_name, metrics, limits)
+    ctx = ServerContext(
+        manager,
+        tokenizer,
+        model_name,
+        metrics,
+        limits,
+        tool_parser=resolve_tool_parser(tool_call_parser, getattr(tokenizer, "chat_template", None)),
+        reasoning=_reasoning(reasoning_parser),
+    )
     api = _Api(ctx)
 
     @asynccontextmanager
@@ -112,6 +131,24 @@ def build_app(
     )
     app.state.aiocb = ctx
     return app
+
+
+def resolve_tool_parser(name: str | None, chat_template: Any) -> type[ToolCallParser] | None:
+    """The tool-call parser ``name`` stands for (``"auto"``: detected from ``chat_template``)."""
+    if name is None:
+        return None
+    if name == "auto":
+        return detect_parser(chat_template if isinstance(chat_template, str) else None)
+    parser = PARSERS.get(name)
+    if parser is None:
+        raise ValueError(f"unknown tool-call parser {name!r}; known: auto, {', '.join(PARSERS)}")
+    return parser
+
+
+def _reasoning(name: str | None) -> bool:
+    if name is not None and name not in ReasoningSplitter.names:
+        raise ValueError(f"unknown reasoning parser {name!r}; known: {', '.join(ReasoningSplitter.names)}")
+    return name is not None
 
 
 def begin_drain(app: Starlette, timeout: float) -> asyncio.Task[None] | None:
@@ -254,7 +291,8 @@ class _Api:
             text = parsed.prompt
         else:
             assert parsed.messages is not None
-            text = self.ctx.render_chat(parsed.messages, add_generation_prompt=parsed.add_generation_prompt, kwargs={})
+            messages = template_messages(parsed.messages)
+            text = self.ctx.render_chat(messages, add_generation_prompt=parsed.add_generation_prompt, kwargs={})
         tokens = self.ctx.encode(text, add_special_tokens=parsed.add_special_tokens)
         return _json_bytes({"tokens": tokens, "count": len(tokens), "max_model_len": self.ctx.max_model_len})
 

@@ -1,4 +1,5 @@
-"""``POST /v1/chat/completions``: messages through the tokenizer's chat template."""
+"""``POST /v1/chat/completions``: messages through the tokenizer's chat template, and the
+output back as an assistant message (content, ``reasoning_content``, ``tool_calls``)."""
 
 from __future__ import annotations
 
@@ -6,12 +7,16 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from aiocb.params import STRUCTURE_FIELDS
+from aiocb.server.chat_output import ChoiceOutput, MessageBuilder
+from aiocb.server.chat_output import delta as message_delta
 from aiocb.server.context import ServerContext, finite
 from aiocb.server.limits import parse_json
-from aiocb.server.protocol import ChatCompletionRequest, parse_chat_request
+from aiocb.server.protocol import ChatCompletionRequest, bad_request, parse_chat_request
+from aiocb.server.reasoning import ReasoningSplitter, prompt_opens_thinking
 from aiocb.server.serving import (
     ChoiceDelta,
     ChoiceSpec,
@@ -19,6 +24,7 @@ from aiocb.server.serving import (
     choice_seed,
     engine_params,
 )
+from aiocb.server.tools import ToolRequest, parse_tools, structural_tag, template_messages
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,18 +33,50 @@ class PreparedChat:
 
     request: ChatCompletionRequest
     prompt_ids: list[int]
+    #: the tools the model may call (None: none offered, or ``tool_choice`` none)
+    tools: ToolRequest | None = None
+    #: the constraint that enforces ``tools`` (``SamplingParams`` fields), if any
+    constraint: dict[str, Any] = field(default_factory=dict)
+    #: whether the prompt ends inside a ``<think>`` block that the template opened
+    opens_thinking: bool = False
 
 
 def prepare_chat(ctx: ServerContext, body: bytes) -> PreparedChat:
     """Parse, check, render and tokenize a chat body (thread-safe: runs off the loop when large)."""
-    request = parse_chat_request(parse_json(body, ctx.limits.max_json_depth))
+    parsed = parse_json(body, ctx.limits.max_json_depth)
+    request = parse_chat_request(parsed)
+    tools = parse_tools(parsed)
     ctx.check_model(request.sampling.model)
     ctx.limits.check_stop(request.sampling.stop)
+    if tools is not None and tools.choice == "none":
+        tools = None  # (the model is not shown tools it may not call)
+    parser = ctx.tool_parser
+    if tools is not None and parser is None:
+        raise bad_request(
+            "this server has no tool-call parser for its model's chat template; start it with --tool-call-parser",
+            "tools",
+        )
     text = ctx.render_chat(
-        request.messages, add_generation_prompt=request.add_generation_prompt, kwargs=request.chat_template_kwargs
+        template_messages(request.messages),
+        add_generation_prompt=request.add_generation_prompt,
+        kwargs=request.chat_template_kwargs,
+        tools=None if tools is None else list(tools.tools),
     )
     ctx.check_prompt_chars(text, "messages")
-    return PreparedChat(request, ctx.encode(text, add_special_tokens=False))
+    opens_thinking = ctx.reasoning and prompt_opens_thinking(text)
+    constraint: dict[str, Any] = {}
+    if tools is not None and tools.enforced:
+        assert parser is not None
+        given = [name for name in STRUCTURE_FIELDS if name in request.sampling.controls]
+        if given:
+            message = (
+                f"the tools' tool_choice {tools.choice!r} constrains the output; it cannot be combined with "
+                f"another output constraint (response_format or structured outputs: {given[0]})"
+            )
+            raise bad_request(message, "tool_choice")
+        mode = "disabled" if not ctx.reasoning else "enabled" if opens_thinking else "auto"
+        constraint["structural_tag"] = structural_tag(tools, parser.xgrammar_format, mode)
+    return PreparedChat(request, ctx.encode(text, add_special_tokens=False), tools, constraint, opens_thinking)
 
 
 class ChatCompletion:
@@ -50,7 +88,10 @@ class ChatCompletion:
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.prompt_ids = prepared.prompt_ids
+        self.tools = prepared.tools
+        self.opens_thinking = prepared.opens_thinking
         sampling = request.sampling
+        keep_special = self.tools is not None and ctx.tool_parser is not None and ctx.tool_parser.needs_special_tokens
         max_tokens = sampling.max_tokens
         if max_tokens is None:
             max_tokens = ctx.default_max_tokens(len(self.prompt_ids))
@@ -66,9 +107,11 @@ class ChatCompletion:
                     top_logprobs=request.top_logprobs,
                     prompt_logprobs=False,
                     score_only=max_tokens == 0,
-                ),
+                )
+                | prepared.constraint,
                 stop=sampling.stop,
-                skip_special_tokens=sampling.skip_special_tokens,
+                # A format whose markers are special tokens ([TOOL_CALLS]) needs them in the text.
+                skip_special_tokens=sampling.skip_special_tokens and not keep_special,
                 min_tokens=sampling.min_tokens,
                 include_stop_str_in_output=sampling.include_stop_str_in_output,
             )
@@ -83,23 +126,27 @@ class ChatCompletion:
     async def response(self) -> dict[str, Any]:
         """Run every choice to its end; the whole response body."""
         n = self.request.sampling.n
-        texts = [""] * n
+        outputs = [self._output() for _ in range(n)]
+        messages = [MessageBuilder(reasoning=self.ctx.reasoning) for _ in range(n)]
         logprobs: list[list[dict[str, Any]]] = [[] for _ in range(n)]
         finish: list[str | None] = [None] * n
         generated = [0] * n
         try:
             async with aclosing(self.submission.deltas()) as deltas:
                 async for delta in deltas:
-                    texts[delta.index] += delta.text
-                    logprobs[delta.index] += self._logprob_entries(delta)
-                    finish[delta.index] = delta.finish_reason or finish[delta.index]
-                    generated[delta.index] = delta.num_generated
+                    j = delta.index
+                    messages[j].add(outputs[j].feed(delta.text))
+                    logprobs[j] += self._logprob_entries(delta)
+                    if delta.finish_reason is not None:
+                        messages[j].add(outputs[j].finish())
+                        finish[j] = self._finish_reason(delta.finish_reason, outputs[j])
+                    generated[j] = delta.num_generated
         finally:
             await self.submission.aclose()
         choices = [
             {
                 "index": j,
-                "message": {"role": "assistant", "content": texts[j]},
+                "message": messages[j].message(),
                 "logprobs": {"content": logprobs[j]} if self.request.logprobs else None,
                 "finish_reason": finish[j],
             }
@@ -122,18 +169,43 @@ class ChatCompletion:
         n = self.request.sampling.n
         for j in range(n):
             yield self._chunk(j, {"role": "assistant", "content": ""}, None, None)
+        outputs = [self._output() for _ in range(n)]
         generated = [0] * n
         async with aclosing(self.submission.deltas()) as deltas:
             async for delta in deltas:
-                generated[delta.index] = delta.num_generated
+                j = delta.index
+                generated[j] = delta.num_generated
+                fragments = outputs[j].feed(delta.text)
+                finish_reason = None
+                if delta.finish_reason is not None:
+                    fragments += outputs[j].finish()
+                    finish_reason = self._finish_reason(delta.finish_reason, outputs[j])
                 entries = self._logprob_entries(delta)
-                if not delta.text and not entries and delta.finish_reason is None:
-                    continue
                 logprobs = {"content": entries} if self.request.logprobs else None
-                content = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
-                yield self._chunk(delta.index, content, logprobs, delta.finish_reason)
+                parts = [message_delta(fragment) for fragment in fragments]
+                if not parts and (entries or finish_reason is not None):
+                    parts = [{}]
+                for k, part in enumerate(parts):
+                    last = k == len(parts) - 1
+                    yield self._chunk(j, part, logprobs if k == 0 else None, finish_reason if last else None)
         if self.request.sampling.include_usage:
             yield {**self._header(), "choices": [], "usage": self._usage(sum(generated))}
+
+    def _output(self) -> ChoiceOutput:
+        """A parser of one choice's text: reasoning split off, tool calls found."""
+        ctx = self.ctx
+        reasoning = ReasoningSplitter(starts_inside=self.opens_thinking) if ctx.reasoning else None
+        tools = None
+        if self.tools is not None:
+            assert ctx.tool_parser is not None  # (prepare_chat refuses tools without one)
+            hidden = getattr(ctx.tokenizer, "all_special_tokens", ())
+            tools = ctx.tool_parser(self.tools.names, parallel=self.tools.parallel, hidden=hidden)
+        return ChoiceOutput(reasoning, tools)
+
+    def _finish_reason(self, reason: str, output: ChoiceOutput) -> str:
+        """``tool_calls`` when the model stopped after calling tools it chose to call."""
+        chose = self.tools is not None and not self.tools.forced
+        return "tool_calls" if reason == "stop" and output.calls and chose else reason
 
     def _header(self) -> dict[str, Any]:
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.ctx.model_name}

@@ -13,6 +13,7 @@ from aiocb.server.limits import ServerLimits
 from aiocb.server.metrics import ServerMetrics
 from aiocb.server.protocol import APIError, bad_request
 from aiocb.server.remote import ServedEngine
+from aiocb.server.tool_parsers import ToolCallParser
 
 T = TypeVar("T")
 
@@ -49,13 +50,25 @@ class ServerContext:
     """What the handlers share: the manager, the tokenizer and the metrics."""
 
     def __init__(
-        self, manager: ServedEngine, tokenizer: Any, model_name: str, metrics: ServerMetrics, limits: ServerLimits
+        self,
+        manager: ServedEngine,
+        tokenizer: Any,
+        model_name: str,
+        metrics: ServerMetrics,
+        limits: ServerLimits,
+        *,
+        tool_parser: type[ToolCallParser] | None = None,
+        reasoning: bool = False,
     ) -> None:
         self.manager = manager
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.metrics = metrics
         self.limits = limits
+        #: the format tool calls are found in (None: requests with tools are refused)
+        self.tool_parser = tool_parser
+        #: whether ``<think>`` blocks become ``reasoning_content``
+        self.reasoning = reasoning
         self.created = int(time.time())
         text_config = manager.model.config.get_text_config()
         self.max_model_len: int | None = getattr(text_config, "max_position_embeddings", None)
@@ -145,14 +158,21 @@ class ServerContext:
         return text
 
     def render_chat(
-        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool, kwargs: dict[str, Any]
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool,
+        kwargs: dict[str, Any],
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """The chat template applied to ``messages``; a 400 when it cannot be."""
+        """The chat template applied to ``messages`` (and ``tools``); a 400 when it cannot be."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise bad_request("the model's tokenizer has no chat template; use /v1/completions", "messages")
+        if "tools" in kwargs:
+            raise bad_request("give tools as 'tools', not in 'chat_template_kwargs'", "chat_template_kwargs")
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
+                messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
             )
         except Exception as exc:  # jinja2 errors, raise_exception() in templates
             raise bad_request(f"the chat template failed on these messages: {exc}", "messages") from exc

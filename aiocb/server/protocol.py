@@ -283,12 +283,20 @@ _GUIDED = {
     "guided_grammar": "grammar",
 }
 #: The keys of vLLM's ``structured_outputs`` object, likewise.
-_STRUCTURED_OUTPUTS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+_STRUCTURED_OUTPUTS = {
+    "json": "json_schema",
+    "regex": "regex",
+    "choice": "choice",
+    "grammar": "grammar",
+    "structural_tag": "structural_tag",
+}
 
 
 def _structure(body: Mapping[str, Any]) -> dict[str, Any]:
     """The output constraint of a body (OpenAI's ``response_format``, vLLM's
-    ``structured_outputs`` and ``guided_*``) as a ``SamplingParams`` field; at most one."""
+    ``structured_outputs`` and ``guided_*``) as a ``SamplingParams`` field; at most one.
+    A ``structural_tag`` response format is the tag itself (xgrammar's form, or the older
+    ``structures`` and ``triggers``)."""
     found: list[tuple[str, str, Any]] = []  # (body field, SamplingParams field, value)
     response_format = body.get("response_format")
     if response_format is not None:
@@ -301,9 +309,11 @@ def _structure(body: Mapping[str, Any]) -> dict[str, Any]:
                 message = "'response_format.json_schema.schema' must be a JSON schema object"
                 raise bad_request(message, "response_format")
             found.append(("response_format", "json_schema", spec["schema"]))
+        elif kind == "structural_tag":
+            found.append(("response_format", "structural_tag", response_format))
         elif kind != "text":
             raise bad_request(
-                "'response_format' must be an object whose 'type' is text, json_object or json_schema",
+                "'response_format' must be an object whose 'type' is text, json_object, json_schema or structural_tag",
                 "response_format",
             )
     outputs = body.get("structured_outputs")
@@ -368,6 +378,7 @@ CHAT_FIELDS = (
         "chat_template_kwargs",
         "tools",
         "tool_choice",
+        "parallel_tool_calls",
     }
 )
 
@@ -385,11 +396,6 @@ def _refuse_unsupported(body: Mapping[str, Any]) -> None:
     """Refuse known OpenAI fields whose non-default values this server cannot honour."""
     if body.get("suffix"):
         raise bad_request("'suffix' is not supported by this server", "suffix")
-    # With tools and no tool_choice a client expects "auto": the model may call them.
-    if body.get("tools") and body.get("tool_choice") != "none":
-        raise bad_request("tool calling is not supported by this server", "tools")
-    if body.get("tool_choice") not in (None, "none"):
-        raise bad_request("tool calling is not supported by this server", "tool_choice")
     best_of = body.get("best_of")
     n = body.get("n") or 1
     if best_of is not None and best_of != n:

@@ -127,6 +127,39 @@ async def test_regex_choice_and_grammar_outputs_match(bundled: tuple[Any, Any]) 
             assert output.finish_reason is aiocb.FinishReason.STOP
 
 
+async def test_structural_tags_in_both_forms(bundled: tuple[Any, Any]) -> None:
+    """A tag in xgrammar's form (fixed text around a schema), and the older form of
+    ``structures`` and ``triggers`` that vLLM clients send: free text whose tagged spans
+    follow the schema."""
+    model, tokenizer = bundled
+    schema = SCHEMAS[2]
+    tag = {
+        "type": "structural_tag",
+        "format": {
+            "type": "tag",
+            "begin": "answer = ",
+            "content": {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1},
+            "end": "\n",
+        },
+    }
+    older = {"type": "structural_tag", "structures": [{"begin": "(", "schema": schema, "end": ")"}], "triggers": ["("]}
+    specs: list[dict[str, Any]] = []
+    for i in range(6):
+        base = {"prompt": PROMPTS[i], "temperature": 1.0, "seed": 50 + i}
+        specs += [{**base, "structural_tag": tag}, {**base, "structural_tag": json.dumps(older)}]
+    outputs = await _run(model, tokenizer, specs)
+    tagged = 0
+    for whole, free in zip(outputs[0::2], outputs[1::2], strict=True):
+        assert whole.finish_reason is aiocb.FinishReason.STOP, whole.text
+        match = re.fullmatch(r"answer = (.*)\n", whole.text or "", re.DOTALL)
+        assert match is not None, whole.text
+        jsonschema.validate(json.loads(match.group(1)), schema)
+        for span in re.findall(r"\((.*?)\)", free.text or ""):  # every "(" opens a tagged span
+            jsonschema.validate(json.loads(span), schema)
+            tagged += 1
+    assert tagged > 0, "code opens parentheses: some spans should be there to check"
+
+
 async def test_a_pydantic_model_and_several_samples(bundled: tuple[Any, Any]) -> None:
     model, tokenizer = bundled
 
@@ -155,6 +188,8 @@ async def test_bad_constraints_are_refused_by_name(bundled: tuple[Any, Any]) -> 
             ({"choice": []}, "choice must be a non-empty list"),
             ({"choice": "yes"}, "choice must be a non-empty list"),
             ({"regex": "a", "choice": ["a"]}, "at most one of"),
+            ({"structural_tag": {"type": "structural_tag"}}, "structural_tag cannot be compiled"),
+            ({"structural_tag": ["a"]}, "structural_tag must be a JSON object"),
         ]
         for params, message in cases:
             with pytest.raises(aiocb.InvalidRequestError, match=message):

@@ -16,7 +16,15 @@ import httpx
 import pytest
 
 import aiocb
-from aiocb.cli.serve import add_serve_arguments, config_flags, config_from_args, limits_from_args, load_model, run_serve
+from aiocb.cli.serve import (
+    add_serve_arguments,
+    chat_parsers,
+    config_flags,
+    config_from_args,
+    limits_from_args,
+    load_model,
+    run_serve,
+)
 from aiocb.server.limits import ServerLimits
 
 REPO = Path(__file__).resolve().parents[2]
@@ -81,7 +89,18 @@ def test_flags_of_every_kind() -> None:
     assert args.dtype == "auto"
 
 
+def test_chat_parser_flags() -> None:
+    assert chat_parsers(parse()) == {"tool_call_parser": "auto", "reasoning_parser": None}
+    args = parse("--tool-call-parser", "mistral", "--reasoning-parser", "deepseek_r1")
+    assert chat_parsers(args) == {"tool_call_parser": "mistral", "reasoning_parser": "deepseek_r1"}
+    assert chat_parsers(parse("--tool-call-parser", "none"))["tool_call_parser"] is None
+
+
 def test_bad_values_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    for flag, value in (("--tool-call-parser", "xml"), ("--reasoning-parser", "o1")):
+        with pytest.raises(SystemExit):
+            parse(flag, value)
+        capsys.readouterr()
     with pytest.raises(SystemExit):
         parse("--scheduler-type", "lifo")
     capsys.readouterr()

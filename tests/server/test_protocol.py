@@ -148,9 +148,6 @@ def test_chat_content_parts_and_max_completion_tokens() -> None:
         {"messages": [{"content": "no role"}]},
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
         {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
-        # tools without tool_choice mean "auto": refused, not silently dropped
-        {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
-        {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
         {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
         {
             "messages": [{"role": "user", "content": "x"}],

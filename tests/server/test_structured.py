@@ -39,12 +39,13 @@ async def client(model: PreTrainedModel, tokenizer: Any) -> AsyncIterator[httpx.
         assert stats.free_blocks == stats.total_blocks, "blocks leaked"
 
 
-async def _completion(client: httpx.AsyncClient, **fields: Any) -> list[str]:
+async def _completion(client: httpx.AsyncClient, *, ends: bool = True, **fields: Any) -> list[str]:
+    """The texts of three samples; ``ends``: each ended by its constraint, not its length."""
     body = {"model": MODEL_NAME, "prompt": "data = ", "max_tokens": 48, "temperature": 1.0, "seed": 3, "n": 3}
     response = await client.post("/v1/completions", json={**body, **fields})
     assert response.status_code == 200, response.text
     choices = response.json()["choices"]
-    assert all(c["finish_reason"] == "stop" for c in choices), choices
+    assert not ends or all(c["finish_reason"] == "stop" for c in choices), choices
     return [c["text"] for c in choices]
 
 
@@ -78,12 +79,22 @@ async def test_vllm_fields(client: httpx.AsyncClient) -> None:
         jsonschema.validate(json.loads(text), SCHEMA)
     for text in await _completion(client, guided_grammar='root ::= "(" [0-9] ")"'):
         assert re.fullmatch(r"\([0-9]\)", text)
+    content = {"type": "json_schema", "json_schema": SCHEMA, "max_whitespace_cnt": 1}
+    tag = {"type": "structural_tag", "format": {"type": "tag", "begin": "[", "content": content, "end": "]"}}
+    older = {"type": "structural_tag", "structures": [{"begin": "[", "schema": SCHEMA, "end": "]"}], "triggers": ["["]}
+    for fields in ({"structured_outputs": {"structural_tag": json.dumps(tag)}}, {"response_format": tag}):
+        for text in await _completion(client, **fields):
+            jsonschema.validate(json.loads(text[1:-1]), SCHEMA)
+            assert text[0] + text[-1] == "[]"
+    for text in await _completion(client, ends=False, response_format=older):  # free text; "[" opens a span
+        for span in re.findall(r"\[(.*?)\]", text):
+            jsonschema.validate(json.loads(span), SCHEMA)
 
 
 @pytest.mark.parametrize(
     ("fields", "param", "message"),
     [
-        ({"response_format": {"type": "xml"}}, "response_format", "json_object or json_schema"),
+        ({"response_format": {"type": "xml"}}, "response_format", "json_schema or structural_tag"),
         ({"response_format": {"type": "json_schema"}}, "response_format", "must be a JSON schema object"),
         ({"guided_json": {"type": "nonsense"}}, None, "json_schema cannot be compiled"),
         ({"guided_regex": "("}, None, "regex cannot be compiled"),

@@ -1,0 +1,107 @@
+"""A chat choice's text as an assistant message: reasoning, content and tool calls.
+
+:class:`ChoiceOutput` runs one choice's text through the reasoning splitter (when the
+server has one) and then the tool-call parser (when the request offers tools), as it
+streams. The same fragments become a stream's deltas (:func:`delta`) and, gathered by
+:class:`MessageBuilder`, the whole message of a response that is not streamed, so the
+two always agree.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiocb.server.fragments import Content, Fragment, Reasoning, ToolCall
+from aiocb.server.reasoning import ReasoningSplitter
+from aiocb.server.tool_parsers import ToolCallParser
+
+
+class ChoiceOutput:
+    """One choice's text, parsed as it comes."""
+
+    def __init__(self, reasoning: ReasoningSplitter | None, tools: ToolCallParser | None) -> None:
+        self._reasoning = reasoning
+        self._tools = tools
+
+    @property
+    def calls(self) -> int:
+        """Tool calls found so far."""
+        return 0 if self._tools is None else self._tools.calls
+
+    def feed(self, text: str) -> list[Fragment]:
+        """The fragments ``text`` completes (merged where they are of one kind)."""
+        if not text:
+            return []
+        split: list[Fragment] = self._reasoning.feed(text) if self._reasoning is not None else [Content(text)]
+        return _merged(self._parse_tools(split, finish=False))
+
+    def finish(self) -> list[Fragment]:
+        """What is left at the end of the output."""
+        split = self._reasoning.finish() if self._reasoning is not None else []
+        return _merged(self._parse_tools(split, finish=True))
+
+    def _parse_tools(self, fragments: list[Fragment], *, finish: bool) -> list[Fragment]:
+        if self._tools is None:
+            return fragments
+        out: list[Fragment] = []
+        for fragment in fragments:
+            out += self._tools.feed(fragment.text) if isinstance(fragment, Content) else [fragment]
+        if finish:
+            out += self._tools.finish()
+        return out
+
+
+def _merged(fragments: list[Fragment]) -> list[Fragment]:
+    out: list[Fragment] = []
+    for fragment in fragments:
+        last = out[-1] if out else None
+        if isinstance(fragment, Content) and isinstance(last, Content):
+            out[-1] = Content(last.text + fragment.text)
+        elif isinstance(fragment, Reasoning) and isinstance(last, Reasoning):
+            out[-1] = Reasoning(last.text + fragment.text)
+        else:
+            out.append(fragment)
+    return out
+
+
+def delta(fragment: Fragment) -> dict[str, Any]:
+    """A stream chunk's ``delta`` for one fragment (OpenAI's shape; a call comes whole)."""
+    if isinstance(fragment, Content):
+        return {"content": fragment.text}
+    if isinstance(fragment, Reasoning):
+        return {"reasoning_content": fragment.text}
+    return {"tool_calls": [_call(fragment) | {"index": fragment.index}]}
+
+
+def _call(call: ToolCall) -> dict[str, Any]:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+class MessageBuilder:
+    """A choice's fragments gathered into the response's ``message``."""
+
+    def __init__(self, *, reasoning: bool) -> None:
+        self._reasoning = reasoning
+        self._content: list[str] = []
+        self._thoughts: list[str] = []
+        self._calls: list[ToolCall] = []
+
+    def add(self, fragments: list[Fragment]) -> None:
+        """Take more of the choice's fragments."""
+        for fragment in fragments:
+            if isinstance(fragment, Content):
+                self._content.append(fragment.text)
+            elif isinstance(fragment, Reasoning):
+                self._thoughts.append(fragment.text)
+            else:
+                self._calls.append(fragment)
+
+    def message(self) -> dict[str, Any]:
+        """The assistant message: ``content`` is null when the answer is tool calls only."""
+        content = "".join(self._content)
+        message: dict[str, Any] = {"role": "assistant", "content": content if content or not self._calls else None}
+        if self._reasoning:
+            message["reasoning_content"] = "".join(self._thoughts) if self._thoughts else None
+        if self._calls:
+            message["tool_calls"] = [_call(call) for call in self._calls]
+        return message

@@ -1,0 +1,81 @@
+"""``<think>…</think>``: a reasoning model's thoughts, split from its answer as it streams.
+
+The text inside the block becomes the message's ``reasoning_content``, the text after it
+``content``. Three shapes occur: the output opens the block itself (``<think>`` first);
+the chat template opened it in the prompt, so the output starts inside it (DeepSeek-R1,
+Qwen3 with thinking on); or there is no block at all (thinking off), when everything is
+content. A block never closed (the output was cut short) is all reasoning.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from aiocb.server.fragments import Content, Fragment, Reasoning, partial_suffix
+
+OPEN = "<think>"
+CLOSE = "</think>"
+
+
+def prompt_opens_thinking(prompt: str) -> bool:
+    """Whether the rendered prompt ends inside a ``<think>`` block (the template opened it)."""
+    return prompt.rfind(OPEN) > prompt.rfind(CLOSE)
+
+
+class ReasoningSplitter:
+    """Splits one choice's text into reasoning and content fragments."""
+
+    #: the names ``--reasoning-parser`` takes (vLLM's names for this format)
+    names: ClassVar[tuple[str, ...]] = ("qwen3", "deepseek_r1")
+
+    def __init__(self, *, starts_inside: bool) -> None:
+        self._state = "reasoning" if starts_inside else "start"
+        self._buffer = ""
+
+    def feed(self, text: str) -> list[Fragment]:
+        """The fragments ``text`` completes."""
+        self._buffer += text
+        out: list[Fragment] = []
+        while self._buffer:
+            if self._state == "start":
+                head = self._buffer.lstrip()
+                if head.startswith(OPEN):
+                    self._buffer, self._state = head[len(OPEN) :], "reasoning"
+                elif not head or OPEN.startswith(head):
+                    break  # (not decided yet)
+                else:
+                    self._state = "content"
+            elif self._state == "reasoning":
+                at = self._buffer.find(CLOSE)
+                if at >= 0:
+                    self._emit(Reasoning(self._buffer[:at]), out)
+                    self._buffer, self._state = self._buffer[at + len(CLOSE) :], "after"
+                    continue
+                keep = partial_suffix(self._buffer, CLOSE)
+                self._emit(Reasoning(self._buffer[: len(self._buffer) - keep]), out)
+                self._buffer = self._buffer[len(self._buffer) - keep :]
+                break
+            elif self._state == "after":
+                # The newlines templates put between the block and the answer are neither.
+                self._buffer = self._buffer.lstrip("\n")
+                if self._buffer:
+                    self._state = "content"
+            else:
+                self._emit(Content(self._buffer), out)
+                self._buffer = ""
+        return out
+
+    def finish(self) -> list[Fragment]:
+        """What is left at the end of the output."""
+        out: list[Fragment] = []
+        if self._state == "reasoning":
+            self._emit(Reasoning(self._buffer), out)
+        elif self._state != "after":
+            self._emit(Content(self._buffer), out)
+        self._buffer = ""
+        return out
+
+    @staticmethod
+    def _emit(fragment: Content | Reasoning, out: list[Fragment]) -> None:
+        if fragment.text:
+            out.append(fragment)

@@ -1,0 +1,215 @@
+"""OpenAI's ``tools`` and ``tool_choice``: checked, handed to the chat template, enforced.
+
+A chat request's tools are rendered by the model's chat template (``tools=``). What the
+model may do with them is ``tool_choice``:
+
+- ``none``: no calls; the tools are left out of the prompt, and the output is plain text.
+- ``auto`` (the default with tools): the model may call them; the server's tool-call
+  parser finds the calls in its output. Tools marked ``strict`` are enforced: the output
+  follows a structural tag (xgrammar) in the parser's format, so a call's arguments
+  always validate; without ``strict`` the output is free.
+- ``required`` and a named function: enforced the same way, with at least one call (or
+  exactly the named one).
+
+Assistant messages' ``tool_calls`` arrive with ``arguments`` as JSON text; templates
+expect objects, so they are parsed before rendering.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from aiocb.server.protocol import bad_request
+
+_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+#: Tool-call JSON may hold at most this many whitespace characters in a row: a weak model
+#: could otherwise pad its arguments without end.
+_MAX_WHITESPACE = 1
+
+
+@dataclass(frozen=True, slots=True)
+class ToolRequest:
+    """A chat request's tools and what it lets the model do with them."""
+
+    #: the tools as sent (``{"type": "function", "function": {...}}``), for the template
+    tools: tuple[dict[str, Any], ...]
+    #: ``"none"``, ``"auto"``, ``"required"``, or the name of the one function to call
+    choice: str
+    #: whether the function named by :attr:`choice` is forced (a name, not a mode)
+    forced: bool
+    #: whether the model may call several tools in one answer
+    parallel: bool
+
+    @property
+    def names(self) -> frozenset[str]:
+        """The functions' names."""
+        return frozenset(tool["function"]["name"] for tool in self.tools)
+
+    @property
+    def enforced(self) -> bool:
+        """Whether the output is constrained to the parser's tool-call format."""
+        if self.choice == "none":
+            return False
+        return self.forced or self.choice == "required" or any(_strict(tool) for tool in self.tools)
+
+    def xgrammar_tool_choice(self) -> str | dict[str, Any]:
+        """``tool_choice`` as xgrammar's builders take it."""
+        if self.forced:
+            return {"type": "function", "function": {"name": self.choice}}
+        return self.choice
+
+
+def parse_tools(body: Mapping[str, Any]) -> ToolRequest | None:
+    """The tools of a chat body, checked; None when it has none (and no ``tool_choice``)."""
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise bad_request(f"'parallel_tool_calls' must be true or false, got {parallel!r}", "parallel_tool_calls")
+    if not tools:
+        if choice not in (None, "none"):
+            raise bad_request("'tool_choice' needs 'tools'", "tool_choice")
+        return None
+    if not isinstance(tools, list):
+        raise bad_request("'tools' must be a list of tools", "tools")
+    checked = tuple(_tool(tool, i) for i, tool in enumerate(tools))
+    names = [tool["function"]["name"] for tool in checked]
+    duplicate = next((name for name in names if names.count(name) > 1), None)
+    if duplicate is not None:
+        raise bad_request(f"'tools' names the function {duplicate!r} twice", "tools")
+    forced = False
+    if choice is None:
+        choice = "auto"
+    elif isinstance(choice, dict):
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise bad_request(
+                '\'tool_choice\' must be none, auto, required or {"type": "function", "function": {"name": ...}}',
+                "tool_choice",
+            )
+        if name not in names:
+            raise bad_request(f"'tool_choice' names {name!r}, which is not one of the tools", "tool_choice")
+        choice, forced = name, True
+    elif choice not in ("none", "auto", "required"):
+        raise bad_request(f"'tool_choice' must be none, auto, required or a function, got {choice!r}", "tool_choice")
+    return ToolRequest(tools=checked, choice=choice, forced=forced, parallel=True if parallel is None else parallel)
+
+
+def _tool(tool: Any, index: int) -> dict[str, Any]:
+    where = f"tools[{index}]"
+    if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+        raise bad_request(f'{where} must be {{"type": "function", "function": {{...}}}}', "tools")
+    function = dict(tool["function"])
+    name = function.get("name")
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise bad_request(f"{where}.function.name must be 1 to 64 letters, digits, '_', '.' or '-'", "tools")
+    unknown = sorted(set(function) - {"name", "description", "parameters", "strict"})
+    if unknown:
+        raise bad_request(f"{where}.function has unsupported field(s) {unknown}", "tools")
+    if function.get("description") is not None and not isinstance(function["description"], str):
+        raise bad_request(f"{where}.function.description must be a string", "tools")
+    parameters = function.get("parameters")
+    if parameters is not None and not isinstance(parameters, dict):
+        raise bad_request(f"{where}.function.parameters must be a JSON schema object", "tools")
+    strict = function.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise bad_request(f"{where}.function.strict must be true or false", "tools")
+    return {"type": "function", "function": function}
+
+
+def _strict(tool: Mapping[str, Any]) -> bool:
+    return bool(tool["function"].get("strict"))
+
+
+def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as chat templates expect them: a tool call's ``arguments`` as an object."""
+    rendered = []
+    for i, message in enumerate(messages):
+        calls = message.get("tool_calls")
+        if calls is None:
+            rendered.append(message)
+            continue
+        if not isinstance(calls, list):
+            raise bad_request(f"messages[{i}].tool_calls must be a list", "messages")
+        rendered.append({**message, "tool_calls": [_template_call(call, i, j) for j, call in enumerate(calls)]})
+    return rendered
+
+
+def _template_call(call: Any, i: int, j: int) -> dict[str, Any]:
+    where = f"messages[{i}].tool_calls[{j}]"
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise bad_request(f"{where} must be a function call with a 'name' and 'arguments'", "messages")
+    arguments = function.get("arguments", "{}")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except ValueError as exc:
+            raise bad_request(f"{where}.function.arguments is not valid JSON: {exc}", "messages") from None
+    # Templates read the call either at the top level (Llama 3) or under "function" (Qwen).
+    function = {**function, "arguments": arguments}
+    return {**call, "function": function, "name": function["name"], "arguments": arguments}
+
+
+def structural_tag(request: ToolRequest, model_format: str | dict[str, str], reasoning: str) -> dict[str, Any]:
+    """The structural tag that enforces ``request`` in a tool-call format.
+
+    ``model_format`` is an xgrammar builtin format name (``"qwen_3"``, ``"llama"``) or a
+    single-call format ``{"begin": ..., "name_end": ..., "end": ..., "trigger": ...}`` for
+    one xgrammar does not build; ``reasoning`` is xgrammar's mode for a leading
+    ``<think>`` block (``"disabled"``, ``"enabled"``: the prompt opened it, ``"auto"``).
+    """
+    try:
+        import xgrammar
+    except ImportError:
+        raise bad_request("enforcing tool calls needs xgrammar: pip install 'aiocb[structured]'", "tools") from None
+    if isinstance(model_format, dict):
+        return _single_call_tag(request, model_format)
+    try:
+        tag = xgrammar.get_model_structural_tag(
+            model_format,
+            tools=list(request.tools),
+            tool_choice=request.xgrammar_tool_choice(),
+            reasoning=reasoning,
+            max_whitespace_cnt=_MAX_WHITESPACE,
+            parallel_tool_calls=request.parallel,
+        )
+    except ValueError as exc:
+        raise bad_request(f"the tools cannot be enforced: {exc}", "tools") from None
+    built: dict[str, Any] = tag.model_dump(mode="json")
+    return built
+
+
+def _single_call_tag(request: ToolRequest, fmt: dict[str, str]) -> dict[str, Any]:
+    """A triggered-tags structural tag with one tag per function: ``begin + name + name_end``,
+    the arguments under the function's schema (any JSON object unless strict or enforced),
+    then ``end``."""
+    tools = [t for t in request.tools if not request.forced or t["function"]["name"] == request.choice]
+    tags = []
+    for tool in tools:
+        function = tool["function"]
+        constrained = (request.choice != "auto" or _strict(tool)) and function.get("parameters") is not None
+        schema = function["parameters"] if constrained else {"type": "object"}
+        tags.append(
+            {
+                "type": "tag",
+                "begin": fmt["begin"] + function["name"] + fmt["name_end"],
+                "content": {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": _MAX_WHITESPACE},
+                "end": fmt["end"],
+            }
+        )
+    return {
+        "type": "structural_tag",
+        "format": {
+            "type": "triggered_tags",
+            "triggers": [fmt["trigger"]],
+            "tags": tags,
+            "at_least_one": request.choice != "auto",
+            "stop_after_first": not request.parallel,
+        },
+    }

@@ -1,0 +1,177 @@
+"""Tool-call parsers and the reasoning splitter on text alone: every format, every way the
+text may be cut into stream deltas, and what stays content."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from aiocb.server.chat_output import ChoiceOutput, MessageBuilder, delta
+from aiocb.server.fragments import Content, Fragment, Reasoning, ToolCall
+from aiocb.server.reasoning import ReasoningSplitter, prompt_opens_thinking
+from aiocb.server.tool_parsers import (
+    HermesParser,
+    Llama3JsonParser,
+    MistralParser,
+    ToolCallParser,
+    detect_parser,
+)
+
+FUNCTIONS = ("get_weather", "add")
+
+
+def _run(output: ChoiceOutput, pieces: list[str]) -> list[Fragment]:
+    fragments: list[Fragment] = []
+    for piece in pieces:
+        fragments += output.feed(piece)
+    return fragments + output.finish()
+
+
+def _cuts(text: str, rng: random.Random) -> list[str]:
+    """``text`` cut at random places (pieces of 1 to 6 characters), as a stream delivers it."""
+    pieces, at = [], 0
+    while at < len(text):
+        size = rng.randint(1, 6)
+        pieces.append(text[at : at + size])
+        at += size
+    return pieces
+
+
+def _summary(fragments: list[Fragment]) -> tuple[str, str, list[tuple[str, dict[str, object]]]]:
+    """(content, reasoning, calls) with call ids left out (they are fresh per parse)."""
+    content = "".join(f.text for f in fragments if isinstance(f, Content))
+    reasoning = "".join(f.text for f in fragments if isinstance(f, Reasoning))
+    calls = [(f.name, json.loads(f.arguments)) for f in fragments if isinstance(f, ToolCall)]
+    return content, reasoning, calls
+
+
+def _parse_every_way(
+    parser: type[ToolCallParser], text: str, *, reasoning: bool = False, starts_inside: bool = False
+) -> tuple[str, str, list[tuple[str, dict[str, object]]]]:
+    """The parse of ``text`` whole, checked equal to its parse in 30 random cuttings."""
+
+    def output() -> ChoiceOutput:
+        splitter = ReasoningSplitter(starts_inside=starts_inside) if reasoning else None
+        return ChoiceOutput(splitter, parser(FUNCTIONS))
+
+    whole = _summary(_run(output(), [text]))
+    rng = random.Random(0)
+    for _ in range(30):
+        assert _summary(_run(output(), _cuts(text, rng))) == whole
+    return whole
+
+
+def test_hermes_calls_between_content() -> None:
+    text = (
+        "Let me check.\n<tool_call>\n"
+        '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n'
+    )
+    content, _, calls = _parse_every_way(HermesParser, text)
+    assert content == "Let me check."
+    assert calls == [("get_weather", {"city": "Paris"}), ("add", {"a": 1, "b": 2})]
+
+
+def test_hermes_leaves_what_is_not_a_call_as_content() -> None:
+    plain = "a < b and <tool but not a call"
+    assert _parse_every_way(HermesParser, plain) == (plain, "", [])
+    unknown = '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>'
+    assert _parse_every_way(HermesParser, unknown) == (unknown, "", [])
+    broken = "<tool_call>\n{not json}\n</tool_call>"
+    assert _parse_every_way(HermesParser, broken) == (broken, "", [])
+    # An output cut short inside a call: what parses is a call, the rest content.
+    unclosed = '<tool_call>\n{"name": "add", "arguments": {"a": 1}}'
+    assert _parse_every_way(HermesParser, unclosed)[2] == [("add", {"a": 1})]
+    assert _parse_every_way(HermesParser, '<tool_call>\n{"name": "add", "argu')[2] == []
+
+
+def test_hermes_arguments_as_json_text() -> None:
+    text = '<tool_call>{"name": "add", "arguments": "{\\"a\\": 5}"}</tool_call>'
+    assert _parse_every_way(HermesParser, text)[2] == [("add", {"a": 5})]
+
+
+def test_llama3_json_calls() -> None:
+    text = '{"name": "add", "parameters": {"a": 1, "b": 2}}; {"name": "get_weather", "parameters": {"city": "Oslo"}}'
+    content, _, calls = _parse_every_way(Llama3JsonParser, text)
+    assert content == ""
+    assert calls == [("add", {"a": 1, "b": 2}), ("get_weather", {"city": "Oslo"})]
+    plain = 'The JSON {"a": 1} is not a call.'
+    assert _parse_every_way(Llama3JsonParser, plain) == (plain, "", [])
+
+
+def test_mistral_both_formats_and_hidden_special_tokens() -> None:
+    text = (
+        '[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}}, {"name": "get_weather", "arguments": {"city": "Rome"}}]'
+    )
+    assert _parse_every_way(MistralParser, text)[2] == [("add", {"a": 1}), ("get_weather", {"city": "Rome"})]
+    newer = '[TOOL_CALLS]add[ARGS]{"a": 3}[TOOL_CALLS]get_weather[ARGS]{"city": "Lima"}'
+    assert _parse_every_way(MistralParser, newer)[2] == [("add", {"a": 3}), ("get_weather", {"city": "Lima"})]
+    # The text keeps special tokens for this format; the end-of-sequence one is not content.
+    parser = MistralParser(FUNCTIONS, hidden=["</s>", "[TOOL_CALLS]"])
+    fragments = _run(ChoiceOutput(None, parser), ["Sure.</s>"])
+    assert _summary(fragments) == ("Sure.", "", [])
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call() -> None:
+    call = '<tool_call>{"name": "add", "arguments": {"a": %d}}</tool_call>'
+    text = call % 1 + call % 2
+    fragments = _run(ChoiceOutput(None, HermesParser(FUNCTIONS, parallel=False)), [text])
+    assert _summary(fragments)[2] == [("add", {"a": 1})]
+
+
+@pytest.mark.parametrize(
+    ("text", "starts_inside", "expected"),
+    [
+        ("<think>Two and two.</think>\n\nFour.", False, ("Four.", "Two and two.")),
+        ("Two and two.</think>\n\nFour.", True, ("Four.", "Two and two.")),  # the template opened it
+        ("Four, without thinking.", False, ("Four, without thinking.", "")),
+        ("<think>Still thinking when cut", False, ("", "Still thinking when cut")),
+        ("  <thin and not a tag", False, ("  <thin and not a tag", "")),
+    ],
+)
+def test_reasoning_split(text: str, starts_inside: bool, expected: tuple[str, str]) -> None:
+    content, reasoning, _ = _parse_every_way(HermesParser, text, reasoning=True, starts_inside=starts_inside)
+    assert (content, reasoning) == expected
+
+
+def test_reasoning_then_a_tool_call() -> None:
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Nice"}}\n</tool_call>'
+    text = "<think>I need the weather.</think>\n" + call
+    assert _parse_every_way(HermesParser, text, reasoning=True) == (
+        "",
+        "I need the weather.",
+        [("get_weather", {"city": "Nice"})],
+    )
+
+
+def test_prompt_opens_thinking() -> None:
+    assert prompt_opens_thinking("<|im_start|>assistant\n<think>\n")
+    assert not prompt_opens_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert not prompt_opens_thinking("<|im_start|>assistant\n")
+
+
+def test_stream_deltas_reassemble_to_the_message() -> None:
+    text = 'Hi.<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+    fragments = _run(ChoiceOutput(None, HermesParser(FUNCTIONS)), _cuts(text, random.Random(1)))
+    builder = MessageBuilder(reasoning=False)
+    builder.add(fragments)
+    message = builder.message()
+    deltas = [delta(f) for f in fragments]
+    assert "".join(d.get("content", "") for d in deltas) == message["content"] == "Hi."
+    calls = [c for d in deltas for c in d.get("tool_calls", [])]
+    assert [{k: v for k, v in c.items() if k != "index"} for c in calls] == message["tool_calls"]
+    assert message["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 1}'}
+    only_calls = MessageBuilder(reasoning=True)
+    only_calls.add([f for f in fragments if isinstance(f, ToolCall)])
+    assert only_calls.message()["content"] is None
+    assert only_calls.message()["reasoning_content"] is None
+
+
+def test_detect_parser() -> None:
+    assert detect_parser("{{ '<tool_call>' }}") is HermesParser
+    assert detect_parser("[TOOL_CALLS] {{ tools }}") is MistralParser
+    assert detect_parser("<|python_tag|>{{ x }}") is Llama3JsonParser
+    assert detect_parser("{{ messages }}") is None
+    assert detect_parser(None) is None

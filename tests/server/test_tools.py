@@ -1,0 +1,301 @@
+"""Tool calling and reasoning through the chat endpoint: ``tools`` in the template,
+``tool_choice`` none / auto / required / a named function, enforced calls that validate,
+streams that reassemble to the response, conversation turns with tool results, and the
+refusals."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+from transformers import PreTrainedModel
+
+pytest.importorskip("xgrammar")
+jsonschema = pytest.importorskip("jsonschema")
+
+import aiocb  # noqa: E402
+from aiocb.server import build_app  # noqa: E402
+from tests.server.conftest import MODEL_NAME, build_tokenizer, serve_config, serve_model  # noqa: E402
+
+#: A Hermes-style (Qwen 2.5) template, reduced to what the tests need.
+TOOLS_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n# Tools\n<tools>\n{%- for tool in tools %}\n{{ tool | tojson }}"
+    "{%- endfor %}\n</tools>\nCall a function as <tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n{%- endif %}'
+    "{%- for message in messages %}"
+    "{%- if message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n"
+    "</tool_response><|im_end|>\n"
+    "{%- else %}<|im_start|>{{ message.role }}\n{{ message.content }}"
+    "{%- for call in message.tool_calls or [] %}\n<tool_call>\n"
+    '{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}\n</tool_call>'
+    "{%- endfor %}<|im_end|>\n{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% if think %}<think>\n{% endif %}{%- endif %}"
+)
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+ADD = {
+    "type": "object",
+    "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}, "b": {"type": "boolean"}},
+    "required": ["a", "b"],
+    "additionalProperties": False,
+}
+SCHEMAS = {"get_weather": WEATHER, "add": ADD}
+
+
+def _tools(*, strict: bool | None = None) -> list[dict[str, Any]]:
+    tools = []
+    for name, schema in SCHEMAS.items():
+        function: dict[str, Any] = {"name": name, "description": f"the {name} tool", "parameters": schema}
+        if strict is not None:
+            function["strict"] = strict
+        tools.append({"type": "function", "function": function})
+    return tools
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    tokenizer = build_tokenizer()
+    # As in Qwen's tokenizer: single tokens that stay in the text (not "special").
+    tokenizer.add_tokens(["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"])
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer: Any) -> PreTrainedModel:
+    return serve_model(tokenizer, seed=2)
+
+
+@pytest.fixture
+async def manager(model: PreTrainedModel, tokenizer: Any) -> AsyncIterator[aiocb.Manager]:
+    config = serve_config()
+    async with aiocb.Manager(model, continuous_batching_config=config, grammar_tokenizer=tokenizer) as manager:
+        yield manager
+        stats = manager.statistics()
+        assert stats.free_blocks == stats.total_blocks, "blocks leaked"
+
+
+async def _client(manager: aiocb.Manager, tokenizer: Any, **options: Any) -> httpx.AsyncClient:
+    app = build_app(manager, tokenizer, MODEL_NAME, **options)
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+
+
+@pytest.fixture
+async def client(manager: aiocb.Manager, tokenizer: Any) -> AsyncIterator[httpx.AsyncClient]:
+    async with await _client(manager, tokenizer) as http:
+        yield http
+
+
+def _body(**fields: Any) -> dict[str, Any]:
+    body = {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+        "tools": _tools(),
+        "max_tokens": 160,
+        "temperature": 1.0,
+        "seed": 11,
+    }
+    return {**body, **fields}
+
+
+async def _chat(client: httpx.AsyncClient, **fields: Any) -> dict[str, Any]:
+    response = await client.post("/v1/chat/completions", json=_body(**fields))
+    assert response.status_code == 200, response.text
+    result: dict[str, Any] = response.json()
+    return result
+
+
+def _check_calls(message: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    calls = []
+    for call in message["tool_calls"]:
+        assert call["type"] == "function"
+        assert call["id"].startswith("call_")
+        name, arguments = call["function"]["name"], json.loads(call["function"]["arguments"])
+        jsonschema.validate(arguments, SCHEMAS[name])
+        calls.append((name, arguments))
+    return calls
+
+
+async def test_required_and_named_tool_choice_give_valid_calls(client: httpx.AsyncClient) -> None:
+    result = await _chat(client, tool_choice="required", parallel_tool_calls=False, n=6)
+    for choice in result["choices"]:
+        assert choice["finish_reason"] == "tool_calls", choice
+        assert choice["message"]["content"] is None
+        assert len(_check_calls(choice["message"])) == 1
+    named = {"type": "function", "function": {"name": "add"}}
+    result = await _chat(client, tool_choice=named, n=6)
+    for choice in result["choices"]:
+        assert choice["finish_reason"] == "stop", choice  # (as OpenAI answers a forced function)
+        ((name, _),) = _check_calls(choice["message"])
+        assert name == "add"
+    # Parallel calls allowed: one or more, every one valid.
+    result = await _chat(client, tool_choice="required", n=4, max_tokens=400)
+    for choice in result["choices"]:
+        if choice["finish_reason"] == "tool_calls":
+            assert len(_check_calls(choice["message"])) >= 1
+
+
+def _reassemble(events: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
+    """Choices rebuilt from stream chunks, as an OpenAI client accumulates them."""
+    messages: list[dict[str, Any]] = [{"content": "", "reasoning_content": "", "tool_calls": {}} for _ in range(n)]
+    finish: list[str | None] = [None] * n
+    for event in events:
+        for choice in event["choices"]:
+            message, piece = messages[choice["index"]], choice["delta"]
+            message["content"] += piece.get("content") or ""
+            message["reasoning_content"] += piece.get("reasoning_content") or ""
+            for call in piece.get("tool_calls", []):
+                whole = message["tool_calls"].setdefault(call["index"], {"arguments": ""})
+                whole["name"] = call.get("function", {}).get("name", whole.get("name"))
+                whole["arguments"] += call.get("function", {}).get("arguments", "")
+            finish[choice["index"]] = choice["finish_reason"] or finish[choice["index"]]
+    return [
+        {
+            "content": m["content"] or None,
+            "reasoning_content": m["reasoning_content"] or None,
+            "calls": [m["tool_calls"][i] for i in sorted(m["tool_calls"])],
+            "finish_reason": finish[j],
+        }
+        for j, m in enumerate(messages)
+    ]
+
+
+async def _stream(client: httpx.AsyncClient, **fields: Any) -> list[dict[str, Any]]:
+    events = []
+    async with client.stream("POST", "/v1/chat/completions", json=_body(stream=True, **fields)) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[len("data: ") :]))
+    return events
+
+
+def _flat(choice: dict[str, Any]) -> dict[str, Any]:
+    message = choice["message"]
+    return {
+        "content": message["content"] or None,
+        "reasoning_content": message.get("reasoning_content"),
+        "calls": [dict(c["function"]) for c in message.get("tool_calls", [])],
+        "finish_reason": choice["finish_reason"],
+    }
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"tool_choice": "required"},
+        {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+        {"tools": _tools(strict=True)},  # auto, enforced: the bias makes the model call
+    ],
+    ids=["required", "named", "auto-strict"],
+)
+async def test_stream_reassembles_to_the_response(
+    client: httpx.AsyncClient, tokenizer: Any, fields: dict[str, Any]
+) -> None:
+    bias = {str(tokenizer.convert_tokens_to_ids("<tool_call>")): 8}
+    fields = {"n": 3, "logit_bias": bias, "parallel_tool_calls": False, **fields}
+    whole = await _chat(client, **fields)
+    streamed = _reassemble(await _stream(client, **fields), 3)
+    flat = [_flat(choice) for choice in whole["choices"]]
+    for choice in flat:
+        choice["reasoning_content"] = None
+    assert streamed == flat
+    for choice in whole["choices"]:
+        assert choice["message"]["tool_calls"], choice
+        _check_calls(choice["message"])
+
+
+async def test_auto_without_strict_is_free_text_and_none_hides_the_tools(client: httpx.AsyncClient) -> None:
+    free = await _chat(client, max_tokens=24)
+    assert free["choices"][0]["message"]["content"] is not None or free["choices"][0]["message"].get("tool_calls")
+    plain = await _chat(client, tools=None, max_tokens=4)
+    hidden = await _chat(client, tool_choice="none", max_tokens=4)
+    assert hidden["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"] < free["usage"]["prompt_tokens"]
+    assert "tool_calls" not in hidden["choices"][0]["message"]
+
+
+async def test_a_tool_result_turn_renders_through_the_template(client: httpx.AsyncClient, tokenizer: Any) -> None:
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    messages = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 20 C"},
+    ]
+    response = await client.post("/tokenize", json={"model": MODEL_NAME, "messages": messages})
+    assert response.status_code == 200, response.text
+    text = tokenizer.decode(response.json()["tokens"])
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>' in text
+    assert "<tool_response>\nsunny, 20 C\n</tool_response>" in text
+    result = await _chat(client, messages=messages, tool_choice="required", parallel_tool_calls=False)
+    _check_calls(result["choices"][0]["message"])
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"tools": None, "tool_choice": "required"}, "tool_choice"),
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tool_choice": "sometimes"}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
+        ({"tools": [{"type": "retrieval"}]}, "tools"),
+        ({"tools": [*_tools(), *_tools()]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "tools"),
+        ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+        ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+        ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+        (
+            {"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}]},
+            "messages",
+        ),
+    ],
+)
+async def test_bad_tool_requests_are_refused(client: httpx.AsyncClient, fields: dict[str, Any], param: str) -> None:
+    response = await client.post("/v1/chat/completions", json=_body(**fields))
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+async def test_without_a_parser_tools_are_refused(manager: aiocb.Manager, tokenizer: Any) -> None:
+    async with await _client(manager, tokenizer, tool_call_parser=None) as http:
+        response = await http.post("/v1/chat/completions", json=_body())
+        assert response.status_code == 400
+        assert "--tool-call-parser" in response.json()["error"]["message"]
+        assert (await http.post("/v1/chat/completions", json=_body(tool_choice="none"))).status_code == 200
+
+
+async def test_reasoning_content(manager: aiocb.Manager, tokenizer: Any) -> None:
+    """A template that opens <think> itself: the output starts inside the block."""
+    end_think = str(tokenizer.convert_tokens_to_ids("</think>"))
+    fields = {
+        "tools": None,
+        "chat_template_kwargs": {"think": True},
+        "max_tokens": 24,
+        "n": 3,
+        "min_tokens": 6,
+        "logit_bias": {end_think: 4},
+    }
+    async with await _client(manager, tokenizer, reasoning_parser="qwen3") as http:
+        whole = await _chat(http, **fields)
+        streamed = _reassemble(await _stream(http, **fields), 3)
+        assert streamed == [_flat(choice) for choice in whole["choices"]]
+        messages = [choice["message"] for choice in whole["choices"]]
+        assert all(m["reasoning_content"] for m in messages), messages
+        assert all("</think>" not in (m["content"] or "") + m["reasoning_content"] for m in messages)
+        # Thinking off (the template does not open the block): all content when no <think> comes.
+        plain = await _chat(http, **{**fields, "chat_template_kwargs": {}, "logit_bias": {}})
+        for choice in plain["choices"]:
+            if not choice["message"]["content"].lstrip().startswith("<think>"):
+                assert choice["message"]["reasoning_content"] is None
+    async with await _client(manager, tokenizer) as http:  # no parser: the thoughts stay in the content
+        message = (await _chat(http, **fields))["choices"][0]["message"]
+        assert "reasoning_content" not in message
