@@ -25,6 +25,7 @@ from aiocb.errors import (
 )
 from aiocb.outputs import FinishReason, GenerationOutput, RequestStatus
 from aiocb.params import SamplingParams
+from aiocb.speculative import SpeculativeConfig
 
 if TYPE_CHECKING:
     from aiocb.batch import generate_batch
@@ -56,6 +57,7 @@ __all__ = [
     "RequestStatus",
     "RequestStream",
     "SamplingParams",
+    "SpeculativeConfig",
     "WouldBlock",
     "WrongEventLoopError",
     "__version__",

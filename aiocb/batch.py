@@ -13,6 +13,7 @@ from aiocb.engine.manager import Manager
 from aiocb.outputs import GenerationOutput
 from aiocb.params import SamplingParams
 from aiocb.prompts import Prompt
+from aiocb.speculative import SpeculativeConfig
 
 
 def generate_batch(
@@ -25,6 +26,7 @@ def generate_batch(
     progress: bool = False,
     max_new_tokens: int | None = None,
     sampling_params: SamplingParams | None = None,
+    speculative_config: SpeculativeConfig | None = None,
     **params: Any,
 ) -> dict[str, GenerationOutput]:
     """Generate for every prompt and block until all are done.
@@ -32,7 +34,8 @@ def generate_batch(
     Returns ``{request_id: output}`` in input order, with ids ``req_0``, ``req_1``, ...
     ``sampling_params`` and the request parameters given as keywords (``temperature``,
     ``seed``, ``stop``, ...) apply to every prompt. With a ``tokenizer``, prompts may be
-    texts or chat messages and outputs carry ``text``. It runs
+    texts or chat messages and outputs carry ``text``. ``speculative_config`` makes requests
+    speculate (:class:`~aiocb.SpeculativeConfig`). It runs
     its own event loop, so it cannot be called from async code: there, use
     ``await manager.generate_batch(inputs)``.
     """
@@ -50,7 +53,12 @@ def generate_batch(
 
     async def run() -> dict[str, GenerationOutput]:
         manager = Manager(
-            model, generation_config, continuous_batching_config, tokenizer=tokenizer, num_requests_hint=len(inputs)
+            model,
+            generation_config,
+            continuous_batching_config,
+            tokenizer=tokenizer,
+            num_requests_hint=len(inputs),
+            speculative_config=speculative_config,
         )
         async with manager:
             return await manager.generate_batch(

@@ -27,6 +27,7 @@ EXPECTED_PUBLIC_NAMES = [
     "RequestStatus",
     "RequestStream",
     "SamplingParams",
+    "SpeculativeConfig",
     "WouldBlock",
     "WrongEventLoopError",
     "__version__",

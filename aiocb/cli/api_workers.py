@@ -57,7 +57,12 @@ def serve_with_workers(args: argparse.Namespace, config: ContinuousBatchingConfi
     import aiocb
 
     model, tokenizer = load_model(args)
-    manager = aiocb.Manager(model, continuous_batching_config=config, grammar_tokenizer=tokenizer)
+    manager = aiocb.Manager(
+        model,
+        continuous_batching_config=config,
+        grammar_tokenizer=tokenizer,
+        speculative_config=args.speculative_config,
+    )
     listener = socket.create_server((args.host, args.port), backlog=4096)
     workdir = Path(tempfile.mkdtemp(prefix="aiocb-engine-"))  # private (0700): the socket and metrics
     try:

@@ -34,6 +34,7 @@ from aiocb.errors import InvalidConfigError
 from aiocb.server.limits import ServerLimits
 from aiocb.server.reasoning import ReasoningSplitter
 from aiocb.server.tool_parsers import PARSERS
+from aiocb.speculative import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +93,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--no-access-log", dest="access_log", action="store_false", help="no access-log line per request"
+    )
+    parser.add_argument(
+        "--speculative-config",
+        type=_speculative_config,
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, as aiocb.SpeculativeConfig fields: \'{"method": "ngram", '
+        '"num_speculative_tokens": 4}\' (default: none)',
     )
     parser.add_argument(
         "--tool-call-parser",
@@ -202,7 +211,12 @@ def run_serve(args: argparse.Namespace) -> int:
     import aiocb
 
     model, tokenizer = load_model(args)
-    manager = aiocb.Manager(model, continuous_batching_config=config, grammar_tokenizer=tokenizer)
+    manager = aiocb.Manager(
+        model,
+        continuous_batching_config=config,
+        grammar_tokenizer=tokenizer,
+        speculative_config=args.speculative_config,
+    )
     name = served_model_name(args)
     app = build_app(
         manager,
@@ -217,6 +231,20 @@ def run_serve(args: argparse.Namespace) -> int:
     logger.info("serving %s on http://%s:%d (event loop: %s)", name, args.host, args.port, loop)
     DrainingServer(uvicorn_config(app, args, loop), app, args.shutdown_timeout).run()
     return 0
+
+
+def _speculative_config(text: str) -> SpeculativeConfig:
+    """``--speculative-config``'s JSON object as a config (argparse reports the error)."""
+    try:
+        fields = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(fields, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object of SpeculativeConfig fields")
+    try:
+        return SpeculativeConfig.from_dict(fields)
+    except (InvalidConfigError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def chat_parsers(args: argparse.Namespace) -> dict[str, str | None]:

@@ -106,6 +106,20 @@ class KVCacheManager:
                 request.block_ids[i].extend(new_blocks)
         return True
 
+    def trim(self, request: Request) -> None:
+        """Give back the blocks past those that ``request``'s computed tokens and its next
+        one need (the positions of proposed tokens that were rejected)."""
+        total = request.num_computed_tokens + 1
+        for g, (pool, blocks) in enumerate(zip(self.pools, request.block_ids, strict=False)):
+            keep = self._blocks_wanted(g, total)
+            if len(blocks) <= keep:
+                continue
+            pool.free(blocks[keep:])
+            del blocks[keep:]
+            if request.block_cuts is None:
+                request.block_cuts = [len(b) for b in request.block_ids]
+            request.block_cuts[g] = min(request.block_cuts[g], keep)
+
     def fork(self, parent: Request, child: Request) -> list[list[tuple[int, int]]] | None:
         """Give ``child`` the KV of the parent's ``num_computed_tokens`` tokens: the full blocks
         of full-attention groups are shared (one more reference: they are never written

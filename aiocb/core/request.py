@@ -69,6 +69,9 @@ class Request:
     num_pending_tokens: int = 0
     #: per cache group, the physical blocks holding this request's KV, in order
     block_ids: list[list[int]] = field(default_factory=list)
+    #: per cache group, the fewest blocks ``block_ids`` was cut back to since the runner
+    #: last copied them (speculation gives rejected positions back); None: never cut
+    block_cuts: list[int] | None = None
     #: chained hashes of this request's full blocks (prefix caching), in order
     block_hashes: list[bytes] = field(default_factory=list)
     #: how many of this request's blocks were offered to the prefix cache
@@ -83,6 +86,10 @@ class Request:
     finished_time: float | None = None
     #: the prompt as outputs carry it: one copy shared by all of them
     output_prompt: list[int] | None = None
+    #: speculative decoding: what proposes this request's tokens (opaque here), and
+    #: whether a step in flight verifies a proposal (its next input is not known before)
+    proposer: object = None
+    speculating: bool = False
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from aiocb.core.kv_cache import KVCacheManager
 from aiocb.core.request import Request
 from aiocb.outputs import FinishReason, RequestStatus
+from aiocb.speculative import NgramProposer, SpeculativeConfig
 
 
 @dataclass(slots=True)
@@ -48,6 +49,9 @@ class ScheduledRequest:
     #: whether the last position's token is still being sampled by the step before
     #: (async batching): the device takes it from that step's output
     carries: bool = False
+    #: tokens proposed after the request's last one (speculative decoding): they are
+    #: the row's other inputs, and every one of its positions is sampled
+    drafts: list[int] | None = None
 
 
 @dataclass(slots=True)
@@ -63,6 +67,8 @@ class SchedulerOutput:
     swap_in: list[list[tuple[int, int]]] = field(default_factory=list)
     #: per cache group, ``(parent block, child block)`` copies of forked samples (before the swaps)
     copy_blocks: list[list[tuple[int, int]]] = field(default_factory=list)
+    #: rows whose next token is sampled (the sampled positions of drafts come after them)
+    num_sampled: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -77,7 +83,8 @@ class SchedulerOutput:
 
 @dataclass(frozen=True, slots=True)
 class StepResult:
-    """What one step produced, per sampled row in plan order.
+    """What one step produced, per sampled row in plan order, then per proposed token of
+    the speculating rows (in plan order, each row's in order).
 
     ``prompt_logprobs`` has one entry per scheduled request that asked for prompt
     logprobs and computed prompt positions in this step (in plan order): the
@@ -103,6 +110,9 @@ class SchedulerStats:
     num_recomputed_tokens: int = 0
     #: decode inputs planned while their token was still being sampled (async batching)
     num_carried_tokens: int = 0
+    #: speculative decoding: tokens proposed, and those of them the model agreed with
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 class Scheduler:
@@ -117,8 +127,10 @@ class Scheduler:
         scheduler_type: str = "fifo",
         safety_margin: float = 0.15,
         max_model_len: int | None = None,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.kv_cache = kv_cache
+        self.speculative = speculative
         self.max_batch_tokens = max_batch_tokens
         self.max_requests_per_batch = max_requests_per_batch
         self.prefill_first = scheduler_type == "prefill_first"
@@ -267,6 +279,12 @@ class Scheduler:
         # (the loops below run for every running request each step: names are bound locally)
         running, forks, kv = self.running, self._forks, self.kv_cache
         max_rows = self.max_requests_per_batch
+        speculative = self.speculative
+        if speculative is not None and (
+            speculative.disable_by_batch_size is not None and len(running) > speculative.disable_by_batch_size
+        ):
+            speculative = None  # a large batch is no longer memory-bound: extra tokens cost compute
+        drafted: dict[Request, list[int]] = {}
         for looked, request in enumerate(self._running_by_priority(), 1):
             if looked % chunk == 0:
                 yield
@@ -280,13 +298,23 @@ class Scheduler:
                 num_new = min(num_new, request.num_prompt_tokens - 1 - computed)
             if num_new <= 0 or (request.num_pending_tokens and self._waits_for_token(request)):
                 continue
+            drafts = None
+            decoding = request.status is RequestStatus.DECODING and not request.num_pending_tokens
+            if speculative is not None and num_new == 1 and decoding:
+                drafts = self._propose(request, speculative, budget - 1)
+                if drafts:
+                    num_new += len(drafts)
             while not kv.allocate(request, num_new):
+                if drafts:  # speculation gives way before anything is preempted
+                    drafts, num_new = None, 1
+                    continue
                 out_of_room = True
                 victim = self._last_running()
                 if victim in planned:  # un-plan it: give its tokens back
                     start = planned.pop(victim)
                     budget += victim.num_computed_tokens - start
                     victim.num_computed_tokens = start
+                    drafted.pop(victim, None)
                 self._preempt(victim, output)
                 preempted.append(victim)
                 if victim is request:
@@ -295,6 +323,8 @@ class Scheduler:
                 planned[request] = computed
                 request.num_computed_tokens = computed + num_new
                 budget -= num_new
+                if drafts:
+                    drafted[request] = drafts
 
         # Full blocks are shareable as soon as a step that computes them is planned (and
         # no longer un-plannable): a request admitted later, even in this same step, reads
@@ -312,19 +342,28 @@ class Scheduler:
             yield from self._admit(planned, budget, output, chunk)
 
         scheduled = output.scheduled
-        num_tokens = num_carried = 0
+        num_tokens = num_carried = num_sampled = 0
         for looked, (request, start) in enumerate(planned.items(), 1):
             if looked % chunk == 0:
                 yield
             end = request.num_computed_tokens
             known = len(request.token_ids)
-            sample = end == known + request.num_pending_tokens
-            scheduled.append(ScheduledRequest(request, start, end - start, sample, end > known))
-            num_tokens += end - start
+            drafts = drafted.get(request) if drafted else None
+            if drafts is not None:
+                scheduled.append(ScheduledRequest(request, start, end - start, True, False, drafts))
+                request.speculating = True
+                self.stats.num_draft_tokens += len(drafts)
+                sample, end = True, known  # (the proposed positions are not carried tokens)
+            else:
+                sample = end == known + request.num_pending_tokens
+                scheduled.append(ScheduledRequest(request, start, end - start, sample, end > known))
+            num_tokens += request.num_computed_tokens - start
             if sample:
                 request.num_pending_tokens += 1
+                num_sampled += 1
             if end > known:
                 num_carried += 1
+        output.num_sampled = num_sampled
         self.stats.num_carried_tokens += num_carried
         if scheduled:
             self.stats.num_steps += 1
@@ -353,12 +392,14 @@ class Scheduler:
             return
         row = 0
         prompt_row = 0
+        draft_row = output.num_sampled  # (the drafts' sampled positions follow the sampled rows)
         updated: list[Request] = []
         finished: list[Request] = []
         # (this loop runs for every sampled row each step: names are bound locally)
         running, decoding = self.running, RequestStatus.DECODING
         tokens, logprobs, tops = result.token_ids, result.logprobs, result.top_logprobs
         last = len(output.scheduled)
+        num_generated = 0
         for looked, item in enumerate(output.scheduled, 1):
             request = item.request
             params = request.params
@@ -367,9 +408,20 @@ class Scheduler:
                 values, top_prompt = result.prompt_logprobs[prompt_row]
                 prompt_row += 1
                 _record_prompt_logprobs(request, item.start, values, top_prompt)
-            if item.sample:
+            if item.drafts is not None:
+                request.num_pending_tokens -= 1
+                request.speculating = False
+                if not request.status.is_finished():
+                    num_generated += self._accept(item, result, draft_row, row, now, finished)
+                    if request in running:
+                        request.status = decoding
+                    updated.append(request)
+                draft_row += len(item.drafts)
+                row += 1
+            elif item.sample:
                 request.num_pending_tokens -= 1
                 if not request.status.is_finished():  # (else ended while the step ran: no token)
+                    num_generated += 1
                     token = int(tokens[row])
                     request.token_ids.append(token)
                     if logprobs is not None:
@@ -387,9 +439,81 @@ class Scheduler:
                         finished.append(request)
                 row += 1
             if looked % chunk == 0 or looked == last:
-                self.stats.num_generated_tokens += len(updated)
+                self.stats.num_generated_tokens += num_generated
+                num_generated = 0
                 yield updated, finished
                 updated, finished = [], []
+
+    def _propose(self, request: Request, speculative: SpeculativeConfig, budget: int) -> list[int] | None:
+        """The tokens ``request`` speculates this step (None: it does not)."""
+        params = request.params
+        if not self._may_speculate(request):
+            return None
+        room = min(
+            speculative.num_speculative_tokens,
+            budget,
+            params.max_new_tokens - request.num_output_tokens - 1,
+            (self.max_model_len - request.num_tokens) if self.max_model_len is not None else budget,
+        )
+        if room <= 0:
+            return None
+        proposer = request.proposer
+        if proposer is None:
+            proposer = request.proposer = NgramProposer(speculative)
+        assert isinstance(proposer, NgramProposer)
+        return proposer.propose(request.token_ids, room) or None
+
+    @staticmethod
+    def _may_speculate(request: Request) -> bool:
+        """Whether ``request`` may speculate at all: not when its logits at a proposed
+        position would depend on the proposal (controls, a grammar)."""
+        params = request.params
+        return not (params.uses_controls or request.grammar is not None or params.needs_known_history)
+
+    def _accept(
+        self, item: ScheduledRequest, result: StepResult, draft_row: int, row: int, now: float, finished: list[Request]
+    ) -> int:
+        """Take a speculating row's tokens while they agree with its proposal; returns how
+        many it got. Its cache positions past them are given back."""
+        request, drafts = item.request, item.drafts
+        assert drafts is not None
+        params = request.params
+        tokens, logprobs, tops = result.token_ids, result.logprobs, result.top_logprobs
+        k = len(drafts)
+        taken = accepted = 0
+        ended = False
+        for j in range(k + 1):
+            at = draft_row + j if j < k else row  # (the last position is the row's own sample)
+            token = int(tokens[at])
+            request.token_ids.append(token)
+            if logprobs is not None:
+                request.logprobs.append(float(logprobs[at]))
+            if tops is not None and params.top_logprobs:
+                request.top_logprobs.append(dict(tops[at][: params.top_logprobs]))
+            if request.first_token_time is None:
+                request.first_token_time = now
+            taken += 1
+            agrees = j < k and token == drafts[j]
+            accepted += agrees
+            reason = self._stop_reason(request, token)
+            if reason is not None:
+                self.finish(request, reason, now)
+                finished.append(request)
+                ended = True
+                break
+            if not agrees:
+                break
+        self.stats.num_accepted_tokens += accepted
+        proposer = request.proposer
+        if isinstance(proposer, NgramProposer):
+            proposer.record(k, accepted)
+        if not ended:
+            # Computed: the last token and the proposed ones kept (the last one taken is
+            # the next step's input). A request preempted meanwhile computed less, or none.
+            request.num_computed_tokens = min(request.num_computed_tokens, item.start + taken)
+            if request in self.running:
+                self.kv_cache.trim(request)
+        return taken
 
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
         """Why ``request``, just given ``token``, ends now (None: it goes on)."""
@@ -417,8 +541,13 @@ class Scheduler:
         controls depend on that token's value."""
         if not request.num_pending_tokens:
             return False
-        if request.params.needs_known_history:
+        if request.params.needs_known_history or request.speculating:
             return True
+        if self.speculative is not None and self._may_speculate(request):
+            # (a proposal follows the last token: wait for it, unless the request backs off)
+            proposer = request.proposer
+            if proposer is None or (isinstance(proposer, NgramProposer) and proposer.ready()):
+                return True
         if request.num_output_tokens + request.num_pending_tokens >= request.params.max_new_tokens:
             return True
         return self.max_model_len is not None and request.num_scheduled_tokens >= self.max_model_len

@@ -32,13 +32,14 @@ from aiocb.engine.requests import RequestFactory
 from aiocb.engine.router import OutputRouter
 from aiocb.engine.step_loop import StepLoop
 from aiocb.engine.stream import Consumer, RequestHandle, RequestStream
-from aiocb.errors import EngineDeadError, ManagerClosedError, WouldBlock, WrongEventLoopError
+from aiocb.errors import EngineDeadError, InvalidConfigError, ManagerClosedError, WouldBlock, WrongEventLoopError
 from aiocb.outputs import FinishReason, GenerationOutput, RequestStatus
 from aiocb.params import STRUCTURE_FIELDS, SamplingParams
 from aiocb.prompts import Prompt
 from aiocb.runner.distributed import build_runner
 from aiocb.runner.model_runner import ModelRunner
 from aiocb.sampling import RequestLimits, eos_ids
+from aiocb.speculative import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +76,14 @@ class ManagerStatistics:
     prefix_hit_tokens: int
     offloaded_blocks: int
     restored_blocks: int
+    #: speculative decoding: tokens proposed, and those the model agreed with
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """The share of proposed tokens accepted (None before any was proposed)."""
+        return self.accepted_draft_tokens / self.draft_tokens if self.draft_tokens else None
 
 
 class Manager:
@@ -113,6 +122,7 @@ class Manager:
         grammar_tokenizer: PreTrainedTokenizerBase | None = None,
         persistent_manager: bool = False,
         num_requests_hint: int | None = None,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         if getattr(self, "_initialized", False):
             # A cached persistent manager, returned by __new__: it keeps its configuration.
@@ -132,6 +142,8 @@ class Manager:
             self.generation_config, self.config, tokenizer, model_eos, grammar_tokenizer=grammar_tokenizer
         )
         self.persistent = persistent_manager
+        #: how requests speculate (None: they do not; see :mod:`aiocb.speculative`)
+        self.speculative_config = speculative_config
         self._num_requests_hint = num_requests_hint
         self._state = _State.CREATED
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -187,6 +199,9 @@ class Manager:
         kv_cache = KVCacheManager(groups, runner.plan.page_size, enable_prefix_caching=self.config.allow_block_sharing)
         if self.config.allow_block_sharing and not kv_cache.prefix_caching:
             logger.info("prefix caching is off: the model has sliding-window layers, which keep no full prefix")
+        if self.speculative_config is not None and any(w is not None for w in runner.cache.group_windows):
+            # (a rejected position written into a sliding ring could overwrite a key still in the window)
+            raise InvalidConfigError("speculative decoding does not support models with sliding-window layers yet")
         scheduler = Scheduler(
             kv_cache,
             max_batch_tokens=runner.plan.max_batch_tokens,
@@ -194,6 +209,7 @@ class Manager:
             scheduler_type=self.config.scheduler_type,
             safety_margin=self.config.resolved_safety_margin,
             max_model_len=runner.spec.max_position_embeddings,
+            speculative=self.speculative_config,
         )
         self._steps = StepLoop(scheduler, runner, self._router.on_step)
         self._admission.scheduler = scheduler
@@ -536,6 +552,8 @@ class Manager:
             prefix_hit_tokens=kv.num_prefix_hit_tokens,
             offloaded_blocks=kv.num_offloaded_blocks,
             restored_blocks=kv.num_restored_blocks,
+            draft_tokens=stats.num_draft_tokens,
+            accepted_draft_tokens=stats.num_accepted_tokens,
         )
 
     # ------------------------------------------------------------------ internals

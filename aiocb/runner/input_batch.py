@@ -60,6 +60,9 @@ class InputBatch:
                 resets = torch.tensor(writes.resets, dtype=_LONG)
                 self.tables[g][resets] = self._null[g]
                 self.lengths[g][resets] = 0
+            for slot, kept in zip(writes.cut_slots, writes.cut_lengths, strict=True):
+                self.tables[g][slot, kept:] = self._null[g]
+                self.lengths[g][slot] = kept
             if not writes.slots:
                 continue
             slots = torch.tensor(writes.slots, dtype=_LONG)

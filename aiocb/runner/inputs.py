@@ -189,7 +189,8 @@ class StepInputs:
 
     input_ids: torch.Tensor  # [T]
     position_ids: torch.Tensor  # [T]
-    #: [S + P] flat index of each sampled row's last token, then of each scored prompt position
+    #: [S + D + P] flat index of each sampled row's last token, then of each proposed
+    #: token's position (speculating rows), then of each scored prompt position
     logits_indices: torch.Tensor
     attention: AttentionMetadata
     sampling: SamplingTensors
@@ -342,6 +343,18 @@ def prepare_inputs(
     sampled = torch.tensor(batch.sampled, dtype=long)
     prompt_counts = [len(targets) for targets in batch.prompt_targets.values()]
     logits_indices = last_token.index_select(0, sampled)
+    sample_slots = slots.index_select(0, sampled)
+    offsets = torch.tensor(batch.offsets, dtype=long)
+    if batch.draft_rows:
+        # A speculating row's proposed tokens are sampled at the positions before its last
+        # one, each with its own stream offset: after the sampled rows, row by row.
+        counts = torch.tensor(batch.draft_counts, dtype=long)
+        owner = torch.repeat_interleave(torch.tensor(batch.draft_rows, dtype=long), counts)
+        within = torch.arange(int(counts.sum())) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+        back = torch.repeat_interleave(counts, counts) - within  # positions before the row's last
+        logits_indices = torch.cat((logits_indices, logits_indices[owner] - back))
+        sample_slots = torch.cat((sample_slots, sample_slots[owner]))
+        offsets = torch.cat((offsets, offsets[owner] - back))
     if batch.prompt_targets:
         scored = torch.tensor(list(batch.prompt_targets), dtype=long)
         counts = torch.tensor(prompt_counts, dtype=long)
@@ -385,7 +398,7 @@ def prepare_inputs(
         position_ids=positions,
         logits_indices=logits_indices,
         attention=attention,
-        sampling=_sampling_tensors(batch, state, slots.index_select(0, sampled)),
+        sampling=_sampling_tensors(batch, state, sample_slots, offsets),
         prompt_targets=torch.tensor([t for targets in batch.prompt_targets.values() for t in targets], dtype=long),
         prompt_counts=prompt_counts,
         carry_index=carry_index,
@@ -465,10 +478,12 @@ class _Step:
             group.prefill_masks.append(_prefill_mask(lo, start, q_len, window))
 
 
-def _sampling_tensors(batch: StepBatch, state: InputBatch, slots: torch.Tensor) -> SamplingTensors:
-    """The sampled rows' parameters (their slots are ``slots``) gathered from ``state`` (a
-    greedy row's temperature and min-p are 0 there), their controls and grammar masks, and
-    the batch-wide flags read from them on the host."""
+def _sampling_tensors(
+    batch: StepBatch, state: InputBatch, slots: torch.Tensor, offsets: torch.Tensor
+) -> SamplingTensors:
+    """The sampled positions' parameters (their slots are ``slots``, their stream offsets
+    ``offsets``) gathered from ``state`` (a greedy row's temperature and min-p are 0 there),
+    their controls and grammar masks, and the batch-wide flags read from them on the host."""
     temperature = state.temperature.index_select(0, slots)
     top_k = state.top_k.index_select(0, slots)
     top_p = state.top_p.index_select(0, slots)
@@ -476,13 +491,13 @@ def _sampling_tensors(batch: StepBatch, state: InputBatch, slots: torch.Tensor) 
     drawn = temperature != 0.0
     tops = state.top_logprobs.index_select(0, slots)
     drawn_k = top_k[drawn]
-    controls = controls_host_tensors(batch.controls, batch.num_sampled)
+    controls = controls_host_tensors(batch.controls, len(slots))
     return SamplingTensors(
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
         seed=state.seed.index_select(0, slots),
-        offset=torch.tensor(batch.offsets, dtype=torch.long),
+        offset=offsets,
         all_greedy=not bool(drawn.any()),
         any_top_k=bool((drawn_k > 1).any()),
         any_top_p=bool((top_p[drawn] < 1.0).any()),

@@ -128,7 +128,7 @@ class ModelRunner:
             carried = self._last_tokens.index_select(0, sampling.history_carry_rows)
             sampling.controls.history_ids.index_copy_(0, sampling.history_carry, carried)
         logits = self._logits(batch, inputs)
-        num_sampled = batch.num_sampled
+        num_sampled = batch.num_sampled + batch.num_drafts
         picked = sample(logits[:num_sampled].float(), inputs.sampling)
         self._last_tokens = picked.tokens
         prompt: tuple[torch.Tensor | None, ...] = (None, None, None)

@@ -73,9 +73,12 @@ def row_params(params: ResolvedParams) -> RowParams:
 @dataclass(frozen=True, slots=True)
 class TableWrites:
     """One cache group's block-table changes: ``table[slots[i], columns[i]] = blocks[i]``,
-    after clearing the rows of ``resets`` (slots given to a new owner or a new table)."""
+    after clearing the rows of ``resets`` (slots given to a new owner or a new table) and
+    cutting row ``cut_slots[i]`` back to ``cut_lengths[i]`` blocks."""
 
     resets: list[int] = field(default_factory=list)
+    cut_slots: list[int] = field(default_factory=list)
+    cut_lengths: list[int] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)
     columns: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
@@ -123,6 +126,15 @@ class StepBatch:
     swap_in: list[list[tuple[int, int]]] = field(default_factory=list)
     #: per cache group, ``(source, destination)`` block copies within the cache (forks)
     copy_blocks: list[list[tuple[int, int]]] = field(default_factory=list)
+    #: speculating rows (their indices in ``sampled``) and how many tokens each proposes:
+    #: the positions of those tokens are sampled too, after every sampled row's last one
+    draft_rows: list[int] = field(default_factory=list)
+    draft_counts: list[int] = field(default_factory=list)
+
+    @property
+    def num_drafts(self) -> int:
+        """Proposed tokens in the step (each one a sampled position besides the rows')."""
+        return sum(self.draft_counts)
 
     @property
     def num_rows(self) -> int:
@@ -256,6 +268,14 @@ class BatchWriter:
                 # preemption) departs, and the slot goes with it.
                 assert request.block_ids is state.tables, "a running request's blocks were replaced"
                 sent = state.sent
+                cuts = request.block_cuts
+                if cuts is not None:  # (given back since the last copy, perhaps taken again)
+                    request.block_cuts = None
+                    for g, kept in enumerate(cuts):
+                        if kept < sent[g]:
+                            parts.tables[g].cut_slots.append(state.slot)
+                            parts.tables[g].cut_lengths.append(kept)
+                            sent[g] = kept
                 for g, blocks in enumerate(request.block_ids):
                     if len(blocks) > sent[g]:
                         writes = parts.tables[g]
@@ -268,7 +288,11 @@ class BatchWriter:
             start, num = item.start, item.num_tokens
             parts.starts.append(start)
             parts.num_tokens.append(num)
-            if num == 1:
+            drafts = item.drafts
+            if drafts is not None:
+                parts.token_ids.append(request.token_ids[start])
+                parts.token_ids.extend(drafts)
+            elif num == 1:
                 parts.single += 1
                 parts.token_ids.append(0 if item.carries else request.token_ids[start])
             else:
@@ -293,6 +317,10 @@ class BatchWriter:
                     request.grammar.fill(parts.bitmask, len(parts.bitmask_rows))
                     parts.bitmask_rows.append(state.sampled_row)
                 parts.sampled.append(row)
+                if drafts is not None:  # (this row's own sample comes after its proposed tokens')
+                    parts.draft_rows.append(state.sampled_row)
+                    parts.draft_counts.append(len(drafts))
+                    offset += len(drafts)
                 parts.offsets.append(offset)
             if params.prompt_logprobs and wants_prompt_logprobs(request, start):
                 last = min(start + num, request.num_prompt_tokens - 1)
@@ -332,6 +360,8 @@ class BatchWriter:
             swap_out=[list(pairs) for pairs in output.swap_out],
             swap_in=[list(pairs) for pairs in output.swap_in],
             copy_blocks=[list(pairs) for pairs in output.copy_blocks],
+            draft_rows=parts.draft_rows,
+            draft_counts=parts.draft_counts,
         )
 
     def _assign(self, state: RowState, request: Request, parts: _Parts) -> None:
@@ -347,6 +377,7 @@ class BatchWriter:
             writes.columns.extend(range(len(blocks)))
             writes.blocks.extend(blocks)
         state.tables = request.block_ids
+        request.block_cuts = None
         state.sent = [len(blocks) for blocks in request.block_ids]
         state.sent.extend([0] * (self.num_groups - len(state.sent)))
 
@@ -385,6 +416,8 @@ class _Parts:
     single: int = 0
     bitmask_rows: list[int] = field(default_factory=list)
     bitmask: torch.Tensor | None = None
+    draft_rows: list[int] = field(default_factory=list)
+    draft_counts: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.tables = [TableWrites() for _ in range(self.num_groups)]

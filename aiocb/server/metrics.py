@@ -57,6 +57,16 @@ class _ManagerCollector(Collector):
         yield counter("aiocb_prefix_cache_hit_tokens", "Prompt tokens read from the cache.", stats.prefix_hit_tokens)
         yield counter("aiocb_num_preemptions", "Requests preempted for lack of cache blocks.", stats.preemptions)
         yield counter("aiocb_recomputed_tokens", "Tokens recomputed after preemption.", stats.recomputed_tokens)
+        yield counter("aiocb_spec_decode_draft_tokens", "Tokens proposed by speculative decoding.", stats.draft_tokens)
+        yield counter(
+            "aiocb_spec_decode_accepted_tokens", "Proposed tokens the model agreed with.", stats.accepted_draft_tokens
+        )
+        rate = stats.acceptance_rate
+        yield gauge(
+            "aiocb_spec_decode_acceptance_rate",
+            "Share of proposed tokens accepted since the start (0 before any proposal).",
+            0.0 if rate is None else rate,
+        )
 
 
 class ServerMetrics:

@@ -444,6 +444,23 @@ async def test_metrics(client: httpx.AsyncClient) -> None:
     assert [(s.labels["status"], s.value) for s in errors] == [("404", 1.0)]
 
 
+async def test_speculation_metrics(model: PreTrainedModel, tokenizer: Any) -> None:
+    speculative = aiocb.SpeculativeConfig(prompt_lookup_min=1, disable_by_batch_size=None)
+    async with aiocb.Manager(model, continuous_batching_config=serve_config(), speculative_config=speculative) as m:
+        app = build_app(m, tokenizer, MODEL_NAME)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+            body = {"prompt": "the cat and the dog " * 6, "max_tokens": 80, "temperature": 0, "ignore_eos": True}
+            assert (await http.post("/v1/completions", json=body)).status_code == 200
+            from prometheus_client.parser import text_string_to_metric_families
+
+            text = (await http.get("/metrics")).text
+    value = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    stats = m.statistics()
+    assert value["aiocb_spec_decode_draft_tokens_total"] == stats.draft_tokens > 0
+    assert value["aiocb_spec_decode_accepted_tokens_total"] == stats.accepted_draft_tokens
+    assert value["aiocb_spec_decode_acceptance_rate"] == pytest.approx(stats.acceptance_rate)
+
+
 async def test_generation_controls_are_honoured(
     client: httpx.AsyncClient, manager: aiocb.Manager, tokenizer: Any
 ) -> None:

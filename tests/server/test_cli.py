@@ -89,6 +89,12 @@ def test_flags_of_every_kind() -> None:
     assert args.dtype == "auto"
 
 
+def test_speculative_config_flag() -> None:
+    args = parse("--speculative-config", '{"num_speculative_tokens": 3, "prompt_lookup_min": 1}')
+    assert args.speculative_config == aiocb.SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1)
+    assert parse().speculative_config is None
+
+
 def test_chat_parser_flags() -> None:
     assert chat_parsers(parse()) == {"tool_call_parser": "auto", "reasoning_parser": None}
     args = parse("--tool-call-parser", "mistral", "--reasoning-parser", "deepseek_r1")
@@ -97,7 +103,14 @@ def test_chat_parser_flags() -> None:
 
 
 def test_bad_values_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
-    for flag, value in (("--tool-call-parser", "xml"), ("--reasoning-parser", "o1")):
+    bad = (
+        ("--tool-call-parser", "xml"),
+        ("--reasoning-parser", "o1"),
+        ("--speculative-config", "{oops"),
+        ("--speculative-config", '{"method": "eagle"}'),
+        ("--speculative-config", "[1]"),
+    )
+    for flag, value in bad:
         with pytest.raises(SystemExit):
             parse(flag, value)
         capsys.readouterr()

@@ -1,0 +1,162 @@
+"""Speculative decoding: tokens proposed ahead of the model, verified in the normal step.
+
+A decoding request that speculates brings, besides its last token, ``k`` proposed tokens
+as extra query tokens of the same forward pass; the step samples every one of those
+``k + 1`` positions. Each position is drawn as it would be without speculation: greedy
+rows take the argmax, sampled rows the Gumbel-max pick of their own ``(seed, token
+index)`` noise. The request keeps the drawn tokens while they equal the proposal, plus
+the first one that does not (or one more when all agree). Because the draw at each
+position is the one a non-speculative run makes after the same prefix, the output is
+token for token what it would have been without speculation, sampled rows included: the
+proposal only decides how many tokens one step yields.
+
+``method="ngram"`` (prompt lookup) proposes what followed the latest earlier occurrence
+of the request's last ``n`` tokens (``prompt_lookup_max`` down to ``prompt_lookup_min``)
+in its prompt and output: free on the host, and right exactly where outputs copy from
+their context (code edits, extraction, quoting).
+
+A request speculates only when it can gain: not while its acceptance stays low (it backs
+off for a while), not when many requests decode at once (``disable_by_batch_size``: the
+step is then no longer memory-bound, so extra query tokens cost real compute).
+
+With async batching a step is planned while the one before is still sampling, so a
+request's last token is not known when its next step is planned, and a proposal needs
+it. A request that speculates is therefore planned only once its token has landed: one
+step of the pipeline waits for it, and the step it then runs may yield several tokens.
+While it backs off (its proposals failed, or it found none) it is pipelined as usual.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from aiocb.errors import InvalidConfigError
+
+METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How requests speculate (``aiocb.Manager(model, speculative_config=...)``)."""
+
+    #: ``"ngram"``: prompt lookup over the request's prompt and output
+    method: str = "ngram"
+    #: tokens proposed per step at most (``k``)
+    num_speculative_tokens: int = 4
+    #: the shortest and longest suffix of the request that is looked up
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    #: no speculation while more than this many requests decode (None: whatever the batch)
+    disable_by_batch_size: int | None = 32
+    #: a request whose recent acceptance falls below this share stops proposing for
+    #: ``backoff_steps`` steps, then tries again
+    min_acceptance: float = 0.2
+    backoff_steps: int = 16
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise InvalidConfigError(
+                f"speculative method must be one of {', '.join(METHODS)}, got {self.method!r} "
+                "(a draft model is not supported yet)"
+            )
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "backoff_steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidConfigError(f"{name} must be an int >= 1, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise InvalidConfigError(
+                f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+        size = self.disable_by_batch_size
+        if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
+            raise InvalidConfigError(f"disable_by_batch_size must be an int >= 1 or None, got {size!r}")
+        if not isinstance(self.min_acceptance, (int, float)) or not 0.0 <= self.min_acceptance <= 1.0:
+            raise InvalidConfigError(f"min_acceptance must be in [0, 1], got {self.min_acceptance!r}")
+
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> SpeculativeConfig:
+        """A config from a mapping (``--speculative-config`` JSON); unknown keys are refused."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise InvalidConfigError(f"unknown speculative config field(s) {unknown}; known: {sorted(known)}")
+        return cls(**fields)
+
+
+#: How quickly a request's acceptance estimate follows its latest steps.
+_DECAY = 0.7
+
+
+class NgramProposer:
+    """One request's prompt lookup: an index of its n-grams, kept up to date as tokens come.
+
+    For each ``n`` the index maps an n-gram to the position just after its latest
+    occurrence; adding a token looks the new suffix up before recording it, so a
+    proposal always comes from an *earlier* occurrence. Indexing costs a few dictionary
+    operations per token per ``n``; a long prompt is indexed a bounded number of tokens
+    per step (what is not indexed yet is simply not found).
+    """
+
+    #: tokens indexed per call at most, so one step never spends long on a long prompt
+    INDEX_PER_STEP = 2048
+
+    __slots__ = ("_config", "_cooldown", "_index", "_indexed", "_next", "acceptance")
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self._config = config
+        self._indexed = 0
+        self._index: list[dict[tuple[int, ...], int]] = [
+            {} for _ in range(config.prompt_lookup_min, config.prompt_lookup_max + 1)
+        ]
+        #: per n, where the continuation of the current suffix starts (-1: not seen before)
+        self._next = [-1] * len(self._index)
+        #: the recent share of proposed tokens accepted (starts hopeful)
+        self.acceptance = 1.0
+        self._cooldown = 0
+
+    def ready(self) -> bool:
+        """Whether the request tries to speculate this step (False while it backs off; each
+        call is one step of the pause)."""
+        if self._cooldown:
+            self._cooldown -= 1
+            return False
+        return True
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """Up to ``k`` tokens that may follow ``tokens`` (empty: nothing to propose)."""
+        self._catch_up(tokens)
+        if not self.ready():
+            return []
+        if self._indexed == len(tokens):  # (else the suffix itself is not indexed yet)
+            for i in range(len(self._index) - 1, -1, -1):  # the longest match first
+                start = self._next[i]
+                if start >= 0:
+                    return tokens[start : start + k]
+        self._update(0.0)  # nothing to propose counts as a failed proposal
+        return []
+
+    def record(self, proposed: int, accepted: int) -> None:
+        """How a step's proposal fared; a request that keeps failing backs off."""
+        self._update(accepted / proposed)
+
+    def _update(self, rate: float) -> None:
+        self.acceptance = _DECAY * self.acceptance + (1 - _DECAY) * rate
+        if self.acceptance < self._config.min_acceptance:
+            self._cooldown = self._config.backoff_steps
+            self.acceptance = self._config.min_acceptance  # (tried again after the pause)
+
+    def _catch_up(self, tokens: list[int]) -> None:
+        low = self._config.prompt_lookup_min
+        end = min(len(tokens), self._indexed + self.INDEX_PER_STEP)
+        for position in range(self._indexed, end):
+            for i, index in enumerate(self._index):
+                n = low + i
+                if position + 1 < n:
+                    self._next[i] = -1
+                    continue
+                gram = tuple(tokens[position + 1 - n : position + 1])
+                self._next[i] = index.get(gram, -1)
+                index[gram] = position + 1
+        self._indexed = end

@@ -1,0 +1,127 @@
+"""Speculative decoding (prompt lookup) against none: output tokens per second, in turn.
+
+Two workloads, each run with and without ``aiocb.SpeculativeConfig()`` (interleaved,
+``--repeats`` rounds, median and range reported), greedy, outputs checked identical:
+
+* copy-heavy, on the bundled model: a function from the standard library followed by
+  the start of the same function renamed, so that the continuation repeats what the
+  prompt holds (an edit of given code); at batch 1 (requests one after another), 8
+  and 64 (that many at once);
+* W1, on ``bench/common.py``'s random tiny Qwen3: 64 requests, prompts of 16..256
+  tokens, 64 new tokens each, no EOS: nothing to copy.
+
+    python bench/speculative.py [--repeats 3] [--new-tokens 96]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import asyncio
+import statistics
+import sys
+import sysconfig
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as `python bench/speculative.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import aiocb
+from aiocb.default_model import HELD_OUT_FILES, load_default_model
+from bench.common import build_model, machine_info, make_workload
+
+
+def copy_prompts(tokenizer: Any, count: int, max_tokens: int) -> list[list[int]]:
+    """Prompts that hold a function and the renamed start of its copy (held-out files first)."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    names = [*HELD_OUT_FILES, "string.py", "glob.py", "bisect.py", "heapq.py", "calendar.py"]
+    prompts: list[list[int]] = []
+    for name in names:
+        source = (stdlib / name).read_text(encoding="utf-8")
+        for node in ast.parse(source).body:
+            if not isinstance(node, ast.FunctionDef):
+                continue
+            text = ast.get_source_segment(source, node) or ""
+            head = text.splitlines()[0].replace(f"def {node.name}(", f"def {node.name}_copy(", 1)
+            ids = tokenizer.encode(f"{text}\n\n\n# The same function under a new name:\n{head}\n")
+            if 40 <= len(ids) <= max_tokens:
+                prompts.append(ids)
+            if len(prompts) == count:
+                return prompts
+    return prompts
+
+
+async def _run(
+    model: Any, prompts: list[list[int]], new: int, batch: int, speculative: aiocb.SpeculativeConfig | None
+) -> tuple[float, int, list[list[int]], aiocb.ManagerStatistics]:
+    """Wall seconds, tokens generated, the outputs and the statistics; ``batch`` requests at once."""
+    params: dict[str, Any] = {"max_new_tokens": new, "do_sample": False, "eos_token_id": []}
+    async with aiocb.Manager(model, speculative_config=speculative) as manager:
+        await manager.generate(prompts[0][:16], max_new_tokens=4)  # warm-up
+        started = time.perf_counter()
+        outputs: list[list[int]] = []
+        for first in range(0, len(prompts), batch):
+            group = prompts[first : first + batch]
+            done = await asyncio.gather(*(manager.generate(p, **params) for p in group))
+            outputs += [list(o.generated_tokens) for o in done]  # type: ignore[union-attr]
+        wall = time.perf_counter() - started
+        stats = manager.statistics()
+    return wall, sum(len(o) for o in outputs), outputs, stats
+
+
+def _compare(label: str, model: Any, prompts: list[list[int]], new: int, batch: int, repeats: int) -> dict[str, Any]:
+    rates: dict[str, list[float]] = {"off": [], "ngram": []}
+    outputs: dict[str, list[list[int]]] = {}
+    acceptance: list[float] = []
+    for _ in range(repeats):
+        for name, spec in (("off", None), ("ngram", aiocb.SpeculativeConfig())):
+            wall, tokens, out, stats = asyncio.run(_run(model, prompts, new, batch, spec))
+            rates[name].append(tokens / wall)
+            outputs.setdefault(name, out)
+            if spec is not None and stats.acceptance_rate is not None:
+                acceptance.append(stats.acceptance_rate)
+            print(f"[{label}] {name}: {tokens / wall:.0f} tokens/s", file=sys.stderr)
+    assert outputs["off"] == outputs["ngram"], f"{label}: speculation changed the outputs"
+    off, on = statistics.median(rates["off"]), statistics.median(rates["ngram"])
+    return {
+        "label": label,
+        "off": rates["off"],
+        "ngram": rates["ngram"],
+        "speedup": on / off,
+        "acceptance": statistics.median(acceptance) if acceptance else None,
+    }
+
+
+def _cell(values: list[float]) -> str:
+    return f"{statistics.median(values):.0f} ({min(values):.0f}–{max(values):.0f})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--new-tokens", type=int, default=96, help="tokens per copy-heavy request")
+    args = parser.parse_args(argv)
+    model, tokenizer = load_default_model()
+    context = model.config.max_position_embeddings
+    prompts = copy_prompts(tokenizer, 64, context - args.new_tokens - 8)
+    rows = []
+    for batch in (1, 8, 64):
+        chosen = prompts[:8] if batch == 1 else prompts[: max(batch, 8)]
+        rows.append(_compare(f"copy-heavy, batch {batch}", model, chosen, args.new_tokens, batch, args.repeats))
+    w1_model = build_model(seed=0)
+    w1 = make_workload(64, 16, 256, seed=0)
+    rows.append(_compare("W1 (64 requests at once)", w1_model, w1, 64, 64, args.repeats))
+    print(machine_info().describe())
+    print(f"\n{len(prompts)} copy-heavy prompts; greedy; {args.repeats} interleaved rounds\n")
+    print("| workload | tokens/s off | tokens/s ngram | ngram / off | acceptance |")
+    print("| :--- | ---: | ---: | ---: | ---: |")
+    for row in rows:
+        accepted = "–" if row["acceptance"] is None else f"{row['acceptance']:.0%}"
+        print(f"| {row['label']} | {_cell(row['off'])} | {_cell(row['ngram'])} | {row['speedup']:.2f}x | {accepted} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
