@@ -133,7 +133,8 @@ class NgramProposer:
             for i in range(len(self._index) - 1, -1, -1):  # the longest match first
                 start = self._next[i]
                 if start >= 0:
-                    return tokens[start : start + k]
+                    # As many as the recent acceptance makes worth their compute, one at least.
+                    return tokens[start : start + max(1, min(k, round(self.acceptance * k) + 1))]
         self._update(0.0)  # nothing to propose counts as a failed proposal
         return []
 

@@ -17,6 +17,9 @@
    ``generate_batch`` (in a subprocess with a time limit). For aiocb: output tokens/s,
    time to first token, inter-token latency, event-loop lag of a 1 ms heartbeat, and the
    decode step time against the bandwidth floor ((weights + KV read) / bandwidth).
+5. Speculative decoding (prompt lookup) against none on the bundled model in bf16:
+   copy-heavy prompts at batch 1 and 8 (``bench/speculative.py``'s), outputs checked
+   identical; tokens/s of each and the acceptance rate.
 
 Prints a markdown table last; writes ``gpu_check.json`` and ``gpu_tests.log`` to ``$OUT``
 when it is set. ``--dry-run`` runs the same plumbing on the CPU with a tiny model.
@@ -321,6 +324,27 @@ def _host_case(static_model: Any, engine_model: Any, vocab: int, rows: int, new:
     return {k: round(v, 3) for k, v in out.items()}
 
 
+def bench_speculative(dry: bool) -> dict[str, Any]:
+    """bench/speculative.py's copy-heavy comparison on the device, one round per batch size."""
+    from aiocb.default_model import load_default_model
+    from bench.speculative import compare, copy_prompts
+
+    device = "cpu" if dry else "cuda"
+    model, tokenizer = load_default_model(device, None if dry else torch.bfloat16)
+    new = 16 if dry else 96
+    prompts = copy_prompts(tokenizer, 16, model.config.max_position_embeddings - new - 8)
+    results: dict[str, Any] = {}
+    for batch in (1, 8):
+        chosen = prompts[: 4 if dry else 8] if batch == 1 else prompts[: 8 if dry else 16]
+        try:
+            row = compare(f"batch {batch}", model, chosen, new, batch, 1)
+            results[f"copy-heavy, batch {batch}"] = {k: v for k, v in row.items() if k != "label"}
+        except Exception as error:
+            results[f"copy-heavy, batch {batch}"] = {"error": repr(error)[:300]}
+        log(f"speculative batch {batch}: {results[f'copy-heavy, batch {batch}']}")
+    return results
+
+
 def sampler_lines(results: dict[str, Any]) -> list[str]:
     """One line per case of :func:`bench_sampler`."""
     rows, vocab = results.get("shape", ["?", "?"])
@@ -567,6 +591,11 @@ def main() -> int:
     except Exception as error:
         results["host_overhead"] = {"error": repr(error)[:300]}
     save()
+    try:
+        results["speculative"] = bench_speculative(args.dry_run)
+    except Exception as error:
+        results["speculative"] = {"error": repr(error)[:300]}
+    save()
     model = build_model(args.dry_run)
     runs = {name: workload(name, args.dry_run) for name in WORKLOADS}
     results["floor_ms"] = {
@@ -607,6 +636,8 @@ def main() -> int:
     print("\n".join(sampler_lines(results["sampler"])))
     for case, row in results["host_overhead"].items():
         print(f"host overhead {case}: {row}")
+    for case, row in results["speculative"].items():
+        print(f"speculative {case}: {row}")
     print(table(results))
     return 0
 

@@ -16,11 +16,13 @@ connections and waits for the open ones.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import json
 import signal
 import socket
 import types
+from collections.abc import AsyncIterator
 from typing import Any
 
 import uvicorn
@@ -160,3 +162,23 @@ class DrainingServer(uvicorn.Server):
 
     def _begin_drain(self) -> None:
         self._drain = begin_drain(self._app, self._shutdown_timeout)
+
+
+@contextlib.asynccontextmanager
+async def local_server(app: Starlette, host: str = "127.0.0.1") -> AsyncIterator[str]:
+    """Serve ``app`` with uvicorn on a free port of ``host``, on the running event loop;
+    yields its base URL (``http://host:port``) once it accepts connections, and stops it
+    on exit. For scripts and notebooks that drive the server from the same process."""
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=0, log_level="warning"))
+    serving = asyncio.get_running_loop().create_task(server.serve(), name="aiocb-local-server")
+    try:
+        while not server.started:  # (uvicorn offers a flag, not an event)
+            if serving.done():
+                serving.result()  # (its startup failed: raise why)
+                raise RuntimeError("uvicorn exited before it started")
+            await asyncio.sleep(0.02)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        yield f"http://{host}:{port}"
+    finally:
+        server.should_exit = True
+        await serving
