@@ -105,7 +105,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=96, help="tokens per copy-heavy request")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's own)")
     args = parser.parse_args(argv)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     model, tokenizer = load_default_model()
     context = model.config.max_position_embeddings
     prompts = copy_prompts(tokenizer, 64, context - args.new_tokens - 8)
