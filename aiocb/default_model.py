@@ -1,9 +1,12 @@
 """The small model that ships inside the package, so that ``aiocb demo`` needs no download.
 
-``pycode-tiny`` is a 4-layer Qwen3 (about 3.8M parameters) with a 4096-token byte-level
-BPE tokenizer, trained for a few CPU minutes on the Python standard library's own
-sources by ``scripts/train_default_model.py``. It writes plausible-looking Python and
-nothing else; it is there to show the runtime working, not to be useful.
+``pycode-tiny`` is a 4-layer Qwen3 (about 3.8M parameters, context 1024) with a 4096-token
+byte-level BPE tokenizer, trained for a few CPU minutes by ``scripts/train_default_model.py``
+on the Python standard library's own sources and on chat conversations made from them. It
+writes plausible-looking Python; in a chat it follows the turn structure of its template
+(ChatML with Hermes-style ``<tool_call>`` blocks, as Qwen2.5's) and ends its turns with
+``<|im_end|>``, which its generation config stops at. It is there to show the runtime
+working, not to be useful.
 """
 
 from __future__ import annotations

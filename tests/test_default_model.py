@@ -1,8 +1,12 @@
-"""The packaged default model: a normal Hugging Face folder that learnt some Python."""
+"""The packaged default model: a normal Hugging Face folder that learnt some Python and the
+shape of a chat."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import re
+import sys
 import sysconfig
 from pathlib import Path
 from types import ModuleType
@@ -14,12 +18,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from aiocb import default_model
 from aiocb.default_model import DEFAULT_MODEL_PATH, HELD_OUT_FILES, load_default_model
 
-CONTEXT = 256
-#: Held-out windows scored (4096 tokens): enough for a stable mean, quick on a CPU.
-EVAL_WINDOWS = 16
-#: The packaged model scores 4.12 nats/token here (Python 3.11 stdlib), a random one 8.35;
+CONTEXT = 1024
+#: Held-out windows scored (8192 tokens): enough for a stable mean, quick on a CPU.
+EVAL_WINDOWS = 8
+#: The packaged model scores 4.29 nats/token here (Python 3.11 stdlib), a random one 8.33;
 #: the margin covers other Python versions' files and a retrained model.
-MAX_HELD_OUT_LOSS = 4.6
+MAX_HELD_OUT_LOSS = 4.8
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +42,8 @@ def _training_script() -> ModuleType:
     assert spec is not None
     assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    # Registered before it runs: its dataclasses look their module up in sys.modules.
+    sys.modules.setdefault(spec.name, module)
     spec.loader.exec_module(module)
     return module
 
@@ -48,10 +54,9 @@ def _held_out_ids(tokenizer: PreTrainedTokenizerBase) -> torch.Tensor:
     for name in HELD_OUT_FILES:
         ids += [*tokenizer.encode((stdlib / name).read_text(encoding="utf-8")), tokenizer.eos_token_id]
     windows = [ids[i : i + CONTEXT] for i in range(0, len(ids) - CONTEXT + 1, CONTEXT)]
+    assert len(windows) >= EVAL_WINDOWS
     # Spread over all the files: textwrap.py alone, mostly docstrings, would not be typical.
-    picked = windows[:: max(1, len(windows) // EVAL_WINDOWS)][:EVAL_WINDOWS]
-    assert len(picked) == EVAL_WINDOWS
-    return torch.tensor(picked)
+    return torch.tensor([windows[i * len(windows) // EVAL_WINDOWS] for i in range(EVAL_WINDOWS)])
 
 
 @torch.no_grad()
@@ -67,6 +72,7 @@ def test_folder_is_complete_and_small() -> None:
         "model.safetensors",
         "tokenizer.json",
         "tokenizer_config.json",
+        "chat_template.jinja",
     ):
         assert required in names
     total = sum(p.stat().st_size for p in DEFAULT_MODEL_PATH.iterdir() if p.is_file())
@@ -80,8 +86,8 @@ def test_auto_classes_load_a_small_fp32_model(model: PreTrainedModel, tokenizer:
     assert len(tokenizer) == model.config.vocab_size
     assert tokenizer.eos_token == "<|endoftext|>"
     eos = tokenizer.eos_token_id
-    assert model.config.eos_token_id == model.generation_config.eos_token_id == eos
-    assert model.generation_config.pad_token_id == eos
+    assert model.config.eos_token_id == model.generation_config.pad_token_id == eos
+    assert model.config.max_position_embeddings == CONTEXT
     assert tokenizer.decode(tokenizer.encode("def f(x):\n\treturn x  # é")) == "def f(x):\n\treturn x  # é"
 
 
@@ -136,3 +142,189 @@ def test_a_missing_default_model_says_how_to_build_it(tmp_path: Path, monkeypatc
         default_model.load_default_model()
     with pytest.raises(FileNotFoundError, match=r"train_default_model\.py --output"):
         load_default_model(path=tmp_path)
+
+
+# --- chat -------------------------------------------------------------------------------
+
+#: The added tokens and their ids: each is one token wherever it appears, so that generation
+#: can stop on one and a tool-call parser can find them in the ids as well as in the text.
+ADDED_TOKENS = {
+    "<|endoftext|>": 0,
+    "<|im_start|>": 1,
+    "<|im_end|>": 2,
+    "<tool_call>": 3,
+    "</tool_call>": 4,
+    "<tool_response>": 5,
+    "</tool_response>": 6,
+    "<think>": 7,
+    "</think>": 8,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "dedent",
+            "description": "Remove any common leading whitespace from every line in `text`.",
+            "parameters": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]},
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "shorten",
+            "description": "Collapse and truncate the given text to fit in the given width.",
+            "parameters": {
+                "type": "object",
+                "properties": {"text": {"type": "string"}, "width": {"type": "integer"}},
+                "required": ["text", "width"],
+            },
+        },
+    },
+]
+TOOLS_PREAMBLE = (
+    "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+)
+TOOLS_POSTAMBLE = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+    '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n'
+    "</tool_call><|im_end|>\n"
+)
+#: Sampled answers (of 8 seeds) to a short coding request that end their turn with
+#: <|im_end|> within 300 tokens: the packaged model ends 6, an untrained one none.
+MIN_CHAT_ENDINGS = 3
+#: Sampled answers (of 8 seeds) to a request for a tool that are one well-formed call and
+#: the end of the turn: the packaged model gives 8, an untrained one none.
+MIN_TOOL_CALLS = 5
+#: One Hermes-style call (whatever it calls: the model is too small to pick the right tool).
+TOOL_CALL = re.compile(r'<tool_call>\n\{"name": "[^"\n]+", "arguments": [^\n]*\}\n</tool_call><\|im_end\|>')
+
+
+def test_added_tokens_are_single_ids(tokenizer: PreTrainedTokenizerBase) -> None:
+    for token, token_id in ADDED_TOKENS.items():
+        assert tokenizer.convert_tokens_to_ids(token) == token_id
+        assert tokenizer.encode(token) == [token_id]
+        assert token_id in tokenizer.encode(f"x = 1{token}\ny = 2")
+    assert len(tokenizer) == 4096
+
+
+def test_skip_special_tokens_drops_the_turn_delimiters_but_keeps_the_markup(
+    tokenizer: PreTrainedTokenizerBase,
+) -> None:
+    text = '<|im_start|>assistant\n<think>\nhm\n</think>\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+    ids = tokenizer.encode(text + "<|im_end|>\n<|endoftext|>")
+    assert tokenizer.decode(ids) == text + "<|im_end|>\n<|endoftext|>"
+    kept = tokenizer.decode(ids, skip_special_tokens=True)
+    assert kept == text.removeprefix("<|im_start|>") + "\n"
+    assert tokenizer.decode([5, 6], skip_special_tokens=True) == "<tool_response></tool_response>"
+    assert set(tokenizer.all_special_tokens) == {"<|endoftext|>", "<|im_start|>", "<|im_end|>"}
+
+
+def test_generation_stops_at_the_end_of_a_document_or_a_turn(model: PreTrainedModel) -> None:
+    assert model.generation_config.eos_token_id == [ADDED_TOKENS["<|endoftext|>"], ADDED_TOKENS["<|im_end|>"]]
+
+
+def test_chat_template_renders_chatml_turns(tokenizer: PreTrainedTokenizerBase) -> None:
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Write `f()`."},
+        {"role": "assistant", "content": "def f():\n    pass"},
+        {"role": "user", "content": "Thanks."},
+    ]
+    assert tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n"
+        "<|im_start|>user\nWrite `f()`.<|im_end|>\n"
+        "<|im_start|>assistant\ndef f():\n    pass<|im_end|>\n"
+        "<|im_start|>user\nThanks.<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert tokenizer.apply_chat_template(messages[1:2], tokenize=False) == "<|im_start|>user\nWrite `f()`.<|im_end|>\n"
+
+
+def test_chat_template_puts_the_tools_in_the_system_message(tokenizer: PreTrainedTokenizerBase) -> None:
+    user = {"role": "user", "content": "Dedent this."}
+    tools_json = "\n".join(json.dumps(tool) for tool in TOOLS)
+    merged = tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, user], tools=TOOLS, add_generation_prompt=True, tokenize=False
+    )
+    assert merged == (
+        f"<|im_start|>system\nBe brief.{TOOLS_PREAMBLE}{tools_json}{TOOLS_POSTAMBLE}"
+        "<|im_start|>user\nDedent this.<|im_end|>\n<|im_start|>assistant\n"
+    )
+    alone = tokenizer.apply_chat_template([user], tools=TOOLS, tokenize=False)
+    assert isinstance(alone, str)
+    assert alone.startswith("<|im_start|>system\n")
+    assert alone.count("<|im_start|>system\n") == 1
+    assert f"{TOOLS_PREAMBLE}{tools_json}{TOOLS_POSTAMBLE}<|im_start|>user\nDedent this.<|im_end|>\n" in alone
+
+
+def test_chat_template_renders_tool_calls_and_tool_responses(tokenizer: PreTrainedTokenizerBase) -> None:
+    messages = [
+        {"role": "user", "content": "Shorten two texts."},
+        {
+            "role": "assistant",
+            "content": "Calling shorten twice.",
+            "tool_calls": [
+                {
+                    "id": "a",
+                    "type": "function",
+                    "function": {"name": "shorten", "arguments": {"text": "x", "width": 5}},
+                },
+                {"id": "b", "type": "function", "function": {"name": "shorten", "arguments": '{"text": "y"}'}},
+            ],
+        },
+        {"role": "tool", "tool_call_id": "a", "content": '"x"'},
+        {"role": "tool", "tool_call_id": "b", "content": '"y"'},
+        {"role": "assistant", "content": "Done."},
+        {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "dedent", "arguments": {}}}]},
+    ]
+    text = tokenizer.apply_chat_template(messages, tools=TOOLS, tokenize=False)
+    assert isinstance(text, str)
+    assert (
+        "<|im_start|>assistant\nCalling shorten twice."
+        '\n<tool_call>\n{"name": "shorten", "arguments": {"text": "x", "width": 5}}\n</tool_call>'
+        '\n<tool_call>\n{"name": "shorten", "arguments": {"text": "y"}}\n</tool_call><|im_end|>\n'
+        '<|im_start|>user\n<tool_response>\n"x"\n</tool_response>\n<tool_response>\n"y"\n</tool_response><|im_end|>\n'
+        "<|im_start|>assistant\nDone.<|im_end|>\n"
+        '<|im_start|>assistant\n<tool_call>\n{"name": "dedent", "arguments": {}}\n</tool_call><|im_end|>\n'
+    ) in text
+    assert text.endswith("</tool_call><|im_end|>\n")
+
+
+def test_a_two_tool_prompt_leaves_room_for_a_long_answer(tokenizer: PreTrainedTokenizerBase) -> None:
+    messages = [{"role": "user", "content": "Shorten 'The quick brown fox jumps over the lazy dog' to 20 characters."}]
+    prompt = tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    answer = {"name": "shorten", "arguments": {"text": " ".join(f"word{i}" for i in range(80)), "width": 20}}
+    call = f"<tool_call>\n{json.dumps(answer)}\n</tool_call><|im_end|>"
+    assert len(tokenizer.encode(call)) >= 200
+    assert len(tokenizer.encode(prompt + call)) <= CONTEXT
+
+
+def test_sampled_chat_answers_end_their_turn(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+    messages = [{"role": "user", "content": "Write a function `is_even(n)` that does this: return True if n is even."}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = torch.tensor([tokenizer.encode(prompt)])
+    im_end = ADDED_TOKENS["<|im_end|>"]
+    ended = 0
+    for seed in range(8):
+        torch.manual_seed(seed)
+        with torch.no_grad():  # the generation config's sampling; it stops at <|im_end|>
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=300)
+        answer = out[0, ids.shape[1] :].tolist()
+        ended += len(answer) > 1 and answer[-1] == im_end  # an empty answer does not count
+    assert ended >= MIN_CHAT_ENDINGS, ended
+
+
+def test_sampled_answers_to_a_tool_request_are_tool_calls(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    messages = [{"role": "user", "content": 'Call shorten with text="hello world", width=5.'}]
+    prompt = tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    ids = torch.tensor([tokenizer.encode(prompt)])
+    calls = 0
+    for seed in range(8):
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=100)
+        calls += TOOL_CALL.fullmatch(tokenizer.decode(out[0, ids.shape[1] :])) is not None
+    assert calls >= MIN_TOOL_CALLS, calls
