@@ -9,7 +9,7 @@ also follows the turn structure of a chat (and of tool calls) and ends its turns
 ``<|im_end|>``. It is a standard transformers Qwen3 with a byte-level BPE tokenizer from
 the ``tokenizers`` library, saved as a normal Hugging Face folder::
 
-    python scripts/train_default_model.py            # about 10 minutes on 2 idle CPU cores
+    python scripts/train_default_model.py --threads 1   # 30 minutes (1,400 s of CPU) on a busy 2-core machine
 
 On a machine busy with other work, ``--threads 1`` can be much faster: OpenMP threads
 that wait for each other lose a lot when they do not each have a core.
