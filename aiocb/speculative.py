@@ -94,13 +94,11 @@ class NgramProposer:
 
     For each ``n`` the index maps an n-gram to the position just after its latest
     occurrence; adding a token looks the new suffix up before recording it, so a
-    proposal always comes from an *earlier* occurrence. Indexing costs a few dictionary
-    operations per token per ``n``; a long prompt is indexed a bounded number of tokens
-    per step (what is not indexed yet is simply not found).
+    proposal always comes from an *earlier* occurrence. Indexing costs about a microsecond
+    per token per ``n``; the caller bounds how many tokens a step indexes in all
+    (:meth:`propose`'s ``budget``), so a long prompt is caught up over several steps and
+    proposes nothing until then.
     """
-
-    #: tokens indexed per call at most, so one step never spends long on a long prompt
-    INDEX_PER_STEP = 2048
 
     __slots__ = ("_config", "_cooldown", "_index", "_indexed", "_next", "acceptance")
 
@@ -124,19 +122,21 @@ class NgramProposer:
             return False
         return True
 
-    def propose(self, tokens: list[int], k: int) -> list[int]:
-        """Up to ``k`` tokens that may follow ``tokens`` (empty: nothing to propose)."""
-        self._catch_up(tokens)
+    def propose(self, tokens: list[int], k: int, budget: int) -> tuple[list[int], int]:
+        """Up to ``k`` tokens that may follow ``tokens`` (empty: nothing to propose), indexing
+        at most ``budget`` new tokens first; and how many it indexed."""
+        indexed = self._catch_up(tokens, budget)
+        if self._indexed < len(tokens):
+            return [], indexed  # (still catching up: not a failed proposal)
         if not self.ready():
-            return []
-        if self._indexed == len(tokens):  # (else the suffix itself is not indexed yet)
-            for i in range(len(self._index) - 1, -1, -1):  # the longest match first
-                start = self._next[i]
-                if start >= 0:
-                    # As many as the recent acceptance makes worth their compute, one at least.
-                    return tokens[start : start + max(1, min(k, round(self.acceptance * k) + 1))]
+            return [], indexed
+        for i in range(len(self._index) - 1, -1, -1):  # the longest match first
+            start = self._next[i]
+            if start >= 0:
+                # As many as the recent acceptance makes worth their compute, one at least.
+                return tokens[start : start + max(1, min(k, round(self.acceptance * k) + 1))], indexed
         self._update(0.0)  # nothing to propose counts as a failed proposal
-        return []
+        return [], indexed
 
     def record(self, proposed: int, accepted: int) -> None:
         """How a step's proposal fared; a request that keeps failing backs off."""
@@ -148,9 +148,10 @@ class NgramProposer:
             self._cooldown = self._config.backoff_steps
             self.acceptance = self._config.min_acceptance  # (tried again after the pause)
 
-    def _catch_up(self, tokens: list[int]) -> None:
+    def _catch_up(self, tokens: list[int], budget: int) -> int:
         low = self._config.prompt_lookup_min
-        end = min(len(tokens), self._indexed + self.INDEX_PER_STEP)
+        start = self._indexed
+        end = min(len(tokens), start + max(budget, 0))
         for position in range(self._indexed, end):
             for i, index in enumerate(self._index):
                 n = low + i
@@ -161,3 +162,4 @@ class NgramProposer:
                 self._next[i] = index.get(gram, -1)
                 index[gram] = position + 1
         self._indexed = end
+        return end - start

@@ -38,7 +38,7 @@ from aiocb.cli.serve import (
     chat_parsers,
     event_loop_name,
     limits_from_args,
-    load_model,
+    load_manager,
     served_model_name,
     uvicorn_config,
 )
@@ -54,15 +54,7 @@ _WATCH_INTERVAL_S = 0.2
 
 def serve_with_workers(args: argparse.Namespace, config: ContinuousBatchingConfig) -> int:
     """Run the engine process of ``aiocb serve --api-workers N`` until a signal; the exit status."""
-    import aiocb
-
-    model, tokenizer = load_model(args)
-    manager = aiocb.Manager(
-        model,
-        continuous_batching_config=config,
-        grammar_tokenizer=tokenizer,
-        speculative_config=args.speculative_config,
-    )
+    manager, _ = load_manager(args, config)
     listener = socket.create_server((args.host, args.port), backlog=4096)
     workdir = Path(tempfile.mkdtemp(prefix="aiocb-engine-"))  # private (0700): the socket and metrics
     try:

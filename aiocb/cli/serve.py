@@ -208,15 +208,7 @@ def run_serve(args: argparse.Namespace) -> int:
         from aiocb.cli.api_workers import serve_with_workers
 
         return serve_with_workers(args, config)
-    import aiocb
-
-    model, tokenizer = load_model(args)
-    manager = aiocb.Manager(
-        model,
-        continuous_batching_config=config,
-        grammar_tokenizer=tokenizer,
-        speculative_config=args.speculative_config,
-    )
+    manager, tokenizer = load_manager(args, config)
     name = served_model_name(args)
     app = build_app(
         manager,
@@ -245,6 +237,21 @@ def _speculative_config(text: str) -> SpeculativeConfig:
         return SpeculativeConfig.from_dict(fields)
     except (InvalidConfigError, TypeError) as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def load_manager(args: argparse.Namespace, config: ContinuousBatchingConfig) -> tuple[Any, Any]:
+    """The model loaded from the flags, in a (not yet started) ``aiocb.Manager`` that knows
+    its tokenizer's vocabulary for output constraints; ``(manager, tokenizer)``."""
+    import aiocb
+
+    model, tokenizer = load_model(args)
+    manager = aiocb.Manager(
+        model,
+        continuous_batching_config=config,
+        grammar_tokenizer=tokenizer,
+        speculative_config=args.speculative_config,
+    )
+    return manager, tokenizer
 
 
 def chat_parsers(args: argparse.Namespace) -> dict[str, str | None]:
