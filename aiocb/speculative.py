@@ -24,25 +24,42 @@ request's last token is not known when its next step is planned, and a proposal 
 it. A request that speculates is therefore planned only once its token has landed: one
 step of the pipeline waits for it, and the step it then runs may yield several tokens.
 While it backs off (its proposals failed, or it found none) it is pipelined as usual.
+
+``method="draft"`` proposes with a smaller causal LM of the same vocabulary. The draft
+model keeps its own paged cache, mirroring the target's blocks (the same block ids and
+page size, the draft's own layers and heads), so the scheduler's allocations, prefix
+sharing, copies and swaps serve both. Each step the draft first runs over the step's own
+inputs (keeping its cache in step with the target's), then proposes each speculating
+row's tokens one decode pass at a time, and one more pass writes the last proposal's
+keys; the target then verifies them in the same step. The draft draws with the request's
+own noise at the same token indices as the target, so where the two distributions agree
+the proposals agree too, sampled rows included.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiocb.errors import InvalidConfigError
 
-METHODS = ("ngram",)
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+METHODS = ("ngram", "draft")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """How requests speculate (``aiocb.Manager(model, speculative_config=...)``)."""
 
-    #: ``"ngram"``: prompt lookup over the request's prompt and output
+    #: ``"ngram"``: prompt lookup over the request's prompt and output; ``"draft"``: a
+    #: smaller model's proposals
     method: str = "ngram"
+    #: ``method="draft"``: the draft model, a ``PreTrainedModel`` or a path or hub id that
+    #: ``AutoModelForCausalLM.from_pretrained`` loads (in the target's dtype, on its device)
+    draft_model: PreTrainedModel | str | None = None
     #: tokens proposed per step at most (``k``)
     num_speculative_tokens: int = 4
     #: the shortest and longest suffix of the request that is looked up
@@ -57,10 +74,16 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
-            raise InvalidConfigError(
-                f"speculative method must be one of {', '.join(METHODS)}, got {self.method!r} "
-                "(a draft model is not supported yet)"
-            )
+            raise InvalidConfigError(f"speculative method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if self.method == "draft":
+            if self.draft_model is None:
+                raise InvalidConfigError('speculative method "draft" needs a draft_model (a model or a path)')
+            looked_up = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name.startswith("prompt")}
+            changed = [name for name, value in looked_up.items() if value != _DEFAULTS[name]]
+            if changed:
+                raise InvalidConfigError(f'{", ".join(changed)} apply to method "ngram" only, not "draft"')
+        elif self.draft_model is not None:
+            raise InvalidConfigError(f'draft_model applies to method "draft" only, not {self.method!r}')
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "backoff_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -85,31 +108,58 @@ class SpeculativeConfig:
         return cls(**fields)
 
 
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SpeculativeConfig)}
+
+
+def load_draft_model(config: SpeculativeConfig | None, target: PreTrainedModel) -> PreTrainedModel | None:
+    """The draft model ``config`` names (loaded from its path in the target's dtype, on its
+    device), checked against ``target``; None unless the method is ``"draft"``."""
+    if config is None or config.method != "draft":
+        return None
+    from transformers import AutoModelForCausalLM, PreTrainedModel
+
+    draft = config.draft_model
+    if isinstance(draft, str):
+        param = next(target.parameters())
+        try:
+            loaded = AutoModelForCausalLM.from_pretrained(draft, dtype=param.dtype)
+            draft = loaded.to(param.device).eval()  # type: ignore[arg-type]  # (a device, not a dtype)
+        except (OSError, ValueError) as exc:
+            raise InvalidConfigError(f"draft_model {config.draft_model!r} could not be loaded: {exc}") from exc
+    if not isinstance(draft, PreTrainedModel):
+        kind = type(draft).__name__
+        raise InvalidConfigError(f"draft_model must be a transformers PreTrainedModel or a path, got {kind}")
+    if draft is target:
+        raise InvalidConfigError("draft_model must be a model of its own, not the target model itself")
+    target_param, draft_param = next(target.parameters()), next(draft.parameters())
+    if draft_param.device != target_param.device:
+        raise InvalidConfigError(
+            f"draft_model is on {draft_param.device}, the target model on {target_param.device}: "
+            "they must share a device"
+        )
+    draft_vocab = int(draft.config.get_text_config().vocab_size)
+    target_vocab = int(target.config.get_text_config().vocab_size)
+    # (vocabularies padded to different sizes are the same tokenizer's; far apart they are not)
+    if abs(draft_vocab - target_vocab) > max(256, target_vocab // 100):
+        raise InvalidConfigError(
+            f"draft_model's vocabulary ({draft_vocab}) is not the target's ({target_vocab}): "
+            "a draft model needs the target's tokenizer"
+        )
+    return draft
+
+
 #: How quickly a request's acceptance estimate follows its latest steps.
 _DECAY = 0.7
 
 
-class NgramProposer:
-    """One request's prompt lookup: an index of its n-grams, kept up to date as tokens come.
+class Acceptance:
+    """One request's recent acceptance, which sets how many tokens it proposes and when
+    it backs off."""
 
-    For each ``n`` the index maps an n-gram to the position just after its latest
-    occurrence; adding a token looks the new suffix up before recording it, so a
-    proposal always comes from an *earlier* occurrence. Indexing costs about a microsecond
-    per token per ``n``; the caller bounds how many tokens a step indexes in all
-    (:meth:`propose`'s ``budget``), so a long prompt is caught up over several steps and
-    proposes nothing until then.
-    """
-
-    __slots__ = ("_config", "_cooldown", "_index", "_indexed", "_next", "acceptance")
+    __slots__ = ("_config", "_cooldown", "acceptance")
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self._config = config
-        self._indexed = 0
-        self._index: list[dict[tuple[int, ...], int]] = [
-            {} for _ in range(config.prompt_lookup_min, config.prompt_lookup_max + 1)
-        ]
-        #: per n, where the continuation of the current suffix starts (-1: not seen before)
-        self._next = [-1] * len(self._index)
         #: the recent share of proposed tokens accepted (starts hopeful)
         self.acceptance = 1.0
         self._cooldown = 0
@@ -122,6 +172,54 @@ class NgramProposer:
             return False
         return True
 
+    def width(self, k: int) -> int:
+        """How many of at most ``k`` tokens are worth their compute, one at least."""
+        return max(1, min(k, round(self.acceptance * k) + 1))
+
+    def record(self, proposed: int, accepted: int) -> None:
+        """How a step's proposal fared; a request that keeps failing backs off."""
+        self._update(accepted / proposed)
+
+    def _update(self, rate: float) -> None:
+        self.acceptance = _DECAY * self.acceptance + (1 - _DECAY) * rate
+        if self.acceptance < self._config.min_acceptance:
+            self._cooldown = self._config.backoff_steps
+            self.acceptance = self._config.min_acceptance  # (tried again after the pause)
+
+
+class DraftProposer(Acceptance):
+    """One request's share of a draft model's proposals: how many tokens it asks for (the
+    draft model proposes them on the device, in the step that verifies them)."""
+
+    __slots__ = ()
+
+    def propose(self, k: int) -> int:
+        """How many tokens to propose this step, of at most ``k`` (0: none)."""
+        return self.width(k) if self.ready() else 0
+
+
+class NgramProposer(Acceptance):
+    """One request's prompt lookup: an index of its n-grams, kept up to date as tokens come.
+
+    For each ``n`` the index maps an n-gram to the position just after its latest
+    occurrence; adding a token looks the new suffix up before recording it, so a
+    proposal always comes from an *earlier* occurrence. Indexing costs about a microsecond
+    per token per ``n``; the caller bounds how many tokens a step indexes in all
+    (:meth:`propose`'s ``budget``), so a long prompt is caught up over several steps and
+    proposes nothing until then.
+    """
+
+    __slots__ = ("_index", "_indexed", "_next")
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        super().__init__(config)
+        self._indexed = 0
+        self._index: list[dict[tuple[int, ...], int]] = [
+            {} for _ in range(config.prompt_lookup_min, config.prompt_lookup_max + 1)
+        ]
+        #: per n, where the continuation of the current suffix starts (-1: not seen before)
+        self._next = [-1] * len(self._index)
+
     def propose(self, tokens: list[int], k: int, budget: int) -> tuple[list[int], int]:
         """Up to ``k`` tokens that may follow ``tokens`` (empty: nothing to propose), indexing
         at most ``budget`` new tokens first; and how many it indexed."""
@@ -133,20 +231,9 @@ class NgramProposer:
         for i in range(len(self._index) - 1, -1, -1):  # the longest match first
             start = self._next[i]
             if start >= 0:
-                # As many as the recent acceptance makes worth their compute, one at least.
-                return tokens[start : start + max(1, min(k, round(self.acceptance * k) + 1))], indexed
+                return tokens[start : start + self.width(k)], indexed
         self._update(0.0)  # nothing to propose counts as a failed proposal
         return [], indexed
-
-    def record(self, proposed: int, accepted: int) -> None:
-        """How a step's proposal fared; a request that keeps failing backs off."""
-        self._update(accepted / proposed)
-
-    def _update(self, rate: float) -> None:
-        self.acceptance = _DECAY * self.acceptance + (1 - _DECAY) * rate
-        if self.acceptance < self._config.min_acceptance:
-            self._cooldown = self._config.backoff_steps
-            self.acceptance = self._config.min_acceptance  # (tried again after the pause)
 
     def _catch_up(self, tokens: list[int], budget: int) -> int:
         low = self._config.prompt_lookup_min

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from aiocb.core.kv_cache import KVCacheManager
 from aiocb.core.request import Request
 from aiocb.outputs import FinishReason, RequestStatus
-from aiocb.speculative import NgramProposer, SpeculativeConfig
+from aiocb.speculative import Acceptance, DraftProposer, NgramProposer, SpeculativeConfig
 
 #: Tokens of prompts and outputs that speculation's proposers index per step in all (about
 #: a microsecond each per n-gram length): it keeps a step's planning off the loop's back.
@@ -54,7 +54,8 @@ class ScheduledRequest:
     #: (async batching): the device takes it from that step's output
     carries: bool = False
     #: tokens proposed after the request's last one (speculative decoding): they are
-    #: the row's other inputs, and every one of its positions is sampled
+    #: the row's other inputs, and every one of its positions is sampled (a draft model's
+    #: proposals are made on the device: until the step's result names them, placeholders)
     drafts: list[int] | None = None
 
 
@@ -100,6 +101,8 @@ class StepResult:
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     prompt_logprobs: list[tuple[list[float], list[list[tuple[int, float]]] | None]] | None = None
+    #: a draft model's proposals, per speculating row in plan order (each row's in order)
+    proposed: list[int] | None = None
 
 
 @dataclass(slots=True)
@@ -465,6 +468,11 @@ class Scheduler:
         if room <= 0:
             return None
         proposer = request.proposer
+        if speculative.method == "draft":
+            if proposer is None:
+                proposer = request.proposer = DraftProposer(speculative)
+            assert isinstance(proposer, DraftProposer)
+            return [0] * proposer.propose(room) or None  # (placeholders: the draft model proposes on the device)
         if proposer is None:
             proposer = request.proposer = NgramProposer(speculative)
         assert isinstance(proposer, NgramProposer)
@@ -486,9 +494,12 @@ class Scheduler:
         many it got. Its cache positions past them are given back."""
         request, drafts = item.request, item.drafts
         assert drafts is not None
+        k = len(drafts)
+        if result.proposed is not None:  # (a draft model's, made on the device)
+            first = draft_row - (len(result.token_ids) - len(result.proposed))  # (after the sampled rows)
+            drafts = item.drafts = result.proposed[first : first + k]
         params = request.params
         tokens, logprobs, tops = result.token_ids, result.logprobs, result.top_logprobs
-        k = len(drafts)
         taken = accepted = 0
         ended = False
         for j in range(k + 1):
@@ -514,7 +525,7 @@ class Scheduler:
                 break
         self.stats.num_accepted_tokens += accepted
         proposer = request.proposer
-        if isinstance(proposer, NgramProposer):
+        if isinstance(proposer, Acceptance):
             proposer.record(k, accepted)
         if not ended:
             # Computed: the last token and the proposed ones kept (the last one taken is
@@ -555,7 +566,8 @@ class Scheduler:
         if self.speculative is not None and self._may_speculate(request):
             # (a proposal follows the last token: wait for it, unless the request backs off)
             proposer = request.proposer
-            if proposer is None or (isinstance(proposer, NgramProposer) and proposer.ready()):
+            # (a pipelined step plans no proposal, so this counts the step of a pause)
+            if proposer is None or (isinstance(proposer, Acceptance) and proposer.ready()):
                 return True
         if request.num_output_tokens + request.num_pending_tokens >= request.params.max_new_tokens:
             return True

@@ -39,7 +39,7 @@ from aiocb.prompts import Prompt
 from aiocb.runner.distributed import build_runner
 from aiocb.runner.model_runner import ModelRunner
 from aiocb.sampling import RequestLimits, eos_ids
-from aiocb.speculative import SpeculativeConfig
+from aiocb.speculative import SpeculativeConfig, load_draft_model
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +144,8 @@ class Manager:
         self.persistent = persistent_manager
         #: how requests speculate (None: they do not; see :mod:`aiocb.speculative`)
         self.speculative_config = speculative_config
+        #: its draft model (``method="draft"``), loaded here rather than on the event loop
+        self._draft_model = load_draft_model(speculative_config, model)
         self._num_requests_hint = num_requests_hint
         self._state = _State.CREATED
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -191,7 +193,11 @@ class Manager:
             return
         if self._runner is None:
             self._runner = build_runner(
-                self.model, self.config, num_requests_hint=self._num_requests_hint, keep_cache=self.persistent
+                self.model,
+                self.config,
+                num_requests_hint=self._num_requests_hint,
+                keep_cache=self.persistent,
+                draft_model=self._draft_model,
             )
         runner = self._runner
         runner.attach()

@@ -60,13 +60,16 @@ def plan_cache(
     *,
     num_requests_hint: int | None = None,
     free_bytes: int | None = None,
+    extra_bytes_per_block: int = 0,
 ) -> CachePlan:
     """Decide ``max_batch_tokens``, ``max_requests_per_batch`` and blocks per cache group.
 
     ``max_batch_tokens`` and ``num_blocks`` share one budget (``max_memory_percent`` of
     free memory): the step buffers are reserved first, lowering a default
     ``max_batch_tokens`` if they would take more than a quarter of it, but never below
-    256; the blocks fill the rest unless ``num_blocks`` is given.
+    256; the blocks fill the rest unless ``num_blocks`` is given. Each block of a full
+    attention group costs ``extra_bytes_per_block`` more (a draft model's cache, which
+    mirrors the target's blocks).
     """
     page = config.page_size
     percent = config.max_memory_percent
@@ -95,7 +98,7 @@ def plan_cache(
     if config.num_blocks is not None:
         num_blocks = [config.num_blocks] * len(groups)
     else:
-        num_blocks = _fill_budget(spec, groups, page, max_requests, remaining)
+        num_blocks = _fill_budget(spec, groups, page, max_requests, remaining, extra_bytes_per_block)
     if min(num_blocks) < 1:
         raise MemoryError(
             f"no room for the KV cache: {budget / 2**30:.2f} GiB budget "
@@ -138,6 +141,7 @@ def _fill_budget(
     page: int,
     max_requests: int,
     remaining: int,
+    extra_bytes_per_block: int = 0,
 ) -> list[int]:
     """Sliding groups get a full ring per concurrent request; full groups the rest."""
     sliding_bytes = 0
@@ -155,7 +159,7 @@ def _fill_budget(
             scale = max(remaining, 0) / sliding_bytes
             blocks = [int(b * scale) for b in blocks]
         return blocks
-    full_bytes_per_block = sum(spec.bytes_per_block(page, len(groups[i][1])) for i in full)
+    full_bytes_per_block = sum(spec.bytes_per_block(page, len(groups[i][1])) for i in full) + extra_bytes_per_block
     for i in full:
         blocks[i] = (remaining - sliding_bytes) // full_bytes_per_block
     return blocks

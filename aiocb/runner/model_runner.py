@@ -21,6 +21,7 @@ from aiocb.runner import attention
 from aiocb.runner.backends import Backend, select_backends
 from aiocb.runner.compile import compile_configs, compiled
 from aiocb.runner.cuda_graphs import DecodeGraphs
+from aiocb.runner.draft import Drafter, draft_spec
 from aiocb.runner.input_batch import InputBatch
 from aiocb.runner.inputs import AttentionMetadata, HostToDevice, StepInputs, prepare_inputs
 from aiocb.runner.memory import CachePlan, plan_cache
@@ -45,6 +46,8 @@ class PendingStep:
     prompt_chosen: torch.Tensor | None
     prompt_top_ids: torch.Tensor | None
     prompt_top_values: torch.Tensor | None
+    #: the draft model's proposals, row by row (speculative decoding with a draft model)
+    proposed: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -57,14 +60,24 @@ class ModelRunner:
         *,
         num_requests_hint: int | None = None,
         plan: CachePlan | None = None,
+        draft_model: PreTrainedModel | None = None,
     ) -> None:
         self.model = model
         self.config = config
         self.spec: ModelSpec = model_spec(model)
+        drafted = None if draft_model is None else draft_spec(draft_model, self.spec)
+        # (a draft model's cache mirrors the target's blocks: each block costs both)
+        extra = 0 if drafted is None else drafted.bytes_per_block(config.page_size, drafted.num_layers)
         # Under tensor parallelism every rank gets the plan all ranks agreed on.
-        self.plan: CachePlan = plan or plan_cache(self.spec, config, num_requests_hint=num_requests_hint)
+        self.plan: CachePlan = plan or plan_cache(
+            self.spec, config, num_requests_hint=num_requests_hint, extra_bytes_per_block=extra
+        )
         self.cache = PagedKVCache(self.spec, self.plan)
         self.backends = select_backends(self.device, config, self.cache.group_windows, self.plan.page_size)
+        #: speculative decoding's draft model, run inside each step (None: no draft model)
+        self.drafter = None
+        if draft_model is not None and drafted is not None:
+            self.drafter = Drafter(draft_model, drafted, self.plan, self.backends, self.spec.vocab_size)
         self._transfer = HostToDevice(self.device)
         groups = range(len(self.cache.group_windows))
         #: the event loop's side of the persistent batch (it copies plans out) ...
@@ -88,12 +101,16 @@ class ModelRunner:
         """Route the model's attention through the paged cache (idempotent)."""
         if self._original_attention is None:
             self._original_attention = attention.install(self.model)
+        if self.drafter is not None:
+            self.drafter.attach()
 
     def detach(self) -> None:
         """Give the model back its original attention implementation (idempotent)."""
         if self._original_attention is not None:
             attention.uninstall(self.model, self._original_attention)
             self._original_attention = None
+        if self.drafter is not None:
+            self.drafter.detach()
 
     def notify(self, *event: object) -> None:
         """A control event (``("cancel", request_id, reason)``, ``("stop", hard)``) for the other
@@ -115,6 +132,9 @@ class ModelRunner:
             self.cache.swap_out(batch.swap_out)
         if any(batch.swap_in):
             self.cache.swap_in(batch.swap_in)
+        drafter = self.drafter
+        if drafter is not None:
+            drafter.mirror(batch)
         if not batch.num_rows:
             return PendingStep([], None, torch.empty(0, dtype=torch.long), None, None, None, None, None, None)
         inputs = prepare_inputs(batch, self.cache, self._transfer, self.backends, self.input_batch)
@@ -127,6 +147,7 @@ class ModelRunner:
             assert sampling.history_carry_rows is not None and self._last_tokens is not None
             carried = self._last_tokens.index_select(0, sampling.history_carry_rows)
             sampling.controls.history_ids.index_copy_(0, sampling.history_carry, carried)
+        proposed = None if drafter is None else drafter.propose(batch, inputs, self.input_batch)
         logits = self._logits(batch, inputs)
         num_sampled = batch.num_sampled + batch.num_drafts
         picked = sample(logits[:num_sampled].float(), inputs.sampling)
@@ -139,6 +160,7 @@ class ModelRunner:
             None,
             *(_to_host(t) for t in (picked.tokens, picked.logprobs, picked.top_ids, picked.top_logprobs, *prompt)),  # type: ignore[arg-type]
         )
+        pending.proposed = _to_host(proposed)
         if self.device.type == "cuda":
             pending.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             pending.event.record()
@@ -164,6 +186,7 @@ class ModelRunner:
             logprobs=None if pending.logprobs is None else pending.logprobs.tolist(),
             top_logprobs=_pairs(pending.top_ids, pending.top_values),
             prompt_logprobs=prompt_logprobs,
+            proposed=None if pending.proposed is None else pending.proposed.tolist(),
         )
 
     def _logits(self, batch: StepBatch, inputs: StepInputs) -> torch.Tensor:

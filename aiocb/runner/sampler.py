@@ -110,6 +110,27 @@ class SamplingTensors:
             history_carry_rows=tensors.get("c_history_carry_rows"),
         )
 
+    def select(self, rows: torch.Tensor) -> SamplingTensors:
+        """The parameters of ``rows`` (a device index) alone, without logprobs, controls or
+        grammar masks (for rows that use none; the batch-wide flags stay the batch's, which
+        may only make the draw take a more general path)."""
+        return dataclasses.replace(
+            self,
+            temperature=self.temperature.index_select(0, rows),
+            top_k=self.top_k.index_select(0, rows),
+            top_p=self.top_p.index_select(0, rows),
+            seed=self.seed.index_select(0, rows),
+            offset=self.offset.index_select(0, rows),
+            any_logprobs=False,
+            max_top_logprobs=0,
+            min_p=None if self.min_p is None else self.min_p.index_select(0, rows),
+            controls=None,
+            history_carry=None,
+            history_carry_rows=None,
+            bitmask=None,
+            bitmask_rows=None,
+        )
+
 
 def controls_from_tensors(tensors: dict[str, torch.Tensor]) -> LogitsControls | None:
     """The ``c_*`` tensors of :func:`~aiocb.runner.inputs.controls_host_tensors` as controls."""

@@ -26,7 +26,7 @@ from transformers import PreTrainedModel
 
 from aiocb.config import ContinuousBatchingConfig
 from aiocb.core.scheduler import StepResult
-from aiocb.errors import DistributedError, InvalidRequestError
+from aiocb.errors import DistributedError, InvalidConfigError, InvalidRequestError
 from aiocb.runner.memory import CachePlan
 from aiocb.runner.model_runner import ModelRunner, PendingStep
 from aiocb.runner.step_batch import StepBatch
@@ -291,15 +291,19 @@ def build_runner(
     *,
     num_requests_hint: int | None = None,
     keep_cache: bool = False,
+    draft_model: PreTrainedModel | None = None,
 ) -> ModelRunner:
     """The runner for ``model``: a plain one, or rank 0's :class:`DriverRunner` under tensor parallelism.
 
     ``keep_cache`` tells the followers to keep their cache between sessions, as a
-    persistent manager keeps its own.
+    persistent manager keeps its own. ``draft_model`` is speculative decoding's (one
+    process only).
     """
     layout = tensor_parallel_layout(model)
     if layout is None:
-        return ModelRunner(model, config, num_requests_hint=num_requests_hint)
+        return ModelRunner(model, config, num_requests_hint=num_requests_hint, draft_model=draft_model)
+    if draft_model is not None:
+        raise InvalidConfigError("speculative decoding with a draft model does not support tensor parallelism yet")
     if not layout.is_driver:
         raise InvalidRequestError(
             f"this process is tensor-parallel rank {layout.rank} of {layout.size}: only rank 0 runs an "

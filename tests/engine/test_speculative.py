@@ -1,12 +1,15 @@
-"""Speculative decoding (prompt lookup): outputs token for token those of no speculation,
-greedy and sampled, under chunked prefill, prefix sharing, preemption and async batching;
-proposals that are accepted and rejected; blocks given back; bad configs refused."""
+"""Speculative decoding (prompt lookup and a draft model): outputs token for token those
+of no speculation, greedy and sampled, under chunked prefill, prefix sharing, preemption
+and async batching; proposals that are accepted and rejected; blocks given back; bad
+configs refused."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
+import torch
 from transformers import PreTrainedModel
 
 import aiocb
@@ -22,6 +25,9 @@ def _prompts() -> list[list[int]]:
 
 
 PROMPTS = _prompts()
+#: run after PROMPTS, in the same manager, the first alone: the others read its cached
+#: blocks (a prefix of more than one default page of 256 tokens)
+SHARED = [PROMPTS[7] + PROMPTS[8] + tail for tail in random_prompts(3, 5, 12, seed=7)]
 CONFIGS: dict[str, dict[str, Any]] = {
     "default": {},
     "chunked_prefill": {"max_batch_tokens": 48},
@@ -36,9 +42,13 @@ async def _run(
     cb = aiocb.ContinuousBatchingConfig(**config)
     async with aiocb.Manager(model, continuous_batching_config=cb, speculative_config=speculative) as manager:
         outputs = await manager.generate_batch(PROMPTS, max_new_tokens=NEW, **params)
+        first = await manager.generate(SHARED[0], max_new_tokens=NEW, **params)
+        again = await manager.generate_batch(SHARED[1:], max_new_tokens=NEW, **params)
         stats = manager.statistics()
     assert stats.free_blocks == stats.total_blocks, "blocks leaked"
-    return list(outputs.values()), stats
+    assert stats.prefix_hit_tokens > 0, "prompts shared cached blocks"
+    assert isinstance(first, aiocb.GenerationOutput)
+    return [*outputs.values(), first, *again.values()], stats
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
@@ -160,7 +170,9 @@ async def test_a_large_batch_turns_speculation_off(model: PreTrainedModel) -> No
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        ({"method": "draft"}, "draft model is not supported yet"),
+        ({"method": "draft"}, "needs a draft_model"),
+        ({"method": "draft", "draft_model": "x", "prompt_lookup_max": 6}, "prompt_lookup_max apply to method"),
+        ({"draft_model": "x"}, "draft_model applies to method"),
         ({"method": "eagle"}, "speculative method"),
         ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"prompt_lookup_min": 5, "prompt_lookup_max": 3}, "prompt_lookup_min"),
@@ -180,3 +192,153 @@ async def test_sliding_window_models_are_refused() -> None:
     manager = aiocb.Manager(sliding, speculative_config=aiocb.SpeculativeConfig())
     with pytest.raises(aiocb.InvalidConfigError, match="sliding-window"):
         manager.start()
+
+
+# ---------------------------------------------------------------- a draft model
+
+
+def _draft(model: PreTrainedModel, kind: str) -> PreTrainedModel:
+    """A copy of the target (it proposes what the target draws) or an unrelated model with
+    the same vocabulary (it proposes little that the target takes)."""
+    if kind == "same":
+        return copy.deepcopy(model)
+    return MODELS["qwen3"](seed=11, num_hidden_layers=1, hidden_size=32, num_attention_heads=2, head_dim=16)
+
+
+def _draft_config(draft: PreTrainedModel | str, **fields: Any) -> aiocb.SpeculativeConfig:
+    return aiocb.SpeculativeConfig(method="draft", draft_model=draft, disable_by_batch_size=None, **fields)
+
+
+DRAFT_CASES = [
+    *((name, "greedy", "random") for name in sorted(CONFIGS)),
+    ("default", "greedy", "same"),
+    ("preemption", "greedy", "same"),
+    ("default", "sampled", "same"),
+    ("async_batching", "sampled", "random"),
+]
+
+
+@pytest.mark.parametrize(("config_name", "sampling", "kind"), DRAFT_CASES)
+async def test_draft_model_outputs_equal_no_speculation(
+    model: PreTrainedModel, config_name: str, sampling: str, kind: str
+) -> None:
+    params: dict[str, Any] = (
+        {"do_sample": False} if sampling == "greedy" else {"temperature": 0.4, "top_k": 50, "seed": 7}
+    )
+    config = CONFIGS[config_name]
+    plain, _ = await _run(model, None, config, **params)
+    fast, stats = await _run(model, _draft_config(_draft(model, kind)), config, **params)
+    for i, (a, b) in enumerate(zip(plain, fast, strict=True)):
+        assert b.generated_tokens == a.generated_tokens, f"prompt {i}"
+        assert b.finish_reason == a.finish_reason
+    assert stats.draft_tokens > 0
+    if kind == "same":  # (it draws with the target's noise from the target's logits, over its blocks)
+        assert stats.acceptance_rate > 0.95
+    else:
+        assert stats.acceptance_rate < 0.5
+    if config_name == "preemption":
+        assert stats.preemptions > 0
+
+
+@pytest.mark.parametrize("draws", [400, pytest.param(20_000, marks=pytest.mark.slow)])
+async def test_draft_model_sampled_first_tokens_have_the_same_distribution(draws: int) -> None:
+    """As for prompt lookup: seed by seed the same first tokens, so total variation 0."""
+    model = MODELS["qwen3"]()
+    prompt = random_prompts(3, 8, 20, seed=5)[2]
+    config = aiocb.ContinuousBatchingConfig(max_queue_size=0, max_batch_tokens=8192)
+    counts = []
+    for spec, seed in ((None, 0), (_draft_config(_draft(model, "same")), 0), (None, draws)):
+        async with aiocb.Manager(model, continuous_batching_config=config, speculative_config=spec) as manager:
+            samples = await manager.generate(prompt, max_new_tokens=4, temperature=1.0, seed=seed, n=draws)
+            stats = manager.statistics()
+        assert isinstance(samples, list)
+        seen: dict[tuple[int, ...], int] = {}
+        for sample in samples:
+            key = tuple(sample.generated_tokens[:3])
+            seen[key] = seen.get(key, 0) + 1
+        counts.append(seen)
+        if spec is not None:
+            assert stats.acceptance_rate > 0.95
+
+    def tv(a: dict[tuple[int, ...], int], b: dict[tuple[int, ...], int]) -> float:
+        return 0.5 * sum(abs(a.get(k, 0) - b.get(k, 0)) for k in a.keys() | b.keys()) / draws
+
+    plain, fast, other = counts
+    assert tv(plain, fast) == 0.0 < tv(plain, other)
+
+
+async def test_draft_model_streams_logprobs_and_cancellation(model: PreTrainedModel) -> None:
+    spec = _draft_config(_draft(model, "same"))
+    async with aiocb.Manager(model) as manager:
+        reference = await manager.generate(PROMPTS[0], max_new_tokens=40, do_sample=False, return_logprobs=True)
+    async with aiocb.Manager(model, speculative_config=spec) as manager:
+        rid = await manager.add_request(PROMPTS[0], max_new_tokens=40, do_sample=False, return_logprobs=True)
+        sizes, last = [], None
+        async for chunk in manager.stream(rid):
+            sizes.append(len(chunk.generated_tokens) - (0 if last is None else len(last.generated_tokens)))
+            last = chunk
+        assert last is not None and last.generated_tokens == reference.generated_tokens
+        assert last.logprobs == pytest.approx(reference.logprobs, abs=1e-4)
+        doomed = await manager.add_request(PROMPTS[1], max_new_tokens=NEW, do_sample=False)
+        async for chunk in manager.stream(doomed):
+            if len(chunk.generated_tokens) > 10:
+                manager.cancel_request(doomed)
+                break
+        stats = manager.statistics()
+    assert max(sizes) > 1, "a step that accepted proposals delivers several tokens"
+    assert stats.free_blocks == stats.total_blocks
+
+
+def test_draft_model_cache_mirrors_the_target_blocks(model: PreTrainedModel) -> None:
+    """One block budget for both caches: the draft's blocks cost memory out of it."""
+    from aiocb.runner.memory import plan_cache
+    from aiocb.runner.model_runner import ModelRunner
+
+    draft = _draft(model, "random")
+    config = aiocb.ContinuousBatchingConfig(num_blocks=40, page_size=16)
+    runner = ModelRunner(model, config, draft_model=draft)
+    assert runner.drafter is not None
+    assert runner.drafter.cache.group_num_blocks == runner.cache.group_num_blocks == [40]
+    assert runner.drafter.cache.key[0].shape[1] == runner.cache.key[0].shape[1] == 16
+    spec, drafted, auto = runner.spec, runner.drafter.spec, aiocb.ContinuousBatchingConfig()
+    alone = plan_cache(spec, auto, free_bytes=2**30)
+    extra = drafted.bytes_per_block(auto.page_size, drafted.num_layers)
+    shared = plan_cache(spec, auto, free_bytes=2**30, extra_bytes_per_block=extra)
+    own = spec.bytes_per_block(auto.page_size, spec.num_layers)
+    assert shared.num_blocks[0] == pytest.approx(alone.num_blocks[0] * own / (own + extra), rel=0.01)
+
+
+async def test_a_draft_model_path_is_loaded(tmp_path: Any) -> None:
+    target = MODELS["qwen3"]()
+    _draft(target, "random").save_pretrained(tmp_path)
+    spec = _draft_config(str(tmp_path))
+    async with aiocb.Manager(target) as manager:
+        plain = await manager.generate(PROMPTS[0], max_new_tokens=30, do_sample=False)
+    async with aiocb.Manager(target, speculative_config=spec) as manager:
+        fast = await manager.generate(PROMPTS[0], max_new_tokens=30, do_sample=False)
+        assert manager.statistics().draft_tokens > 0
+    assert isinstance(plain, aiocb.GenerationOutput) and isinstance(fast, aiocb.GenerationOutput)
+    assert fast.generated_tokens == plain.generated_tokens
+
+
+@pytest.mark.parametrize(
+    ("draft", "message"),
+    [
+        ("same-object", "not the target model itself"),
+        ("vocab", "vocabulary"),
+        ("sliding", "sliding-window"),
+        ("not-a-model", "PreTrainedModel"),
+        ("/nonexistent/draft", "could not be loaded"),
+    ],
+)
+async def test_bad_draft_models_are_refused(draft: str, message: str) -> None:
+    target = MODELS["qwen3"]()
+    model: Any = {
+        "same-object": target,
+        "vocab": MODELS["qwen3"](vocab_size=4096),
+        "sliding": MODELS["qwen3"](use_sliding_window=True, sliding_window=32, max_window_layers=0),
+        "not-a-model": torch.nn.Linear(2, 2),
+    }.get(draft, draft)
+    with pytest.raises(aiocb.InvalidConfigError, match=message):
+        async with aiocb.Manager(target, speculative_config=_draft_config(model)):
+            pass

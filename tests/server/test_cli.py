@@ -93,6 +93,8 @@ def test_speculative_config_flag() -> None:
     args = parse("--speculative-config", '{"num_speculative_tokens": 3, "prompt_lookup_min": 1}')
     assert args.speculative_config == aiocb.SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1)
     assert parse().speculative_config is None
+    drafted = parse("--speculative-config", '{"method": "draft", "draft_model": "/models/small"}')
+    assert drafted.speculative_config == aiocb.SpeculativeConfig(method="draft", draft_model="/models/small")
 
 
 def test_chat_parser_flags() -> None:
@@ -108,6 +110,7 @@ def test_bad_values_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
         ("--reasoning-parser", "o1"),
         ("--speculative-config", "{oops"),
         ("--speculative-config", '{"method": "eagle"}'),
+        ("--speculative-config", '{"method": "draft"}'),
         ("--speculative-config", "[1]"),
     )
     for flag, value in bad:

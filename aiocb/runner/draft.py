@@ -1,0 +1,211 @@
+"""The draft model of speculative decoding, run inside the target's step.
+
+The draft keeps its own paged cache with the target's block ids and page size (its own
+layers and heads), so every block the scheduler hands out, shares, copies or swaps holds
+the same tokens in both caches, and the target's block tables serve the draft too.
+
+Each step, before the target's forward pass:
+
+1. the draft runs over the step's own inputs (prefill chunks, decode tokens, and the
+   placeholders where the speculating rows' proposals go), which keeps its cache in step
+   with the target's and gives each speculating row's first proposal;
+2. one decode pass per further proposal feeds each speculating row its latest proposal
+   and draws the next, rewriting the placeholders' keys with the proposals' own;
+3. one last pass writes the keys of each row's last proposal, which the target may accept.
+
+The proposals then replace the placeholders in the target's inputs (on the device, no
+host synchronisation) and come back with the step's results. Every proposal is drawn
+with the request's own parameters and noise at the token index the target draws it at.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from itertools import accumulate
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from aiocb.errors import InvalidConfigError
+from aiocb.runner import attention
+from aiocb.runner.input_batch import InputBatch
+from aiocb.runner.inputs import AttentionMetadata, HostToDevice, StepInputs, prepare_inputs
+from aiocb.runner.memory import CachePlan
+from aiocb.runner.model_spec import ModelSpec, model_spec
+from aiocb.runner.paged_cache import PagedKVCache
+from aiocb.runner.sampler import sample
+from aiocb.runner.step_batch import StepBatch, TableWrites
+
+
+@dataclass(slots=True)
+class _Plan:
+    """Where a step's proposals come from and go (host tensors, then device)."""
+
+    #: per speculating row: the flat index of its first token (its last known one) ...
+    first_index: torch.Tensor
+    #: ... and the target's sampling row of its first proposal
+    first_sampling: torch.Tensor
+    #: per proposal (row by row, in order): its flat index in the target's inputs
+    input_index: torch.Tensor
+    #: per decode pass: which of the previous pass's rows it feeds (their latest
+    #: proposals are its inputs) ...
+    keep: list[torch.Tensor] = field(default_factory=list)
+    #: ... and per pass (the first included): which of its rows' draws are proposals, and
+    #: where each goes among the step's proposals
+    taken: list[torch.Tensor] = field(default_factory=list)
+    destination: list[torch.Tensor] = field(default_factory=list)
+
+
+def draft_spec(draft: PreTrainedModel, target: ModelSpec) -> ModelSpec:
+    """The draft's cache layout, refused where it cannot mirror the target's cache."""
+    spec = model_spec(draft)
+    if any(w is not None for w in spec.layer_windows):
+        raise InvalidConfigError("draft_model has sliding-window layers: a draft model needs full attention")
+    if spec.tp_size != 1:
+        raise InvalidConfigError("draft_model is tensor-parallel: a draft model runs on one device")
+    if spec.device != target.device:
+        raise InvalidConfigError(f"draft_model is on {spec.device}, the target model on {target.device}")
+    return spec
+
+
+class Drafter:
+    """Runs the draft model over a step and proposes the speculating rows' tokens."""
+
+    def __init__(
+        self, model: PreTrainedModel, spec: ModelSpec, plan: CachePlan, backends: list[str], vocab_size: int
+    ) -> None:
+        self.model = model
+        self.spec = spec
+        self.cache = PagedKVCache(spec, plan)
+        self.backends = backends
+        #: proposals are drawn from the ids both vocabularies have
+        self.vocab_size = min(vocab_size, spec.vocab_size)
+        self._transfer = HostToDevice(spec.device)
+        self._original_attention: str | None = None
+
+    def attach(self) -> None:
+        """Route the draft's attention through its paged cache (idempotent)."""
+        if self._original_attention is None:
+            self._original_attention = attention.install(self.model)
+
+    def detach(self) -> None:
+        """Give the draft back its original attention implementation (idempotent)."""
+        if self._original_attention is not None:
+            attention.uninstall(self.model, self._original_attention)
+            self._original_attention = None
+
+    def mirror(self, batch: StepBatch) -> None:
+        """Make the step's block copies and swaps in the draft's cache too."""
+        if any(batch.copy_blocks):
+            self.cache.copy_blocks(batch.copy_blocks)
+        if any(batch.swap_out):
+            self.cache.swap_out(batch.swap_out)
+        if any(batch.swap_in):
+            self.cache.swap_in(batch.swap_in)
+
+    def propose(self, batch: StepBatch, inputs: StepInputs, state: InputBatch) -> torch.Tensor | None:
+        """Run the draft over the step (``inputs`` are the target's, their carried tokens
+        in place) and write its proposals into ``inputs.input_ids``; returns them, row by
+        row (None when no row speculates)."""
+        counts = batch.draft_counts
+        plan = self._transfer.move(_plan(batch)) if counts else None
+        first_attention = replace(inputs.attention, cache=self.cache)
+        keep = plan.first_index if plan is not None else inputs.logits_indices[:0]
+        logits = self._forward(inputs.input_ids, inputs.position_ids, keep, first_attention)
+        if plan is None:
+            return None
+        proposals = torch.empty(batch.num_drafts, dtype=torch.long, device=inputs.input_ids.device)
+        tokens = sample(logits[:, : self.vocab_size].float(), inputs.sampling.select(plan.first_sampling)).tokens
+        proposals.index_copy_(0, plan.destination[0], tokens.index_select(0, plan.taken[0]))
+        for j, step in enumerate(_decode_passes(batch, state.num_slots), 1):
+            pass_inputs = prepare_inputs(step, self.cache, self._transfer, self.backends, state)
+            pass_inputs.input_ids.copy_(tokens.index_select(0, plan.keep[j - 1]))
+            logits = self._forward(
+                pass_inputs.input_ids, pass_inputs.position_ids, pass_inputs.logits_indices, pass_inputs.attention
+            )
+            if j < len(plan.taken):  # (the last pass only writes keys)
+                sampling = replace(pass_inputs.sampling, any_logprobs=False, max_top_logprobs=0)
+                tokens = sample(logits[:, : self.vocab_size].float(), sampling).tokens
+                proposals.index_copy_(0, plan.destination[j], tokens.index_select(0, plan.taken[j]))
+        inputs.input_ids.index_copy_(0, plan.input_index, proposals)
+        return proposals
+
+    def _forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        output: Any = self.model(
+            input_ids=input_ids[None],
+            position_ids=positions[None],
+            use_cache=False,
+            logits_to_keep=keep,
+            **{attention.METADATA_KWARG: metadata},
+        )
+        logits: torch.Tensor = output.logits[0]
+        return logits
+
+
+def _speculating_rows(batch: StepBatch) -> list[int]:
+    """The batch rows of the speculating rows, in order."""
+    return [batch.sampled[r] for r in batch.draft_rows]
+
+
+def _plan(batch: StepBatch) -> _Plan:
+    counts = batch.draft_counts
+    rows = _speculating_rows(batch)
+    first_tokens = [0, *accumulate(batch.num_tokens)]
+    starts = [0, *accumulate(counts)]  # (each row's first proposal among the step's)
+    long = torch.long
+    input_index = [first_tokens[row] + j for row, c in zip(rows, counts, strict=True) for j in range(1, c + 1)]
+    plan = _Plan(
+        first_index=torch.tensor([first_tokens[row] for row in rows], dtype=long),
+        first_sampling=torch.tensor([batch.num_sampled + s for s in starts[:-1]], dtype=long),
+        input_index=torch.tensor(input_index, dtype=long),
+    )
+    # Pass j (0: the first) draws the (j+1)-th proposal of the rows that propose that many;
+    # pass j >= 1 feeds the rows whose j-th proposal needs its keys written.
+    members = list(range(len(rows)))
+    for j in range(max(counts) + 1):
+        if j:
+            fed = [i for i in members if counts[i] >= j]
+            where = {i: k for k, i in enumerate(members)}
+            plan.keep.append(torch.tensor([where[i] for i in fed], dtype=long))
+            members = fed
+        drawn = [k for k, i in enumerate(members) if counts[i] > j]
+        if j < max(counts):
+            plan.taken.append(torch.tensor(drawn, dtype=long))
+            plan.destination.append(torch.tensor([starts[members[k]] + j for k in drawn], dtype=long))
+    return plan
+
+
+def _decode_passes(batch: StepBatch, num_slots: int) -> list[StepBatch]:
+    """The draft's decode passes after the first: pass j feeds each row that proposed j
+    tokens its j-th proposal, at that proposal's position, sampled with the noise of the
+    token after it."""
+    counts = batch.draft_counts
+    rows = _speculating_rows(batch)
+    passes = []
+    for j in range(1, max(counts) + 1):
+        members = [i for i, c in enumerate(counts) if c >= j]
+        n = len(members)
+        passes.append(
+            StepBatch(
+                token_ids=[0] * n,  # (the previous pass's proposals, on the device)
+                slots=[batch.slots[rows[i]] for i in members],
+                starts=[batch.starts[rows[i]] + j for i in members],
+                num_tokens=[1] * n,
+                sampled=list(range(n)),
+                # the row's own sample is its (count)-th token after the last known one
+                offsets=[batch.offsets[batch.draft_rows[i]] - counts[i] + j for i in members],
+                carry_rows=[],
+                carry_from=[],
+                join_slots=[],
+                join_params=[],
+                tables=[TableWrites() for _ in batch.tables],
+                controls={},
+                prompt_targets={},
+                num_slots=num_slots,
+                num_single_token_rows=n,
+            )
+        )
+    return passes
