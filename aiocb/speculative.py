@@ -191,7 +191,17 @@ class DraftProposer(Acceptance):
     """One request's share of a draft model's proposals: how many tokens it asks for (the
     draft model proposes them on the device, in the step that verifies them)."""
 
-    __slots__ = ()
+    __slots__ = ("behind",)
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        super().__init__(config)
+        #: whether a step computed some of the request's tokens without the draft model
+        #: (a large batch turned it off), whose cache then lacks them: no more proposals
+        self.behind = False
+
+    def ready(self) -> bool:
+        """Whether the request tries to speculate this step (never once it is behind)."""
+        return not self.behind and super().ready()
 
     def propose(self, k: int) -> int:
         """How many tokens to propose this step, of at most ``k`` (0: none)."""

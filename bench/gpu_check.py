@@ -17,9 +17,10 @@
    ``generate_batch`` (in a subprocess with a time limit). For aiocb: output tokens/s,
    time to first token, inter-token latency, event-loop lag of a 1 ms heartbeat, and the
    decode step time against the bandwidth floor ((weights + KV read) / bandwidth).
-5. Speculative decoding (prompt lookup) against none on the bundled model in bf16:
-   copy-heavy prompts at batch 1 and 8 (``bench/speculative.py``'s), outputs checked
-   identical; tokens/s of each and the acceptance rate.
+5. Speculative decoding (prompt lookup, and the bundled model's one-layer early-exit
+   draft) against none on the bundled model in bf16: copy-heavy prompts at batch 1 and 8
+   (``bench/speculative.py``'s), outputs checked identical; tokens/s of each and the
+   acceptance rates.
 
 Prints a markdown table last; writes ``gpu_check.json`` and ``gpu_tests.log`` to ``$OUT``
 when it is set. ``--dry-run`` runs the same plumbing on the CPU with a tiny model.

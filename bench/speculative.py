@@ -1,7 +1,11 @@
-"""Speculative decoding (prompt lookup) against none: output tokens per second, in turn.
+"""Speculative decoding (prompt lookup, a draft model) against none: output tokens per
+second, in turn.
 
-Two workloads, each run with and without ``aiocb.SpeculativeConfig()`` (interleaved,
-``--repeats`` rounds, median and range reported), greedy, outputs checked identical:
+Two workloads, each run without speculation, with ``aiocb.SpeculativeConfig()`` (prompt
+lookup) and with a draft model (interleaved, ``--repeats`` rounds, median and range
+reported), greedy, outputs checked identical. The draft is the model's own first layer
+under its final norm and head (an early exit: no draft was trained, so it shows the
+machinery's cost and what a weak draft's acceptance buys, not a good draft's gain):
 
 * copy-heavy, on the bundled model: a function from the standard library followed by
   its first line again, so that a continuation that copies repeats what the prompt
@@ -11,7 +15,7 @@ Two workloads, each run with and without ``aiocb.SpeculativeConfig()`` (interlea
 * W1, on ``bench/common.py``'s random tiny Qwen3: 64 requests, prompts of 16..256
   tokens, 64 new tokens each, no EOS: nothing to copy.
 
-    python bench/speculative.py [--repeats 3] [--new-tokens 96]
+    python bench/speculative.py [--repeats 3] [--new-tokens 96] [--threads N]
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import ast
 import asyncio
+import copy
 import statistics
 import sys
 import sysconfig
@@ -72,28 +77,47 @@ async def _run(
     return wall, sum(len(o) for o in outputs), outputs, stats
 
 
+def early_exit_draft(model: Any, layers: int = 1) -> Any:
+    """A draft made of ``model``'s first ``layers`` decoder layers, its final norm and head."""
+    draft = copy.deepcopy(model)
+    draft.model.layers = draft.model.layers[:layers]
+    config = draft.config
+    config.num_hidden_layers = layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:layers]
+    return draft
+
+
+def methods(model: Any) -> dict[str, aiocb.SpeculativeConfig | None]:
+    """The configurations compared: none, prompt lookup and an early-exit draft."""
+    draft = aiocb.SpeculativeConfig(method="draft", draft_model=early_exit_draft(model))
+    return {"off": None, "ngram": aiocb.SpeculativeConfig(), "draft": draft}
+
+
 def compare(label: str, model: Any, prompts: list[list[int]], new: int, batch: int, repeats: int) -> dict[str, Any]:
-    """``prompts`` (``batch`` at once, greedy) without and with speculation, ``repeats``
-    rounds in turn: tokens/s of each, their ratio and the acceptance; the outputs must agree."""
-    rates: dict[str, list[float]] = {"off": [], "ngram": []}
+    """``prompts`` (``batch`` at once, greedy) without speculation and with each method,
+    ``repeats`` rounds in turn: tokens/s of each, the ratios to none and the acceptance;
+    the outputs must agree."""
+    configs = methods(model)
+    rates: dict[str, list[float]] = {name: [] for name in configs}
     outputs: dict[str, list[list[int]]] = {}
-    acceptance: list[float] = []
+    acceptance: dict[str, list[float]] = {name: [] for name in configs if name != "off"}
     for _ in range(repeats):
-        for name, spec in (("off", None), ("ngram", aiocb.SpeculativeConfig())):
+        for name, spec in configs.items():
             wall, tokens, out, stats = asyncio.run(_run(model, prompts, new, batch, spec))
             rates[name].append(tokens / wall)
             outputs.setdefault(name, out)
             if spec is not None and stats.acceptance_rate is not None:
-                acceptance.append(stats.acceptance_rate)
+                acceptance[name].append(stats.acceptance_rate)
             print(f"[{label}] {name}: {tokens / wall:.0f} tokens/s", file=sys.stderr)
-    assert outputs["off"] == outputs["ngram"], f"{label}: speculation changed the outputs"
-    off, on = statistics.median(rates["off"]), statistics.median(rates["ngram"])
+    for name in acceptance:
+        assert outputs["off"] == outputs[name], f"{label}: speculation ({name}) changed the outputs"
+    off = statistics.median(rates["off"])
     return {
         "label": label,
-        "off": rates["off"],
-        "ngram": rates["ngram"],
-        "speedup": on / off,
-        "acceptance": statistics.median(acceptance) if acceptance else None,
+        **rates,
+        **{f"{name} / off": statistics.median(rates[name]) / off for name in acceptance},
+        **{f"{name} acceptance": statistics.median(a) if a else None for name, a in acceptance.items()},
     }
 
 
@@ -123,11 +147,16 @@ def main(argv: list[str] | None = None) -> int:
     rows.append(compare("W1 (64 requests at once)", w1_model, w1, 64, 64, args.repeats))
     print(machine_info().describe())
     print(f"\n{len(prompts)} copy-heavy prompts; greedy; {args.repeats} interleaved rounds\n")
-    print("| workload | tokens/s off | tokens/s ngram | ngram / off | acceptance |")
-    print("| :--- | ---: | ---: | ---: | ---: |")
+    print("| workload | tokens/s off | ngram | draft | ngram / off | draft / off | acceptance ngram, draft |")
+    print("| :--- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for row in rows:
-        accepted = "–" if row["acceptance"] is None else f"{row['acceptance']:.0%}"
-        print(f"| {row['label']} | {_cell(row['off'])} | {_cell(row['ngram'])} | {row['speedup']:.2f}x | {accepted} |")
+        accepted = ", ".join(
+            "–" if row[f"{m} acceptance"] is None else f"{row[f'{m} acceptance']:.0%}" for m in ("ngram", "draft")
+        )
+        print(
+            f"| {row['label']} | {_cell(row['off'])} | {_cell(row['ngram'])} | {_cell(row['draft'])} "
+            f"| {row['ngram / off']:.2f}x | {row['draft / off']:.2f}x | {accepted} |"
+        )
     return 0
 
 

@@ -74,6 +74,9 @@ class SchedulerOutput:
     copy_blocks: list[list[tuple[int, int]]] = field(default_factory=list)
     #: rows whose next token is sampled (the sampled positions of drafts come after them)
     num_sampled: int = 0
+    #: whether a draft model runs over the step (speculation with ``method="draft"``, not
+    #: turned off by the batch's size)
+    drafting: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -293,6 +296,7 @@ class Scheduler:
             speculative.disable_by_batch_size is not None and len(running) > speculative.disable_by_batch_size
         ):
             speculative = None  # a large batch is no longer memory-bound: extra tokens cost compute
+        output.drafting = speculative is not None and speculative.method == "draft"
         drafted: dict[Request, list[int]] = {}
         self._index_budget = _INDEX_PER_STEP
         for looked, request in enumerate(self._running_by_priority(), 1):
@@ -374,6 +378,13 @@ class Scheduler:
             if end > known:
                 num_carried += 1
         output.num_sampled = num_sampled
+        if self.speculative is not None and self.speculative.method == "draft" and not output.drafting:
+            # The draft model sleeps through this step, so its cache misses these tokens:
+            # the requests it computes do not speculate again.
+            for request in planned:
+                if not isinstance(request.proposer, DraftProposer):
+                    request.proposer = DraftProposer(self.speculative)
+                request.proposer.behind = True
         self.stats.num_carried_tokens += num_carried
         if scheduled:
             self.stats.num_steps += 1

@@ -147,7 +147,9 @@ class ModelRunner:
             assert sampling.history_carry_rows is not None and self._last_tokens is not None
             carried = self._last_tokens.index_select(0, sampling.history_carry_rows)
             sampling.controls.history_ids.index_copy_(0, sampling.history_carry, carried)
-        proposed = None if drafter is None else drafter.propose(batch, inputs, self.input_batch)
+        proposed = None
+        if drafter is not None and batch.drafting:
+            proposed = drafter.propose(batch, inputs, self.input_batch)
         logits = self._logits(batch, inputs)
         num_sampled = batch.num_sampled + batch.num_drafts
         picked = sample(logits[:num_sampled].float(), inputs.sampling)

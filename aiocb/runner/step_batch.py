@@ -130,6 +130,8 @@ class StepBatch:
     #: the positions of those tokens are sampled too, after every sampled row's last one
     draft_rows: list[int] = field(default_factory=list)
     draft_counts: list[int] = field(default_factory=list)
+    #: whether a draft model runs over the step (it sleeps while the batch is large)
+    drafting: bool = False
 
     @property
     def num_drafts(self) -> int:
@@ -360,6 +362,7 @@ class BatchWriter:
             swap_out=[list(pairs) for pairs in output.swap_out],
             swap_in=[list(pairs) for pairs in output.swap_in],
             copy_blocks=[list(pairs) for pairs in output.copy_blocks],
+            drafting=output.drafting,
             draft_rows=parts.draft_rows,
             draft_counts=parts.draft_counts,
         )

@@ -206,7 +206,7 @@ def _draft(model: PreTrainedModel, kind: str) -> PreTrainedModel:
 
 
 def _draft_config(draft: PreTrainedModel | str, **fields: Any) -> aiocb.SpeculativeConfig:
-    return aiocb.SpeculativeConfig(method="draft", draft_model=draft, disable_by_batch_size=None, **fields)
+    return aiocb.SpeculativeConfig(**{"method": "draft", "draft_model": draft, "disable_by_batch_size": None, **fields})
 
 
 DRAFT_CASES = [
@@ -306,6 +306,31 @@ def test_draft_model_cache_mirrors_the_target_blocks(model: PreTrainedModel) -> 
     shared = plan_cache(spec, auto, free_bytes=2**30, extra_bytes_per_block=extra)
     own = spec.bytes_per_block(auto.page_size, spec.num_layers)
     assert shared.num_blocks[0] == pytest.approx(alone.num_blocks[0] * own / (own + extra), rel=0.01)
+
+
+async def test_a_large_batch_puts_the_draft_model_to_sleep(model: PreTrainedModel) -> None:
+    """Past ``disable_by_batch_size`` the draft model does not run (its cost would be the
+    step's), and the requests it slept through do not speculate again; later ones do."""
+    spec = _draft_config(_draft(model, "same"), disable_by_batch_size=2)
+    async with aiocb.Manager(model) as manager:
+        plain = await manager.generate_batch(PROMPTS[:6], max_new_tokens=40, do_sample=False)
+        alone = await manager.generate(PROMPTS[0], max_new_tokens=40, do_sample=False)
+    async with aiocb.Manager(model, speculative_config=spec) as manager:
+        runner = manager._runner
+        assert runner is not None and runner.drafter is not None
+        calls = []
+        original = runner.drafter.propose
+        runner.drafter.propose = lambda *args: calls.append(1) or original(*args)  # type: ignore[method-assign]
+        outputs = await manager.generate_batch(PROMPTS[:6], max_new_tokens=40, do_sample=False)
+        assert manager.statistics().draft_tokens == 0
+        # (the first step plans before the batch is full: it admits every prompt with the draft)
+        assert len(calls) <= 1, "the draft model slept through the large batch's steps"
+        slept = len(calls)
+        again = await manager.generate(PROMPTS[0], max_new_tokens=40, do_sample=False)
+        assert manager.statistics().draft_tokens > 0 and len(calls) > slept
+    assert [o.generated_tokens for o in outputs.values()] == [o.generated_tokens for o in plain.values()]
+    assert isinstance(again, aiocb.GenerationOutput) and isinstance(alone, aiocb.GenerationOutput)
+    assert again.generated_tokens == alone.generated_tokens
 
 
 async def test_a_draft_model_path_is_loaded(tmp_path: Any) -> None:
