@@ -33,7 +33,9 @@ inputs (keeping its cache in step with the target's), then proposes each specula
 row's tokens one decode pass at a time, and one more pass writes the last proposal's
 keys; the target then verifies them in the same step. The draft draws with the request's
 own noise at the same token indices as the target, so where the two distributions agree
-the proposals agree too, sampled rows included.
+the proposals agree too, sampled rows included. While speculation is off for a large
+batch the draft model does not run at all; the requests whose tokens it missed then
+stop speculating (its cache lacks those tokens), and later requests speculate as before.
 """
 
 from __future__ import annotations

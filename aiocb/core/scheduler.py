@@ -296,7 +296,6 @@ class Scheduler:
             speculative.disable_by_batch_size is not None and len(running) > speculative.disable_by_batch_size
         ):
             speculative = None  # a large batch is no longer memory-bound: extra tokens cost compute
-        output.drafting = speculative is not None and speculative.method == "draft"
         drafted: dict[Request, list[int]] = {}
         self._index_budget = _INDEX_PER_STEP
         for looked, request in enumerate(self._running_by_priority(), 1):
@@ -378,13 +377,8 @@ class Scheduler:
             if end > known:
                 num_carried += 1
         output.num_sampled = num_sampled
-        if self.speculative is not None and self.speculative.method == "draft" and not output.drafting:
-            # The draft model sleeps through this step, so its cache misses these tokens:
-            # the requests it computes do not speculate again.
-            for request in planned:
-                if not isinstance(request.proposer, DraftProposer):
-                    request.proposer = DraftProposer(self.speculative)
-                request.proposer.behind = True
+        if self.speculative is not None and self.speculative.method == "draft":
+            self._plan_drafting(output, planned, bool(drafted))
         self.stats.num_carried_tokens += num_carried
         if scheduled:
             self.stats.num_steps += 1
@@ -490,6 +484,21 @@ class Scheduler:
         drafts, indexed = proposer.propose(request.token_ids, room, self._index_budget)
         self._index_budget -= indexed
         return drafts or None
+
+    def _plan_drafting(self, output: SchedulerOutput, planned: dict[Request, int], drafted: bool) -> None:
+        """Whether the draft model runs over the step: when a request speculates in it, or
+        when the batch (admissions counted) is small enough to speculate and some request
+        of it still may. Otherwise the draft sleeps, its cache misses the step's tokens,
+        and the requests the step computes do not speculate again."""
+        assert self.speculative is not None
+        size = self.speculative.disable_by_batch_size
+        if drafted or ((size is None or len(self.running) <= size) and any(map(_may_draft, planned))):
+            output.drafting = True
+            return
+        for request in planned:
+            if not isinstance(request.proposer, DraftProposer):
+                request.proposer = DraftProposer(self.speculative)
+            request.proposer.behind = True
 
     @staticmethod
     def _may_speculate(request: Request) -> bool:
@@ -755,3 +764,9 @@ def _extend(per_group: list[list[tuple[int, int]]], more: list[list[tuple[int, i
         per_group.append([])
     for mine, theirs in zip(per_group, more, strict=False):
         mine.extend(theirs)
+
+
+def _may_draft(request: Request) -> bool:
+    """Whether a draft model's cache still holds every token of ``request``."""
+    proposer = request.proposer
+    return not (isinstance(proposer, DraftProposer) and proposer.behind)
