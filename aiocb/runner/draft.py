@@ -81,6 +81,7 @@ class Drafter:
         self.backends = backends
         #: proposals are drawn from the ids both vocabularies have
         self.vocab_size = min(vocab_size, spec.vocab_size)
+        self._target_vocab_size = vocab_size
         self._transfer = HostToDevice(spec.device)
         self._original_attention: str | None = None
 
@@ -112,11 +113,16 @@ class Drafter:
         plan = self._transfer.move(_plan(batch)) if counts else None
         first_attention = replace(inputs.attention, cache=self.cache)
         keep = plan.first_index if plan is not None else inputs.logits_indices[:0]
-        logits = self._forward(inputs.input_ids, inputs.position_ids, keep, first_attention)
+        input_ids = inputs.input_ids
+        if self.spec.vocab_size < self._target_vocab_size:
+            # (ids past the draft's vocabulary are a padded vocabulary's unused ones: any
+            # stand-in keeps the outputs exact, as proposals only decide how many are kept)
+            input_ids = input_ids.clamp(max=self.spec.vocab_size - 1)
+        logits = self._forward(input_ids, inputs.position_ids, keep, first_attention)
         if plan is None:
             return None
         proposals = torch.empty(batch.num_drafts, dtype=torch.long, device=inputs.input_ids.device)
-        tokens = sample(logits[:, : self.vocab_size].float(), inputs.sampling.select(plan.first_sampling)).tokens
+        tokens = sample(self._common(logits), inputs.sampling.select(plan.first_sampling)).tokens
         proposals.index_copy_(0, plan.destination[0], tokens.index_select(0, plan.taken[0]))
         for j, step in enumerate(_decode_passes(batch, state.num_slots), 1):
             pass_inputs = prepare_inputs(step, self.cache, self._transfer, self.backends, state)
@@ -126,10 +132,15 @@ class Drafter:
             )
             if j < len(plan.taken):  # (the last pass only writes keys)
                 sampling = replace(pass_inputs.sampling, any_logprobs=False, max_top_logprobs=0)
-                tokens = sample(logits[:, : self.vocab_size].float(), sampling).tokens
+                tokens = sample(self._common(logits), sampling).tokens
                 proposals.index_copy_(0, plan.destination[j], tokens.index_select(0, plan.taken[j]))
         inputs.input_ids.index_copy_(0, plan.input_index, proposals)
         return proposals
+
+    def _common(self, logits: torch.Tensor) -> torch.Tensor:
+        """The draft's logits over the ids both vocabularies have, as the sampler takes them
+        (float32, rows contiguous: a padded vocabulary's slice is not)."""
+        return logits[:, : self.vocab_size].float().contiguous()
 
     def _forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor, metadata: AttentionMetadata

@@ -331,6 +331,18 @@ async def test_a_large_batch_puts_the_draft_model_to_sleep(model: PreTrainedMode
     assert again.generated_tokens == alone.generated_tokens
 
 
+@pytest.mark.parametrize("vocab", [500, 520])
+async def test_a_draft_with_a_padded_vocabulary(vocab: int) -> None:
+    """Vocabularies padded to different sizes (as a model family's sizes often are): the
+    draft proposes from the ids both have."""
+    target = MODELS["qwen3"]()
+    draft = MODELS["qwen3"](seed=3, num_hidden_layers=1, vocab_size=vocab)
+    plain, _ = await _run(target, None, CONFIGS["default"], do_sample=False)
+    fast, stats = await _run(target, _draft_config(draft), CONFIGS["default"], do_sample=False)
+    assert [o.generated_tokens for o in fast] == [o.generated_tokens for o in plain]
+    assert stats.draft_tokens > 0
+
+
 async def test_a_draft_model_path_is_loaded(tmp_path: Any) -> None:
     target = MODELS["qwen3"]()
     _draft(target, "random").save_pretrained(tmp_path)
