@@ -245,6 +245,26 @@ def _fallback_for(module: torch.nn.Module) -> Callable[..., tuple[torch.Tensor, 
     return eager if callable(eager) else sdpa_attention_forward
 
 
+def forward(
+    model: Any,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    logits_indices: torch.Tensor,
+    metadata: AttentionMetadata,
+) -> torch.Tensor:
+    """One forward pass of an installed model over a step (``input_ids [1, T]``): the
+    logits ``[len(logits_indices), V]`` of the kept positions."""
+    output = model(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        use_cache=False,
+        logits_to_keep=logits_indices,
+        **{METADATA_KWARG: metadata},
+    )
+    logits: torch.Tensor = output.logits[0]
+    return logits
+
+
 def install(model: PreTrainedModel) -> str:
     """Route the model's attention through the paged function; returns the original name."""
     AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from itertools import accumulate
-from typing import Any
 
 import torch
 from transformers import PreTrainedModel
@@ -30,7 +29,7 @@ from transformers import PreTrainedModel
 from aiocb.errors import InvalidConfigError
 from aiocb.runner import attention
 from aiocb.runner.input_batch import InputBatch
-from aiocb.runner.inputs import AttentionMetadata, HostToDevice, StepInputs, prepare_inputs
+from aiocb.runner.inputs import HostToDevice, StepInputs, prepare_inputs
 from aiocb.runner.memory import CachePlan
 from aiocb.runner.model_spec import ModelSpec, model_spec
 from aiocb.runner.paged_cache import PagedKVCache
@@ -57,15 +56,13 @@ class _Plan:
     destination: list[torch.Tensor] = field(default_factory=list)
 
 
-def draft_spec(draft: PreTrainedModel, target: ModelSpec) -> ModelSpec:
+def draft_spec(draft: PreTrainedModel) -> ModelSpec:
     """The draft's cache layout, refused where it cannot mirror the target's cache."""
     spec = model_spec(draft)
     if any(w is not None for w in spec.layer_windows):
         raise InvalidConfigError("draft_model has sliding-window layers: a draft model needs full attention")
     if spec.tp_size != 1:
         raise InvalidConfigError("draft_model is tensor-parallel: a draft model runs on one device")
-    if spec.device != target.device:
-        raise InvalidConfigError(f"draft_model is on {spec.device}, the target model on {target.device}")
     return spec
 
 
@@ -96,21 +93,12 @@ class Drafter:
             attention.uninstall(self.model, self._original_attention)
             self._original_attention = None
 
-    def mirror(self, batch: StepBatch) -> None:
-        """Make the step's block copies and swaps in the draft's cache too."""
-        if any(batch.copy_blocks):
-            self.cache.copy_blocks(batch.copy_blocks)
-        if any(batch.swap_out):
-            self.cache.swap_out(batch.swap_out)
-        if any(batch.swap_in):
-            self.cache.swap_in(batch.swap_in)
-
     def propose(self, batch: StepBatch, inputs: StepInputs, state: InputBatch) -> torch.Tensor | None:
         """Run the draft over the step (``inputs`` are the target's, their carried tokens
         in place) and write its proposals into ``inputs.input_ids``; returns them, row by
         row (None when no row speculates)."""
-        counts = batch.draft_counts
-        plan = self._transfer.move(_plan(batch)) if counts else None
+        rows = [batch.sampled[r] for r in batch.draft_rows]  # (the speculating rows' batch rows)
+        plan = self._transfer.move(_plan(batch, rows)) if rows else None
         first_attention = replace(inputs.attention, cache=self.cache)
         keep = plan.first_index if plan is not None else inputs.logits_indices[:0]
         input_ids = inputs.input_ids
@@ -118,17 +106,21 @@ class Drafter:
             # (ids past the draft's vocabulary are a padded vocabulary's unused ones: any
             # stand-in keeps the outputs exact, as proposals only decide how many are kept)
             input_ids = input_ids.clamp(max=self.spec.vocab_size - 1)
-        logits = self._forward(input_ids, inputs.position_ids, keep, first_attention)
+        logits = attention.forward(self.model, input_ids[None], inputs.position_ids[None], keep, first_attention)
         if plan is None:
             return None
         proposals = torch.empty(batch.num_drafts, dtype=torch.long, device=inputs.input_ids.device)
         tokens = sample(self._common(logits), inputs.sampling.select(plan.first_sampling)).tokens
         proposals.index_copy_(0, plan.destination[0], tokens.index_select(0, plan.taken[0]))
-        for j, step in enumerate(_decode_passes(batch, state.num_slots), 1):
+        for j, step in enumerate(_decode_passes(batch, rows, state.num_slots), 1):
             pass_inputs = prepare_inputs(step, self.cache, self._transfer, self.backends, state)
             pass_inputs.input_ids.copy_(tokens.index_select(0, plan.keep[j - 1]))
-            logits = self._forward(
-                pass_inputs.input_ids, pass_inputs.position_ids, pass_inputs.logits_indices, pass_inputs.attention
+            logits = attention.forward(
+                self.model,
+                pass_inputs.input_ids[None],
+                pass_inputs.position_ids[None],
+                pass_inputs.logits_indices,
+                pass_inputs.attention,
             )
             if j < len(plan.taken):  # (the last pass only writes keys)
                 sampling = replace(pass_inputs.sampling, any_logprobs=False, max_top_logprobs=0)
@@ -142,28 +134,9 @@ class Drafter:
         (float32, rows contiguous: a padded vocabulary's slice is not)."""
         return logits[:, : self.vocab_size].float().contiguous()
 
-    def _forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor, metadata: AttentionMetadata
-    ) -> torch.Tensor:
-        output: Any = self.model(
-            input_ids=input_ids[None],
-            position_ids=positions[None],
-            use_cache=False,
-            logits_to_keep=keep,
-            **{attention.METADATA_KWARG: metadata},
-        )
-        logits: torch.Tensor = output.logits[0]
-        return logits
 
-
-def _speculating_rows(batch: StepBatch) -> list[int]:
-    """The batch rows of the speculating rows, in order."""
-    return [batch.sampled[r] for r in batch.draft_rows]
-
-
-def _plan(batch: StepBatch) -> _Plan:
+def _plan(batch: StepBatch, rows: list[int]) -> _Plan:
     counts = batch.draft_counts
-    rows = _speculating_rows(batch)
     first_tokens = [0, *accumulate(batch.num_tokens)]
     starts = [0, *accumulate(counts)]  # (each row's first proposal among the step's)
     long = torch.long
@@ -189,12 +162,11 @@ def _plan(batch: StepBatch) -> _Plan:
     return plan
 
 
-def _decode_passes(batch: StepBatch, num_slots: int) -> list[StepBatch]:
+def _decode_passes(batch: StepBatch, rows: list[int], num_slots: int) -> list[StepBatch]:
     """The draft's decode passes after the first: pass j feeds each row that proposed j
     tokens its j-th proposal, at that proposal's position, sampled with the noise of the
     token after it."""
     counts = batch.draft_counts
-    rows = _speculating_rows(batch)
     passes = []
     for j in range(1, max(counts) + 1):
         members = [i for i, c in enumerate(counts) if c >= j]

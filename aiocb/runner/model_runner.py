@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from transformers import PreTrainedModel
@@ -23,7 +22,7 @@ from aiocb.runner.compile import compile_configs, compiled
 from aiocb.runner.cuda_graphs import DecodeGraphs
 from aiocb.runner.draft import Drafter, draft_spec
 from aiocb.runner.input_batch import InputBatch
-from aiocb.runner.inputs import AttentionMetadata, HostToDevice, StepInputs, prepare_inputs
+from aiocb.runner.inputs import HostToDevice, StepInputs, prepare_inputs
 from aiocb.runner.memory import CachePlan, plan_cache
 from aiocb.runner.model_spec import ModelSpec, model_spec
 from aiocb.runner.paged_cache import PagedKVCache
@@ -65,7 +64,7 @@ class ModelRunner:
         self.model = model
         self.config = config
         self.spec: ModelSpec = model_spec(model)
-        drafted = None if draft_model is None else draft_spec(draft_model, self.spec)
+        drafted = None if draft_model is None else draft_spec(draft_model)
         # (a draft model's cache mirrors the target's blocks: each block costs both)
         extra = 0 if drafted is None else drafted.bytes_per_block(config.page_size, drafted.num_layers)
         # Under tensor parallelism every rank gets the plan all ranks agreed on.
@@ -123,18 +122,9 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, batch: StepBatch) -> PendingStep:
         """Enqueue one step's forward pass and sampling; returns without waiting."""
-        # Cache copies come first: the step may reuse the blocks that were swapped out, and
-        # reads the ones swapped in. Forks copy before any swap, as a fork's source block may
-        # be freed in the same plan and handed to a request being swapped in.
-        if any(batch.copy_blocks):
-            self.cache.copy_blocks(batch.copy_blocks)
-        if any(batch.swap_out):
-            self.cache.swap_out(batch.swap_out)
-        if any(batch.swap_in):
-            self.cache.swap_in(batch.swap_in)
         drafter = self.drafter
-        if drafter is not None:
-            drafter.mirror(batch)
+        for cache in (self.cache,) if drafter is None else (self.cache, drafter.cache):
+            cache.move_blocks(batch.copy_blocks, batch.swap_out, batch.swap_in)
         if not batch.num_rows:
             return PendingStep([], None, torch.empty(0, dtype=torch.long), None, None, None, None, None, None)
         inputs = prepare_inputs(batch, self.cache, self._transfer, self.backends, self.input_batch)
@@ -196,7 +186,7 @@ class ModelRunner:
             return self.graphs.run(inputs, batch.num_rows)
         decode_only = batch.num_single_token_rows == batch.num_rows
         model = self._decode_model if decode_only else self._varlen_model
-        return _forward(
+        return attention.forward(
             model, inputs.input_ids[None], inputs.position_ids[None], inputs.logits_indices, inputs.attention
         )
 
@@ -222,7 +212,7 @@ class ModelRunner:
         # runner would be a cycle, keeping the cache alive until a cyclic collection.
         decode_model = self._decode_model
         return DecodeGraphs(
-            lambda ids, pos, keep, meta: _forward(decode_model, ids, pos, keep, meta),
+            lambda ids, pos, keep, meta: attention.forward(decode_model, ids, pos, keep, meta),
             self.cache,
             self.backends,
             self.plan.max_requests_per_batch,
@@ -235,24 +225,6 @@ class ModelRunner:
         if wanted is None:
             return self.graphs is not None
         return wanted
-
-
-def _forward(
-    model: Any,
-    input_ids: torch.Tensor,
-    position_ids: torch.Tensor,
-    logits_indices: torch.Tensor,
-    metadata: AttentionMetadata,
-) -> torch.Tensor:
-    output = model(
-        input_ids=input_ids,
-        position_ids=position_ids,
-        use_cache=False,
-        logits_to_keep=logits_indices,
-        **{attention.METADATA_KWARG: metadata},
-    )
-    logits: torch.Tensor = output.logits[0]
-    return logits
 
 
 def _to_host(tensor: torch.Tensor | None) -> torch.Tensor | None:

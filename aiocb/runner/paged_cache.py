@@ -96,6 +96,25 @@ class PagedKVCache:
             torch.index_select(value_cache, 0, slots, out=value_buffer[:count]),
         )
 
+    def move_blocks(
+        self,
+        copies: list[list[tuple[int, int]]],
+        swap_out: list[list[tuple[int, int]]],
+        swap_in: list[list[tuple[int, int]]],
+    ) -> None:
+        """A step's block moves, before its forward pass: forks, then swaps out, then in.
+
+        The step may reuse the blocks that were swapped out, and reads the ones swapped in.
+        Forks copy before any swap, as a fork's source block may be freed in the same plan
+        and handed to a request being swapped in.
+        """
+        if any(copies):
+            self.copy_blocks(copies)
+        if any(swap_out):
+            self.swap_out(swap_out)
+        if any(swap_in):
+            self.swap_in(swap_in)
+
     def copy_blocks(self, copies: list[list[tuple[int, int]]]) -> None:
         """Copy ``(source block, destination block)`` pairs of each group within the cache."""
         for layer, group in enumerate(self.layer_group):

@@ -130,17 +130,24 @@ async def test_logprobs_stop_tokens_and_lengths_stay_exact(model: PreTrainedMode
     assert plain_stats[1].accepted_draft_tokens > 0
 
 
-async def test_streams_and_cancellation_mid_speculation(model: PreTrainedModel) -> None:
-    speculative = aiocb.SpeculativeConfig(prompt_lookup_min=1, disable_by_batch_size=None)
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+async def test_streams_logprobs_and_cancellation_mid_speculation(model: PreTrainedModel, method: str) -> None:
+    if method == "draft":
+        speculative = _draft_config(_draft(model, "same"))
+    else:
+        speculative = aiocb.SpeculativeConfig(prompt_lookup_min=1, disable_by_batch_size=None)
+    params: dict[str, Any] = {"max_new_tokens": NEW, "do_sample": False, "return_logprobs": True}
+    async with aiocb.Manager(model) as manager:
+        reference = await manager.generate(PROMPTS[0], **params)
+    assert isinstance(reference, aiocb.GenerationOutput)
     async with aiocb.Manager(model, speculative_config=speculative) as manager:
-        reference = await manager.generate(PROMPTS[0], max_new_tokens=NEW, do_sample=False)
-        rid = await manager.add_request(PROMPTS[0], max_new_tokens=NEW, do_sample=False)
-        seen: list[int] = []
-        sizes = []
+        rid = await manager.add_request(PROMPTS[0], **params)
+        sizes, last = [], None
         async for chunk in manager.stream(rid):
-            sizes.append(len(chunk.generated_tokens) - len(seen))
-            seen = list(chunk.generated_tokens)
-        assert seen == reference.generated_tokens
+            sizes.append(len(chunk.generated_tokens) - (0 if last is None else len(last.generated_tokens)))
+            last = chunk
+        assert last is not None and last.generated_tokens == reference.generated_tokens
+        assert last.logprobs == pytest.approx(reference.logprobs, abs=1e-4)
         doomed = await manager.add_request(PROMPTS[1], max_new_tokens=NEW, do_sample=False)
         async for chunk in manager.stream(doomed):
             if len(chunk.generated_tokens) > 10:
@@ -265,28 +272,6 @@ async def test_draft_model_sampled_first_tokens_have_the_same_distribution(draws
 
     plain, fast, other = counts
     assert tv(plain, fast) == 0.0 < tv(plain, other)
-
-
-async def test_draft_model_streams_logprobs_and_cancellation(model: PreTrainedModel) -> None:
-    spec = _draft_config(_draft(model, "same"))
-    async with aiocb.Manager(model) as manager:
-        reference = await manager.generate(PROMPTS[0], max_new_tokens=40, do_sample=False, return_logprobs=True)
-    async with aiocb.Manager(model, speculative_config=spec) as manager:
-        rid = await manager.add_request(PROMPTS[0], max_new_tokens=40, do_sample=False, return_logprobs=True)
-        sizes, last = [], None
-        async for chunk in manager.stream(rid):
-            sizes.append(len(chunk.generated_tokens) - (0 if last is None else len(last.generated_tokens)))
-            last = chunk
-        assert last is not None and last.generated_tokens == reference.generated_tokens
-        assert last.logprobs == pytest.approx(reference.logprobs, abs=1e-4)
-        doomed = await manager.add_request(PROMPTS[1], max_new_tokens=NEW, do_sample=False)
-        async for chunk in manager.stream(doomed):
-            if len(chunk.generated_tokens) > 10:
-                manager.cancel_request(doomed)
-                break
-        stats = manager.statistics()
-    assert max(sizes) > 1, "a step that accepted proposals delivers several tokens"
-    assert stats.free_blocks == stats.total_blocks
 
 
 def test_draft_model_cache_mirrors_the_target_blocks(model: PreTrainedModel) -> None:

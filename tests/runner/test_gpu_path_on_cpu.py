@@ -15,7 +15,7 @@ from aiocb.runner.backends import Backend, select_backends
 from aiocb.runner.compile import compile_configs
 from aiocb.runner.cuda_graphs import DecodeGraphs, batch_buckets
 from aiocb.runner.inputs import AttentionMetadata, HostToDevice, prepare_inputs
-from aiocb.runner.model_runner import ModelRunner, _forward
+from aiocb.runner.model_runner import ModelRunner
 from aiocb.runner.step_batch import StepBatch
 from tests.conftest import random_prompts, reference_generate, tiny_qwen3
 
@@ -101,7 +101,7 @@ def test_padded_decode_replay_equals_the_unpadded_step(monkeypatch: pytest.Monke
     runner.attach()
     try:
         graphs = _CpuDecodeGraphs(
-            lambda ids, pos, keep, meta: _forward(model, ids, pos, keep, meta),
+            lambda ids, pos, keep, meta: attention.forward(model, ids, pos, keep, meta),
             runner.cache,
             runner.backends,
             max_rows=8,
@@ -138,7 +138,9 @@ def test_padded_decode_replay_equals_the_unpadded_step(monkeypatch: pytest.Monke
         inputs = prepare_inputs(batch, runner.cache, HostToDevice(runner.device), runner.backends, runner.input_batch)
         with torch.inference_mode():
             metadata: AttentionMetadata = inputs.attention
-            eager = _forward(model, inputs.input_ids[None], inputs.position_ids[None], inputs.logits_indices, metadata)
+            eager = attention.forward(
+                model, inputs.input_ids[None], inputs.position_ids[None], inputs.logits_indices, metadata
+            )
         assert torch.allclose(padded, eager, atol=1e-5)
     finally:
         runner.detach()
