@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,7 +15,10 @@ from aiocb.engine.manager import Manager
 from aiocb.outputs import GenerationOutput
 from aiocb.params import SamplingParams
 from aiocb.prompts import Prompt
+from aiocb.runner.distributed import follow_call, return_to_followers, tensor_parallel_layout
 from aiocb.speculative import SpeculativeConfig
+
+logger = logging.getLogger(__name__)
 
 
 def generate_batch(
@@ -38,6 +43,12 @@ def generate_batch(
     speculate (:class:`~aiocb.SpeculativeConfig`). It runs
     its own event loop, so it cannot be called from async code: there, use
     ``await manager.generate_batch(inputs)``.
+
+    Under tensor parallelism call it on every rank with the same arguments, as with
+    transformers: rank 0 runs the manager, the other ranks follow its steps inside the
+    same call, and every rank returns rank 0's outputs (or raises its exception). Ranks
+    whose prompts, configs or parameters differ from rank 0's raise
+    :class:`~aiocb.InvalidRequestError`; only rank 0 shows ``progress``.
     """
     try:
         asyncio.get_running_loop()
@@ -48,21 +59,57 @@ def generate_batch(
             "aiocb.generate_batch() blocks, so it cannot run inside a running event loop; "
             "use `await manager.generate_batch(inputs)` on an aiocb.Manager instead"
         )
-    if not inputs:
-        return {}
 
-    async def run() -> dict[str, GenerationOutput]:
-        manager = Manager(
-            model,
-            generation_config,
-            continuous_batching_config,
-            tokenizer=tokenizer,
-            num_requests_hint=len(inputs),
-            speculative_config=speculative_config,
-        )
-        async with manager:
-            return await manager.generate_batch(
-                inputs, max_new_tokens, progress=progress, sampling_params=sampling_params, **params
+    def run() -> dict[str, GenerationOutput]:
+        if not inputs:
+            return {}
+
+        async def generate() -> dict[str, GenerationOutput]:
+            manager = Manager(
+                model,
+                generation_config,
+                continuous_batching_config,
+                tokenizer=tokenizer,
+                num_requests_hint=len(inputs),
+                speculative_config=speculative_config,
             )
+            async with manager:
+                return await manager.generate_batch(
+                    inputs, max_new_tokens, progress=progress, sampling_params=sampling_params, **params
+                )
 
-    return asyncio.run(run())
+        return asyncio.run(generate())
+
+    layout = tensor_parallel_layout(model)
+    if layout is None:
+        return run()
+    fingerprint = _fingerprint(
+        inputs,
+        generation_config,
+        continuous_batching_config,
+        tokenizer is not None,
+        max_new_tokens,
+        sampling_params,
+        speculative_config,
+        params,
+    )
+    if not layout.is_driver:
+        followed: dict[str, GenerationOutput] = follow_call(model, continuous_batching_config, fingerprint)
+        return followed
+    timeout = (continuous_batching_config or ContinuousBatchingConfig()).cpu_group_timeout
+    try:
+        outputs = run()
+    except BaseException as exc:
+        try:
+            return_to_followers(layout, timeout, None, exc, fingerprint)
+        except Exception as send_failure:  # rank 0's own error is the one to raise
+            logger.warning("could not tell the follower ranks that generate_batch() failed: %s", send_failure)
+        raise
+    return_to_followers(layout, timeout, outputs, None, fingerprint)
+    return outputs
+
+
+def _fingerprint(*arguments: Any) -> str:
+    """A digest of ``generate_batch``'s arguments, to check that every rank passed the same."""
+    parts = [a.to_json_string(use_diff=True) if isinstance(a, GenerationConfig) else repr(a) for a in arguments]
+    return hashlib.sha256("\x00".join(parts).encode()).hexdigest()

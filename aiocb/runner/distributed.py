@@ -19,8 +19,8 @@ This module gathers the names the rest of aiocb uses (the engine builds its runn
 
 from __future__ import annotations
 
-from aiocb.runner.tp_driver import build_runner, shutdown
-from aiocb.runner.tp_follower import FollowerReport, follow
+from aiocb.runner.tp_driver import build_runner, return_to_followers, shutdown
+from aiocb.runner.tp_follower import FollowerReport, follow, follow_call
 from aiocb.runner.tp_layout import TensorParallelLayout, check_tp_size, tensor_parallel_layout
 
 __all__ = [
@@ -29,6 +29,8 @@ __all__ = [
     "build_runner",
     "check_tp_size",
     "follow",
+    "follow_call",
+    "return_to_followers",
     "shutdown",
     "tensor_parallel_layout",
 ]

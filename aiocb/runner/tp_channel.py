@@ -10,6 +10,9 @@ Every message is ``(kind, *payload, events)``:
 * ``("attach", events)`` / ``("detach", events)``: a manager session starts / ends;
 * ``("step", StepBatch, events)``: run this step (rank 0 runs it at the same time);
 * ``("heartbeat", events)``: rank 0 is alive but idle;
+* ``("return", value, error, fingerprint, events)``: a call every rank makes
+  (``generate_batch``) returned ``value`` or raised ``error`` on rank 0, given arguments
+  that hash to ``fingerprint``;
 * ``("shutdown", events)``: :func:`~aiocb.runner.tp_follower.follow` returns.
 
 ``events`` are what happened on rank 0 since the last message: ``("cancel", request id,

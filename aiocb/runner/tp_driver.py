@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import pickle
 import queue
 import threading
 from collections import deque
@@ -181,6 +182,25 @@ def shutdown(timeout: float | None = None) -> None:
     """Rank 0: release the follower ranks (their :func:`~aiocb.runner.tp_follower.follow` returns); no-op elsewhere."""
     for driver in list(_DRIVERS.values()):
         driver.close(timeout)
+
+
+def return_to_followers(
+    layout: TensorParallelLayout,
+    timeout: float | None,
+    value: Any,
+    error: BaseException | None,
+    fingerprint: str,
+) -> None:
+    """Rank 0, at the end of a call every rank makes (``generate_batch``): send what it
+    returned (``value``) or raised (``error``) to the followers waiting in
+    :func:`~aiocb.runner.tp_follower.follow_call`."""
+    if error is not None:
+        try:
+            pickle.dumps(error)
+        except Exception:  # an exception that cannot travel is described instead
+            error = DistributedError(f"generate_batch() failed on rank 0: {type(error).__name__}: {error}")
+    driver = driver_for(layout, timeout)
+    driver.call("returning generate_batch()'s outputs", lambda: driver.send("return", value, error, fingerprint))
 
 
 @atexit.register

@@ -79,16 +79,45 @@ def follow(model: PreTrainedModel, config: ContinuousBatchingConfig | None = Non
     ``config`` gives only the ``cpu_group_timeout`` to use until rank 0's first manager
     starts; from then on every setting comes from rank 0's configuration.
     """
+    follower = _Follower(model, _channel(model, config, "run_follower()"))
+    follower.run()
+    return follower.counters.report()
+
+
+def follow_call(model: PreTrainedModel, config: ContinuousBatchingConfig | None, fingerprint: str) -> Any:
+    """Follow rank 0 through one call that every rank makes (``generate_batch``) and return
+    what rank 0 returned from it, which it broadcasts at the end (``("return", ...)``).
+
+    ``fingerprint`` stands for this rank's arguments: a call that rank 0 made with other
+    arguments raises :class:`~aiocb.InvalidRequestError` (the ranks' scripts diverged),
+    and an exception rank 0 raised is raised here too.
+    """
+    follower = _Follower(model, _channel(model, config, "generate_batch()"))
+    returned = follower.run(until_return=True)
+    if returned is None:
+        raise DistributedError(
+            "rank 0 called aiocb.distributed.shutdown() while this rank waited for its generate_batch() to return"
+        )
+    value, error, driver_fingerprint = returned
+    if driver_fingerprint != fingerprint:
+        raise InvalidRequestError(
+            f"generate_batch() on tensor-parallel rank {follower.layout.rank} got other arguments than on rank 0: "
+            "every rank must pass the same prompts and parameters (rank 0's ran; this rank's outputs are rank 0's)"
+        )
+    if error is not None:
+        raise error
+    return value
+
+
+def _channel(model: PreTrainedModel, config: ContinuousBatchingConfig | None, caller: str) -> ControlChannel:
     layout = tensor_parallel_layout(model)
     if layout is None:
-        raise InvalidRequestError("run_follower() needs a model loaded with tensor parallelism (tp_size > 1)")
+        raise InvalidRequestError(f"{caller} on a follower needs a model loaded with tensor parallelism (tp_size > 1)")
     if layout.is_driver:
-        raise InvalidRequestError(
-            "this process is tensor-parallel rank 0: it runs the aiocb.Manager, not run_follower()"
-        )
+        raise InvalidRequestError(f"this process is tensor-parallel rank 0: it runs the aiocb.Manager, not {caller}")
     channel = control_channel(layout, (config or ContinuousBatchingConfig()).cpu_group_timeout)
     logger.info("tensor-parallel rank %d of %d follows rank 0", layout.rank, layout.size)
-    return _Follower(model, channel).run()
+    return channel
 
 
 class _Follower:
@@ -104,7 +133,9 @@ class _Follower:
         #: the last step launched: collected after the next one is launched, as rank 0 does
         self.previous: PendingStep | None = None
 
-    def run(self) -> FollowerReport:
+    def run(self, *, until_return: bool = False) -> Any:
+        """Replay rank 0's messages until ``shutdown`` (None), or with ``until_return`` until
+        ``return`` too (its payload)."""
         try:
             while True:
                 kind, *payload, events = _receive(self.channel)
@@ -113,7 +144,11 @@ class _Follower:
                     self._collect()
                 if kind == "shutdown":
                     logger.info("rank 0 released tensor-parallel rank %d", self.layout.rank)
-                    return self.counters.report()
+                    return None
+                if kind == "return":
+                    if until_return:
+                        return tuple(payload)
+                    continue  # a call only rank 0 made (a follower that runs run_follower())
                 handler = getattr(self, f"_on_{kind}", None)
                 if handler is None:
                     raise DistributedError(f"unknown control message {kind!r} from rank 0")

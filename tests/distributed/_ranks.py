@@ -188,13 +188,37 @@ SCENARIOS: dict[str, Scenario] = {
 }
 
 
+def every_rank_generate_batch(model: Any, rank: int) -> dict[str, Any]:
+    """``aiocb.generate_batch`` called on every rank, as transformers users write it: a good
+    call, one rank 0 refuses, one whose prompts differ on this rank, then a good one again."""
+    record: dict[str, Any] = {}
+
+    def call(name: str, prompts: list[list[int]], **params: Any) -> None:
+        try:
+            outputs = aiocb.generate_batch(model, prompts, continuous_batching_config=_config(), **params)
+            record[name] = {"ids": list(outputs), "tokens": [o.generated_tokens for o in outputs.values()]}
+        except aiocb.AiocbError as exc:
+            record[name] = {"error": f"{type(exc).__name__}: {exc}"}
+
+    call("first", PROMPTS, max_new_tokens=MAX_NEW_TOKENS)
+    call("refused", PROMPTS, max_new_tokens=MAX_NEW_TOKENS, temperature=-1.0)
+    call("diverged", PROMPTS if rank == 0 else PROMPTS[:2], max_new_tokens=MAX_NEW_TOKENS)
+    call("empty", [], max_new_tokens=MAX_NEW_TOKENS)
+    call("again", PROMPTS[1:], max_new_tokens=MAX_NEW_TOKENS)
+    return record
+
+
 def main() -> None:
     scenario, model_dir, out_dir = sys.argv[1], sys.argv[2], Path(sys.argv[3])
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
     model = aiocb.distributed.load_model(model_dir, tp_size=2)
-    if aiocb.distributed.is_driver(model):
+    if scenario == "generate_batch":
+        record = every_rank_generate_batch(model, rank)
+        aiocb.distributed.shutdown()
+        (out_dir / f"rank{rank}.json").write_text(json.dumps(record))
+    elif aiocb.distributed.is_driver(model):
         result = asyncio.run(SCENARIOS[scenario](model, out_dir))
         aiocb.distributed.shutdown()
         (out_dir / "rank0.json").write_text(json.dumps(result))

@@ -54,6 +54,27 @@ def test_two_ranks_match_one_process_and_follow_every_control(
     assert report["plan"]["num_blocks"] == [128]
 
 
+def test_generate_batch_on_every_rank_runs_once_and_returns_rank_0_s_outputs_everywhere(
+    llama_model: PreTrainedModel, llama_dir: Path, tmp_path: Path
+) -> None:
+    ranks = launch("generate_batch", llama_dir, tmp_path)
+    driver, follower = ranks.driver, ranks.follower
+    assert driver is not None and follower is not None, logs_of(tmp_path)
+    assert ranks.exit_codes == [0, 0], logs_of(tmp_path)
+    expected = [reference_generate(llama_model, p, MAX_NEW_TOKENS) for p in PROMPTS]
+
+    assert driver["first"] == {"ids": ["req_0", "req_1", "req_2"], "tokens": expected}
+    assert follower["first"] == driver["first"], "the follower returns rank 0's outputs"
+    assert driver["refused"]["error"].startswith("InvalidRequestError")
+    assert "temperature" in driver["refused"]["error"]
+    assert follower["refused"] == driver["refused"], "rank 0's exception is raised on every rank"
+    assert driver["diverged"]["tokens"] == expected, "rank 0 runs its own arguments"
+    assert follower["diverged"]["error"].startswith("InvalidRequestError: generate_batch() on tensor-parallel rank 1")
+    assert driver["empty"] == follower["empty"] == {"ids": [], "tokens": []}
+    assert driver["again"]["tokens"] == expected[1:]
+    assert follower["again"] == driver["again"], "the ranks are still in step after a refusal and a divergence"
+
+
 def test_a_killed_follower_fails_rank_0_with_a_clear_error(llama_dir: Path, tmp_path: Path) -> None:
     ranks = launch("kill_follower", llama_dir, tmp_path)
     driver = ranks.driver
