@@ -73,6 +73,7 @@ def lint(session: nox.Session) -> None:
 def typecheck(session: nox.Session) -> None:
     """Type-check the package with mypy (strict)."""
     _install(session, "lint")
+    session.install(*CONSTRAINTS, "-e", ".[ray]")
     session.run("mypy")
 
 

@@ -38,7 +38,7 @@ from aiocb.speculative import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = ("auto", "float32", "float16", "bfloat16")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
 #: The name the bundled model is served under when no MODEL is given.
 _DEFAULT_MODEL_NAME = "pycode-tiny"
 SHUTDOWN_MARGIN_S = 5.0
@@ -61,7 +61,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="the model id clients send (default: MODEL, or pycode-tiny without one)",
     )
-    parser.add_argument("--dtype", choices=_DTYPES, default="auto", help="weights dtype (default: the checkpoint's)")
+    parser.add_argument("--dtype", choices=DTYPES, default="auto", help="weights dtype (default: the checkpoint's)")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
     parser.add_argument("--trust-remote-code", action="store_true", help="allow custom model code from the hub")
     parser.add_argument(
@@ -262,7 +262,13 @@ def chat_parsers(args: argparse.Namespace) -> dict[str, str | None]:
 
 def served_model_name(args: argparse.Namespace) -> str:
     """The model id clients send."""
-    return args.served_model_name or (args.model if args.model is not None else _DEFAULT_MODEL_NAME)
+    return model_name(args.model, args.served_model_name)
+
+
+def model_name(model: str | None, served_model_name: str | None = None) -> str:
+    """The model id clients send: ``served_model_name``, else the model's path or hub id
+    (``pycode-tiny`` for the bundled model)."""
+    return served_model_name or (model if model is not None else _DEFAULT_MODEL_NAME)
 
 
 def event_loop_name(args: argparse.Namespace) -> str:
@@ -298,23 +304,43 @@ def uvicorn_config(app: Any, args: argparse.Namespace, loop: str) -> Any:
 
 def load_model(args: argparse.Namespace) -> tuple[Any, Any]:
     """``AutoModelForCausalLM`` and ``AutoTokenizer`` from ``args.model`` (or ``args.tokenizer``)."""
+    return load_pretrained(
+        args.model,
+        tokenizer=args.tokenizer,
+        dtype=args.dtype,
+        device=args.device,
+        trust_remote_code=args.trust_remote_code,
+        torch_threads=args.torch_threads,
+    )
+
+
+def load_pretrained(
+    model: str | None,
+    *,
+    tokenizer: str | None = None,
+    dtype: str = "auto",
+    device: str = "auto",
+    trust_remote_code: bool = False,
+    torch_threads: int | None = None,
+) -> tuple[Any, Any]:
+    """``AutoModelForCausalLM`` (in eval mode on ``device``; ``auto``: cuda when available) and
+    ``AutoTokenizer`` from ``model`` (None: the bundled pycode-tiny) or ``tokenizer``."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if args.torch_threads:
-        torch.set_num_threads(args.torch_threads)
-    device = args.device
+    if torch_threads:
+        torch.set_num_threads(torch_threads)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype: Any = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
-    source = args.model
+    torch_dtype: Any = dtype if dtype == "auto" else getattr(torch, dtype)
+    source = model
     if source is None:
         from aiocb.default_model import DEFAULT_MODEL_PATH
 
         source = str(DEFAULT_MODEL_PATH)
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or source, trust_remote_code=args.trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, trust_remote_code=args.trust_remote_code)
-    return model.to(device).eval(), tokenizer
+    loaded_tokenizer = AutoTokenizer.from_pretrained(tokenizer or source, trust_remote_code=trust_remote_code)
+    loaded: Any = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, trust_remote_code=trust_remote_code)
+    return loaded.to(device).eval(), loaded_tokenizer
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,177 @@
+"""``build_app``: an OpenAI-compatible Ray Serve application of aiocb replicas."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import ray
+from ray import serve
+from ray.serve.config import AutoscalingConfig
+from ray.serve.deployment import Application
+
+from aiocb.errors import InvalidConfigError
+from aiocb.ray_serve.ingress import Ingress
+from aiocb.ray_serve.options import ReplicaOptions
+from aiocb.ray_serve.replica import EngineReplica
+from aiocb.ray_serve.routing import BLOCK_CHARS, MAX_ENTRIES, MAX_IMBALANCE, PrefixAffinityRouter
+
+#: ``autoscaling_config`` keys left out take these values. Replicas are added while
+#: the average replica has more than ``target_ongoing_requests`` requests running or
+#: queued (a continuous-batching replica serves dozens at once at little cost each, so
+#: the target is high), and removed after ten quiet minutes (a replica takes a model
+#: load to come back).
+AUTOSCALING_DEFAULTS: dict[str, Any] = {
+    "min_replicas": 1,
+    "max_replicas": 4,
+    "target_ongoing_requests": 64,
+    "upscale_delay_s": 30.0,
+    "downscale_delay_s": 600.0,
+}
+#: Requests one replica takes at once; more wait in the ingress's router.
+MAX_ONGOING_REQUESTS = 512
+#: Requests the ingress takes at once (it only forwards them).
+INGRESS_MAX_ONGOING_REQUESTS = 8192
+
+Routing = Literal["prefix_affinity", "power_of_two"]
+
+
+def build_app(
+    model: str | os.PathLike[str] | None = None,
+    *,
+    num_replicas: int | Literal["auto"] | None = None,
+    autoscaling_config: Mapping[str, Any] | None = None,
+    ray_actor_options: Mapping[str, Any] | None = None,
+    tensor_parallel_size: int = 1,
+    routing: Routing = "prefix_affinity",
+    max_ongoing_requests: int = MAX_ONGOING_REQUESTS,
+    max_imbalance: int = MAX_IMBALANCE,
+    health_check_period_s: float = 10.0,
+    health_check_timeout_s: float = 30.0,
+    num_ingress_replicas: int = 1,
+    **server_options: Any,
+) -> Application:
+    """A Ray Serve application: replicas that each run one :class:`aiocb.Manager` on
+    ``model`` (a local path or hub id; None: the bundled pycode-tiny) behind the
+    OpenAI-compatible routes of ``aiocb serve``, streaming included, with an ingress that
+    routes requests by prompt prefix. Run it with ``serve.run(build_app(...))``.
+
+    Args:
+        num_replicas: a fixed count (default 1), or ``"auto"`` for autoscaling with
+            :data:`AUTOSCALING_DEFAULTS`.
+        autoscaling_config: Ray Serve autoscaling by ongoing requests per replica; keys
+            left out take :data:`AUTOSCALING_DEFAULTS`. Not with ``num_replicas``.
+        ray_actor_options: each replica's resources (default ``{"num_cpus": 1}``, plus
+            ``"num_gpus": 1`` when Ray is initialised on a cluster with GPUs). Under
+            tensor parallelism each rank gets these.
+        tensor_parallel_size: ranks per replica. Above 1 each replica gets a placement
+            group of one bundle per rank (packed on one node where possible): the replica
+            is rank 0, the other ranks are Ray actors.
+        routing: ``"prefix_affinity"`` (:class:`~aiocb.ray_serve.PrefixAffinityRouter`)
+            or ``"power_of_two"`` (Ray Serve's default: the less loaded of two random
+            replicas).
+        max_ongoing_requests: requests one replica takes at once.
+        max_imbalance: ongoing requests a prefix's replica may have beyond the least
+            loaded one's and still get the requests that share the prefix.
+        health_check_period_s, health_check_timeout_s: Ray Serve's health checks; a
+            replica whose engine is dead fails its check and is replaced.
+        num_ingress_replicas: ingress replicas (each keeps its own prefix table).
+        server_options: :class:`~aiocb.ray_serve.ReplicaOptions` fields
+            (``continuous_batching_config``, ``api_key``, ``limits``, ``dtype``, ...).
+
+    Raises:
+        InvalidConfigError: naming the first option that is wrong.
+    """
+    options = ReplicaOptions.from_kwargs(server_options)
+    source = None if model is None else os.fspath(model)
+    deployment_options = _scaling(num_replicas, autoscaling_config)
+    actor_options = _actor_options(ray_actor_options)
+    deployment_options |= _placement(source, options, tensor_parallel_size, actor_options)
+    for name, value in (("max_ongoing_requests", max_ongoing_requests), ("num_ingress_replicas", num_ingress_replicas)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InvalidConfigError(f"{name} must be an int >= 1, got {value!r}")
+    if max_imbalance < 0:
+        raise InvalidConfigError(f"max_imbalance must be 0 or more, got {max_imbalance}")
+    if health_check_period_s <= 0 or health_check_timeout_s <= 0:
+        raise InvalidConfigError("health_check_period_s and health_check_timeout_s must be positive")
+    if routing == "prefix_affinity":
+        deployment_options["request_router_config"] = {  # a RequestRouterConfig's fields
+            "request_router_class": f"{PrefixAffinityRouter.__module__}.{PrefixAffinityRouter.__name__}",
+            "request_router_kwargs": {"max_imbalance": max_imbalance, "max_entries": MAX_ENTRIES},
+        }
+    elif routing != "power_of_two":
+        raise InvalidConfigError(f"routing must be 'prefix_affinity' or 'power_of_two', got {routing!r}")
+    follower_resources = _resources(actor_options) if tensor_parallel_size > 1 else None
+    engine = serve.deployment(
+        name="AiocbEngine",
+        max_ongoing_requests=max_ongoing_requests,
+        health_check_period_s=health_check_period_s,
+        health_check_timeout_s=health_check_timeout_s,
+        graceful_shutdown_timeout_s=options.shutdown_timeout + 5.0,
+        **deployment_options,
+    )(EngineReplica).bind(source, options, tensor_parallel_size, follower_resources)
+    ingress = serve.deployment(
+        name="AiocbIngress",
+        num_replicas=num_ingress_replicas,
+        max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS,
+        ray_actor_options={"num_cpus": 0},
+    )(Ingress)
+    application: Application = ingress.bind(engine, options.limits, BLOCK_CHARS)
+    return application
+
+
+def _scaling(num_replicas: int | str | None, autoscaling: Mapping[str, Any] | None) -> dict[str, Any]:
+    if num_replicas is not None and autoscaling is not None:
+        raise InvalidConfigError("give num_replicas or autoscaling_config, not both")
+    if num_replicas == "auto" or autoscaling is not None:
+        merged = {**AUTOSCALING_DEFAULTS, **(autoscaling or {})}
+        try:
+            AutoscalingConfig(**merged)
+        except Exception as exc:  # pydantic's ValidationError names the field
+            raise InvalidConfigError(f"autoscaling_config is not valid: {exc}") from None
+        return {"autoscaling_config": merged}
+    if num_replicas is None:
+        return {"num_replicas": 1}
+    if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
+        raise InvalidConfigError(f"num_replicas must be an int >= 1 or 'auto', got {num_replicas!r}")
+    return {"num_replicas": num_replicas}
+
+
+def _actor_options(given: Mapping[str, Any] | None) -> dict[str, Any]:
+    if given is not None:
+        if not isinstance(given, Mapping):
+            raise InvalidConfigError(f"ray_actor_options must be a dict, got {type(given).__name__}")
+        return dict(given)
+    options: dict[str, Any] = {"num_cpus": 1}
+    if ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0:
+        options["num_gpus"] = 1
+    return options
+
+
+def _resources(actor_options: Mapping[str, Any]) -> dict[str, float]:
+    """One rank's bundle: the CPUs, GPUs and custom resources of ``actor_options``."""
+    bundle = {"CPU": float(actor_options.get("num_cpus", 1)), "GPU": float(actor_options.get("num_gpus", 0))}
+    bundle |= {name: float(amount) for name, amount in (actor_options.get("resources") or {}).items()}
+    return {name: amount for name, amount in bundle.items() if amount > 0}
+
+
+def _placement(model: str | None, options: ReplicaOptions, size: int, actor_options: dict[str, Any]) -> dict[str, Any]:
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise InvalidConfigError(f"tensor_parallel_size must be an int >= 1, got {size!r}")
+    if size == 1:
+        return {"ray_actor_options": actor_options}
+    if model is None:
+        raise InvalidConfigError("tensor_parallel_size > 1 needs a model path or hub id (not the bundled model)")
+    if options.speculative_config is not None and options.speculative_config.method == "draft":
+        raise InvalidConfigError("speculative decoding with a draft model does not support tensor parallelism yet")
+    if os.path.isdir(model):
+        import aiocb.distributed
+
+        aiocb.distributed.validate_tp(model, size, trust_remote_code=options.trust_remote_code)
+    bundle = _resources(actor_options)
+    return {
+        "ray_actor_options": actor_options,
+        "placement_group_bundles": [dict(bundle) for _ in range(size)],
+        "placement_group_strategy": "PACK",
+    }

@@ -1,0 +1,143 @@
+"""The HTTP ingress of a Ray Serve app: reads each request, hashes its prompt's prefix,
+and forwards it whole to the replica the router picks, streaming the response back.
+
+It parses nothing but the prompt (to hash it) and bounds nothing but the body's size
+and arrival time: every route, check and error is the replicas'. A replica lost before
+its response starts gives the client a 503; one lost mid-stream ends the stream with an
+error event. A client that goes away cancels the call, which cancels the request on its
+replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Mapping
+from typing import Any, cast
+
+import orjson
+from ray.exceptions import RayError
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from aiocb.ray_serve.forwarding import ForwardedRequest, ResponseStart
+from aiocb.ray_serve.replica import REPLICA_HEADER
+from aiocb.ray_serve.routing import prefix_hashes, prompt_text
+from aiocb.server.limits import ServerLimits, read_body
+from aiocb.server.protocol import APIError
+
+logger = logging.getLogger(__name__)
+
+#: Bodies up to this size are parsed for their prompt on the ingress's event loop; larger
+#: ones in a thread (orjson parses about 1 GB/s, so 64 KiB is well under a millisecond).
+_INLINE_PARSE_BYTES = 64 * 1024
+
+
+class Ingress:
+    """The ingress deployment's class: one Starlette request in, one streamed response out."""
+
+    def __init__(self, engine: DeploymentHandle[Any], limits: ServerLimits, block_chars: int) -> None:
+        self.engine = engine.options(stream=True)
+        self.limits = limits
+        self.block_chars = block_chars
+
+    async def __call__(self, request: Request) -> Response:
+        """Forward ``request`` to a replica and stream its response."""
+        try:
+            body = await self._body(request)
+        except APIError as exc:
+            return _error(exc)
+        path = _app_path(request.scope)
+        prefix = await self._prefix(path, body) if request.method == "POST" else ()
+        client = request.client
+        forwarded = ForwardedRequest(
+            method=request.method,
+            path=path,
+            query_string=request.scope.get("query_string", b""),
+            headers=tuple(request.scope["headers"]),
+            body=body,
+            client=(client.host, client.port) if client else None,
+            prefix=prefix,
+            replica=request.headers.get(REPLICA_HEADER),
+        )
+        stream = cast(DeploymentResponseGenerator[Any], self.engine.forward.remote(forwarded))
+        try:
+            start = await stream.__anext__()
+        except asyncio.CancelledError:
+            stream.cancel()  # the client went away: the replica cancels its request
+            raise
+        except (RayError, StopAsyncIteration) as exc:
+            stream.cancel()
+            logger.warning("a replica failed before its response started: %s", exc)
+            return _error(_replica_failed(exc))
+        if not isinstance(start, ResponseStart):
+            stream.cancel()
+            return _error(APIError(500, f"a replica sent {type(start).__name__} before its response started"))
+        response = StreamingResponse(_rest(stream, _is_event_stream(start)), status_code=start.status)
+        response.raw_headers = list(start.headers)
+        return response
+
+    async def _body(self, request: Request) -> bytes:
+        try:
+            async with asyncio.timeout(self.limits.body_timeout):
+                return await read_body(request.stream(), self.limits)
+        except ClientDisconnect:
+            raise APIError(499, "the client closed the connection before its body arrived") from None
+        except TimeoutError:
+            raise APIError(
+                408, f"the request body did not arrive within {self.limits.body_timeout} s", code="request_timeout"
+            ) from None
+
+    async def _prefix(self, path: str, body: bytes) -> tuple[int, ...]:
+        """The prompt's prefix hashes (none for a body that is not JSON: the replica says why)."""
+        if len(body) > _INLINE_PARSE_BYTES:
+            return await asyncio.to_thread(_hash_body, path, body, self.block_chars)
+        return _hash_body(path, body, self.block_chars)
+
+
+def _app_path(scope: Mapping[str, Any]) -> str:
+    """The request's path below the app's route prefix (``/v1/completions`` for an app run
+    with ``route_prefix="/qwen"`` and a request to ``/qwen/v1/completions``)."""
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
+    if root and path.startswith(root):
+        return path[len(root) :] or "/"
+    return path
+
+
+def _hash_body(path: str, body: bytes, block_chars: int) -> tuple[int, ...]:
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return ()
+    text = prompt_text(path, parsed)
+    return prefix_hashes(text, block_chars) if text else ()
+
+
+async def _rest(stream: DeploymentResponseGenerator[Any], event_stream: bool) -> AsyncIterator[bytes]:
+    """The body's chunks; a replica lost mid-stream ends an event stream with an error event."""
+    try:
+        async for chunk in stream:
+            yield chunk
+    except RayError as exc:
+        logger.warning("a replica failed mid-response: %s", exc)
+        if event_stream:
+            yield b"data: " + json.dumps(_replica_failed(exc).to_dict()).encode() + b"\n\n"
+    finally:
+        stream.cancel()  # a no-op once it has ended; cancels the replica's request otherwise
+
+
+def _is_event_stream(start: ResponseStart) -> bool:
+    return any(k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in start.headers)
+
+
+def _replica_failed(exc: BaseException) -> APIError:
+    lines = str(exc).strip().splitlines()
+    reason = f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+    return APIError(503, f"the replica serving this request failed: {reason}", type="service_unavailable")
+
+
+def _error(error: APIError) -> JSONResponse:
+    return JSONResponse(error.to_dict(), status_code=error.status)

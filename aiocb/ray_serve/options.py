@@ -1,0 +1,89 @@
+"""What every replica of a Ray Serve app is built with: the model loading and server options."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from aiocb.cli.serve import DTYPES
+from aiocb.config import ContinuousBatchingConfig
+from aiocb.errors import InvalidConfigError
+from aiocb.server.limits import ServerLimits
+from aiocb.server.reasoning import ReasoningSplitter
+from aiocb.server.tool_parsers import PARSERS
+from aiocb.speculative import SpeculativeConfig
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaOptions:
+    """``build_app``'s server options, as ``aiocb serve``'s flags of the same names.
+
+    Attributes:
+        tokenizer: tokenizer path or hub id (default: the model's).
+        served_model_name: the model id clients send (default: the model path, or
+            ``pycode-tiny`` for the bundled model).
+        dtype: ``auto`` (the checkpoint's), ``float32``, ``float16`` or ``bfloat16``.
+        device: ``auto`` (cuda when the replica has a GPU), ``cpu``, ``cuda``, ...
+        trust_remote_code: allow custom model code.
+        torch_threads: torch's intra-op threads in each replica (default: torch's choice).
+        api_key: require ``Authorization: Bearer KEY`` on the API routes.
+        shutdown_timeout: seconds running requests get when a replica shuts down.
+        limits: what one request may cost (:class:`~aiocb.server.limits.ServerLimits`).
+        continuous_batching_config: each replica's engine configuration.
+        speculative_config: speculative decoding (a draft model given by path).
+        tool_call_parser: ``auto``, a parser name, or None (tools refused).
+        reasoning_parser: split ``<think>`` into ``reasoning_content`` (None: no split).
+        access_log: one ``aiocb.access`` log line per request in the replicas' logs.
+    """
+
+    tokenizer: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    trust_remote_code: bool = False
+    torch_threads: int | None = None
+    api_key: str | None = None
+    shutdown_timeout: float = 10.0
+    limits: ServerLimits = dataclasses.field(default_factory=ServerLimits)
+    continuous_batching_config: ContinuousBatchingConfig = dataclasses.field(default_factory=ContinuousBatchingConfig)
+    speculative_config: SpeculativeConfig | None = None
+    tool_call_parser: str | None = "auto"
+    reasoning_parser: str | None = None
+    access_log: bool = True
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise InvalidConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.tool_call_parser not in (None, "auto", *PARSERS):
+            raise InvalidConfigError(
+                f"unknown tool_call_parser {self.tool_call_parser!r}; known: auto, {', '.join(PARSERS)}"
+            )
+        if self.reasoning_parser is not None and self.reasoning_parser not in ReasoningSplitter.names:
+            raise InvalidConfigError(
+                f"unknown reasoning_parser {self.reasoning_parser!r}; known: {', '.join(ReasoningSplitter.names)}"
+            )
+        if self.torch_threads is not None and self.torch_threads < 1:
+            raise InvalidConfigError(f"torch_threads must be at least 1, got {self.torch_threads}")
+        if self.shutdown_timeout < 0:
+            raise InvalidConfigError(f"shutdown_timeout must be 0 or more, got {self.shutdown_timeout}")
+        for name, kind in (
+            ("limits", ServerLimits),
+            ("continuous_batching_config", ContinuousBatchingConfig),
+        ):
+            if not isinstance(getattr(self, name), kind):
+                raise InvalidConfigError(f"{name} must be a {kind.__name__}, got {type(getattr(self, name)).__name__}")
+        if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
+            raise InvalidConfigError(
+                f"speculative_config must be an aiocb.SpeculativeConfig, got {type(self.speculative_config).__name__}"
+            )
+
+    @classmethod
+    def from_kwargs(cls, options: dict[str, object]) -> ReplicaOptions:
+        """The options given as ``build_app``'s keyword arguments; unknown names are refused."""
+        known = {field.name for field in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise InvalidConfigError(
+                f"build_app() got unknown server options: {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            )
+        return cls(**options)  # type: ignore[arg-type]

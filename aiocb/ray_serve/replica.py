@@ -1,0 +1,118 @@
+"""One Ray Serve replica: an :class:`aiocb.Manager` behind ``aiocb serve``'s ASGI app.
+
+The ingress forwards each HTTP request whole; the replica runs its app on it in-process
+(:func:`~aiocb.ray_serve.forwarding.run_asgi`) and streams the response back, marked
+with its :data:`REPLICA_HEADER`. The manager's step coroutine runs on the replica's
+event loop, beside the handlers, as under ``aiocb serve``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray import serve
+
+from aiocb.errors import DistributedError
+from aiocb.ray_serve.forwarding import ForwardedRequest, ResponseStart, run_asgi
+from aiocb.ray_serve.options import ReplicaOptions
+from aiocb.ray_serve.tensor_parallel import TensorParallelGroup
+
+logger = logging.getLogger(__name__)
+
+#: The response header naming the replica that served a request.
+REPLICA_HEADER = "x-aiocb-replica"
+
+
+class EngineReplica:
+    """The replica deployment's class (``build_app`` makes it a Ray Serve deployment)."""
+
+    async def __init__(  # type: ignore[misc]  # Ray Serve awaits an async constructor
+        self,
+        model: str | None,
+        options: ReplicaOptions,
+        tensor_parallel_size: int = 1,
+        follower_resources: dict[str, float] | None = None,
+    ) -> None:
+        import aiocb
+        from aiocb.cli.serve import load_pretrained, model_name
+        from aiocb.server import build_app
+
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.options = options
+        if not options.access_log:
+            logging.getLogger("aiocb.access").setLevel(logging.WARNING)
+        self.group: TensorParallelGroup | None = None
+        if tensor_parallel_size > 1:
+            if model is None:
+                raise ValueError("tensor parallelism needs a model path; the bundled model is too small to shard")
+            self.group = TensorParallelGroup(model, options, tensor_parallel_size, follower_resources)
+            loaded, tokenizer = await self._load_with_followers(self.group)
+        else:
+            loaded, tokenizer = await asyncio.to_thread(
+                load_pretrained,
+                model,
+                tokenizer=options.tokenizer,
+                dtype=options.dtype,
+                device=options.device,
+                trust_remote_code=options.trust_remote_code,
+                torch_threads=options.torch_threads,
+            )
+        self.manager = aiocb.Manager(
+            loaded,
+            continuous_batching_config=options.continuous_batching_config,
+            grammar_tokenizer=tokenizer,
+            speculative_config=options.speculative_config,
+        )
+        self.manager.start()
+        self.app = build_app(
+            self.manager,
+            tokenizer,
+            model_name(model, options.served_model_name),
+            api_key=options.api_key,
+            shutdown_timeout=options.shutdown_timeout,
+            limits=options.limits,
+            tool_call_parser=options.tool_call_parser,
+            reasoning_parser=options.reasoning_parser,
+        )
+        self._header = ((REPLICA_HEADER.encode(), self.replica_id.encode()),)
+        logger.info("aiocb replica %s serves %s", self.replica_id, model_name(model, options.served_model_name))
+
+    @staticmethod
+    async def _load_with_followers(group: TensorParallelGroup) -> tuple[Any, Any]:
+        """Rank 0's load, which the followers' loads join; a follower that fails first fails it."""
+        loading = asyncio.ensure_future(asyncio.to_thread(group.load_driver))
+        followers = [asyncio.ensure_future(asyncio.wrap_future(run.future())) for run in group.runs]
+        done, _ = await asyncio.wait([loading, *followers], return_when=asyncio.FIRST_COMPLETED)
+        if loading not in done:
+            failed = next(iter(done))
+            raise DistributedError(f"a tensor-parallel follower failed while loading: {failed.exception()!r}")
+        return loading.result()
+
+    async def forward(self, request: ForwardedRequest) -> AsyncIterator[ResponseStart | bytes]:
+        """Serve one HTTP request: its :class:`ResponseStart`, then its body's chunks."""
+        async with contextlib.aclosing(run_asgi(self.app, request, self._header)) as parts:
+            async for part in parts:
+                yield part
+
+    async def check_health(self) -> None:
+        """Ray Serve's health check: raises once the engine is dead (Ray then replaces the replica)."""
+        if self.manager.is_dead:
+            raise RuntimeError(f"aiocb replica {self.replica_id}: the engine is dead")
+        if self.group is not None:
+            self.group.check()
+
+    async def __del__(self) -> None:
+        """Drain: running requests get ``shutdown_timeout`` seconds, then the engine stops."""
+        ctx: Any = self.app.state.aiocb
+        ctx.draining = True
+        try:
+            if self.manager.is_running:
+                await self.manager.stop(timeout=self.options.shutdown_timeout)
+        finally:
+            ctx.close()
+            if self.group is not None:
+                self.group.close()

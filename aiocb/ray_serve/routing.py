@@ -1,0 +1,177 @@
+"""Prefix-affinity routing: a request goes to the replica that already caches its prompt's prefix.
+
+The ingress hashes each prompt in blocks of :data:`BLOCK_CHARS` characters, each hash
+chained on the one before, as the paged cache hashes token blocks
+(:func:`prefix_hashes`): two prompts share their first ``n`` hashes exactly when they
+share their first ``n`` blocks. :class:`PrefixAffinityRouter`, a Ray Serve request router,
+remembers which replica each block hash was last sent to, and sends a request to the
+replica holding its longest known prefix, unless that replica has more than
+``max_imbalance`` ongoing requests beyond the least loaded one; requests with nothing
+known go to the less loaded of two random replicas (Ray Serve's default policy). A
+request whose ``x-aiocb-replica`` header names a live replica goes to it (sessions that
+stick to one replica, or a look at one replica's ``/metrics``).
+
+Characters stand in for tokens so that the ingress needs no tokenizer: a block of 256
+characters is 50 to 80 tokens of English or code, so a shared prefix of a few blocks is
+already a few of the cache's pages.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from aiocb.ray_serve.forwarding import ForwardedRequest
+
+#: Characters per hashed block of a prompt.
+BLOCK_CHARS = 256
+#: Blocks hashed at most per prompt (64 KiB of text): a longer shared prefix routes the same.
+MAX_BLOCKS = 256
+#: Ongoing requests a prefix's replica may have beyond the least-loaded replica's and still
+#: be chosen for it.
+MAX_IMBALANCE = 32
+#: Block hashes remembered at most (least recently used ones are forgotten).
+MAX_ENTRIES = 200_000
+
+
+def prompt_text(path: str, body: Any) -> str | None:
+    """The text a request's prompt begins with, for prefix hashing (None: no prompt).
+
+    ``/v1/completions``: the prompt (the first of a list of prompts; token ids as text).
+    ``/v1/chat/completions``: the messages, each as its role and content (a message with
+    structured content as its canonical JSON), which is how the chat template lays out
+    the prompt's beginning.
+    """
+    if not isinstance(body, Mapping):
+        return None
+    if path.endswith("/chat/completions"):
+        messages = body.get("messages")
+        if not isinstance(messages, Sequence) or isinstance(messages, str):
+            return None
+        return "".join(_message_text(m) for m in messages)
+    if path.endswith("/completions"):
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return prompt
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return ",".join(map(str, prompt))
+    return None
+
+
+def _message_text(message: Any) -> str:
+    if isinstance(message, Mapping) and isinstance(message.get("content"), str) and len(message) == 2:
+        return f"\x1e{message.get('role')}\x1f{message['content']}"
+    return "\x1e" + json.dumps(message, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def prefix_hashes(text: str, block_chars: int = BLOCK_CHARS, max_blocks: int = MAX_BLOCKS) -> tuple[int, ...]:
+    """Chained 64-bit hashes of ``text``'s full blocks of ``block_chars`` characters: the
+    ``i``-th hash stands for the first ``i + 1`` blocks."""
+    hashes: list[int] = []
+    previous = b""
+    for start in range(0, min(len(text) // block_chars, max_blocks) * block_chars, block_chars):
+        digest = hashlib.blake2b(previous + text[start : start + block_chars].encode(), digest_size=8).digest()
+        hashes.append(int.from_bytes(digest, "little"))
+        previous = digest
+    return tuple(hashes)
+
+
+class PrefixAffinityRouter(RequestRouter):
+    """A Ray Serve request router that sends requests sharing a prompt prefix to one replica.
+
+    Configured with ``RequestRouterConfig(request_router_class=PrefixAffinityRouter,
+    request_router_kwargs={"max_imbalance": ..., "max_entries": ...})``; requests carry
+    their prefix hashes in :attr:`ForwardedRequest.prefix`. Each handle (each ingress
+    replica) keeps its own table.
+    """
+
+    def initialize_state(self, max_imbalance: int = MAX_IMBALANCE, max_entries: int = MAX_ENTRIES, **_: Any) -> None:
+        """Set the policy's bounds (Ray Serve calls it with ``request_router_kwargs``)."""
+        if max_imbalance < 0 or max_entries < 1:
+            raise ValueError(f"max_imbalance must be >= 0 and max_entries >= 1, got {max_imbalance}, {max_entries}")
+        self.max_imbalance = max_imbalance
+        self.max_entries = max_entries
+        #: block hash -> the replica the last request with that block went to
+        self.owners: OrderedDict[int, ReplicaID] = OrderedDict()
+        #: requests routed by a known prefix, and all routed requests
+        self.affinity_hits = 0
+        self.routed = 0
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        """The replica holding the request's longest known prefix first (if it is not much
+        busier than the least loaded), then the less loaded of two random replicas."""
+        if not candidate_replicas:
+            return []
+        asked = _asked_for(pending_request)
+        if asked is not None:
+            for replica in candidate_replicas:
+                if replica.replica_id.unique_id == asked:
+                    return [[replica]]
+        by_id = {replica.replica_id: replica for replica in candidate_replicas}
+        loads = {replica.replica_id: self._load(replica) for replica in candidate_replicas}
+        lightest = min(loads.values())
+        for block in reversed(_prefix_of(pending_request)):
+            owner = self.owners.get(block)
+            if owner is None or owner not in by_id:
+                continue
+            if loads[owner] <= lightest + self.max_imbalance:
+                others = [replica for replica in candidate_replicas if replica.replica_id != owner]
+                return [[by_id[owner]], *_two_choices(others, loads)]
+            break  # its replica is too busy: balance instead
+        return _two_choices(candidate_replicas, loads)
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        """Remember that the request's blocks are now cached on ``replica_id``."""
+        prefix = _prefix_of(pending_request)
+        self.routed += 1
+        if prefix and self.owners.get(prefix[-1]) == replica_id:
+            self.affinity_hits += 1
+        for block in prefix:
+            self.owners[block] = replica_id
+            self.owners.move_to_end(block)
+        while len(self.owners) > self.max_entries:
+            self.owners.popitem(last=False)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        """Forget a dead replica's prefixes (its cache went with it)."""
+        super().on_replica_actor_died(replica_id)
+        for block in [b for b, owner in self.owners.items() if owner == replica_id]:
+            del self.owners[block]
+
+    def _load(self, replica: RunningReplica) -> int:
+        queue_len = self.replica_queue_len_cache.get(replica.replica_id)
+        return 0 if queue_len is None else int(queue_len)
+
+
+def _prefix_of(pending_request: PendingRequest | None) -> tuple[int, ...]:
+    if pending_request is None or not pending_request.args:
+        return ()
+    request = pending_request.args[0]
+    return request.prefix if isinstance(request, ForwardedRequest) else ()
+
+
+def _asked_for(pending_request: PendingRequest | None) -> str | None:
+    if pending_request is None or not pending_request.args:
+        return None
+    request = pending_request.args[0]
+    return request.replica if isinstance(request, ForwardedRequest) else None
+
+
+def _two_choices(replicas: list[RunningReplica], loads: Mapping[ReplicaID, int]) -> list[list[RunningReplica]]:
+    """Two random replicas, the less loaded first, then the rest: power of two choices."""
+    if len(replicas) <= 2:
+        return [sorted(replicas, key=lambda r: (loads[r.replica_id], random.random()))] if replicas else []
+    chosen = random.sample(replicas, 2)
+    chosen.sort(key=lambda r: loads[r.replica_id])
+    rest = [replica for replica in replicas if replica not in chosen]
+    return [chosen, rest]

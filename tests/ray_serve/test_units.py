@@ -1,0 +1,233 @@
+"""aiocb.ray_serve's parts that need no Ray cluster: prefix hashing, the router's policy,
+the in-process ASGI forwarding (cancellation included) and build_app's checks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import pytest
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
+from ray.serve.request_router import PendingRequest
+from transformers import PreTrainedModel
+
+import aiocb
+from aiocb.errors import InvalidConfigError
+from aiocb.ray_serve import BLOCK_CHARS, PrefixAffinityRouter, build_app, prefix_hashes, prompt_text
+from aiocb.ray_serve.forwarding import ForwardedRequest, ResponseStart, run_asgi
+from aiocb.server import build_app as build_server
+from tests.server.conftest import MODEL_NAME, serve_config, wait_until_idle, wait_until_running
+
+# ------------------------------------------------------------------ prefix hashing
+
+
+def test_prefix_hashes_chain_full_blocks_so_shared_prefixes_share_leading_hashes() -> None:
+    system = "s" * (3 * BLOCK_CHARS)
+    a = prefix_hashes(system + "user one asks " * 40)
+    b = prefix_hashes(system + "user two asks " * 40)
+    assert len(a) == len(system + "user one asks " * 40) // BLOCK_CHARS
+    assert a[:3] == b[:3], "the system prompt's three blocks hash the same"
+    assert a[3] != b[3]
+    assert prefix_hashes("x" * (BLOCK_CHARS - 1)) == (), "only full blocks are hashed"
+    # Chained: the same block after different prefixes hashes differently.
+    after_a, after_b = ("a" * BLOCK_CHARS + "c" * BLOCK_CHARS), ("b" * BLOCK_CHARS + "c" * BLOCK_CHARS)
+    assert prefix_hashes(after_a)[1] != prefix_hashes(after_b)[1]
+    assert len(prefix_hashes("z" * (BLOCK_CHARS * 1000))) == 256, "bounded work per prompt"
+
+
+def test_prompt_text_reads_completions_and_chat_prompts() -> None:
+    assert prompt_text("/v1/completions", {"prompt": "hello"}) == "hello"
+    assert prompt_text("/v1/completions", {"prompt": ["first", "second"]}) == "first"
+    assert prompt_text("/v1/completions", {"prompt": [1, 2, 3]}) == "1,2,3"
+    assert prompt_text("/v1/completions", {"prompt": [[4, 5], [6]]}) == "4,5"
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    text = prompt_text("/v1/chat/completions", {"messages": chat})
+    assert text is not None and text.startswith("\x1esystem\x1fbe brief")
+    longer = prompt_text("/v1/chat/completions", {"messages": [*chat, {"role": "assistant", "content": "yo"}]})
+    assert longer is not None and longer.startswith(text), "a conversation's prefix is its earlier turns"
+    assert prompt_text("/v1/chat/completions", {"messages": "not a list"}) is None
+    assert prompt_text("/v1/models", {"prompt": "x"}) is None
+    assert prompt_text("/v1/completions", ["not", "an", "object"]) is None
+
+
+# ------------------------------------------------------------------ the router's policy
+
+
+class _FakeReplica:
+    """What the router reads of a replica."""
+
+    def __init__(self, unique_id: str) -> None:
+        self.replica_id = ReplicaID(unique_id, DeploymentID("AiocbEngine", "aiocb"))
+        self.max_ongoing_requests = 512
+
+
+def _router(max_imbalance: int = 4) -> PrefixAffinityRouter:
+    router = PrefixAffinityRouter(DeploymentID("AiocbEngine", "aiocb"), DeploymentHandleSource.REPLICA)
+    router.initialize_state(max_imbalance=max_imbalance, max_entries=1000)
+    return router
+
+
+def _pending(prefix: tuple[int, ...]) -> PendingRequest:
+    request = ForwardedRequest("POST", "/v1/completions", b"", (), b"", prefix=prefix)
+    return SimpleNamespace(args=[request])  # type: ignore[return-value]  # what the router reads of one
+
+
+async def test_the_router_follows_a_known_prefix_unless_its_replica_is_much_busier() -> None:
+    router = _router(max_imbalance=4)
+    a, b, c = _FakeReplica("a"), _FakeReplica("b"), _FakeReplica("c")
+    replicas: list[Any] = [a, b, c]
+    first = await router.choose_replicas(replicas, _pending((1, 2, 3)))
+    assert len(first[0]) == 2 and sum(len(rank) for rank in first) == 3, "nothing known: two random, then the rest"
+    router.on_request_routed(_pending((1, 2, 3)), b.replica_id, None)
+
+    # A request sharing the first two blocks goes to b; one sharing none does not have to.
+    assert (await router.choose_replicas(replicas, _pending((1, 2, 99))))[0] == [b]
+    assert (await router.choose_replicas(replicas, _pending((1, 2, 3, 4))))[0] == [b]
+    router.on_request_routed(_pending((7, 8)), c.replica_id, None)
+    assert (await router.choose_replicas(replicas, _pending((7, 8, 9))))[0] == [c], "the longest known prefix wins"
+
+    # b far busier than the least loaded replica: balance instead.
+    for _ in range(5):
+        router.replica_queue_len_cache.update(b.replica_id, 5)
+    router.replica_queue_len_cache.update(a.replica_id, 0)
+    router.replica_queue_len_cache.update(c.replica_id, 0)
+    ranks = await router.choose_replicas(replicas, _pending((1, 2, 3)))
+    assert ranks[0] != [b]
+    router.replica_queue_len_cache.update(b.replica_id, 4)
+    assert (await router.choose_replicas(replicas, _pending((1, 2, 3))))[0] == [b], "within max_imbalance"
+
+    # b dies: its prefixes are forgotten, and a replica no longer listed is never chosen.
+    router.on_replica_actor_died(b.replica_id)
+    assert all(owner != b.replica_id for owner in router.owners.values())
+    ranks = await router.choose_replicas([a, c], _pending((1, 2, 3)))
+    assert all(r in (a, c) for rank in ranks for r in rank)
+
+
+async def test_the_router_forgets_the_least_recently_used_blocks() -> None:
+    router = _router()
+    router.initialize_state(max_imbalance=4, max_entries=3)
+    replica = _FakeReplica("a")
+    router.on_request_routed(_pending((1, 2)), replica.replica_id, None)
+    router.on_request_routed(_pending((3, 4)), replica.replica_id, None)
+    assert list(router.owners) == [2, 3, 4]
+    assert router.routed == 2
+    with pytest.raises(ValueError, match="max_imbalance"):
+        router.initialize_state(max_imbalance=-1)
+
+
+# ------------------------------------------------------------------ forwarding
+
+
+def _forwarded(path: str, body: dict[str, Any] | None = None, method: str = "POST") -> ForwardedRequest:
+    raw = b"" if body is None else json.dumps(body).encode()
+    headers = ((b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode()))
+    return ForwardedRequest(method, path, b"", headers, raw, ("127.0.0.1", 5000))
+
+
+async def _collect(parts: Any) -> tuple[ResponseStart, bytes]:
+    start: ResponseStart | None = None
+    body = b""
+    async for part in parts:
+        if isinstance(part, ResponseStart):
+            start = part
+        else:
+            body += part
+    assert start is not None
+    return start, body
+
+
+async def test_run_asgi_gives_the_same_response_as_the_app_over_http(model: PreTrainedModel, tokenizer: Any) -> None:
+    async with aiocb.Manager(model, continuous_batching_config=serve_config()) as manager:
+        app = build_server(manager, tokenizer, MODEL_NAME)
+        request = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 6, "temperature": 0}
+        start, body = await _collect(run_asgi(app, _forwarded("/v1/completions", request), ((b"x-extra", b"1"),)))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+            direct = await http.post("/v1/completions", json=request)
+        assert start.status == 200 and (b"x-extra", b"1") in start.headers
+        assert json.loads(body)["choices"] == direct.json()["choices"]
+
+        start, body = await _collect(run_asgi(app, _forwarded("/v1/models", method="GET")))
+        assert start.status == 200 and json.loads(body)["data"][0]["id"] == MODEL_NAME
+        start, body = await _collect(run_asgi(app, _forwarded("/v1/completions", {"model": "other", "prompt": "x"})))
+        assert start.status == 404 and json.loads(body)["error"]["param"] == "model"
+
+        stream = {**request, "stream": True, "max_tokens": 4}
+        start, body = await _collect(run_asgi(app, _forwarded("/v1/completions", stream)))
+        assert start.status == 200
+        events = [line for line in body.decode().splitlines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]" and len(events) >= 3
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_closing_the_forwarded_response_cancels_the_request_and_frees_its_blocks(
+    model: PreTrainedModel, tokenizer: Any, stream: bool
+) -> None:
+    async with aiocb.Manager(model, continuous_batching_config=serve_config()) as manager:
+        app = build_server(manager, tokenizer, MODEL_NAME)
+        request = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 900, "stream": stream}
+        parts = run_asgi(app, _forwarded("/v1/completions", request))
+        if stream:
+            assert isinstance(await anext(parts), ResponseStart)
+            await anext(parts)  # a first chunk: the request runs
+        else:
+            pending = asyncio.ensure_future(anext(parts))
+            await wait_until_running(manager, 1)
+            pending.cancel()  # the caller is cancelled (Ray's cancellation of a gone client's call)
+            with pytest.raises(asyncio.CancelledError):
+                await pending
+        await parts.aclose()
+        stats = await wait_until_idle(manager)
+        assert stats.running_requests == 0 and stats.free_blocks == stats.total_blocks
+        assert stats.tokens_generated < 900, "cancelled, not run to its end"
+
+
+# ------------------------------------------------------------------ build_app's checks
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"num_replicas": 2, "autoscaling_config": {}}, "not both"),
+        ({"num_replicas": 0}, "num_replicas"),
+        ({"num_replicas": "many"}, "num_replicas"),
+        ({"autoscaling_config": {"min_replicas": 3, "max_replicas": 1}}, "autoscaling_config"),
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
+        ({"tensor_parallel_size": 2}, "model path"),
+        ({"routing": "random"}, "routing"),
+        ({"max_ongoing_requests": 0}, "max_ongoing_requests"),
+        ({"max_imbalance": -1}, "max_imbalance"),
+        ({"health_check_period_s": 0}, "health_check"),
+        ({"ray_actor_options": ["num_cpus"]}, "ray_actor_options"),
+        ({"no_such_option": 1}, "unknown server options: no_such_option"),
+        ({"dtype": "int8"}, "dtype"),
+        ({"tool_call_parser": "xml"}, "tool_call_parser"),
+        ({"reasoning_parser": "nope"}, "reasoning_parser"),
+        ({"limits": {"max_request_bytes": 1}}, "limits must be a ServerLimits"),
+        ({"continuous_batching_config": {}}, "continuous_batching_config"),
+        ({"torch_threads": 0}, "torch_threads"),
+    ],
+)
+def test_build_app_refuses_bad_options_by_name(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(InvalidConfigError, match=message):
+        build_app(None, **kwargs)
+
+
+def test_build_app_checks_tensor_parallelism_against_the_model_config(model_dir: Any) -> None:
+    with pytest.raises(InvalidConfigError, match="num_key_value_heads"):
+        build_app(model_dir, tensor_parallel_size=3)
+
+
+def test_build_app_defaults() -> None:
+    ingress = build_app(None)._bound_deployment
+    engine = ingress.init_args[0]._bound_deployment
+    assert ingress.name == "AiocbIngress"
+    assert engine.name == "AiocbEngine"
+    assert engine.num_replicas == 1
+    assert engine.max_ongoing_requests == aiocb.ray_serve.MAX_ONGOING_REQUESTS
+    router = engine._deployment_config.request_router_config
+    assert router.request_router_class.endswith("PrefixAffinityRouter")
+    scaled = build_app(None, num_replicas="auto")._bound_deployment.init_args[0]._bound_deployment
+    assert scaled._deployment_config.autoscaling_config.target_ongoing_requests == 64
