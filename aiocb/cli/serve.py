@@ -42,6 +42,14 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 #: The name the bundled model is served under when no MODEL is given.
 _DEFAULT_MODEL_NAME = "pycode-tiny"
 SHUTDOWN_MARGIN_S = 5.0
+#: Defaults of the flags that configure uvicorn (which --replicas does not run).
+UVICORN_DEFAULTS: dict[str, Any] = {
+    "loop": "auto",
+    "max_connections": 4096,
+    "header_timeout": 30.0,
+    "timeout_keep_alive": 5.0,
+    "max_header_bytes": 16384,
+}
 _NONE_WORDS = frozenset({"none", "null", "auto"})
 _TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
 _FALSE_WORDS = frozenset({"0", "false", "no", "off"})
@@ -83,7 +91,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "the engine process only runs the model (default 0: all in one process)",
     )
     parser.add_argument(
-        "--loop", choices=("auto", "uvloop", "asyncio"), default="auto", help="event loop (auto: uvloop if installed)"
+        "--loop",
+        choices=("auto", "uvloop", "asyncio"),
+        default=UVICORN_DEFAULTS["loop"],
+        help="event loop (auto: uvloop if installed)",
     )
     parser.add_argument(
         "--shutdown-timeout", type=float, default=10.0, help="seconds running requests get on shutdown (default 10)"
@@ -115,26 +126,64 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="split <think>...</think> into reasoning_content (default: reasoning stays in the content)",
     )
+    replicas = parser.add_argument_group("replicas", "data-parallel replicas on Ray Serve (the 'ray' extra)")
+    replicas.add_argument(
+        "--replicas",
+        type=_replica_count,
+        default=None,
+        metavar="N|auto",
+        help="serve with N replicas on Ray Serve, or 'auto' to autoscale them by ongoing requests "
+        "(aiocb.ray_serve.AUTOSCALING_DEFAULTS); requests sharing a prompt prefix go to one replica",
+    )
+    replicas.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDR",
+        help="the Ray cluster to run on ('auto', or ray://HEAD:10001; default: start a local Ray instance)",
+    )
+    replicas.add_argument(
+        "--autoscaling-config",
+        type=_json_object,
+        default=None,
+        metavar="JSON",
+        help="Ray Serve autoscaling_config fields ('{\"max_replicas\": 8}'); the others keep aiocb's defaults",
+    )
+    replicas.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="ranks per replica, placed together with a Ray placement group (default 1)",
+    )
+    replicas.add_argument(
+        "--routing",
+        choices=("prefix_affinity", "power_of_two"),
+        default=None,
+        help="how the ingress picks a replica (default prefix_affinity; power_of_two: Ray Serve's default)",
+    )
     connections = parser.add_argument_group("connections", "bounds that uvicorn enforces per connection")
     connections.add_argument(
         "--max-connections",
         type=int,
-        default=4096,
+        default=UVICORN_DEFAULTS["max_connections"],
         help="open connections (and tasks) at most; beyond them uvicorn answers a plain 503 (default 4096)",
     )
     connections.add_argument(
         "--header-timeout",
         type=float,
-        default=30.0,
+        default=UVICORN_DEFAULTS["header_timeout"],
         help="seconds a request's headers may take to arrive before the connection is closed (default 30)",
     )
     connections.add_argument(
-        "--timeout-keep-alive", type=float, default=5.0, help="seconds an idle keep-alive connection stays (default 5)"
+        "--timeout-keep-alive",
+        type=float,
+        default=UVICORN_DEFAULTS["timeout_keep_alive"],
+        help="seconds an idle keep-alive connection stays (default 5)",
     )
     connections.add_argument(
         "--max-header-bytes",
         type=int,
-        default=16384,
+        default=UVICORN_DEFAULTS["max_header_bytes"],
         help="bytes of request line and headers at most; beyond them the connection gets 431 (default 16384)",
     )
     limits = parser.add_argument_group("request limits", "ServerLimits fields: what one request may cost")
@@ -198,6 +247,19 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.api_workers < 0:
         print(f"aiocb serve: --api-workers must be 0 or more, got {args.api_workers}", file=sys.stderr)
         return 2
+    from aiocb.cli.replicas import replica_problems
+
+    problems = replica_problems(args)
+    if problems:
+        print(f"aiocb serve: {'; '.join(problems)}", file=sys.stderr)
+        return 2
+    if args.replicas is not None:
+        if importlib.util.find_spec("ray") is None:
+            print("aiocb serve --replicas needs the 'ray' extra (pip install 'aiocb[ray]')", file=sys.stderr)
+            return 2
+        from aiocb.cli.replicas import serve_with_replicas
+
+        return serve_with_replicas(args, config, limits)
     try:
         from aiocb.server import build_app
         from aiocb.server.connections import DrainingServer
@@ -223,6 +285,19 @@ def run_serve(args: argparse.Namespace) -> int:
     logger.info("serving %s on http://%s:%d (event loop: %s)", name, args.host, args.port, loop)
     DrainingServer(uvicorn_config(app, args, loop), app, args.shutdown_timeout).run()
     return 0
+
+
+def _replica_count(text: str) -> int | str:
+    """``--replicas``: a count of at least 1, or ``auto``."""
+    if text == "auto":
+        return text
+    try:
+        count = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a count or 'auto', got {text!r}") from None
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"expected at least 1 replica, got {count}")
+    return count
 
 
 def _speculative_config(text: str) -> SpeculativeConfig:

@@ -1,0 +1,122 @@
+"""``aiocb serve MODEL --replicas N``: data-parallel replicas on Ray Serve.
+
+Without ``--ray-address`` a local Ray instance is started (every replica on this
+machine); with one (``auto``, or ``ray://head:10001``) the app runs on that cluster, and
+``MODEL`` must be a hub id or a path that every node has. Ray Serve's HTTP proxy listens
+on ``--host`` / ``--port``. ``SIGTERM`` or ``Ctrl-C`` deletes the app (replicas drain for
+``--shutdown-timeout`` seconds) and, for a local instance, stops Ray.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import signal
+import sys
+import threading
+from typing import Any
+
+from aiocb.cli.serve import UVICORN_DEFAULTS, chat_parsers, served_model_name
+from aiocb.config import ContinuousBatchingConfig
+from aiocb.server.limits import ServerLimits
+
+logger = logging.getLogger(__name__)
+
+#: The name of the Ray Serve application the command runs.
+APP_NAME = "aiocb"
+
+
+def replica_problems(args: argparse.Namespace) -> list[str]:
+    """Why the flags cannot run as Ray Serve replicas (empty: they can)."""
+    problems: list[str] = []
+    if args.replicas is None:
+        for flag, value in (
+            ("--ray-address", args.ray_address),
+            ("--autoscaling-config", args.autoscaling_config),
+            ("--routing", args.routing),
+        ):
+            if value is not None:
+                problems.append(f"{flag} needs --replicas")
+        if args.tensor_parallel_size != 1:
+            problems.append("--tensor-parallel-size needs --replicas (on one machine, launch ranks with torchrun)")
+        return problems
+    if args.api_workers:
+        problems.append("--api-workers does not apply to --replicas (Ray Serve's proxy and ingress take HTTP)")
+    for name, default in UVICORN_DEFAULTS.items():
+        if getattr(args, name) != default:
+            problems.append(f"--{name.replace('_', '-')} is uvicorn's and does not apply to --replicas")
+    if args.port == 0:
+        problems.append("--port 0 does not apply to --replicas: Ray Serve's proxy needs a fixed port")
+    if args.replicas == "auto" and args.autoscaling_config is not None:
+        problems.append("give --replicas auto or --autoscaling-config, not both")
+    return problems
+
+
+def serve_with_replicas(args: argparse.Namespace, config: ContinuousBatchingConfig, limits: ServerLimits) -> int:
+    """Run the app on Ray Serve until a signal; the exit status."""
+    import ray
+    from ray import serve
+
+    from aiocb.errors import InvalidConfigError
+    from aiocb.ray_serve import build_app
+
+    make_app = functools.partial(
+        build_app,
+        args.model,
+        num_replicas=None if args.autoscaling_config is not None else args.replicas,
+        autoscaling_config=args.autoscaling_config,
+        tensor_parallel_size=args.tensor_parallel_size,
+        routing=args.routing or "prefix_affinity",
+        **server_options(args, config, limits),
+    )
+    try:
+        make_app()  # every option checked before Ray starts
+    except InvalidConfigError as exc:
+        print(f"aiocb serve: {exc}", file=sys.stderr)
+        return 2
+    local = args.ray_address is None
+    ray.init(address=args.ray_address, log_to_driver=True)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        # Built again now that Ray runs, so that the replicas' default resources see the cluster's GPUs.
+        app = make_app()
+        serve.run(app, name=APP_NAME, route_prefix="/")
+        logger.info(
+            "serving %s on http://%s:%d with %s replicas on Ray Serve",
+            served_model_name(args),
+            args.host,
+            args.port,
+            args.replicas,
+        )
+        stop.wait()
+        logger.info("shutting down: the replicas drain, then the app is deleted")
+    finally:
+        if local:
+            serve.shutdown()
+        else:
+            serve.delete(APP_NAME)
+        ray.shutdown()
+    return 0
+
+
+def server_options(args: argparse.Namespace, config: ContinuousBatchingConfig, limits: ServerLimits) -> dict[str, Any]:
+    """``build_app``'s server options, from the flags."""
+    return {
+        "tokenizer": args.tokenizer,
+        "served_model_name": args.served_model_name,
+        "dtype": args.dtype,
+        "device": args.device,
+        "trust_remote_code": args.trust_remote_code,
+        "torch_threads": args.torch_threads,
+        "api_key": args.api_key,
+        "shutdown_timeout": args.shutdown_timeout,
+        "limits": limits,
+        "continuous_batching_config": config,
+        "speculative_config": args.speculative_config,
+        "access_log": args.access_log,
+        **chat_parsers(args),
+    }

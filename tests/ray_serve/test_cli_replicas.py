@@ -1,0 +1,101 @@
+"""``aiocb serve --replicas N``: its refusals, and two replicas of the bundled model from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from aiocb.cli.serve import add_serve_arguments, run_serve
+from aiocb.ray_serve import REPLICA_HEADER
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_replica_counts_are_parsed() -> None:
+    assert parse("--replicas", "3").replicas == 3
+    assert parse("--replicas", "auto").replicas == "auto"
+    assert parse().replicas is None
+    for bad in ("0", "-1", "many"):
+        with pytest.raises(SystemExit):
+            parse("--replicas", bad)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("--ray-address", "auto"), "--ray-address needs --replicas"),
+        (("--routing", "power_of_two"), "--routing needs --replicas"),
+        (("--autoscaling-config", "{}"), "--autoscaling-config needs --replicas"),
+        (("--tensor-parallel-size", "2"), "--tensor-parallel-size needs --replicas"),
+        (("--replicas", "2", "--api-workers", "2"), "--api-workers does not apply"),
+        (("--replicas", "2", "--loop", "asyncio"), "--loop is uvicorn's"),
+        (("--replicas", "2", "--max-connections", "10"), "--max-connections is uvicorn's"),
+        (("--replicas", "2", "--port", "0"), "--port 0"),
+        (("--replicas", "auto", "--autoscaling-config", "{}"), "not both"),
+        (("--replicas", "2", "--autoscaling-config", '{"max_replicas": 0}'), "autoscaling_config"),
+        (("--replicas", "2", "--tensor-parallel-size", "2"), "model path"),
+    ],
+)
+def test_flags_that_do_not_fit_replicas_are_refused_before_ray_starts(
+    argv: tuple[str, ...], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert run_serve(parse(*argv)) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_two_replicas_from_the_command_line(tmp_path: Path) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [sys.executable, "-m", "aiocb.cli.serve", "--replicas", "2", "--port", str(port)]
+    command += ["--torch-threads", "1", "--page-size", "16", "--num-blocks", "256", "--shutdown-timeout", "5"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    log = tmp_path / "serve.log"
+    with log.open("w") as out:
+        process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert process.poll() is None, log.read_text()[-4000:]
+            try:
+                if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, f"the replicas did not come up:\n{log.read_text()[-4000:]}"
+            time.sleep(0.5)
+        body = {"model": "pycode-tiny", "prompt": "def add(a, b):\n", "max_tokens": 4, "temperature": 0}
+        seen: set[str] = set()
+        for _ in range(40):
+            response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+            assert response.status_code == 200, response.text
+            seen.add(response.headers[REPLICA_HEADER])
+            if len(seen) == 2:
+                break
+        assert len(seen) == 2, "both replicas answered"
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    output = log.read_text()
+    assert process.returncode == 0, output[-4000:]
+    assert "with 2 replicas on Ray Serve" in output
