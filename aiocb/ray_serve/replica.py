@@ -49,7 +49,7 @@ class EngineReplica:
         if tensor_parallel_size > 1:
             if model is None:
                 raise ValueError("tensor parallelism needs a model path; the bundled model is too small to shard")
-            self.group = TensorParallelGroup(model, options, tensor_parallel_size, follower_resources)
+            self.group = TensorParallelGroup(model, options, tensor_parallel_size, follower_resources, self.replica_id)
             loaded, tokenizer = await self._load_with_followers(self.group)
         else:
             loaded, tokenizer = await asyncio.to_thread(
@@ -107,6 +107,10 @@ class EngineReplica:
 
     async def __del__(self) -> None:
         """Drain: running requests get ``shutdown_timeout`` seconds, then the engine stops."""
+        if not hasattr(self, "app"):  # the constructor failed: Ray still calls this
+            if getattr(self, "group", None) is not None:
+                self.group.close()  # type: ignore[union-attr]
+            return
         ctx: Any = self.app.state.aiocb
         ctx.draining = True
         try:

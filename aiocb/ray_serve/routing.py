@@ -6,8 +6,11 @@ chained on the one before, as the paged cache hashes token blocks
 share their first ``n`` blocks. :class:`PrefixAffinityRouter`, a Ray Serve request router,
 remembers which replica each block hash was last sent to, and sends a request to the
 replica holding its longest known prefix, unless that replica has more than
-``max_imbalance`` ongoing requests beyond the least loaded one; requests with nothing
-known go to the less loaded of two random replicas (Ray Serve's default policy). A
+``max_imbalance`` ongoing requests beyond the least loaded one. A prompt with no known
+prefix goes to the replica holding the fewest known blocks among those not much busier
+than the least loaded, so that new prefixes spread evenly over the caches; requests
+without a full block go to the less loaded of two random replicas (Ray Serve's default
+policy). A
 request whose ``x-aiocb-replica`` header names a live replica goes to it (sessions that
 stick to one replica, or a look at one replica's ``/metrics``).
 
@@ -21,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -38,6 +41,10 @@ MAX_BLOCKS = 256
 MAX_IMBALANCE = 32
 #: Block hashes remembered at most (least recently used ones are forgotten).
 MAX_ENTRIES = 200_000
+#: Routing attempts that offer a prefix's replica alone before others are offered after it:
+#: a replica's queue-length probe can miss its 0.1 s deadline on a busy host, and falling
+#: back at once would scatter a prefix over the replicas.
+AFFINITY_ATTEMPTS = 3
 
 
 def prompt_text(path: str, body: Any) -> str | None:
@@ -101,6 +108,10 @@ class PrefixAffinityRouter(RequestRouter):
         self.max_entries = max_entries
         #: block hash -> the replica the last request with that block went to
         self.owners: OrderedDict[int, ReplicaID] = OrderedDict()
+        #: blocks each replica owns in :attr:`owners`
+        self.owned: Counter[ReplicaID] = Counter()
+        #: routing attempts so far of the requests being routed to their prefix's replica
+        self.attempts: OrderedDict[str, int] = OrderedDict()
         #: requests routed by a known prefix, and all routed requests
         self.affinity_hits = 0
         self.routed = 0
@@ -120,33 +131,61 @@ class PrefixAffinityRouter(RequestRouter):
         by_id = {replica.replica_id: replica for replica in candidate_replicas}
         loads = {replica.replica_id: self._load(replica) for replica in candidate_replicas}
         lightest = min(loads.values())
-        for block in reversed(_prefix_of(pending_request)):
+        prefix = _prefix_of(pending_request)
+        if not prefix:
+            return _two_choices(candidate_replicas, loads)
+        for block in reversed(prefix):
             owner = self.owners.get(block)
             if owner is None or owner not in by_id:
                 continue
             if loads[owner] <= lightest + self.max_imbalance:
+                if self._attempt(pending_request) <= AFFINITY_ATTEMPTS:
+                    return [[by_id[owner]]]
                 others = [replica for replica in candidate_replicas if replica.replica_id != owner]
                 return [[by_id[owner]], *_two_choices(others, loads)]
             break  # its replica is too busy: balance instead
-        return _two_choices(candidate_replicas, loads)
+        # A new prefix (or one whose replica is too busy): the emptiest cache among the not-too-busy.
+        eligible = [r for r in candidate_replicas if loads[r.replica_id] <= lightest + self.max_imbalance]
+        emptiest = min(eligible, key=lambda r: (self.owned[r.replica_id], loads[r.replica_id], random.random()))
+        others = [replica for replica in candidate_replicas if replica is not emptiest]
+        return [[emptiest], *_two_choices(others, loads)]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         """Remember that the request's blocks are now cached on ``replica_id``."""
         prefix = _prefix_of(pending_request)
+        self.attempts.pop(pending_request.metadata.internal_request_id, None)
         self.routed += 1
         if prefix and self.owners.get(prefix[-1]) == replica_id:
             self.affinity_hits += 1
         for block in prefix:
+            previous = self.owners.get(block)
+            if previous != replica_id:
+                if previous is not None:
+                    self.owned[previous] -= 1
+                self.owned[replica_id] += 1
             self.owners[block] = replica_id
             self.owners.move_to_end(block)
         while len(self.owners) > self.max_entries:
-            self.owners.popitem(last=False)
+            _, owner = self.owners.popitem(last=False)
+            self.owned[owner] -= 1
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         """Forget a dead replica's prefixes (its cache went with it)."""
         super().on_replica_actor_died(replica_id)
         for block in [b for b, owner in self.owners.items() if owner == replica_id]:
             del self.owners[block]
+        self.owned.pop(replica_id, None)
+
+    def _attempt(self, pending_request: PendingRequest | None) -> int:
+        """Count one more routing attempt of ``pending_request``; the count."""
+        if pending_request is None:
+            return AFFINITY_ATTEMPTS + 1
+        key = pending_request.metadata.internal_request_id
+        count = self.attempts.get(key, 0) + 1
+        self.attempts[key] = count
+        while len(self.attempts) > self.max_entries:  # requests cancelled before they were routed
+            self.attempts.popitem(last=False)
+        return count
 
     def _load(self, replica: RunningReplica) -> int:
         queue_len = self.replica_queue_len_cache.get(replica.replica_id)

@@ -21,6 +21,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from aiocb.errors import DistributedError, InvalidConfigError
 from aiocb.ray_serve.options import ReplicaOptions
 
+#: The Ray namespace of the follower actors.
+FOLLOWER_NAMESPACE = "aiocb"
 #: Seconds a follower actor gets to return after rank 0 released it.
 _CLOSE_TIMEOUT_S = 10.0
 
@@ -29,7 +31,12 @@ class TensorParallelGroup:
     """Rank 0's view of its replica's group: the follower actors and their runs."""
 
     def __init__(
-        self, model: str, options: ReplicaOptions, size: int, follower_resources: dict[str, float] | None = None
+        self,
+        model: str,
+        options: ReplicaOptions,
+        size: int,
+        follower_resources: dict[str, float] | None = None,
+        replica_id: str = "",
     ) -> None:
         placement_group = ray.util.get_current_placement_group()
         if placement_group is None:
@@ -45,6 +52,8 @@ class TensorParallelGroup:
         actor: Any = ray.remote(TensorParallelRank)
         self.actors: list[Any] = [
             actor.options(
+                name=follower_name(replica_id, rank),
+                namespace=FOLLOWER_NAMESPACE,
                 num_cpus=resources.get("CPU", 0.0),
                 num_gpus=resources.get("GPU", 0.0),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -100,6 +109,11 @@ class TensorParallelRank:
         loaded = join_and_load(model, options, rank, size, address, port)
         report = aiocb.distributed.run_follower(loaded, options.continuous_batching_config)
         return dataclasses.asdict(report)
+
+
+def follower_name(replica_id: str, rank: int) -> str:
+    """The Ray actor name of a replica's follower rank (in :data:`FOLLOWER_NAMESPACE`)."""
+    return f"aiocb-tp-{replica_id}-rank{rank}"
 
 
 def join_and_load(model: str, options: ReplicaOptions, rank: int, size: int, address: str, port: int) -> Any:

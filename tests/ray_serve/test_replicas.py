@@ -23,6 +23,7 @@ from ray import serve
 import aiocb
 from aiocb.cli.serve import load_pretrained
 from aiocb.ray_serve import REPLICA_HEADER, build_app
+from aiocb.ray_serve.tensor_parallel import FOLLOWER_NAMESPACE, follower_name
 from aiocb.server import build_app as build_server
 
 MODEL = "pycode-tiny"
@@ -267,3 +268,37 @@ async def test_a_replica_whose_engine_died_is_replaced(cluster: str, poisoned_mo
                 pytest.fail("Ray did not replace the replica whose engine died")
     finally:
         serve.delete("poisoned")
+
+
+async def test_a_tensor_parallel_replica_answers_as_one_process(
+    cluster: str, model_dir: Path, model: Any, tokenizer: Any
+) -> None:
+    app = build_app(
+        model_dir,
+        served_model_name="sharded",
+        tensor_parallel_size=2,
+        torch_threads=1,
+        continuous_batching_config=aiocb.ContinuousBatchingConfig(page_size=16, num_blocks=64),
+    )
+    serve.run(app, name="sharded", route_prefix="/sharded")
+    try:
+        prompts = [[100, 101, 102, 103], [5, 6, 7, 8, 9, 10], [300, 200, 100]]
+        async with httpx.AsyncClient(base_url=f"{cluster}/sharded", timeout=60) as http:
+            responses = await asyncio.gather(
+                *(
+                    http.post(
+                        "/v1/completions",
+                        json={"model": "sharded", "prompt": p, "max_tokens": 8, "temperature": 0, "ignore_eos": True},
+                    )
+                    for p in prompts
+                )
+            )
+        assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+        replica = responses[0].headers[REPLICA_HEADER]
+        assert ray.get_actor(follower_name(replica, 1), namespace=FOLLOWER_NAMESPACE), "rank 1 runs in its own actor"
+        async with aiocb.Manager(model, continuous_batching_config=CONFIG) as manager:
+            expected = await manager.generate_batch(prompts, max_new_tokens=8, ignore_eos=True)
+        texts = [tokenizer.decode(o.generated_tokens) for o in expected.values()]
+        assert [r.json()["choices"][0]["text"] for r in responses] == texts
+    finally:
+        serve.delete("sharded")

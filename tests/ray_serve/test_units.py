@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import Counter
 from types import SimpleNamespace
 from typing import Any
 
@@ -70,21 +71,30 @@ def _router(max_imbalance: int = 4) -> PrefixAffinityRouter:
     return router
 
 
-def _pending(prefix: tuple[int, ...]) -> PendingRequest:
+def _pending(prefix: tuple[int, ...], request_id: str = "r") -> PendingRequest:
     request = ForwardedRequest("POST", "/v1/completions", b"", (), b"", prefix=prefix)
-    return SimpleNamespace(args=[request])  # type: ignore[return-value]  # what the router reads of one
+    metadata = SimpleNamespace(internal_request_id=request_id)
+    return SimpleNamespace(args=[request], metadata=metadata)  # type: ignore[return-value]  # what the router reads
 
 
 async def test_the_router_follows_a_known_prefix_unless_its_replica_is_much_busier() -> None:
     router = _router(max_imbalance=4)
     a, b, c = _FakeReplica("a"), _FakeReplica("b"), _FakeReplica("c")
     replicas: list[Any] = [a, b, c]
+    short = await router.choose_replicas(replicas, _pending(()))
+    assert len(short[0]) == 2 and sum(len(rank) for rank in short) == 3, "no full block: two random, then the rest"
     first = await router.choose_replicas(replicas, _pending((1, 2, 3)))
-    assert len(first[0]) == 2 and sum(len(rank) for rank in first) == 3, "nothing known: two random, then the rest"
+    assert len(first[0]) == 1 and sum(len(rank) for rank in first) == 3, "a new prefix: the emptiest cache first"
     router.on_request_routed(_pending((1, 2, 3)), b.replica_id, None)
+    assert (await router.choose_replicas(replicas, _pending((50, 51))))[0] != [b], "b holds blocks, a and c none"
 
     # A request sharing the first two blocks goes to b; one sharing none does not have to.
-    assert (await router.choose_replicas(replicas, _pending((1, 2, 99))))[0] == [b]
+    for _ in range(3):  # the prefix's replica alone, for a few attempts (its probe may be slow) ...
+        assert await router.choose_replicas(replicas, _pending((1, 2, 99), "slow")) == [[b]]
+    ranks = await router.choose_replicas(replicas, _pending((1, 2, 99), "slow"))
+    assert ranks[0] == [b] and sorted(r.replica_id.unique_id for rank in ranks[1:] for r in rank) == ["a", "c"]
+    router.on_request_routed(_pending((1, 2, 99), "slow"), b.replica_id, None)
+    assert "slow" not in router.attempts, "... then the others after it"
     assert (await router.choose_replicas(replicas, _pending((1, 2, 3, 4))))[0] == [b]
     router.on_request_routed(_pending((7, 8)), c.replica_id, None)
     assert (await router.choose_replicas(replicas, _pending((7, 8, 9))))[0] == [c], "the longest known prefix wins"
@@ -98,6 +108,10 @@ async def test_the_router_follows_a_known_prefix_unless_its_replica_is_much_busi
     assert ranks[0] != [b]
     router.replica_queue_len_cache.update(b.replica_id, 4)
     assert (await router.choose_replicas(replicas, _pending((1, 2, 3))))[0] == [b], "within max_imbalance"
+
+    assert router.owned == Counter({b.replica_id: 4, c.replica_id: 2}), "b: 1, 2, 3, 99; c: 7, 8"
+    router.on_request_routed(_pending((1, 2)), c.replica_id, None)
+    assert router.owned == Counter({b.replica_id: 2, c.replica_id: 4}), "blocks change owner"
 
     # b dies: its prefixes are forgotten, and a replica no longer listed is never chosen.
     router.on_replica_actor_died(b.replica_id)
