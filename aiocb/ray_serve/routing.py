@@ -112,8 +112,7 @@ class PrefixAffinityRouter(RequestRouter):
         self.owned: Counter[ReplicaID] = Counter()
         #: routing attempts so far of the requests being routed to their prefix's replica
         self.attempts: OrderedDict[str, int] = OrderedDict()
-        #: requests routed by a known prefix, and all routed requests
-        self.affinity_hits = 0
+        #: requests routed
         self.routed = 0
 
     async def choose_replicas(
@@ -147,6 +146,9 @@ class PrefixAffinityRouter(RequestRouter):
         # A new prefix (or one whose replica is too busy): the emptiest cache among the not-too-busy.
         eligible = [r for r in candidate_replicas if loads[r.replica_id] <= lightest + self.max_imbalance]
         emptiest = min(eligible, key=lambda r: (self.owned[r.replica_id], loads[r.replica_id], random.random()))
+        # Claimed now, not once routed: requests routed meanwhile (the same prefix, or other
+        # new ones) must see it, or a burst of new prefixes would all pick one replica.
+        self._claim(prefix, emptiest.replica_id)
         others = [replica for replica in candidate_replicas if replica is not emptiest]
         return [[emptiest], *_two_choices(others, loads)]
 
@@ -155,8 +157,10 @@ class PrefixAffinityRouter(RequestRouter):
         prefix = _prefix_of(pending_request)
         self.attempts.pop(pending_request.metadata.internal_request_id, None)
         self.routed += 1
-        if prefix and self.owners.get(prefix[-1]) == replica_id:
-            self.affinity_hits += 1
+        self._claim(prefix, replica_id)
+
+    def _claim(self, prefix: tuple[int, ...], replica_id: ReplicaID) -> None:
+        """Record ``prefix``'s blocks as cached on ``replica_id``."""
         for block in prefix:
             previous = self.owners.get(block)
             if previous != replica_id:

@@ -106,12 +106,19 @@ async def test_the_router_follows_a_known_prefix_unless_its_replica_is_much_busi
     router.replica_queue_len_cache.update(c.replica_id, 0)
     ranks = await router.choose_replicas(replicas, _pending((1, 2, 3)))
     assert ranks[0] != [b]
+    assert router.owners[3] == ranks[0][0].replica_id, "the prefix moves with it"
+    router.on_request_routed(_pending((1, 2, 3)), b.replica_id, None)  # the router sent it to b after all
     router.replica_queue_len_cache.update(b.replica_id, 4)
     assert (await router.choose_replicas(replicas, _pending((1, 2, 3))))[0] == [b], "within max_imbalance"
 
-    assert router.owned == Counter({b.replica_id: 4, c.replica_id: 2}), "b: 1, 2, 3, 99; c: 7, 8"
+    def owned() -> Counter[Any]:
+        return +router.owned  # without zero counts
+
+    assert owned() == Counter(router.owners.values()), "the counts follow the table"
+    before = owned()
     router.on_request_routed(_pending((1, 2)), c.replica_id, None)
-    assert router.owned == Counter({b.replica_id: 2, c.replica_id: 4}), "blocks change owner"
+    assert owned() == Counter(router.owners.values())
+    assert owned()[c.replica_id] == before[c.replica_id] + 2, "blocks change owner"
 
     # b dies: its prefixes are forgotten, and a replica no longer listed is never chosen.
     router.on_replica_actor_died(b.replica_id)
@@ -245,3 +252,16 @@ def test_build_app_defaults() -> None:
     assert router.request_router_class.endswith("PrefixAffinityRouter")
     scaled = build_app(None, num_replicas="auto")._bound_deployment.init_args[0]._bound_deployment
     assert scaled._deployment_config.autoscaling_config.target_ongoing_requests == 64
+
+
+async def test_a_burst_of_new_prefixes_spreads_over_the_replicas_before_any_is_routed() -> None:
+    router = _router()
+    a, b = _FakeReplica("a"), _FakeReplica("b")
+    chosen = [
+        (await router.choose_replicas([a, b], _pending((tenant, tenant + 1))))[0][0] for tenant in range(0, 80, 10)
+    ]
+    assert Counter(r.replica_id.unique_id for r in chosen) == {"a": 4, "b": 4}
+    again = [
+        (await router.choose_replicas([a, b], _pending((tenant, tenant + 1))))[0][0] for tenant in range(0, 80, 10)
+    ]
+    assert again == chosen, "each prefix's later requests follow it"
