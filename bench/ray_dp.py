@@ -9,7 +9,7 @@ Ray Serve's default routing, on a local Ray instance with the bundled pycode-tin
   Prompt tokens read from the cache (``usage.prompt_tokens_details.cached_tokens``)
   for one replica, two with prefix affinity and two with power-of-two choices, with a
   roomy cache (every tenant fits in each replica) and a tight one of 128 blocks (a
-  tenant's system prompt is 23 blocks: four tenants and the requests in flight fit in
+  tenant's system prompt is about 22 blocks: four tenants and the requests in flight fit in
   one replica, all eight do not).
 
     python bench/ray_dp.py [--threads 2] [--json PATH]
