@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from aiocb.config import ContinuousBatchingConfig
@@ -53,14 +55,16 @@ def generate_batch(
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        pass
+        in_loop = False
     else:
-        raise RuntimeError(
-            "aiocb.generate_batch() blocks, so it cannot run inside a running event loop; "
-            "use `await manager.generate_batch(inputs)` on an aiocb.Manager instead"
-        )
+        in_loop = True
+    layout = tensor_parallel_layout(model)
+    if in_loop and (layout is None or not layout.is_driver):  # rank 0 tells its followers first
+        raise _in_a_loop()
 
     def run() -> dict[str, GenerationOutput]:
+        if in_loop:
+            raise _in_a_loop()
         if not inputs:
             return {}
 
@@ -80,7 +84,6 @@ def generate_batch(
 
         return asyncio.run(generate())
 
-    layout = tensor_parallel_layout(model)
     if layout is None:
         return run()
     fingerprint = _fingerprint(
@@ -109,7 +112,42 @@ def generate_batch(
     return outputs
 
 
+def _in_a_loop() -> RuntimeError:
+    return RuntimeError(
+        "aiocb.generate_batch() blocks, so it cannot run inside a running event loop; "
+        "use `await manager.generate_batch(inputs)` on an aiocb.Manager instead"
+    )
+
+
 def _fingerprint(*arguments: Any) -> str:
     """A digest of ``generate_batch``'s arguments, to check that every rank passed the same."""
-    parts = [a.to_json_string(use_diff=True) if isinstance(a, GenerationConfig) else repr(a) for a in arguments]
-    return hashlib.sha256("\x00".join(parts).encode()).hexdigest()
+    digest = hashlib.sha256()
+    for argument in arguments:
+        digest.update(repr(_canonical(argument)).encode())
+    return digest.hexdigest()
+
+
+def _canonical(value: Any) -> Any:
+    """``value`` in a form whose ``repr`` is the same in every process for equal values:
+    sets sorted (string hashing differs between processes), mappings by key, tensors by
+    their bytes, dataclasses by their fields."""
+    if isinstance(value, GenerationConfig):
+        return value.to_json_string(use_diff=True)
+    if isinstance(value, torch.Tensor):
+        data = value.detach().cpu().contiguous()
+        return (
+            "tensor",
+            str(data.dtype),
+            tuple(data.shape),
+            hashlib.sha256(data.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest(),
+        )
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+        return (type(value).__name__, _canonical(fields))
+    if isinstance(value, Mapping):
+        return tuple(sorted((repr(_canonical(k)), _canonical(v)) for k, v in value.items()))
+    if isinstance(value, set | frozenset):
+        return ("set", tuple(sorted(repr(_canonical(v)) for v in value)))
+    if isinstance(value, list | tuple):
+        return tuple(_canonical(v) for v in value)
+    return value

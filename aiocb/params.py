@@ -183,7 +183,8 @@ class SamplingParams:
                 raise InvalidRequestError(f"{name} must be a non-empty str, got {value!r}")
         if self.choice is not None:
             listed = isinstance(self.choice, Iterable) and not isinstance(self.choice, str | bytes | Mapping)
-            choices = tuple(self.choice) if listed else ()
+            ordered = sorted(self.choice, key=repr) if isinstance(self.choice, set | frozenset) else self.choice
+            choices = tuple(ordered) if listed else ()
             if not choices or not all(isinstance(c, str) and c for c in choices):
                 raise InvalidRequestError(f"choice must be a non-empty list of non-empty strings, got {self.choice!r}")
             _set(self, "choice", choices)
@@ -318,7 +319,8 @@ def _strings(value: Any) -> tuple[str, ...] | None:
         value = [value]
     if isinstance(value, (bytes, Mapping)) or not isinstance(value, Iterable):
         raise InvalidRequestError(f"stop must be a string or a list of strings, got {type(value).__name__}")
-    strings = tuple(value)
+    # A set has no order of its own: sorted, the request is the same in every process.
+    strings = tuple(sorted(value, key=repr)) if isinstance(value, set | frozenset) else tuple(value)
     for s in strings:
         if not isinstance(s, str):
             raise InvalidRequestError(f"stop must hold strings, got {s!r}")

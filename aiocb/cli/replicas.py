@@ -48,8 +48,8 @@ def replica_problems(args: argparse.Namespace) -> list[str]:
             problems.append(f"--{name.replace('_', '-')} is uvicorn's and does not apply to --replicas")
     if args.port == 0:
         problems.append("--port 0 does not apply to --replicas: Ray Serve's proxy needs a fixed port")
-    if args.replicas == "auto" and args.autoscaling_config is not None:
-        problems.append("give --replicas auto or --autoscaling-config, not both")
+    if args.autoscaling_config is not None and args.replicas != "auto":
+        problems.append("--autoscaling-config goes with --replicas auto, not a fixed count")
     return problems
 
 
@@ -64,7 +64,7 @@ def serve_with_replicas(args: argparse.Namespace, config: ContinuousBatchingConf
     make_app = functools.partial(
         build_app,
         args.model,
-        num_replicas=None if args.autoscaling_config is not None else args.replicas,
+        num_replicas=args.replicas,
         autoscaling_config=args.autoscaling_config,
         tensor_parallel_size=args.tensor_parallel_size,
         routing=args.routing or "prefix_affinity",
@@ -76,12 +76,23 @@ def serve_with_replicas(args: argparse.Namespace, config: ContinuousBatchingConf
         print(f"aiocb serve: {exc}", file=sys.stderr)
         return 2
     local = args.ray_address is None
-    ray.init(address=args.ray_address, log_to_driver=True)
+    # "local": a new instance, never a cluster found through RAY_ADDRESS or `ray start`,
+    # whose Serve apps shutting down would take with it.
+    ray.init(address="local" if local else args.ray_address, log_to_driver=True)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
+        client = serve.context._get_global_client()
+        proxy = None if client is None else client.http_config  # Serve already running keeps its own
+        if proxy is not None and (proxy.host, proxy.port) != (args.host, args.port):
+            print(
+                f"aiocb serve: Ray Serve already runs on this cluster with its proxy on {proxy.host}:{proxy.port}; "
+                f"give --host {proxy.host} --port {proxy.port}",
+                file=sys.stderr,
+            )
+            return 2
         # Built again now that Ray runs, so that the replicas' default resources see the cluster's GPUs.
         app = make_app()
         serve.run(app, name=APP_NAME, route_prefix="/")
@@ -118,5 +129,6 @@ def server_options(args: argparse.Namespace, config: ContinuousBatchingConfig, l
         "continuous_batching_config": config,
         "speculative_config": args.speculative_config,
         "access_log": args.access_log,
+        "log_level": args.log_level,
         **chat_parsers(args),
     }

@@ -16,6 +16,7 @@ from aiocb.ray_serve.ingress import Ingress
 from aiocb.ray_serve.options import ReplicaOptions
 from aiocb.ray_serve.replica import EngineReplica
 from aiocb.ray_serve.routing import BLOCK_CHARS, MAX_ENTRIES, MAX_IMBALANCE, PrefixAffinityRouter
+from aiocb.ray_serve.tensor_parallel import CLOSE_TIMEOUT_S
 
 #: ``autoscaling_config`` keys left out take these values. Replicas are added while
 #: the average replica has more than ``target_ongoing_requests`` requests running or
@@ -61,10 +62,11 @@ def build_app(
         num_replicas: a fixed count (default 1), or ``"auto"`` for autoscaling with
             :data:`AUTOSCALING_DEFAULTS`.
         autoscaling_config: Ray Serve autoscaling by ongoing requests per replica; keys
-            left out take :data:`AUTOSCALING_DEFAULTS`. Not with ``num_replicas``.
+            left out take :data:`AUTOSCALING_DEFAULTS`. Not with a fixed ``num_replicas``.
         ray_actor_options: each replica's resources (default ``{"num_cpus": 1}``, plus
-            ``"num_gpus": 1`` when Ray is initialised on a cluster with GPUs). Under
-            tensor parallelism each rank gets these.
+            ``"num_gpus": 1`` when the Ray cluster has GPUs, or, before Ray is initialised,
+            when this machine has). Under tensor parallelism each rank's bundle holds the
+            CPUs, GPUs and custom ``resources`` given here.
         tensor_parallel_size: ranks per replica. Above 1 each replica gets a placement
             group of one bundle per rank (packed on one node where possible): the replica
             is rank 0, the other ranks are Ray actors.
@@ -73,7 +75,8 @@ def build_app(
             replicas).
         max_ongoing_requests: requests one replica takes at once.
         max_imbalance: ongoing requests a prefix's replica may have beyond the least
-            loaded one's and still get the requests that share the prefix.
+            loaded one's and still get the requests that share the prefix (prefix-affinity
+            routing only, as is the ``x-aiocb-replica`` request header).
         health_check_period_s, health_check_timeout_s: Ray Serve's health checks; a
             replica whose engine is dead fails its check and is replaced.
         num_ingress_replicas: ingress replicas (each keeps its own prefix table).
@@ -85,6 +88,8 @@ def build_app(
     """
     options = ReplicaOptions.from_kwargs(server_options)
     source = None if model is None else os.fspath(model)
+    if source is not None and os.path.exists(source):
+        source = os.path.abspath(source)  # the replicas' working directory is not this one
     deployment_options = _scaling(num_replicas, autoscaling_config)
     actor_options = _actor_options(ray_actor_options)
     deployment_options |= _placement(source, options, tensor_parallel_size, actor_options)
@@ -102,13 +107,17 @@ def build_app(
         }
     elif routing != "power_of_two":
         raise InvalidConfigError(f"routing must be 'prefix_affinity' or 'power_of_two', got {routing!r}")
+    elif max_imbalance != MAX_IMBALANCE:
+        raise InvalidConfigError("max_imbalance is prefix-affinity routing's; routing='power_of_two' has none")
     follower_resources = _resources(actor_options) if tensor_parallel_size > 1 else None
+    # The drain, then (tensor parallelism) releasing the followers and waiting for them.
+    shutdown_s = options.shutdown_timeout + 5.0 + (2 * CLOSE_TIMEOUT_S if tensor_parallel_size > 1 else 0.0)
     engine = serve.deployment(
         name="AiocbEngine",
         max_ongoing_requests=max_ongoing_requests,
         health_check_period_s=health_check_period_s,
         health_check_timeout_s=health_check_timeout_s,
-        graceful_shutdown_timeout_s=options.shutdown_timeout + 5.0,
+        graceful_shutdown_timeout_s=shutdown_s,
         **deployment_options,
     )(EngineReplica).bind(source, options, tensor_parallel_size, follower_resources)
     ingress = serve.deployment(
@@ -122,8 +131,8 @@ def build_app(
 
 
 def _scaling(num_replicas: int | str | None, autoscaling: Mapping[str, Any] | None) -> dict[str, Any]:
-    if num_replicas is not None and autoscaling is not None:
-        raise InvalidConfigError("give num_replicas or autoscaling_config, not both")
+    if num_replicas not in (None, "auto") and autoscaling is not None:
+        raise InvalidConfigError("autoscaling_config goes with num_replicas='auto' (or none), not a fixed count")
     if num_replicas == "auto" or autoscaling is not None:
         merged = {**AUTOSCALING_DEFAULTS, **(autoscaling or {})}
         try:
@@ -144,9 +153,17 @@ def _actor_options(given: Mapping[str, Any] | None) -> dict[str, Any]:
             raise InvalidConfigError(f"ray_actor_options must be a dict, got {type(given).__name__}")
         return dict(given)
     options: dict[str, Any] = {"num_cpus": 1}
-    if ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0:
+    # Ray's cluster when it runs; else this machine, where serve.run will start one.
+    gpus = ray.cluster_resources().get("GPU", 0) if ray.is_initialized() else _local_gpus()
+    if gpus > 0:
         options["num_gpus"] = 1
     return options
+
+
+def _local_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def _resources(actor_options: Mapping[str, Any]) -> dict[str, float]:
@@ -165,6 +182,11 @@ def _placement(model: str | None, options: ReplicaOptions, size: int, actor_opti
         raise InvalidConfigError("tensor_parallel_size > 1 needs a model path or hub id (not the bundled model)")
     if options.speculative_config is not None and options.speculative_config.method == "draft":
         raise InvalidConfigError("speculative decoding with a draft model does not support tensor parallelism yet")
+    if options.device not in ("auto", "cpu", "cuda"):
+        raise InvalidConfigError(
+            f"device={options.device!r} with tensor parallelism: give 'auto', 'cpu' or 'cuda' "
+            "(each rank gets a GPU of its own)"
+        )
     if os.path.isdir(model):
         import aiocb.distributed
 

@@ -10,7 +10,7 @@ included, with nothing re-implemented on the way.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import logging
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +20,10 @@ from starlette.types import ASGIApp, Message
 #: Seconds a replica's app gets to notice a gone client (and cancel its requests) before
 #: its task is cancelled.
 _DISCONNECT_GRACE_S = 1.0
+#: Apps cancelled after their client left, until they are done.
+_CLOSING: set[asyncio.Task[None]] = set()
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +73,8 @@ async def run_asgi(
         return {"type": "http.disconnect"}
 
     async def send(message: Message) -> None:
+        if gone.is_set():
+            raise OSError("the client disconnected")
         await messages.put(message)
 
     async def run() -> None:
@@ -91,22 +97,29 @@ async def run_asgi(
                 if not message.get("more_body", False):
                     finished = True
                     break
-        await task  # the app's own exception, if it raised before finishing its response
+        await asyncio.wait({task})
+        error = task.exception()
+        if error is not None and not finished:
+            raise error  # the app failed before it finished its response
+        if error is not None:
+            logger.error("the app raised after its response was sent", exc_info=error)
     finally:
         if not task.done():
-            gone.set()
-            if not finished:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(task), _DISCONNECT_GRACE_S)
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+            gone.set()  # the app's disconnect watchers cancel its requests
+            try:
+                if not finished:
+                    await asyncio.wait({task}, timeout=_DISCONNECT_GRACE_S)
+            finally:
+                task.cancel()
+                _CLOSING.add(task)  # held until it is done: nothing else references it
+                task.add_done_callback(_CLOSING.discard)
 
 
 def _scope(request: ForwardedRequest) -> dict[str, Any]:
     return {
         "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.4"},
+        # 2.3: Starlette's streaming responses then watch receive() for the disconnect.
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
         "http_version": "1.1",
         "method": request.method,
         "scheme": "http",

@@ -13,14 +13,16 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from typing import Any, cast
 
 import orjson
 from ray.exceptions import RayError
+from ray.serve.exceptions import RayServeException
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from aiocb.ray_serve.forwarding import ForwardedRequest, ResponseStart
 from aiocb.ray_serve.replica import REPLICA_HEADER
@@ -68,15 +70,14 @@ class Ingress:
         except asyncio.CancelledError:
             stream.cancel()  # the client went away: the replica cancels its request
             raise
-        except (RayError, StopAsyncIteration) as exc:
+        except (RayError, RayServeException, StopAsyncIteration) as exc:
             stream.cancel()
             logger.warning("a replica failed before its response started: %s", exc)
             return _error(_replica_failed(exc))
         if not isinstance(start, ResponseStart):
             stream.cancel()
             return _error(APIError(500, f"a replica sent {type(start).__name__} before its response started"))
-        response = StreamingResponse(_rest(stream, _is_event_stream(start)), status_code=start.status)
-        response.raw_headers = list(start.headers)
+        response = _ForwardedResponse(stream, _is_event_stream(start), start)
         return response
 
     async def _body(self, request: Request) -> bytes:
@@ -109,24 +110,43 @@ def _app_path(scope: Mapping[str, Any]) -> str:
 
 def _hash_body(path: str, body: bytes, block_chars: int) -> tuple[int, ...]:
     try:
-        parsed = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return ()
-    text = prompt_text(path, parsed)
+        text = prompt_text(path, orjson.loads(body))
+    except (orjson.JSONDecodeError, RecursionError, TypeError, ValueError):
+        return ()  # not a prompt to route by: the replica answers the request as it is
     return prefix_hashes(text, block_chars) if text else ()
 
 
-async def _rest(stream: DeploymentResponseGenerator[Any], event_stream: bool) -> AsyncIterator[bytes]:
-    """The body's chunks; a replica lost mid-stream ends an event stream with an error event."""
+class _ForwardedResponse(StreamingResponse):
+    """A replica's response as it streams in; however it ends (finished, the client gone,
+    cancelled before its body began), the replica's call is cancelled if it still runs."""
+
+    def __init__(self, stream: DeploymentResponseGenerator[Any], event_stream: bool, start: ResponseStart) -> None:
+        super().__init__(_rest(stream, event_stream), status_code=start.status)
+        # Ray Serve's proxy sets its own x-request-id (the one the replica echoes).
+        self.raw_headers = [(k, v) for k, v in start.headers if k.lower() != b"x-request-id"]
+        self.stream = stream
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.stream.cancel()  # a no-op once it has ended
+            await cast(AsyncGenerator[bytes, None], self.body_iterator).aclose()
+
+
+async def _rest(stream: DeploymentResponseGenerator[Any], event_stream: bool) -> AsyncGenerator[bytes, None]:
+    """The body's chunks; a replica lost mid-stream ends an event stream with an error event
+    (any other body is cut short, which its Content-Length tells the client)."""
     try:
         async for chunk in stream:
             yield chunk
-    except RayError as exc:
+    except (RayError, RayServeException) as exc:
         logger.warning("a replica failed mid-response: %s", exc)
-        if event_stream:
-            yield b"data: " + json.dumps(_replica_failed(exc).to_dict()).encode() + b"\n\n"
+        if not event_stream:
+            raise
+        yield b"data: " + json.dumps(_replica_failed(exc).to_dict()).encode() + b"\n\n"
     finally:
-        stream.cancel()  # a no-op once it has ended; cancels the replica's request otherwise
+        stream.cancel()
 
 
 def _is_event_stream(start: ResponseStart) -> bool:

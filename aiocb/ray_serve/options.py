@@ -13,6 +13,8 @@ from aiocb.server.reasoning import ReasoningSplitter
 from aiocb.server.tool_parsers import PARSERS
 from aiocb.speculative import SpeculativeConfig
 
+_LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
 
 @dataclass(frozen=True, slots=True)
 class ReplicaOptions:
@@ -34,6 +36,7 @@ class ReplicaOptions:
         tool_call_parser: ``auto``, a parser name, or None (tools refused).
         reasoning_parser: split ``<think>`` into ``reasoning_content`` (None: no split).
         access_log: one ``aiocb.access`` log line per request in the replicas' logs.
+        log_level: the level of aiocb's log lines in the replicas' logs.
     """
 
     tokenizer: str | None = None
@@ -50,6 +53,7 @@ class ReplicaOptions:
     tool_call_parser: str | None = "auto"
     reasoning_parser: str | None = None
     access_log: bool = True
+    log_level: str = "info"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -62,6 +66,8 @@ class ReplicaOptions:
             raise InvalidConfigError(
                 f"unknown reasoning_parser {self.reasoning_parser!r}; known: {', '.join(ReasoningSplitter.names)}"
             )
+        if self.log_level not in _LOG_LEVELS:
+            raise InvalidConfigError(f"log_level must be one of {', '.join(_LOG_LEVELS)}, got {self.log_level!r}")
         if self.torch_threads is not None and self.torch_threads < 1:
             raise InvalidConfigError(f"torch_threads must be at least 1, got {self.torch_threads}")
         if self.shutdown_timeout < 0:

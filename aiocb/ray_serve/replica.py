@@ -42,9 +42,9 @@ class EngineReplica:
         from aiocb.server import build_app
 
         self.replica_id = serve.get_replica_context().replica_id.unique_id
+        _set_up_logging(options)
+        options = _with_device(options)
         self.options = options
-        if not options.access_log:
-            logging.getLogger("aiocb.access").setLevel(logging.WARNING)
         self.group: TensorParallelGroup | None = None
         if tensor_parallel_size > 1:
             if model is None:
@@ -83,13 +83,19 @@ class EngineReplica:
 
     @staticmethod
     async def _load_with_followers(group: TensorParallelGroup) -> tuple[Any, Any]:
-        """Rank 0's load, which the followers' loads join; a follower that fails first fails it."""
+        """Rank 0's load, which the followers' loads join; a follower that ends first fails it."""
         loading = asyncio.ensure_future(asyncio.to_thread(group.load_driver))
         followers = [asyncio.ensure_future(asyncio.wrap_future(run.future())) for run in group.runs]
-        done, _ = await asyncio.wait([loading, *followers], return_when=asyncio.FIRST_COMPLETED)
+        try:
+            done, _ = await asyncio.wait([loading, *followers], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for follower in followers:
+                follower.cancel()  # their runs go on in the actors; only the waits end here
+                follower.add_done_callback(lambda f: f.cancelled() or f.exception())
         if loading not in done:
-            failed = next(iter(done))
-            raise DistributedError(f"a tensor-parallel follower failed while loading: {failed.exception()!r}")
+            ended = next(iter(done))
+            why = repr(ended.exception()) if ended.exception() is not None else "it returned"
+            raise DistributedError(f"a tensor-parallel follower ended while the ranks loaded the model: {why}")
         return loading.result()
 
     async def forward(self, request: ForwardedRequest) -> AsyncIterator[ResponseStart | bytes]:
@@ -109,7 +115,7 @@ class EngineReplica:
         """Drain: running requests get ``shutdown_timeout`` seconds, then the engine stops."""
         if not hasattr(self, "app"):  # the constructor failed: Ray still calls this
             if getattr(self, "group", None) is not None:
-                self.group.close()  # type: ignore[union-attr]
+                await asyncio.to_thread(self.group.close)  # type: ignore[union-attr]
             return
         ctx: Any = self.app.state.aiocb
         ctx.draining = True
@@ -119,4 +125,33 @@ class EngineReplica:
         finally:
             ctx.close()
             if self.group is not None:
-                self.group.close()
+                await asyncio.to_thread(self.group.close)
+
+
+def _set_up_logging(options: ReplicaOptions) -> None:
+    """aiocb's log lines in the replica's log, at ``log_level`` (Ray sets up only its own logger)."""
+    aiocb_logger = logging.getLogger("aiocb")
+    if not aiocb_logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        aiocb_logger.addHandler(handler)
+    aiocb_logger.setLevel(options.log_level.upper())
+    if not options.access_log:
+        logging.getLogger("aiocb.access").setLevel(logging.WARNING)
+
+
+def _with_device(options: ReplicaOptions) -> ReplicaOptions:
+    """``options`` with ``device="auto"`` resolved by the GPUs Ray gave this replica."""
+    import dataclasses
+
+    import ray
+
+    gpus = ray.get_gpu_ids()
+    if options.device == "auto":
+        return dataclasses.replace(options, device="cuda" if gpus else "cpu")
+    if options.device.startswith("cuda") and not gpus:
+        raise ValueError(
+            f"device={options.device!r}, but Ray gave this replica no GPU: give build_app "
+            "ray_actor_options={'num_gpus': 1} (or a fraction, to share one)"
+        )
+    return options

@@ -100,8 +100,12 @@ class PrefixAffinityRouter(RequestRouter):
     replica) keeps its own table.
     """
 
-    def initialize_state(self, max_imbalance: int = MAX_IMBALANCE, max_entries: int = MAX_ENTRIES, **_: Any) -> None:
+    def initialize_state(
+        self, max_imbalance: int = MAX_IMBALANCE, max_entries: int = MAX_ENTRIES, **unknown: Any
+    ) -> None:
         """Set the policy's bounds (Ray Serve calls it with ``request_router_kwargs``)."""
+        if unknown:
+            raise TypeError(f"PrefixAffinityRouter takes max_imbalance and max_entries, not {', '.join(unknown)}")
         if max_imbalance < 0 or max_entries < 1:
             raise ValueError(f"max_imbalance must be >= 0 and max_entries >= 1, got {max_imbalance}, {max_entries}")
         self.max_imbalance = max_imbalance
@@ -122,6 +126,10 @@ class PrefixAffinityRouter(RequestRouter):
         busier than the least loaded), then the less loaded of two random replicas."""
         if not candidate_replicas:
             return []
+        if pending_request is not None:
+            # Ray Serve sleeps between routing attempts only when asked to: without it, a request
+            # waiting while every replica is full would probe them in a tight loop.
+            pending_request.routing_context.should_backoff = True
         asked = _asked_for(pending_request)
         if asked is not None:
             for replica in candidate_replicas:
@@ -164,20 +172,21 @@ class PrefixAffinityRouter(RequestRouter):
         for block in prefix:
             previous = self.owners.get(block)
             if previous != replica_id:
-                if previous is not None:
+                if previous is not None and previous in self.owned:
                     self.owned[previous] -= 1
                 self.owned[replica_id] += 1
             self.owners[block] = replica_id
             self.owners.move_to_end(block)
         while len(self.owners) > self.max_entries:
             _, owner = self.owners.popitem(last=False)
-            self.owned[owner] -= 1
+            if owner in self.owned:
+                self.owned[owner] -= 1
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
-        """Forget a dead replica's prefixes (its cache went with it)."""
+        """Forget a dead replica's share (its cache went with it). Its blocks stay in the table,
+        never chosen (it is no candidate), until they are claimed again or forgotten as the
+        least recently used: scanning the table here would hold the loop."""
         super().on_replica_actor_died(replica_id)
-        for block in [b for b, owner in self.owners.items() if owner == replica_id]:
-            del self.owners[block]
         self.owned.pop(replica_id, None)
 
     def _attempt(self, pending_request: PendingRequest | None) -> int:

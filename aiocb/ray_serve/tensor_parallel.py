@@ -24,7 +24,7 @@ from aiocb.ray_serve.options import ReplicaOptions
 #: The Ray namespace of the follower actors.
 FOLLOWER_NAMESPACE = "aiocb"
 #: Seconds a follower actor gets to return after rank 0 released it.
-_CLOSE_TIMEOUT_S = 10.0
+CLOSE_TIMEOUT_S = 5.0
 
 
 class TensorParallelGroup:
@@ -56,6 +56,7 @@ class TensorParallelGroup:
                 namespace=FOLLOWER_NAMESPACE,
                 num_cpus=resources.get("CPU", 0.0),
                 num_gpus=resources.get("GPU", 0.0),
+                resources={k: v for k, v in resources.items() if k not in ("CPU", "GPU")},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=placement_group, placement_group_bundle_index=rank
                 ),
@@ -93,8 +94,8 @@ class TensorParallelGroup:
         import aiocb.distributed
 
         self.closed = True
-        aiocb.distributed.shutdown(_CLOSE_TIMEOUT_S)
-        ray.wait(self.runs, num_returns=len(self.runs), timeout=_CLOSE_TIMEOUT_S)
+        aiocb.distributed.shutdown(CLOSE_TIMEOUT_S)
+        ray.wait(self.runs, num_returns=len(self.runs), timeout=CLOSE_TIMEOUT_S)
         for actor in self.actors:
             ray.kill(actor)
 

@@ -126,6 +126,11 @@ class Driver:
         self.closed = True
         self._jobs.put(None)
 
+    def retire(self) -> None:
+        """End the driver thread without a word to the followers (they no longer listen)."""
+        self.closed = True
+        self._jobs.put(None)
+
     def _fail(self, exc: BaseException) -> None:
         if self.failure is None:
             if isinstance(exc, DistributedError):
@@ -201,6 +206,9 @@ def return_to_followers(
             error = DistributedError(f"generate_batch() failed on rank 0: {type(error).__name__}: {error}")
     driver = driver_for(layout, timeout)
     driver.call("returning generate_batch()'s outputs", lambda: driver.send("return", value, error, fingerprint))
+    # The followers stopped listening when they took it: no heartbeat or shutdown may follow,
+    # since a gloo send waits for its receiver. The next call gets a new driver.
+    driver.retire()
 
 
 @atexit.register

@@ -73,6 +73,8 @@ def test_generate_batch_on_every_rank_runs_once_and_returns_rank_0_s_outputs_eve
     assert driver["empty"] == follower["empty"] == {"ids": [], "tokens": []}
     assert driver["again"]["tokens"] == expected[1:]
     assert follower["again"] == driver["again"], "the ranks are still in step after a refusal and a divergence"
+    rank0_log = (tmp_path / "rank0.log").read_text()
+    assert "could not release" not in rank0_log, "rank 0 sent nothing after the last return: the followers left"
 
 
 def test_a_killed_follower_fails_rank_0_with_a_clear_error(llama_dir: Path, tmp_path: Path) -> None:

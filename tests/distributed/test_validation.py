@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -120,3 +123,19 @@ def test_sharded_plans_agree_on_the_smallest_sizes() -> None:
         CachePlan(16, [90, 50], 8192, 128, 9_000, [5, 0]),
     ]
     assert _minimum_plan(plans) == CachePlan(16, [90, 40], 4096, 128, 9_000, [0, 0])
+
+
+def test_generate_batch_s_argument_fingerprint_is_the_same_in_every_process() -> None:
+    """Sets of strings iterate in another order under another hash seed: the digest must not."""
+    code = (
+        "import aiocb; from aiocb.batch import _fingerprint; "
+        "print(_fingerprint([[1, 2], 'text'], None, aiocb.ContinuousBatchingConfig(), False, 4, "
+        "aiocb.SamplingParams(stop={'alpha', 'beta', 'gamma', 'delta'}), None, {'stop': {'x', 'y', 'z'}, 'seed': 1}))"
+    )
+    digests = {
+        subprocess.run(
+            [sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": seed}, capture_output=True, text=True
+        ).stdout.strip()
+        for seed in ("1", "2", "3")
+    }
+    assert len(digests) == 1 and len(next(iter(digests))) == 64, digests

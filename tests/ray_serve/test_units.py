@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections import Counter
 from types import SimpleNamespace
 from typing import Any
@@ -73,8 +74,7 @@ def _router(max_imbalance: int = 4) -> PrefixAffinityRouter:
 
 def _pending(prefix: tuple[int, ...], request_id: str = "r") -> PendingRequest:
     request = ForwardedRequest("POST", "/v1/completions", b"", (), b"", prefix=prefix)
-    metadata = SimpleNamespace(internal_request_id=request_id)
-    return SimpleNamespace(args=[request], metadata=metadata)  # type: ignore[return-value]  # what the router reads
+    return PendingRequest(args=[request], kwargs={}, metadata=SimpleNamespace(internal_request_id=request_id))  # type: ignore[arg-type]
 
 
 async def test_the_router_follows_a_known_prefix_unless_its_replica_is_much_busier() -> None:
@@ -120,11 +120,22 @@ async def test_the_router_follows_a_known_prefix_unless_its_replica_is_much_busi
     assert owned() == Counter(router.owners.values())
     assert owned()[c.replica_id] == before[c.replica_id] + 2, "blocks change owner"
 
-    # b dies: its prefixes are forgotten, and a replica no longer listed is never chosen.
+    # b dies: a replica no longer listed is never chosen, and its prefixes move on.
     router.on_replica_actor_died(b.replica_id)
-    assert all(owner != b.replica_id for owner in router.owners.values())
+    assert b.replica_id not in router.owned
     ranks = await router.choose_replicas([a, c], _pending((1, 2, 3)))
     assert all(r in (a, c) for rank in ranks for r in rank)
+    assert ranks[0] == [c], "the longest prefix a live replica holds: (1, 2) on c"
+
+
+async def test_the_router_asks_ray_to_back_off_between_attempts() -> None:
+    router = _router()
+    pending = _pending((1,))
+    assert not pending.routing_context.should_backoff
+    await router.choose_replicas([_FakeReplica("a")], pending)  # type: ignore[list-item]
+    assert pending.routing_context.should_backoff, "or a request waiting for a full replica would spin"
+    with pytest.raises(TypeError):
+        router.initialize_state(max_imbalance=1, max_entries=10, misspelled=3)  # type: ignore[call-arg]
 
 
 async def test_the_router_forgets_the_least_recently_used_blocks() -> None:
@@ -199,7 +210,9 @@ async def test_closing_the_forwarded_response_cancels_the_request_and_frees_its_
             pending.cancel()  # the caller is cancelled (Ray's cancellation of a gone client's call)
             with pytest.raises(asyncio.CancelledError):
                 await pending
+        started = time.perf_counter()
         await parts.aclose()
+        assert time.perf_counter() - started < 0.5, "the app heard of the disconnect; no grace period ran out"
         stats = await wait_until_idle(manager)
         assert stats.running_requests == 0 and stats.free_blocks == stats.total_blocks
         assert stats.tokens_generated < 900, "cancelled, not run to its end"
@@ -211,7 +224,9 @@ async def test_closing_the_forwarded_response_cancels_the_request_and_frees_its_
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"num_replicas": 2, "autoscaling_config": {}}, "not both"),
+        ({"num_replicas": 2, "autoscaling_config": {}}, "goes with num_replicas='auto'"),
+        ({"routing": "power_of_two", "max_imbalance": 4}, "max_imbalance is prefix-affinity"),
+        ({"log_level": "loud"}, "log_level"),
         ({"num_replicas": 0}, "num_replicas"),
         ({"num_replicas": "many"}, "num_replicas"),
         ({"autoscaling_config": {"min_replicas": 3, "max_replicas": 1}}, "autoscaling_config"),
@@ -239,6 +254,11 @@ def test_build_app_refuses_bad_options_by_name(kwargs: dict[str, Any], message: 
 def test_build_app_checks_tensor_parallelism_against_the_model_config(model_dir: Any) -> None:
     with pytest.raises(InvalidConfigError, match="num_key_value_heads"):
         build_app(model_dir, tensor_parallel_size=3)
+    with pytest.raises(InvalidConfigError, match="a GPU of its own"):
+        build_app(model_dir, tensor_parallel_size=2, device="cuda:1")
+    bundles = build_app(model_dir, tensor_parallel_size=2, ray_actor_options={"num_cpus": 2, "resources": {"fast": 1}})
+    engine = bundles._bound_deployment.init_args[0]._bound_deployment
+    assert engine._replica_config.placement_group_bundles == [{"CPU": 2.0, "fast": 1.0}] * 2
 
 
 def test_build_app_defaults() -> None:
@@ -252,6 +272,9 @@ def test_build_app_defaults() -> None:
     assert router.request_router_class.endswith("PrefixAffinityRouter")
     scaled = build_app(None, num_replicas="auto")._bound_deployment.init_args[0]._bound_deployment
     assert scaled._deployment_config.autoscaling_config.target_ongoing_requests == 64
+    tuned = build_app(None, num_replicas="auto", autoscaling_config={"max_replicas": 8})
+    config = tuned._bound_deployment.init_args[0]._bound_deployment._deployment_config.autoscaling_config
+    assert (config.max_replicas, config.target_ongoing_requests) == (8, 64), "the other keys keep aiocb's defaults"
 
 
 async def test_a_burst_of_new_prefixes_spreads_over_the_replicas_before_any_is_routed() -> None:
