@@ -306,12 +306,15 @@ async def test_a_large_batch_puts_the_draft_model_to_sleep(model: PreTrainedMode
         calls = []
         original = runner.drafter.propose
         runner.drafter.propose = lambda *args: calls.append(1) or original(*args)  # type: ignore[method-assign]
-        outputs = await manager.generate_batch(PROMPTS[:6], max_new_tokens=40, do_sample=False)
+        # Added with no await between them, so that the first step already holds all six
+        # (generate_batch gives the loop back while it adds, and a slow machine may step then).
+        ids = [manager.add_request_nowait(p, max_new_tokens=40, do_sample=False) for p in PROMPTS[:6]]
+        outputs = {rid: await manager.get_result(rid) for rid in ids}
         assert manager.statistics().draft_tokens == 0
         assert not calls, "the draft model slept through the large batch's steps"
         again = await manager.generate(PROMPTS[0], max_new_tokens=40, do_sample=False)
         assert manager.statistics().draft_tokens > 0 and calls
-    assert [o.generated_tokens for o in outputs.values()] == [o.generated_tokens for o in plain.values()]
+    assert [o.generated_tokens for o in outputs.values() if o] == [o.generated_tokens for o in plain.values()]
     assert isinstance(again, aiocb.GenerationOutput) and isinstance(alone, aiocb.GenerationOutput)
     assert again.generated_tokens == alone.generated_tokens
 

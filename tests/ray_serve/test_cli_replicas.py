@@ -104,3 +104,51 @@ def test_two_replicas_from_the_command_line(tmp_path: Path) -> None:
     output = log.read_text()
     assert process.returncode == 0, output[-4000:]
     assert "with 2 replicas on Ray Serve" in output
+
+
+@pytest.mark.slow
+def test_replicas_on_a_running_cluster_leave_it_running(tmp_path: Path) -> None:
+    """``--ray-address``: the app runs on a cluster started apart (``ray start --head``), and
+    stopping the command deletes the app, not the cluster or its Serve instance."""
+    ray_cli = str(Path(sys.executable).parent / "ray")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        gcs_port = sock.getsockname()[1]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        http_port = sock.getsockname()[1]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    head = [ray_cli, "start", "--head", "--port", str(gcs_port), "--num-cpus", "4", "--include-dashboard", "false"]
+    subprocess.run([*head, "--disable-usage-stats"], check=True, env=env, capture_output=True, timeout=120)
+    address = f"127.0.0.1:{gcs_port}"
+    try:
+        command = [sys.executable, "-m", "aiocb.cli.serve", "--replicas", "2", "--ray-address", address]
+        command += ["--port", str(http_port), "--torch-threads", "1", "--page-size", "16", "--num-blocks", "256"]
+        log = tmp_path / "serve.log"
+        with log.open("w") as out:
+            process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+        url = f"http://127.0.0.1:{http_port}"
+        try:
+            deadline = time.monotonic() + 180
+            while True:
+                assert process.poll() is None, log.read_text()[-4000:]
+                try:
+                    if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert time.monotonic() < deadline, f"the replicas did not come up:\n{log.read_text()[-4000:]}"
+                time.sleep(0.5)
+            body = {"model": "pycode-tiny", "prompt": "def add(a, b):\n", "max_tokens": 4}
+            assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+        finally:
+            process.send_signal(signal.SIGINT)
+            process.wait(timeout=90)
+        assert process.returncode == 0, log.read_text()[-4000:]
+        probe = f"import ray; from ray import serve; ray.init(address={address!r}); "
+        probe += "print(sorted(serve.status().applications))"
+        apps = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+        assert apps.returncode == 0, apps.stderr[-2000:]
+        assert apps.stdout.strip().splitlines()[-1] == "[]", "the app was deleted; the cluster still answers"
+    finally:
+        subprocess.run([ray_cli, "stop", "--force"], env=env, capture_output=True, timeout=120)
