@@ -118,7 +118,9 @@ def test_replicas_on_a_running_cluster_leave_it_running(tmp_path: Path) -> None:
         sock.bind(("127.0.0.1", 0))
         http_port = sock.getsockname()[1]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    head = [ray_cli, "start", "--head", "--port", str(gcs_port), "--num-cpus", "4", "--include-dashboard", "false"]
+    env["RAY_AUTH_MODE"] = "disabled"  # the test's own cluster, on loopback: no token to hand around
+    head = [ray_cli, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(gcs_port), "--num-cpus", "4"]
+    head += ["--include-dashboard", "false"]
     subprocess.run([*head, "--disable-usage-stats"], check=True, env=env, capture_output=True, timeout=120)
     address = f"127.0.0.1:{gcs_port}"
     try:

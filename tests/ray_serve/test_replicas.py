@@ -275,6 +275,7 @@ async def test_a_replica_whose_engine_died_is_replaced(cluster: str, poisoned_mo
         serve.delete("poisoned")
 
 
+@pytest.mark.slow  # two more processes loading and joining a gloo group: ~35 s of the default session
 async def test_a_tensor_parallel_replica_answers_as_one_process(
     cluster: str, model_dir: Path, model: Any, tokenizer: Any
 ) -> None:
