@@ -145,8 +145,6 @@ async def _rest(stream: DeploymentResponseGenerator[Any], event_stream: bool) ->
         if not event_stream:
             raise
         yield b"data: " + json.dumps(_replica_failed(exc).to_dict()).encode() + b"\n\n"
-    finally:
-        stream.cancel()
 
 
 def _is_event_stream(start: ResponseStart) -> bool:

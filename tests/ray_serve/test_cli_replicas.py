@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import pytest
 
 from aiocb.cli.serve import add_serve_arguments, run_serve
 from aiocb.ray_serve import REPLICA_HEADER
+from tests.distributed.launch import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -63,10 +63,22 @@ def test_flags_that_do_not_fit_replicas_are_refused_before_ray_starts(
     assert message in capsys.readouterr().err
 
 
+def _wait_ready(url: str, process: subprocess.Popen[str], log: Path) -> None:
+    """Until ``url`` answers ``/ready`` (the replicas are up); fails if the command exits or takes 3 minutes."""
+    deadline = time.monotonic() + 180
+    while True:
+        assert process.poll() is None, log.read_text()[-4000:]
+        try:
+            if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, f"the replicas did not come up:\n{log.read_text()[-4000:]}"
+        time.sleep(0.5)
+
+
 def test_two_replicas_from_the_command_line(tmp_path: Path) -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     command = [sys.executable, "-m", "aiocb.cli.serve", "--replicas", "2", "--port", str(port)]
     command += ["--torch-threads", "1", "--page-size", "16", "--num-blocks", "256", "--shutdown-timeout", "5"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
@@ -75,16 +87,7 @@ def test_two_replicas_from_the_command_line(tmp_path: Path) -> None:
         process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert process.poll() is None, log.read_text()[-4000:]
-            try:
-                if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, f"the replicas did not come up:\n{log.read_text()[-4000:]}"
-            time.sleep(0.5)
+        _wait_ready(url, process, log)
         body = {"model": "pycode-tiny", "prompt": "def add(a, b):\n", "max_tokens": 4, "temperature": 0}
         seen: set[str] = set()
         for _ in range(40):
@@ -111,12 +114,7 @@ def test_replicas_on_a_running_cluster_leave_it_running(tmp_path: Path) -> None:
     """``--ray-address``: the app runs on a cluster started apart (``ray start --head``), and
     stopping the command deletes the app, not the cluster or its Serve instance."""
     ray_cli = str(Path(sys.executable).parent / "ray")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        gcs_port = sock.getsockname()[1]
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        http_port = sock.getsockname()[1]
+    gcs_port, http_port = free_port(), free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     env["RAY_AUTH_MODE"] = "disabled"  # the test's own cluster, on loopback: no token to hand around
     head = [ray_cli, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(gcs_port), "--num-cpus", "4"]
@@ -131,16 +129,7 @@ def test_replicas_on_a_running_cluster_leave_it_running(tmp_path: Path) -> None:
             process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
         url = f"http://127.0.0.1:{http_port}"
         try:
-            deadline = time.monotonic() + 180
-            while True:
-                assert process.poll() is None, log.read_text()[-4000:]
-                try:
-                    if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert time.monotonic() < deadline, f"the replicas did not come up:\n{log.read_text()[-4000:]}"
-                time.sleep(0.5)
+            _wait_ready(url, process, log)
             body = {"model": "pycode-tiny", "prompt": "def add(a, b):\n", "max_tokens": 4}
             assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
         finally:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import socket
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -25,6 +24,7 @@ from aiocb.cli.serve import load_pretrained
 from aiocb.ray_serve import REPLICA_HEADER, build_app
 from aiocb.ray_serve.tensor_parallel import FOLLOWER_NAMESPACE, follower_name
 from aiocb.server import build_app as build_server
+from tests.distributed.launch import free_port
 
 MODEL = "pycode-tiny"
 CONFIG = aiocb.ContinuousBatchingConfig(page_size=16, num_blocks=1024)
@@ -38,13 +38,6 @@ USERS = 64
 POISON = 7  # the token id the poisoned model refuses
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[str]:
     """A local Ray instance with Serve's HTTP proxy on a free port; its base URL."""
@@ -54,7 +47,7 @@ def cluster() -> Iterator[str]:
         log_to_driver=False,
         runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}},
     )
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
         yield f"http://127.0.0.1:{port}"
