@@ -105,7 +105,16 @@ def _triton_kernel(
     from aiocb.runner.triton_attention import triton_paged_attention
 
     return triton_paged_attention(
-        query, key_cache, value_cache, block_table, query_start, seq_lens, max_query_len, scale, softcap
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        query_start,
+        seq_lens,
+        max_query_len,
+        scale,
+        softcap,
+        max_seq_len=max_seq_len,  # (bounds the decode split: a host int, no device sync)
     )
 
 

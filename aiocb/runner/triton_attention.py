@@ -16,11 +16,24 @@ the matrix units ``G`` live rows, and each K/V tile is read from memory once for
 whole group. The program walks the row's keys in ``BLOCK_N`` tiles up to the causal
 limit of its last query (from the window start of its first query when a sliding window
 is set) with an online, flash-attention style softmax accumulated in fp32.
+
+Split KV ("flash-decoding"): a decode step at small batch has fewer ``(row, KV head)``
+programs than the GPU has SMs, each streaming a whole long context on its own. There the
+launch adds a split axis: every query tile divides its key range into ``num_splits``
+partitions (per row, from the row's own length, in whole ``BLOCK_N`` tiles so page
+alignment is kept), each program writes its partial output normalised by its own softmax
+sum plus the partition's log-sum-exp, and a second kernel merges the partials exactly:
+``out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M)`` with ``M = max_s lse_s``.
+:func:`choose_num_splits` decides from host ints only and splits decode-only steps
+(``max_query_len == 1``); steps with prefill chunks keep the single-pass kernel (the
+kernel itself splits any query tile, but a chunk's partials would be as large as its
+queries, and its query tiles already multiply the programs).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -34,7 +47,24 @@ try:
 except ImportError:  # pragma: no cover - exercised only where triton is absent
     HAS_TRITON = False
 
-__all__ = ["HAS_TRITON", "is_available", "triton_paged_attention"]
+__all__ = [
+    "DEFAULT_SM_COUNT",
+    "HAS_TRITON",
+    "MAX_SPLITS",
+    "MIN_PARTITION",
+    "choose_num_splits",
+    "is_available",
+    "triton_paged_attention",
+]
+
+#: SM count assumed where the tensors are not on a CUDA device (the interpreter on the CPU):
+#: an H200's, so CPU runs take the decisions the target GPU would.
+DEFAULT_SM_COUNT = 132
+#: Fewest keys a split-KV partition covers: shorter ones would spend more on writing and
+#: merging partials than they gain in parallelism.
+MIN_PARTITION = 256
+#: Most partitions per query tile (bounds the partial buffers and the merge's work).
+MAX_SPLITS = 16
 
 
 if HAS_TRITON:
@@ -138,6 +168,8 @@ if HAS_TRITON:
         k_cache_ptr,
         v_cache_ptr,
         out_ptr,
+        part_ptr,
+        lse_ptr,
         block_table_ptr,
         query_start_ptr,
         seq_lens_ptr,
@@ -145,10 +177,17 @@ if HAS_TRITON:
         softcap,
         window,
         ring_blocks,
+        num_splits,
+        min_partition,
         stride_qt,
         stride_qh,
         stride_ot,
         stride_oh,
+        stride_pt,
+        stride_ph,
+        stride_ps,
+        stride_lt,
+        stride_lh,
         stride_kb,
         stride_kp,
         stride_kh,
@@ -170,10 +209,23 @@ if HAS_TRITON:
         DOT_PRECISION: tl.constexpr,
         INTERPRETED: tl.constexpr,
         TILE_IN_PAGE: tl.constexpr,
+        SPLIT: tl.constexpr,
     ):
+        """Attention of one query tile of one row and KV head group over the paged keys.
+
+        Unsplit (``SPLIT`` false): the grid's last axis is the query tile and the program
+        writes the final output. Split: that axis is ``q_tile * num_splits + split``; the
+        program covers one partition of the tile's keys and writes its normalised partial
+        output to ``part_ptr`` and its log2-domain log-sum-exp to ``lse_ptr`` (``-inf`` for a
+        partition with no visible key), for :func:`_merge_splits_kernel`.
+        """
         row = tl.program_id(0)
         kv_head = tl.program_id(1)
-        q_tile = tl.program_id(2)
+        if SPLIT:
+            q_tile = tl.program_id(2) // num_splits
+            split = tl.program_id(2) % num_splits
+        else:
+            q_tile = tl.program_id(2)
 
         q_begin = tl.load(query_start_ptr + row)
         q_len = tl.load(query_start_ptr + row + 1) - q_begin
@@ -213,6 +265,19 @@ if HAS_TRITON:
             first_pos = context_start + q_tile * BLOCK_Q
             kv_begin = tl.maximum(first_pos - window + 1, 0)
             kv_begin = (kv_begin // BLOCK_N) * BLOCK_N
+        # Keys this program walks: the whole range, or one partition of it. Partitions are
+        # sized from this row's own range (not the step's longest), so a short row is not
+        # left to one program while others idle, in whole BLOCK_N tiles from the (aligned)
+        # range start so no tile straddles two partitions and tiles stay page-aligned. The
+        # rounding can leave the last partitions short or empty; ``min_partition`` (a
+        # multiple of BLOCK_N) leaves a short row in fewer, longer partitions.
+        loop_begin = kv_begin
+        loop_end = kv_end
+        if SPLIT:
+            part = tl.cdiv(tl.cdiv(kv_end - kv_begin, num_splits), BLOCK_N) * BLOCK_N
+            part = tl.maximum(part, min_partition)
+            loop_begin = kv_begin + split * part
+            loop_end = tl.minimum(loop_begin + part, kv_end)
 
         # Running max starts finite (not -inf) so fully masked tiles give exp2(-inf) = 0
         # instead of exp2(-inf + inf) = NaN.
@@ -228,8 +293,8 @@ if HAS_TRITON:
             # Triton 3.6's interpreter converts range() bounds with int() on shape-[1]
             # arrays, which NumPy >= 2.4 rejects; a while loop compares instead. Compiled
             # kernels take the for loop (constexpr branch), which the compiler pipelines.
-            start_n = kv_begin
-            while start_n < kv_end:
+            start_n = loop_begin
+            while start_n < loop_end:
                 m_i, l_i, acc = _attend_tile(
                     start_n, q, q_pos, m_i, l_i, acc, kv_end, table_row, k_head, v_head,
                     stride_kb, stride_kp, stride_vb, stride_vp, scale, softcap, window, ring_blocks,
@@ -238,7 +303,7 @@ if HAS_TRITON:
                 )  # fmt: skip
                 start_n += BLOCK_N
         else:
-            for start_n in range(kv_begin, kv_end, BLOCK_N):
+            for start_n in range(loop_begin, loop_end, BLOCK_N):
                 m_i, l_i, acc = _attend_tile(
                     start_n, q, q_pos, m_i, l_i, acc, kv_end, table_row, k_head, v_head,
                     stride_kb, stride_kp, stride_vb, stride_vp, scale, softcap, window, ring_blocks,
@@ -246,12 +311,71 @@ if HAS_TRITON:
                     TILE_IN_PAGE,
                 )  # fmt: skip
 
-        # Every valid row sees at least its own key, so l_i > 0 there; padding rows of the
-        # tile are not stored but must not divide by zero either.
-        l_i = tl.where(l_i == 0.0, 1.0, l_i)
-        acc = acc / l_i[:, None]
-        out_ptrs = out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
+        # Unsplit, every valid row sees at least its own key, so l_i > 0 there; padding rows
+        # of the tile are not stored but must not divide by zero either. Split, a partition
+        # may hold no key a row can see (empty, before the window, after a prefill token's
+        # causal limit): its partial is 0 with weight 2^-inf = 0 in the merge.
+        seen = l_i > 0.0
+        l_safe = tl.where(seen, l_i, 1.0)
+        acc = acc / l_safe[:, None]
+        if SPLIT:
+            lse = tl.where(seen, m_i + tl.log2(l_safe), float("-inf"))
+            lse_ptrs = lse_ptr + q_rows * stride_lt + head * stride_lh + split
+            tl.store(lse_ptrs, lse, mask=row_valid)
+            part_ptrs = (
+                part_ptr + q_rows[:, None] * stride_pt + head[:, None] * stride_ph + split * stride_ps + offs_d[None, :]
+            )
+            tl.store(part_ptrs, acc, mask=row_valid[:, None] & d_valid[None, :])
+        else:
+            out_ptrs = out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _merge_splits_kernel(  # type: ignore[no-untyped-def]
+        part_ptr,
+        lse_ptr,
+        out_ptr,
+        query_start_ptr,
+        num_splits,
+        stride_pt,
+        stride_ph,
+        stride_ps,
+        stride_lt,
+        stride_lh,
+        stride_ot,
+        stride_oh,
+        HEAD_DIM: tl.constexpr,
+        HEAD_DIM_PAD: tl.constexpr,
+        SPLITS_PAD: tl.constexpr,
+    ):
+        """Exact merge of one query token's (grid: row, query head, token of the row) partials.
+
+        With ``o_s`` each partition's output normalised by its own sum ``l_s`` and
+        ``lse_s = m_s + log2(l_s)``, the full softmax weighs ``o_s`` by ``l_s 2^m_s``, i.e. by
+        ``2^lse_s`` relative to any common shift; shifting by the largest keeps it in range.
+        """
+        row = tl.program_id(0)
+        head = tl.program_id(1)
+        t = tl.program_id(2)
+        q_begin = tl.load(query_start_ptr + row)
+        q_len = tl.load(query_start_ptr + row + 1) - q_begin
+        if t >= q_len:  # grid sized for the longest row; rows of out owned by none stay as they are
+            return
+        token = (q_begin + t).to(tl.int64)
+
+        offs_s = tl.arange(0, SPLITS_PAD)
+        s_valid = offs_s < num_splits
+        offs_d = tl.arange(0, HEAD_DIM_PAD)
+        d_valid = offs_d < HEAD_DIM
+        lse = tl.load(lse_ptr + token * stride_lt + head * stride_lh + offs_s, mask=s_valid, other=float("-inf"))
+        # A valid token sees its own key, so one partition at least has a finite lse.
+        peak = tl.max(lse, 0)
+        weight = tl.exp2(lse - peak)
+        part_ptrs = part_ptr + token * stride_pt + head * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :]
+        parts = tl.load(part_ptrs, mask=s_valid[:, None] & d_valid[None, :], other=0.0)
+        merged = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
+        out_ptrs = out_ptr + token * stride_ot + head * stride_oh + offs_d
+        tl.store(out_ptrs, merged.to(out_ptr.dtype.element_ty), mask=d_valid)
 
 
 def is_available(device: torch.device) -> bool:
@@ -268,6 +392,8 @@ class _Config:
     block_n: int  # keys per inner-loop tile
     num_warps: int
     num_stages: int
+    num_splits: int = 1  # key partitions per query tile; 1 is the single-pass kernel
+    min_partition: int = 0  # fewest keys per partition when split (rounded up to block_n)
 
 
 def _next_pow2(n: int) -> int:
@@ -298,6 +424,46 @@ def _choose_config(
     return _Config(block_m=block_m, block_n=block_n, num_warps=4, num_stages=stages)
 
 
+def choose_num_splits(
+    num_rows: int,
+    num_kv_heads: int,
+    max_query_len: int,
+    max_kv_len: int,
+    num_sms: int,
+    *,
+    min_partition: int = MIN_PARTITION,
+    max_splits: int = MAX_SPLITS,
+) -> int:
+    """How many key partitions each ``(row, KV head)`` of a step gets (1: no split).
+
+    Only decode-only steps (``max_query_len == 1``) split: a step with prefill chunks
+    already has a program per query tile and its partial outputs would be as large as its
+    queries. A decode step has ``num_rows * num_kv_heads`` programs; once that reaches
+    two per SM (``num_sms``) the GPU is busy and splitting only adds the merge. Below it,
+    the splits bring the count up to about two programs per SM (each SM then has loads of
+    several programs in flight), but no partition of the longest key range
+    (``max_kv_len``) gets fewer than ``min_partition`` keys and no tile more than
+    ``max_splits`` partitions. Host ints only, so choosing never waits on the device.
+    """
+    if max_query_len != 1 or num_rows <= 0 or num_kv_heads <= 0 or max_kv_len <= 0:
+        return 1
+    programs = num_rows * num_kv_heads
+    target = 2 * max(1, num_sms)
+    if programs >= target:
+        return 1
+    wanted = -(-target // programs)
+    by_length = -(-max_kv_len // max(1, min_partition))
+    return max(1, min(wanted, by_length, max_splits))
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    """The device's SM count (a cached host query), :data:`DEFAULT_SM_COUNT` off CUDA."""
+    if device.type != "cuda":
+        return DEFAULT_SM_COUNT
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
 def triton_paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -312,6 +478,8 @@ def triton_paged_attention(
     out: torch.Tensor | None = None,
     *,
     ring_blocks: int | None = None,
+    max_seq_len: int | None = None,
+    num_sms: int | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of a step's flat queries over the cache, ``-> [T, Hq, D]``.
 
@@ -329,6 +497,14 @@ def triton_paged_attention(
     block table is a ring (aiocb's layout): the key at ``p`` is then in column
     ``(p // page_size) % ring_blocks``; the caller must make sure no key a query needs was
     overwritten by a later token of the same step.
+
+    Decode-only steps at small batch split each row's keys across several programs (see
+    :func:`choose_num_splits`); the results are the same up to fp32 rounding. The choice
+    uses ``max_seq_len`` (a host int, ``>= max seq_lens``; by default the block table's
+    width in tokens, which bounds it without reading ``seq_lens``) and ``num_sms`` (by
+    default the device's SM count, :data:`DEFAULT_SM_COUNT` off CUDA). Only the split
+    count depends on them, never which keys a query reads: any values are correct, and a
+    CUDA graph captured with an upper bound stays correct for shorter contexts.
 
     Rows not covered by any query (and the rows of ``out`` belonging to no row) are left
     untouched in ``out``.
@@ -367,6 +543,21 @@ def triton_paged_attention(
     group_pad = _next_pow2(group)
     head_dim_pad = max(16, _next_pow2(head_dim))
     config = _choose_config(max_query_len, group_pad, head_dim_pad, page_size, query.dtype)
+    if max_seq_len is None:
+        max_seq_len = block_table.shape[1] * page_size
+    max_kv_len = max_seq_len
+    if sliding_window is not None:
+        # A decode query reads its window, plus the tile-alignment slack before it.
+        max_kv_len = min(max_kv_len, sliding_window + config.block_n - 1)
+    splits = choose_num_splits(
+        num_rows, num_kv_heads, max_query_len, max_kv_len, _sm_count(query.device) if num_sms is None else num_sms
+    )
+    if splits > 1:
+        config = replace(config, num_splits=splits, min_partition=MIN_PARTITION)
+        if query.dtype == torch.float32:
+            # Compiled for sm_90, the split variant of the exact-fp32 kernel spills with
+            # 32-key tiles at two stages; 16-key tiles do not.
+            config = replace(config, block_n=min(config.block_n, 16))
     return _launch(
         query, key_cache, value_cache, block_table, query_start, seq_lens, max_query_len, scale,
         softcap, sliding_window, ring_blocks, out, config,
@@ -388,20 +579,64 @@ def _launch(
     out: torch.Tensor,
     config: _Config,
 ) -> torch.Tensor:
-    """Launch with explicit tiles (tests use it to force small, multi-tile shapes)."""
+    """Launch with explicit tiles and splits (tests use it to force small, multi-tile and
+    split shapes; any ``num_splits`` works for any step, prefill chunks included)."""
+    split = config.num_splits > 1
+    partials, lse = _launch_partitions(
+        query, key_cache, value_cache, block_table, query_start, seq_lens, max_query_len, scale,
+        softcap, sliding_window, ring_blocks, out, config,
+    )  # fmt: skip
+    if split:
+        _merge_partitions(partials, lse, out, query_start, block_table.shape[0], max_query_len)
+    return out
+
+
+def _launch_partitions(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    softcap: float | None,
+    sliding_window: int | None,
+    ring_blocks: int | None,
+    out: torch.Tensor,
+    config: _Config,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention kernel alone. Unsplit it writes ``out``; split it returns the partial
+    outputs ``[T, Hq, S, D]`` (fp32, each normalised by its own softmax sum) and their
+    log2-domain log-sum-exps ``[T, Hq, S]`` (``-inf`` where a partition saw no key) and
+    leaves ``out`` alone. Tests read the partials to see that a step really split."""
     num_heads, head_dim = query.shape[1:]
     page_size, num_kv_heads = key_cache.shape[1:3]
     group = num_heads // num_kv_heads
     group_pad = _next_pow2(group)
     if config.block_m % group_pad or config.block_m < 16 or config.block_n < 16:
         raise ValueError(f"bad tiles {config} for a head group of {group}")
+    if config.num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {config.num_splits}")
+    split = config.num_splits > 1
     block_q = config.block_m // group_pad
-    grid = (block_table.shape[0], num_kv_heads, triton.cdiv(max_query_len, block_q))
+    if split:
+        # Rows of queries owned by no request are never written (the merge skips them too).
+        partials = torch.empty(
+            (query.shape[0], num_heads, config.num_splits, head_dim), device=query.device, dtype=torch.float32
+        )
+        lse = torch.empty((query.shape[0], num_heads, config.num_splits), device=query.device, dtype=torch.float32)
+    else:  # never read: the kernel's pointers need some tensor
+        partials = lse = out
+    min_partition = triton.cdiv(max(config.min_partition, 1), config.block_n) * config.block_n
+    grid = (block_table.shape[0], num_kv_heads, triton.cdiv(max_query_len, block_q) * config.num_splits)
     _paged_attention_kernel[grid](
         query,
         key_cache,
         value_cache,
         out,
+        partials,
+        lse,
         block_table,
         query_start,
         seq_lens,
@@ -409,10 +644,17 @@ def _launch(
         float(softcap) if softcap else 1.0,
         int(sliding_window) if sliding_window is not None else 0,
         int(ring_blocks) if ring_blocks is not None else 1,
+        config.num_splits,
+        min_partition,
         query.stride(0),
         query.stride(1),
         out.stride(0),
         out.stride(1),
+        partials.stride(0),
+        partials.stride(1),
+        partials.stride(2) if split else 0,
+        lse.stride(0),
+        lse.stride(1),
         key_cache.stride(0),
         key_cache.stride(1),
         key_cache.stride(2),
@@ -435,7 +677,40 @@ def _launch(
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         INTERPRETED=interpreted(_paged_attention_kernel),
         TILE_IN_PAGE=page_size % config.block_n == 0,
+        SPLIT=split,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-    return out
+    return partials, lse
+
+
+def _merge_partitions(
+    partials: torch.Tensor,
+    lse: torch.Tensor,
+    out: torch.Tensor,
+    query_start: torch.Tensor,
+    num_rows: int,
+    max_query_len: int,
+) -> None:
+    """Merge :func:`_launch_partitions`' split results into ``out`` (only the rows' tokens)."""
+    num_tokens, num_heads, num_splits, head_dim = partials.shape
+    if num_tokens == 0:
+        return
+    _merge_splits_kernel[(num_rows, num_heads, max_query_len)](
+        partials,
+        lse,
+        out,
+        query_start,
+        num_splits,
+        partials.stride(0),
+        partials.stride(1),
+        partials.stride(2),
+        lse.stride(0),
+        lse.stride(1),
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=max(16, _next_pow2(head_dim)),
+        SPLITS_PAD=max(2, _next_pow2(num_splits)),
+        num_warps=4 if head_dim > 64 else 2,
+    )
