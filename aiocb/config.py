@@ -64,6 +64,11 @@ class ContinuousBatchingConfig:
         kv_padding_interval_size: KV-length padding interval of graph shapes (0 = 16384).
         varlen_compile_config: ``torch.compile`` keyword arguments for mixed/prefill steps.
         decode_compile_config: ``torch.compile`` keyword arguments for decode-only steps.
+            (aiocb) When neither it nor ``default_compile_level`` is set and decode steps
+            replay CUDA graphs on one process, the decode model is compiled with
+            ``mode="default", dynamic=True`` before the graphs are captured;
+            ``{"disable": True}`` (``torch.compile``'s own switch) keeps it eager. Modes
+            that capture CUDA graphs of their own are refused while aiocb's are on.
         default_compile_level: 0 (no compile) to 3; explicit compile configs win.
         scheduler_type: ``"fifo"`` (decode first) or ``"prefill_first"``.
         safety_margin: fraction of the cache kept free for running requests: below it no

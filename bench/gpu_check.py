@@ -2,28 +2,41 @@
 
     AIOCB_COMMIT=$(git rev-parse --short HEAD) python bench/gpu_check.py
 
-1. ``pytest -m gpu`` (the Triton kernels on CUDA, bf16 parity with ``model.generate``,
-   CUDA-graph replay against eager, async batching against synchronous steps).
-2. The device's memory bandwidth (a large device-to-device copy).
-3. The Triton sampler against ``draw_full`` at 1,024 rows x 151,936 tokens: times, and
-   how many picks differ.
-3b. Host overhead per step: a near-zero-compute model (1 layer, hidden 16, vocab 4,096 and
-   151,936) at 256 and 1,024 rows, 16-token prompts, 32 new tokens: aiocb's ms per step
-   (greedy, and sampled at temperature 0.8, top-k 50, top-p 0.9) against static
-   ``generate``'s, whose difference is the host work aiocb adds to a step.
-4. A random-weight bf16 model with Qwen3-0.6B's shape on two workloads, EOS disabled:
-   (a) 256 requests, 512-token prompts, 256 new tokens; (b) 1,024 requests, 128-token
-   prompts, 128 new tokens; through aiocb, static ``model.generate`` and transformers'
-   ``generate_batch`` (in a subprocess with a time limit). For aiocb: output tokens/s,
-   time to first token, inter-token latency, event-loop lag of a 1 ms heartbeat, and the
-   decode step time against the bandwidth floor ((weights + KV read) / bandwidth).
-5. Speculative decoding (prompt lookup, and the bundled model's one-layer early-exit
-   draft) against none on the bundled model in bf16: copy-heavy prompts at batch 1 and 8
-   (``bench/speculative.py``'s), outputs checked identical; tokens/s of each and the
-   acceptance rates.
+Every phase runs in a subprocess of its own with a time limit (its process group is
+killed when the limit passes), and the limits add up to :data:`TOTAL_BUDGET_S`: a phase
+that times out, raises or dies is recorded as such and the check goes on. A phase writes
+what it measured to ``$OUT/phases/<phase>.json`` as it goes, and the check rewrites
+``$OUT/gpu_check.json`` after every phase, so a killed run still leaves its numbers.
 
-Prints a markdown table last; writes ``gpu_check.json`` and ``gpu_tests.log`` to ``$OUT``
-when it is set. ``--dry-run`` runs the same plumbing on the CPU with a tiny model.
+1. ``tests``: ``pytest -m gpu`` (the Triton kernels on CUDA, split-KV decode against
+   one pass and its speed, CUDA-graph replay against eager, async batching against
+   synchronous steps, every graph captured before the first step and none after); log
+   in ``gpu_tests.log``.
+2. ``device``: the device and the memory bandwidth (a large device-to-device copy).
+3. ``sampler``: the Triton sampler against ``draw_full`` at 1,024 rows x 151,936 tokens.
+4. ``host_overhead``: ms per step of a near-zero-compute model (1 layer, hidden 16) at
+   256 and 1,024 rows, aiocb (greedy, sampled) against static ``generate``.
+5. ``speculative``: prompt lookup and the early-exit draft against none, bundled model.
+6. ``decode_kernels``: Qwen3-0.6B's shape in bf16, decode graphs of up to 256 rows
+   captured with the decode model eager and compiled: capture seconds, kernels per
+   replay (``torch.profiler``) and ms per replay at 64 and 256 rows.
+7. ``parity``: teacher-forced bf16 parity: aiocb generates greedily (graphs, compiled
+   decode, async batching), then plain transformers scores the same sequences in one
+   forward; per generated position, the log-probabilities of aiocb's tokens are compared
+   (max and mean abs difference) and the exact argmax match rate is reported.
+8. ``static`` and ``aiocb``: a random-weight bf16 model with Qwen3-0.6B's shape on two
+   workloads, EOS disabled: (a) 256 requests, 512-token prompts, 256 new tokens; (b)
+   1,024 requests, 128-token prompts, 128 new tokens. For aiocb: tokens/s, time to first
+   token, inter-token latency, event-loop lag of a 1 ms heartbeat, decode step time
+   against the bandwidth floor, graph capture seconds and captures during timed runs;
+   then, with the manager destroyed, whether its device memory came back.
+9. ``transformers_a``, ``transformers_b``: transformers' ``generate_batch`` on each
+   workload; one cut off by its limit is recorded as a bound (at least so many seconds,
+   at most so many tokens/s).
+
+Prints a markdown table last. ``--dry-run`` runs the same plumbing on the CPU with a tiny
+model (longer limits; CUDA-only measurements are recorded as skipped); ``--skip-tests``
+leaves out phase 1; ``--phases a,b`` runs only those phases.
 """
 
 from __future__ import annotations
@@ -32,14 +45,17 @@ import argparse
 import asyncio
 import datetime as dt
 import functools
+import gc
 import inspect
 import json
 import os
 import random
 import re
+import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -77,7 +93,29 @@ TINY = {
 }
 WORKLOADS = {"a": (256, 512, 256), "b": (1024, 128, 128)}  # requests, prompt tokens, new tokens
 DRY_WORKLOADS = {"a": (8, 32, 8), "b": (16, 16, 8)}
-TRANSFORMERS_TIME_LIMIT_S = 100
+
+#: (phase, device seconds it may take). The limits add up to at most TOTAL_BUDGET_S, and
+#: every phase also stops at the budget's end, so the whole check fits one 8-minute call.
+PHASES: list[tuple[str, int]] = [
+    ("tests", 105),
+    ("device", 15),
+    ("sampler", 30),
+    ("host_overhead", 25),
+    ("speculative", 25),
+    ("decode_kernels", 60),
+    ("parity", 30),
+    ("static", 30),
+    ("aiocb", 90),
+    ("transformers_a", 25),
+    ("transformers_b", 25),
+]
+TOTAL_BUDGET_S = 465
+assert sum(limit for _, limit in PHASES) <= TOTAL_BUDGET_S < 8 * 60
+#: On the CPU (--dry-run) the tiny model's phases get this many times longer.
+DRY_SLOWDOWN = 4
+#: Device memory the destroyed manager may leave allocated (allocator rounding, the
+#: sampler's small persistent tensors) before it counts as not given back.
+MEMORY_TOLERANCE_BYTES = 64 * 2**20
 
 
 def log(message: str) -> None:
@@ -111,25 +149,52 @@ def sync() -> None:
 # ---------------------------------------------------------------------------- sections
 
 
-def run_tests(out: Path | None, dry: bool) -> dict[str, Any]:
-    """pytest -m gpu in a subprocess (own config: the project's needs pytest-asyncio)."""
+class Recorder:
+    """A phase's results, rewritten to its JSON file at every :meth:`put` (a phase killed
+    by its time limit leaves what it had)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.data: dict[str, Any] = {}
+
+    def put(self, key: str, value: Any) -> Any:
+        self.data[key] = value
+        partial = self.path.with_suffix(".tmp")
+        partial.write_text(json.dumps(self.data, indent=2, default=str))
+        os.replace(partial, self.path)
+        return value
+
+
+def run_tests(rec: Recorder, out: Path, dry: bool) -> None:
+    """pytest -m gpu in a subprocess (own config: the project's needs pytest-asyncio); the
+    phase's time limit kills it with this process."""
     env = dict(os.environ, AIOCB_GPU_TESTS="1", PYTHONPATH=str(REPO))
     command = [sys.executable, "-m", "pytest", "-c", str(REPO / "bench" / "gpu_pytest.ini"), "-m", "gpu", "-q"]
     command += ["-rA", "tests/gpu", "tests/runner/test_triton_attention.py", "tests/runner/test_triton_sampler.py"]
-    started = time.perf_counter()
-    try:
-        done = subprocess.run(
-            command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300 if not dry else 600
-        )
-        text, code = done.stdout + done.stderr, done.returncode
-    except subprocess.TimeoutExpired as error:
-        text, code = f"timed out after {error.timeout} s\n{error.stdout or ''}", -1
-    if out is not None:
-        (out / "gpu_tests.log").write_text(text)
+    log_path = out / "gpu_tests.log"
+    rec.put("log", str(log_path))
+    with log_path.open("w") as stream:
+        code = subprocess.run(command, cwd=REPO, env=env, stdout=stream, stderr=subprocess.STDOUT).returncode
+    text = log_path.read_text()
     counts = re.compile(r"\d+ (passed|failed|error|skipped)")
     summary = next((line for line in reversed(text.splitlines()) if counts.search(line)), text[-300:])
-    notes = [line for line in text.splitlines() if "parity:" in line or "graphs vs eager" in line]
-    return {"exit_code": code, "summary": summary.strip("= "), "notes": notes, "seconds": time.perf_counter() - started}
+    notes = [
+        line
+        for line in text.splitlines()
+        if any(key in line for key in ("parity:", "graphs vs eager", "captures:", "triton paged decode"))
+    ]
+    rec.put("notes", notes)
+    rec.put("exit_code", code)
+    rec.put("summary", summary.strip("= "))
+
+
+def phase_device(rec: Recorder) -> None:
+    rec.put("device", torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+    rec.put("torch", torch.__version__)
+    import transformers
+
+    rec.put("transformers_version", transformers.__version__)
+    rec.put("bandwidth_gb_s", measure_bandwidth() / 1e9)
 
 
 def measure_bandwidth() -> float:
@@ -433,53 +498,102 @@ async def _aiocb_run(manager: aiocb.Manager, prompts: list[list[int]], new: int)
     }
 
 
-def bench_aiocb(model: Any, runs: dict[str, tuple[list[list[int]], int]]) -> dict[str, Any]:
-    async def main() -> dict[str, Any]:
-        results: dict[str, Any] = {}
-        async with aiocb.Manager(model) as manager:
-            runner = manager._runner
-            assert runner is not None
-            results["setup"] = {
-                "backends": runner.backends,
-                "cuda_graphs": runner.graphs is not None,
-                "async_batching": runner.async_batching,
-                "num_blocks": runner.plan.num_blocks,
-                "page_size": runner.plan.page_size,
-                "max_batch_tokens": runner.plan.max_batch_tokens,
-                "max_requests_per_batch": runner.plan.max_requests_per_batch,
-            }
+def _runner_setup(manager: aiocb.Manager) -> dict[str, Any]:
+    runner = manager._runner
+    assert runner is not None
+    graphs = runner.graphs
+    return {
+        "backends": runner.backends,
+        "cuda_graphs": graphs is not None,
+        "graph_buckets": None if graphs is None else len(graphs.buckets),
+        "decode_compiled": runner._decode_model is not runner.model,
+        "async_batching": runner.async_batching,
+        "num_blocks": runner.plan.num_blocks,
+        "page_size": runner.plan.page_size,
+        "max_batch_tokens": runner.plan.max_batch_tokens,
+        "max_requests_per_batch": runner.plan.max_requests_per_batch,
+    }
+
+
+def _captures(manager: aiocb.Manager) -> tuple[int, float | None]:
+    runner = manager._runner
+    graphs = None if runner is None else runner.graphs
+    return (0, None) if graphs is None else (graphs.captures, graphs.capture_seconds)
+
+
+def bench_aiocb(rec: Recorder, model: Any, runs: dict[str, tuple[list[list[int]], int]], **config: Any) -> None:
+    """Each workload after a warm-up at its batch size (the session's start captures the
+    graphs, compiling the decode model first); then whether the memory came back."""
+    baseline = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+
+    async def main() -> None:
+        cb = aiocb.ContinuousBatchingConfig(**config)
+        async with aiocb.Manager(model, continuous_batching_config=cb) as manager:
+            rec.put("setup", {**_runner_setup(manager), "config": config})
             for name, (prompts, new) in runs.items():
-                # Warm-up at the same batch size: Triton compilation and graph capture.
+                started = time.perf_counter()
                 await manager.generate_batch([p[:64] for p in prompts], max_new_tokens=4)
-                log(f"aiocb {name}: warm")
-                results[name] = await _aiocb_run(manager, prompts, new)
-                log(f"aiocb {name}: {results[name]['tokens_per_s']:.0f} tok/s")
+                captures, capture_s = _captures(manager)
+                rec.put(f"{name}_warm_up", {"seconds": time.perf_counter() - started, "capture_seconds": capture_s})
+                log(f"aiocb {name}: warm (graph capture {capture_s} s)")
+                row = await _aiocb_run(manager, prompts, new)
+                row["captures_during_run"] = _captures(manager)[0] - captures
+                rec.put(name, row)
+                log(f"aiocb {name}: {row['tokens_per_s']:.0f} tok/s")
             stats = manager.statistics()
-            results["leaked_blocks"] = stats.total_blocks - stats.free_blocks
-        return results
+            rec.put("leaked_blocks", stats.total_blocks - stats.free_blocks)
 
-    return asyncio.run(main())
+    asyncio.run(main())
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    after = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+    rec.put(
+        "memory_after_destroy",
+        {
+            "model_bytes": baseline,
+            "allocated_bytes": after,
+            "left_bytes": after - baseline,
+            "given_back": after - baseline <= MEMORY_TOLERANCE_BYTES,
+            "tolerance_bytes": MEMORY_TOLERANCE_BYTES,
+        },
+    )
 
 
-def bench_transformers_subprocess(name: str, dry: bool, out: Path | None) -> dict[str, Any]:
-    command = [sys.executable, __file__, "--transformers-only", name] + (["--dry-run"] if dry else [])
+def phase_aiocb(rec: Recorder, dry: bool) -> None:
+    """aiocb with its defaults; if they fail (the compiled decode model, say), again with
+    the decode model left eager, so the workloads still get numbers."""
+    model = build_model(dry)
+    runs = {name: workload(name, dry) for name in WORKLOADS}
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=TRANSFORMERS_TIME_LIMIT_S, cwd=REPO)
-    except subprocess.TimeoutExpired:
-        return {"error": f"did not finish within {TRANSFORMERS_TIME_LIMIT_S} s"}
-    if out is not None:
-        (out / f"transformers_{name}.log").write_text(done.stdout[-20000:] + done.stderr[-20000:])
-    for line in reversed(done.stdout.splitlines()):
-        if line.startswith("RESULT "):
-            return dict(json.loads(line[len("RESULT ") :]))
-    return {"error": f"exit {done.returncode}: {done.stderr.strip().splitlines()[-1:] or ['no output']}"}
+        bench_aiocb(rec, model, runs)
+    except Exception as error:
+        rec.put("error_with_defaults", repr(error)[:400])
+        log(f"aiocb with its defaults failed: {error!r}; again without the decode compile")
+        gc.collect()
+        bench_aiocb(rec, model, runs, decode_compile_config={"disable": True})
 
 
-def transformers_only(name: str, dry: bool) -> None:
-    """transformers' own continuous batching on one workload (run in a subprocess)."""
+def phase_static(rec: Recorder, dry: bool) -> None:
+    model = build_model(dry)
+    for name in WORKLOADS:
+        prompts, new = workload(name, dry)
+        try:
+            rec.put(name, bench_static(model, prompts, new))
+            log(f"static {name}: {rec.data[name]['tokens_per_s']:.0f} tok/s")
+        except Exception as error:  # an OOM must not cost the other workload
+            rec.put(name, {"error": repr(error)[:300]})
+
+
+def phase_transformers(rec: Recorder, name: str, dry: bool) -> None:
+    """transformers' own continuous batching on one workload. Before the timed call it
+    records when it started and how many tokens it asks for: a run the time limit cuts
+    off becomes a bound."""
     import transformers
     from transformers import GenerationConfig
 
+    rec.put("version", transformers.__version__)
     model = build_model(dry)
     prompts, new = workload(name, dry)
     generation = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)
@@ -491,32 +605,184 @@ def transformers_only(name: str, dry: bool) -> None:
         kwargs["continuous_batching_config"] = transformers.ContinuousBatchingConfig()
     model.generate_batch(inputs=[p[:16] for p in prompts[:8]], **kwargs)  # warm-up
     sync()
+    rec.put("tokens_planned", len(prompts) * new)
+    rec.put("timed_run_started", time.time())
     started = time.perf_counter()
     outputs = model.generate_batch(inputs=prompts, **kwargs)
     sync()
     seconds = time.perf_counter() - started
     tokens = sum(len(o.generated_tokens) for o in outputs.values())
-    result = {
-        "seconds": seconds,
-        "tokens": tokens,
-        "tokens_per_s": tokens / seconds,
-        "version": transformers.__version__,
-    }
-    print("RESULT " + json.dumps(result), flush=True)
+    rec.put("seconds", seconds)
+    rec.put("tokens", tokens)
+    rec.put("tokens_per_s", tokens / seconds)
 
 
-def decode_floor_ms(model: Any, prompts: list[list[int]], new: int, bandwidth: float) -> float:
-    """Bandwidth floor of a decode step at full batch, at the workload's mean context."""
-    config = model.config
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    weight_bytes -= config.vocab_size * config.hidden_size * 2 if not config.tie_word_embeddings else 0
+def _bound_if_cut_off(row: dict[str, Any], ended: float) -> None:
+    """A transformers run killed during its timed call: at least this long, at most this fast."""
+    if row.get("status") == "timeout" and "timed_run_started" in row and "seconds" not in row:
+        at_least = ended - float(row["timed_run_started"])
+        row["seconds_at_least"] = at_least
+        row["tokens_per_s_at_most"] = row["tokens_planned"] / at_least
+        row["bound"] = f">= {at_least:.1f} s, <= {row['tokens_per_s_at_most']:.0f} tok/s"
+
+
+def _kernels_per_call(run: Callable[[], object]) -> tuple[int, str]:
+    """Kernels one call launches (CUDA), or operators it runs (CPU), by torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    run()
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+        run()
+        sync()
+    if cuda:
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        return len(kernels), "CUDA kernels"
+    return len([e for e in prof.events() if e.cpu_parent is None]), "top-level CPU operators"
+
+
+def phase_decode_kernels(rec: Recorder, dry: bool) -> None:
+    """Decode graphs of up to 256 rows, the decode model eager then compiled: capture
+    seconds, kernels per replay and ms per replay at 64 and 256 rows."""
+    from aiocb.runner.model_runner import ModelRunner
+
+    model = build_model(dry)
+    rows = 16 if dry else 256
+    probes = (8, 16) if dry else (64, 256)
+    if not torch.cuda.is_available():
+        # No graphs on the CPU: count the operators of one eager one-row forward instead
+        # (the profiler plumbing), and say so.
+        rec.put("skipped", "decode CUDA graphs need CUDA")
+        ids = torch.ones(1, 1, dtype=torch.long)
+        with torch.inference_mode():
+            count, unit = _kernels_per_call(lambda: model(input_ids=ids, use_cache=False))
+        rec.put("eager_one_row_forward", {"count": count, "unit": unit})
+        return
+    for label, compile_config in (("eager", {"disable": True}), ("compiled", None)):
+        try:
+            # (the default page size, so the backend is the one the workloads use)
+            config = aiocb.ContinuousBatchingConfig(
+                max_requests_per_batch=rows, num_blocks=rows + 8, decode_compile_config=compile_config
+            )
+            runner = ModelRunner(model, config)
+            graphs = runner.graphs
+            if graphs is None:
+                rec.put(label, {"error": f"no decode graphs (backends {runner.backends})"})
+                continue
+            runner.attach()
+            try:
+                with torch.inference_mode():
+                    graphs.capture_all()
+                row: dict[str, Any] = {"capture_seconds": graphs.capture_seconds, "buckets": len(graphs.buckets)}
+                rec.put(label, row)
+                for bucket in probes:
+                    # After capture_all every static input holds padding: a replay is a valid step.
+                    graph = graphs._graphs[bucket][0]
+                    count, unit = _kernels_per_call(graph.replay)
+                    row[f"{bucket}_rows"] = {"kernels": count, "unit": unit, "replay_ms": _device_ms(graph.replay)}
+                    rec.put(label, row)
+                    log(f"decode graph {label}, {bucket} rows: {row[f'{bucket}_rows']}")
+            finally:
+                runner.detach()
+            del runner, graphs
+        except Exception as error:
+            rec.put(label, {**rec.data.get(label, {}), "error": repr(error)[:400]})
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+PARITY_SHAPE = {
+    "vocab_size": 4096,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "max_position_embeddings": 4096,
+    "initializer_range": 0.3,  # (diverse greedy outputs; 0.02 falls into 1-2 token loops)
+}
+
+
+def phase_parity(rec: Recorder, dry: bool) -> None:
+    """Teacher-forced parity in the model's dtype (bf16 on the device): aiocb generates, then
+    transformers scores prompt + aiocb's tokens in one forward; per generated position,
+    aiocb's log-probability of its token against transformers', and whether transformers'
+    argmax is aiocb's token."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    device = "cpu" if dry else "cuda"
+    dtype = torch.float32 if dry else torch.bfloat16
+    torch.manual_seed(0)
+    config = Qwen3Config(**PARITY_SHAPE, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    model = Qwen3ForCausalLM(config).to(device, dtype).eval()
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1, 4096) for _ in range(rng.randint(8, 300))] for _ in range(16 if dry else 64)]
+    new = 8 if dry else 32
+
+    async def generate() -> tuple[list[Any], dict[str, Any]]:
+        cb = aiocb.ContinuousBatchingConfig(max_memory_percent=0.3)
+        params = aiocb.SamplingParams(return_logprobs=True)
+        async with aiocb.Manager(model, continuous_batching_config=cb) as manager:
+            outputs = await manager.generate_batch(prompts, max_new_tokens=new, sampling_params=params)
+            return list(outputs.values()), _runner_setup(manager)
+
+    outputs, setup = asyncio.run(generate())
+    rec.put("setup", setup)
+    diffs: list[float] = []
+    matches = 0
+    for prompt, output in zip(prompts, outputs, strict=True):
+        tokens, logprobs = output.generated_tokens, output.logprobs
+        assert logprobs is not None and len(tokens) == new
+        sequence = torch.tensor([prompt + tokens[:-1]], device=device)
+        with torch.inference_mode():
+            logits = model(input_ids=sequence).logits[0, len(prompt) - 1 :].float()
+        reference = logits.log_softmax(-1)
+        chosen = torch.tensor(tokens, device=device)
+        theirs = reference.gather(1, chosen[:, None])[:, 0].tolist()
+        diffs += [abs(a - b) for a, b in zip(logprobs, theirs, strict=True)]
+        matches += int((reference.argmax(-1) == chosen).sum())
+    positions = len(diffs)
+    rec.put(
+        "teacher_forced",
+        {
+            "dtype": str(dtype),
+            "positions": positions,
+            "logprob_max_abs_diff": max(diffs),
+            "logprob_mean_abs_diff": sum(diffs) / positions,
+            "argmax_match_rate": matches / positions,
+        },
+    )
+    log(f"parity: {rec.data['teacher_forced']}")
+
+
+def build_model_config(dry: bool) -> dict[str, Any]:
+    """The benchmark model's shape (the parent process sizes the floor from it, no model built)."""
+    return TINY if dry else QWEN3_0_6B
+
+
+def decode_floor_ms(shape: dict[str, Any], prompts: list[list[int]], new: int, bandwidth: float) -> float:
+    """Bandwidth floor of a decode step at full batch, at the workload's mean context, in
+    bf16: the weights once (the tied embedding's lookup reads next to nothing) plus the KV."""
+    hidden, heads, kv_heads, dim = (
+        shape[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+    )
+    per_layer = 2 * hidden * heads * dim + 2 * hidden * kv_heads * dim + 3 * hidden * shape["intermediate_size"]
+    weights = shape["num_hidden_layers"] * per_layer + shape["vocab_size"] * hidden
+    if not shape["tie_word_embeddings"]:
+        weights += shape["vocab_size"] * hidden
     context = len(prompts[0]) + new / 2
-    kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 2
+    kv_per_token = 2 * shape["num_hidden_layers"] * kv_heads * dim * 2
     kv_bytes = len(prompts) * context * kv_per_token
-    return 1000 * (weight_bytes + kv_bytes) / bandwidth
+    return 1000 * (2 * weights + kv_bytes) / bandwidth
 
 
 # ---------------------------------------------------------------------------- report
+
+
+def _fmt(value: Any, digits: int) -> str:
+    return f"{value:.{digits}f}" if isinstance(value, int | float) else "n/a"
 
 
 def table(results: dict[str, Any]) -> str:
@@ -525,23 +791,32 @@ def table(results: dict[str, Any]) -> str:
         " decode step ms (floor) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
+    phases = results["phases"]
     for name in WORKLOADS:
-        hf = results.get("transformers", {}).get(name, {})
+        hf = phases.get(f"transformers_{name}", {})
         hf_rate = hf.get("tokens_per_s")
-        for engine in ("aiocb", "static", "transformers"):
-            row = results.get(engine, {}).get(name, {})
-            if "error" in row or not row:
-                lines.append(f"| {name} | {engine} | {row.get('error', 'not run')} | | | | | | |")
+        rows = {
+            "aiocb": phases.get("aiocb", {}).get(name, {}),
+            "static": phases.get("static", {}).get(name, {}),
+            "transformers": hf,
+        }
+        for engine, row in rows.items():
+            if "bound" in row:
+                lines.append(f"| {name} | {engine} | {row['bound']} (cut off) | | | | | | |")
+                continue
+            if "tokens_per_s" not in row:
+                why = row.get("error") or row.get("status") or "not run"
+                lines.append(f"| {name} | {engine} | {why} | | | | | | |")
                 continue
             ratio = f"{row['tokens_per_s'] / hf_rate:.2f}x" if hf_rate else "n/a"
             extra = ["", "", "", ""]
             if engine == "aiocb":
                 floor = results.get("floor_ms", {}).get(name, float("nan"))
                 extra = [
-                    f"{row['ttft_p50_ms']:.0f}",
-                    f"{row['itl_p50_ms']:.2f}",
-                    f"{row['loop_lag_p99_ms']:.2f} / {row['loop_lag_max_ms']:.2f}",
-                    f"{row['decode_step_ms']:.2f} ({floor:.2f})",
+                    _fmt(row.get("ttft_p50_ms"), 0),
+                    _fmt(row.get("itl_p50_ms"), 2),
+                    f"{_fmt(row.get('loop_lag_p99_ms'), 2)} / {_fmt(row.get('loop_lag_max_ms'), 2)}",
+                    f"{_fmt(row.get('decode_step_ms'), 2)} ({_fmt(floor, 2)})",
                 ]
             lines.append(
                 f"| {name} | {engine} | {row['tokens_per_s']:.0f} | {ratio} | {row['seconds']:.1f} | "
@@ -551,95 +826,143 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def run_phase(name: str, result: Path, out: Path, dry: bool) -> None:
+    """The body of one phase, in its own process; results go to ``result`` as they come."""
+    rec = Recorder(result)
+    if name == "tests":
+        run_tests(rec, out, dry)
+    elif name == "device":
+        phase_device(rec)
+    elif name == "sampler":
+        rec.data = bench_sampler(dry)
+        rec.put("shape", rec.data["shape"])
+    elif name == "host_overhead":
+        rec.data = bench_host_overhead(dry)
+        rec.put("done", True)
+    elif name == "speculative":
+        rec.data = bench_speculative(dry)
+        rec.put("done", True)
+    elif name == "decode_kernels":
+        phase_decode_kernels(rec, dry)
+    elif name == "parity":
+        phase_parity(rec, dry)
+    elif name == "static":
+        phase_static(rec, dry)
+    elif name == "aiocb":
+        phase_aiocb(rec, dry)
+    elif name.startswith("transformers_"):
+        phase_transformers(rec, name.removeprefix("transformers_"), dry)
+    else:
+        raise SystemExit(f"unknown phase {name!r}")
+
+
+def launch_phase(name: str, limit: float, out: Path, dry: bool) -> dict[str, Any]:
+    """Run one phase in a new process group, killed (with anything it started) after
+    ``limit`` seconds; returns what it recorded, with its status and seconds."""
+    phases = out / "phases"
+    phases.mkdir(exist_ok=True)
+    result = phases / f"{name}.json"
+    result.unlink(missing_ok=True)
+    command = [sys.executable, __file__, "--phase", name, "--result", str(result), "--out", str(out)]
+    command += ["--dry-run"] if dry else []
+    started = time.perf_counter()
+    with (phases / f"{name}.log").open("w") as stream:
+        process = subprocess.Popen(command, cwd=REPO, stdout=stream, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code = process.wait(timeout=limit)
+            status = "ok" if code == 0 else f"failed (exit {code})"
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            status = "timeout"
+    ended = time.time()
+    row: dict[str, Any] = json.loads(result.read_text()) if result.exists() else {}
+    row["status"] = status
+    row["limit_s"] = round(limit, 1)
+    row["phase_seconds"] = round(time.perf_counter() - started, 2)
+    if status != "ok":
+        tail = (phases / f"{name}.log").read_text()[-1500:]
+        row["log_tail"] = tail
+    if name.startswith("transformers_"):
+        _bound_if_cut_off(row, ended)
+    return row
+
+
+def report(results: dict[str, Any]) -> None:
+    """The summary printed at the end."""
+    print()
+    phases = results["phases"]
+    print(json.dumps({k: results[k] for k in ("date", "commit", "dry_run")} | phases.get("device", {}), default=str))
+    for name, row in phases.items():
+        print(f"phase {name}: {row['status']} in {row.get('phase_seconds')} s (limit {row['limit_s']} s)")
+    if "tests" in phases:
+        print(f"gpu tests: {phases['tests'].get('summary')} {phases['tests'].get('notes')}")
+    print(f"aiocb setup {phases.get('aiocb', {}).get('setup')}")
+    print(f"aiocb memory after destroy: {phases.get('aiocb', {}).get('memory_after_destroy')}")
+    if "sampler" in phases:
+        print("\n".join(sampler_lines(phases["sampler"])))
+    for phase in ("host_overhead", "speculative", "decode_kernels", "parity"):
+        for case, row in phases.get(phase, {}).items():
+            if case not in ("status", "limit_s", "phase_seconds", "log_tail", "done"):
+                print(f"{phase} {case}: {row}")
+    for name in WORKLOADS:
+        row = phases.get(f"transformers_{name}", {})
+        if "bound" in row:
+            print(f"transformers {name}: cut off by its limit: {row['bound']}")
+    print(table(results))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="tiny model on the CPU (plumbing check)")
-    parser.add_argument("--skip-tests", action="store_true")
-    parser.add_argument("--transformers-only", metavar="WORKLOAD", help=argparse.SUPPRESS)
+    parser.add_argument("--skip-tests", action="store_true", help="leave out the pytest phase")
+    parser.add_argument("--phases", help="comma-separated phases to run (all by default)")
+    parser.add_argument("--phase", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.transformers_only:
-        transformers_only(args.transformers_only, args.dry_run)
+    if args.phase:
+        run_phase(args.phase, Path(args.result), Path(args.out), args.dry_run)
         return 0
-    out = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
+    out = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(tempfile.mkdtemp(prefix="gpu_check_"))
+    wanted = [name for name, _ in PHASES]
+    if args.phases:
+        wanted = [name for name in args.phases.split(",") if name in wanted]
+    if args.skip_tests and "tests" in wanted:
+        wanted.remove("tests")
     results: dict[str, Any] = {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "commit": os.environ.get("AIOCB_COMMIT", "unknown"),
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "torch": torch.__version__,
+        "dry_run": args.dry_run,
+        "planned_device_seconds": sum(limit for name, limit in PHASES if name in wanted),
+        "phases": {},
     }
-    import transformers
-
-    results["transformers_version"] = transformers.__version__
-
-    def save() -> None:
-        if out is not None:
-            (out / "gpu_check.json").write_text(json.dumps(results, indent=2, default=str))
-
-    if not args.skip_tests:
-        log("gpu tests ...")
-        results["tests"] = run_tests(out, args.dry_run)
-        log(f"gpu tests: {results['tests']['summary']}")
-        save()
-    results["bandwidth_gb_s"] = measure_bandwidth() / 1e9
-    log(f"bandwidth: {results['bandwidth_gb_s']:.0f} GB/s")
-    try:
-        results["sampler"] = bench_sampler(args.dry_run)
-    except Exception as error:  # (its setup: each case catches its own errors)
-        results["sampler"] = {"error": repr(error)[:300]}
-    save()
-    try:
-        results["host_overhead"] = bench_host_overhead(args.dry_run)
-    except Exception as error:
-        results["host_overhead"] = {"error": repr(error)[:300]}
-    save()
-    try:
-        results["speculative"] = bench_speculative(args.dry_run)
-    except Exception as error:
-        results["speculative"] = {"error": repr(error)[:300]}
-    save()
-    model = build_model(args.dry_run)
-    runs = {name: workload(name, args.dry_run) for name in WORKLOADS}
+    log(f"phases {wanted}: at most {results['planned_device_seconds']} s; results in {out}")
+    scale = DRY_SLOWDOWN if args.dry_run else 1
+    deadline = time.perf_counter() + TOTAL_BUDGET_S * scale
+    for name, limit in PHASES:
+        if name not in wanted:
+            continue
+        left = deadline - time.perf_counter()
+        if left < 5:
+            results["phases"][name] = {"status": "not run: the budget was spent", "limit_s": 0}
+            continue
+        log(f"{name} ...")
+        row = results["phases"][name] = launch_phase(name, min(limit * scale, left), out, args.dry_run)
+        log(f"{name}: {row['status']} in {row['phase_seconds']} s")
+        (out / "gpu_check.json").write_text(json.dumps(results, indent=2, default=str))
+    phases = results["phases"]
+    bandwidth = phases.get("device", {}).get("bandwidth_gb_s", float("nan"))
+    model_shape = build_model_config(args.dry_run)
     results["floor_ms"] = {
-        name: decode_floor_ms(model, prompts, new, results["bandwidth_gb_s"] * 1e9)
-        for name, (prompts, new) in runs.items()
+        name: decode_floor_ms(model_shape, *workload(name, args.dry_run), bandwidth * 1e9) for name in WORKLOADS
     }
-    results["static"] = {}
-    for name, (prompts, new) in runs.items():
-        try:
-            results["static"][name] = bench_static(model, prompts, new)
-            log(f"static {name}: {results['static'][name]['tokens_per_s']:.0f} tok/s")
-        except Exception as error:  # an OOM must not cost the other measurements
-            results["static"][name] = {"error": repr(error)[:200]}
-        save()
-    try:
-        results["aiocb"] = bench_aiocb(model, runs)
-    except Exception as error:
-        results["aiocb"] = {name: {"error": repr(error)[:300]} for name in WORKLOADS}
-    save()
-    del model
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    results["transformers"] = {}
     for name in WORKLOADS:
-        log(f"transformers {name} ...")
-        results["transformers"][name] = bench_transformers_subprocess(name, args.dry_run, out)
-        save()
-    for name in WORKLOADS:
-        row = results["aiocb"].get(name, {})
+        row = phases.get("aiocb", {}).get(name, {})
         if "decode_step_ms" in row:
             row["decode_vs_floor"] = row["decode_step_ms"] / results["floor_ms"][name]
-    save()
-    print()
-    print(json.dumps({k: results[k] for k in ("date", "commit", "device", "torch", "transformers_version")}))
-    if "tests" in results:
-        print(f"gpu tests: {results['tests']['summary']} {results['tests']['notes']}")
-    print(f"bandwidth {results['bandwidth_gb_s']:.0f} GB/s; aiocb setup {results['aiocb'].get('setup')}")
-    print("\n".join(sampler_lines(results["sampler"])))
-    for case, row in results["host_overhead"].items():
-        print(f"host overhead {case}: {row}")
-    for case, row in results["speculative"].items():
-        print(f"speculative {case}: {row}")
-    print(table(results))
+    (out / "gpu_check.json").write_text(json.dumps(results, indent=2, default=str))
+    report(results)
     return 0
 
 

@@ -5,6 +5,9 @@ top-k 50 + top-p 0.9, with top-p 0.9 alone, and with the temperature alone. The
 whole-vocabulary draw is what a GPU runs; ``sample()`` on a CPU takes the candidates
 where they suffice. Both give the same tokens (checked). Random logits are flatter than a
 language model's, so the rows without top-k mostly fall back to the whole vocabulary.
+A greedy step's pick is timed beside them: torch's ``argmax`` and the chunked
+:func:`~aiocb.runner.argmax.argmax_rows` that greedy rows take on a CPU (same indices,
+checked).
 
     python bench/sampler.py [--repeats 3]
 """
@@ -23,6 +26,7 @@ if __package__ in (None, ""):  # run as `python bench/sampler.py`
 
 import torch
 
+from aiocb.runner.argmax import argmax_rows
 from aiocb.runner.draw import draw_full
 from aiocb.runner.sampler import SamplingTensors, sample
 
@@ -58,18 +62,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--scale", type=float, default=3.0)
     args = parser.parse_args(argv)
-    print("| vocab | rows | filters | whole vocabulary ms | candidates ms | argmax ms |")
-    print("|---:|---:|---|---:|---:|---:|")
+    print("| vocab | rows | filters | whole vocabulary ms | candidates ms | torch argmax ms | chunked argmax ms |")
+    print("|---:|---:|---|---:|---:|---:|---:|")
     kinds = {"top-k 50, top-p 0.9": {}, "top-p 0.9": {"top_k": 0}, "temperature only": {"top_k": 0, "top_p": 1.0}}
     for vocab, rows in ((4096, 256), (151_936, 64)):
         logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(vocab)) * args.scale
+        assert torch.equal(argmax_rows(logits), logits.argmax(-1))
         for name, fields in kinds.items():
             params = SamplingTensors.from_rows([_Row(seed=i, **fields) for i in range(rows)], logits.device)  # type: ignore[arg-type]
             assert torch.equal(_full(logits, params), sample(logits, params).tokens)
             full = _ms(_full, args.repeats, logits, params)
             candidates = _ms(sample, args.repeats, logits, params)
             argmax = _ms(torch.argmax, args.repeats, logits, -1)
-            print(f"| {vocab} | {rows} | {name} | {full:.1f} | {candidates:.1f} | {argmax:.1f} |")
+            chunked = _ms(argmax_rows, args.repeats, logits)
+            print(f"| {vocab} | {rows} | {name} | {full:.1f} | {candidates:.1f} | {argmax:.2f} | {chunked:.2f} |")
     return 0
 
 

@@ -143,6 +143,8 @@ class Scheduler:
         self.speculative = speculative
         #: tokens the proposers may still index in the step being planned
         self._index_budget = _INDEX_PER_STEP
+        #: prompt positions the step being planned may still score (prompt logprobs)
+        self._scored_left = max_requests_per_batch
         self.max_batch_tokens = max_batch_tokens
         self.max_requests_per_batch = max_requests_per_batch
         self.prefill_first = scheduler_type == "prefill_first"
@@ -298,6 +300,7 @@ class Scheduler:
             speculative = None  # a large batch is no longer memory-bound: extra tokens cost compute
         drafted: dict[Request, list[int]] = {}
         self._index_budget = _INDEX_PER_STEP
+        self._scored_left = max_rows
         for looked, request in enumerate(self._running_by_priority(), 1):
             if looked % chunk == 0:
                 yield
@@ -309,6 +312,8 @@ class Scheduler:
             num_new = min(len(request.token_ids) + request.num_pending_tokens - computed, budget)
             if forks and request in forks:  # its children fork before the prompt's last token
                 num_new = min(num_new, request.num_prompt_tokens - 1 - computed)
+            if request.params.prompt_logprobs:
+                num_new = self._within_scored_budget(request, computed, num_new)
             if num_new <= 0 or (request.num_pending_tokens and self._waits_for_token(request)):
                 continue
             drafts = None
@@ -687,6 +692,10 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if request in self._forks:  # its children fork before the prompt's last token
                 num_new = min(num_new, request.num_prompt_tokens - 1 - request.num_computed_tokens)
+            if request.params.prompt_logprobs:
+                num_new = self._within_scored_budget(request, request.num_computed_tokens, num_new)
+                if num_new <= 0:
+                    break  # (the step scores all the prompt positions it may)
             if not self.kv_cache.allocate(request, num_new):
                 if not offloaded:
                     self.kv_cache.free(request)  # let go of prefix hits until it can run
@@ -709,6 +718,18 @@ class Scheduler:
             admitted += 1
             if admitted % max(1, chunk // 4) == 0:  # (admitting one costs several running ones)
                 yield  # (the loop's conditions are checked again after it)
+
+    def _within_scored_budget(self, request: Request, start: int, num_new: int) -> int:
+        """``num_new`` cut so that the step scores at most ``max_requests_per_batch`` prompt
+        positions in all: the cache planner set memory aside for that many rows of logits
+        (and their float32 log-softmax), so a long prompt is scored over several steps."""
+        scored = min(start + num_new, request.num_prompt_tokens - 1) - start
+        if scored <= 0:
+            return num_new
+        if scored > self._scored_left:
+            num_new = scored = self._scored_left
+        self._scored_left -= scored
+        return num_new
 
     def _preempt(self, request: Request, output: SchedulerOutput) -> None:
         """Take the request's blocks and put it at the front of the queue: its KV goes to

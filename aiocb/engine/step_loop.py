@@ -103,6 +103,7 @@ class StepLoop:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aiocb-step")
         # Waiting for a GPU step's results must not queue behind the next launch.
         self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aiocb-wait")
+        await loop.run_in_executor(self._executor, runner.warm_up)
         in_flight: tuple[SchedulerOutput, asyncio.Future[PendingStep]] | None = None
         pipelined = runner.async_batching
         idle = False  # whether the loop ends with nothing left in the worker threads

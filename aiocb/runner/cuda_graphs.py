@@ -5,12 +5,19 @@ batch-size bucket: the step is padded up to the next bucket, with padding rows t
 write to the cache's trash block and read its zero block, so padding never touches a
 request's KV. All graphs share one memory pool and read static input buffers, which each
 replay fills from the step's inputs with a few device copies (no host sync).
+
+Every bucket is captured at once, largest first, on the step thread before the first
+step (``ModelRunner.warm_up``): steps only replay, so no capture lands in the middle of
+serving. Under tensor parallelism the warm-up passes run collectives, so every rank
+captures at the first decode step instead (all ranks run it): the same buckets in the
+same order at the same step, and the collectives pair up.
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -56,6 +63,10 @@ class DecodeGraphs:
         self._device = device
         self._pool: Any = None  # torch.cuda.graph_pool_handle()
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        #: graphs captured over this object's life (a bucket captured again counts again)
+        self.captures = 0
+        #: wall seconds the last :meth:`capture_all` took (None: nothing captured yet)
+        self.capture_seconds: float | None = None
         rows = self.buckets[-1]
         groups = len(cache.group_windows)
         long, int32 = torch.long, torch.int32
@@ -76,19 +87,48 @@ class DecodeGraphs:
             and all(group.block_table.shape[1] <= self.max_blocks for group in inputs.attention.groups)
         )
 
+    @property
+    def captured(self) -> bool:
+        """Whether every bucket has its graph."""
+        return len(self._graphs) == len(self.buckets)
+
     def run(self, inputs: StepInputs, num_rows: int) -> torch.Tensor:
-        """Logits ``[num_rows, V]`` of a decode step, replaying (capturing first) its bucket's graph."""
+        """Logits ``[num_rows, V]`` of a decode step, replaying its bucket's graph (the first
+        call captures every bucket's graph first)."""
+        if not self.captured:
+            self.capture_all()
         bucket = self.buckets[bisect.bisect_left(self.buckets, num_rows)]
-        graph, logits = self._graphs.get(bucket) or self._capture(bucket)
+        graph, logits = self._graphs[bucket]
         self._fill(inputs, num_rows, bucket)
         graph.replay()
         return logits[:num_rows]
 
     def capture_all(self) -> None:
-        """Capture every bucket up front, largest first so smaller ones reuse its memory."""
-        for bucket in reversed(self.buckets):
-            if bucket not in self._graphs:
-                self._capture(bucket)
+        """Capture every missing bucket, largest first so smaller ones reuse its memory.
+
+        The order depends on the buckets alone, so ranks that agree on the cache plan
+        capture (and run the collectives of the warm-up passes) in the same order.
+        """
+        missing = [bucket for bucket in reversed(self.buckets) if bucket not in self._graphs]
+        if not missing:
+            return
+        started = time.perf_counter()
+        for bucket in missing:
+            self._capture(bucket)
+        self.capture_seconds = time.perf_counter() - started
+        logger.info(
+            "captured %d decode CUDA graphs (%d to %d rows) in %.2f s",
+            len(missing), missing[-1], missing[0], self.capture_seconds,
+        )  # fmt: skip
+
+    def release(self) -> None:
+        """Drop every graph (and their memory pool): the next decode step captures them again.
+
+        Under tensor parallelism, rank 0 does this when the followers build a new cache,
+        so that every rank captures again at the same step.
+        """
+        self._graphs.clear()
+        self._pool = None
 
     def _fill(self, inputs: StepInputs, n: int, bucket: int) -> None:
         cache = self._cache
@@ -143,6 +183,7 @@ class DecodeGraphs:
         args = (self._input_ids[None, :bucket], self._positions[None, :bucket], self._logits_indices[:bucket], metadata)
         graph, logits = self._record(args)
         self._graphs[bucket] = (graph, logits)
+        self.captures += 1
         logger.debug("captured the decode CUDA graph for %d rows", bucket)
         return graph, logits
 
@@ -160,6 +201,8 @@ class DecodeGraphs:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: another thread (the step loop's waiter) may synchronise on a CUDA
+        # event meanwhile; the default "global" mode would fail that call, or this capture.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             logits = self._forward(*args)
         return graph, logits

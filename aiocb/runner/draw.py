@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from aiocb.runner.argmax import argmax_rows
 from aiocb.runner.logits_controls import apply_min_p
 from aiocb.runner.noise import GUMBEL_BOUND, gumbel, gumbel_at, uniform_noise
 
@@ -43,7 +44,7 @@ def draw_full(
     if min_p is not None:
         scaled = apply_min_p(scaled, min_p)
     noise = gumbel(uniform_noise(seed, offset, scaled.shape[-1]))
-    return (scaled + noise).argmax(dim=-1)
+    return argmax_rows(scaled + noise)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:

@@ -28,6 +28,7 @@ from aiocb.runner.model_spec import ModelSpec, model_spec
 from aiocb.runner.paged_cache import PagedKVCache
 from aiocb.runner.sampler import sample, score
 from aiocb.runner.step_batch import BatchWriter, StepBatch
+from aiocb.runner.tp_layout import tensor_parallel_layout
 
 logger = logging.getLogger(__name__)
 
@@ -83,10 +84,13 @@ class ModelRunner:
         self.writer = BatchWriter(len(groups), self.spec.vocab_size)
         #: ... and the worker's (every slot's tables and sampling parameters)
         self.input_batch = InputBatch([self.cache.null_block(g) for g in groups])
-        varlen_config, decode_config = compile_configs(config)
+        graphed = self._decode_graphs_wanted()
+        tensor_parallel = tensor_parallel_layout(model) is not None
+        varlen_config, decode_config = compile_configs(config, decode_graphs=graphed, tensor_parallel=tensor_parallel)
         self._varlen_model = compiled(model, varlen_config)
         self._decode_model = compiled(model, decode_config)
-        self.graphs = self._decode_graphs()
+        #: decode steps' CUDA graphs (None: decode steps run eagerly), captured by :meth:`warm_up`
+        self.graphs = self._decode_graphs() if graphed else None
         self.async_batching = self._resolve_async_batching()
         self._last_tokens: torch.Tensor | None = None
         self._original_attention: str | None = None
@@ -110,6 +114,13 @@ class ModelRunner:
             self._original_attention = None
         if self.drafter is not None:
             self.drafter.detach()
+
+    def warm_up(self) -> None:
+        """Work done once before the first step, on the step thread (off the event loop):
+        capturing every decode CUDA graph, so that no capture lands in a served or timed
+        step (``graphs.capture_seconds`` says how long it took). Idempotent."""
+        if self.graphs is not None:
+            self.graphs.capture_all()
 
     def notify(self, *event: object) -> None:
         """A control event (``("cancel", request_id, reason)``, ``("stop", hard)``) for the other
@@ -142,11 +153,13 @@ class ModelRunner:
             proposed = drafter.propose(batch, inputs, self.input_batch)
         logits = self._logits(batch, inputs)
         num_sampled = batch.num_sampled + batch.num_drafts
-        picked = sample(logits[:num_sampled].float(), inputs.sampling)
+        picked = sample(logits[:num_sampled], inputs.sampling)
         self._last_tokens = picked.tokens
         prompt: tuple[torch.Tensor | None, ...] = (None, None, None)
         if inputs.prompt_counts:
-            prompt = score(logits[num_sampled:].float(), inputs.prompt_targets, batch.prompt_top_logprobs)
+            prompt = _score_in_chunks(
+                logits[num_sampled:], inputs.prompt_targets, batch.prompt_top_logprobs, self.plan.max_requests_per_batch
+            )
         pending = PendingStep(
             inputs.prompt_counts,
             None,
@@ -190,7 +203,8 @@ class ModelRunner:
             model, inputs.input_ids[None], inputs.position_ids[None], inputs.logits_indices, inputs.attention
         )
 
-    def _decode_graphs(self) -> DecodeGraphs | None:
+    def _decode_graphs_wanted(self) -> bool:
+        """Whether decode steps replay CUDA graphs (decided before the compile, which depends on it)."""
         wanted = self.config.use_cuda_graph
         if isinstance(wanted, tuple):
             varlen, wanted = wanted
@@ -200,13 +214,16 @@ class ModelRunner:
         if wanted is None:
             wanted = self.device.type == "cuda" and paged
         if not wanted:
-            return None
+            return False
         if self.device.type != "cuda" or not paged:
             logger.warning(
                 "use_cuda_graph is ignored: decode graphs need CUDA and in-place paged attention "
                 "(device %s, backends %s)", self.device, self.backends,
             )  # fmt: skip
-            return None
+            return False
+        return True
+
+    def _decode_graphs(self) -> DecodeGraphs:
         blocks = self.config.max_blocks_per_request or DEFAULT_MAX_BLOCKS_PER_REQUEST
         # The forward closes over the model, not over self: runner -> graphs -> forward ->
         # runner would be a cycle, keeping the cache alive until a cyclic collection.
@@ -225,6 +242,20 @@ class ModelRunner:
         if wanted is None:
             return self.graphs is not None
         return wanted
+
+
+def _score_in_chunks(
+    logits: torch.Tensor, targets: torch.Tensor, top: int, rows: int
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """:func:`score` over ``rows`` rows at a time: the float32 log-softmax of a long scored
+    prompt stays within the logits memory the cache planner set aside (sampled rows')."""
+    if logits.shape[0] <= rows:
+        return score(logits, targets, top)
+    parts = [score(logits[i : i + rows], targets[i : i + rows], top) for i in range(0, logits.shape[0], rows)]
+    chosen = torch.cat([part[0] for part in parts])
+    ids = [part[1] for part in parts if part[1] is not None]
+    values = [part[2] for part in parts if part[2] is not None]
+    return chosen, torch.cat(ids) if ids else None, torch.cat(values) if values else None
 
 
 def _to_host(tensor: torch.Tensor | None) -> torch.Tensor | None:

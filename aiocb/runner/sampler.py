@@ -19,6 +19,7 @@ from typing import Protocol
 
 import torch
 
+from aiocb.runner.argmax import argmax_rows
 from aiocb.runner.draw import draw, draw_full
 from aiocb.runner.logits_controls import LogitsControls, apply_controls
 
@@ -154,12 +155,15 @@ def _greedy(row: _SamplingRow) -> bool:
 
 
 def sample(logits: torch.Tensor, params: SamplingTensors) -> Sampled:
-    """Pick one token per row of ``logits [S, V]`` (float32).
+    """Pick one token per row of ``logits [S, V]`` (the model's dtype).
 
     When any row asked for them, also the log-probabilities of the picks and the most
     likely alternatives, under the raw distribution (log-softmax of ``logits``).
     """
     raw = logits
+    if params.controls is not None or params.bitmask is not None or not params.all_greedy:
+        # (greedy rows alone need no float copy: an argmax is the same in any float dtype)
+        logits = logits.float()
     if params.controls is not None:
         logits = apply_controls(logits, params.controls)
     if params.bitmask is not None:
@@ -170,7 +174,7 @@ def sample(logits: torch.Tensor, params: SamplingTensors) -> Sampled:
             logits = logits.clone()  # (logprobs are of the raw distribution)
         apply_bitmask(logits, params.bitmask, params.bitmask_rows)
     if params.all_greedy:
-        tokens = logits.argmax(dim=-1)
+        tokens = argmax_rows(logits)
     elif logits.device.type == "cpu":
         rows = (params.temperature != 0.0).nonzero()[:, 0]
         every = rows.numel() == logits.shape[0]
@@ -184,7 +188,7 @@ def sample(logits: torch.Tensor, params: SamplingTensors) -> Sampled:
         if every:
             tokens = drawn
         else:
-            tokens = logits.argmax(dim=-1)
+            tokens = argmax_rows(logits)
             tokens[rows] = drawn
     else:
         tokens = draw_on_device(logits, params)
@@ -231,7 +235,7 @@ def score(
     logits: torch.Tensor, targets: torch.Tensor, top: int
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Log-probabilities of ``targets [N]`` under ``logits [N, V]``, and the ``top`` best."""
-    logprobs = logits.log_softmax(dim=-1)
+    logprobs = logits.log_softmax(dim=-1, dtype=torch.float32)
     chosen = logprobs.gather(1, targets[:, None])[:, 0]
     if top <= 0:
         return chosen, None, None

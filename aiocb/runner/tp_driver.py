@@ -262,6 +262,11 @@ class DriverRunner(ModelRunner):
                 self._driver.send("init", self.config, self._num_requests_hint, self._keep_cache, self.plan)
                 self._driver.channel.set_timeout(self.config.cpu_group_timeout)
                 self._driver.current = self
+                if self.graphs is not None:
+                    # The followers' new runners capture their decode graphs at the first
+                    # decode step, running collectives in every warm-up pass: this rank
+                    # must capture again at that same step, or they would wait for it.
+                    self.graphs.release()
             self._driver.send("attach")
             ModelRunner.attach(self)
 
@@ -283,6 +288,10 @@ class DriverRunner(ModelRunner):
             except DistributedError as exc:
                 logger.warning("%s", exc)
         ModelRunner.detach(self)
+
+    def warm_up(self) -> None:
+        """Nothing before the first step: the decode graphs' warm-up passes run collectives,
+        so every rank captures them together, at the first decode step (all ranks run it)."""
 
     def notify(self, *event: object) -> None:
         """Queue a control event for the followers (thread-safe)."""

@@ -168,6 +168,8 @@ class _Follower:
         if isinstance(agreed, str):
             logger.error("no cache this time: %s", agreed)
             return
+        # (a new runner captures its decode graphs at the first decode step, as rank 0's does:
+        # rank 0 builds a new runner, or drops its graphs, whenever it sends "init")
         self.runner = ModelRunner(self.model, config, num_requests_hint=hint, plan=agreed)
         self.counters.inits += 1
         self.counters.plan = agreed

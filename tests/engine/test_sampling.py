@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import torch
 from transformers import PreTrainedModel
 
@@ -77,11 +78,12 @@ async def test_logprobs_are_absent_unless_asked(qwen3: PreTrainedModel) -> None:
     assert with_config.logprobs is not None and len(with_config.logprobs) == 3
 
 
-async def test_top_logprobs_and_prompt_logprobs(qwen3: PreTrainedModel) -> None:
+@pytest.mark.parametrize("max_rows", [None, 3], ids=["one-score", "scored-in-chunks-of-3-rows"])
+async def test_top_logprobs_and_prompt_logprobs(qwen3: PreTrainedModel, max_rows: int | None) -> None:
     prompt = PROMPTS[4]
-    async with aiocb.Manager(
-        qwen3, continuous_batching_config=aiocb.ContinuousBatchingConfig(max_batch_tokens=32)
-    ) as m:
+    # (a step's scored prompt positions are scored max_requests_per_batch rows at a time)
+    config = aiocb.ContinuousBatchingConfig(max_batch_tokens=32, max_requests_per_batch=max_rows)
+    async with aiocb.Manager(qwen3, continuous_batching_config=config) as m:
         # A long prompt chunked over several steps still scores every prompt token once.
         output = await m.generate(prompt, max_new_tokens=5, top_logprobs=3, prompt_logprobs=True)
     sequence = prompt + output.generated_tokens
@@ -101,3 +103,21 @@ async def test_top_logprobs_and_prompt_logprobs(qwen3: PreTrainedModel) -> None:
         assert max(top, key=top.__getitem__) == token  # greedy: the pick is the best
         assert abs(top[token] - float(logprobs[position, token])) < 1e-4
     assert output.logprobs is not None and len(output.logprobs) == 5
+
+
+async def test_a_long_scored_prompt_is_scored_over_several_steps(qwen3: PreTrainedModel) -> None:
+    prompt = random_prompts(1, 40, 40, seed=9)[0]
+    # A step scores at most max_requests_per_batch prompt positions (the logits the cache
+    # planner has room for), however many tokens it may compute.
+    config = aiocb.ContinuousBatchingConfig(max_batch_tokens=256, max_requests_per_batch=8)
+    async with aiocb.Manager(qwen3, continuous_batching_config=config) as m:
+        scored = await m.generate(prompt, max_new_tokens=1, prompt_logprobs=True)
+        scored_steps = m.statistics().steps
+        await m.generate(prompt, max_new_tokens=1)
+        plain_steps = m.statistics().steps - scored_steps
+    assert (scored_steps, plain_steps) == (5, 1)  # positions 0-38 in chunks of 8, then 1 step
+    with torch.no_grad():
+        logprobs = qwen3(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    expected = logprobs[:-1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    assert scored.prompt_logprobs is not None
+    assert torch.allclose(torch.tensor(scored.prompt_logprobs[1:]), expected, atol=1e-4)

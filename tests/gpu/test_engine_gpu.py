@@ -111,3 +111,41 @@ def test_graphs_and_async_batching_are_on_by_default_on_cuda() -> None:
             await manager.generate(_prompts(1)[0], max_new_tokens=8)
 
     asyncio.run(main())
+
+
+def test_every_decode_graph_is_captured_before_the_first_step_and_none_later(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Counted at ``CUDAGraph.capture_begin``: the session's warm-up captures every bucket
+    before the first step (the decode model compiled, by default under the graphs), and
+    steps of any batch size capture nothing."""
+    began: list[int] = []
+    capture_begin = torch.cuda.CUDAGraph.capture_begin
+
+    def counting(self: torch.cuda.CUDAGraph, *args: Any, **kwargs: Any) -> None:
+        began.append(1)
+        capture_begin(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", counting)
+    model = _model(torch.bfloat16)
+    prompts = _prompts(20, seed=3)
+
+    async def main() -> None:
+        config = aiocb.ContinuousBatchingConfig(max_memory_percent=0.2, max_requests_per_batch=32)
+        async with aiocb.Manager(model, continuous_batching_config=config) as manager:
+            runner = manager._runner
+            assert runner is not None and runner.graphs is not None
+            graphs = runner.graphs
+            assert runner._decode_model is not model  # compiled by default under the graphs
+            for _ in range(1200):  # (the step thread captures and compiles; the loop stays free)
+                if graphs.captured:
+                    break
+                await asyncio.sleep(0.05)
+            assert manager.statistics().steps == 0
+            assert len(began) == graphs.captures == len(graphs.buckets)
+            print(f"graph captures: {len(began)} buckets in {graphs.capture_seconds:.2f} s, decode model compiled")
+            for count in (1, 3, 7, 20):
+                await manager.generate_batch(prompts[:count], max_new_tokens=6)
+            assert len(began) == graphs.captures == len(graphs.buckets)
+
+    asyncio.run(main())

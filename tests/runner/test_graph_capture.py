@@ -1,0 +1,295 @@
+"""When decode CUDA graphs are captured, in which order and mode, and which model they capture.
+
+CUDA is mocked or the capture replaced by an eager stand-in, so the logic runs on the CPU:
+every bucket is captured before the first step (at the first decode step under tensor
+parallelism), largest first, in ``thread_local`` mode, and never again afterwards; the
+decode compile default follows the device and the graphs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from transformers import PreTrainedModel
+
+import aiocb
+from aiocb.errors import InvalidConfigError
+from aiocb.runner.backends import Backend
+from aiocb.runner.compile import GRAPHED_DECODE_COMPILE, compile_configs, compiled
+from aiocb.runner.cuda_graphs import DecodeGraphs, batch_buckets
+from aiocb.runner.inputs import AttentionMetadata
+from aiocb.runner.model_runner import ModelRunner
+from aiocb.runner.tp_driver import DriverRunner
+from tests.conftest import random_prompts, reference_generate, tiny_qwen3
+
+Args = tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]
+
+
+# ------------------------------------------------------------------ the capture itself, CUDA mocked
+
+
+class _FakeCuda:
+    """Records the calls ``DecodeGraphs._record`` makes to ``torch.cuda``."""
+
+    def __init__(self) -> None:
+        self.pool = object()
+        self.pools_made = 0
+        self.graph_kwargs: list[dict[str, Any]] = []
+        self.capturing = False
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        stream = SimpleNamespace(wait_stream=lambda other: None)
+        monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: stream)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+        monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+        monkeypatch.setattr(torch.cuda, "graph_pool_handle", self._pool_handle)
+        monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: SimpleNamespace(replay=lambda: None))
+        monkeypatch.setattr(torch.cuda, "graph", self._graph)
+
+    def _pool_handle(self) -> object:
+        self.pools_made += 1
+        return self.pool
+
+    @contextlib.contextmanager
+    def _graph(self, graph: object, **kwargs: Any) -> Iterator[None]:
+        self.graph_kwargs.append(kwargs)
+        self.capturing = True
+        try:
+            yield
+        finally:
+            self.capturing = False
+
+
+def _graphs(runner: ModelRunner, forward: Callable[..., torch.Tensor], max_rows: int) -> DecodeGraphs:
+    return DecodeGraphs(forward, runner.cache, [Backend.TRITON], max_rows, 4, runner.device)
+
+
+def test_capture_all_goes_largest_first_in_thread_local_mode_on_one_pool(
+    qwen3: PreTrainedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = _FakeCuda()
+    fake.install(monkeypatch)
+    runner = ModelRunner(qwen3, aiocb.ContinuousBatchingConfig(page_size=16, num_blocks=16))
+    calls: list[tuple[int, bool]] = []  # (bucket, inside the capture)
+
+    def forward(ids: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        calls.append((ids.shape[1], fake.capturing))
+        # Capture runs on all-padding inputs: every row writes to the trash block.
+        trash = runner.cache.trash_block(0) * runner.cache.page_size
+        assert meta.num_tokens == ids.shape[1] and bool((meta.groups[0].slot_mapping == trash).all())
+        return torch.zeros(ids.shape[1], 3)
+
+    graphs = _graphs(runner, forward, max_rows=20)
+    assert graphs.buckets == [1, 2, 4, 8, 16, 20] and not graphs.captured and graphs.capture_seconds is None
+    graphs.capture_all()
+    order = [bucket for bucket, inside in calls if inside]
+    assert order == [20, 16, 8, 4, 2, 1]
+    # Two warm-up passes (lazy initialisation, compilation) before each capture, outside it.
+    assert [bucket for bucket, inside in calls if not inside] == [b for b in order for _ in range(2)]
+    assert all(kwargs == {"pool": fake.pool, "capture_error_mode": "thread_local"} for kwargs in fake.graph_kwargs)
+    assert fake.pools_made == 1 and graphs.captures == 6 and graphs.captured
+    assert graphs.capture_seconds is not None and graphs.capture_seconds >= 0
+    graphs.capture_all()  # nothing missing: nothing captured
+    assert graphs.captures == 6
+    graphs.release()
+    assert not graphs.captured
+    graphs.capture_all()
+    assert graphs.captures == 12 and fake.pools_made == 2
+
+
+def test_ranks_that_agree_on_the_plan_capture_the_same_buckets_in_the_same_order(
+    qwen3: PreTrainedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every tensor-parallel rank builds its graphs from the agreed plan's row count: the
+    capture order (and so the order of the warm-up passes' collectives) depends on it alone."""
+    _FakeCuda().install(monkeypatch)
+    runner = ModelRunner(qwen3, aiocb.ContinuousBatchingConfig(page_size=16, num_blocks=16))
+    for max_rows in (1, 5, 48, 1000):
+        orders: list[list[int]] = []
+        for _ in range(2):
+            order: list[int] = []
+
+            def forward(ids: torch.Tensor, *rest: object, order: list[int] = order) -> torch.Tensor:
+                order.append(ids.shape[1])
+                return torch.zeros(ids.shape[1], 3)
+
+            _graphs(runner, forward, max_rows).capture_all()
+            orders.append(order[2::3])  # the captured pass of each bucket
+        assert orders[0] == orders[1] == sorted(batch_buckets(max_rows), reverse=True)
+
+
+# ------------------------------------------------------------------ through the manager, capture stood in for
+
+
+class _EagerGraph:
+    """Stands in for a CUDA graph on the CPU: replay re-runs the forward on the static buffers."""
+
+    def __init__(self, forward: Callable[[], torch.Tensor]) -> None:
+        self.forward = forward
+        self.out = forward().clone()
+
+    def replay(self) -> None:
+        self.out.copy_(self.forward())
+
+
+@pytest.fixture
+def graphs_on_cpu(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Runners built from here on use decode graphs on the CPU (Triton interpreter kernel,
+    eager stand-in for the capture); returns the buckets captured, in order."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("AIOCB_ATTENTION_BACKEND", Backend.TRITON)
+    monkeypatch.setattr(ModelRunner, "_decode_graphs_wanted", lambda self: True)
+    captured: list[int] = []
+
+    def record(self: DecodeGraphs, args: Args) -> tuple[_EagerGraph, torch.Tensor]:
+        captured.append(args[0].shape[1])
+        graph = _EagerGraph(lambda: self._forward(*args))
+        return graph, graph.out
+
+    monkeypatch.setattr(DecodeGraphs, "_record", record)
+    return captured
+
+
+def _serve(model: PreTrainedModel, config: aiocb.ContinuousBatchingConfig, rounds: list[list[list[int]]]) -> Any:
+    """Run ``rounds`` of prompts through one manager; per round the outputs and the graph
+    captures so far, and the runner."""
+
+    async def main() -> tuple[list[tuple[list[list[int]], int]], ModelRunner]:
+        seen = []
+        async with aiocb.Manager(model, continuous_batching_config=config) as manager:
+            runner = manager._runner
+            assert runner is not None and runner.graphs is not None
+            for _ in range(3000):  # (the step thread captures, within seconds)
+                if runner.graphs.captures == len(runner.graphs.buckets):
+                    break
+                await asyncio.sleep(0.01)
+            assert manager.statistics().steps == 0  # every graph before the first step
+            for prompts in rounds:
+                outputs = await manager.generate_batch(prompts, max_new_tokens=5)
+                seen.append(([o.generated_tokens for o in outputs.values()], runner.graphs.captures))
+        return seen, runner
+
+    return asyncio.run(main())
+
+
+def _check_captured_once(model: PreTrainedModel, config: aiocb.ContinuousBatchingConfig, captured: list[int]) -> Any:
+    rounds = [random_prompts(3, 4, 30, seed=5), random_prompts(6, 3, 40, seed=6), random_prompts(1, 9, 9, seed=7)]
+    seen, runner = _serve(model, config, rounds)
+    buckets = runner.graphs.buckets
+    assert buckets == [1, 2, 4, 6]
+    assert captured == [6, 4, 2, 1]  # every bucket before the first step, largest first
+    assert [captures for _, captures in seen] == [4, 4, 4]  # and none afterwards
+    assert runner.graphs.capture_seconds is not None
+    for (outputs, _), prompts in zip(seen, rounds, strict=True):
+        assert outputs == [reference_generate(model, p, 5) for p in prompts]
+    return runner
+
+
+def test_every_bucket_is_captured_before_the_first_step_and_never_again(graphs_on_cpu: list[int]) -> None:
+    model = tiny_qwen3()
+    config = aiocb.ContinuousBatchingConfig(
+        page_size=16, num_blocks=64, max_requests_per_batch=6, decode_compile_config={"disable": True}
+    )
+    runner = _check_captured_once(model, config, graphs_on_cpu)
+    assert runner._decode_model is model  # the opt-out: no compiled wrapper
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_the_default_compiled_decode_model_is_what_the_graphs_capture(
+    graphs_on_cpu: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With graphs on and no compile asked for, the graphs capture the compiled decode model
+    (compiled in the warm-up before the first capture), and its greedy tokens are generate's."""
+    model = tiny_qwen3()
+    made: list[dict[str, Any] | None] = []
+
+    def compile_and_note(model: PreTrainedModel, arguments: dict[str, Any] | None) -> Any:
+        made.append(arguments)
+        return compiled(model, arguments)
+
+    monkeypatch.setattr("aiocb.runner.model_runner.compiled", compile_and_note)
+    config = aiocb.ContinuousBatchingConfig(page_size=16, num_blocks=64, max_requests_per_batch=6)
+    runner = _check_captured_once(model, config, graphs_on_cpu)
+    assert made == [None, GRAPHED_DECODE_COMPILE]  # (mixed steps stay eager)
+    assert isinstance(runner._decode_model, torch._dynamo.eval_frame.OptimizedModule)
+
+
+# ------------------------------------------------------------------ tensor parallelism: re-init
+
+
+def test_rank_zero_drops_its_graphs_when_the_followers_build_a_new_cache(
+    qwen3: PreTrainedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A persistent manager's runner attached after another manager's replaced the
+    followers' cache: they build new runners, which capture at the next decode step, so
+    rank 0 must capture there too (its old graphs are dropped)."""
+    _FakeCuda().install(monkeypatch)
+    runner = ModelRunner(qwen3, aiocb.ContinuousBatchingConfig(page_size=16, num_blocks=16))
+    sent: list[str] = []
+    driver = SimpleNamespace(
+        current=None,
+        call=lambda what, job: job(),
+        send=lambda kind, *payload: sent.append(kind),
+        channel=SimpleNamespace(set_timeout=lambda timeout: None),
+    )
+    driving = DriverRunner.__new__(DriverRunner)
+    driving.__dict__.update(runner.__dict__)
+    driving.__dict__.update(_driver=driver, _num_requests_hint=None, _keep_cache=True)
+    driving.graphs = _graphs(runner, lambda ids, *rest: torch.zeros(ids.shape[1], 3), max_rows=4)
+    driving.graphs.capture_all()
+    try:
+        driving.attach()  # the followers hold another runner's cache
+        assert sent == ["init", "attach"] and driver.current is driving
+        assert not driving.graphs.captured
+        driving.graphs.capture_all()
+        driving.attach()  # they hold this one's: nothing rebuilt, the graphs stay
+        assert sent == ["init", "attach", "attach"] and driving.graphs.captured
+    finally:
+        ModelRunner.detach(driving)
+
+
+# ------------------------------------------------------------------ which compile for which runner
+
+
+def test_the_decode_compile_default_follows_the_graphs() -> None:
+    default = aiocb.ContinuousBatchingConfig()
+    assert compile_configs(default) == (None, None)
+    assert compile_configs(default, decode_graphs=True) == (None, GRAPHED_DECODE_COMPILE)
+    assert compile_configs(default, decode_graphs=True, tensor_parallel=True) == (None, None)
+    level = aiocb.ContinuousBatchingConfig(default_compile_level=2)
+    both = {"mode": "max-autotune-no-cudagraphs", "dynamic": True}
+    assert compile_configs(level, decode_graphs=True) == (both, both)
+    off = aiocb.ContinuousBatchingConfig(decode_compile_config={"disable": True})
+    assert compile_configs(off, decode_graphs=True) == (None, {"disable": True})
+    explicit = aiocb.ContinuousBatchingConfig(decode_compile_config={"mode": "default", "dynamic": False})
+    assert compile_configs(explicit, decode_graphs=True, tensor_parallel=True)[1] == {
+        "mode": "default",
+        "dynamic": False,
+    }
+
+
+@pytest.mark.parametrize(
+    "decode", [{"mode": "reduce-overhead"}, {"mode": "max-autotune"}, {"options": {"triton.cudagraphs": True}}]
+)
+def test_a_decode_compile_with_its_own_cuda_graphs_is_refused_under_ours(decode: dict[str, Any]) -> None:
+    config = aiocb.ContinuousBatchingConfig(decode_compile_config=decode)
+    with pytest.raises(InvalidConfigError, match="decode_compile_config"):
+        compile_configs(config, decode_graphs=True)
+    assert compile_configs(config)[1] == decode  # without aiocb's graphs it is torch.compile's business
+
+
+def test_compiled_honours_disable(qwen3: PreTrainedModel) -> None:
+    assert compiled(qwen3, None) is qwen3
+    assert compiled(qwen3, {"disable": True, "mode": "default"}) is qwen3
+
+
+def test_runners_without_decode_graphs_keep_the_eager_decode_model(qwen3: PreTrainedModel) -> None:
+    runner = ModelRunner(qwen3, aiocb.ContinuousBatchingConfig(page_size=16, num_blocks=16))
+    assert runner.graphs is None and runner._decode_model is qwen3 and runner._varlen_model is qwen3
