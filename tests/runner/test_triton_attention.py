@@ -476,16 +476,9 @@ def test_gpu_realistic_bf16_and_decode_timing(page: int) -> None:
 
     # Decode timing: batch 256 x context 768, in place in a bf16 cache.
     batch, context = 256, 768
-    blocks_per_row = math.ceil(context / page)
-    num_blocks = batch * blocks_per_row
-    shape = (num_blocks + 2, page, kv_heads, head_dim)
-    key_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
-    value_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
-    block_table = torch.randperm(num_blocks, device="cuda").view(batch, blocks_per_row).to(torch.int32)
-    query = torch.randn(batch, heads, head_dim, device="cuda", dtype=torch.bfloat16)
-    query_start = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
-    seq_lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
-    out = torch.empty_like(query)
+    query, key_cache, value_cache, block_table, query_start, seq_lens, out = _bf16_decode_step(
+        batch, context, page, heads, kv_heads, head_dim
+    )
 
     def step() -> None:
         triton_paged_attention(query, key_cache, value_cache, block_table, query_start, seq_lens, 1, scale, out=out)
@@ -505,6 +498,23 @@ def test_gpu_realistic_bf16_and_decode_timing(page: int) -> None:
         f"({kv_bytes / per_call_ms / 1e6:.0f} GB/s of KV) for batch {batch} x context {context}"
     )
     assert per_call_ms < 5.0
+
+
+def _bf16_decode_step(
+    batch: int, context: int, page: int, heads: int, kv_heads: int, head_dim: int
+) -> tuple[torch.Tensor, ...]:
+    """A decode step's CUDA tensors, every row at ``context`` keys in a shuffled bf16 cache:
+    ``(query, key_cache, value_cache, block_table, query_start, seq_lens, out)``."""
+    blocks_per_row = math.ceil(context / page)
+    num_blocks = batch * blocks_per_row
+    shape = (num_blocks + 2, page, kv_heads, head_dim)
+    key_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    value_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    block_table = torch.randperm(num_blocks, device="cuda").view(batch, blocks_per_row).to(torch.int32)
+    query = torch.randn(batch, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    query_start = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+    seq_lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
+    return query, key_cache, value_cache, block_table, query_start, seq_lens, torch.empty_like(query)
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -542,16 +552,9 @@ def test_gpu_split_decode_matches_unsplit_and_is_faster() -> None:
 
     # Timing at batch 4 x context 8,192 in a bf16 cache: split against single-pass.
     batch, context = 4, 8192
-    blocks_per_row = context // page
-    num_blocks = batch * blocks_per_row
-    shape = (num_blocks + 2, page, kv_heads, head_dim)
-    key_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
-    value_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
-    block_table = torch.randperm(num_blocks, device="cuda").view(batch, blocks_per_row).to(torch.int32)
-    query = torch.randn(batch, heads, head_dim, device="cuda", dtype=torch.bfloat16)
-    query_start = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
-    seq_lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
-    out = torch.empty_like(query)
+    query, key_cache, value_cache, block_table, query_start, seq_lens, out = _bf16_decode_step(
+        batch, context, page, heads, kv_heads, head_dim
+    )
 
     def split_step() -> None:
         triton_paged_attention(query, key_cache, value_cache, block_table, query_start, seq_lens, 1, scale, out=out)
