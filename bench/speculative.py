@@ -60,11 +60,16 @@ def copy_prompts(tokenizer: Any, count: int, max_tokens: int) -> list[list[int]]
 
 
 async def _run(
-    model: Any, prompts: list[list[int]], new: int, batch: int, speculative: aiocb.SpeculativeConfig | None
+    model: Any,
+    prompts: list[list[int]],
+    new: int,
+    batch: int,
+    speculative: aiocb.SpeculativeConfig | None,
+    config: aiocb.ContinuousBatchingConfig | None = None,
 ) -> tuple[float, int, list[list[int]], aiocb.ManagerStatistics]:
     """Wall seconds, tokens generated, the outputs and the statistics; ``batch`` requests at once."""
     params: dict[str, Any] = {"max_new_tokens": new, "do_sample": False, "eos_token_id": []}
-    async with aiocb.Manager(model, speculative_config=speculative) as manager:
+    async with aiocb.Manager(model, continuous_batching_config=config, speculative_config=speculative) as manager:
         await manager.generate(prompts[0][:16], max_new_tokens=4)  # warm-up
         started = time.perf_counter()
         outputs: list[list[int]] = []
@@ -94,27 +99,41 @@ def methods(model: Any) -> dict[str, aiocb.SpeculativeConfig | None]:
     return {"off": None, "ngram": aiocb.SpeculativeConfig(), "draft": draft}
 
 
-def compare(label: str, model: Any, prompts: list[list[int]], new: int, batch: int, repeats: int) -> dict[str, Any]:
+def compare(
+    label: str,
+    model: Any,
+    prompts: list[list[int]],
+    new: int,
+    batch: int,
+    repeats: int,
+    *,
+    config: aiocb.ContinuousBatchingConfig | None = None,
+    exact: bool = True,
+) -> dict[str, Any]:
     """``prompts`` (``batch`` at once, greedy) without speculation and with each method,
-    ``repeats`` rounds in turn: tokens/s of each, the ratios to none and the acceptance;
-    the outputs must agree."""
+    ``repeats`` rounds in turn: tokens/s of each, the ratios to none and the acceptance.
+    The outputs must agree; without ``exact`` (bf16 on a GPU, where verification runs other
+    kernels than decoding) the requests whose outputs differ are counted instead."""
     configs = methods(model)
     rates: dict[str, list[float]] = {name: [] for name in configs}
     outputs: dict[str, list[list[int]]] = {}
     acceptance: dict[str, list[float]] = {name: [] for name in configs if name != "off"}
     for _ in range(repeats):
         for name, spec in configs.items():
-            wall, tokens, out, stats = asyncio.run(_run(model, prompts, new, batch, spec))
+            wall, tokens, out, stats = asyncio.run(_run(model, prompts, new, batch, spec, config))
             rates[name].append(tokens / wall)
             outputs.setdefault(name, out)
             if spec is not None and stats.acceptance_rate is not None:
                 acceptance[name].append(stats.acceptance_rate)
             print(f"[{label}] {name}: {tokens / wall:.0f} tokens/s", file=sys.stderr)
-    for name in acceptance:
-        assert outputs["off"] == outputs[name], f"{label}: speculation ({name}) changed the outputs"
+    differing = {name: sum(a != b for a, b in zip(outputs["off"], outputs[name], strict=True)) for name in acceptance}
+    if exact:
+        for name, count in differing.items():
+            assert not count, f"{label}: speculation ({name}) changed the outputs of {count} requests"
     off = statistics.median(rates["off"])
     return {
         "label": label,
+        **({} if exact else {f"{name} differing requests": count for name, count in differing.items()}),
         **rates,
         **{f"{name} / off": statistics.median(rates[name]) / off for name in acceptance},
         **{f"{name} acceptance": statistics.median(a) if a else None for name, a in acceptance.items()},

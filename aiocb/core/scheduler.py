@@ -138,13 +138,17 @@ class Scheduler:
         safety_margin: float = 0.15,
         max_model_len: int | None = None,
         speculative: SpeculativeConfig | None = None,
+        max_scored_tokens: int | None = None,
     ) -> None:
         self.kv_cache = kv_cache
         self.speculative = speculative
         #: tokens the proposers may still index in the step being planned
         self._index_budget = _INDEX_PER_STEP
-        #: prompt positions the step being planned may still score (prompt logprobs)
-        self._scored_left = max_requests_per_batch
+        #: prompt positions a step may score (``prompt_logprobs``): the rows of logits
+        #: the cache planner keeps memory for (default ``max_requests_per_batch``)
+        self.max_scored_tokens = max_scored_tokens or max_requests_per_batch
+        #: ... and those the step being planned may still score
+        self._scored_left = self.max_scored_tokens
         self.max_batch_tokens = max_batch_tokens
         self.max_requests_per_batch = max_requests_per_batch
         self.prefill_first = scheduler_type == "prefill_first"
@@ -300,7 +304,7 @@ class Scheduler:
             speculative = None  # a large batch is no longer memory-bound: extra tokens cost compute
         drafted: dict[Request, list[int]] = {}
         self._index_budget = _INDEX_PER_STEP
-        self._scored_left = max_rows
+        self._scored_left = self.max_scored_tokens
         for looked, request in enumerate(self._running_by_priority(), 1):
             if looked % chunk == 0:
                 yield
@@ -720,9 +724,9 @@ class Scheduler:
                 yield  # (the loop's conditions are checked again after it)
 
     def _within_scored_budget(self, request: Request, start: int, num_new: int) -> int:
-        """``num_new`` cut so that the step scores at most ``max_requests_per_batch`` prompt
-        positions in all: the cache planner set memory aside for that many rows of logits
-        (and their float32 log-softmax), so a long prompt is scored over several steps."""
+        """``num_new`` cut so that the step scores at most ``max_scored_tokens`` prompt
+        positions in all: the cache planner set memory aside for that many rows of logits,
+        so a longer prompt is scored over several steps."""
         scored = min(start + num_new, request.num_prompt_tokens - 1) - start
         if scored <= 0:
             return num_new

@@ -37,6 +37,7 @@ from aiocb.outputs import FinishReason, GenerationOutput, RequestStatus
 from aiocb.params import STRUCTURE_FIELDS, SamplingParams
 from aiocb.prompts import Prompt
 from aiocb.runner.distributed import build_runner
+from aiocb.runner.memory import scored_rows
 from aiocb.runner.model_runner import ModelRunner
 from aiocb.sampling import RequestLimits, eos_ids
 from aiocb.speculative import SpeculativeConfig, load_draft_model
@@ -216,6 +217,7 @@ class Manager:
             safety_margin=self.config.resolved_safety_margin,
             max_model_len=runner.spec.max_position_embeddings,
             speculative=self.speculative_config,
+            max_scored_tokens=scored_rows(runner.plan.max_requests_per_batch),
         )
         self._steps = StepLoop(scheduler, runner, self._router.on_step)
         self._admission.scheduler = scheduler

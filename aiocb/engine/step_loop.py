@@ -103,11 +103,13 @@ class StepLoop:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aiocb-step")
         # Waiting for a GPU step's results must not queue behind the next launch.
         self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aiocb-wait")
-        await loop.run_in_executor(self._executor, runner.warm_up)
         in_flight: tuple[SchedulerOutput, asyncio.Future[PendingStep]] | None = None
         pipelined = runner.async_batching
         idle = False  # whether the loop ends with nothing left in the worker threads
+        # (the step thread's warm-up: graph captures, which nothing can interrupt midway)
+        warming = self._executor.submit(runner.warm_up)
         try:
+            await asyncio.wrap_future(warming)
             while True:
                 self._expire_deadlines()
                 if not self.scheduler.has_work and in_flight is None:
@@ -148,6 +150,10 @@ class StepLoop:
                         await turn.give()
                     await asyncio.sleep(0)  # (once per step whatever its size)
         finally:
+            if not warming.done():
+                # Cancelled during the warm-up: the session's end (detaching the model's
+                # attention) must wait until the step thread has left the model.
+                await asyncio.wait([asyncio.wrap_future(warming)])
             if in_flight is not None:  # (the loop failed with a step in flight)
                 future = in_flight[1]
                 if future.done() and not future.cancelled():

@@ -23,6 +23,15 @@ logger = logging.getLogger(__name__)
 
 #: Share of the budget the per-step buffers may take before max_batch_tokens is lowered.
 _MAX_ACTIVATION_SHARE = 0.25
+#: Prompt positions a step may score for ``prompt_logprobs`` however few requests it holds
+#: (a long prompt scored alone still goes 512 positions a step).
+MIN_SCORED_ROWS = 512
+
+
+def scored_rows(max_requests_per_batch: int) -> int:
+    """Prompt positions one step may score: rows of logits the cache plan keeps room for
+    beside the sampled rows'."""
+    return max(max_requests_per_batch, MIN_SCORED_ROWS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,8 +99,10 @@ def plan_cache(
         max_requests = min(num_requests_hint or DEFAULT_MAX_REQUESTS_PER_BATCH, DEFAULT_MAX_REQUESTS_PER_BATCH)
     max_requests = max(1, min(max_requests, max_batch_tokens))
 
-    # fp32 logits of every sampled row, plus the sampler's noise and sort buffers.
-    logits_bytes = 3 * max_requests * spec.vocab_size * 4
+    # fp32 logits of every sampled row, plus the sampler's noise and sort buffers (and the
+    # float32 log-softmax of scored prompt positions, taken that many rows at a time), and
+    # the logits of the prompt positions a step may score, in the model's dtype.
+    logits_bytes = (3 * max_requests * 4 + scored_rows(max_requests) * spec.dtype_bytes) * spec.vocab_size
     remaining = budget - max_batch_tokens * per_token - logits_bytes
 
     groups = spec.group_layers()

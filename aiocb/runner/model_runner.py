@@ -115,6 +115,7 @@ class ModelRunner:
         if self.drafter is not None:
             self.drafter.detach()
 
+    @torch.inference_mode()
     def warm_up(self) -> None:
         """Work done once before the first step, on the step thread (off the event loop):
         capturing every decode CUDA graph, so that no capture lands in a served or timed
@@ -247,8 +248,9 @@ class ModelRunner:
 def _score_in_chunks(
     logits: torch.Tensor, targets: torch.Tensor, top: int, rows: int
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """:func:`score` over ``rows`` rows at a time: the float32 log-softmax of a long scored
-    prompt stays within the logits memory the cache planner set aside (sampled rows')."""
+    """:func:`score` over ``rows`` rows at a time: the float32 log-softmax of a step's
+    scored prompt positions (up to :func:`~aiocb.runner.memory.scored_rows`) stays within
+    what the cache planner set aside for the sampled rows' float32 logits."""
     if logits.shape[0] <= rows:
         return score(logits, targets, top)
     parts = [score(logits[i : i + rows], targets[i : i + rows], top) for i in range(0, logits.shape[0], rows)]

@@ -9,6 +9,7 @@ import torch
 from transformers import PreTrainedModel
 
 import aiocb
+from aiocb.runner.memory import MIN_SCORED_ROWS, scored_rows
 from tests.conftest import random_prompts, reference_generate
 
 PROMPTS = random_prompts(8, 5, 80, seed=5)
@@ -106,16 +107,18 @@ async def test_top_logprobs_and_prompt_logprobs(qwen3: PreTrainedModel, max_rows
 
 
 async def test_a_long_scored_prompt_is_scored_over_several_steps(qwen3: PreTrainedModel) -> None:
-    prompt = random_prompts(1, 40, 40, seed=9)[0]
-    # A step scores at most max_requests_per_batch prompt positions (the logits the cache
-    # planner has room for), however many tokens it may compute.
-    config = aiocb.ContinuousBatchingConfig(max_batch_tokens=256, max_requests_per_batch=8)
+    assert scored_rows(8) == MIN_SCORED_ROWS == 512
+    prompt = random_prompts(1, 1200, 1200, seed=9)[0]
+    # A step scores at most scored_rows() prompt positions (the logits the cache planner has
+    # room for), however many tokens it may compute; float32 log-softmaxes are taken 8
+    # rows (max_requests_per_batch) at a time.
+    config = aiocb.ContinuousBatchingConfig(max_batch_tokens=2048, max_requests_per_batch=8)
     async with aiocb.Manager(qwen3, continuous_batching_config=config) as m:
         scored = await m.generate(prompt, max_new_tokens=1, prompt_logprobs=True)
         scored_steps = m.statistics().steps
         await m.generate(prompt, max_new_tokens=1)
         plain_steps = m.statistics().steps - scored_steps
-    assert (scored_steps, plain_steps) == (5, 1)  # positions 0-38 in chunks of 8, then 1 step
+    assert (scored_steps, plain_steps) == (3, 1)  # positions 0-1198 in 512, 512 and 175, then 1 step
     with torch.no_grad():
         logprobs = qwen3(torch.tensor([prompt])).logits[0].log_softmax(-1)
     expected = logprobs[:-1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]

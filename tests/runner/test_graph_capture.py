@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -165,11 +166,14 @@ def _serve(model: PreTrainedModel, config: aiocb.ContinuousBatchingConfig, round
         async with aiocb.Manager(model, continuous_batching_config=config) as manager:
             runner = manager._runner
             assert runner is not None and runner.graphs is not None
-            for _ in range(3000):  # (the step thread captures, within seconds)
-                if runner.graphs.captures == len(runner.graphs.buckets):
+            for _ in range(1500):  # (the step thread captures, within a few seconds)
+                if runner.graphs.captured:
                     break
                 await asyncio.sleep(0.01)
-            assert manager.statistics().steps == 0  # every graph before the first step
+            # Every graph before any request came, hence before the first step.
+            assert runner.graphs.captured and manager.statistics().steps == 0
+            # Captured without autograd: no graph of saved activations held in the pool.
+            assert not any(out.requires_grad for _, out in runner.graphs._graphs.values())
             for prompts in rounds:
                 outputs = await manager.generate_batch(prompts, max_new_tokens=5)
                 seen.append(([o.generated_tokens for o in outputs.values()], runner.graphs.captures))
@@ -293,3 +297,31 @@ def test_compiled_honours_disable(qwen3: PreTrainedModel) -> None:
 def test_runners_without_decode_graphs_keep_the_eager_decode_model(qwen3: PreTrainedModel) -> None:
     runner = ModelRunner(qwen3, aiocb.ContinuousBatchingConfig(page_size=16, num_blocks=16))
     assert runner.graphs is None and runner._decode_model is qwen3 and runner._varlen_model is qwen3
+
+
+def test_a_session_cancelled_during_its_warm_up_ends_after_it(
+    qwen3: PreTrainedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The step loop's task cancelled while the step thread warms up (the event loop
+    closing): the session's end, which gives the model back its own attention, waits until
+    the step thread has left the model."""
+    seen: list[str] = []
+
+    def slow_warm_up(self: ModelRunner) -> None:
+        time.sleep(0.3)
+        seen.append(self.model.config._attn_implementation)  # still ours at the warm-up's end?
+
+    monkeypatch.setattr(ModelRunner, "warm_up", slow_warm_up)
+    original = qwen3.config._attn_implementation
+
+    async def main() -> None:
+        manager = aiocb.Manager(qwen3)
+        manager.start()
+        await asyncio.sleep(0.05)  # (the step thread is in its warm-up)
+        assert manager._task is not None
+        manager._task.cancel()
+        await asyncio.gather(manager._task, return_exceptions=True)
+        assert len(seen) == 1 and seen[0] != original  # the warm-up ended before the session did
+        assert qwen3.config._attn_implementation == original
+
+    asyncio.run(main())
