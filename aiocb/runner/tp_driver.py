@@ -124,12 +124,21 @@ class Driver:
             except (FutureTimeoutError, DistributedError) as exc:
                 logger.warning("could not release the follower ranks: %s", exc)
         self.closed = True
-        self._jobs.put(None)
+        self._end_thread(wait=self.failure is None)
 
     def retire(self) -> None:
         """End the driver thread without a word to the followers (they no longer listen)."""
         self.closed = True
+        self._end_thread()
+
+    def _end_thread(self, wait: bool = True) -> None:
+        """Stop the driver thread; with ``wait``, also join it (a few seconds at most): a
+        thread still inside torch.distributed while the interpreter exits (after
+        destroy_process_group(), at the end of a script) can abort the process. A failed
+        group's thread may be stuck in a send to a dead rank: it is not waited for."""
         self._jobs.put(None)
+        if wait and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=_JOIN_TIMEOUT_S)
 
     def _fail(self, exc: BaseException) -> None:
         if self.failure is None:
@@ -172,6 +181,8 @@ class Driver:
 
 
 _DRIVERS: dict[tuple[int, tuple[int, ...]], Driver] = {}
+#: How long ending the driver thread waits for it (it has only to take the stop from its queue).
+_JOIN_TIMEOUT_S = 5.0
 
 
 def driver_for(layout: TensorParallelLayout, timeout: float | None) -> Driver:
