@@ -47,7 +47,9 @@ class KVCacheManager:
         # looked up and registered in the first pool only, so that must be the only pool.
         self.prefix_caching = enable_prefix_caching and len(groups) == 1 and groups[0].sliding_window is None
         self.num_prefix_hit_tokens = 0
-        self._single_full = len(groups) == 1 and groups[0].sliding_window is None
+        #: one cache group, of full attention: a request's blocks are one list, one block per
+        #: ``page_size`` tokens (the scheduler checks a decode step's room itself then)
+        self.single_full = len(groups) == 1 and groups[0].sliding_window is None
         self.host_pools = [BlockPool(g.num_host_blocks) if g.num_host_blocks else None for g in groups]
         self.offloading = all(pool is not None for pool in self.host_pools)
         self.num_offloaded_blocks = 0
@@ -94,7 +96,7 @@ class KVCacheManager:
         if not request.block_ids:
             request.block_ids = [[] for _ in self.pools]
         total = request.num_computed_tokens + num_new_tokens
-        if self._single_full and total <= len(request.block_ids[0]) * self.page_size:
+        if self.single_full and total <= len(request.block_ids[0]) * self.page_size:
             return True  # the common decode step: the last block has room
         needed = [self._blocks_wanted(i, total) - len(request.block_ids[i]) for i in range(len(self.pools))]
         if any(n > pool.num_free for n, pool in zip(needed, self.pools, strict=True)):

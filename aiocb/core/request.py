@@ -28,6 +28,9 @@ class GrammarState(Protocol):
     def fill(self, bitmask: Any, row: int) -> None: ...
 
 
+_FINISHED = RequestStatus.FINISHED
+
+
 @dataclass(eq=False, slots=True)
 class Request:
     """One generation request as the scheduler sees it.
@@ -126,7 +129,7 @@ class Request:
     @property
     def is_finished(self) -> bool:
         """Whether the request has ended."""
-        return self.status.is_finished()
+        return self.status >= _FINISHED  # (not is_finished(): this runs per row per step)
 
     def to_output(self) -> GenerationOutput:
         """A snapshot of the request as the public output type.

@@ -296,6 +296,7 @@ class Scheduler:
 
         # (the loops below run for every running request each step: names are bound locally)
         running, forks, kv = self.running, self._forks, self.kv_cache
+        single_full, page = kv.single_full, kv.page_size
         max_rows = self.max_requests_per_batch
         speculative = self.speculative
         if speculative is not None and (
@@ -326,27 +327,33 @@ class Scheduler:
                 drafts = self._propose(request, speculative, budget - 1)
                 if drafts:
                     num_new += len(drafts)
-            while not kv.allocate(request, num_new):
-                if drafts:  # speculation gives way before anything is preempted
-                    drafts, num_new = None, 1
+            # (the common decode step, whose last block has room, without a call)
+            blocks = request.block_ids
+            if not (single_full and blocks and computed + num_new <= len(blocks[0]) * page):
+                placed = True
+                while not kv.allocate(request, num_new):
+                    if drafts:  # speculation gives way before anything is preempted
+                        drafts, num_new = None, 1
+                        continue
+                    out_of_room = True
+                    victim = self._last_running()
+                    if victim in planned:  # un-plan it: give its tokens back
+                        start = planned.pop(victim)
+                        budget += victim.num_computed_tokens - start
+                        victim.num_computed_tokens = start
+                        drafted.pop(victim, None)
+                    self._preempt(victim, output)
+                    preempted.append(victim)
+                    if victim is request:
+                        placed = False
+                        break
+                if not placed:
                     continue
-                out_of_room = True
-                victim = self._last_running()
-                if victim in planned:  # un-plan it: give its tokens back
-                    start = planned.pop(victim)
-                    budget += victim.num_computed_tokens - start
-                    victim.num_computed_tokens = start
-                    drafted.pop(victim, None)
-                self._preempt(victim, output)
-                preempted.append(victim)
-                if victim is request:
-                    break
-            else:
-                planned[request] = computed
-                request.num_computed_tokens = computed + num_new
-                budget -= num_new
-                if drafts:
-                    drafted[request] = drafts
+            planned[request] = computed
+            request.num_computed_tokens = computed + num_new
+            budget -= num_new
+            if drafts:
+                drafted[request] = drafts
 
         # Full blocks are shareable as soon as a step that computes them is planned (and
         # no longer un-plannable): a request admitted later, even in this same step, reads
@@ -420,7 +427,7 @@ class Scheduler:
         updated: list[Request] = []
         finished: list[Request] = []
         # (this loop runs for every sampled row each step: names are bound locally)
-        running, decoding = self.running, RequestStatus.DECODING
+        running, decoding, finished_status = self.running, RequestStatus.DECODING, RequestStatus.FINISHED
         tokens, logprobs, tops = result.token_ids, result.logprobs, result.top_logprobs
         last = len(output.scheduled)
         num_generated = 0
@@ -435,7 +442,7 @@ class Scheduler:
             if item.drafts is not None:
                 request.num_pending_tokens -= 1
                 request.speculating = False
-                if not request.status.is_finished():
+                if request.status < finished_status:
                     num_generated += self._accept(item, result, draft_row, row, now, finished)
                     if request in running:
                         request.status = decoding
@@ -444,7 +451,7 @@ class Scheduler:
                 row += 1
             elif item.sample:
                 request.num_pending_tokens -= 1
-                if not request.status.is_finished():  # (else ended while the step ran: no token)
+                if request.status < finished_status:  # (else ended while the step ran: no token)
                     num_generated += 1
                     token = int(tokens[row])
                     request.token_ids.append(token)
@@ -580,7 +587,7 @@ class Scheduler:
             return FinishReason.STOP
         if num_output >= params.max_new_tokens:
             return FinishReason.LENGTH
-        if self.max_model_len is not None and request.num_tokens >= self.max_model_len:
+        if self.max_model_len is not None and len(request.token_ids) >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 

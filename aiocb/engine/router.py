@@ -60,12 +60,15 @@ class OutputRouter:
 
     def on_step(self, updated: list[Request], finished: list[Request]) -> None:
         """After a step: wake the consumers of the requests it touched."""
+        handles, stream = self._handles, Consumer.STREAM
         for request in updated:
-            handle = self._handles.get(request.request_id)
-            if handle is not None and not request.is_finished:
+            handle = handles.get(request.request_id)
+            # (a new token is news only to a stream: awaiters and the shared results of
+            # whole outputs wait for the final one, so no call for theirs)
+            if handle is not None and (handle.streaming or handle.consumer is stream) and not request.is_finished:
                 self.deliver(handle)
         for request in finished:
-            handle = self._handles.get(request.request_id)
+            handle = handles.get(request.request_id)
             if handle is not None:
                 self.deliver(handle)
         self._on_room()

@@ -310,7 +310,7 @@ class BatchWriter:
             state.step = step
             params = request.params
             if item.sample:
-                offset = request.num_output_tokens + request.num_pending_tokens - 1
+                offset = len(request.token_ids) - len(request.prompt_ids) + request.num_pending_tokens - 1
                 state.sampled_row = len(parts.sampled)
                 if params.uses_controls:
                     parts.controls[state.sampled_row] = row_controls(request, offset, item.carries, carry_row)
