@@ -327,33 +327,30 @@ class Scheduler:
                 drafts = self._propose(request, speculative, budget - 1)
                 if drafts:
                     num_new += len(drafts)
-            # (the common decode step, whose last block has room, without a call)
+            # (the common decode step, whose last block has room, needs no allocate call)
             blocks = request.block_ids
-            if not (single_full and blocks and computed + num_new <= len(blocks[0]) * page):
-                placed = True
-                while not kv.allocate(request, num_new):
-                    if drafts:  # speculation gives way before anything is preempted
-                        drafts, num_new = None, 1
-                        continue
-                    out_of_room = True
-                    victim = self._last_running()
-                    if victim in planned:  # un-plan it: give its tokens back
-                        start = planned.pop(victim)
-                        budget += victim.num_computed_tokens - start
-                        victim.num_computed_tokens = start
-                        drafted.pop(victim, None)
-                    self._preempt(victim, output)
-                    preempted.append(victim)
-                    if victim is request:
-                        placed = False
-                        break
-                if not placed:
+            fits = single_full and blocks and computed + num_new <= len(blocks[0]) * page
+            while not fits and not kv.allocate(request, num_new):
+                if drafts:  # speculation gives way before anything is preempted
+                    drafts, num_new = None, 1
                     continue
-            planned[request] = computed
-            request.num_computed_tokens = computed + num_new
-            budget -= num_new
-            if drafts:
-                drafted[request] = drafts
+                out_of_room = True
+                victim = self._last_running()
+                if victim in planned:  # un-plan it: give its tokens back
+                    start = planned.pop(victim)
+                    budget += victim.num_computed_tokens - start
+                    victim.num_computed_tokens = start
+                    drafted.pop(victim, None)
+                self._preempt(victim, output)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                planned[request] = computed
+                request.num_computed_tokens = computed + num_new
+                budget -= num_new
+                if drafts:
+                    drafted[request] = drafts
 
         # Full blocks are shareable as soon as a step that computes them is planned (and
         # no longer un-plannable): a request admitted later, even in this same step, reads
