@@ -64,8 +64,13 @@ class OutputRouter:
         for request in updated:
             handle = handles.get(request.request_id)
             # (a new token is news only to a stream: awaiters and the shared results of
-            # whole outputs wait for the final one, so no call for theirs)
-            if handle is not None and (handle.streaming or handle.consumer is stream) and not request.is_finished:
+            # whole outputs wait for the final one, so no call for theirs; an ended
+            # request is in `finished`)
+            if handle is None or request.is_finished:
+                continue
+            if handle.consumer is stream:
+                handle.notify()
+            elif handle.streaming:
                 self.deliver(handle)
         for request in finished:
             handle = handles.get(request.request_id)

@@ -16,10 +16,13 @@ from typing import TYPE_CHECKING
 
 from aiocb.core.request import Request
 from aiocb.errors import EngineDeadError
-from aiocb.outputs import GenerationOutput
+from aiocb.outputs import GenerationOutput, RequestStatus
 
 if TYPE_CHECKING:
     from aiocb.engine.router import OutputRouter
+
+
+_FINISHED = RequestStatus.FINISHED  # statuses from this one on are final (an IntEnum)
 
 
 class Consumer(enum.Enum):
@@ -34,7 +37,8 @@ class RequestHandle:
     """Delivery state of one request."""
 
     __slots__ = (
-        "_changed",
+        "_more_waiters",
+        "_waiter",
         "consumer",
         "delivered_chars",
         "delivered_tokens",
@@ -61,40 +65,63 @@ class RequestHandle:
         self.on_finish = on_finish
         #: whether the handle sits in the manager's shared results queue
         self.in_results = False
-        #: output tokens in the last output handed out (-1: none handed out yet)
-        self.delivered_tokens = -1
+        #: output tokens in the last output handed out
+        self.delivered_tokens = 0
         #: characters of text in the last output handed out
         self.delivered_chars = 0
         self.final_delivered = False
         #: what awaiters raise when the request failed (hard stop, dead engine)
         self.error: BaseException | None = None
-        self._changed = asyncio.Event()
+        # Who sleeps in wait(): one future each, so that cancelling one waiter never wakes
+        # another. Nearly always a single consumer, hence a slot, and a list for the rare
+        # second one (two tasks awaiting the same request's result).
+        self._waiter: asyncio.Future[None] | None = None
+        self._more_waiters: list[asyncio.Future[None]] | None = None
 
     def has_news(self, *, partial: bool) -> bool:
         """Whether an output is waiting: the final one, or (``partial``) new tokens."""
         if self.final_delivered:
             return False
-        if self.request.is_finished:
+        request = self.request
+        if request.status >= _FINISHED:
             return True
-        return partial and self.request.num_output_tokens > max(self.delivered_tokens, 0)
+        return partial and len(request.token_ids) - len(request.prompt_ids) > self.delivered_tokens
 
     def notify(self) -> None:
-        """Wake the consumer (called by the step loop after each step touching the request)."""
-        self._changed.set()
+        """Wake whoever waits in :meth:`wait` (the step loop calls this after each step
+        touching the request). Consumers re-check :meth:`has_news`, so a notification
+        nobody waits for needs no record."""
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():  # (a cancelled waiter)
+                waiter.set_result(None)
+        if self._more_waiters is not None:
+            for waiter in self._more_waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
+            self._more_waiters = None
 
     async def wait(self) -> None:
         """Sleep until the next :meth:`notify`."""
-        await self._changed.wait()
-        self._changed.clear()
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if self._waiter is None or self._waiter.done():
+            self._waiter = waiter
+        elif self._more_waiters is None:
+            self._more_waiters = [waiter]
+        else:
+            self._more_waiters.append(waiter)
+        await waiter
 
     def take(self) -> GenerationOutput:
         """The request's output now; marks it delivered."""
-        output = self.request.to_output()
+        request = self.request
+        output = request.to_output()
         if output.text is not None:
             output.text_delta = output.text[self.delivered_chars :]
             self.delivered_chars = len(output.text)
         self.delivered_tokens = len(output.generated_tokens)
-        if output.is_finished():
+        if output.status >= _FINISHED:
             self.final_delivered = True
         return output
 
@@ -134,7 +161,7 @@ class RequestStream:
             self._close()
             raise fresh_error(handle.error)
         output = self._router.take(handle)
-        if output.is_finished():
+        if handle.final_delivered:
             self._done = True
         return output
 

@@ -44,6 +44,22 @@ async def test_get_result_for_an_id_and_with_timeout(qwen3: PreTrainedModel) -> 
             await manager.get_result("nope")
 
 
+@pytest.mark.parametrize("impatient_first", [True, False])
+async def test_a_waiter_that_gives_up_leaves_another_waiting(qwen3: PreTrainedModel, impatient_first: bool) -> None:
+    # Two tasks await the same request; the one that times out (is cancelled) must not
+    # take the other's wake-up with it, whichever of them started waiting first.
+    async with aiocb.Manager(qwen3) as manager:
+        rid = await manager.add_request(PROMPTS[0], max_new_tokens=12)
+        impatient = asyncio.create_task(manager.get_result(rid, timeout=0.001))
+        if impatient_first:
+            await asyncio.sleep(0)
+        patient = asyncio.create_task(manager.get_result(rid))
+        assert await impatient is None
+        output = await asyncio.wait_for(patient, 30)
+    assert output is not None and output.is_finished()
+    assert output.generated_tokens == reference_generate(qwen3, PROMPTS[0], 12)
+
+
 async def test_async_for_yields_results_until_the_manager_stops(qwen3: PreTrainedModel) -> None:
     manager = aiocb.Manager(qwen3)
     manager.start()
