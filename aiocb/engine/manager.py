@@ -517,7 +517,9 @@ class Manager:
         """The next output from the shared results, or the next one of ``request_id``.
 
         Returns None when ``timeout`` passes first, or (without a request id) when the
-        manager is not running and no result is left.
+        manager is not running and no result is left. Raises ``InvalidRequestError`` when
+        no live request has the id, or when another caller waiting on the same request
+        took its final output.
         """
         self._check_loop()
         try:

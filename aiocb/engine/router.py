@@ -195,6 +195,8 @@ class OutputRouter:
         if handle.consumer is Consumer.STREAM:
             raise InvalidRequestError(f"request {request_id!r} is consumed by a stream")
         while not handle.has_news(partial=handle.streaming):
+            if handle.final_delivered:  # (another caller waiting on the same request took it)
+                raise InvalidRequestError(f"request {request_id!r} ended and its final output went to another caller")
             await handle.wait()
         if handle.error is not None:
             self._handles.pop(request_id, None)

@@ -60,6 +60,19 @@ async def test_a_waiter_that_gives_up_leaves_another_waiting(qwen3: PreTrainedMo
     assert output.generated_tokens == reference_generate(qwen3, PROMPTS[0], 12)
 
 
+async def test_two_callers_awaiting_one_request_neither_hangs(qwen3: PreTrainedModel) -> None:
+    # The final output goes to one of them; the other is told so instead of waiting forever.
+    async with aiocb.Manager(qwen3) as manager:
+        rid = await manager.add_request(PROMPTS[1], max_new_tokens=6)
+        both = asyncio.gather(manager.get_result(rid), manager.get_result(rid), return_exceptions=True)
+        first, second = await asyncio.wait_for(both, 30)
+    outputs = [r for r in (first, second) if isinstance(r, aiocb.GenerationOutput)]
+    errors = [r for r in (first, second) if isinstance(r, BaseException)]
+    assert len(outputs) == 1 and outputs[0].generated_tokens == reference_generate(qwen3, PROMPTS[1], 6)
+    assert len(errors) == 1 and isinstance(errors[0], aiocb.InvalidRequestError)
+    assert "went to another caller" in str(errors[0])
+
+
 async def test_async_for_yields_results_until_the_manager_stops(qwen3: PreTrainedModel) -> None:
     manager = aiocb.Manager(qwen3)
     manager.start()
