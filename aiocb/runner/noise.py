@@ -4,6 +4,10 @@ A request's draws depend on its seed alone, never on which requests share its ba
 in which order, and computing the noise of a few vocabulary entries gives the same values
 as computing the whole row's (:func:`random_bits_at`), so a sampler may look only at its
 candidates.
+
+:func:`gumbel_argmax` is the whole-vocabulary draw on a CPU: the same values, computed
+a cache-sized block of the vocabulary at a time in 32-bit integers and in place, instead
+of some forty ``[rows, vocab]`` int64 temporaries (ten to twenty times faster).
 """
 
 from __future__ import annotations
@@ -71,3 +75,73 @@ def gumbel(uniform: torch.Tensor) -> torch.Tensor:
 def gumbel_at(seed: torch.Tensor, offset: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """The Gumbel noise of rows ``(seed, offset)`` at vocabulary ids ``ids``."""
     return gumbel(bits_to_uniform(random_bits_at(seed, offset, ids)))
+
+
+#: Elements of one block of :func:`gumbel_argmax` (its three scratch tensors, 3 MiB in
+#: all, stay in a core's cache; fewer would spend more on torch's per-call overhead).
+BLOCK_ELEMENTS = 1 << 18
+
+
+def _as_int32(values: torch.Tensor) -> torch.Tensor:
+    """32-bit values held in int64 as the int32 with the same bits."""
+    return torch.where(values >= 1 << 31, values - (1 << 32), values).to(torch.int32)
+
+
+def _signed32(constant: int) -> int:
+    return constant - (1 << 32) if constant >= 1 << 31 else constant
+
+
+_M1, _M2 = _signed32(0x7FEB352D), _signed32(0x846CA68B)
+
+
+def _xorshift_(x: torch.Tensor, shift: int, scratch: torch.Tensor) -> None:
+    """``x ^= x >>> shift`` on int32 bits (torch's ``>>`` is arithmetic: the mask makes it logical)."""
+    torch.bitwise_right_shift(x, shift, out=scratch)
+    scratch &= (1 << (32 - shift)) - 1
+    x ^= scratch
+
+
+def _mix32_(x: torch.Tensor, scratch: torch.Tensor) -> None:
+    """:func:`_mix32` in place on int32 bits (int32 products wrap mod 2**32)."""
+    _xorshift_(x, 16, scratch)
+    x *= _M1
+    _xorshift_(x, 15, scratch)
+    x *= _M2
+    _xorshift_(x, 16, scratch)
+
+
+def gumbel_argmax(scaled: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """``argmax(scaled + gumbel(uniform_noise(seed, offset, V)), dim=-1)`` for CPU rows
+    ``scaled [R, V]`` (float32), without the ``[R, V]`` noise: bit for bit the same noise
+    and the same pick (ties and NaNs as ``torch.argmax``: the first index wins)."""
+    rows, vocab = scaled.shape
+    row_key = _mix32(_mix32(seed) ^ _mix32((offset + 0x9E3779B9) & _MASK32))
+    first, second = _as_int32(row_key)[:, None], _as_int32(_mix32(row_key ^ 0x5BD1E995))[:, None]
+    width = min(vocab, max(64, BLOCK_ELEMENTS // max(rows, 1)))
+    ids = torch.arange(width, dtype=torch.int32)
+    bits = torch.empty(rows, width, dtype=torch.int32)
+    scratch = torch.empty_like(bits)
+    score = torch.empty(rows, width, dtype=torch.float32)
+    best = torch.full((rows,), float("-inf"))
+    token = torch.zeros(rows, dtype=torch.long)
+    for start in range(0, vocab, width):
+        n = min(width, vocab - start)
+        x, s, f = (bits, scratch, score) if n == width else (bits[:, :n], scratch[:, :n], score[:, :n])
+        # random_bits_at: mix(mix(ids ^ first) ^ second)
+        torch.bitwise_xor(ids[:n] + start, first, out=x)
+        _mix32_(x, s)
+        x ^= second
+        _mix32_(x, s)
+        # bits_to_uniform, then gumbel: the same float32 operations in the same order
+        torch.bitwise_right_shift(x, 9, out=s)
+        s &= 0x7FFFFF
+        f.copy_(s)
+        f += 0.5
+        f *= 1.0 / (1 << 23)
+        f.log_().neg_().log_().neg_()
+        f += scaled[:, start : start + n]
+        value, index = f.max(dim=-1)
+        better = (value > best) | (value.isnan() & ~best.isnan())
+        best = torch.where(better, value, best)
+        token = torch.where(better, index + start, token)
+    return token

@@ -4,9 +4,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
 import torch
 
-from aiocb.runner.noise import GUMBEL_BOUND, bits_to_uniform, gumbel, random_bits, random_bits_at, uniform_noise
+from aiocb.runner import noise
+from aiocb.runner.noise import (
+    GUMBEL_BOUND,
+    bits_to_uniform,
+    gumbel,
+    gumbel_argmax,
+    random_bits,
+    random_bits_at,
+    uniform_noise,
+)
 from aiocb.runner.sampler import SamplingTensors, sample
 
 
@@ -137,3 +147,35 @@ def test_noise_at_ids_is_the_rows_noise_there_and_bounded() -> None:
     assert torch.equal(random_bits_at(seed, offset, ids), full.gather(1, ids))
     extreme = gumbel(bits_to_uniform(torch.tensor([0xFFFFFFFF, 0])))
     assert float(extreme.max()) < GUMBEL_BOUND < float(extreme.max()) + 0.01
+
+
+@pytest.mark.parametrize(("rows", "vocab", "block"), [(5, 1000, 1 << 18), (37, 5000, 4096), (3, 151_936, 1 << 18)])
+def test_blockwise_cpu_draw_is_the_whole_noise_argmax(
+    rows: int, vocab: int, block: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # (a small block makes a vocabulary span many blocks, the last one partial)
+    monkeypatch.setattr(noise, "BLOCK_ELEMENTS", block)
+    generator = torch.Generator().manual_seed(vocab)
+    scaled = torch.randn(rows, vocab, generator=generator) * 2
+    scaled[0, ::3] = float("-inf")  # a filtered row
+    scaled[1, :] = 0.0  # every logit tied: the noise decides
+    # seeds and offsets at the ends of their ranges: the int32 arithmetic must wrap as uint32's
+    seed = torch.randint(0, 1 << 32, (rows,), generator=generator)
+    seed[:2] = torch.tensor([0, (1 << 32) - 1])
+    offset = torch.randint(0, 1 << 31, (rows,), generator=generator)
+    reference = (scaled + gumbel(uniform_noise(seed, offset, vocab))).argmax(dim=-1)
+    assert torch.equal(gumbel_argmax(scaled, seed, offset), reference)
+
+
+def test_blockwise_cpu_draw_breaks_ties_and_nans_as_argmax() -> None:
+    seed, offset = torch.tensor([1, 2]), torch.tensor([0, 0])
+    scaled = torch.randn(2, 300, generator=torch.Generator().manual_seed(0))
+    # Scores equal at two ids of different blocks (the noise vanishes next to 1e30): the
+    # first id wins, as torch.argmax's.
+    scaled[:, 10] = scaled[:, 250] = 1e30
+    scaled[1, 280] = float("nan")  # torch.argmax picks a NaN
+    reference = (scaled + gumbel(uniform_noise(seed, offset, 300))).argmax(dim=-1)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(noise, "BLOCK_ELEMENTS", 128)
+        assert torch.equal(gumbel_argmax(scaled, seed, offset), reference)
+    assert reference.tolist() == [10, 280]
