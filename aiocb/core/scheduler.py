@@ -306,7 +306,14 @@ class Scheduler:
         drafted: dict[Request, list[int]] = {}
         self._index_budget = _INDEX_PER_STEP
         self._scored_left = self.max_scored_tokens
-        for looked, request in enumerate(self._running_by_priority(), 1):
+        # Most rows of most steps only decode: a short loop plans those, and the general one
+        # below the rest (or everything, when a decoding row needs more than its next token).
+        rest = None
+        in_running_order = speculative is None and not (self.prioritized or self.prefill_first)
+        if in_running_order and len(running) <= min(max_rows, budget):
+            rest = yield from self._plan_decodes(planned, chunk)
+            budget -= len(planned)
+        for looked, request in enumerate(self._running_by_priority() if rest is None else rest, 1):
             if looked % chunk == 0:
                 yield
             if request not in running:
@@ -471,6 +478,46 @@ class Scheduler:
                 num_generated = 0
                 yield updated, finished
                 updated, finished = [], []
+
+    def _plan_decodes(self, planned: dict[Request, int], chunk: int) -> Generator[None, None, list[Request] | None]:
+        """The general planning loop's work on the decoding requests, which it takes first,
+        in the running order: each computes its next position (or waits for its token in
+        flight). Returns the other running requests, in the order the general loop takes
+        them after these; or None, with nothing planned, at a decoding request that needs
+        more than one position or finds no block (the general loop then plans them all:
+        it makes the same allocations up to there).
+
+        The caller checked that every running request fits the step's rows and tokens.
+        """
+        running, kv = self.running, self.kv_cache
+        single_full, page = kv.single_full, kv.page_size
+        decoding = RequestStatus.DECODING
+        others: list[Request] = []
+        for looked, request in enumerate(list(running), 1):
+            if looked % chunk == 0:
+                yield
+            if request not in running:
+                continue  # ended while paused
+            if request.status is not decoding:
+                others.append(request)
+                continue
+            computed = request.num_computed_tokens
+            pending = request.num_pending_tokens
+            num_new = len(request.token_ids) + pending - computed
+            if num_new <= 0 or (pending and self._waits_for_token(request)):
+                continue
+            blocks = request.block_ids
+            fits = single_full and blocks and computed < len(blocks[0]) * page
+            if num_new > 1 or not (fits or kv.allocate(request, 1)):
+                break
+            planned[request] = computed
+            request.num_computed_tokens = computed + 1
+        else:
+            return others
+        for request, start in planned.items():
+            request.num_computed_tokens = start
+        planned.clear()
+        return None
 
     def _propose(self, request: Request, speculative: SpeculativeConfig, budget: int) -> list[int] | None:
         """The tokens ``request`` speculates this step (None: it does not)."""

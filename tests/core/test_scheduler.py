@@ -7,8 +7,11 @@ fake physical cache that checks every position a step reads holds what it should
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
+from collections.abc import Generator
 from dataclasses import dataclass, field
+from unittest import mock
 
 import pytest
 from hypothesis import given
@@ -774,6 +777,38 @@ def test_a_block_registered_in_a_step_is_shared_in_that_step(page: int, budget: 
     result = simulate(scheduler, requests)
     assert_all_finished(result, requests)
     assert requests[3].num_cached_tokens == len(prompts[2])
+
+
+def _general_loop_only(self: Scheduler, planned: dict[Request, int], chunk: int) -> Generator[None, None, None]:
+    """A stand-in for ``Scheduler._plan_decodes`` that always leaves the step to the general loop."""
+    yield from ()
+
+
+def _plans(scheduler: Scheduler, requests: list[Request]) -> list[tuple[list[tuple[str, int, int, bool]], list[str]]]:
+    for request in requests:
+        scheduler.add(request)
+    plans = []
+    while scheduler.has_work and len(plans) < 2_000:
+        output = scheduler.schedule()
+        plans.append(
+            (
+                [(s.request.request_id, s.start, s.num_tokens, s.sample) for s in output.scheduled],
+                [r.request_id for r in output.preempted],
+            )
+        )
+        scheduler.update(output, StepResult([fake_token(s.request) for s in output.scheduled if s.sample]), 0.0)
+    return plans
+
+
+@fuzz_settings(100)
+@given(workload=workloads())
+def test_the_decoding_rows_short_loop_plans_what_the_general_loop_plans(
+    workload: tuple[Scheduler, list[Request]],
+) -> None:
+    shortcut = _plans(*copy.deepcopy(workload))
+    with mock.patch.object(Scheduler, "_plan_decodes", _general_loop_only):
+        general = _plans(*workload)
+    assert shortcut == general
 
 
 @fuzz_settings(200)
