@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 
 class RequestStatus(enum.IntEnum):
@@ -32,12 +33,27 @@ class FinishReason(enum.StrEnum):
     ERROR = "error"  # the engine failed
 
 
+class _DeferredTokens:
+    """The slot in which an engine's output keeps where its ``generated_tokens`` come from
+    until they are first read (not a dataclass field: no constructor argument, no
+    ``asdict`` key)."""
+
+    __slots__ = ("_tokens_from",)
+    #: ``(tokens, start, stop)``: ``generated_tokens`` is ``tokens[start:stop]``
+    _tokens_from: tuple[list[int], int, int]
+
+    def _take_tokens_from(self, tokens: list[int], start: int, stop: int) -> None:
+        self._tokens_from = (tokens, start, stop)
+
+
 @dataclass(slots=True)
-class GenerationOutput:
+class GenerationOutput(_DeferredTokens):
     """A request's output so far, or its final output once ``status.is_finished()``.
 
     ``generated_tokens`` always holds every token generated so far (not a delta), as in
-    transformers' continuous batching. ``logprobs[i]`` is the log-probability of
+    transformers' continuous batching. The engine's outputs make that list when it is
+    first read, so a stream of a long generation does not copy every token at every
+    step; :meth:`tokens_since` reads the new ones alone. ``logprobs[i]`` is the log-probability of
     ``generated_tokens[i]`` under the model's raw distribution (a log-softmax of its
     logits, before temperature, top-k or top-p), present when logprobs were requested;
     ``top_logprobs[i]`` maps the most likely tokens at that step to theirs. With
@@ -77,3 +93,33 @@ class GenerationOutput:
     def is_finished(self) -> bool:
         """Whether this is the request's final output."""
         return self.status.is_finished()
+
+    def tokens_since(self, start: int) -> list[int]:
+        """``generated_tokens[start:]``, without making the whole list first."""
+        try:
+            generated: list[int] = object.__getattribute__(self, "generated_tokens")  # (no __getattr__)
+        except AttributeError:  # deferred: slice the source directly
+            tokens, first, stop = self._tokens_from
+            if start < 0:
+                start = max(0, stop - first + start)
+            return tokens[first + start : stop]
+        return generated[start:]
+
+    if not TYPE_CHECKING:  # (mypy would take any attribute name as valid)
+
+        def __getattr__(self, name: str) -> list[int]:
+            # Reached only for an unset slot: an engine output's deferred generated_tokens.
+            if name != "generated_tokens":
+                raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+            tokens, start, stop = self._tokens_from
+            generated = self.generated_tokens = tokens[start:stop]
+            return generated
+
+
+def defer_generated_tokens(output: GenerationOutput, tokens: list[int], start: int, stop: int) -> None:
+    """Make ``output.generated_tokens`` read as ``tokens[start:stop]``, copied on first read.
+
+    ``tokens`` must only ever be appended to (a request's token list is).
+    """
+    del output.generated_tokens
+    output._take_tokens_from(tokens, start, stop)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from aiocb.core.params import ResolvedParams
-from aiocb.outputs import FinishReason, GenerationOutput, RequestStatus
+from aiocb.outputs import FinishReason, GenerationOutput, RequestStatus, defer_generated_tokens
 
 
 class TextState(Protocol):
@@ -29,6 +29,8 @@ class GrammarState(Protocol):
 
 
 _FINISHED = RequestStatus.FINISHED
+#: a placeholder for ``generated_tokens`` until :func:`defer_generated_tokens` replaces it
+_DEFERRED: list[int] = []
 
 
 @dataclass(eq=False, slots=True)
@@ -142,10 +144,10 @@ class Request:
         prompt_done = params.prompt_logprobs and len(self.prompt_logprobs) == len(self.prompt_ids)
         if self.output_prompt is None:
             self.output_prompt = list(self.prompt_ids)
-        return GenerationOutput(
+        output = GenerationOutput(
             request_id=self.request_id,
             prompt_ids=self.output_prompt,
-            generated_tokens=self.token_ids[len(self.prompt_ids) :],
+            generated_tokens=_DEFERRED,
             logprobs=list(self.logprobs) if params.return_logprobs else None,
             top_logprobs=list(self.top_logprobs) if params.top_logprobs else None,
             prompt_logprobs=list(self.prompt_logprobs) if prompt_done else None,
@@ -161,3 +163,6 @@ class Request:
             first_token_time=self.first_token_time,
             finished_time=self.finished_time,
         )
+        # (made when read: a stream of a long generation would copy it at every step)
+        defer_generated_tokens(output, self.token_ids, len(self.prompt_ids), len(self.token_ids))
+        return output

@@ -265,7 +265,7 @@ async def choice_deltas(
             if first:
                 delta.prompt_logprobs = output.prompt_logprobs
                 delta.prompt_top_logprobs = output.prompt_top_logprobs
-            new = [] if score_only else output.generated_tokens[seen:]
+            new = [] if score_only else output.tokens_since(seen)
             if new:
                 metrics.generation_tokens.inc(len(new))
                 if seen == 0:

@@ -1,0 +1,74 @@
+"""Outputs are snapshots: a stream's outputs keep their tokens, made when first read."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import pickle
+
+from transformers import PreTrainedModel
+
+import aiocb
+from aiocb.core.params import ResolvedParams
+from aiocb.core.request import Request
+from tests.conftest import random_prompts, reference_generate
+
+PROMPT = random_prompts(1, 5, 12, seed=7)[0]
+
+
+class _CountingSlices(list[int]):
+    """A token list that counts the slices taken of it."""
+
+    slices = 0
+
+    def __getitem__(self, index):  # type: ignore[no-untyped-def,override]
+        if isinstance(index, slice):
+            type(self).slices += 1
+        return super().__getitem__(index)
+
+
+async def test_streamed_outputs_read_late_hold_the_tokens_of_their_step(qwen3: PreTrainedModel) -> None:
+    async with aiocb.Manager(qwen3) as manager:
+        rid = await manager.add_request(PROMPT, max_new_tokens=12)
+        chunks = [chunk async for chunk in manager.stream(rid)]
+    # None of them was read while the request went on: each still holds only its own tokens.
+    expected = reference_generate(qwen3, PROMPT, 12)
+    lengths = [len(c.generated_tokens) for c in chunks]
+    assert len(lengths) > 1 and lengths == sorted(set(lengths)) and lengths[-1] == 12
+    for chunk in chunks:
+        n = len(chunk.generated_tokens)
+        assert chunk.generated_tokens == expected[:n]
+        assert chunk.tokens_since(n - 1) == expected[n - 1 : n]
+
+
+def test_an_output_copies_the_token_list_once_and_only_when_read() -> None:
+    tokens = _CountingSlices(range(10))
+    request = Request("r", list(range(4)), ResolvedParams(max_new_tokens=20), 0.0, token_ids=tokens)
+    _CountingSlices.slices = 0
+    output = request.to_output()
+    assert _CountingSlices.slices == 0, "made before anyone read it"
+    assert output.tokens_since(4) == [8, 9] and output.tokens_since(-1) == [9] and output.tokens_since(9) == []
+    assert _CountingSlices.slices == 3  # (each a slice of the new tokens alone)
+    tokens.append(10)  # the request goes on: the output does not
+    assert output.generated_tokens == [4, 5, 6, 7, 8, 9]
+    assert output.generated_tokens is output.generated_tokens  # made once
+    assert _CountingSlices.slices == 4
+    assert output.tokens_since(4) == [8, 9] and output.tokens_since(-2) == [8, 9]
+
+
+def test_a_deferred_output_behaves_as_a_plain_one() -> None:
+    request = Request("r", [1, 2], ResolvedParams(max_new_tokens=20), 0.0, token_ids=[1, 2, 3, 4, 5])
+    plain = dataclasses.replace(request.to_output(), generated_tokens=[3, 4, 5])
+    for make in (
+        request.to_output,
+        lambda: copy.copy(request.to_output()),
+        lambda: copy.deepcopy(request.to_output()),
+        lambda: pickle.loads(pickle.dumps(request.to_output())),
+        lambda: dataclasses.replace(request.to_output()),
+    ):
+        output = make()
+        assert output == plain and repr(output) == repr(plain)
+        assert dataclasses.asdict(output) == dataclasses.asdict(plain)
+    assert "_tokens_from" not in dataclasses.asdict(request.to_output())
+    fresh = aiocb.GenerationOutput("x", [1], [7, 8])
+    assert fresh.generated_tokens == [7, 8] and fresh.tokens_since(1) == [8]
