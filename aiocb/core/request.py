@@ -144,24 +144,27 @@ class Request:
         prompt_done = params.prompt_logprobs and len(self.prompt_logprobs) == len(self.prompt_ids)
         if self.output_prompt is None:
             self.output_prompt = list(self.prompt_ids)
+        # Positional, in GenerationOutput's field order: keywords cost more than half the
+        # call (tests/engine/test_outputs.py checks every field by name).
         output = GenerationOutput(
-            request_id=self.request_id,
-            prompt_ids=self.output_prompt,
-            generated_tokens=_DEFERRED,
-            logprobs=list(self.logprobs) if params.return_logprobs else None,
-            top_logprobs=list(self.top_logprobs) if params.top_logprobs else None,
-            prompt_logprobs=list(self.prompt_logprobs) if prompt_done else None,
-            prompt_top_logprobs=list(self.prompt_top_logprobs) if prompt_done and params.top_logprobs else None,
-            text=None if self.text is None else self.text.text,
-            status=self.status,
-            finish_reason=self.finish_reason,
-            stop_reason=self.stop_reason,
-            error=self.error,
-            num_cached_tokens=self.num_cached_tokens,
-            created_time=self.arrival_time,
-            scheduled_time=self.scheduled_time,
-            first_token_time=self.first_token_time,
-            finished_time=self.finished_time,
+            self.request_id,
+            self.output_prompt,
+            _DEFERRED,  # generated_tokens
+            list(self.logprobs) if params.return_logprobs else None,
+            list(self.top_logprobs) if params.top_logprobs else None,
+            list(self.prompt_logprobs) if prompt_done else None,
+            list(self.prompt_top_logprobs) if prompt_done and params.top_logprobs else None,
+            None if self.text is None else self.text.text,
+            None,  # text_delta: the consumer's own
+            self.status,
+            self.finish_reason,
+            self.stop_reason,
+            self.error,
+            self.num_cached_tokens,
+            self.arrival_time,
+            self.scheduled_time,
+            self.first_token_time,
+            self.finished_time,
         )
         # (made when read: a stream of a long generation would copy it at every step)
         defer_generated_tokens(output, self.token_ids, len(self.prompt_ids), len(self.token_ids))

@@ -72,3 +72,33 @@ def test_a_deferred_output_behaves_as_a_plain_one() -> None:
     assert "_tokens_from" not in dataclasses.asdict(request.to_output())
     fresh = aiocb.GenerationOutput("x", [1], [7, 8])
     assert fresh.generated_tokens == [7, 8] and fresh.tokens_since(1) == [8]
+
+
+def test_an_output_carries_each_field_of_its_request() -> None:
+    params = ResolvedParams(max_new_tokens=20, return_logprobs=True, top_logprobs=1, prompt_logprobs=True)
+    request = Request("r", [1, 2], params, 1.5, token_ids=[1, 2, 3])
+    request.logprobs, request.top_logprobs = [-0.5], [{3: -0.5}]
+    request.prompt_logprobs, request.prompt_top_logprobs = [None, -0.25], [None, {2: -0.25}]
+    request.status, request.finish_reason = aiocb.RequestStatus.FINISHED, aiocb.FinishReason.STOP
+    request.stop_reason, request.error, request.num_cached_tokens = 3, "none", 1
+    request.scheduled_time, request.first_token_time, request.finished_time = 2.5, 3.5, 4.5
+    assert dataclasses.asdict(request.to_output()) == {
+        "request_id": "r",
+        "prompt_ids": [1, 2],
+        "generated_tokens": [3],
+        "logprobs": [-0.5],
+        "top_logprobs": [{3: -0.5}],
+        "prompt_logprobs": [None, -0.25],
+        "prompt_top_logprobs": [None, {2: -0.25}],
+        "text": None,
+        "text_delta": None,
+        "status": aiocb.RequestStatus.FINISHED,
+        "finish_reason": aiocb.FinishReason.STOP,
+        "stop_reason": 3,
+        "error": "none",
+        "num_cached_tokens": 1,
+        "created_time": 1.5,
+        "scheduled_time": 2.5,
+        "first_token_time": 3.5,
+        "finished_time": 4.5,
+    }
