@@ -235,8 +235,9 @@ class _WorkerConnection:
                 async for output in stream:
                     prompt = output.prompt_logprobs if not prompt_sent else None
                     prompt_sent = prompt_sent or prompt is not None
+                    new_tokens = output.tokens_since(tokens)
                     delta = OutputDelta(
-                        output.generated_tokens[tokens:],
+                        new_tokens,
                         None if output.logprobs is None else output.logprobs[logprobs:],
                         None if output.top_logprobs is None else output.top_logprobs[logprobs:],
                         prompt,
@@ -251,7 +252,7 @@ class _WorkerConnection:
                         output.stop_reason,
                         output.num_cached_tokens,
                     )
-                    tokens = len(output.generated_tokens)
+                    tokens += len(new_tokens)
                     logprobs = len(output.logprobs) if output.logprobs is not None else 0
                     self._queue(key, ("output", tuple(delta)))
         except asyncio.CancelledError:
