@@ -6,8 +6,8 @@ as computing the whole row's (:func:`random_bits_at`), so a sampler may look onl
 candidates.
 
 :func:`gumbel_argmax` is the whole-vocabulary draw on a CPU: the same values, computed
-a cache-sized block of the vocabulary at a time in 32-bit integers and in place, instead
-of some forty ``[rows, vocab]`` int64 temporaries (ten to twenty times faster).
+a cache-sized block of the vocabulary at a time and in place, instead of some thirty
+``[rows, vocab]`` temporaries (ten to twenty times faster).
 """
 
 from __future__ import annotations
@@ -23,20 +23,32 @@ _MASK32 = 0xFFFFFFFF
 GUMBEL_BOUND = -math.log(-math.log1p(-(2.0**-24))) + 1e-3
 
 
-def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
-    """``(x * constant) mod 2**32`` for 32-bit values in int64 without overflow."""
-    low = x * (constant & 0xFFFF)
-    high = ((x * (constant >> 16)) & 0xFFFF) << 16
-    return (low + high) & _MASK32
+def _signed32(constant: int) -> int:
+    return constant - (1 << 32) if constant >= 1 << 31 else constant
+
+
+_M1, _M2 = _signed32(0x7FEB352D), _signed32(0x846CA68B)
+
+
+def _as_int32(values: torch.Tensor) -> torch.Tensor:
+    """32-bit values held in int64 as the int32 with the same bits."""
+    return torch.where(values >= 1 << 31, values - (1 << 32), values).to(torch.int32)
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (lowbias32) with good avalanche."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
+    """A 32-bit integer hash (lowbias32) with good avalanche, on int32 bits: int32 products
+    wrap mod 2**32, and torch's ``>>`` is arithmetic, so each shift is masked to be logical."""
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x * _M1
+    x = x ^ ((x >> 15) & 0x1FFFF)
+    x = x * _M2
+    return x ^ ((x >> 16) & 0xFFFF)
+
+
+def _row_keys(seed: torch.Tensor, offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two int32 keys of each row ``(seed, offset)`` (``[S]`` int64, seeds 32-bit)."""
+    row_key = _mix32(_mix32(_as_int32(seed)) ^ _mix32(_as_int32((offset + 0x9E3779B9) & _MASK32)))
+    return row_key, _mix32(row_key ^ 0x5BD1E995)
 
 
 def random_bits(seed: torch.Tensor, offset: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -46,9 +58,9 @@ def random_bits(seed: torch.Tensor, offset: torch.Tensor, vocab: int) -> torch.T
 
 def random_bits_at(seed: torch.Tensor, offset: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """The values of :func:`random_bits` at vocabulary ids ``ids`` (``[S, K]``, or ``[1, K]`` for all rows)."""
-    row_key = _mix32(_mix32(seed) ^ _mix32((offset + 0x9E3779B9) & _MASK32))
-    second_key = _mix32(row_key ^ 0x5BD1E995)
-    return _mix32(_mix32(ids ^ row_key[:, None]) ^ second_key[:, None])
+    first, second = _row_keys(seed, offset)
+    bits = _mix32(_mix32(ids.to(torch.int32) ^ first[:, None]) ^ second[:, None])
+    return bits.to(torch.int64) & _MASK32
 
 
 def bits_to_uniform(bits: torch.Tensor) -> torch.Tensor:
@@ -82,18 +94,6 @@ def gumbel_at(seed: torch.Tensor, offset: torch.Tensor, ids: torch.Tensor) -> to
 BLOCK_ELEMENTS = 1 << 18
 
 
-def _as_int32(values: torch.Tensor) -> torch.Tensor:
-    """32-bit values held in int64 as the int32 with the same bits."""
-    return torch.where(values >= 1 << 31, values - (1 << 32), values).to(torch.int32)
-
-
-def _signed32(constant: int) -> int:
-    return constant - (1 << 32) if constant >= 1 << 31 else constant
-
-
-_M1, _M2 = _signed32(0x7FEB352D), _signed32(0x846CA68B)
-
-
 def _xorshift_(x: torch.Tensor, shift: int, scratch: torch.Tensor) -> None:
     """``x ^= x >>> shift`` on int32 bits (torch's ``>>`` is arithmetic: the mask makes it logical)."""
     torch.bitwise_right_shift(x, shift, out=scratch)
@@ -102,7 +102,7 @@ def _xorshift_(x: torch.Tensor, shift: int, scratch: torch.Tensor) -> None:
 
 
 def _mix32_(x: torch.Tensor, scratch: torch.Tensor) -> None:
-    """:func:`_mix32` in place on int32 bits (int32 products wrap mod 2**32)."""
+    """:func:`_mix32` in place, with a scratch tensor of the same shape."""
     _xorshift_(x, 16, scratch)
     x *= _M1
     _xorshift_(x, 15, scratch)
@@ -115,8 +115,7 @@ def gumbel_argmax(scaled: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor
     ``scaled [R, V]`` (float32), without the ``[R, V]`` noise: bit for bit the same noise
     and the same pick (ties and NaNs as ``torch.argmax``: the first index wins)."""
     rows, vocab = scaled.shape
-    row_key = _mix32(_mix32(seed) ^ _mix32((offset + 0x9E3779B9) & _MASK32))
-    first, second = _as_int32(row_key)[:, None], _as_int32(_mix32(row_key ^ 0x5BD1E995))[:, None]
+    first, second = (key[:, None] for key in _row_keys(seed, offset))
     width = min(vocab, max(64, BLOCK_ELEMENTS // max(rows, 1)))
     ids = torch.arange(width, dtype=torch.int32)
     bits = torch.empty(rows, width, dtype=torch.int32)

@@ -62,7 +62,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _mix32(x):  # type: ignore[no-untyped-def]
-        """lowbias32 on uint32 (multiplies wrap mod 2**32), as noise._mix32 emulates in int64."""
+        """lowbias32 on uint32 (multiplies wrap mod 2**32), as noise._mix32 computes on int32 bits."""
         x = x ^ (x >> 16)
         x = x * 0x7FEB352D
         x = x ^ (x >> 15)
