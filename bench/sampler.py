@@ -1,10 +1,12 @@
-"""The sampler alone: the CPU's pick from candidates against the whole-vocabulary pick.
+"""The sampler alone: the CPU's ``sample()`` against the whole-vocabulary pick.
 
 Random logits (normal, times ``--scale``) at two vocabulary sizes, every row sampled with
 top-k 50 + top-p 0.9, with top-p 0.9 alone, and with the temperature alone. The
-whole-vocabulary draw is what a GPU runs; ``sample()`` on a CPU takes the candidates
-where they suffice. Both give the same tokens (checked). Random logits are flatter than a
-language model's, so the rows without top-k mostly fall back to the whole vocabulary.
+whole-vocabulary draw (``draw_full``: a sort for top-k and top-p) is what a GPU runs
+without Triton; ``sample()`` on a CPU takes a top-k or top-p row's largest logits where
+they suffice, and the whole-vocabulary draw for the rest and for rows without those
+filters. Both give the same tokens (checked). Random logits are flatter than a language
+model's, so the top-p rows without top-k mostly fall back to the whole vocabulary.
 A greedy step's pick is timed beside them: torch's ``argmax`` and the chunked
 :func:`~aiocb.runner.argmax.argmax_rows` that greedy rows take on a CPU (same indices,
 checked).
@@ -62,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--scale", type=float, default=3.0)
     args = parser.parse_args(argv)
-    print("| vocab | rows | filters | whole vocabulary ms | candidates ms | torch argmax ms | chunked argmax ms |")
+    print("| vocab | rows | filters | whole vocabulary ms | sample() ms | torch argmax ms | chunked argmax ms |")
     print("|---:|---:|---|---:|---:|---:|---:|")
     kinds = {"top-k 50, top-p 0.9": {}, "top-p 0.9": {"top_k": 0}, "temperature only": {"top_k": 0, "top_p": 1.0}}
     for vocab, rows in ((4096, 256), (151_936, 64)):
@@ -72,10 +74,10 @@ def main(argv: list[str] | None = None) -> int:
             params = SamplingTensors.from_rows([_Row(seed=i, **fields) for i in range(rows)], logits.device)  # type: ignore[arg-type]
             assert torch.equal(_full(logits, params), sample(logits, params).tokens)
             full = _ms(_full, args.repeats, logits, params)
-            candidates = _ms(sample, args.repeats, logits, params)
+            sampled = _ms(sample, args.repeats, logits, params)
             argmax = _ms(torch.argmax, args.repeats, logits, -1)
             chunked = _ms(argmax_rows, args.repeats, logits)
-            print(f"| {vocab} | {rows} | {name} | {full:.1f} | {candidates:.1f} | {argmax:.2f} | {chunked:.2f} |")
+            print(f"| {vocab} | {rows} | {name} | {full:.1f} | {sampled:.1f} | {argmax:.2f} | {chunked:.2f} |")
     return 0
 
 
