@@ -236,9 +236,11 @@ def _wait_ready(url: str, process: subprocess.Popen[str], log: Path) -> None:
 
 
 def _access_log_pids(log: Path) -> set[str]:
-    """The processes that wrote access-log lines."""
+    """The processes that logged a completion (not the readiness probes, which either may answer)."""
     return {
-        line.split("aiocb.access[")[1].split("]")[0] for line in log.read_text().splitlines() if "aiocb.access[" in line
+        line.split("aiocb.access[")[1].split("]")[0]
+        for line in log.read_text().splitlines()
+        if "aiocb.access[" in line and '"POST /v1/completions"' in line
     }
 
 
