@@ -53,16 +53,17 @@ class GenerationOutput(_DeferredTokens):
     ``generated_tokens`` always holds every token generated so far (not a delta), as in
     transformers' continuous batching. The engine's outputs make that list when it is
     first read, so a stream of a long generation does not copy every token at every
-    step; :meth:`tokens_since` reads the new ones alone. ``logprobs[i]`` is the log-probability of
-    ``generated_tokens[i]`` under the model's raw distribution (a log-softmax of its
-    logits, before temperature, top-k or top-p), present when logprobs were requested;
-    ``top_logprobs[i]`` maps the most likely tokens at that step to theirs. With
-    ``prompt_logprobs``, ``prompt_logprobs[j]`` is the log-probability of prompt token
-    ``j`` given the ones before it (None for the first), set once the prompt is computed.
-    With a tokenizer, ``text`` is the generated text so far and ``text_delta`` what it
-    gained since the previous output of the same consumer; a character split across
-    tokens appears once it is complete, and a possible stop string is held back until it
-    is known not to be one.
+    step; :meth:`tokens_since` reads the new ones alone.
+
+    ``logprobs[i]`` is the log-probability of ``generated_tokens[i]`` under the model's raw
+    distribution (a log-softmax of its logits, before temperature, top-k or top-p),
+    present when logprobs were requested; ``top_logprobs[i]`` maps the most likely tokens
+    at that step to theirs. With ``prompt_logprobs``, ``prompt_logprobs[j]`` is the
+    log-probability of prompt token ``j`` given the ones before it (None for the first),
+    set once the prompt is computed. With a tokenizer, ``text`` is the generated text so
+    far and ``text_delta`` what it gained since the previous output of the same consumer;
+    a character split across tokens appears once it is complete, and a possible stop
+    string is held back until it is known not to be one.
     """
 
     request_id: str
