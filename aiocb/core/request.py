@@ -29,7 +29,7 @@ class GrammarState(Protocol):
 
 
 _FINISHED = RequestStatus.FINISHED
-#: a placeholder for ``generated_tokens`` until :func:`defer_generated_tokens` replaces it
+#: what :meth:`Request.to_output` gives as ``generated_tokens``: :func:`defer_generated_tokens` unsets it at once
 _DEFERRED: list[int] = []
 
 

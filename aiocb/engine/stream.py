@@ -120,7 +120,7 @@ class RequestHandle:
         if output.text is not None:
             output.text_delta = output.text[self.delivered_chars :]
             self.delivered_chars = len(output.text)
-        self.delivered_tokens = len(request.token_ids) - len(request.prompt_ids)  # (the output's)
+        self.delivered_tokens = request.num_output_tokens  # (the output's: read now, not made)
         if output.status >= _FINISHED:
             self.final_delivered = True
         return output

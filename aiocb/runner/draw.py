@@ -92,14 +92,16 @@ def draw(
         return _draw_from_candidates(logits, temperature, seed, offset, top_k, top_p, min_p)
     if bool(unfiltered.all()):
         return draw_full(logits / temperature[:, None], seed, offset, None, None, min_p)
+
+    def rows_of(mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        rows = mask.nonzero()[:, 0]
+        return rows, *(x.index_select(0, rows) for x in (logits, temperature, seed, offset, top_k, top_p))
+
     tokens = torch.zeros_like(top_k)
-    for rows, candidates in ((unfiltered.nonzero()[:, 0], False), ((~unfiltered).nonzero()[:, 0], True)):
-        t, s, o, k, p = (x.index_select(0, rows) for x in (temperature, seed, offset, top_k, top_p))
-        mp = None if min_p is None else min_p.index_select(0, rows)
-        if candidates:
-            tokens[rows] = _draw_from_candidates(logits.index_select(0, rows), t, s, o, k, p, mp)
-        else:
-            tokens[rows] = draw_full(logits.index_select(0, rows) / t[:, None], s, o, None, None, mp)
+    rows, x, t, s, o, _, _ = rows_of(unfiltered)
+    tokens[rows] = draw_full(x / t[:, None], s, o, None, None, None if min_p is None else min_p[rows])
+    rows, x, t, s, o, k, p = rows_of(~unfiltered)
+    tokens[rows] = _draw_from_candidates(x, t, s, o, k, p, None if min_p is None else min_p[rows])
     return tokens
 
 
