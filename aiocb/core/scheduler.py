@@ -309,9 +309,14 @@ class Scheduler:
         # Most rows of most steps only decode: a short loop plans those, and the general one
         # below the rest (or everything, when a decoding row needs more than its next token).
         rest = None
+        # (the short loop's rows, already in their final form, and those of them whose step
+        # completes a block: shared once nothing can un-plan them)
+        decoded: list[ScheduledRequest] = []
+        completing: list[Request] = []
+        unplanned = False  # whether the general loop un-planned one of the short loop's rows
         in_running_order = speculative is None and not (self.prioritized or self.prefill_first)
         if in_running_order and len(running) <= min(max_rows, budget):
-            rest = yield from self._plan_decodes(planned, chunk)
+            rest = yield from self._plan_decodes(planned, decoded, completing, chunk)
             budget -= len(planned)
         for looked, request in enumerate(self._running_by_priority() if rest is None else rest, 1):
             if looked % chunk == 0:
@@ -348,6 +353,9 @@ class Scheduler:
                     budget += victim.num_computed_tokens - start
                     victim.num_computed_tokens = start
                     drafted.pop(victim, None)
+                    if decoded and victim.status is RequestStatus.DECODING:  # (the short loop's)
+                        victim.num_pending_tokens -= 1
+                        unplanned = True
                 self._preempt(victim, output)
                 preempted.append(victim)
                 if victim is request:
@@ -359,13 +367,18 @@ class Scheduler:
                 if drafts:
                     drafted[request] = drafts
 
+        if unplanned:
+            decoded = [item for item in decoded if item.request in planned]
         # Full blocks are shareable as soon as a step that computes them is planned (and
         # no longer un-plannable): a request admitted later, even in this same step, reads
         # them after they are written (device work runs in plan order, and a step writes
         # every new token's K/V before any request of it reads the cache).
         if kv.prefix_caching:
             page = kv.page_size
-            for looked, request in enumerate(planned, 1):
+            for request in completing:
+                if request in planned:
+                    kv.cache_full_blocks(request)
+            for looked, request in enumerate(itertools.islice(planned, len(decoded), None), 1):
                 if looked % chunk == 0:
                     yield
                 # (most steps complete no block: only then is the call worth its cost)
@@ -375,8 +388,10 @@ class Scheduler:
             yield from self._admit(planned, budget, output, chunk)
 
         scheduled = output.scheduled
-        num_tokens = num_carried = num_sampled = 0
-        for looked, (request, start) in enumerate(planned.items(), 1):
+        scheduled += decoded
+        num_tokens = num_sampled = len(decoded)
+        num_carried = sum(1 for item in decoded if item.carries)
+        for looked, (request, start) in enumerate(itertools.islice(planned.items(), len(decoded), None), 1):
             if looked % chunk == 0:
                 yield
             end = request.num_computed_tokens
@@ -479,18 +494,22 @@ class Scheduler:
                 yield updated, finished
                 updated, finished = [], []
 
-    def _plan_decodes(self, planned: dict[Request, int], chunk: int) -> Generator[None, None, list[Request] | None]:
+    def _plan_decodes(
+        self, planned: dict[Request, int], decoded: list[ScheduledRequest], completing: list[Request], chunk: int
+    ) -> Generator[None, None, list[Request] | None]:
         """The general planning loop's work on the decoding requests, which it takes first,
         in the running order: each computes its next position (or waits for its token in
-        flight). Returns the other running requests, in the order the general loop takes
-        them after these; or None, with nothing planned, at a decoding request that needs
-        more than one position or finds no block (the general loop then plans them all:
-        it makes the same allocations up to there).
+        flight), and its row of the plan is made at once (into ``decoded``; ``completing``
+        gets those whose step completes a block). Returns the other running requests, in
+        the order the general loop takes them after these; or None, with nothing planned,
+        at a decoding request that needs more than one position or finds no block (the
+        general loop then plans them all: it makes the same allocations up to there).
 
         The caller checked that every running request fits the step's rows and tokens.
         """
         running, kv = self.running, self.kv_cache
         single_full, page = kv.single_full, kv.page_size
+        registering = kv.prefix_caching
         decoding = RequestStatus.DECODING
         others: list[Request] = []
         for looked, request in enumerate(list(running), 1):
@@ -512,11 +531,19 @@ class Scheduler:
                 break
             planned[request] = computed
             request.num_computed_tokens = computed + 1
+            # Its one position is its last: the step samples it (the final loop's rule).
+            decoded.append(ScheduledRequest(request, computed, 1, True, pending > 0))
+            request.num_pending_tokens = pending + 1
+            if registering and min(computed + 1, len(request.token_ids)) // page > request.num_registered_blocks:
+                completing.append(request)
         else:
             return others
-        for request, start in planned.items():
-            request.num_computed_tokens = start
+        for item in decoded:
+            item.request.num_computed_tokens = item.start
+            item.request.num_pending_tokens -= 1
         planned.clear()
+        decoded.clear()
+        completing.clear()
         return None
 
     def _propose(self, request: Request, speculative: SpeculativeConfig, budget: int) -> list[int] | None:

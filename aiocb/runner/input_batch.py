@@ -12,12 +12,34 @@ sees a later step's changes.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from aiocb.runner.step_batch import StepBatch
 
 _LONG = torch.long
+
+
+@dataclass(frozen=True, slots=True)
+class SlotParams:
+    """The sampling parameters of a step's sampled slots (a greedy row's temperature and
+    min-p are 0), and the batch-wide flags read from them on the host. Shared by the steps
+    that sample the same slots: nothing may change these tensors in place."""
+
+    slots: torch.Tensor
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    seed: torch.Tensor
+    #: None when no row uses min-p
+    min_p: torch.Tensor | None
+    all_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+    any_logprobs: bool
+    max_top_logprobs: int
+    max_top_k: int
 
 
 class InputBatch:
@@ -35,6 +57,9 @@ class InputBatch:
         self.seed = torch.zeros(num_slots, dtype=_LONG)
         self.logprobs = torch.zeros(num_slots, dtype=torch.bool)
         self.top_logprobs = torch.zeros(num_slots, dtype=_LONG)
+        #: the last :meth:`sampling_params`: steady decode steps sample the same slots, whose
+        #: parameters change only when a slot gets a new owner
+        self._params: SlotParams | None = None
 
     @property
     def num_slots(self) -> int:
@@ -46,6 +71,7 @@ class InputBatch:
         if batch.num_slots > self.num_slots:
             self._grow_slots(batch.num_slots)
         if batch.join_slots:
+            self._params = None
             slots = torch.tensor(batch.join_slots, dtype=_LONG)
             temperature, top_k, top_p, min_p, seed, logprobs, top_logprobs = zip(*batch.join_params, strict=True)
             self.temperature[slots] = torch.tensor(temperature, dtype=torch.float32)
@@ -73,6 +99,35 @@ class InputBatch:
             self.tables[g].index_put_((slots, columns), torch.tensor(writes.blocks, dtype=_LONG))
             self.lengths[g].scatter_reduce_(0, slots, columns + 1, "amax")
 
+    def sampling_params(self, slots: torch.Tensor) -> SlotParams:
+        """The sampling parameters of ``slots`` (the step's sampled rows, in order)."""
+        last = self._params
+        if last is not None and last.slots.shape == slots.shape and torch.equal(last.slots, slots):
+            return last
+        temperature = self.temperature.index_select(0, slots)
+        top_k = self.top_k.index_select(0, slots)
+        top_p = self.top_p.index_select(0, slots)
+        min_p = self.min_p.index_select(0, slots)
+        drawn = temperature != 0.0
+        tops = self.top_logprobs.index_select(0, slots)
+        drawn_k = top_k[drawn]
+        self._params = SlotParams(
+            # (a copy: the caller may reuse its tensor)
+            slots=slots.clone(),
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=self.seed.index_select(0, slots),
+            min_p=min_p if bool((min_p > 0.0).any()) else None,
+            all_greedy=not bool(drawn.any()),
+            any_top_k=bool((drawn_k > 1).any()),
+            any_top_p=bool((top_p[drawn] < 1.0).any()),
+            any_logprobs=bool((self.logprobs.index_select(0, slots) | (tops > 0)).any()),
+            max_top_logprobs=int(tops.max()) if tops.numel() else 0,
+            max_top_k=int(drawn_k.max()) if drawn_k.numel() else 0,
+        )
+        return self._params
+
     def table(self, group: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The block tables of ``slots`` in one cache group, ``[rows, widest]`` padded with its
         null block, and each row's length."""
@@ -82,6 +137,7 @@ class InputBatch:
 
     def _grow_slots(self, needed: int) -> None:
         size = max(needed, 2 * self.num_slots)
+        self._params = None
 
         def grown(t: torch.Tensor, fill: float | int | bool) -> torch.Tensor:
             bigger = torch.full((size, *t.shape[1:]), fill, dtype=t.dtype)

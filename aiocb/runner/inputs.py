@@ -13,6 +13,7 @@ on its rows' lengths) and moved to the device in one copy per dtype through
 
 from __future__ import annotations
 
+import array
 import bisect
 import dataclasses
 from collections.abc import Iterator, Sequence
@@ -323,9 +324,9 @@ def prepare_inputs(
     state.apply(batch)
     long = torch.long
     num_rows = batch.num_rows
-    slots = torch.tensor(batch.slots, dtype=long)
-    q_lens = torch.tensor(batch.num_tokens, dtype=long)
-    starts = torch.tensor(batch.starts, dtype=long)
+    slots = _longs(batch.slots)
+    q_lens = _longs(batch.num_tokens)
+    starts = _longs(batch.starts)
     num_tokens = len(batch.token_ids)
     single = batch.num_single_token_rows == num_rows  # (every row's token is its last)
     if single:
@@ -340,11 +341,11 @@ def prepare_inputs(
     seq_lens = starts + q_lens
     step = _Step(batch, cache, single, starts, positions, row_of_token, seq_lens)
 
-    sampled = torch.tensor(batch.sampled, dtype=long)
+    sampled = _longs(batch.sampled)
     prompt_counts = [len(targets) for targets in batch.prompt_targets.values()]
     logits_indices = last_token.index_select(0, sampled)
     sample_slots = slots.index_select(0, sampled)
-    offsets = torch.tensor(batch.offsets, dtype=long)
+    offsets = _longs(batch.offsets)
     if batch.draft_rows:
         # A speculating row's proposed tokens are sampled at the positions before its last
         # one, each with its own stream offset: after the sampled rows, row by row.
@@ -391,10 +392,10 @@ def prepare_inputs(
     )
     carry_index = carry_rows = None
     if batch.carry_rows:
-        carry_index = last_token[torch.tensor(batch.carry_rows, dtype=long)]
-        carry_rows = torch.tensor(batch.carry_from, dtype=long)
+        carry_index = last_token[_longs(batch.carry_rows)]
+        carry_rows = _longs(batch.carry_from)
     inputs = StepInputs(
-        input_ids=torch.tensor(batch.token_ids, dtype=long),
+        input_ids=_longs(batch.token_ids),
         position_ids=positions,
         logits_indices=logits_indices,
         attention=attention,
@@ -405,6 +406,14 @@ def prepare_inputs(
         carry_rows=carry_rows,
     )
     return transfer.move(inputs)
+
+
+def _longs(values: Sequence[int]) -> torch.Tensor:
+    """``values`` as a 1-D int64 tensor, through a C array: about 3x cheaper than
+    ``torch.tensor`` on a list of Python ints."""
+    if not values:
+        return torch.empty(0, dtype=torch.long)
+    return torch.frombuffer(array.array("q", values), dtype=torch.long)
 
 
 @dataclass(slots=True)
@@ -484,27 +493,21 @@ def _sampling_tensors(
     """The sampled positions' parameters (their slots are ``slots``, their stream offsets
     ``offsets``) gathered from ``state`` (a greedy row's temperature and min-p are 0 there),
     their controls and grammar masks, and the batch-wide flags read from them on the host."""
-    temperature = state.temperature.index_select(0, slots)
-    top_k = state.top_k.index_select(0, slots)
-    top_p = state.top_p.index_select(0, slots)
-    min_p = state.min_p.index_select(0, slots)
-    drawn = temperature != 0.0
-    tops = state.top_logprobs.index_select(0, slots)
-    drawn_k = top_k[drawn]
+    gathered = state.sampling_params(slots)
     controls = controls_host_tensors(batch.controls, len(slots))
     return SamplingTensors(
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        seed=state.seed.index_select(0, slots),
+        temperature=gathered.temperature,
+        top_k=gathered.top_k,
+        top_p=gathered.top_p,
+        seed=gathered.seed,
         offset=offsets,
-        all_greedy=not bool(drawn.any()),
-        any_top_k=bool((drawn_k > 1).any()),
-        any_top_p=bool((top_p[drawn] < 1.0).any()),
-        any_logprobs=bool((state.logprobs.index_select(0, slots) | (tops > 0)).any()),
-        max_top_logprobs=int(tops.max()) if tops.numel() else 0,
-        max_top_k=int(drawn_k.max()) if drawn_k.numel() else 0,
-        min_p=min_p if bool((min_p > 0.0).any()) else None,
+        all_greedy=gathered.all_greedy,
+        any_top_k=gathered.any_top_k,
+        any_top_p=gathered.any_top_p,
+        any_logprobs=gathered.any_logprobs,
+        max_top_logprobs=gathered.max_top_logprobs,
+        max_top_k=gathered.max_top_k,
+        min_p=gathered.min_p,
         controls=controls_from_tensors(controls),
         history_carry=controls.get("c_history_carry"),
         history_carry_rows=controls.get("c_history_carry_rows"),

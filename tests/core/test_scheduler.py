@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from aiocb.core.kv_cache import CacheGroup, KVCacheManager, ring_size
 from aiocb.core.params import ResolvedParams
 from aiocb.core.request import Request
-from aiocb.core.scheduler import Scheduler, SchedulerOutput, StepResult
+from aiocb.core.scheduler import ScheduledRequest, Scheduler, SchedulerOutput, StepResult
 from aiocb.outputs import FinishReason, RequestStatus
 from tests.fuzzing import fuzz_settings
 
@@ -779,25 +779,33 @@ def test_a_block_registered_in_a_step_is_shared_in_that_step(page: int, budget: 
     assert requests[3].num_cached_tokens == len(prompts[2])
 
 
-def _general_loop_only(self: Scheduler, planned: dict[Request, int], chunk: int) -> Generator[None, None, None]:
+def _general_loop_only(
+    self: Scheduler,
+    planned: dict[Request, int],
+    decoded: list[ScheduledRequest],
+    completing: list[Request],
+    chunk: int,
+) -> Generator[None, None, None]:
     """A stand-in for ``Scheduler._plan_decodes`` that always leaves the step to the general loop."""
     yield from ()
 
 
-def _plans(scheduler: Scheduler, requests: list[Request]) -> list[tuple[list[tuple[str, int, int, bool]], list[str]]]:
+def _plans(scheduler: Scheduler, requests: list[Request]) -> tuple[list[object], list[int]]:
+    """Every step's rows and preemptions, then how many prompt tokens each request found cached."""
     for request in requests:
         scheduler.add(request)
-    plans = []
+    plans: list[object] = []
     while scheduler.has_work and len(plans) < 2_000:
         output = scheduler.schedule()
         plans.append(
             (
-                [(s.request.request_id, s.start, s.num_tokens, s.sample) for s in output.scheduled],
+                [(s.request.request_id, s.start, s.num_tokens, s.sample, s.carries) for s in output.scheduled],
                 [r.request_id for r in output.preempted],
+                [r.num_pending_tokens for r in requests],
             )
         )
         scheduler.update(output, StepResult([fake_token(s.request) for s in output.scheduled if s.sample]), 0.0)
-    return plans
+    return plans, [r.num_cached_tokens for r in requests]
 
 
 @fuzz_settings(100)
@@ -820,3 +828,24 @@ def test_random_workloads_run_to_completion(workload: tuple[Scheduler, list[Requ
     assert_all_finished(result, requests)
     assert result.preempted[requests[0].request_id] == 0
     assert scheduler.stats.num_generated_tokens == sum(r.params.max_new_tokens for r in requests)
+
+
+def test_a_decoding_row_preempted_later_in_the_same_plan_leaves_it() -> None:
+    """The short loop plans B's next token first; A, before it in the running order and still
+    computing its prompt (scored two positions a step), then finds no block, so B (the last
+    running) is preempted: it leaves the plan with nothing planned or pending."""
+    kv = full_cache(3, page=2)
+    scheduler = Scheduler(kv, max_batch_tokens=8, max_requests_per_batch=4, safety_margin=0.0, max_scored_tokens=2)
+    a = Request("a", list(range(1, 11)), ResolvedParams(max_new_tokens=4, prompt_logprobs=True), arrival_time=0.0)
+    b = make_request("b", 2)
+    scheduler.add(a)
+    scheduler.add(b)
+    first = scheduler.schedule()
+    planned = [(s.request, s.start, s.num_tokens, s.sample) for s in first.scheduled]
+    assert planned == [(a, 0, 2, False), (b, 0, 2, True)]
+    scheduler.update(first, StepResult([fake_token(b)], prompt_logprobs=[([-1.0, -1.0], None)]), 0.0)
+    assert b.status is RequestStatus.DECODING and a.status is RequestStatus.PREFILLING
+    second = scheduler.schedule()
+    assert [(s.request, s.start, s.num_tokens) for s in second.scheduled] == [(a, 2, 2)]
+    assert second.preempted == [b] and second.num_sampled == 0
+    assert (b.num_computed_tokens, b.num_pending_tokens, b.status) == (0, 0, RequestStatus.PENDING)

@@ -166,9 +166,9 @@ def _serve(model: PreTrainedModel, config: aiocb.ContinuousBatchingConfig, round
         async with aiocb.Manager(model, continuous_batching_config=config) as manager:
             runner = manager._runner
             assert runner is not None and runner.graphs is not None
-            for _ in range(1500):  # (the step thread captures, within a few seconds)
-                if runner.graphs.captured:
-                    break
+            # (the step thread compiles and captures: seconds, a minute or more on a busy machine)
+            deadline = time.monotonic() + 300
+            while not runner.graphs.captured and time.monotonic() < deadline:  # noqa: ASYNC110 (nothing to wait on)
                 await asyncio.sleep(0.01)
             # Every graph before any request came, hence before the first step.
             assert runner.graphs.captured and manager.statistics().steps == 0

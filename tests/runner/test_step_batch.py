@@ -22,7 +22,7 @@ from aiocb.core.request import Request
 from aiocb.core.scheduler import Scheduler, SchedulerOutput, StepResult
 from aiocb.outputs import FinishReason, RequestStatus
 from aiocb.runner.input_batch import InputBatch
-from aiocb.runner.step_batch import BatchWriter, RowState, StepBatch, row_params
+from aiocb.runner.step_batch import BatchWriter, RowState, StepBatch, TableWrites, row_params
 from tests.fuzzing import fuzz_settings
 
 PAGE = 4
@@ -80,7 +80,14 @@ def _check_rows(
         tokens += known + [0] * (item.num_tokens - len(known))
         assert batch.starts[row] == item.start and batch.num_tokens[row] == item.num_tokens
     assert batch.token_ids == tokens
-    assert batch.sampled == [row for row, item in enumerate(output.scheduled) if item.sample]
+    sampled = [row for row, item in enumerate(output.scheduled) if item.sample]
+    assert batch.sampled == sampled
+    if sampled:  # the gathered parameters (perhaps those of the step before) are the rows' own
+        gathered = state.sampling_params(torch.tensor([slots[row] for row in sampled]))
+        for i, row in enumerate(sampled):
+            temperature, top_k, _, _, seed, _, _ = row_params(output.scheduled[row].request.params)
+            assert (int(gathered.top_k[i]), int(gathered.seed[i])) == (top_k, seed)
+            assert float(gathered.temperature[i]) == torch.tensor(temperature, dtype=torch.float32).item()
 
 
 @given(
@@ -148,3 +155,38 @@ def test_the_persistent_batch_follows_the_scheduler(seed: int, num_blocks: int, 
     writer.snapshot(SchedulerOutput(), scheduler.take_departed())  # the last ones' slots back
     assert writer.num_live_slots == 0, "slots leaked"
     assert kv.num_free_blocks == kv.num_total_blocks, "blocks leaked"
+
+
+def _joining(slots: list[int], temperatures: list[float]) -> StepBatch:
+    """A step that gives ``slots`` new owners sampling at ``temperatures`` (top-k 5 each)."""
+    params = [(t, 5, 1.0, 0.0, 7, False, 0) for t in temperatures]
+    return StepBatch(
+        token_ids=[],
+        slots=[],
+        starts=[],
+        num_tokens=[],
+        sampled=[],
+        offsets=[],
+        carry_rows=[],
+        carry_from=[],
+        join_slots=slots,
+        join_params=params,
+        tables=[TableWrites()],
+        controls={},
+        prompt_targets={},
+        num_slots=max(slots) + 1,
+    )
+
+
+def test_sampling_parameters_are_gathered_again_once_a_slot_changes_owner() -> None:
+    state = InputBatch([1000], num_slots=2, width=2)
+    state.apply(_joining([0, 1], [0.5, 0.0]))
+    slots = torch.tensor([1, 0])
+    first = state.sampling_params(slots)
+    assert first.temperature.tolist() == [0.0, 0.5] and not first.all_greedy and first.any_top_k
+    assert state.sampling_params(torch.tensor([1, 0])) is first  # a steady step: the same gather
+    state.apply(_joining([0], [0.0]))  # slot 0's request left, and a greedy one took the slot
+    again = state.sampling_params(slots)
+    assert again.temperature.tolist() == [0.0, 0.0] and again.all_greedy and not again.any_top_k
+    state.apply(_joining([5], [0.25]))  # (the batch grows)
+    assert state.sampling_params(torch.tensor([5, 1])).temperature.tolist() == [0.25, 0.0]
