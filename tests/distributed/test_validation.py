@@ -132,10 +132,12 @@ def test_generate_batch_s_argument_fingerprint_is_the_same_in_every_process() ->
         "print(_fingerprint([[1, 2], 'text'], None, aiocb.ContinuousBatchingConfig(), False, 4, "
         "aiocb.SamplingParams(stop={'alpha', 'beta', 'gamma', 'delta'}), None, {'stop': {'x', 'y', 'z'}, 'seed': 1}))"
     )
-    digests = {
-        subprocess.run(
-            [sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": seed}, capture_output=True, text=True
-        ).stdout.strip()
+    # (the three interpreters start together: importing torch and transformers is most of it)
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": seed}, stdout=subprocess.PIPE, text=True
+        )
         for seed in ("1", "2", "3")
-    }
+    ]
+    digests = {run.communicate(timeout=300)[0].strip() for run in runs}
     assert len(digests) == 1 and len(next(iter(digests))) == 64, digests

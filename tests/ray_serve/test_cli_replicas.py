@@ -77,6 +77,7 @@ def _wait_ready(url: str, process: subprocess.Popen[str], log: Path) -> None:
         time.sleep(0.5)
 
 
+@pytest.mark.slow  # a Ray cluster and two replicas started from scratch: ~40 s of the default session
 def test_two_replicas_from_the_command_line(tmp_path: Path) -> None:
     port = free_port()
     command = [sys.executable, "-m", "aiocb.cli.serve", "--replicas", "2", "--port", str(port)]

@@ -234,6 +234,7 @@ def poisoned_model_dir(model_dir: Path, tmp_path: Path) -> Path:
     return path
 
 
+@pytest.mark.slow  # two replicas that load, die and come back: ~35 s of the default session
 async def test_a_replica_whose_engine_died_is_replaced(cluster: str, poisoned_model_dir: Path) -> None:
     app = build_app(
         poisoned_model_dir,
