@@ -1,9 +1,10 @@
-"""The scheduler's own host work per decode step, without a model or an event loop.
+"""The event loop's own host work per decode step, without a model or an event loop.
 
 1,024 requests (16-token prompts, prefix caching on) decode together; each step is
-planned (``Scheduler.schedule``) and then given one token per row (``Scheduler.update``)
-as a model would. Prints the median milliseconds of each over ``--steps`` steps (the
-first two, admission and prefill, left out).
+planned (``Scheduler.schedule``), copied out for the device (``BatchWriter.snapshot``)
+and then given one token per row (``Scheduler.update``) as a model would. Prints the
+median milliseconds of each over ``--steps`` steps (the first two, admission and
+prefill, left out).
 
     python bench/scheduler_host.py [--rows 1024] [--steps 40]
 """
@@ -23,6 +24,7 @@ from aiocb.core.kv_cache import CacheGroup, KVCacheManager
 from aiocb.core.params import ResolvedParams
 from aiocb.core.request import Request
 from aiocb.core.scheduler import Scheduler, StepResult
+from aiocb.runner.step_batch import BatchWriter
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,18 +37,23 @@ def main(argv: list[str] | None = None) -> int:
     params = ResolvedParams(max_new_tokens=10_000, stop_token_ids=frozenset({0}))
     for i in range(args.rows):
         scheduler.add(Request(f"r{i}", [1 + (i * 7 + j) % 500 for j in range(16)], params, 0.0))
+    writer = BatchWriter(1, 1000)
     plan_ms: list[float] = []
+    copy_ms: list[float] = []
     update_ms: list[float] = []
     for step in range(args.steps):
         started = time.perf_counter()
         output = scheduler.schedule()
         plan_ms.append((time.perf_counter() - started) * 1e3)
+        started = time.perf_counter()
+        writer.snapshot(output, scheduler.take_departed())
+        copy_ms.append((time.perf_counter() - started) * 1e3)
         result = StepResult([5 + step % 100] * sum(1 for item in output.scheduled if item.sample))
         started = time.perf_counter()
         scheduler.update(output, result, 0.0)
         update_ms.append((time.perf_counter() - started) * 1e3)
-    plan, update = statistics.median(plan_ms[2:]), statistics.median(update_ms[2:])
-    print(f"{args.rows} decoding rows: plan {plan:.2f} ms, update {update:.2f} ms per step (medians)")
+    plan, copy, update = (statistics.median(ms[2:]) for ms in (plan_ms, copy_ms, update_ms))
+    print(f"{args.rows} decoding rows: plan {plan:.2f}, copy {copy:.2f}, update {update:.2f} ms per step (medians)")
     return 0
 
 

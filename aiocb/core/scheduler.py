@@ -447,6 +447,7 @@ class Scheduler:
         finished: list[Request] = []
         # (this loop runs for every sampled row each step: names are bound locally)
         running, decoding, finished_status = self.running, RequestStatus.DECODING, RequestStatus.FINISHED
+        max_model_len = self.max_model_len
         tokens, logprobs, tops = result.token_ids, result.logprobs, result.top_logprobs
         last = len(output.scheduled)
         num_generated = 0
@@ -470,20 +471,35 @@ class Scheduler:
                 row += 1
             elif item.sample:
                 request.num_pending_tokens -= 1
-                if request.status < finished_status:  # (else ended while the step ran: no token)
+                status = request.status
+                if status < finished_status:  # (else ended while the step ran: no token)
                     num_generated += 1
-                    token = int(tokens[row])
-                    request.token_ids.append(token)
+                    token = tokens[row]
+                    token_ids = request.token_ids
+                    token_ids.append(token)
                     if logprobs is not None:
                         request.logprobs.append(float(logprobs[row]))
                     if tops is not None and params.top_logprobs:
                         request.top_logprobs.append(dict(tops[row][: params.top_logprobs]))
                     if request.first_token_time is None:
                         request.first_token_time = now
-                    if request in running:  # (not if preempted while the step ran)
+                    if status is not decoding and request in running:  # (not if preempted while the step ran)
                         request.status = decoding
                     updated.append(request)
-                    reason = self._stop_reason(request, token)
+                    if request.text is None and request.grammar is None:
+                        # _stop_reason's rules for a request without stop strings or a grammar
+                        # (most rows; this loop runs for every one each step)
+                        num_output = len(token_ids) - len(request.prompt_ids)
+                        reason = None
+                        if num_output > params.min_tokens and token in params.stop_token_ids:
+                            request.stop_reason = token
+                            reason = FinishReason.STOP
+                        elif num_output >= params.max_new_tokens or (
+                            max_model_len is not None and len(token_ids) >= max_model_len
+                        ):
+                            reason = FinishReason.LENGTH
+                    else:
+                        reason = self._stop_reason(request, token)
                     if reason is not None:
                         self.finish(request, reason, now)
                         finished.append(request)

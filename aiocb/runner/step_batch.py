@@ -256,7 +256,11 @@ class BatchWriter:
         assert output is not None and parts is not None
         scheduled = output.scheduled
         step = self._steps
-        for row in range(len(parts.slots), min(stop, len(scheduled))):
+        # (this loop runs for every scheduled row each step: names are bound locally)
+        slots, starts, counts, token_ids = parts.slots, parts.starts, parts.num_tokens, parts.token_ids
+        sampled, offsets = parts.sampled, parts.offsets
+        one_group = self.num_groups == 1
+        for row in range(len(slots), min(stop, len(scheduled))):
             item = scheduled[row]
             request = item.request
             state = request.runner_state
@@ -270,37 +274,29 @@ class BatchWriter:
                 # preemption) departs, and the slot goes with it.
                 assert request.block_ids is state.tables, "a running request's blocks were replaced"
                 sent = state.sent
-                cuts = request.block_cuts
-                if cuts is not None:  # (given back since the last copy, perhaps taken again)
-                    request.block_cuts = None
-                    for g, kept in enumerate(cuts):
-                        if kept < sent[g]:
-                            parts.tables[g].cut_slots.append(state.slot)
-                            parts.tables[g].cut_lengths.append(kept)
-                            sent[g] = kept
-                for g, blocks in enumerate(request.block_ids):
-                    if len(blocks) > sent[g]:
-                        writes = parts.tables[g]
-                        for column in range(sent[g], len(blocks)):
-                            writes.slots.append(state.slot)
-                            writes.columns.append(column)
-                            writes.blocks.append(blocks[column])
-                        sent[g] = len(blocks)
-            parts.slots.append(state.slot)
+                if request.block_cuts is not None:  # (given back since the last copy, perhaps taken again)
+                    self._cut(request, state, parts)
+                if one_group:
+                    if request.block_ids and len(request.block_ids[0]) > sent[0]:
+                        _send_blocks(parts.tables[0], state, 0, request.block_ids[0])
+                else:
+                    for g, blocks in enumerate(request.block_ids):
+                        if len(blocks) > sent[g]:
+                            _send_blocks(parts.tables[g], state, g, blocks)
+            slots.append(state.slot)
             start, num = item.start, item.num_tokens
-            parts.starts.append(start)
-            parts.num_tokens.append(num)
+            starts.append(start)
+            counts.append(num)
             drafts = item.drafts
             if drafts is not None:
-                parts.token_ids.append(request.token_ids[start])
-                parts.token_ids.extend(drafts)
+                token_ids.append(request.token_ids[start])
+                token_ids.extend(drafts)
             elif num == 1:
-                parts.single += 1
-                parts.token_ids.append(0 if item.carries else request.token_ids[start])
+                token_ids.append(0 if item.carries else request.token_ids[start])
             else:
-                parts.token_ids.extend(request.token_ids[start : start + num])
+                token_ids.extend(request.token_ids[start : start + num])
                 if item.carries:  # (the slice stopped short of it)
-                    parts.token_ids.append(0)
+                    token_ids.append(0)
             carry_row = -1
             if item.carries:
                 assert parts.pipelined and state.step == step - 1, "a carried token must come from the step before"
@@ -311,19 +307,19 @@ class BatchWriter:
             params = request.params
             if item.sample:
                 offset = len(request.token_ids) - len(request.prompt_ids) + request.num_pending_tokens - 1
-                state.sampled_row = len(parts.sampled)
+                state.sampled_row = len(sampled)
                 if params.uses_controls:
                     parts.controls[state.sampled_row] = row_controls(request, offset, item.carries, carry_row)
                 if request.grammar is not None:
                     assert parts.bitmask is not None
                     request.grammar.fill(parts.bitmask, len(parts.bitmask_rows))
                     parts.bitmask_rows.append(state.sampled_row)
-                parts.sampled.append(row)
+                sampled.append(row)
                 if drafts is not None:  # (this row's own sample comes after its proposed tokens')
                     parts.draft_rows.append(state.sampled_row)
                     parts.draft_counts.append(len(drafts))
                     offset += len(drafts)
-                parts.offsets.append(offset)
+                offsets.append(offset)
             if params.prompt_logprobs and wants_prompt_logprobs(request, start):
                 last = min(start + num, request.num_prompt_tokens - 1)
                 parts.prompt_targets[row] = tuple(request.token_ids[start + 1 : last + 1])
@@ -358,7 +354,7 @@ class BatchWriter:
             prompt_top_logprobs=parts.prompt_top,
             bitmask_rows=parts.bitmask_rows,
             bitmask=parts.bitmask,
-            num_single_token_rows=parts.single,
+            num_single_token_rows=parts.num_tokens.count(1),
             swap_out=[list(pairs) for pairs in output.swap_out],
             swap_in=[list(pairs) for pairs in output.swap_in],
             copy_blocks=[list(pairs) for pairs in output.copy_blocks],
@@ -383,6 +379,18 @@ class BatchWriter:
         request.block_cuts = None
         state.sent = [len(blocks) for blocks in request.block_ids]
         state.sent.extend([0] * (self.num_groups - len(state.sent)))
+
+    @staticmethod
+    def _cut(request: Request, state: RowState, parts: _Parts) -> None:
+        """Send the cuts of a request's block lists since the last copy."""
+        cuts, request.block_cuts = request.block_cuts, None
+        assert cuts is not None
+        sent = state.sent
+        for g, kept in enumerate(cuts):
+            if kept < sent[g]:
+                parts.tables[g].cut_slots.append(state.slot)
+                parts.tables[g].cut_lengths.append(kept)
+                sent[g] = kept
 
     def _take_new_slot(self) -> int:
         slot = self._next_slot
@@ -416,7 +424,6 @@ class _Parts:
     controls: dict[int, RowControls] = field(default_factory=dict)
     prompt_targets: dict[int, tuple[int, ...]] = field(default_factory=dict)
     prompt_top: int = 0
-    single: int = 0
     bitmask_rows: list[int] = field(default_factory=list)
     bitmask: torch.Tensor | None = None
     draft_rows: list[int] = field(default_factory=list)
@@ -424,6 +431,15 @@ class _Parts:
 
     def __post_init__(self) -> None:
         self.tables = [TableWrites() for _ in range(self.num_groups)]
+
+
+def _send_blocks(writes: TableWrites, state: RowState, group: int, blocks: list[int]) -> None:
+    """Send the blocks a request's list of ``group`` gained since the last copy."""
+    first = state.sent[group]
+    writes.slots.extend([state.slot] * (len(blocks) - first))
+    writes.columns.extend(range(first, len(blocks)))
+    writes.blocks.extend(blocks[first:])
+    state.sent[group] = len(blocks)
 
 
 def row_controls(request: Request, offset: int, carries: bool, carry_row: int = -1) -> RowControls:

@@ -849,3 +849,32 @@ def test_a_decoding_row_preempted_later_in_the_same_plan_leaves_it() -> None:
     assert [(s.request, s.start, s.num_tokens) for s in second.scheduled] == [(a, 2, 2)]
     assert second.preempted == [b] and second.num_sampled == 0
     assert (b.num_computed_tokens, b.num_pending_tokens, b.status) == (0, 0, RequestStatus.PENDING)
+
+
+@pytest.mark.parametrize("with_text", [False, True])
+def test_a_stop_token_ends_a_request_only_after_min_tokens(with_text: bool) -> None:
+    """The scheduler's own rule (the sampler also bans stop tokens before ``min_tokens``):
+    a stop token ends the request once more than ``min_tokens`` tokens were generated, and
+    ``max_new_tokens`` ends it as LENGTH; the same with or without a text state."""
+    for min_tokens, max_new, expected in ((2, 8, (3, FinishReason.STOP)), (9, 4, (4, FinishReason.LENGTH))):
+        scheduler = make_scheduler(full_cache(8))
+        params = ResolvedParams(max_new_tokens=max_new, stop_token_ids=frozenset({7}), min_tokens=min_tokens)
+        request = Request("r", [1, 2, 3], params, arrival_time=0.0, text=_NoText() if with_text else None)
+        scheduler.add(request)
+        while scheduler.has_work:
+            output = scheduler.schedule()
+            scheduler.update(output, StepResult([7] * output.num_sampled), 0.0)
+        assert (len(request.output_ids), request.finish_reason) == expected
+        assert request.output_ids == [7] * expected[0]
+
+
+class _NoText:
+    """A text state without stop strings (the general stop rule's path)."""
+
+    text = ""
+
+    def add(self, token_id: int, num_output_tokens: int) -> str | None:
+        return None
+
+    def finish(self) -> None:
+        pass
