@@ -274,8 +274,10 @@ class BatchWriter:
                 # preemption) departs, and the slot goes with it.
                 assert request.block_ids is state.tables, "a running request's blocks were replaced"
                 sent = state.sent
-                if request.block_cuts is not None:  # (given back since the last copy, perhaps taken again)
-                    self._cut(request, state, parts)
+                cuts = request.block_cuts
+                if cuts is not None:  # (given back since the last copy, perhaps taken again)
+                    request.block_cuts = None
+                    _send_cuts(parts.tables, state, cuts)
                 if one_group:
                     if request.block_ids and len(request.block_ids[0]) > sent[0]:
                         _send_blocks(parts.tables[0], state, 0, request.block_ids[0])
@@ -380,18 +382,6 @@ class BatchWriter:
         state.sent = [len(blocks) for blocks in request.block_ids]
         state.sent.extend([0] * (self.num_groups - len(state.sent)))
 
-    @staticmethod
-    def _cut(request: Request, state: RowState, parts: _Parts) -> None:
-        """Send the cuts of a request's block lists since the last copy."""
-        cuts, request.block_cuts = request.block_cuts, None
-        assert cuts is not None
-        sent = state.sent
-        for g, kept in enumerate(cuts):
-            if kept < sent[g]:
-                parts.tables[g].cut_slots.append(state.slot)
-                parts.tables[g].cut_lengths.append(kept)
-                sent[g] = kept
-
     def _take_new_slot(self) -> int:
         slot = self._next_slot
         self._next_slot += 1
@@ -431,6 +421,15 @@ class _Parts:
 
     def __post_init__(self) -> None:
         self.tables = [TableWrites() for _ in range(self.num_groups)]
+
+
+def _send_cuts(tables: list[TableWrites], state: RowState, cuts: list[int]) -> None:
+    """Send the cuts of a request's block lists (``cuts[g]`` blocks kept in group g)."""
+    for g, kept in enumerate(cuts):
+        if kept < state.sent[g]:
+            tables[g].cut_slots.append(state.slot)
+            tables[g].cut_lengths.append(kept)
+            state.sent[g] = kept
 
 
 def _send_blocks(writes: TableWrites, state: RowState, group: int, blocks: list[int]) -> None:
