@@ -1,0 +1,162 @@
+"""The CPU sampler's C kernel picks what the torch draw picks, and its absence is harmless."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from aiocb.runner import draw as draw_module
+from aiocb.runner import native
+from aiocb.runner.draw import CANDIDATES, draw, draw_full
+from aiocb.runner.noise import row_keys
+
+
+@pytest.fixture(scope="module")
+def kernel() -> ctypes.CDLL:
+    library = native.library()
+    assert library is not None, "the C kernel must build where the tests run (a C compiler is on PATH)"
+    return library
+
+
+def _columns(rows: int, k: int, p: float, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    generator = torch.Generator().manual_seed(seed)
+    temperature = torch.rand(rows, generator=generator) * 1.5 + 0.3
+    seeds = torch.randint(0, 2**32, (rows,), generator=generator)
+    offsets = torch.randint(0, 10_000, (rows,), generator=generator)
+    return temperature, seeds, offsets, torch.full((rows,), k), torch.full((rows,), p)
+
+
+def _by_kernel(
+    kernel: ctypes.CDLL, logits: torch.Tensor, *columns: torch.Tensor, min_p: torch.Tensor | None = None
+) -> torch.Tensor:
+    temperature, seeds, offsets, k, p = columns
+    log_min_p = None if min_p is None else min_p.log()
+    return native.draw_top_k(kernel, logits, temperature, k, p, log_min_p, *row_keys(seeds, offsets))
+
+
+@pytest.mark.parametrize(
+    ("vocab", "k", "p", "min_p", "scale"),
+    [
+        (4096, 50, 0.9, 0.0, 3.0),  # the common setting
+        (4096, 50, 1.0, 0.0, 3.0),  # top-k alone
+        (4096, 1, 1.0, 0.0, 3.0),
+        (5003, 7, 0.5, 0.0, 1.0),  # a vocabulary that is no multiple of the vector width
+        (5003, 200, 0.95, 0.05, 2.0),  # with min-p
+        (300, 100, 0.9, 0.0, 3.0),  # too few tokens for the groups: every logit a candidate
+        (300, 299, 0.8, 0.0, 0.5),
+        (65_536, CANDIDATES, 0.9, 0.0, 1.0),  # the largest top-k it takes
+        (4096, 50, 0.9, 0.0, 0.01),  # nearly flat: the nucleus spans the whole top-k
+        (4096, 50, 0.3, 0.0, 10.0),  # peaked: the nucleus is one or two tokens
+    ],
+)
+def test_the_kernel_picks_what_the_full_draw_picks(
+    kernel: ctypes.CDLL, vocab: int, k: int, p: float, min_p: float, scale: float
+) -> None:
+    rows = 64
+    generator = torch.Generator().manual_seed(vocab + k)
+    logits = torch.randn(rows, vocab, generator=generator) * scale
+    columns = _columns(rows, k, p, seed=k)
+    mp = torch.full((rows,), min_p) if min_p else None
+    tokens = _by_kernel(kernel, logits, *columns, min_p=mp)
+    temperature, seeds, offsets, ks, ps = columns
+    expected = draw_full(logits / temperature[:, None], seeds, offsets, ks, ps, mp)
+    assert torch.equal(tokens, expected)
+    assert torch.equal(draw(logits, temperature, seeds, offsets, ks, ps, mp), expected)
+
+
+def test_picks_do_not_depend_on_batch_mates_threads_or_layout(kernel: ctypes.CDLL) -> None:
+    rows, vocab = 96, 8192
+    wide = torch.randn(rows, vocab + 5) * 3
+    logits = wide[:, 3 : 3 + vocab]  # (rows not contiguous in memory)
+    columns = _columns(rows, 40, 0.9)
+    together = _by_kernel(kernel, logits, *columns)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = _by_kernel(kernel, logits, *columns)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(together, one_thread)
+    for row in (0, 37, rows - 1):
+        alone = _by_kernel(kernel, logits[row : row + 1].clone(), *(c[row : row + 1] for c in columns))
+        assert int(alone[0]) == int(together[row])
+
+
+def test_nan_and_masked_logits_rank_as_torch_ranks_them(kernel: ctypes.CDLL) -> None:
+    rows, vocab = 4, 4096
+    logits = torch.randn(rows, vocab) * 3
+    logits[0, 1234] = float("nan")  # a NaN ranks first and wins (as torch.topk and max rank it)
+    logits[1, :] = float("-inf")  # an allow-list of ten tokens: fewer than the top-k
+    allowed = torch.tensor([5, 77, 300, 301, 1000, 2047, 2048, 3000, 4000, 4095])
+    logits[1, allowed] = torch.randn(10)
+    logits[2, :] = float("-inf")  # a single allowed token
+    logits[2, 999] = 0.0
+    columns = _columns(rows, 50, 0.9)
+    tokens = _by_kernel(kernel, logits, *columns)
+    temperature, seeds, offsets, ks, ps = columns
+    assert int(tokens[0]) == 1234
+    assert int(tokens[1]) in allowed.tolist()
+    assert int(tokens[2]) == 999
+    torch_path = draw_module._draw_from_candidates(logits, temperature, seeds, offsets, ks, ps, None)
+    assert torch.equal(tokens[1:], torch_path[1:])
+
+
+def test_tied_logits_keep_a_top_k_set(kernel: ctypes.CDLL) -> None:
+    rows, vocab, k = 32, 4096, 50
+    logits = torch.randint(0, 8, (rows, vocab)).float()  # ties everywhere, at the k-th too
+    tokens = _by_kernel(kernel, logits, *_columns(rows, k, 1.0))
+    kth = logits.topk(k, dim=-1).values[:, -1]
+    assert bool((logits.gather(1, tokens[:, None])[:, 0] >= kth).all())
+
+
+def test_batches_mixing_the_kernel_and_torch_ways(kernel: ctypes.CDLL) -> None:
+    rows, vocab = 12, 5000
+    logits = torch.randn(rows, vocab) * 3
+    temperature, seeds, offsets, _, _ = _columns(rows, 0, 1.0)
+    k = torch.tensor([50, 0, 0, 2 * CANDIDATES, 10, 0, 50, 0, 3000, 20, 0, 1])
+    p = torch.tensor([0.9, 1.0, 0.8, 1.0, 1.0, 0.95, 1.0, 1.0, 0.9, 0.5, 0.7, 1.0])
+    tokens = draw(logits, temperature, seeds, offsets, k, p, None)
+    assert torch.equal(tokens, draw_full(logits / temperature[:, None], seeds, offsets, k, p, None))
+
+
+@pytest.fixture
+def fresh_build(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """The loader as in a new process, building into an empty cache directory."""
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setattr(native, "_library", None)
+    monkeypatch.setenv("AIOCB_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def test_the_kernel_is_built_once_into_the_cache_directory(fresh_build: Path) -> None:
+    library = native.library()
+    assert library is not None
+    built = list(fresh_build.glob("native_draw-*.so"))
+    assert len(built) == 1
+    assert native.library() is library
+    assert not [p for p in fresh_build.iterdir() if p not in built], "no partial build is left behind"
+
+
+def test_without_a_compiler_the_torch_path_picks_the_same_tokens(
+    fresh_build: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("CC", "no-such-compiler")
+    rows, vocab = 16, 4096
+    logits = torch.randn(rows, vocab) * 3
+    temperature, seeds, offsets, k, p = _columns(rows, 50, 0.9)
+    with caplog.at_level(logging.WARNING, logger="aiocb.runner.native"):
+        tokens = draw(logits, temperature, seeds, offsets, k, p, None)
+    assert native.library() is None
+    assert "no-such-compiler" in caplog.text
+    assert not list(fresh_build.iterdir())
+    assert torch.equal(tokens, draw_full(logits / temperature[:, None], seeds, offsets, k, p, None))
+
+
+def test_the_kernel_can_be_turned_off(fresh_build: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AIOCB_NATIVE", "0")
+    assert native.library() is None
+    assert not list(fresh_build.iterdir())
