@@ -18,8 +18,8 @@ keeps are a prefix of them by decreasing logit, and a token outside them cannot 
 the best candidate's score beats the largest logit left out plus the largest noise there
 is. Rows for which neither holds (a flat nucleus, a top-k larger than the candidates) are
 redone by :func:`draw_full`. It looks at the data to decide, so it is the CPU's sampler.
-Its rows with a top-k go to a C kernel that makes the same pick in one call
-(:mod:`aiocb.runner.native`).
+Its rows with a top-k, and those with the temperature alone, go to C kernels that make
+the same picks (:mod:`aiocb.runner.native`).
 """
 
 from __future__ import annotations
@@ -91,14 +91,13 @@ def draw(
     """The pick of every row of ``logits [R, V]`` (float32) at ``temperature`` (``[R]``,
     positive), as :func:`draw_full` makes it, from the rows' largest logits where they suffice.
 
-    On a CPU, rows with a top-k of at most :data:`KERNEL_MOST_K` go to the C kernel where it
-    is built (:mod:`aiocb.runner.native`: the same pick, about five times faster than the
-    torch ops here). Rows without top-k or top-p take :func:`draw_full` at once: on a CPU its
-    blockwise noise costs about what the candidates' partial ``topk`` alone does (0.4x at
-    4,096 tokens, 0.85x at 65,536, 1.35x at 151,936). The rest (a top-p without a top-k, a
-    top-k beyond the kernel's, any row without the kernel) draw from :data:`CANDIDATES`
-    largest logits in torch ops, and a row those do not settle (one without a clear
-    favourite) pays for both.
+    On a CPU, where the C kernels are built (:mod:`aiocb.runner.native`: the same picks,
+    three to five times faster than the torch ops here), rows with a top-k of at most
+    :data:`KERNEL_MOST_K` and rows with the temperature alone go to them. Otherwise rows
+    without top-k or top-p take :func:`draw_full` (its noise a block of the vocabulary at a
+    time), and the rest (a top-p without a top-k, a top-k beyond the kernel's) draw from
+    :data:`CANDIDATES` largest logits in torch ops, and a row those do not settle (one
+    without a clear favourite) pays for both.
     """
     rows, vocab = logits.shape
     with_k = (top_k > 0) & (top_k < vocab)
@@ -119,6 +118,8 @@ def draw(
         m: torch.Tensor | None,
     ) -> torch.Tensor:
         if way == _UNFILTERED:
+            if kernel is not None and m is None:
+                return native.draw_whole(kernel, x, t, *row_keys(s, o))
             return draw_full(x / t[:, None], s, o, None, None, m)
         if way == _KERNEL:
             assert kernel is not None

@@ -1,15 +1,17 @@
-"""The CPU sampler's C kernel (``native_draw.c``): built on first use, loaded with ctypes.
+"""The CPU sampler's C kernels (``native_draw.c``): built on first use, loaded with ctypes.
 
 torch's CPU ``topk`` costs about 20 µs per row of 4,096 logits on the development machine,
 four times a whole greedy pick, and a top-k draw in torch ops is some twenty small
-operations more. The kernel draws each top-k row in one call: two passes over the row's
-logits, then a few dozen candidates (:func:`draw_top_k`).
+operations more; the whole-vocabulary draw (temperature alone) hashes and takes two
+logarithms for every logit. The kernels draw a row in one pass or two over its logits:
+:func:`draw_top_k` from its k largest, :func:`draw_whole` over the vocabulary, taking the
+logarithms only for the few tokens whose bound on the noise lets them win.
 
-It is compiled with the system's C compiler (``$CC``, else ``cc``) into a cache directory
-(``$AIOCB_CACHE_DIR``, else ``$XDG_CACHE_HOME/aiocb``, else ``~/.cache/aiocb``), once per
-source, compiler and machine; where that fails (no compiler, a read-only home) the
-sampler keeps its torch path, which picks the same tokens. ``AIOCB_NATIVE=0`` turns the
-kernel off.
+They are compiled with the system's C compiler (``$CC``, else ``cc``) into a cache
+directory (``$AIOCB_CACHE_DIR``, else ``$XDG_CACHE_HOME/aiocb``, else ``~/.cache/aiocb``),
+once per source, compiler and machine; where that fails (no compiler, a read-only home)
+the sampler keeps its torch path, which picks the same tokens. ``AIOCB_NATIVE=0`` turns
+the kernels off.
 """
 
 from __future__ import annotations
@@ -81,15 +83,15 @@ def _build() -> ctypes.CDLL:
             if os.path.exists(partial):
                 os.unlink(partial)
     library = ctypes.CDLL(str(target))
-    function = library.aiocb_draw_top_k
-    function.restype = None
-    function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
-    function.argtypes += [ctypes.c_void_p] * 7 + [ctypes.c_int]
+    for function, pointers in ((library.aiocb_draw_top_k, 7), (library.aiocb_draw_whole, 4)):
+        function.restype = None
+        # (logits, rows, vocab, row stride, the rows' columns and outputs, threads)
+        function.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 3, *[ctypes.c_void_p] * pointers, ctypes.c_int]
     return library
 
 
 def library() -> ctypes.CDLL | None:
-    """The loaded kernel, built on the first call; None where it cannot be (logged once)."""
+    """The loaded kernels, built on the first call; None where they cannot be (logged once)."""
     global _library, _tried
     if _tried:
         return _library
@@ -100,7 +102,7 @@ def library() -> ctypes.CDLL | None:
                     _library = _build()
                 except (OSError, RuntimeError, subprocess.SubprocessError) as error:
                     detail = getattr(error, "stderr", None) or error
-                    logger.warning("the CPU sampler's C kernel is unavailable (%s); sampling with torch ops", detail)
+                    logger.warning("the CPU sampler's C kernels are unavailable (%s); sampling with torch ops", detail)
             _tried = True
     return _library
 
@@ -142,4 +144,28 @@ def draw_top_k(
     )
     if bool((tokens < 0).any()):
         raise MemoryError("the CPU sampler's C kernel could not allocate its scratch memory")
+    return tokens
+
+
+def draw_whole(
+    library: ctypes.CDLL, logits: torch.Tensor, temperature: torch.Tensor, key1: torch.Tensor, key2: torch.Tensor
+) -> torch.Tensor:
+    """Each row's pick of CPU ``logits [R, V]`` (float32) over the whole vocabulary at
+    ``temperature`` (no top-k, top-p or min-p), as :func:`aiocb.runner.draw.draw_full` makes it."""
+    rows, vocab = logits.shape
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    temperature, key1, key2 = (t.contiguous() for t in (temperature, key1, key2))
+    tokens = torch.empty(rows, dtype=torch.long)
+    library.aiocb_draw_whole(
+        logits.data_ptr(),
+        rows,
+        vocab,
+        logits.stride(0),
+        temperature.data_ptr(),
+        key1.data_ptr(),
+        key2.data_ptr(),
+        tokens.data_ptr(),
+        torch.get_num_threads(),
+    )
     return tokens

@@ -182,23 +182,35 @@ static inline uint32_t mix32(uint32_t x) {
     return x ^ (x >> 16);
 }
 
-static inline float gumbel(uint32_t key1, uint32_t key2, int64_t id) {
-    uint32_t bits = mix32(mix32((uint32_t)id ^ key1) ^ key2);
+/* the 32-bit noise value of vocabulary id `id` in the row with keys key1, key2 */
+static inline uint32_t noise_bits(uint32_t key1, uint32_t key2, uint32_t id) { return mix32(mix32(id ^ key1) ^ key2); }
+
+/* aiocb.runner.noise: bits_to_uniform, then gumbel (every step exact in float32 but the logs) */
+static inline float gumbel_of(uint32_t bits) {
     float u = ((float)(bits >> 9) + 0.5f) * (1.0f / 8388608.0f);
     return -logf(-logf(u));
+}
+
+/* Above the noise of every value whose top 8 bits are b: the noise is increasing in the
+ * bits, so the bucket's largest value bounds it (plus room for the logarithms' rounding). */
+static float noise_ceiling[256];
+static pthread_once_t ceiling_once = PTHREAD_ONCE_INIT;
+
+static void fill_noise_ceiling(void) {
+    for (uint32_t b = 0; b < 256; b++) noise_ceiling[b] = gumbel_of((b << 24) | 0xFFFFFFU) + 1e-3f;
 }
 
 typedef struct {
     const float* logits;
     int64_t vocab, stride;
     const float *temperature, *top_p, *log_min_p;
-    const int64_t* top_k;
+    const int64_t* top_k; /* NULL: the draw over the whole vocabulary */
     const int32_t *key1, *key2;
     int64_t* tokens;
     int64_t first, last, most_k;
 } job;
 
-static void draw_row(const job* jb, int64_t r, item* buf, float* gmax, float* scaled) {
+static void draw_top_k_row(const job* jb, int64_t r, item* buf, float* gmax, float* scaled) {
     int64_t k = top_k(jb->logits + r * jb->stride, jb->vocab, jb->top_k[r], buf, gmax);
     float temperature = jb->temperature[r], top_p = jb->top_p[r];
     for (int64_t i = 0; i < k; i++) scaled[i] = buf[i].v / temperature;
@@ -227,7 +239,7 @@ static void draw_row(const job* jb, int64_t r, item* buf, float* gmax, float* sc
             if (i > 0 && !((float)mass - prob <= top_p)) continue;
         }
         if (jb->log_min_p && !(scaled[i] - scaled[0] >= floor)) continue;
-        float score = scaled[i] + gumbel(key1, key2, buf[i].i);
+        float score = scaled[i] + gumbel_of(noise_bits(key1, key2, (uint32_t)buf[i].i));
         /* the first largest, a NaN before any number (as torch.max) */
         if (!found || score > best || (score != score && best == best)) {
             best = score;
@@ -238,14 +250,77 @@ static void draw_row(const job* jb, int64_t r, item* buf, float* gmax, float* sc
     jb->tokens[r] = buf[pick].i;
 }
 
+/* aiocb.runner.noise.gumbel_argmax: argmax of x / T + noise over the whole row, the first
+ * index on ties, the first NaN if there is one. A value's logarithms are taken only when
+ * its bound (its bucket's noise_ceiling) beats the best score so far: a few dozen a row. */
+static void draw_whole_row(const job* jb, int64_t r) {
+    const float* x = jb->logits + r * jb->stride;
+    float temperature = jb->temperature[r];
+    uint32_t key1 = (uint32_t)jb->key1[r], key2 = (uint32_t)jb->key2[r];
+    v4i lane = {0, 1, 2, 3}, first = {(int32_t)key1, (int32_t)key1, (int32_t)key1, (int32_t)key1};
+    v4i second = {(int32_t)key2, (int32_t)key2, (int32_t)key2, (int32_t)key2};
+    v4f t = {temperature, temperature, temperature, temperature};
+    float best = -INFINITY;
+    int64_t pick = 0, n = jb->vocab, i = 0;
+    float most_noise = noise_ceiling[255];
+    for (; i + 4 <= n; i += 4) {
+        v4f scaled = load4(x + i) / t;
+        /* values too small to win even with the largest noise skip the hash too */
+        v4f top = {best, best, best, best};
+        v4i near = (scaled + most_noise > top) | (scaled != scaled);
+        uint64_t w[2];
+        memcpy(w, &near, sizeof w);
+        if (!(w[0] | w[1])) continue;
+        /* the noise bits of four ids at once: mix32 on vectors (logical shifts on unsigned) */
+        typedef uint32_t v4u __attribute__((vector_size(16)));
+        v4u h = (v4u)((lane + (int32_t)i) ^ first);
+        h ^= h >> 16, h *= 0x7FEB352DU, h ^= h >> 15, h *= 0x846CA68BU, h ^= h >> 16;
+        h ^= (v4u)second;
+        h ^= h >> 16, h *= 0x7FEB352DU, h ^= h >> 15, h *= 0x846CA68BU, h ^= h >> 16;
+        v4f bound = {scaled[0] + noise_ceiling[h[0] >> 24], scaled[1] + noise_ceiling[h[1] >> 24],
+                     scaled[2] + noise_ceiling[h[2] >> 24], scaled[3] + noise_ceiling[h[3] >> 24]};
+        v4i look = (bound > top) | (scaled != scaled);
+        memcpy(w, &look, sizeof w);
+        if (__builtin_expect(!(w[0] | w[1]), 1)) continue;
+        for (int l = 0; l < 4; l++) {
+            if (scaled[l] != scaled[l]) {
+                jb->tokens[r] = i + l;
+                return;
+            }
+            float score = scaled[l] + gumbel_of(h[l]);
+            if (score > best) {
+                best = score;
+                pick = i + l;
+            }
+        }
+    }
+    for (; i < n; i++) {
+        float scaled = x[i] / temperature;
+        if (scaled != scaled) {
+            jb->tokens[r] = i;
+            return;
+        }
+        float score = scaled + gumbel_of(noise_bits(key1, key2, (uint32_t)i));
+        if (score > best) {
+            best = score;
+            pick = i;
+        }
+    }
+    jb->tokens[r] = pick;
+}
+
 static void* run(void* arg) {
     job* jb = (job*)arg;
+    if (!jb->top_k) {
+        for (int64_t r = jb->first; r < jb->last; r++) draw_whole_row(jb, r);
+        return NULL;
+    }
     int64_t groups = (2 * jb->most_k + 7) / 8 * 8;
     item* buf = malloc(sizeof(item) * (size_t)jb->vocab);
     float* gmax = malloc(sizeof(float) * (size_t)groups);
     float* scaled = malloc(sizeof(float) * (size_t)jb->most_k);
     if (buf && gmax && scaled)
-        for (int64_t r = jb->first; r < jb->last; r++) draw_row(jb, r, buf, gmax, scaled);
+        for (int64_t r = jb->first; r < jb->last; r++) draw_top_k_row(jb, r, buf, gmax, scaled);
     else
         for (int64_t r = jb->first; r < jb->last; r++) jb->tokens[r] = -1;
     free(buf);
@@ -254,27 +329,22 @@ static void* run(void* arg) {
     return NULL;
 }
 
-/* Draw tokens[r] for every row r of logits [rows, vocab] (float32, rows `stride` apart),
- * with 1 <= top_k[r] <= vocab. log_min_p may be NULL. A row whose scratch memory could not
- * be allocated gets -1. */
-void aiocb_draw_top_k(const float* logits, int64_t rows, int64_t vocab, int64_t stride, const float* temperature,
-                      const int64_t* top_k, const float* top_p, const float* log_min_p, const int32_t* key1,
-                      const int32_t* key2, int64_t* tokens, int threads) {
+/* the rows of `shape` split over up to `threads` POSIX threads, this one among them */
+static void run_rows(job shape, int64_t rows, int threads) {
     enum { MOST_THREADS = 64 };
     job jobs[MOST_THREADS];
     pthread_t ids[MOST_THREADS];
     int started[MOST_THREADS] = {0};
-    int64_t most_k = 1;
-    for (int64_t r = 0; r < rows; r++) most_k = top_k[r] > most_k ? top_k[r] : most_k;
     /* a thread per 128 Ki logits at most: starting one costs about what a row of 4,096 does */
-    int64_t worth = rows * vocab / (1 << 17);
+    int64_t worth = rows * shape.vocab / (1 << 17);
     if (threads > worth) threads = worth > 0 ? (int)worth : 1;
     if (threads > rows) threads = (int)rows;
     if (threads > MOST_THREADS) threads = MOST_THREADS;
     if (threads < 1) threads = 1;
     for (int t = 0; t < threads; t++) {
-        jobs[t] = (job){logits, vocab, stride, temperature, top_p, log_min_p, top_k, key1, key2, tokens,
-                        rows * t / threads, rows * (t + 1) / threads, most_k};
+        jobs[t] = shape;
+        jobs[t].first = rows * t / threads;
+        jobs[t].last = rows * (t + 1) / threads;
         if (t) started[t] = pthread_create(&ids[t], NULL, run, &jobs[t]) == 0;
     }
     run(&jobs[0]);
@@ -282,6 +352,27 @@ void aiocb_draw_top_k(const float* logits, int64_t rows, int64_t vocab, int64_t 
         if (started[t])
             pthread_join(ids[t], NULL);
         else
-            run(&jobs[t]);  /* (no thread: this one does its rows) */
+            run(&jobs[t]); /* (no thread: this one does its rows) */
     }
+}
+
+/* Draw tokens[r] for every row r of logits [rows, vocab] (float32, rows `stride` apart),
+ * with 1 <= top_k[r] <= vocab. log_min_p may be NULL. A row whose scratch memory could not
+ * be allocated gets -1. */
+void aiocb_draw_top_k(const float* logits, int64_t rows, int64_t vocab, int64_t stride, const float* temperature,
+                      const int64_t* top_k, const float* top_p, const float* log_min_p, const int32_t* key1,
+                      const int32_t* key2, int64_t* tokens, int threads) {
+    int64_t most_k = 1;
+    for (int64_t r = 0; r < rows; r++) most_k = top_k[r] > most_k ? top_k[r] : most_k;
+    job shape = {logits, vocab, stride, temperature, top_p, log_min_p, top_k, key1, key2, tokens, 0, 0, most_k};
+    run_rows(shape, rows, threads);
+}
+
+/* Draw tokens[r] for every row r of logits [rows, vocab] from the whole vocabulary, at
+ * temperature[r] (no top-k, top-p or min-p). */
+void aiocb_draw_whole(const float* logits, int64_t rows, int64_t vocab, int64_t stride, const float* temperature,
+                      const int32_t* key1, const int32_t* key2, int64_t* tokens, int threads) {
+    pthread_once(&ceiling_once, fill_noise_ceiling);
+    job shape = {logits, vocab, stride, temperature, NULL, NULL, NULL, key1, key2, tokens, 0, 0, 1};
+    run_rows(shape, rows, threads);
 }

@@ -160,3 +160,41 @@ def test_the_kernel_can_be_turned_off(fresh_build: Path, monkeypatch: pytest.Mon
     monkeypatch.setenv("AIOCB_NATIVE", "0")
     assert native.library() is None
     assert not list(fresh_build.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("vocab", "scale"),
+    [
+        (4096, 3.0),
+        (4099, 0.01),  # nearly flat, and no multiple of the vector width
+        (4096, 0.0),  # all equal: the noise alone decides
+        (32_768, 40.0),  # a language model's spread: most tokens cannot win, not even hashed
+        (3, 1.0),  # narrower than one vector
+    ],
+)
+def test_the_whole_vocabulary_draw_picks_what_the_torch_one_picks(
+    kernel: ctypes.CDLL, vocab: int, scale: float
+) -> None:
+    rows = 40
+    generator = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(rows, vocab, generator=generator) * scale
+    temperature, seeds, offsets, _, _ = _columns(rows, 0, 1.0, seed=vocab)
+    tokens = native.draw_whole(kernel, logits, temperature, *row_keys(seeds, offsets))
+    assert torch.equal(tokens, draw_full(logits / temperature[:, None], seeds, offsets, None, None, None))
+    unfiltered = torch.zeros(rows, dtype=torch.long)
+    assert torch.equal(draw(logits, temperature, seeds, offsets, unfiltered, torch.ones(rows), None), tokens)
+
+
+def test_the_whole_vocabulary_draw_ranks_nan_and_masked_logits_as_torch_does(kernel: ctypes.CDLL) -> None:
+    rows, vocab = 4, 1000
+    logits = torch.randn(rows, vocab)
+    logits[0, 500] = float("nan")
+    logits[0, 700] = float("nan")  # the first NaN wins (as torch.argmax)
+    logits[1, :] = float("-inf")  # nothing allowed: the first index, as torch.argmax
+    logits[2, :] = float("-inf")
+    logits[2, [3, 999]] = 0.0
+    logits[3, 10] = float("inf")
+    temperature, seeds, offsets, _, _ = _columns(rows, 0, 1.0)
+    tokens = native.draw_whole(kernel, logits, temperature, *row_keys(seeds, offsets))
+    assert tokens[0] == 500 and tokens[1] == 0 and int(tokens[2]) in (3, 999) and tokens[3] == 10
+    assert torch.equal(tokens, draw_full(logits / temperature[:, None], seeds, offsets, None, None, None))
