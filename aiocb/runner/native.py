@@ -1,11 +1,13 @@
 """The CPU sampler's C kernels (``native_draw.c``): built on first use, loaded with ctypes.
 
 torch's CPU ``topk`` costs about 20 µs per row of 4,096 logits on the development machine,
-four times a whole greedy pick, and a top-k draw in torch ops is some twenty small
-operations more; the whole-vocabulary draw (temperature alone) hashes and takes two
-logarithms for every logit. The kernels draw a row in one pass or two over its logits:
-:func:`draw_top_k` from its k largest, :func:`draw_whole` over the vocabulary, taking the
-logarithms only for the few tokens whose bound on the noise lets them win.
+four times a whole greedy pick, and a filtered draw in torch ops is some twenty small
+operations more (a top-p row without a top-k also a softmax over the whole row, and a
+sort of the whole row when its nucleus is wide); the whole-vocabulary draw (temperature
+alone) hashes and takes two logarithms for every logit. The kernels draw a row in a few
+passes over its logits: :func:`draw_filtered` from its k largest, or over the tokens its
+nucleus keeps; :func:`draw_whole` over the vocabulary. Both take the noise's logarithms
+only for the few tokens whose bound on the noise lets them win.
 
 They are compiled with the system's C compiler (``$CC``, else ``cc``) into a cache
 directory (``$AIOCB_CACHE_DIR``, else ``$XDG_CACHE_HOME/aiocb``, else ``~/.cache/aiocb``),
@@ -83,7 +85,7 @@ def _build() -> ctypes.CDLL:
             if os.path.exists(partial):
                 os.unlink(partial)
     library = ctypes.CDLL(str(target))
-    for function, pointers in ((library.aiocb_draw_top_k, 7), (library.aiocb_draw_whole, 4)):
+    for function, pointers in ((library.aiocb_draw_filtered, 7), (library.aiocb_draw_whole, 4)):
         function.restype = None
         # (logits, rows, vocab, row stride, the rows' columns and outputs, threads)
         function.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 3, *[ctypes.c_void_p] * pointers, ctypes.c_int]
@@ -107,7 +109,18 @@ def library() -> ctypes.CDLL | None:
     return _library
 
 
-def draw_top_k(
+def _rows_of_floats(logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` as the kernels read them: float32 on the CPU, each row contiguous."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32:
+        raise ValueError(f"the C kernels take float32 CPU logits, not {logits.dtype} on {logits.device}")
+    return logits if logits.stride(-1) == 1 else logits.contiguous()
+
+
+def _column(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return values.to(dtype).contiguous()
+
+
+def draw_filtered(
     library: ctypes.CDLL,
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -118,17 +131,17 @@ def draw_top_k(
     key2: torch.Tensor,
 ) -> torch.Tensor:
     """Each row's pick of CPU ``logits [R, V]`` (float32) as :func:`aiocb.runner.draw.draw`
-    makes it, for rows with ``1 <= top_k < V``; ``key1``, ``key2`` are the rows' noise keys
-    (int32, :func:`aiocb.runner.noise.row_keys`), ``log_min_p`` the log of min-p or None."""
+    makes it, for rows with a top-k (``1 <= top_k < V``), a top-p (``top_p < 1``) or both;
+    ``key1``, ``key2`` are the rows' noise keys (:func:`aiocb.runner.noise.row_keys`),
+    ``log_min_p`` the log of min-p or None."""
     rows, vocab = logits.shape
-    if logits.stride(-1) != 1:
-        logits = logits.contiguous()
-    columns = [t.contiguous() for t in (temperature, top_k, top_p, key1, key2)]
-    temperature, top_k, top_p, key1, key2 = columns
+    logits = _rows_of_floats(logits)
+    temperature, top_p = (_column(t, torch.float32) for t in (temperature, top_p))
+    top_k, key1, key2 = _column(top_k, torch.int64), _column(key1, torch.int32), _column(key2, torch.int32)
     if log_min_p is not None:
-        log_min_p = log_min_p.contiguous()
+        log_min_p = _column(log_min_p, torch.float32)
     tokens = torch.empty(rows, dtype=torch.long)
-    library.aiocb_draw_top_k(
+    library.aiocb_draw_filtered(
         logits.data_ptr(),
         rows,
         vocab,
@@ -153,9 +166,12 @@ def draw_whole(
     """Each row's pick of CPU ``logits [R, V]`` (float32) over the whole vocabulary at
     ``temperature`` (no top-k, top-p or min-p), as :func:`aiocb.runner.draw.draw_full` makes it."""
     rows, vocab = logits.shape
-    if logits.stride(-1) != 1:
-        logits = logits.contiguous()
-    temperature, key1, key2 = (t.contiguous() for t in (temperature, key1, key2))
+    logits = _rows_of_floats(logits)
+    temperature, key1, key2 = (
+        _column(temperature, torch.float32),
+        _column(key1, torch.int32),
+        _column(key2, torch.int32),
+    )
     tokens = torch.empty(rows, dtype=torch.long)
     library.aiocb_draw_whole(
         logits.data_ptr(),

@@ -1,13 +1,19 @@
-/* The CPU draw of rows with a top-k: aiocb.runner.draw's pick from a row's k largest
- * logits, one row at a time, without a sort of the vocabulary or [rows, vocab] temporaries.
+/* The CPU sampler's draws (aiocb.runner.draw's picks), one row at a time, without a sort
+ * of the vocabulary or [rows, vocab] temporaries.
  *
- * A row's k largest logits are found in two passes over it: the first takes the maxima of
- * 2k interleaved groups (element j belongs to group j mod G), the second keeps every value
- * not below the k-th largest of those maxima (at least k groups hold such a value, so the
- * row's k largest are among them); a selection and a sort of those few finish it. Then, as
- * in aiocb.runner.draw: temperature, the top-p mass over the k (a cumulative sum in double,
- * as torch's CPU cumsum accumulates), min-p, and the Gumbel-max pick with the counter-hash
- * noise of aiocb.runner.noise (the same 32-bit values; the logarithms are the C library's).
+ * A top-k row draws from its k largest logits, found in two passes over the row: the
+ * first takes the maxima of 2k interleaved groups (element j belongs to group j mod G),
+ * the second keeps every value not below the k-th largest of those maxima (at least k
+ * groups hold such a value, so the row's k largest are among them); a selection and a
+ * sort of those few finish it. Then, as in aiocb.runner.draw: temperature, the top-p mass
+ * (a cumulative sum in double, as torch's CPU cumsum accumulates), min-p, and the
+ * Gumbel-max pick with the counter-hash noise of aiocb.runner.noise (the same 32-bit
+ * values; the logarithms are the C library's).
+ *
+ * A row with the temperature alone draws over the whole vocabulary in one pass, hashing
+ * four ids at a time and taking the logarithms only where a bound on the noise lets a
+ * token win; a top-p row without a top-k does the same over the tokens at or above its
+ * nucleus's smallest value, which binned sums of the probabilities find without a sort.
  *
  * Built by aiocb.runner.native with the system's C compiler and called through ctypes,
  * which releases the GIL for the call. Rows are split over `threads` POSIX threads.
@@ -210,28 +216,149 @@ typedef struct {
     int64_t first, last, most_k;
 } job;
 
-static void draw_top_k_row(const job* jb, int64_t r, item* buf, float* gmax, float* scaled) {
-    int64_t k = top_k(jb->logits + r * jb->stride, jb->vocab, jb->top_k[r], buf, gmax);
-    float temperature = jb->temperature[r], top_p = jb->top_p[r];
-    for (int64_t i = 0; i < k; i++) scaled[i] = buf[i].v / temperature;
-    int nucleus = top_p < 1.0f;
-    float normaliser = 0.0f;
-    if (nucleus) {
-        /* torch.logsumexp: the largest, plus the log of the sum of the exponentials of the
-           differences (with 0 for an infinite largest) */
-        float top = scaled[0];
-        for (int64_t i = 1; i < k; i++) top = scaled[i] > top ? scaled[i] : top;
-        float shift = isinf(top) ? 0.0f : top, total = 0.0f;
-        for (int64_t i = 0; i < k; i++) total += expf(scaled[i] - shift);
-        normaliser = logf(total) + shift;
+/* aiocb.runner.noise.gumbel_argmax: argmax of x / T + noise over a whole row, the first
+ * index on ties, the first NaN if there is one; tokens with x / T below `floor`, or (with
+ * `min_p`) more than `log_min_p` below `top`, take no part. A value's logarithms are taken
+ * only when its bound (its bucket's noise_ceiling) beats the best score so far: a few
+ * dozen a row. */
+static int64_t whole_argmax(const float* x, int64_t n, float temperature, uint32_t key1, uint32_t key2, float floor,
+                            int min_p, float top, float log_min_p) {
+    typedef uint32_t v4u __attribute__((vector_size(16)));
+    v4i lane = {0, 1, 2, 3}, first = {(int32_t)key1, (int32_t)key1, (int32_t)key1, (int32_t)key1};
+    v4i second = {(int32_t)key2, (int32_t)key2, (int32_t)key2, (int32_t)key2};
+    v4f t = {temperature, temperature, temperature, temperature}, lowest = {floor, floor, floor, floor};
+    float best = -INFINITY, most_noise = noise_ceiling[255];
+    int64_t pick = 0, i = 0;
+    for (; i + 4 <= n; i += 4) {
+        v4f scaled = load4(x + i) / t;
+        /* values too small to win even with the largest noise skip the hash too */
+        v4f beat = {best, best, best, best};
+        v4i near = ((scaled + most_noise > beat) & (scaled >= lowest)) | (scaled != scaled);
+        uint64_t w[2];
+        memcpy(w, &near, sizeof w);
+        if (!(w[0] | w[1])) continue;
+        /* the noise bits of four ids at once: mix32 on vectors (logical shifts on unsigned) */
+        v4u h = (v4u)((lane + (int32_t)i) ^ first);
+        h ^= h >> 16, h *= 0x7FEB352DU, h ^= h >> 15, h *= 0x846CA68BU, h ^= h >> 16;
+        h ^= (v4u)second;
+        h ^= h >> 16, h *= 0x7FEB352DU, h ^= h >> 15, h *= 0x846CA68BU, h ^= h >> 16;
+        v4f bound = {scaled[0] + noise_ceiling[h[0] >> 24], scaled[1] + noise_ceiling[h[1] >> 24],
+                     scaled[2] + noise_ceiling[h[2] >> 24], scaled[3] + noise_ceiling[h[3] >> 24]};
+        v4i look = ((bound > beat) & (scaled >= lowest)) | (scaled != scaled);
+        memcpy(w, &look, sizeof w);
+        if (__builtin_expect(!(w[0] | w[1]), 1)) continue;
+        for (int l = 0; l < 4; l++) {
+            if (scaled[l] != scaled[l]) return i + l;
+            if (scaled[l] < floor || (min_p && !(scaled[l] - top >= log_min_p))) continue;
+            float score = scaled[l] + gumbel_of(h[l]);
+            if (score > best) {
+                best = score;
+                pick = i + l;
+            }
+        }
     }
+    for (; i < n; i++) {
+        float scaled = x[i] / temperature;
+        if (scaled != scaled) return i;
+        if (scaled < floor || (min_p && !(scaled - top >= log_min_p))) continue;
+        float score = scaled + gumbel_of(noise_bits(key1, key2, (uint32_t)i));
+        if (score > best) {
+            best = score;
+            pick = i;
+        }
+    }
+    return pick;
+}
+
+/* torch.logsumexp of v[0:n]: the largest, plus the log of the sum of the exponentials of
+ * the differences (with 0 for an infinite largest) */
+static float log_sum_exp(const float* v, int64_t n) {
+    float top = v[0];
+    for (int64_t i = 1; i < n; i++) top = v[i] > top ? v[i] : top;
+    float shift = isinf(top) ? 0.0f : top, total = 0.0f;
+    for (int64_t i = 0; i < n; i++) total += expf(v[i] - shift);
+    return logf(total) + shift;
+}
+
+/* whether a token whose probability is `weight` stays in a nucleus of `top_p` when the
+ * tokens before it hold `mass`: torch's mass before it, (its cumsum) - weight in float */
+static inline int fits(double mass, float weight, float top_p) { return (float)(mass + weight) - weight <= top_p; }
+
+/* The bins of nucleus_floor: BINS of equal width over the values within SPAN of the row's
+ * largest (a token further below has a probability under e^-40 of the largest's), and one
+ * for the rest. */
+enum { BINS = 4096 };
+#define SPAN 40.0f
+
+/* The smallest value x / temperature of a row's top-p nucleus (the tokens, by decreasing
+ * value, whose probability mass before them is at most top_p, the first always), NaN if
+ * the row holds a NaN; `top` receives the largest value. No sort of the row: one pass
+ * finds the largest, one sums the exponentials into the softmax normaliser and into bins
+ * of equal width in value, and a third collects the tokens of the bin where the mass
+ * passes top_p, which are sorted and walked with torch's probabilities. */
+static float nucleus_floor(const float* x, int64_t n, float temperature, float top_p, double* bins, item* buf,
+                           float* top_out) {
+    float top = -INFINITY;
+    int nan = 0;
+    for (int64_t i = 0; i < n; i++) {
+        float scaled = x[i] / temperature;
+        nan |= scaled != scaled;
+        top = scaled > top ? scaled : top;
+    }
+    *top_out = top;
+    if (nan) return NAN;
+    if (isinf(top)) return top; /* (all masked: every token ties; an infinite one: it alone) */
+    float scale = BINS / SPAN;
+    memset(bins, 0, sizeof(double) * (BINS + 1));
+    double total = 0.0;
+    for (int64_t i = 0; i < n; i++) {
+        float scaled = x[i] / temperature, e = expf(scaled - top), distance = (top - scaled) * scale;
+        total += e;
+        bins[distance < BINS ? (int)distance : BINS] += e;
+    }
+    float normaliser = (float)log(total) + top; /* torch.logsumexp's, in double */
+    double taken = 0.0;
+    int bin = 0;
+    while (bin < BINS && taken + bins[bin] / total <= top_p) taken += bins[bin++] / total;
+    if (bin == BINS && taken + bins[BINS] / total <= top_p) return -INFINITY; /* (the whole row) */
+    int64_t count = 0;
+    for (int64_t i = 0; i < n; i++) {
+        float scaled = x[i] / temperature, distance = (top - scaled) * scale;
+        if ((distance < BINS ? (int)distance : BINS) == bin) buf[count++] = (item){scaled, i};
+    }
+    sort_items(buf, count);
+    for (int64_t j = 0; j < count; j++) {
+        float prob = expf(buf[j].v - normaliser);
+        if (!fits(taken, prob, top_p) && (bin > 0 || j > 0)) return j > 0 ? buf[j - 1].v : nextafterf(buf[0].v, INFINITY);
+        taken += prob;
+    }
+    return buf[count - 1].v;
+}
+
+/* A row with a top-k, a top-p or both (aiocb.runner.draw: the filters, then the Gumbel-max
+ * pick): a top-k row from its k largest, a top-p row without one over the tokens its
+ * nucleus keeps (nucleus_floor). */
+static void draw_filtered_row(const job* jb, int64_t r, item* buf, float* gmax, float* scaled, double* bins) {
+    const float* x = jb->logits + r * jb->stride;
+    int64_t n = jb->vocab, k = jb->top_k[r];
+    float temperature = jb->temperature[r], top_p = jb->top_p[r];
     float floor = jb->log_min_p ? jb->log_min_p[r] : -INFINITY;
     uint32_t key1 = (uint32_t)jb->key1[r], key2 = (uint32_t)jb->key2[r];
-    double mass = 0.0; /* the cumulative probability, accumulated as torch's CPU cumsum does */
+    if (k <= 0 || k >= n) {
+        float top, smallest = nucleus_floor(x, n, temperature, top_p, bins, buf, &top);
+        jb->tokens[r] = whole_argmax(x, n, temperature, key1, key2, smallest, jb->log_min_p != NULL, top, floor);
+        return;
+    }
+    int nucleus = top_p < 1.0f;
+    int64_t count = top_k(x, n, k, buf, gmax);
+    for (int64_t i = 0; i < count; i++) scaled[i] = buf[i].v / temperature;
+    float normaliser = 0.0f;
+    if (nucleus) normaliser = log_sum_exp(scaled, count);
+    double mass = 0.0;
     float best = -INFINITY;
     int64_t pick = 0;
     int found = 0;
-    for (int64_t i = 0; i < k; i++) {
+    for (int64_t i = 0; i < count; i++) {
         if (nucleus) {
             float prob = expf(scaled[i] - normaliser);
             mass += prob;
@@ -250,87 +377,33 @@ static void draw_top_k_row(const job* jb, int64_t r, item* buf, float* gmax, flo
     jb->tokens[r] = buf[pick].i;
 }
 
-/* aiocb.runner.noise.gumbel_argmax: argmax of x / T + noise over the whole row, the first
- * index on ties, the first NaN if there is one. A value's logarithms are taken only when
- * its bound (its bucket's noise_ceiling) beats the best score so far: a few dozen a row. */
-static void draw_whole_row(const job* jb, int64_t r) {
-    const float* x = jb->logits + r * jb->stride;
-    float temperature = jb->temperature[r];
-    uint32_t key1 = (uint32_t)jb->key1[r], key2 = (uint32_t)jb->key2[r];
-    v4i lane = {0, 1, 2, 3}, first = {(int32_t)key1, (int32_t)key1, (int32_t)key1, (int32_t)key1};
-    v4i second = {(int32_t)key2, (int32_t)key2, (int32_t)key2, (int32_t)key2};
-    v4f t = {temperature, temperature, temperature, temperature};
-    float best = -INFINITY;
-    int64_t pick = 0, n = jb->vocab, i = 0;
-    float most_noise = noise_ceiling[255];
-    for (; i + 4 <= n; i += 4) {
-        v4f scaled = load4(x + i) / t;
-        /* values too small to win even with the largest noise skip the hash too */
-        v4f top = {best, best, best, best};
-        v4i near = (scaled + most_noise > top) | (scaled != scaled);
-        uint64_t w[2];
-        memcpy(w, &near, sizeof w);
-        if (!(w[0] | w[1])) continue;
-        /* the noise bits of four ids at once: mix32 on vectors (logical shifts on unsigned) */
-        typedef uint32_t v4u __attribute__((vector_size(16)));
-        v4u h = (v4u)((lane + (int32_t)i) ^ first);
-        h ^= h >> 16, h *= 0x7FEB352DU, h ^= h >> 15, h *= 0x846CA68BU, h ^= h >> 16;
-        h ^= (v4u)second;
-        h ^= h >> 16, h *= 0x7FEB352DU, h ^= h >> 15, h *= 0x846CA68BU, h ^= h >> 16;
-        v4f bound = {scaled[0] + noise_ceiling[h[0] >> 24], scaled[1] + noise_ceiling[h[1] >> 24],
-                     scaled[2] + noise_ceiling[h[2] >> 24], scaled[3] + noise_ceiling[h[3] >> 24]};
-        v4i look = (bound > top) | (scaled != scaled);
-        memcpy(w, &look, sizeof w);
-        if (__builtin_expect(!(w[0] | w[1]), 1)) continue;
-        for (int l = 0; l < 4; l++) {
-            if (scaled[l] != scaled[l]) {
-                jb->tokens[r] = i + l;
-                return;
-            }
-            float score = scaled[l] + gumbel_of(h[l]);
-            if (score > best) {
-                best = score;
-                pick = i + l;
-            }
-        }
-    }
-    for (; i < n; i++) {
-        float scaled = x[i] / temperature;
-        if (scaled != scaled) {
-            jb->tokens[r] = i;
-            return;
-        }
-        float score = scaled + gumbel_of(noise_bits(key1, key2, (uint32_t)i));
-        if (score > best) {
-            best = score;
-            pick = i;
-        }
-    }
-    jb->tokens[r] = pick;
-}
-
 static void* run(void* arg) {
     job* jb = (job*)arg;
     if (!jb->top_k) {
-        for (int64_t r = jb->first; r < jb->last; r++) draw_whole_row(jb, r);
+        for (int64_t r = jb->first; r < jb->last; r++)
+            jb->tokens[r] = whole_argmax(jb->logits + r * jb->stride, jb->vocab, jb->temperature[r],
+                                         (uint32_t)jb->key1[r], (uint32_t)jb->key2[r], -INFINITY, 0, 0.0f, 0.0f);
         return NULL;
     }
     int64_t groups = (2 * jb->most_k + 7) / 8 * 8;
     item* buf = malloc(sizeof(item) * (size_t)jb->vocab);
     float* gmax = malloc(sizeof(float) * (size_t)groups);
     float* scaled = malloc(sizeof(float) * (size_t)jb->most_k);
-    if (buf && gmax && scaled)
-        for (int64_t r = jb->first; r < jb->last; r++) draw_top_k_row(jb, r, buf, gmax, scaled);
+    double* bins = malloc(sizeof(double) * (BINS + 1));
+    if (buf && gmax && scaled && bins)
+        for (int64_t r = jb->first; r < jb->last; r++) draw_filtered_row(jb, r, buf, gmax, scaled, bins);
     else
         for (int64_t r = jb->first; r < jb->last; r++) jb->tokens[r] = -1;
     free(buf);
     free(gmax);
     free(scaled);
+    free(bins);
     return NULL;
 }
 
 /* the rows of `shape` split over up to `threads` POSIX threads, this one among them */
 static void run_rows(job shape, int64_t rows, int threads) {
+    pthread_once(&ceiling_once, fill_noise_ceiling);
     enum { MOST_THREADS = 64 };
     job jobs[MOST_THREADS];
     pthread_t ids[MOST_THREADS];
@@ -357,13 +430,14 @@ static void run_rows(job shape, int64_t rows, int threads) {
 }
 
 /* Draw tokens[r] for every row r of logits [rows, vocab] (float32, rows `stride` apart),
- * with 1 <= top_k[r] <= vocab. log_min_p may be NULL. A row whose scratch memory could not
- * be allocated gets -1. */
-void aiocb_draw_top_k(const float* logits, int64_t rows, int64_t vocab, int64_t stride, const float* temperature,
-                      const int64_t* top_k, const float* top_p, const float* log_min_p, const int32_t* key1,
-                      const int32_t* key2, int64_t* tokens, int threads) {
-    int64_t most_k = 1;
-    for (int64_t r = 0; r < rows; r++) most_k = top_k[r] > most_k ? top_k[r] : most_k;
+ * each with a top-k (top_k[r] in [1, vocab)), a top-p (top_p[r] < 1) or both. log_min_p
+ * may be NULL. A row whose scratch memory could not be allocated gets -1. */
+void aiocb_draw_filtered(const float* logits, int64_t rows, int64_t vocab, int64_t stride, const float* temperature,
+                         const int64_t* top_k, const float* top_p, const float* log_min_p, const int32_t* key1,
+                         const int32_t* key2, int64_t* tokens, int threads) {
+    int64_t most_k = 1; /* the largest top-k */
+    for (int64_t r = 0; r < rows; r++)
+        if (top_k[r] < vocab) most_k = top_k[r] > most_k ? top_k[r] : most_k;
     job shape = {logits, vocab, stride, temperature, top_p, log_min_p, top_k, key1, key2, tokens, 0, 0, most_k};
     run_rows(shape, rows, threads);
 }
@@ -372,7 +446,6 @@ void aiocb_draw_top_k(const float* logits, int64_t rows, int64_t vocab, int64_t 
  * temperature[r] (no top-k, top-p or min-p). */
 void aiocb_draw_whole(const float* logits, int64_t rows, int64_t vocab, int64_t stride, const float* temperature,
                       const int32_t* key1, const int32_t* key2, int64_t* tokens, int threads) {
-    pthread_once(&ceiling_once, fill_noise_ceiling);
     job shape = {logits, vocab, stride, temperature, NULL, NULL, NULL, key1, key2, tokens, 0, 0, 1};
     run_rows(shape, rows, threads);
 }

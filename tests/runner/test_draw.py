@@ -1,11 +1,25 @@
-"""The CPU's draw from a row's largest logits gives the same pick as the whole-vocabulary one."""
+"""The CPU's draw from a row's largest logits gives the same pick as the whole-vocabulary one,
+in torch ops and in the C kernels (:mod:`aiocb.runner.native`, tested on their own in
+``test_native_draw.py``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from aiocb.runner import native
 from aiocb.runner.draw import CANDIDATES, draw, draw_full
+
+
+@pytest.fixture(autouse=True, params=["torch", "kernel"])
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each test once in torch ops (as without a C compiler) and once in the kernels."""
+    if request.param == "torch":
+        monkeypatch.setattr(native, "library", lambda: None)
+    else:
+        assert native.library() is not None
+    return str(request.param)
+
 
 CASES = [
     # (vocab, top_k, top_p, min_p, logit scale, temperature)
@@ -79,6 +93,7 @@ def test_rows_with_different_filters_in_one_batch() -> None:
         assert int(alone[0]) == int(tokens[i]), "a row's pick must not depend on its batch-mates"
 
 
+@pytest.mark.parametrize("path", ["torch"], indirect=True)  # (the torch path's fallback)
 def test_only_the_rows_that_need_it_take_the_full_draw(monkeypatch: pytest.MonkeyPatch) -> None:
     from aiocb.runner import draw as module
 

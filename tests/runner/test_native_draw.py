@@ -35,7 +35,7 @@ def _by_kernel(
 ) -> torch.Tensor:
     temperature, seeds, offsets, k, p = columns
     log_min_p = None if min_p is None else min_p.log()
-    return native.draw_top_k(kernel, logits, temperature, k, p, log_min_p, *row_keys(seeds, offsets))
+    return native.draw_filtered(kernel, logits, temperature, k, p, log_min_p, *row_keys(seeds, offsets))
 
 
 @pytest.mark.parametrize(
@@ -48,9 +48,16 @@ def _by_kernel(
         (5003, 200, 0.95, 0.05, 2.0),  # with min-p
         (300, 100, 0.9, 0.0, 3.0),  # too few tokens for the groups: every logit a candidate
         (300, 299, 0.8, 0.0, 0.5),
-        (65_536, CANDIDATES, 0.9, 0.0, 1.0),  # the largest top-k it takes
+        (65_536, CANDIDATES, 0.9, 0.0, 1.0),
+        (5000, 3000, 0.9, 0.0, 1.0),  # a top-k of most of the vocabulary
         (4096, 50, 0.9, 0.0, 0.01),  # nearly flat: the nucleus spans the whole top-k
         (4096, 50, 0.3, 0.0, 10.0),  # peaked: the nucleus is one or two tokens
+        # top-p alone: the nucleus within the first 64 candidates, within 1,024, or wider
+        (4096, 0, 0.9, 0.0, 8.0),
+        (4096, 0, 0.9, 0.0, 1.5),
+        (4096, 0, 0.99, 0.0, 0.01),
+        (5003, 0, 0.8, 0.05, 3.0),
+        (151_936, 0, 0.95, 0.0, 2.0),
     ],
 )
 def test_the_kernel_picks_what_the_full_draw_picks(
@@ -86,7 +93,8 @@ def test_picks_do_not_depend_on_batch_mates_threads_or_layout(kernel: ctypes.CDL
         assert int(alone[0]) == int(together[row])
 
 
-def test_nan_and_masked_logits_rank_as_torch_ranks_them(kernel: ctypes.CDLL) -> None:
+@pytest.mark.parametrize("k", [50, 0])  # with a top-k, or a top-p alone
+def test_nan_and_masked_logits_rank_as_torch_ranks_them(kernel: ctypes.CDLL, k: int) -> None:
     rows, vocab = 4, 4096
     logits = torch.randn(rows, vocab) * 3
     logits[0, 1234] = float("nan")  # a NaN ranks first and wins (as torch.topk and max rank it)
@@ -95,7 +103,7 @@ def test_nan_and_masked_logits_rank_as_torch_ranks_them(kernel: ctypes.CDLL) -> 
     logits[1, allowed] = torch.randn(10)
     logits[2, :] = float("-inf")  # a single allowed token
     logits[2, 999] = 0.0
-    columns = _columns(rows, 50, 0.9)
+    columns = _columns(rows, k, 0.9)
     tokens = _by_kernel(kernel, logits, *columns)
     temperature, seeds, offsets, ks, ps = columns
     assert int(tokens[0]) == 1234
@@ -198,3 +206,12 @@ def test_the_whole_vocabulary_draw_ranks_nan_and_masked_logits_as_torch_does(ker
     tokens = native.draw_whole(kernel, logits, temperature, *row_keys(seeds, offsets))
     assert tokens[0] == 500 and tokens[1] == 0 and int(tokens[2]) in (3, 999) and tokens[3] == 10
     assert torch.equal(tokens, draw_full(logits / temperature[:, None], seeds, offsets, None, None, None))
+
+
+def test_the_kernels_refuse_logits_they_cannot_read(kernel: ctypes.CDLL) -> None:
+    temperature, seeds, offsets, k, p = _columns(2, 5, 0.9)
+    keys = row_keys(seeds, offsets)
+    with pytest.raises(ValueError, match=r"float32 CPU logits, not torch\.float64"):
+        native.draw_filtered(kernel, torch.randn(2, 100, dtype=torch.float64), temperature, k, p, None, *keys)
+    with pytest.raises(ValueError, match=r"not torch\.bfloat16"):
+        native.draw_whole(kernel, torch.randn(2, 100).bfloat16(), temperature, *keys)
