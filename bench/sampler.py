@@ -5,8 +5,10 @@ top-k 50 + top-p 0.9, with top-p 0.9 alone, and with the temperature alone. The
 whole-vocabulary draw (``draw_full``: a sort for top-k and top-p) is what a GPU runs
 without Triton; ``sample()`` on a CPU takes a top-k or top-p row's largest logits where
 they suffice, and the whole-vocabulary draw for the rest and for rows without those
-filters. Both give the same tokens (checked). Random logits are flatter than a language
-model's, so the top-p rows without top-k mostly fall back to the whole vocabulary.
+filters; where its C kernels are built (:mod:`aiocb.runner.native`, the default;
+``AIOCB_NATIVE=0`` for the torch ops) they draw every row of these. Both give the same
+tokens (checked). Random logits are flatter than a language model's, so the torch ops'
+top-p rows without top-k mostly fall back to the whole vocabulary.
 A greedy step's pick is timed beside them: torch's ``argmax`` and the chunked
 :func:`~aiocb.runner.argmax.argmax_rows` that greedy rows take on a CPU (same indices,
 checked).
