@@ -39,7 +39,7 @@ def fuzz(session: nox.Session) -> None:
 
 @nox.session
 def slow(session: nox.Session) -> None:
-    """Run the slow tests (torch.compile, lm-evaluation-harness against the server, a 2-minute soak)."""
+    """Run the slow tests (torch.compile, lm-evaluation-harness against the server, a 3-minute soak)."""
     _install(session, "test", "eval")
     session.run("pytest", "-m", "slow", *session.posargs, env=OFFLINE)
 
