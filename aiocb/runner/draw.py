@@ -87,8 +87,7 @@ def draw(
     positive), as :func:`draw_full` makes it, from the rows' largest logits where they suffice.
 
     On a CPU, where the C kernels are built (:mod:`aiocb.runner.native`: the same picks, two
-    to ten times faster than the torch ops here), every row goes to them but those with a
-    min-p and no other filter. Otherwise rows without top-k
+    to ten times faster than the torch ops here), every row goes to them. Otherwise rows without top-k
     or top-p take :func:`draw_full` (its noise a block of the vocabulary at a time), and the
     rest draw from :data:`CANDIDATES` largest logits in torch ops, and a row those do not
     settle (one without a clear favourite) pays for both.
@@ -110,8 +109,8 @@ def draw(
         m: torch.Tensor | None,
     ) -> torch.Tensor:
         if way == _UNFILTERED:
-            if kernel is not None and m is None:
-                return native.draw_whole(kernel, x, t, *row_keys(s, o))
+            if kernel is not None:
+                return native.draw_whole(kernel, x, t, None if m is None else m.log(), *row_keys(s, o))
             return draw_full(x / t[:, None], s, o, None, None, m)
         if way == _KERNEL:
             assert kernel is not None

@@ -6,7 +6,7 @@ operations more (a top-p row without a top-k also a softmax over the whole row, 
 sort of the whole row when its nucleus is wide); the whole-vocabulary draw (temperature
 alone) hashes and takes two logarithms for every logit. The kernels draw a row in a few
 passes over its logits: :func:`draw_filtered` from its k largest, or over the tokens its
-nucleus keeps; :func:`draw_whole` over the vocabulary. Both take the noise's logarithms
+nucleus keeps; :func:`draw_whole` over the vocabulary (temperature alone, or a min-p). Both take the noise's logarithms
 only for the few tokens whose bound on the noise lets them win.
 
 They are compiled with the system's C compiler (``$CC``, else ``cc``) into a cache
@@ -85,7 +85,7 @@ def _build() -> ctypes.CDLL:
             if os.path.exists(partial):
                 os.unlink(partial)
     library = ctypes.CDLL(str(target))
-    for function, pointers in ((library.aiocb_draw_filtered, 7), (library.aiocb_draw_whole, 4)):
+    for function, pointers in ((library.aiocb_draw_filtered, 7), (library.aiocb_draw_whole, 5)):
         function.restype = None
         # (logits, rows, vocab, row stride, the rows' columns and outputs, threads)
         function.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 3, *[ctypes.c_void_p] * pointers, ctypes.c_int]
@@ -161,10 +161,16 @@ def draw_filtered(
 
 
 def draw_whole(
-    library: ctypes.CDLL, logits: torch.Tensor, temperature: torch.Tensor, key1: torch.Tensor, key2: torch.Tensor
+    library: ctypes.CDLL,
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    log_min_p: torch.Tensor | None,
+    key1: torch.Tensor,
+    key2: torch.Tensor,
 ) -> torch.Tensor:
     """Each row's pick of CPU ``logits [R, V]`` (float32) over the whole vocabulary at
-    ``temperature`` (no top-k, top-p or min-p), as :func:`aiocb.runner.draw.draw_full` makes it."""
+    ``temperature``, with ``log_min_p`` the log of min-p or None (no top-k or top-p), as
+    :func:`aiocb.runner.draw.draw_full` makes it."""
     rows, vocab = logits.shape
     logits = _rows_of_floats(logits)
     temperature, key1, key2 = (
@@ -172,6 +178,8 @@ def draw_whole(
         _column(key1, torch.int32),
         _column(key2, torch.int32),
     )
+    if log_min_p is not None:
+        log_min_p = _column(log_min_p, torch.float32)
     tokens = torch.empty(rows, dtype=torch.long)
     library.aiocb_draw_whole(
         logits.data_ptr(),
@@ -179,6 +187,7 @@ def draw_whole(
         vocab,
         logits.stride(0),
         temperature.data_ptr(),
+        None if log_min_p is None else log_min_p.data_ptr(),
         key1.data_ptr(),
         key2.data_ptr(),
         tokens.data_ptr(),

@@ -10,7 +10,7 @@
  * Gumbel-max pick with the counter-hash noise of aiocb.runner.noise (the same 32-bit
  * values; the logarithms are the C library's).
  *
- * A row with the temperature alone draws over the whole vocabulary in one pass, hashing
+ * A row with the temperature alone (or a min-p) draws over the whole vocabulary in one pass, hashing
  * four ids at a time and taking the logarithms only where a bound on the noise lets a
  * token win; a top-p row without a top-k does the same over the tokens at or above its
  * nucleus's smallest value, which binned sums of the probabilities find without a sort.
@@ -377,12 +377,26 @@ static void draw_filtered_row(const job* jb, int64_t r, item* buf, float* gmax, 
     jb->tokens[r] = buf[pick].i;
 }
 
+/* A row with the temperature alone, or with a min-p too (against the row's largest value,
+ * as aiocb.runner.draw's candidates apply it: a difference of logits). */
+static void draw_whole_row(const job* jb, int64_t r) {
+    const float* x = jb->logits + r * jb->stride;
+    float temperature = jb->temperature[r], top = -INFINITY;
+    int min_p = jb->log_min_p != NULL;
+    if (min_p)
+        for (int64_t i = 0; i < jb->vocab; i++) {
+            float scaled = x[i] / temperature;
+            top = scaled > top ? scaled : top;
+        }
+    jb->tokens[r] = whole_argmax(x, jb->vocab, temperature, (uint32_t)jb->key1[r], (uint32_t)jb->key2[r], -INFINITY,
+                                 min_p, top, min_p ? jb->log_min_p[r] : 0.0f);
+}
+
 static void* run(void* arg) {
     job* jb = (job*)arg;
     if (!jb->top_k) {
         for (int64_t r = jb->first; r < jb->last; r++)
-            jb->tokens[r] = whole_argmax(jb->logits + r * jb->stride, jb->vocab, jb->temperature[r],
-                                         (uint32_t)jb->key1[r], (uint32_t)jb->key2[r], -INFINITY, 0, 0.0f, 0.0f);
+            draw_whole_row(jb, r);
         return NULL;
     }
     int64_t groups = (2 * jb->most_k + 7) / 8 * 8;
@@ -443,9 +457,10 @@ void aiocb_draw_filtered(const float* logits, int64_t rows, int64_t vocab, int64
 }
 
 /* Draw tokens[r] for every row r of logits [rows, vocab] from the whole vocabulary, at
- * temperature[r] (no top-k, top-p or min-p). */
+ * temperature[r], with a min-p where log_min_p is not NULL (no top-k or top-p). */
 void aiocb_draw_whole(const float* logits, int64_t rows, int64_t vocab, int64_t stride, const float* temperature,
-                      const int32_t* key1, const int32_t* key2, int64_t* tokens, int threads) {
-    job shape = {logits, vocab, stride, temperature, NULL, NULL, NULL, key1, key2, tokens, 0, 0, 1};
+                      const float* log_min_p, const int32_t* key1, const int32_t* key2, int64_t* tokens,
+                      int threads) {
+    job shape = {logits, vocab, stride, temperature, NULL, log_min_p, NULL, key1, key2, tokens, 0, 0, 1};
     run_rows(shape, rows, threads);
 }

@@ -181,26 +181,29 @@ def test_the_kernel_can_be_turned_off(fresh_build: Path, monkeypatch: pytest.Mon
 
 
 @pytest.mark.parametrize(
-    ("vocab", "scale"),
+    ("vocab", "scale", "min_p"),
     [
-        (4096, 3.0),
-        (4099, 0.01),  # nearly flat, and no multiple of the vector width
-        (4096, 0.0),  # all equal: the noise alone decides
-        (32_768, 40.0),  # a language model's spread: most tokens cannot win, not even hashed
-        (3, 1.0),  # narrower than one vector
+        (4096, 3.0, 0.0),
+        (4099, 0.01, 0.0),  # nearly flat, and no multiple of the vector width
+        (4096, 0.0, 0.0),  # all equal: the noise alone decides
+        (32_768, 40.0, 0.0),  # a language model's spread: most tokens cannot win, not even hashed
+        (3, 1.0, 0.0),  # narrower than one vector
+        (4096, 3.0, 0.05),  # with a min-p
+        (32_768, 2.0, 0.3),
     ],
 )
 def test_the_whole_vocabulary_draw_picks_what_the_torch_one_picks(
-    kernel: ctypes.CDLL, vocab: int, scale: float
+    kernel: ctypes.CDLL, vocab: int, scale: float, min_p: float
 ) -> None:
     rows = 40
     generator = torch.Generator().manual_seed(vocab)
     logits = torch.randn(rows, vocab, generator=generator) * scale
     temperature, seeds, offsets, _, _ = _columns(rows, 0, 1.0, seed=vocab)
-    tokens = native.draw_whole(kernel, logits, temperature, *row_keys(seeds, offsets))
-    assert torch.equal(tokens, draw_full(logits / temperature[:, None], seeds, offsets, None, None, None))
+    mp = torch.full((rows,), min_p) if min_p else None
+    tokens = native.draw_whole(kernel, logits, temperature, None if mp is None else mp.log(), *row_keys(seeds, offsets))
+    assert torch.equal(tokens, draw_full(logits / temperature[:, None], seeds, offsets, None, None, mp))
     unfiltered = torch.zeros(rows, dtype=torch.long)
-    assert torch.equal(draw(logits, temperature, seeds, offsets, unfiltered, torch.ones(rows), None), tokens)
+    assert torch.equal(draw(logits, temperature, seeds, offsets, unfiltered, torch.ones(rows), mp), tokens)
 
 
 def test_the_whole_vocabulary_draw_ranks_nan_and_masked_logits_as_torch_does(kernel: ctypes.CDLL) -> None:
@@ -213,7 +216,7 @@ def test_the_whole_vocabulary_draw_ranks_nan_and_masked_logits_as_torch_does(ker
     logits[2, [3, 999]] = 0.0
     logits[3, 10] = float("inf")
     temperature, seeds, offsets, _, _ = _columns(rows, 0, 1.0)
-    tokens = native.draw_whole(kernel, logits, temperature, *row_keys(seeds, offsets))
+    tokens = native.draw_whole(kernel, logits, temperature, None, *row_keys(seeds, offsets))
     assert tokens[0] == 500 and tokens[1] == 0 and int(tokens[2]) in (3, 999) and tokens[3] == 10
     assert torch.equal(tokens, draw_full(logits / temperature[:, None], seeds, offsets, None, None, None))
 
@@ -224,4 +227,4 @@ def test_the_kernels_refuse_logits_they_cannot_read(kernel: ctypes.CDLL) -> None
     with pytest.raises(ValueError, match=r"float32 CPU logits, not torch\.float64"):
         native.draw_filtered(kernel, torch.randn(2, 100, dtype=torch.float64), temperature, k, p, None, *keys)
     with pytest.raises(ValueError, match=r"not torch\.bfloat16"):
-        native.draw_whole(kernel, torch.randn(2, 100).bfloat16(), temperature, *keys)
+        native.draw_whole(kernel, torch.randn(2, 100).bfloat16(), temperature, None, *keys)
