@@ -28,7 +28,7 @@ import torch
 from aiocb.runner import native
 from aiocb.runner.argmax import argmax_rows
 from aiocb.runner.logits_controls import apply_min_p
-from aiocb.runner.noise import GUMBEL_BOUND, gumbel, gumbel_argmax, gumbel_at, row_keys, uniform_noise
+from aiocb.runner.noise import GUMBEL_BOUND, gumbel, gumbel_argmax, gumbel_at, uniform_noise
 
 #: How many largest logits a row's draw looks at before falling back to the vocabulary.
 CANDIDATES = 1024
@@ -110,11 +110,11 @@ def draw(
     ) -> torch.Tensor:
         if way == _UNFILTERED:
             if kernel is not None:
-                return native.draw_whole(kernel, x, t, None if m is None else m.log(), *row_keys(s, o))
+                return native.draw_whole(kernel, x, t, None if m is None else m.log(), s, o)
             return draw_full(x / t[:, None], s, o, None, None, m)
         if way == _KERNEL:
             assert kernel is not None
-            return native.draw_filtered(kernel, x, t, k, p, None if m is None else m.log(), *row_keys(s, o))
+            return native.draw_filtered(kernel, x, t, k, p, None if m is None else m.log(), s, o)
         return _draw_from_candidates(x, t, s, o, k, p, m)
 
     columns = (logits, temperature, seed, offset, top_k, top_p)

@@ -127,17 +127,17 @@ def draw_filtered(
     top_k: torch.Tensor,
     top_p: torch.Tensor,
     log_min_p: torch.Tensor | None,
-    key1: torch.Tensor,
-    key2: torch.Tensor,
+    seed: torch.Tensor,
+    offset: torch.Tensor,
 ) -> torch.Tensor:
     """Each row's pick of CPU ``logits [R, V]`` (float32) as :func:`aiocb.runner.draw.draw`
     makes it, for rows with a top-k (``1 <= top_k < V``), a top-p (``top_p < 1``) or both;
-    ``key1``, ``key2`` are the rows' noise keys (:func:`aiocb.runner.noise.row_keys`),
+    ``seed`` (32-bit values) and ``offset`` are the rows' noise (:mod:`aiocb.runner.noise`),
     ``log_min_p`` the log of min-p or None."""
     rows, vocab = logits.shape
     logits = _rows_of_floats(logits)
     temperature, top_p = (_column(t, torch.float32) for t in (temperature, top_p))
-    top_k, key1, key2 = _column(top_k, torch.int64), _column(key1, torch.int32), _column(key2, torch.int32)
+    top_k, seed, offset = (_column(t, torch.int64) for t in (top_k, seed, offset))
     if log_min_p is not None:
         log_min_p = _column(log_min_p, torch.float32)
     tokens = torch.empty(rows, dtype=torch.long)
@@ -150,8 +150,8 @@ def draw_filtered(
         top_k.data_ptr(),
         top_p.data_ptr(),
         None if log_min_p is None else log_min_p.data_ptr(),
-        key1.data_ptr(),
-        key2.data_ptr(),
+        seed.data_ptr(),
+        offset.data_ptr(),
         tokens.data_ptr(),
         torch.get_num_threads(),
     )
@@ -165,19 +165,16 @@ def draw_whole(
     logits: torch.Tensor,
     temperature: torch.Tensor,
     log_min_p: torch.Tensor | None,
-    key1: torch.Tensor,
-    key2: torch.Tensor,
+    seed: torch.Tensor,
+    offset: torch.Tensor,
 ) -> torch.Tensor:
     """Each row's pick of CPU ``logits [R, V]`` (float32) over the whole vocabulary at
-    ``temperature``, with ``log_min_p`` the log of min-p or None (no top-k or top-p), as
-    :func:`aiocb.runner.draw.draw_full` makes it."""
+    ``temperature``, with ``log_min_p`` the log of min-p or None (no top-k or top-p), the
+    noise of ``seed`` at ``offset``, as :func:`aiocb.runner.draw.draw_full` makes it."""
     rows, vocab = logits.shape
     logits = _rows_of_floats(logits)
-    temperature, key1, key2 = (
-        _column(temperature, torch.float32),
-        _column(key1, torch.int32),
-        _column(key2, torch.int32),
-    )
+    temperature = _column(temperature, torch.float32)
+    seed, offset = _column(seed, torch.int64), _column(offset, torch.int64)
     if log_min_p is not None:
         log_min_p = _column(log_min_p, torch.float32)
     tokens = torch.empty(rows, dtype=torch.long)
@@ -188,8 +185,8 @@ def draw_whole(
         logits.stride(0),
         temperature.data_ptr(),
         None if log_min_p is None else log_min_p.data_ptr(),
-        key1.data_ptr(),
-        key2.data_ptr(),
+        seed.data_ptr(),
+        offset.data_ptr(),
         tokens.data_ptr(),
         torch.get_num_threads(),
     )

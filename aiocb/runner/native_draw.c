@@ -188,6 +188,14 @@ static inline uint32_t mix32(uint32_t x) {
     return x ^ (x >> 16);
 }
 
+/* aiocb.runner.noise.row_keys: the two keys of a row's noise, from its seed (32-bit) and
+ * its offset (the tokens it generated before) */
+static inline void row_keys(int64_t seed, int64_t offset, uint32_t* key1, uint32_t* key2) {
+    uint32_t first = mix32(mix32((uint32_t)seed) ^ mix32((uint32_t)(offset + 0x9E3779B9LL)));
+    *key1 = first;
+    *key2 = mix32(first ^ 0x5BD1E995U);
+}
+
 /* the 32-bit noise value of vocabulary id `id` in the row with keys key1, key2 */
 static inline uint32_t noise_bits(uint32_t key1, uint32_t key2, uint32_t id) { return mix32(mix32(id ^ key1) ^ key2); }
 
@@ -211,7 +219,7 @@ typedef struct {
     int64_t vocab, stride;
     const float *temperature, *top_p, *log_min_p;
     const int64_t* top_k; /* NULL: the draw over the whole vocabulary */
-    const int32_t *key1, *key2;
+    const int64_t *seed, *offset;
     int64_t* tokens;
     int64_t first, last, most_k;
 } job;
@@ -343,7 +351,8 @@ static void draw_filtered_row(const job* jb, int64_t r, item* buf, float* gmax, 
     int64_t n = jb->vocab, k = jb->top_k[r];
     float temperature = jb->temperature[r], top_p = jb->top_p[r];
     float floor = jb->log_min_p ? jb->log_min_p[r] : -INFINITY;
-    uint32_t key1 = (uint32_t)jb->key1[r], key2 = (uint32_t)jb->key2[r];
+    uint32_t key1, key2;
+    row_keys(jb->seed[r], jb->offset[r], &key1, &key2);
     if (k <= 0 || k >= n) {
         float top, smallest = nucleus_floor(x, n, temperature, top_p, bins, buf, &top);
         jb->tokens[r] = whole_argmax(x, n, temperature, key1, key2, smallest, jb->log_min_p != NULL, top, floor);
@@ -366,7 +375,10 @@ static void draw_filtered_row(const job* jb, int64_t r, item* buf, float* gmax, 
             if (i > 0 && !((float)mass - prob <= top_p)) continue;
         }
         if (jb->log_min_p && !(scaled[i] - scaled[0] >= floor)) continue;
-        float score = scaled[i] + gumbel_of(noise_bits(key1, key2, (uint32_t)buf[i].i));
+        uint32_t bits = noise_bits(key1, key2, (uint32_t)buf[i].i);
+        /* no logarithms for a candidate that cannot win even with its bucket's largest noise */
+        if (found && scaled[i] == scaled[i] && !(scaled[i] + noise_ceiling[bits >> 24] > best)) continue;
+        float score = scaled[i] + gumbel_of(bits);
         /* the first largest, a NaN before any number (as torch.max) */
         if (!found || score > best || (score != score && best == best)) {
             best = score;
@@ -388,8 +400,10 @@ static void draw_whole_row(const job* jb, int64_t r) {
             float scaled = x[i] / temperature;
             top = scaled > top ? scaled : top;
         }
-    jb->tokens[r] = whole_argmax(x, jb->vocab, temperature, (uint32_t)jb->key1[r], (uint32_t)jb->key2[r], -INFINITY,
-                                 min_p, top, min_p ? jb->log_min_p[r] : 0.0f);
+    uint32_t key1, key2;
+    row_keys(jb->seed[r], jb->offset[r], &key1, &key2);
+    jb->tokens[r] = whole_argmax(x, jb->vocab, temperature, key1, key2, -INFINITY, min_p, top,
+                                 min_p ? jb->log_min_p[r] : 0.0f);
 }
 
 static void* run(void* arg) {
@@ -444,23 +458,23 @@ static void run_rows(job shape, int64_t rows, int threads) {
 }
 
 /* Draw tokens[r] for every row r of logits [rows, vocab] (float32, rows `stride` apart),
- * each with a top-k (top_k[r] in [1, vocab)), a top-p (top_p[r] < 1) or both. log_min_p
- * may be NULL. A row whose scratch memory could not be allocated gets -1. */
+ * each with a top-k (top_k[r] in [1, vocab)), a top-p (top_p[r] < 1) or both, the noise
+ * of seed[r] (32-bit) at offset[r]. log_min_p may be NULL. A row whose scratch memory could not be allocated gets -1. */
 void aiocb_draw_filtered(const float* logits, int64_t rows, int64_t vocab, int64_t stride, const float* temperature,
-                         const int64_t* top_k, const float* top_p, const float* log_min_p, const int32_t* key1,
-                         const int32_t* key2, int64_t* tokens, int threads) {
+                         const int64_t* top_k, const float* top_p, const float* log_min_p, const int64_t* seed,
+                         const int64_t* offset, int64_t* tokens, int threads) {
     int64_t most_k = 1; /* the largest top-k */
     for (int64_t r = 0; r < rows; r++)
         if (top_k[r] < vocab) most_k = top_k[r] > most_k ? top_k[r] : most_k;
-    job shape = {logits, vocab, stride, temperature, top_p, log_min_p, top_k, key1, key2, tokens, 0, 0, most_k};
+    job shape = {logits, vocab, stride, temperature, top_p, log_min_p, top_k, seed, offset, tokens, 0, 0, most_k};
     run_rows(shape, rows, threads);
 }
 
 /* Draw tokens[r] for every row r of logits [rows, vocab] from the whole vocabulary, at
  * temperature[r], with a min-p where log_min_p is not NULL (no top-k or top-p). */
 void aiocb_draw_whole(const float* logits, int64_t rows, int64_t vocab, int64_t stride, const float* temperature,
-                      const float* log_min_p, const int32_t* key1, const int32_t* key2, int64_t* tokens,
+                      const float* log_min_p, const int64_t* seed, const int64_t* offset, int64_t* tokens,
                       int threads) {
-    job shape = {logits, vocab, stride, temperature, NULL, log_min_p, NULL, key1, key2, tokens, 0, 0, 1};
+    job shape = {logits, vocab, stride, temperature, NULL, log_min_p, NULL, seed, offset, tokens, 0, 0, 1};
     run_rows(shape, rows, threads);
 }

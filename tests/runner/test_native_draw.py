@@ -14,7 +14,6 @@ import torch
 from aiocb.runner import draw as draw_module
 from aiocb.runner import native
 from aiocb.runner.draw import CANDIDATES, draw, draw_full
-from aiocb.runner.noise import row_keys
 
 
 def built_kernels() -> ctypes.CDLL:
@@ -45,7 +44,7 @@ def _by_kernel(
 ) -> torch.Tensor:
     temperature, seeds, offsets, k, p = columns
     log_min_p = None if min_p is None else min_p.log()
-    return native.draw_filtered(kernel, logits, temperature, k, p, log_min_p, *row_keys(seeds, offsets))
+    return native.draw_filtered(kernel, logits, temperature, k, p, log_min_p, seeds, offsets)
 
 
 @pytest.mark.parametrize(
@@ -200,7 +199,7 @@ def test_the_whole_vocabulary_draw_picks_what_the_torch_one_picks(
     logits = torch.randn(rows, vocab, generator=generator) * scale
     temperature, seeds, offsets, _, _ = _columns(rows, 0, 1.0, seed=vocab)
     mp = torch.full((rows,), min_p) if min_p else None
-    tokens = native.draw_whole(kernel, logits, temperature, None if mp is None else mp.log(), *row_keys(seeds, offsets))
+    tokens = native.draw_whole(kernel, logits, temperature, None if mp is None else mp.log(), seeds, offsets)
     assert torch.equal(tokens, draw_full(logits / temperature[:, None], seeds, offsets, None, None, mp))
     unfiltered = torch.zeros(rows, dtype=torch.long)
     assert torch.equal(draw(logits, temperature, seeds, offsets, unfiltered, torch.ones(rows), mp), tokens)
@@ -216,15 +215,14 @@ def test_the_whole_vocabulary_draw_ranks_nan_and_masked_logits_as_torch_does(ker
     logits[2, [3, 999]] = 0.0
     logits[3, 10] = float("inf")
     temperature, seeds, offsets, _, _ = _columns(rows, 0, 1.0)
-    tokens = native.draw_whole(kernel, logits, temperature, None, *row_keys(seeds, offsets))
+    tokens = native.draw_whole(kernel, logits, temperature, None, seeds, offsets)
     assert tokens[0] == 500 and tokens[1] == 0 and int(tokens[2]) in (3, 999) and tokens[3] == 10
     assert torch.equal(tokens, draw_full(logits / temperature[:, None], seeds, offsets, None, None, None))
 
 
 def test_the_kernels_refuse_logits_they_cannot_read(kernel: ctypes.CDLL) -> None:
     temperature, seeds, offsets, k, p = _columns(2, 5, 0.9)
-    keys = row_keys(seeds, offsets)
     with pytest.raises(ValueError, match=r"float32 CPU logits, not torch\.float64"):
-        native.draw_filtered(kernel, torch.randn(2, 100, dtype=torch.float64), temperature, k, p, None, *keys)
+        native.draw_filtered(kernel, torch.randn(2, 100, dtype=torch.float64), temperature, k, p, None, seeds, offsets)
     with pytest.raises(ValueError, match=r"not torch\.bfloat16"):
-        native.draw_whole(kernel, torch.randn(2, 100).bfloat16(), temperature, None, *keys)
+        native.draw_whole(kernel, torch.randn(2, 100).bfloat16(), temperature, None, seeds, offsets)
