@@ -27,6 +27,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -120,6 +121,16 @@ def _column(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return values.to(dtype).contiguous()
 
 
+def _run(function: Callable[..., object], logits: torch.Tensor, *columns: torch.Tensor | None) -> torch.Tensor:
+    """Call a kernel on ``logits`` and the rows' columns (in its order; None passes NULL):
+    the tokens it draws, one per row, on this process's torch threads."""
+    rows, vocab = logits.shape
+    tokens = torch.empty(rows, dtype=torch.long)
+    pointers = (None if column is None else column.data_ptr() for column in columns)
+    function(logits.data_ptr(), rows, vocab, logits.stride(0), *pointers, tokens.data_ptr(), torch.get_num_threads())
+    return tokens
+
+
 def draw_filtered(
     library: ctypes.CDLL,
     logits: torch.Tensor,
@@ -134,27 +145,12 @@ def draw_filtered(
     makes it, for rows with a top-k (``1 <= top_k < V``), a top-p (``top_p < 1``) or both;
     ``seed`` (32-bit values) and ``offset`` are the rows' noise (:mod:`aiocb.runner.noise`),
     ``log_min_p`` the log of min-p or None."""
-    rows, vocab = logits.shape
     logits = _rows_of_floats(logits)
     temperature, top_p = (_column(t, torch.float32) for t in (temperature, top_p))
     top_k, seed, offset = (_column(t, torch.int64) for t in (top_k, seed, offset))
     if log_min_p is not None:
         log_min_p = _column(log_min_p, torch.float32)
-    tokens = torch.empty(rows, dtype=torch.long)
-    library.aiocb_draw_filtered(
-        logits.data_ptr(),
-        rows,
-        vocab,
-        logits.stride(0),
-        temperature.data_ptr(),
-        top_k.data_ptr(),
-        top_p.data_ptr(),
-        None if log_min_p is None else log_min_p.data_ptr(),
-        seed.data_ptr(),
-        offset.data_ptr(),
-        tokens.data_ptr(),
-        torch.get_num_threads(),
-    )
+    tokens = _run(library.aiocb_draw_filtered, logits, temperature, top_k, top_p, log_min_p, seed, offset)
     if bool((tokens < 0).any()):
         raise MemoryError("the CPU sampler's C kernel could not allocate its scratch memory")
     return tokens
@@ -171,23 +167,9 @@ def draw_whole(
     """Each row's pick of CPU ``logits [R, V]`` (float32) over the whole vocabulary at
     ``temperature``, with ``log_min_p`` the log of min-p or None (no top-k or top-p), the
     noise of ``seed`` at ``offset``, as :func:`aiocb.runner.draw.draw_full` makes it."""
-    rows, vocab = logits.shape
     logits = _rows_of_floats(logits)
     temperature = _column(temperature, torch.float32)
     seed, offset = _column(seed, torch.int64), _column(offset, torch.int64)
     if log_min_p is not None:
         log_min_p = _column(log_min_p, torch.float32)
-    tokens = torch.empty(rows, dtype=torch.long)
-    library.aiocb_draw_whole(
-        logits.data_ptr(),
-        rows,
-        vocab,
-        logits.stride(0),
-        temperature.data_ptr(),
-        None if log_min_p is None else log_min_p.data_ptr(),
-        seed.data_ptr(),
-        offset.data_ptr(),
-        tokens.data_ptr(),
-        torch.get_num_threads(),
-    )
-    return tokens
+    return _run(library.aiocb_draw_whole, logits, temperature, log_min_p, seed, offset)
