@@ -188,7 +188,7 @@ static inline uint32_t mix32(uint32_t x) {
     return x ^ (x >> 16);
 }
 
-/* aiocb.runner.noise.row_keys: the two keys of a row's noise, from its seed (32-bit) and
+/* aiocb.runner.noise._row_keys: the two keys of a row's noise, from its seed (32-bit) and
  * its offset (the tokens it generated before) */
 static inline void row_keys(int64_t seed, int64_t offset, uint32_t* key1, uint32_t* key2) {
     uint32_t first = mix32(mix32((uint32_t)seed) ^ mix32((uint32_t)(offset + 0x9E3779B9LL)));
@@ -370,9 +370,9 @@ static void draw_filtered_row(const job* jb, int64_t r, item* buf, float* gmax, 
     for (int64_t i = 0; i < count; i++) {
         if (nucleus) {
             float prob = expf(scaled[i] - normaliser);
+            int kept = i == 0 || fits(mass, prob, top_p); /* (the first always stays, whatever top_p is) */
             mass += prob;
-            /* the first always stays, whatever top_p is */
-            if (i > 0 && !((float)mass - prob <= top_p)) continue;
+            if (!kept) continue;
         }
         if (jb->log_min_p && !(scaled[i] - scaled[0] >= floor)) continue;
         uint32_t bits = noise_bits(key1, key2, (uint32_t)buf[i].i);

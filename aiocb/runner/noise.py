@@ -45,7 +45,7 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ ((x >> 16) & 0xFFFF)
 
 
-def row_keys(seed: torch.Tensor, offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _row_keys(seed: torch.Tensor, offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The two int32 keys of each row ``(seed, offset)`` (``[S]`` int64, seeds 32-bit)."""
     row_key = _mix32(_mix32(_as_int32(seed)) ^ _mix32(_as_int32((offset + 0x9E3779B9) & _MASK32)))
     return row_key, _mix32(row_key ^ 0x5BD1E995)
@@ -58,7 +58,7 @@ def random_bits(seed: torch.Tensor, offset: torch.Tensor, vocab: int) -> torch.T
 
 def random_bits_at(seed: torch.Tensor, offset: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """The values of :func:`random_bits` at vocabulary ids ``ids`` (``[S, K]``, or ``[1, K]`` for all rows)."""
-    first, second = row_keys(seed, offset)
+    first, second = _row_keys(seed, offset)
     bits = _mix32(_mix32(ids.to(torch.int32) ^ first[:, None]) ^ second[:, None])
     return bits.to(torch.int64) & _MASK32
 
@@ -115,7 +115,7 @@ def gumbel_argmax(scaled: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor
     ``scaled [R, V]`` (float32), without the ``[R, V]`` noise: bit for bit the same noise
     and the same pick (ties and NaNs as ``torch.argmax``: the first index wins)."""
     rows, vocab = scaled.shape
-    first, second = (key[:, None] for key in row_keys(seed, offset))
+    first, second = (key[:, None] for key in _row_keys(seed, offset))
     width = min(vocab, max(64, BLOCK_ELEMENTS // max(rows, 1)))
     ids = torch.arange(width, dtype=torch.int32)
     bits = torch.empty(rows, width, dtype=torch.int32)
