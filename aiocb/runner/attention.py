@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from aiocb.core.kv_cache import ring_size
+from aiocb.runner import native
 from aiocb.runner.backends import Backend, paged_kernel
 from aiocb.runner.inputs import AttentionMetadata, GroupAttention
 from aiocb.runner.paged_cache import PagedKVCache
@@ -61,7 +63,7 @@ def paged_attention_forward(
     softcap = kwargs.get("softcap")
     q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
     group = metadata.groups[metadata.cache.layer_group[layer]]
-    if group.backend == Backend.REFERENCE:
+    if group.backend in (Backend.REFERENCE, Backend.CPU):
         out = reference_paged_attention(layer, q, k, v, metadata, scale, softcap)
     else:
         key_cache, value_cache = metadata.cache.flat(layer)
@@ -91,7 +93,8 @@ def reference_paged_attention(
     scale: float,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """The portable backend: ``query [T, Hq, D]``, ``key/value [T, Hkv, D]`` -> ``[T, Hq, D]``."""
+    """The portable backend (and the ``cpu`` one, whose single-token rows the C kernel
+    attends): ``query [T, Hq, D]``, ``key/value [T, Hkv, D]`` -> ``[T, Hq, D]``."""
     cache = metadata.cache
     group = metadata.groups[cache.layer_group[layer]]
     key_cache, value_cache = cache.flat(layer)
@@ -111,7 +114,10 @@ def reference_paged_attention(
     if metadata.decode_token_index is not None:
         # In a decode-only step the rows are the step's tokens, in order.
         q = query if decode_only else query.index_select(0, metadata.decode_token_index)
-        decoded = _attend_decode(layer, q, group, cache, scale, softcap)
+        if group.decode_keys is None:
+            decoded = _attend_decode(layer, q, group, cache, scale, softcap)
+        else:
+            decoded = _attend_decode_in_place(q, key_cache, value_cache, group, cache, scale, softcap)
         if decode_only:
             return decoded
         out.index_copy_(0, metadata.decode_token_index, decoded)
@@ -163,6 +169,30 @@ def _attend_decode(
             return attended
         decoded.index_copy_(0, chunk.rows, attended)
     return decoded
+
+
+def _attend_decode_in_place(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    group: GroupAttention,
+    cache: PagedKVCache,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Single-token rows ``q [Bd, Hq, D]`` through the C kernel, which reads their keys in
+    the cache (``[slots, Hkv, D]``) through the group's block table."""
+    keys = group.decode_keys
+    assert keys is not None
+    library = native.library()
+    if library is None:
+        raise RuntimeError("the cpu attention backend needs aiocb's C kernels, which did not build")
+    page = cache.page_size
+    ring = ring_size(group.window, page) if group.window is not None else None
+    return native.decode_attention(
+        library, q, key_cache, value_cache, group.block_table, keys.table_rows, keys.first, keys.count,
+        page, ring, scale, softcap,
+    )  # fmt: skip
 
 
 def _attend_shared_prefix(

@@ -1,13 +1,16 @@
 """Choosing how each cache group's attention runs, and the in-place paged kernels.
 
 * ``reference``: torch ops gather each request's keys (any device, any layer type).
+* ``cpu``: aiocb's C kernel reads single-token rows' keys in place through block tables;
+  multi-token rows as ``reference`` (CPU, float32, when the kernels build).
 * ``triton``: aiocb's Triton kernel reads the cache in place through block tables (CUDA).
 * ``flash``: flash-attn's varlen kernel with a block table (CUDA, when importable and
   ``auto_switch_to_flash`` is on).
 
 Sliding-window groups keep a ring of blocks per request that a chunk may overwrite
-while reading it, so they always use ``reference`` (as transformers turns its decode fast
-path off for any sliding layer).
+while reading it, so on GPUs they always use ``reference`` (as transformers turns its
+decode fast path off for any sliding layer); ``cpu`` reads multi-token rows' keys as
+``reference`` does, so it takes them too.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ class Backend(enum.StrEnum):
 
     #: torch ops gather each request's keys (any device, any layer)
     REFERENCE = "reference"
+    #: the C kernel for single-token rows, ``reference`` for the others (CPU, float32)
+    CPU = "cpu"
     #: in-place paged kernels, which read the cache through block tables
     TRITON = "triton"
     FLASH = "flash"
@@ -50,11 +55,17 @@ _logged: set[tuple[str, ...]] = set()
 
 
 def select_backends(
-    device: torch.device, config: ContinuousBatchingConfig, windows: list[int | None], page_size: int
+    device: torch.device,
+    config: ContinuousBatchingConfig,
+    windows: list[int | None],
+    page_size: int,
+    dtype: torch.dtype = torch.float32,
+    head_dim: int = 64,
 ) -> list[str]:
-    """The attention backend of each cache group; logs the choice once per distinct result."""
-    paged = _paged_backend(device, config, page_size)
-    chosen = [Backend.REFERENCE if window is not None else paged for window in windows]
+    """The attention backend of each cache group (a cache of ``dtype``, heads of
+    ``head_dim``); logs the choice once per distinct result."""
+    paged = _paged_backend(device, config, page_size, dtype, head_dim)
+    chosen = [paged if window is None or paged == Backend.CPU else Backend.REFERENCE for window in windows]
     key = (device.type, *chosen)
     if key not in _logged:
         _logged.add(key)
@@ -62,12 +73,16 @@ def select_backends(
     return chosen
 
 
-def _paged_backend(device: torch.device, config: ContinuousBatchingConfig, page_size: int) -> str:
+def _paged_backend(
+    device: torch.device, config: ContinuousBatchingConfig, page_size: int, dtype: torch.dtype, head_dim: int
+) -> str:
     if config.max_blocks_per_request == 0:
         return Backend.REFERENCE  # the seed's switch for the in-place (decode fast path) kernels
     forced = os.environ.get("AIOCB_ATTENTION_BACKEND")
     if forced:
         return forced  # unchecked, so backends are typed str: an unknown name fails at the first forward
+    if device.type == "cpu":
+        return Backend.CPU if cpu_kernel_fits(dtype, head_dim) else Backend.REFERENCE
     if device.type != "cuda":
         return Backend.REFERENCE
     if config.auto_switch_to_flash and page_size % FLASH_PAGE_MULTIPLE == 0 and _flash_available():
@@ -77,12 +92,21 @@ def _paged_backend(device: torch.device, config: ContinuousBatchingConfig, page_
     return Backend.TRITON if triton_attention.is_available(device) else Backend.REFERENCE
 
 
+def cpu_kernel_fits(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the ``cpu`` backend's C kernel takes a cache of ``dtype`` with heads of
+    ``head_dim`` (and the kernels are built)."""
+    from aiocb.runner import native
+
+    return dtype == torch.float32 and head_dim <= native.MOST_HEAD_DIM and native.library() is not None
+
+
 def _flash_available() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
 
 def paged_kernel(backend: str) -> PagedKernel:
-    """The in-place kernel of a ``triton`` or ``flash`` backend."""
+    """The in-place kernel of a ``triton`` or ``flash`` backend (the others attend in
+    :func:`aiocb.runner.attention.reference_paged_attention`)."""
     if backend == Backend.TRITON:
         return _triton_kernel
     if backend == Backend.FLASH:

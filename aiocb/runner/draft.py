@@ -28,6 +28,7 @@ from transformers import PreTrainedModel
 
 from aiocb.errors import InvalidConfigError
 from aiocb.runner import attention
+from aiocb.runner.backends import Backend, cpu_kernel_fits
 from aiocb.runner.input_batch import InputBatch
 from aiocb.runner.inputs import HostToDevice, StepInputs, prepare_inputs
 from aiocb.runner.memory import CachePlan
@@ -75,7 +76,11 @@ class Drafter:
         self.model = model
         self.spec = spec
         self.cache = PagedKVCache(spec, plan)
-        self.backends = backends
+        # (the target's choices, but the C kernel only where the draft's own cache fits it)
+        self.backends = [
+            Backend.REFERENCE if b == Backend.CPU and not cpu_kernel_fits(spec.dtype, spec.head_dim) else b
+            for b in backends
+        ]
         #: proposals are drawn from the ids both vocabularies have
         self.vocab_size = min(vocab_size, spec.vocab_size)
         self._target_vocab_size = vocab_size

@@ -143,6 +143,18 @@ class DecodeChunk:
 
 
 @dataclass(slots=True)
+class DecodeKeys:
+    """Which keys each single-token row attends over, read in place by the ``cpu`` backend."""
+
+    #: ``[n]`` each row's row of the group's block table; None: the same row (every row is one)
+    table_rows: torch.Tensor | None
+    #: ``[n]`` the position of each row's first key (its window's first, in a sliding layer)
+    first: torch.Tensor
+    #: ``[n]`` how many keys each row attends over (this step's one among them)
+    count: torch.Tensor
+
+
+@dataclass(slots=True)
 class GroupAttention:
     """Where one cache group's layers write and read in this step."""
 
@@ -154,10 +166,12 @@ class GroupAttention:
     block_table: torch.Tensor
     #: reference backend: the single-token rows, in batches whose keys are gathered together
     decode_chunks: list[DecodeChunk] = field(default_factory=list)
+    #: cpu backend: the single-token rows' keys
+    decode_keys: DecodeKeys | None = None
     #: reference backend: ``[S]`` slots of the blocks every single-token row shares (a
     #: common prefix); then the chunks hold each row's keys after them
     decode_shared_slots: torch.Tensor | None = None
-    #: reference backend, per multi-token row with cached keys: the slots to read them from
+    #: reference and cpu backends, per multi-token row with cached keys: the slots to read them from
     #: (sliding layers: its keys before its first new token, read before the step writes;
     #: full layers: those and its new ones, read after), empty for a fresh prompt; and a
     #: ``[q, past + q]`` mask (None for plain causal attention)
@@ -378,6 +392,10 @@ def prepare_inputs(
             if batch.num_single_token_rows:
                 step.reference_decode(group, g, table, table_lengths, decode_index)
             step.reference_prefill(group, g, table, prefill)
+        elif backends[g] == Backend.CPU:
+            if batch.num_single_token_rows:
+                group.decode_keys = step.decode_keys(g, decode_index)
+            step.reference_prefill(group, g, table, prefill)
         groups.append(group)
     attention = AttentionMetadata(
         cache=cache,
@@ -474,6 +492,13 @@ class _Step:
             group.decode_chunks.append(
                 DecodeChunk(chunk, chunk_slots, None if bool(valid.all()) else valid, len(steps))
             )
+
+    def decode_keys(self, g: int, decode_index: torch.Tensor) -> DecodeKeys:
+        """The ``cpu`` backend's single-token rows: the positions of their keys."""
+        window = self.cache.group_windows[g]
+        pos = self.starts if self.single else self.starts.index_select(0, decode_index)
+        first = (pos - window + 1).clamp_min(0) if window is not None else torch.zeros_like(pos)
+        return DecodeKeys(None if self.single else decode_index, first, pos - first + 1)
 
     def reference_prefill(self, group: GroupAttention, g: int, table: torch.Tensor, prefill: list[int]) -> None:
         """The reference backend's multi-token rows: the slots of their cached keys, and masks."""

@@ -73,7 +73,9 @@ class ModelRunner:
             self.spec, config, num_requests_hint=num_requests_hint, extra_bytes_per_block=extra
         )
         self.cache = PagedKVCache(self.spec, self.plan)
-        self.backends = select_backends(self.device, config, self.cache.group_windows, self.plan.page_size)
+        self.backends = select_backends(
+            self.device, config, self.cache.group_windows, self.plan.page_size, self.spec.dtype, self.spec.head_dim
+        )
         #: speculative decoding's draft model, run inside each step (None: no draft model)
         self.drafter = None
         if draft_model is not None and drafted is not None:
@@ -211,7 +213,7 @@ class ModelRunner:
             varlen, wanted = wanted
             if varlen:
                 logger.info("mixed and prefill steps run without CUDA graphs (decode steps use them)")
-        paged = all(b != Backend.REFERENCE for b in self.backends)
+        paged = all(b in (Backend.TRITON, Backend.FLASH) for b in self.backends)
         if wanted is None:
             wanted = self.device.type == "cuda" and paged
         if not wanted:

@@ -1,4 +1,5 @@
-"""The CPU sampler's C kernels (``native_draw.c``): built on first use, loaded with ctypes.
+"""aiocb's CPU C kernels, built on first use and loaded with ctypes: the sampler's draws
+(``native_draw.c``) and decode attention over the paged cache (``native_attention.c``).
 
 torch's CPU ``topk`` costs about 20 µs per row of 4,096 logits on the development machine,
 four times a whole greedy pick, and a filtered draw in torch ops is some twenty small
@@ -9,11 +10,15 @@ passes over its logits: :func:`draw_filtered` from its k largest, or over the to
 nucleus keeps; :func:`draw_whole` over the vocabulary (temperature alone, or a min-p). Both take the noise's logarithms
 only for the few tokens whose bound on the noise lets them win.
 
-They are compiled with the system's C compiler (``$CC``, else ``cc``) into a cache
+Decode attention (:func:`decode_attention`) reads each single-token row's keys where the
+paged cache holds them, through its block table, where the torch path first gathers them
+into a padded batch and then reads that copy (the ``cpu`` attention backend).
+
+The kernels are compiled with the system's C compiler (``$CC``, else ``cc``) into a cache
 directory (``$AIOCB_CACHE_DIR``, else ``$XDG_CACHE_HOME/aiocb``, else ``~/.cache/aiocb``),
 once per source, compiler and machine; where that fails (no compiler, a read-only home)
-the sampler keeps its torch path, which picks the same tokens. ``AIOCB_NATIVE=0`` turns
-the kernels off.
+the sampler keeps its torch path, which picks the same tokens, and attention its
+``reference`` backend. ``AIOCB_NATIVE=0`` turns the kernels off.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -34,7 +40,11 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("native_draw.c")
+_SOURCES = tuple(
+    Path(__file__).with_name(name) for name in ("native_parallel.c", "native_draw.c", "native_attention.c")
+)
+#: what the sources include (part of what a build is keyed by)
+_HEADERS = (Path(__file__).with_name("native_parallel.h"),)
 # (no -march=native: a cache directory may be shared by machines of one architecture)
 _FLAGS = ("-O3", "-shared", "-fPIC", "-pthread", "-std=c11", "-fno-math-errno")
 
@@ -59,14 +69,14 @@ def _build() -> ctypes.CDLL:
     compiler = os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C compiler {compiler!r} on PATH")
-    source = _SOURCE.read_bytes()
+    sources = [source.read_bytes() for source in (*_SOURCES, *_HEADERS)]
     key = hashlib.sha256(
         b"\0".join(
-            (source, " ".join(_FLAGS).encode(), _compiler_identity(compiler).encode(), platform.machine().encode())
+            (*sources, " ".join(_FLAGS).encode(), _compiler_identity(compiler).encode(), platform.machine().encode())
         )
     ).hexdigest()[:20]
     directory = _cache_dir()
-    target = directory / f"native_draw-{key}.so"
+    target = directory / f"aiocb-native-{key}.so"
     if not target.exists():
         directory.mkdir(parents=True, exist_ok=True)
         # Built beside its final name and renamed into place: processes that build at the
@@ -75,7 +85,7 @@ def _build() -> ctypes.CDLL:
         os.close(fd)
         try:
             subprocess.run(
-                [compiler, *_FLAGS, "-o", partial, str(_SOURCE), "-lm"],
+                [compiler, *_FLAGS, "-o", partial, *map(str, _SOURCES), "-lm"],
                 capture_output=True,
                 text=True,
                 timeout=120,
@@ -90,7 +100,51 @@ def _build() -> ctypes.CDLL:
         function.restype = None
         # (logits, rows, vocab, row stride, the rows' columns and outputs, threads)
         function.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 3, *[ctypes.c_void_p] * pointers, ctypes.c_int]
+    library.aiocb_use_openmp.restype = None
+    library.aiocb_use_openmp.argtypes = [ctypes.c_void_p] * 3
+    library.aiocb_use_openmp(*_openmp_entry_points())
+    library.aiocb_decode_attention.restype = None
+    library.aiocb_decode_attention.argtypes = [
+        *[ctypes.c_void_p] * 4,  # query, key, value, table
+        ctypes.c_int64,  # table stride
+        *[ctypes.c_void_p] * 3,  # table rows, first, count
+        *[ctypes.c_int64] * 6,  # rows, heads, kv heads, dim, page, ring
+        *[ctypes.c_float] * 2,  # scale, softcap
+        ctypes.c_void_p,  # out
+        ctypes.c_int,  # threads
+    ]
     return library
+
+
+def _openmp_entry_points() -> tuple[int | None, int | None, int | None]:
+    """``GOMP_parallel``, ``omp_get_thread_num`` and ``omp_get_num_threads`` of the OpenMP
+    runtime torch runs its CPU operations on (Nones where it has none, or it cannot be found).
+
+    The kernels run their threads as that runtime's team: the threads torch's operations
+    use, which wait (spinning) for the next operation. Threads of their own would compete
+    with those for the cores; on the development machine that made decode attention on two
+    threads slower than on one.
+    """
+    none = (None, None, None)
+    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        return none
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return none
+    paths = {line.split()[-1] for line in maps.splitlines() if re.search(r"/lib(gomp|iomp5|omp)[^/]*\.so", line)}
+    torch_lib = str(Path(torch.__file__).parent / "lib")
+    for path in sorted(paths, key=lambda p: not p.startswith(torch_lib)):  # torch's own first
+        try:
+            runtime = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+            points = [ctypes.cast(getattr(runtime, name), ctypes.c_void_p).value for name in _OPENMP_NAMES]
+        except (OSError, AttributeError):
+            continue
+        return points[0], points[1], points[2]
+    return none
+
+
+_OPENMP_NAMES = ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads")
 
 
 def library() -> ctypes.CDLL | None:
@@ -105,7 +159,10 @@ def library() -> ctypes.CDLL | None:
                     _library = _build()
                 except (OSError, RuntimeError, subprocess.SubprocessError) as error:
                     detail = getattr(error, "stderr", None) or error
-                    logger.warning("the CPU sampler's C kernels are unavailable (%s); sampling with torch ops", detail)
+                    logger.warning(
+                        "aiocb's CPU C kernels are unavailable (%s); sampling and decode attention use torch ops",
+                        detail,
+                    )
             _tried = True
     return _library
 
@@ -173,3 +230,69 @@ def draw_whole(
     if log_min_p is not None:
         log_min_p = _column(log_min_p, torch.float32)
     return _run(library.aiocb_draw_whole, logits, temperature, log_min_p, seed, offset)
+
+
+#: The widest head the decode attention kernel takes (``LANES`` in ``native_attention.c``).
+MOST_HEAD_DIM = 4096
+
+
+def decode_attention(
+    library: ctypes.CDLL,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    table: torch.Tensor,
+    table_rows: torch.Tensor | None,
+    first: torch.Tensor,
+    count: torch.Tensor,
+    page: int,
+    ring: int | None,
+    scale: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Attention of single-token rows ``query [R, Hq, D]`` over the paged cache in place.
+
+    ``key_cache`` / ``value_cache`` are a layer's ``[slots, Hkv, D]`` (float32, CPU); row
+    ``r`` attends over positions ``first[r] .. first[r] + count[r] - 1`` (``count >= 1``),
+    whose blocks are in row ``table_rows[r]`` (None: row ``r``) of the int32 block table
+    ``table``, modulo ``ring`` blocks where the layer keeps a sliding window's ring. Scores
+    are scaled by ``scale`` and capped with tanh at ``softcap`` when given. Returns ``[R, Hq, D]``.
+    """
+    rows, heads, dim = query.shape
+    kv_heads = key_cache.shape[1]
+    for name, tensor in (("query", query), ("key cache", key_cache), ("value cache", value_cache)):
+        if tensor.device.type != "cpu" or tensor.dtype != torch.float32:
+            raise ValueError(
+                f"the C decode attention takes float32 CPU tensors, not a {tensor.dtype} {name} on {tensor.device}"
+            )
+    if dim > MOST_HEAD_DIM or heads % kv_heads or key_cache.shape[2] != dim:
+        raise ValueError(f"the C decode attention cannot take {heads} heads of {dim} over {kv_heads} KV heads")
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        raise ValueError("the C decode attention reads the cache in place: it must be contiguous")
+    query = query.contiguous()
+    table = _column(table, torch.int32) if table.stride(-1) != 1 or table.dtype != torch.int32 else table
+    first, count = _column(first, torch.int64), _column(count, torch.int64)
+    if table_rows is not None:
+        table_rows = _column(table_rows, torch.int64)
+    out = torch.empty_like(query)
+    library.aiocb_decode_attention(
+        query.data_ptr(),
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        table.data_ptr(),
+        table.stride(0),
+        None if table_rows is None else table_rows.data_ptr(),
+        first.data_ptr(),
+        count.data_ptr(),
+        rows,
+        heads,
+        kv_heads,
+        dim,
+        page,
+        ring or 0,
+        scale,
+        softcap or 0.0,
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return out

@@ -16,13 +16,16 @@
  * nucleus's smallest value, which binned sums of the probabilities find without a sort.
  *
  * Built by aiocb.runner.native with the system's C compiler and called through ctypes,
- * which releases the GIL for the call. Rows are split over `threads` POSIX threads.
+ * which releases the GIL for the call. Rows are split over up to `threads` threads (see
+ * native_parallel.h).
  */
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "native_parallel.h"
 
 /* 16-byte vectors: one SSE2 or NEON register, the baseline of x86-64 and aarch64 (wider ones
  * without -march flags are emulated, several times slower) */
@@ -406,12 +409,11 @@ static void draw_whole_row(const job* jb, int64_t r) {
                                  min_p ? jb->log_min_p[r] : 0.0f);
 }
 
-static void* run(void* arg) {
-    job* jb = (job*)arg;
+static void run(const job* jb) {
     if (!jb->top_k) {
         for (int64_t r = jb->first; r < jb->last; r++)
             draw_whole_row(jb, r);
-        return NULL;
+        return;
     }
     int64_t groups = (2 * jb->most_k + 7) / 8 * 8;
     item* buf = malloc(sizeof(item) * (size_t)jb->vocab);
@@ -426,35 +428,30 @@ static void* run(void* arg) {
     free(gmax);
     free(scaled);
     free(bins);
-    return NULL;
 }
 
-/* the rows of `shape` split over up to `threads` POSIX threads, this one among them */
+typedef struct {
+    job shape;
+    int64_t rows;
+} draw_rows;
+
+static void draw_part(void* arg, int index, int count) {
+    const draw_rows* all = (const draw_rows*)arg;
+    job part = all->shape;
+    part.first = all->rows * index / count;
+    part.last = all->rows * (index + 1) / count;
+    run(&part);
+}
+
+/* the rows of `shape` split over up to `threads` threads (see native_parallel.h) */
 static void run_rows(job shape, int64_t rows, int threads) {
     pthread_once(&ceiling_once, fill_noise_ceiling);
-    enum { MOST_THREADS = 64 };
-    job jobs[MOST_THREADS];
-    pthread_t ids[MOST_THREADS];
-    int started[MOST_THREADS] = {0};
-    /* a thread per 128 Ki logits at most: starting one costs about what a row of 4,096 does */
-    int64_t worth = rows * shape.vocab / (1 << 17);
+    /* a thread per 128 Ki logits at most: waking one costs about what a row of 4,096 does */
+    const int64_t worth = rows * shape.vocab / (1 << 17);
     if (threads > worth) threads = worth > 0 ? (int)worth : 1;
     if (threads > rows) threads = (int)rows;
-    if (threads > MOST_THREADS) threads = MOST_THREADS;
-    if (threads < 1) threads = 1;
-    for (int t = 0; t < threads; t++) {
-        jobs[t] = shape;
-        jobs[t].first = rows * t / threads;
-        jobs[t].last = rows * (t + 1) / threads;
-        if (t) started[t] = pthread_create(&ids[t], NULL, run, &jobs[t]) == 0;
-    }
-    run(&jobs[0]);
-    for (int t = 1; t < threads; t++) {
-        if (started[t])
-            pthread_join(ids[t], NULL);
-        else
-            run(&jobs[t]); /* (no thread: this one does its rows) */
-    }
+    draw_rows all = {shape, rows};
+    aiocb_parallel(draw_part, &all, threads);
 }
 
 /* Draw tokens[r] for every row r of logits [rows, vocab] (float32, rows `stride` apart),

@@ -34,7 +34,7 @@ def test_triton_backend_matches_generate_through_the_whole_model(
 
 def test_backend_selection() -> None:
     cpu, default = torch.device("cpu"), aiocb.ContinuousBatchingConfig()
-    assert select_backends(cpu, default, [None], 256) == [Backend.REFERENCE]
+    assert select_backends(cpu, default, [None], 256, torch.bfloat16) == [Backend.REFERENCE]
     cuda = torch.device("cuda")
     off = aiocb.ContinuousBatchingConfig(max_blocks_per_request=0)
     assert select_backends(cuda, off, [None, 64], 256) == [Backend.REFERENCE, Backend.REFERENCE]

@@ -169,6 +169,7 @@ async def test_decode_over_a_shared_prefix_reads_it_once(
 ) -> None:
     from aiocb.runner import attention
 
+    monkeypatch.setenv("AIOCB_ATTENTION_BACKEND", "reference")  # (the cpu backend reads keys in place)
     if chunk_bytes is not None:
         monkeypatch.setattr(inputs, "_CPU_DECODE_CHUNK_BYTES", chunk_bytes)
     calls = 0
@@ -209,7 +210,9 @@ def test_prefix_caching_is_off_for_sliding_models_with_a_log_line(caplog: pytest
 
 @pytest.mark.parametrize("factory", [_mistral, _gemma3], ids=["mistral", "gemma3"])
 def test_sliding_window_decode_rows_in_batches_match_generate(factory: object, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Single-token rows attended a few at a time (see ``inputs._decode_chunks``), over rings."""
+    """Single-token rows attended a few at a time (see ``inputs._decode_chunks``), over rings
+    (the reference backend; the default tests run the cpu one)."""
+    monkeypatch.setenv("AIOCB_ATTENTION_BACKEND", "reference")
     monkeypatch.setattr(inputs, "_CPU_DECODE_CHUNK_BYTES", 1 << 14)
     model = factory()  # type: ignore[operator]
     prompts = random_prompts(10, 1, 150, seed=24)

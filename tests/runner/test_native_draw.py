@@ -89,14 +89,19 @@ def test_picks_do_not_depend_on_batch_mates_threads_or_layout(kernel: ctypes.CDL
     wide = torch.randn(rows, vocab + 5) * 3
     logits = wide[:, 3 : 3 + vocab]  # (rows not contiguous in memory)
     columns = _columns(rows, 40, 0.9)
-    together = _by_kernel(kernel, logits, *columns)
+    together = _by_kernel(kernel, logits, *columns)  # (on torch's OpenMP team)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         one_thread = _by_kernel(kernel, logits, *columns)
+        torch.set_num_threads(max(2, threads))
+        kernel.aiocb_use_openmp(None, None, None)
+        own_threads = _by_kernel(kernel, logits, *columns)
     finally:
         torch.set_num_threads(threads)
+        kernel.aiocb_use_openmp(*native._openmp_entry_points())
     assert torch.equal(together, one_thread)
+    assert torch.equal(own_threads, one_thread)
     for row in (0, 37, rows - 1):
         alone = _by_kernel(kernel, logits[row : row + 1].clone(), *(c[row : row + 1] for c in columns))
         assert int(alone[0]) == int(together[row])
@@ -152,7 +157,7 @@ def fresh_build(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
 def test_the_kernel_is_built_once_into_the_cache_directory(kernel: ctypes.CDLL, fresh_build: Path) -> None:
     library = native.library()
     assert library is not None
-    built = list(fresh_build.glob("native_draw-*.so"))
+    built = list(fresh_build.glob("aiocb-native-*.so"))
     assert len(built) == 1
     assert native.library() is library
     assert not [p for p in fresh_build.iterdir() if p not in built], "no partial build is left behind"

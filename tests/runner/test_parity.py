@@ -78,6 +78,7 @@ def test_decode_rows_attended_in_batches_match_generate(
     """On CPU, single-token rows are attended in batches small enough to stay in the
     processor's cache, sorted by length; shrink the batches so that every step has many."""
     model, references = case
+    monkeypatch.setenv("AIOCB_ATTENTION_BACKEND", "reference")  # (the cpu backend reads keys in place)
     monkeypatch.setattr(inputs, "_CPU_DECODE_CHUNK_BYTES", chunk_bytes)
     batches: list[int] = []
     split = inputs._decode_chunks

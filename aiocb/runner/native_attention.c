@@ -1,0 +1,238 @@
+/* Decode attention on the CPU: each single-token row attends over its own keys, read in
+ * place from the paged cache through its block table (no gathered copy of the keys).
+ *
+ * The cache of a layer is [slots, kv_heads, head_dim] float32 (slot = block * page +
+ * offset); row r's keys are positions first[r] .. first[r] + count[r] - 1, the block of
+ * position p being table[p / page] (modulo `ring` blocks for a sliding window's ring).
+ * A unit of work is one row and its query heads (up to LANES floats of them: every head,
+ * in models of usual shapes): it reads each of its keys once, all KV heads of a position
+ * together (contiguous in the cache), a tile of keys at a time (which then stays in the
+ * processor's first-level cache while each head reads it), with the running maximum and
+ * sum of the online softmax (flash decoding's recurrence).
+ *
+ * Built by aiocb.runner.native with the sampler's kernels and called through ctypes,
+ * which releases the GIL for the call. Units are split over up to `threads` threads (see
+ * native_parallel.h) by their number of keys.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "native_parallel.h"
+
+/* 8-float vectors: one AVX register in the clone built for AVX2, two SSE (or NEON) ones in
+ * the baseline build */
+typedef float vf __attribute__((vector_size(32)));
+typedef int32_t vi __attribute__((vector_size(32)));
+enum { W = 8 };
+
+#if defined(__x86_64__) && defined(__linux__)
+/* one build of the kernel for AVX2 processors and one for any x86-64, picked at load time */
+#define WIDE __attribute__((target_clones("avx2", "default")))
+#else
+#define WIDE
+#endif
+#define INLINE static inline __attribute__((always_inline))
+
+/* A unit holds the query (and output) of up to MOST_UNIT_HEADS heads in LANES floats; a
+ * tile of up to MOST_TILE keys, about TILE_BYTES of them, is read from the cache at a time. */
+enum { LANES = 4096, MOST_UNIT_HEADS = 64, MOST_TILE = 64, TILE_BYTES = 32 << 10 };
+
+typedef struct {
+    const float* query; /* [rows, heads, dim] */
+    const float* key;   /* [slots, kv_heads, dim] */
+    const float* value;
+    const int32_t* table; /* [.., table_stride] block ids */
+    int64_t table_stride;
+    const int64_t* table_row; /* [rows] row of `table` per query row; NULL: the same row */
+    const int64_t* first;     /* [rows] */
+    const int64_t* count;     /* [rows] */
+    int64_t rows, heads, kv_heads, dim, page, ring;
+    float scale, softcap;
+    float* out;                /* [rows, heads, dim] */
+    int64_t unit_heads, parts; /* heads per unit, units per row */
+    int64_t tile;              /* keys per tile */
+} job;
+
+INLINE vf load(const float* p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+INLINE void store(float* p, vf v) { memcpy(p, &v, sizeof v); }
+
+INLINE vf splat(float x) { return (vf){x, x, x, x, x, x, x, x}; }
+
+INLINE float sum(vf v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
+
+/* e^x for x <= 0 (x below -87 is taken as -87: a weight of about 1e-38 beside the row's
+ * largest, which is 1): Cephes' expf, within two units in the last place */
+INLINE vf exp_of(vf x) {
+    const vf lowest = splat(-87.0f);
+    const vi below = x < lowest; /* (a NaN stays: it compares false) */
+    x = (vf)(((vi)lowest & below) | ((vi)x & ~below));
+    const vf magic = splat(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
+    vf n = (x * 1.44269504088896341f + magic) - magic;
+    vf r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    vf y = 1.9875691500e-4f * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * (r * r) + r + 1.0f;
+    return y * (vf)((__builtin_convertvector(n, vi) + 127) << 23);
+}
+
+INLINE float dot(const float* a, const float* b, int64_t dim) {
+    vf s0 = {0}, s1 = {0};
+    int64_t i = 0;
+    for (; i + 2 * W <= dim; i += 2 * W) {
+        s0 += load(a + i) * load(b + i);
+        s1 += load(a + i + W) * load(b + i + W);
+    }
+    if (i + W <= dim) {
+        s0 += load(a + i) * load(b + i);
+        i += W;
+    }
+    float s = sum(s0 + s1);
+    for (; i < dim; i++) s += a[i] * b[i];
+    return s;
+}
+
+INLINE void add_scaled(float* acc, float w, const float* v, int64_t dim) {
+    const vf wv = splat(w);
+    int64_t i = 0;
+    for (; i + W <= dim; i += W) store(acc + i, load(acc + i) + wv * load(v + i));
+    for (; i < dim; i++) acc[i] += w * v[i];
+}
+
+/* w[0 .. n) = e^(w - top), returning their sum */
+INLINE float exponentiate(float* w, int64_t n, float top) {
+    const vf shift = splat(top);
+    vf total = {0};
+    int64_t j = 0;
+    for (; j + W <= n; j += W) {
+        const vf e = exp_of(load(w + j) - shift);
+        store(w + j, e);
+        total += e;
+    }
+    float s = sum(total);
+    if (j < n) {
+        float rest[W] = {0};
+        memcpy(rest, w + j, sizeof(float) * (size_t)(n - j));
+        const vf e = exp_of(load(rest) - shift);
+        for (int64_t i = 0; i < n - j; i++) {
+            w[j + i] = e[i];
+            s += e[i];
+        }
+    }
+    return s;
+}
+
+INLINE const float* slot_of(const job* jb, const int32_t* table, int64_t position) {
+    int64_t column = position / jb->page;
+    if (jb->ring) column %= jb->ring;
+    return jb->key + ((int64_t)table[column] * jb->page + position % jb->page) * jb->kv_heads * jb->dim;
+}
+
+static const int32_t* table_of(const job* jb, int64_t row) {
+    return jb->table + (jb->table_row ? jb->table_row[row] : row) * jb->table_stride;
+}
+
+static WIDE void attend_unit(const job* jb, int64_t unit) {
+    const int64_t dim = jb->dim, per_kv = jb->heads / jb->kv_heads, tile = jb->tile;
+    const int64_t row = unit / jb->parts, head0 = unit % jb->parts * jb->unit_heads;
+    const int64_t heads = jb->heads - head0 < jb->unit_heads ? jb->heads - head0 : jb->unit_heads;
+    const int32_t* table = table_of(jb, row);
+    const int64_t first = jb->first[row], count = jb->count[row];
+    const int64_t to_value = jb->value - jb->key;
+
+    float q[LANES] __attribute__((aligned(32)));
+    float acc[LANES] __attribute__((aligned(32)));
+    float weight[MOST_UNIT_HEADS][MOST_TILE] __attribute__((aligned(32)));
+    float peak[MOST_UNIT_HEADS], total[MOST_UNIT_HEADS];
+    int64_t kv_offset[MOST_UNIT_HEADS]; /* where head h's KV head starts within a slot */
+    const float* keys[MOST_TILE];
+    const float* values[MOST_TILE];
+    const float* source = jb->query + (row * jb->heads + head0) * dim;
+    for (int64_t i = 0; i < heads * dim; i++) q[i] = source[i] * jb->scale;
+    memset(acc, 0, sizeof(float) * (size_t)(heads * dim));
+    for (int64_t h = 0; h < heads; h++) {
+        kv_offset[h] = (head0 + h) / per_kv * dim;
+        peak[h] = -INFINITY;
+        total[h] = 0.0f;
+    }
+    for (int64_t start = 0; start < count; start += tile) {
+        const int64_t n = count - start < tile ? count - start : tile;
+        for (int64_t j = 0; j < n; j++) {
+            keys[j] = slot_of(jb, table, first + start + j);
+            values[j] = keys[j] + to_value;
+        }
+        /* key by key (each read once, all its KV heads together), then value by value */
+        for (int64_t j = 0; j < n; j++)
+            for (int64_t h = 0; h < heads; h++) weight[h][j] = dot(q + h * dim, keys[j] + kv_offset[h], dim);
+        for (int64_t h = 0; h < heads; h++) {
+            float* w = weight[h];
+            if (jb->softcap > 0.0f)
+                for (int64_t j = 0; j < n; j++) w[j] = tanhf(w[j] / jb->softcap) * jb->softcap;
+            float top = peak[h];
+            for (int64_t j = 0; j < n; j++) top = w[j] > top ? w[j] : top;
+            /* (the first tile's keep multiplies zeros; a NaN score leaves top as it was and
+             * turns the row's output to NaN through its weight, as a softmax would) */
+            const float keep = peak[h] == -INFINITY ? 0.0f : expf(peak[h] - top);
+            peak[h] = top;
+            total[h] = total[h] * keep + exponentiate(w, n, top);
+            if (keep != 1.0f)
+                for (int64_t i = 0; i < dim; i++) acc[h * dim + i] *= keep;
+        }
+        for (int64_t j = 0; j < n; j++)
+            for (int64_t h = 0; h < heads; h++) add_scaled(acc + h * dim, weight[h][j], values[j] + kv_offset[h], dim);
+    }
+    float* target = jb->out + (row * jb->heads + head0) * dim;
+    for (int64_t h = 0; h < heads; h++) {
+        const float inverse = 1.0f / total[h];
+        for (int64_t i = 0; i < dim; i++) target[h * dim + i] = acc[h * dim + i] * inverse;
+    }
+}
+
+/* Part `index` of `count` of the units, split by their keys (a unit's cost). */
+static void attend_part(void* arg, int index, int count) {
+    const job* jb = (const job*)arg;
+    const int64_t units = jb->rows * jb->parts;
+    int64_t work = 0;
+    for (int64_t r = 0; r < jb->rows; r++) work += jb->count[r];
+    const int64_t from = work * index / count, to = work * (index + 1) / count;
+    int64_t done = 0; /* keys of the rows before the unit's */
+    for (int64_t unit = 0; unit < units; unit++) {
+        const int64_t keys = jb->count[unit / jb->parts];
+        /* a unit belongs to the part its first key's share falls in (for every head range
+         * of the row in turn, so spread over the row's keys) */
+        const int64_t at = done + keys * (unit % jb->parts) / jb->parts;
+        if (at >= from && at < to) attend_unit(jb, unit);
+        if (unit % jb->parts == jb->parts - 1) done += keys;
+    }
+}
+
+/* out[r] = softmax(query[r] . keys) . values for every row r of query [rows, heads, dim]
+ * (float32), its keys the cache's positions first[r] .. first[r] + count[r] - 1 (count >= 1)
+ * through block-table row table_row[r] (NULL: row r) of `table`; scores are multiplied by
+ * `scale`, then capped with tanh at `softcap` when it is positive. dim <= LANES. */
+void aiocb_decode_attention(const float* query, const float* key, const float* value, const int32_t* table,
+                            int64_t table_stride, const int64_t* table_row, const int64_t* first,
+                            const int64_t* count, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim,
+                            int64_t page, int64_t ring, float scale, float softcap, float* out, int threads) {
+    int64_t unit_heads = LANES / dim < MOST_UNIT_HEADS ? LANES / dim : MOST_UNIT_HEADS;
+    if (unit_heads > heads) unit_heads = heads;
+    int64_t tile = TILE_BYTES / (int64_t)sizeof(float) / (kv_heads * dim);
+    tile = tile < 8 ? 8 : tile > MOST_TILE ? MOST_TILE : tile;
+    job jb = {query, key,  value,   table, table_stride, table_row,  first,
+              count, rows, heads,   kv_heads, dim,       page,       ring,
+              scale, softcap, out,  unit_heads, (heads + unit_heads - 1) / unit_heads, tile};
+    /* a thread per Mi multiply-adds at most: waking one costs about what that many do */
+    int64_t keys = 0;
+    for (int64_t r = 0; r < rows; r++) keys += count[r];
+    const int64_t worth = keys * heads * dim / (1 << 20);
+    aiocb_parallel(attend_part, &jb, threads < worth ? threads : worth > 0 ? (int)worth : 1);
+}

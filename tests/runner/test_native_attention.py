@@ -1,0 +1,202 @@
+"""The ``cpu`` backend's C decode attention equals attention over gathered keys, and the
+backend is what a CPU float32 model runs on by default."""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from collections.abc import Iterator
+
+import pytest
+import torch
+from transformers import PreTrainedModel
+
+import aiocb
+from aiocb.runner import native
+from aiocb.runner.backends import Backend, select_backends
+from tests.conftest import reference_generate
+from tests.runner.test_native_draw import built_kernels
+
+
+@pytest.fixture(scope="module")
+def kernel() -> ctypes.CDLL:
+    return built_kernels()
+
+
+@pytest.fixture
+def posix_threads(kernel: ctypes.CDLL) -> Iterator[None]:
+    """The kernels on threads of their own instead of torch's OpenMP team."""
+    kernel.aiocb_use_openmp(None, None, None)
+    try:
+        yield
+    finally:
+        kernel.aiocb_use_openmp(*native._openmp_entry_points())
+
+
+def _cache(blocks: int, page: int, kv_heads: int, dim: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    shape = (blocks * page, kv_heads, dim)
+    return torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
+
+
+def _expected(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    table: torch.Tensor,
+    table_rows: torch.Tensor | None,
+    first: torch.Tensor,
+    count: torch.Tensor,
+    page: int,
+    ring: int | None,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Row by row over gathered keys, in float64."""
+    rows, heads, _ = query.shape
+    group = heads // key_cache.shape[1]
+    out = []
+    for r in range(rows):
+        positions = torch.arange(int(first[r]), int(first[r] + count[r]))
+        columns = positions // page if ring is None else positions // page % ring
+        blocks = table[r if table_rows is None else int(table_rows[r])].long()[columns]
+        slots = blocks * page + positions % page
+        k = key_cache[slots].double().repeat_interleave(group, dim=1)  # [n, Hq, D]
+        v = value_cache[slots].double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,nhd->hn", query[r].double(), k) * scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        out.append(torch.einsum("hn,nhd->hd", scores.softmax(-1), v))
+    return torch.stack(out).float()
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "page"),
+    [
+        (8, 4, 32, 16),  # grouped queries
+        (4, 4, 16, 4),  # one query head per KV head
+        (8, 1, 64, 16),  # one KV head for all
+        (6, 2, 12, 8),  # a head narrower than two vectors, and no multiple of one
+        (3, 3, 5, 4),
+        (40, 8, 128, 16),  # more query floats than a unit holds: a row in two units
+    ],
+)
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_decode_attention_equals_attention_over_gathered_keys(
+    kernel: ctypes.CDLL, heads: int, kv_heads: int, dim: int, page: int, softcap: float | None
+) -> None:
+    generator = torch.Generator().manual_seed(heads * dim)
+    rows, blocks_per_row = 9, 40
+    key_cache, value_cache = _cache(rows * blocks_per_row + 1, page, kv_heads, dim, seed=dim)
+    table = torch.randperm(rows * blocks_per_row, generator=generator).view(rows, blocks_per_row).to(torch.int32)
+    # one key, a partial tile, several tiles, a whole table's worth
+    count = torch.tensor([1, 2, 7, 63, 64, 65, 150, 301, blocks_per_row * page]).clamp_max(blocks_per_row * page)
+    first = torch.zeros(rows, dtype=torch.long)
+    query = torch.randn(rows, heads, dim, generator=generator) * 2
+    cache = (key_cache, value_cache, table, None, first, count, page, None, dim**-0.5, softcap)
+    out = native.decode_attention(kernel, query, *cache)
+    torch.testing.assert_close(out, _expected(query, *cache), rtol=1e-5, atol=1e-5)
+
+
+def test_rows_read_other_table_rows_and_a_sliding_windows_ring(kernel: ctypes.CDLL) -> None:
+    """A step's single-token rows among its prompt rows (``table_rows``), each over the
+    last ``window`` positions of a ring of blocks."""
+    heads, kv_heads, dim, page, window = 4, 2, 16, 8, 20
+    ring = math.ceil((window - 1) / page) + 1
+    key_cache, value_cache = _cache(64, page, kv_heads, dim, seed=3)
+    table = torch.randperm(64)[: 6 * ring].view(6, ring).to(torch.int32)
+    table_rows = torch.tensor([5, 0, 3])
+    positions = torch.tensor([100, 7, 45])  # each row's new token
+    first = (positions - window + 1).clamp_min(0)
+    count = positions - first + 1
+    query = torch.randn(3, heads, dim)
+    cache = (key_cache, value_cache, table, table_rows, first, count, page, ring, 0.3, None)
+    out = native.decode_attention(kernel, query, *cache)
+    torch.testing.assert_close(out, _expected(query, *cache), rtol=1e-5, atol=1e-5)
+
+
+def test_large_scores_stay_finite_and_a_nan_row_spoils_only_itself(kernel: ctypes.CDLL) -> None:
+    heads, kv_heads, dim, page = 4, 2, 32, 16
+    key_cache, value_cache = _cache(16, page, kv_heads, dim, seed=5)
+    table = torch.arange(16, dtype=torch.int32).view(4, 4)
+    first, count = torch.zeros(4, dtype=torch.long), torch.tensor([64, 10, 33, 1])
+    query = torch.randn(4, heads, dim) * 200  # scores in the thousands: e^score overflows float32
+    query[1, 2, 3] = float("nan")
+    cache = (key_cache, value_cache, table, None, first, count, page, None, 1.0, None)
+    out = native.decode_attention(kernel, query, *cache)
+    expected = _expected(query, *cache)
+    assert out[1].isnan().any()
+    rest = torch.tensor([0, 2, 3])
+    assert out[rest].isfinite().all()
+    torch.testing.assert_close(out[rest], expected[rest], rtol=1e-4, atol=1e-4)
+
+
+def test_threads_split_the_rows_without_changing_a_bit(kernel: ctypes.CDLL, posix_threads: None) -> None:
+    """Each row is computed whole by one thread: one thread, torch's team or threads of the
+    kernel's own give the same floats."""
+    heads, kv_heads, dim, page, rows = 8, 4, 32, 16, 64
+    key_cache, value_cache = _cache(rows * 20, page, kv_heads, dim, seed=7)
+    table = torch.randperm(rows * 20).view(rows, 20).to(torch.int32)
+    first = torch.zeros(rows, dtype=torch.long)
+    count = torch.randint(1, 20 * page, (rows,), generator=torch.Generator().manual_seed(8))
+    query = torch.randn(rows, heads, dim)
+
+    cache = (key_cache, value_cache, table, None, first, count, page, None, 0.2)
+
+    def attend() -> torch.Tensor:
+        return native.decode_attention(kernel, query, *cache)
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        on_own_threads = attend()
+        kernel.aiocb_use_openmp(*native._openmp_entry_points())
+        on_the_team = attend()
+        torch.set_num_threads(1)
+        alone = attend()
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(on_own_threads, alone)
+    assert torch.equal(on_the_team, alone)
+
+
+def test_decode_attention_refuses_what_it_cannot_read(kernel: ctypes.CDLL) -> None:
+    key_cache, value_cache = _cache(4, 16, 2, 8, seed=9)
+    table = torch.zeros(1, 4, dtype=torch.int32)
+    first, count = torch.zeros(1, dtype=torch.long), torch.ones(1, dtype=torch.long)
+    rest = (table, None, first, count, 16, None, 1.0)
+    with pytest.raises(ValueError, match="bfloat16 key cache"):
+        native.decode_attention(kernel, torch.randn(1, 4, 8), key_cache.bfloat16(), value_cache, *rest)
+    with pytest.raises(ValueError, match="3 heads of 8 over 2 KV heads"):
+        native.decode_attention(kernel, torch.randn(1, 3, 8), key_cache, value_cache, *rest)
+
+
+def test_a_cpu_float32_model_attends_with_the_kernel(
+    kernel: ctypes.CDLL, qwen3: PreTrainedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default on CPU: every decode step's single-token rows go through the kernel, and
+    the tokens are ``generate``'s."""
+    assert select_backends(torch.device("cpu"), aiocb.ContinuousBatchingConfig(), [None, 64], 16) == [
+        Backend.CPU,
+        Backend.CPU,
+    ]
+    calls = 0
+    original = native.decode_attention
+
+    def counting(*args: object, **kwargs: object) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        return original(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(native, "decode_attention", counting)
+    prompts = [[5, 9, 11, 3], [7] * 30, list(range(1, 60))]
+    config = aiocb.ContinuousBatchingConfig(page_size=16, max_batch_tokens=40)
+    outputs = aiocb.generate_batch(qwen3, prompts, max_new_tokens=12, continuous_batching_config=config)
+    assert [o.generated_tokens for o in outputs.values()] == [reference_generate(qwen3, p, 12) for p in prompts]
+    assert calls >= 11 * qwen3.config.num_hidden_layers
+
+
+def test_without_the_kernels_cpu_models_use_the_reference_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native, "_tried", True)
+    monkeypatch.setattr(native, "_library", None)
+    assert select_backends(torch.device("cpu"), aiocb.ContinuousBatchingConfig(), [None], 16) == [Backend.REFERENCE]
