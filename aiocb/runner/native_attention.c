@@ -5,10 +5,11 @@
  * offset); row r's keys are positions first[r] .. first[r] + count[r] - 1, the block of
  * position p being table[p / page] (modulo `ring` blocks for a sliding window's ring).
  * A unit of work is one row and its query heads (up to LANES floats of them: every head,
- * in models of usual shapes): it reads each of its keys once, all KV heads of a position
- * together (contiguous in the cache), a tile of keys at a time (which then stays in the
- * processor's first-level cache while each head reads it), with the running maximum and
- * sum of the online softmax (flash decoding's recurrence).
+ * in models of usual shapes): a tile of keys at a time, it scores every head against each
+ * key (all KV heads of a position are contiguous in the cache, so each key is read once),
+ * then adds up the tile's values the same way, with the running maximum and sum of the
+ * online softmax (flash decoding's recurrence). The cache is read from main memory on any
+ * batch of size, so the loop asks for its keys and values a few positions ahead.
  *
  * Built by aiocb.runner.native with the sampler's kernels and called through ctypes,
  * which releases the GIL for the call. Units are split over up to `threads` threads (see
