@@ -8,8 +8,8 @@
  * in models of usual shapes): a tile of keys at a time, it scores every head against each
  * key (all KV heads of a position are contiguous in the cache, so each key is read once),
  * then adds up the tile's values the same way, with the running maximum and sum of the
- * online softmax (flash decoding's recurrence). A batch of any size reads the cache from main
- * batch of size, so the loop asks for its keys and values a few positions ahead.
+ * online softmax (flash decoding's recurrence). A batch of some size reads the cache from
+ * main memory, so the loop asks for its keys and values a few positions ahead.
  *
  * Built by aiocb.runner.native with the sampler's kernels and called through ctypes,
  * which releases the GIL for the call. Units are split over up to `threads` threads (see
