@@ -200,3 +200,12 @@ def test_without_the_kernels_cpu_models_use_the_reference_backend(monkeypatch: p
     monkeypatch.setattr(native, "_tried", True)
     monkeypatch.setattr(native, "_library", None)
     assert select_backends(torch.device("cpu"), aiocb.ContinuousBatchingConfig(), [None], 16) == [Backend.REFERENCE]
+
+
+def test_the_openmp_runtime_is_torchs_own_or_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernels join torch's OpenMP team when torch runs on OpenMP, and start threads of
+    their own otherwise (another parallel backend, or no /proc to find the runtime in)."""
+    if "parallel backend: OpenMP" in torch.__config__.parallel_info():
+        assert all(native._openmp_entry_points())
+    monkeypatch.setattr(torch.__config__, "parallel_info", lambda: "ATen parallel backend: native thread pool")
+    assert native._openmp_entry_points() == (None, None, None)
