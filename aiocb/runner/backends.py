@@ -59,8 +59,9 @@ def select_backends(
     config: ContinuousBatchingConfig,
     windows: list[int | None],
     page_size: int,
-    dtype: torch.dtype = torch.float32,
-    head_dim: int = 64,
+    *,
+    dtype: torch.dtype,
+    head_dim: int,
 ) -> list[str]:
     """The attention backend of each cache group (a cache of ``dtype``, heads of
     ``head_dim``); logs the choice once per distinct result."""

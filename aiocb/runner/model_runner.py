@@ -74,7 +74,12 @@ class ModelRunner:
         )
         self.cache = PagedKVCache(self.spec, self.plan)
         self.backends = select_backends(
-            self.device, config, self.cache.group_windows, self.plan.page_size, self.spec.dtype, self.spec.head_dim
+            self.device,
+            config,
+            self.cache.group_windows,
+            self.plan.page_size,
+            dtype=self.spec.dtype,
+            head_dim=self.spec.head_dim,
         )
         #: speculative decoding's draft model, run inside each step (None: no draft model)
         self.drafter = None

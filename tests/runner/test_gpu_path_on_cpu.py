@@ -34,11 +34,25 @@ def test_triton_backend_matches_generate_through_the_whole_model(
 
 def test_backend_selection() -> None:
     cpu, default = torch.device("cpu"), aiocb.ContinuousBatchingConfig()
-    assert select_backends(cpu, default, [None], 256, torch.bfloat16) == [Backend.REFERENCE]
+    assert select_backends(cpu, default, [None], 256, dtype=torch.bfloat16, head_dim=64) == [Backend.REFERENCE]
+    assert select_backends(cpu, default, [None, 64], 256, dtype=torch.float32, head_dim=8192) == [
+        Backend.REFERENCE,
+        Backend.REFERENCE,
+    ]
     cuda = torch.device("cuda")
     off = aiocb.ContinuousBatchingConfig(max_blocks_per_request=0)
-    assert select_backends(cuda, off, [None, 64], 256) == [Backend.REFERENCE, Backend.REFERENCE]
-    chosen = select_backends(cuda, aiocb.ContinuousBatchingConfig(auto_switch_to_flash=False), [None, 64], 256)
+    assert select_backends(cuda, off, [None, 64], 256, dtype=torch.float16, head_dim=64) == [
+        Backend.REFERENCE,
+        Backend.REFERENCE,
+    ]
+    chosen = select_backends(
+        cuda,
+        aiocb.ContinuousBatchingConfig(auto_switch_to_flash=False),
+        [None, 64],
+        256,
+        dtype=torch.float16,
+        head_dim=64,
+    )
     # Sliding-window groups always use the reference backend.
     assert chosen[1] == Backend.REFERENCE
 

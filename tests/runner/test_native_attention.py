@@ -17,6 +17,9 @@ from aiocb.runner.backends import Backend, select_backends
 from tests.conftest import reference_generate
 from tests.runner.test_native_draw import built_kernels
 
+#: a cache the kernel takes
+FLOAT32 = {"dtype": torch.float32, "head_dim": 64}
+
 
 @pytest.fixture(scope="module")
 def kernel() -> ctypes.CDLL:
@@ -176,7 +179,7 @@ def test_a_cpu_float32_model_attends_with_the_kernel(
 ) -> None:
     """The default on CPU: every decode step's single-token rows go through the kernel, and
     the tokens are ``generate``'s."""
-    assert select_backends(torch.device("cpu"), aiocb.ContinuousBatchingConfig(), [None, 64], 16) == [
+    assert select_backends(torch.device("cpu"), aiocb.ContinuousBatchingConfig(), [None, 64], 16, **FLOAT32) == [
         Backend.CPU,
         Backend.CPU,
     ]
@@ -199,7 +202,9 @@ def test_a_cpu_float32_model_attends_with_the_kernel(
 def test_without_the_kernels_cpu_models_use_the_reference_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(native, "_tried", True)
     monkeypatch.setattr(native, "_library", None)
-    assert select_backends(torch.device("cpu"), aiocb.ContinuousBatchingConfig(), [None], 16) == [Backend.REFERENCE]
+    assert select_backends(torch.device("cpu"), aiocb.ContinuousBatchingConfig(), [None], 16, **FLOAT32) == [
+        Backend.REFERENCE
+    ]
 
 
 def test_the_openmp_runtime_is_torchs_own_or_none(monkeypatch: pytest.MonkeyPatch) -> None:
