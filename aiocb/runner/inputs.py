@@ -478,7 +478,7 @@ class _Step:
         if shared:
             blocks = decode_table[0, :shared]
             group.decode_shared_slots = (blocks[:, None] * page + torch.arange(page)[None, :]).reshape(-1)
-        first_key = (pos - window + 1).clamp_min(0) if window is not None else torch.full_like(pos, shared * page)
+        first_key = _first_keys(pos, window, shared * page)
         key_counts = pos - first_key + 1
         for chunk in _decode_chunks(key_counts, _decode_chunk_slots(cache)):
             n_keys = key_counts if chunk is None else key_counts[chunk]
@@ -497,7 +497,7 @@ class _Step:
         """The ``cpu`` backend's single-token rows: the positions of their keys."""
         window = self.cache.group_windows[g]
         pos = self.starts if self.single else self.starts.index_select(0, decode_index)
-        first = (pos - window + 1).clamp_min(0) if window is not None else torch.zeros_like(pos)
+        first = _first_keys(pos, window, 0)
         return DecodeKeys(None if self.single else decode_index, first, pos - first + 1)
 
     def reference_prefill(self, group: GroupAttention, g: int, table: torch.Tensor, prefill: list[int]) -> None:
@@ -601,6 +601,14 @@ def _shared_prefix_blocks(tables: torch.Tensor, lengths: torch.Tensor) -> int:
         return 0
     same = (tables[:, :most] == tables[:1, :most]).all(0)
     return int(same.to(torch.long).cumprod(0).sum())
+
+
+def _first_keys(positions: torch.Tensor, window: int | None, floor: int) -> torch.Tensor:
+    """The first key position single-token rows at ``positions`` attend to: their window's
+    first in a sliding layer, else ``floor`` (after any prefix read apart)."""
+    if window is None:
+        return torch.full_like(positions, floor)
+    return (positions - window + 1).clamp_min(0)
 
 
 def _slots(table: torch.Tensor, positions: torch.Tensor, page: int, ring: int | None) -> torch.Tensor:

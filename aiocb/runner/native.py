@@ -270,7 +270,7 @@ def decode_attention(
     if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
         raise ValueError("the C decode attention reads the cache in place: it must be contiguous")
     query = query.contiguous()
-    table = _column(table, torch.int32) if table.stride(-1) != 1 or table.dtype != torch.int32 else table
+    table = _column(table, torch.int32)  # (no copy when it already is)
     first, count = _column(first, torch.int64), _column(count, torch.int64)
     if table_rows is not None:
         table_rows = _column(table_rows, torch.int64)

@@ -55,6 +55,7 @@ typedef struct {
     float* out;                /* [rows, heads, dim] */
     int64_t unit_heads, parts; /* heads per unit, units per row */
     int64_t tile;              /* keys per tile */
+    int64_t keys;              /* the rows' keys in all */
 } job;
 
 INLINE vf load(const float* p) {
@@ -214,9 +215,7 @@ static WIDE void attend_unit(const job* jb, int64_t unit) {
 static void attend_part(void* arg, int index, int count) {
     const job* jb = (const job*)arg;
     const int64_t units = jb->rows * jb->parts;
-    int64_t work = 0;
-    for (int64_t r = 0; r < jb->rows; r++) work += jb->count[r];
-    const int64_t from = work * index / count, to = work * (index + 1) / count;
+    const int64_t from = jb->keys * index / count, to = jb->keys * (index + 1) / count;
     int64_t done = 0; /* keys of the rows before the unit's */
     for (int64_t unit = 0; unit < units; unit++) {
         const int64_t keys = jb->count[unit / jb->parts];
@@ -240,12 +239,12 @@ void aiocb_decode_attention(const float* query, const float* key, const float* v
     if (unit_heads > heads) unit_heads = heads;
     int64_t tile = TILE_BYTES / (int64_t)sizeof(float) / (kv_heads * dim);
     tile = tile < 8 ? 8 : tile > MOST_TILE ? MOST_TILE : tile;
-    job jb = {query, key,  value,   table, table_stride, table_row,  first,
-              count, rows, heads,   kv_heads, dim,       page,       ring,
-              scale, softcap, out,  unit_heads, (heads + unit_heads - 1) / unit_heads, tile};
-    /* a thread per Mi multiply-adds at most: waking one costs about what that many do */
     int64_t keys = 0;
     for (int64_t r = 0; r < rows; r++) keys += count[r];
+    job jb = {query, key,  value,   table, table_stride, table_row,  first,
+              count, rows, heads,   kv_heads, dim,       page,       ring,
+              scale, softcap, out,  unit_heads, (heads + unit_heads - 1) / unit_heads, tile, keys};
+    /* a thread per Mi multiply-adds at most: waking one costs about what that many do */
     const int64_t worth = keys * heads * dim / (1 << 20);
     aiocb_parallel(attend_part, &jb, threads < worth ? threads : worth > 0 ? (int)worth : 1);
 }
