@@ -5,11 +5,13 @@
  * offset); row r's keys are positions first[r] .. first[r] + count[r] - 1, the block of
  * position p being table[p / page] (modulo `ring` blocks for a sliding window's ring).
  * A unit of work is one row and its query heads (up to LANES floats of them: every head,
- * in models of usual shapes): a tile of keys at a time, it scores every head against each
- * key (all KV heads of a position are contiguous in the cache, so each key is read once),
- * then adds up the tile's values the same way, with the running maximum and sum of the
- * online softmax (flash decoding's recurrence). A batch of some size reads the cache from
- * main memory, so the loop asks for its keys and values a few positions ahead.
+ * in models of usual shapes): a tile of keys at a time, it scores every head against eight
+ * keys at once (all KV heads of a position are contiguous in the cache, so each key is read
+ * once, and eight keys' products are summed across together instead of one horizontal sum
+ * per key), then adds up the tile's values head by head, the head's output held in
+ * registers, with the running maximum and sum of the online softmax (flash decoding's
+ * recurrence). A batch of some size reads the cache from main memory, so the loop asks
+ * for its keys and values a few positions ahead.
  *
  * Built by aiocb.runner.native with the sampler's kernels and called through ctypes,
  * which releases the GIL for the call. Units are split over up to `threads` threads (see
@@ -66,7 +68,12 @@ INLINE vf load(const float* p) {
 
 INLINE void store(float* p, vf v) { memcpy(p, &v, sizeof v); }
 
-INLINE vf splat(float x) { return (vf){x, x, x, x, x, x, x, x}; }
+/* (as a shuffle of one lane: GCC builds the vector written out element by element with an
+ * insertion per element) */
+INLINE vf splat(float x) {
+    const vf one = {x};
+    return __builtin_shuffle(one, (vi){0, 0, 0, 0, 0, 0, 0, 0});
+}
 
 INLINE float sum(vf v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
 
@@ -105,11 +112,81 @@ INLINE float dot(const float* a, const float* b, int64_t dim) {
     return s;
 }
 
-INLINE void add_scaled(float* acc, float w, const float* v, int64_t dim) {
-    const vf wv = splat(w);
+/* [a0 + a1, a2 + a3, b0 + b1, b2 + b3, a4 + a5, a6 + a7, b4 + b5, b6 + b7] */
+INLINE vf pair_sums(vf a, vf b) {
+    const vi even = {0, 2, 8, 10, 4, 6, 12, 14}, odd = {1, 3, 9, 11, 5, 7, 13, 15};
+    return __builtin_shuffle(a, b, even) + __builtin_shuffle(a, b, odd);
+}
+
+/* The dot products of `q` with 8 keys (each at k[j] + offset), as one vector: each key's
+ * products go to a vector of their own, and the 8 vectors are summed across at the end
+ * (a fixed tree), rather than one horizontal sum per key. */
+INLINE vf dot8(const float* q, const float* const* k, int64_t offset, int64_t dim) {
+    vf s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0}, s4 = {0}, s5 = {0}, s6 = {0}, s7 = {0};
     int64_t i = 0;
-    for (; i + W <= dim; i += W) store(acc + i, load(acc + i) + wv * load(v + i));
-    for (; i < dim; i++) acc[i] += w * v[i];
+    for (; i + W <= dim; i += W) {
+        const vf x = load(q + i);
+        const int64_t at = offset + i;
+        s0 += x * load(k[0] + at);
+        s1 += x * load(k[1] + at);
+        s2 += x * load(k[2] + at);
+        s3 += x * load(k[3] + at);
+        s4 += x * load(k[4] + at);
+        s5 += x * load(k[5] + at);
+        s6 += x * load(k[6] + at);
+        s7 += x * load(k[7] + at);
+    }
+    const vf low = pair_sums(pair_sums(s0, s1), pair_sums(s2, s3));
+    const vf high = pair_sums(pair_sums(s4, s5), pair_sums(s6, s7));
+    const vi first = {0, 1, 2, 3, 8, 9, 10, 11}, second = {4, 5, 6, 7, 12, 13, 14, 15};
+    vf total = __builtin_shuffle(low, high, first) + __builtin_shuffle(low, high, second);
+    for (; i < dim; i++)
+        for (int j = 0; j < W; j++) total[j] += q[i] * k[j][offset + i];
+    return total;
+}
+
+/* acc[0 .. dim) += sum over j < n of w[j] * v[j][offset ..], four vectors of dimensions at
+ * a time held in registers over the keys */
+INLINE void add_weighted(float* acc, const float* w, const float* const* v, int64_t n, int64_t offset, int64_t dim) {
+    int64_t i = 0;
+    for (; i + 4 * W <= dim; i += 4 * W) {
+        vf a0 = load(acc + i), a1 = load(acc + i + W), a2 = load(acc + i + 2 * W), a3 = load(acc + i + 3 * W);
+        for (int64_t j = 0; j < n; j++) {
+            const vf x = splat(w[j]);
+            const float* p = v[j] + offset + i;
+            a0 += x * load(p);
+            a1 += x * load(p + W);
+            a2 += x * load(p + 2 * W);
+            a3 += x * load(p + 3 * W);
+        }
+        store(acc + i, a0);
+        store(acc + i + W, a1);
+        store(acc + i + 2 * W, a2);
+        store(acc + i + 3 * W, a3);
+    }
+    for (; i + W <= dim; i += W) {
+        vf a = load(acc + i);
+        for (int64_t j = 0; j < n; j++) a += splat(w[j]) * load(v[j] + offset + i);
+        store(acc + i, a);
+    }
+    for (; i < dim; i++) {
+        float a = acc[i];
+        for (int64_t j = 0; j < n; j++) a += w[j] * v[j][offset + i];
+        acc[i] = a;
+    }
+}
+
+/* the largest of w[0 .. n) and `top` (a NaN is passed over) */
+INLINE float largest(const float* w, int64_t n, float top) {
+    vf most = splat(top);
+    int64_t j = 0;
+    for (; j + W <= n; j += W) {
+        const vf x = load(w + j);
+        most = (vf)(((vi)x & (x > most)) | ((vi)most & ~(x > most)));
+    }
+    for (int i = 0; i < W; i++) top = most[i] > top ? most[i] : top;
+    for (; j < n; j++) top = w[j] > top ? w[j] : top;
+    return top;
 }
 
 /* w[0 .. n) = e^(w - top), returning their sum */
@@ -135,10 +212,18 @@ INLINE float exponentiate(float* w, int64_t n, float top) {
     return s;
 }
 
-INLINE const float* slot_of(const job* jb, const int32_t* table, int64_t position) {
-    int64_t column = position / jb->page;
-    if (jb->ring) column %= jb->ring;
-    return jb->key + ((int64_t)table[column] * jb->page + position % jb->page) * jb->kv_heads * jb->dim;
+/* out[i] = where position `position + i` is in the key cache, for i < n: one division per
+ * call, not one per position */
+INLINE void locate(const job* jb, const int32_t* table, int64_t position, int64_t n, const float** out) {
+    const int64_t page = jb->page, slot_floats = jb->kv_heads * jb->dim;
+    int64_t column = position / page, offset = position % page;
+    for (int64_t i = 0; i < n; column++, offset = 0) {
+        const int64_t block = table[jb->ring ? column % jb->ring : column];
+        const float* base = jb->key + (block * page + offset) * slot_floats;
+        const int64_t run = page - offset < n - i ? page - offset : n - i;
+        for (int64_t k = 0; k < run; k++) out[i + k] = base + k * slot_floats;
+        i += run;
+    }
 }
 
 static const int32_t* table_of(const job* jb, int64_t row) {
@@ -158,7 +243,8 @@ static WIDE void attend_unit(const job* jb, int64_t unit) {
     float weight[MOST_UNIT_HEADS][MOST_TILE] __attribute__((aligned(32)));
     float peak[MOST_UNIT_HEADS], total[MOST_UNIT_HEADS];
     int64_t kv_offset[MOST_UNIT_HEADS]; /* where head h's KV head starts within a slot */
-    const float* keys[MOST_TILE];
+    /* the tile's keys and the AHEAD positions after it (read early), then the tile's values */
+    const float* keys[MOST_TILE + AHEAD];
     const float* values[MOST_TILE];
     const float* source = jb->query + (row * jb->heads + head0) * dim;
     for (int64_t i = 0; i < heads * dim; i++) q[i] = source[i] * jb->scale;
@@ -170,29 +256,33 @@ static WIDE void attend_unit(const job* jb, int64_t unit) {
     }
     for (int64_t start = 0; start < count; start += tile) {
         const int64_t n = count - start < tile ? count - start : tile;
-        for (int64_t j = 0; j < n; j++) {
-            keys[j] = slot_of(jb, table, first + start + j);
-            values[j] = keys[j] + to_value;
-        }
-        /* key by key (each read once, all its KV heads together), then value by value */
-        for (int64_t j = 0; j < n; j++) {
-            /* Ask for the key AHEAD positions on, and this key's value (read after the
+        const int64_t known = count - start < tile + AHEAD ? count - start : tile + AHEAD;
+        locate(jb, table, first + start, known, keys);
+        for (int64_t j = 0; j < n; j++) values[j] = keys[j] + to_value;
+        /* eight keys at a time (each read once for all heads while it is in the first-level
+         * cache), then value by value */
+        for (int64_t j = 0; j < n; j += W) {
+            const int64_t m = n - j < W ? n - j : W;
+            /* Ask for the keys AHEAD positions on, and these keys' values (read after the
              * tile's scores): a steady stream of requests keeps more of them in flight than
              * the processor's own prefetching does (about a fifth faster here, the cache
              * being read from main memory). */
-            if (start + j + AHEAD < count) {
-                const float* ahead = slot_of(jb, table, first + start + j + AHEAD);
-                for (int64_t b = 0; b < slot_floats; b += LINE) __builtin_prefetch(ahead + b, 0, 3);
+            for (int64_t a = j + AHEAD; a < j + AHEAD + m && a < known; a++)
+                for (int64_t b = 0; b < slot_floats; b += LINE) __builtin_prefetch(keys[a] + b, 0, 3);
+            for (int64_t a = j; a < j + m; a++)
+                for (int64_t b = 0; b < slot_floats; b += LINE) __builtin_prefetch(values[a] + b, 0, 3);
+            if (m == W) {
+                for (int64_t h = 0; h < heads; h++) store(weight[h] + j, dot8(q + h * dim, keys + j, kv_offset[h], dim));
+            } else {
+                for (int64_t a = j; a < j + m; a++)
+                    for (int64_t h = 0; h < heads; h++) weight[h][a] = dot(q + h * dim, keys[a] + kv_offset[h], dim);
             }
-            for (int64_t b = 0; b < slot_floats; b += LINE) __builtin_prefetch(values[j] + b, 0, 3);
-            for (int64_t h = 0; h < heads; h++) weight[h][j] = dot(q + h * dim, keys[j] + kv_offset[h], dim);
         }
         for (int64_t h = 0; h < heads; h++) {
             float* w = weight[h];
             if (jb->softcap > 0.0f)
                 for (int64_t j = 0; j < n; j++) w[j] = tanhf(w[j] / jb->softcap) * jb->softcap;
-            float top = peak[h];
-            for (int64_t j = 0; j < n; j++) top = w[j] > top ? w[j] : top;
+            const float top = largest(w, n, peak[h]);
             /* (the first tile's keep multiplies zeros; a NaN score leaves top as it was and
              * turns the row's output to NaN through its weight, as a softmax would) */
             const float keep = peak[h] == -INFINITY ? 0.0f : expf(peak[h] - top);
@@ -200,9 +290,8 @@ static WIDE void attend_unit(const job* jb, int64_t unit) {
             total[h] = total[h] * keep + exponentiate(w, n, top);
             if (keep != 1.0f)
                 for (int64_t i = 0; i < dim; i++) acc[h * dim + i] *= keep;
+            add_weighted(acc + h * dim, w, values, n, kv_offset[h], dim);
         }
-        for (int64_t j = 0; j < n; j++)
-            for (int64_t h = 0; h < heads; h++) add_scaled(acc + h * dim, weight[h][j], values[j] + kv_offset[h], dim);
     }
     float* target = jb->out + (row * jb->heads + head0) * dim;
     for (int64_t h = 0; h < heads; h++) {
