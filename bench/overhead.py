@@ -52,6 +52,7 @@ host overhead at most 3 ms per step and heartbeat lag p99 at most 2 ms.
     python bench/overhead.py --quick              # 1 layer, batch 256/1024, 2 rounds, fewer tokens
     python bench/overhead.py --layers 1 --batches 256 --vocabs 4096 --modes generate,greedy
     python bench/overhead.py --json overhead.json # also write every run's numbers
+    python bench/overhead.py --loop uvloop        # aiocb on uvloop (what `aiocb serve` runs on)
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ import shlex
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -503,6 +504,15 @@ def int_list(text: str) -> list[int]:
     return [int(x.replace("_", "")) for x in text.split(",") if x.strip()]
 
 
+def run_loop(coroutine: Coroutine[Any, Any, Cell], loop: str) -> Cell:
+    """Run ``coroutine`` to its end on a new event loop of the kind asked for."""
+    if loop == "uvloop":
+        import uvloop
+
+        return uvloop.run(coroutine)
+    return asyncio.run(coroutine)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="1 layer, batch 256 and 1024, 2 rounds, fewer tokens")
@@ -534,6 +544,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--page-size", type=int, default=default_page, help=f"aiocb page size [{default_page}]")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights, the prompts and the sampling [0]")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's own)")
+    parser.add_argument(
+        "--loop",
+        choices=("asyncio", "uvloop"),
+        default="asyncio",
+        help="the event loop aiocb runs on: asyncio's own, or uvloop (what `aiocb serve` uses) [asyncio]",
+    )
     parser.add_argument("--json", metavar="PATH", help="write every run's numbers (and machine info) as JSON")
     args = parser.parse_args(argv)
 
@@ -565,8 +581,9 @@ def main(argv: list[str] | None = None) -> int:
                     f"[{n_layers} layers, vocab {vocab}, batch {batch}, {tokens} new tokens] {', '.join(cell_modes)}",
                     file=sys.stderr,
                 )
-                cell = asyncio.run(
-                    measure_cell(n_layers, vocab, batch, tokens, cell_modes, repeats, args.page_size, args.seed)
+                cell = run_loop(
+                    measure_cell(n_layers, vocab, batch, tokens, cell_modes, repeats, args.page_size, args.seed),
+                    args.loop,
                 )
                 cells.append(cell)
     total_s = time.perf_counter() - started
@@ -575,7 +592,8 @@ def main(argv: list[str] | None = None) -> int:
     print(info.describe())
     print(
         f"model: Qwen3, hidden 16, 1 head of dim 16, intermediate 32, fp32, seed {args.seed}, no EOS; "
-        f"{PROMPT_LEN}-token prompts; aiocb page size {args.page_size}; {repeats} rounds; total {total_s:.0f} s\n"
+        f"{PROMPT_LEN}-token prompts; aiocb page size {args.page_size}; {repeats} rounds; {args.loop} event loop; "
+        f"total {total_s:.0f} s\n"
     )
     print("ms per step = run wall / new tokens (prefill + every decode step); median (min–max) over the rounds\n")
     print(main_table(cells))
@@ -610,6 +628,7 @@ def main(argv: list[str] | None = None) -> int:
                 "modes": modes,
                 "sampled": {"temperature": 0.8, "top_k": 50, "top_p": 0.9},
                 "heartbeat_s": HEARTBEAT_S,
+                "event_loop": args.loop,
             },
             "total_s": total_s,
             "cells": [

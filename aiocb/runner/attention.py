@@ -6,14 +6,18 @@ norms applied); it writes the new keys and values into the paged cache and atten
 each request, over that request's own cached context and new tokens. No dense mask over
 the flattened batch is built: the cost of a request grows with its own length only.
 
-Single-token rows (decode) are attended in batches, each row's keys gathered and padded
-to the longest in its batch (on CPU, batches of rows of similar length small enough to
-stay in the processor's cache; on GPUs one batch); multi-token rows (prefill chunks) one
-by one, each over its own keys.
+In the portable ``reference`` backend single-token rows (decode) are attended in batches,
+each row's keys gathered and padded to the longest in its batch (on CPU, batches of rows of
+similar length small enough to stay in the processor's cache; on GPUs one batch), and
+multi-token rows (prefill chunks) one by one, each over its own keys. The ``cpu`` backend
+(float32 on the CPU) reads the rows' keys where the cache holds them, through C kernels:
+single-token rows in one call per layer, and the short multi-token rows in another (in
+layers without a sliding window); longer rows, compute-bound, go the reference way.
 """
 
 from __future__ import annotations
 
+import ctypes
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -93,8 +97,8 @@ def reference_paged_attention(
     scale: float,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """The portable backend (and the ``cpu`` one, whose single-token rows the C kernel
-    attends): ``query [T, Hq, D]``, ``key/value [T, Hkv, D]`` -> ``[T, Hq, D]``."""
+    """The portable backend, and the ``cpu`` one, whose rows the C kernels attend where its
+    metadata says so: ``query [T, Hq, D]``, ``key/value [T, Hkv, D]`` -> ``[T, Hq, D]``."""
     cache = metadata.cache
     group = metadata.groups[cache.layer_group[layer]]
     key_cache, value_cache = cache.flat(layer)
@@ -110,7 +114,14 @@ def reference_paged_attention(
     value_cache.index_copy_(0, group.slot_mapping, value)
 
     decode_only = not metadata.prefill_rows
-    out = query if decode_only else torch.empty_like(query)  # (decode-only: every row replaced below)
+    if decode_only:
+        out = query  # (every row replaced below)
+    elif group.prefill_keys is not None:
+        # (contiguous, as the kernel writes it: its multi-token rows now, single-token ones below)
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        _attend_prefill_in_place(query, key_cache, value_cache, group, cache.page_size, scale, softcap, out)
+    else:
+        out = torch.empty_like(query)
     if metadata.decode_token_index is not None:
         # In a decode-only step the rows are the step's tokens, in order.
         q = query if decode_only else query.index_select(0, metadata.decode_token_index)
@@ -123,7 +134,7 @@ def reference_paged_attention(
         out.index_copy_(0, metadata.decode_token_index, decoded)
 
     for i, ((first, length), read_slots, prefill_mask) in enumerate(
-        zip(metadata.prefill_rows, group.prefill_read_slots, group.prefill_masks, strict=True)
+        zip(group.prefill_rows, group.prefill_read_slots, group.prefill_masks, strict=True)
     ):
         new_k, new_v = key[first : first + length], value[first : first + length]
         if not len(read_slots):  # a fresh prompt: its keys are this step's, no copy needed
@@ -184,15 +195,40 @@ def _attend_decode_in_place(
     the cache (``[slots, Hkv, D]``) through the group's block table."""
     keys = group.decode_keys
     assert keys is not None
-    library = native.library()
-    if library is None:
-        raise RuntimeError("the cpu attention backend needs aiocb's C kernels, which did not build")
+    library = _library()
     page = cache.page_size
     ring = ring_size(group.window, page) if group.window is not None else None
     return native.decode_attention(
         library, q, key_cache, value_cache, group.block_table, keys.table_rows, keys.first, keys.count,
         page, ring, scale, softcap,
     )  # fmt: skip
+
+
+def _attend_prefill_in_place(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    group: GroupAttention,
+    page: int,
+    scale: float,
+    softcap: float | None,
+    out: torch.Tensor,
+) -> None:
+    """The step's multi-token rows of ``query [T, Hq, D]`` through the C kernel, into their
+    rows of ``out``: each query over its row's keys in the cache, from position 0 to its own."""
+    keys = group.prefill_keys
+    assert keys is not None
+    native.prefill_attention(
+        _library(), query, key_cache, value_cache, group.block_table, keys.table_rows, keys.token, keys.start,
+        keys.length, page, scale, softcap, out,
+    )  # fmt: skip
+
+
+def _library() -> ctypes.CDLL:
+    library = native.library()
+    if library is None:
+        raise RuntimeError("the cpu attention backend needs aiocb's C kernels, which did not build")
+    return library
 
 
 def _attend_shared_prefix(

@@ -1,16 +1,17 @@
 """Choosing how each cache group's attention runs, and the in-place paged kernels.
 
 * ``reference``: torch ops gather each request's keys (any device, any layer type).
-* ``cpu``: aiocb's C kernel reads single-token rows' keys in place through block tables;
-  multi-token rows as ``reference`` (CPU, float32, when the kernels build).
+* ``cpu``: aiocb's C kernels read single-token rows' keys in place through block tables,
+  and those of multi-token rows of up to 32 tokens in layers without a sliding window;
+  longer multi-token rows as ``reference`` (CPU, float32, when the kernels build).
 * ``triton``: aiocb's Triton kernel reads the cache in place through block tables (CUDA).
 * ``flash``: flash-attn's varlen kernel with a block table (CUDA, when importable and
   ``auto_switch_to_flash`` is on).
 
 Sliding-window groups keep a ring of blocks per request that a chunk may overwrite
 while reading it, so on GPUs they always use ``reference`` (as transformers turns its
-decode fast path off for any sliding layer); ``cpu`` reads multi-token rows' keys as
-``reference`` does, so it takes them too.
+decode fast path off for any sliding layer); ``cpu`` reads sliding layers' multi-token
+rows as ``reference`` does, so it takes them too.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class Backend(enum.StrEnum):
 
     #: torch ops gather each request's keys (any device, any layer)
     REFERENCE = "reference"
-    #: the C kernel for single-token rows, ``reference`` for the others (CPU, float32)
+    #: C kernels for single-token and short multi-token rows, ``reference`` for the others (CPU, float32)
     CPU = "cpu"
     #: in-place paged kernels, which read the cache through block tables
     TRITON = "triton"
@@ -94,7 +95,7 @@ def _paged_backend(
 
 
 def cpu_kernel_fits(dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether the ``cpu`` backend's C kernel takes a cache of ``dtype`` with heads of
+    """Whether the ``cpu`` backend's C kernels take a cache of ``dtype`` with heads of
     ``head_dim`` (and the kernels are built)."""
     from aiocb.runner import native
 

@@ -155,6 +155,19 @@ class DecodeKeys:
 
 
 @dataclass(slots=True)
+class PrefillKeys:
+    """The multi-token rows the ``cpu`` backend attends in place (layers without a sliding
+    window): each row's queries attend causally over its keys from position 0."""
+
+    #: ``[n]`` each row's row of the group's block table
+    table_rows: torch.Tensor
+    #: ``[n]`` the flat index of each row's first token, its position, and its number of tokens
+    token: torch.Tensor
+    start: torch.Tensor
+    length: torch.Tensor
+
+
+@dataclass(slots=True)
 class GroupAttention:
     """Where one cache group's layers write and read in this step."""
 
@@ -166,15 +179,21 @@ class GroupAttention:
     block_table: torch.Tensor
     #: reference backend: the single-token rows, in batches whose keys are gathered together
     decode_chunks: list[DecodeChunk] = field(default_factory=list)
-    #: cpu backend: the single-token rows' keys
+    #: cpu backend: the single-token rows' keys ...
     decode_keys: DecodeKeys | None = None
+    #: ... and those of its multi-token rows it attends in place (in a layer without a
+    #: sliding window, rows of at most :data:`_IN_PLACE_MOST_QUERIES` tokens)
+    prefill_keys: PrefillKeys | None = None
     #: reference backend: ``[S]`` slots of the blocks every single-token row shares (a
     #: common prefix); then the chunks hold each row's keys after them
     decode_shared_slots: torch.Tensor | None = None
-    #: reference and cpu backends, per multi-token row with cached keys: the slots to read them from
+    #: reference and cpu backends: the multi-token rows attended one by one (the cpu backend's
+    #: kernel takes the others), as ``(first flat token, number of tokens)``, and per such
+    #: row with cached keys the slots to read them from
     #: (sliding layers: its keys before its first new token, read before the step writes;
     #: full layers: those and its new ones, read after), empty for a fresh prompt; and a
     #: ``[q, past + q]`` mask (None for plain causal attention)
+    prefill_rows: list[tuple[int, int]] = field(default_factory=list)
     prefill_read_slots: list[torch.Tensor] = field(default_factory=list)
     prefill_masks: list[torch.Tensor | None] = field(default_factory=list)
 
@@ -378,6 +397,12 @@ def prepare_inputs(
         logits_indices = torch.cat((logits_indices, first_token[prompt_rows] + within))
     decode_index = first_token if single else (q_lens == 1).nonzero()[:, 0]
     prefill = [] if single else [i for i, n in enumerate(batch.num_tokens) if n > 1]
+    firsts = first_token.tolist() if prefill else []
+    prefill_rows = [(firsts[i], batch.num_tokens[i]) for i in prefill]
+    # (the cpu backend's kernel takes the rows of a few queries, whose cost is reading their
+    # keys; longer ones are compute-bound, where SDPA's blocked matrix products are faster)
+    in_place = [i for i in prefill if batch.num_tokens[i] <= _IN_PLACE_MOST_QUERIES]
+    apart = [i for i in prefill if batch.num_tokens[i] > _IN_PLACE_MOST_QUERIES] if in_place else prefill
 
     groups = []
     for g, window in enumerate(cache.group_windows):
@@ -391,11 +416,15 @@ def prepare_inputs(
         if backends[g] == Backend.REFERENCE:
             if batch.num_single_token_rows:
                 step.reference_decode(group, g, table, table_lengths, decode_index)
-            step.reference_prefill(group, g, table, prefill)
+            step.reference_prefill(group, g, table, prefill, firsts)
         elif backends[g] == Backend.CPU:
             if batch.num_single_token_rows:
                 group.decode_keys = step.decode_keys(g, decode_index)
-            step.reference_prefill(group, g, table, prefill)
+            if window is not None or not in_place:
+                step.reference_prefill(group, g, table, prefill, firsts)
+            else:
+                group.prefill_keys = step.prefill_keys(in_place, first_token)
+                step.reference_prefill(group, g, table, apart, firsts)
         groups.append(group)
     attention = AttentionMetadata(
         cache=cache,
@@ -406,7 +435,7 @@ def prepare_inputs(
         max_query_len=max(batch.num_tokens),
         max_seq_len=int(seq_lens.max()),
         decode_token_index=first_token.index_select(0, decode_index) if batch.num_single_token_rows else None,
-        prefill_rows=[(int(first_token[i]), batch.num_tokens[i]) for i in prefill],
+        prefill_rows=prefill_rows,
     )
     carry_index = carry_rows = None
     if batch.carry_rows:
@@ -500,12 +529,26 @@ class _Step:
         first = _first_keys(pos, window, 0)
         return DecodeKeys(None if self.single else decode_index, first, pos - first + 1)
 
-    def reference_prefill(self, group: GroupAttention, g: int, table: torch.Tensor, prefill: list[int]) -> None:
-        """The reference backend's multi-token rows: the slots of their cached keys, and masks."""
+    def prefill_keys(self, prefill: list[int], first_token: torch.Tensor) -> PrefillKeys:
+        """The ``cpu`` backend's multi-token rows (``prefill``, their indices) in a full layer."""
+        rows = _longs(prefill)
+        return PrefillKeys(
+            rows,
+            first_token.index_select(0, rows),
+            self.starts.index_select(0, rows),
+            _longs([self.batch.num_tokens[i] for i in prefill]),
+        )
+
+    def reference_prefill(
+        self, group: GroupAttention, g: int, table: torch.Tensor, prefill: list[int], firsts: list[int]
+    ) -> None:
+        """Multi-token rows attended one by one (``prefill``, their indices; ``firsts``, every
+        row's first flat token): the slots of their cached keys, and masks."""
         page, window = self.cache.page_size, self.cache.group_windows[g]
         ring = ring_size(window, page) if window is not None else None
         for i in prefill:
             start, q_len = self.batch.starts[i], self.batch.num_tokens[i]
+            group.prefill_rows.append((firsts[i], q_len))
             lo = max(0, start - (window - 1)) if window is not None else 0
             read = torch.arange(lo, start if window is not None or start == 0 else start + q_len)
             group.prefill_read_slots.append(_slots(table[i : i + 1].expand(len(read), -1), read, page, ring))
@@ -539,6 +582,15 @@ def _sampling_tensors(
         bitmask=batch.bitmask,
         bitmask_rows=None if batch.bitmask is None else torch.tensor(batch.bitmask_rows, dtype=torch.long),
     )
+
+
+#: The cpu backend's kernel attends multi-token rows of at most this many tokens in place (a
+#: speculating row's proposals, a short prompt): one tile of queries, whose cost is reading
+#: the row's keys. A longer row is compute-bound, and SDPA's blocked matrix products were
+#: faster there (2.4x for 16 rows of 100..1,000 tokens with 16 heads of 128, one layer on
+#: the development machine), while for 1,024 rows of 16 tokens one kernel call took 1.8 ms
+#: against 31 ms for a call of SDPA per row.
+_IN_PLACE_MOST_QUERIES = 32
 
 
 #: Single-token rows attend to a prefix they all share in one matrix product (the keys read

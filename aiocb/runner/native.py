@@ -113,6 +113,18 @@ def _build() -> ctypes.CDLL:
         ctypes.c_void_p,  # out
         ctypes.c_int,  # threads
     ]
+    library.aiocb_prefill_attention.restype = None
+    library.aiocb_prefill_attention.argtypes = [
+        ctypes.c_void_p,  # query
+        *[ctypes.c_int64] * 2,  # its token and head strides
+        *[ctypes.c_void_p] * 3,  # key, value, table
+        ctypes.c_int64,  # table stride
+        *[ctypes.c_void_p] * 4,  # table rows, first token, start, length
+        *[ctypes.c_int64] * 5,  # rows, heads, kv heads, dim, page
+        *[ctypes.c_float] * 2,  # scale, softcap
+        ctypes.c_void_p,  # out
+        ctypes.c_int,  # threads
+    ]
     return library
 
 
@@ -258,17 +270,9 @@ def decode_attention(
     ``table``, modulo ``ring`` blocks where the layer keeps a sliding window's ring. Scores
     are scaled by ``scale`` and capped with tanh at ``softcap`` when given. Returns ``[R, Hq, D]``.
     """
+    _check_attention(query, key_cache, value_cache)
     rows, heads, dim = query.shape
     kv_heads = key_cache.shape[1]
-    for name, tensor in (("query", query), ("key cache", key_cache), ("value cache", value_cache)):
-        if tensor.device.type != "cpu" or tensor.dtype != torch.float32:
-            raise ValueError(
-                f"the C decode attention takes float32 CPU tensors, not a {tensor.dtype} {name} on {tensor.device}"
-            )
-    if dim > MOST_HEAD_DIM or heads % kv_heads or key_cache.shape[2] != dim:
-        raise ValueError(f"the C decode attention cannot take {heads} heads of {dim} over {kv_heads} KV heads")
-    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
-        raise ValueError("the C decode attention reads the cache in place: it must be contiguous")
     query = query.contiguous()
     table = _column(table, torch.int32)  # (no copy when it already is)
     first, count = _column(first, torch.int64), _column(count, torch.int64)
@@ -296,3 +300,78 @@ def decode_attention(
         torch.get_num_threads(),
     )
     return out
+
+
+def prefill_attention(
+    library: ctypes.CDLL,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    table: torch.Tensor,
+    table_rows: torch.Tensor | None,
+    token: torch.Tensor,
+    start: torch.Tensor,
+    length: torch.Tensor,
+    page: int,
+    scale: float,
+    softcap: float | None,
+    out: torch.Tensor,
+) -> None:
+    """Causal attention of multi-token rows over the paged cache in place, into ``out``.
+
+    ``query`` and ``out`` are a step's ``[T, Hq, D]`` (float32, CPU; ``out`` contiguous, and
+    each head of ``query``, which need not be, as a transposed ``[Hq, T, D]`` is); row ``r``'s
+    queries are tokens ``token[r] .. token[r] + length[r] - 1`` at positions ``start[r] ..``,
+    each attending over the keys at positions ``0 ..`` its own, which ``key_cache`` /
+    ``value_cache`` (a layer's ``[slots, Hkv, D]``, without a sliding window) already hold,
+    in row ``table_rows[r]`` (None: row ``r``) of the int32 block table ``table``. Scores are
+    scaled by ``scale`` and capped with tanh at ``softcap`` when given. Writes those
+    tokens' rows of ``out``; the others are left as they are.
+    """
+    _check_attention(query, key_cache, value_cache)
+    if not (out.is_contiguous() and out.shape == query.shape and out.dtype == query.dtype):
+        raise ValueError("the C prefill attention writes a contiguous output shaped as the query")
+    rows, (_, heads, dim) = len(length), query.shape
+    if query.stride(2) != 1:
+        query = query.contiguous()
+    table = _column(table, torch.int32)
+    token, start, length = (_column(t, torch.int64) for t in (token, start, length))
+    if table_rows is not None:
+        table_rows = _column(table_rows, torch.int64)
+    library.aiocb_prefill_attention(
+        query.data_ptr(),
+        query.stride(0),
+        query.stride(1),
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        table.data_ptr(),
+        table.stride(0),
+        None if table_rows is None else table_rows.data_ptr(),
+        token.data_ptr(),
+        start.data_ptr(),
+        length.data_ptr(),
+        rows,
+        heads,
+        key_cache.shape[1],
+        dim,
+        page,
+        scale,
+        softcap or 0.0,
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+
+
+def _check_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    """Refuse, by name, what the C attention kernels cannot read."""
+    _, heads, dim = query.shape
+    kv_heads = key_cache.shape[1]
+    for name, tensor in (("query", query), ("key cache", key_cache), ("value cache", value_cache)):
+        if tensor.device.type != "cpu" or tensor.dtype != torch.float32:
+            raise ValueError(
+                f"the C attention kernels take float32 CPU tensors, not a {tensor.dtype} {name} on {tensor.device}"
+            )
+    if dim > MOST_HEAD_DIM or heads % kv_heads or key_cache.shape[2] != dim:
+        raise ValueError(f"the C attention kernels cannot take {heads} heads of {dim} over {kv_heads} KV heads")
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        raise ValueError("the C attention kernels read the cache in place: it must be contiguous")

@@ -1,5 +1,6 @@
-/* Decode attention on the CPU: each single-token row attends over its own keys, read in
- * place from the paged cache through its block table (no gathered copy of the keys).
+/* Attention on the CPU over the paged cache in place: each single-token row (decode)
+ * attends over its own keys, read where the cache holds them through its block table (no
+ * gathered copy of the keys); multi-token rows likewise, at the end of this file.
  *
  * The cache of a layer is [slots, kv_heads, head_dim] float32 (slot = block * page +
  * offset); row r's keys are positions first[r] .. first[r] + count[r] - 1, the block of
@@ -336,4 +337,144 @@ void aiocb_decode_attention(const float* query, const float* key, const float* v
     /* a thread per Mi multiply-adds at most: waking one costs about what that many do */
     const int64_t worth = keys * heads * dim / (1 << 20);
     aiocb_parallel(attend_part, &jb, threads < worth ? threads : worth > 0 ? (int)worth : 1);
+}
+
+/* ---- Multi-token rows (prompt chunks, proposed tokens): causal attention in place ----
+ *
+ * Row r's queries are the tokens token[r] .. token[r] + length[r] - 1 of `query`, at
+ * positions start[r] .. start[r] + length[r] - 1; each attends over the row's keys at
+ * positions 0 .. its own, which the step has already written to the cache. A unit of work
+ * is a tile of up to `queries` consecutive queries of one row and a range of heads (a KV
+ * head's group where it fits): each tile of keys is read once for all of them, while it
+ * stays in the first-level cache, and each (query, head) keeps its own online softmax. */
+
+enum { MOST_QUERIES = 32 };
+
+typedef struct {
+    job base; /* the cache, the table, the shapes, scale, softcap, out (no ring) */
+    const int64_t* token;
+    const int64_t* start;
+    const int64_t* length;
+    int64_t token_stride, head_stride; /* of the query, in floats */
+    int64_t queries; /* queries per unit */
+    int64_t cost;    /* every unit's cost (query-key pairs), in all */
+} prefill_job;
+
+static WIDE void prefill_unit(const prefill_job* pj, int64_t row, int64_t q0, int64_t part) {
+    const job* jb = &pj->base;
+    const int64_t dim = jb->dim, per_kv = jb->heads / jb->kv_heads, tile = jb->tile;
+    const int64_t head0 = part * jb->unit_heads;
+    const int64_t heads = jb->heads - head0 < jb->unit_heads ? jb->heads - head0 : jb->unit_heads;
+    const int64_t nq = pj->length[row] - q0 < pj->queries ? pj->length[row] - q0 : pj->queries;
+    const int64_t pos0 = pj->start[row] + q0, token0 = pj->token[row] + q0;
+    const int64_t count = pos0 + nq; /* keys: positions 0 .. the tile's last query's */
+    const int32_t* table = table_of(jb, row);
+    const int64_t to_value = jb->value - jb->key;
+
+    float q[LANES] __attribute__((aligned(32)));
+    float acc[LANES] __attribute__((aligned(32)));
+    float weight[MOST_TILE] __attribute__((aligned(32)));
+    float peak[MOST_UNIT_HEADS], total[MOST_UNIT_HEADS]; /* per (query, head) */
+    int64_t kv_offset[MOST_UNIT_HEADS];
+    const float* keys[MOST_TILE];
+    const float* values[MOST_TILE];
+    for (int64_t i = 0; i < nq; i++)
+        for (int64_t h = 0; h < heads; h++) {
+            const int64_t s = i * heads + h;
+            const float* source = jb->query + (token0 + i) * pj->token_stride + (head0 + h) * pj->head_stride;
+            for (int64_t d = 0; d < dim; d++) q[s * dim + d] = source[d] * jb->scale;
+            peak[s] = -INFINITY;
+            total[s] = 0.0f;
+        }
+    memset(acc, 0, sizeof(float) * (size_t)(nq * heads * dim));
+    for (int64_t h = 0; h < heads; h++) kv_offset[h] = (head0 + h) / per_kv * dim;
+    for (int64_t first = 0; first < count; first += tile) {
+        const int64_t n = count - first < tile ? count - first : tile;
+        locate(jb, table, first, n, keys);
+        for (int64_t j = 0; j < n; j++) values[j] = keys[j] + to_value;
+        for (int64_t i = 0; i < nq; i++) {
+            const int64_t seen = pos0 + i - first + 1; /* the tile's keys this query may see */
+            const int64_t m = seen < n ? seen : n;
+            if (m <= 0) continue;
+            for (int64_t h = 0; h < heads; h++) {
+                const int64_t s = i * heads + h;
+                const float* qv = q + s * dim;
+                int64_t j = 0;
+                for (; j + W <= m; j += W) store(weight + j, dot8(qv, keys + j, kv_offset[h], dim));
+                for (; j < m; j++) weight[j] = dot(qv, keys[j] + kv_offset[h], dim);
+                if (jb->softcap > 0.0f)
+                    for (j = 0; j < m; j++) weight[j] = tanhf(weight[j] / jb->softcap) * jb->softcap;
+                const float top = largest(weight, m, peak[s]);
+                const float keep = peak[s] == -INFINITY ? 0.0f : expf(peak[s] - top);
+                peak[s] = top;
+                total[s] = total[s] * keep + exponentiate(weight, m, top);
+                float* a = acc + s * dim;
+                if (keep != 1.0f)
+                    for (int64_t d = 0; d < dim; d++) a[d] *= keep;
+                add_weighted(a, weight, values, m, kv_offset[h], dim);
+            }
+        }
+    }
+    for (int64_t i = 0; i < nq; i++)
+        for (int64_t h = 0; h < heads; h++) {
+            const int64_t s = i * heads + h;
+            const float inverse = 1.0f / total[s];
+            float* target = jb->out + ((token0 + i) * jb->heads + head0 + h) * dim;
+            for (int64_t d = 0; d < dim; d++) target[d] = acc[s * dim + d] * inverse;
+        }
+}
+
+/* A unit's cost: its queries' keys (the causal triangle's part in its tile). */
+static int64_t prefill_cost(const prefill_job* pj, int64_t row, int64_t q0) {
+    const int64_t nq = pj->length[row] - q0 < pj->queries ? pj->length[row] - q0 : pj->queries;
+    const int64_t pos0 = pj->start[row] + q0;
+    return nq * (pos0 + 1) + nq * (nq - 1) / 2;
+}
+
+/* Part `index` of `count` of the units, split by their cost. */
+static void prefill_part(void* arg, int index, int count) {
+    const prefill_job* pj = (const prefill_job*)arg;
+    const int64_t from = pj->cost * index / count, to = pj->cost * (index + 1) / count;
+    int64_t done = 0; /* the cost of the units before */
+    for (int64_t row = 0; row < pj->base.rows; row++)
+        for (int64_t q0 = 0; q0 < pj->length[row]; q0 += pj->queries) {
+            const int64_t cost = prefill_cost(pj, row, q0);
+            for (int64_t part = 0; part < pj->base.parts; part++) {
+                /* (each head range of a tile starts at its share of the tile's cost) */
+                const int64_t at = done + cost * part / pj->base.parts;
+                if (at >= from && at < to) prefill_unit(pj, row, q0, part);
+            }
+            done += cost;
+        }
+}
+
+/* Causal attention of multi-token rows over the paged cache in place: row r's queries are
+ * tokens token[r] .. token[r] + length[r] - 1 of query [tokens, heads, dim] (float32, its
+ * tokens and heads `token_stride` and `head_stride` floats apart, each head contiguous), at
+ * positions start[r] .., each over the keys at positions 0 .. its own through block-table
+ * row table_row[r] (NULL: row r) of `table` (layers without a sliding window); scores are
+ * multiplied by `scale`, then capped with tanh at `softcap` when it is positive. Writes
+ * those tokens' rows of out [tokens, heads, dim]. dim <= LANES. */
+void aiocb_prefill_attention(const float* query, int64_t token_stride, int64_t head_stride, const float* key,
+                             const float* value, const int32_t* table, int64_t table_stride,
+                             const int64_t* table_row, const int64_t* token,
+                             const int64_t* start, const int64_t* length, int64_t rows, int64_t heads,
+                             int64_t kv_heads, int64_t dim, int64_t page, float scale, float softcap, float* out,
+                             int threads) {
+    const int64_t per_kv = heads / kv_heads;
+    int64_t unit_heads = per_kv < MOST_UNIT_HEADS ? per_kv : MOST_UNIT_HEADS;
+    if (unit_heads > LANES / dim) unit_heads = LANES / dim;
+    int64_t queries = MOST_UNIT_HEADS / unit_heads;
+    if (queries > LANES / (unit_heads * dim)) queries = LANES / (unit_heads * dim);
+    if (queries > MOST_QUERIES) queries = MOST_QUERIES;
+    int64_t tile = TILE_BYTES / (int64_t)sizeof(float) / (kv_heads * dim);
+    tile = tile < 8 ? 8 : tile > MOST_TILE ? MOST_TILE : tile;
+    prefill_job pj = {{query, key, value, table, table_stride, table_row, NULL, NULL, rows, heads, kv_heads, dim, page,
+                       0, scale, softcap, out, unit_heads, (heads + unit_heads - 1) / unit_heads, tile, 0},
+                      token, start, length, token_stride, head_stride, queries, 0};
+    for (int64_t row = 0; row < rows; row++)
+        for (int64_t q0 = 0; q0 < length[row]; q0 += queries) pj.cost += prefill_cost(&pj, row, q0);
+    /* a thread per Mi multiply-adds at most, as for single-token rows */
+    const int64_t worth = pj.cost * heads * dim / (1 << 20);
+    aiocb_parallel(prefill_part, &pj, threads < worth ? threads : worth > 0 ? (int)worth : 1);
 }

@@ -163,6 +163,108 @@ def test_threads_split_the_rows_without_changing_a_bit(kernel: ctypes.CDLL, posi
     assert torch.equal(on_the_team, alone)
 
 
+def _expected_prefill(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    table: torch.Tensor,
+    table_rows: torch.Tensor | None,
+    token: torch.Tensor,
+    start: torch.Tensor,
+    length: torch.Tensor,
+    page: int,
+    scale: float,
+    softcap: float | None,
+) -> dict[int, torch.Tensor]:
+    """Each multi-token row's output tokens, query by query over gathered keys, in float64."""
+    group = query.shape[1] // key_cache.shape[1]
+    out = {}
+    for r in range(len(length)):
+        row = table[r if table_rows is None else int(table_rows[r])].long()
+        for i in range(int(length[r])):
+            positions = torch.arange(int(start[r]) + i + 1)
+            slots = row[positions // page] * page + positions % page
+            k = key_cache[slots].double().repeat_interleave(group, dim=1)
+            v = value_cache[slots].double().repeat_interleave(group, dim=1)
+            q = query[int(token[r]) + i].double()
+            scores = torch.einsum("hd,nhd->hn", q, k) * scale
+            if softcap:
+                scores = torch.tanh(scores / softcap) * softcap
+            out[int(token[r]) + i] = torch.einsum("hn,nhd->hd", scores.softmax(-1), v).float()
+    return out
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "page"),
+    [
+        (8, 4, 32, 16),
+        (4, 4, 16, 4),
+        (8, 1, 64, 16),
+        (6, 2, 12, 8),
+        (3, 3, 5, 4),
+        (40, 8, 128, 16),
+        (80, 1, 8, 8),  # a KV head's group wider than a unit: split
+    ],
+)
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_prefill_attention_equals_causal_attention_over_gathered_keys(
+    kernel: ctypes.CDLL, heads: int, kv_heads: int, dim: int, page: int, softcap: float | None
+) -> None:
+    """Prompt chunks and proposed tokens among a step's single-token rows: fresh prompts of
+    every length around a tile of queries and of keys, chunks after cached keys, rows read
+    through other rows of the table; tokens of other rows are left untouched."""
+    generator = torch.Generator().manual_seed(heads + dim)
+    blocks_per_row, rows = -(-160 // page), 7
+    key_cache, value_cache = _cache(rows * blocks_per_row + 3, page, kv_heads, dim, seed=heads)
+    table = torch.randperm(rows * blocks_per_row, generator=generator).view(rows, blocks_per_row).to(torch.int32)
+    table_rows = torch.tensor([6, 0, 2, 5, 1])
+    start = torch.tensor([0, 0, 0, 37, 150])
+    length = torch.tensor([2, 31, 97, 20, 5])
+    # a single-token row's token between every two multi-token rows
+    token = torch.cumsum(torch.cat((torch.tensor([1]), length[:-1] + 1)), 0)
+    tokens = int(token[-1] + length[-1] + 1)
+    # (head-major, as the model hands queries over: the kernel reads the transposed view)
+    query = (torch.randn(heads, tokens, dim, generator=generator) * 2).transpose(0, 1)
+    out = torch.full(query.shape, 7.0)
+    cache = (key_cache, value_cache, table, table_rows, token, start, length, page, dim**-0.5, softcap)
+    native.prefill_attention(kernel, query, *cache, out)
+    expected = _expected_prefill(query, *cache)
+    for index in range(tokens):
+        if index in expected:
+            torch.testing.assert_close(out[index], expected[index], rtol=1e-5, atol=1e-5)
+        else:
+            assert bool((out[index] == 7.0).all()), f"token {index} belongs to no multi-token row"
+
+
+def test_prefill_threads_split_the_work_without_changing_a_bit(kernel: ctypes.CDLL, posix_threads: None) -> None:
+    heads, kv_heads, dim, page = 8, 4, 32, 16
+    key_cache, value_cache = _cache(200, page, kv_heads, dim, seed=11)
+    table = torch.randperm(200).view(8, 25).to(torch.int32)
+    length = torch.randint(2, 150, (8,), generator=torch.Generator().manual_seed(12))
+    start = torch.randint(0, 200, (8,), generator=torch.Generator().manual_seed(13))
+    token = torch.cumsum(length, 0) - length
+    query = torch.randn(int(length.sum()), heads, dim)
+    cache = (key_cache, value_cache, table, None, token, start, length, page, 0.2, None)
+
+    def attend() -> torch.Tensor:
+        out = torch.empty_like(query)
+        native.prefill_attention(kernel, query, *cache, out)
+        return out
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        on_own_threads = attend()
+        kernel.aiocb_use_openmp(*native._openmp_entry_points())
+        on_the_team = attend()
+        torch.set_num_threads(1)
+        alone = attend()
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(on_own_threads, alone)
+    assert torch.equal(on_the_team, alone)
+
+
 def test_decode_attention_refuses_what_it_cannot_read(kernel: ctypes.CDLL) -> None:
     key_cache, value_cache = _cache(4, 16, 2, 8, seed=9)
     table = torch.zeros(1, 4, dtype=torch.int32)
@@ -172,31 +274,51 @@ def test_decode_attention_refuses_what_it_cannot_read(kernel: ctypes.CDLL) -> No
         native.decode_attention(kernel, torch.randn(1, 4, 8), key_cache.bfloat16(), value_cache, *rest)
     with pytest.raises(ValueError, match="3 heads of 8 over 2 KV heads"):
         native.decode_attention(kernel, torch.randn(1, 3, 8), key_cache, value_cache, *rest)
+    one = torch.ones(1, dtype=torch.long)
+    prefill = (table, None, first, first, one * 2, 16, 1.0, None)
+    query = torch.randn(2, 4, 8)
+    with pytest.raises(ValueError, match="float64 query"):
+        native.prefill_attention(kernel, query.double(), key_cache, value_cache, *prefill, query.double())
+    with pytest.raises(ValueError, match="contiguous output shaped as the query"):
+        native.prefill_attention(kernel, query, key_cache, value_cache, *prefill, torch.empty(2, 4, 4))
 
 
 def test_a_cpu_float32_model_attends_with_the_kernel(
     kernel: ctypes.CDLL, qwen3: PreTrainedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The default on CPU: every decode step's single-token rows go through the kernel, and
-    the tokens are ``generate``'s."""
+    so do short prompt chunks (whole prompts, and a prompt's last chunk after its cached
+    keys), while a longer chunk is attended by SDPA; the tokens are ``generate``'s."""
     assert select_backends(torch.device("cpu"), aiocb.ContinuousBatchingConfig(), [None, 64], 16, **FLOAT32) == [
         Backend.CPU,
         Backend.CPU,
     ]
-    calls = 0
-    original = native.decode_attention
+    calls = {"decode": 0, "prefill": 0}
+    prefill_rows: list[tuple[int, int]] = []  # (start, length) of the rows the kernel took
+    decode, prefill = native.decode_attention, native.prefill_attention
 
-    def counting(*args: object, **kwargs: object) -> torch.Tensor:
-        nonlocal calls
-        calls += 1
-        return original(*args, **kwargs)  # type: ignore[arg-type]
+    def counting_decode(*args: object, **kwargs: object) -> torch.Tensor:
+        calls["decode"] += 1
+        return decode(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(native, "decode_attention", counting)
+    def counting_prefill(*args: object, **kwargs: object) -> None:
+        calls["prefill"] += 1
+        start, length = args[7], args[8]
+        assert isinstance(start, torch.Tensor) and isinstance(length, torch.Tensor)
+        prefill_rows.extend(zip(start.tolist(), length.tolist(), strict=True))
+        prefill(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(native, "decode_attention", counting_decode)
+    monkeypatch.setattr(native, "prefill_attention", counting_prefill)
     prompts = [[5, 9, 11, 3], [7] * 30, list(range(1, 60))]
-    config = aiocb.ContinuousBatchingConfig(page_size=16, max_batch_tokens=40)
+    # 70 tokens a step: the 4- and 59-token prompts whole, 7 tokens of the 30-token one,
+    # whose other 23 come in the next step, after its cached keys
+    config = aiocb.ContinuousBatchingConfig(page_size=16, max_batch_tokens=70)
     outputs = aiocb.generate_batch(qwen3, prompts, max_new_tokens=12, continuous_batching_config=config)
     assert [o.generated_tokens for o in outputs.values()] == [reference_generate(qwen3, p, 12) for p in prompts]
-    assert calls >= 11 * qwen3.config.num_hidden_layers
+    assert calls["decode"] >= 11 * qwen3.config.num_hidden_layers
+    assert calls["prefill"] >= qwen3.config.num_hidden_layers
+    assert {(0, 4), (0, 7), (7, 23)} == set(prefill_rows)  # (the 59 tokens went to SDPA)
 
 
 def test_without_the_kernels_cpu_models_use_the_reference_backend(monkeypatch: pytest.MonkeyPatch) -> None:
