@@ -1,5 +1,5 @@
 """aiocb's CPU C kernels, built on first use and loaded with ctypes: the sampler's draws
-(``native_draw.c``) and decode attention over the paged cache (``native_attention.c``).
+(``native_draw.c``) and attention over the paged cache (``native_attention.c``).
 
 torch's CPU ``topk`` costs about 20 µs per row of 4,096 logits on the development machine,
 four times a whole greedy pick, and a filtered draw in torch ops is some twenty small
@@ -12,7 +12,9 @@ only for the few tokens whose bound on the noise lets them win.
 
 Decode attention (:func:`decode_attention`) reads each single-token row's keys where the
 paged cache holds them, through its block table, where the torch path first gathers them
-into a padded batch and then reads that copy (the ``cpu`` attention backend).
+into a padded batch and then reads that copy (the ``cpu`` attention backend);
+:func:`prefill_attention` does the same for a step's short multi-token rows, in one call
+where the torch path makes one per row.
 
 The kernels are compiled with the system's C compiler (``$CC``, else ``cc``) into a cache
 directory (``$AIOCB_CACHE_DIR``, else ``$XDG_CACHE_HOME/aiocb``, else ``~/.cache/aiocb``),
@@ -319,8 +321,8 @@ def prefill_attention(
 ) -> None:
     """Causal attention of multi-token rows over the paged cache in place, into ``out``.
 
-    ``query`` and ``out`` are a step's ``[T, Hq, D]`` (float32, CPU; ``out`` contiguous, and
-    each head of ``query``, which need not be, as a transposed ``[Hq, T, D]`` is); row ``r``'s
+    ``query`` and ``out`` are a step's ``[T, Hq, D]`` (float32, CPU; ``out`` contiguous,
+    ``query`` possibly a transposed ``[Hq, T, D]``, as the model hands it over); row ``r``'s
     queries are tokens ``token[r] .. token[r] + length[r] - 1`` at positions ``start[r] ..``,
     each attending over the keys at positions ``0 ..`` its own, which ``key_cache`` /
     ``value_cache`` (a layer's ``[slots, Hkv, D]``, without a sliding window) already hold,
