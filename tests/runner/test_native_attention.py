@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -134,6 +134,23 @@ def test_large_scores_stay_finite_and_a_nan_row_spoils_only_itself(kernel: ctype
     torch.testing.assert_close(out[rest], expected[rest], rtol=1e-4, atol=1e-4)
 
 
+def _assert_same_on_any_threads(kernel: ctypes.CDLL, attend: Callable[[], torch.Tensor]) -> None:
+    """``attend()`` gives the same floats on threads of the kernel's own (the fixture
+    ``posix_threads`` set them up), on torch's OpenMP team and on one thread."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        on_own_threads = attend()
+        kernel.aiocb_use_openmp(*native._openmp_entry_points())
+        on_the_team = attend()
+        torch.set_num_threads(1)
+        alone = attend()
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(on_own_threads, alone)
+    assert torch.equal(on_the_team, alone)
+
+
 def test_threads_split_the_rows_without_changing_a_bit(kernel: ctypes.CDLL, posix_threads: None) -> None:
     """Each row is computed whole by one thread: one thread, torch's team or threads of the
     kernel's own give the same floats."""
@@ -149,18 +166,7 @@ def test_threads_split_the_rows_without_changing_a_bit(kernel: ctypes.CDLL, posi
     def attend() -> torch.Tensor:
         return native.decode_attention(kernel, query, *cache)
 
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(4)
-        on_own_threads = attend()
-        kernel.aiocb_use_openmp(*native._openmp_entry_points())
-        on_the_team = attend()
-        torch.set_num_threads(1)
-        alone = attend()
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(on_own_threads, alone)
-    assert torch.equal(on_the_team, alone)
+    _assert_same_on_any_threads(kernel, attend)
 
 
 def _expected_prefill(
@@ -251,18 +257,7 @@ def test_prefill_threads_split_the_work_without_changing_a_bit(kernel: ctypes.CD
         native.prefill_attention(kernel, query, *cache, out)
         return out
 
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(4)
-        on_own_threads = attend()
-        kernel.aiocb_use_openmp(*native._openmp_entry_points())
-        on_the_team = attend()
-        torch.set_num_threads(1)
-        alone = attend()
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(on_own_threads, alone)
-    assert torch.equal(on_the_team, alone)
+    _assert_same_on_any_threads(kernel, attend)
 
 
 def test_decode_attention_refuses_what_it_cannot_read(kernel: ctypes.CDLL) -> None:
