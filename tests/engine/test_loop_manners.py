@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
+import threading
 from collections.abc import Generator
 
 import pytest
+import torch
 from transformers import PreTrainedModel
 
 import aiocb
@@ -193,3 +196,35 @@ async def test_a_large_step_gives_the_loop_back_and_survives_cancellations_meanw
         marks = [t for k, t in events if k == kind]
         gave_back = sum(1 for a, b in itertools.pairwise(marks) if b > a)
         assert gave_back >= 10, f"the loop was not given back during {kind}"
+
+
+@pytest.mark.skipif(
+    "parallel backend: OpenMP" not in torch.__config__.parallel_info() or not os.path.isdir("/proc/self/task"),
+    reason="torch does not run on OpenMP here, or there is no /proc to count threads in",
+)
+def test_the_loop_thread_gets_an_openmp_team_before_the_step_thread() -> None:
+    """A thread that has run no parallel torch operation gets an OpenMP team (a worker thread
+    more in the process) from the step loop's start, so that the step thread's idle OpenMP
+    workers count as more threads than CPUs and yield the cores instead of spinning."""
+
+    def process_threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    counts: list[int] = []
+
+    def fresh_thread() -> None:
+        counts.append(process_threads())
+        step_loop._start_openmp_team()
+        counts.append(process_threads())
+        step_loop._start_openmp_team()  # (once is enough: the team stays with the thread)
+        counts.append(process_threads())
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        worker = threading.Thread(target=fresh_thread)
+        worker.start()
+        worker.join()
+    finally:
+        torch.set_num_threads(threads)
+    assert counts[1] == counts[0] + 1 == counts[2]
