@@ -113,7 +113,7 @@ def reference_paged_attention(
     key_cache.index_copy_(0, group.slot_mapping, key)
     value_cache.index_copy_(0, group.slot_mapping, value)
 
-    decode_only = not metadata.prefill_rows
+    decode_only = metadata.max_query_len == 1
     if decode_only:
         out = query  # (every row replaced below)
     elif group.prefill_keys is not None:

@@ -168,7 +168,6 @@ class DecodeGraphs:
             max_query_len=1,
             max_seq_len=self.max_blocks * self._cache.page_size,
             decode_token_index=None,
-            prefill_rows=[],
         )
 
     def _capture(self, bucket: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:

@@ -213,8 +213,6 @@ class AttentionMetadata:
     max_seq_len: int
     #: ``[Bd]`` flat token index of each single-token row
     decode_token_index: torch.Tensor | None
-    #: per multi-token row, ``(first flat token, number of tokens)``
-    prefill_rows: list[tuple[int, int]]
 
 
 @dataclass(slots=True)
@@ -398,7 +396,6 @@ def prepare_inputs(
     decode_index = first_token if single else (q_lens == 1).nonzero()[:, 0]
     prefill = [] if single else [i for i, n in enumerate(batch.num_tokens) if n > 1]
     firsts = first_token.tolist() if prefill else []
-    prefill_rows = [(firsts[i], batch.num_tokens[i]) for i in prefill]
     # (the cpu backend's kernel takes the rows of a few queries, whose cost is reading their
     # keys; longer ones are compute-bound, where SDPA's blocked matrix products are faster)
     in_place = [i for i in prefill if batch.num_tokens[i] <= _IN_PLACE_MOST_QUERIES]
@@ -435,7 +432,6 @@ def prepare_inputs(
         max_query_len=max(batch.num_tokens),
         max_seq_len=int(seq_lens.max()),
         decode_token_index=first_token.index_select(0, decode_index) if batch.num_single_token_rows else None,
-        prefill_rows=prefill_rows,
     )
     carry_index = carry_rows = None
     if batch.carry_rows:
