@@ -32,6 +32,7 @@ from aiocb.engine.requests import RequestFactory
 from aiocb.engine.router import OutputRouter
 from aiocb.engine.step_loop import StepLoop
 from aiocb.engine.stream import Consumer, RequestHandle, RequestStream
+from aiocb.engine.turns import LoopTurn
 from aiocb.errors import EngineDeadError, InvalidConfigError, ManagerClosedError, WouldBlock, WrongEventLoopError
 from aiocb.outputs import FinishReason, GenerationOutput, RequestStatus
 from aiocb.params import STRUCTURE_FIELDS, SamplingParams
@@ -45,9 +46,6 @@ from aiocb.speculative import SpeculativeConfig, load_draft_model
 logger = logging.getLogger(__name__)
 
 _CACHED_MANAGER_ATTR = "_aiocb_persistent_manager"
-
-#: Adding a list of requests gives the loop back whenever it has held it this long (seconds).
-_LOOP_SLICE = 0.0005
 
 
 class _State(enum.Enum):
@@ -493,7 +491,7 @@ class Manager:
         order = [r for parent in requests for r in (*parent.children, parent)]
         handles = [self._router.get(r.request_id) for r in order]
         try:
-            return {r.request_id: await self._router.final(h) for r, h in zip(order, handles, strict=True) if h}
+            return await self._collect(order, handles)
         except BaseException:
             for r in order:
                 self._router.cancel(r.request_id, forget=True)
@@ -663,11 +661,9 @@ class Manager:
         # The same parameters for every prompt: merged once, not once per request.
         sampling_params = self._requests.merged(sampling_params, max_new_tokens, params)
         await self._precompile(sampling_params)
-        turn = time.perf_counter()
+        turn = LoopTurn()  # (a long list must not hold the loop in one go)
         for prompt in inputs:
-            if time.perf_counter() - turn >= _LOOP_SLICE:  # a long list must not hold the loop in one go
-                await asyncio.sleep(0)
-                turn = time.perf_counter()
+            await turn.give()
             ids = await self._requests.encode(prompt)
             requests.append(self._new_request(ids, None, None, sampling_params, {}))
         order = list(range(len(requests)))
@@ -675,9 +671,7 @@ class Manager:
             order.sort(key=lambda i: requests[i].prompt_ids)
         try:
             for i in order:
-                if time.perf_counter() - turn >= _LOOP_SLICE:
-                    await asyncio.sleep(0)
-                    turn = time.perf_counter()
+                await turn.give()
                 await self._admission.wait_for_room(requests[i])
                 self._submit_group(requests[i], streaming=streaming, consumer=consumer, on_finish=on_finish)
         except BaseException:
@@ -686,6 +680,18 @@ class Manager:
                     self._router.cancel(r.request_id, forget=True)
             raise
         return requests
+
+    async def _collect(self, order: list[Request], handles: list[RequestHandle | None]) -> dict[str, GenerationOutput]:
+        """The final outputs of ``order``'s requests (those with a handle), in order. Many
+        requests end in the same step: their outputs are made a slice at a time, since a
+        thousand of them at once hold the loop for milliseconds."""
+        outputs: dict[str, GenerationOutput] = {}
+        turn = LoopTurn()
+        for request, handle in zip(order, handles, strict=True):
+            if handle:
+                outputs[request.request_id] = await self._router.final(handle)
+                await turn.give()
+        return outputs
 
     def _submit(self, request: Request, *, streaming: bool, consumer: Consumer) -> str:
         self._submit_group(request, streaming=streaming, consumer=consumer)

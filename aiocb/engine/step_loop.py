@@ -20,6 +20,7 @@ import torch
 
 from aiocb.core.request import Request
 from aiocb.core.scheduler import Scheduler, SchedulerOutput, StepResult
+from aiocb.engine.turns import LoopTurn
 from aiocb.outputs import FinishReason
 from aiocb.runner.model_runner import ModelRunner, PendingStep
 from aiocb.runner.step_batch import BatchWriter, StepBatch
@@ -31,11 +32,8 @@ StepCallback = Callable[[list[Request], list[Request]], None]
 
 #: The loop is the user's too: a large step's bookkeeping (planning, copying the plan out,
 #: taking its tokens in, delivery) goes in chunks of this many requests, and gives the
-#: loop back between two chunks once it has held it for :data:`SLICE` seconds. (A
-#: coroutine woken by a timer runs two loop iterations after its timer is due, so the
-#: loop is held about two slices at a time.)
+#: loop back between two chunks once it has held it for a slice (:mod:`aiocb.engine.turns`).
 CHUNK = 32
-SLICE = 0.00025
 
 
 class StepLoop:
@@ -147,7 +145,7 @@ class StepLoop:
                 if done is not None and result is not None:
                     self.num_steps += 1
                     self.step_log.append((now, len(done.scheduled), done.num_tokens))
-                    turn = _Turn()
+                    turn = LoopTurn()
                     for updated, finished in self.scheduler.update_in_chunks(done, result, now, CHUNK):
                         self._on_step(updated, finished)
                         await turn.give()
@@ -174,7 +172,7 @@ class StepLoop:
 
     async def _plan(self, writer: BatchWriter, pipelined: bool) -> tuple[SchedulerOutput, StepBatch | None] | None:
         """Plan the next step and copy it out (None without work; no copy for an empty plan),
-        giving the loop back every :data:`SLICE` seconds.
+        giving the loop back every slice (:class:`~aiocb.engine.turns.LoopTurn`).
 
         Requests may end meanwhile (another coroutine cancels them): the scheduler keeps
         their blocks until the copy is complete, as the plan may still hold them.
@@ -184,7 +182,7 @@ class StepLoop:
             return None
         scheduler.hold_blocks()
         try:
-            turn = _Turn()
+            turn = LoopTurn()
             planner = scheduler.plan(CHUNK)
             while True:
                 try:
@@ -224,20 +222,6 @@ class StepLoop:
                 expired.append(request)
         if expired:
             self._on_step([], expired)
-
-
-class _Turn:
-    """Gives the loop back once it has been held for :data:`SLICE` seconds."""
-
-    __slots__ = ("_since",)
-
-    def __init__(self) -> None:
-        self._since = time.perf_counter()
-
-    async def give(self) -> None:
-        if time.perf_counter() - self._since >= SLICE:
-            await asyncio.sleep(0)
-            self._since = time.perf_counter()
 
 
 def _start_openmp_team() -> None:

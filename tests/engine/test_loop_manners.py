@@ -8,6 +8,7 @@ import itertools
 import os
 import threading
 from collections.abc import Generator
+from typing import Any
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from aiocb.core.request import Request
 from aiocb.core.scheduler import Scheduler, SchedulerOutput
 from aiocb.engine import step_loop
 from aiocb.engine.admission import Turnstile
+from aiocb.engine.requests import RequestFactory
 from aiocb.engine.router import OutputRouter
 from aiocb.engine.stream import RequestHandle
 from aiocb.runner.step_batch import BatchWriter
@@ -86,6 +88,47 @@ async def test_a_burst_of_requests_leaves_the_loop_responsive(qwen3: PreTrainedM
     assert max(steps) <= 64
 
 
+async def test_generate_batch_adds_and_collects_a_slice_at_a_time(
+    qwen3: PreTrainedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every request of the batch ends in the same step: their outputs are all ready at once,
+    # and building them in one go would hold the loop for milliseconds at a large batch.
+    monkeypatch.setattr("aiocb.engine.turns.SLICE", 0.0)  # give the loop back after every request
+    turns = 0
+    seen: dict[str, list[int]] = {"built": [], "taken": []}
+    build, take = RequestFactory.build, RequestHandle.take
+
+    def recorded_build(self: RequestFactory, *args: Any, **kwargs: Any) -> Request:
+        seen["built"].append(turns)
+        return build(self, *args, **kwargs)
+
+    def recorded_take(self: RequestHandle) -> aiocb.GenerationOutput:
+        seen["taken"].append(turns)
+        return take(self)
+
+    monkeypatch.setattr(RequestFactory, "build", recorded_build)
+    monkeypatch.setattr(RequestHandle, "take", recorded_take)
+    prompts = random_prompts(40, 3, 12, seed=35)
+    done = False
+
+    async def probe() -> None:
+        nonlocal turns
+        while not done:
+            await asyncio.sleep(0)
+            turns += 1
+
+    async with aiocb.Manager(qwen3) as manager:
+        probing = asyncio.create_task(probe())
+        outputs = await manager.generate_batch(prompts, max_new_tokens=1)
+        done = True
+        await probing
+    assert [len(o.generated_tokens) for o in outputs.values()] == [1] * len(prompts)
+    for what, marks in seen.items():
+        assert len(marks) == len(prompts)
+        gave_back = sum(1 for a, b in itertools.pairwise(marks) if b > a)
+        assert gave_back >= len(prompts) - 2, f"the loop was not given back between requests {what}"
+
+
 async def test_awaiters_are_woken_by_the_final_output_only(
     qwen3: PreTrainedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -135,7 +178,7 @@ async def test_a_large_step_gives_the_loop_back_and_survives_cancellations_meanw
     # every CHUNK requests; requests cancelled at those moments (while a plan holds them)
     # must not disturb the others or leak blocks.
     monkeypatch.setattr(step_loop, "CHUNK", 3)
-    monkeypatch.setattr(step_loop, "SLICE", 0.0)  # give the loop back after every chunk
+    monkeypatch.setattr("aiocb.engine.turns.SLICE", 0.0)  # give the loop back after every chunk
     events: list[tuple[str, int]] = []  # (what paused, the other coroutine's turns so far)
     turns = 0
     plan, add_rows, on_step = Scheduler.plan, BatchWriter.add_rows, OutputRouter.on_step
