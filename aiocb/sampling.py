@@ -55,6 +55,16 @@ def normalize_prompt(input_ids: Any, limits: RequestLimits) -> list[int]:
         )
     if not input_ids:
         raise InvalidRequestError("input_ids is empty: a prompt needs at least one token")
+    # The usual prompt, a list of plain ints in range, checked by loops that run in C: a
+    # Python loop over a long prompt would hold the event loop for milliseconds.
+    if (
+        type(input_ids) is list
+        and set(map(type, input_ids)) == {int}
+        and min(input_ids) >= 0
+        and max(input_ids) < limits.vocab_size
+    ):
+        return list(input_ids)
+    # Anything else, token by token, to name the first offending position.
     prompt: list[int] = []
     for position, token in enumerate(input_ids):
         if isinstance(token, bool) or not isinstance(token, int):

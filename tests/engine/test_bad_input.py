@@ -19,6 +19,8 @@ BAD_REQUESTS: list[tuple[str, Any, dict[str, Any], str]] = [
     ("negative id", [1, -2, 3], {}, r"input_ids\[1\] = -2 is outside the vocabulary"),
     ("id beyond vocab", [1, VOCAB], {}, "outside the vocabulary"),
     ("float id", [1, 2.0, 3], {}, r"input_ids\[1\].*must be ints"),
+    ("bool id", [1, 2, True], {}, r"input_ids\[2\] is True \(bool\)"),
+    ("id beyond vocab, late in a long prompt", [1] * 500 + [VOCAB + 7], {}, r"input_ids\[500\] = \d+ is outside"),
     ("string prompt", "hello", {}, "needs a tokenizer"),
     ("chat prompt", [{"role": "user", "content": "hi"}], {}, "needs a tokenizer"),
     ("dict prompt", {"a": 1}, {}, "list of token ids"),
@@ -111,3 +113,14 @@ def test_invalid_config_fails_at_construction() -> None:
         aiocb.ContinuousBatchingConfig(page_sise=16)  # type: ignore[call-arg]
     with pytest.raises(ValueError, match="page_size"):
         aiocb.ContinuousBatchingConfig(page_size=2)
+
+
+async def test_the_request_keeps_its_own_copy_of_the_prompt(qwen3: PreTrainedModel) -> None:
+    prompt = list(GOOD)
+    async with aiocb.Manager(qwen3) as manager:
+        request_id = await manager.add_request(prompt, max_new_tokens=3)
+        prompt[:] = [0] * len(prompt)  # the caller reuses its list
+        output = await manager.get_result(request_id, timeout=30)
+    assert output is not None
+    assert output.prompt_ids == GOOD
+    assert output.generated_tokens == reference_generate(qwen3, GOOD, 3)
