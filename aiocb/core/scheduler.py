@@ -375,7 +375,9 @@ class Scheduler:
         # every new token's K/V before any request of it reads the cache).
         if kv.prefix_caching:
             page = kv.page_size
-            for request in completing:
+            for looked, request in enumerate(completing, 1):
+                if looked % chunk == 0:
+                    yield  # (a whole batch may complete its blocks in the same step)
                 if request in planned:
                     kv.cache_full_blocks(request)
             for looked, request in enumerate(itertools.islice(planned, len(decoded), None), 1):

@@ -15,6 +15,7 @@ import torch
 from transformers import PreTrainedModel
 
 import aiocb
+from aiocb.core.kv_cache import KVCacheManager
 from aiocb.core.request import Request
 from aiocb.core.scheduler import Scheduler, SchedulerOutput
 from aiocb.engine import step_loop
@@ -239,6 +240,47 @@ async def test_a_large_step_gives_the_loop_back_and_survives_cancellations_meanw
         marks = [t for k, t in events if k == kind]
         gave_back = sum(1 for a, b in itertools.pairwise(marks) if b > a)
         assert gave_back >= 10, f"the loop was not given back during {kind}"
+
+
+async def test_a_batch_completing_its_blocks_together_registers_them_a_chunk_at_a_time(
+    qwen3: PreTrainedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Rows admitted together with prompts of one length fill a page in the same step: with
+    # prefix caching each hashes and registers its block then, which must not be done in one
+    # go on the loop (1,024 rows: about 9 ms).
+    monkeypatch.setattr(step_loop, "CHUNK", 3)
+    monkeypatch.setattr("aiocb.engine.turns.SLICE", 0.0)
+    turns = 0
+    registered: list[int] = []  # the probe's turns at each registration of a completed block
+    cache_full_blocks = KVCacheManager.cache_full_blocks
+
+    def recorded(self: KVCacheManager, request: Request) -> None:
+        before = request.num_registered_blocks
+        cache_full_blocks(self, request)
+        if request.num_registered_blocks > before and request.num_computed_tokens > 15:
+            registered.append(turns)
+
+    monkeypatch.setattr(KVCacheManager, "cache_full_blocks", recorded)
+    prompts = random_prompts(12, 15, 15, seed=37)
+    config = aiocb.ContinuousBatchingConfig(page_size=16, allow_block_sharing=True)
+    done = False
+
+    async def probe() -> None:
+        nonlocal turns
+        while not done:
+            await asyncio.sleep(0)
+            turns += 1
+
+    async with aiocb.Manager(qwen3, continuous_batching_config=config) as manager:
+        probing = asyncio.create_task(probe())
+        outputs = await manager.generate_batch(prompts, max_new_tokens=4)
+        done = True
+        await probing
+    for prompt, output in zip(prompts, outputs.values(), strict=True):
+        assert output.generated_tokens == reference_generate(qwen3, prompt, 4)
+    assert len(registered) == len(prompts), "every row registered its first block in the same step"
+    gave_back = sum(1 for a, b in itertools.pairwise(registered) if b > a)
+    assert gave_back >= len(prompts) // 3 - 1
 
 
 @pytest.mark.skipif(
