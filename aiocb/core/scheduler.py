@@ -39,6 +39,10 @@ from aiocb.speculative import Acceptance, DraftProposer, NgramProposer, Speculat
 #: Tokens of prompts and outputs that speculation's proposers index per step in all (about
 #: a microsecond each per n-gram length): it keeps a step's planning off the loop's back.
 _INDEX_PER_STEP = 1024
+#: Admitting a request costs about this many running requests' planning, plus one for each
+#: block of its prompt that it looks up or registers in the prefix cache (hashing a block
+#: of tokens, about 10 us here): the planner pauses after a chunk's worth.
+_ADMISSION_WORK = 4
 
 
 @dataclass(slots=True)
@@ -772,8 +776,10 @@ class Scheduler:
         self, planned: dict[Request, int], budget: int, output: SchedulerOutput, chunk: int
     ) -> Generator[None, None, None]:
         """Move waiting requests into the step while budget, cache and margin allow
-        (pausing after each quarter ``chunk`` admitted)."""
-        admitted = 0
+        (pausing after about ``chunk`` running requests' worth of work: admitting one costs
+        several of those, and more the more prompt blocks it looks up and registers)."""
+        work = 0
+        page = self.kv_cache.page_size
         while self.waiting and budget > 0 and len(planned) < self.max_requests_per_batch:
             if self.running and self.kv_cache.free_fraction < self.safety_margin:
                 break  # keep the rest of the cache for the requests already running
@@ -816,8 +822,9 @@ class Scheduler:
             request.num_computed_tokens += num_new
             budget -= num_new
             self.kv_cache.cache_full_blocks(request)
-            admitted += 1
-            if admitted % max(1, chunk // 4) == 0:  # (admitting one costs several running ones)
+            work += _ADMISSION_WORK + request.num_computed_tokens // page
+            if work >= chunk:
+                work = 0
                 yield  # (the loop's conditions are checked again after it)
 
     def _within_scored_budget(self, request: Request, start: int, num_new: int) -> int:

@@ -878,3 +878,30 @@ class _NoText:
 
     def finish(self) -> None:
         pass
+
+
+def test_admission_pauses_by_the_prompt_blocks_it_hashes() -> None:
+    """The planner pauses (a bare yield) after about ``chunk`` running requests' worth of
+    admission work: short prompts several at a time, a long prompt with prefix caching
+    (every block of it hashed and registered) on its own."""
+
+    def pauses(prompt_len: int, count: int, chunk: int) -> int:
+        kv = full_cache(count * (prompt_len // PAGE + 2), prefix=True)
+        scheduler = make_scheduler(kv, budget=count * prompt_len, max_requests=count)
+        for i in range(count):
+            scheduler.add(make_request(f"r{i}", prompt_len=prompt_len))
+        planner = scheduler.plan(chunk)
+        yields = 0
+        output = None
+        while output is None:
+            try:
+                next(planner)
+                yields += 1
+            except StopIteration as done:
+                output = done.value
+        assert len(output.scheduled) == count
+        return yields
+
+    # every 8 short prompts, and once more when the final loop has listed 32 rows
+    assert pauses(prompt_len=PAGE - 1, count=32, chunk=32) == 4 + 1
+    assert pauses(prompt_len=40 * PAGE, count=6, chunk=32) == 6  # after every long one
