@@ -1,0 +1,215 @@
+"""Where aiocb holds the event loop: every callback that runs longer than a threshold.
+
+Loop lag (``bench/loop_lag.py``) says how late a heartbeat wakes; this says which piece of
+work made it late. Every callback the loop runs is timed (``asyncio.Handle._run`` is
+wrapped), and those longer than ``--threshold-ms`` are listed by the task that ran them;
+with ``--stacks`` a watcher thread also samples the loop thread's stack while a long
+callback is still running (Python's switch interval is lowered to 0.1 ms so that it gets
+the GIL in time: the timings are a little worse with it). Garbage collections longer
+than 0.5 ms are counted beside them: they run inside whichever callback allocated.
+
+Scenarios, each on a fresh Manager with a near-zero-compute model (1 layer, hidden 16,
+vocab 4,096) and 16-token pages, after a warm-up request; inputs are built before timing:
+
+* ``prefix``: ``generate_batch`` of ``--rows`` prompts of 512 tokens sharing a 480-token
+  prefix (prefix caching on: every prompt block hashed, looked up and registered), 8 new
+  tokens each;
+* ``pages``: ``--rows`` 16-token prompts, 32 new tokens: every row fills a page in the same
+  step (prefix caching on: the batch registers its blocks together);
+* ``streams``: ``--rows`` 16-token requests of 24 new tokens, each read through
+  ``manager.stream``;
+* ``cancel``: ``--rows`` requests of 200 tokens, all cancelled after 8 tokens (the
+  script's own loop over ``cancel_request`` is one callback of ``run_scenario``).
+
+Callbacks are listed by their task: ``run_scenario`` is the caller's (aiocb's
+``generate_batch`` and ``add_requests`` run inside it), ``Manager._run_steps`` the step loop.
+
+    python bench/loop_holds.py                      # all scenarios, 1,024 rows
+    python bench/loop_holds.py --scenarios prefix --stacks
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import asyncio.events
+import collections
+import gc
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as `python bench/loop_holds.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import aiocb
+from bench.common import build_model, machine_info
+
+SCENARIOS = ("prefix", "pages", "streams", "cancel")
+GC_REPORTED_S = 0.0005
+
+
+class HoldRecorder:
+    """Times every loop callback while :attr:`active`; samples stacks of long ones."""
+
+    def __init__(self, threshold_s: float, stacks: bool) -> None:
+        self.threshold_s = threshold_s
+        self.active = False
+        self.holds: list[tuple[float, str, float]] = []  # (seconds, task or callback, started)
+        self.stacks: dict[float, list[str]] = collections.defaultdict(list)
+        self.gc_pauses: list[tuple[int, float]] = []  # (generation, seconds)
+        self._current: tuple[asyncio.Handle, float] | None = None
+        self._gc_started = 0.0
+        original = asyncio.events.Handle._run
+        recorder = self
+
+        def timed_run(handle: asyncio.Handle) -> None:
+            started = time.perf_counter()
+            recorder._current = (handle, started)
+            try:
+                original(handle)
+            finally:
+                recorder._current = None
+                held = time.perf_counter() - started
+                if recorder.active and held > recorder.threshold_s:
+                    recorder.holds.append((held, _owner(handle), started))
+
+        asyncio.events.Handle._run = timed_run  # type: ignore[method-assign]
+        gc.callbacks.append(self._on_gc)
+        if stacks:
+            sys.setswitchinterval(1e-4)
+            threading.Thread(target=self._watch, args=(threading.get_ident(),), daemon=True).start()
+
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        elif self.active and (paused := time.perf_counter() - self._gc_started) > GC_REPORTED_S:
+            self.gc_pauses.append((info["generation"], paused))
+
+    def _watch(self, loop_thread: int) -> None:
+        while True:
+            time.sleep(0.0003)
+            current = self._current
+            if self.active and current is not None and time.perf_counter() - current[1] > self.threshold_s:
+                frame = sys._current_frames().get(loop_thread)
+                if frame is not None:
+                    frames = traceback.extract_stack(frame)[-8:]
+                    self.stacks[current[1]].append(" < ".join(f"{f.name}:{f.lineno}" for f in reversed(frames)))
+
+    def report(self, label: str) -> str:
+        holds = sorted(self.holds, reverse=True)
+        lines = [f"## {label}", ""]
+        by_owner = collections.Counter(owner for _, owner, _ in holds)
+        lines.append(f"callbacks over {self.threshold_s * 1e3:g} ms: {len(holds)} ({dict(by_owner)})")
+        for held, owner, started in holds[:5]:
+            lines.append(f"- {held * 1e3:.2f} ms in {owner}")
+            for stack, count in collections.Counter(self.stacks.get(started, [])).most_common(2):
+                lines.append(f"    {count}x {stack}")
+        pauses = sorted(self.gc_pauses, key=lambda p: -p[1])
+        if pauses:
+            per_gen = collections.Counter(gen for gen, _ in pauses)
+            longest = ", ".join(f"gen {gen} {s * 1e3:.2f} ms" for gen, s in pauses[:4])
+            lines.append(f"garbage collections over 0.5 ms: {len(pauses)} {dict(per_gen)}; longest {longest}")
+        self.holds.clear()
+        self.stacks.clear()
+        self.gc_pauses.clear()
+        return "\n".join(lines)
+
+
+def _owner(handle: asyncio.Handle) -> str:
+    callback = handle._callback  # type: ignore[attr-defined]
+    task = getattr(callback, "__self__", None)
+    if isinstance(task, asyncio.Task):
+        return str(task.get_coro().__qualname__)  # type: ignore[union-attr]
+    return str(getattr(callback, "__qualname__", type(callback).__name__))
+
+
+async def run_scenario(
+    recorder: HoldRecorder, name: str, rows: int, work: Callable[[aiocb.Manager], Awaitable[None]]
+) -> str:
+    model = build_model(
+        num_hidden_layers=1,
+        hidden_size=16,
+        intermediate_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        vocab_size=4096,
+        max_position_embeddings=2048,
+    )
+    config = aiocb.ContinuousBatchingConfig(
+        num_blocks=rows * 40 + 64,
+        page_size=16,
+        max_batch_tokens=16384,
+        max_requests_per_batch=rows,
+        allow_block_sharing=True,
+    )
+    async with aiocb.Manager(model, continuous_batching_config=config, num_requests_hint=rows) as manager:
+        await manager.generate([1, 2, 3], max_new_tokens=2)
+        recorder.active = True
+        started = time.perf_counter()
+        try:
+            await work(manager)
+        finally:
+            recorder.active = False
+    return recorder.report(f"{name}: {rows} rows, {time.perf_counter() - started:.2f} s")
+
+
+def scenarios(rows: int) -> dict[str, Callable[[aiocb.Manager], Awaitable[None]]]:
+    shared = [(i * 13) % 4000 + 1 for i in range(480)]
+    long_prompts = [shared + [i % 4000 + 1] * 32 for i in range(rows)]
+    short_prompts = [[i % 4000 + 1] * 16 for i in range(rows)]
+
+    async def prefix(manager: aiocb.Manager) -> None:
+        await manager.generate_batch(long_prompts, max_new_tokens=8)
+
+    async def pages(manager: aiocb.Manager) -> None:
+        await manager.generate_batch(short_prompts, max_new_tokens=32)
+
+    async def streams(manager: aiocb.Manager) -> None:
+        ids = await manager.add_requests(short_prompts, max_new_tokens=24)
+
+        async def read(request_id: str) -> None:
+            async for _ in manager.stream(request_id):
+                pass
+
+        await asyncio.gather(*(read(i) for i in ids))
+
+    async def cancel(manager: aiocb.Manager) -> None:
+        ids = await manager.add_requests(short_prompts, max_new_tokens=200)
+        async for output in manager.stream(ids[-1]):  # (leaving the stream cancels this one)
+            if len(output.generated_tokens) >= 8:
+                break
+        for request_id in ids:
+            manager.cancel_request(request_id)
+        await asyncio.sleep(0.2)  # the steps that let the cancelled requests go
+
+    return {"prefix": prefix, "pages": pages, "streams": streams, "cancel": cancel}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=1024)
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated, of {SCENARIOS}")
+    parser.add_argument("--threshold-ms", type=float, default=1.0)
+    parser.add_argument("--stacks", action="store_true", help="sample the loop thread's stack in long callbacks")
+    args = parser.parse_args(argv)
+    chosen = args.scenarios.split(",")
+    unknown = sorted(set(chosen) - set(SCENARIOS))
+    if unknown:
+        parser.error(f"unknown scenarios {unknown}; choose from {SCENARIOS}")
+    recorder = HoldRecorder(args.threshold_ms / 1e3, args.stacks)
+    works = scenarios(args.rows)
+    print(machine_info().describe())
+    for name in chosen:
+        print()
+        print(asyncio.run(run_scenario(recorder, name, args.rows, works[name])))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
