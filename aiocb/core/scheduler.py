@@ -41,7 +41,7 @@ from aiocb.speculative import Acceptance, DraftProposer, NgramProposer, Speculat
 _INDEX_PER_STEP = 1024
 #: Admitting a request costs about this many running requests' planning, plus one for each
 #: block of its prompt that it looks up or registers in the prefix cache (hashing a block
-#: of tokens, about 10 us here): the planner pauses after a chunk's worth.
+#: of tokens: about 10 µs on the development machine): the planner pauses after a chunk's worth.
 _ADMISSION_WORK = 4
 
 

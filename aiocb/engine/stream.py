@@ -102,8 +102,10 @@ class RequestHandle:
                     waiter.set_result(None)
             self._more_waiters = None
 
-    async def wait(self) -> None:
-        """Sleep until the next :meth:`notify`."""
+    def wait(self) -> asyncio.Future[None]:
+        """A future that the next :meth:`notify` completes: ``await handle.wait()`` sleeps
+        until then. (A plain future, not a coroutine: a stream waits once per step, and a
+        coroutine object per wait is garbage the collector has to walk.)"""
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if self._waiter is None or self._waiter.done():
             self._waiter = waiter
@@ -111,7 +113,7 @@ class RequestHandle:
             self._more_waiters = [waiter]
         else:
             self._more_waiters.append(waiter)
-        await waiter
+        return waiter
 
     def take(self) -> GenerationOutput:
         """The request's output now; marks it delivered."""
