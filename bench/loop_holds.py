@@ -8,8 +8,8 @@ callback is still running (Python's switch interval is lowered to 0.1 ms so that
 the GIL in time: the timings are a little worse with it). Garbage collections longer
 than 0.5 ms are counted beside them: they run inside whichever callback allocated.
 
-Scenarios, each on a fresh Manager with a near-zero-compute model (1 layer, hidden 16,
-vocab 4,096) and 16-token pages, after a warm-up request; inputs are built before timing:
+Scenarios, each on a fresh Manager with ``bench/overhead.py``'s near-zero-compute model
+(1 layer, hidden 16, vocab 4,096) and 16-token pages, after a warm-up request; inputs are built before timing:
 
 * ``prefix``: ``generate_batch`` of ``--rows`` prompts of 512 tokens sharing a 480-token
   prefix (prefix caching on: every prompt block hashed, looked up and registered), 8 new
@@ -47,7 +47,8 @@ if __package__ in (None, ""):  # run as `python bench/loop_holds.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import aiocb
-from bench.common import build_model, machine_info
+from bench.common import machine_info
+from bench.overhead import tiny_model
 
 SCENARIOS = ("prefix", "pages", "streams", "cancel")
 GC_REPORTED_S = 0.0005
@@ -131,16 +132,7 @@ def _owner(handle: asyncio.Handle) -> str:
 async def run_scenario(
     recorder: HoldRecorder, name: str, rows: int, work: Callable[[aiocb.Manager], Awaitable[None]]
 ) -> str:
-    model = build_model(
-        num_hidden_layers=1,
-        hidden_size=16,
-        intermediate_size=32,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=8,
-        vocab_size=4096,
-        max_position_embeddings=2048,
-    )
+    model = tiny_model(layers=1, vocab=4096, seed=0)
     config = aiocb.ContinuousBatchingConfig(
         num_blocks=rows * 40 + 64,
         page_size=16,

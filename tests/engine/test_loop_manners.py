@@ -7,6 +7,7 @@ import asyncio
 import itertools
 import os
 import threading
+import time
 from collections.abc import Generator
 from typing import Any
 
@@ -27,6 +28,42 @@ from aiocb.runner.step_batch import BatchWriter
 from tests.conftest import random_prompts, reference_generate
 
 PROMPTS = random_prompts(4, 5, 30, seed=31)
+
+
+def gil_turn() -> None:
+    """Let the step thread have the GIL: a coroutine that never sleeps keeps the loop thread
+    running Python, and the step thread's forward pass would get the GIL only once per
+    switch interval (5 ms) between its operations."""
+    time.sleep(0)
+
+
+class LoopTurns:
+    """While open, a coroutine that counts the loop iterations it gets (:attr:`turns`)."""
+
+    def __init__(self) -> None:
+        self.turns = 0
+        self._open = False
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> LoopTurns:
+        self._open = True
+        self._task = asyncio.create_task(self._count())
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._open = False
+        assert self._task is not None
+        await self._task
+
+    async def _count(self) -> None:
+        while self._open:
+            await asyncio.sleep(0)
+            self.turns += 1
+            gil_turn()
+
+    def gave_back(self, marks: list[int]) -> int:
+        """How many times the count moved between consecutive ``marks`` (turns read at each)."""
+        return sum(1 for a, b in itertools.pairwise(marks) if b > a)
 
 
 async def test_turnstile_lets_a_fixed_number_through_per_iteration() -> None:
@@ -95,39 +132,27 @@ async def test_generate_batch_adds_and_collects_a_slice_at_a_time(
     # Every request of the batch ends in the same step: their outputs are all ready at once,
     # and building them in one go would hold the loop for milliseconds at a large batch.
     monkeypatch.setattr("aiocb.engine.turns.SLICE", 0.0)  # give the loop back after every request
-    turns = 0
+    other = LoopTurns()
     seen: dict[str, list[int]] = {"built": [], "taken": []}
     build, take = RequestFactory.build, RequestHandle.take
 
     def recorded_build(self: RequestFactory, *args: Any, **kwargs: Any) -> Request:
-        seen["built"].append(turns)
+        seen["built"].append(other.turns)
         return build(self, *args, **kwargs)
 
     def recorded_take(self: RequestHandle) -> aiocb.GenerationOutput:
-        seen["taken"].append(turns)
+        seen["taken"].append(other.turns)
         return take(self)
 
     monkeypatch.setattr(RequestFactory, "build", recorded_build)
     monkeypatch.setattr(RequestHandle, "take", recorded_take)
     prompts = random_prompts(40, 3, 12, seed=35)
-    done = False
-
-    async def probe() -> None:
-        nonlocal turns
-        while not done:
-            await asyncio.sleep(0)
-            turns += 1
-
-    async with aiocb.Manager(qwen3) as manager:
-        probing = asyncio.create_task(probe())
+    async with aiocb.Manager(qwen3) as manager, other:
         outputs = await manager.generate_batch(prompts, max_new_tokens=1)
-        done = True
-        await probing
     assert [len(o.generated_tokens) for o in outputs.values()] == [1] * len(prompts)
     for what, marks in seen.items():
         assert len(marks) == len(prompts)
-        gave_back = sum(1 for a, b in itertools.pairwise(marks) if b > a)
-        assert gave_back >= len(prompts) - 2, f"the loop was not given back between requests {what}"
+        assert other.gave_back(marks) >= len(prompts) - 2, f"the loop was not given back between requests {what}"
 
 
 async def test_awaiters_are_woken_by_the_final_output_only(
@@ -218,6 +243,7 @@ async def test_a_large_step_gives_the_loop_back_and_survives_cancellations_meanw
             while not finished:
                 await asyncio.sleep(0)
                 turns += 1
+                gil_turn()
                 if events and events[-1][0] in ("plan", "copy") and doomed and manager.statistics().steps >= 2:
                     manager.cancel_request(doomed.pop())  # ended while a plan or its copy is paused
                     cancelled_mid_plan += 1
@@ -250,37 +276,25 @@ async def test_a_batch_completing_its_blocks_together_registers_them_a_chunk_at_
     # go on the loop (1,024 rows: about 9 ms).
     monkeypatch.setattr(step_loop, "CHUNK", 3)
     monkeypatch.setattr("aiocb.engine.turns.SLICE", 0.0)
-    turns = 0
-    registered: list[int] = []  # the probe's turns at each registration of a completed block
+    other = LoopTurns()
+    registered: list[int] = []  # the other coroutine's turns at each registration of a completed block
     cache_full_blocks = KVCacheManager.cache_full_blocks
 
     def recorded(self: KVCacheManager, request: Request) -> None:
         before = request.num_registered_blocks
         cache_full_blocks(self, request)
         if request.num_registered_blocks > before and request.num_computed_tokens > 15:
-            registered.append(turns)
+            registered.append(other.turns)
 
     monkeypatch.setattr(KVCacheManager, "cache_full_blocks", recorded)
     prompts = random_prompts(12, 15, 15, seed=37)
     config = aiocb.ContinuousBatchingConfig(page_size=16, allow_block_sharing=True)
-    done = False
-
-    async def probe() -> None:
-        nonlocal turns
-        while not done:
-            await asyncio.sleep(0)
-            turns += 1
-
-    async with aiocb.Manager(qwen3, continuous_batching_config=config) as manager:
-        probing = asyncio.create_task(probe())
+    async with aiocb.Manager(qwen3, continuous_batching_config=config) as manager, other:
         outputs = await manager.generate_batch(prompts, max_new_tokens=4)
-        done = True
-        await probing
     for prompt, output in zip(prompts, outputs.values(), strict=True):
         assert output.generated_tokens == reference_generate(qwen3, prompt, 4)
     assert len(registered) == len(prompts), "every row registered its first block in the same step"
-    gave_back = sum(1 for a, b in itertools.pairwise(registered) if b > a)
-    assert gave_back >= len(prompts) // 3 - 1
+    assert other.gave_back(registered) >= len(prompts) // 3 - 1
 
 
 @pytest.mark.skipif(
