@@ -5,8 +5,9 @@ work made it late. Every callback the loop runs is timed (``asyncio.Handle._run`
 wrapped), and those longer than ``--threshold-ms`` are listed by the task that ran them;
 with ``--stacks`` a watcher thread also samples the loop thread's stack while a long
 callback is still running (Python's switch interval is lowered to 0.1 ms so that it gets
-the GIL in time: the timings are a little worse with it). Garbage collections longer
-than 0.5 ms are counted beside them: they run inside whichever callback allocated.
+the GIL in time: the timings are a little worse with it). Garbage collections on the
+loop's thread longer than 0.5 ms are counted beside them: they run inside whichever
+callback allocated.
 
 Scenarios, each on a fresh Manager with ``bench/overhead.py``'s near-zero-compute model
 (1 layer, hidden 16, vocab 4,096) and 16-token pages, after a warm-up request; inputs are built before timing:
@@ -18,8 +19,9 @@ Scenarios, each on a fresh Manager with ``bench/overhead.py``'s near-zero-comput
   step (prefix caching on: the batch registers its blocks together);
 * ``streams``: ``--rows`` 16-token requests of 24 new tokens, each read through
   ``manager.stream``;
-* ``cancel``: ``--rows`` requests of 200 tokens, all cancelled after 8 tokens (the
-  script's own loop over ``cancel_request`` is one callback of ``run_scenario``).
+* ``cancel``: ``--rows`` 16-token requests of up to 200 new tokens, all cancelled once the
+  last added has 8 (the script's own loop over ``cancel_request`` is one callback of
+  ``run_scenario``).
 
 Callbacks are listed by their task: ``run_scenario`` is the caller's (aiocb's
 ``generate_batch`` and ``add_requests`` run inside it), ``Manager._run_steps`` the step loop.
@@ -65,6 +67,7 @@ class HoldRecorder:
         self.gc_pauses: list[tuple[int, float]] = []  # (generation, seconds)
         self._current: tuple[asyncio.Handle, float] | None = None
         self._gc_started = 0.0
+        self._loop_thread = threading.get_ident()
         original = asyncio.events.Handle._run
         recorder = self
 
@@ -86,6 +89,8 @@ class HoldRecorder:
             threading.Thread(target=self._watch, args=(threading.get_ident(),), daemon=True).start()
 
     def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        if threading.get_ident() != self._loop_thread:
+            return  # (the step thread's collections do not hold the loop)
         if phase == "start":
             self._gc_started = time.perf_counter()
         elif self.active and (paused := time.perf_counter() - self._gc_started) > GC_REPORTED_S:
@@ -148,7 +153,8 @@ async def run_scenario(
             await work(manager)
         finally:
             recorder.active = False
-    return recorder.report(f"{name}: {rows} rows, {time.perf_counter() - started:.2f} s")
+            wall = time.perf_counter() - started
+    return recorder.report(f"{name}: {rows} rows, {wall:.2f} s")
 
 
 def scenarios(rows: int) -> dict[str, Callable[[aiocb.Manager], Awaitable[None]]]:

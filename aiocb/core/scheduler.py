@@ -282,7 +282,8 @@ class Scheduler:
 
     def plan(self, chunk: int = 256) -> Generator[None, None, SchedulerOutput]:
         """Plan the next step and allocate its blocks, pausing (a bare ``yield``) after
-        each ``chunk`` requests looked at; the plan is the generator's return value.
+        about ``chunk`` requests' worth of work (a request looked at; more for one admitted
+        or whose prompt blocks are hashed); the plan is the generator's return value.
 
         While it is paused, requests may be added or ended: an ended one is skipped if not
         yet planned, and stays in the plan (its sampled token is dropped) if already
@@ -384,12 +385,17 @@ class Scheduler:
                     yield  # (a whole batch may complete its blocks in the same step)
                 if request in planned:
                     kv.cache_full_blocks(request)
-            for looked, request in enumerate(itertools.islice(planned, len(decoded), None), 1):
-                if looked % chunk == 0:
-                    yield
+            work = 0  # (a long prompt chunk completes many blocks: each one hashed counts)
+            for request in itertools.islice(planned, len(decoded), None):
+                work += 1
                 # (most steps complete no block: only then is the call worth its cost)
-                if min(request.num_computed_tokens, len(request.token_ids)) // page > request.num_registered_blocks:
+                completed = min(request.num_computed_tokens, len(request.token_ids)) // page
+                if completed > request.num_registered_blocks:
+                    work += completed - request.num_registered_blocks
                     kv.cache_full_blocks(request)
+                if work >= chunk:
+                    work = 0
+                    yield
         if not out_of_room:
             yield from self._admit(planned, budget, output, chunk)
 

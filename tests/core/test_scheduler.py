@@ -890,18 +890,34 @@ def test_admission_pauses_by_the_prompt_blocks_it_hashes() -> None:
         scheduler = make_scheduler(kv, budget=count * prompt_len, max_requests=count)
         for i in range(count):
             scheduler.add(make_request(f"r{i}", prompt_len=prompt_len))
-        planner = scheduler.plan(chunk)
-        yields = 0
-        output = None
-        while output is None:
-            try:
-                next(planner)
-                yields += 1
-            except StopIteration as done:
-                output = done.value
+        yields, output = planned_with_pauses(scheduler, chunk)
         assert len(output.scheduled) == count
         return yields
 
-    # every 8 short prompts, and once more when the final loop has listed 32 rows
+    # every 8 short prompts (as before), and once more when the final loop has listed 32 rows
     assert pauses(prompt_len=PAGE - 1, count=32, chunk=32) == 4 + 1
     assert pauses(prompt_len=40 * PAGE, count=6, chunk=32) == 6  # after every long one
+
+
+def planned_with_pauses(scheduler: Scheduler, chunk: int) -> tuple[int, SchedulerOutput]:
+    """The next step's plan, and how many times its planner paused."""
+    planner = scheduler.plan(chunk)
+    yields = 0
+    while True:
+        try:
+            next(planner)
+        except StopIteration as done:
+            return yields, done.value
+        yields += 1
+
+
+def test_a_prompt_chunk_completing_many_blocks_pauses_the_planner() -> None:
+    """The second chunk of a long prompt completes 20 blocks, each hashed and registered in
+    the prefix cache while the step is planned: that counts as 20 requests' work."""
+    scheduler = make_scheduler(full_cache(48, prefix=True), budget=20 * PAGE, max_requests=4)
+    scheduler.add(make_request("long", prompt_len=40 * PAGE))
+    first, _ = step(scheduler)
+    assert plan(first) == [("long", 0, 20 * PAGE, False)]
+    yields, second = planned_with_pauses(scheduler, chunk=8)
+    assert plan(second) == [("long", 20 * PAGE, 20 * PAGE, True)]  # (its last chunk: sampled)
+    assert yields == 1  # (a request looked at alone would not have paused it)
