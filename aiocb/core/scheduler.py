@@ -380,13 +380,12 @@ class Scheduler:
         # every new token's K/V before any request of it reads the cache).
         if kv.prefix_caching:
             page = kv.page_size
-            for looked, request in enumerate(completing, 1):
-                if looked % chunk == 0:
-                    yield  # (a whole batch may complete its blocks in the same step)
-                if request in planned:
-                    kv.cache_full_blocks(request)
-            work = 0  # (a long prompt chunk completes many blocks: each one hashed counts)
-            for request in itertools.islice(planned, len(decoded), None):
+            # The short loop's rows that complete a block, then the general loop's rows. Each
+            # request looked at counts, and each block hashed: a whole batch may complete its
+            # blocks in the same step, and one long prompt chunk many blocks.
+            work = 0
+            short = (request for request in completing if request in planned)
+            for request in itertools.chain(short, itertools.islice(planned, len(decoded), None)):
                 work += 1
                 # (most steps complete no block: only then is the call worth its cost)
                 completed = min(request.num_computed_tokens, len(request.token_ids)) // page
