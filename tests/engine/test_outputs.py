@@ -1,4 +1,4 @@
-"""Outputs are snapshots: a stream's outputs keep their tokens, made when first read."""
+"""Outputs are snapshots: a stream's outputs keep their tokens (a long generation's made when first read)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from transformers import PreTrainedModel
 
 import aiocb
 from aiocb.core.params import ResolvedParams
-from aiocb.core.request import Request
+from aiocb.core.request import EAGER_TOKENS, Request
 from tests.conftest import random_prompts, reference_generate
 
 PROMPT = random_prompts(1, 5, 12, seed=7)[0]
@@ -41,24 +41,39 @@ async def test_streamed_outputs_read_late_hold_the_tokens_of_their_step(qwen3: P
         assert chunk.tokens_since(n - 1) == expected[n - 1 : n]
 
 
-def test_an_output_copies_the_token_list_once_and_only_when_read() -> None:
-    tokens = _CountingSlices(range(10))
-    request = Request("r", list(range(4)), ResolvedParams(max_new_tokens=20), 0.0, token_ids=tokens)
+def test_a_long_output_copies_the_token_list_once_and_only_when_read() -> None:
+    n = EAGER_TOKENS + 6  # generated tokens: past the length copied at once
+    tokens = _CountingSlices(range(4 + n))
+    request = Request("r", list(range(4)), ResolvedParams(max_new_tokens=2 * n), 0.0, token_ids=tokens)
     _CountingSlices.slices = 0
     output = request.to_output()
     assert _CountingSlices.slices == 0, "made before anyone read it"
-    assert output.tokens_since(4) == [8, 9] and output.tokens_since(-1) == [9] and output.tokens_since(9) == []
+    last = 4 + n - 1
+    assert output.tokens_since(n - 2) == [last - 1, last] and output.tokens_since(-1) == [last]
+    assert output.tokens_since(n) == []
     assert _CountingSlices.slices == 3  # (each a slice of the new tokens alone)
-    tokens.append(10)  # the request goes on: the output does not
-    assert output.generated_tokens == [4, 5, 6, 7, 8, 9]
+    tokens.append(last + 1)  # the request goes on: the output does not
+    assert output.generated_tokens == list(range(4, last + 1))
     assert output.generated_tokens is output.generated_tokens  # made once
     assert _CountingSlices.slices == 4
-    assert output.tokens_since(4) == [8, 9] and output.tokens_since(-2) == [8, 9]
+    assert output.tokens_since(n - 2) == [last - 1, last] and output.tokens_since(-2) == [last - 1, last]
+
+
+def test_a_short_output_holds_its_own_copy_at_once() -> None:
+    tokens = _CountingSlices(range(4 + EAGER_TOKENS))
+    request = Request("r", list(range(4)), ResolvedParams(max_new_tokens=2 * EAGER_TOKENS), 0.0, token_ids=tokens)
+    _CountingSlices.slices = 0
+    output = request.to_output()
+    assert _CountingSlices.slices == 1
+    tokens.append(4 + EAGER_TOKENS)
+    assert output.generated_tokens == list(range(4, 4 + EAGER_TOKENS))
+    assert output.tokens_since(-1) == [3 + EAGER_TOKENS] and _CountingSlices.slices == 1
 
 
 def test_a_deferred_output_behaves_as_a_plain_one() -> None:
-    request = Request("r", [1, 2], ResolvedParams(max_new_tokens=20), 0.0, token_ids=[1, 2, 3, 4, 5])
-    plain = dataclasses.replace(request.to_output(), generated_tokens=[3, 4, 5])
+    generated = list(range(3, 3 + EAGER_TOKENS + 1))  # (long enough to be copied when read)
+    request = Request("r", [1, 2], ResolvedParams(max_new_tokens=2 * EAGER_TOKENS), 0.0, token_ids=[1, 2, *generated])
+    plain = dataclasses.replace(request.to_output(), generated_tokens=generated)
     for make in (
         request.to_output,
         lambda: copy.copy(request.to_output()),
