@@ -76,6 +76,24 @@ async def test_bad_request_is_refused_and_harms_nobody(
         assert stats.free_blocks == stats.total_blocks
 
 
+async def test_parameters_repeated_request_after_request_are_each_honoured_and_checked(
+    qwen3: PreTrainedModel,
+) -> None:
+    # (the manager keeps its last merge of SamplingParams and max_new_tokens: it must never
+    # hand one request's parameters to another, nor let a value it refuses through)
+    async with aiocb.Manager(qwen3) as manager:
+        logprobs = aiocb.SamplingParams(return_logprobs=True)
+        firsts = [await manager.add_request(GOOD, max_new_tokens=n) for n in (3, 3, 5)]
+        with_logprobs = await manager.add_request(GOOD, sampling_params=logprobs, max_new_tokens=5)
+        again = await manager.add_request(GOOD, max_new_tokens=1)
+        with pytest.raises(aiocb.InvalidRequestError, match="max_new_tokens must be an int"):
+            await manager.add_request(GOOD, max_new_tokens=True)
+        outputs = [await manager.get_result(r) for r in (*firsts, with_logprobs, again)]
+    assert [len(o.generated_tokens) for o in outputs] == [3, 3, 5, 5, 1]
+    assert [o.logprobs is not None for o in outputs] == [False, False, False, True, False]
+    assert outputs[2].generated_tokens == outputs[3].generated_tokens == reference_generate(qwen3, GOOD, 5)
+
+
 async def test_a_prompt_that_cannot_fit_the_cache_is_refused(qwen3: PreTrainedModel) -> None:
     config = aiocb.ContinuousBatchingConfig(page_size=16, num_blocks=4)  # 64 tokens in all
     async with aiocb.Manager(qwen3, continuous_batching_config=config) as manager:
