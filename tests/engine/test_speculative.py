@@ -176,6 +176,51 @@ async def test_a_large_batch_turns_speculation_off(model: PreTrainedModel) -> No
         assert manager.statistics().draft_tokens > 0
 
 
+async def test_requests_whose_proposals_fail_back_off(model: PreTrainedModel) -> None:
+    # Sampled from a random model, the tokens rarely follow what prompt lookup proposes,
+    # so most proposals fail and a request then stops proposing for backoff_steps steps:
+    # never backing off proposes the most, a pause longer than the run the least; the
+    # outputs are the same in all three.
+    async def proposed(**fields: Any) -> tuple[int, list[list[int]]]:
+        config = aiocb.SpeculativeConfig(prompt_lookup_min=1, disable_by_batch_size=None, **fields)
+        async with aiocb.Manager(model, speculative_config=config) as manager:
+            outputs = await manager.generate_batch(PROMPTS[:3], max_new_tokens=NEW, temperature=1.0, seed=3)
+            stats = manager.statistics()
+        assert stats.accepted_draft_tokens <= stats.draft_tokens / 4
+        return stats.draft_tokens, [o.generated_tokens for o in outputs.values()]
+
+    never, outputs = await proposed(min_acceptance=0.0)
+    default, default_outputs = await proposed()
+    long_pause, long_pause_outputs = await proposed(backoff_steps=10 * NEW)
+    assert never > default > long_pause
+    assert outputs == default_outputs == long_pause_outputs
+
+
+def test_a_proposer_backs_off_after_failures_then_proposes_fewer_tokens() -> None:
+    from aiocb.speculative import NgramProposer
+
+    config = aiocb.SpeculativeConfig(num_speculative_tokens=4, min_acceptance=0.5, backoff_steps=3)
+    proposer = NgramProposer(config)
+    tokens = [7, 8, 1, 2, 3, 4, 5, 6, 7, 8]  # (its suffix 7, 8 occurred before: 1, 2, 3, ... follows)
+    assert proposer.propose(tokens, 4, budget=100) == ([1, 2, 3, 4], len(tokens))
+    proposer.record(4, 0)  # acceptance 1.0 -> 0.7: still trying, with fewer tokens
+    assert proposer.propose(tokens, 4, budget=100)[0] == [1, 2, 3, 4]  # (round(0.7 * 4) + 1 = 4)
+    proposer.record(4, 0)  # 0.49, under min_acceptance: a pause of backoff_steps steps
+    assert [proposer.propose(tokens, 4, budget=100)[0] for _ in range(3)] == [[], [], []]
+    assert proposer.propose(tokens, 4, budget=100)[0] == [1, 2, 3]  # back, at the floor: round(0.5 * 4) + 1
+    proposer.record(3, 3)
+    assert len(proposer.propose(tokens, 4, budget=100)[0]) == 4
+    # Steps that find nothing to propose count as failed proposals (the request then
+    # pipelines its steps instead of waiting for each token to look it up).
+    lonely = NgramProposer(config)
+    history = [100, 101]
+    for token in range(102, 105):
+        history.append(token)
+        assert lonely.propose(history, 4, budget=100)[0] == []
+    history += [100, 101]  # a match, but the request backs off after three misses
+    assert lonely.propose(history, 4, budget=100)[0] == []
+
+
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
