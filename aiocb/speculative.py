@@ -23,7 +23,7 @@ With async batching a step is planned while the one before is still sampling, so
 request's last token is not known when its next step is planned, and a proposal needs
 it. A request that speculates is therefore planned only once its token has landed: one
 step of the pipeline waits for it, and the step it then runs may yield several tokens.
-While it backs off (its proposals failed, or it found none) it is pipelined as usual.
+While it backs off (its proposals failed) it is pipelined as usual.
 
 ``method="draft"`` proposes with a smaller causal LM of the same vocabulary. The draft
 model keeps its own paged cache, mirroring the target's blocks (the same block ids and
@@ -244,7 +244,9 @@ class NgramProposer(Acceptance):
             start = self._next[i]
             if start >= 0:
                 return tokens[start : start + self.width(k)], indexed
-        self._update(0.0)  # nothing to propose counts as a failed proposal
+        # Finding nothing is no failed proposal: it cost no compute. (Counted as one, it
+        # paused requests whose matches come now and then, code they partly copy, for most
+        # of their run: bench/RESULTS.md, 2026-12-04.)
         return [], indexed
 
     def _catch_up(self, tokens: list[int], budget: int) -> int:

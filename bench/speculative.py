@@ -9,9 +9,9 @@ machinery's cost and what a weak draft's acceptance buys, not a good draft's gai
 
 * copy-heavy, on the bundled model: a function from the standard library followed by
   its first line again, so that a continuation that copies repeats what the prompt
-  holds (the bundled model is too small to copy well: acceptance comes mostly from
-  its own repetitive text); at batch 1 (requests one after another), 8 and 64 (that
-  many at once);
+  holds (the bundled model copies through a circuit set into its weights before
+  training, ``scripts/copying_circuit.py``); at batch 1 (requests one after another),
+  8 and 64 (that many at once);
 * W1, on ``bench/common.py``'s random tiny Qwen3: 64 requests, prompts of 16..256
   tokens, 64 new tokens each, no EOS: nothing to copy.
 

@@ -41,6 +41,9 @@ from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config,
 
 from aiocb.default_model import DEFAULT_MODEL_PATH, HELD_OUT_FILES
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # (run as a script: its sibling module)
+from copying_circuit import ROPE_THETA, copying_circuit, hold_circuit
+
 EOS = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -410,6 +413,7 @@ def model_config(vocab_size: int, eos_id: int) -> Qwen3Config:
         num_key_value_heads=2,
         head_dim=64,
         max_position_embeddings=CONTEXT,
+        rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA},  # (the copying circuit's)
         tie_word_embeddings=True,  # the embedding is a quarter of the model; don't store it twice
         bos_token_id=None,
         eos_token_id=eos_id,
@@ -540,6 +544,10 @@ that code ({facts["chat_tokens"] / 1e6:.2f}M tokens, {100 * facts["chat_share"]:
 - {facts["chat_ends"]:.0f} of {facts["chat_prompts"]:.0f} sampled chat answers end their turn with `<|im_end|>`
   within 300 tokens
 - weights stored in bfloat16 to keep the package small; `config.json` asks for float32 on load
+- a copying circuit (a previous-token head and an induction head in its first two layers,
+  `scripts/copying_circuit.py`) written into its weights before training and held there, so
+  that it repeats what its context holds (prompt-lookup speculation gains from that); a model
+  this small trained this briefly does not learn one
 
 ## Chat
 
@@ -618,6 +626,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     eos_id = tokenizer.token_to_id(EOS)
     model = Qwen3ForCausalLM(model_config(tokenizer.get_vocab_size(), eos_id))
     model.generation_config = generation_config(eos_id, tokenizer.token_to_id(IM_END))
+    circuit = copying_circuit(model.config, args.seed)
+    hold_circuit(model, circuit)
     model.train()
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters", flush=True)
 
@@ -640,6 +650,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        hold_circuit(model, circuit)
         value = loss.detach().item()
         smoothed = value if smoothed is None else 0.95 * smoothed + 0.05 * value
         if step % 20 == 0 or step == args.steps - 1:

@@ -3,6 +3,8 @@ shape of a chat."""
 
 from __future__ import annotations
 
+import ast
+import importlib
 import importlib.util
 import json
 import re
@@ -13,7 +15,7 @@ from types import ModuleType
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase, Qwen3ForCausalLM
 
 from aiocb import default_model
 from aiocb.default_model import DEFAULT_MODEL_PATH, HELD_OUT_FILES, load_default_model
@@ -328,3 +330,47 @@ def test_sampled_answers_to_a_tool_request_are_tool_calls(
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=100)
         calls += TOOL_CALL.fullmatch(tokenizer.decode(out[0, ids.shape[1] :])) is not None
     assert calls >= MIN_TOOL_CALLS, calls
+
+
+def test_the_copying_circuit_alone_copies_a_repeated_sequence() -> None:
+    # The circuit the training starts from, with every other head and MLP of an untrained
+    # model silenced: random token sequences written twice, the second copy predicted.
+    script = _training_script()
+    circuit = importlib.import_module("copying_circuit")
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(script.model_config(4096, 0)).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.down_proj.weight.zero_()
+            layer.self_attn.o_proj.weight.zero_()
+    circuit.hold_circuit(model, circuit.copying_circuit(model.config, seed=0))
+    generator = torch.Generator().manual_seed(1)
+    for half in (20, 200):
+        first = torch.randint(1, 4096, (4, half), generator=generator)
+        ids = torch.cat([first, first], dim=1)
+        with torch.no_grad():
+            predicted = model(ids).logits[:, half:-1].argmax(-1)
+        assert (predicted == ids[:, half + 1 :]).float().mean() > 0.9
+
+
+def test_the_model_copies_from_its_context(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+    # Held-out functions written twice: the model predicts the second copy far better than
+    # the first (its copying circuit). The packaged model: 4.25 nats per token on the first
+    # copies, 3.07 on the second (17 functions); one trained without the circuit: 4.19, 4.05.
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    first, second = [], []
+    for name in HELD_OUT_FILES:
+        source = (stdlib / name).read_text(encoding="utf-8")
+        for node in ast.parse(source).body:
+            text = ast.get_source_segment(source, node) if isinstance(node, ast.FunctionDef) else None
+            if text is None or not 60 <= len(tokenizer.encode(text)) <= 400:
+                continue
+            once = len(tokenizer.encode(f"{text}\n\n\n"))
+            ids = tokenizer.encode(f"{text}\n\n\n{text}")
+            with torch.no_grad():
+                logits = model(torch.tensor([ids])).logits[0, :-1]
+            loss = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]), reduction="none")
+            first.append(loss[: len(tokenizer.encode(text)) - 1].mean())
+            second.append(loss[once:].mean())
+    assert len(first) >= 8
+    assert sum(second) / len(second) < sum(first) / len(first) - 0.6, (first, second)

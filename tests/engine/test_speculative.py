@@ -210,15 +210,15 @@ def test_a_proposer_backs_off_after_failures_then_proposes_fewer_tokens() -> Non
     assert proposer.propose(tokens, 4, budget=100)[0] == [1, 2, 3]  # back, at the floor: round(0.5 * 4) + 1
     proposer.record(3, 3)
     assert len(proposer.propose(tokens, 4, budget=100)[0]) == 4
-    # Steps that find nothing to propose count as failed proposals (the request then
-    # pipelines its steps instead of waiting for each token to look it up).
+    # Steps that find nothing to propose are no failed proposals: a match after them is
+    # proposed in full.
     lonely = NgramProposer(config)
     history = [100, 101]
-    for token in range(102, 105):
+    for token in range(102, 112):
         history.append(token)
         assert lonely.propose(history, 4, budget=100)[0] == []
-    history += [100, 101]  # a match, but the request backs off after three misses
-    assert lonely.propose(history, 4, budget=100)[0] == []
+    history += [100, 101]
+    assert lonely.propose(history, 4, budget=100)[0] == [102, 103, 104, 105]
 
 
 @pytest.mark.parametrize(
