@@ -98,46 +98,42 @@ def copying_circuit(config: Qwen3Config, seed: int) -> Circuit:
         for i in pairs:
             values[i] = values[i + half] = sharpness
 
+    def first_head(layer: int) -> tuple[torch.Tensor, ...]:
+        """Hold query head 0 of ``layer`` and the key/value head it reads (every weight, zero
+        unless set), and the head's output columns (and the reserved rows of its layer)."""
+        attention = f"model.layers.{layer}.self_attn"
+        held = []
+        for name, count in (("q_proj", heads), ("k_proj", kv_heads), ("v_proj", kv_heads)):
+            entries, values = hold(f"{attention}.{name}.weight", (count * dim, hidden))
+            entries[:dim] = True
+            held.append(values)
+        entries, output = hold(f"{attention}.o_proj.weight", (hidden, heads * dim))
+        entries[:, :dim] = True
+        entries[reserved] = True
+        return (*held, output)
+
     # Layer 0: the previous token.
-    attention = "model.layers.0.self_attn"
-    entries, query = hold(f"{attention}.q_proj.weight", (heads * dim, hidden))
-    entries[:dim] = True
-    entries, key = hold(f"{attention}.k_proj.weight", (kv_heads * dim, hidden))
-    entries[:dim] = True
+    query, key, value, output = first_head(0)
     for i in _FAST_PAIRS:
         # A key turned one position ahead of the query: their rotations meet at a distance of 1.
         query[i, constant] = 1.0
         key[i, constant], key[i + half, constant] = math.cos(frequency[i]), math.sin(frequency[i])
-    entries, value = hold(f"{attention}.v_proj.weight", (kv_heads * dim, hidden))
-    entries[:dim] = True
     value[:SKETCH, token] = sketch
-    entries, output = hold(f"{attention}.o_proj.weight", (hidden, heads * dim))
-    entries[:, :dim] = True
-    entries[reserved] = True
     for k, d in enumerate(carried):
         output[d, k] = 1.0
-    norm(f"{attention}.q_norm.weight", _FAST_PAIRS, _PREVIOUS_SHARPNESS)
-    norm(f"{attention}.k_norm.weight", _FAST_PAIRS, _PREVIOUS_SHARPNESS)
+    norm("model.layers.0.self_attn.q_norm.weight", _FAST_PAIRS, _PREVIOUS_SHARPNESS)
+    norm("model.layers.0.self_attn.k_norm.weight", _FAST_PAIRS, _PREVIOUS_SHARPNESS)
 
     # Layer 1: the match.
-    attention = "model.layers.1.self_attn"
+    query, key, value, output = first_head(1)
     slow = [*_SLOW_PAIRS, *(i + half for i in _SLOW_PAIRS)]
-    entries, query = hold(f"{attention}.q_proj.weight", (heads * dim, hidden))
-    entries[:dim] = True
-    entries, key = hold(f"{attention}.k_proj.weight", (kv_heads * dim, hidden))
-    entries[:dim] = True
     for k, d in enumerate(slow):
         query[d, token] = sketch[k]
         key[d, carried[k]] = 1.0
-    entries, value = hold(f"{attention}.v_proj.weight", (kv_heads * dim, hidden))
-    entries[:dim] = True
     value[:dim, token] = readout
-    entries, output = hold(f"{attention}.o_proj.weight", (hidden, heads * dim))
-    entries[:, :dim] = True
-    entries[reserved] = True
     output[token, :dim] = _COPY_GAIN * readout.T
-    norm(f"{attention}.q_norm.weight", _SLOW_PAIRS, _MATCH_SHARPNESS)
-    norm(f"{attention}.k_norm.weight", _SLOW_PAIRS, _MATCH_SHARPNESS)
+    norm("model.layers.1.self_attn.q_norm.weight", _SLOW_PAIRS, _MATCH_SHARPNESS)
+    norm("model.layers.1.self_attn.k_norm.weight", _SLOW_PAIRS, _MATCH_SHARPNESS)
 
     # Nothing else writes the reserved dimensions; the circuit's layers read unscaled input.
     for layer in range(config.num_hidden_layers):
