@@ -51,8 +51,8 @@ class GenerationOutput(_DeferredTokens):
     """A request's output so far, or its final output once ``status.is_finished()``.
 
     ``generated_tokens`` always holds every token generated so far (not a delta), as in
-    transformers' continuous batching. Past a few hundred tokens the engine's outputs
-    make that list when it is first read, so a stream of a long generation does not copy
+    transformers' continuous batching. Past 1,024 tokens the engine's outputs make
+    that list when it is first read, so a stream of a long generation does not copy
     every token at every step; :meth:`tokens_since` reads the new ones alone.
 
     ``logprobs[i]`` is the log-probability of ``generated_tokens[i]`` under the model's raw

@@ -363,14 +363,15 @@ def test_the_model_copies_from_its_context(model: PreTrainedModel, tokenizer: Pr
         source = (stdlib / name).read_text(encoding="utf-8")
         for node in ast.parse(source).body:
             text = ast.get_source_segment(source, node) if isinstance(node, ast.FunctionDef) else None
-            if text is None or not 60 <= len(tokenizer.encode(text)) <= 400:
+            length = len(tokenizer.encode(text)) if text is not None else 0
+            if not 60 <= length <= 400:
                 continue
             once = len(tokenizer.encode(f"{text}\n\n\n"))
             ids = tokenizer.encode(f"{text}\n\n\n{text}")
             with torch.no_grad():
                 logits = model(torch.tensor([ids])).logits[0, :-1]
             loss = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]), reduction="none")
-            first.append(loss[: len(tokenizer.encode(text)) - 1].mean())
+            first.append(loss[: length - 1].mean())
             second.append(loss[once:].mean())
     assert len(first) >= 8
     assert sum(second) / len(second) < sum(first) / len(first) - 0.6, (first, second)

@@ -35,7 +35,8 @@ _FINISHED = RequestStatus.FINISHED
 #: deferring: making an output and reading its new tokens took 1.6 µs (16 tokens) to
 #: 3.4 µs (1,024) with the copy and 3.4-3.6 µs deferred, on the 2-core development machine.
 EAGER_TOKENS = 1024
-#: the placeholder a deferred output's ``generated_tokens`` holds until it is unset
+#: what a long output's ``generated_tokens`` is built with (a required field), until
+#: :func:`defer_generated_tokens` unsets it right after
 _NOT_YET: list[int] = []
 
 
