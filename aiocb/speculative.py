@@ -50,6 +50,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 METHODS = ("ngram", "draft")
+#: ``num_speculative_tokens`` of each method when not given
+DEFAULT_TOKENS = {"ngram": 8, "draft": 4}
 
 
 @dataclass(frozen=True)
@@ -62,8 +64,10 @@ class SpeculativeConfig:
     #: ``method="draft"``: the draft model, a ``PreTrainedModel`` or a path or hub id that
     #: ``AutoModelForCausalLM.from_pretrained`` loads (in the target's dtype, on its device)
     draft_model: PreTrainedModel | str | None = None
-    #: tokens proposed per step at most (``k``)
-    num_speculative_tokens: int = 4
+    #: tokens proposed per step at most (``k``); None: 8 for ``"ngram"`` (a longer proposal
+    #: costs only its verification), 4 for ``"draft"`` (each proposed token is also a pass
+    #: of the draft model)
+    num_speculative_tokens: int | None = None
     #: the shortest and longest suffix of the request that is looked up
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
@@ -77,6 +81,8 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise InvalidConfigError(f"speculative method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if self.num_speculative_tokens is None:
+            object.__setattr__(self, "num_speculative_tokens", DEFAULT_TOKENS[self.method])
         if self.method == "draft":
             if self.draft_model is None:
                 raise InvalidConfigError('speculative method "draft" needs a draft_model (a model or a path)')
@@ -156,15 +162,25 @@ _DECAY = 0.7
 
 class Acceptance:
     """One request's recent acceptance, which sets how many tokens it proposes and when
-    it backs off."""
+    it backs off.
 
-    __slots__ = ("_config", "_cooldown", "acceptance")
+    The width follows transformers' assisted generation (its "heuristic" schedule): it
+    starts at ``num_speculative_tokens``, a proposal taken whole earns two more tokens
+    (up to that bound), any other costs one. Acceptance comes in runs (a copy goes on, or
+    it has ended), so the last step says more about the next than an average of recent
+    ones; a width set by the recent share of tokens accepted cut copies short
+    (``bench/RESULTS.md``, 2026-12-04). The share sets only when a request backs off.
+    """
+
+    __slots__ = ("_config", "_cooldown", "_width", "acceptance")
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self._config = config
         #: the recent share of proposed tokens accepted (starts hopeful)
         self.acceptance = 1.0
         self._cooldown = 0
+        assert config.num_speculative_tokens is not None  # (set by the config's __post_init__)
+        self._width = config.num_speculative_tokens
 
     def ready(self) -> bool:
         """Whether the request tries to speculate this step (False while it backs off; each
@@ -175,15 +191,17 @@ class Acceptance:
         return True
 
     def width(self, k: int) -> int:
-        """How many of at most ``k`` tokens are worth their compute, one at least."""
-        return max(1, min(k, round(self.acceptance * k) + 1))
+        """How many of at most ``k`` tokens to propose, one at least."""
+        return max(1, min(k, self._width))
 
     def record(self, proposed: int, accepted: int) -> None:
         """How a step's proposal fared; a request that keeps failing backs off."""
-        self._update(accepted / proposed)
-
-    def _update(self, rate: float) -> None:
-        self.acceptance = _DECAY * self.acceptance + (1 - _DECAY) * rate
+        assert self._config.num_speculative_tokens is not None
+        if accepted == proposed:
+            self._width = min(self._config.num_speculative_tokens, self._width + 2)
+        else:
+            self._width = max(1, self._width - 1)
+        self.acceptance = _DECAY * self.acceptance + (1 - _DECAY) * accepted / proposed
         if self.acceptance < self._config.min_acceptance:
             self._cooldown = self._config.backoff_steps
             self.acceptance = self._config.min_acceptance  # (tried again after the pause)

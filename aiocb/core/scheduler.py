@@ -579,8 +579,7 @@ class Scheduler:
         params = request.params
         if not self._may_speculate(request):
             return None
-        room = min(
-            speculative.num_speculative_tokens,
+        room = min(  # (the proposer's own width is at most num_speculative_tokens)
             budget,
             params.max_new_tokens - request.num_output_tokens - 1,
             (self.max_model_len - request.num_tokens) if self.max_model_len is not None else budget,

@@ -196,20 +196,25 @@ async def test_requests_whose_proposals_fail_back_off(model: PreTrainedModel) ->
     assert outputs == default_outputs == long_pause_outputs
 
 
-def test_a_proposer_backs_off_after_failures_then_proposes_fewer_tokens() -> None:
+def test_a_proposer_narrows_after_failures_backs_off_then_widens_after_a_whole_accept() -> None:
     from aiocb.speculative import NgramProposer
 
     config = aiocb.SpeculativeConfig(num_speculative_tokens=4, min_acceptance=0.5, backoff_steps=3)
     proposer = NgramProposer(config)
     tokens = [7, 8, 1, 2, 3, 4, 5, 6, 7, 8]  # (its suffix 7, 8 occurred before: 1, 2, 3, ... follows)
-    assert proposer.propose(tokens, 4, budget=100) == ([1, 2, 3, 4], len(tokens))
-    proposer.record(4, 0)  # acceptance 1.0 -> 0.7: still trying, with fewer tokens
-    assert proposer.propose(tokens, 4, budget=100)[0] == [1, 2, 3, 4]  # (round(0.7 * 4) + 1 = 4)
-    proposer.record(4, 0)  # 0.49, under min_acceptance: a pause of backoff_steps steps
-    assert [proposer.propose(tokens, 4, budget=100)[0] for _ in range(3)] == [[], [], []]
-    assert proposer.propose(tokens, 4, budget=100)[0] == [1, 2, 3]  # back, at the floor: round(0.5 * 4) + 1
-    proposer.record(3, 3)
-    assert len(proposer.propose(tokens, 4, budget=100)[0]) == 4
+    assert proposer.propose(tokens, 8, budget=100) == ([1, 2, 3, 4], len(tokens))  # (k, not the room)
+    proposer.record(4, 0)  # a failed proposal: one token fewer (acceptance 1.0 -> 0.7)
+    assert proposer.propose(tokens, 8, budget=100)[0] == [1, 2, 3]
+    proposer.record(3, 1)  # 0.59: one fewer again
+    assert proposer.propose(tokens, 8, budget=100)[0] == [1, 2]
+    assert proposer.propose(tokens, 1, budget=100)[0] == [1]  # (never past the room)
+    proposer.record(2, 0)  # 0.41, under min_acceptance: a pause of backoff_steps steps
+    assert [proposer.propose(tokens, 8, budget=100)[0] for _ in range(3)] == [[], [], []]
+    assert proposer.propose(tokens, 8, budget=100)[0] == [1]  # back, as narrow as it left
+    proposer.record(1, 1)  # taken whole: two more
+    assert proposer.propose(tokens, 8, budget=100)[0] == [1, 2, 3]
+    proposer.record(3, 3)  # two more, up to k
+    assert proposer.propose(tokens, 8, budget=100)[0] == [1, 2, 3, 4]
     # Steps that find nothing to propose are no failed proposals: a match after them is
     # proposed in full.
     lonely = NgramProposer(config)
@@ -219,6 +224,14 @@ def test_a_proposer_backs_off_after_failures_then_proposes_fewer_tokens() -> Non
         assert lonely.propose(history, 4, budget=100)[0] == []
     history += [100, 101]
     assert lonely.propose(history, 4, budget=100)[0] == [102, 103, 104, 105]
+
+
+def test_the_default_proposal_length_depends_on_the_method() -> None:
+    # Prompt lookup proposes for free, a draft model runs a pass per proposed token.
+    assert aiocb.SpeculativeConfig().num_speculative_tokens == 8
+    assert aiocb.SpeculativeConfig(method="draft", draft_model="draft").num_speculative_tokens == 4
+    assert aiocb.SpeculativeConfig(num_speculative_tokens=3).num_speculative_tokens == 3
+    assert aiocb.SpeculativeConfig.from_dict({"num_speculative_tokens": 5}).num_speculative_tokens == 5
 
 
 @pytest.mark.parametrize(
