@@ -34,8 +34,10 @@ row's tokens one decode pass at a time, and one more pass writes the last propos
 keys; the target then verifies them in the same step. The draft draws with the request's
 own noise at the same token indices as the target, so where the two distributions agree
 the proposals agree too, sampled rows included. While speculation is off for a large
-batch the draft model does not run at all; the requests whose tokens it missed then
-stop speculating (its cache lacks those tokens), and later requests speculate as before.
+batch the draft model does not run at all, nor in a step where no request speculates (all
+of them back off) and no prompt is computed: it sleeps, its cache misses those steps'
+tokens, and a request whose tokens it missed has them computed by the draft first (a
+catch-up pass, in the first step it would propose again) and proposes in the next.
 """
 
 from __future__ import annotations
@@ -190,6 +192,11 @@ class Acceptance:
             return False
         return True
 
+    @property
+    def paused(self) -> bool:
+        """Whether the request is backing off (without counting a step of the pause)."""
+        return self._cooldown > 0
+
     def width(self, k: int) -> int:
         """How many of at most ``k`` tokens to propose, one at least."""
         return max(1, min(k, self._width))
@@ -209,23 +216,24 @@ class Acceptance:
 
 class DraftProposer(Acceptance):
     """One request's share of a draft model's proposals: how many tokens it asks for (the
-    draft model proposes them on the device, in the step that verifies them)."""
+    draft model proposes them on the device, in the step that verifies them), and how far
+    the draft's cache holds its tokens."""
 
-    __slots__ = ("behind",)
+    __slots__ = ("drafted",)
 
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, drafted: int) -> None:
         super().__init__(config)
-        #: whether a step computed some of the request's tokens without the draft model
-        #: (a large batch turned it off), whose cache then lacks them: no more proposals
-        self.behind = False
+        #: how many of the request's first tokens the draft's cache holds: steps the draft
+        #: sleeps through (no request of theirs speculates) leave a gap past it, which the
+        #: draft catches up on before the request proposes again
+        self.drafted = drafted
 
-    def ready(self) -> bool:
-        """Whether the request tries to speculate this step (never once it is behind)."""
-        return not self.behind and super().ready()
-
-    def propose(self, k: int) -> int:
-        """How many tokens to propose this step, of at most ``k`` (0: none)."""
-        return self.width(k) if self.ready() else 0
+    def propose(self, k: int, computed: int) -> int:
+        """How many tokens to propose this step, of at most ``k``, after ``computed`` tokens
+        (0: none, also while the draft's cache lacks some of them)."""
+        if not self.ready() or self.drafted < computed:
+            return 0
+        return self.width(k)
 
 
 class NgramProposer(Acceptance):

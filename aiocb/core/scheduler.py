@@ -39,6 +39,8 @@ from aiocb.speculative import Acceptance, DraftProposer, NgramProposer, Speculat
 #: Tokens of prompts and outputs that speculation's proposers index per step in all (about
 #: a microsecond each per n-gram length): it keeps a step's planning off the loop's back.
 _INDEX_PER_STEP = 1024
+#: Tokens a draft model catches up on per step in all (those of steps it slept through).
+_CATCH_UP_PER_STEP = 2048
 #: Admitting a request costs about this many running requests' planning, plus one for each
 #: block of its prompt that it looks up or registers in the prefix cache (hashing a block
 #: of tokens: about 10 µs on the development machine): the planner pauses after a chunk's worth.
@@ -78,9 +80,12 @@ class SchedulerOutput:
     copy_blocks: list[list[tuple[int, int]]] = field(default_factory=list)
     #: rows whose next token is sampled (the sampled positions of drafts come after them)
     num_sampled: int = 0
-    #: whether a draft model runs over the step (speculation with ``method="draft"``, not
-    #: turned off by the batch's size)
+    #: whether a draft model runs over the step (speculation with ``method="draft"``, when
+    #: a request speculates or catches up)
     drafting: bool = False
+    #: requests whose draft cache misses tokens, and the tokens the draft computes first
+    #: (its first missing position, the tokens from there)
+    catch_up: dict[Request, tuple[int, list[int]]] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -148,6 +153,9 @@ class Scheduler:
         self.speculative = speculative
         #: tokens the proposers may still index in the step being planned
         self._index_budget = _INDEX_PER_STEP
+        #: requests of the step being planned that would propose but for their draft
+        #: cache's gap (a draft model's)
+        self._catching_up: list[Request] = []
         #: prompt positions a step may score (``prompt_logprobs``): the rows of logits
         #: the cache planner keeps memory for (default ``max_requests_per_batch``)
         self.max_scored_tokens = max_scored_tokens or max_requests_per_batch
@@ -310,6 +318,7 @@ class Scheduler:
             speculative = None  # a large batch is no longer memory-bound: extra tokens cost compute
         drafted: dict[Request, list[int]] = {}
         self._index_budget = _INDEX_PER_STEP
+        self._catching_up.clear()
         self._scored_left = self.max_scored_tokens
         # Most rows of most steps only decode: a short loop plans those, and the general one
         # below the rest (or everything, when a decoding row needs more than its next token).
@@ -588,10 +597,14 @@ class Scheduler:
             return None
         proposer = request.proposer
         if speculative.method == "draft":
+            computed = request.num_computed_tokens
             if proposer is None:
-                proposer = request.proposer = DraftProposer(speculative)
+                proposer = request.proposer = DraftProposer(speculative, computed)
             assert isinstance(proposer, DraftProposer)
-            return [0] * proposer.propose(room) or None  # (placeholders: the draft model proposes on the device)
+            count = proposer.propose(room, computed)
+            if not count and proposer.drafted < computed and not proposer.paused:
+                self._catching_up.append(request)
+            return [0] * count or None  # (placeholders: the draft model proposes on the device)
         if proposer is None:
             proposer = request.proposer = NgramProposer(speculative)
         assert isinstance(proposer, NgramProposer)
@@ -600,19 +613,39 @@ class Scheduler:
         return drafts or None
 
     def _plan_drafting(self, output: SchedulerOutput, planned: dict[Request, int], drafted: bool) -> None:
-        """Whether the draft model runs over the step: when a request speculates in it, or
-        when the batch (admissions counted) is small enough to speculate and some request
-        of it still may. Otherwise the draft sleeps, its cache misses the step's tokens,
-        and the requests the step computes do not speculate again."""
+        """Whether the draft model runs over the step: when a request speculates in it or
+        catches up (its draft cache missed steps: the draft computes those tokens first,
+        within :data:`_CATCH_UP_PER_STEP`), and, while the batch (admissions counted) is
+        small enough to speculate, when it computes prompt tokens (which requests with the
+        same prefix then find in the draft's cache too). Otherwise it sleeps, and its cache
+        misses the step's tokens; each planned request's :attr:`DraftProposer.drafted`
+        says how far the draft's cache holds it after the step."""
         assert self.speculative is not None
+        budget = _CATCH_UP_PER_STEP
+        for request in self._catching_up:
+            start = planned.get(request)
+            proposer = request.proposer
+            if start is None or budget <= 0 or not isinstance(proposer, DraftProposer):
+                continue  # (un-planned after it asked)
+            first = min(proposer.drafted, start)
+            tokens = request.token_ids[first : min(start, first + budget)]
+            output.catch_up[request] = (first, tokens)
+            budget -= len(tokens)
         size = self.speculative.disable_by_batch_size
-        if drafted or ((size is None or len(self.running) <= size) and any(map(_may_draft, planned))):
-            output.drafting = True
-            return
-        for request in planned:
-            if not isinstance(request.proposer, DraftProposer):
-                request.proposer = DraftProposer(self.speculative)
-            request.proposer.behind = True
+        small = size is None or len(self.running) <= size
+        prompts = small and any(request.status is not RequestStatus.DECODING for request in planned)
+        output.drafting = drafting = drafted or prompts or bool(output.catch_up)
+        for request, start in planned.items():
+            proposer = request.proposer
+            if not isinstance(proposer, DraftProposer):
+                proposer = request.proposer = DraftProposer(self.speculative, start)
+            # (a preempted request computes again from its start; one trimmed after a
+            # rejection holds fewer tokens than the draft wrote)
+            held = min(proposer.drafted, start)
+            if request in output.catch_up:
+                first, tokens = output.catch_up[request]
+                held = first + len(tokens)
+            proposer.drafted = request.num_computed_tokens if drafting and held == start else held
 
     @staticmethod
     def _may_speculate(request: Request) -> bool:
@@ -897,9 +930,3 @@ def _extend(per_group: list[list[tuple[int, int]]], more: list[list[tuple[int, i
         per_group.append([])
     for mine, theirs in zip(per_group, more, strict=False):
         mine.extend(theirs)
-
-
-def _may_draft(request: Request) -> bool:
-    """Whether a draft model's cache still holds every token of ``request``."""
-    proposer = request.proposer
-    return not (isinstance(proposer, DraftProposer) and proposer.behind)

@@ -4,8 +4,10 @@ The draft keeps its own paged cache with the target's block ids and page size (i
 layers and heads), so every block the scheduler hands out, shares, copies or swaps holds
 the same tokens in both caches, and the target's block tables serve the draft too.
 
-Each step, before the target's forward pass:
+Each step the draft runs in (one where a request speculates or catches up), before the
+target's forward pass:
 
+0. the draft computes the tokens of steps it slept through, for the rows that catch up;
 1. the draft runs over the step's own inputs (prefill chunks, decode tokens, and the
    placeholders where the speculating rows' proposals go), which keeps its cache in step
    with the target's and gives each speculating row's first proposal;
@@ -102,16 +104,15 @@ class Drafter:
         """Run the draft over the step (``inputs`` are the target's, their carried tokens
         in place) and write its proposals into ``inputs.input_ids``; returns them, row by
         row (None when no row speculates)."""
+        if batch.catch_up_slots:
+            self._catch_up(batch, state)
         rows = [batch.sampled[r] for r in batch.draft_rows]  # (the speculating rows' batch rows)
         plan = self._transfer.move(_plan(batch, rows)) if rows else None
         first_attention = replace(inputs.attention, cache=self.cache)
         keep = plan.first_index if plan is not None else inputs.logits_indices[:0]
-        input_ids = inputs.input_ids
-        if self.spec.vocab_size < self._target_vocab_size:
-            # (ids past the draft's vocabulary are a padded vocabulary's unused ones: any
-            # stand-in keeps the outputs exact, as proposals only decide how many are kept)
-            input_ids = input_ids.clamp(max=self.spec.vocab_size - 1)
-        logits = attention.forward(self.model, input_ids[None], inputs.position_ids[None], keep, first_attention)
+        logits = attention.forward(
+            self.model, self._ids(inputs.input_ids)[None], inputs.position_ids[None], keep, first_attention
+        )
         if plan is None:
             return None
         proposals = torch.empty(batch.num_drafts, dtype=torch.long, device=inputs.input_ids.device)
@@ -133,6 +134,43 @@ class Drafter:
                 proposals.index_copy_(0, plan.destination[j], tokens.index_select(0, plan.taken[j]))
         inputs.input_ids.index_copy_(0, plan.input_index, proposals)
         return proposals
+
+    def _catch_up(self, batch: StepBatch, state: InputBatch) -> None:
+        """Compute the tokens of steps the draft slept through, into its cache (no logits)."""
+        counts = batch.catch_up_counts
+        step = StepBatch(
+            token_ids=batch.catch_up_ids,
+            slots=batch.catch_up_slots,
+            starts=batch.catch_up_starts,
+            num_tokens=counts,
+            sampled=[],
+            offsets=[],
+            carry_rows=[],
+            carry_from=[],
+            join_slots=[],
+            join_params=[],
+            tables=[TableWrites() for _ in batch.tables],
+            controls={},
+            prompt_targets={},
+            num_slots=state.num_slots,
+            num_single_token_rows=counts.count(1),
+        )
+        inputs = prepare_inputs(step, self.cache, self._transfer, self.backends, state)
+        attention.forward(
+            self.model,
+            self._ids(inputs.input_ids)[None],
+            inputs.position_ids[None],
+            inputs.logits_indices,
+            inputs.attention,
+        )
+
+    def _ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``input_ids`` as the draft reads them: ids past its vocabulary are a padded
+        vocabulary's unused ones, and any stand-in keeps the outputs exact (proposals only
+        decide how many tokens are kept)."""
+        if self.spec.vocab_size < self._target_vocab_size:
+            return input_ids.clamp(max=self.spec.vocab_size - 1)
+        return input_ids
 
     def _common(self, logits: torch.Tensor) -> torch.Tensor:
         """The draft's logits over the ids both vocabularies have, as the sampler takes them

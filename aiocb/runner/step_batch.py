@@ -130,8 +130,14 @@ class StepBatch:
     #: the positions of those tokens are sampled too, after every sampled row's last one
     draft_rows: list[int] = field(default_factory=list)
     draft_counts: list[int] = field(default_factory=list)
-    #: whether a draft model runs over the step (it sleeps while the batch is large)
+    #: whether a draft model runs over the step (it sleeps while no request speculates)
     drafting: bool = False
+    #: rows whose draft cache misses tokens (their slots), the first missing position of
+    #: each, and the missing tokens, row after row: the draft computes them first
+    catch_up_slots: list[int] = field(default_factory=list)
+    catch_up_starts: list[int] = field(default_factory=list)
+    catch_up_counts: list[int] = field(default_factory=list)
+    catch_up_ids: list[int] = field(default_factory=list)
 
     @property
     def num_drafts(self) -> int:
@@ -363,6 +369,7 @@ class BatchWriter:
             drafting=output.drafting,
             draft_rows=parts.draft_rows,
             draft_counts=parts.draft_counts,
+            **_catch_up(output),
         )
 
     def _assign(self, state: RowState, request: Request, parts: _Parts) -> None:
@@ -421,6 +428,26 @@ class _Parts:
 
     def __post_init__(self) -> None:
         self.tables = [TableWrites() for _ in range(self.num_groups)]
+
+
+def _catch_up(output: SchedulerOutput) -> dict[str, list[int]]:
+    """:class:`StepBatch`'s catch-up columns (none without catch-up rows)."""
+    if not output.catch_up:
+        return {}
+    columns: dict[str, list[int]] = {
+        "catch_up_slots": [],
+        "catch_up_starts": [],
+        "catch_up_counts": [],
+        "catch_up_ids": [],
+    }
+    for request, (first, tokens) in output.catch_up.items():
+        state = request.runner_state
+        assert isinstance(state, RowState) and state.slot >= 0  # (the request is a row of the step)
+        columns["catch_up_slots"].append(state.slot)
+        columns["catch_up_starts"].append(first)
+        columns["catch_up_counts"].append(len(tokens))
+        columns["catch_up_ids"].extend(tokens)
+    return columns
 
 
 def _send_cuts(tables: list[TableWrites], state: RowState, cuts: list[int]) -> None:

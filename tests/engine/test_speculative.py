@@ -338,30 +338,57 @@ def test_draft_model_cache_mirrors_the_target_blocks(model: PreTrainedModel) -> 
     assert shared.num_blocks[0] == pytest.approx(alone.num_blocks[0] * own / (own + extra), rel=0.01)
 
 
-async def test_a_large_batch_puts_the_draft_model_to_sleep(model: PreTrainedModel) -> None:
+def _watch_drafts(manager: aiocb.Manager) -> list[Any]:
+    """The batches the draft model runs over, from now on."""
+    runner = manager._runner
+    assert runner is not None and runner.drafter is not None
+    batches: list[Any] = []
+    original = runner.drafter.propose
+    runner.drafter.propose = lambda batch, *args: batches.append(batch) or original(batch, *args)  # type: ignore[method-assign]
+    return batches
+
+
+async def test_a_large_batch_puts_the_draft_model_to_sleep_and_later_steps_catch_up(model: PreTrainedModel) -> None:
     """Past ``disable_by_batch_size`` the draft model does not run (its cost would be the
-    step's), and the requests it slept through do not speculate again; later ones do."""
+    step's); once the batch is small again, the requests it slept through have the draft
+    compute their missed tokens, then speculate: a copy of the target accepts everything,
+    which it would not with a gap or a wrong key in its cache."""
     spec = _draft_config(_draft(model, "same"), disable_by_batch_size=2)
+    lengths = [12, 12, 12, 12, 60, 60]
+    work = list(zip(PROMPTS[:6], lengths, strict=True))
     async with aiocb.Manager(model) as manager:
-        plain = await manager.generate_batch(PROMPTS[:6], max_new_tokens=40, do_sample=False)
-        alone = await manager.generate(PROMPTS[0], max_new_tokens=40, do_sample=False)
+        plain = [await manager.generate(p, max_new_tokens=n, do_sample=False) for p, n in work]
     async with aiocb.Manager(model, speculative_config=spec) as manager:
-        runner = manager._runner
-        assert runner is not None and runner.drafter is not None
-        calls = []
-        original = runner.drafter.propose
-        runner.drafter.propose = lambda *args: calls.append(1) or original(*args)  # type: ignore[method-assign]
+        batches = _watch_drafts(manager)
         # Added with no await between them, so that the first step already holds all six
         # (generate_batch gives the loop back while it adds, and a slow machine may step then).
-        ids = [manager.add_request_nowait(p, max_new_tokens=40, do_sample=False) for p in PROMPTS[:6]]
-        outputs = {rid: await manager.get_result(rid) for rid in ids}
-        assert manager.statistics().draft_tokens == 0
-        assert not calls, "the draft model slept through the large batch's steps"
-        again = await manager.generate(PROMPTS[0], max_new_tokens=40, do_sample=False)
-        assert manager.statistics().draft_tokens > 0 and calls
-    assert [o.generated_tokens for o in outputs.values() if o] == [o.generated_tokens for o in plain.values()]
-    assert isinstance(again, aiocb.GenerationOutput) and isinstance(alone, aiocb.GenerationOutput)
-    assert again.generated_tokens == alone.generated_tokens
+        ids = [manager.add_request_nowait(p, max_new_tokens=n, do_sample=False) for p, n in work]
+        outputs = [await manager.get_result(rid) for rid in ids]
+        stats = manager.statistics()
+    assert [o.generated_tokens for o in outputs] == [o.generated_tokens for o in plain]  # type: ignore[union-attr]
+    assert batches, "the last two requests speculated"
+    assert all(batch.num_rows <= 2 for batch in batches), "the draft model slept through the large batch's steps"
+    caught_up = [batch for batch in batches if batch.catch_up_slots]
+    assert caught_up and max(sum(batch.catch_up_counts) for batch in caught_up) > 12
+    assert stats.draft_tokens > 20 and stats.acceptance_rate is not None and stats.acceptance_rate > 0.95
+
+
+async def test_the_draft_model_sleeps_while_its_requests_back_off(model: PreTrainedModel) -> None:
+    """A draft that proposes badly: its request backs off, and while it does the draft
+    model does not run (no step of it speculates); after each pause the draft catches up
+    on the tokens it missed, and the outputs stay those of no speculation."""
+    spec = _draft_config(_draft(model, "random"), min_acceptance=0.5, backoff_steps=6)
+    async with aiocb.Manager(model) as manager:
+        plain = await manager.generate(PROMPTS[0], max_new_tokens=NEW, do_sample=False)
+    async with aiocb.Manager(model, speculative_config=spec) as manager:
+        batches = _watch_drafts(manager)
+        fast = await manager.generate(PROMPTS[0], max_new_tokens=NEW, do_sample=False)
+        stats = manager.statistics()
+    assert isinstance(fast, aiocb.GenerationOutput) and isinstance(plain, aiocb.GenerationOutput)
+    assert fast.generated_tokens == plain.generated_tokens
+    assert stats.draft_tokens > 0
+    assert len(batches) < stats.steps / 2, (len(batches), stats.steps)
+    assert sum(1 for batch in batches if batch.catch_up_slots) >= 2
 
 
 @pytest.mark.parametrize("vocab", [500, 520])
