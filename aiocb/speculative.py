@@ -37,7 +37,7 @@ the proposals agree too, sampled rows included. While speculation is off for a l
 batch the draft model does not run at all, nor in a step where no request speculates (all
 of them back off) and no prompt is computed: it sleeps, its cache misses those steps'
 tokens, and a request whose tokens it missed has them computed by the draft first (a
-catch-up pass, in the first step it would propose again) and proposes in the next.
+catch-up pass, in the step it proposes again, before its proposals).
 """
 
 from __future__ import annotations
@@ -192,11 +192,6 @@ class Acceptance:
             return False
         return True
 
-    @property
-    def paused(self) -> bool:
-        """Whether the request is backing off (without counting a step of the pause)."""
-        return self._cooldown > 0
-
     def width(self, k: int) -> int:
         """How many of at most ``k`` tokens to propose, one at least."""
         return max(1, min(k, self._width))
@@ -224,16 +219,13 @@ class DraftProposer(Acceptance):
     def __init__(self, config: SpeculativeConfig, drafted: int) -> None:
         super().__init__(config)
         #: how many of the request's first tokens the draft's cache holds: steps the draft
-        #: sleeps through (no request of theirs speculates) leave a gap past it, which the
-        #: draft catches up on before the request proposes again
+        #: sleeps through leave a gap past it, which the draft catches up on (in the step
+        #: the request proposes again, before its proposals)
         self.drafted = drafted
 
-    def propose(self, k: int, computed: int) -> int:
-        """How many tokens to propose this step, of at most ``k``, after ``computed`` tokens
-        (0: none, also while the draft's cache lacks some of them)."""
-        if not self.ready() or self.drafted < computed:
-            return 0
-        return self.width(k)
+    def propose(self, k: int) -> int:
+        """How many tokens to propose this step, of at most ``k`` (0: none)."""
+        return self.width(k) if self.ready() else 0
 
 
 class NgramProposer(Acceptance):

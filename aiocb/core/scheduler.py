@@ -153,9 +153,11 @@ class Scheduler:
         self.speculative = speculative
         #: tokens the proposers may still index in the step being planned
         self._index_budget = _INDEX_PER_STEP
-        #: requests of the step being planned that would propose but for their draft
-        #: cache's gap (a draft model's)
-        self._catching_up: list[Request] = []
+        #: requests of the step being planned whose draft cache misses tokens (a draft
+        #: model's): the first missing position and how many the draft computes first ...
+        self._catch_up: dict[Request, tuple[int, int]] = {}
+        #: ... and how many more it may (:data:`_CATCH_UP_PER_STEP` in all)
+        self._catch_up_left = _CATCH_UP_PER_STEP
         #: prompt positions a step may score (``prompt_logprobs``): the rows of logits
         #: the cache planner keeps memory for (default ``max_requests_per_batch``)
         self.max_scored_tokens = max_scored_tokens or max_requests_per_batch
@@ -318,7 +320,8 @@ class Scheduler:
             speculative = None  # a large batch is no longer memory-bound: extra tokens cost compute
         drafted: dict[Request, list[int]] = {}
         self._index_budget = _INDEX_PER_STEP
-        self._catching_up.clear()
+        self._catch_up.clear()
+        self._catch_up_left = _CATCH_UP_PER_STEP
         self._scored_left = self.max_scored_tokens
         # Most rows of most steps only decode: a short loop plans those, and the general one
         # below the rest (or everything, when a decoding row needs more than its next token).
@@ -433,7 +436,7 @@ class Scheduler:
                 num_carried += 1
         output.num_sampled = num_sampled
         if self.speculative is not None and self.speculative.method == "draft":
-            self._plan_drafting(output, planned, bool(drafted))
+            self._plan_drafting(output, planned, drafted)
         self.stats.num_carried_tokens += num_carried
         if scheduled:
             self.stats.num_steps += 1
@@ -601,9 +604,15 @@ class Scheduler:
             if proposer is None:
                 proposer = request.proposer = DraftProposer(speculative, computed)
             assert isinstance(proposer, DraftProposer)
-            count = proposer.propose(room, computed)
-            if not count and proposer.drafted < computed and not proposer.paused:
-                self._catching_up.append(request)
+            count = proposer.propose(room)
+            first = min(proposer.drafted, computed)
+            if count and first < computed:  # (the draft's cache misses tokens: computed first)
+                take = min(computed - first, self._catch_up_left)
+                if take > 0:
+                    self._catch_up[request] = (first, take)
+                    self._catch_up_left -= take
+                if first + take < computed:
+                    return None  # (still behind after this step's share)
             return [0] * count or None  # (placeholders: the draft model proposes on the device)
         if proposer is None:
             proposer = request.proposer = NgramProposer(speculative)
@@ -612,29 +621,24 @@ class Scheduler:
         self._index_budget -= indexed
         return drafts or None
 
-    def _plan_drafting(self, output: SchedulerOutput, planned: dict[Request, int], drafted: bool) -> None:
-        """Whether the draft model runs over the step: when a request speculates in it or
-        catches up (its draft cache missed steps: the draft computes those tokens first,
-        within :data:`_CATCH_UP_PER_STEP`), and, while the batch (admissions counted) is
-        small enough to speculate, when it computes prompt tokens (which requests with the
-        same prefix then find in the draft's cache too). Otherwise it sleeps, and its cache
-        misses the step's tokens; each planned request's :attr:`DraftProposer.drafted`
-        says how far the draft's cache holds it after the step."""
+    def _plan_drafting(
+        self, output: SchedulerOutput, planned: dict[Request, int], drafted: dict[Request, list[int]]
+    ) -> None:
+        """Whether the draft model runs over the step: when a request speculates in it, or
+        catches up (the draft computes the tokens of steps it slept through first, then
+        the step's), and, while the batch (admissions counted) is small enough to
+        speculate, when it computes prompt tokens (which requests with the same prefix
+        then find in the draft's cache too). Otherwise it sleeps, and its cache misses the
+        step's tokens; each planned request's :attr:`DraftProposer.drafted` says how far
+        the draft's cache holds it after the step."""
         assert self.speculative is not None
-        budget = _CATCH_UP_PER_STEP
-        for request in self._catching_up:
-            start = planned.get(request)
-            proposer = request.proposer
-            if start is None or budget <= 0 or not isinstance(proposer, DraftProposer):
-                continue  # (un-planned after it asked)
-            first = min(proposer.drafted, start)
-            tokens = request.token_ids[first : min(start, first + budget)]
-            output.catch_up[request] = (first, tokens)
-            budget -= len(tokens)
+        for request, (first, take) in self._catch_up.items():
+            if request in planned:  # (not un-planned after it asked)
+                output.catch_up[request] = (first, request.token_ids[first : first + take])
         size = self.speculative.disable_by_batch_size
         small = size is None or len(self.running) <= size
         prompts = small and any(request.status is not RequestStatus.DECODING for request in planned)
-        output.drafting = drafting = drafted or prompts or bool(output.catch_up)
+        output.drafting = drafting = bool(drafted) or prompts or bool(output.catch_up)
         for request, start in planned.items():
             proposer = request.proposer
             if not isinstance(proposer, DraftProposer):
@@ -645,7 +649,11 @@ class Scheduler:
             if request in output.catch_up:
                 first, tokens = output.catch_up[request]
                 held = first + len(tokens)
-            proposer.drafted = request.num_computed_tokens if drafting and held == start else held
+            if drafting and held == start:
+                # The draft computes the step's tokens, but not its last proposal's key:
+                # needed only once that proposal is accepted, it is caught up on then.
+                held = request.num_computed_tokens - (request in drafted)
+            proposer.drafted = held
 
     @staticmethod
     def _may_speculate(request: Request) -> bool:

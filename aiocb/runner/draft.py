@@ -12,8 +12,9 @@ target's forward pass:
    placeholders where the speculating rows' proposals go), which keeps its cache in step
    with the target's and gives each speculating row's first proposal;
 2. one decode pass per further proposal feeds each speculating row its latest proposal
-   and draws the next, rewriting the placeholders' keys with the proposals' own;
-3. one last pass writes the keys of each row's last proposal, which the target may accept.
+   and draws the next, rewriting the placeholders' keys with the proposals' own. The last
+   proposal's key is not written: the target may reject it, and when it accepts it the
+   draft catches up on it in the request's next proposing step (step 0).
 
 The proposals then replace the placeholders in the target's inputs (on the device, no
 host synchronisation) and come back with the step's results. Every proposal is drawn
@@ -51,11 +52,10 @@ class _Plan:
     #: per proposal (row by row, in order): its flat index in the target's inputs
     input_index: torch.Tensor
     #: per decode pass: which of the previous pass's rows it feeds (their latest
-    #: proposals are its inputs) ...
+    #: proposals are its inputs, and each row fed draws its next proposal) ...
     keep: list[torch.Tensor] = field(default_factory=list)
-    #: ... and per pass (the first included): which of its rows' draws are proposals, and
-    #: where each goes among the step's proposals
-    taken: list[torch.Tensor] = field(default_factory=list)
+    #: ... and per pass (the first included): where each row's draw goes among the step's
+    #: proposals
     destination: list[torch.Tensor] = field(default_factory=list)
 
 
@@ -117,7 +117,7 @@ class Drafter:
             return None
         proposals = torch.empty(batch.num_drafts, dtype=torch.long, device=inputs.input_ids.device)
         tokens = sample(self._common(logits), inputs.sampling.select(plan.first_sampling)).tokens
-        proposals.index_copy_(0, plan.destination[0], tokens.index_select(0, plan.taken[0]))
+        proposals.index_copy_(0, plan.destination[0], tokens)
         for j, step in enumerate(_decode_passes(batch, rows, state.num_slots), 1):
             pass_inputs = prepare_inputs(step, self.cache, self._transfer, self.backends, state)
             pass_inputs.input_ids.copy_(tokens.index_select(0, plan.keep[j - 1]))
@@ -128,10 +128,9 @@ class Drafter:
                 pass_inputs.logits_indices,
                 pass_inputs.attention,
             )
-            if j < len(plan.taken):  # (the last pass only writes keys)
-                sampling = replace(pass_inputs.sampling, any_logprobs=False, max_top_logprobs=0)
-                tokens = sample(self._common(logits), sampling).tokens
-                proposals.index_copy_(0, plan.destination[j], tokens.index_select(0, plan.taken[j]))
+            sampling = replace(pass_inputs.sampling, any_logprobs=False, max_top_logprobs=0)
+            tokens = sample(self._common(logits), sampling).tokens
+            proposals.index_copy_(0, plan.destination[j], tokens)
         inputs.input_ids.index_copy_(0, plan.input_index, proposals)
         return proposals
 
@@ -190,29 +189,28 @@ def _plan(batch: StepBatch, rows: list[int]) -> _Plan:
         input_index=torch.tensor(input_index, dtype=long),
     )
     # Pass j (0: the first) draws the (j+1)-th proposal of the rows that propose that many;
-    # pass j >= 1 feeds the rows whose j-th proposal needs its keys written.
+    # pass j >= 1 feeds them their j-th. (No pass feeds a row its last proposal: the key
+    # it would write is needed only once the target accepts that proposal, and the draft
+    # catches up on it then.)
     members = list(range(len(rows)))
-    for j in range(max(counts) + 1):
+    for j in range(max(counts)):
         if j:
-            fed = [i for i in members if counts[i] >= j]
+            fed = [i for i in members if counts[i] > j]
             where = {i: k for k, i in enumerate(members)}
             plan.keep.append(torch.tensor([where[i] for i in fed], dtype=long))
             members = fed
-        drawn = [k for k, i in enumerate(members) if counts[i] > j]
-        if j < max(counts):
-            plan.taken.append(torch.tensor(drawn, dtype=long))
-            plan.destination.append(torch.tensor([starts[members[k]] + j for k in drawn], dtype=long))
+        plan.destination.append(torch.tensor([starts[i] + j for i in members], dtype=long))
     return plan
 
 
 def _decode_passes(batch: StepBatch, rows: list[int], num_slots: int) -> list[StepBatch]:
-    """The draft's decode passes after the first: pass j feeds each row that proposed j
-    tokens its j-th proposal, at that proposal's position, sampled with the noise of the
-    token after it."""
+    """The draft's decode passes after the first: pass j feeds each row that proposes more
+    than j tokens its j-th proposal, at that proposal's position, sampled with the noise of
+    the token after it."""
     counts = batch.draft_counts
     passes = []
-    for j in range(1, max(counts) + 1):
-        members = [i for i, c in enumerate(counts) if c >= j]
+    for j in range(1, max(counts)):
+        members = [i for i, c in enumerate(counts) if c > j]
         n = len(members)
         passes.append(
             StepBatch(
