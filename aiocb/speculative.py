@@ -28,10 +28,10 @@ While it backs off (its proposals failed) it is pipelined as usual.
 ``method="draft"`` proposes with a smaller causal LM of the same vocabulary. The draft
 model keeps its own paged cache, mirroring the target's blocks (the same block ids and
 page size, the draft's own layers and heads), so the scheduler's allocations, prefix
-sharing, copies and swaps serve both. Each step the draft first runs over the step's own
-inputs (keeping its cache in step with the target's), then proposes each speculating
-row's tokens one decode pass at a time, and one more pass writes the last proposal's
-keys; the target then verifies them in the same step. The draft draws with the request's
+sharing, copies and swaps serve both. In a step it runs in, the draft first runs over the
+step's own inputs (keeping its cache in step with the target's), then proposes each
+speculating row's tokens one decode pass at a time; the target then verifies them in the
+same step. The draft draws with the request's
 own noise at the same token indices as the target, so where the two distributions agree
 the proposals agree too, sampled rows included. While speculation is off for a large
 batch the draft model does not run at all, nor in a step where no request speculates (all
