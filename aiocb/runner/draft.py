@@ -136,23 +136,15 @@ class Drafter:
 
     def _catch_up(self, batch: StepBatch, state: InputBatch) -> None:
         """Compute the tokens of steps the draft slept through, into its cache (no logits)."""
-        counts = batch.catch_up_counts
-        step = StepBatch(
+        step = _draft_pass(
+            batch,
+            state.num_slots,
             token_ids=batch.catch_up_ids,
             slots=batch.catch_up_slots,
             starts=batch.catch_up_starts,
-            num_tokens=counts,
+            num_tokens=batch.catch_up_counts,
             sampled=[],
             offsets=[],
-            carry_rows=[],
-            carry_from=[],
-            join_slots=[],
-            join_params=[],
-            tables=[TableWrites() for _ in batch.tables],
-            controls={},
-            prompt_targets={},
-            num_slots=state.num_slots,
-            num_single_token_rows=counts.count(1),
         )
         inputs = prepare_inputs(step, self.cache, self._transfer, self.backends, state)
         attention.forward(
@@ -213,7 +205,9 @@ def _decode_passes(batch: StepBatch, rows: list[int], num_slots: int) -> list[St
         members = [i for i, c in enumerate(counts) if c > j]
         n = len(members)
         passes.append(
-            StepBatch(
+            _draft_pass(
+                batch,
+                num_slots,
                 token_ids=[0] * n,  # (the previous pass's proposals, on the device)
                 slots=[batch.slots[rows[i]] for i in members],
                 starts=[batch.starts[rows[i]] + j for i in members],
@@ -221,15 +215,39 @@ def _decode_passes(batch: StepBatch, rows: list[int], num_slots: int) -> list[St
                 sampled=list(range(n)),
                 # the row's own sample is its (count)-th token after the last known one
                 offsets=[batch.offsets[batch.draft_rows[i]] - counts[i] + j for i in members],
-                carry_rows=[],
-                carry_from=[],
-                join_slots=[],
-                join_params=[],
-                tables=[TableWrites() for _ in batch.tables],
-                controls={},
-                prompt_targets={},
-                num_slots=num_slots,
-                num_single_token_rows=n,
             )
         )
     return passes
+
+
+def _draft_pass(
+    batch: StepBatch,
+    num_slots: int,
+    *,
+    token_ids: list[int],
+    slots: list[int],
+    starts: list[int],
+    num_tokens: list[int],
+    sampled: list[int],
+    offsets: list[int],
+) -> StepBatch:
+    """A pass of the draft alone over some of ``batch``'s slots: no slot joins, block-table
+    changes, carried tokens, logits controls or prompt scores (the step's own pass made
+    those)."""
+    return StepBatch(
+        token_ids=token_ids,
+        slots=slots,
+        starts=starts,
+        num_tokens=num_tokens,
+        sampled=sampled,
+        offsets=offsets,
+        carry_rows=[],
+        carry_from=[],
+        join_slots=[],
+        join_params=[],
+        tables=[TableWrites() for _ in batch.tables],
+        controls={},
+        prompt_targets={},
+        num_slots=num_slots,
+        num_single_token_rows=num_tokens.count(1),
+    )
