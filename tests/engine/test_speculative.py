@@ -280,6 +280,8 @@ DRAFT_CASES = [
     *((name, "greedy", "random") for name in sorted(CONFIGS)),
     ("default", "greedy", "same"),
     ("preemption", "greedy", "same"),
+    ("chunked_prefill", "greedy", "same"),
+    ("async_batching", "greedy", "same"),
     ("default", "sampled", "same"),
     ("async_batching", "sampled", "random"),
 ]
