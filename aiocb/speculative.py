@@ -76,7 +76,9 @@ class SpeculativeConfig:
     #: no speculation while more than this many requests decode (None: whatever the batch)
     disable_by_batch_size: int | None = 32
     #: a request whose recent acceptance falls below this share stops proposing for
-    #: ``backoff_steps`` steps, then tries again
+    #: ``backoff_steps`` steps, then tries again (``method="draft"``: below this or the
+    #: draft's share of the target's parameters, whichever is larger, which is what a
+    #: proposed token costs against the token it may save where decoding is memory-bound)
     min_acceptance: float = 0.2
     backoff_steps: int = 16
 
@@ -158,6 +160,12 @@ def load_draft_model(config: SpeculativeConfig | None, target: PreTrainedModel) 
     return draft
 
 
+def draft_share(draft: PreTrainedModel, target: PreTrainedModel) -> float:
+    """The draft's share of the target's parameters: what a draft pass costs against the
+    target's step where decoding is memory-bound (both read their weights once a pass)."""
+    return sum(p.numel() for p in draft.parameters()) / max(1, sum(p.numel() for p in target.parameters()))
+
+
 #: How quickly a request's acceptance estimate follows its latest steps.
 _DECAY = 0.7
 
@@ -174,10 +182,12 @@ class Acceptance:
     (``bench/RESULTS.md``, 2026-12-04). The share sets only when a request backs off.
     """
 
-    __slots__ = ("_config", "_cooldown", "_width", "acceptance")
+    __slots__ = ("_config", "_cooldown", "_floor", "_width", "acceptance")
 
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, floor: float | None = None) -> None:
         self._config = config
+        #: the acceptance under which it backs off (``min_acceptance`` unless given)
+        self._floor = config.min_acceptance if floor is None else floor
         #: the recent share of proposed tokens accepted (starts hopeful)
         self.acceptance = 1.0
         self._cooldown = 0
@@ -204,9 +214,9 @@ class Acceptance:
         else:
             self._width = max(1, self._width - 1)
         self.acceptance = _DECAY * self.acceptance + (1 - _DECAY) * accepted / proposed
-        if self.acceptance < self._config.min_acceptance:
+        if self.acceptance < self._floor:
             self._cooldown = self._config.backoff_steps
-            self.acceptance = self._config.min_acceptance  # (tried again after the pause)
+            self.acceptance = self._floor  # (tried again after the pause)
 
 
 class DraftProposer(Acceptance):
@@ -216,8 +226,8 @@ class DraftProposer(Acceptance):
 
     __slots__ = ("drafted",)
 
-    def __init__(self, config: SpeculativeConfig, drafted: int) -> None:
-        super().__init__(config)
+    def __init__(self, config: SpeculativeConfig, drafted: int, share: float = 0.0) -> None:
+        super().__init__(config, max(config.min_acceptance, share))
         #: how many of the request's first tokens the draft's cache holds: steps the draft
         #: sleeps through leave a gap past it, which the draft catches up on (in the step
         #: the request proposes again, before its proposals)

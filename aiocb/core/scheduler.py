@@ -148,9 +148,12 @@ class Scheduler:
         max_model_len: int | None = None,
         speculative: SpeculativeConfig | None = None,
         max_scored_tokens: int | None = None,
+        draft_share: float = 0.0,
     ) -> None:
         self.kv_cache = kv_cache
         self.speculative = speculative
+        #: a draft model's share of the target's parameters (its requests' back-off floor)
+        self.draft_share = draft_share
         #: tokens the proposers may still index in the step being planned
         self._index_budget = _INDEX_PER_STEP
         #: requests of the step being planned whose draft cache misses tokens (a draft
@@ -602,7 +605,7 @@ class Scheduler:
         if speculative.method == "draft":
             computed = request.num_computed_tokens
             if proposer is None:
-                proposer = request.proposer = DraftProposer(speculative, computed)
+                proposer = request.proposer = DraftProposer(speculative, computed, self.draft_share)
             assert isinstance(proposer, DraftProposer)
             count = proposer.propose(room)
             first = min(proposer.drafted, computed)
@@ -642,7 +645,7 @@ class Scheduler:
         for request, start in planned.items():
             proposer = request.proposer
             if not isinstance(proposer, DraftProposer):
-                proposer = request.proposer = DraftProposer(self.speculative, start)
+                proposer = request.proposer = DraftProposer(self.speculative, start, self.draft_share)
             # (a preempted request computes again from its start; one trimmed after a
             # rejection holds fewer tokens than the draft wrote)
             held = min(proposer.drafted, start)

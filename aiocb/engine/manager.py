@@ -41,7 +41,7 @@ from aiocb.runner.distributed import build_runner
 from aiocb.runner.memory import scored_rows
 from aiocb.runner.model_runner import ModelRunner
 from aiocb.sampling import RequestLimits, eos_ids
-from aiocb.speculative import SpeculativeConfig, load_draft_model
+from aiocb.speculative import SpeculativeConfig, draft_share, load_draft_model
 
 logger = logging.getLogger(__name__)
 
@@ -216,6 +216,7 @@ class Manager:
             max_model_len=runner.spec.max_position_embeddings,
             speculative=self.speculative_config,
             max_scored_tokens=scored_rows(runner.plan.max_requests_per_batch),
+            draft_share=0.0 if self._draft_model is None else draft_share(self._draft_model, self.model),
         )
         self._steps = StepLoop(scheduler, runner, self._router.on_step)
         self._admission.scheduler = scheduler

@@ -226,6 +226,24 @@ def test_a_proposer_narrows_after_failures_backs_off_then_widens_after_a_whole_a
     assert lonely.propose(history, 4, budget=100)[0] == [102, 103, 104, 105]
 
 
+def test_a_draft_request_backs_off_below_the_drafts_share_of_the_target() -> None:
+    # A draft pass costs about the draft's share of the target's parameters (memory-bound
+    # decoding): a dear draft backs off at an acceptance a cheap one keeps proposing at.
+    from aiocb.speculative import DraftProposer, draft_share
+
+    config = aiocb.SpeculativeConfig(method="draft", draft_model="draft", num_speculative_tokens=2, backoff_steps=2)
+    cheap, dear = DraftProposer(config, 0, share=0.05), DraftProposer(config, 0, share=0.6)
+    for proposer in (cheap, dear):
+        proposer.record(2, 1)  # acceptance 1.0 -> 0.85
+        proposer.record(2, 0)  # 0.595: under the dear draft's share, over min_acceptance
+    assert cheap.propose(2) == 1
+    assert [dear.propose(2) for _ in range(3)] == [0, 0, 1]
+    target = MODELS["qwen3"]()
+    share = draft_share(_draft(target, "random"), target)
+    assert 0.0 < share < 0.5
+    assert draft_share(_draft(target, "same"), target) == 1.0
+
+
 def test_the_default_proposal_length_depends_on_the_method() -> None:
     # Prompt lookup proposes for free, a draft model runs a pass per proposed token.
     assert aiocb.SpeculativeConfig().num_speculative_tokens == 8
