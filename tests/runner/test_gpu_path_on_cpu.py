@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Callable
 
@@ -199,3 +200,32 @@ def test_a_steps_inputs_are_moved_tensor_by_tensor_in_place(qwen3: PreTrainedMod
         assert after is not before and after.dtype == before.dtype and torch.equal(after, before)
     assert moved.attention.cache is runner.cache  # type: ignore[attr-defined]
     assert moved.prompt_counts == inputs.prompt_counts  # type: ignore[attr-defined]
+
+
+async def test_triton_backend_with_a_draft_model_that_catches_up(
+    qwen3: PreTrainedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A copy of the target drafts over Triton's attention: it sleeps while two requests
+    # decode (over disable_by_batch_size), then the one left catches up on the tokens it
+    # missed (a multi-token pass over its own cache) and its proposals are all accepted.
+    pytest.importorskip("triton")
+    monkeypatch.setenv("AIOCB_ATTENTION_BACKEND", Backend.TRITON)
+    spec = aiocb.SpeculativeConfig(
+        method="draft", draft_model=copy.deepcopy(qwen3), num_speculative_tokens=2, disable_by_batch_size=1
+    )
+    config = aiocb.ContinuousBatchingConfig(page_size=16, max_batch_tokens=48)
+    lengths = (3, 12)
+    async with aiocb.Manager(qwen3, continuous_batching_config=config, speculative_config=spec) as manager:
+        drafter = manager._runner.drafter  # type: ignore[union-attr]
+        assert drafter is not None
+        caught_up: list[int] = []
+        propose = drafter.propose
+        drafter.propose = lambda batch, *a: caught_up.extend(batch.catch_up_counts) or propose(batch, *a)  # type: ignore[method-assign]
+        ids = [manager.add_request_nowait(p, max_new_tokens=n) for p, n in zip(PROMPTS, lengths, strict=False)]
+        outputs = [await manager.get_result(rid) for rid in ids]
+        stats = manager.statistics()
+    assert [o.generated_tokens for o in outputs] == [  # type: ignore[union-attr]
+        reference_generate(qwen3, p, n) for p, n in zip(PROMPTS, lengths, strict=False)
+    ]
+    assert stats.draft_tokens > 0 and stats.accepted_draft_tokens == stats.draft_tokens
+    assert caught_up and caught_up[0] > len(PROMPTS[1])  # (its prompt and the tokens decoded without the draft)
