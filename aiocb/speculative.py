@@ -78,7 +78,8 @@ class SpeculativeConfig:
     #: a request whose recent acceptance falls below this share stops proposing for
     #: ``backoff_steps`` steps, then tries again (``method="draft"``: below this or the
     #: draft's share of the target's parameters, whichever is larger, which is what a
-    #: proposed token costs against the token it may save where decoding is memory-bound)
+    #: proposed token costs against the token it may save where decoding is memory-bound;
+    #: and a pause after a failed try is twice the one before, up to 8 x ``backoff_steps``)
     min_acceptance: float = 0.2
     backoff_steps: int = 16
 
@@ -168,6 +169,9 @@ def draft_share(draft: PreTrainedModel, target: PreTrainedModel) -> float:
 
 #: How quickly a request's acceptance estimate follows its latest steps.
 _DECAY = 0.7
+#: A draft model's request's longest pause, in ``backoff_steps``: its pauses double while
+#: the tries after them fail.
+_LONGEST_DRAFT_PAUSE = 8
 
 
 class Acceptance:
@@ -179,18 +183,26 @@ class Acceptance:
     (up to that bound), any other costs one. Acceptance comes in runs (a copy goes on, or
     it has ended), so the last step says more about the next than an average of recent
     ones; a width set by the recent share of tokens accepted cut copies short
-    (``bench/RESULTS.md``, 2026-12-04). The share sets only when a request backs off.
+    (``bench/RESULTS.md``, 2026-12-04). The share sets only when a request backs off: for
+    ``backoff_steps`` steps; where a try costs a draft model's passes, twice as long each
+    time the try after a pause fails too (up to ``longest_pause`` times, back to one once a
+    try does not fail), so that a request whose proposals never pay soon stops paying for
+    them. A try of prompt lookup costs only its verification, and matches come now and
+    then: its pauses stay short.
     """
 
-    __slots__ = ("_config", "_cooldown", "_floor", "_width", "acceptance")
+    __slots__ = ("_config", "_cooldown", "_floor", "_longest", "_pause", "_width", "acceptance")
 
-    def __init__(self, config: SpeculativeConfig, floor: float | None = None) -> None:
+    def __init__(self, config: SpeculativeConfig, floor: float | None = None, longest_pause: int = 1) -> None:
         self._config = config
         #: the acceptance under which it backs off (``min_acceptance`` unless given)
         self._floor = config.min_acceptance if floor is None else floor
+        self._longest = longest_pause
         #: the recent share of proposed tokens accepted (starts hopeful)
         self.acceptance = 1.0
         self._cooldown = 0
+        #: the next pause, in ``backoff_steps``
+        self._pause = 1
         assert config.num_speculative_tokens is not None  # (set by the config's __post_init__)
         self._width = config.num_speculative_tokens
 
@@ -215,8 +227,11 @@ class Acceptance:
             self._width = max(1, self._width - 1)
         self.acceptance = _DECAY * self.acceptance + (1 - _DECAY) * accepted / proposed
         if self.acceptance < self._floor:
-            self._cooldown = self._config.backoff_steps
+            self._cooldown = self._config.backoff_steps * self._pause
+            self._pause = min(2 * self._pause, self._longest)
             self.acceptance = self._floor  # (tried again after the pause)
+        else:
+            self._pause = 1
 
 
 class DraftProposer(Acceptance):
@@ -227,7 +242,7 @@ class DraftProposer(Acceptance):
     __slots__ = ("drafted",)
 
     def __init__(self, config: SpeculativeConfig, drafted: int, share: float = 0.0) -> None:
-        super().__init__(config, max(config.min_acceptance, share))
+        super().__init__(config, max(config.min_acceptance, share), _LONGEST_DRAFT_PAUSE)
         #: how many of the request's first tokens the draft's cache holds: steps the draft
         #: sleeps through leave a gap past it, which the draft catches up on (in the step
         #: the request proposes again, before its proposals)

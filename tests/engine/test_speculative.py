@@ -211,6 +211,8 @@ def test_a_proposer_narrows_after_failures_backs_off_then_widens_after_a_whole_a
     proposer.record(2, 0)  # 0.41, under min_acceptance: a pause of backoff_steps steps
     assert [proposer.propose(tokens, 8, budget=100)[0] for _ in range(3)] == [[], [], []]
     assert proposer.propose(tokens, 8, budget=100)[0] == [1]  # back, as narrow as it left
+    proposer.record(1, 0)  # the try fails: the same pause (a try of prompt lookup is cheap)
+    assert [proposer.propose(tokens, 8, budget=100)[0] for _ in range(4)] == [[], [], [], [1]]
     proposer.record(1, 1)  # taken whole: two more
     assert proposer.propose(tokens, 8, budget=100)[0] == [1, 2, 3]
     proposer.record(3, 3)  # two more, up to k
@@ -242,6 +244,32 @@ def test_a_draft_request_backs_off_below_the_drafts_share_of_the_target() -> Non
     share = draft_share(_draft(target, "random"), target)
     assert 0.0 < share < 0.5
     assert draft_share(_draft(target, "same"), target) == 1.0
+
+
+def test_a_draft_requests_pauses_double_while_its_tries_fail() -> None:
+    # A try costs a draft model's passes: after a pause whose try fails too, the next pause
+    # is twice as long (up to 8 x backoff_steps), and short again once a try succeeds.
+    from aiocb.speculative import DraftProposer
+
+    config = aiocb.SpeculativeConfig(method="draft", draft_model="draft", min_acceptance=0.5, backoff_steps=2)
+    proposer = DraftProposer(config, 0)
+
+    def pause() -> int:
+        steps = 0
+        while not proposer.propose(4):
+            steps += 1
+        return steps
+
+    proposer.record(4, 0)  # 0.7
+    proposer.record(4, 0)  # 0.49: a pause of backoff_steps
+    pauses = [pause()]
+    for _ in range(4):
+        proposer.record(1, 0)  # the try after the pause fails (0.35)
+        pauses.append(pause())
+    assert pauses == [2, 4, 8, 16, 16]
+    proposer.record(1, 1)  # 0.65: a try that succeeds
+    proposer.record(3, 0)  # 0.455: under min_acceptance again
+    assert pause() == 2
 
 
 def test_the_default_proposal_length_depends_on_the_method() -> None:
