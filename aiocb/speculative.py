@@ -31,13 +31,13 @@ page size, the draft's own layers and heads), so the scheduler's allocations, pr
 sharing, copies and swaps serve both. In a step it runs in, the draft first runs over the
 step's own inputs (keeping its cache in step with the target's), then proposes each
 speculating row's tokens one decode pass at a time; the target then verifies them in the
-same step. The draft draws with the request's
-own noise at the same token indices as the target, so where the two distributions agree
-the proposals agree too, sampled rows included. While speculation is off for a large
-batch the draft model does not run at all, nor in a step where no request speculates (all
-of them back off) and no prompt is computed: it sleeps, its cache misses those steps'
-tokens, and a request whose tokens it missed has them computed by the draft first (a
-catch-up pass, in the step it proposes again, before its proposals).
+same step. The draft draws with the request's own noise at the same token indices as
+the target, so where the two distributions agree the proposals agree too, sampled rows
+included. While speculation is off for a large batch the draft model does not run at
+all, nor in a step where no request speculates (all of them back off) and no prompt is
+computed: it sleeps, its cache misses those steps' tokens, and a request whose tokens it
+missed has them computed by the draft first (a catch-up pass, in the step it proposes
+again, before its proposals).
 """
 
 from __future__ import annotations
