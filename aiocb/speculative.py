@@ -191,7 +191,7 @@ class Acceptance:
     then: its pauses stay short.
     """
 
-    __slots__ = ("_config", "_cooldown", "_floor", "_longest", "_pause", "_width", "acceptance")
+    __slots__ = ("_config", "_cooldown", "_floor", "_k", "_longest", "_pause", "_width", "acceptance")
 
     def __init__(self, config: SpeculativeConfig, floor: float | None = None, longest_pause: int = 1) -> None:
         self._config = config
@@ -204,7 +204,7 @@ class Acceptance:
         #: the next pause, in ``backoff_steps``
         self._pause = 1
         assert config.num_speculative_tokens is not None  # (set by the config's __post_init__)
-        self._width = config.num_speculative_tokens
+        self._k = self._width = config.num_speculative_tokens
 
     def ready(self) -> bool:
         """Whether the request tries to speculate this step (False while it backs off; each
@@ -220,9 +220,8 @@ class Acceptance:
 
     def record(self, proposed: int, accepted: int) -> None:
         """How a step's proposal fared; a request that keeps failing backs off."""
-        assert self._config.num_speculative_tokens is not None
         if accepted == proposed:
-            self._width = min(self._config.num_speculative_tokens, self._width + 2)
+            self._width = min(self._k, self._width + 2)
         else:
             self._width = max(1, self._width - 1)
         self.acceptance = _DECAY * self.acceptance + (1 - _DECAY) * accepted / proposed
