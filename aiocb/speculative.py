@@ -238,7 +238,7 @@ class DraftProposer(Acceptance):
     draft model proposes them on the device, in the step that verifies them), and how far
     the draft's cache holds its tokens."""
 
-    __slots__ = ("drafted",)
+    __slots__ = ("drafted", "marked")
 
     def __init__(self, config: SpeculativeConfig, drafted: int, share: float = 0.0) -> None:
         super().__init__(config, max(config.min_acceptance, share), _LONGEST_DRAFT_PAUSE)
@@ -246,6 +246,9 @@ class DraftProposer(Acceptance):
         #: sleeps through leave a gap past it, which the draft catches up on (in the step
         #: the request proposes again, before its proposals)
         self.drafted = drafted
+        #: how many of the request's first blocks are recorded as the draft's for prefix
+        #: hits (:meth:`aiocb.core.kv_cache.KVCacheManager.mark_drafted`)
+        self.marked = 0
 
     def propose(self, k: int) -> int:
         """How many tokens to propose this step, of at most ``k`` (0: none)."""

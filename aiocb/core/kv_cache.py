@@ -54,6 +54,10 @@ class KVCacheManager:
         self.offloading = all(pool is not None for pool in self.host_pools)
         self.num_offloaded_blocks = 0
         self.num_restored_blocks = 0
+        #: registered blocks whose every position a draft model's cache holds too (the draft
+        #: writes its cache in the target's blocks, but sleeps through some steps): a prefix
+        #: hit serves the draft only the leading blocks among these (see :meth:`drafted_blocks`)
+        self.draft_blocks: set[int] = set()
 
     @property
     def num_free_blocks(self) -> int:
@@ -253,8 +257,28 @@ class KVCacheManager:
             block = request.block_ids[0][i]
             parent = request.block_hashes[i - 1] if i else ROOT_HASH
             tokens = request.token_ids[i * self.page_size : (i + 1) * self.page_size]
+            self.draft_blocks.discard(block)  # (new content: the draft's is unknown until marked)
             pool.register(block, request.block_hashes[i], parent, tokens)
         request.num_registered_blocks = max(request.num_registered_blocks, num_full)
+
+    def mark_drafted(self, request: Request, num_tokens: int, marked: int) -> int:
+        """Record that a draft model's cache holds the first ``num_tokens`` tokens of
+        ``request``: its registered blocks they cover, past the first ``marked`` (recorded
+        before), are :attr:`draft_blocks`. Returns how many of its blocks are recorded now."""
+        covered = min(num_tokens // self.page_size, request.num_registered_blocks)
+        if covered <= marked:
+            return marked
+        self.draft_blocks.update(request.block_ids[0][marked:covered])
+        return covered
+
+    def drafted_blocks(self, request: Request) -> int:
+        """How many of ``request``'s first blocks (prefix hits) a draft model's cache holds too."""
+        count = 0
+        for block in request.block_ids[0][: request.num_registered_blocks] if request.block_ids else ():
+            if block not in self.draft_blocks:
+                break
+            count += 1
+        return count
 
     def _extend_hashes(self, request: Request, num_blocks: int) -> None:
         hashes = request.block_hashes

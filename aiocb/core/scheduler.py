@@ -316,11 +316,7 @@ class Scheduler:
         running, forks, kv = self.running, self._forks, self.kv_cache
         single_full, page = kv.single_full, kv.page_size
         max_rows = self.max_requests_per_batch
-        speculative = self.speculative
-        if speculative is not None and (
-            speculative.disable_by_batch_size is not None and len(running) > speculative.disable_by_batch_size
-        ):
-            speculative = None  # a large batch is no longer memory-bound: extra tokens cost compute
+        speculative = self.speculative if self._speculates_at_this_size() else None
         drafted: dict[Request, list[int]] = {}
         self._index_budget = _INDEX_PER_STEP
         self._catch_up.clear()
@@ -589,6 +585,24 @@ class Scheduler:
         completing.clear()
         return None
 
+    def _speculates_at_this_size(self) -> bool:
+        """Whether requests may speculate in a batch of the running requests' size: a large
+        batch is no longer memory-bound, and extra tokens cost compute."""
+        speculative = self.speculative
+        if speculative is None:
+            return False
+        size = speculative.disable_by_batch_size
+        return size is None or len(self.running) <= size
+
+    def _draft_proposer(self, request: Request) -> DraftProposer:
+        """The request's share of the draft model's proposals, made on first use: the draft's
+        cache then holds none of its tokens, unless :meth:`_admit` or a fork said otherwise."""
+        proposer = request.proposer
+        if not isinstance(proposer, DraftProposer):
+            assert self.speculative is not None
+            proposer = request.proposer = DraftProposer(self.speculative, 0, self.draft_share)
+        return proposer
+
     def _propose(self, request: Request, speculative: SpeculativeConfig, budget: int) -> list[int] | None:
         """The tokens ``request`` speculates this step (None: it does not)."""
         params = request.params
@@ -601,12 +615,9 @@ class Scheduler:
         )
         if room <= 0:
             return None
-        proposer = request.proposer
         if speculative.method == "draft":
             computed = request.num_computed_tokens
-            if proposer is None:
-                proposer = request.proposer = DraftProposer(speculative, computed, self.draft_share)
-            assert isinstance(proposer, DraftProposer)
+            proposer = self._draft_proposer(request)
             count = proposer.propose(room)
             first = min(proposer.drafted, computed)
             if count and first < computed:  # (the draft's cache misses tokens: computed first)
@@ -617,10 +628,11 @@ class Scheduler:
                 if first + take < computed:
                     return None  # (still behind after this step's share)
             return [0] * count or None  # (placeholders: the draft model proposes on the device)
-        if proposer is None:
-            proposer = request.proposer = NgramProposer(speculative)
-        assert isinstance(proposer, NgramProposer)
-        drafts, indexed = proposer.propose(request.token_ids, room, self._index_budget)
+        lookup = request.proposer
+        if lookup is None:
+            lookup = request.proposer = NgramProposer(speculative)
+        assert isinstance(lookup, NgramProposer)
+        drafts, indexed = lookup.propose(request.token_ids, room, self._index_budget)
         self._index_budget -= indexed
         return drafts or None
 
@@ -638,14 +650,13 @@ class Scheduler:
         for request, (first, take) in self._catch_up.items():
             if request in planned:  # (not un-planned after it asked)
                 output.catch_up[request] = (first, request.token_ids[first : first + take])
-        size = self.speculative.disable_by_batch_size
-        small = size is None or len(self.running) <= size
-        prompts = small and any(request.status is not RequestStatus.DECODING for request in planned)
+        prompts = self._speculates_at_this_size() and any(
+            request.status is not RequestStatus.DECODING for request in planned
+        )
         output.drafting = drafting = bool(drafted) or prompts or bool(output.catch_up)
+        kv = self.kv_cache
         for request, start in planned.items():
-            proposer = request.proposer
-            if not isinstance(proposer, DraftProposer):
-                proposer = request.proposer = DraftProposer(self.speculative, start, self.draft_share)
+            proposer = self._draft_proposer(request)
             # (a preempted request computes again from its start; one trimmed after a
             # rejection holds fewer tokens than the draft wrote)
             held = min(proposer.drafted, start)
@@ -657,6 +668,8 @@ class Scheduler:
                 # needed only once that proposal is accepted, it is caught up on then.
                 held = request.num_computed_tokens - (request in drafted)
             proposer.drafted = held
+            if kv.prefix_caching:  # (blocks that later requests' prefix hits serve the draft too)
+                proposer.marked = kv.mark_drafted(request, held, proposer.marked)
 
     @staticmethod
     def _may_speculate(request: Request) -> bool:
@@ -741,7 +754,7 @@ class Scheduler:
             return False
         if request.params.needs_known_history or request.speculating:
             return True
-        if self.speculative is not None and self._may_speculate(request):
+        if self.speculative is not None and self._speculates_at_this_size() and self._may_speculate(request):
             # (a proposal follows the last token: wait for it, unless the request backs off)
             proposer = request.proposer
             # (a pipelined step plans no proposal, so this counts the step of a pause)
@@ -790,6 +803,10 @@ class Scheduler:
                     self._enqueue(child)  # no room for its copy: it computes its prompt itself
                     continue
                 _extend(output.copy_blocks, copies)
+                if self.speculative is not None and self.speculative.method == "draft":
+                    # (the draft's cache is forked alike: the child holds what the parent did)
+                    held = self._draft_proposer(parent).drafted
+                    self._draft_proposer(child).drafted = min(held, child.num_computed_tokens)
                 self.kv_cache.num_prefix_hit_tokens += child.num_computed_tokens
                 child.num_cached_tokens = child.num_computed_tokens
                 self.running[child] = None
@@ -844,6 +861,11 @@ class Scheduler:
                     # must compute something before its children fork (next step), so that
                     # the fork never waits on an empty step.
                     self.kv_cache.unmatch_last_block(request)
+                if self.speculative is not None and self.speculative.method == "draft":
+                    # (the hits' draft KV only where the draft computed those blocks)
+                    proposer = self._draft_proposer(request)
+                    proposer.marked = self.kv_cache.drafted_blocks(request)
+                    proposer.drafted = proposer.marked * self.kv_cache.page_size
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if request in self._forks:  # its children fork before the prompt's last token
                 num_new = min(num_new, request.num_prompt_tokens - 1 - request.num_computed_tokens)

@@ -339,6 +339,7 @@ class BatchWriter:
         assert output is not None and parts is not None
         assert len(parts.slots) == len(output.scheduled), "rows were left out of the copy"
         self._output = self._parts = None
+        catch_up = _catch_up(output)  # (before the slots of requests that ended are let go)
         departed, self._departed = self._departed, []
         for request in departed:
             state = request.runner_state
@@ -369,7 +370,7 @@ class BatchWriter:
             drafting=output.drafting,
             draft_rows=parts.draft_rows,
             draft_counts=parts.draft_counts,
-            **_catch_up(output),
+            **catch_up,
         )
 
     def _assign(self, state: RowState, request: Request, parts: _Parts) -> None:

@@ -485,3 +485,118 @@ async def test_bad_draft_models_are_refused(draft: str, message: str) -> None:
     with pytest.raises(aiocb.InvalidConfigError, match=message):
         async with aiocb.Manager(target, speculative_config=_draft_config(model)):
             pass
+
+
+@pytest.mark.parametrize("first_turn", ["penalised", "large_batch"])
+async def test_prefix_hits_serve_the_draft_only_blocks_it_computed(first_turn: str) -> None:
+    """The draft writes its cache in the target's blocks but sleeps through some steps (a
+    request that cannot speculate, a large batch): a later request whose prompt hits those
+    blocks has the draft compute what it slept through, so a copy of the target accepts
+    everything. Reading the blocks as they are would read keys the draft never wrote."""
+    model = MODELS["qwen3"]()
+    spec = _draft_config(_draft(model, "same"), disable_by_batch_size=2)
+    config = aiocb.ContinuousBatchingConfig(page_size=16)
+    prompts = random_prompts(4, 40, 40, seed=3)
+    tail = random_prompts(1, 5, 5, seed=9)[0]
+
+    async def first(manager: aiocb.Manager) -> list[int]:
+        if first_turn == "penalised":  # (its decode steps cannot speculate: the draft sleeps)
+            out = await manager.generate(prompts[0], max_new_tokens=48, do_sample=False, repetition_penalty=1.2)
+            assert isinstance(out, aiocb.GenerationOutput)
+            return prompts[0] + out.generated_tokens
+        ids = [manager.add_request_nowait(p, max_new_tokens=4, do_sample=False) for p in prompts]
+        for rid in ids:
+            await manager.get_result(rid)
+        return prompts[0]
+
+    async with aiocb.Manager(model, continuous_batching_config=config) as manager:
+        follow = await first(manager) + tail
+        plain = await manager.generate(follow, max_new_tokens=40, do_sample=False)
+    async with aiocb.Manager(model, continuous_batching_config=config, speculative_config=spec) as manager:
+        assert await first(manager) + tail == follow
+        before = manager.statistics()
+        fast = await manager.generate(follow, max_new_tokens=40, do_sample=False)
+        stats = manager.statistics()
+    assert isinstance(fast, aiocb.GenerationOutput) and isinstance(plain, aiocb.GenerationOutput)
+    assert fast.generated_tokens == plain.generated_tokens
+    assert stats.prefix_hit_tokens - before.prefix_hit_tokens >= 32, "the follow-up hit the first turn's blocks"
+    proposed = stats.draft_tokens - before.draft_tokens
+    assert proposed > 0 and stats.accepted_draft_tokens - before.accepted_draft_tokens == proposed
+
+
+async def test_a_request_cancelled_while_its_catch_up_is_planned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planner gives the loop back between requests; a request that asked the draft to
+    catch up may be cancelled then, before its row is copied out. The step goes on without
+    it (the engine neither fails nor leaks)."""
+    import aiocb.engine.step_loop as step_loop
+
+    model = MODELS["qwen3"]()
+    spec = _draft_config(_draft(model, "random"), min_acceptance=0.9, backoff_steps=3)
+    prompts = random_prompts(2, 20, 20, seed=3)
+    monkeypatch.setattr(step_loop, "CHUNK", 1)  # (a turn after every request planned)
+    async with aiocb.Manager(model, speculative_config=spec) as manager:
+        scheduler = manager._steps.scheduler
+        plan = scheduler.plan
+        cancelled: list[bool] = []
+        victim = manager.add_request_nowait(prompts[0], max_new_tokens=80, do_sample=False)
+        other = manager.add_request_nowait(prompts[1], max_new_tokens=80, do_sample=False)
+
+        def planning(chunk: int) -> Any:
+            steps = plan(chunk)
+            while True:
+                try:
+                    next(steps)
+                except StopIteration as done:
+                    return done.value
+                if not cancelled and any(r.request_id == victim for r in scheduler._catch_up):
+                    cancelled.append(manager.cancel_request(victim))
+                yield
+
+        monkeypatch.setattr(scheduler, "plan", planning)
+        ended = await manager.get_result(victim)
+        survivor = await manager.get_result(other)
+        stats = manager.statistics()
+    assert cancelled == [True], "the victim was cancelled while its catch-up was planned"
+    assert isinstance(ended, aiocb.GenerationOutput) and ended.finish_reason == aiocb.FinishReason.CANCELLED
+    assert isinstance(survivor, aiocb.GenerationOutput) and len(survivor.generated_tokens) == 80
+    assert stats.free_blocks == stats.total_blocks
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+async def test_a_large_batch_of_speculative_requests_still_pipelines(method: str) -> None:
+    """Past ``disable_by_batch_size`` no request speculates, so none waits for its last
+    token before its next step is planned: with async batching the steps overlap as they
+    do without speculation (each step carries its rows' tokens on the device)."""
+    model = MODELS["qwen3"]()
+    fields: dict[str, Any] = {"draft_model": _draft(model, "random")} if method == "draft" else {}
+    spec = aiocb.SpeculativeConfig(method=method, disable_by_batch_size=2, **fields)
+    config = aiocb.ContinuousBatchingConfig(use_async_batching=True)
+    prompts = random_prompts(6, 20, 20, seed=3)
+    carried, outputs = [], []
+    for speculative in (None, spec):
+        async with aiocb.Manager(model, continuous_batching_config=config, speculative_config=speculative) as manager:
+            ids = [manager.add_request_nowait(p, max_new_tokens=40, do_sample=False) for p in prompts]
+            outputs.append([(await manager.get_result(rid)).generated_tokens for rid in ids])  # type: ignore[union-attr]
+            carried.append(manager._steps.scheduler.stats.num_carried_tokens)
+            assert manager.statistics().draft_tokens == 0
+    assert outputs[0] == outputs[1]
+    assert carried[0] > 100 and carried[1] == carried[0]
+
+
+async def test_samples_of_one_prompt_fork_the_drafts_cache_as_it_is() -> None:
+    """More samples of a prompt fork its blocks when its prompt is computed; if the draft
+    slept through that (a large batch), the forks hold no draft keys either and catch up
+    before they speculate: a copy of the target then accepts nearly everything."""
+    model = MODELS["qwen3"]()
+    spec = _draft_config(_draft(model, "same"), disable_by_batch_size=3)
+    prompts = random_prompts(6, 20, 20, seed=3)
+    async with aiocb.Manager(model, speculative_config=spec) as manager:
+        # (five short requests keep the batch large while the prompt below is computed)
+        shorts = [manager.add_request_nowait(p, max_new_tokens=6, do_sample=False) for p in prompts[1:]]
+        samples = await manager.generate(prompts[0], max_new_tokens=60, temperature=1.0, seed=5, n=3)
+        for rid in shorts:
+            await manager.get_result(rid)
+        stats = manager.statistics()
+    assert isinstance(samples, list) and len(samples) == 3
+    assert all(len(s.generated_tokens) == 60 for s in samples)
+    assert stats.draft_tokens > 60 and stats.acceptance_rate is not None and stats.acceptance_rate > 0.95
