@@ -43,6 +43,7 @@ again, before its proposals).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -77,9 +78,10 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = 32
     #: a request whose recent acceptance falls below this share stops proposing for
     #: ``backoff_steps`` steps, then tries again (``method="draft"``: below this or the
-    #: draft's share of the target's parameters, whichever is larger, which is what a
-    #: proposed token costs against the token it may save where decoding is memory-bound;
-    #: and a pause after a failed try is twice the one before, up to 8 x ``backoff_steps``)
+    #: draft's share of the target's weight bytes (at most 0.9), whichever is larger, which
+    #: is what a proposed token costs against the token it may save where decoding is
+    #: memory-bound; and a pause after a failed try is twice the one before, up to 8 x
+    #: ``backoff_steps``)
     min_acceptance: float = 0.2
     backoff_steps: int = 16
 
@@ -162,11 +164,20 @@ def load_draft_model(config: SpeculativeConfig | None, target: PreTrainedModel) 
 
 
 def draft_share(draft: PreTrainedModel, target: PreTrainedModel) -> float:
-    """The draft's share of the target's parameters: what a draft pass costs against the
-    target's step where decoding is memory-bound (both read their weights once a pass)."""
-    return sum(p.numel() for p in draft.parameters()) / max(1, sum(p.numel() for p in target.parameters()))
+    """The draft's share of the target's weight bytes: what a draft pass costs against the
+    target's step where decoding is memory-bound (both read their weights once a pass).
+    Buffers count too (quantized weights are often buffers, or packed into fewer elements)."""
+    return _weight_bytes(draft) / max(1, _weight_bytes(target))
 
 
+def _weight_bytes(model: PreTrainedModel) -> int:
+    tensors = itertools.chain(model.parameters(), model.buffers())
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+#: The highest back-off floor a draft's share of the target sets: a draft as dear as the
+#: target (or one whose share is overstated) still speculates while nearly all is accepted.
+_MOST_SHARE_FLOOR = 0.9
 #: How quickly a request's acceptance estimate follows its latest steps.
 _DECAY = 0.7
 #: A draft model's request's longest pause, in ``backoff_steps``: its pauses double while
@@ -241,7 +252,8 @@ class DraftProposer(Acceptance):
     __slots__ = ("drafted", "marked")
 
     def __init__(self, config: SpeculativeConfig, drafted: int, share: float = 0.0) -> None:
-        super().__init__(config, max(config.min_acceptance, share), _LONGEST_DRAFT_PAUSE)
+        floor = max(config.min_acceptance, min(share, _MOST_SHARE_FLOOR))
+        super().__init__(config, floor, _LONGEST_DRAFT_PAUSE)
         #: how many of the request's first tokens the draft's cache holds: steps the draft
         #: sleeps through leave a gap past it, which the draft catches up on (in the step
         #: the request proposes again, before its proposals)

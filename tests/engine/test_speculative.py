@@ -244,6 +244,21 @@ def test_a_draft_request_backs_off_below_the_drafts_share_of_the_target() -> Non
     share = draft_share(_draft(target, "random"), target)
     assert 0.0 < share < 0.5
     assert draft_share(_draft(target, "same"), target) == 1.0
+    # Weights held as buffers (as quantized ones often are) count, by their bytes.
+    packed = _draft(target, "same")
+    for module in packed.modules():
+        if isinstance(module, torch.nn.Linear):
+            weight = module.weight.detach().to(torch.float16)
+            del module.weight
+            module.register_buffer("weight", weight)
+    assert 0.5 < draft_share(packed, target) < 1.0
+    # A draft whose share is 1 or more still speculates while (nearly) all is accepted.
+    as_dear = DraftProposer(config, 0, share=1.5)
+    for _ in range(4):
+        as_dear.record(2, 2)
+        assert as_dear.propose(2) == 2
+    as_dear.record(2, 1)  # 0.85, under the floor (0.9)
+    assert as_dear.propose(2) == 0
 
 
 def test_a_draft_requests_pauses_double_while_its_tries_fail() -> None:
