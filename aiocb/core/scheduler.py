@@ -39,7 +39,8 @@ from aiocb.speculative import Acceptance, DraftProposer, NgramProposer, Speculat
 #: Tokens of prompts and outputs that speculation's proposers index per step in all (about
 #: a microsecond each per n-gram length): it keeps a step's planning off the loop's back.
 _INDEX_PER_STEP = 1024
-#: Tokens a draft model catches up on per step in all (those of steps it slept through).
+#: Tokens a draft model catches up on per step in all (those of steps it slept through), and
+#: never more than a step's ``max_batch_tokens`` (the activations the cache planner allowed).
 _CATCH_UP_PER_STEP = 2048
 #: Admitting a request costs about this many running requests' planning, plus one for each
 #: block of its prompt that it looks up or registers in the prefix cache (hashing a block
@@ -160,7 +161,7 @@ class Scheduler:
         #: model's): the first missing position and how many the draft computes first ...
         self._catch_up: dict[Request, tuple[int, int]] = {}
         #: ... and how many more it may (:data:`_CATCH_UP_PER_STEP` in all)
-        self._catch_up_left = _CATCH_UP_PER_STEP
+        self._catch_up_left = 0
         #: prompt positions a step may score (``prompt_logprobs``): the rows of logits
         #: the cache planner keeps memory for (default ``max_requests_per_batch``)
         self.max_scored_tokens = max_scored_tokens or max_requests_per_batch
@@ -320,7 +321,7 @@ class Scheduler:
         drafted: dict[Request, list[int]] = {}
         self._index_budget = _INDEX_PER_STEP
         self._catch_up.clear()
-        self._catch_up_left = _CATCH_UP_PER_STEP
+        self._catch_up_left = min(_CATCH_UP_PER_STEP, self.max_batch_tokens)
         self._scored_left = self.max_scored_tokens
         # Most rows of most steps only decode: a short loop plans those, and the general one
         # below the rest (or everything, when a decoding row needs more than its next token).

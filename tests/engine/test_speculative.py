@@ -615,3 +615,26 @@ async def test_samples_of_one_prompt_fork_the_drafts_cache_as_it_is() -> None:
     assert isinstance(samples, list) and len(samples) == 3
     assert all(len(s.generated_tokens) == 60 for s in samples)
     assert stats.draft_tokens > 60 and stats.acceptance_rate is not None and stats.acceptance_rate > 0.95
+
+
+async def test_a_catch_up_is_no_larger_than_a_step() -> None:
+    """The draft catches up on at most ``max_batch_tokens`` tokens a step (what the cache
+    planner allowed a pass's activations), over as many steps as it takes."""
+    model = MODELS["qwen3"]()
+    spec = _draft_config(_draft(model, "same"), disable_by_batch_size=1)
+    config = aiocb.ContinuousBatchingConfig(max_batch_tokens=32)
+    # (the long prompt is computed, a chunk a step, while the short request runs beside it:
+    # the draft sleeps through both, then catches up on the long one)
+    work = [(PROMPTS[0], 8), (PROMPTS[1], 60)]
+    assert len(PROMPTS[1]) > 100
+    async with aiocb.Manager(model, continuous_batching_config=config) as manager:
+        plain = [await manager.generate(p, max_new_tokens=n, do_sample=False) for p, n in work]
+    async with aiocb.Manager(model, continuous_batching_config=config, speculative_config=spec) as manager:
+        batches = _watch_drafts(manager)
+        ids = [manager.add_request_nowait(p, max_new_tokens=n, do_sample=False) for p, n in work]
+        outputs = [await manager.get_result(rid) for rid in ids]
+        stats = manager.statistics()
+    assert [o.generated_tokens for o in outputs] == [o.generated_tokens for o in plain]  # type: ignore[union-attr]
+    counts = [sum(batch.catch_up_counts) for batch in batches if batch.catch_up_slots]
+    assert len(counts) >= 2 and max(counts) == 32, counts
+    assert stats.draft_tokens > 20 and stats.acceptance_rate is not None and stats.acceptance_rate > 0.95
