@@ -643,8 +643,8 @@ class Scheduler:
         """Whether the draft model runs over the step: when a request speculates in it, or
         catches up (the draft computes the tokens of steps it slept through first, then
         the step's), and, while the batch (admissions counted) is small enough to
-        speculate, when it computes prompt tokens (which requests with the same prefix
-        then find in the draft's cache too). Otherwise it sleeps, and its cache misses the
+        speculate, when it computes prompt tokens of a request that may speculate (which
+        requests with the same prefix then find in the draft's cache too). Otherwise it sleeps, and its cache misses the
         step's tokens; each planned request's :attr:`DraftProposer.drafted` says how far
         the draft's cache holds it after the step."""
         assert self.speculative is not None
@@ -652,7 +652,7 @@ class Scheduler:
             if request in planned:  # (not un-planned after it asked)
                 output.catch_up[request] = (first, request.token_ids[first : first + take])
         prompts = self._speculates_at_this_size() and any(
-            request.status is not RequestStatus.DECODING for request in planned
+            request.status is not RequestStatus.DECODING and self._may_speculate(request) for request in planned
         )
         output.drafting = drafting = bool(drafted) or prompts or bool(output.catch_up)
         kv = self.kv_cache

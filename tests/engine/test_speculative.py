@@ -638,3 +638,18 @@ async def test_a_catch_up_is_no_larger_than_a_step() -> None:
     counts = [sum(batch.catch_up_counts) for batch in batches if batch.catch_up_slots]
     assert len(counts) >= 2 and max(counts) == 32, counts
     assert stats.draft_tokens > 20 and stats.acceptance_rate is not None and stats.acceptance_rate > 0.95
+
+
+async def test_the_draft_model_never_runs_for_requests_that_cannot_speculate() -> None:
+    """A request with logits controls (a penalty) never speculates: the draft model
+    computes neither its prompt nor its tokens."""
+    model = MODELS["qwen3"]()
+    spec = _draft_config(_draft(model, "same"))
+    async with aiocb.Manager(model) as manager:
+        plain = await manager.generate(PROMPTS[0], max_new_tokens=20, do_sample=False, repetition_penalty=1.3)
+    async with aiocb.Manager(model, speculative_config=spec) as manager:
+        batches = _watch_drafts(manager)
+        fast = await manager.generate(PROMPTS[0], max_new_tokens=20, do_sample=False, repetition_penalty=1.3)
+    assert isinstance(fast, aiocb.GenerationOutput) and isinstance(plain, aiocb.GenerationOutput)
+    assert fast.generated_tokens == plain.generated_tokens
+    assert batches == []
