@@ -70,7 +70,7 @@ async def _run(
     """Wall seconds, tokens generated, the outputs and the statistics; ``batch`` requests at once."""
     params: dict[str, Any] = {"max_new_tokens": new, "do_sample": False, "eos_token_id": []}
     async with aiocb.Manager(model, continuous_batching_config=config, speculative_config=speculative) as manager:
-        await manager.generate(prompts[0][:16], max_new_tokens=4)  # warm-up
+        await manager.generate(prompts[0], max_new_tokens=4)  # warm-up (kernels of a whole prompt too)
         started = time.perf_counter()
         outputs: list[list[int]] = []
         for first in range(0, len(prompts), batch):
@@ -109,12 +109,14 @@ def compare(
     *,
     config: aiocb.ContinuousBatchingConfig | None = None,
     exact: bool = True,
+    configs: dict[str, aiocb.SpeculativeConfig | None] | None = None,
 ) -> dict[str, Any]:
-    """``prompts`` (``batch`` at once, greedy) without speculation and with each method,
-    ``repeats`` rounds in turn: tokens/s of each, the ratios to none and the acceptance.
-    The outputs must agree; without ``exact`` (bf16 on a GPU, where verification runs other
-    kernels than decoding) the requests whose outputs differ are counted instead."""
-    configs = methods(model)
+    """``prompts`` (``batch`` at once, greedy) without speculation and with each method
+    (``configs``, :func:`methods` by default; "off" is none), ``repeats`` rounds in turn:
+    tokens/s of each, the ratios to none and the acceptance. The outputs must agree;
+    without ``exact`` (bf16 on a GPU, where verification runs other kernels than decoding)
+    the requests whose outputs differ are counted instead."""
+    configs = methods(model) if configs is None else configs
     rates: dict[str, list[float]] = {name: [] for name in configs}
     outputs: dict[str, list[list[int]]] = {}
     acceptance: dict[str, list[float]] = {name: [] for name in configs if name != "off"}

@@ -29,9 +29,10 @@ from itertools import accumulate
 import torch
 from transformers import PreTrainedModel
 
+from aiocb.config import ContinuousBatchingConfig
 from aiocb.errors import InvalidConfigError
 from aiocb.runner import attention
-from aiocb.runner.backends import Backend, cpu_kernel_fits
+from aiocb.runner.backends import select_backends
 from aiocb.runner.input_batch import InputBatch
 from aiocb.runner.inputs import HostToDevice, StepInputs, prepare_inputs
 from aiocb.runner.memory import CachePlan
@@ -73,16 +74,29 @@ class Drafter:
     """Runs the draft model over a step and proposes the speculating rows' tokens."""
 
     def __init__(
-        self, model: PreTrainedModel, spec: ModelSpec, plan: CachePlan, backends: list[str], vocab_size: int
+        self,
+        model: PreTrainedModel,
+        spec: ModelSpec,
+        plan: CachePlan,
+        config: ContinuousBatchingConfig,
+        backends: list[str],
+        vocab_size: int,
     ) -> None:
+        # The draft's first pass of a step attends through the target's attention metadata,
+        # which is built for the target's kernels: the draft's cache (its dtype, its head
+        # size) must take the same ones.
+        own = select_backends(spec.device, config, [None] * len(backends), plan.page_size,
+                              dtype=spec.dtype, head_dim=spec.head_dim)  # fmt: skip
+        if own != backends:
+            raise InvalidConfigError(
+                f"draft_model ({spec.dtype}, heads of {spec.head_dim}) cannot use the target's attention "
+                f"kernels ({', '.join(backends)}; it would need {', '.join(own)}): give a draft model in the "
+                "target's dtype"
+            )
         self.model = model
         self.spec = spec
         self.cache = PagedKVCache(spec, plan)
-        # (the target's choices, but the C kernel only where the draft's own cache fits it)
-        self.backends = [
-            Backend.REFERENCE if b == Backend.CPU and not cpu_kernel_fits(spec.dtype, spec.head_dim) else b
-            for b in backends
-        ]
+        self.backends = backends
         #: proposals are drawn from the ids both vocabularies have
         self.vocab_size = min(vocab_size, spec.vocab_size)
         self._target_vocab_size = vocab_size

@@ -84,7 +84,7 @@ class ModelRunner:
         #: speculative decoding's draft model, run inside each step (None: no draft model)
         self.drafter = None
         if draft_model is not None and drafted is not None:
-            self.drafter = Drafter(draft_model, drafted, self.plan, self.backends, self.spec.vocab_size)
+            self.drafter = Drafter(draft_model, drafted, self.plan, config, self.backends, self.spec.vocab_size)
         self._transfer = HostToDevice(self.device)
         groups = range(len(self.cache.group_windows))
         #: the event loop's side of the persistent batch (it copies plans out) ...

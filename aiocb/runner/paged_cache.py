@@ -122,8 +122,8 @@ class PagedKVCache:
             if not pairs:
                 continue
             device = self.key[layer].device
-            sources = torch.tensor([s for s, _ in pairs], device=device)
-            targets = torch.tensor([d for _, d in pairs], device=device)
+            sources = _indices([s for s, _ in pairs], device)
+            targets = _indices([d for _, d in pairs], device)
             for cache in (self.key[layer], self.value[layer]):
                 cache.index_copy_(0, targets, cache.index_select(0, sources))
 
@@ -159,3 +159,12 @@ class PagedKVCache:
     def nbytes(self) -> int:
         """Bytes the K and V tensors take."""
         return sum(t.numel() * t.element_size() for t in (*self.key, *self.value))
+
+
+def _indices(values: list[int], device: torch.device) -> torch.Tensor:
+    """Block ids on ``device`` without waiting for the device: a copy from pageable memory
+    would wait for the step in flight (async batching launches the next one meanwhile)."""
+    host = torch.tensor(values)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

@@ -653,3 +653,14 @@ async def test_the_draft_model_never_runs_for_requests_that_cannot_speculate() -
     assert isinstance(fast, aiocb.GenerationOutput) and isinstance(plain, aiocb.GenerationOutput)
     assert fast.generated_tokens == plain.generated_tokens
     assert batches == []
+
+
+async def test_a_draft_that_cannot_use_the_targets_attention_kernels_is_refused() -> None:
+    """The draft's first pass of a step attends through the target's attention metadata:
+    a draft whose cache the target's kernels do not take (a bfloat16 draft beside a
+    float32 target on the CPU, whose C kernels take float32) is refused, naming why."""
+    model = MODELS["qwen3"]()
+    draft = _draft(model, "same").to(torch.bfloat16)
+    with pytest.raises(aiocb.InvalidConfigError, match=r"draft_model \(torch.bfloat16.*target's dtype"):
+        async with aiocb.Manager(model, speculative_config=_draft_config(draft)):
+            pass
