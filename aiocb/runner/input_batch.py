@@ -57,9 +57,10 @@ class InputBatch:
         self.seed = torch.zeros(num_slots, dtype=_LONG)
         self.logprobs = torch.zeros(num_slots, dtype=torch.bool)
         self.top_logprobs = torch.zeros(num_slots, dtype=_LONG)
-        #: the last :meth:`sampling_params`: steady decode steps sample the same slots, whose
-        #: parameters change only when a slot gets a new owner
-        self._params: SlotParams | None = None
+        #: the last two :meth:`sampling_params`, the latest first: steady decode steps sample
+        #: the same slots, whose parameters change only when a slot gets a new owner (two:
+        #: a draft model's passes sample the speculating rows' slots in between)
+        self._params: list[SlotParams] = []
 
     @property
     def num_slots(self) -> int:
@@ -71,7 +72,7 @@ class InputBatch:
         if batch.num_slots > self.num_slots:
             self._grow_slots(batch.num_slots)
         if batch.join_slots:
-            self._params = None
+            self._params = []
             slots = torch.tensor(batch.join_slots, dtype=_LONG)
             temperature, top_k, top_p, min_p, seed, logprobs, top_logprobs = zip(*batch.join_params, strict=True)
             self.temperature[slots] = torch.tensor(temperature, dtype=torch.float32)
@@ -101,9 +102,9 @@ class InputBatch:
 
     def sampling_params(self, slots: torch.Tensor) -> SlotParams:
         """The sampling parameters of ``slots`` (the step's sampled rows, in order)."""
-        last = self._params
-        if last is not None and last.slots.shape == slots.shape and torch.equal(last.slots, slots):
-            return last
+        for last in self._params:
+            if last.slots.shape == slots.shape and torch.equal(last.slots, slots):
+                return last
         temperature = self.temperature.index_select(0, slots)
         top_k = self.top_k.index_select(0, slots)
         top_p = self.top_p.index_select(0, slots)
@@ -111,7 +112,7 @@ class InputBatch:
         drawn = temperature != 0.0
         tops = self.top_logprobs.index_select(0, slots)
         drawn_k = top_k[drawn]
-        self._params = SlotParams(
+        params = SlotParams(
             # (a copy: the caller may reuse its tensor)
             slots=slots.clone(),
             temperature=temperature,
@@ -126,7 +127,8 @@ class InputBatch:
             max_top_logprobs=int(tops.max()) if tops.numel() else 0,
             max_top_k=int(drawn_k.max()) if drawn_k.numel() else 0,
         )
-        return self._params
+        self._params = [params, *self._params[:1]]
+        return params
 
     def table(self, group: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The block tables of ``slots`` in one cache group, ``[rows, widest]`` padded with its
@@ -137,7 +139,7 @@ class InputBatch:
 
     def _grow_slots(self, needed: int) -> None:
         size = max(needed, 2 * self.num_slots)
-        self._params = None
+        self._params = []
 
         def grown(t: torch.Tensor, fill: float | int | bool) -> torch.Tensor:
             bigger = torch.full((size, *t.shape[1:]), fill, dtype=t.dtype)

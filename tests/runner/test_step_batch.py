@@ -190,3 +190,17 @@ def test_sampling_parameters_are_gathered_again_once_a_slot_changes_owner() -> N
     assert again.temperature.tolist() == [0.0, 0.0] and again.all_greedy and not again.any_top_k
     state.apply(_joining([5], [0.25]))  # (the batch grows)
     assert state.sampling_params(torch.tensor([5, 1])).temperature.tolist() == [0.25, 0.0]
+
+
+def test_a_draft_models_gathers_between_steps_keep_the_steps_own() -> None:
+    # A draft model's passes sample the speculating rows' slots between two steps that
+    # sample every row: both gathers are kept, and neither is made again.
+    state = InputBatch([1000], num_slots=3, width=2)
+    state.apply(_joining([0, 1, 2], [0.5, 0.0, 0.25]))
+    step, drafting = torch.tensor([0, 1, 2]), torch.tensor([2])
+    every, some = state.sampling_params(step), state.sampling_params(drafting)
+    assert state.sampling_params(torch.tensor([0, 1, 2])) is every
+    assert state.sampling_params(torch.tensor([2])) is some
+    assert some.temperature.tolist() == [0.25]
+    state.sampling_params(torch.tensor([1]))  # (a third: the oldest goes)
+    assert state.sampling_params(step) is not every
