@@ -52,6 +52,20 @@ async def _run(
     return [*outputs.values(), first, *again.values()], stats
 
 
+#: outputs without speculation, by (model class, config name, sampling): the same run for
+#: every case that compares against it (the models are seeded, the runs deterministic)
+_PLAIN: dict[tuple[str, str, str], list[aiocb.GenerationOutput]] = {}
+
+
+async def _plain(
+    model: PreTrainedModel, config_name: str, sampling: str, params: dict[str, Any]
+) -> list[aiocb.GenerationOutput]:
+    key = (type(model).__name__, config_name, sampling)
+    if key not in _PLAIN:
+        _PLAIN[key], _ = await _run(model, None, CONFIGS[config_name], **params)
+    return _PLAIN[key]
+
+
 @pytest.fixture(scope="module", params=sorted(MODELS))
 def model(request: pytest.FixtureRequest) -> PreTrainedModel:
     return MODELS[request.param]()
@@ -66,7 +80,7 @@ async def test_outputs_equal_no_speculation(model: PreTrainedModel, config_name:
         {"do_sample": False} if sampling == "greedy" else {"temperature": 0.4, "top_k": 50, "seed": 7}
     )
     config = CONFIGS[config_name]
-    plain, _ = await _run(model, None, config, **params)
+    plain = await _plain(model, config_name, sampling, params)
     speculative = aiocb.SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, disable_by_batch_size=None)
     fast, stats = await _run(model, speculative, config, **params)
     for i, (a, b) in enumerate(zip(plain, fast, strict=True)):
@@ -356,7 +370,7 @@ async def test_draft_model_outputs_equal_no_speculation(
         {"do_sample": False} if sampling == "greedy" else {"temperature": 0.4, "top_k": 50, "seed": 7}
     )
     config = CONFIGS[config_name]
-    plain, _ = await _run(model, None, config, **params)
+    plain = await _plain(model, config_name, sampling, params)
     fast, stats = await _run(model, _draft_config(_draft(model, kind)), config, **params)
     for i, (a, b) in enumerate(zip(plain, fast, strict=True)):
         assert b.generated_tokens == a.generated_tokens, f"prompt {i}"
