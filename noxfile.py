@@ -25,7 +25,8 @@ def _install(session: nox.Session, *groups: str) -> None:
 def tests(session: nox.Session) -> None:
     """Run the test suite on CPU (no slow or GPU tests)."""
     _install(session, "test")
-    session.run("pytest", "-m", "not slow and not gpu", *session.posargs)
+    # (the slowest tests listed: the session must stay well under 15 minutes on 2 cores)
+    session.run("pytest", "-m", "not slow and not gpu", "--durations=25", *session.posargs)
 
 
 @nox.session
