@@ -162,6 +162,8 @@ class Scheduler:
         self._catch_up: dict[Request, tuple[int, int]] = {}
         #: ... and how many more it may (:data:`_CATCH_UP_PER_STEP` in all)
         self._catch_up_left = 0
+        #: whether requests may speculate in the step being planned (its batch is small enough)
+        self._speculation_on = False
         #: prompt positions a step may score (``prompt_logprobs``): the rows of logits
         #: the cache planner keeps memory for (default ``max_requests_per_batch``)
         self.max_scored_tokens = max_scored_tokens or max_requests_per_batch
@@ -318,6 +320,7 @@ class Scheduler:
         single_full, page = kv.single_full, kv.page_size
         max_rows = self.max_requests_per_batch
         speculative = self.speculative if self._speculates_at_this_size() else None
+        self._speculation_on = speculative is not None
         drafted: dict[Request, list[int]] = {}
         self._index_budget = _INDEX_PER_STEP
         self._catch_up.clear()
@@ -435,7 +438,7 @@ class Scheduler:
             if end > known:
                 num_carried += 1
         output.num_sampled = num_sampled
-        if self.speculative is not None and self.speculative.method == "draft":
+        if self._uses_draft:
             self._plan_drafting(output, planned, drafted)
         self.stats.num_carried_tokens += num_carried
         if scheduled:
@@ -586,6 +589,11 @@ class Scheduler:
         completing.clear()
         return None
 
+    @property
+    def _uses_draft(self) -> bool:
+        """Whether requests speculate with a draft model."""
+        return self.speculative is not None and self.speculative.method == "draft"
+
     def _speculates_at_this_size(self) -> bool:
         """Whether requests may speculate in a batch of the running requests' size: a large
         batch is no longer memory-bound, and extra tokens cost compute."""
@@ -644,9 +652,9 @@ class Scheduler:
         catches up (the draft computes the tokens of steps it slept through first, then
         the step's), and, while the batch (admissions counted) is small enough to
         speculate, when it computes prompt tokens of a request that may speculate (which
-        requests with the same prefix then find in the draft's cache too). Otherwise it sleeps, and its cache misses the
-        step's tokens; each planned request's :attr:`DraftProposer.drafted` says how far
-        the draft's cache holds it after the step."""
+        requests with the same prefix then find in the draft's cache too). Otherwise it
+        sleeps, and its cache misses the step's tokens; each planned request's
+        :attr:`DraftProposer.drafted` says how far the draft's cache holds it after the step."""
         assert self.speculative is not None
         for request, (first, take) in self._catch_up.items():
             if request in planned:  # (not un-planned after it asked)
@@ -755,7 +763,7 @@ class Scheduler:
             return False
         if request.params.needs_known_history or request.speculating:
             return True
-        if self.speculative is not None and self._speculates_at_this_size() and self._may_speculate(request):
+        if self._speculation_on and self._may_speculate(request):
             # (a proposal follows the last token: wait for it, unless the request backs off)
             proposer = request.proposer
             # (a pipelined step plans no proposal, so this counts the step of a pause)
@@ -804,7 +812,7 @@ class Scheduler:
                     self._enqueue(child)  # no room for its copy: it computes its prompt itself
                     continue
                 _extend(output.copy_blocks, copies)
-                if self.speculative is not None and self.speculative.method == "draft":
+                if self._uses_draft:
                     # (the draft's cache is forked alike: the child holds what the parent did)
                     held = self._draft_proposer(parent).drafted
                     self._draft_proposer(child).drafted = min(held, child.num_computed_tokens)
@@ -862,7 +870,7 @@ class Scheduler:
                     # must compute something before its children fork (next step), so that
                     # the fork never waits on an empty step.
                     self.kv_cache.unmatch_last_block(request)
-                if self.speculative is not None and self.speculative.method == "draft":
+                if self._uses_draft:
                     # (the hits' draft KV only where the draft computed those blocks)
                     proposer = self._draft_proposer(request)
                     proposer.marked = self.kv_cache.drafted_blocks(request)
