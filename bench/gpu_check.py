@@ -174,7 +174,9 @@ class Recorder:
 def run_tests(rec: Recorder, out: Path, dry: bool) -> None:
     """pytest -m gpu in a subprocess (own config: the project's needs pytest-asyncio); the
     phase's time limit kills it with this process."""
-    env = dict(os.environ, AIOCB_GPU_TESTS="1", PYTHONPATH=str(REPO))
+    # (the repository first, then any path the caller set: packages carried to the device)
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, AIOCB_GPU_TESTS="1", PYTHONPATH=path)
     command = [sys.executable, "-m", "pytest", "-c", str(REPO / "bench" / "gpu_pytest.ini"), "-m", "gpu", "-q"]
     # The kernels' tests first (the engine's compile and capture), and prints in the log as
     # they come (--capture=tee-sys), so a run cut off by the limit keeps what it printed.
