@@ -46,18 +46,6 @@ def _prompts(count: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(1, 4096) for _ in range(rng.randint(8, 300))] for _ in range(count)]
 
 
-def _reference(model: PreTrainedModel, prompt: list[int], new: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt], device="cuda"),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device="cuda"),
-            max_new_tokens=new,
-            do_sample=False,
-            pad_token_id=0,
-        )
-    return [int(t) for t in out[0, len(prompt) :]]
-
-
 def _run(model: PreTrainedModel, prompts: list[list[int]], new: int, **config: Any) -> list[list[int]]:
     async def main() -> list[list[int]]:
         cb = aiocb.ContinuousBatchingConfig(max_memory_percent=0.3, **config)
@@ -70,15 +58,55 @@ def _run(model: PreTrainedModel, prompts: list[list[int]], new: int, **config: A
     return asyncio.run(main())
 
 
-def test_bf16_greedy_matches_generate_on_the_first_32_tokens() -> None:
+def test_bf16_greedy_is_as_close_to_fp32_as_transformers_bf16() -> None:
+    """bf16 outputs drift apart at the first near-tie (another kernel rounds differently),
+    so exact sequences say little. aiocb generates greedily in bf16; then the same model in
+    fp32 (transformers, one forward per sequence) is the truth, and aiocb's distance from it
+    (argmax agreement and log-probability error at each generated position) must be about
+    transformers' own bf16 distance from it on the same sequences: bf16 rounding, no more.
+    A wrong kernel is off by nats, not hundredths."""
     model = _model(torch.bfloat16)
+    truth = _model(torch.float32)
     prompts = _prompts(64)
-    # Eager decode inside the graphs: this checks the kernels and the graphs token for token;
-    # bench/gpu_check.py's parity phase measures the compiled default (teacher-forced).
-    outputs = _run(model, prompts, 32, decode_compile_config={"disable": True})
-    exact = sum(out == _reference(model, p, 32) for out, p in zip(outputs, prompts, strict=True))
-    print(f"bf16 parity: {exact}/{len(prompts)} requests exact for 32 tokens")
-    assert exact >= 0.95 * len(prompts)
+    new = 32
+
+    async def main() -> list[aiocb.GenerationOutput]:
+        # Eager decode inside the graphs: the kernels and the graphs; bench/gpu_check.py's
+        # parity phase measures the compiled default against transformers' bf16.
+        cb = aiocb.ContinuousBatchingConfig(
+            max_memory_percent=0.3, max_requests_per_batch=64, decode_compile_config={"disable": True}
+        )
+        params = aiocb.SamplingParams(return_logprobs=True)
+        async with aiocb.Manager(model, continuous_batching_config=cb) as manager:
+            outputs = await manager.generate_batch(prompts, max_new_tokens=new, sampling_params=params)
+        return list(outputs.values())
+
+    def scored(m: PreTrainedModel, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            logits = m(input_ids=torch.tensor([prompt + tokens[:-1]], device="cuda")).logits
+        return logits[0, len(prompt) - 1 :].float().log_softmax(-1)
+
+    agree = {"aiocb": 0, "transformers": 0}
+    error = {"aiocb": 0.0, "transformers": 0.0}
+    positions = 0
+    for prompt, output in zip(prompts, asyncio.run(main()), strict=True):
+        tokens, logprobs = output.generated_tokens, output.logprobs
+        assert logprobs is not None and len(tokens) == new
+        chosen = torch.tensor(tokens, device="cuda")[:, None]
+        exact, bf16 = scored(truth, prompt, tokens), scored(model, prompt, tokens)
+        best = exact.argmax(-1)
+        theirs = exact.gather(1, chosen)[:, 0]
+        agree["aiocb"] += int((best == chosen[:, 0]).sum())
+        agree["transformers"] += int((best == bf16.argmax(-1)).sum())
+        error["aiocb"] += float((torch.tensor(logprobs, device="cuda") - theirs).abs().sum())
+        error["transformers"] += float((bf16.gather(1, chosen)[:, 0] - theirs).abs().sum())
+        positions += new
+    rate = {k: v / positions for k, v in agree.items()}
+    mean = {k: v / positions for k, v in error.items()}
+    print(f"bf16 parity against fp32 over {positions} positions: argmax agreement {rate}, "
+          f"mean logprob error {mean}")  # fmt: skip
+    assert rate["aiocb"] >= rate["transformers"] - 0.03
+    assert mean["aiocb"] <= 1.5 * mean["transformers"] + 0.01
 
 
 def test_async_batching_equals_synchronous_steps() -> None:
@@ -105,9 +133,11 @@ def test_graphs_and_async_batching_are_on_by_default_on_cuda() -> None:
     model = _model(torch.bfloat16)
 
     async def main() -> None:
-        async with aiocb.Manager(
-            model, continuous_batching_config=aiocb.ContinuousBatchingConfig(max_memory_percent=0.2)
-        ) as manager:
+        # (the decode model eager and few graphs: the compile is the next test's, and time)
+        config = aiocb.ContinuousBatchingConfig(
+            max_memory_percent=0.2, max_requests_per_batch=16, decode_compile_config={"disable": True}
+        )
+        async with aiocb.Manager(model, continuous_batching_config=config) as manager:
             runner = manager._runner
             assert runner is not None
             assert isinstance(runner.graphs, DecodeGraphs), runner.backends
