@@ -26,7 +26,7 @@ from aiocb.runner.inputs import HostToDevice, StepInputs, prepare_inputs
 from aiocb.runner.memory import CachePlan, plan_cache
 from aiocb.runner.model_spec import ModelSpec, model_spec
 from aiocb.runner.paged_cache import PagedKVCache
-from aiocb.runner.sampler import sample, score
+from aiocb.runner.sampler import compile_draw, sample, score
 from aiocb.runner.step_batch import BatchWriter, StepBatch
 from aiocb.runner.tp_layout import tensor_parallel_layout
 
@@ -126,9 +126,20 @@ class ModelRunner:
     def warm_up(self) -> None:
         """Work done once before the first step, on the step thread (off the event loop):
         capturing every decode CUDA graph, so that no capture lands in a served or timed
-        step (``graphs.capture_seconds`` says how long it took). Idempotent."""
+        step (``graphs.capture_seconds`` says how long it took), and compiling the GPU
+        sampler's kernels, so that no sampled step waits for the compiler. Idempotent."""
         if self.graphs is not None:
             self.graphs.capture_all()
+        self.compile_sampler()
+
+    def compile_sampler(self) -> None:
+        """Compile the GPU sampler for the widths of logits it will draw from (the model's
+        vocabulary, and the draft's where it differs); nothing on a CPU."""
+        widths = {self.spec.vocab_size}
+        if self.drafter is not None:
+            widths.add(self.drafter.vocab_size)
+        for width in sorted(widths):
+            compile_draw(width, self.device)
 
     def notify(self, *event: object) -> None:
         """A control event (``("cancel", request_id, reason)``, ``("stop", hard)``) for the other

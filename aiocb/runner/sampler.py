@@ -231,6 +231,24 @@ def draw_on_device(logits: torch.Tensor, params: SamplingTensors) -> torch.Tenso
     return torch.where(is_greedy, logits.argmax(dim=-1), sampled)
 
 
+def compile_draw(vocab: int, device: torch.device) -> None:
+    """Compile the Triton draw kernel for logits ``vocab`` wide where :func:`draw_on_device`
+    will run it (on CUDA), so that no sampled step waits for the compiler; a kernel that
+    does not compile here is given up on now, as :func:`draw_on_device` would."""
+    global _kernel_failed
+    if device.type != "cuda" or _kernel_failed:
+        return
+    from aiocb.runner import triton_sampler  # (imports triton: only where this path runs)
+
+    if not triton_sampler.is_available(device):
+        return
+    try:
+        triton_sampler.compile_draw(vocab, device)
+    except Exception:
+        logger.exception("the Triton sampler failed to compile; sampling over the sorted vocabulary")
+        _kernel_failed = True
+
+
 def score(
     logits: torch.Tensor, targets: torch.Tensor, top: int
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:

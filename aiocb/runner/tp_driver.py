@@ -22,6 +22,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 from transformers import PreTrainedModel
 
@@ -301,8 +302,11 @@ class DriverRunner(ModelRunner):
         ModelRunner.detach(self)
 
     def warm_up(self) -> None:
-        """Nothing before the first step: the decode graphs' warm-up passes run collectives,
-        so every rank captures them together, at the first decode step (all ranks run it)."""
+        """Only the sampler's compile before the first step: the decode graphs' warm-up
+        passes run collectives, so every rank captures them together, at the first decode
+        step (all ranks run it)."""
+        with torch.inference_mode():
+            self.compile_sampler()
 
     def notify(self, *event: object) -> None:
         """Queue a control event for the followers (thread-safe)."""

@@ -37,6 +37,8 @@ picks); the masses use Triton's fast exponential, which can matter only at a thr
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from aiocb.runner.triton_support import interpreted, runs_on
@@ -50,7 +52,7 @@ try:
 except ImportError:  # pragma: no cover - exercised only where triton is absent
     HAS_TRITON = False
 
-__all__ = ["HAS_TRITON", "is_available", "triton_draw", "triton_noise"]
+__all__ = ["HAS_TRITON", "compile_draw", "is_available", "triton_draw", "triton_noise"]
 
 #: Logits per block on the GPU and the launch width that goes with it (sm_90: 64 registers
 #: a thread, no spills; not tuned by timing).
@@ -294,6 +296,22 @@ def triton_draw(
         num_warps=_NUM_WARPS,
     )
     return out
+
+
+def compile_draw(vocab: int, device: torch.device) -> None:
+    """Compile :func:`triton_draw`'s kernel for logits ``vocab`` wide on ``device``, once for
+    each combination of filters (each is a kernel of its own), by drawing from one row.
+
+    Run before serving: otherwise the first step that samples with a new combination
+    compiles it in the middle of serving (seconds on a cold cache, seen on the H200, with
+    the compiler's Python holding the GIL, so the event loop stalls too).
+    """
+    logits = torch.zeros(1, vocab, device=device)
+    one = torch.ones(1, device=device)
+    zero = torch.zeros(1, dtype=torch.long, device=device)
+    filters = itertools.product((None, zero + 1), (None, one / 2), (None, one / 10))
+    for top_k, top_p, min_p in filters:
+        triton_draw(logits, one, zero, zero, top_k, top_p, min_p, max_top_k=1)
 
 
 def triton_noise(

@@ -220,3 +220,40 @@ def test_a_draft_model_under_graphs_and_async_batching() -> None:
           f"acceptance {stats.acceptance_rate}")  # fmt: skip
     assert same >= len(plain) - 1  # (verification runs other kernels than decoding)
     assert stats.draft_tokens > 40 and stats.acceptance_rate is not None and stats.acceptance_rate > 0.9
+
+
+def test_no_sampled_step_waits_for_the_compiler(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The session's warm-up compiles the sampler's kernels for every combination of
+    filters: requests that sample with any of them then compile nothing (on the H200 the
+    first sampled step of a process stalled for seconds, and the event loop with it)."""
+    from aiocb.runner import triton_sampler
+
+    model = _model(torch.bfloat16)
+    prompts = _prompts(8, seed=5)
+    compiles: list[object] = []
+    kernel = triton_sampler._sample_kernel
+    do_compile = kernel._do_compile
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        compiles.append(args[0])
+        return do_compile(*args, **kwargs)
+
+    async def main() -> None:
+        config = aiocb.ContinuousBatchingConfig(
+            max_memory_percent=0.2, max_requests_per_batch=16, decode_compile_config={"disable": True}
+        )
+        async with aiocb.Manager(model, continuous_batching_config=config) as manager:
+            await manager.generate(prompts[0], max_new_tokens=2)  # (after the session's warm-up)
+            monkeypatch.setattr(kernel, "_do_compile", counting)
+            filters: list[dict[str, Any]] = [
+                {},
+                {"top_k": 20},
+                {"top_p": 0.9},
+                {"min_p": 0.05},
+                {"top_k": 50, "top_p": 0.8, "min_p": 0.02},
+            ]
+            for i, extra in enumerate(filters):
+                await manager.generate(prompts[i], max_new_tokens=4, do_sample=True, temperature=0.8, seed=i, **extra)
+
+    asyncio.run(main())
+    assert compiles == []

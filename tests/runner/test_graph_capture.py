@@ -21,6 +21,7 @@ from transformers import PreTrainedModel
 
 import aiocb
 from aiocb.errors import InvalidConfigError
+from aiocb.runner import cuda_graphs
 from aiocb.runner.backends import Backend
 from aiocb.runner.compile import GRAPHED_DECODE_COMPILE, compile_configs, compiled
 from aiocb.runner.cuda_graphs import DecodeGraphs, batch_buckets
@@ -43,15 +44,29 @@ class _FakeCuda:
         self.pools_made = 0
         self.graph_kwargs: list[dict[str, Any]] = []
         self.capturing = False
+        self.streams_made: list[object] = []
+        self.warm_up_streams: list[object] = []
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        stream = SimpleNamespace(wait_stream=lambda other: None)
-        monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: stream)
-        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
-        monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+        current = SimpleNamespace(wait_stream=lambda other: None)
+        monkeypatch.setattr(cuda_graphs, "_CAPTURE_STREAMS", {})
+        monkeypatch.setattr(torch.cuda, "Stream", self._stream)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
+        monkeypatch.setattr(torch.cuda, "stream", self._use_stream)
+        monkeypatch.setattr(torch.cuda, "graph_pool_handle", self._pool_handle)
         monkeypatch.setattr(torch.cuda, "graph_pool_handle", self._pool_handle)
         monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: SimpleNamespace(replay=lambda: None))
         monkeypatch.setattr(torch.cuda, "graph", self._graph)
+
+    def _stream(self, device: object = None) -> object:
+        stream = SimpleNamespace(wait_stream=lambda other: None)
+        self.streams_made.append(stream)
+        return stream
+
+    def _use_stream(self, stream: object) -> contextlib.nullcontext[None]:
+        self.warm_up_streams.append(stream)
+        return contextlib.nullcontext()
 
     def _pool_handle(self) -> object:
         self.pools_made += 1
@@ -93,7 +108,11 @@ def test_capture_all_goes_largest_first_in_thread_local_mode_on_one_pool(
     assert order == [20, 16, 8, 4, 2, 1]
     # Two warm-up passes (lazy initialisation, compilation) before each capture, outside it.
     assert [bucket for bucket, inside in calls if not inside] == [b for b in order for _ in range(2)]
-    assert all(kwargs == {"pool": fake.pool, "capture_error_mode": "thread_local"} for kwargs in fake.graph_kwargs)
+    # One stream for every warm-up and capture (cuBLAS keeps a workspace per stream used).
+    (stream,) = fake.streams_made
+    assert fake.warm_up_streams == [stream] * 6
+    expected = {"pool": fake.pool, "stream": stream, "capture_error_mode": "thread_local"}
+    assert all(kwargs == expected for kwargs in fake.graph_kwargs)
     assert fake.pools_made == 1 and graphs.captures == 6 and graphs.captured
     assert graphs.capture_seconds is not None and graphs.capture_seconds >= 0
     graphs.capture_all()  # nothing missing: nothing captured
@@ -102,6 +121,8 @@ def test_capture_all_goes_largest_first_in_thread_local_mode_on_one_pool(
     assert not graphs.captured
     graphs.capture_all()
     assert graphs.captures == 12 and fake.pools_made == 2
+    _graphs(runner, forward, max_rows=4).capture_all()  # another manager's graphs
+    assert fake.streams_made == [stream]
 
 
 def test_ranks_that_agree_on_the_plan_capture_the_same_buckets_in_the_same_order(

@@ -13,6 +13,7 @@ import torch
 
 pytest.importorskip("triton")
 
+import aiocb
 from aiocb.runner import sampler, triton_sampler
 from aiocb.runner.draw import draw_full
 from aiocb.runner.noise import gumbel, gumbel_at, random_bits, uniform_noise
@@ -242,6 +243,68 @@ def test_a_kernel_that_fails_gives_way_to_the_sorted_draw(
         assert torch.equal(draw_on_device(logits, params), expected)
         assert torch.equal(draw_on_device(logits, params), expected)
     assert calls == 1 and "Triton sampler failed" in caplog.text
+
+
+@needs_kernel
+def test_compile_draw_runs_every_combination_of_filters(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each combination of filters is a kernel of its own: all eight are run (so compiled)."""
+    seen: list[tuple[bool, bool, bool]] = []
+
+    def spy(logits: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor,
+            top_k: torch.Tensor | None, top_p: torch.Tensor | None, min_p: torch.Tensor | None,
+            max_top_k: int | None = None) -> torch.Tensor:  # fmt: skip
+        assert logits.shape == (1, 96) and logits.dtype == torch.float32
+        seen.append((top_k is not None, top_p is not None, min_p is not None))
+        return triton_draw(logits, temperature, seed, offset, top_k, top_p, min_p, max_top_k, block=BLOCK)
+
+    monkeypatch.setattr(triton_sampler, "triton_draw", spy)
+    triton_sampler.compile_draw(96, torch.device("cpu"))
+    assert sorted(seen) == sorted({(a, b, c) for a in (False, True) for b in (False, True) for c in (False, True)})
+
+
+def test_the_runner_compiles_the_sampler_on_cuda_only_and_gives_up_on_a_failure(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``sampler.compile_draw`` compiles where ``draw_on_device`` would use the kernel (CUDA),
+    never on a CPU; a compile that fails is reported and the sorted draw used from then on."""
+    compiled: list[tuple[int, torch.device]] = []
+    monkeypatch.setattr(sampler, "_kernel_failed", False)
+    monkeypatch.setattr(triton_sampler, "is_available", lambda device: True)
+    monkeypatch.setattr(triton_sampler, "compile_draw", lambda vocab, device: compiled.append((vocab, device)))
+    sampler.compile_draw(512, torch.device("cpu"))
+    assert compiled == []
+    cuda = torch.device("cuda", 0)
+    sampler.compile_draw(512, cuda)
+    assert compiled == [(512, cuda)]
+
+    def broken(vocab: int, device: torch.device) -> None:
+        raise RuntimeError("no kernel here")
+
+    monkeypatch.setattr(triton_sampler, "compile_draw", broken)
+    with caplog.at_level("ERROR"):
+        sampler.compile_draw(512, cuda)
+    assert sampler._kernel_failed and "failed to compile" in caplog.text
+    monkeypatch.setattr(triton_sampler, "compile_draw", lambda vocab, device: compiled.append((vocab, device)))
+    sampler.compile_draw(512, cuda)  # (given up on: not tried again)
+    assert compiled == [(512, cuda)]
+
+
+def test_the_runners_warm_up_compiles_the_sampler_for_the_model_and_the_draft(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from aiocb.runner import model_runner
+    from aiocb.runner.model_runner import ModelRunner
+    from tests.conftest import tiny_qwen3
+
+    widths: list[int] = []
+    monkeypatch.setattr(model_runner, "compile_draw", lambda vocab, device: widths.append(vocab))
+    config = aiocb.ContinuousBatchingConfig(page_size=16, num_blocks=16)
+    ModelRunner(tiny_qwen3(), config).warm_up()
+    assert widths == [512]
+    widths.clear()
+    draft = tiny_qwen3(seed=1, vocab_size=384, num_hidden_layers=1)
+    ModelRunner(tiny_qwen3(), config, draft_model=draft).warm_up()
+    assert widths == [384, 512]
 
 
 _CUDA_KERNEL = (
