@@ -17,7 +17,9 @@ their context (code edits, extraction, quoting).
 
 A request speculates only when it can gain: not while its acceptance stays low (it backs
 off for a while), not when many requests decode at once (``disable_by_batch_size``: the
-step is then no longer memory-bound, so extra query tokens cost real compute).
+step is then no longer memory-bound, so extra query tokens cost real compute), and where
+decode steps replay CUDA graphs, only while its acceptance pays for a step that runs
+without one (the cost of such a step is measured when a session starts).
 
 With async batching a step is planned while the one before is still sampling, so a
 request's last token is not known when its next step is planned, and a proposal needs
@@ -81,7 +83,9 @@ class SpeculativeConfig:
     #: draft's share of the target's weight bytes (at most 0.9), whichever is larger, which
     #: is what a proposed token costs against the token it may save where decoding is
     #: memory-bound; and a pause after a failed try is twice the one before, up to 8 x
-    #: ``backoff_steps``)
+    #: ``backoff_steps``). Where decode steps replay CUDA graphs, the floor is at least
+    #: what makes a step that verifies proposals, which runs without a graph, worth its
+    #: measured cost (:class:`Acceptance`)
     min_acceptance: float = 0.2
     backoff_steps: int = 16
 
@@ -200,15 +204,47 @@ class Acceptance:
     try does not fail), so that a request whose proposals never pay soon stops paying for
     them. A try of prompt lookup costs only its verification, and matches come now and
     then: its pauses stay short.
+
+    Where decode steps replay CUDA graphs, a step that verifies proposals (several query
+    tokens a row) runs eagerly: ``eager_cost`` times a decode step (measured at start; on
+    the H200 the bundled model's eager passes are launch-bound, and prompt lookup at 0.6
+    acceptance ran at 0.42x no speculation). Proposing ``w`` tokens then pays only if the
+    ``1 + acceptance * w`` tokens of such a step are worth its cost, ``eager_cost`` decode
+    steps, plus a draft model's ``w`` eager passes at ``pass_share`` of the target's each:
+    the floor rises to ``(eager_cost * (1 + w * pass_share) - 1) / w`` (above 1: it never
+    pays, and each try is followed by a pause), and every try's pause doubles after a failed
+    one, since a try is no longer cheap. Without graphs (``eager_cost`` 1) the floor is the
+    one given.
     """
 
-    __slots__ = ("_config", "_cooldown", "_floor", "_k", "_longest", "_pause", "_width", "acceptance")
+    __slots__ = (
+        "_config",
+        "_cooldown",
+        "_cost",
+        "_floor",
+        "_k",
+        "_longest",
+        "_pass_share",
+        "_pause",
+        "_width",
+        "acceptance",
+    )
 
-    def __init__(self, config: SpeculativeConfig, floor: float | None = None, longest_pause: int = 1) -> None:
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        floor: float | None = None,
+        longest_pause: int = 1,
+        eager_cost: float = 1.0,
+        pass_share: float = 0.0,
+    ) -> None:
         self._config = config
-        #: the acceptance under which it backs off (``min_acceptance`` unless given)
+        #: the acceptance under which it backs off (``min_acceptance`` unless given), where
+        #: a step that verifies proposals costs what a decode step does
         self._floor = config.min_acceptance if floor is None else floor
-        self._longest = longest_pause
+        self._cost = eager_cost
+        self._pass_share = pass_share
+        self._longest = longest_pause if eager_cost <= 1.0 else max(longest_pause, _LONGEST_DRAFT_PAUSE)
         #: the recent share of proposed tokens accepted (starts hopeful)
         self.acceptance = 1.0
         self._cooldown = 0
@@ -229,6 +265,12 @@ class Acceptance:
         """How many of at most ``k`` tokens to propose, one at least."""
         return max(1, min(k, self._width))
 
+    def floor(self, width: int) -> float:
+        """The recent acceptance under which a request proposing ``width`` tokens backs off."""
+        if self._cost <= 1.0:
+            return self._floor
+        return max(self._floor, (self._cost * (1 + width * self._pass_share) - 1) / width)
+
     def record(self, proposed: int, accepted: int) -> None:
         """How a step's proposal fared; a request that keeps failing backs off."""
         if accepted == proposed:
@@ -236,10 +278,12 @@ class Acceptance:
         else:
             self._width = max(1, self._width - 1)
         self.acceptance = _DECAY * self.acceptance + (1 - _DECAY) * accepted / proposed
-        if self.acceptance < self._floor:
+        floor = self.floor(proposed)
+        if self.acceptance < floor:
             self._cooldown = self._config.backoff_steps * self._pause
             self._pause = min(2 * self._pause, self._longest)
-            self.acceptance = self._floor  # (tried again after the pause)
+            # (tried again after the pause: that try alone decides whether it pauses again)
+            self.acceptance = min(floor, 1.0)
         else:
             self._pause = 1
 
@@ -251,9 +295,9 @@ class DraftProposer(Acceptance):
 
     __slots__ = ("drafted", "marked")
 
-    def __init__(self, config: SpeculativeConfig, drafted: int, share: float = 0.0) -> None:
+    def __init__(self, config: SpeculativeConfig, drafted: int, share: float = 0.0, eager_cost: float = 1.0) -> None:
         floor = max(config.min_acceptance, min(share, _MOST_SHARE_FLOOR))
-        super().__init__(config, floor, _LONGEST_DRAFT_PAUSE)
+        super().__init__(config, floor, _LONGEST_DRAFT_PAUSE, eager_cost, share)
         #: how many of the request's first tokens the draft's cache holds: steps the draft
         #: sleeps through leave a gap past it, which the draft catches up on (in the step
         #: the request proposes again, before its proposals)
@@ -280,8 +324,8 @@ class NgramProposer(Acceptance):
 
     __slots__ = ("_index", "_indexed", "_next")
 
-    def __init__(self, config: SpeculativeConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: SpeculativeConfig, eager_cost: float = 1.0) -> None:
+        super().__init__(config, eager_cost=eager_cost)
         self._indexed = 0
         self._index: list[dict[tuple[int, ...], int]] = [
             {} for _ in range(config.prompt_lookup_min, config.prompt_lookup_max + 1)

@@ -155,6 +155,10 @@ class Scheduler:
         self.speculative = speculative
         #: a draft model's share of the target's parameters (its requests' back-off floor)
         self.draft_share = draft_share
+        #: what a step that runs eagerly (one that verifies proposals) costs against a decode
+        #: step replaying a CUDA graph; set once the runner has measured it (see
+        #: :class:`aiocb.speculative.Acceptance`)
+        self.eager_cost = 1.0
         #: tokens the proposers may still index in the step being planned
         self._index_budget = _INDEX_PER_STEP
         #: requests of the step being planned whose draft cache misses tokens (a draft
@@ -609,7 +613,7 @@ class Scheduler:
         proposer = request.proposer
         if not isinstance(proposer, DraftProposer):
             assert self.speculative is not None
-            proposer = request.proposer = DraftProposer(self.speculative, 0, self.draft_share)
+            proposer = request.proposer = DraftProposer(self.speculative, 0, self.draft_share, self.eager_cost)
         return proposer
 
     def _propose(self, request: Request, speculative: SpeculativeConfig, budget: int) -> list[int] | None:
@@ -639,7 +643,7 @@ class Scheduler:
             return [0] * count or None  # (placeholders: the draft model proposes on the device)
         lookup = request.proposer
         if lookup is None:
-            lookup = request.proposer = NgramProposer(speculative)
+            lookup = request.proposer = NgramProposer(speculative, self.eager_cost)
         assert isinstance(lookup, NgramProposer)
         drafts, indexed = lookup.propose(request.token_ids, room, self._index_budget)
         self._index_budget -= indexed

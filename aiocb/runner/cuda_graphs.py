@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -185,8 +186,36 @@ class DecodeGraphs:
             decode_token_index=None,
         )
 
-    def _capture(self, bucket: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        # Capture runs on all-padding inputs: the warm-up passes must not touch real KV.
+    def eager_cost(self, eager: Forward, repeats: int = 5) -> float:
+        """How many times as long the smallest bucket's forward pass takes run by ``eager``
+        as replayed from its graph (medians of ``repeats`` timed runs, on padding inputs):
+        what a step no graph can run (a speculative one: several query tokens a row) costs
+        against a decode step of a few rows. At least 1."""
+        bucket = self.buckets[0]
+        graph, _ = self._graphs[bucket]  # (after capture_all)
+        args = self._padding_args(bucket)
+
+        def seconds(run: Callable[[], object]) -> float:
+            run()  # (after a capture, the eager path's first pass may still initialise)
+            times = []
+            for _ in range(repeats):
+                self._synchronize()
+                started = time.perf_counter()
+                run()
+                self._synchronize()
+                times.append(time.perf_counter() - started)
+            return statistics.median(times)
+
+        replay = seconds(graph.replay)
+        return max(1.0, seconds(lambda: eager(*args)) / max(replay, 1e-9))
+
+    def _synchronize(self) -> None:
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+
+    def _padding_args(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """A forward pass's arguments for ``bucket`` rows of padding: one token each, written
+        to the trash block, reading nothing (capture's inputs: they must not touch real KV)."""
         cache = self._cache
         for g in range(len(cache.group_windows)):
             self._slots[g][:bucket].fill_(cache.trash_block(g) * cache.page_size)
@@ -194,8 +223,10 @@ class DecodeGraphs:
         self._seq_lens[:bucket].fill_(1)
         self._query_start[: bucket + 1].copy_(self._pad_rows[: bucket + 1])
         metadata = self._metadata(bucket)
-        args = (self._input_ids[None, :bucket], self._positions[None, :bucket], self._logits_indices[:bucket], metadata)
-        graph, logits = self._record(args)
+        return self._input_ids[None, :bucket], self._positions[None, :bucket], self._logits_indices[:bucket], metadata
+
+    def _capture(self, bucket: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        graph, logits = self._record(self._padding_args(bucket))
         self._graphs[bucket] = (graph, logits)
         self.captures += 1
         logger.debug("captured the decode CUDA graph for %d rows", bucket)

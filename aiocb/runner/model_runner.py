@@ -98,6 +98,9 @@ class ModelRunner:
         self._decode_model = compiled(model, decode_config)
         #: decode steps' CUDA graphs (None: decode steps run eagerly), captured by :meth:`warm_up`
         self.graphs = self._decode_graphs() if graphed else None
+        #: what a step no graph runs (a speculative one) costs against a decode step that
+        #: replays one, measured by :meth:`warm_up` (1.0: no graphs, or not measured yet)
+        self.eager_cost = 1.0
         self.async_batching = self._resolve_async_batching()
         self._last_tokens: torch.Tensor | None = None
         self._original_attention: str | None = None
@@ -130,6 +133,12 @@ class ModelRunner:
         sampler's kernels, so that no sampled step waits for the compiler. Idempotent."""
         if self.graphs is not None:
             self.graphs.capture_all()
+            # (the model as steps without a graph run it)
+            varlen_model = self._varlen_model
+            self.eager_cost = self.graphs.eager_cost(
+                lambda ids, pos, keep, meta: attention.forward(varlen_model, ids, pos, keep, meta)
+            )
+            logger.info("a step without a decode graph costs %.2fx one with", self.eager_cost)
         self.compile_sampler()
 
     def compile_sampler(self) -> None:

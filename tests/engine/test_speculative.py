@@ -210,6 +210,71 @@ async def test_requests_whose_proposals_fail_back_off(model: PreTrainedModel) ->
     assert outputs == default_outputs == long_pause_outputs
 
 
+async def test_where_a_step_without_a_graph_costs_more_only_paying_proposals_go_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where decode steps replay CUDA graphs, a step that verifies proposals runs without
+    one: the runner measures what that costs at start (``eager_cost``) and requests whose
+    proposals cannot pay for it back off, with the same outputs. A copy of the target as
+    draft has every proposal taken, and pays where a step costs the same either way, but
+    never where it costs twice a decode step (its own passes run without graphs too);
+    prompt lookup, partly taken, proposes less where no proposal can pay (20: more than
+    k + 1 tokens a step)."""
+    from aiocb.runner.model_runner import ModelRunner
+
+    model = MODELS["qwen3"]()
+    warm_up = ModelRunner.warm_up
+
+    async def run(method: str, cost: float) -> tuple[aiocb.ManagerStatistics, list[list[int]]]:
+        def measured(runner: ModelRunner) -> None:
+            warm_up(runner)
+            runner.eager_cost = cost
+
+        monkeypatch.setattr(ModelRunner, "warm_up", measured)
+        draft = copy.deepcopy(model) if method == "draft" else None
+        config = aiocb.SpeculativeConfig(method=method, draft_model=draft, disable_by_batch_size=None)
+        async with aiocb.Manager(model, speculative_config=config) as manager:
+            outputs = await manager.generate_batch(PROMPTS[:3], max_new_tokens=NEW, do_sample=False)
+            scheduler = manager._steps.scheduler  # type: ignore[union-attr]
+            assert scheduler.eager_cost == cost
+            stats = manager.statistics()
+        return stats, [o.generated_tokens for o in outputs.values()]
+
+    (same, outputs), (twice, twice_outputs) = await run("draft", 1.0), await run("draft", 2.0)
+    assert outputs == twice_outputs
+    assert same.accepted_draft_tokens == same.draft_tokens > 4 * twice.draft_tokens > 0
+    (cheap, outputs), (never, never_outputs) = await run("ngram", 1.0), await run("ngram", 20.0)
+    assert outputs == never_outputs
+    assert 0 < never.draft_tokens < 0.75 * cheap.draft_tokens
+
+
+def test_the_back_off_floor_follows_the_cost_of_a_step_without_a_graph() -> None:
+    from aiocb.speculative import DraftProposer, NgramProposer
+
+    config = aiocb.SpeculativeConfig(num_speculative_tokens=4, min_acceptance=0.2, backoff_steps=2)
+    assert NgramProposer(config).floor(4) == 0.2  # (no graphs: the floor given)
+    dear = NgramProposer(config, eager_cost=3.0)
+    assert dear.floor(4) == 0.5 and dear.floor(2) == 1.0 and dear.floor(1) == 2.0  # (cost - 1) / width
+    drafted = aiocb.SpeculativeConfig(method="draft", draft_model="draft", num_speculative_tokens=4)
+    # A draft's passes run eagerly too: (cost * (1 + width * share) - 1) / width.
+    assert DraftProposer(drafted, 0, share=0.25, eager_cost=2.0).floor(4) == 0.75
+    assert DraftProposer(drafted, 0, share=0.25).floor(4) == 0.25  # (the draft's share alone)
+    # Acceptance 0.85 after a half-taken proposal of 4 pays at cost 1 (floor 0.2) and at
+    # cost 3 (0.5); a try that never pays (cost past width + 1) pauses, and as tries are no
+    # longer cheap, each pause doubles after a failed try.
+    never = NgramProposer(config, eager_cost=6.0)
+    tokens = [7, 8, 1, 2, 3, 4, 5, 6, 7, 8]
+    pauses = []
+    for _ in range(4):
+        width = len(never.propose(tokens, 4, budget=100)[0])
+        never.record(width, width)  # (all taken: still not worth an eager step)
+        steps = 0
+        while not never.propose(tokens, 4, budget=100)[0]:
+            steps += 1
+        pauses.append(steps)
+    assert pauses == [2, 4, 8, 16]
+
+
 def test_a_proposer_narrows_after_failures_backs_off_then_widens_after_a_whole_accept() -> None:
     from aiocb.speculative import NgramProposer
 

@@ -125,6 +125,32 @@ def test_capture_all_goes_largest_first_in_thread_local_mode_on_one_pool(
     assert fake.streams_made == [stream]
 
 
+def test_eager_cost_times_the_smallest_bucket_eagerly_against_its_replay(
+    qwen3: PreTrainedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a step without a graph costs against a replay (the speculative back-off's
+    measure): the smallest bucket's pass run eagerly on padding inputs, timed against its
+    graph's replay; never below 1."""
+    _FakeCuda().install(monkeypatch)
+    runner = ModelRunner(qwen3, aiocb.ContinuousBatchingConfig(page_size=16, num_blocks=16))
+    graphs = _graphs(runner, lambda ids, *rest: torch.zeros(ids.shape[1], 3), max_rows=8)
+    graphs.capture_all()
+    _, logits = graphs._graphs[1]
+    graphs._graphs[1] = (SimpleNamespace(replay=lambda: time.sleep(0.002)), logits)  # type: ignore[assignment]
+    rows: list[int] = []
+
+    def eager(ids: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        rows.append(ids.shape[1])
+        trash = runner.cache.trash_block(0) * runner.cache.page_size
+        assert bool((meta.groups[0].slot_mapping == trash).all())  # (padding: no real KV touched)
+        time.sleep(0.008)
+        return torch.zeros(ids.shape[1], 3)
+
+    assert 2.0 < graphs.eager_cost(eager) < 8.0
+    assert rows == [1] * 6  # (one untimed pass, then five)
+    assert graphs.eager_cost(lambda *args: torch.zeros(1, 3)) == 1.0  # (faster than a replay: 1)
+
+
 def test_ranks_that_agree_on_the_plan_capture_the_same_buckets_in_the_same_order(
     qwen3: PreTrainedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
