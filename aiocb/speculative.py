@@ -212,9 +212,11 @@ class Acceptance:
     ``1 + acceptance * w`` tokens of such a step are worth its cost, ``eager_cost`` decode
     steps, plus a draft model's ``w`` eager passes at ``pass_share`` of the target's each:
     the floor rises to ``(eager_cost * (1 + w * pass_share) - 1) / w`` (above 1: it never
-    pays, and each try is followed by a pause), and every try's pause doubles after a failed
-    one, since a try is no longer cheap. Without graphs (``eager_cost`` 1) the floor is the
-    one given.
+    pays, and each try is followed by a pause), times the step's rows per speculating row
+    (the rows that do not speculate lose their graph too), and every try's pause doubles
+    after a failed one, since a try is no longer cheap. The costs are the smallest batch's,
+    whose eager pass costs the most against its replay: a batch's own is lower. Without
+    graphs (``eager_cost`` 1) the floor is the one given.
     """
 
     __slots__ = (
@@ -226,6 +228,7 @@ class Acceptance:
         "_longest",
         "_pass_share",
         "_pause",
+        "_retrying",
         "_width",
         "acceptance",
     )
@@ -248,6 +251,8 @@ class Acceptance:
         #: the recent share of proposed tokens accepted (starts hopeful)
         self.acceptance = 1.0
         self._cooldown = 0
+        #: whether the next proposal is the try after a pause (which alone decides)
+        self._retrying = False
         #: the next pause, in ``backoff_steps``
         self._pause = 1
         assert config.num_speculative_tokens is not None  # (set by the config's __post_init__)
@@ -265,25 +270,33 @@ class Acceptance:
         """How many of at most ``k`` tokens to propose, one at least."""
         return max(1, min(k, self._width))
 
-    def floor(self, width: int) -> float:
-        """The recent acceptance under which a request proposing ``width`` tokens backs off."""
-        if self._cost <= 1.0:
+    def floor(self, width: int, load: float = 1.0) -> float:
+        """The recent acceptance under which a request proposing ``width`` tokens backs off,
+        where its step's cost without a graph falls on it ``load`` times: the step's rows
+        over its speculating rows, when the step would have replayed a graph without the
+        proposals (0 when it would not: it runs without one anyway)."""
+        if self._cost <= 1.0 or load <= 0.0:
             return self._floor
-        return max(self._floor, (self._cost * (1 + width * self._pass_share) - 1) / width)
+        return max(self._floor, load * (self._cost * (1 + width * self._pass_share) - 1) / width)
 
-    def record(self, proposed: int, accepted: int) -> None:
-        """How a step's proposal fared; a request that keeps failing backs off."""
+    def record(self, proposed: int, accepted: int, load: float = 1.0) -> None:
+        """How a step's proposal fared (``load`` as in :meth:`floor`); a request that keeps
+        failing backs off."""
         if accepted == proposed:
             self._width = min(self._k, self._width + 2)
         else:
             self._width = max(1, self._width - 1)
+        floor = self.floor(proposed, load)
+        if self._retrying:
+            # The try after a pause alone decides whether it pauses again: as if its recent
+            # acceptance had been the floor it is judged by.
+            self._retrying = False
+            self.acceptance = min(floor, 1.0)
         self.acceptance = _DECAY * self.acceptance + (1 - _DECAY) * accepted / proposed
-        floor = self.floor(proposed)
         if self.acceptance < floor:
             self._cooldown = self._config.backoff_steps * self._pause
             self._pause = min(2 * self._pause, self._longest)
-            # (tried again after the pause: that try alone decides whether it pauses again)
-            self.acceptance = min(floor, 1.0)
+            self._retrying = True
         else:
             self._pause = 1
 

@@ -81,6 +81,8 @@ class SchedulerOutput:
     copy_blocks: list[list[tuple[int, int]]] = field(default_factory=list)
     #: rows whose next token is sampled (the sampled positions of drafts come after them)
     num_sampled: int = 0
+    #: rows that bring proposed tokens (speculative decoding)
+    num_speculating: int = 0
     #: whether a draft model runs over the step (speculation with ``method="draft"``, when
     #: a request speculates or catches up)
     drafting: bool = False
@@ -429,6 +431,7 @@ class Scheduler:
             drafts = drafted.get(request) if drafted else None
             if drafts is not None:
                 scheduled.append(ScheduledRequest(request, start, end - start, True, False, drafts))
+                output.num_speculating += 1
                 request.speculating = True
                 self.stats.num_draft_tokens += len(drafts)
                 sample, end = True, known  # (the proposed positions are not carried tokens)
@@ -481,6 +484,7 @@ class Scheduler:
         tokens, logprobs, tops = result.token_ids, result.logprobs, result.top_logprobs
         last = len(output.scheduled)
         num_generated = 0
+        load = self._speculation_load(output)
         for looked, item in enumerate(output.scheduled, 1):
             request = item.request
             params = request.params
@@ -493,7 +497,7 @@ class Scheduler:
                 request.num_pending_tokens -= 1
                 request.speculating = False
                 if request.status < finished_status:
-                    num_generated += self._accept(item, result, draft_row, row, now, finished)
+                    num_generated += self._accept(item, result, draft_row, row, now, finished, load)
                     if request in running:
                         request.status = decoding
                     updated.append(request)
@@ -691,8 +695,28 @@ class Scheduler:
         params = request.params
         return not (params.uses_controls or request.grammar is not None or params.needs_known_history)
 
+    def _speculation_load(self, output: SchedulerOutput) -> float:
+        """How many times the cost of a step without a graph falls on each speculating row
+        of ``output`` (:meth:`aiocb.speculative.Acceptance.floor`): its rows per speculating
+        row where, but for the proposals, every row decodes one token (a step that would
+        have replayed a graph), else 0."""
+        if not output.num_speculating or self.eager_cost <= 1.0:
+            return 1.0
+        scheduled = output.scheduled
+        for item in scheduled:
+            if item.num_tokens != 1 + (len(item.drafts) if item.drafts else 0):
+                return 0.0
+        return len(scheduled) / output.num_speculating
+
     def _accept(
-        self, item: ScheduledRequest, result: StepResult, draft_row: int, row: int, now: float, finished: list[Request]
+        self,
+        item: ScheduledRequest,
+        result: StepResult,
+        draft_row: int,
+        row: int,
+        now: float,
+        finished: list[Request],
+        load: float,
     ) -> int:
         """Take a speculating row's tokens while they agree with its proposal; returns how
         many it got. Its cache positions past them are given back."""
@@ -730,7 +754,7 @@ class Scheduler:
         self.stats.num_accepted_tokens += accepted
         proposer = request.proposer
         if isinstance(proposer, Acceptance):
-            proposer.record(k, accepted)
+            proposer.record(k, accepted, load)
         if not ended:
             # Computed: the last token and the proposed ones kept (the last one taken is
             # the next step's input). A request preempted meanwhile computed less, or none.

@@ -304,7 +304,9 @@ class DriverRunner(ModelRunner):
     def warm_up(self) -> None:
         """Only the sampler's compile before the first step: the decode graphs' warm-up
         passes run collectives, so every rank captures them together, at the first decode
-        step (all ranks run it)."""
+        step (all ranks run it). Nor is ``eager_cost`` measured (its timed passes would run
+        collectives too): speculation is refused under tensor parallelism with a draft
+        model, and prompt lookup keeps the floor it is given."""
         with torch.inference_mode():
             self.compile_sampler()
 

@@ -126,7 +126,16 @@ if HAS_TRITON:
         cand = tl.where(take, start + tl.argmax(score, 0, tie_break_left=True), cand)
         return tl.maximum(best, block_best), cand
 
-    @triton.jit  # type: ignore[untyped-decorator]
+    # The per-row parameters arrive as views into one packed buffer (HostToDevice), whose
+    # offsets depend on the batch's size: a kernel specialised on their 16-byte alignment
+    # would be compiled again, mid-serving, for each alignment a batch happens to give them
+    # (the warm-up's compile_draw could not cover them all). One-element loads gain nothing
+    # from it.
+    @triton.jit(  # type: ignore[untyped-decorator]
+        do_not_specialize_on_alignment=[
+            "temperature_ptr", "seed_ptr", "offset_ptr", "threshold_ptr", "top_p_ptr", "log_min_p_ptr", "out_ptr"
+        ]
+    )  # fmt: skip
     def _sample_kernel(  # type: ignore[no-untyped-def]
         logits_ptr,
         stride_row,

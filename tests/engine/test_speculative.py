@@ -275,6 +275,38 @@ def test_the_back_off_floor_follows_the_cost_of_a_step_without_a_graph() -> None
     assert pauses == [2, 4, 8, 16]
 
 
+def test_the_try_after_a_pause_alone_decides_and_rows_that_lose_their_graph_count() -> None:
+    from types import SimpleNamespace
+
+    from aiocb.core.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+    from aiocb.speculative import NgramProposer
+
+    config = aiocb.SpeculativeConfig(num_speculative_tokens=4, backoff_steps=2)
+    proposer = NgramProposer(config, eager_cost=3.0)
+    tokens = [7, 8, 1, 2, 3, 4, 5, 6, 7, 8]
+    for proposed, accepted in ((4, 0), (3, 3), (4, 0), (3, 3), (4, 0)):
+        assert len(proposer.propose(tokens, 4, budget=100)[0]) == proposed
+        proposer.record(proposed, accepted)
+    assert [len(proposer.propose(tokens, 4, budget=100)[0]) for _ in range(3)] == [0, 0, 3]  # (paused)
+    proposer.record(3, 3)  # 4 tokens for a step that costs 3: it pays, whatever came before
+    assert len(proposer.propose(tokens, 4, budget=100)[0]) == 4
+    # A step whose other rows decode (and would replay a graph) charges its speculating
+    # rows for them; one with a prompt chunk runs without a graph anyway.
+    assert proposer.floor(4) == 0.5 and proposer.floor(4, load=3.0) == 1.5 and proposer.floor(4, load=0.0) == 0.2
+
+    def output(*rows: tuple[int, list[int] | None]) -> SchedulerOutput:
+        scheduled = [ScheduledRequest(None, 0, n, True, False, drafts) for n, drafts in rows]  # type: ignore[arg-type]
+        return SchedulerOutput(scheduled=scheduled, num_speculating=sum(d is not None for _, d in rows))
+
+    load = Scheduler._speculation_load
+    measured, plain = SimpleNamespace(eager_cost=3.0), SimpleNamespace(eager_cost=1.0)
+    decodes = output((3, [5, 6]), (1, None), (1, None), (1, None))
+    assert load(measured, decodes) == 4.0  # type: ignore[arg-type]
+    assert load(plain, decodes) == 1.0  # type: ignore[arg-type]
+    assert load(measured, output((3, [5, 6]), (2, [9]), (1, None))) == 1.5  # type: ignore[arg-type]
+    assert load(measured, output((3, [5, 6]), (40, None))) == 0.0  # type: ignore[arg-type]
+
+
 def test_a_proposer_narrows_after_failures_backs_off_then_widens_after_a_whole_accept() -> None:
     from aiocb.speculative import NgramProposer
 

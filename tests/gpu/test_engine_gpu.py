@@ -252,8 +252,12 @@ def test_no_sampled_step_waits_for_the_compiler(monkeypatch: pytest.MonkeyPatch)
                 {"min_p": 0.05},
                 {"top_k": 50, "top_p": 0.8, "min_p": 0.02},
             ]
+            # (batches of 1, 2 and 3 rows: the parameters' views into the packed per-step
+            # buffer start at every alignment)
             for i, extra in enumerate(filters):
-                await manager.generate(prompts[i], max_new_tokens=4, do_sample=True, temperature=0.8, seed=i, **extra)
+                for rows in (1, 2, 3):
+                    params = aiocb.SamplingParams(do_sample=True, temperature=0.8, seed=i, **extra)
+                    await manager.generate_batch(prompts[:rows], max_new_tokens=4, sampling_params=params)
 
     asyncio.run(main())
     assert compiles == []
