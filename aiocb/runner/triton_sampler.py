@@ -9,19 +9,20 @@ sampling, with fixed noise instead of fresh draws):
 
 1. One pass: the row max ``m``, the top-k set's mass ``Z_k = sum exp(s - m)`` and the
    winner ``c = argmax(s + g)`` over the top-k set.
-2. While ``c`` may be outside the support, one more pass: the mass of the tokens above
-   ``c`` (its top-p test: ``mass <= top_p * Z_k``) and, in case it fails, the winner
-   among the tokens above ``c`` that pass top-k and min-p (the support lies above a
-   rejected candidate). The next candidate's test is computed by the next pass.
+2. While ``c`` may be outside the support: one pass for the mass of the tokens above
+   ``c`` (its top-p test: ``mass <= top_p * Z_k``; no noise), and only if the test fails
+   (or ``c`` fails min-p), one more for the winner among the tokens above ``c`` that pass
+   top-k and min-p (the support lies above a rejected candidate), the next candidate.
 
 Top-k enters as a per-row threshold on the raw logits (the k-th largest, from one
 ``torch.topk`` over the batch's largest k), so a candidate is always in the top-k set,
 and min-p as ``s - m >= log(min_p)`` (:func:`~aiocb.runner.draw.draw`'s form), known
 once ``m`` is. Rows without top-p need one pass, or two when the first winner fails
-min-p; rows with top-p two, more only when the candidate falls outside the nucleus.
-Noise is computed only in blocks that hold an eligible token: in the first pass a top-k
-row skips the blocks without a top-k token, in later ones every row skips the blocks
-without a token above its candidate (most of them, past a peaked row's head).
+min-p; rows with top-p two (the second without noise), two more each time a candidate
+falls outside the nucleus. Noise is computed only in blocks that hold an eligible token:
+in the first pass a top-k row skips the blocks without a top-k token, in a winner pass
+every row skips the blocks without a token above its candidate (most of them, past a
+peaked row's head), as a mass pass does.
 
 Ties (common in a bf16 model's upcast logits): at a top-k tie (several tokens equal to
 the k-th largest logit) this keeps all of them where ``draw_full`` keeps exactly k by
@@ -195,30 +196,40 @@ if HAS_TRITON:
         passes_min_p = (cand_scaled - m) >= log_min_p
         pending = (~passes_min_p) | nucleus
         while pending:
-            # One pass: the mass above the candidate (its top-p test) and the winner among
-            # the tokens above it that pass top-k and min-p (in case the test fails).
-            above_mass = 0.0
+            # The candidate's top-p test first, one pass summing the mass above it: no noise,
+            # which is most of a pass's work where many tokens lie above the candidate (a
+            # flat row), and most candidates pass. A candidate that fails min-p moves anyway.
+            accepted = passes_min_p
+            if USE_TOP_P:  # noqa: SIM102 (a compile-time branch, then a run-time one)
+                if passes_min_p:
+                    above_mass = 0.0
+                    for start in range(0, VOCAB, BLOCK):
+                        ids = start + offs
+                        logits = tl.load(row_ptr + ids, mask=ids < VOCAB, other=float("-inf"))
+                        scaled = tl.math.div_rn(logits, temperature)
+                        above = scaled > cand_scaled
+                        # Past a peaked row's head most blocks hold nothing above the candidate.
+                        if tl.max(above.to(tl.int32), 0) > 0:
+                            above_mass += tl.sum(tl.where(above, tl.exp(scaled - m), 0.0), 0)
+                    accepted = above_mass <= bound
+            # Only for a rejected candidate, a pass for the winner among the tokens above it
+            # that pass top-k and min-p (the support lies above a rejected candidate).
             next_best = float("-inf")
             next_cand = cand
-            for start in range(0, VOCAB, BLOCK):
-                ids = start + offs
-                logits = tl.load(row_ptr + ids, mask=ids < VOCAB, other=float("-inf"))
-                scaled = tl.math.div_rn(logits, temperature)
-                above = scaled > cand_scaled
-                # Past a peaked row's head most blocks hold nothing above the candidate.
-                if tl.max(above.to(tl.int32), 0) > 0:
-                    if USE_TOP_P:
-                        above_mass += tl.sum(tl.where(above, tl.exp(scaled - m), 0.0), 0)
-                    eligible = above & (logits >= threshold) & ((scaled - m) >= log_min_p)
+            rejected = ~accepted
+            if rejected:
+                for start in range(0, VOCAB, BLOCK):
+                    ids = start + offs
+                    logits = tl.load(row_ptr + ids, mask=ids < VOCAB, other=float("-inf"))
+                    scaled = tl.math.div_rn(logits, temperature)
+                    eligible = (scaled > cand_scaled) & (logits >= threshold) & ((scaled - m) >= log_min_p)
                     if tl.max(eligible.to(tl.int32), 0) > 0:
                         next_best, next_cand = _block_winner(
                             eligible, scaled, ids, start, next_best, next_cand, row_key, second_key, PRECISE
                         )
-            # (Without top-p, both sides are 0.)
-            accepted = passes_min_p & (above_mass <= bound)
             # The row max is always in the support, so a rejected candidate has an eligible
             # token above it; the guard only ends the loop on invalid parameters (min_p > 1).
-            move = (~accepted) & (next_best > float("-inf"))
+            move = rejected & (next_best > float("-inf"))
             cand = tl.where(move, next_cand, cand)
             cand_scaled = tl.math.div_rn(tl.load(row_ptr + cand), temperature)
             # A new candidate passes top-k and min-p by construction: only top-p is left.

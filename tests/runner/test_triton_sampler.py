@@ -8,6 +8,8 @@ test repeats the comparison at a real vocabulary on CUDA.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -305,6 +307,42 @@ def test_the_runners_warm_up_compiles_the_sampler_for_the_model_and_the_draft(
     draft = tiny_qwen3(seed=1, vocab_size=384, num_hidden_layers=1)
     ModelRunner(tiny_qwen3(), config, draft_model=draft).warm_up()
     assert widths == [384, 512]
+
+
+_COMPILE_FOR_HOPPER = """
+import itertools, os, sys
+os.environ.pop("TRITON_INTERPRET", None)
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from aiocb.runner.triton_sampler import _BLOCK, _NUM_WARPS, _sample_kernel
+pointers = {"logits_ptr": "*fp32", "temperature_ptr": "*fp32", "seed_ptr": "*i64", "offset_ptr": "*i64",
+            "threshold_ptr": "*fp32", "top_p_ptr": "*fp32", "log_min_p_ptr": "*fp32", "out_ptr": "*i64"}
+names = _sample_kernel.arg_names
+signature = {n: pointers.get(n, "i32" if n == "stride_row" else "constexpr") for n in names}
+for top_k, top_p, min_p in itertools.product((False, True), repeat=3):
+    values = {"VOCAB": 151936, "BLOCK": _BLOCK, "USE_TOP_K": top_k, "USE_TOP_P": top_p, "USE_MIN_P": min_p,
+              "PRECISE": True}
+    constexprs = {(names.index(n),): v for n, v in values.items()}
+    kernel = triton.compile(ASTSource(_sample_kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": _NUM_WARPS})
+    assert "cubin" in kernel.asm, sorted(kernel.asm)
+    print("compiled", top_k, top_p, min_p)
+"""
+
+
+def test_the_kernel_compiles_for_the_h200() -> None:
+    """Triton's interpreter runs what a GPU compiler may refuse: every filter combination of
+    the draw kernel is compiled ahead of time for sm_90 (Triton's own ptxas, no GPU)."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPILE_FOR_HOPPER], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("compiled") == 8
 
 
 _CUDA_KERNEL = (
