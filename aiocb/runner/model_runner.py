@@ -8,6 +8,7 @@ are read on the device from this step's sampled tokens (async batching).
 
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass
 
@@ -132,7 +133,10 @@ class ModelRunner:
         step (``graphs.capture_seconds`` says how long it took), and compiling the GPU
         sampler's kernels, so that no sampled step waits for the compiler. Idempotent."""
         if self.graphs is not None:
+            captures = self.graphs.captures
             self.graphs.capture_all()
+            if self.graphs.captures > captures and self._decode_model is not self.model:
+                _freeze_what_the_compile_made()
             # (the model as steps without a graph run it)
             varlen_model = self._varlen_model
             self.eager_cost = self.graphs.eager_cost(
@@ -270,6 +274,24 @@ class ModelRunner:
         if wanted is None:
             return self.graphs is not None
         return wanted
+
+
+def _freeze_what_the_compile_made() -> None:
+    """A full collection, then every object alive moved out of the collector's view.
+
+    Compiling the decode model leaves hundreds of thousands of long-lived objects
+    (torch.compile's graphs, guards and generated code) that the first manager's freeze
+    (:func:`aiocb.engine.manager._freeze_long_lived_objects`) came too early for: every
+    later full collection rescans them, a pause of 90-250 ms (measured on the development
+    CPU after a compile) that holds the GIL, so the event loop stalls with it: the likely
+    cause of the H200's loop stalls of 54 and 241 ms with the decode model compiled, 6 and
+    26 ms without (bench/gpu_check.py now records the collector's pauses to tell). Frozen
+    objects are still freed by reference counting, which
+    is how a destroyed manager's runner and cache go (tests/engine/test_memory_release.py);
+    the collection first, so that no garbage is frozen. Runs on the step thread, once per
+    session whose warm-up compiled: its own pause falls before the first step."""
+    gc.collect()
+    gc.freeze()
 
 
 def _score_in_chunks(

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from types import SimpleNamespace
 from typing import Any
 
@@ -249,6 +250,37 @@ def test_every_bucket_is_captured_before_the_first_step_and_never_again(graphs_o
     )
     runner = _check_captured_once(model, config, graphs_on_cpu)
     assert runner._decode_model is model  # the opt-out: no compiled wrapper
+
+
+@pytest.mark.parametrize("decode_compiled", [True, False])
+def test_a_warm_up_that_compiled_collects_then_freezes_once(
+    graphs_on_cpu: list[int], monkeypatch: pytest.MonkeyPatch, decode_compiled: bool
+) -> None:
+    """The objects a decode model's compile leaves (long-lived, hundreds of thousands) go
+    out of the collector's view after the warm-up that made them: a full collection, then
+    a freeze, once (no capture later: no second freeze); never without a compile."""
+    import gc
+
+    calls: list[str] = []
+    monkeypatch.setattr("aiocb.engine.manager._frozen", True)  # (the first manager's freeze: done)
+    monkeypatch.setattr(gc, "collect", lambda *args: calls.append("collect") or 0)
+    monkeypatch.setattr(gc, "freeze", lambda: calls.append("freeze"))
+
+    # (a stand-in for torch.compile: any decode model that is not the model itself)
+    def compile_stand_in(model: PreTrainedModel, arguments: dict[str, Any] | None) -> Any:
+        return model if arguments is None or arguments.get("disable") else partial(model)
+
+    monkeypatch.setattr("aiocb.runner.model_runner.compiled", compile_stand_in)
+    model = tiny_qwen3()
+    decode = None if decode_compiled else {"disable": True}
+    config = aiocb.ContinuousBatchingConfig(
+        page_size=16, num_blocks=64, max_requests_per_batch=6, decode_compile_config=decode
+    )
+    runner = _check_captured_once(model, config, graphs_on_cpu)
+    assert (runner._decode_model is not model) == decode_compiled
+    # (other code collects too: what matters is one freeze, right after a collection)
+    assert calls.count("freeze") == int(decode_compiled)
+    assert all(calls[i - 1] == "collect" for i, call in enumerate(calls) if call == "freeze")
 
 
 @pytest.mark.slow
