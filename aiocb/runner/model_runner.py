@@ -286,10 +286,10 @@ def _freeze_what_the_compile_made() -> None:
     CPU after a compile) that holds the GIL, so the event loop stalls with it: the likely
     cause of the H200's loop stalls of 54 and 241 ms with the decode model compiled, 6 and
     26 ms without (bench/gpu_check.py now records the collector's pauses to tell). Frozen
-    objects are still freed by reference counting, which
-    is how a destroyed manager's runner and cache go (tests/engine/test_memory_release.py);
-    the collection first, so that no garbage is frozen. Runs on the step thread, once per
-    session whose warm-up compiled: its own pause falls before the first step."""
+    objects are still freed by reference counting, which is how a destroyed manager's
+    runner and cache go (tests/engine/test_memory_release.py); the collection comes first,
+    so that no garbage is frozen. Runs on the step thread, once per session whose warm-up
+    compiled: its own pause falls before the first step."""
     gc.collect()
     gc.freeze()
 
