@@ -9,9 +9,10 @@ what it measured to ``$OUT/phases/<phase>.json`` as it goes, and the check rewri
 ``$OUT/gpu_check.json`` after every phase, so a killed run still leaves its numbers.
 
 1. ``tests``: ``pytest -m gpu`` (the Triton kernels on CUDA, split-KV decode against
-   one pass and its speed, CUDA-graph replay against eager, async batching against
-   synchronous steps, every graph captured before the first step and none after); log
-   in ``gpu_tests.log``.
+   one pass and its speed, bf16 greedy as close to fp32 as transformers' own bf16,
+   CUDA-graph replay against eager, async batching against synchronous steps, every
+   graph captured before the first step and none after, a draft model under graphs, no
+   sampler compile once serving); log in ``gpu_tests.log``.
 2. ``device``: the device and the memory bandwidth (a large device-to-device copy).
 3. ``sampler``: the Triton sampler against ``draw_full`` at 1,024 rows x 151,936 tokens.
 4. ``host_overhead``: ms per step of a near-zero-compute model (1 layer, hidden 16) at
