@@ -227,6 +227,7 @@ def run_tests(rec: Recorder, out: Path, dry: bool) -> None:
                 "captures:",
                 "triton paged decode",
                 "draft model on the device",
+                "eager_cost",
             )
         )
     ]

@@ -143,6 +143,11 @@ def test_graphs_and_async_batching_are_on_by_default_on_cuda() -> None:
             assert isinstance(runner.graphs, DecodeGraphs), runner.backends
             assert runner.async_batching
             await manager.generate(_prompts(1)[0], max_new_tokens=8)
+            # The warm-up timed a pass without a graph against a replay (speculation's
+            # back-off charges it): a small model's eager pass is launch-bound, far slower.
+            assert runner.eager_cost > 1.0
+            assert manager._steps is not None and manager._steps.scheduler.eager_cost == runner.eager_cost
+            print(f"eager_cost: {runner.eager_cost:.2f}")
 
     asyncio.run(main())
 
