@@ -35,8 +35,8 @@ what it measured to ``$OUT/phases/<phase>.json`` as it goes, and the check rewri
    1,024 requests, 128-token prompts, 128 new tokens. For aiocb: tokens/s, time to first
    token, inter-token latency, event-loop lag of a 1 ms heartbeat, decode step time
    against the bandwidth floor, graph capture seconds and captures during timed runs,
-   the longest step intervals and the garbage collector's pauses ([count, longest ms] a
-   generation: suspects for a loop stall);
+   the longest step intervals and the garbage collector's longest pauses (generation,
+   thread: suspects for a loop stall);
    with the decode model eager, each workload sampled too (temperature 0.8, top-p 0.9);
    then, with the manager destroyed, whether its device memory came back (if not, the
    largest device tensors still alive and what holds them).
@@ -589,29 +589,18 @@ async def _aiocb_run(
             await asyncio.sleep(0.001)
             lags.append(time.perf_counter() - before - 0.001)
 
-    # The garbage collector's pauses, by generation (a loop stall's suspects: a full
-    # collection rescans every object torch.compile made after the first manager froze
-    # the long-lived ones).
-    collections: dict[int, list[float]] = {0: [], 1: [], 2: []}
-    collecting: list[float] = []
-
-    def on_collection(phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            collecting[:] = [time.perf_counter()]
-        elif collecting:
-            collections[info["generation"]].append(1000 * (time.perf_counter() - collecting[0]))
+    from bench.stress import GCPauses
 
     beat = asyncio.create_task(heartbeat())
     steps = manager._steps
     assert steps is not None
     # The step log is a bounded deque: count this run's steps, then take the last ones.
     first_step = steps.num_steps
-    gc.callbacks.append(on_collection)
-    started = time.perf_counter()
-    try:
+    # (the collector's pauses: a loop stall's suspects, where a full collection rescans
+    # objects a compile made after the first manager froze the long-lived ones)
+    with GCPauses() as pauses:
+        started = time.perf_counter()
         outputs = await manager.generate_batch(prompts, max_new_tokens=new, sampling_params=params)
-    finally:
-        gc.callbacks.remove(on_collection)
     seconds = time.perf_counter() - started
     running = False
     await beat
@@ -641,7 +630,8 @@ async def _aiocb_run(
         "decode_step_ms": 1000 * statistics.median(intervals) if intervals else float("nan"),
         "decode_steps_measured": len(intervals),
         "longest_step_intervals_ms": sorted((round(1000 * t, 1) for t in every_interval), reverse=True)[:3],
-        "gc_pauses": {f"gen{g}": [len(p), round(max(p, default=0.0), 1)] for g, p in collections.items()},
+        "gc_collections": pauses.collections,
+        "gc_longest_ms": [[round(1000 * t, 1), f"gen{gen}", thread] for t, gen, thread, _ in pauses.longest],
         "all_full_length": all(len(o.generated_tokens) == new for o in results),
     }
 

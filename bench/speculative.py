@@ -117,9 +117,9 @@ def compare(
 ) -> dict[str, Any]:
     """``prompts`` (``batch`` at once, greedy) without speculation and with each method
     (``configs``, :func:`methods` by default; "off" is none), ``repeats`` rounds in turn:
-    tokens/s of each, the ratios to none, the acceptance and the runners' ``eager_cost``. The outputs must agree;
-    without ``exact`` (bf16 on a GPU, where verification runs other kernels than decoding)
-    the requests whose outputs differ are counted instead."""
+    tokens/s of each, the ratios to none, the acceptance and the runners' ``eager_cost``.
+    The outputs must agree; without ``exact`` (bf16 on a GPU, where verification runs
+    other kernels than decoding) the requests whose outputs differ are counted instead."""
     configs = methods(model) if configs is None else configs
     rates: dict[str, list[float]] = {name: [] for name in configs}
     outputs: dict[str, list[list[int]]] = {}
