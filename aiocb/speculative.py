@@ -18,8 +18,10 @@ their context (code edits, extraction, quoting).
 A request speculates only when it can gain: not while its acceptance stays low (it backs
 off for a while), not when many requests decode at once (``disable_by_batch_size``: the
 step is then no longer memory-bound, so extra query tokens cost real compute), and where
-decode steps replay CUDA graphs, only while its acceptance pays for a step that runs
-without one (the cost of such a step is measured when a session starts).
+decode steps replay CUDA graphs, only while its acceptance pays for what a step that
+verifies proposals costs against a decode step (measured when a session starts: such a
+step replays a graph of its own, wider, on one process, and runs without one under
+tensor parallelism).
 
 With async batching a step is planned while the one before is still sampling, so a
 request's last token is not known when its next step is planned, and a proposal needs
@@ -206,17 +208,19 @@ class Acceptance:
     then: its pauses stay short.
 
     Where decode steps replay CUDA graphs, a step that verifies proposals (several query
-    tokens a row) runs eagerly: ``eager_cost`` times a decode step (measured at start; on
-    the H200 the bundled model's eager passes are launch-bound, and prompt lookup at 0.6
+    tokens a row) costs ``verify_cost`` decode steps (measured at start): replayed from a
+    graph of its own on one process, where it costs about one decode step while decoding
+    is memory-bound, else run eagerly (under tensor parallelism), where a small model's
+    passes are launch-bound (on the H200, before those graphs, prompt lookup at 0.6
     acceptance ran at 0.42x no speculation). Proposing ``w`` tokens then pays only if the
-    ``1 + acceptance * w`` tokens of such a step are worth its cost, ``eager_cost`` decode
-    steps, plus a draft model's ``w`` eager passes at ``pass_share`` of the target's each:
-    the floor rises to ``(eager_cost * (1 + w * pass_share) - 1) / w`` (above 1: it never
+    ``1 + acceptance * w`` tokens of such a step are worth its cost, ``verify_cost`` decode
+    steps, plus a draft model's ``w`` passes at ``pass_share`` of the target's each: the
+    floor rises to ``(verify_cost * (1 + w * pass_share) - 1) / w`` (above 1: it never
     pays, and each try is followed by a pause), times the step's rows per speculating row
-    (the rows that do not speculate lose their graph too), and every try's pause doubles
-    after a failed one, since a try is no longer cheap. The costs are the smallest batch's,
-    whose eager pass costs the most against its replay: a batch's own is lower. Without
-    graphs (``eager_cost`` 1) the floor is the one given.
+    (the rows that do not speculate pay for the dearer step too), and every try's pause
+    doubles after a failed one, since a try is no longer cheap. The costs are the smallest
+    batch's, whose dearer step costs the most against its decode replay: a batch's own is
+    lower. Without graphs (``verify_cost`` 1) the floor is the one given.
     """
 
     __slots__ = (
@@ -238,16 +242,16 @@ class Acceptance:
         config: SpeculativeConfig,
         floor: float | None = None,
         longest_pause: int = 1,
-        eager_cost: float = 1.0,
+        verify_cost: float = 1.0,
         pass_share: float = 0.0,
     ) -> None:
         self._config = config
         #: the acceptance under which it backs off (``min_acceptance`` unless given), where
         #: a step that verifies proposals costs what a decode step does
         self._floor = config.min_acceptance if floor is None else floor
-        self._cost = eager_cost
+        self._cost = verify_cost
         self._pass_share = pass_share
-        self._longest = longest_pause if eager_cost <= 1.0 else max(longest_pause, _LONGEST_DRAFT_PAUSE)
+        self._longest = longest_pause if verify_cost <= 1.0 else max(longest_pause, _LONGEST_DRAFT_PAUSE)
         #: the recent share of proposed tokens accepted (starts hopeful)
         self.acceptance = 1.0
         self._cooldown = 0
@@ -308,9 +312,9 @@ class DraftProposer(Acceptance):
 
     __slots__ = ("drafted", "marked")
 
-    def __init__(self, config: SpeculativeConfig, drafted: int, share: float = 0.0, eager_cost: float = 1.0) -> None:
+    def __init__(self, config: SpeculativeConfig, drafted: int, share: float = 0.0, verify_cost: float = 1.0) -> None:
         floor = max(config.min_acceptance, min(share, _MOST_SHARE_FLOOR))
-        super().__init__(config, floor, _LONGEST_DRAFT_PAUSE, eager_cost, share)
+        super().__init__(config, floor, _LONGEST_DRAFT_PAUSE, verify_cost, share)
         #: how many of the request's first tokens the draft's cache holds: steps the draft
         #: sleeps through leave a gap past it, which the draft catches up on (in the step
         #: the request proposes again, before its proposals)
@@ -337,8 +341,8 @@ class NgramProposer(Acceptance):
 
     __slots__ = ("_index", "_indexed", "_next")
 
-    def __init__(self, config: SpeculativeConfig, eager_cost: float = 1.0) -> None:
-        super().__init__(config, eager_cost=eager_cost)
+    def __init__(self, config: SpeculativeConfig, verify_cost: float = 1.0) -> None:
+        super().__init__(config, verify_cost=verify_cost)
         self._indexed = 0
         self._index: list[dict[tuple[int, ...], int]] = [
             {} for _ in range(config.prompt_lookup_min, config.prompt_lookup_max + 1)

@@ -68,8 +68,8 @@ async def _run(
     config: aiocb.ContinuousBatchingConfig | None = None,
 ) -> tuple[float, int, list[list[int]], aiocb.ManagerStatistics, float]:
     """Wall seconds, tokens generated, the outputs, the statistics and the runner's
-    ``eager_cost`` (what speculation's back-off charges a step without a CUDA graph; 1 on a
-    CPU); ``batch`` requests at once."""
+    ``verify_cost`` (what speculation's back-off charges a step that verifies proposals, in
+    decode steps; 1 on a CPU); ``batch`` requests at once."""
     params: dict[str, Any] = {"max_new_tokens": new, "do_sample": False, "eos_token_id": []}
     async with aiocb.Manager(model, continuous_batching_config=config, speculative_config=speculative) as manager:
         await manager.generate(prompts[0], max_new_tokens=4)  # warm-up (kernels of a whole prompt too)
@@ -82,8 +82,8 @@ async def _run(
         wall = time.perf_counter() - started
         stats = manager.statistics()
         assert manager._runner is not None
-        eager_cost = manager._runner.eager_cost
-    return wall, sum(len(o) for o in outputs), outputs, stats, eager_cost
+        verify_cost = manager._runner.verify_cost
+    return wall, sum(len(o) for o in outputs), outputs, stats, verify_cost
 
 
 def early_exit_draft(model: Any, layers: int = 1) -> Any:
@@ -117,18 +117,18 @@ def compare(
 ) -> dict[str, Any]:
     """``prompts`` (``batch`` at once, greedy) without speculation and with each method
     (``configs``, :func:`methods` by default; "off" is none), ``repeats`` rounds in turn:
-    tokens/s of each, the ratios to none, the acceptance and the runners' ``eager_cost``.
+    tokens/s of each, the ratios to none, the acceptance and the runners' ``verify_cost``.
     The outputs must agree; without ``exact`` (bf16 on a GPU, where verification runs
     other kernels than decoding) the requests whose outputs differ are counted instead."""
     configs = methods(model) if configs is None else configs
     rates: dict[str, list[float]] = {name: [] for name in configs}
     outputs: dict[str, list[list[int]]] = {}
     acceptance: dict[str, list[float]] = {name: [] for name in configs if name != "off"}
-    eager_costs: list[float] = []
+    verify_costs: list[float] = []
     for _ in range(repeats):
         for name, spec in configs.items():
-            wall, tokens, out, stats, eager_cost = asyncio.run(_run(model, prompts, new, batch, spec, config))
-            eager_costs.append(eager_cost)
+            wall, tokens, out, stats, verify_cost = asyncio.run(_run(model, prompts, new, batch, spec, config))
+            verify_costs.append(verify_cost)
             rates[name].append(tokens / wall)
             outputs.setdefault(name, out)
             if spec is not None and stats.acceptance_rate is not None:
@@ -145,7 +145,7 @@ def compare(
         **rates,
         **{f"{name} / off": statistics.median(rates[name]) / off for name in acceptance},
         **{f"{name} acceptance": statistics.median(a) if a else None for name, a in acceptance.items()},
-        "eager_cost": statistics.median(eager_costs),
+        "verify_cost": statistics.median(verify_costs),
     }
 
 

@@ -157,10 +157,10 @@ class Scheduler:
         self.speculative = speculative
         #: a draft model's share of the target's parameters (its requests' back-off floor)
         self.draft_share = draft_share
-        #: what a step that runs eagerly (one that verifies proposals) costs against a decode
-        #: step replaying a CUDA graph; set once the runner has measured it (see
+        #: what a step that verifies proposals costs against a decode step replaying a CUDA
+        #: graph; set once the runner has measured it (see
         #: :class:`aiocb.speculative.Acceptance`)
-        self.eager_cost = 1.0
+        self.verify_cost = 1.0
         #: tokens the proposers may still index in the step being planned
         self._index_budget = _INDEX_PER_STEP
         #: requests of the step being planned whose draft cache misses tokens (a draft
@@ -617,7 +617,7 @@ class Scheduler:
         proposer = request.proposer
         if not isinstance(proposer, DraftProposer):
             assert self.speculative is not None
-            proposer = request.proposer = DraftProposer(self.speculative, 0, self.draft_share, self.eager_cost)
+            proposer = request.proposer = DraftProposer(self.speculative, 0, self.draft_share, self.verify_cost)
         return proposer
 
     def _propose(self, request: Request, speculative: SpeculativeConfig, budget: int) -> list[int] | None:
@@ -647,7 +647,7 @@ class Scheduler:
             return [0] * count or None  # (placeholders: the draft model proposes on the device)
         lookup = request.proposer
         if lookup is None:
-            lookup = request.proposer = NgramProposer(speculative, self.eager_cost)
+            lookup = request.proposer = NgramProposer(speculative, self.verify_cost)
         assert isinstance(lookup, NgramProposer)
         drafts, indexed = lookup.propose(request.token_ids, room, self._index_budget)
         self._index_budget -= indexed
@@ -696,11 +696,11 @@ class Scheduler:
         return not (params.uses_controls or request.grammar is not None or params.needs_known_history)
 
     def _speculation_load(self, output: SchedulerOutput) -> float:
-        """How many times the cost of a step without a graph falls on each speculating row
-        of ``output`` (:meth:`aiocb.speculative.Acceptance.floor`): its rows per speculating
-        row where, but for the proposals, every row decodes one token (a step that would
-        have replayed a graph), else 0."""
-        if not output.num_speculating or self.eager_cost <= 1.0:
+        """How many times the extra cost of a step that verifies proposals falls on each
+        speculating row of ``output`` (:meth:`aiocb.speculative.Acceptance.floor`): its
+        rows per speculating row where, but for the proposals, every row decodes one token
+        (a step that would have replayed a decode graph), else 0."""
+        if not output.num_speculating or self.verify_cost <= 1.0:
             return 1.0
         scheduled = output.scheduled
         for item in scheduled:

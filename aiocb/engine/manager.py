@@ -197,6 +197,7 @@ class Manager:
                 num_requests_hint=self._num_requests_hint,
                 keep_cache=self.persistent,
                 draft_model=self._draft_model,
+                speculative=self.speculative_config,
             )
         runner = self._runner
         runner.attach()

@@ -111,7 +111,7 @@ class StepLoop:
         warming = self._executor.submit(runner.warm_up)
         try:
             await asyncio.wrap_future(warming)
-            self.scheduler.eager_cost = runner.eager_cost  # (measured by the warm-up)
+            self.scheduler.verify_cost = runner.verify_cost  # (measured by the warm-up)
             while True:
                 self._expire_deadlines()
                 if not self.scheduler.has_work and in_flight is None:

@@ -33,6 +33,7 @@ from aiocb.config import ContinuousBatchingConfig
 from aiocb.errors import InvalidConfigError
 from aiocb.runner import attention
 from aiocb.runner.backends import select_backends
+from aiocb.runner.cuda_graphs import DecodeGraphs
 from aiocb.runner.input_batch import InputBatch
 from aiocb.runner.inputs import HostToDevice, StepInputs, prepare_inputs
 from aiocb.runner.memory import CachePlan
@@ -102,6 +103,8 @@ class Drafter:
         self._target_vocab_size = vocab_size
         self._transfer = HostToDevice(spec.device)
         self._original_attention: str | None = None
+        #: the draft's CUDA graphs (None: its passes run eagerly), set and captured by the runner
+        self.graphs: DecodeGraphs | None = None
 
     def attach(self) -> None:
         """Route the draft's attention through its paged cache (idempotent)."""
@@ -122,11 +125,18 @@ class Drafter:
             self._catch_up(batch, state)
         rows = [batch.sampled[r] for r in batch.draft_rows]  # (the speculating rows' batch rows)
         plan = self._transfer.move(_plan(batch, rows)) if rows else None
-        first_attention = replace(inputs.attention, cache=self.cache)
-        keep = plan.first_index if plan is not None else inputs.logits_indices[:0]
-        logits = attention.forward(
-            self.model, self._ids(inputs.input_ids)[None], inputs.position_ids[None], keep, first_attention
-        )
+        graphs = self.graphs
+        width = 0 if graphs is None or plan is None else graphs.width_for(batch, inputs)
+        if width:
+            assert graphs is not None and plan is not None
+            own = replace(inputs, input_ids=self._ids(inputs.input_ids))
+            logits = graphs.run_wide(own, batch.num_rows, width, plan.first_index)
+        else:
+            first_attention = replace(inputs.attention, cache=self.cache)
+            keep = plan.first_index if plan is not None else inputs.logits_indices[:0]
+            logits = attention.forward(
+                self.model, self._ids(inputs.input_ids)[None], inputs.position_ids[None], keep, first_attention
+            )
         if plan is None:
             return None
         proposals = torch.empty(batch.num_drafts, dtype=torch.long, device=inputs.input_ids.device)
@@ -135,13 +145,16 @@ class Drafter:
         for j, step in enumerate(_decode_passes(batch, rows, state.num_slots), 1):
             pass_inputs = prepare_inputs(step, self.cache, self._transfer, self.backends, state)
             pass_inputs.input_ids.copy_(tokens.index_select(0, plan.keep[j - 1]))
-            logits = attention.forward(
-                self.model,
-                pass_inputs.input_ids[None],
-                pass_inputs.position_ids[None],
-                pass_inputs.logits_indices,
-                pass_inputs.attention,
-            )
+            if graphs is not None and graphs.eligible(step, pass_inputs):
+                logits = graphs.run(pass_inputs, step.num_rows)
+            else:
+                logits = attention.forward(
+                    self.model,
+                    pass_inputs.input_ids[None],
+                    pass_inputs.position_ids[None],
+                    pass_inputs.logits_indices,
+                    pass_inputs.attention,
+                )
             sampling = replace(pass_inputs.sampling, any_logprobs=False, max_top_logprobs=0)
             tokens = sample(self._common(logits), sampling).tokens
             proposals.index_copy_(0, plan.destination[j], tokens)

@@ -20,7 +20,7 @@ from aiocb.core.scheduler import StepResult
 from aiocb.runner import attention
 from aiocb.runner.backends import Backend, select_backends
 from aiocb.runner.compile import compile_configs, compiled
-from aiocb.runner.cuda_graphs import DecodeGraphs
+from aiocb.runner.cuda_graphs import DecodeGraphs, query_widths
 from aiocb.runner.draft import Drafter, draft_spec
 from aiocb.runner.input_batch import InputBatch
 from aiocb.runner.inputs import HostToDevice, StepInputs, prepare_inputs
@@ -30,6 +30,7 @@ from aiocb.runner.paged_cache import PagedKVCache
 from aiocb.runner.sampler import compile_draw, sample, score
 from aiocb.runner.step_batch import BatchWriter, StepBatch
 from aiocb.runner.tp_layout import tensor_parallel_layout
+from aiocb.speculative import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ class ModelRunner:
         num_requests_hint: int | None = None,
         plan: CachePlan | None = None,
         draft_model: PreTrainedModel | None = None,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.model = model
         self.config = config
@@ -97,11 +99,17 @@ class ModelRunner:
         varlen_config, decode_config = compile_configs(config, decode_graphs=graphed, tensor_parallel=tensor_parallel)
         self._varlen_model = compiled(model, varlen_config)
         self._decode_model = compiled(model, decode_config)
-        #: decode steps' CUDA graphs (None: decode steps run eagerly), captured by :meth:`warm_up`
-        self.graphs = self._decode_graphs() if graphed else None
-        #: what a step no graph runs (a speculative one) costs against a decode step that
-        #: replays one, measured by :meth:`warm_up` (1.0: no graphs, or not measured yet)
-        self.eager_cost = 1.0
+        # Steps that verify proposals get graphs of their own on one process (under tensor
+        # parallelism the followers capture the decode graphs alone, in step with rank 0).
+        wide = None if speculative is None or tensor_parallel else speculative
+        #: decode steps' CUDA graphs, and those of steps that verify proposals (None: such
+        #: steps run eagerly), captured by :meth:`warm_up`; the draft model has its own
+        self.graphs = self._decode_graphs(wide) if graphed else None
+        if self.drafter is not None and graphed and wide is not None:
+            self.drafter.graphs = self._draft_graphs(self.drafter, wide)
+        #: what a step that verifies proposals costs against a decode step that replays a
+        #: graph, measured by :meth:`warm_up` (1.0: no graphs, or not measured yet)
+        self.verify_cost = 1.0
         self.async_batching = self._resolve_async_batching()
         self._last_tokens: torch.Tensor | None = None
         self._original_attention: str | None = None
@@ -135,14 +143,16 @@ class ModelRunner:
         if self.graphs is not None:
             captures = self.graphs.captures
             self.graphs.capture_all()
+            if self.drafter is not None and self.drafter.graphs is not None:
+                self.drafter.graphs.capture_all()
             if self.graphs.captures > captures and self._decode_model is not self.model:
                 _freeze_what_the_compile_made()
             # (the model as steps without a graph run it)
             varlen_model = self._varlen_model
-            self.eager_cost = self.graphs.eager_cost(
+            self.verify_cost = self.graphs.verify_cost(
                 lambda ids, pos, keep, meta: attention.forward(varlen_model, ids, pos, keep, meta)
             )
-            logger.info("a step without a decode graph costs %.2fx one with", self.eager_cost)
+            logger.info("a step that verifies proposals costs %.2fx a decode step", self.verify_cost)
         self.compile_sampler()
 
     def compile_sampler(self) -> None:
@@ -227,8 +237,13 @@ class ModelRunner:
         )
 
     def _logits(self, batch: StepBatch, inputs: StepInputs) -> torch.Tensor:
-        if self.graphs is not None and self.graphs.eligible(batch, inputs):
-            return self.graphs.run(inputs, batch.num_rows)
+        graphs = self.graphs
+        if graphs is not None:
+            if graphs.eligible(batch, inputs):
+                return graphs.run(inputs, batch.num_rows)
+            width = graphs.width_for(batch, inputs)
+            if width:
+                return graphs.run_wide(inputs, batch.num_rows, width)
         decode_only = batch.num_single_token_rows == batch.num_rows
         model = self._decode_model if decode_only else self._varlen_model
         return attention.forward(
@@ -255,11 +270,12 @@ class ModelRunner:
             return False
         return True
 
-    def _decode_graphs(self) -> DecodeGraphs:
+    def _decode_graphs(self, speculative: SpeculativeConfig | None) -> DecodeGraphs:
         blocks = self.config.max_blocks_per_request or DEFAULT_MAX_BLOCKS_PER_REQUEST
         # The forward closes over the model, not over self: runner -> graphs -> forward ->
         # runner would be a cycle, keeping the cache alive until a cyclic collection.
         decode_model = self._decode_model
+        widths, wide_rows = _wide_graphs(speculative, self.plan.max_requests_per_batch)
         return DecodeGraphs(
             lambda ids, pos, keep, meta: attention.forward(decode_model, ids, pos, keep, meta),
             self.cache,
@@ -267,6 +283,26 @@ class ModelRunner:
             self.plan.max_requests_per_batch,
             blocks,
             self.device,
+            widths=widths,
+            max_wide_rows=wide_rows,
+        )
+
+    def _draft_graphs(self, drafter: Drafter, speculative: SpeculativeConfig) -> DecodeGraphs:
+        """The draft model's graphs: its decode passes over the speculating rows, and its
+        pass over a step's own inputs where the target's step is one that verifies
+        proposals."""
+        blocks = self.config.max_blocks_per_request or DEFAULT_MAX_BLOCKS_PER_REQUEST
+        draft_model = drafter.model
+        widths, wide_rows = _wide_graphs(speculative, self.plan.max_requests_per_batch)
+        return DecodeGraphs(
+            lambda ids, pos, keep, meta: attention.forward(draft_model, ids, pos, keep, meta),
+            drafter.cache,
+            self.backends,
+            wide_rows,
+            blocks,
+            self.device,
+            widths=widths,
+            max_wide_rows=wide_rows,
         )
 
     def _resolve_async_batching(self) -> bool:
@@ -274,6 +310,22 @@ class ModelRunner:
         if wanted is None:
             return self.graphs is not None
         return wanted
+
+
+#: Rows of the graphs of steps that verify proposals when ``disable_by_batch_size`` is None
+#: (steps of more rows verify without a graph): a graph holds ``rows x (1 + k)`` tokens'
+#: logits, so every row bucket and width costs memory of its own.
+_MOST_WIDE_ROWS = 64
+
+
+def _wide_graphs(speculative: SpeculativeConfig | None, max_rows: int) -> tuple[list[int], int]:
+    """The query widths and the most rows of the graphs of steps that verify proposals
+    (none without speculation)."""
+    if speculative is None:
+        return [], 0
+    assert speculative.num_speculative_tokens is not None  # (set by the config's __post_init__)
+    rows = speculative.disable_by_batch_size or _MOST_WIDE_ROWS
+    return query_widths(speculative.num_speculative_tokens), min(rows, max_rows)
 
 
 def _freeze_what_the_compile_made() -> None:

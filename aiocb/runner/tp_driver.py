@@ -34,6 +34,7 @@ from aiocb.runner.model_runner import ModelRunner, PendingStep
 from aiocb.runner.step_batch import StepBatch
 from aiocb.runner.tp_channel import ControlChannel, Event, control_channel, is_comm_failure, own_plan
 from aiocb.runner.tp_layout import TensorParallelLayout, tensor_parallel_layout
+from aiocb.speculative import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -304,7 +305,8 @@ class DriverRunner(ModelRunner):
     def warm_up(self) -> None:
         """Only the sampler's compile before the first step: the decode graphs' warm-up
         passes run collectives, so every rank captures them together, at the first decode
-        step (all ranks run it). Nor is ``eager_cost`` measured (its timed passes would run
+        step (all ranks run it), and no graphs of steps that verify proposals (those run
+        eagerly). Nor is ``verify_cost`` measured (its timed passes would run
         collectives too): speculation is refused under tensor parallelism with a draft
         model, and prompt lookup keeps the floor it is given."""
         with torch.inference_mode():
@@ -346,16 +348,20 @@ def build_runner(
     num_requests_hint: int | None = None,
     keep_cache: bool = False,
     draft_model: PreTrainedModel | None = None,
+    speculative: SpeculativeConfig | None = None,
 ) -> ModelRunner:
     """The runner for ``model``: a plain one, or rank 0's :class:`DriverRunner` under tensor parallelism.
 
     ``keep_cache`` tells the followers to keep their cache between sessions, as a
     persistent manager keeps its own. ``draft_model`` is speculative decoding's (one
-    process only).
+    process only); given ``speculative``, a single process's runner also captures graphs
+    of the steps that verify proposals.
     """
     layout = tensor_parallel_layout(model)
     if layout is None:
-        return ModelRunner(model, config, num_requests_hint=num_requests_hint, draft_model=draft_model)
+        return ModelRunner(
+            model, config, num_requests_hint=num_requests_hint, draft_model=draft_model, speculative=speculative
+        )
     if draft_model is not None:
         raise InvalidConfigError("speculative decoding with a draft model does not support tensor parallelism yet")
     if not layout.is_driver:

@@ -65,6 +65,10 @@ DEFAULT_SM_COUNT = 132
 MIN_PARTITION = 256
 #: Most partitions per query tile (bounds the partial buffers and the merge's work).
 MAX_SPLITS = 16
+#: Most query tokens a row of a step that splits may hold: a decode row's one, or a row
+#: verifying speculative proposals (its last token and up to 15 proposed ones), whose
+#: keys are read once for all its queries, so splitting helps it as it does a decode row.
+MOST_SPLIT_QUERIES = 16
 
 
 if HAS_TRITON:
@@ -436,16 +440,18 @@ def choose_num_splits(
 ) -> int:
     """How many key partitions each ``(row, KV head)`` of a step gets (1: no split).
 
-    Only decode-only steps (``max_query_len == 1``) split: a step with prefill chunks
-    already has a program per query tile and its partial outputs would be as large as its
-    queries. A decode step has ``num_rows * num_kv_heads`` programs; once that reaches
-    two per SM (``num_sms``) the GPU is busy and splitting only adds the merge. Below it,
-    the splits bring the count up to about two programs per SM (each SM then has loads of
-    several programs in flight), but no partition of the longest key range
-    (``max_kv_len``) gets fewer than ``min_partition`` keys and no tile more than
-    ``max_splits`` partitions. Host ints only, so choosing never waits on the device.
+    Only steps whose rows hold at most :data:`MOST_SPLIT_QUERIES` query tokens split:
+    decode steps, and steps that verify speculative proposals (the last token and the
+    proposed ones); a step with longer prefill chunks already has a program per query tile,
+    and its partial outputs would be as large as its queries. Such a step has at least
+    ``num_rows * num_kv_heads`` programs; once that reaches two per SM (``num_sms``) the
+    GPU is busy and splitting only adds the merge. Below it, the splits bring the count up
+    to about two programs per SM (each SM then has loads of several programs in flight),
+    but no partition of the longest key range (``max_kv_len``) gets fewer than
+    ``min_partition`` keys and no tile more than ``max_splits`` partitions. Host ints only,
+    so choosing never waits on the device.
     """
-    if max_query_len != 1 or num_rows <= 0 or num_kv_heads <= 0 or max_kv_len <= 0:
+    if max_query_len > MOST_SPLIT_QUERIES or num_rows <= 0 or num_kv_heads <= 0 or max_kv_len <= 0:
         return 1
     programs = num_rows * num_kv_heads
     target = 2 * max(1, num_sms)
@@ -498,13 +504,14 @@ def triton_paged_attention(
     ``(p // page_size) % ring_blocks``; the caller must make sure no key a query needs was
     overwritten by a later token of the same step.
 
-    Decode-only steps at small batch split each row's keys across several programs (see
-    :func:`choose_num_splits`); the results are the same up to fp32 rounding. The choice
-    uses ``max_seq_len`` (a host int, ``>= max seq_lens``; by default the block table's
-    width in tokens, which bounds it without reading ``seq_lens``) and ``num_sms`` (by
-    default the device's SM count, :data:`DEFAULT_SM_COUNT` off CUDA). Only the split
-    count depends on them, never which keys a query reads: any values are correct, and a
-    CUDA graph captured with an upper bound stays correct for shorter contexts.
+    Steps of decode rows (or of rows verifying a few proposed tokens) at small batch split
+    each row's keys across several programs (see :func:`choose_num_splits`); the results
+    are the same up to fp32 rounding. The choice uses ``max_seq_len`` (a host int, ``>= max
+    seq_lens``; by default the block table's width in tokens, which bounds it without
+    reading ``seq_lens``) and ``num_sms`` (by default the device's SM count,
+    :data:`DEFAULT_SM_COUNT` off CUDA). Only the split count depends on them, never which
+    keys a query reads: any values are correct, and a CUDA graph captured with an upper
+    bound stays correct for shorter contexts.
 
     Rows not covered by any query (and the rows of ``out`` belonging to no row) are left
     untouched in ``out``.

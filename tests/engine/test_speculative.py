@@ -214,7 +214,7 @@ async def test_where_a_step_without_a_graph_costs_more_only_paying_proposals_go_
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Where decode steps replay CUDA graphs, a step that verifies proposals runs without
-    one: the runner measures what that costs at start (``eager_cost``) and requests whose
+    one: the runner measures what that costs at start (``verify_cost``) and requests whose
     proposals cannot pay for it back off, with the same outputs. A copy of the target as
     draft has every proposal taken, and pays where a step costs the same either way, but
     never where it costs twice a decode step (its own passes run without graphs too);
@@ -228,7 +228,7 @@ async def test_where_a_step_without_a_graph_costs_more_only_paying_proposals_go_
     async def run(method: str, cost: float) -> tuple[aiocb.ManagerStatistics, list[list[int]]]:
         def measured(runner: ModelRunner) -> None:
             warm_up(runner)
-            runner.eager_cost = cost
+            runner.verify_cost = cost
 
         monkeypatch.setattr(ModelRunner, "warm_up", measured)
         draft = copy.deepcopy(model) if method == "draft" else None
@@ -236,7 +236,7 @@ async def test_where_a_step_without_a_graph_costs_more_only_paying_proposals_go_
         async with aiocb.Manager(model, speculative_config=config) as manager:
             outputs = await manager.generate_batch(PROMPTS[:3], max_new_tokens=NEW, do_sample=False)
             scheduler = manager._steps.scheduler  # type: ignore[union-attr]
-            assert scheduler.eager_cost == cost
+            assert scheduler.verify_cost == cost
             stats = manager.statistics()
         return stats, [o.generated_tokens for o in outputs.values()]
 
@@ -253,16 +253,16 @@ def test_the_back_off_floor_follows_the_cost_of_a_step_without_a_graph() -> None
 
     config = aiocb.SpeculativeConfig(num_speculative_tokens=4, min_acceptance=0.2, backoff_steps=2)
     assert NgramProposer(config).floor(4) == 0.2  # (no graphs: the floor given)
-    dear = NgramProposer(config, eager_cost=3.0)
+    dear = NgramProposer(config, verify_cost=3.0)
     assert dear.floor(4) == 0.5 and dear.floor(2) == 1.0 and dear.floor(1) == 2.0  # (cost - 1) / width
     drafted = aiocb.SpeculativeConfig(method="draft", draft_model="draft", num_speculative_tokens=4)
     # A draft's passes run eagerly too: (cost * (1 + width * share) - 1) / width.
-    assert DraftProposer(drafted, 0, share=0.25, eager_cost=2.0).floor(4) == 0.75
+    assert DraftProposer(drafted, 0, share=0.25, verify_cost=2.0).floor(4) == 0.75
     assert DraftProposer(drafted, 0, share=0.25).floor(4) == 0.25  # (the draft's share alone)
     # Acceptance 0.85 after a half-taken proposal of 4 pays at cost 1 (floor 0.2) and at
     # cost 3 (0.5); a try that never pays (cost past width + 1) pauses, and as tries are no
     # longer cheap, each pause doubles after a failed try.
-    never = NgramProposer(config, eager_cost=6.0)
+    never = NgramProposer(config, verify_cost=6.0)
     tokens = [7, 8, 1, 2, 3, 4, 5, 6, 7, 8]
     pauses = []
     for _ in range(4):
@@ -282,7 +282,7 @@ def test_the_try_after_a_pause_alone_decides_and_rows_that_lose_their_graph_coun
     from aiocb.speculative import NgramProposer
 
     config = aiocb.SpeculativeConfig(num_speculative_tokens=4, backoff_steps=2)
-    proposer = NgramProposer(config, eager_cost=3.0)
+    proposer = NgramProposer(config, verify_cost=3.0)
     tokens = [7, 8, 1, 2, 3, 4, 5, 6, 7, 8]
     for proposed, accepted in ((4, 0), (3, 3), (4, 0), (3, 3), (4, 0)):
         assert len(proposer.propose(tokens, 4, budget=100)[0]) == proposed
@@ -299,7 +299,7 @@ def test_the_try_after_a_pause_alone_decides_and_rows_that_lose_their_graph_coun
         return SchedulerOutput(scheduled=scheduled, num_speculating=sum(d is not None for _, d in rows))
 
     load = Scheduler._speculation_load
-    measured, plain = SimpleNamespace(eager_cost=3.0), SimpleNamespace(eager_cost=1.0)
+    measured, plain = SimpleNamespace(verify_cost=3.0), SimpleNamespace(verify_cost=1.0)
     decodes = output((3, [5, 6]), (1, None), (1, None), (1, None))
     assert load(measured, decodes) == 4.0  # type: ignore[arg-type]
     assert load(plain, decodes) == 1.0  # type: ignore[arg-type]

@@ -145,9 +145,9 @@ def test_graphs_and_async_batching_are_on_by_default_on_cuda() -> None:
             await manager.generate(_prompts(1)[0], max_new_tokens=8)
             # The warm-up timed a pass without a graph against a replay (speculation's
             # back-off charges it): a small model's eager pass is launch-bound, far slower.
-            assert runner.eager_cost > 1.0
-            assert manager._steps is not None and manager._steps.scheduler.eager_cost == runner.eager_cost
-            print(f"eager_cost: {runner.eager_cost:.2f}")
+            assert runner.verify_cost > 1.0
+            assert manager._steps is not None and manager._steps.scheduler.verify_cost == runner.verify_cost
+            print(f"verify_cost: {runner.verify_cost:.2f}")
 
     asyncio.run(main())
 
@@ -194,7 +194,8 @@ def test_a_draft_model_under_graphs_and_async_batching() -> None:
     """A copy of the target as draft model, on the device's default path (decode graphs,
     async batching, the device copy stream): a batch larger than ``disable_by_batch_size``
     puts the draft to sleep, the requests left catch up and speculate; greedy and sampled
-    rows, the outputs those of no speculation and (nearly) every proposal accepted."""
+    rows, the outputs those of no speculation and (nearly) every proposal accepted; the
+    steps that verify proposals and the draft's passes replay graphs."""
     import copy
 
     model = _model(torch.float32)
@@ -202,6 +203,8 @@ def test_a_draft_model_under_graphs_and_async_batching() -> None:
     prompts = _prompts(8, seed=4)
     lengths = [6, 6, 6, 6, 6, 6, 48, 48]
     spec = aiocb.SpeculativeConfig(method="draft", draft_model=draft, disable_by_batch_size=2)
+
+    replays: list[int] = []
 
     async def run(speculative: aiocb.SpeculativeConfig | None) -> tuple[list[list[int]], aiocb.ManagerStatistics]:
         config = aiocb.ContinuousBatchingConfig(max_memory_percent=0.2, decode_compile_config={"disable": True})
@@ -216,15 +219,20 @@ def test_a_draft_model_under_graphs_and_async_batching() -> None:
             outputs = [await manager.get_result(rid) for rid in ids]
             stats = manager.statistics()
             assert stats.free_blocks == stats.total_blocks
+            if runner.drafter is not None:
+                assert runner.drafter.graphs is not None
+                replays.extend((runner.graphs.wide_replays, runner.drafter.graphs.wide_replays))
         return [o.generated_tokens for o in outputs], stats  # type: ignore[union-attr]
 
     plain, _ = asyncio.run(run(None))
     fast, stats = asyncio.run(run(spec))
     same = sum(a == b for a, b in zip(plain, fast, strict=True))
     print(f"draft model on the device: {same}/{len(plain)} identical, {stats.draft_tokens} proposed, "
-          f"acceptance {stats.acceptance_rate}")  # fmt: skip
+          f"acceptance {stats.acceptance_rate}, graph replays of steps with proposals: target {replays[0]}, "
+          f"draft {replays[1]}")  # fmt: skip
     assert same >= len(plain) - 1  # (verification runs other kernels than decoding)
     assert stats.draft_tokens > 40 and stats.acceptance_rate is not None and stats.acceptance_rate > 0.9
+    assert replays[0] > 0 and replays[1] > 0
 
 
 def test_no_sampled_step_waits_for_the_compiler(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -266,3 +274,47 @@ def test_no_sampled_step_waits_for_the_compiler(monkeypatch: pytest.MonkeyPatch)
 
     asyncio.run(main())
     assert compiles == []
+
+
+def test_prompt_lookup_replays_graphs_of_its_steps_with_the_decode_model_compiled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Prompt lookup on the default path (the decode model compiled under the graphs):
+    every graph, those of steps that verify proposals included, is captured before the
+    first step and none later; such steps replay them; the outputs are those of no
+    speculation (fp32); a verifying step costs about a decode step (``verify_cost``)."""
+    began: list[int] = []
+    capture_begin = torch.cuda.CUDAGraph.capture_begin
+
+    def counting(self: torch.cuda.CUDAGraph, *args: Any, **kwargs: Any) -> None:
+        began.append(1)
+        capture_begin(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", counting)
+    model = _model(torch.float32)
+    prompts = [p[:40] * 4 for p in _prompts(6, seed=5)]  # (copy-heavy: a stretch four times)
+    spec = aiocb.SpeculativeConfig(prompt_lookup_min=1, disable_by_batch_size=8)
+    seen: dict[str, float] = {}
+
+    async def run(speculative: aiocb.SpeculativeConfig | None) -> tuple[list[list[int]], aiocb.ManagerStatistics]:
+        config = aiocb.ContinuousBatchingConfig(max_memory_percent=0.2, max_requests_per_batch=16)
+        async with aiocb.Manager(model, continuous_batching_config=config, speculative_config=speculative) as manager:
+            runner = manager._runner
+            assert runner is not None and runner.graphs is not None
+            outputs = await manager.generate_batch(prompts, max_new_tokens=48, do_sample=False)
+            stats = manager.statistics()
+            if speculative is not None:
+                graphs = runner.graphs
+                assert len(began) == graphs.captures == len(graphs.keys), (len(began), graphs.captures)
+                seen.update(replays=graphs.wide_replays, verify_cost=runner.verify_cost, seconds=graphs.capture_seconds)
+        return [o.generated_tokens for o in outputs.values()], stats
+
+    plain, _ = asyncio.run(run(None))
+    began.clear()
+    fast, stats = asyncio.run(run(spec))
+    same = sum(a == b for a, b in zip(plain, fast, strict=True))
+    print(f"prompt lookup under graphs: {same}/{len(plain)} identical, {stats.draft_tokens} proposed, "
+          f"acceptance {stats.acceptance_rate}, {seen['replays']} replays of steps with proposals, "
+          f"verify_cost {seen['verify_cost']:.2f}, {len(began)} graphs in {seen['seconds']:.1f} s")  # fmt: skip
+    assert same >= len(plain) - 1
+    assert seen["replays"] > 0 and stats.draft_tokens > 0

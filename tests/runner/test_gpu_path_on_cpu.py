@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ from aiocb.runner.inputs import AttentionMetadata, HostToDevice, prepare_inputs
 from aiocb.runner.model_runner import ModelRunner
 from aiocb.runner.step_batch import StepBatch
 from tests.conftest import random_prompts, reference_generate, tiny_qwen3
+from tests.runner.conftest import record_eagerly
 
 PROMPTS = random_prompts(4, 5, 40, seed=16)
 
@@ -87,35 +87,17 @@ def test_cuda_graphs_are_refused_without_cuda(qwen3: PreTrainedModel, caplog: py
     assert not runner.async_batching
 
 
-class _EagerGraph:
-    """Stands in for a CUDA graph on the CPU: replay re-runs the forward on the static buffers."""
-
-    def __init__(self, forward: Callable[[], torch.Tensor]) -> None:
-        self.forward = forward
-        self.out = forward().clone()  # the "capture": one pass on the padding inputs
-
-    def replay(self) -> None:
-        self.out.copy_(self.forward())
-
-
-class _CpuDecodeGraphs(DecodeGraphs):
-    def _record(
-        self, args: tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]
-    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        graph = _EagerGraph(lambda: self._forward(*args))
-        return graph, graph.out  # type: ignore[return-value]
-
-
 def test_padded_decode_replay_equals_the_unpadded_step(monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("triton")
     monkeypatch.setenv("AIOCB_ATTENTION_BACKEND", Backend.TRITON)
+    monkeypatch.setattr(DecodeGraphs, "_record", record_eagerly)
     model = tiny_qwen3()
     runner = ModelRunner(model, aiocb.ContinuousBatchingConfig(page_size=16, num_blocks=64))
     for tensor in (*runner.cache.key, *runner.cache.value):
         tensor.zero_()  # (fresh cache memory is uninitialised: compare writes against zeros)
     runner.attach()
     try:
-        graphs = _CpuDecodeGraphs(
+        graphs = DecodeGraphs(
             lambda ids, pos, keep, meta: attention.forward(model, ids, pos, keep, meta),
             runner.cache,
             runner.backends,

@@ -25,14 +25,11 @@ from aiocb.errors import InvalidConfigError
 from aiocb.runner import cuda_graphs
 from aiocb.runner.backends import Backend
 from aiocb.runner.compile import GRAPHED_DECODE_COMPILE, compile_configs, compiled
-from aiocb.runner.cuda_graphs import DecodeGraphs, batch_buckets
+from aiocb.runner.cuda_graphs import DecodeGraphs, batch_buckets, query_widths
 from aiocb.runner.inputs import AttentionMetadata
 from aiocb.runner.model_runner import ModelRunner
 from aiocb.runner.tp_driver import DriverRunner
 from tests.conftest import random_prompts, reference_generate, tiny_qwen3
-
-Args = tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]
-
 
 # ------------------------------------------------------------------ the capture itself, CUDA mocked
 
@@ -126,18 +123,18 @@ def test_capture_all_goes_largest_first_in_thread_local_mode_on_one_pool(
     assert fake.streams_made == [stream]
 
 
-def test_eager_cost_times_the_smallest_bucket_eagerly_against_its_replay(
+def test_verify_cost_times_the_smallest_bucket_eagerly_against_its_replay(
     qwen3: PreTrainedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """What a step without a graph costs against a replay (the speculative back-off's
-    measure): the smallest bucket's pass run eagerly on padding inputs, timed against its
-    graph's replay; never below 1."""
+    """Without graphs of steps that verify proposals, what such a step costs against a
+    replay (the speculative back-off's measure): the smallest bucket's pass run eagerly on
+    padding inputs, timed against its graph's replay; never below 1."""
     _FakeCuda().install(monkeypatch)
     runner = ModelRunner(qwen3, aiocb.ContinuousBatchingConfig(page_size=16, num_blocks=16))
     graphs = _graphs(runner, lambda ids, *rest: torch.zeros(ids.shape[1], 3), max_rows=8)
     graphs.capture_all()
-    _, logits = graphs._graphs[1]
-    graphs._graphs[1] = (SimpleNamespace(replay=lambda: time.sleep(0.002)), logits)  # type: ignore[assignment]
+    _, logits = graphs._graphs[(1, 1)]
+    graphs._graphs[(1, 1)] = (SimpleNamespace(replay=lambda: time.sleep(0.002)), logits)  # type: ignore[assignment]
     rows: list[int] = []
 
     def eager(ids: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -147,9 +144,82 @@ def test_eager_cost_times_the_smallest_bucket_eagerly_against_its_replay(
         time.sleep(0.008)
         return torch.zeros(ids.shape[1], 3)
 
-    assert 2.0 < graphs.eager_cost(eager) < 8.0
+    assert 2.0 < graphs.verify_cost(eager) < 8.0
     assert rows == [1] * 6  # (one untimed pass, then five)
-    assert graphs.eager_cost(lambda *args: torch.zeros(1, 3)) == 1.0  # (faster than a replay: 1)
+    assert graphs.verify_cost(lambda *args: torch.zeros(1, 3)) == 1.0  # (faster than a replay: 1)
+
+
+def test_query_widths_double_the_proposal_up_to_the_most() -> None:
+    assert query_widths(1) == [2]
+    assert query_widths(3) == [2, 3, 4]
+    assert query_widths(4) == [2, 3, 5]
+    assert query_widths(6) == [2, 3, 5, 7]
+    assert query_widths(8) == [2, 3, 5, 9]
+
+
+def test_graphs_of_steps_with_proposals_are_captured_with_the_decode_ones_by_token_slots(
+    qwen3: PreTrainedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Given query widths, every (row bucket, width) gets a graph of ``bucket x width`` token
+    slots, captured with the decode graphs, the most slots first, each on padding inputs
+    of rows of ``width`` tokens that write only to the trash block; all of them write their
+    logits to one buffer."""
+    fake = _FakeCuda()
+    fake.install(monkeypatch)
+    runner = ModelRunner(qwen3, aiocb.ContinuousBatchingConfig(page_size=16, num_blocks=16))
+    captured: list[tuple[int, int, list[int]]] = []  # (token slots, max query length, query starts)
+
+    def forward(ids: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if fake.capturing:
+            captured.append((ids.shape[1], meta.max_query_len, meta.query_start.tolist()))
+        trash = runner.cache.trash_block(0) * runner.cache.page_size
+        assert bool((meta.groups[0].slot_mapping == trash).all()) and keep.shape[0] == ids.shape[1]
+        assert meta.num_tokens == ids.shape[1] == len(meta.seq_lens) * meta.max_query_len
+        assert bool((meta.seq_lens == meta.max_query_len).all())
+        return torch.zeros(ids.shape[1], 3)
+
+    graphs = DecodeGraphs(
+        forward, runner.cache, [Backend.TRITON], 8, 4, runner.device, widths=[1, 2, 3, 5], max_wide_rows=2
+    )
+    assert graphs.buckets == [1, 2, 4, 8] and graphs.wide_buckets == [1, 2] and graphs.widths == [2, 3, 5]
+    graphs.capture_all()
+    assert graphs.captured and graphs.captures == 4 + 2 * 3
+    assert [(slots, width) for slots, width, _ in captured] == [
+        (10, 5), (8, 1), (6, 3), (5, 5), (4, 1), (4, 2), (3, 3), (2, 1), (2, 2), (1, 1)
+    ]  # fmt: skip
+    assert captured[0][2] == [0, 5, 10] and captured[1][2] == list(range(9))
+    # Every graph leaves its logits in one buffer of the most token slots' rows.
+    shared = graphs._logits_out
+    assert shared is not None and shared.shape == (10, 3)
+    for (bucket, width), (_, logits) in graphs._graphs.items():
+        assert logits.data_ptr() == shared.data_ptr() and logits.shape == (bucket * width, 3)
+    # Without proposals configured (or without rows for them): the decode graphs alone.
+    assert DecodeGraphs(forward, runner.cache, [Backend.TRITON], 8, 4, runner.device, widths=[2, 3]).keys == [
+        (8, 1), (4, 1), (2, 1), (1, 1)
+    ]  # fmt: skip
+
+
+def test_verify_cost_with_graphs_of_steps_with_proposals_times_the_widest_replay(
+    qwen3: PreTrainedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With graphs of steps that verify proposals, the measure is the smallest bucket's
+    widest graph replayed against the smallest decode graph; nothing runs eagerly."""
+    _FakeCuda().install(monkeypatch)
+    runner = ModelRunner(qwen3, aiocb.ContinuousBatchingConfig(page_size=16, num_blocks=16))
+    graphs = DecodeGraphs(
+        lambda ids, *rest: torch.zeros(ids.shape[1], 3), runner.cache, [Backend.TRITON], 8, 4, runner.device,
+        widths=[2, 5], max_wide_rows=4,
+    )  # fmt: skip
+    graphs.capture_all()
+    for key, seconds in (((1, 1), 0.002), ((1, 5), 0.005)):
+        _, logits = graphs._graphs[key]
+        replay = partial(time.sleep, seconds)
+        graphs._graphs[key] = (SimpleNamespace(replay=replay), logits)  # type: ignore[assignment]
+
+    def eager(*args: object) -> torch.Tensor:
+        raise AssertionError("no eager pass: a step with proposals replays a graph")
+
+    assert 1.5 < graphs.verify_cost(eager) < 4.0
 
 
 def test_ranks_that_agree_on_the_plan_capture_the_same_buckets_in_the_same_order(
@@ -174,35 +244,6 @@ def test_ranks_that_agree_on_the_plan_capture_the_same_buckets_in_the_same_order
 
 
 # ------------------------------------------------------------------ through the manager, capture stood in for
-
-
-class _EagerGraph:
-    """Stands in for a CUDA graph on the CPU: replay re-runs the forward on the static buffers."""
-
-    def __init__(self, forward: Callable[[], torch.Tensor]) -> None:
-        self.forward = forward
-        self.out = forward().clone()
-
-    def replay(self) -> None:
-        self.out.copy_(self.forward())
-
-
-@pytest.fixture
-def graphs_on_cpu(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Runners built from here on use decode graphs on the CPU (Triton interpreter kernel,
-    eager stand-in for the capture); returns the buckets captured, in order."""
-    pytest.importorskip("triton")
-    monkeypatch.setenv("AIOCB_ATTENTION_BACKEND", Backend.TRITON)
-    monkeypatch.setattr(ModelRunner, "_decode_graphs_wanted", lambda self: True)
-    captured: list[int] = []
-
-    def record(self: DecodeGraphs, args: Args) -> tuple[_EagerGraph, torch.Tensor]:
-        captured.append(args[0].shape[1])
-        graph = _EagerGraph(lambda: self._forward(*args))
-        return graph, graph.out
-
-    monkeypatch.setattr(DecodeGraphs, "_record", record)
-    return captured
 
 
 def _serve(model: PreTrainedModel, config: aiocb.ContinuousBatchingConfig, rounds: list[list[list[int]]]) -> Any:

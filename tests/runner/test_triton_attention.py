@@ -21,6 +21,7 @@ from aiocb.runner import triton_attention
 from aiocb.runner.triton_attention import (
     DEFAULT_SM_COUNT,
     MIN_PARTITION,
+    MOST_SPLIT_QUERIES,
     _Config,
     _launch,
     _launch_partitions,
@@ -398,8 +399,11 @@ def test_choose_num_splits() -> None:
     # Short contexts are not cut below a partition's worth of keys.
     assert choose_num_splits(4, 8, 1, MIN_PARTITION, sms) == 1
     assert choose_num_splits(4, 8, 1, 3 * MIN_PARTITION - 1, sms) == 3
-    # Prefill chunks in the step, or nothing to attend: no split.
-    assert choose_num_splits(4, 8, 2, 8192, sms) == 1
+    # Rows verifying speculative proposals (a few query tokens each) split as decode rows do.
+    assert choose_num_splits(4, 8, 9, 8192, sms) == 9
+    assert choose_num_splits(4, 8, MOST_SPLIT_QUERIES, 8192, sms) == 9
+    # Longer prefill chunks in the step, or nothing to attend: no split.
+    assert choose_num_splits(4, 8, MOST_SPLIT_QUERIES + 1, 8192, sms) == 1
     assert choose_num_splits(0, 8, 1, 8192, sms) == 1
     assert choose_num_splits(4, 8, 1, 0, sms) == 1
     assert _sm_count(torch.device("cpu")) == DEFAULT_SM_COUNT
@@ -434,6 +438,30 @@ def test_default_launch_splits_small_decode_steps(monkeypatch: pytest.MonkeyPatc
     )  # fmt: skip
     assert merges == [3]
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+def test_default_launch_splits_steps_that_verify_proposals(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows of a few query tokens (the last one and proposed ones) over long contexts split
+    at small batch as decode rows do; each query still sees its own causal range."""
+    splits: list[int] = []
+    merge = triton_attention._merge_partitions
+
+    def counting_merge(
+        parts: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, query_start: torch.Tensor, rows: int, max_q: int
+    ) -> None:
+        splits.append(parts.shape[2])
+        merge(parts, lse, out, query_start, rows, max_q)
+
+    monkeypatch.setattr(triton_attention, "_merge_partitions", counting_merge)
+    case = make_case([(600, 9), (300, 3), (0, 0), (520, 1)], seed=22)
+    scale = case.query.shape[-1] ** -0.5
+    got = triton_paged_attention(
+        case.query, case.key_cache, case.value_cache, case.block_table, case.query_start, case.seq_lens, 9, scale,
+        max_seq_len=600,
+    )  # fmt: skip
+    assert splits == [3]
+    torch.testing.assert_close(got.double(), reference(case, scale), atol=1e-5, rtol=1e-5)
 
 
 def test_is_available() -> None:
@@ -565,29 +593,7 @@ def test_gpu_split_decode_matches_unsplit_and_is_faster() -> None:
             unsplit_config,
         )  # fmt: skip
 
-    def per_call_ms(step: Callable[[], None]) -> float:
-        # Device time from a CUDA graph of many calls, so the split path's second launch
-        # costs what it costs on the GPU, not the host's launch overhead (and the split
-        # path is shown to capture, as the engine's decode graphs need).
-        for _ in range(3):
-            step()
-        torch.cuda.synchronize()
-        calls = 20
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                step()
-        graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        replays = 5
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        return float(start.elapsed_time(end)) / (replays * calls)
-
-    unsplit_ms, split_ms = per_call_ms(unsplit_step), per_call_ms(split_step)
+    unsplit_ms, split_ms = _device_ms_per_call(unsplit_step), _device_ms_per_call(split_step)
     kv_bytes = 2 * batch * context * kv_heads * head_dim * 2
     print(
         f"\ntriton paged decode batch {batch} x context {context}: single-pass {unsplit_ms:.3f} ms "
@@ -595,3 +601,120 @@ def test_gpu_split_decode_matches_unsplit_and_is_faster() -> None:
         f"({kv_bytes / split_ms / 1e6:.0f} GB/s)"
     )
     assert split_ms < unsplit_ms
+
+
+def _device_ms_per_call(step: Callable[[], None]) -> float:
+    """Device time per call from a CUDA graph of many calls, so the split path's second
+    launch costs what it costs on the GPU, not the host's launch overhead (and the split
+    path is shown to capture, as the engine's graphs need)."""
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    calls = 20
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            step()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    replays = 5
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return float(start.elapsed_time(end)) / (replays * calls)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _CUDA_KERNEL, reason="needs CUDA and a compiled kernel (AIOCB_GPU_TESTS=1)")
+def test_gpu_split_verification_matches_unsplit_and_is_faster() -> None:
+    """Rows verifying speculative proposals (9 query tokens: the last one and 8 proposed)
+    at batch 4 over contexts up to 8,192 keys, bf16, Qwen3-0.6B's heads: the default launch
+    splits; it matches the single pass and the reference, and is faster."""
+    heads, kv_heads, head_dim, page = 16, 8, 128, 64
+    rows = [(8192, 9), (8155, 9), (6001, 5), (200, 2)]
+    case = make_case(
+        rows, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, page=page, dtype=torch.bfloat16,
+        device="cuda", seed=23,
+    )  # fmt: skip
+    scale = head_dim**-0.5
+    splits = choose_num_splits(len(rows), kv_heads, 9, 8192, _sm_count(case.query.device))
+    assert splits > 1
+    unsplit_config = triton_attention._choose_config(9, 2, head_dim, page, torch.bfloat16)
+    want = reference(case, scale, acc=torch.float32)
+    unsplit = run_kernel(case, scale, config=unsplit_config)
+    out = torch.empty_like(case.query)
+
+    def split_step() -> None:
+        triton_paged_attention(
+            case.query, case.key_cache, case.value_cache, case.block_table, case.query_start, case.seq_lens, 9,
+            scale, out=out, max_seq_len=8192,
+        )  # fmt: skip
+
+    def unsplit_step() -> None:
+        _launch(
+            case.query, case.key_cache, case.value_cache, case.block_table, case.query_start, case.seq_lens, 9,
+            scale, None, None, None, out, unsplit_config,
+        )  # fmt: skip
+
+    split_step()
+    assert relative_error(unsplit, want) < 1e-2
+    assert relative_error(out, want) < 1e-2 and relative_error(out, unsplit) < 1e-2
+    unsplit_ms, split_ms = _device_ms_per_call(unsplit_step), _device_ms_per_call(split_step)
+    print(
+        f"\ntriton paged verification batch 4 x 9 queries, contexts to 8,192: single-pass {unsplit_ms:.3f} ms, "
+        f"{splits} splits {split_ms:.3f} ms"
+    )
+    assert split_ms < unsplit_ms
+
+
+_COMPILE_FOR_HOPPER = """
+import os
+os.environ.pop("TRITON_INTERPRET", None)
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from aiocb.runner.triton_attention import _choose_config, _paged_attention_kernel
+
+names = _paged_attention_kernel.arg_names
+pointers = {"block_table_ptr": "*i32", "query_start_ptr": "*i32", "seq_lens_ptr": "*i32",
+            "part_ptr": "*fp32", "lse_ptr": "*fp32"}
+floats = {"scale", "softcap"}
+for dtype, name in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
+    for max_query_len in (1, 9, 16):
+        for split in (False, True):
+            config = _choose_config(max_query_len, 2, 128, 256, dtype)
+            block_n = min(config.block_n, 16) if split and dtype == torch.float32 else config.block_n
+            values = {"GROUP": 2, "GROUP_PAD": 2, "HEAD_DIM": 128, "HEAD_DIM_PAD": 128, "PAGE_SIZE": 256,
+                      "BLOCK_Q": config.block_m // 2, "BLOCK_M": config.block_m, "BLOCK_N": block_n,
+                      "USE_SOFTCAP": False, "USE_WINDOW": False, "USE_RING": False,
+                      "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32", "INTERPRETED": False,
+                      "TILE_IN_PAGE": True, "SPLIT": split}
+            signature = {n: "constexpr" if n in values else pointers.get(n, "*" + name if n.endswith("_ptr") else
+                         ("fp32" if n in floats else "i32")) for n in names}
+            constexprs = {(names.index(n),): v for n, v in values.items()}
+            kernel = triton.compile(ASTSource(_paged_attention_kernel, signature, constexprs),
+                                    target=GPUTarget("cuda", 90, 32),
+                                    options={"num_warps": config.num_warps, "num_stages": config.num_stages})
+            assert "cubin" in kernel.asm, sorted(kernel.asm)
+            print("compiled", name, max_query_len, split)
+"""
+
+
+def test_the_kernel_compiles_for_the_h200() -> None:
+    """Triton's interpreter runs what a GPU compiler may refuse: the paged kernel's tiles for
+    Qwen3-0.6B's heads (a group of 2, head size 128, pages of 256) in bf16 and fp32, for
+    decode rows and rows verifying 8 or 15 proposed tokens, split and not, are compiled
+    ahead of time for sm_90 (Triton's own ptxas, no GPU)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPILE_FOR_HOPPER], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("compiled") == 12

@@ -1,0 +1,152 @@
+"""Steps that verify speculative proposals replay CUDA graphs of their own (stood in for on
+the CPU, the Triton kernels interpreted): outputs token for token those of no speculation,
+for prompt lookup and a draft model, under async batching; every such replay equal to the
+eager pass on the same inputs and writing only the step's blocks and the trash block; the
+draft model's passes replay its own graphs; nothing captured after the warm-up."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+import aiocb
+from aiocb.runner.cuda_graphs import DecodeGraphs
+from aiocb.runner.inputs import StepInputs
+from aiocb.runner.model_runner import ModelRunner
+from tests.conftest import random_prompts, reference_generate, tiny_qwen3
+
+#: copy-heavy prompts (a stretch three times), and two plain ones
+PROMPTS = [p * 3 for p in random_prompts(3, 6, 12, seed=5)] + random_prompts(2, 5, 20, seed=6)
+NEW = 16
+
+
+@pytest.fixture
+def checked_replays(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Every replay of a graph of a step with proposals is checked against the eager pass of
+    the same inputs over the same cache, and for the blocks it writes; returns the widths
+    replayed."""
+    widths: list[int] = []
+    replay = DecodeGraphs.run_wide
+
+    def run_wide(
+        self: DecodeGraphs, inputs: StepInputs, num_rows: int, width: int, logits_indices: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        cache = self._cache
+        tensors = [*cache.key, *cache.value]
+        before = [t.clone() for t in tensors]
+        logits = replay(self, inputs, num_rows, width, logits_indices).clone()
+        after = [t.clone() for t in tensors]
+        # Only the blocks of the step's rows, and the trash block, were written.
+        (group,) = inputs.attention.groups
+        allowed = (set(group.block_table.flatten().tolist()) - {cache.null_block(0)}) | {cache.trash_block(0)}
+        for old, new in zip(before, after, strict=True):
+            changed = (old.view(torch.int32) != new.view(torch.int32)).flatten(1).any(1)  # (bits: NaN garbage)
+            assert set(changed.nonzero().flatten().tolist()) <= allowed
+        # The same logits as the eager pass over the step's own inputs, from the same cache.
+        for tensor, old in zip(tensors, before, strict=True):
+            tensor.copy_(old)
+        keep = inputs.logits_indices if logits_indices is None else logits_indices
+        metadata = dataclasses.replace(inputs.attention, cache=cache)
+        eager = self._forward(inputs.input_ids[None], inputs.position_ids[None], keep, metadata)
+        torch.testing.assert_close(logits, eager, atol=1e-4, rtol=1e-4)
+        for tensor, new in zip(tensors, after, strict=True):
+            tensor.copy_(new)
+        widths.append(width)
+        return logits
+
+    monkeypatch.setattr(DecodeGraphs, "run_wide", run_wide)
+    return widths
+
+
+def _replays(graphs: DecodeGraphs, width: int) -> int:
+    return sum(graph.replays for (_, w), (graph, _) in graphs._graphs.items() if w == width)  # type: ignore[attr-defined]
+
+
+async def _serve(speculative: aiocb.SpeculativeConfig, model: Any) -> tuple[list[list[int]], ModelRunner, Any]:
+    config = aiocb.ContinuousBatchingConfig(
+        page_size=16, num_blocks=96, max_requests_per_batch=8, decode_compile_config={"disable": True}
+    )
+    async with aiocb.Manager(model, continuous_batching_config=config, speculative_config=speculative) as manager:
+        runner = manager._runner
+        assert runner is not None and runner.graphs is not None and runner.async_batching
+        outputs = await manager.generate_batch(PROMPTS, max_new_tokens=NEW)
+        stats = manager.statistics()
+        assert manager._steps is not None and manager._steps.scheduler.verify_cost == runner.verify_cost
+    return [o.generated_tokens for o in outputs.values()], runner, stats
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+async def test_steps_with_proposals_replay_graphs_and_equal_no_speculation(
+    graphs_on_cpu: list[int], checked_replays: list[int], method: str
+) -> None:
+    model = tiny_qwen3()
+    if method == "ngram":
+        speculative = aiocb.SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1)
+    else:  # a copy of the model: every proposal accepted
+        speculative = aiocb.SpeculativeConfig(
+            method="draft", draft_model=copy.deepcopy(model), num_speculative_tokens=3
+        )
+    outputs, runner, stats = await _serve(speculative, model)
+    assert outputs == [reference_generate(model, p, NEW) for p in PROMPTS]
+    assert stats.accepted_draft_tokens > 0
+    graphs = runner.graphs
+    assert graphs is not None
+    assert graphs.widths == ([2, 3, 5] if method == "ngram" else [2, 3, 4]) and graphs.wide_buckets == [1, 2, 4, 8]
+    # Every graph before the first step, none after.
+    assert graphs.captures == len(graphs.keys)
+    captured = len(graphs.keys)
+    # The target's steps with proposals replayed graphs (each checked), several widths of them.
+    assert graphs.wide_replays > 0
+    if method == "draft":
+        drafter = runner.drafter
+        assert drafter is not None and drafter.graphs is not None
+        captured += len(drafter.graphs.keys)
+        assert drafter.graphs.captures == len(drafter.graphs.keys)
+        # Its pass over the step's inputs (the checked ones besides the target's), and its
+        # decode passes, one for each proposal after the first.
+        assert drafter.graphs.wide_replays > 0 and _replays(drafter.graphs, 1) > 0
+        assert len(checked_replays) == graphs.wide_replays + drafter.graphs.wide_replays
+        assert stats.accepted_draft_tokens == stats.draft_tokens  # (a copy of the model)
+    else:
+        assert len(checked_replays) == graphs.wide_replays
+        assert len(set(checked_replays)) > 1, "proposals of several widths"
+    assert len(graphs_on_cpu) == captured
+    assert runner.verify_cost >= 1.0
+
+
+def test_wide_graphs_need_room_for_their_padding_tokens_in_the_block_tables() -> None:
+    """A step whose rows' contexts, with a graph's padding tokens after them, would reach
+    past the graphs' block tables runs eagerly; so does one with a prompt token scored, or a
+    row that computes a prompt chunk, or more rows than the graphs hold."""
+    runner = ModelRunner(tiny_qwen3(), aiocb.ContinuousBatchingConfig(page_size=16, num_blocks=16))
+    graphs = DecodeGraphs(
+        lambda *args: torch.zeros(1), runner.cache, runner.backends, 4, 4, runner.device,
+        widths=[2, 3, 5], max_wide_rows=4,
+    )  # fmt: skip
+
+    def width(tokens: list[int], drafts: int, longest_context: int, **changes: Any) -> int:
+        rows = len(tokens)
+        batch = SimpleNamespace(num_rows=rows, num_sampled=rows, num_drafts=drafts, prompt_targets={})
+        for name, value in changes.items():
+            setattr(batch, name, value)
+        group = SimpleNamespace(block_table=torch.zeros(rows, 4))
+        metadata = SimpleNamespace(
+            groups=[group], num_tokens=sum(tokens), max_query_len=max(tokens), max_seq_len=longest_context
+        )
+        return graphs.width_for(batch, SimpleNamespace(attention=metadata))  # type: ignore[arg-type]
+
+    assert width([3, 1], 2, 40) == 3
+    assert width([4, 2], 4, 40) == 5
+    assert width([4, 2], 4, 60) == 5  # (60 + 4 padding tokens = 64 slots: just fits)
+    assert width([4, 2], 4, 61) == 0
+    assert width([1, 1], 0, 40) == 0  # (a decode step: the decode graphs')
+    assert width([6, 1], 5, 40) == 0  # (wider than any graph)
+    assert width([3, 4], 2, 40) == 0  # (a prompt chunk)
+    assert width([3, 1], 2, 40, prompt_targets={1: (5,)}) == 0
+    assert width([3, 1], 2, 40, num_sampled=1) == 0
+    assert width([2] * 5, 5, 40) == 0  # (more rows than the graphs hold)
