@@ -217,8 +217,9 @@ class Acceptance:
     steps, plus a draft model's ``w`` passes at ``pass_share`` of the target's each: the
     floor rises to ``(verify_cost * (1 + w * pass_share) - 1) / w`` (above 1: it never
     pays, and each try is followed by a pause), times the step's rows per speculating row
-    (the rows that do not speculate pay for the dearer step too), and every try's pause
-    doubles after a failed one, since a try is no longer cheap. The costs are the smallest
+    (the rows that do not speculate pay for the dearer step too), and where that raises the
+    floor of a one-token proposal, every try's pause doubles after a failed one, since a try
+    is no longer cheap. The costs are the smallest
     batch's, whose dearer step costs the most against its decode replay: a batch's own is
     lower. Without graphs (``verify_cost`` 1) the floor is the one given.
     """
@@ -251,7 +252,11 @@ class Acceptance:
         self._floor = config.min_acceptance if floor is None else floor
         self._cost = verify_cost
         self._pass_share = pass_share
-        self._longest = longest_pause if verify_cost <= 1.0 else max(longest_pause, _LONGEST_DRAFT_PAUSE)
+        # A try is cheap unless its cost raises the floor of a one-token proposal: a step
+        # that verifies proposals costing a few percent more than a decode step (their
+        # graphs' replays) leaves prompt lookup's pauses short.
+        cheap = self.floor(1) <= self._floor
+        self._longest = longest_pause if cheap else max(longest_pause, _LONGEST_DRAFT_PAUSE)
         #: the recent share of proposed tokens accepted (starts hopeful)
         self.acceptance = 1.0
         self._cooldown = 0

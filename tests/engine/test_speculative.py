@@ -273,6 +273,20 @@ def test_the_back_off_floor_follows_the_cost_of_a_step_without_a_graph() -> None
             steps += 1
         pauses.append(steps)
     assert pauses == [2, 4, 8, 16]
+    # A verifying step a tenth dearer than a decode step (graphs replayed for both) keeps
+    # the floor given: its failed tries stay cheap, their pauses short.
+    near = NgramProposer(config, verify_cost=1.1)
+    assert near.floor(1) == near.floor(4) == 0.2
+    pauses = []
+    while len(pauses) < 3:  # (failed tries until it backs off, then each try after a pause fails)
+        width = len(near.propose(tokens, 4, budget=100)[0])
+        near.record(width, 0)
+        steps = 0
+        while not near.propose(tokens, 4, budget=100)[0]:
+            steps += 1
+        if steps:
+            pauses.append(steps)
+    assert pauses == [2, 2, 2]
 
 
 def test_the_try_after_a_pause_alone_decides_and_rows_that_lose_their_graph_count() -> None:
