@@ -267,6 +267,11 @@ class Acceptance:
         assert config.num_speculative_tokens is not None  # (set by the config's __post_init__)
         self._k = self._width = config.num_speculative_tokens
 
+    @property
+    def paused(self) -> bool:
+        """Whether the request backs off (its next :meth:`ready` is False)."""
+        return self._cooldown > 0
+
     def ready(self) -> bool:
         """Whether the request tries to speculate this step (False while it backs off; each
         call is one step of the pause)."""
@@ -313,13 +318,30 @@ class Acceptance:
 class DraftProposer(Acceptance):
     """One request's share of a draft model's proposals: how many tokens it asks for (the
     draft model proposes them on the device, in the step that verifies them), and how far
-    the draft's cache holds its tokens."""
+    the draft's cache holds its tokens. It starts from ``prior``, the draft's recent
+    acceptance over other requests, when there is one (hopeful, 1.0, before any)."""
 
     __slots__ = ("drafted", "marked")
 
-    def __init__(self, config: SpeculativeConfig, drafted: int, share: float = 0.0, verify_cost: float = 1.0) -> None:
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        drafted: int,
+        share: float = 0.0,
+        verify_cost: float = 1.0,
+        prior: float | None = None,
+    ) -> None:
         floor = max(config.min_acceptance, min(share, _MOST_SHARE_FLOOR))
         super().__init__(config, floor, _LONGEST_DRAFT_PAUSE, verify_cost, share)
+        if prior is not None:
+            # The draft's recent acceptance over other requests (a draft is as good for one
+            # request as for the next, on like work): where it does not pay, a new request
+            # starts in a pause, and the draft need not compute its prompt (it catches up
+            # on it if a try comes); the try after the pause alone decides.
+            self.acceptance = prior
+            if prior < self.floor(self._width):
+                self._cooldown = config.backoff_steps
+                self._retrying = True
         #: how many of the request's first tokens the draft's cache holds: steps the draft
         #: sleeps through leave a gap past it, which the draft catches up on (in the step
         #: the request proposes again, before its proposals)

@@ -36,6 +36,9 @@ from aiocb.core.request import Request
 from aiocb.outputs import FinishReason, RequestStatus
 from aiocb.speculative import Acceptance, DraftProposer, NgramProposer, SpeculativeConfig
 
+#: How quickly the draft model's acceptance over all requests follows their tries: about the
+#: last ten tries count.
+_PRIOR_DECAY = 0.9
 #: Tokens of prompts and outputs that speculation's proposers index per step in all (about
 #: a microsecond each per n-gram length): it keeps a step's planning off the loop's back.
 _INDEX_PER_STEP = 1024
@@ -161,6 +164,9 @@ class Scheduler:
         #: graph; set once the runner has measured it (see
         #: :class:`aiocb.speculative.Acceptance`)
         self.verify_cost = 1.0
+        #: the draft model's recent acceptance over all its requests' tries (None before
+        #: any): where a new request's :class:`DraftProposer` starts
+        self.draft_acceptance: float | None = None
         #: tokens the proposers may still index in the step being planned
         self._index_budget = _INDEX_PER_STEP
         #: requests of the step being planned whose draft cache misses tokens (a draft
@@ -617,7 +623,9 @@ class Scheduler:
         proposer = request.proposer
         if not isinstance(proposer, DraftProposer):
             assert self.speculative is not None
-            proposer = request.proposer = DraftProposer(self.speculative, 0, self.draft_share, self.verify_cost)
+            proposer = request.proposer = DraftProposer(
+                self.speculative, 0, self.draft_share, self.verify_cost, self.draft_acceptance
+            )
         return proposer
 
     def _propose(self, request: Request, speculative: SpeculativeConfig, budget: int) -> list[int] | None:
@@ -659,8 +667,9 @@ class Scheduler:
         """Whether the draft model runs over the step: when a request speculates in it, or
         catches up (the draft computes the tokens of steps it slept through first, then
         the step's), and, while the batch (admissions counted) is small enough to
-        speculate, when it computes prompt tokens of a request that may speculate (which
-        requests with the same prefix then find in the draft's cache too). Otherwise it
+        speculate, when it computes prompt tokens of a request that may speculate and does
+        not start in a pause (which requests with the same prefix then find in the draft's
+        cache too). Otherwise it
         sleeps, and its cache misses the step's tokens; each planned request's
         :attr:`DraftProposer.drafted` says how far the draft's cache holds it after the step."""
         assert self.speculative is not None
@@ -668,7 +677,10 @@ class Scheduler:
             if request in planned:  # (not un-planned after it asked)
                 output.catch_up[request] = (first, request.token_ids[first : first + take])
         prompts = self._speculates_at_this_size() and any(
-            request.status is not RequestStatus.DECODING and self._may_speculate(request) for request in planned
+            request.status is not RequestStatus.DECODING
+            and self._may_speculate(request)
+            and not self._draft_proposer(request).paused  # (one that starts paused is caught up on if it tries)
+            for request in planned
         )
         output.drafting = drafting = bool(drafted) or prompts or bool(output.catch_up)
         kv = self.kv_cache
@@ -755,6 +767,10 @@ class Scheduler:
         proposer = request.proposer
         if isinstance(proposer, Acceptance):
             proposer.record(k, accepted, load)
+        if isinstance(proposer, DraftProposer):
+            share = accepted / k
+            prior = self.draft_acceptance
+            self.draft_acceptance = share if prior is None else _PRIOR_DECAY * prior + (1 - _PRIOR_DECAY) * share
         if not ended:
             # Computed: the last token and the proposed ones kept (the last one taken is
             # the next step's input). A request preempted meanwhile computed less, or none.

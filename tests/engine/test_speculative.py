@@ -412,6 +412,49 @@ def test_a_draft_requests_pauses_double_while_its_tries_fail() -> None:
     assert pause() == 2
 
 
+def test_a_new_draft_request_starts_from_the_drafts_recent_acceptance() -> None:
+    from aiocb.speculative import DraftProposer
+
+    config = aiocb.SpeculativeConfig(method="draft", draft_model="draft", min_acceptance=0.3, backoff_steps=3)
+    assert DraftProposer(config, 0).propose(4) == 4  # (no history: hopeful)
+    assert DraftProposer(config, 0, prior=0.5).propose(4) == 4
+    late = DraftProposer(config, 0, prior=0.1)  # (under the floor: a pause first)
+    assert late.paused and [late.propose(4) for _ in range(4)] == [0, 0, 0, 4]
+    late.record(4, 4)  # the try alone decides: taken whole, it goes on
+    assert not late.paused and late.propose(4) == 4
+
+
+async def test_requests_after_a_hopeless_draft_start_paused_and_the_draft_skips_their_prompts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An unrelated draft's tries fail for the first requests; those that come after start
+    in a pause (longer than their outputs here), so the draft neither proposes for them nor
+    computes their prompts; the outputs are those of no speculation."""
+    from aiocb.runner.draft import Drafter
+
+    model = MODELS["qwen3"]()
+    runs: list[int] = []
+    propose = Drafter.propose
+
+    def counted(self: Drafter, *args: Any) -> Any:
+        runs.append(1)
+        return propose(self, *args)
+
+    monkeypatch.setattr(Drafter, "propose", counted)
+    first, later = PROMPTS[:4], PROMPTS[4:8]
+    speculative = _draft_config(_draft(model, "random"), backoff_steps=64)
+    async with aiocb.Manager(model, speculative_config=speculative) as manager:
+        await manager.generate_batch(first, max_new_tokens=24)
+        scheduler = manager._steps.scheduler  # type: ignore[union-attr]
+        assert scheduler.draft_acceptance is not None and scheduler.draft_acceptance < 0.3
+        before, proposed = len(runs), manager.statistics().draft_tokens
+        outputs = await manager.generate_batch(later, max_new_tokens=24)
+        assert len(runs) == before and manager.statistics().draft_tokens == proposed  # (the draft slept)
+    async with aiocb.Manager(model) as plain:
+        expected = await plain.generate_batch(later, max_new_tokens=24)
+    assert [o.generated_tokens for o in outputs.values()] == [o.generated_tokens for o in expected.values()]
+
+
 def test_the_default_proposal_length_depends_on_the_method() -> None:
     # Prompt lookup proposes for free, a draft model runs a pass per proposed token.
     assert aiocb.SpeculativeConfig().num_speculative_tokens == 8
