@@ -318,10 +318,19 @@ class Acceptance:
 class DraftProposer(Acceptance):
     """One request's share of a draft model's proposals: how many tokens it asks for (the
     draft model proposes them on the device, in the step that verifies them), and how far
-    the draft's cache holds its tokens. It starts from ``prior``, the draft's recent
-    acceptance over other requests, when there is one (hopeful, 1.0, before any)."""
+    the draft's cache holds its tokens.
 
-    __slots__ = ("drafted", "marked")
+    It starts from ``prior``, the draft's recent acceptance over other requests' tries, when
+    there is one (hopeful, 1.0, before any): a draft is about as good for one request as
+    for the next on like work. Under the floor, the request waits: it proposes nothing, and
+    the draft computes none of its tokens, until that acceptance recovers (it then catches
+    up and tries), which the requests that scout find out (the scheduler starts one in
+    :data:`SCOUT_EVERY` of those that would wait hopeful instead). A try after a pause
+    would cost the draft's pass over every token the request has (its prompt, at first):
+    a draft that does not pay on a workload then costs a scout's share of that.
+    """
+
+    __slots__ = ("drafted", "marked", "waiting")
 
     def __init__(
         self,
@@ -333,15 +342,10 @@ class DraftProposer(Acceptance):
     ) -> None:
         floor = max(config.min_acceptance, min(share, _MOST_SHARE_FLOOR))
         super().__init__(config, floor, _LONGEST_DRAFT_PAUSE, verify_cost, share)
+        #: whether it waits for the draft's acceptance over other requests to recover
+        self.waiting = prior is not None and not self.hopes(prior)
         if prior is not None:
-            # The draft's recent acceptance over other requests (a draft is as good for one
-            # request as for the next, on like work): where it does not pay, a new request
-            # starts in a pause, and the draft need not compute its prompt (it catches up
-            # on it if a try comes); the try after the pause alone decides.
             self.acceptance = prior
-            if prior < self.floor(self._width):
-                self._cooldown = config.backoff_steps
-                self._retrying = True
         #: how many of the request's first tokens the draft's cache holds: steps the draft
         #: sleeps through leave a gap past it, which the draft catches up on (in the step
         #: the request proposes again, before its proposals)
@@ -350,9 +354,30 @@ class DraftProposer(Acceptance):
         #: hits (:meth:`aiocb.core.kv_cache.KVCacheManager.mark_drafted`)
         self.marked = 0
 
-    def propose(self, k: int) -> int:
-        """How many tokens to propose this step, of at most ``k`` (0: none)."""
+    @property
+    def paused(self) -> bool:
+        """Whether the request backs off or waits."""
+        return self.waiting or self._cooldown > 0
+
+    def hopes(self, prior: float | None) -> bool:
+        """Whether the draft's acceptance over other requests (``prior``) would let a
+        request that waits try."""
+        return prior is not None and prior >= self.floor(self._width)
+
+    def propose(self, k: int, prior: float | None = None) -> int:
+        """How many tokens to propose this step, of at most ``k`` (0: none); ``prior`` is
+        the draft's acceptance over other requests now."""
+        if self.waiting:
+            if prior is None or not self.hopes(prior):
+                return 0
+            self.waiting = False
+            self.acceptance = prior
         return self.width(k) if self.ready() else 0
+
+
+#: One request in this many of those that would start waiting for a draft's acceptance to
+#: recover starts hopeful instead: its tries keep that acceptance current.
+SCOUT_EVERY = 8
 
 
 class NgramProposer(Acceptance):

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from aiocb.core.kv_cache import KVCacheManager
 from aiocb.core.request import Request
 from aiocb.outputs import FinishReason, RequestStatus
-from aiocb.speculative import Acceptance, DraftProposer, NgramProposer, SpeculativeConfig
+from aiocb.speculative import SCOUT_EVERY, Acceptance, DraftProposer, NgramProposer, SpeculativeConfig
 
 #: How quickly the draft model's acceptance over all requests follows their tries: about the
 #: last ten tries count.
@@ -167,6 +167,8 @@ class Scheduler:
         #: the draft model's recent acceptance over all its requests' tries (None before
         #: any): where a new request's :class:`DraftProposer` starts
         self.draft_acceptance: float | None = None
+        #: new draft requests that started waiting since the last that scouted
+        self._waiting_since_scout = 0
         #: tokens the proposers may still index in the step being planned
         self._index_budget = _INDEX_PER_STEP
         #: requests of the step being planned whose draft cache misses tokens (a draft
@@ -623,9 +625,14 @@ class Scheduler:
         proposer = request.proposer
         if not isinstance(proposer, DraftProposer):
             assert self.speculative is not None
-            proposer = request.proposer = DraftProposer(
-                self.speculative, 0, self.draft_share, self.verify_cost, self.draft_acceptance
-            )
+            config, share, cost = self.speculative, self.draft_share, self.verify_cost
+            proposer = DraftProposer(config, 0, share, cost, self.draft_acceptance)
+            if proposer.waiting:
+                self._waiting_since_scout += 1
+                if self._waiting_since_scout >= SCOUT_EVERY:  # (this one scouts: hopeful)
+                    self._waiting_since_scout = 0
+                    proposer = DraftProposer(config, 0, share, cost)
+            request.proposer = proposer
         return proposer
 
     def _propose(self, request: Request, speculative: SpeculativeConfig, budget: int) -> list[int] | None:
@@ -643,7 +650,7 @@ class Scheduler:
         if speculative.method == "draft":
             computed = request.num_computed_tokens
             proposer = self._draft_proposer(request)
-            count = proposer.propose(room)
+            count = proposer.propose(room, self.draft_acceptance)
             first = min(proposer.drafted, computed)
             if count and first < computed:  # (the draft's cache misses tokens: computed first)
                 take = min(computed - first, self._catch_up_left)
@@ -810,8 +817,12 @@ class Scheduler:
         if self._speculation_on and self._may_speculate(request):
             # (a proposal follows the last token: wait for it, unless the request backs off)
             proposer = request.proposer
+            if isinstance(proposer, DraftProposer) and proposer.waiting:
+                # (it tries once the draft's acceptance over other requests recovers)
+                if proposer.hopes(self.draft_acceptance):
+                    return True
             # (a pipelined step plans no proposal, so this counts the step of a pause)
-            if proposer is None or (isinstance(proposer, Acceptance) and proposer.ready()):
+            elif proposer is None or (isinstance(proposer, Acceptance) and proposer.ready()):
                 return True
         if request.num_output_tokens + request.num_pending_tokens >= request.params.max_new_tokens:
             return True

@@ -299,7 +299,6 @@ class DecodeGraphs:
         inputs, of the smallest buckets): replayed from the graph of the widest proposals
         where there are such graphs, else run by ``eager`` (one token a row: a lower bound).
         At least 1."""
-        graph, _ = self._graphs[(self.buckets[0], 1)]  # (after capture_all)
 
         def seconds(run: Callable[[], object]) -> float:
             run()  # (after a capture, the eager path's first pass may still initialise)
@@ -312,10 +311,14 @@ class DecodeGraphs:
                 times.append(time.perf_counter() - started)
             return statistics.median(times)
 
-        replay = max(seconds(graph.replay), 1e-9)
+        def replayed(bucket: int, width: int) -> float:
+            self._padding_args(bucket, width)  # (the graph's own padding inputs in the buffers)
+            graph, _ = self._graphs[(bucket, width)]  # (after capture_all)
+            return seconds(graph.replay)
+
+        replay = max(replayed(self.buckets[0], 1), 1e-9)
         if self.widths:
-            wide, _ = self._graphs[(self.wide_buckets[0], self.widths[-1])]
-            return max(1.0, seconds(wide.replay) / replay)
+            return max(1.0, replayed(self.wide_buckets[0], self.widths[-1]) / replay)
         args = self._padding_args(self.buckets[0])
         return max(1.0, seconds(lambda: eager(*args)) / replay)
 

@@ -418,18 +418,22 @@ def test_a_new_draft_request_starts_from_the_drafts_recent_acceptance() -> None:
     config = aiocb.SpeculativeConfig(method="draft", draft_model="draft", min_acceptance=0.3, backoff_steps=3)
     assert DraftProposer(config, 0).propose(4) == 4  # (no history: hopeful)
     assert DraftProposer(config, 0, prior=0.5).propose(4) == 4
-    late = DraftProposer(config, 0, prior=0.1)  # (under the floor: a pause first)
-    assert late.paused and [late.propose(4) for _ in range(4)] == [0, 0, 0, 4]
-    late.record(4, 4)  # the try alone decides: taken whole, it goes on
-    assert not late.paused and late.propose(4) == 4
+    late = DraftProposer(config, 0, prior=0.1)  # (under the floor: it waits ...)
+    assert late.paused and late.waiting
+    assert [late.propose(4, prior) for prior in (0.1, 0.05, None, 0.29)] == [0, 0, 0, 0]
+    assert late.propose(4, 0.35) == 4  # (... until the draft's acceptance recovers)
+    assert not late.paused and late.acceptance == 0.35
+    late.record(4, 0)  # 0.245: from there, its own acceptance backs it off
+    assert late.paused and not late.waiting and late.propose(4, 0.9) == 0
 
 
 async def test_requests_after_a_hopeless_draft_start_paused_and_the_draft_skips_their_prompts(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """An unrelated draft's tries fail for the first requests; those that come after start
-    in a pause (longer than their outputs here), so the draft neither proposes for them nor
-    computes their prompts; the outputs are those of no speculation."""
+    """An unrelated draft's tries fail for the first requests; those that come after wait
+    (the draft's acceptance does not recover), so the draft neither proposes for them nor
+    computes their prompts, but for one in eight, which scouts; the outputs are those of
+    no speculation."""
     from aiocb.runner.draft import Drafter
 
     model = MODELS["qwen3"]()
@@ -441,18 +445,21 @@ async def test_requests_after_a_hopeless_draft_start_paused_and_the_draft_skips_
         return propose(self, *args)
 
     monkeypatch.setattr(Drafter, "propose", counted)
-    first, later = PROMPTS[:4], PROMPTS[4:8]
-    speculative = _draft_config(_draft(model, "random"), backoff_steps=64)
+    first, later = PROMPTS[:4], random_prompts(8, 5, 30, seed=21)
+    speculative = _draft_config(_draft(model, "random"))
     async with aiocb.Manager(model, speculative_config=speculative) as manager:
         await manager.generate_batch(first, max_new_tokens=24)
         scheduler = manager._steps.scheduler  # type: ignore[union-attr]
         assert scheduler.draft_acceptance is not None and scheduler.draft_acceptance < 0.3
         before, proposed = len(runs), manager.statistics().draft_tokens
-        outputs = await manager.generate_batch(later, max_new_tokens=24)
+        outputs = await manager.generate_batch(later[:7], max_new_tokens=24)  # (none of 7 scouts)
         assert len(runs) == before and manager.statistics().draft_tokens == proposed  # (the draft slept)
+        scout = await manager.generate(later[7], max_new_tokens=24)  # (the eighth scouts)
+        assert len(runs) > before and manager.statistics().draft_tokens > proposed
     async with aiocb.Manager(model) as plain:
         expected = await plain.generate_batch(later, max_new_tokens=24)
-    assert [o.generated_tokens for o in outputs.values()] == [o.generated_tokens for o in expected.values()]
+    got = [o.generated_tokens for o in outputs.values()] + [scout.generated_tokens]  # type: ignore[union-attr]
+    assert got == [o.generated_tokens for o in expected.values()]
 
 
 def test_the_default_proposal_length_depends_on_the_method() -> None:
