@@ -16,12 +16,13 @@ in its prompt and output: free on the host, and right exactly where outputs copy
 their context (code edits, extraction, quoting).
 
 A request speculates only when it can gain: not while its acceptance stays low (it backs
-off for a while), not when many requests decode at once (``disable_by_batch_size``: the
-step is then no longer memory-bound, so extra query tokens cost real compute), and where
-decode steps replay CUDA graphs, only while its acceptance pays for what a step that
-verifies proposals costs against a decode step (measured when a session starts: such a
-step replays a graph of its own, wider, on one process, and runs without one under
-tensor parallelism).
+off for a while; a draft model's new request starts from the draft's recent acceptance
+over other requests, and waits while that does not pay), not when many requests decode
+at once (``disable_by_batch_size``: the step is then no longer memory-bound, so extra
+query tokens cost real compute), and where decode steps replay CUDA graphs, only while
+its acceptance pays for what a step that verifies proposals costs against a decode step
+(measured when a session starts: such a step replays a graph of its own, wider, on one
+process, and runs without one under tensor parallelism).
 
 With async batching a step is planned while the one before is still sampling, so a
 request's last token is not known when its next step is planned, and a proposal needs
