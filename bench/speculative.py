@@ -29,7 +29,7 @@ import sys
 import sysconfig
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 if __package__ in (None, ""):  # run as `python bench/speculative.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -59,6 +59,18 @@ def copy_prompts(tokenizer: Any, count: int, max_tokens: int) -> list[list[int]]
     return prompts
 
 
+class _Run(NamedTuple):
+    wall: float
+    tokens: int
+    outputs: list[list[int]]
+    stats: aiocb.ManagerStatistics
+    #: what speculation's back-off charges a step that verifies proposals, in decode steps
+    #: (1 on a CPU)
+    verify_cost: float
+    #: steps that verified proposals by replaying a CUDA graph (0 on a CPU)
+    graph_replays: int
+
+
 async def _run(
     model: Any,
     prompts: list[list[int]],
@@ -66,10 +78,8 @@ async def _run(
     batch: int,
     speculative: aiocb.SpeculativeConfig | None,
     config: aiocb.ContinuousBatchingConfig | None = None,
-) -> tuple[float, int, list[list[int]], aiocb.ManagerStatistics, float]:
-    """Wall seconds, tokens generated, the outputs, the statistics and the runner's
-    ``verify_cost`` (what speculation's back-off charges a step that verifies proposals, in
-    decode steps; 1 on a CPU); ``batch`` requests at once."""
+) -> _Run:
+    """``prompts``, ``batch`` requests at once (greedy, ``new`` tokens each), timed."""
     params: dict[str, Any] = {"max_new_tokens": new, "do_sample": False, "eos_token_id": []}
     async with aiocb.Manager(model, continuous_batching_config=config, speculative_config=speculative) as manager:
         await manager.generate(prompts[0], max_new_tokens=4)  # warm-up (kernels of a whole prompt too)
@@ -81,9 +91,10 @@ async def _run(
             outputs += [list(o.generated_tokens) for o in done]  # type: ignore[union-attr]
         wall = time.perf_counter() - started
         stats = manager.statistics()
-        assert manager._runner is not None
-        verify_cost = manager._runner.verify_cost
-    return wall, sum(len(o) for o in outputs), outputs, stats, verify_cost
+        runner = manager._runner
+        assert runner is not None
+        replays = 0 if runner.graphs is None else runner.graphs.wide_replays
+    return _Run(wall, sum(len(o) for o in outputs), outputs, stats, runner.verify_cost, replays)
 
 
 def early_exit_draft(model: Any, layers: int = 1) -> Any:
@@ -117,23 +128,27 @@ def compare(
 ) -> dict[str, Any]:
     """``prompts`` (``batch`` at once, greedy) without speculation and with each method
     (``configs``, :func:`methods` by default; "off" is none), ``repeats`` rounds in turn:
-    tokens/s of each, the ratios to none, the acceptance and the runners' ``verify_cost``.
+    tokens/s of each, the ratios to none, the acceptance, the runners' ``verify_cost`` and,
+    on a GPU, how many of each method's steps that verified proposals replayed a graph.
     The outputs must agree; without ``exact`` (bf16 on a GPU, where verification runs
     other kernels than decoding) the requests whose outputs differ are counted instead."""
     configs = methods(model) if configs is None else configs
     rates: dict[str, list[float]] = {name: [] for name in configs}
     outputs: dict[str, list[list[int]]] = {}
     acceptance: dict[str, list[float]] = {name: [] for name in configs if name != "off"}
+    replays: dict[str, list[int]] = {name: [] for name in acceptance}
     verify_costs: list[float] = []
     for _ in range(repeats):
         for name, spec in configs.items():
-            wall, tokens, out, stats, verify_cost = asyncio.run(_run(model, prompts, new, batch, spec, config))
-            verify_costs.append(verify_cost)
-            rates[name].append(tokens / wall)
-            outputs.setdefault(name, out)
-            if spec is not None and stats.acceptance_rate is not None:
-                acceptance[name].append(stats.acceptance_rate)
-            print(f"[{label}] {name}: {tokens / wall:.0f} tokens/s", file=sys.stderr)
+            run = asyncio.run(_run(model, prompts, new, batch, spec, config))
+            verify_costs.append(run.verify_cost)
+            rates[name].append(run.tokens / run.wall)
+            outputs.setdefault(name, run.outputs)
+            if spec is not None:
+                replays[name].append(run.graph_replays)
+                if run.stats.acceptance_rate is not None:
+                    acceptance[name].append(run.stats.acceptance_rate)
+            print(f"[{label}] {name}: {run.tokens / run.wall:.0f} tokens/s", file=sys.stderr)
     differing = {name: sum(a != b for a, b in zip(outputs["off"], outputs[name], strict=True)) for name in acceptance}
     if exact:
         for name, count in differing.items():
@@ -145,6 +160,7 @@ def compare(
         **rates,
         **{f"{name} / off": statistics.median(rates[name]) / off for name in acceptance},
         **{f"{name} acceptance": statistics.median(a) if a else None for name, a in acceptance.items()},
+        **{f"{name} graph replays": r for name, r in replays.items() if any(r)},
         "verify_cost": statistics.median(verify_costs),
     }
 
