@@ -209,20 +209,21 @@ class Acceptance:
     then: its pauses stay short.
 
     Where decode steps replay CUDA graphs, a step that verifies proposals (several query
-    tokens a row) costs ``verify_cost`` decode steps (measured at start): replayed from a
-    graph of its own on one process, where it costs about one decode step while decoding
-    is memory-bound, else run eagerly (under tensor parallelism), where a small model's
-    passes are launch-bound (on the H200, before those graphs, prompt lookup at 0.6
-    acceptance ran at 0.42x no speculation). Proposing ``w`` tokens then pays only if the
-    ``1 + acceptance * w`` tokens of such a step are worth its cost, ``verify_cost`` decode
-    steps, plus a draft model's ``w`` passes at ``pass_share`` of the target's each: the
-    floor rises to ``(verify_cost * (1 + w * pass_share) - 1) / w`` (above 1: it never
-    pays, and each try is followed by a pause), times the step's rows per speculating row
-    (the rows that do not speculate pay for the dearer step too), and where that raises the
-    floor of a one-token proposal, every try's pause doubles after a failed one, since a try
-    is no longer cheap. The costs are the smallest
-    batch's, whose dearer step costs the most against its decode replay: a batch's own is
-    lower. Without graphs (``verify_cost`` 1) the floor is the one given.
+    tokens a row) costs ``verify_cost`` decode steps (measured at start on one process,
+    where it replays a graph of its own and costs about one decode step while decoding is
+    memory-bound; under tensor parallelism it runs eagerly, unmeasured, with the floor
+    given; on the H200, before those graphs, eager verification of the bundled model was
+    launch-bound, and prompt lookup at 0.6 acceptance ran at 0.42x no speculation).
+    Proposing ``w`` tokens then pays only if the ``1 + acceptance * w`` tokens of such a
+    step are worth its cost, ``verify_cost`` decode steps, plus a draft model's ``w``
+    passes at ``pass_share`` of the target's each: the floor rises to
+    ``(verify_cost * (1 + w * pass_share) - 1) / w`` (above 1: it never pays, and each try
+    is followed by a pause), times the step's rows per speculating row (the rows that do
+    not speculate pay for the dearer step too), and where that raises the floor of a
+    one-token proposal, every try's pause doubles after a failed one, since a try is no
+    longer cheap. The costs are the smallest batch's, whose dearer step costs the most
+    against its decode replay: a batch's own is lower. Without graphs (``verify_cost`` 1)
+    the floor is the one given.
     """
 
     __slots__ = (

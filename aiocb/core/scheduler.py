@@ -674,11 +674,11 @@ class Scheduler:
         """Whether the draft model runs over the step: when a request speculates in it, or
         catches up (the draft computes the tokens of steps it slept through first, then
         the step's), and, while the batch (admissions counted) is small enough to
-        speculate, when it computes prompt tokens of a request that may speculate and does
-        not start in a pause (which requests with the same prefix then find in the draft's
-        cache too). Otherwise it
-        sleeps, and its cache misses the step's tokens; each planned request's
-        :attr:`DraftProposer.drafted` says how far the draft's cache holds it after the step."""
+        speculate, when it computes prompt tokens of a request that may speculate and
+        neither waits nor backs off (which requests with the same prefix then find in the
+        draft's cache too). Otherwise it sleeps, and its cache misses the step's tokens; each
+        planned request's :attr:`DraftProposer.drafted` says how far the draft's cache holds
+        it after the step."""
         assert self.speculative is not None
         for request, (first, take) in self._catch_up.items():
             if request in planned:  # (not un-planned after it asked)
@@ -686,7 +686,7 @@ class Scheduler:
         prompts = self._speculates_at_this_size() and any(
             request.status is not RequestStatus.DECODING
             and self._may_speculate(request)
-            and not self._draft_proposer(request).paused  # (one that starts paused is caught up on if it tries)
+            and not self._draft_proposer(request).paused  # (caught up on if it tries)
             for request in planned
         )
         output.drafting = drafting = bool(drafted) or prompts or bool(output.catch_up)
