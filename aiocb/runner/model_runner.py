@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
@@ -104,9 +105,9 @@ class ModelRunner:
         wide = None if speculative is None or tensor_parallel else speculative
         #: decode steps' CUDA graphs, and those of steps that verify proposals (None: such
         #: steps run eagerly), captured by :meth:`warm_up`; the draft model has its own
-        self.graphs = self._decode_graphs(wide) if graphed else None
+        self.graphs = self._graphs(self._decode_model, self.cache, wide) if graphed else None
         if self.drafter is not None and graphed and wide is not None:
-            self.drafter.graphs = self._draft_graphs(self.drafter, wide)
+            self.drafter.graphs = self._graphs(self.drafter.model, self.drafter.cache, wide, draft=True)
         #: what a step that verifies proposals costs against a decode step that replays a
         #: graph, measured by :meth:`warm_up` (1.0: no graphs, or not measured yet)
         self.verify_cost = 1.0
@@ -270,35 +271,22 @@ class ModelRunner:
             return False
         return True
 
-    def _decode_graphs(self, speculative: SpeculativeConfig | None) -> DecodeGraphs:
+    def _graphs(
+        self, model: Any, cache: PagedKVCache, speculative: SpeculativeConfig | None, *, draft: bool = False
+    ) -> DecodeGraphs:
+        """The CUDA graphs of ``model`` (the decode model, or the draft model with ``draft``)
+        over ``cache``: of decode steps, and given ``speculative``, of steps that verify
+        proposals. The draft's decode passes cover the speculating rows alone: its decode
+        graphs go up to the rows that may speculate."""
         blocks = self.config.max_blocks_per_request or DEFAULT_MAX_BLOCKS_PER_REQUEST
+        widths, wide_rows = _wide_graphs(speculative, self.plan.max_requests_per_batch)
         # The forward closes over the model, not over self: runner -> graphs -> forward ->
         # runner would be a cycle, keeping the cache alive until a cyclic collection.
-        decode_model = self._decode_model
-        widths, wide_rows = _wide_graphs(speculative, self.plan.max_requests_per_batch)
         return DecodeGraphs(
-            lambda ids, pos, keep, meta: attention.forward(decode_model, ids, pos, keep, meta),
-            self.cache,
+            lambda ids, pos, keep, meta: attention.forward(model, ids, pos, keep, meta),
+            cache,
             self.backends,
-            self.plan.max_requests_per_batch,
-            blocks,
-            self.device,
-            widths=widths,
-            max_wide_rows=wide_rows,
-        )
-
-    def _draft_graphs(self, drafter: Drafter, speculative: SpeculativeConfig) -> DecodeGraphs:
-        """The draft model's graphs: its decode passes over the speculating rows, and its
-        pass over a step's own inputs where the target's step is one that verifies
-        proposals."""
-        blocks = self.config.max_blocks_per_request or DEFAULT_MAX_BLOCKS_PER_REQUEST
-        draft_model = drafter.model
-        widths, wide_rows = _wide_graphs(speculative, self.plan.max_requests_per_batch)
-        return DecodeGraphs(
-            lambda ids, pos, keep, meta: attention.forward(draft_model, ids, pos, keep, meta),
-            drafter.cache,
-            self.backends,
-            wide_rows,
+            wide_rows if draft else self.plan.max_requests_per_batch,
             blocks,
             self.device,
             widths=widths,

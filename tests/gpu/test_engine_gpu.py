@@ -152,20 +152,24 @@ def test_graphs_and_async_batching_are_on_by_default_on_cuda() -> None:
     asyncio.run(main())
 
 
-def test_every_decode_graph_is_captured_before_the_first_step_and_none_later(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Counted at ``CUDAGraph.capture_begin``: the session's warm-up captures every bucket
-    before the first step (the decode model compiled, by default under the graphs), and
-    steps of any batch size capture nothing."""
-    began: list[int] = []
+@pytest.fixture
+def began(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """One entry per CUDA graph capture begun (``CUDAGraph.capture_begin``) from here on."""
+    captures: list[int] = []
     capture_begin = torch.cuda.CUDAGraph.capture_begin
 
     def counting(self: torch.cuda.CUDAGraph, *args: Any, **kwargs: Any) -> None:
-        began.append(1)
+        captures.append(1)
         capture_begin(self, *args, **kwargs)
 
     monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", counting)
+    return captures
+
+
+def test_every_decode_graph_is_captured_before_the_first_step_and_none_later(began: list[int]) -> None:
+    """Counted at ``CUDAGraph.capture_begin``: the session's warm-up captures every bucket
+    before the first step (the decode model compiled, by default under the graphs), and
+    steps of any batch size capture nothing."""
     model = _model(torch.bfloat16)
     prompts = _prompts(20, seed=3)
 
@@ -276,21 +280,11 @@ def test_no_sampled_step_waits_for_the_compiler(monkeypatch: pytest.MonkeyPatch)
     assert compiles == []
 
 
-def test_prompt_lookup_replays_graphs_of_its_steps_with_the_decode_model_compiled(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_prompt_lookup_replays_graphs_of_its_steps_with_the_decode_model_compiled(began: list[int]) -> None:
     """Prompt lookup on the default path (the decode model compiled under the graphs):
     every graph, those of steps that verify proposals included, is captured before the
     first step and none later; such steps replay them; the outputs are those of no
     speculation (fp32); a verifying step costs about a decode step (``verify_cost``)."""
-    began: list[int] = []
-    capture_begin = torch.cuda.CUDAGraph.capture_begin
-
-    def counting(self: torch.cuda.CUDAGraph, *args: Any, **kwargs: Any) -> None:
-        began.append(1)
-        capture_begin(self, *args, **kwargs)
-
-    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", counting)
     model = _model(torch.float32)
     prompts = [p[:40] * 4 for p in _prompts(6, seed=5)]  # (copy-heavy: a stretch four times)
     spec = aiocb.SpeculativeConfig(prompt_lookup_min=1, disable_by_batch_size=8)

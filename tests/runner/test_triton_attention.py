@@ -409,18 +409,24 @@ def test_choose_num_splits() -> None:
     assert _sm_count(torch.device("cpu")) == DEFAULT_SM_COUNT
 
 
-@needs_kernel
-def test_default_launch_splits_small_decode_steps(monkeypatch: pytest.MonkeyPatch) -> None:
-    merges: list[int] = []
+@pytest.fixture
+def merges(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The number of partitions of every split launch's merge, in order."""
+    counts: list[int] = []
     merge = triton_attention._merge_partitions
 
     def counting_merge(
         parts: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, query_start: torch.Tensor, rows: int, max_q: int
     ) -> None:
-        merges.append(parts.shape[2])
+        counts.append(parts.shape[2])
         merge(parts, lse, out, query_start, rows, max_q)
 
     monkeypatch.setattr(triton_attention, "_merge_partitions", counting_merge)
+    return counts
+
+
+@needs_kernel
+def test_default_launch_splits_small_decode_steps(merges: list[int]) -> None:
     # 2 rows x 2 KV heads, the longest 600 keys: three partitions of 256 keys at most.
     case = make_case([(600, 1), (300, 1)], seed=21)
     scale = case.query.shape[-1] ** -0.5
@@ -441,26 +447,16 @@ def test_default_launch_splits_small_decode_steps(monkeypatch: pytest.MonkeyPatc
 
 
 @needs_kernel
-def test_default_launch_splits_steps_that_verify_proposals(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_default_launch_splits_steps_that_verify_proposals(merges: list[int]) -> None:
     """Rows of a few query tokens (the last one and proposed ones) over long contexts split
     at small batch as decode rows do; each query still sees its own causal range."""
-    splits: list[int] = []
-    merge = triton_attention._merge_partitions
-
-    def counting_merge(
-        parts: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, query_start: torch.Tensor, rows: int, max_q: int
-    ) -> None:
-        splits.append(parts.shape[2])
-        merge(parts, lse, out, query_start, rows, max_q)
-
-    monkeypatch.setattr(triton_attention, "_merge_partitions", counting_merge)
     case = make_case([(600, 9), (300, 3), (0, 0), (520, 1)], seed=22)
     scale = case.query.shape[-1] ** -0.5
     got = triton_paged_attention(
         case.query, case.key_cache, case.value_cache, case.block_table, case.query_start, case.seq_lens, 9, scale,
         max_seq_len=600,
     )  # fmt: skip
-    assert splits == [3]
+    assert merges == [3]
     torch.testing.assert_close(got.double(), reference(case, scale), atol=1e-5, rtol=1e-5)
 
 
@@ -549,22 +545,34 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).norm() / want.float().norm())
 
 
+#: Qwen3-0.6B's attention: query heads, KV heads, head size; and the page size used here
+_QWEN3_HEADS = (16, 8, 128, 64)
+
+
+def _qwen3_case(rows: list[tuple[int, int]], seed: int) -> tuple[Case, float, int, _Config]:
+    """A bf16 step of Qwen3-0.6B's heads on the device (``rows`` of ``(seq_len, q_len)``),
+    its scale, the splits the default launch chooses (more than one), and the one-pass tiles."""
+    heads, kv_heads, head_dim, page = _QWEN3_HEADS
+    case = make_case(
+        rows, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, page=page, dtype=torch.bfloat16,
+        device="cuda", seed=seed,
+    )  # fmt: skip
+    queries = case.max_query_len
+    splits = choose_num_splits(len(rows), kv_heads, queries, 8192, _sm_count(case.query.device))
+    assert splits > 1
+    unsplit = triton_attention._choose_config(queries, 2, head_dim, page, torch.bfloat16)
+    assert unsplit.num_splits == 1
+    return case, head_dim**-0.5, splits, unsplit
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _CUDA_KERNEL, reason="needs CUDA and a compiled kernel (AIOCB_GPU_TESTS=1)")
 def test_gpu_split_decode_matches_unsplit_and_is_faster() -> None:
     # Qwen3-0.6B's attention shape, batch 4 decode at up to 8,192 keys: 32 (row, KV head)
     # programs, a quarter of an H200's SMs, so the default launch splits.
-    heads, kv_heads, head_dim, page = 16, 8, 128, 64
+    heads, kv_heads, head_dim, page = _QWEN3_HEADS
     rows = [(8192, 1), (8155, 1), (6001, 1), (200, 1)]  # uneven lengths, one below a partition
-    case = make_case(
-        rows, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, page=page, dtype=torch.bfloat16,
-        device="cuda", seed=22,
-    )  # fmt: skip
-    scale = head_dim**-0.5
-    splits = choose_num_splits(len(rows), kv_heads, 1, 8192, _sm_count(case.query.device))
-    assert splits > 1
-    unsplit_config = triton_attention._choose_config(1, 2, head_dim, page, torch.bfloat16)
-    assert unsplit_config.num_splits == 1
+    case, scale, splits, unsplit_config = _qwen3_case(rows, seed=22)
     for window in (None, 1000):
         want = reference(case, scale, window=window, acc=torch.float32)
         unsplit = run_kernel(case, scale, window=window, config=unsplit_config)
@@ -632,16 +640,7 @@ def test_gpu_split_verification_matches_unsplit_and_is_faster() -> None:
     """Rows verifying speculative proposals (9 query tokens: the last one and 8 proposed)
     at batch 4 over contexts up to 8,192 keys, bf16, Qwen3-0.6B's heads: the default launch
     splits; it matches the single pass and the reference, and is faster."""
-    heads, kv_heads, head_dim, page = 16, 8, 128, 64
-    rows = [(8192, 9), (8155, 9), (6001, 5), (200, 2)]
-    case = make_case(
-        rows, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, page=page, dtype=torch.bfloat16,
-        device="cuda", seed=23,
-    )  # fmt: skip
-    scale = head_dim**-0.5
-    splits = choose_num_splits(len(rows), kv_heads, 9, 8192, _sm_count(case.query.device))
-    assert splits > 1
-    unsplit_config = triton_attention._choose_config(9, 2, head_dim, page, torch.bfloat16)
+    case, scale, splits, unsplit_config = _qwen3_case([(8192, 9), (8155, 9), (6001, 5), (200, 2)], seed=23)
     want = reference(case, scale, acc=torch.float32)
     unsplit = run_kernel(case, scale, config=unsplit_config)
     out = torch.empty_like(case.query)
