@@ -55,6 +55,27 @@ def _both(
 
 
 @needs_kernel
+@pytest.mark.parametrize("vocab", [151_936, 4_096 + 77, 20_000])
+def test_the_largest_logits_are_found_through_chunk_maxima(vocab: int) -> None:
+    """``largest`` gives ``topk``'s values exactly: rows of random, tied (bf16-rounded),
+    mostly masked and all-equal logits, widths from 1 up to where it defers to ``topk``,
+    a tail past the last whole chunk."""
+    gen = torch.Generator().manual_seed(31)
+    logits = torch.randn(6, vocab, generator=gen) * 4
+    logits[1] = logits[1].to(torch.bfloat16).float().round()  # (many ties)
+    logits[2, : vocab - 40] = float("-inf")  # (the finite ones in the tail)
+    logits[3] = 0.5
+    logits[4, torch.randperm(vocab, generator=gen)[:300]] += 30  # (the largest spread over chunks)
+    logits[5, 5 * 128 : 7 * 128] += 50  # (the largest crowded into two chunks)
+    for width in (1, 2, 50, 64, vocab // (4 * triton_sampler._CHUNK), 1000):
+        got = triton_sampler.largest(logits, width)
+        assert torch.equal(got, logits.topk(width, dim=-1).values), width
+    top_k = torch.tensor([1, 50, 0, 7, 40, vocab])
+    want = logits.topk(50, dim=-1).values.gather(1, (top_k.clamp(1, 50) - 1)[:, None])[:, 0]
+    want[[2, 5]] = float("-inf")  # (no top-k: 0, or the whole vocabulary)
+    assert torch.equal(triton_sampler.top_k_thresholds(logits, top_k, 50), want)
+
+
 def test_noise_is_the_noise_modules() -> None:
     seed = torch.tensor([0, 1, 5, 0xFFFFFFFF, 123456789, 2**31])
     offset = torch.tensor([0, 0, 3, 7, 2**33 + 5, 4095])
