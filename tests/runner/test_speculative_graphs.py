@@ -67,14 +67,16 @@ def _replays(graphs: DecodeGraphs, width: int) -> int:
     return sum(graph.replays for (_, w), (graph, _) in graphs._graphs.items() if w == width)  # type: ignore[attr-defined]
 
 
-async def _serve(speculative: aiocb.SpeculativeConfig, model: Any) -> tuple[list[list[int]], ModelRunner, Any]:
+async def _serve(
+    speculative: aiocb.SpeculativeConfig | None, model: Any, **params: Any
+) -> tuple[list[list[int]], ModelRunner, Any]:
     config = aiocb.ContinuousBatchingConfig(
         page_size=16, num_blocks=96, max_requests_per_batch=8, decode_compile_config={"disable": True}
     )
     async with aiocb.Manager(model, continuous_batching_config=config, speculative_config=speculative) as manager:
         runner = manager._runner
         assert runner is not None and runner.graphs is not None and runner.async_batching
-        outputs = await manager.generate_batch(PROMPTS, max_new_tokens=NEW)
+        outputs = await manager.generate_batch(PROMPTS, max_new_tokens=NEW, **params)
         stats = manager.statistics()
         assert manager._steps is not None and manager._steps.scheduler.verify_cost == runner.verify_cost
     return [o.generated_tokens for o in outputs.values()], runner, stats
@@ -117,6 +119,23 @@ async def test_steps_with_proposals_replay_graphs_and_equal_no_speculation(
         assert len(set(checked_replays)) > 1, "proposals of several widths"
     assert len(graphs_on_cpu) == captured
     assert runner.verify_cost >= 1.0
+
+
+async def test_sampled_rows_under_graphs_equal_no_speculation(
+    graphs_on_cpu: list[int], checked_replays: list[int]
+) -> None:
+    """Seeded sampled rows (temperature, top-k) with a copy of the model as draft: the
+    draws at the verified positions come from the graphs' shared logits buffer, the
+    draft's from its own graphs; the outputs are those of no speculation (under the decode
+    graphs alone)."""
+    model = tiny_qwen3()
+    params = {"temperature": 0.8, "top_k": 20, "seed": 5}
+    draft = aiocb.SpeculativeConfig(method="draft", draft_model=copy.deepcopy(model), num_speculative_tokens=3)
+    fast, runner, stats = await _serve(draft, model, **params)
+    plain, _, _ = await _serve(None, model, **params)
+    assert fast == plain
+    assert stats.accepted_draft_tokens > 0 and checked_replays
+    assert runner.graphs is not None and runner.graphs.wide_replays > 0
 
 
 def test_wide_graphs_need_room_for_their_padding_tokens_in_the_block_tables() -> None:
