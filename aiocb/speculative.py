@@ -87,8 +87,8 @@ class SpeculativeConfig:
     #: is what a proposed token costs against the token it may save where decoding is
     #: memory-bound; and a pause after a failed try is twice the one before, up to 8 x
     #: ``backoff_steps``). Where decode steps replay CUDA graphs, the floor is at least
-    #: what makes a step that verifies proposals, which runs without a graph, worth its
-    #: measured cost (:class:`Acceptance`)
+    #: what makes a step that verifies proposals worth its measured cost against a decode
+    #: step (:class:`Acceptance`)
     min_acceptance: float = 0.2
     backoff_steps: int = 16
 
@@ -359,7 +359,7 @@ class DraftProposer(Acceptance):
     @property
     def paused(self) -> bool:
         """Whether the request backs off or waits."""
-        return self.waiting or self._cooldown > 0
+        return self.waiting or super().paused
 
     def hopes(self, prior: float | None) -> bool:
         """Whether the draft's acceptance over other requests (``prior``) would let a

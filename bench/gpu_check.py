@@ -650,7 +650,7 @@ def _runner_setup(manager: aiocb.Manager) -> dict[str, Any]:
         "graph_buckets": None if graphs is None else len(graphs.buckets),
         "decode_compiled": runner._decode_model is not runner.model,
         "async_batching": runner.async_batching,
-        # (a step without a graph against one with: what speculation's back-off charges)
+        # (a verifying step against a decode step: what speculation's back-off charges)
         "verify_cost": round(runner.verify_cost, 2),
         "num_blocks": runner.plan.num_blocks,
         "page_size": runner.plan.page_size,

@@ -228,48 +228,43 @@ class DecodeGraphs:
         self._logits_out = None
 
     def _fill(self, inputs: StepInputs, n: int, bucket: int) -> None:
-        cache = self._cache
-        page = cache.page_size
-        self._input_ids[:n].copy_(inputs.input_ids)
-        self._input_ids[n:bucket].zero_()
-        self._positions[:n].copy_(inputs.position_ids)
-        self._positions[n:bucket].zero_()
+        self._fill_tokens(inputs, n, bucket, bucket)
         self._seq_lens[:n].copy_(inputs.attention.seq_lens)
         self._seq_lens[n:bucket].fill_(1)
         # Padding rows hold one query token each: row i of the bucket starts at token i.
         self._query_start[: bucket + 1].copy_(self._pad_rows[: bucket + 1])
-        for g, group in enumerate(inputs.attention.groups[: len(self._slots)]):
-            self._slots[g][:n].copy_(group.slot_mapping)
-            self._slots[g][n:bucket].fill_(cache.trash_block(g) * page)
-            table = self._tables[g]
-            table[:bucket].fill_(cache.null_block(g))
-            width = group.block_table.shape[1]
-            table[:n, :width].copy_(group.block_table)
 
     def _fill_wide(self, inputs: StepInputs, n: int, bucket: int, width: int, logits_indices: torch.Tensor) -> None:
         """The static buffers of the ``(bucket, width)`` graph for a step of ``n`` rows: its
         tokens in their places, padding tokens after them (written to the trash block, in
         no row), rows past ``n`` empty (a query of no token, a context of none)."""
-        cache = self._cache
-        page = cache.page_size
         metadata = inputs.attention
         slots, t, k = bucket * width, metadata.num_tokens, logits_indices.shape[0]
-        self._input_ids[:t].copy_(inputs.input_ids)
-        self._input_ids[t:slots].zero_()
-        self._positions[:t].copy_(inputs.position_ids)
-        self._positions[t:slots].zero_()
+        self._fill_tokens(inputs, t, slots, bucket)
         self._query_start[: n + 1].copy_(metadata.query_start)
         self._query_start[n + 1 : bucket + 1].fill_(t)
         self._seq_lens[:n].copy_(metadata.seq_lens)
         self._seq_lens[n:bucket].zero_()
         self._logits_indices[:k].copy_(logits_indices)
         self._logits_indices[k:slots].zero_()  # (a real token's: no padding token's output is read)
-        for g, group in enumerate(metadata.groups[: len(self._slots)]):
-            self._slots[g][:t].copy_(group.slot_mapping)
-            self._slots[g][t:slots].fill_(cache.trash_block(g) * page)
+
+    def _fill_tokens(self, inputs: StepInputs, tokens: int, slots: int, bucket: int) -> None:
+        """The step's ``tokens`` tokens (ids, positions, cache slots) in the first of
+        ``slots`` token slots, padding tokens after them (written to the trash block), and
+        its rows' block tables in the first of ``bucket`` rows (the rest the null block's)."""
+        cache = self._cache
+        page = cache.page_size
+        self._input_ids[:tokens].copy_(inputs.input_ids)
+        self._input_ids[tokens:slots].zero_()
+        self._positions[:tokens].copy_(inputs.position_ids)
+        self._positions[tokens:slots].zero_()
+        for g, group in enumerate(inputs.attention.groups[: len(self._slots)]):
+            self._slots[g][:tokens].copy_(group.slot_mapping)
+            self._slots[g][tokens:slots].fill_(cache.trash_block(g) * page)
             table = self._tables[g]
             table[:bucket].fill_(cache.null_block(g))
-            table[:n, : group.block_table.shape[1]].copy_(group.block_table)
+            rows, width = group.block_table.shape
+            table[:rows, :width].copy_(group.block_table)
 
     def _metadata(self, bucket: int, width: int = 1) -> AttentionMetadata:
         tokens = bucket * width
