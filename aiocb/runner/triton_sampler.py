@@ -14,8 +14,8 @@ sampling, with fixed noise instead of fresh draws):
    (or ``c`` fails min-p), one more for the winner among the tokens above ``c`` that pass
    top-k and min-p (the support lies above a rejected candidate), the next candidate.
 
-Top-k enters as a per-row threshold on the raw logits (the k-th largest, from one
-``torch.topk`` over the batch's largest k), so a candidate is always in the top-k set,
+Top-k enters as a per-row threshold on the raw logits (the k-th largest, from
+:func:`largest`), so a candidate is always in the top-k set,
 and min-p as ``s - m >= log(min_p)`` (:func:`~aiocb.runner.draw.draw`'s form), known
 once ``m`` is. Rows without top-p need one pass, or two when the first winner fails
 min-p; rows with top-p two (the second without noise), two more each time a candidate
@@ -23,6 +23,13 @@ falls outside the nucleus. Noise is computed only in blocks that hold an eligibl
 in the first pass a top-k row skips the blocks without a top-k token, in a winner pass
 every row skips the blocks without a token above its candidate (most of them, past a
 peaked row's head), as a mass pass does.
+
+A top-k row whose top-k set, ties included, lies within its :data:`_LANES` largest logits
+(those :func:`largest` found for its threshold; the usual top-k of 50 or less, unless more
+than a dozen logits tie at the k-th) skips the vocabulary altogether: the support is
+computed over those lanes at once (each lane's mass above it, a ``[lanes, lanes]``
+comparison) and the winner drawn among them, with the noise of their ids. Its pick is the
+one the passes would make, since every token of its support is a lane.
 
 Ties (common in a bf16 model's upcast logits): at a top-k tie (several tokens equal to
 the k-th largest logit) this keeps all of them where ``draw_full`` keeps exactly k by
@@ -39,6 +46,7 @@ picks); the masses use Triton's fast exponential, which can matter only at a thr
 from __future__ import annotations
 
 import itertools
+from typing import NamedTuple
 
 import torch
 
@@ -59,6 +67,9 @@ __all__ = ["HAS_TRITON", "compile_draw", "is_available", "triton_draw", "triton_
 #: a thread, no spills; not tuned by timing).
 _BLOCK = 2048
 _NUM_WARPS = 8
+#: Largest logits a top-k row may draw from without reading its vocabulary (a power of two:
+#: a top-k of 50, the most common, with 14 to spare for logits tied at the 50th).
+_LANES = 64
 
 
 if HAS_TRITON:
@@ -127,40 +138,59 @@ if HAS_TRITON:
         cand = tl.where(take, start + tl.argmax(score, 0, tie_break_left=True), cand)
         return tl.maximum(best, block_best), cand
 
-    # The per-row parameters arrive as views into one packed buffer (HostToDevice), whose
-    # offsets depend on the batch's size: a kernel specialised on their 16-byte alignment
-    # would be compiled again, mid-serving, for each alignment a batch happens to give them
-    # (the warm-up's compile_draw could not cover them all). One-element loads gain nothing
-    # from it.
-    @triton.jit(  # type: ignore[untyped-decorator]
-        do_not_specialize_on_alignment=[
-            "temperature_ptr", "seed_ptr", "offset_ptr", "threshold_ptr", "top_p_ptr", "log_min_p_ptr", "out_ptr"
-        ]
-    )  # fmt: skip
-    def _sample_kernel(  # type: ignore[no-untyped-def]
-        logits_ptr,
-        stride_row,
-        temperature_ptr,
-        seed_ptr,
-        offset_ptr,
-        threshold_ptr,
-        top_p_ptr,
-        log_min_p_ptr,
-        out_ptr,
-        VOCAB: tl.constexpr,
-        BLOCK: tl.constexpr,
-        USE_TOP_K: tl.constexpr,
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _lanes_pick(  # type: ignore[no-untyped-def]
+        values_ptr,
+        ids_ptr,
+        width,
+        threshold,
+        temperature,
+        top_p,
+        log_min_p,
+        row_key,
+        second_key,
+        LANES: tl.constexpr,
         USE_TOP_P: tl.constexpr,
-        USE_MIN_P: tl.constexpr,
         PRECISE: tl.constexpr,
     ):
-        row = tl.program_id(0)
-        row_ptr = logits_ptr + row.to(tl.int64) * stride_row
-        temperature = tl.load(temperature_ptr + row)
-        row_key, second_key = _row_keys(seed_ptr, offset_ptr, row)
-        threshold = float("-inf")  # the smallest raw logit of the top-k set
-        if USE_TOP_K:
-            threshold = tl.load(threshold_ptr + row)
+        """The pick of a top-k row from its ``width`` largest logits ``values`` (decreasing)
+        at vocabulary ids ``ids``, which hold its whole top-k set: the Gumbel winner over the
+        support, computed over the lanes at once."""
+        lanes = tl.arange(0, LANES)
+        valid = lanes < width
+        logits = tl.load(values_ptr + lanes, mask=valid, other=float("-inf"))
+        ids = tl.load(ids_ptr + lanes, mask=valid, other=0).to(tl.int32)
+        scaled = tl.math.div_rn(logits, temperature)
+        m = tl.max(scaled, 0)  # (the row's largest logit is lane 0)
+        support = valid & (logits >= threshold) & ((scaled - m) >= log_min_p)
+        if USE_TOP_P:
+            # A lane's mass is that of the tokens strictly above it over the top-k set's:
+            # both sums lie within the lanes (a token above a top-k token is one).
+            weight = tl.where(valid & (logits >= threshold), tl.exp(scaled - m), 0.0)
+            above = tl.sum(tl.where(scaled[None, :] > scaled[:, None], weight[None, :], 0.0), 1)
+            bound = tl.where(top_p < 1.0, top_p * tl.sum(weight, 0), float("inf"))  # (top_p 1: no test)
+            support = support & (above <= bound)
+        _, noise = _bits_and_gumbel(ids, row_key, second_key, PRECISE)
+        score = tl.where(support, scaled + noise, float("-inf"))
+        best = tl.max(score, 0)
+        # The first vocabulary id among tied scores, as the passes (and torch's argmax) pick.
+        return tl.min(tl.where(valid & (score == best), ids, 2147483647), 0)
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _vocabulary_pick(  # type: ignore[no-untyped-def]
+        row_ptr,
+        threshold,
+        temperature,
+        top_p,
+        log_min_p,
+        row_key,
+        second_key,
+        VOCAB: tl.constexpr,
+        BLOCK: tl.constexpr,
+        USE_TOP_P: tl.constexpr,
+        PRECISE: tl.constexpr,
+    ):
+        """A row's pick in passes over its vocabulary (the module's steps 1 and 2)."""
         offs = tl.arange(0, BLOCK)
 
         # Pass 1: row max, top-k mass (online: rescaled as the max grows) and the winner
@@ -183,12 +213,6 @@ if HAS_TRITON:
             if tl.max(in_k.to(tl.int32), 0) > 0:
                 best, cand = _block_winner(in_k, scaled, ids, start, best, cand, row_key, second_key, PRECISE)
 
-        log_min_p = float("-inf")
-        if USE_MIN_P:
-            log_min_p = tl.load(log_min_p_ptr + row)
-        top_p = 1.0
-        if USE_TOP_P:
-            top_p = tl.load(top_p_ptr + row)
         # draw_full keeps a token when the mass ranked before it is at most top_p.
         bound = top_p * mass_k
         nucleus = top_p < 1.0
@@ -235,6 +259,67 @@ if HAS_TRITON:
             # A new candidate passes top-k and min-p by construction: only top-p is left.
             passes_min_p = passes_min_p | move
             pending = move & nucleus
+        return cand
+
+    # The per-row parameters arrive as views into one packed buffer (HostToDevice), whose
+    # offsets depend on the batch's size: a kernel specialised on their 16-byte alignment
+    # would be compiled again, mid-serving, for each alignment a batch happens to give them
+    # (the warm-up's compile_draw could not cover them all). One-element loads gain nothing
+    # from it.
+    @triton.jit(  # type: ignore[untyped-decorator]
+        do_not_specialize_on_alignment=[
+            "temperature_ptr", "seed_ptr", "offset_ptr", "threshold_ptr", "top_p_ptr", "log_min_p_ptr", "out_ptr",
+            "lanes_ptr",
+        ],
+        do_not_specialize=["width"],
+    )  # fmt: skip
+    def _sample_kernel(  # type: ignore[no-untyped-def]
+        logits_ptr,
+        stride_row,
+        temperature_ptr,
+        seed_ptr,
+        offset_ptr,
+        threshold_ptr,
+        top_p_ptr,
+        log_min_p_ptr,
+        out_ptr,
+        values_ptr,
+        ids_ptr,
+        lanes_ptr,
+        width,
+        VOCAB: tl.constexpr,
+        BLOCK: tl.constexpr,
+        LANES: tl.constexpr,
+        USE_TOP_K: tl.constexpr,
+        USE_TOP_P: tl.constexpr,
+        USE_MIN_P: tl.constexpr,
+        PRECISE: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        temperature = tl.load(temperature_ptr + row)
+        row_key, second_key = _row_keys(seed_ptr, offset_ptr, row)
+        threshold = float("-inf")  # the smallest raw logit of the top-k set
+        on_lanes = tl.zeros((), tl.int32)
+        if USE_TOP_K:
+            threshold = tl.load(threshold_ptr + row)
+            on_lanes = tl.load(lanes_ptr + row).to(tl.int32)
+        log_min_p = float("-inf")
+        if USE_MIN_P:
+            log_min_p = tl.load(log_min_p_ptr + row)
+        top_p = 1.0
+        if USE_TOP_P:
+            top_p = tl.load(top_p_ptr + row)
+        if on_lanes != 0:
+            lane_base = row.to(tl.int64) * width
+            cand = _lanes_pick(
+                values_ptr + lane_base, ids_ptr + lane_base, width, threshold, temperature, top_p, log_min_p,
+                row_key, second_key, LANES, USE_TOP_P, PRECISE,
+            )  # fmt: skip
+        else:
+            cand = _vocabulary_pick(
+                logits_ptr + row.to(tl.int64) * stride_row, threshold, temperature, top_p, log_min_p,
+                row_key, second_key, VOCAB, BLOCK, USE_TOP_P, PRECISE,
+            )  # fmt: skip
         tl.store(out_ptr + row, cand.to(tl.int64))
 
 
@@ -247,28 +332,59 @@ def is_available(device: torch.device) -> bool:
 def top_k_thresholds(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int | None = None) -> torch.Tensor:
     """Each row's k-th largest logit (``-inf`` where ``top_k`` is 0 or at least the vocabulary).
 
-    The ``min(max_top_k, V)`` largest logits of each row (:func:`largest`), where
     ``max_top_k`` (a host int, so no synchronisation) is at least every row's ``top_k``
     below the vocabulary size; None takes the whole row (a sort). A row asking for a top-k
     of at least the vocabulary means no top-k, but next to smaller ones it makes the
     caller's bound that large.
     """
+    return top_k_lanes(logits, top_k, max_top_k).threshold
+
+
+class TopKLanes(NamedTuple):
+    """What the draw kernel needs of the rows' top-k: thresholds, and each row's largest
+    logits, from which the rows marked ``on_lanes`` draw without reading their vocabulary."""
+
+    #: ``[R]`` each row's k-th largest logit (``-inf``: no top-k)
+    threshold: torch.Tensor
+    #: ``[R, width]`` each row's largest logits, in decreasing order, and their ids
+    values: torch.Tensor
+    ids: torch.Tensor
+    #: ``[R]`` int32, 1 where the row's whole top-k set (ties at the k-th included) is
+    #: among at most :data:`_LANES` of those logits
+    on_lanes: torch.Tensor
+
+
+def top_k_lanes(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int | None) -> TopKLanes:
+    """The rows' top-k thresholds from their ``max(max_top_k, _LANES)`` largest logits (at
+    most the vocabulary), and which rows draw from those.
+
+    A row's top-k set is every logit at least its threshold; it lies within the largest
+    ``width`` when the last of them is below the threshold (or they are the whole row).
+    """
     vocab = logits.shape[-1]
-    width = vocab if max_top_k is None else max(1, min(max_top_k, vocab))
-    values = largest(logits, width)
+    width = vocab if max_top_k is None else min(vocab, max(max_top_k, _LANES, 1))
+    values, ids = largest(logits, width)
     active = (top_k > 0) & (top_k < vocab)
     index = (torch.where(active, top_k, 1) - 1).clamp(max=width - 1)
     kth = values.gather(1, index[:, None])[:, 0]
-    return torch.where(active, kth, float("-inf"))
+    threshold = torch.where(active, kth, float("-inf"))
+    if width > _LANES:
+        on_lanes = torch.zeros_like(active)
+    elif width == vocab:
+        on_lanes = active
+    else:
+        on_lanes = active & (values[:, -1] < threshold)
+    return TopKLanes(threshold, values, ids, on_lanes.to(torch.int32))
 
 
 #: Logits per chunk of :func:`largest`'s first level.
 _CHUNK = 128
 
 
-def largest(logits: torch.Tensor, width: int) -> torch.Tensor:
-    """The ``width`` largest values of each row of ``logits [rows, V]``, in decreasing order:
-    ``logits.topk(width).values``, found without selecting over the whole vocabulary.
+def largest(logits: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``width`` largest values of each row of ``logits [rows, V]``, in decreasing order,
+    and their ids: ``logits.topk(width)``'s values, found without selecting over the whole
+    vocabulary (which of several tied ids comes first is unspecified, as with ``topk``).
 
     Each row is cut into chunks of :data:`_CHUNK` logits; the ``width`` largest values lie
     in the ``width`` chunks of the largest maxima and the tail past the last whole chunk (a
@@ -282,14 +398,19 @@ def largest(logits: torch.Tensor, width: int) -> torch.Tensor:
     rows, vocab = logits.shape
     chunks = vocab // _CHUNK
     if width * _CHUNK * 4 > vocab:
-        return logits.topk(width, dim=-1).values
+        found = logits.topk(width, dim=-1)
+        return found.values, found.indices
     body = logits[:, : chunks * _CHUNK].reshape(rows, chunks, _CHUNK)  # (a view of contiguous rows)
     picked = body.amax(-1).topk(width, dim=-1).indices  # [rows, width]: chunks of the largest maxima
     candidates = body.gather(1, picked[:, :, None].expand(rows, width, _CHUNK)).flatten(1)
-    tail = logits[:, chunks * _CHUNK :]
-    if tail.shape[1]:
-        candidates = torch.cat((candidates, tail), 1)
-    return candidates.topk(width, dim=-1).values
+    offsets = torch.arange(_CHUNK, device=logits.device)
+    candidate_ids = (picked[:, :, None] * _CHUNK + offsets).flatten(1)
+    if chunks * _CHUNK < vocab:
+        candidates = torch.cat((candidates, logits[:, chunks * _CHUNK :]), 1)
+        tail_ids = torch.arange(chunks * _CHUNK, vocab, device=logits.device)
+        candidate_ids = torch.cat((candidate_ids, tail_ids.expand(rows, -1)), 1)
+    found = candidates.topk(width, dim=-1)
+    return found.values, candidate_ids.gather(1, found.indices)
 
 
 def triton_draw(
@@ -326,7 +447,11 @@ def triton_draw(
     temperature = temperature.to(torch.float32)
     # A filter no row uses is compiled out of the kernel (a constexpr flag), so any tensor
     # stands in for its argument.
-    threshold = temperature if top_k is None else top_k_thresholds(logits, top_k, max_top_k)
+    if top_k is None:
+        threshold, values, ids, on_lanes, width = temperature, logits, seed, seed, 1
+    else:
+        threshold, values, ids, on_lanes = top_k_lanes(logits, top_k, max_top_k)
+        width = values.shape[1]
     log_min_p = temperature if min_p is None else torch.log(min_p)  # log(0) = -inf: off
     _sample_kernel[(rows,)](
         logits,
@@ -338,8 +463,13 @@ def triton_draw(
         (temperature if top_p is None else top_p).contiguous(),
         log_min_p.contiguous(),
         out,
+        values,
+        ids,
+        on_lanes,
+        width,
         VOCAB=vocab,
         BLOCK=block,
+        LANES=_LANES,
         USE_TOP_K=top_k is not None,
         USE_TOP_P=top_p is not None,
         USE_MIN_P=min_p is not None,

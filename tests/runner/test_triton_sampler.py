@@ -57,9 +57,9 @@ def _both(
 @needs_kernel
 @pytest.mark.parametrize("vocab", [151_936, 4_096 + 77, 20_000])
 def test_the_largest_logits_are_found_through_chunk_maxima(vocab: int) -> None:
-    """``largest`` gives ``topk``'s values exactly: rows of random, tied (bf16-rounded),
-    mostly masked and all-equal logits, widths from 1 up to where it defers to ``topk``,
-    a tail past the last whole chunk."""
+    """``largest`` gives ``topk``'s values exactly, and ids that hold them: rows of random,
+    tied (bf16-rounded), mostly masked and all-equal logits, widths from 1 up to where it
+    defers to ``topk``, a tail past the last whole chunk."""
     gen = torch.Generator().manual_seed(31)
     logits = torch.randn(6, vocab, generator=gen) * 4
     logits[1] = logits[1].to(torch.bfloat16).float().round()  # (many ties)
@@ -68,8 +68,10 @@ def test_the_largest_logits_are_found_through_chunk_maxima(vocab: int) -> None:
     logits[4, torch.randperm(vocab, generator=gen)[:300]] += 30  # (the largest spread over chunks)
     logits[5, 5 * 128 : 7 * 128] += 50  # (the largest crowded into two chunks)
     for width in (1, 2, 50, 64, vocab // (4 * triton_sampler._CHUNK), 1000):
-        got = triton_sampler.largest(logits, width)
+        got, ids = triton_sampler.largest(logits, width)
         assert torch.equal(got, logits.topk(width, dim=-1).values), width
+        assert torch.equal(logits.gather(1, ids), got), width
+        assert all(len(set(row)) == width for row in ids.tolist()), "each id once"
     top_k = torch.tensor([1, 50, 0, 7, 40, vocab])
     want = logits.topk(50, dim=-1).values.gather(1, (top_k.clamp(1, 50) - 1)[:, None])[:, 0]
     want[[2, 5]] = float("-inf")  # (no top-k: 0, or the whole vocabulary)
@@ -222,6 +224,47 @@ def test_ties_are_kept_whole() -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize("vocab", [1000, 40_000])
+def test_top_k_rows_draw_from_their_largest_logits_when_those_hold_the_top_k_set(vocab: int) -> None:
+    """A top-k row whose top-k set, ties included, lies within the kernel's lanes draws from
+    them alone, and picks what the passes over its vocabulary pick (the same kernel with a
+    ``max_top_k`` beyond the lanes); a row whose tie at the k-th spills past the lanes, a
+    row with fewer finite logits than its k and a row without top-k read the vocabulary.
+    At 40,000 the largest logits come through chunk maxima."""
+    lanes = triton_sampler._LANES
+    # (top_k, top_p, min_p): each row's filters; rows 6 and 7 tie at the k-th.
+    params = [
+        (50, 1.0, 0.0), (50, 0.9, 0.0), (1, 1.0, 0.0), (lanes - 1, 0.5, 0.0), (20, 0.95, 0.1),
+        (10, 0.3, 0.0), (50, 0.9, 0.0), (30, 1.0, 0.0), (40, 0.8, 0.0), (0, 0.9, 0.0), (5, 0.2, 0.3),
+    ]  # fmt: skip
+    rows = len(params)
+    gen = torch.Generator().manual_seed(21)
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+    ids = torch.randperm(vocab, generator=gen)
+    logits[6, ids[:45]] = 20 + torch.arange(45.0)  # (45 above a tie of 100 at the 50th: spills)
+    logits[6, ids[45:145]] = 19.0
+    logits[7, ids[:25]] = 20 + torch.arange(25.0)  # (a tie of 10 at the 30th: fits)
+    logits[7, ids[25:35]] = 19.0
+    logits[8, ids[30:]] = float("-inf")  # (30 finite logits, a top-k of 40)
+    temperature, seed, offset = _inputs(rows, gen)
+    top_k = torch.tensor([k for k, _, _ in params])
+    top_p = torch.tensor([p for _, p, _ in params])
+    min_p = torch.tensor([m for _, _, m in params])
+
+    found = triton_sampler.top_k_lanes(logits, top_k, int(top_k.max()))
+    assert found.on_lanes.tolist() == [1, 1, 1, 1, 1, 1, 0, 1, 0, 0, 1]
+    got = triton_draw(logits, temperature, seed, offset, top_k, top_p, min_p, int(top_k.max()), block=BLOCK)
+    assert not triton_sampler.top_k_lanes(logits, top_k, 2 * lanes).on_lanes.any()
+    passes = triton_draw(logits, temperature, seed, offset, top_k, top_p, min_p, 2 * lanes, block=BLOCK)
+    assert torch.equal(got, passes), (got, passes)
+    untied = [i for i in range(rows) if i not in (6, 7, 8)]  # (draw_full keeps exactly k of a tie)
+    want = draw_full(logits[untied] / temperature[untied, None], seed[untied], offset[untied],
+                     top_k[untied], top_p[untied], min_p[untied])  # fmt: skip
+    assert torch.equal(got[untied], want), (got[untied], want)
+    assert logits[7, got[7]] >= 19.0 and torch.isfinite(logits[8, got[8]])
+
+
+@needs_kernel
 def test_the_device_path_matches_the_cpu_sampler() -> None:
     """sample()'s GPU path (here on CPU tensors, the kernel interpreted) picks what its CPU
     path picks, greedy rows included."""
@@ -336,14 +379,15 @@ os.environ.pop("TRITON_INTERPRET", None)
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from aiocb.runner.triton_sampler import _BLOCK, _NUM_WARPS, _sample_kernel
+from aiocb.runner.triton_sampler import _BLOCK, _LANES, _NUM_WARPS, _sample_kernel
 pointers = {"logits_ptr": "*fp32", "temperature_ptr": "*fp32", "seed_ptr": "*i64", "offset_ptr": "*i64",
-            "threshold_ptr": "*fp32", "top_p_ptr": "*fp32", "log_min_p_ptr": "*fp32", "out_ptr": "*i64"}
+            "threshold_ptr": "*fp32", "top_p_ptr": "*fp32", "log_min_p_ptr": "*fp32", "out_ptr": "*i64",
+            "values_ptr": "*fp32", "ids_ptr": "*i64", "lanes_ptr": "*i32"}
 names = _sample_kernel.arg_names
-signature = {n: pointers.get(n, "i32" if n == "stride_row" else "constexpr") for n in names}
+signature = {n: pointers.get(n, "i32" if n in ("stride_row", "width") else "constexpr") for n in names}
 for top_k, top_p, min_p in itertools.product((False, True), repeat=3):
-    values = {"VOCAB": 151936, "BLOCK": _BLOCK, "USE_TOP_K": top_k, "USE_TOP_P": top_p, "USE_MIN_P": min_p,
-              "PRECISE": True}
+    values = {"VOCAB": 151936, "BLOCK": _BLOCK, "LANES": _LANES, "USE_TOP_K": top_k, "USE_TOP_P": top_p,
+              "USE_MIN_P": min_p, "PRECISE": True}
     constexprs = {(names.index(n),): v for n, v in values.items()}
     kernel = triton.compile(ASTSource(_sample_kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": _NUM_WARPS})
