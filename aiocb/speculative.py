@@ -323,11 +323,12 @@ class DraftProposer(Acceptance):
     the draft's cache holds its tokens.
 
     It starts from ``prior``, the draft's recent acceptance over other requests' tries, when
-    there is one (hopeful, 1.0, before any): a draft is about as good for one request as
-    for the next on like work. Under the floor, the request waits: it proposes nothing, and
-    the draft computes none of its tokens, until that acceptance recovers (it then catches
-    up and tries), which the requests that scout find out (the scheduler starts one in
-    :data:`SCOUT_EVERY` of those that would wait hopeful instead). A try after a pause
+    there is one: a draft is about as good for one request as for the next on like work.
+    Under the floor, the request waits: it proposes nothing, and the draft computes none of
+    its tokens, until that acceptance recovers (it then catches up and tries), which the
+    requests that scout find out (the scheduler starts one in :data:`SCOUT_EVERY` of those
+    that would wait hopeful instead). Before any figure exists the scheduler starts one
+    request hopeful (1.0) and has the others wait for its first try. A try after a pause
     would cost the draft's pass over every token the request has (its prompt, at first):
     a draft that does not pay on a workload then costs a scout's share of that.
     """

@@ -169,6 +169,9 @@ class Scheduler:
         self.draft_acceptance: float | None = None
         #: new draft requests that started waiting since the last that scouted
         self._waiting_since_scout = 0
+        #: the request whose tries give the draft its first acceptance figure: until one
+        #: exists, it alone proposes, and the others wait for its figure
+        self._first_scout: Request | None = None
         #: tokens the proposers may still index in the step being planned
         self._index_budget = _INDEX_PER_STEP
         #: requests of the step being planned whose draft cache misses tokens (a draft
@@ -627,7 +630,15 @@ class Scheduler:
             assert self.speculative is not None
             config, share, cost = self.speculative, self.draft_share, self.verify_cost
             proposer = DraftProposer(config, 0, share, cost, self.draft_acceptance)
-            if proposer.waiting:
+            if self.draft_acceptance is None:
+                # No figure yet: one request finds it out (its draft pass over its prompt and
+                # its first tries) while the rest wait for it, so that a draft that does not
+                # pay costs a batch that arrives at once one request's share, not every one's.
+                if self._first_scout is None or self._first_scout.is_finished:
+                    self._first_scout = request
+                else:
+                    proposer.waiting = True
+            elif proposer.waiting:
                 self._waiting_since_scout += 1
                 if self._waiting_since_scout >= SCOUT_EVERY:  # (this one scouts: hopeful)
                     self._waiting_since_scout = 0
@@ -650,6 +661,11 @@ class Scheduler:
         if speculative.method == "draft":
             computed = request.num_computed_tokens
             proposer = self._draft_proposer(request)
+            if proposer.waiting and self.draft_acceptance is None and self._first_scout is not request:
+                scout = self._first_scout
+                if scout is None or scout.is_finished:  # (it ended before any try: this one scouts)
+                    self._first_scout = request
+                    proposer.waiting = False
             count = proposer.propose(room, self.draft_acceptance)
             first = min(proposer.drafted, computed)
             if count and first < computed:  # (the draft's cache misses tokens: computed first)
@@ -778,6 +794,7 @@ class Scheduler:
             share = accepted / k
             prior = self.draft_acceptance
             self.draft_acceptance = share if prior is None else _PRIOR_DECAY * prior + (1 - _PRIOR_DECAY) * share
+            self._first_scout = None
         if not ended:
             # Computed: the last token and the proposed ones kept (the last one taken is
             # the next step's input). A request preempted meanwhile computed less, or none.

@@ -5,6 +5,7 @@ configs refused."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 from collections import Counter
 from typing import Any
@@ -460,6 +461,53 @@ async def test_requests_after_a_hopeless_draft_start_paused_and_the_draft_skips_
         expected = await plain.generate_batch(later, max_new_tokens=24)
     got = [o.generated_tokens for o in outputs.values()] + [scout.generated_tokens]  # type: ignore[union-attr]
     assert got == [o.generated_tokens for o in expected.values()]
+
+
+@pytest.mark.parametrize("kind", ["random", "same"])
+async def test_a_fresh_managers_batch_waits_for_one_requests_first_try(
+    monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """Before the draft has any acceptance figure, one request of a batch that arrives at
+    once tries it (its prompt through the draft, its first proposals) and the rest wait for
+    that figure: they join when the draft pays (a copy of the target) and never propose
+    when it does not (an unrelated draft); the outputs are those of no speculation."""
+    from aiocb.speculative import DraftProposer
+
+    before_figure: set[int] = set()
+    proposing: set[int] = set()
+    propose = DraftProposer.propose
+
+    def spied(self: DraftProposer, k: int, prior: float | None = None) -> int:
+        count = propose(self, k, prior)
+        if count:
+            proposing.add(id(self))
+            if prior is None:
+                before_figure.add(id(self))
+        return count
+
+    monkeypatch.setattr(DraftProposer, "propose", spied)
+    model = MODELS["qwen3"]()
+    prompts = random_prompts(8, 5, 30, seed=23)
+    async with aiocb.Manager(model, speculative_config=_draft_config(_draft(model, kind))) as manager:
+        outputs = await manager.generate_batch(prompts, max_new_tokens=24)
+    async with aiocb.Manager(model) as plain:
+        expected = await plain.generate_batch(prompts, max_new_tokens=24)
+    assert [o.generated_tokens for o in outputs.values()] == [o.generated_tokens for o in expected.values()]
+    assert len(before_figure) == 1, "one request tries before the draft has a figure"
+    assert len(proposing) == (8 if kind == "same" else 1)
+
+    # A first request that ends before it could try (one new token) leaves the figure to
+    # the next.
+    before_figure.clear()
+    proposing.clear()
+    async with aiocb.Manager(model, speculative_config=_draft_config(_draft(model, kind))) as manager:
+        outputs = await asyncio.gather(
+            manager.generate(prompts[0], max_new_tokens=1),
+            *(manager.generate(prompt, max_new_tokens=24) for prompt in prompts[1:]),
+        )
+    assert [o.generated_tokens for o in outputs[1:]] == [o.generated_tokens for o in list(expected.values())[1:]]
+    assert len(before_figure) == 1
+    assert len(proposing) == (7 if kind == "same" else 1)
 
 
 def test_the_default_proposal_length_depends_on_the_method() -> None:
