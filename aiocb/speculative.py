@@ -327,8 +327,9 @@ class DraftProposer(Acceptance):
     Under the floor, the request waits: it proposes nothing, and the draft computes none of
     its tokens, until that acceptance recovers (it then catches up and tries), which the
     requests that scout find out (the scheduler starts one in :data:`SCOUT_EVERY` of those
-    that would wait hopeful instead). Before any figure exists the scheduler starts one
-    request hopeful (1.0) and has the others wait for its first try. A try after a pause
+    that would wait hopeful instead). Before any figure exists the scheduler has one
+    request try and the others wait for its figure; that first try alone decides whether
+    it backs off, as a try after a pause does. A try after a pause
     would cost the draft's pass over every token the request has (its prompt, at first):
     a draft that does not pay on a workload then costs a scout's share of that.
     """
@@ -349,6 +350,10 @@ class DraftProposer(Acceptance):
         self.waiting = prior is not None and not self.hopes(prior)
         if prior is not None:
             self.acceptance = prior
+        else:
+            # Nothing known of the draft: its first try alone decides, as one after a pause
+            # does (a failed try is dear: hopeful, it would take three to back off).
+            self._retrying = True
         #: how many of the request's first tokens the draft's cache holds: steps the draft
         #: sleeps through leave a gap past it, which the draft catches up on (in the step
         #: the request proposes again, before its proposals)

@@ -360,7 +360,8 @@ def test_a_draft_request_backs_off_below_the_drafts_share_of_the_target() -> Non
     from aiocb.speculative import DraftProposer, draft_share
 
     config = aiocb.SpeculativeConfig(method="draft", draft_model="draft", num_speculative_tokens=2, backoff_steps=2)
-    cheap, dear = DraftProposer(config, 0, share=0.05), DraftProposer(config, 0, share=0.6)
+    # (a prior of 1.0: hopeful, as after other requests' accepted tries)
+    cheap, dear = DraftProposer(config, 0, share=0.05, prior=1.0), DraftProposer(config, 0, share=0.6, prior=1.0)
     for proposer in (cheap, dear):
         proposer.record(2, 1)  # acceptance 1.0 -> 0.85
         proposer.record(2, 0)  # 0.595: under the dear draft's share, over min_acceptance
@@ -379,7 +380,7 @@ def test_a_draft_request_backs_off_below_the_drafts_share_of_the_target() -> Non
             module.register_buffer("weight", weight)
     assert 0.5 < draft_share(packed, target) < 1.0
     # A draft whose share is 1 or more still speculates while (nearly) all is accepted.
-    as_dear = DraftProposer(config, 0, share=1.5)
+    as_dear = DraftProposer(config, 0, share=1.5, prior=1.0)
     for _ in range(4):
         as_dear.record(2, 2)
         assert as_dear.propose(2) == 2
@@ -393,7 +394,7 @@ def test_a_draft_requests_pauses_double_while_its_tries_fail() -> None:
     from aiocb.speculative import DraftProposer
 
     config = aiocb.SpeculativeConfig(method="draft", draft_model="draft", min_acceptance=0.5, backoff_steps=2)
-    proposer = DraftProposer(config, 0)
+    proposer = DraftProposer(config, 0, prior=1.0)
 
     def pause() -> int:
         steps = 0
@@ -417,7 +418,13 @@ def test_a_new_draft_request_starts_from_the_drafts_recent_acceptance() -> None:
     from aiocb.speculative import DraftProposer
 
     config = aiocb.SpeculativeConfig(method="draft", draft_model="draft", min_acceptance=0.3, backoff_steps=3)
-    assert DraftProposer(config, 0).propose(4) == 4  # (no history: hopeful)
+    assert DraftProposer(config, 0).propose(4) == 4  # (no history: it tries ...)
+    # (... and that first try alone decides, as one after a pause: floor 0.3, 0.7 * 0.3 + 0.3 * share)
+    first, second, known = DraftProposer(config, 0), DraftProposer(config, 0), DraftProposer(config, 0, prior=1.0)
+    first.record(4, 1)  # 0.285
+    second.record(4, 2)  # 0.36
+    known.record(4, 1)  # 0.775 (from a prior of 1.0: it would take three such tries)
+    assert first.paused and not second.paused and not known.paused
     assert DraftProposer(config, 0, prior=0.5).propose(4) == 4
     late = DraftProposer(config, 0, prior=0.1)  # (under the floor: it waits ...)
     assert late.paused and late.waiting
