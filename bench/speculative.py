@@ -88,7 +88,7 @@ async def _run(
         for first in range(0, len(prompts), batch):
             group = prompts[first : first + batch]
             done = await asyncio.gather(*(manager.generate(p, **params) for p in group))
-            outputs += [list(o.generated_tokens) for o in done]  # type: ignore[union-attr]
+            outputs += [list(o.generated_tokens) for o in done]
         wall = time.perf_counter() - started
         stats = manager.statistics()
         runner = manager._runner
