@@ -92,6 +92,9 @@ class SchedulerOutput:
     #: requests whose draft cache misses tokens, and the tokens the draft computes first
     #: (its first missing position, the tokens from there)
     catch_up: dict[Request, tuple[int, list[int]]] = field(default_factory=dict)
+    #: requests whose prompt chunk the draft model leaves out of its pass over the step
+    #: (they wait or back off, or may not speculate): its cache misses those tokens
+    draft_skip: set[Request] = field(default_factory=set)
 
     @property
     def num_tokens(self) -> int:
@@ -712,10 +715,21 @@ class Scheduler:
             # (a preempted request computes again from its start; one trimmed after a
             # rejection holds fewer tokens than the draft wrote)
             held = min(proposer.drafted, start)
+            covered = drafting
             if request in output.catch_up:
                 first, tokens = output.catch_up[request]
                 held = first + len(tokens)
-            if drafting and held == start:
+            elif (
+                drafting
+                and request.status is not RequestStatus.DECODING
+                and request not in drafted
+                and (proposer.paused or not self._may_speculate(request))
+            ):
+                # A prompt chunk the draft would compute for nothing yet: a request that
+                # waits for the draft's acceptance to recover is caught up on if it does.
+                output.draft_skip.add(request)
+                covered = False
+            if covered and held == start:
                 # The draft computes the step's tokens, but not its last proposal's key:
                 # needed only once that proposal is accepted, it is caught up on then.
                 held = request.num_computed_tokens - (request in drafted)

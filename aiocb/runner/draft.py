@@ -10,7 +10,9 @@ target's forward pass:
 0. the draft computes the tokens of steps it slept through, for the rows that catch up;
 1. the draft runs over the step's own inputs (prefill chunks, decode tokens, and the
    placeholders where the speculating rows' proposals go), which keeps its cache in step
-   with the target's and gives each speculating row's first proposal;
+   with the target's and gives each speculating row's first proposal; prompt chunks of
+   requests that do not propose yet (they wait for the draft's acceptance to recover, or
+   back off, or may not speculate) are left out, and caught up on if they come to;
 2. one decode pass per further proposal feeds each speculating row its latest proposal
    and draws the next, rewriting the placeholders' keys with the proposals' own. The last
    proposal's key is not written: the target may reject it, and when it accepts it the
@@ -96,7 +98,10 @@ class Drafter:
             )
         self.model = model
         self.spec = spec
-        self.cache = PagedKVCache(spec, plan)
+        # Zeroed: a step's first pass runs over every row, those the draft slept through
+        # too (waiting or backing-off requests), whose queries then read positions the draft
+        # never wrote; their results are not used, but uninitialised memory could hold NaNs.
+        self.cache = PagedKVCache(spec, plan, zeroed=True)
         self.backends = backends
         #: proposals are drawn from the ids both vocabularies have
         self.vocab_size = min(vocab_size, spec.vocab_size)
@@ -126,9 +131,10 @@ class Drafter:
         rows = [batch.sampled[r] for r in batch.draft_rows]  # (the speculating rows' batch rows)
         plan = self._transfer.move(_plan(batch, rows)) if rows else None
         graphs = self.graphs
-        width = 0 if graphs is None or plan is None else graphs.width_for(batch, inputs)
-        if width:
-            assert graphs is not None and plan is not None
+        logits: torch.Tensor | None
+        if batch.draft_skip_rows:
+            logits = self._first_pass_without(batch, inputs, state, rows)
+        elif graphs is not None and plan is not None and (width := graphs.width_for(batch, inputs)):
             own = replace(inputs, input_ids=self._ids(inputs.input_ids))
             logits = graphs.run_wide(own, batch.num_rows, width, plan.first_index)
         else:
@@ -139,6 +145,7 @@ class Drafter:
             )
         if plan is None:
             return None
+        assert logits is not None  # (the speculating rows are never left out)
         proposals = torch.empty(batch.num_drafts, dtype=torch.long, device=inputs.input_ids.device)
         tokens = sample(self._common(logits), inputs.sampling.select(plan.first_sampling)).tokens
         proposals.index_copy_(0, plan.destination[0], tokens)
@@ -160,6 +167,39 @@ class Drafter:
             proposals.index_copy_(0, plan.destination[j], tokens)
         inputs.input_ids.index_copy_(0, plan.input_index, proposals)
         return proposals
+
+    def _first_pass_without(
+        self, batch: StepBatch, inputs: StepInputs, state: InputBatch, rows: list[int]
+    ) -> torch.Tensor | None:
+        """The first pass over the step's rows but ``batch.draft_skip_rows`` (prompt chunks,
+        so the step runs without a graph anyway): the draft's logits at the first token of
+        each of ``rows`` (the speculating ones), None when no row is left."""
+        skipped = set(batch.draft_skip_rows)
+        kept = [r for r in range(batch.num_rows) if r not in skipped]
+        if not kept:
+            return None
+        first_tokens = [0, *accumulate(batch.num_tokens)]
+        counts = [batch.num_tokens[r] for r in kept]
+        firsts = [0, *accumulate(counts)]  # (each kept row's first token in the pass)
+        place = {r: i for i, r in enumerate(kept)}
+        step = _draft_pass(
+            batch,
+            state.num_slots,
+            token_ids=[0] * firsts[-1],  # (the target's inputs, carried tokens in place)
+            slots=[batch.slots[r] for r in kept],
+            starts=[batch.starts[r] for r in kept],
+            num_tokens=counts,
+            sampled=[],
+            offsets=[],
+        )
+        own = prepare_inputs(step, self.cache, self._transfer, self.backends, state)
+        taken = torch.tensor([first_tokens[r] + j for r in kept for j in range(batch.num_tokens[r])])
+        keep = torch.tensor([firsts[place[r]] for r in rows], dtype=torch.long)
+        taken, keep = self._transfer.move([taken, keep])
+        own.input_ids.copy_(inputs.input_ids.index_select(0, taken))
+        return attention.forward(
+            self.model, self._ids(own.input_ids)[None], own.position_ids[None], keep, own.attention
+        )
 
     def _catch_up(self, batch: StepBatch, state: InputBatch) -> None:
         """Compute the tokens of steps the draft slept through, into its cache (no logits)."""

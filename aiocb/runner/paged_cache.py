@@ -17,7 +17,9 @@ class PagedKVCache:
     touches a request's KV.
     """
 
-    def __init__(self, spec: ModelSpec, plan: CachePlan) -> None:
+    def __init__(self, spec: ModelSpec, plan: CachePlan, *, zeroed: bool = False) -> None:
+        """``zeroed``: every block starts at zero, for a cache some of whose rows may be read
+        where they were never written (a draft model's)."""
         self.device = spec.device
         self.page_size = plan.page_size
         self.num_kv_heads = spec.num_kv_heads
@@ -44,8 +46,9 @@ class PagedKVCache:
                 spec.num_kv_heads,
                 spec.head_dim,
             )
-            k = torch.empty(shape, dtype=spec.dtype, device=spec.device)
-            v = torch.empty(shape, dtype=spec.dtype, device=spec.device)
+            allocate = torch.zeros if zeroed else torch.empty
+            k = allocate(shape, dtype=spec.dtype, device=spec.device)
+            v = allocate(shape, dtype=spec.dtype, device=spec.device)
             null = self.null_block(self.layer_group[layer])
             k[null].zero_()
             v[null].zero_()

@@ -138,6 +138,8 @@ class StepBatch:
     catch_up_starts: list[int] = field(default_factory=list)
     catch_up_counts: list[int] = field(default_factory=list)
     catch_up_ids: list[int] = field(default_factory=list)
+    #: rows whose tokens (prompt chunks) the draft model's pass over the step leaves out
+    draft_skip_rows: list[int] = field(default_factory=list)
 
     @property
     def num_drafts(self) -> int:
@@ -370,6 +372,7 @@ class BatchWriter:
             drafting=output.drafting,
             draft_rows=parts.draft_rows,
             draft_counts=parts.draft_counts,
+            draft_skip_rows=_draft_skip_rows(output),
             **catch_up,
         )
 
@@ -429,6 +432,14 @@ class _Parts:
 
     def __post_init__(self) -> None:
         self.tables = [TableWrites() for _ in range(self.num_groups)]
+
+
+def _draft_skip_rows(output: SchedulerOutput) -> list[int]:
+    """The rows of ``output.draft_skip``'s requests."""
+    skip = output.draft_skip
+    if not skip:
+        return []
+    return [row for row, item in enumerate(output.scheduled) if item.request in skip]
 
 
 def _catch_up(output: SchedulerOutput) -> dict[str, list[int]]:

@@ -265,11 +265,12 @@ if HAS_TRITON:
     # offsets depend on the batch's size: a kernel specialised on their 16-byte alignment
     # would be compiled again, mid-serving, for each alignment a batch happens to give them
     # (the warm-up's compile_draw could not cover them all). One-element loads gain nothing
-    # from it.
+    # from it; the lanes' loads little (64 values a row), and without top-k some of those
+    # views stand in for them.
     @triton.jit(  # type: ignore[untyped-decorator]
         do_not_specialize_on_alignment=[
             "temperature_ptr", "seed_ptr", "offset_ptr", "threshold_ptr", "top_p_ptr", "log_min_p_ptr", "out_ptr",
-            "lanes_ptr",
+            "values_ptr", "ids_ptr", "lanes_ptr",
         ],
         do_not_specialize=["width"],
     )  # fmt: skip

@@ -496,12 +496,17 @@ async def test_a_fresh_managers_batch_waits_for_one_requests_first_try(
     model = MODELS["qwen3"]()
     prompts = random_prompts(8, 5, 30, seed=23)
     async with aiocb.Manager(model, speculative_config=_draft_config(_draft(model, kind))) as manager:
+        batches = _watch_drafts(manager)
         outputs = await manager.generate_batch(prompts, max_new_tokens=24)
+        stats = manager.statistics()
     async with aiocb.Manager(model) as plain:
         expected = await plain.generate_batch(prompts, max_new_tokens=24)
     assert [o.generated_tokens for o in outputs.values()] == [o.generated_tokens for o in expected.values()]
     assert len(before_figure) == 1, "one request tries before the draft has a figure"
     assert len(proposing) == (8 if kind == "same" else 1)
+    assert batches[0].draft_skip_rows, "the draft computed the prompt of the one that tries alone"
+    if kind == "same":  # (the others' prompts, caught up on once they propose, as the target has them)
+        assert stats.acceptance_rate is not None and stats.acceptance_rate > 0.95
 
     # A first request that ends before it could try (one new token) leaves the figure to
     # the next.
@@ -515,6 +520,33 @@ async def test_a_fresh_managers_batch_waits_for_one_requests_first_try(
     assert [o.generated_tokens for o in outputs[1:]] == [o.generated_tokens for o in list(expected.values())[1:]]
     assert len(before_figure) == 1
     assert len(proposing) == (7 if kind == "same" else 1)
+
+
+async def test_the_draft_leaves_out_the_prompts_of_requests_that_wait() -> None:
+    """Where the draft runs over a step for one request's prompt (a scout's), it leaves out
+    the prompts of the requests that wait for its acceptance to recover: it computes a
+    fraction of the batch's prompt tokens; the outputs are those of no speculation."""
+    from aiocb.speculative import SCOUT_EVERY
+
+    model = MODELS["qwen3"]()
+    draft = _draft(model, "random")
+    computed: list[int] = []
+    draft.register_forward_pre_hook(
+        lambda module, args, kwargs: computed.append(kwargs["input_ids"].shape[-1]), with_kwargs=True
+    )
+    prompts = random_prompts(8, 60, 90, seed=29)
+    async with aiocb.Manager(model, speculative_config=_draft_config(draft)) as manager:
+        await manager.generate_batch(PROMPTS[:4], max_new_tokens=24)
+        scheduler = manager._steps.scheduler  # type: ignore[union-attr]
+        assert scheduler.draft_acceptance is not None and scheduler.draft_acceptance < 0.3
+        scheduler._waiting_since_scout = SCOUT_EVERY - 1  # (the next that would wait scouts)
+        computed.clear()
+        outputs = await manager.generate_batch(prompts, max_new_tokens=6)
+    async with aiocb.Manager(model) as plain:
+        expected = await plain.generate_batch(prompts, max_new_tokens=6)
+    assert [o.generated_tokens for o in outputs.values()] == [o.generated_tokens for o in expected.values()]
+    waiting = sum(map(len, prompts[1:]))
+    assert computed and sum(computed) < waiting / 2, (sum(computed), waiting)
 
 
 def test_the_default_proposal_length_depends_on_the_method() -> None:
@@ -629,6 +661,25 @@ def test_draft_model_cache_mirrors_the_target_blocks(model: PreTrainedModel) -> 
     shared = plan_cache(spec, auto, free_bytes=2**30, extra_bytes_per_block=extra)
     own = spec.bytes_per_block(auto.page_size, spec.num_layers)
     assert shared.num_blocks[0] == pytest.approx(alone.num_blocks[0] * own / (own + extra), rel=0.01)
+
+
+def test_the_draft_models_cache_starts_at_zero(model: PreTrainedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step's first draft pass runs over rows the draft slept through too (their results
+    unused), whose queries read positions it never wrote: the draft's cache starts zeroed,
+    whatever fresh memory holds (here NaNs), where the target's is only allocated."""
+    from aiocb.runner import paged_cache
+    from aiocb.runner.model_runner import ModelRunner
+
+    def poisoned(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return torch.full(*args, float("nan"), **kwargs)  # (what fresh memory may hold)
+
+    monkeypatch.setattr(paged_cache.torch, "empty", poisoned)
+    config = aiocb.ContinuousBatchingConfig(num_blocks=8, page_size=16)
+    runner = ModelRunner(model, config, draft_model=_draft(model, "random"))
+    assert runner.drafter is not None
+    for layer in runner.drafter.cache.key + runner.drafter.cache.value:
+        assert not layer.any(), "every block of the draft's cache is zero"
+    assert runner.cache.key[0][0].isnan().all(), "(the target's cache is left as allocated)"
 
 
 def _watch_drafts(manager: aiocb.Manager) -> list[Any]:

@@ -235,7 +235,9 @@ def test_a_draft_model_under_graphs_and_async_batching() -> None:
           f"acceptance {stats.acceptance_rate}, graph replays of steps with proposals: target {replays[0]}, "
           f"draft {replays[1]}")  # fmt: skip
     assert same >= len(plain) - 1  # (verification runs other kernels than decoding)
-    assert stats.draft_tokens > 40 and stats.acceptance_rate is not None and stats.acceptance_rate > 0.9
+    # (A copy of the target never pays: each proposed token costs a pass as dear as the
+    # target's, so the requests back off after their tries; those tries are what is checked.)
+    assert stats.draft_tokens >= 4 and stats.acceptance_rate is not None and stats.acceptance_rate > 0.9
     assert replays[0] > 0 and replays[1] > 0
 
 
