@@ -637,10 +637,7 @@ class Scheduler:
                 # No figure yet: one request finds it out (its draft pass over its prompt and
                 # its first tries) while the rest wait for it, so that a draft that does not
                 # pay costs a batch that arrives at once one request's share, not every one's.
-                if self._first_scout is None or self._first_scout.is_finished:
-                    self._first_scout = request
-                else:
-                    proposer.waiting = True
+                proposer.waiting = not self._scouts_first(request)
             elif proposer.waiting:
                 self._waiting_since_scout += 1
                 if self._waiting_since_scout >= SCOUT_EVERY:  # (this one scouts: hopeful)
@@ -648,6 +645,20 @@ class Scheduler:
                     proposer = DraftProposer(config, 0, share, cost)
             request.proposer = proposer
         return proposer
+
+    def _scouts_first(self, request: Request) -> bool:
+        """Whether ``request`` tries the draft before it has any acceptance figure: the first
+        to ask does, and the next once that one ended without a try."""
+        scout = self._first_scout
+        if scout is None or scout is request or scout.is_finished:
+            self._first_scout = request
+            return True
+        return False
+
+    def _draft_wants(self, request: Request) -> bool:
+        """Whether ``request`` may propose soon, so the draft's cache should hold its tokens
+        (not while it waits or backs off: it is caught up on if it tries)."""
+        return self._may_speculate(request) and not self._draft_proposer(request).paused
 
     def _propose(self, request: Request, speculative: SpeculativeConfig, budget: int) -> list[int] | None:
         """The tokens ``request`` speculates this step (None: it does not)."""
@@ -664,11 +675,8 @@ class Scheduler:
         if speculative.method == "draft":
             computed = request.num_computed_tokens
             proposer = self._draft_proposer(request)
-            if proposer.waiting and self.draft_acceptance is None and self._first_scout is not request:
-                scout = self._first_scout
-                if scout is None or scout.is_finished:  # (it ended before any try: this one scouts)
-                    self._first_scout = request
-                    proposer.waiting = False
+            if proposer.waiting and self.draft_acceptance is None and self._scouts_first(request):
+                proposer.waiting = False  # (the one before it ended before any try)
             count = proposer.propose(room, self.draft_acceptance)
             first = min(proposer.drafted, computed)
             if count and first < computed:  # (the draft's cache misses tokens: computed first)
@@ -703,10 +711,7 @@ class Scheduler:
             if request in planned:  # (not un-planned after it asked)
                 output.catch_up[request] = (first, request.token_ids[first : first + take])
         prompts = self._speculates_at_this_size() and any(
-            request.status is not RequestStatus.DECODING
-            and self._may_speculate(request)
-            and not self._draft_proposer(request).paused  # (caught up on if it tries)
-            for request in planned
+            request.status is not RequestStatus.DECODING and self._draft_wants(request) for request in planned
         )
         output.drafting = drafting = bool(drafted) or prompts or bool(output.catch_up)
         kv = self.kv_cache
@@ -723,10 +728,9 @@ class Scheduler:
                 drafting
                 and request.status is not RequestStatus.DECODING
                 and request not in drafted
-                and (proposer.paused or not self._may_speculate(request))
+                and not self._draft_wants(request)
             ):
-                # A prompt chunk the draft would compute for nothing yet: a request that
-                # waits for the draft's acceptance to recover is caught up on if it does.
+                # A prompt chunk the draft would compute for nothing yet.
                 output.draft_skip.add(request)
                 covered = False
             if covered and held == start:

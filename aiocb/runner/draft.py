@@ -178,7 +178,6 @@ class Drafter:
         kept = [r for r in range(batch.num_rows) if r not in skipped]
         if not kept:
             return None
-        first_tokens = [0, *accumulate(batch.num_tokens)]
         counts = [batch.num_tokens[r] for r in kept]
         firsts = [0, *accumulate(counts)]  # (each kept row's first token in the pass)
         place = {r: i for i, r in enumerate(kept)}
@@ -193,7 +192,9 @@ class Drafter:
             offsets=[],
         )
         own = prepare_inputs(step, self.cache, self._transfer, self.backends, state)
-        taken = torch.tensor([first_tokens[r] + j for r in kept for j in range(batch.num_tokens[r])])
+        row_kept = torch.ones(batch.num_rows, dtype=torch.bool)
+        row_kept[batch.draft_skip_rows] = False
+        taken = row_kept.repeat_interleave(torch.tensor(batch.num_tokens)).nonzero()[:, 0]  # (kept rows' tokens)
         keep = torch.tensor([firsts[place[r]] for r in rows], dtype=torch.long)
         taken, keep = self._transfer.move([taken, keep])
         own.input_ids.copy_(inputs.input_ids.index_select(0, taken))
