@@ -128,9 +128,9 @@ DRY_WORKLOADS = {"a": (8, 32, 8), "b": (16, 16, 8)}
 #: 2026-12-04), a session's 15 device minutes. With less left, pass ``--budget`` (the
 #: seconds left, less a minute).
 PHASES: list[tuple[str, int]] = [
-    ("tests", 150),
+    ("tests", 146),
     ("device", 8),
-    ("sampler", 12),
+    ("sampler", 16),
     ("host_overhead", 35),
     ("speculative", 60),
     ("decode_kernels", 40),
@@ -305,7 +305,7 @@ def _draw_full_scaled(
 def bench_sampler(dry: bool, rec: Recorder) -> None:
     """The Triton sampler (top-k thresholds included) against ``draw_full``, both on the
     device, on Zipf-shaped logits (a language model's) and on normal ones (flatter), with
-    top-k 50 + top-p 0.9 and with the temperature alone, at temperature 0.8.
+    top-k 50 + top-p 0.9, top-p 0.9 alone and the temperature alone, at temperature 0.8.
 
     Every case is caught on its own: a kernel that fails reports its error, the rest runs.
     Each case is recorded as soon as it is measured.
@@ -328,6 +328,7 @@ def bench_sampler(dry: bool, rec: Recorder) -> None:
     offset = torch.zeros(rows, dtype=torch.long, device=device)
     filters = {
         "top-k 50 + top-p 0.9": (torch.full((rows,), 50, device=device), torch.full((rows,), 0.9, device=device)),
+        "top-p 0.9": (None, torch.full((rows,), 0.9, device=device)),  # (the sampled workloads')
         "temperature only": (None, None),
     }
     for shape, logits in (("zipf", zipf), ("normal", normal)):

@@ -22,7 +22,9 @@ min-p; rows with top-p two (the second without noise), two more each time a cand
 falls outside the nucleus. Noise is computed only in blocks that hold an eligible token:
 in the first pass a top-k row skips the blocks without a top-k token, in a winner pass
 every row skips the blocks without a token above its candidate (most of them, past a
-peaked row's head), as a mass pass does.
+peaked row's head), as a mass pass does. And the noise's two logarithms, most of its
+cost, are taken only in blocks where some token's hash leaves it a chance to beat the best
+score so far (``_block_winner``): a few blocks a row.
 
 A top-k row whose top-k set, ties included, lies within its :data:`_LANES` largest logits
 (those :func:`largest` found for its threshold; the usual top-k of 50 or less, unless more
@@ -50,6 +52,7 @@ from typing import NamedTuple
 
 import torch
 
+from aiocb.runner.noise import GUMBEL_BOUND
 from aiocb.runner.triton_support import interpreted, runs_on
 
 try:
@@ -73,6 +76,8 @@ _LANES = 64
 
 
 if HAS_TRITON:
+    #: Above every Gumbel noise of the hash (noise.GUMBEL_BOUND), as a kernel constant.
+    _NOISE_CEILING = tl.constexpr(GUMBEL_BOUND)
 
     @triton.jit
     def _mix32(x):  # type: ignore[no-untyped-def]
@@ -100,12 +105,16 @@ if HAS_TRITON:
         else:
             return tl.log(x)
 
+    @triton.jit
+    def _bits(ids, row_key, second_key):  # type: ignore[no-untyped-def]
+        """noise.random_bits_at at vocabulary ids ``ids`` (uint32)."""
+        return _mix32(_mix32(ids.to(tl.uint32) ^ row_key) ^ second_key)
+
     @triton.jit  # type: ignore[untyped-decorator]
-    def _bits_and_gumbel(ids, row_key, second_key, PRECISE: tl.constexpr):  # type: ignore[no-untyped-def]
-        """noise.random_bits_at, then bits_to_uniform and gumbel, at vocabulary ids ``ids``."""
-        bits = _mix32(_mix32(ids.to(tl.uint32) ^ row_key) ^ second_key)
+    def _gumbel(bits, PRECISE: tl.constexpr):  # type: ignore[no-untyped-def]
+        """noise.bits_to_uniform, then noise.gumbel."""
         uniform = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # exact: 23 bits, times 2**-23
-        return bits, -_log(-_log(uniform, PRECISE), PRECISE)
+        return -_log(-_log(uniform, PRECISE), PRECISE)
 
     @triton.jit  # type: ignore[untyped-decorator]
     def _noise_kernel(  # type: ignore[no-untyped-def]
@@ -122,21 +131,44 @@ if HAS_TRITON:
         base = row.to(tl.int64) * VOCAB
         for start in range(0, VOCAB, BLOCK):
             ids = start + tl.arange(0, BLOCK)
-            bits, noise = _bits_and_gumbel(ids, row_key, second_key, PRECISE)
+            bits = _bits(ids, row_key, second_key)
+            noise = _gumbel(bits, PRECISE)
             tl.store(bits_ptr + base + ids, bits.to(tl.int64), mask=ids < VOCAB)
             tl.store(noise_ptr + base + ids, noise, mask=ids < VOCAB)
 
     @triton.jit  # type: ignore[untyped-decorator]
-    def _block_winner(eligible, scaled, ids, start, best, cand, row_key, second_key, PRECISE: tl.constexpr):  # type: ignore[no-untyped-def]
-        """Fold one block's ``argmax(scaled + noise)`` over ``eligible`` into ``(best, cand)``."""
-        _, noise = _bits_and_gumbel(ids, row_key, second_key, PRECISE)
-        score = tl.where(eligible, scaled + noise, float("-inf"))
-        block_best = tl.max(score, 0)
-        # Leftmost in a block, strictly greater across blocks: the first index among ties,
-        # as torch's argmax.
-        take = block_best > best
-        cand = tl.where(take, start + tl.argmax(score, 0, tie_break_left=True), cand)
-        return tl.maximum(best, block_best), cand
+    def _block_winner(eligible, scaled, top, ids, start, best, cand, row_key, second_key, PRECISE: tl.constexpr):  # type: ignore[no-untyped-def]
+        """Fold one block's ``argmax(scaled + noise)`` over ``eligible`` into ``(best, cand)``,
+        taking the noise's logarithms only in a block where some token may beat ``best``
+        (``top``: at least the block's largest eligible value).
+
+        A token's noise ``-log(-log u)`` is at most ``-log(1 - u)`` (as ``-log u >= 1 - u``),
+        so it can beat ``best`` only if ``1 - u < exp(scaled - best)``: the hash and one fast
+        exponential a token instead of two logarithms, and past a row's first blocks few
+        blocks hold such a token (the chance that a block beats the best of those before it
+        falls as the best grows: about 5 blocks of 75 take logarithms in a row of 151,936
+        random logits). The slack (in the exponent) covers the rounding of the scores, of
+        the fast exponential and of the logarithms, so a dropped token could not have won.
+        A block whose largest value could not win even with the largest noise skips the
+        hash too. (A NaN logit's pick is unspecified here, as it was before.)
+        """
+        bar = best - (0.01 + tl.minimum(tl.abs(best), 1.0e30) * 1e-6)  # (-inf best: -inf bar)
+        if top + _NOISE_CEILING > bar:  # (never with a best of +inf: nothing beats it)
+            bits = _bits(ids, row_key, second_key)
+            may_win = eligible
+            if bar > float("-inf"):  # (before a row's first score every token may win)
+                one_minus_u = (8388607.5 - (bits >> 9).to(tl.float32)) * (1.0 / 8388608.0)  # exact
+                # (capped far above any 1 - u: the exponential stays finite)
+                may_win = eligible & (one_minus_u < tl.exp(tl.minimum(scaled - bar, 20.0)))
+            if tl.max(may_win.to(tl.int32), 0) > 0:
+                score = tl.where(eligible, scaled + _gumbel(bits, PRECISE), float("-inf"))
+                block_best = tl.max(score, 0)
+                # Leftmost in a block, strictly greater across blocks: the first index among
+                # ties, as torch's argmax.
+                take = block_best > best
+                cand = tl.where(take, start + tl.argmax(score, 0, tie_break_left=True), cand)
+                best = tl.maximum(best, block_best)
+        return best, cand
 
     @triton.jit  # type: ignore[untyped-decorator]
     def _lanes_pick(  # type: ignore[no-untyped-def]
@@ -170,7 +202,7 @@ if HAS_TRITON:
             above = tl.sum(tl.where(scaled[None, :] > scaled[:, None], weight[None, :], 0.0), 1)
             bound = tl.where(top_p < 1.0, top_p * tl.sum(weight, 0), float("inf"))  # (top_p 1: no test)
             support = support & (above <= bound)
-        _, noise = _bits_and_gumbel(ids, row_key, second_key, PRECISE)
+        noise = _gumbel(_bits(ids, row_key, second_key), PRECISE)
         score = tl.where(support, scaled + noise, float("-inf"))
         best = tl.max(score, 0)
         # The first vocabulary id among tied scores, as the passes (and torch's argmax) pick.
@@ -205,13 +237,14 @@ if HAS_TRITON:
             # IEEE-rounded, as torch's logits / temperature (`/` may lower to an approximation).
             scaled = tl.math.div_rn(logits, temperature)
             in_k = logits >= threshold
-            m_new = tl.maximum(m, tl.max(scaled, 0))
+            top = tl.max(scaled, 0)
+            m_new = tl.maximum(m, top)
             if USE_TOP_P:
                 mass_k = mass_k * tl.exp(m - m_new) + tl.sum(tl.where(in_k, tl.exp(scaled - m_new), 0.0), 0)
             m = m_new
             # Outside the top-k set no noise is needed (most blocks of a top-k row).
             if tl.max(in_k.to(tl.int32), 0) > 0:
-                best, cand = _block_winner(in_k, scaled, ids, start, best, cand, row_key, second_key, PRECISE)
+                best, cand = _block_winner(in_k, scaled, top, ids, start, best, cand, row_key, second_key, PRECISE)
 
         # draw_full keeps a token when the mass ranked before it is at most top_p.
         bound = top_p * mass_k
@@ -248,8 +281,9 @@ if HAS_TRITON:
                     scaled = tl.math.div_rn(logits, temperature)
                     eligible = (scaled > cand_scaled) & (logits >= threshold) & ((scaled - m) >= log_min_p)
                     if tl.max(eligible.to(tl.int32), 0) > 0:
+                        top = tl.max(tl.where(eligible, scaled, float("-inf")), 0)
                         next_best, next_cand = _block_winner(
-                            eligible, scaled, ids, start, next_best, next_cand, row_key, second_key, PRECISE
+                            eligible, scaled, top, ids, start, next_best, next_cand, row_key, second_key, PRECISE
                         )
             # The row max is always in the support, so a rejected candidate has an eligible
             # token above it; the guard only ends the loop on invalid parameters (min_p > 1).

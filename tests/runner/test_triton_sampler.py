@@ -108,6 +108,11 @@ CASES = {
     "masked-min-p": (1000, 0, 1.0, 0.1, 3.0, 0.9),
     "one-block": (200, 10, 0.95, 0.0, 3.0, 0.0),
     "exact-blocks": (1024, 50, 0.9, 0.0, 3.0, 0.0),
+    # Rows of 79 blocks, where most blocks' noise is skipped (no token may beat the best).
+    "temperature-long": (20_000, 0, 1.0, 0.0, 3.0, 0.0),
+    "temperature-long-flat": (20_000, 0, 1.0, 0.0, 0.3, 0.0),
+    "top-p-long": (20_000, 0, 0.9, 0.0, 1.0, 0.0),
+    "top-k-long": (20_000, 5_000, 1.0, 0.0, 2.0, 0.0),
 }
 
 
@@ -115,7 +120,7 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_picks_what_draw_full_picks(case: str) -> None:
     vocab, k, p, mp, scale, masked = CASES[case]
-    rows = 16
+    rows = 16 if vocab < 10_000 else 4  # (interpreted: seconds a long row)
     gen = torch.Generator().manual_seed(sum(map(ord, case)))
     logits = torch.randn(rows, vocab, generator=gen) * scale
     if masked:
@@ -129,6 +134,26 @@ def test_picks_what_draw_full_picks(case: str) -> None:
     min_p = torch.full((rows,), mp) if mp else None
     got, want = _both(logits, temperature, seed, offset, top_k, top_p, min_p)
     assert torch.equal(got, want), (got, want)
+
+
+@needs_kernel
+@pytest.mark.parametrize("margin", [1e-3, -1e-3, 1e-5, -1e-5])
+def test_a_late_token_that_beats_the_best_by_a_hair_wins(margin: float) -> None:
+    """The kernel takes a block's logarithms only where a token may beat the best score so
+    far; a token in the last block given the block's largest noise and a score a hair above
+    (or below) the best of the rest must still win (or lose), as in ``draw_full``."""
+    vocab, rows = 4_000, 4
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+    temperature, seed, offset = _inputs(rows, gen)
+    noise = gumbel_at(seed, offset, torch.arange(vocab)[None, :])
+    last = vocab - vocab % BLOCK  # (the last block's first id)
+    late = last + noise[:, last:].argmax(-1)  # (its largest noise: a low logit that may win)
+    best = (logits / temperature[:, None] + noise).amax(-1)
+    logits[torch.arange(rows), late] = (best + margin - noise[torch.arange(rows), late]) * temperature
+    got, want = _both(logits, temperature, seed, offset, None, None, None)
+    assert torch.equal(got, want), (got, want)
+    assert (want == late).tolist() == [margin > 0] * rows
 
 
 @needs_kernel
