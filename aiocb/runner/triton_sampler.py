@@ -137,20 +137,22 @@ if HAS_TRITON:
             tl.store(noise_ptr + base + ids, noise, mask=ids < VOCAB)
 
     @triton.jit  # type: ignore[untyped-decorator]
-    def _block_winner(eligible, scaled, top, ids, start, best, cand, row_key, second_key, PRECISE: tl.constexpr):  # type: ignore[no-untyped-def]
-        """Fold one block's ``argmax(scaled + noise)`` over ``eligible`` into ``(best, cand)``,
-        taking the noise's logarithms only in a block where some token may beat ``best``
-        (``top``: at least the block's largest eligible value).
+    def _block_winner(eligible, logits, temperature, top, ids, start, best, cand, row_key, second_key, PRECISE: tl.constexpr):  # type: ignore[no-untyped-def]
+        """Fold one block's ``argmax(logits / temperature + noise)`` over ``eligible`` into
+        ``(best, cand)``, taking the noise's logarithms only in a block where some token may
+        beat ``best`` (``top``: at least the block's largest eligible scaled logit).
 
         A token's noise ``-log(-log u)`` is at most ``-log(1 - u)`` (as ``-log u >= 1 - u``),
         so it can beat ``best`` only if ``1 - u < exp(scaled - best)``: the hash and one fast
         exponential a token instead of two logarithms, and past a row's first blocks few
         blocks hold such a token (the chance that a block beats the best of those before it
         falls as the best grows: about 5 blocks of 75 take logarithms in a row of 151,936
-        random logits). The slack (in the exponent) covers the rounding of the scores, of
-        the fast exponential and of the logarithms, so a dropped token could not have won.
-        A block whose largest value could not win even with the largest noise skips the
-        hash too. (A NaN logit's pick is unspecified here, as it was before.)
+        random logits). The test divides by a product with the reciprocal, the scores by
+        the IEEE-rounded division (only where logarithms are taken). The slack (in the
+        exponent) covers the rounding of the scores, of that product, of the fast
+        exponential and of the logarithms, so a dropped token could not have won. A block
+        whose largest value could not win even with the largest noise skips the hash too.
+        (A NaN logit's pick is unspecified here, as it was before.)
         """
         bar = best - (0.01 + tl.minimum(tl.abs(best), 1.0e30) * 1e-6)  # (-inf best: -inf bar)
         if top + _NOISE_CEILING > bar:  # (never with a best of +inf: nothing beats it)
@@ -159,8 +161,10 @@ if HAS_TRITON:
             if bar > float("-inf"):  # (before a row's first score every token may win)
                 one_minus_u = (8388607.5 - (bits >> 9).to(tl.float32)) * (1.0 / 8388608.0)  # exact
                 # (capped far above any 1 - u: the exponential stays finite)
-                may_win = eligible & (one_minus_u < tl.exp(tl.minimum(scaled - bar, 20.0)))
+                near = logits * (1.0 / temperature) - bar
+                may_win = eligible & (one_minus_u < tl.exp(tl.minimum(near, 20.0)))
             if tl.max(may_win.to(tl.int32), 0) > 0:
+                scaled = tl.math.div_rn(logits, temperature)
                 score = tl.where(eligible, scaled + _gumbel(bits, PRECISE), float("-inf"))
                 block_best = tl.max(score, 0)
                 # Leftmost in a block, strictly greater across blocks: the first index among
@@ -234,17 +238,20 @@ if HAS_TRITON:
         for start in range(0, VOCAB, BLOCK):
             ids = start + offs
             logits = tl.load(row_ptr + ids, mask=ids < VOCAB, other=float("-inf"))
-            # IEEE-rounded, as torch's logits / temperature (`/` may lower to an approximation).
-            scaled = tl.math.div_rn(logits, temperature)
             in_k = logits >= threshold
-            top = tl.max(scaled, 0)
+            # The block's largest scaled logit, with one division: the IEEE-rounded one (as
+            # torch's logits / temperature; `/` may lower to an approximation) is monotone.
+            top = tl.math.div_rn(tl.max(logits, 0), temperature)
             m_new = tl.maximum(m, top)
             if USE_TOP_P:
+                scaled = tl.math.div_rn(logits, temperature)
                 mass_k = mass_k * tl.exp(m - m_new) + tl.sum(tl.where(in_k, tl.exp(scaled - m_new), 0.0), 0)
             m = m_new
             # Outside the top-k set no noise is needed (most blocks of a top-k row).
             if tl.max(in_k.to(tl.int32), 0) > 0:
-                best, cand = _block_winner(in_k, scaled, top, ids, start, best, cand, row_key, second_key, PRECISE)
+                best, cand = _block_winner(
+                    in_k, logits, temperature, top, ids, start, best, cand, row_key, second_key, PRECISE
+                )
 
         # draw_full keeps a token when the mass ranked before it is at most top_p.
         bound = top_p * mass_k
@@ -283,8 +290,9 @@ if HAS_TRITON:
                     if tl.max(eligible.to(tl.int32), 0) > 0:
                         top = tl.max(tl.where(eligible, scaled, float("-inf")), 0)
                         next_best, next_cand = _block_winner(
-                            eligible, scaled, top, ids, start, next_best, next_cand, row_key, second_key, PRECISE
-                        )
+                            eligible, logits, temperature, top, ids, start, next_best, next_cand,
+                            row_key, second_key, PRECISE,
+                        )  # fmt: skip
             # The row max is always in the support, so a rejected candidate has an eligible
             # token above it; the guard only ends the loop on invalid parameters (min_p > 1).
             move = rejected & (next_best > float("-inf"))
