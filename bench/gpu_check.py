@@ -299,7 +299,7 @@ def _draw_full_scaled(
     """``draw_full`` as ``sample()`` calls it without Triton (the division included)."""
     from aiocb.runner.draw import draw_full
 
-    return draw_full(logits / temperature[:, None], seed, offset, top_k, top_p, None)
+    return draw_full(logits.float() / temperature[:, None], seed, offset, top_k, top_p, None)
 
 
 def bench_sampler(dry: bool, rec: Recorder) -> None:
@@ -331,31 +331,34 @@ def bench_sampler(dry: bool, rec: Recorder) -> None:
         "top-p 0.9": (None, torch.full((rows,), 0.9, device=device)),  # (the sampled workloads')
         "temperature only": (None, None),
     }
-    for shape, logits in (("zipf", zipf), ("normal", normal)):
-        for name, (top_k, top_p) in filters.items():
-            case = f"{shape}, {name}"
-            try:
-                kernel = functools.partial(
-                    triton_sampler.triton_draw, logits, temperature, seed, offset, top_k, top_p, None, 50
-                )
-                reference = functools.partial(_draw_full_scaled, logits, temperature, seed, offset, top_k, top_p)
-                row: dict[str, Any] = {
-                    "mismatches": int((kernel() != reference()).sum()),
-                    "triton_ms": _device_ms(kernel),
-                    "draw_full_ms": _device_ms(reference),
-                }
-                if top_k is not None:
-                    thresholds = functools.partial(triton_sampler.top_k_thresholds, logits, top_k, 50)
-                    row["top_k_thresholds_ms"] = _device_ms(thresholds)
-                row["speedup"] = row["draw_full_ms"] / row["triton_ms"]
-                rec.put(case, row)
-                log(
-                    f"sampler {case}: triton {row['triton_ms']:.3f} ms, draw_full {row['draw_full_ms']:.2f} ms, "
-                    f"{row['mismatches']} mismatches"
-                )
-            except Exception as error:  # a kernel that does not compile must not cost the rest
-                rec.put(case, {"error": repr(error)[:300]})
-                log(f"sampler {case}: {error!r}")
+    # (shape, filters, logits): and a model's bfloat16 logits, which the kernel reads as they are
+    cases = [(shape, name, logits) for shape, logits in (("zipf", zipf), ("normal", normal)) for name in filters]
+    cases.insert(2, ("zipf", "top-p 0.9, bfloat16", zipf.bfloat16()))
+    for shape, name, logits in cases:
+        top_k, top_p = filters[name.split(",")[0]]
+        case = f"{shape}, {name}"
+        try:
+            kernel = functools.partial(
+                triton_sampler.triton_draw, logits, temperature, seed, offset, top_k, top_p, None, 50
+            )
+            reference = functools.partial(_draw_full_scaled, logits, temperature, seed, offset, top_k, top_p)
+            row: dict[str, Any] = {
+                "mismatches": int((kernel() != reference()).sum()),
+                "triton_ms": _device_ms(kernel),
+                "draw_full_ms": _device_ms(reference),
+            }
+            if top_k is not None:
+                thresholds = functools.partial(triton_sampler.top_k_thresholds, logits, top_k, 50)
+                row["top_k_thresholds_ms"] = _device_ms(thresholds)
+            row["speedup"] = row["draw_full_ms"] / row["triton_ms"]
+            rec.put(case, row)
+            log(
+                f"sampler {case}: triton {row['triton_ms']:.3f} ms, draw_full {row['draw_full_ms']:.2f} ms, "
+                f"{row['mismatches']} mismatches"
+            )
+        except Exception as error:  # a kernel that does not compile must not cost the rest
+            rec.put(case, {"error": repr(error)[:300]})
+            log(f"sampler {case}: {error!r}")
     del normal, zipf
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -35,6 +35,7 @@ class SlotParams:
     #: None when no row uses min-p
     min_p: torch.Tensor | None
     all_greedy: bool
+    any_greedy: bool
     any_top_k: bool
     any_top_p: bool
     any_logprobs: bool
@@ -121,6 +122,7 @@ class InputBatch:
             seed=self.seed.index_select(0, slots),
             min_p=min_p if bool((min_p > 0.0).any()) else None,
             all_greedy=not bool(drawn.any()),
+            any_greedy=not bool(drawn.all()),
             any_top_k=bool((drawn_k > 1).any()),
             any_top_p=bool((top_p[drawn] < 1.0).any()),
             any_logprobs=bool((self.logprobs.index_select(0, slots) | (tops > 0)).any()),

@@ -566,6 +566,7 @@ def _sampling_tensors(
         seed=gathered.seed,
         offset=offsets,
         all_greedy=gathered.all_greedy,
+        any_greedy=gathered.any_greedy,
         any_top_k=gathered.any_top_k,
         any_top_p=gathered.any_top_p,
         any_logprobs=gathered.any_logprobs,

@@ -157,13 +157,14 @@ class ModelRunner:
         self.compile_sampler()
 
     def compile_sampler(self) -> None:
-        """Compile the GPU sampler for the widths of logits it will draw from (the model's
-        vocabulary, and the draft's where it differs); nothing on a CPU."""
-        widths = {self.spec.vocab_size}
+        """Compile the GPU sampler for the logits it will draw from: the model's, in its
+        dtype and in float32 (after logits controls or a grammar's mask), and the draft's
+        (float32) where its vocabulary differs; nothing on a CPU."""
+        wanted = {self.spec.vocab_size: {torch.float32, self.spec.dtype}}
         if self.drafter is not None:
-            widths.add(self.drafter.vocab_size)
-        for width in sorted(widths):
-            compile_draw(width, self.device)
+            wanted.setdefault(self.drafter.vocab_size, set()).add(torch.float32)
+        for width, dtypes in sorted(wanted.items()):
+            compile_draw(width, self.device, sorted(dtypes, key=str))
 
     def notify(self, *event: object) -> None:
         """A control event (``("cancel", request_id, reason)``, ``("stop", hard)``) for the other

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -56,6 +56,8 @@ class SamplingTensors:
     max_top_logprobs: int
     #: the largest top_k of a sampled row (0: none), which bounds a top-k selection's width
     max_top_k: int = 0
+    #: whether any row is greedy (False spares a GPU draw the argmax of every row)
+    any_greedy: bool = True
     #: [S] float32, 0 = off; None when no sampled row uses min-p
     min_p: torch.Tensor | None = None
     #: biases, penalties, bans and allow-lists; None when no row uses one
@@ -105,6 +107,7 @@ class SamplingTensors:
             any_logprobs=any(r.logprobs or r.top_logprobs for r in rows),
             max_top_logprobs=max((r.top_logprobs for r in rows), default=0),
             max_top_k=max((r.top_k for r, g in zip(rows, greedy, strict=True) if not g), default=0),
+            any_greedy=any(greedy),
             min_p=tensors.get("min_p"),
             controls=controls_from_tensors(tensors),
             history_carry=tensors.get("c_history_carry"),
@@ -161,8 +164,10 @@ def sample(logits: torch.Tensor, params: SamplingTensors) -> Sampled:
     likely alternatives, under the raw distribution (log-softmax of ``logits``).
     """
     raw = logits
-    if params.controls is not None or params.bitmask is not None or not params.all_greedy:
-        # (greedy rows alone need no float copy: an argmax is the same in any float dtype)
+    drawn_on_cpu = not params.all_greedy and logits.device.type == "cpu"
+    if params.controls is not None or params.bitmask is not None or drawn_on_cpu:
+        # (no float copy for greedy rows alone, whose argmax is the same in any float dtype,
+        # nor for a device draw, which reads the model's dtype itself)
         logits = logits.float()
     if params.controls is not None:
         logits = apply_controls(logits, params.controls)
@@ -206,15 +211,18 @@ def draw_on_device(logits: torch.Tensor, params: SamplingTensors) -> torch.Tenso
     """:func:`sample`'s pick on a GPU: no branch on the data, as the host must not wait for
     the device. The Triton kernel where it runs, else :func:`~aiocb.runner.draw.draw_full`.
 
-    It also runs on CPU tensors, with the kernel in Triton's interpreter when that is on.
+    ``logits`` may be in the model's dtype: the kernel upcasts them as it reads them (a
+    float32 copy of 1,024 rows of 151,936 would write 622 MB a step, then be read). It also
+    runs on CPU tensors, with the kernel in Triton's interpreter when that is on.
     """
     from aiocb.runner import triton_sampler  # (imports triton: only where this path runs)
 
     global _kernel_failed
-    is_greedy = params.temperature == 0.0
-    temperature = torch.where(is_greedy, 1.0, params.temperature)
+    greedy = params.temperature == 0.0 if params.any_greedy else None
+    temperature = params.temperature if greedy is None else torch.where(greedy, 1.0, params.temperature)
     sampled = None
-    if not _kernel_failed and triton_sampler.is_available(logits.device):
+    readable = logits.dtype in triton_sampler.LOGITS_DTYPES
+    if not _kernel_failed and readable and triton_sampler.is_available(logits.device):
         top_k = params.top_k if params.any_top_k else None
         top_p = params.top_p if params.any_top_p else None
         try:
@@ -227,14 +235,16 @@ def draw_on_device(logits: torch.Tensor, params: SamplingTensors) -> torch.Tenso
     if sampled is None:
         filtered = params.any_top_k or params.any_top_p
         top_k, top_p = (params.top_k, params.top_p) if filtered else (None, None)
-        sampled = draw_full(logits / temperature[:, None], params.seed, params.offset, top_k, top_p, params.min_p)
-    return torch.where(is_greedy, logits.argmax(dim=-1), sampled)
+        scaled = logits.float() / temperature[:, None]
+        sampled = draw_full(scaled, params.seed, params.offset, top_k, top_p, params.min_p)
+    return sampled if greedy is None else torch.where(greedy, logits.argmax(dim=-1), sampled)
 
 
-def compile_draw(vocab: int, device: torch.device) -> None:
-    """Compile the Triton draw kernel for logits ``vocab`` wide where :func:`draw_on_device`
-    will run it (on CUDA), so that no sampled step waits for the compiler; a kernel that
-    does not compile here is given up on now, as :func:`draw_on_device` would."""
+def compile_draw(vocab: int, device: torch.device, dtypes: Iterable[torch.dtype]) -> None:
+    """Compile the Triton draw kernel for logits ``vocab`` wide of each of ``dtypes`` where
+    :func:`draw_on_device` will run it (on CUDA), so that no sampled step waits for the
+    compiler; a kernel that does not compile here is given up on now, as
+    :func:`draw_on_device` would."""
     global _kernel_failed
     if device.type != "cuda" or _kernel_failed:
         return
@@ -243,7 +253,7 @@ def compile_draw(vocab: int, device: torch.device) -> None:
     if not triton_sampler.is_available(device):
         return
     try:
-        triton_sampler.compile_draw(vocab, device)
+        triton_sampler.compile_draw(vocab, device, dtypes)
     except Exception:
         logger.exception("the Triton sampler failed to compile; sampling over the sorted vocabulary")
         _kernel_failed = True

@@ -48,6 +48,7 @@ picks); the masses use Triton's fast exponential, which can matter only at a thr
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 from typing import NamedTuple
 
 import torch
@@ -64,7 +65,7 @@ try:
 except ImportError:  # pragma: no cover - exercised only where triton is absent
     HAS_TRITON = False
 
-__all__ = ["HAS_TRITON", "compile_draw", "is_available", "triton_draw", "triton_noise"]
+__all__ = ["HAS_TRITON", "LOGITS_DTYPES", "compile_draw", "is_available", "triton_draw", "triton_noise"]
 
 #: Logits per block on the GPU and the launch width that goes with it (sm_90: 64 registers
 #: a thread, no spills; not tuned by timing).
@@ -73,6 +74,8 @@ _NUM_WARPS = 8
 #: Largest logits a top-k row may draw from without reading its vocabulary (a power of two:
 #: a top-k of 50, the most common, with 14 to spare for logits tied at the 50th).
 _LANES = 64
+#: The logits' dtypes :func:`triton_draw` reads.
+LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 if HAS_TRITON:
@@ -137,7 +140,9 @@ if HAS_TRITON:
             tl.store(noise_ptr + base + ids, noise, mask=ids < VOCAB)
 
     @triton.jit  # type: ignore[untyped-decorator]
-    def _block_winner(eligible, logits, temperature, top, ids, start, best, cand, row_key, second_key, PRECISE: tl.constexpr):  # type: ignore[no-untyped-def]
+    def _block_winner(  # type: ignore[no-untyped-def]
+        eligible, logits, temperature, top, ids, start, best, cand, row_key, second_key, PRECISE: tl.constexpr
+    ):
         """Fold one block's ``argmax(logits / temperature + noise)`` over ``eligible`` into
         ``(best, cand)``, taking the noise's logarithms only in a block where some token may
         beat ``best`` (``top``: at least the block's largest eligible scaled logit).
@@ -194,7 +199,7 @@ if HAS_TRITON:
         support, computed over the lanes at once."""
         lanes = tl.arange(0, LANES)
         valid = lanes < width
-        logits = tl.load(values_ptr + lanes, mask=valid, other=float("-inf"))
+        logits = tl.load(values_ptr + lanes, mask=valid, other=float("-inf")).to(tl.float32)
         ids = tl.load(ids_ptr + lanes, mask=valid, other=0).to(tl.int32)
         scaled = tl.math.div_rn(logits, temperature)
         m = tl.max(scaled, 0)  # (the row's largest logit is lane 0)
@@ -237,14 +242,15 @@ if HAS_TRITON:
         cand = tl.zeros((), tl.int32)  # torch's argmax of an all -inf row
         for start in range(0, VOCAB, BLOCK):
             ids = start + offs
-            logits = tl.load(row_ptr + ids, mask=ids < VOCAB, other=float("-inf"))
+            logits = tl.load(row_ptr + ids, mask=ids < VOCAB, other=float("-inf")).to(tl.float32)
             in_k = logits >= threshold
             # The block's largest scaled logit, with one division: the IEEE-rounded one (as
             # torch's logits / temperature; `/` may lower to an approximation) is monotone.
             top = tl.math.div_rn(tl.max(logits, 0), temperature)
             m_new = tl.maximum(m, top)
             if USE_TOP_P:
-                scaled = tl.math.div_rn(logits, temperature)
+                # (a mass: the product with the reciprocal, as rounded as the fast exponential)
+                scaled = logits * (1.0 / temperature)
                 mass_k = mass_k * tl.exp(m - m_new) + tl.sum(tl.where(in_k, tl.exp(scaled - m_new), 0.0), 0)
             m = m_new
             # Outside the top-k set no noise is needed (most blocks of a top-k row).
@@ -256,7 +262,7 @@ if HAS_TRITON:
         # draw_full keeps a token when the mass ranked before it is at most top_p.
         bound = top_p * mass_k
         nucleus = top_p < 1.0
-        cand_scaled = tl.math.div_rn(tl.load(row_ptr + cand), temperature)
+        cand_scaled = tl.math.div_rn(tl.load(row_ptr + cand).to(tl.float32), temperature)
         passes_min_p = (cand_scaled - m) >= log_min_p
         pending = (~passes_min_p) | nucleus
         while pending:
@@ -269,7 +275,7 @@ if HAS_TRITON:
                     above_mass = 0.0
                     for start in range(0, VOCAB, BLOCK):
                         ids = start + offs
-                        logits = tl.load(row_ptr + ids, mask=ids < VOCAB, other=float("-inf"))
+                        logits = tl.load(row_ptr + ids, mask=ids < VOCAB, other=float("-inf")).to(tl.float32)
                         scaled = tl.math.div_rn(logits, temperature)
                         above = scaled > cand_scaled
                         # Past a peaked row's head most blocks hold nothing above the candidate.
@@ -284,7 +290,7 @@ if HAS_TRITON:
             if rejected:
                 for start in range(0, VOCAB, BLOCK):
                     ids = start + offs
-                    logits = tl.load(row_ptr + ids, mask=ids < VOCAB, other=float("-inf"))
+                    logits = tl.load(row_ptr + ids, mask=ids < VOCAB, other=float("-inf")).to(tl.float32)
                     scaled = tl.math.div_rn(logits, temperature)
                     eligible = (scaled > cand_scaled) & (logits >= threshold) & ((scaled - m) >= log_min_p)
                     if tl.max(eligible.to(tl.int32), 0) > 0:
@@ -297,7 +303,7 @@ if HAS_TRITON:
             # token above it; the guard only ends the loop on invalid parameters (min_p > 1).
             move = rejected & (next_best > float("-inf"))
             cand = tl.where(move, next_cand, cand)
-            cand_scaled = tl.math.div_rn(tl.load(row_ptr + cand), temperature)
+            cand_scaled = tl.math.div_rn(tl.load(row_ptr + cand).to(tl.float32), temperature)
             # A new candidate passes top-k and min-p by construction: only top-p is left.
             passes_min_p = passes_min_p | move
             pending = move & nucleus
@@ -344,7 +350,7 @@ if HAS_TRITON:
         threshold = float("-inf")  # the smallest raw logit of the top-k set
         on_lanes = tl.zeros((), tl.int32)
         if USE_TOP_K:
-            threshold = tl.load(threshold_ptr + row)
+            threshold = tl.load(threshold_ptr + row).to(tl.float32)
             on_lanes = tl.load(lanes_ptr + row).to(tl.int32)
         log_min_p = float("-inf")
         if USE_MIN_P:
@@ -470,7 +476,8 @@ def triton_draw(
 ) -> torch.Tensor:
     """The pick of ``draw_full(logits / temperature[:, None], seed, offset, top_k, top_p, min_p)``.
 
-    ``logits [R, V]`` (float32), ``temperature [R]`` (positive), ``seed`` and ``offset``
+    ``logits [R, V]`` (float32, or a model's bfloat16 or float16, upcast as they load:
+    exactly ``logits.float()``), ``temperature [R]`` (positive), ``seed`` and ``offset``
     ``[R]`` (int64); a filter that no row uses may be None. ``max_top_k`` bounds the rows'
     ``top_k`` (see :func:`top_k_thresholds`). Differences from ``draw_full`` are limited
     to ties (see the module's docstring). No host synchronisation: the launch depends on
@@ -479,8 +486,10 @@ def triton_draw(
     """
     if not HAS_TRITON:
         raise RuntimeError("triton is not installed")
-    if logits.dim() != 2 or logits.dtype != torch.float32:
-        raise ValueError(f"expected float32 logits [R, V], got {logits.dtype} {tuple(logits.shape)}")
+    if logits.dim() != 2 or logits.dtype not in LOGITS_DTYPES:
+        raise ValueError(
+            f"expected float32, bfloat16 or float16 logits [R, V], got {logits.dtype} {tuple(logits.shape)}"
+        )
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.long, device=logits.device)
     if rows == 0:
@@ -522,20 +531,22 @@ def triton_draw(
     return out
 
 
-def compile_draw(vocab: int, device: torch.device) -> None:
-    """Compile :func:`triton_draw`'s kernel for logits ``vocab`` wide on ``device``, once for
-    each combination of filters (each is a kernel of its own), by drawing from one row.
+def compile_draw(vocab: int, device: torch.device, dtypes: Iterable[torch.dtype] = (torch.float32,)) -> None:
+    """Compile :func:`triton_draw`'s kernel for logits ``vocab`` wide of each of ``dtypes``
+    on ``device``, once for each combination of filters (each is a kernel of its own), by
+    drawing from one row.
 
     Run before serving: otherwise the first step that samples with a new combination
     compiles it in the middle of serving (seconds on a cold cache, seen on the H200, with
     the compiler's Python holding the GIL, so the event loop stalls too).
     """
-    logits = torch.zeros(1, vocab, device=device)
     one = torch.ones(1, device=device)
     zero = torch.zeros(1, dtype=torch.long, device=device)
-    filters = itertools.product((None, zero + 1), (None, one / 2), (None, one / 10))
-    for top_k, top_p, min_p in filters:
-        triton_draw(logits, one, zero, zero, top_k, top_p, min_p, max_top_k=1)
+    for dtype in dtypes:
+        logits = torch.zeros(1, vocab, device=device, dtype=dtype)
+        filters = itertools.product((None, zero + 1), (None, one / 2), (None, one / 10))
+        for top_k, top_p, min_p in filters:
+            triton_draw(logits, one, zero, zero, top_k, top_p, min_p, max_top_k=1)
 
 
 def triton_noise(

@@ -8,7 +8,9 @@ test repeats the comparison at a real vocabulary on CUDA.
 
 from __future__ import annotations
 
+import itertools
 import os
+from collections.abc import Iterable
 
 import pytest
 import torch
@@ -312,6 +314,60 @@ def test_the_device_path_matches_the_cpu_sampler() -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_models_half_precision_logits_are_read_as_they_are(dtype: torch.dtype) -> None:
+    """The kernel reads bfloat16 or float16 logits itself (no float32 copy of them): the
+    picks are those of the same logits upcast first, for every filter, top-k rows drawing
+    from their lanes included (half-precision logits tie often)."""
+    vocab, rows = 3_000, 6
+    gen = torch.Generator().manual_seed(17)
+    logits = (torch.randn(rows, vocab, generator=gen) * 3).to(dtype)
+    temperature, seed, offset = _inputs(rows, gen)
+    full = torch.ones(rows)
+    for top_k, top_p, min_p in [
+        (None, None, None),
+        (full.long() * 40, full * 0.9, None),
+        (None, full * 0.8, None),
+        (None, None, full * 0.05),
+        (full.long() * 500, full * 0.7, full * 0.02),
+    ]:
+        max_top_k = None if top_k is None else int(top_k.max())
+        got = triton_draw(logits, temperature, seed, offset, top_k, top_p, min_p, max_top_k, block=BLOCK)
+        upcast = triton_draw(logits.float(), temperature, seed, offset, top_k, top_p, min_p, max_top_k, block=BLOCK)
+        assert torch.equal(got, upcast), (top_k is not None, top_p is not None, min_p is not None)
+        if top_k is None:  # (draw_full keeps exactly k of a tie at the k-th)
+            want = draw_full(logits.float() / temperature[:, None], seed, offset, top_k, top_p, min_p)
+            assert torch.equal(got, want)
+
+
+@needs_kernel
+def test_the_device_path_draws_from_a_models_logits_without_a_float_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device draw hands the kernel the model's bfloat16 logits as they are (``sample``
+    makes no float32 copy for it on a GPU), mixes in greedy rows' argmax only when some row
+    is greedy, and picks what the float32 logits give, on either path."""
+    vocab = 400
+    logits = (torch.randn(4, vocab, generator=torch.Generator().manual_seed(2)) * 3).to(torch.bfloat16)
+    seen: list[torch.dtype] = []
+    kernel = triton_sampler.triton_draw
+
+    def spy(logits: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        seen.append(logits.dtype)
+        return kernel(logits, *args, **kwargs)  # type: ignore[arg-type]  # (the same arguments)
+
+    monkeypatch.setattr(triton_sampler, "triton_draw", spy)
+    sampled = [Row(temperature=0.8, top_p=0.9, seed=i, offset=i) for i in range(4)]
+    mixed = [Row(temperature=0.0), *sampled[1:]]
+    for rows in (sampled, mixed):
+        params = SamplingTensors.from_rows(rows, logits.device)
+        assert params.any_greedy == (rows is mixed)
+        # (on a CPU sample() upcasts for its own draw, so the device path is called here)
+        got = draw_on_device(logits, params)
+        assert torch.equal(got, draw_on_device(logits.float(), params))
+        assert torch.equal(got, sample(logits.float(), params).tokens)
+    assert seen == [torch.bfloat16, torch.float32] * 2
+
+
+@needs_kernel
 def test_a_kernel_that_fails_gives_way_to_the_sorted_draw(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -344,13 +400,15 @@ def test_compile_draw_runs_every_combination_of_filters(monkeypatch: pytest.Monk
     def spy(logits: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor,
             top_k: torch.Tensor | None, top_p: torch.Tensor | None, min_p: torch.Tensor | None,
             max_top_k: int | None = None) -> torch.Tensor:  # fmt: skip
-        assert logits.shape == (1, 96) and logits.dtype == torch.float32
-        seen.append((top_k is not None, top_p is not None, min_p is not None))
+        assert logits.shape == (1, 96)
+        seen.append((logits.dtype, top_k is not None, top_p is not None, min_p is not None))
         return triton_draw(logits, temperature, seed, offset, top_k, top_p, min_p, max_top_k, block=BLOCK)
 
     monkeypatch.setattr(triton_sampler, "triton_draw", spy)
-    triton_sampler.compile_draw(96, torch.device("cpu"))
-    assert sorted(seen) == sorted({(a, b, c) for a in (False, True) for b in (False, True) for c in (False, True)})
+    dtypes = (torch.float32, torch.bfloat16)
+    triton_sampler.compile_draw(96, torch.device("cpu"), dtypes)
+    flags = (False, True)
+    assert sorted(seen, key=str) == sorted(itertools.product(dtypes, flags, flags, flags), key=str)
 
 
 def test_the_runner_compiles_the_sampler_on_cuda_only_and_gives_up_on_a_failure(
@@ -358,26 +416,31 @@ def test_the_runner_compiles_the_sampler_on_cuda_only_and_gives_up_on_a_failure(
 ) -> None:
     """``sampler.compile_draw`` compiles where ``draw_on_device`` would use the kernel (CUDA),
     never on a CPU; a compile that fails is reported and the sorted draw used from then on."""
-    compiled: list[tuple[int, torch.device]] = []
+    compiled: list[tuple[int, torch.device, list[torch.dtype]]] = []
+
+    def spy(vocab: int, device: torch.device, dtypes: Iterable[torch.dtype]) -> None:
+        compiled.append((vocab, device, list(dtypes)))
+
     monkeypatch.setattr(sampler, "_kernel_failed", False)
     monkeypatch.setattr(triton_sampler, "is_available", lambda device: True)
-    monkeypatch.setattr(triton_sampler, "compile_draw", lambda vocab, device: compiled.append((vocab, device)))
-    sampler.compile_draw(512, torch.device("cpu"))
+    monkeypatch.setattr(triton_sampler, "compile_draw", spy)
+    both = [torch.float32, torch.bfloat16]
+    sampler.compile_draw(512, torch.device("cpu"), both)
     assert compiled == []
     cuda = torch.device("cuda", 0)
-    sampler.compile_draw(512, cuda)
-    assert compiled == [(512, cuda)]
+    sampler.compile_draw(512, cuda, both)
+    assert compiled == [(512, cuda, both)]
 
-    def broken(vocab: int, device: torch.device) -> None:
+    def broken(vocab: int, device: torch.device, dtypes: Iterable[torch.dtype]) -> None:
         raise RuntimeError("no kernel here")
 
     monkeypatch.setattr(triton_sampler, "compile_draw", broken)
     with caplog.at_level("ERROR"):
-        sampler.compile_draw(512, cuda)
+        sampler.compile_draw(512, cuda, both)
     assert sampler._kernel_failed and "failed to compile" in caplog.text
-    monkeypatch.setattr(triton_sampler, "compile_draw", lambda vocab, device: compiled.append((vocab, device)))
-    sampler.compile_draw(512, cuda)  # (given up on: not tried again)
-    assert compiled == [(512, cuda)]
+    monkeypatch.setattr(triton_sampler, "compile_draw", spy)
+    sampler.compile_draw(512, cuda, both)  # (given up on: not tried again)
+    assert compiled == [(512, cuda, both)]
 
 
 def test_the_runners_warm_up_compiles_the_sampler_for_the_model_and_the_draft(
@@ -387,15 +450,24 @@ def test_the_runners_warm_up_compiles_the_sampler_for_the_model_and_the_draft(
     from aiocb.runner.model_runner import ModelRunner
     from tests.conftest import tiny_qwen3
 
-    widths: list[int] = []
-    monkeypatch.setattr(model_runner, "compile_draw", lambda vocab, device: widths.append(vocab))
+    """The model's logits in its own dtype and in float32 (after controls or a grammar's
+    mask), the draft's (always upcast) in float32."""
+    widths: list[tuple[int, list[torch.dtype]]] = []
+
+    def spy(vocab: int, device: torch.device, dtypes: Iterable[torch.dtype]) -> None:
+        widths.append((vocab, sorted(dtypes, key=str)))
+
+    monkeypatch.setattr(model_runner, "compile_draw", spy)
     config = aiocb.ContinuousBatchingConfig(page_size=16, num_blocks=16)
     ModelRunner(tiny_qwen3(), config).warm_up()
-    assert widths == [512]
+    assert widths == [(512, [torch.float32])]
+    widths.clear()
+    ModelRunner(tiny_qwen3().to(torch.bfloat16), config).warm_up()
+    assert widths == [(512, [torch.bfloat16, torch.float32])]
     widths.clear()
     draft = tiny_qwen3(seed=1, vocab_size=384, num_hidden_layers=1)
     ModelRunner(tiny_qwen3(), config, draft_model=draft).warm_up()
-    assert widths == [384, 512]
+    assert widths == [(384, [torch.float32]), (512, [torch.float32])]
 
 
 _COMPILE_FOR_HOPPER = """
@@ -409,21 +481,29 @@ pointers = {"logits_ptr": "*fp32", "temperature_ptr": "*fp32", "seed_ptr": "*i64
             "threshold_ptr": "*fp32", "top_p_ptr": "*fp32", "log_min_p_ptr": "*fp32", "out_ptr": "*i64",
             "values_ptr": "*fp32", "ids_ptr": "*i64", "lanes_ptr": "*i32"}
 names = _sample_kernel.arg_names
-signature = {n: pointers.get(n, "i32" if n in ("stride_row", "width") else "constexpr") for n in names}
-for top_k, top_p, min_p in itertools.product((False, True), repeat=3):
+for dtype, top_k, top_p, min_p in itertools.product(("fp32", "bf16"), (False, True), (False, True), (False, True)):
+    # (a model's logits as they are; the top-k values and thresholds are theirs, else stand-ins)
+    typed = {"logits_ptr": f"*{dtype}", "values_ptr": f"*{dtype}"}
+    if top_k:
+        typed["threshold_ptr"] = f"*{dtype}"
+    if dtype == "bf16" and (top_k, top_p, min_p) not in ((False, True, False), (True, True, False)):
+        continue  # (every filter compiles for float32 above; the kinds of load, twice for bfloat16)
+    signature = {n: {**pointers, **typed}.get(n, "i32" if n in ("stride_row", "width") else "constexpr")
+                 for n in names}
     values = {"VOCAB": 151936, "BLOCK": _BLOCK, "LANES": _LANES, "USE_TOP_K": top_k, "USE_TOP_P": top_p,
               "USE_MIN_P": min_p, "PRECISE": True}
     constexprs = {(names.index(n),): v for n, v in values.items()}
     kernel = triton.compile(ASTSource(_sample_kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": _NUM_WARPS})
     assert "cubin" in kernel.asm, sorted(kernel.asm)
-    print("compiled", top_k, top_p, min_p)
+    print("compiled", dtype, top_k, top_p, min_p)
 """
 
 
 def test_the_kernel_compiles_for_the_h200() -> None:
     """Triton's interpreter runs what a GPU compiler may refuse: every filter combination of
-    the draw kernel is compiled ahead of time for sm_90 (Triton's own ptxas, no GPU)."""
+    the draw kernel is compiled ahead of time for sm_90 (Triton's own ptxas, no GPU), and
+    the bfloat16 reads with and without top-k."""
     import subprocess
     import sys
 
@@ -432,7 +512,7 @@ def test_the_kernel_compiles_for_the_h200() -> None:
         [sys.executable, "-c", _COMPILE_FOR_HOPPER], env=env, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("compiled") == 8
+    assert done.stdout.count("compiled") == 10
 
 
 _CUDA_KERNEL = (
@@ -461,3 +541,12 @@ def test_gpu_picks_what_draw_full_picks() -> None:
         want = draw_full(logits / temperature[:, None], seed, offset, top_k, top_p, min_p)
         mismatched = (got != want).nonzero()[:, 0].tolist()
         assert not mismatched, f"rows {mismatched}: {got[mismatched].tolist()} != {want[mismatched].tolist()}"
+        # A model's bfloat16 logits, read as they are: the picks of the same values upcast.
+        half = logits.bfloat16()
+        got = triton_draw(half, temperature, seed, offset, top_k, top_p, min_p, max_top_k)
+        assert torch.equal(got, triton_draw(half.float(), temperature, seed, offset, top_k, top_p, min_p, max_top_k))
+    # sample() on the GPU makes no float copy for the draw: the same picks as with one.
+    half = logits.bfloat16()
+    params = SamplingTensors.from_rows([Row(temperature=0.8, top_p=0.9, seed=i) for i in range(rows)], half.device)
+    assert not params.any_greedy
+    assert torch.equal(sample(half, params).tokens, sample(half.float(), params).tokens)
