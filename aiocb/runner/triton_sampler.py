@@ -320,7 +320,7 @@ if HAS_TRITON:
             "temperature_ptr", "seed_ptr", "offset_ptr", "threshold_ptr", "top_p_ptr", "log_min_p_ptr", "out_ptr",
             "values_ptr", "ids_ptr", "lanes_ptr",
         ],
-        do_not_specialize=["width"],
+        do_not_specialize=["width", "use_min_p"],
     )  # fmt: skip
     def _sample_kernel(  # type: ignore[no-untyped-def]
         logits_ptr,
@@ -336,12 +336,12 @@ if HAS_TRITON:
         ids_ptr,
         lanes_ptr,
         width,
+        use_min_p,
         VOCAB: tl.constexpr,
         BLOCK: tl.constexpr,
         LANES: tl.constexpr,
         USE_TOP_K: tl.constexpr,
         USE_TOP_P: tl.constexpr,
-        USE_MIN_P: tl.constexpr,
         PRECISE: tl.constexpr,
     ):
         row = tl.program_id(0)
@@ -352,8 +352,10 @@ if HAS_TRITON:
         if USE_TOP_K:
             threshold = tl.load(threshold_ptr + row).to(tl.float32)
             on_lanes = tl.load(lanes_ptr + row).to(tl.int32)
+        # Min-p is a run-time flag (a load and a compare where it is on), not a variant of
+        # its own: each variant is a compile at warm-up, for each dtype of logits.
         log_min_p = float("-inf")
-        if USE_MIN_P:
+        if use_min_p != 0:
             log_min_p = tl.load(log_min_p_ptr + row)
         top_p = 1.0
         if USE_TOP_P:
@@ -519,12 +521,12 @@ def triton_draw(
         ids,
         on_lanes,
         width,
+        int(min_p is not None),
         VOCAB=vocab,
         BLOCK=block,
         LANES=_LANES,
         USE_TOP_K=top_k is not None,
         USE_TOP_P=top_p is not None,
-        USE_MIN_P=min_p is not None,
         PRECISE=not interpreted(_sample_kernel),
         num_warps=_NUM_WARPS,
     )
@@ -533,8 +535,8 @@ def triton_draw(
 
 def compile_draw(vocab: int, device: torch.device, dtypes: Iterable[torch.dtype] = (torch.float32,)) -> None:
     """Compile :func:`triton_draw`'s kernel for logits ``vocab`` wide of each of ``dtypes``
-    on ``device``, once for each combination of filters (each is a kernel of its own), by
-    drawing from one row.
+    on ``device``, once for each combination of top-k and top-p (each is a kernel of its
+    own; min-p is not), by drawing from one row.
 
     Run before serving: otherwise the first step that samples with a new combination
     compiles it in the middle of serving (seconds on a cold cache, seen on the H200, with
@@ -544,9 +546,8 @@ def compile_draw(vocab: int, device: torch.device, dtypes: Iterable[torch.dtype]
     zero = torch.zeros(1, dtype=torch.long, device=device)
     for dtype in dtypes:
         logits = torch.zeros(1, vocab, device=device, dtype=dtype)
-        filters = itertools.product((None, zero + 1), (None, one / 2), (None, one / 10))
-        for top_k, top_p, min_p in filters:
-            triton_draw(logits, one, zero, zero, top_k, top_p, min_p, max_top_k=1)
+        for top_k, top_p in itertools.product((None, zero + 1), (None, one / 2)):
+            triton_draw(logits, one, zero, zero, top_k, top_p, None, max_top_k=1)
 
 
 def triton_noise(
