@@ -243,8 +243,9 @@ def test_a_draft_model_under_graphs_and_async_batching() -> None:
 
 def test_no_sampled_step_waits_for_the_compiler(monkeypatch: pytest.MonkeyPatch) -> None:
     """The session's warm-up compiles the sampler's kernels for every combination of
-    filters: requests that sample with any of them then compile nothing (on the H200 the
-    first sampled step of a process stalled for seconds, and the event loop with it)."""
+    filters, for the model's bfloat16 logits and for float32 ones (after a penalty):
+    requests that sample with any of them then compile nothing (on the H200 the first
+    sampled step of a process stalled for seconds, and the event loop with it)."""
     from aiocb.runner import triton_sampler
 
     model = _model(torch.bfloat16)
@@ -270,6 +271,7 @@ def test_no_sampled_step_waits_for_the_compiler(monkeypatch: pytest.MonkeyPatch)
                 {"top_p": 0.9},
                 {"min_p": 0.05},
                 {"top_k": 50, "top_p": 0.8, "min_p": 0.02},
+                {"top_p": 0.9, "repetition_penalty": 1.2},  # (float32 logits, after the penalty)
             ]
             # (batches of 1, 2 and 3 rows: the parameters' views into the packed per-step
             # buffer start at every alignment)
