@@ -244,7 +244,8 @@ def compile_draw(vocab: int, device: torch.device, dtypes: Iterable[torch.dtype]
     """Compile the Triton draw kernel for logits ``vocab`` wide of each of ``dtypes`` where
     :func:`draw_on_device` will run it (on CUDA), so that no sampled step waits for the
     compiler; a kernel that does not compile here is given up on now, as
-    :func:`draw_on_device` would."""
+    :func:`draw_on_device` would. A dtype the kernel does not read (float64) is left out:
+    :func:`draw_on_device` draws from such logits without it."""
     global _kernel_failed
     if device.type != "cuda" or _kernel_failed:
         return
@@ -253,7 +254,7 @@ def compile_draw(vocab: int, device: torch.device, dtypes: Iterable[torch.dtype]
     if not triton_sampler.is_available(device):
         return
     try:
-        triton_sampler.compile_draw(vocab, device, dtypes)
+        triton_sampler.compile_draw(vocab, device, [d for d in dtypes if d in triton_sampler.LOGITS_DTYPES])
     except Exception:
         logger.exception("the Triton sampler failed to compile; sampling over the sorted vocabulary")
         _kernel_failed = True

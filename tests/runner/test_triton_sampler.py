@@ -432,6 +432,9 @@ def test_the_runner_compiles_the_sampler_on_cuda_only_and_gives_up_on_a_failure(
     cuda = torch.device("cuda", 0)
     sampler.compile_draw(512, cuda, both)
     assert compiled == [(512, cuda, both)]
+    sampler.compile_draw(512, cuda, [torch.float32, torch.float64])  # (no kernel for float64)
+    assert compiled[-1] == (512, cuda, [torch.float32]) and not sampler._kernel_failed
+    compiled.clear()
 
     def broken(vocab: int, device: torch.device, dtypes: Iterable[torch.dtype]) -> None:
         raise RuntimeError("no kernel here")
@@ -442,7 +445,7 @@ def test_the_runner_compiles_the_sampler_on_cuda_only_and_gives_up_on_a_failure(
     assert sampler._kernel_failed and "failed to compile" in caplog.text
     monkeypatch.setattr(triton_sampler, "compile_draw", spy)
     sampler.compile_draw(512, cuda, both)  # (given up on: not tried again)
-    assert compiled == [(512, cuda, both)]
+    assert compiled == []
 
 
 def test_the_runners_warm_up_compiles_the_sampler_for_the_model_and_the_draft(
