@@ -499,8 +499,8 @@ def triton_draw(
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     temperature = temperature.to(torch.float32)
-    # A filter no row uses is compiled out of the kernel (a constexpr flag), so any tensor
-    # stands in for its argument.
+    # A filter no row uses is never read by the kernel (top-k and top-p are compiled out,
+    # min-p is off by a run-time flag), so any tensor stands in for its argument.
     if top_k is None:
         threshold, values, ids, on_lanes, width = temperature, logits, seed, seed, 1
     else:
