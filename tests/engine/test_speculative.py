@@ -72,6 +72,17 @@ def model(request: pytest.FixtureRequest) -> PreTrainedModel:
     return MODELS[request.param]()
 
 
+@pytest.fixture(
+    scope="module",
+    params=[name if name == "qwen3" else pytest.param(name, marks=pytest.mark.slow) for name in sorted(MODELS)],
+)
+def engine_model(request: pytest.FixtureRequest) -> PreTrainedModel:
+    """The models for the engine's mechanisms (streams, sleeping drafts), whose tests are
+    among the suite's longest: one in the default session, the others in ``nox -s slow``
+    (outputs against no speculation stay on every architecture)."""
+    return MODELS[request.param]()
+
+
 CASES = [(name, "greedy") for name in sorted(CONFIGS)] + [("default", "sampled"), ("async_batching", "sampled")]
 
 
@@ -148,7 +159,8 @@ async def test_logprobs_stop_tokens_and_lengths_stay_exact(model: PreTrainedMode
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])
-async def test_streams_logprobs_and_cancellation_mid_speculation(model: PreTrainedModel, method: str) -> None:
+async def test_streams_logprobs_and_cancellation_mid_speculation(engine_model: PreTrainedModel, method: str) -> None:
+    model = engine_model
     if method == "draft":
         speculative = _draft_config(_draft(model, "same"))
     else:
@@ -693,11 +705,14 @@ def _watch_drafts(manager: aiocb.Manager) -> list[Any]:
     return batches
 
 
-async def test_a_large_batch_puts_the_draft_model_to_sleep_and_later_steps_catch_up(model: PreTrainedModel) -> None:
+async def test_a_large_batch_puts_the_draft_model_to_sleep_and_later_steps_catch_up(
+    engine_model: PreTrainedModel,
+) -> None:
     """Past ``disable_by_batch_size`` the draft model does not run (its cost would be the
     step's); once the batch is small again, the requests it slept through have the draft
     compute their missed tokens, then speculate: a copy of the target accepts everything,
     which it would not with a gap or a wrong key in its cache."""
+    model = engine_model
     spec = _draft_config(_draft(model, "same"), disable_by_batch_size=2)
     lengths = [12, 12, 12, 12, 60, 60]
     work = list(zip(PROMPTS[:6], lengths, strict=True))
@@ -718,10 +733,11 @@ async def test_a_large_batch_puts_the_draft_model_to_sleep_and_later_steps_catch
     assert stats.draft_tokens > 20 and stats.acceptance_rate is not None and stats.acceptance_rate > 0.95
 
 
-async def test_the_draft_model_sleeps_while_its_requests_back_off(model: PreTrainedModel) -> None:
+async def test_the_draft_model_sleeps_while_its_requests_back_off(engine_model: PreTrainedModel) -> None:
     """A draft that proposes badly: its request backs off, and while it does the draft
     model does not run (no step of it speculates); after each pause the draft catches up
     on the tokens it missed, and the outputs stay those of no speculation."""
+    model = engine_model
     spec = _draft_config(_draft(model, "random"), min_acceptance=0.5, backoff_steps=6)
     async with aiocb.Manager(model) as manager:
         plain = await manager.generate(PROMPTS[0], max_new_tokens=NEW, do_sample=False)
