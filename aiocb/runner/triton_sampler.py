@@ -533,7 +533,7 @@ def triton_draw(
     return out
 
 
-def compile_draw(vocab: int, device: torch.device, dtypes: Iterable[torch.dtype] = (torch.float32,)) -> None:
+def compile_draw(vocab: int, device: torch.device, dtypes: Iterable[torch.dtype]) -> None:
     """Compile :func:`triton_draw`'s kernel for logits ``vocab`` wide of each of ``dtypes``
     on ``device``, once for each combination of top-k and top-p (each is a kernel of its
     own; min-p is not), by drawing from one row.
