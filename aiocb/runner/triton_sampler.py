@@ -159,7 +159,7 @@ if HAS_TRITON:
         whose largest value could not win even with the largest noise skips the hash too.
         (A NaN logit's pick is unspecified here, as it was before.)
         """
-        bar = best - (0.01 + tl.minimum(tl.abs(best), 1.0e30) * 1e-6)  # (-inf best: -inf bar)
+        bar = best - (0.01 + tl.minimum(tl.abs(best), 3.0e38) * 1e-6)  # (-inf best: -inf bar)
         if top + _NOISE_CEILING > bar:  # (never with a best of +inf: nothing beats it)
             bits = _bits(ids, row_key, second_key)
             may_win = eligible
@@ -203,11 +203,12 @@ if HAS_TRITON:
         ids = tl.load(ids_ptr + lanes, mask=valid, other=0).to(tl.int32)
         scaled = tl.math.div_rn(logits, temperature)
         m = tl.max(scaled, 0)  # (the row's largest logit is lane 0)
-        support = valid & (logits >= threshold) & ((scaled - m) >= log_min_p)
+        # `scaled >= m` keeps a +inf logit's lane, which `inf - inf` (NaN) would drop.
+        support = valid & (logits >= threshold) & ((scaled >= m) | ((scaled - m) >= log_min_p))
         if USE_TOP_P:
             # A lane's mass is that of the tokens strictly above it over the top-k set's:
             # both sums lie within the lanes (a token above a top-k token is one).
-            weight = tl.where(valid & (logits >= threshold), tl.exp(scaled - m), 0.0)
+            weight = tl.where(valid & (logits >= threshold), tl.where(scaled >= m, 1.0, tl.exp(scaled - m)), 0.0)
             above = tl.sum(tl.where(scaled[None, :] > scaled[:, None], weight[None, :], 0.0), 1)
             bound = tl.where(top_p < 1.0, top_p * tl.sum(weight, 0), float("inf"))  # (top_p 1: no test)
             support = support & (above <= bound)
@@ -509,7 +510,9 @@ def triton_draw(
     log_min_p = temperature if min_p is None else torch.log(min_p)  # log(0) = -inf: off
     _sample_kernel[(rows,)](
         logits,
-        logits.stride(0),
+        # (a single row's stride is never read, and may be anything: the vocabulary keeps
+        # it the value the warm-up compiled for, as the kernel specialises on it)
+        logits.stride(0) if rows > 1 else vocab,
         temperature.contiguous(),
         seed.contiguous(),
         offset.contiguous(),

@@ -214,6 +214,29 @@ def test_rows_with_few_finite_logits() -> None:
         assert torch.isfinite(logits.gather(1, got[:, None])).all()
 
 
+@needs_kernel
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # (inf - inf, then masked)
+def test_a_row_with_infinite_logits_picks_the_first_of_them() -> None:
+    """Half-precision logits overflow to +inf: every filter, on the top-k lanes and in the
+    passes over the vocabulary, picks a row's first +inf token, as draw_full does."""
+    vocab, rows = 1000, 4
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+    logits[:, 123] = float("inf")
+    logits[1, 77] = float("inf")
+    logits[2, 900] = float("inf")
+    temperature, seed, offset = _inputs(rows, gen)
+    first = torch.tensor([123, 77, 123, 123])
+    for k, p, m in itertools.product([None, 50], [None, 0.9], [None, 0.1]):
+        top_k = None if k is None else torch.full((rows,), k)
+        top_p = None if p is None else torch.full((rows,), p)
+        min_p = None if m is None else torch.full((rows,), m)
+        for max_top_k in [k] if k is None else [k, 2 * triton_sampler._LANES]:  # (lanes, passes)
+            got = triton_draw(logits, temperature, seed, offset, top_k, top_p, min_p, max_top_k, block=BLOCK)
+            assert torch.equal(got, first), (k, p, m, max_top_k, got)
+        assert torch.equal(draw_full(logits / temperature[:, None], seed, offset, top_k, top_p, min_p), first)
+
+
 def _tie_inclusive_pick(
     logits: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor, k: int, p: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
