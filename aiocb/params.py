@@ -52,7 +52,9 @@ class SamplingParams:
             "GenerationConfig",
         ),
     )
-    temperature: float | None = field(default=None, metadata=_doc("softmax temperature; 0 is greedy", "1.0"))
+    temperature: float | None = field(
+        default=None, metadata=_doc("softmax temperature; 0 is greedy, else at least 1e-6", "1.0")
+    )
     top_k: int | None = field(default=None, metadata=_doc("keep the k most likely tokens (0: off)", "50"))
     top_p: float | None = field(default=None, metadata=_doc("keep the smallest set with this mass (1: off)", "1.0"))
     min_p: float | None = field(

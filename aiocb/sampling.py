@@ -27,6 +27,8 @@ _DEFAULT_TEMPERATURE = 1.0
 _DEFAULT_TOP_K = 50
 _DEFAULT_TOP_P = 1.0
 _DEFAULT_MAX_LENGTH = 20
+#: the smallest temperature a sampled request may ask for (0 is greedy)
+MIN_TEMPERATURE = 1e-6
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,6 +221,10 @@ def resolve_params(
         explicit = request.temperature is not None or request.top_k is not None or request.top_p is not None
         do_sample = explicit or bool(config.do_sample)
     temperature = pick("temperature", _DEFAULT_TEMPERATURE)
+    if do_sample and 0.0 < temperature < MIN_TEMPERATURE:
+        # (logits / temperature would run far past where float32 tells tokens apart, or
+        # leave its range: the draw would not be the softmax's)
+        raise InvalidRequestError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {temperature}")
     top_logprobs = pick("top_logprobs", 0)
     if top_logprobs > limits.vocab_size:
         raise InvalidRequestError(f"top_logprobs ({top_logprobs}) exceeds the vocabulary size {limits.vocab_size}")

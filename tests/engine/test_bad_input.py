@@ -29,6 +29,7 @@ BAD_REQUESTS: list[tuple[str, Any, dict[str, Any], str]] = [
     ("max_new_tokens zero", [1, 2], {"max_new_tokens": 0}, "max_new_tokens must be >= 1"),
     ("max_new_tokens float", [1, 2], {"max_new_tokens": 2.5}, "max_new_tokens must be an int"),
     ("negative temperature", [1, 2], {"temperature": -0.1}, "temperature"),
+    ("tiny temperature", [1, 2], {"temperature": 1e-9}, r"temperature must be 0 \(greedy\) or at least 1e-06"),
     ("top_p zero", [1, 2], {"top_p": 0.0}, "top_p"),
     ("top_p above one", [1, 2], {"top_p": 1.5}, "top_p"),
     ("negative top_k", [1, 2], {"top_k": -1}, "top_k must be >= 0"),
