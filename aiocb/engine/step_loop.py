@@ -101,9 +101,10 @@ class StepLoop:
         if runner is None:
             raise RuntimeError("this step loop was closed; a new session needs a new StepLoop")
         _start_openmp_team()  # (before the step thread starts its own)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aiocb-step")
+        bind = runner.bind_thread
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aiocb-step", initializer=bind)
         # Waiting for a GPU step's results must not queue behind the next launch.
-        self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aiocb-wait")
+        self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aiocb-wait", initializer=bind)
         in_flight: tuple[SchedulerOutput, asyncio.Future[PendingStep]] | None = None
         pipelined = runner.async_batching
         idle = False  # whether the loop ends with nothing left in the worker threads

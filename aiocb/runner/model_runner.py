@@ -120,6 +120,13 @@ class ModelRunner:
         """Where the model and its cache live."""
         return self.spec.device
 
+    def bind_thread(self) -> None:
+        """Make the model's device the calling thread's current CUDA device (each worker
+        thread runs this first): Triton launches its kernels, and CUDA graphs capture, on
+        the current device, which is the thread's own and starts as device 0."""
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)
+
     def attach(self) -> None:
         """Route the model's attention through the paged cache (idempotent)."""
         if self._original_attention is None:

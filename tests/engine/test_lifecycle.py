@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+from types import SimpleNamespace
 
 import pytest
+import torch
 from transformers import PreTrainedModel
 
 import aiocb
+from aiocb.runner.model_runner import ModelRunner
 from tests.conftest import random_prompts, reference_generate
 
 PROMPTS = random_prompts(6, 10, 60, seed=7)
@@ -166,3 +170,32 @@ def test_start_outside_a_running_loop_says_how_to_use_it(qwen3: PreTrainedModel)
     manager = aiocb.Manager(qwen3)
     with pytest.raises(RuntimeError, match="running event loop"):
         manager.start()
+
+
+async def test_the_step_thread_makes_the_models_device_current_before_its_first_work(
+    qwen3: PreTrainedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # (CUDA's current device is per thread and starts as device 0; Triton launches there)
+    events: list[tuple[str, str]] = []
+    bind, warm_up = ModelRunner.bind_thread, ModelRunner.warm_up
+
+    def recorded_bind(self: ModelRunner) -> None:
+        events.append(("bind", threading.current_thread().name))
+
+    def recorded_warm_up(self: ModelRunner) -> None:
+        events.append(("warm_up", threading.current_thread().name))
+        warm_up(self)
+
+    monkeypatch.setattr(ModelRunner, "bind_thread", recorded_bind)
+    monkeypatch.setattr(ModelRunner, "warm_up", recorded_warm_up)
+    async with aiocb.Manager(qwen3) as manager:
+        output = await manager.generate(PROMPTS[0], max_new_tokens=3)
+    assert output.generated_tokens == reference_generate(qwen3, PROMPTS[0], 3)
+    assert [event for event, _ in events[:2]] == ["bind", "warm_up"] and events[0][1] == events[1][1]
+    assert events[0][1].startswith("aiocb-step")
+
+    set_to: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "set_device", set_to.append)
+    for device in (torch.device("cuda", 1), torch.device("cpu")):
+        bind(SimpleNamespace(device=device))  # type: ignore[arg-type]
+    assert set_to == [torch.device("cuda", 1)]
