@@ -17,21 +17,28 @@ Args = tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]
 
 
 class EagerGraph:
-    """Stands in for a CUDA graph on the CPU: replay re-runs the forward on the static buffers."""
+    """Stands in for a CUDA graph on the CPU: replay re-runs the forward on the static
+    buffers, into the logits buffer that every graph of its :class:`DecodeGraphs` shares
+    (as ``_record`` makes it), after filling that whole buffer with NaN, as another graph's
+    replay overwrites it: a step that read logits of an earlier replay would draw from NaN."""
 
-    def __init__(self, forward: Callable[[], torch.Tensor]) -> None:
-        self.forward = forward
-        self.out = forward().clone()  # the "capture": one pass on the padding inputs
+    def __init__(self, graphs: DecodeGraphs, args: Args) -> None:
+        self.forward: Callable[[], torch.Tensor] = lambda: graphs._forward(*args)
+        warm = self.forward()  # the "capture": one pass on the padding inputs
+        self.out = graphs._output(warm)[: args[2].shape[0]]
+        self.out.copy_(warm)
+        self.shared = graphs._output(warm)
         self.replays = 0
 
     def replay(self) -> None:
         self.replays += 1
+        self.shared.fill_(float("nan"))
         self.out.copy_(self.forward())
 
 
 def record_eagerly(graphs: DecodeGraphs, args: Args) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     """``DecodeGraphs._record`` on the CPU: an :class:`EagerGraph` of the forward on ``args``."""
-    graph = EagerGraph(lambda: graphs._forward(*args))
+    graph = EagerGraph(graphs, args)
     return graph, graph.out  # type: ignore[return-value]
 
 
