@@ -153,8 +153,8 @@ class DecodeGraphs:
         """The query width of the graph that runs a step verifying proposals (every row its
         last token and the proposed ones, every row sampled, no prompt scored), 0 when
         none can: the step is not one, or it has too many rows, or its rows reach past the
-        graphs' block tables (the padding tokens after a row's own read up to ``width - 1``
-        positions further)."""
+        graphs' block tables (the padding tokens after the step's own belong to no row:
+        they read nothing)."""
         if not self.widths or batch.num_rows > self.wide_buckets[-1]:
             return 0
         metadata = inputs.attention
@@ -164,8 +164,6 @@ class DecodeGraphs:
         if batch.num_sampled != batch.num_rows or metadata.num_tokens != batch.num_rows + batch.num_drafts:
             return 0
         width = self.widths[bisect.bisect_left(self.widths, longest)]
-        if metadata.max_seq_len + width - 1 > self.max_blocks * self._cache.page_size:
-            return 0
         if any(group.block_table.shape[1] > self.max_blocks for group in metadata.groups):
             return 0
         return width

@@ -150,9 +150,7 @@ class ModelRunner:
         sampler's kernels, so that no sampled step waits for the compiler. Idempotent."""
         if self.graphs is not None:
             captures = self.graphs.captures
-            self.graphs.capture_all()
-            if self.drafter is not None and self.drafter.graphs is not None:
-                self.drafter.graphs.capture_all()
+            self._capture_graphs()
             if self.graphs.captures > captures and self._decode_model is not self.model:
                 _freeze_what_the_compile_made()
             # (the model as steps without a graph run it)
@@ -162,6 +160,29 @@ class ModelRunner:
             )
             logger.info("a step that verifies proposals costs %.2fx a decode step", self.verify_cost)
         self.compile_sampler()
+
+    def _capture_graphs(self) -> None:
+        """Capture the decode graphs, and those of steps that verify proposals and of the
+        draft model. Those two only speed speculation up: if their capture fails, such steps
+        and the draft's passes run eagerly (with the error logged) rather than not at all."""
+        assert self.graphs is not None
+        try:
+            self.graphs.capture_all()
+        except Exception:
+            if not self.graphs.widths:
+                raise
+            logger.exception("capturing the CUDA graphs of steps that verify proposals failed: they run eagerly")
+            self.graphs.release()
+            self.graphs = self._graphs(self._decode_model, self.cache, None)
+            self.graphs.capture_all()
+        drafter = self.drafter
+        if drafter is not None and drafter.graphs is not None:
+            try:
+                drafter.graphs.capture_all()
+            except Exception:
+                logger.exception("capturing the draft model's CUDA graphs failed: its passes run eagerly")
+                drafter.graphs.release()
+                drafter.graphs = None
 
     def compile_sampler(self) -> None:
         """Compile the GPU sampler for the logits it will draw from: the model's, in its

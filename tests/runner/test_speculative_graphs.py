@@ -2,7 +2,8 @@
 the CPU, the Triton kernels interpreted): outputs token for token those of no speculation,
 for prompt lookup and a draft model, under async batching; every such replay equal to the
 eager pass on the same inputs and writing only the step's blocks and the trash block; the
-draft model's passes replay its own graphs; nothing captured after the warm-up."""
+draft model's passes replay its own graphs; nothing captured after the warm-up; a failed
+capture of those graphs leaves their steps eager."""
 
 from __future__ import annotations
 
@@ -138,22 +139,23 @@ async def test_sampled_rows_under_graphs_equal_no_speculation(
     assert runner.graphs is not None and runner.graphs.wide_replays > 0
 
 
-def test_wide_graphs_need_room_for_their_padding_tokens_in_the_block_tables() -> None:
-    """A step whose rows' contexts, with a graph's padding tokens after them, would reach
-    past the graphs' block tables runs eagerly; so does one with a prompt token scored, or a
-    row that computes a prompt chunk, or more rows than the graphs hold."""
+def test_wide_graphs_run_steps_whose_block_tables_fit_theirs() -> None:
+    """A step whose rows' block tables are wider than the graphs' runs eagerly (a context
+    that fills them runs in a graph: the padding tokens after the step's own belong to no
+    row and read nothing); so does one with a prompt token scored, or a row that computes a
+    prompt chunk, or more rows than the graphs hold."""
     runner = ModelRunner(tiny_qwen3(), aiocb.ContinuousBatchingConfig(page_size=16, num_blocks=16))
     graphs = DecodeGraphs(
         lambda *args: torch.zeros(1), runner.cache, runner.backends, 4, 4, runner.device,
         widths=[2, 3, 5], max_wide_rows=4,
     )  # fmt: skip
 
-    def width(tokens: list[int], drafts: int, longest_context: int, **changes: Any) -> int:
+    def width(tokens: list[int], drafts: int, longest_context: int, blocks: int = 4, **changes: Any) -> int:
         rows = len(tokens)
         batch = SimpleNamespace(num_rows=rows, num_sampled=rows, num_drafts=drafts, prompt_targets={})
         for name, value in changes.items():
             setattr(batch, name, value)
-        group = SimpleNamespace(block_table=torch.zeros(rows, 4))
+        group = SimpleNamespace(block_table=torch.zeros(rows, blocks))
         metadata = SimpleNamespace(
             groups=[group], num_tokens=sum(tokens), max_query_len=max(tokens), max_seq_len=longest_context
         )
@@ -161,11 +163,37 @@ def test_wide_graphs_need_room_for_their_padding_tokens_in_the_block_tables() ->
 
     assert width([3, 1], 2, 40) == 3
     assert width([4, 2], 4, 40) == 5
-    assert width([4, 2], 4, 60) == 5  # (60 + 4 padding tokens = 64 slots: just fits)
-    assert width([4, 2], 4, 61) == 0
+    assert width([4, 2], 4, 64) == 5  # (the 4 blocks of 16 the graphs' tables hold, full)
+    assert width([4, 2], 4, 65, blocks=5) == 0
     assert width([1, 1], 0, 40) == 0  # (a decode step: the decode graphs')
     assert width([6, 1], 5, 40) == 0  # (wider than any graph)
     assert width([3, 4], 2, 40) == 0  # (a prompt chunk)
     assert width([3, 1], 2, 40, prompt_targets={1: (5,)}) == 0
     assert width([3, 1], 2, 40, num_sampled=1) == 0
     assert width([2] * 5, 5, 40) == 0  # (more rows than the graphs hold)
+
+
+async def test_a_failed_capture_of_speculations_graphs_leaves_its_steps_eager(
+    graphs_on_cpu: list[int], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Graphs of steps that verify proposals, and the draft model's, only speed speculation
+    up: when their capture fails the runner serves without them, outputs unchanged."""
+    record = DecodeGraphs._record
+
+    def failing(self: DecodeGraphs, args: Any) -> Any:
+        if args[3].max_query_len > 1:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return record(self, args)
+
+    monkeypatch.setattr(DecodeGraphs, "_record", failing)
+    model = tiny_qwen3()
+    speculative = aiocb.SpeculativeConfig(method="draft", draft_model=copy.deepcopy(model), num_speculative_tokens=3)
+    outputs, runner, stats = await _serve(speculative, model)
+    assert outputs == [reference_generate(model, p, NEW) for p in PROMPTS]
+    assert stats.accepted_draft_tokens == stats.draft_tokens > 0
+    assert runner.graphs is not None and runner.graphs.widths == [] and runner.graphs.captured
+    assert _replays(runner.graphs, 1) > 0  # (decode steps still replay theirs)
+    assert runner.drafter is not None and runner.drafter.graphs is None
+    messages = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert any("verify proposals failed" in m for m in messages)
+    assert any("draft model's CUDA graphs failed" in m for m in messages)
