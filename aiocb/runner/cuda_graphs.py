@@ -97,6 +97,7 @@ class DecodeGraphs:
         *,
         widths: Sequence[int] = (),
         max_wide_rows: int = 0,
+        logits_per_row: bool = False,
     ) -> None:
         self._forward = forward
         self._cache = cache
@@ -115,6 +116,10 @@ class DecodeGraphs:
             reverse=True,
         )
         self.max_blocks = max_blocks_per_request
+        #: whether a wide graph keeps the logits of one token a row at most (the draft's pass
+        #: over a verifying step wants each speculating row's first proposal's) rather than
+        #: of every token (the target's verification)
+        self._logits_per_row = logits_per_row
         self._device = device
         self._pool: Any = None  # torch.cuda.graph_pool_handle()
         self._logits_out: torch.Tensor | None = None
@@ -195,6 +200,9 @@ class DecodeGraphs:
         bucket = self.wide_buckets[bisect.bisect_left(self.wide_buckets, num_rows)]
         graph, logits = self._graphs[(bucket, width)]
         wanted = inputs.logits_indices if logits_indices is None else logits_indices
+        kept = self._kept(bucket, width)
+        if wanted.shape[0] > kept:
+            raise ValueError(f"{wanted.shape[0]} tokens' logits asked of a graph that keeps {kept}")
         self._fill_wide(inputs, num_rows, bucket, width, wanted)
         graph.replay()
         self.wide_replays += 1
@@ -244,7 +252,8 @@ class DecodeGraphs:
         self._seq_lens[:n].copy_(metadata.seq_lens)
         self._seq_lens[n:bucket].zero_()
         self._logits_indices[:k].copy_(logits_indices)
-        self._logits_indices[k:slots].zero_()  # (a real token's: no padding token's output is read)
+        # (a real token's: no padding token's output is read)
+        self._logits_indices[k : self._kept(bucket, width)].zero_()
 
     def _fill_tokens(self, inputs: StepInputs, tokens: int, slots: int, bucket: int) -> None:
         """The step's ``tokens`` tokens (ids, positions, cache slots) in the first of
@@ -334,7 +343,7 @@ class DecodeGraphs:
         torch.mul(self._pad_rows[: bucket + 1], width, out=self._query_start[: bucket + 1])
         logits_indices = self._decode_logits[:bucket]
         if width > 1:
-            logits_indices = self._logits_indices[:tokens]
+            logits_indices = self._logits_indices[: self._kept(bucket, width)]
             logits_indices.zero_()
         metadata = self._metadata(bucket, width)
         return self._input_ids[None, :tokens], self._positions[None, :tokens], logits_indices, metadata
@@ -375,11 +384,15 @@ class DecodeGraphs:
         return graph, out
 
     def _output(self, like: torch.Tensor) -> torch.Tensor:
-        """The logits buffer every graph writes (``[most token slots, V]``, made at the first
-        capture, outside the graphs' pool): one graph's worth instead of one per graph (on
+        """The logits buffer every graph writes (``[most logits a graph keeps, V]``, made at
+        the first capture, outside the graphs' pool): one graph's worth instead of one per graph (on
         Qwen3's vocabulary, 871 rows of decode graphs up to 256 rows and 1,653 of graphs of
         steps with proposals up to 32 rows: 0.8 GB in bf16)."""
         if self._logits_out is None:
-            slots = max(bucket * width for bucket, width in self.keys)
+            slots = max(self._kept(bucket, width) for bucket, width in self.keys)
             self._logits_out = torch.empty(slots, like.shape[-1], dtype=like.dtype, device=like.device)
         return self._logits_out
+
+    def _kept(self, bucket: int, width: int) -> int:
+        """How many tokens' logits the ``(bucket, width)`` graph keeps."""
+        return bucket if width == 1 or self._logits_per_row else bucket * width

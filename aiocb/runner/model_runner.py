@@ -306,7 +306,8 @@ class ModelRunner:
         """The CUDA graphs of ``model`` (the decode model, or the draft model with ``draft``)
         over ``cache``: of decode steps, and given ``speculative``, of steps that verify
         proposals. The draft's decode passes cover the speculating rows alone: its decode
-        graphs go up to the rows that may speculate."""
+        graphs go up to the rows that may speculate, and its pass over a verifying step
+        keeps one token's logits a row."""
         blocks = self.config.max_blocks_per_request or DEFAULT_MAX_BLOCKS_PER_REQUEST
         widths, wide_rows = _wide_graphs(speculative, self.plan.max_requests_per_batch)
         # The forward closes over the model, not over self: runner -> graphs -> forward ->
@@ -320,6 +321,7 @@ class ModelRunner:
             self.device,
             widths=widths,
             max_wide_rows=wide_rows,
+            logits_per_row=draft,
         )
 
     def _resolve_async_batching(self) -> bool:

@@ -113,6 +113,9 @@ async def test_steps_with_proposals_replay_graphs_and_equal_no_speculation(
         # Its pass over the step's inputs (the checked ones besides the target's), and its
         # decode passes, one for each proposal after the first.
         assert drafter.graphs.wide_replays > 0 and _replays(drafter.graphs, 1) > 0
+        # (its graphs keep one token's logits a row, the target's every token's)
+        assert drafter.graphs._logits_out is not None and graphs._logits_out is not None
+        assert drafter.graphs._logits_out.shape[0] == 8 and graphs._logits_out.shape[0] == 8 * 4
         assert len(checked_replays) == graphs.wide_replays + drafter.graphs.wide_replays
         assert stats.accepted_draft_tokens == stats.draft_tokens  # (a copy of the model)
     else:
