@@ -33,18 +33,10 @@ from dataclasses import dataclass, field
 
 from aiocb.core.kv_cache import KVCacheManager
 from aiocb.core.request import Request
+from aiocb.core.speculation import SpeculationPlanner
 from aiocb.outputs import FinishReason, RequestStatus
-from aiocb.speculative import SCOUT_EVERY, Acceptance, DraftProposer, NgramProposer, SpeculativeConfig
+from aiocb.speculative import SpeculativeConfig
 
-#: How quickly the draft model's acceptance over all requests follows their tries: about the
-#: last ten tries count.
-_PRIOR_DECAY = 0.9
-#: Tokens of prompts and outputs that speculation's proposers index per step in all (about
-#: a microsecond each per n-gram length): it keeps a step's planning off the loop's back.
-_INDEX_PER_STEP = 1024
-#: Tokens a draft model catches up on per step in all (those of steps it slept through), and
-#: never more than a step's ``max_batch_tokens`` (the activations the cache planner allowed).
-_CATCH_UP_PER_STEP = 2048
 #: Admitting a request costs about this many running requests' planning, plus one for each
 #: block of its prompt that it looks up or registers in the prefix cache (hashing a block
 #: of tokens: about 10 µs on the development machine): the planner pauses after a chunk's worth.
@@ -160,30 +152,18 @@ class Scheduler:
         draft_share: float = 0.0,
     ) -> None:
         self.kv_cache = kv_cache
-        self.speculative = speculative
-        #: a draft model's share of the target's parameters (its requests' back-off floor)
-        self.draft_share = draft_share
-        #: what a step that verifies proposals costs against a decode step replaying a CUDA
-        #: graph; set once the runner has measured it (see
-        #: :class:`aiocb.speculative.Acceptance`)
-        self.verify_cost = 1.0
-        #: the draft model's recent acceptance over all its requests' tries (None before
-        #: any): where a new request's :class:`DraftProposer` starts
-        self.draft_acceptance: float | None = None
-        #: new draft requests that started waiting since the last that scouted
-        self._waiting_since_scout = 0
-        #: the request whose tries give the draft its first acceptance figure: until one
-        #: exists, it alone proposes, and the others wait for its figure
-        self._first_scout: Request | None = None
-        #: tokens the proposers may still index in the step being planned
-        self._index_budget = _INDEX_PER_STEP
-        #: requests of the step being planned whose draft cache misses tokens (a draft
-        #: model's): the first missing position and how many the draft computes first ...
-        self._catch_up: dict[Request, tuple[int, int]] = {}
-        #: ... and how many more it may (:data:`_CATCH_UP_PER_STEP` in all)
-        self._catch_up_left = 0
-        #: whether requests may speculate in the step being planned (its batch is small enough)
-        self._speculation_on = False
+        #: speculative decoding's planning (None: requests do not speculate)
+        self.speculation = (
+            None
+            if speculative is None
+            else SpeculationPlanner(
+                speculative,
+                kv_cache,
+                max_batch_tokens=max_batch_tokens,
+                max_model_len=max_model_len,
+                draft_share=draft_share,
+            )
+        )
         #: prompt positions a step may score (``prompt_logprobs``): the rows of logits
         #: the cache planner keeps memory for (default ``max_requests_per_batch``)
         self.max_scored_tokens = max_scored_tokens or max_requests_per_batch
@@ -215,6 +195,17 @@ class Scheduler:
         #: while set, ended requests keep their blocks (see :meth:`hold_blocks`)
         self._holding = False
         self._ended_holding: list[Request] = []
+
+    @property
+    def verify_cost(self) -> float:
+        """What a step that verifies proposals costs against a decode step replaying a CUDA
+        graph (1.0 until the runner has measured it, and without speculation)."""
+        return 1.0 if self.speculation is None else self.speculation.verify_cost
+
+    @verify_cost.setter
+    def verify_cost(self, cost: float) -> None:
+        if self.speculation is not None:
+            self.speculation.verify_cost = cost
 
     @property
     def has_work(self) -> bool:
@@ -339,12 +330,10 @@ class Scheduler:
         running, forks, kv = self.running, self._forks, self.kv_cache
         single_full, page = kv.single_full, kv.page_size
         max_rows = self.max_requests_per_batch
-        speculative = self.speculative if self._speculates_at_this_size() else None
-        self._speculation_on = speculative is not None
+        speculation = self.speculation
+        if speculation is not None and not speculation.start_step(len(running)):
+            speculation = None  # (not at this batch size)
         drafted: dict[Request, list[int]] = {}
-        self._index_budget = _INDEX_PER_STEP
-        self._catch_up.clear()
-        self._catch_up_left = min(_CATCH_UP_PER_STEP, self.max_batch_tokens)
         self._scored_left = self.max_scored_tokens
         # Most rows of most steps only decode: a short loop plans those, and the general one
         # below the rest (or everything, when a decoding row needs more than its next token).
@@ -354,7 +343,7 @@ class Scheduler:
         decoded: list[ScheduledRequest] = []
         completing: list[Request] = []
         unplanned = False  # whether the general loop un-planned one of the short loop's rows
-        in_running_order = speculative is None and not (self.prioritized or self.prefill_first)
+        in_running_order = speculation is None and not (self.prioritized or self.prefill_first)
         if in_running_order and len(running) <= min(max_rows, budget):
             rest = yield from self._plan_decodes(planned, decoded, completing, chunk)
             budget -= len(planned)
@@ -375,8 +364,8 @@ class Scheduler:
                 continue
             drafts = None
             decoding = request.status is RequestStatus.DECODING and not request.num_pending_tokens
-            if speculative is not None and num_new == 1 and decoding:
-                drafts = self._propose(request, speculative, budget - 1)
+            if speculation is not None and num_new == 1 and decoding:
+                drafts = speculation.propose(request, budget - 1)
                 if drafts:
                     num_new += len(drafts)
             # (the common decode step, whose last block has room, needs no allocate call)
@@ -459,8 +448,8 @@ class Scheduler:
             if end > known:
                 num_carried += 1
         output.num_sampled = num_sampled
-        if self._uses_draft:
-            self._plan_drafting(output, planned, drafted)
+        if self.speculation is not None and self.speculation.uses_draft:
+            self.speculation.plan_drafting(output, planned, drafted, len(running))
         self.stats.num_carried_tokens += num_carried
         if scheduled:
             self.stats.num_steps += 1
@@ -498,7 +487,7 @@ class Scheduler:
         tokens, logprobs, tops = result.token_ids, result.logprobs, result.top_logprobs
         last = len(output.scheduled)
         num_generated = 0
-        load = self._speculation_load(output)
+        load = 1.0 if self.speculation is None else self.speculation.load(output)
         for looked, item in enumerate(output.scheduled, 1):
             request = item.request
             params = request.params
@@ -611,156 +600,6 @@ class Scheduler:
         completing.clear()
         return None
 
-    @property
-    def _uses_draft(self) -> bool:
-        """Whether requests speculate with a draft model."""
-        return self.speculative is not None and self.speculative.method == "draft"
-
-    def _speculates_at_this_size(self) -> bool:
-        """Whether requests may speculate in a batch of the running requests' size: a large
-        batch is no longer memory-bound, and extra tokens cost compute."""
-        speculative = self.speculative
-        if speculative is None:
-            return False
-        size = speculative.disable_by_batch_size
-        return size is None or len(self.running) <= size
-
-    def _draft_proposer(self, request: Request) -> DraftProposer:
-        """The request's share of the draft model's proposals, made on first use: the draft's
-        cache then holds none of its tokens, unless :meth:`_admit` or a fork said otherwise."""
-        proposer = request.proposer
-        if not isinstance(proposer, DraftProposer):
-            assert self.speculative is not None
-            config, share, cost = self.speculative, self.draft_share, self.verify_cost
-            proposer = DraftProposer(config, 0, share, cost, self.draft_acceptance)
-            if self.draft_acceptance is None:
-                # No figure yet: one request finds it out (its draft pass over its prompt and
-                # its first tries) while the rest wait for it, so that a draft that does not
-                # pay costs a batch that arrives at once one request's share, not every one's.
-                proposer.waiting = not self._scouts_first(request)
-            elif proposer.waiting:
-                self._waiting_since_scout += 1
-                if self._waiting_since_scout >= SCOUT_EVERY:  # (this one scouts: hopeful)
-                    self._waiting_since_scout = 0
-                    proposer = DraftProposer(config, 0, share, cost)
-            request.proposer = proposer
-        return proposer
-
-    def _scouts_first(self, request: Request) -> bool:
-        """Whether ``request`` tries the draft before it has any acceptance figure: the first
-        to ask does, and the next once that one ended without a try."""
-        scout = self._first_scout
-        if scout is None or scout is request or scout.is_finished:
-            self._first_scout = request
-            return True
-        return False
-
-    def _draft_wants(self, request: Request) -> bool:
-        """Whether ``request`` may propose soon, so the draft's cache should hold its tokens
-        (not while it waits or backs off: it is caught up on if it tries)."""
-        return self._may_speculate(request) and not self._draft_proposer(request).paused
-
-    def _propose(self, request: Request, speculative: SpeculativeConfig, budget: int) -> list[int] | None:
-        """The tokens ``request`` speculates this step (None: it does not)."""
-        params = request.params
-        if not self._may_speculate(request):
-            return None
-        room = min(  # (the proposer's own width is at most num_speculative_tokens)
-            budget,
-            params.max_new_tokens - request.num_output_tokens - 1,
-            (self.max_model_len - request.num_tokens) if self.max_model_len is not None else budget,
-        )
-        if room <= 0:
-            return None
-        if speculative.method == "draft":
-            computed = request.num_computed_tokens
-            proposer = self._draft_proposer(request)
-            if proposer.waiting and self.draft_acceptance is None and self._scouts_first(request):
-                proposer.waiting = False  # (the one before it ended before any try)
-            count = proposer.propose(room, self.draft_acceptance)
-            first = min(proposer.drafted, computed)
-            if count and first < computed:  # (the draft's cache misses tokens: computed first)
-                take = min(computed - first, self._catch_up_left)
-                if take > 0:
-                    self._catch_up[request] = (first, take)
-                    self._catch_up_left -= take
-                if first + take < computed:
-                    return None  # (still behind after this step's share)
-            return [0] * count or None  # (placeholders: the draft model proposes on the device)
-        lookup = request.proposer
-        if lookup is None:
-            lookup = request.proposer = NgramProposer(speculative, self.verify_cost)
-        assert isinstance(lookup, NgramProposer)
-        drafts, indexed = lookup.propose(request.token_ids, room, self._index_budget)
-        self._index_budget -= indexed
-        return drafts or None
-
-    def _plan_drafting(
-        self, output: SchedulerOutput, planned: dict[Request, int], drafted: dict[Request, list[int]]
-    ) -> None:
-        """Whether the draft model runs over the step: when a request speculates in it, or
-        catches up (the draft computes the tokens of steps it slept through first, then
-        the step's), and, while the batch (admissions counted) is small enough to
-        speculate, when it computes prompt tokens of a request that may speculate and
-        neither waits nor backs off (which requests with the same prefix then find in the
-        draft's cache too). Otherwise it sleeps, and its cache misses the step's tokens; each
-        planned request's :attr:`DraftProposer.drafted` says how far the draft's cache holds
-        it after the step."""
-        assert self.speculative is not None
-        for request, (first, take) in self._catch_up.items():
-            if request in planned:  # (not un-planned after it asked)
-                output.catch_up[request] = (first, request.token_ids[first : first + take])
-        prompts = self._speculates_at_this_size() and any(
-            request.status is not RequestStatus.DECODING and self._draft_wants(request) for request in planned
-        )
-        output.drafting = drafting = bool(drafted) or prompts or bool(output.catch_up)
-        kv = self.kv_cache
-        for request, start in planned.items():
-            proposer = self._draft_proposer(request)
-            # (a preempted request computes again from its start; one trimmed after a
-            # rejection holds fewer tokens than the draft wrote)
-            held = min(proposer.drafted, start)
-            covered = drafting
-            if request in output.catch_up:
-                first, tokens = output.catch_up[request]
-                held = first + len(tokens)
-            elif (
-                drafting
-                and request.status is not RequestStatus.DECODING
-                and request not in drafted
-                and not self._draft_wants(request)
-            ):
-                # A prompt chunk the draft would compute for nothing yet.
-                output.draft_skip.add(request)
-                covered = False
-            if covered and held == start:
-                # The draft computes the step's tokens, but not its last proposal's key:
-                # needed only once that proposal is accepted, it is caught up on then.
-                held = request.num_computed_tokens - (request in drafted)
-            proposer.drafted = held
-            if kv.prefix_caching:  # (blocks that later requests' prefix hits serve the draft too)
-                proposer.marked = kv.mark_drafted(request, held, proposer.marked)
-
-    @staticmethod
-    def _may_speculate(request: Request) -> bool:
-        """Whether ``request`` may speculate at all: not when its logits at a proposed
-        position would depend on the proposal (controls, a grammar)."""
-        params = request.params
-        return not (params.uses_controls or request.grammar is not None or params.needs_known_history)
-
-    def _speculation_load(self, output: SchedulerOutput) -> float:
-        """How many times the extra cost of a step that verifies proposals falls on each
-        speculating row of ``output`` (:meth:`aiocb.speculative.Acceptance.floor`): its
-        rows per speculating row where, but for the proposals, every row decodes one token
-        (a step that would have replayed a decode graph), else 0."""
-        if not output.num_speculating or self.verify_cost <= 1.0:
-            return 1.0
-        scheduled = output.scheduled
-        for item in scheduled:
-            if item.num_tokens != 1 + (len(item.drafts) if item.drafts else 0):
-                return 0.0
-        return len(scheduled) / output.num_speculating
-
     def _accept(
         self,
         item: ScheduledRequest,
@@ -805,14 +644,8 @@ class Scheduler:
             if not agrees:
                 break
         self.stats.num_accepted_tokens += accepted
-        proposer = request.proposer
-        if isinstance(proposer, Acceptance):
-            proposer.record(k, accepted, load)
-        if isinstance(proposer, DraftProposer):
-            share = accepted / k
-            prior = self.draft_acceptance
-            self.draft_acceptance = share if prior is None else _PRIOR_DECAY * prior + (1 - _PRIOR_DECAY) * share
-            self._first_scout = None
+        assert self.speculation is not None  # (the row brought proposals)
+        self.speculation.record(request, k, accepted, load)
         if not ended:
             # Computed: the last token and the proposed ones kept (the last one taken is
             # the next step's input). A request preempted meanwhile computed less, or none.
@@ -849,16 +682,8 @@ class Scheduler:
             return False
         if request.params.needs_known_history or request.speculating:
             return True
-        if self._speculation_on and self._may_speculate(request):
-            # (a proposal follows the last token: wait for it, unless the request backs off)
-            proposer = request.proposer
-            if isinstance(proposer, DraftProposer) and proposer.waiting:
-                # (it tries once the draft's acceptance over other requests recovers)
-                if proposer.hopes(self.draft_acceptance):
-                    return True
-            # (a pipelined step plans no proposal, so this counts the step of a pause)
-            elif proposer is None or (isinstance(proposer, Acceptance) and proposer.ready()):
-                return True
+        if self.speculation is not None and self.speculation.waits(request):
+            return True
         if request.num_output_tokens + request.num_pending_tokens >= request.params.max_new_tokens:
             return True
         return self.max_model_len is not None and request.num_scheduled_tokens >= self.max_model_len
@@ -902,10 +727,8 @@ class Scheduler:
                     self._enqueue(child)  # no room for its copy: it computes its prompt itself
                     continue
                 _extend(output.copy_blocks, copies)
-                if self._uses_draft:
-                    # (the draft's cache is forked alike: the child holds what the parent did)
-                    held = self._draft_proposer(parent).drafted
-                    self._draft_proposer(child).drafted = min(held, child.num_computed_tokens)
+                if self.speculation is not None:
+                    self.speculation.forked(parent, child)
                 self.kv_cache.num_prefix_hit_tokens += child.num_computed_tokens
                 child.num_cached_tokens = child.num_computed_tokens
                 self.running[child] = None
@@ -960,11 +783,8 @@ class Scheduler:
                     # must compute something before its children fork (next step), so that
                     # the fork never waits on an empty step.
                     self.kv_cache.unmatch_last_block(request)
-                if self._uses_draft:
-                    # (the hits' draft KV only where the draft computed those blocks)
-                    proposer = self._draft_proposer(request)
-                    proposer.marked = self.kv_cache.drafted_blocks(request)
-                    proposer.drafted = proposer.marked * self.kv_cache.page_size
+                if self.speculation is not None:
+                    self.speculation.admitted(request)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if request in self._forks:  # its children fork before the prompt's last token
                 num_new = min(num_new, request.num_prompt_tokens - 1 - request.num_computed_tokens)

@@ -305,7 +305,8 @@ def test_the_back_off_floor_follows_the_cost_of_a_step_without_a_graph() -> None
 def test_the_try_after_a_pause_alone_decides_and_rows_that_lose_their_graph_count() -> None:
     from types import SimpleNamespace
 
-    from aiocb.core.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+    from aiocb.core.scheduler import ScheduledRequest, SchedulerOutput
+    from aiocb.core.speculation import SpeculationPlanner
     from aiocb.speculative import NgramProposer
 
     config = aiocb.SpeculativeConfig(num_speculative_tokens=4, backoff_steps=2)
@@ -325,7 +326,7 @@ def test_the_try_after_a_pause_alone_decides_and_rows_that_lose_their_graph_coun
         scheduled = [ScheduledRequest(None, 0, n, True, False, drafts) for n, drafts in rows]  # type: ignore[arg-type]
         return SchedulerOutput(scheduled=scheduled, num_speculating=sum(d is not None for _, d in rows))
 
-    load = Scheduler._speculation_load
+    load = SpeculationPlanner.load
     measured, plain = SimpleNamespace(verify_cost=3.0), SimpleNamespace(verify_cost=1.0)
     decodes = output((3, [5, 6]), (1, None), (1, None), (1, None))
     assert load(measured, decodes) == 4.0  # type: ignore[arg-type]
@@ -469,8 +470,9 @@ async def test_requests_after_a_hopeless_draft_start_paused_and_the_draft_skips_
     speculative = _draft_config(_draft(model, "random"))
     async with aiocb.Manager(model, speculative_config=speculative) as manager:
         await manager.generate_batch(first, max_new_tokens=24)
-        scheduler = manager._steps.scheduler  # type: ignore[union-attr]
-        assert scheduler.draft_acceptance is not None and scheduler.draft_acceptance < 0.3
+        speculation = manager._steps.scheduler.speculation  # type: ignore[union-attr]
+        assert speculation is not None
+        assert speculation.draft_acceptance is not None and speculation.draft_acceptance < 0.3
         before, proposed = len(runs), manager.statistics().draft_tokens
         outputs = await manager.generate_batch(later[:7], max_new_tokens=24)  # (none of 7 scouts)
         assert len(runs) == before and manager.statistics().draft_tokens == proposed  # (the draft slept)
@@ -550,9 +552,10 @@ async def test_the_draft_leaves_out_the_prompts_of_requests_that_wait() -> None:
     prompts = random_prompts(8, 60, 90, seed=29)
     async with aiocb.Manager(model, speculative_config=_draft_config(draft)) as manager:
         await manager.generate_batch(PROMPTS[:4], max_new_tokens=24)
-        scheduler = manager._steps.scheduler  # type: ignore[union-attr]
-        assert scheduler.draft_acceptance is not None and scheduler.draft_acceptance < 0.3
-        scheduler._waiting_since_scout = SCOUT_EVERY - 1  # (the next that would wait scouts)
+        speculation = manager._steps.scheduler.speculation  # type: ignore[union-attr]
+        assert speculation is not None
+        assert speculation.draft_acceptance is not None and speculation.draft_acceptance < 0.3
+        speculation.waiting_since_scout = SCOUT_EVERY - 1  # (the next that would wait scouts)
         computed.clear()
         outputs = await manager.generate_batch(prompts, max_new_tokens=6)
     async with aiocb.Manager(model) as plain:
@@ -861,7 +864,7 @@ async def test_a_request_cancelled_while_its_catch_up_is_planned(monkeypatch: py
                     next(steps)
                 except StopIteration as done:
                     return done.value
-                if not cancelled and any(r.request_id == victim for r in scheduler._catch_up):
+                if not cancelled and any(r.request_id == victim for r in scheduler.speculation.catch_up):
                     cancelled.append(manager.cancel_request(victim))
                 yield
 
