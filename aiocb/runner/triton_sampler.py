@@ -263,7 +263,8 @@ if HAS_TRITON:
         # draw_full keeps a token when the mass ranked before it is at most top_p.
         bound = top_p * mass_k
         nucleus = top_p < 1.0
-        cand_scaled = tl.math.div_rn(tl.load(row_ptr + cand).to(tl.float32), temperature)
+        cand_logit = tl.load(row_ptr + cand).to(tl.float32)
+        cand_scaled = tl.math.div_rn(cand_logit, temperature)
         passes_min_p = (cand_scaled - m) >= log_min_p
         pending = (~passes_min_p) | nucleus
         while pending:
@@ -277,10 +278,12 @@ if HAS_TRITON:
                     for start in range(0, VOCAB, BLOCK):
                         ids = start + offs
                         logits = tl.load(row_ptr + ids, mask=ids < VOCAB, other=float("-inf")).to(tl.float32)
-                        scaled = tl.math.div_rn(logits, temperature)
-                        above = scaled > cand_scaled
-                        # Past a peaked row's head most blocks hold nothing above the candidate.
-                        if tl.max(above.to(tl.int32), 0) > 0:
+                        # Past a peaked row's head most blocks hold nothing above the candidate,
+                        # which their logits tell without a division: the rounded division is
+                        # monotone, so a score above the candidate's comes of a larger logit.
+                        if tl.max((logits > cand_logit).to(tl.int32), 0) > 0:
+                            scaled = tl.math.div_rn(logits, temperature)
+                            above = scaled > cand_scaled
                             above_mass += tl.sum(tl.where(above, tl.exp(scaled - m), 0.0), 0)
                     accepted = above_mass <= bound
             # Only for a rejected candidate, a pass for the winner among the tokens above it
@@ -292,19 +295,21 @@ if HAS_TRITON:
                 for start in range(0, VOCAB, BLOCK):
                     ids = start + offs
                     logits = tl.load(row_ptr + ids, mask=ids < VOCAB, other=float("-inf")).to(tl.float32)
-                    scaled = tl.math.div_rn(logits, temperature)
-                    eligible = (scaled > cand_scaled) & (logits >= threshold) & ((scaled - m) >= log_min_p)
-                    if tl.max(eligible.to(tl.int32), 0) > 0:
-                        top = tl.max(tl.where(eligible, scaled, float("-inf")), 0)
-                        next_best, next_cand = _block_winner(
-                            eligible, logits, temperature, top, ids, start, next_best, next_cand,
-                            row_key, second_key, PRECISE,
-                        )  # fmt: skip
+                    if tl.max((logits > cand_logit).to(tl.int32), 0) > 0:  # (as in the test above)
+                        scaled = tl.math.div_rn(logits, temperature)
+                        eligible = (scaled > cand_scaled) & (logits >= threshold) & ((scaled - m) >= log_min_p)
+                        if tl.max(eligible.to(tl.int32), 0) > 0:
+                            top = tl.max(tl.where(eligible, scaled, float("-inf")), 0)
+                            next_best, next_cand = _block_winner(
+                                eligible, logits, temperature, top, ids, start, next_best, next_cand,
+                                row_key, second_key, PRECISE,
+                            )  # fmt: skip
             # The row max is always in the support, so a rejected candidate has an eligible
             # token above it; the guard only ends the loop on invalid parameters (min_p > 1).
             move = rejected & (next_best > float("-inf"))
             cand = tl.where(move, next_cand, cand)
-            cand_scaled = tl.math.div_rn(tl.load(row_ptr + cand).to(tl.float32), temperature)
+            cand_logit = tl.load(row_ptr + cand).to(tl.float32)
+            cand_scaled = tl.math.div_rn(cand_logit, temperature)
             # A new candidate passes top-k and min-p by construction: only top-p is left.
             passes_min_p = passes_min_p | move
             pending = move & nucleus
