@@ -152,6 +152,7 @@ class Scheduler:
         draft_share: float = 0.0,
     ) -> None:
         self.kv_cache = kv_cache
+        self._verify_cost = 1.0
         #: speculative decoding's planning (None: requests do not speculate)
         self.speculation = (
             None
@@ -199,11 +200,12 @@ class Scheduler:
     @property
     def verify_cost(self) -> float:
         """What a step that verifies proposals costs against a decode step replaying a CUDA
-        graph (1.0 until the runner has measured it, and without speculation)."""
-        return 1.0 if self.speculation is None else self.speculation.verify_cost
+        graph (1.0 until the runner has measured it); speculation's planning reads it."""
+        return self._verify_cost
 
     @verify_cost.setter
     def verify_cost(self, cost: float) -> None:
+        self._verify_cost = cost
         if self.speculation is not None:
             self.speculation.verify_cost = cost
 

@@ -22,6 +22,7 @@ from aiocb.core.params import ResolvedParams
 from aiocb.core.request import Request
 from aiocb.core.scheduler import ScheduledRequest, Scheduler, SchedulerOutput, StepResult
 from aiocb.outputs import FinishReason, RequestStatus
+from aiocb.speculative import SpeculativeConfig
 from tests.fuzzing import fuzz_settings
 
 PAGE = 4
@@ -921,3 +922,15 @@ def test_a_prompt_chunk_completing_many_blocks_pauses_the_planner() -> None:
     yields, second = planned_with_pauses(scheduler, chunk=8)
     assert plan(second) == [("long", 20 * PAGE, 20 * PAGE, True)]  # (its last chunk: sampled)
     assert yields == 1  # (a request looked at alone would not have paused it)
+
+
+def test_the_measured_verify_cost_is_kept_with_and_without_speculation() -> None:
+    plain = make_scheduler(full_cache(8))
+    speculating = Scheduler(
+        full_cache(8), max_batch_tokens=64, max_requests_per_batch=8, speculative=SpeculativeConfig()
+    )
+    for scheduler in (plain, speculating):
+        assert scheduler.verify_cost == 1.0
+        scheduler.verify_cost = 2.5  # (as the step loop sets the runner's measure)
+        assert scheduler.verify_cost == 2.5
+    assert speculating.speculation is not None and speculating.speculation.verify_cost == 2.5
