@@ -174,6 +174,11 @@ class SpeculationPlanner:
             return False
         proposer = request.proposer
         if isinstance(proposer, DraftProposer) and proposer.waiting:
+            if self.draft_acceptance is None and self._scouts_first(request):
+                # The one that was to try first ended before it did: this one tries next
+                # (here, where a pipelined row would never reach :meth:`propose`).
+                proposer.waiting = False
+                return True
             # (it tries once the draft's acceptance over other requests recovers)
             return proposer.hopes(self.draft_acceptance)
         return proposer is None or (isinstance(proposer, Acceptance) and proposer.ready())

@@ -537,6 +537,26 @@ async def test_a_fresh_managers_batch_waits_for_one_requests_first_try(
     assert len(proposing) == (7 if kind == "same" else 1)
 
 
+async def test_under_async_batching_a_first_request_that_ends_before_it_tries_hands_the_try_on() -> None:
+    """Pipelined steps plan no proposals: a request that waits for the draft's first figure
+    must still become the one that tries once the first ended without a try, or no request
+    ever proposes."""
+    model = MODELS["qwen3"]()
+    prompts = random_prompts(8, 5, 30, seed=23)
+    config = aiocb.ContinuousBatchingConfig(use_async_batching=True)
+    speculative = _draft_config(_draft(model, "same"))
+    async with aiocb.Manager(model, continuous_batching_config=config, speculative_config=speculative) as manager:
+        outputs = await asyncio.gather(
+            manager.generate(prompts[0], max_new_tokens=1),
+            *(manager.generate(prompt, max_new_tokens=24) for prompt in prompts[1:]),
+        )
+        stats = manager.statistics()
+    async with aiocb.Manager(model) as plain:
+        expected = await plain.generate_batch(prompts[1:], max_new_tokens=24)
+    assert [o.generated_tokens for o in outputs[1:]] == [o.generated_tokens for o in expected.values()]
+    assert stats.draft_tokens > 0 and stats.acceptance_rate is not None and stats.acceptance_rate > 0.95
+
+
 async def test_the_draft_leaves_out_the_prompts_of_requests_that_wait() -> None:
     """Where the draft runs over a step for one request's prompt (a scout's), it leaves out
     the prompts of the requests that wait for its acceptance to recover: it computes a
