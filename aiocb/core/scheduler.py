@@ -450,7 +450,7 @@ class Scheduler:
             if end > known:
                 num_carried += 1
         output.num_sampled = num_sampled
-        if self.speculation is not None and self.speculation.uses_draft:
+        if self.speculation is not None:
             self.speculation.plan_drafting(output, planned, drafted, len(running))
         self.stats.num_carried_tokens += num_carried
         if scheduled:

@@ -193,7 +193,9 @@ class SpeculationPlanner:
         may speculate and neither waits nor backs off (which requests with the same prefix
         then find in the draft's cache too). Otherwise it sleeps, and its cache misses the
         step's tokens; each planned request's :attr:`DraftProposer.drafted` says how far the
-        draft's cache holds it after the step."""
+        draft's cache holds it after the step. (Nothing to plan without a draft model.)"""
+        if not self.uses_draft:
+            return
         for request, (first, take) in self.catch_up.items():
             if request in planned:  # (not un-planned after it asked)
                 output.catch_up[request] = (first, request.token_ids[first : first + take])

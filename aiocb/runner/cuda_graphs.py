@@ -385,9 +385,9 @@ class DecodeGraphs:
 
     def _output(self, like: torch.Tensor) -> torch.Tensor:
         """The logits buffer every graph writes (``[most logits a graph keeps, V]``, made at
-        the first capture, outside the graphs' pool): one graph's worth instead of one per graph (on
-        Qwen3's vocabulary, 871 rows of decode graphs up to 256 rows and 1,653 of graphs of
-        steps with proposals up to 32 rows: 0.8 GB in bf16)."""
+        the first capture, outside the graphs' pool): one graph's worth instead of one per
+        graph (on Qwen3's vocabulary, 871 rows of decode graphs up to 256 rows and 1,653 of
+        graphs of steps with proposals up to 32 rows: 0.8 GB in bf16)."""
         if self._logits_out is None:
             slots = max(self._kept(bucket, width) for bucket, width in self.keys)
             self._logits_out = torch.empty(slots, like.shape[-1], dtype=like.dtype, device=like.device)
