@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from aiocb.core.request import Request
 from aiocb.engine.step_loop import StepLoop
 from aiocb.engine.stream import Consumer, RequestHandle, fresh_error
+from aiocb.engine.turns import Waker
 from aiocb.errors import EngineDeadError, InvalidRequestError, RequestAbortedError
 from aiocb.outputs import FinishReason, GenerationOutput, RequestStatus
 
@@ -31,6 +32,7 @@ class OutputRouter:
         self._handles: dict[str, RequestHandle] = {}
         self._results: deque[RequestHandle] = deque()
         self.results_changed = asyncio.Event()
+        self._waker = Waker()
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._handles
@@ -51,7 +53,10 @@ class OutputRouter:
         for request in requests:
             if request.request_id in self._handles:
                 raise InvalidRequestError(f"request id {request.request_id!r} is already in use by a live request")
-        handles = [RequestHandle(r, streaming=streaming, consumer=consumer, on_finish=on_finish) for r in requests]
+        waker = self._waker
+        handles = [
+            RequestHandle(r, streaming=streaming, consumer=consumer, waker=waker, on_finish=on_finish) for r in requests
+        ]
         for handle in handles:
             self._handles[handle.request.request_id] = handle
         return handles

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from aiocb.core.request import Request
+from aiocb.engine.turns import Waker
 from aiocb.errors import EngineDeadError
 from aiocb.outputs import GenerationOutput, RequestStatus
 
@@ -48,6 +49,7 @@ class RequestHandle:
         "on_finish",
         "request",
         "streaming",
+        "waker",
     )
 
     def __init__(
@@ -56,9 +58,12 @@ class RequestHandle:
         *,
         streaming: bool,
         consumer: Consumer,
+        waker: Waker,
         on_finish: Callable[[], object] | None = None,
     ) -> None:
         self.request = request
+        #: paces wake-ups (a loop iteration's budget of consumers at a time)
+        self.waker = waker
         self.streaming = streaming
         self.consumer = consumer
         #: called once when the request ends (generate_batch's progress bar)
@@ -89,17 +94,17 @@ class RequestHandle:
 
     def notify(self) -> None:
         """Wake whoever waits in :meth:`wait` (the step loop calls this after each step
-        touching the request). Consumers re-check :meth:`has_news`, so a notification
-        nobody waits for needs no record."""
+        touching the request), through the :class:`~aiocb.engine.turns.Waker`. Consumers
+        re-check :meth:`has_news`, so a notification nobody waits for needs no record."""
         waiter = self._waiter
         if waiter is not None:
             self._waiter = None
             if not waiter.done():  # (a cancelled waiter)
-                waiter.set_result(None)
+                self.waker.wake(waiter)
         if self._more_waiters is not None:
             for waiter in self._more_waiters:
                 if not waiter.done():
-                    waiter.set_result(None)
+                    self.waker.wake(waiter)
             self._more_waiters = None
 
     def wait(self) -> asyncio.Future[None]:

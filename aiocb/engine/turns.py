@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 
 #: How long one piece of aiocb's loop-side work may hold the loop (seconds).
 SLICE = 0.00025
@@ -34,3 +35,60 @@ class LoopTurn:
         if time.perf_counter() - self._since >= SLICE:
             await asyncio.sleep(0)
             self._since = time.perf_counter()
+
+
+#: Consumer work that one loop iteration of a :class:`Waker`'s wake-ups may take (seconds).
+WAKE_BUDGET = 2 * SLICE
+#: Bounds of a :class:`Waker`'s batch: at least this many a turn, however slow the
+#: consumers seem (the iteration's other work is charged to them too), so that a
+#: thousand of them still wake within a few hundred iterations; at most the other.
+_MIN_BATCH, _MAX_BATCH = 8, 512
+
+
+class Waker:
+    """Wakes the consumers a step touched a loop iteration's budget at a time.
+
+    A step can touch a thousand requests. Woken at once, all their consumers run in the
+    same loop iteration: a few microseconds each for a stream that only takes its output,
+    but a server's stream detokenizes, matches stop strings and formats its chunk, tens of
+    microseconds each, and a thousand of those held the loop for tens of milliseconds.
+    The waker completes the sleepers' futures in batches, one batch an iteration, each
+    sized from what the last batch cost (the time from one batch to the next, charged
+    to its consumers) so that an iteration's share stays near :data:`WAKE_BUDGET`.
+    """
+
+    __slots__ = ("_batch", "_pending", "_scheduled", "_since", "_woken")
+
+    def __init__(self) -> None:
+        self._pending: deque[asyncio.Future[None]] = deque()
+        self._scheduled = False
+        self._batch = _MIN_BATCH  # (grows once a batch is measured: consumers may be slow)
+        #: when the last batch was woken, and how many it woke (0: none to measure)
+        self._since = 0.0
+        self._woken = 0
+
+    def wake(self, waiter: asyncio.Future[None]) -> None:
+        """Complete ``waiter`` (with None) in this batch or a later one."""
+        self._pending.append(waiter)
+        if not self._scheduled:
+            self._scheduled = True
+            waiter.get_loop().call_soon(self._run, waiter.get_loop())
+
+    def _run(self, loop: asyncio.AbstractEventLoop) -> None:
+        now = time.perf_counter()
+        if self._woken:
+            cost = (now - self._since) / self._woken
+            self._batch = min(_MAX_BATCH, max(_MIN_BATCH, int(WAKE_BUDGET / cost) if cost > 0 else _MAX_BATCH))
+        pending = self._pending
+        woken = 0
+        while pending and woken < self._batch:
+            waiter = pending.popleft()
+            if not waiter.done():  # (its consumer was cancelled meanwhile)
+                waiter.set_result(None)
+                woken += 1
+        self._since, self._woken = time.perf_counter(), woken
+        if pending or woken:
+            # Scheduled after the woken tasks' steps: the next run measures them.
+            loop.call_soon(self._run, loop)
+        else:
+            self._scheduled = False

@@ -155,6 +155,37 @@ async def test_generate_batch_adds_and_collects_a_slice_at_a_time(
         assert other.gave_back(marks) >= len(prompts) - 2, f"the loop was not given back between requests {what}"
 
 
+async def test_consumers_that_a_step_touched_are_woken_a_few_per_loop_turn(qwen3: PreTrainedModel) -> None:
+    # Each stream's reader works a millisecond per chunk (a server's detokenizing and
+    # formatting, exaggerated): woken at once, 200 of them held the loop for 200 ms.
+    handled = 0
+    marks: list[int] = []
+
+    async def read(manager: aiocb.Manager, rid: str) -> int:
+        nonlocal handled
+        chunks = 0
+        async for _ in manager.stream(rid):
+            until = time.perf_counter() + 0.001
+            while time.perf_counter() < until:
+                pass
+            handled += 1
+            chunks += 1
+        return chunks
+
+    async with aiocb.Manager(qwen3) as manager:
+        ids = [await manager.add_request([1 + i, 2, 3], max_new_tokens=3) for i in range(200)]
+        async with LoopTurns() as turns:
+            readers = asyncio.gather(*(read(manager, rid) for rid in ids))
+            while not readers.done():
+                marks.append(handled)
+                await asyncio.sleep(0)
+            chunks = await readers
+    assert sum(chunks) == handled >= 200
+    assert turns.turns > 20
+    most = max(b - a for a, b in itertools.pairwise(marks))
+    assert most <= 16, most
+
+
 async def test_awaiters_are_woken_by_the_final_output_only(
     qwen3: PreTrainedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
