@@ -22,7 +22,15 @@ class AiocbError(Exception):
 
 
 class InvalidRequestError(AiocbError, ValueError):
-    """Bad input was rejected before anything was queued; the message names the problem."""
+    """Bad input was rejected before anything was queued; the message names the problem.
+
+    :attr:`param` is the name of the parameter at fault, when one is (the server maps it
+    to the request body's field).
+    """
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class InvalidConfigError(InvalidRequestError):

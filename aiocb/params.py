@@ -61,7 +61,8 @@ class SamplingParams:
         default=None, metadata=_doc("drop tokens below `min_p` times the top probability (0: off)", "0")
     )
     seed: int | None = field(
-        default=None, metadata=_doc("the request's own random stream: same seed, same samples", "random")
+        default=None,
+        metadata=_doc("the request's own random stream (an int in [-2**63, 2**64)): same seed, same samples", "random"),
     )
     repetition_penalty: float | None = field(
         default=None,
@@ -154,7 +155,7 @@ class SamplingParams:
         _check_int(self, "min_tokens", minimum=0)
         _check_int(self, "top_k", minimum=0)
         _check_int(self, "top_logprobs", minimum=0)
-        _check_int(self, "seed", minimum=None)
+        _check_int(self, "seed", minimum=-(2**63), maximum=2**64 - 1)
         _check_int(self, "priority", minimum=None)
         _check_int(self, "n", minimum=1)
         for name in ("do_sample", "include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
@@ -182,13 +183,15 @@ class SamplingParams:
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
-                raise InvalidRequestError(f"{name} must be a non-empty str, got {value!r}")
+                raise InvalidRequestError(f"{name} must be a non-empty str, got {value!r}", param=name)
         if self.choice is not None:
             listed = isinstance(self.choice, Iterable) and not isinstance(self.choice, str | bytes | Mapping)
             ordered = sorted(self.choice, key=repr) if isinstance(self.choice, set | frozenset) else self.choice
             choices = tuple(ordered) if listed else ()
             if not choices or not all(isinstance(c, str) and c for c in choices):
-                raise InvalidRequestError(f"choice must be a non-empty list of non-empty strings, got {self.choice!r}")
+                raise InvalidRequestError(
+                    f"choice must be a non-empty list of non-empty strings, got {self.choice!r}", param="choice"
+                )
             _set(self, "choice", choices)
         given = [name for name in STRUCTURE_FIELDS if getattr(self, name) is not None]
         if len(given) > 1:
@@ -242,7 +245,9 @@ def _json_schema(value: Any) -> str | None:
     if isinstance(value, type):
         to_schema = getattr(value, "model_json_schema", None)
         if to_schema is None:
-            raise InvalidRequestError(f"json_schema: {value.__name__} is not a pydantic model class")
+            raise InvalidRequestError(
+                f"json_schema: {value.__name__} is not a pydantic model class", param="json_schema"
+            )
         value = to_schema()
     return _json_object("json_schema", value)
 
@@ -255,13 +260,13 @@ def _json_object(name: str, value: Any) -> str | None:
         try:
             value = json.loads(value)
         except ValueError as error:
-            raise InvalidRequestError(f"{name} is not valid JSON: {error}") from None
+            raise InvalidRequestError(f"{name} is not valid JSON: {error}", param=name) from None
     if not isinstance(value, Mapping):
-        raise InvalidRequestError(f"{name} must be a JSON object (a dict), got {type(value).__name__}")
+        raise InvalidRequestError(f"{name} must be a JSON object (a dict), got {type(value).__name__}", param=name)
     try:
         return json.dumps(value)
     except (TypeError, ValueError) as error:
-        raise InvalidRequestError(f"{name} cannot be written as JSON: {error}") from None
+        raise InvalidRequestError(f"{name} cannot be written as JSON: {error}", param=name) from None
 
 
 def parameter_table() -> str:
@@ -283,20 +288,22 @@ def _set(params: SamplingParams, name: str, value: Any) -> None:
     object.__setattr__(params, name, value)
 
 
-def _check_int(params: SamplingParams, name: str, *, minimum: int | None) -> None:
+def _check_int(params: SamplingParams, name: str, *, minimum: int | None, maximum: int | None = None) -> None:
     value = getattr(params, name)
     if value is None:
         return
     if not _is_int(value):
-        raise InvalidRequestError(f"{name} must be an int, got {value!r}")
+        raise InvalidRequestError(f"{name} must be an int, got {value!r}", param=name)
     if minimum is not None and value < minimum:
-        raise InvalidRequestError(f"{name} must be >= {minimum}, got {value}")
+        raise InvalidRequestError(f"{name} must be >= {minimum}, got {value}", param=name)
+    if maximum is not None and value > maximum:
+        raise InvalidRequestError(f"{name} must be <= {maximum}, got {value}", param=name)
 
 
 def _check_bool(params: SamplingParams, name: str) -> None:
     value = getattr(params, name)
     if value is not None and not isinstance(value, bool):
-        raise InvalidRequestError(f"{name} must be True or False, got {value!r}")
+        raise InvalidRequestError(f"{name} must be True or False, got {value!r}", param=name)
 
 
 def _check_float(
@@ -306,11 +313,11 @@ def _check_float(
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise InvalidRequestError(f"{name} must be a finite number, got {value!r}")
+        raise InvalidRequestError(f"{name} must be a finite number, got {value!r}", param=name)
     if (value <= low if low_open else value < low) or (high is not None and value > high):
         bracket = "(" if low_open else "["
         top = "inf)" if high is None else f"{high}]"
-        raise InvalidRequestError(f"{name} must be in {bracket}{low}, {top}, got {value}")
+        raise InvalidRequestError(f"{name} must be in {bracket}{low}, {top}, got {value}", param=name)
     _set(params, name, float(value))
 
 
@@ -320,14 +327,16 @@ def _strings(value: Any) -> tuple[str, ...] | None:
     if isinstance(value, str):
         value = [value]
     if isinstance(value, (bytes, Mapping)) or not isinstance(value, Iterable):
-        raise InvalidRequestError(f"stop must be a string or a list of strings, got {type(value).__name__}")
+        raise InvalidRequestError(
+            f"stop must be a string or a list of strings, got {type(value).__name__}", param="stop"
+        )
     # A set has no order of its own: sorted, the request is the same in every process.
     strings = tuple(sorted(value, key=repr)) if isinstance(value, set | frozenset) else tuple(value)
     for s in strings:
         if not isinstance(s, str):
-            raise InvalidRequestError(f"stop must hold strings, got {s!r}")
+            raise InvalidRequestError(f"stop must hold strings, got {s!r}", param="stop")
         if not s:
-            raise InvalidRequestError("stop holds an empty string, which would match everywhere")
+            raise InvalidRequestError("stop holds an empty string, which would match everywhere", param="stop")
     return strings
 
 
@@ -335,31 +344,46 @@ def _ids(name: str, value: Any, *, empty_ok: bool = True, negative_ok: bool = Fa
     if value is None:
         return None
     if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
-        raise InvalidRequestError(f"{name} must be a list of token ids, got {type(value).__name__}")
+        raise InvalidRequestError(f"{name} must be a list of token ids, got {type(value).__name__}", param=name)
     ids = tuple(value)
     for v in ids:
         if not _is_int(v):
-            raise InvalidRequestError(f"{name} must hold token ids (ints), got {v!r}")
+            raise InvalidRequestError(f"{name} must hold token ids (ints), got {v!r}", param=name)
         if v < 0 and not negative_ok:
-            raise InvalidRequestError(f"{name} holds a negative token id ({v})")
+            raise InvalidRequestError(f"{name} holds a negative token id ({v})", param=name)
     if not ids and not empty_ok:
-        raise InvalidRequestError(f"{name} is empty: no token could be generated")
+        raise InvalidRequestError(f"{name} is empty: no token could be generated", param=name)
     return ids
+
+
+def _pairs(name: str, value: Any, example: str) -> Iterable[tuple[Any, Any]]:
+    """``value``'s (key, value) pairs: a mapping's items, or an iterable of pairs."""
+    if isinstance(value, Mapping):
+        return value.items()
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise InvalidRequestError(f"{name} must map {example}, got {type(value).__name__}", param=name)
+    pairs = []
+    for item in value:
+        pair = tuple(item) if isinstance(item, Iterable) and not isinstance(item, (str, bytes, Mapping)) else ()
+        if len(pair) != 2:
+            raise InvalidRequestError(f"{name} must map {example}, got the item {item!r}", param=name)
+        pairs.append(pair)
+    return pairs
 
 
 def _logit_bias(value: Any) -> tuple[tuple[int, float], ...] | None:
     if value is None:
         return None
-    items = value.items() if isinstance(value, Mapping) else value
     pairs: dict[int, float] = {}
-    for item in items:
-        token, bias = item
+    for token, bias in _pairs("logit_bias", value, "token ids to biases, e.g. {42: -100}"):
         if isinstance(token, str) and token.lstrip("-").isdigit():
             token = int(token)  # JSON object keys are strings
         if not _is_int(token) or token < 0:
-            raise InvalidRequestError(f"logit_bias keys must be token ids, got {token!r}")
+            raise InvalidRequestError(f"logit_bias keys must be token ids, got {token!r}", param="logit_bias")
         if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
-            raise InvalidRequestError(f"logit_bias[{token}] must be a number in [-100, 100], got {bias!r}")
+            raise InvalidRequestError(
+                f"logit_bias[{token}] must be a number in [-100, 100], got {bias!r}", param="logit_bias"
+            )
         pairs[token] = float(bias)
     return tuple(sorted(pairs.items()))
 
@@ -367,14 +391,14 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...] | None:
 def _sequence_bias(value: Any) -> tuple[SequenceBias, ...] | None:
     if value is None:
         return None
-    items = value.items() if isinstance(value, Mapping) else value
     out: dict[tuple[int, ...], float] = {}  # as transformers: a sequence given twice keeps its last bias
-    for item in items:
-        sequence, bias = item
+    for sequence, bias in _pairs("sequence_bias", value, "token sequences to biases, e.g. [[[42, 7], -5.0]]"):
         ids = _ids("sequence_bias", [sequence] if _is_int(sequence) else sequence, empty_ok=False)
         assert ids is not None
         if isinstance(bias, bool) or not isinstance(bias, (int, float)) or math.isnan(bias):
-            raise InvalidRequestError(f"sequence_bias of {list(ids)} must be a number, got {bias!r}")
+            raise InvalidRequestError(
+                f"sequence_bias of {list(ids)} must be a number, got {bias!r}", param="sequence_bias"
+            )
         out[ids] = float(bias)
     return tuple(out.items())
 
@@ -383,11 +407,13 @@ def _bad_words(value: Any) -> tuple[tuple[int, ...], ...] | None:
     if value is None:
         return None
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
-        raise InvalidRequestError("bad_words_ids must be a list of lists of token ids")
+        raise InvalidRequestError("bad_words_ids must be a list of lists of token ids", param="bad_words_ids")
     words = []
     for word in value:
         if _is_int(word):
-            raise InvalidRequestError("bad_words_ids must be a list of lists of token ids, e.g. [[42], [7, 9]]")
+            raise InvalidRequestError(
+                "bad_words_ids must be a list of lists of token ids, e.g. [[42], [7, 9]]", param="bad_words_ids"
+            )
         ids = _ids("bad_words_ids", word, empty_ok=False)
         assert ids is not None
         words.append(ids)

@@ -47,16 +47,18 @@ def normalize_prompt(input_ids: Any, limits: RequestLimits) -> list[int]:
     if hasattr(input_ids, "tolist") and not isinstance(input_ids, list):
         if getattr(input_ids, "ndim", 1) != 1:
             raise InvalidRequestError(
-                f"input_ids must be one-dimensional (one prompt), got shape {tuple(input_ids.shape)}"
+                f"input_ids must be one-dimensional (one prompt), got shape {tuple(input_ids.shape)}",
+                param="input_ids",
             )
         input_ids = input_ids.tolist()
     if isinstance(input_ids, (str, bytes)) or not isinstance(input_ids, Sequence):
         raise InvalidRequestError(
             f"input_ids must be a list of token ids, got {type(input_ids).__name__}; "
-            "tokenize text with the model's tokenizer first"
+            "tokenize text with the model's tokenizer first",
+            param="input_ids",
         )
     if not input_ids:
-        raise InvalidRequestError("input_ids is empty: a prompt needs at least one token")
+        raise InvalidRequestError("input_ids is empty: a prompt needs at least one token", param="input_ids")
     # The usual prompt, a list of plain ints in range, checked by loops that run in C: a
     # Python loop over a long prompt would hold the event loop for milliseconds.
     if (
@@ -71,11 +73,13 @@ def normalize_prompt(input_ids: Any, limits: RequestLimits) -> list[int]:
     for position, token in enumerate(input_ids):
         if isinstance(token, bool) or not isinstance(token, int):
             raise InvalidRequestError(
-                f"input_ids[{position}] is {token!r} ({type(token).__name__}); token ids must be ints"
+                f"input_ids[{position}] is {token!r} ({type(token).__name__}); token ids must be ints",
+                param="input_ids",
             )
         if not 0 <= token < limits.vocab_size:
             raise InvalidRequestError(
-                f"input_ids[{position}] = {token} is outside the vocabulary [0, {limits.vocab_size})"
+                f"input_ids[{position}] = {token} is outside the vocabulary [0, {limits.vocab_size})",
+                param="input_ids",
             )
         prompt.append(int(token))
     return prompt
@@ -216,6 +220,12 @@ def resolve_params(
     min_tokens = pick("min_tokens", 0)
     if defaults.min_length and request.min_tokens is None:
         min_tokens = max(min_tokens, defaults.min_length - prompt_len)
+    if request.min_tokens is not None and request.min_tokens > max_new_tokens:
+        raise InvalidRequestError(
+            f"min_tokens ({request.min_tokens}) is more than max_new_tokens ({max_new_tokens}): the request "
+            "would end at max_new_tokens before min_tokens were reached",
+            param="min_tokens",
+        )
     do_sample = request.do_sample
     if do_sample is None:
         explicit = request.temperature is not None or request.top_k is not None or request.top_p is not None
@@ -224,10 +234,14 @@ def resolve_params(
     if do_sample and 0.0 < temperature < MIN_TEMPERATURE:
         # (logits / temperature would run far past where float32 tells tokens apart, or
         # leave its range: the draw would not be the softmax's)
-        raise InvalidRequestError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {temperature}")
+        raise InvalidRequestError(
+            f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {temperature}", param="temperature"
+        )
     top_logprobs = pick("top_logprobs", 0)
     if top_logprobs > limits.vocab_size:
-        raise InvalidRequestError(f"top_logprobs ({top_logprobs}) exceeds the vocabulary size {limits.vocab_size}")
+        raise InvalidRequestError(
+            f"top_logprobs ({top_logprobs}) exceeds the vocabulary size {limits.vocab_size}", param="top_logprobs"
+        )
     vocab = limits.vocab_size
 
     eos = request.eos_token_id if request.eos_token_id is not None else config.eos_token_id
@@ -237,11 +251,11 @@ def resolve_params(
         stops = stops | _checked_ids("stop_token_ids", request.stop_token_ids, vocab)
     stop = pick("stop", ())
     if stop and not has_tokenizer:
-        raise InvalidRequestError("stop strings need a tokenizer: create the Manager with tokenizer=...")
+        raise InvalidRequestError("stop strings need a tokenizer: create the Manager with tokenizer=...", param="stop")
     structure = request.structure()
     if structure is not None and not can_constrain:
         given = next(name for name in STRUCTURE_FIELDS if getattr(request, name) is not None)
-        raise InvalidRequestError(f"{given} needs a tokenizer: create the Manager with tokenizer=...")
+        raise InvalidRequestError(f"{given} needs a tokenizer: create the Manager with tokenizer=...", param=given)
 
     biases: list[tuple[int, float]] = []
     sequences: list[tuple[tuple[int, ...], float]] = []
@@ -272,17 +286,20 @@ def resolve_params(
     if limits.max_model_len is not None and total > limits.max_model_len:
         raise InvalidRequestError(
             f"prompt ({prompt_len} tokens) plus max_new_tokens ({max_new_tokens}) is {total} tokens, "
-            f"beyond the model's context length of {limits.max_model_len}"
+            f"beyond the model's context length of {limits.max_model_len}",
+            param="input_ids" if prompt_len >= limits.max_model_len else "max_new_tokens",
         )
     if prompt_len > limits.cache_capacity:
         raise InvalidRequestError(
             f"the prompt ({prompt_len} tokens) cannot fit the whole KV cache ({limits.cache_capacity} tokens); "
-            "raise num_blocks or max_memory_percent"
+            "raise num_blocks or max_memory_percent",
+            param="input_ids",
         )
     if total > limits.cache_capacity:
         raise InvalidRequestError(
             f"prompt plus max_new_tokens ({total} tokens) cannot fit the whole KV cache "
-            f"({limits.cache_capacity} tokens); lower max_new_tokens or enlarge the cache"
+            f"({limits.cache_capacity} tokens); lower max_new_tokens or enlarge the cache",
+            param="max_new_tokens",
         )
     return_logprobs = request.return_logprobs
     seed = pick("seed", None)
@@ -319,7 +336,7 @@ def _checked_ids(name: str, value: int | Iterable[int], vocab_size: int) -> froz
     values = [value] if isinstance(value, int) else list(value)
     for v in values:
         if isinstance(v, bool) or not isinstance(v, int):
-            raise InvalidRequestError(f"{name} must hold token ids (ints), got {v!r}")
+            raise InvalidRequestError(f"{name} must hold token ids (ints), got {v!r}", param=name)
         if v >= vocab_size:
-            raise InvalidRequestError(f"{name} {v} is outside the vocabulary [0, {vocab_size})")
+            raise InvalidRequestError(f"{name} {v} is outside the vocabulary [0, {vocab_size})", param=name)
     return frozenset(v for v in values if v >= 0)

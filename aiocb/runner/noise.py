@@ -17,10 +17,23 @@ import math
 import torch
 
 _MASK32 = 0xFFFFFFFF
+_MASK64 = 0xFFFFFFFFFFFFFFFF
 
 #: Above any Gumbel noise :func:`gumbel` returns: ``-log(-log(1 - 2**-24))`` (the largest
 #: uniform of :func:`bits_to_uniform`), about 16.64, with room for float32's rounding.
 GUMBEL_BOUND = -math.log(-math.log1p(-(2.0**-24))) + 1e-3
+
+
+def seed_key(seed: int) -> int:
+    """The 32-bit key of a request's random stream.
+
+    A seed in ``[0, 2**32)`` is its own key. Any other (negative, or 64-bit) is mixed down
+    by Fibonacci hashing of its 64-bit two's complement, so that seeds differing only in
+    their high bits get unrelated streams, not one stream that masking would give them.
+    """
+    if 0 <= seed <= _MASK32:
+        return seed
+    return ((seed & _MASK64) * 0x9E3779B97F4A7C15 & _MASK64) >> 32
 
 
 def _signed32(constant: int) -> int:

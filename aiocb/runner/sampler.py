@@ -22,10 +22,9 @@ import torch
 from aiocb.runner.argmax import argmax_rows
 from aiocb.runner.draw import draw, draw_full
 from aiocb.runner.logits_controls import LogitsControls, apply_controls
+from aiocb.runner.noise import seed_key
 
 logger = logging.getLogger(__name__)
-
-_MASK32 = 0xFFFFFFFF
 
 
 class _SamplingRow(Protocol):
@@ -78,7 +77,7 @@ class SamplingTensors:
             "temperature": torch.tensor([0.0 if _greedy(r) else r.temperature for r in rows], dtype=torch.float32),
             "top_k": torch.tensor([r.top_k for r in rows], dtype=torch.long),
             "top_p": torch.tensor([r.top_p for r in rows], dtype=torch.float32),
-            "seed": torch.tensor([r.seed & _MASK32 for r in rows], dtype=torch.long),
+            "seed": torch.tensor([seed_key(r.seed) for r in rows], dtype=torch.long),
             "offset": torch.tensor([r.offset for r in rows], dtype=torch.long),
         }
         if any(r.min_p > 0.0 and not _greedy(r) for r in rows):

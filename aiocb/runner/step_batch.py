@@ -26,9 +26,8 @@ from aiocb.core.params import ResolvedParams
 from aiocb.core.request import Request
 from aiocb.core.scheduler import SchedulerOutput, wants_prompt_logprobs
 from aiocb.runner.logits_controls import matched_sequence_bias
+from aiocb.runner.noise import seed_key
 from aiocb.structured import new_bitmask
-
-_MASK32 = 0xFFFFFFFF
 
 
 @dataclass(slots=True)
@@ -64,7 +63,7 @@ def row_params(params: ResolvedParams) -> RowParams:
         params.top_k,
         params.top_p,
         0.0 if greedy else params.min_p,
-        params.seed & _MASK32,
+        seed_key(params.seed),
         params.return_logprobs,
         params.top_logprobs,
     )

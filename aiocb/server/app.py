@@ -13,7 +13,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any, TypeVar
@@ -27,13 +27,15 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from aiocb.server.chat import ChatCompletion, prepare_chat
+from aiocb.server.chat import ChatCompletion, PreparedChat, prepare_chat
 from aiocb.server.completions import Completion, prepare_completion
 from aiocb.server.context import ServerContext
 from aiocb.server.edge import OPEN_PATHS, EdgeMiddleware, access_record
 from aiocb.server.limits import ServerLimits, parse_json, read_body
 from aiocb.server.metrics import ServerMetrics
 from aiocb.server.protocol import (
+    CHAT_PARAMS,
+    COMPLETION_PARAMS,
     APIError,
     DetokenizeRequest,
     TokenizeRequest,
@@ -175,12 +177,12 @@ class _Api:
         """``POST /v1/completions``."""
         received = time.perf_counter()
         try:
-            prepared = await self.ctx.prepare(await self._body(request), partial(prepare_completion, self.ctx))
+            prepared = await prepare_completion(self.ctx, await self._body(request))
             completion = Completion(self.ctx, prepared, received)
             completion.submission.record = access_record(request.scope)
             await completion.submit()
         except Exception as exc:
-            return self.error(exc)
+            return self.error(exc, COMPLETION_PARAMS)
         if prepared.request.sampling.stream:
             return EventStreamResponse(events(completion.chunks(), self.ctx.metrics))
         return await self._respond(request, completion.response())
@@ -188,13 +190,15 @@ class _Api:
     async def chat_completions(self, request: Request) -> Response:
         """``POST /v1/chat/completions``."""
         received = time.perf_counter()
+        prepared: PreparedChat | None = None
         try:
             prepared = await self.ctx.prepare(await self._body(request), partial(prepare_chat, self.ctx))
             chat = ChatCompletion(self.ctx, prepared, received)
             chat.submission.record = access_record(request.scope)
             await chat.submit()
         except Exception as exc:
-            return self.error(exc)
+            said = {"max_new_tokens": prepared.request.sampling.max_tokens_field} if prepared is not None else {}
+            return self.error(exc, {**CHAT_PARAMS, **said})
         if prepared.request.sampling.stream:
             return EventStreamResponse(events(chat.chunks(), self.ctx.metrics))
         return await self._respond(request, chat.response())
@@ -289,11 +293,15 @@ class _Api:
         self.ctx.check_model(parsed.model)
         if parsed.prompt is not None:
             text = parsed.prompt
+            self.ctx.check_prompt_chars(text, "prompt")
         else:
             assert parsed.messages is not None
             messages = template_messages(parsed.messages)
-            text = self.ctx.render_chat(messages, add_generation_prompt=parsed.add_generation_prompt, kwargs={})
-        tokens = self.ctx.encode(text, add_special_tokens=parsed.add_special_tokens)
+            text = self.ctx.render_chat(
+                messages, add_generation_prompt=parsed.add_generation_prompt, kwargs=parsed.chat_template_kwargs
+            )
+        param = "prompt" if parsed.prompt is not None else "messages"
+        tokens = self.ctx.encode(text, add_special_tokens=parsed.add_special_tokens, param=param)
         return _json_bytes({"tokens": tokens, "count": len(tokens), "max_model_len": self.ctx.max_model_len})
 
     async def detokenize(self, request: Request) -> Response:
@@ -308,8 +316,13 @@ class _Api:
         parsed: DetokenizeRequest = parse_detokenize_request(parse_json(body, self.ctx.limits.max_json_depth))
         self.ctx.check_model(parsed.model)
         vocab = len(self.ctx.tokenizer)
-        if any(t >= vocab for t in parsed.tokens):
+        if parsed.tokens and max(parsed.tokens) >= vocab:
             raise bad_request(f"'tokens' holds ids outside the vocabulary [0, {vocab})", "tokens")
+        bound = self.ctx.max_model_len
+        if bound is not None and len(parsed.tokens) > bound:
+            raise bad_request(
+                f"'tokens' has {len(parsed.tokens)} ids, more than the model's context of {bound}", "tokens"
+            )
         return _json_bytes({"prompt": self.ctx.decode(parsed.tokens)})
 
     async def tokenizer_info(self, request: Request) -> Response:
@@ -334,14 +347,15 @@ class _Api:
 
     # ------------------------------------------------------------------ errors
 
-    def error(self, exc: BaseException) -> JSONResponse:
-        """The OpenAI-shaped response for ``exc`` (logged when it is the server's fault)."""
-        error = error_from_exception(exc)
+    def error(self, exc: BaseException, params: Mapping[str, str] | None = None) -> ErrorResponse:
+        """The OpenAI-shaped response for ``exc`` (logged when it is the server's fault);
+        ``params`` renames the engine's parameter names to the endpoint's fields."""
+        error = error_from_exception(exc, params)
         if error.status >= 500 and error.status != 503:
             logger.error("request failed: %s", error.message, exc_info=exc if not isinstance(exc, APIError) else None)
         self.ctx.metrics.observe_error(error.status)
         headers = {"Retry-After": str(self.ctx.limits.retry_after)} if error.status in (429, 503) else None
-        return JSONResponse(error.to_dict(), status_code=error.status, headers=headers)
+        return ErrorResponse(error.to_dict(), status_code=error.status, headers=headers)
 
     async def http_error(self, request: Request, exc: Exception) -> Response:
         """Starlette's own errors (unknown route, wrong method) in OpenAI's shape."""
@@ -362,6 +376,14 @@ class _Api:
             "root": self.ctx.model_name,
             "max_model_len": self.ctx.max_model_len,
         }
+
+
+class ErrorResponse(JSONResponse):
+    """An error body in JSON with every non-ASCII character escaped: a message may quote
+    what the client sent, lone UTF-16 surrogates included, which UTF-8 cannot carry."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
 def _json_bytes(value: Any) -> bytes:
@@ -410,4 +432,4 @@ class _ApiKeyMiddleware:
             return
         self._metrics.observe_error(401)
         error = APIError(401, "Incorrect or missing API key", code="invalid_api_key")
-        await JSONResponse(error.to_dict(), status_code=401)(scope, receive, send)
+        await ErrorResponse(error.to_dict(), status_code=401)(scope, receive, send)

@@ -48,6 +48,7 @@ def prepare_chat(ctx: ServerContext, body: bytes) -> PreparedChat:
     tools = parse_tools(parsed)
     ctx.check_model(request.sampling.model)
     ctx.limits.check_stop(request.sampling.stop)
+    ctx.limits.check_choices(1, request.sampling.n)
     if tools is not None and tools.choice == "none":
         tools = None  # (the model is not shown tools it may not call)
     parser = ctx.tool_parser
@@ -76,7 +77,9 @@ def prepare_chat(ctx: ServerContext, body: bytes) -> PreparedChat:
             raise bad_request(message, "tool_choice")
         mode = "disabled" if not ctx.reasoning else "enabled" if opens_thinking else "auto"
         constraint["structural_tag"] = structural_tag(tools, parser.xgrammar_format, mode)
-    return PreparedChat(request, ctx.encode(text, add_special_tokens=False), tools, constraint, opens_thinking)
+    return PreparedChat(
+        request, ctx.encode(text, add_special_tokens=False, param="messages"), tools, constraint, opens_thinking
+    )
 
 
 class ChatCompletion:

@@ -7,6 +7,7 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from aiocb.detokenize import IncrementalDetokenizer
@@ -39,18 +40,37 @@ class PreparedCompletion:
     prompts: list[Prompt]
 
 
-def prepare_completion(ctx: ServerContext, body: bytes) -> PreparedCompletion:
-    """Parse, check and tokenize a completions body (thread-safe: runs off the loop when large)."""
+def parse_completion(ctx: ServerContext, body: bytes) -> CompletionRequest:
+    """Parse and check a completions body, its prompts' sizes included (thread-safe: runs
+    off the loop when large)."""
     request = parse_completion_request(parse_json(body, ctx.limits.max_json_depth))
     ctx.check_model(request.sampling.model)
     ctx.limits.check_stop(request.sampling.stop)
-    prompts: list[Prompt] = []
-    for prompt in request.prompts:
+    ctx.limits.check_choices(len(request.prompts), request.sampling.n)
+    many = len(request.prompts) > 1
+    for i, prompt in enumerate(request.prompts):
+        where = f"prompt[{i}]" if many else "prompt"
         if isinstance(prompt, str):
-            ctx.check_prompt_chars(prompt, "prompt")
-            prompts.append(Prompt(ctx.encode(prompt, add_special_tokens=True), prompt))
+            ctx.check_prompt_chars(prompt, "prompt", where)
         else:
-            prompts.append(Prompt(prompt, ctx.decode(prompt) if request.echo else ""))
+            ctx.check_prompt_ids(prompt, "prompt", where)
+    return request
+
+
+async def prepare_completion(ctx: ServerContext, body: bytes) -> PreparedCompletion:
+    """Parse, check and tokenize a completions body; a large body's work runs in the
+    tokenizer thread, one job per prompt."""
+    request = await ctx.prepare(body, partial(parse_completion, ctx))
+    prompts: list[Prompt] = []
+    many = len(request.prompts) > 1
+    for i, prompt in enumerate(request.prompts):
+        if isinstance(prompt, str):
+            where = f"prompt[{i}]" if many else "prompt"
+            encode = partial(ctx.encode, add_special_tokens=True, param="prompt", where=where)
+            prompts.append(Prompt(await ctx.off_loop(len(prompt), encode, prompt), prompt))
+        else:
+            text = await ctx.off_loop(len(prompt), ctx.decode, prompt) if request.echo else ""
+            prompts.append(Prompt(prompt, text))
     return PreparedCompletion(request, prompts)
 
 

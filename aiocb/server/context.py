@@ -7,6 +7,7 @@ import re
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any, TypeVar
 
 from aiocb.server.limits import ServerLimits
@@ -72,6 +73,7 @@ class ServerContext:
         self.created = int(time.time())
         text_config = manager.model.config.get_text_config()
         self.max_model_len: int | None = getattr(text_config, "max_position_embeddings", None)
+        self.vocab_size: int = text_config.vocab_size
         longest_token = max((len(piece) for piece in tokenizer.get_vocab()), default=1)
         self.max_prompt_chars: int | None = (
             None if self.max_model_len is None else self.max_model_len * max(longest_token, 1) * _CHARS_MARGIN
@@ -80,6 +82,7 @@ class ServerContext:
         self.draining = False
         self._token_texts: dict[int, str] = {}
         self._executor: ThreadPoolExecutor | None = None
+        self._template_variables = _template_variables(getattr(tokenizer, "chat_template", None))
 
     async def prepare(self, body: bytes, work: Callable[[bytes], T]) -> T:
         """``work(body)``: parsing and tokenizing a request, off the loop when the body is large.
@@ -87,11 +90,17 @@ class ServerContext:
         One thread does it for every large body in turn (the tokenizer is not used from
         two threads at once for long inputs); small bodies are cheaper than the hop.
         """
-        if len(body) <= INLINE_BODY_BYTES:
-            return work(body)
+        return await self.off_loop(len(body), work, body)
+
+    async def off_loop(self, size: int, work: Callable[..., T], *args: Any) -> T:
+        """``work(*args)`` on the loop when ``size`` (bytes, characters or tokens) is small,
+        else in the tokenizer thread. Jobs there run in turn: a request with many prompts
+        sends one job a prompt, so that other requests' jobs come between them."""
+        if size <= INLINE_BODY_BYTES:
+            return work(*args)
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aiocb-tokenizer")
-        return await asyncio.get_running_loop().run_in_executor(self._executor, work, body)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, partial(work, *args))
 
     def close(self) -> None:
         """Let the tokenizer thread go (at shutdown)."""
@@ -109,12 +118,28 @@ class ServerContext:
                 code="model_not_found",
             )
 
-    def check_prompt_chars(self, text: str, param: str) -> None:
+    def check_prompt_ids(self, ids: Sequence[int], param: str, where: str | None = None) -> None:
+        """Refuse a token-id prompt longer than the context or with ids outside the model's
+        vocabulary (checked here, off the loop for a large body, rather than by the engine).
+        ``where`` names the prompt in the message (``prompt[3]``), ``param`` is the field."""
+        where = where or param
+        if self.max_model_len is not None and len(ids) > self.max_model_len:
+            raise bad_request(
+                f"{where} has {len(ids)} tokens, more than the model's context of {self.max_model_len}", param
+            )
+        if ids and max(ids) >= self.vocab_size:
+            position = next(i for i, token in enumerate(ids) if token >= self.vocab_size)
+            raise bad_request(
+                f"{where}[{position}] = {ids[position]} is outside the model's vocabulary [0, {self.vocab_size})",
+                param,
+            )
+
+    def check_prompt_chars(self, text: str, param: str, where: str | None = None) -> None:
         """Refuse, before tokenizing it, a prompt far too long for the context by its length alone."""
         bound = self.max_prompt_chars
         if bound is not None and len(text) > bound:
             raise bad_request(
-                f"the prompt has {len(text)} characters, which cannot fit the model's context of "
+                f"{where or 'the prompt'} has {len(text)} characters, which cannot fit the model's context of "
                 f"{self.max_model_len} tokens",
                 param,
             )
@@ -147,13 +172,28 @@ class ServerContext:
             return bytes(_BYTE_LEVEL_DECODER[char] for char in piece)
         return None
 
-    def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
-        """Token ids of ``text``."""
-        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    def encode(self, text: str, *, add_special_tokens: bool, param: str, where: str | None = None) -> list[int]:
+        """Token ids of ``text``; a 400 naming ``param`` when it is not text the tokenizer takes."""
+        try:
+            ids: list[int] = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        except (TypeError, UnicodeError) as exc:
+            # A lone UTF-16 surrogate ("\ud800") is valid JSON but no Unicode text.
+            message = f"{where or param} cannot be tokenized (is it valid Unicode text?): {exc}"
+            raise bad_request(message, param) from None
         return ids
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
-        """Text of ``token_ids``."""
+        """Text of ``token_ids``.
+
+        A tokenizers-library tokenizer decodes through its batch call, which lets the GIL
+        go while it works (its single call holds it: about 60 ms for 500,000 characters,
+        all of it a stall of the event loop when this runs in the tokenizer thread); one
+        that cleans up tokenization spaces decodes through transformers, which does that.
+        """
+        backend: Any = getattr(self.tokenizer, "_tokenizer", None)
+        if hasattr(backend, "decode_batch") and not getattr(self.tokenizer, "clean_up_tokenization_spaces", False):
+            texts: list[str] = backend.decode_batch([list(token_ids)], skip_special_tokens=skip_special_tokens)
+            return texts[0]
         text: str = self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
         return text
 
@@ -168,8 +208,7 @@ class ServerContext:
         """The chat template applied to ``messages`` (and ``tools``); a 400 when it cannot be."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise bad_request("the model's tokenizer has no chat template; use /v1/completions", "messages")
-        if "tools" in kwargs:
-            raise bad_request("give tools as 'tools', not in 'chat_template_kwargs'", "chat_template_kwargs")
+        self._check_template_kwargs(kwargs)
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
@@ -179,6 +218,21 @@ class ServerContext:
         if not isinstance(text, str):
             raise APIError(500, "the chat template did not render to text", type="internal_server_error")
         return text
+
+    def _check_template_kwargs(self, kwargs: dict[str, Any]) -> None:
+        """Refuse ``chat_template_kwargs`` keys that are the template call's own arguments (a
+        client's ``chat_template`` would run its own Jinja code here), and keys the model's
+        template never reads (they would change nothing)."""
+        for key in kwargs:
+            if key in _TEMPLATE_CALL_ARGUMENTS:
+                own = {"tools": "give tools as 'tools'", "add_generation_prompt": "give it as 'add_generation_prompt'"}
+                why = own.get(key, "the server's template call sets it")
+                raise bad_request(f"'chat_template_kwargs' may not set {key!r}: {why}", "chat_template_kwargs")
+            if self._template_variables is not None and key not in self._template_variables:
+                raise bad_request(
+                    f"'chat_template_kwargs' sets {key!r}, which this model's chat template does not use",
+                    "chat_template_kwargs",
+                )
 
     def cache_capacity_tokens(self) -> int:
         """Tokens the whole KV cache holds (an estimate, for default ``max_tokens``)."""
@@ -190,6 +244,46 @@ class ServerContext:
         if self.max_model_len is not None:
             room = min(room, self.max_model_len - prompt_len)
         return max(room, 1)
+
+
+#: ``apply_chat_template``'s own arguments that a request may not set through
+#: ``chat_template_kwargs`` (``documents`` and ``continue_final_message`` it may: they are
+#: what a template reads).
+_TEMPLATE_CALL_ARGUMENTS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "chat_template",
+        "add_generation_prompt",
+        "tokenize",
+        "sanitize_control_tokens",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+
+
+def _template_variables(template: Any) -> frozenset[str] | None:
+    """The variables a chat template reads, plus the template call's own keywords a
+    template reaches through them; None when that cannot be told (no template, several
+    named ones, a template transformers' Jinja setup does not parse)."""
+    if not isinstance(template, str):
+        return None
+    try:
+        import jinja2.meta
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        environment = _compile_jinja_template(template).environment
+        variables = jinja2.meta.find_undeclared_variables(environment.parse(template))
+    except Exception:  # (a private helper of transformers: any failure means "cannot tell")
+        return None
+    return frozenset(variables) | {"documents", "continue_final_message"}
 
 
 def finite(logprob: float) -> float:

@@ -32,6 +32,7 @@ class ServerLimits:
         max_stop_string_chars: characters of one stop string (400 beyond).
         max_concurrent_requests: requests on the API routes in flight at once, streams
             counted until they end; one more gets 429 with ``Retry-After``.
+        max_choices: choices one request may ask for, its prompts times ``n`` (400 beyond).
         body_timeout: seconds a client may take to send its body once its headers have
             arrived (408 beyond).
         retry_after: seconds a 429 or 503 response tells the client to wait.
@@ -42,6 +43,7 @@ class ServerLimits:
     max_stop_strings: int = 64
     max_stop_string_chars: int = 1024
     max_concurrent_requests: int = 1024
+    max_choices: int = 1024
     body_timeout: float = 60.0
     retry_after: int = 1
 
@@ -49,7 +51,8 @@ class ServerLimits:
         for name in ("max_request_bytes", "max_json_depth"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("max_stop_strings", "max_stop_string_chars", "max_concurrent_requests", "retry_after"):
+        counts = ("max_stop_strings", "max_stop_string_chars", "max_concurrent_requests", "max_choices", "retry_after")
+        for name in counts:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0: no bound), got {getattr(self, name)}")
         if not self.body_timeout > 0:
@@ -81,6 +84,16 @@ class ServerLimits:
                 "stop",
             )
 
+    def check_choices(self, prompts: int, n: int) -> None:
+        """Refuse a request for more choices (prompts times ``n``) than :attr:`max_choices`."""
+        if self.max_choices and prompts * n > self.max_choices:
+            said = f"{prompts} prompts times n = {n}" if prompts > 1 else f"n = {n}"
+            raise bad_request(
+                f"the request asks for {prompts * n} choices ({said}); the server allows at most "
+                f"{self.max_choices} (--max-choices)",
+                "prompt" if prompts > 1 else "n",
+            )
+
 
 async def read_body(chunks: AsyncIterator[bytes], limits: ServerLimits) -> bytes:
     """The whole body from ``chunks``, refused with 413 as soon as it outgrows the limit."""
@@ -102,7 +115,7 @@ def parse_json(body: bytes, max_depth: int) -> Any:
         value = json.loads(body)
     except RecursionError:
         raise _too_deep(max_depth) from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except ValueError as exc:  # not JSON, not UTF-8, or an integer of more digits than Python converts
         raise bad_request(f"the request body is not valid JSON: {exc}") from None
     # No body with fewer brackets than the bound can nest deeper than it: the common case
     # (a prompt, even a list of a million token ids) skips the walk.

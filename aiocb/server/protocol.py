@@ -58,8 +58,15 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
-def error_from_exception(exc: BaseException) -> APIError:
-    """Map an exception from the engine (or anything else) to the error a client should see."""
+#: The engine's names of parameters (``aiocb.SamplingParams`` fields) that a request body
+#: calls otherwise; a chat body's prompt is its ``messages``.
+COMPLETION_PARAMS = {"input_ids": "prompt", "max_new_tokens": "max_tokens", "top_logprobs": "logprobs"}
+CHAT_PARAMS = {"input_ids": "messages", "max_new_tokens": "max_tokens", "return_logprobs": "logprobs"}
+
+
+def error_from_exception(exc: BaseException, params: Mapping[str, str] | None = None) -> APIError:
+    """Map an exception from the engine (or anything else) to the error a client should see;
+    ``params`` renames the engine's parameter names to the body's."""
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, WouldBlock):
@@ -70,7 +77,8 @@ def error_from_exception(exc: BaseException) -> APIError:
             code="rate_limit_exceeded",
         )
     if isinstance(exc, InvalidRequestError):
-        return bad_request(str(exc))
+        param = exc.param if params is None or exc.param is None else params.get(exc.param, exc.param)
+        return bad_request(str(exc), param)
     if isinstance(exc, ManagerClosedError):
         return APIError(503, f"the server is not accepting requests: {exc}", type="service_unavailable")
     if isinstance(exc, (EngineDeadError, RequestAbortedError)):
@@ -101,6 +109,8 @@ class SamplingRequest:
     include_stop_str_in_output: bool = False
     #: the logits controls (penalties, biases, allow-lists), as ``aiocb.SamplingParams`` fields
     controls: Mapping[str, Any] = field(default_factory=dict)
+    #: the body field ``max_tokens`` came from (errors about it name that one)
+    max_tokens_field: str = "max_tokens"
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +146,7 @@ class TokenizeRequest:
     messages: list[dict[str, Any]] | None
     add_special_tokens: bool
     add_generation_prompt: bool
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,9 +185,7 @@ def parse_chat_request(body: Any) -> ChatCompletionRequest:
     top_logprobs = _opt_int(body, "top_logprobs", minimum=0, maximum=MAX_TOP_LOGPROBS)
     if top_logprobs and not logprobs:
         raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-    kwargs = body.get("chat_template_kwargs")
-    if kwargs is not None and not isinstance(kwargs, dict):
-        raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    kwargs = _template_kwargs(body)
     _refuse_unknown(body, CHAT_FIELDS)
     _refuse_unsupported(body)
     return ChatCompletionRequest(
@@ -185,7 +194,7 @@ def parse_chat_request(body: Any) -> ChatCompletionRequest:
         logprobs=logprobs,
         top_logprobs=top_logprobs or 0,
         add_generation_prompt=_bool(body, "add_generation_prompt", True),
-        chat_template_kwargs=dict(kwargs or {}),
+        chat_template_kwargs=kwargs,
     )
 
 
@@ -198,12 +207,17 @@ def parse_tokenize_request(body: Any) -> TokenizeRequest:
         raise bad_request("give exactly one of 'prompt' (a string) or 'messages'", "prompt")
     if prompt is not None and not isinstance(prompt, str):
         raise bad_request("'prompt' must be a string", "prompt")
+    _refuse_unknown(body, TOKENIZE_FIELDS)
+    kwargs = _template_kwargs(body)
+    if kwargs and messages is None:
+        raise bad_request("'chat_template_kwargs' is for 'messages'", "chat_template_kwargs")
     return TokenizeRequest(
         model=_opt_str(body, "model"),
         prompt=prompt,
         messages=None if messages is None else _messages(messages),
         add_special_tokens=_bool(body, "add_special_tokens", prompt is not None),
         add_generation_prompt=_bool(body, "add_generation_prompt", True),
+        chat_template_kwargs=kwargs,
     )
 
 
@@ -213,6 +227,7 @@ def parse_detokenize_request(body: Any) -> DetokenizeRequest:
     tokens = body.get("tokens")
     if not isinstance(tokens, list) or not all(_is_int(t) and t >= 0 for t in tokens):
         raise bad_request("'tokens' must be a list of token ids", "tokens")
+    _refuse_unknown(body, DETOKENIZE_FIELDS)
     return DetokenizeRequest(model=_opt_str(body, "model"), tokens=list(tokens))
 
 
@@ -221,31 +236,43 @@ def parse_detokenize_request(body: Any) -> DetokenizeRequest:
 
 def _sampling(body: Mapping[str, Any], *, max_tokens_keys: tuple[str, ...]) -> SamplingRequest:
     max_tokens = None
+    max_tokens_field = max_tokens_keys[0]
     for key in max_tokens_keys:
         max_tokens = _opt_int(body, key, minimum=0)
         if max_tokens is not None:
+            max_tokens_field = key
             break
     top_k = _opt_int(body, "top_k", minimum=-1)
+    stream = _bool(body, "stream", False)
     stream_options = body.get("stream_options")
-    if stream_options is not None and not isinstance(stream_options, dict):
-        raise bad_request("'stream_options' must be an object", "stream_options")
+    if stream_options is not None:
+        if not isinstance(stream_options, dict):
+            raise bad_request("'stream_options' must be an object", "stream_options")
+        if not stream:
+            raise bad_request(
+                "'stream_options' is for streamed responses; give it with 'stream': true", "stream_options"
+            )
+        unknown = sorted(set(stream_options) - {"include_usage"})
+        if unknown:
+            raise bad_request(f"unsupported 'stream_options' key(s) {unknown}; known: include_usage", "stream_options")
     return SamplingRequest(
         model=_opt_str(body, "model"),
         max_tokens=max_tokens,
         temperature=_float(body, "temperature", 1.0, minimum=0.0, maximum=2.0),
         top_p=_float(body, "top_p", 1.0, minimum=0.0, maximum=1.0, exclusive_minimum=True),
         top_k=max(top_k or 0, 0),  # -1 (vLLM) and 0 both mean "off"
-        seed=_opt_int(body, "seed", minimum=None),
+        seed=_opt_int(body, "seed", minimum=-(2**63), maximum=2**63 - 1),
         n=_opt_int(body, "n", minimum=1, maximum=MAX_N) or 1,
         stop=_stop(body.get("stop")),
         stop_token_ids=tuple(_token_ids(body.get("stop_token_ids") or [], "stop_token_ids")),
         ignore_eos=_bool(body, "ignore_eos", False),
         skip_special_tokens=_bool(body, "skip_special_tokens", True),
-        stream=_bool(body, "stream", False),
+        stream=stream,
         include_usage=bool(stream_options and _bool(stream_options, "include_usage", False)),
         min_tokens=_opt_int(body, "min_tokens", minimum=0) or 0,
         include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False),
         controls={**_controls(body), **_structure(body)},
+        max_tokens_field=max_tokens_field,
     )
 
 
@@ -383,6 +410,12 @@ CHAT_FIELDS = (
 )
 
 
+TOKENIZE_FIELDS = frozenset(
+    {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "chat_template_kwargs"}
+)
+DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
+
+
 def _refuse_unknown(body: Mapping[str, Any], known: frozenset[str]) -> None:
     unknown = sorted(set(body) - known)
     if unknown:
@@ -394,12 +427,22 @@ def _refuse_unknown(body: Mapping[str, Any], known: frozenset[str]) -> None:
 
 def _refuse_unsupported(body: Mapping[str, Any]) -> None:
     """Refuse known OpenAI fields whose non-default values this server cannot honour."""
-    if body.get("suffix"):
+    suffix = body.get("suffix")
+    if suffix is not None and not isinstance(suffix, str):
+        raise bad_request("'suffix' must be a string", "suffix")
+    if suffix:
         raise bad_request("'suffix' is not supported by this server", "suffix")
     best_of = body.get("best_of")
     n = body.get("n") or 1
     if best_of is not None and best_of != n:
         raise bad_request("'best_of' is not supported by this server (only best_of == n)", "best_of")
+
+
+def _template_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    return dict(kwargs or {})
 
 
 def _object(body: Any) -> dict[str, Any]:
@@ -438,7 +481,17 @@ def _stop(value: Any) -> tuple[str, ...]:
         value = [value]
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise bad_request("'stop' must be a string or a list of strings", "stop")
+    if "" in value:
+        raise bad_request("'stop' holds an empty string, which would match everywhere", "stop")
     return tuple(value)  # as sent, so that the server's bound counts what the client sent
+
+
+#: A chat message's fields, all passed to the chat template (``reasoning_content``: an
+#: earlier turn's reasoning, which templates such as Qwen3's render or drop by turn).
+MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"})
+#: Fields of assistant messages that OpenAI's responses carry, accepted while empty (a client
+#: sends a response's message back as it came).
+_UNSET_OK = frozenset({"refusal", "function_call", "audio", "annotations"})
 
 
 def _messages(value: Any) -> list[dict[str, Any]]:
@@ -448,6 +501,11 @@ def _messages(value: Any) -> list[dict[str, Any]]:
     for i, message in enumerate(value):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise bad_request(f"messages[{i}] must be an object with a string 'role'", "messages")
+        unknown = sorted(k for k in set(message) - MESSAGE_FIELDS if not (k in _UNSET_OK and not message[k]))
+        if unknown:
+            raise bad_request(
+                f"messages[{i}] has unsupported field(s) {unknown}; known: {sorted(MESSAGE_FIELDS)}", "messages"
+            )
         flat = dict(message)
         flat["content"] = _content(message.get("content"), i)
         messages.append(flat)

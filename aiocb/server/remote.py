@@ -113,16 +113,20 @@ async def read_frame(reader: asyncio.StreamReader) -> Any:
     return pickle.loads(await reader.readexactly(size))
 
 
-def error_to_wire(error: BaseException) -> tuple[str, str]:
-    """An exception as ``(class name, message)``; one outside aiocb's own tree becomes a dead engine."""
+def error_to_wire(error: BaseException) -> tuple[str, str, str | None]:
+    """An exception as ``(class name, message, parameter at fault)``; one outside aiocb's own
+    tree becomes a dead engine."""
     name = type(error).__name__ if type(error).__name__ in _ERRORS else EngineDeadError.__name__
-    return name, str(error) or repr(error)
+    return name, str(error) or repr(error), getattr(error, "param", None)
 
 
-def error_from_wire(wire: tuple[str, str]) -> AiocbError:
+def error_from_wire(wire: tuple[str, str, str | None]) -> AiocbError:
     """The exception that :func:`error_to_wire` described."""
-    name, message = wire
-    return _ERRORS.get(name, EngineDeadError)(message)
+    name, message, param = wire
+    cls = _ERRORS.get(name, EngineDeadError)
+    if issubclass(cls, InvalidRequestError):
+        return cls(message, param=param)
+    return cls(message)
 
 
 # --------------------------------------------------------------------------- the engine's side

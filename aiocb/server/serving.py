@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiocb.detokenize import IncrementalDetokenizer, StopStringMatcher
+from aiocb.engine.turns import LoopTurn
 from aiocb.outputs import FinishReason, GenerationOutput, RequestStatus
 from aiocb.params import STRUCTURE_FIELDS
 from aiocb.server.context import ServerContext
@@ -129,7 +130,7 @@ def choice_seed(sampling: SamplingRequest, choice: int) -> int | None:
     """The seed of the ``choice``-th sample of a prompt: distinct, derived from the request's seed."""
     if sampling.seed is None:
         return None
-    return (sampling.seed + choice) % 2**63
+    return sampling.seed + choice
 
 
 async def submit_choices(manager: ServedEngine, specs: Sequence[ChoiceSpec]) -> list[OutputStream]:
@@ -137,9 +138,11 @@ async def submit_choices(manager: ServedEngine, specs: Sequence[ChoiceSpec]) -> 
     if isinstance(manager, RemoteManager):
         return await _submit_remote(manager, specs)
     streams: list[OutputStream] = []
+    turn = LoopTurn()  # (a thousand prompts take about 75 ms to queue: given a slice at a time)
     try:
         # The choices of one prompt are one request with n samples: the prompt is computed once.
         for group in _by_prompt(specs):
+            await turn.give()
             first = group[0]
             params = {**first.params, "n": len(group)} if len(group) > 1 else first.params
             constraint = {k: v for k, v in params.items() if k in STRUCTURE_FIELDS}
@@ -328,6 +331,10 @@ def _finish_reason(output: GenerationOutput, score_only: bool) -> str:
     return _FINISH_REASONS.get(output.finish_reason, "stop")
 
 
+#: Choices whose delta pumps start in one loop iteration.
+_STARTED_PER_TURN = 16
+
+
 async def merge_deltas(iterators: Sequence[AsyncGenerator[ChoiceDelta]]) -> AsyncGenerator[ChoiceDelta]:
     """The deltas of several choices as they come; the first error cancels the others."""
     if len(iterators) == 1:
@@ -347,8 +354,13 @@ async def merge_deltas(iterators: Sequence[AsyncGenerator[ChoiceDelta]]) -> Asyn
         else:
             queue.put_nowait(None)
 
-    tasks = [asyncio.create_task(pump(iterator)) for iterator in iterators]
+    tasks: list[asyncio.Task[None]] = []
     try:
+        for start in range(0, len(iterators), _STARTED_PER_TURN):
+            # A pump's first step sets up its detokenizer: tens of microseconds. A thousand
+            # started at once would all take it in the same loop iteration.
+            tasks += [asyncio.create_task(pump(iterator)) for iterator in iterators[start : start + _STARTED_PER_TURN]]
+            await asyncio.sleep(0)
         running = len(tasks)
         while running:
             item = await queue.get()

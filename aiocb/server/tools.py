@@ -70,12 +70,12 @@ def parse_tools(body: Mapping[str, Any]) -> ToolRequest | None:
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise bad_request(f"'parallel_tool_calls' must be true or false, got {parallel!r}", "parallel_tool_calls")
+    if tools is not None and not isinstance(tools, list):
+        raise bad_request("'tools' must be a list of tools", "tools")
     if not tools:
         if choice not in (None, "none"):
             raise bad_request("'tool_choice' needs 'tools'", "tool_choice")
         return None
-    if not isinstance(tools, list):
-        raise bad_request("'tools' must be a list of tools", "tools")
     checked = tuple(_tool(tool, i) for i, tool in enumerate(tools))
     names = [tool["function"]["name"] for tool in checked]
     duplicate = next((name for name in names if names.count(name) > 1), None)
@@ -151,6 +151,9 @@ def _template_call(call: Any, i: int, j: int) -> dict[str, Any]:
             arguments = json.loads(arguments) if arguments.strip() else {}
         except ValueError as exc:
             raise bad_request(f"{where}.function.arguments is not valid JSON: {exc}", "messages") from None
+    if not isinstance(arguments, dict):
+        message = f"{where}.function.arguments must be a JSON object (or its text), got {type(arguments).__name__}"
+        raise bad_request(message, "messages")
     # Templates read the call either at the top level (Llama 3) or under "function" (Qwen).
     function = {**function, "arguments": arguments}
     return {**call, "function": function, "name": function["name"], "arguments": arguments}
