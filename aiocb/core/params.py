@@ -71,6 +71,16 @@ class ResolvedParams:
         )
         object.__setattr__(self, "uses_controls", uses)
 
+    def with_seed(self, seed: int) -> ResolvedParams:
+        """A copy with another seed: each of ``n`` samples' own stream (a field-by-field
+        copy, a third of what ``dataclasses.replace`` costs, which runs the checks again:
+        a thousand samples are made on the event loop in one call)."""
+        copy = object.__new__(ResolvedParams)
+        for name in ResolvedParams.__slots__:
+            object.__setattr__(copy, name, getattr(self, name))
+        object.__setattr__(copy, "seed", seed)
+        return copy
+
     @property
     def greedy(self) -> bool:
         """Whether the request picks the most likely token at every step."""

@@ -9,7 +9,6 @@ the prompt (token ids, or a text or chat messages with a tokenizer), the
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import random
 import time
@@ -122,7 +121,7 @@ class RequestFactory:
             if child_id in in_use:
                 raise InvalidRequestError(f"request id {child_id!r} (a sample of {request_id!r}) is already in use")
             # Each sample draws from its own stream: the request's seed plus its index.
-            child_params = dataclasses.replace(resolved, seed=resolved.seed + i)
+            child_params = resolved.with_seed(resolved.seed + i)
             text = self._text(prompt, resolved)
             child = Request(child_id, prompt, child_params, now, deadline=deadline, text=text)
             if grammar is not None:
