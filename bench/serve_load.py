@@ -11,7 +11,10 @@ event loop, each asking for ``--max-tokens`` tokens with EOS ignored, and record
 * time to first token (request sent -> first text chunk), and the whole request;
 * throughput: generated tokens (from the usage chunks) over the wall time of the burst;
 * leaked blocks: after the burst, ``/metrics`` must show every KV block free and no
-  request running or waiting.
+  request running or waiting;
+* the server's responsiveness: a thread of its own probes ``/health`` every 20 ms during
+  the burst on a connection of its own, and reports the answers' latency (a server whose
+  event loop is held answers late).
 
     python bench/serve_load.py                  # 500 clients x 32 tokens
     python bench/serve_load.py --quick          # 50 clients x 8 tokens, smoke test
@@ -43,6 +46,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -95,6 +99,11 @@ class Report:
     running_after: int
     waiting_after: int
     server_ttft_count: int
+    #: ``GET /health`` latency during the burst (milliseconds), and how many probes
+    health_p50_ms: float
+    health_p99_ms: float
+    health_max_ms: float
+    health_probes: int
     #: average cores busy during the burst: the clients (this process), everything else (server included)
     client_cores: float
     other_cores: float
@@ -216,6 +225,34 @@ async def one_client(http: Any, prompt: list[int], max_tokens: int, seed: int, l
     return result
 
 
+class HealthProbe:
+    """While open, a thread that sends ``GET /health`` every 20 ms on its own connection and
+    keeps each answer's latency (:attr:`latencies`, seconds)."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.latencies: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._probe, name="health-probe", daemon=True)
+
+    def __enter__(self) -> HealthProbe:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _probe(self) -> None:
+        import httpx
+
+        with httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=30) as http:
+            while not self._stop.wait(0.02):
+                before = time.perf_counter()
+                if http.get("/health").status_code == 200:
+                    self.latencies.append(time.perf_counter() - before)
+
+
 def scrape(text: str) -> dict[str, float]:
     """``{sample name: value}`` of the Prometheus text (labels dropped, histograms' count kept)."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -255,7 +292,7 @@ async def run_load(args: argparse.Namespace, model_dir: Path, tokenizer: Any, se
             # Warm up: the first forward passes pay one-time costs.
             await asyncio.gather(*(one_client(http, p, 4, i, 120) for i, p in enumerate(prompts[:8])))
             started = time.perf_counter()
-            with CpuContention() as cpu:  # this process is the clients; the server is "other"
+            with CpuContention() as cpu, HealthProbe(port) as health:  # this process is the clients
                 results = await asyncio.gather(
                     *(one_client(http, p, args.max_tokens, i, args.timeout) for i, p in enumerate(prompts))
                 )
@@ -294,6 +331,10 @@ async def run_load(args: argparse.Namespace, model_dir: Path, tokenizer: Any, se
         running_after=int(after["aiocb_num_requests_running"]),
         waiting_after=int(after["aiocb_num_requests_waiting"]),
         server_ttft_count=int(after.get("aiocb_time_to_first_token_seconds_count", 0)),
+        health_p50_ms=percentile(health.latencies, 50) * 1000,
+        health_p99_ms=percentile(health.latencies, 99) * 1000,
+        health_max_ms=max(health.latencies, default=float("nan")) * 1000,
+        health_probes=len(health.latencies),
         client_cores=cpu.own_cores,
         other_cores=cpu.other_cores,
     )
@@ -447,7 +488,7 @@ def _run_loop(coroutine: Any) -> Any:
 
 def table(report: Report) -> str:
     headers = ["clients", "tokens each", "errors", "leaked blocks", "TTFT p50", "TTFT p99", "latency p50",
-               "latency p99", "tokens/s", "requests/s", "wall"]  # fmt: skip
+               "latency p99", "tokens/s", "requests/s", "wall", "/health p50 / p99 / max"]  # fmt: skip
     row = [
         str(report.clients),
         str(report.max_tokens),
@@ -460,6 +501,7 @@ def table(report: Report) -> str:
         f"{report.tokens_per_s:.0f}",
         f"{report.requests_per_s:.1f}",
         f"{report.wall_s:.1f} s",
+        f"{report.health_p50_ms:.1f} / {report.health_p99_ms:.1f} / {report.health_max_ms:.1f} ms",
     ]
     return markdown_table(headers, [row])
 

@@ -270,8 +270,8 @@ _TEMPLATE_CALL_ARGUMENTS = frozenset(
 
 
 def _template_variables(template: Any) -> frozenset[str] | None:
-    """The variables a chat template reads, plus the template call's own keywords a
-    template reaches through them; None when that cannot be told (no template, several
+    """The variables a chat template reads, and ``documents`` and ``continue_final_message``
+    (which the template call takes); None when that cannot be told (no template, several
     named ones, a template transformers' Jinja setup does not parse)."""
     if not isinstance(template, str):
         return None
