@@ -39,7 +39,8 @@ class SamplingParams:
     """
 
     max_new_tokens: int | None = field(
-        default=None, metadata=_doc("tokens to generate at most", "GenerationConfig, else `max_length` 20")
+        default=None,
+        metadata=_doc("tokens to generate at most", "GenerationConfig (its `max_length` counts the prompt), else 20"),
     )
     min_tokens: int | None = field(
         default=None,

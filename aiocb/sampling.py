@@ -9,6 +9,7 @@ anything is queued.
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ logger = logging.getLogger(__name__)
 _DEFAULT_TEMPERATURE = 1.0
 _DEFAULT_TOP_K = 50
 _DEFAULT_TOP_P = 1.0
-_DEFAULT_MAX_LENGTH = 20
+_DEFAULT_MAX_NEW_TOKENS = 20
 #: the smallest temperature a sampled request may ask for (0 is greedy)
 MIN_TEMPERATURE = 1e-6
 
@@ -40,6 +41,18 @@ class RequestLimits:
     max_model_len: int | None
     #: tokens one request may occupy in the cache when it is alone
     cache_capacity: int
+
+
+def merged_generation_config(model: Any, given: GenerationConfig | None) -> GenerationConfig:
+    """The GenerationConfig a manager's requests default to: ``given``, its unset fields
+    taken from ``model.generation_config``, as ``model.generate(generation_config=...)``
+    merges them (a model's own EOS, such as an instruct model's end-of-turn, is kept)."""
+    own: GenerationConfig = model.generation_config
+    if given is None:
+        return copy.deepcopy(own)
+    merged = copy.deepcopy(given)
+    merged.update(**own.to_dict(), defaults_only=True, allow_custom_entries=True)  # type: ignore[no-untyped-call]
+    return merged
 
 
 def normalize_prompt(input_ids: Any, limits: RequestLimits) -> list[int]:
@@ -215,10 +228,20 @@ def resolve_params(
 
     max_new_tokens = pick("max_new_tokens", None)
     if max_new_tokens is None:
-        max_length = defaults.max_length if defaults.max_length is not None else _DEFAULT_MAX_LENGTH
-        max_new_tokens = max(1, max_length - prompt_len)
+        if defaults.max_length is not None:  # a length set in the GenerationConfig counts the prompt
+            if prompt_len >= defaults.max_length:
+                raise InvalidRequestError(
+                    f"the prompt ({prompt_len} tokens) leaves no room under the GenerationConfig's max_length "
+                    f"({defaults.max_length}, which counts the prompt); give max_new_tokens",
+                    param="input_ids",
+                )
+            max_new_tokens = defaults.max_length - prompt_len
+        else:  # as generate: 20 new tokens, within the model's context
+            room = _DEFAULT_MAX_NEW_TOKENS if limits.max_model_len is None else limits.max_model_len - prompt_len
+            max_new_tokens = max(1, min(_DEFAULT_MAX_NEW_TOKENS, room))
     min_tokens = pick("min_tokens", 0)
-    if defaults.min_length and request.min_tokens is None:
+    if defaults.min_length and request.min_tokens is None and config.min_tokens is None:
+        # (as generate: a min_new_tokens anywhere wins over min_length)
         min_tokens = max(min_tokens, defaults.min_length - prompt_len)
     if request.min_tokens is not None and request.min_tokens > max_new_tokens:
         raise InvalidRequestError(

@@ -10,7 +10,6 @@ its stream or the shared results. The manager itself starts, stops and fails the
 from __future__ import annotations
 
 import asyncio
-import copy
 import enum
 import gc
 import logging
@@ -40,7 +39,7 @@ from aiocb.prompts import Prompt
 from aiocb.runner.distributed import build_runner
 from aiocb.runner.memory import scored_rows
 from aiocb.runner.model_runner import ModelRunner
-from aiocb.sampling import RequestLimits, eos_ids
+from aiocb.sampling import RequestLimits, eos_ids, merged_generation_config
 from aiocb.speculative import SpeculativeConfig, draft_share, load_draft_model
 
 logger = logging.getLogger(__name__)
@@ -95,6 +94,9 @@ class Manager:
         async with aiocb.Manager(model, generation_config=gen_cfg) as manager:
             output = await manager.generate(prompt_ids, max_new_tokens=32)
 
+    ``generation_config`` gives the requests' defaults; as in ``model.generate``, a field
+    it leaves unset comes from ``model.generation_config``.
+
     With ``persistent_manager=True`` the manager outlives its ``async with`` block: the
     next ``aiocb.Manager(model, persistent_manager=True)`` on the same model returns the
     same manager (and its cache), even under a new event loop.
@@ -130,7 +132,7 @@ class Manager:
             return
         self._initialized = True
         self.model = model
-        self.generation_config = copy.deepcopy(generation_config or model.generation_config)
+        self.generation_config = merged_generation_config(model, generation_config)
         self.config = continuous_batching_config or ContinuousBatchingConfig()
         #: with a tokenizer, prompts may be text or chat messages and outputs carry text
         self.tokenizer = tokenizer

@@ -20,12 +20,13 @@ from __future__ import annotations
 import ctypes
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from aiocb.core.kv_cache import ring_size
 from aiocb.runner import native
@@ -55,7 +56,8 @@ def paged_attention_forward(
 
     Returns ``[1, T, Hq, D]``. Called without aiocb's metadata (a plain ``model(...)`` or
     ``model.generate`` while a manager holds the model), it defers to the model's
-    original attention implementation.
+    original attention implementation, with the mask transformers made for that one
+    (:func:`original_mask`).
     """
     metadata: AttentionMetadata | None = kwargs.pop(METADATA_KWARG, None)
     if metadata is None:
@@ -311,6 +313,28 @@ def _fallback_for(module: torch.nn.Module) -> Callable[..., tuple[torch.Tensor, 
     return eager if callable(eager) else sdpa_attention_forward
 
 
+#: Configs of installed models (by id: a config is not hashable, and an attribute on it
+#: would be saved with it) -> the name of the model's original attention.
+_ORIGINALS: dict[int, str] = {}
+#: Per device, the 4D stand-in mask of aiocb's own passes (:func:`forward`).
+_NO_MASK: dict[torch.device, torch.Tensor] = {}
+
+
+def original_mask(**kwargs: Any) -> Any:
+    """The mask function registered for aiocb's attention: the original attention's own.
+
+    transformers builds no mask for an attention without a mask function, so a plain
+    ``model(...)`` or ``model.generate`` while a manager holds the model would reach the
+    original eager attention with no causal mask, and SDPA with neither padding nor a
+    sliding window. aiocb's own passes never get here: they bring a 4D stand-in mask,
+    which transformers passes through untouched (a mask is never built for them).
+    """
+    config = kwargs.get("config")
+    name = _ORIGINALS.get(id(config), "sdpa")
+    function = cast(Callable[..., Any], AttentionMaskInterface._global_mapping.get(name, sdpa_mask))
+    return function(**kwargs)
+
+
 def forward(
     model: Any,
     input_ids: torch.Tensor,
@@ -320,9 +344,14 @@ def forward(
 ) -> torch.Tensor:
     """One forward pass of an installed model over a step (``input_ids [1, T]``): the
     logits ``[len(logits_indices), V]`` of the kept positions."""
+    device = input_ids.device
+    stand_in = _NO_MASK.get(device)
+    if stand_in is None:
+        stand_in = _NO_MASK[device] = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)
     output = model(
         input_ids=input_ids,
         position_ids=position_ids,
+        attention_mask=stand_in,
         use_cache=False,
         logits_to_keep=logits_indices,
         **{METADATA_KWARG: metadata},
@@ -334,12 +363,15 @@ def forward(
 def install(model: PreTrainedModel) -> str:
     """Route the model's attention through the paged function; returns the original name."""
     AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
+    AttentionMaskInterface.register(ATTENTION_NAME, original_mask)
     original = str(model.config._attn_implementation)
     if original == ATTENTION_NAME:
         return original
     for module in model.modules():
         if hasattr(module, "layer_idx"):
             setattr(module, _FALLBACK_ATTR, original)
+    for config in _configs(model):
+        _ORIGINALS[id(config)] = original
     model.set_attn_implementation(ATTENTION_NAME)
     return original
 
@@ -348,3 +380,15 @@ def uninstall(model: PreTrainedModel, original: str) -> None:
     """Give the model its original attention implementation back."""
     if original != ATTENTION_NAME and model.config._attn_implementation == ATTENTION_NAME:
         model.set_attn_implementation(original)
+        for config in _configs(model):
+            _ORIGINALS.pop(id(config), None)
+
+
+def _configs(model: PreTrainedModel) -> list[Any]:
+    """The model's config and its modules' (a multimodal model's text config among them)."""
+    configs = {id(model.config): model.config}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None:
+            configs[id(config)] = config
+    return list(configs.values())

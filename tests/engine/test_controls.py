@@ -170,3 +170,53 @@ async def test_seeded_outputs_do_not_depend_on_the_batch(schedule: str) -> None:
     for i, (a, b) in enumerate(zip(alone, together, strict=False)):
         assert a.generated_tokens == b.generated_tokens, f"request {i}: {MIXED[i]}"
     assert set(alone[4].generated_tokens) <= set(range(0, 512, 3))
+
+
+def _generate_plain(model: PreTrainedModel, prompt: list[int], **kwargs: Any) -> list[int]:
+    """``model.generate`` greedy with only ``kwargs`` (no max_new_tokens of the tests' own)."""
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), do_sample=False, pad_token_id=0, **kwargs)
+    return [int(t) for t in out[0, len(prompt) :]]
+
+
+@pytest.mark.filterwarnings("ignore:Using the model-agnostic default `max_length`")
+async def test_lengths_default_as_in_generate(model: PreTrainedModel) -> None:
+    """No length anywhere: 20 new tokens whatever the prompt's length (transformers counts
+    none of the prompt); a GenerationConfig's ``max_length`` counts the prompt; its
+    ``min_new_tokens`` wins over its ``min_length``."""
+    eos = _eos_for(model, PROMPTS[0])
+    configs = [
+        GenerationConfig(),
+        GenerationConfig(max_length=45),
+        GenerationConfig(max_new_tokens=12, min_new_tokens=2, min_length=40, eos_token_id=eos),
+        GenerationConfig(max_new_tokens=12, min_length=len(PROMPTS[0]) + 6, eos_token_id=eos),
+    ]
+    for config in configs:
+        prompts = [p for p in PROMPTS if config.max_length is None or len(p) < config.max_length]
+        expected = [_generate_plain(model, p, generation_config=config) for p in prompts]
+        async with aiocb.Manager(model, generation_config=config) as manager:
+            outputs = await asyncio.gather(*(manager.generate(p) for p in prompts))
+            if config.max_length is not None:
+                with pytest.raises(aiocb.InvalidRequestError, match="max_length"):
+                    await manager.generate(list(range(1, config.max_length + 1)))
+        assert [o.generated_tokens for o in outputs] == expected, config
+    assert [len(e) for e in (_generate_plain(model, p) for p in PROMPTS)] == [20] * len(PROMPTS)
+
+
+async def test_a_given_generation_config_keeps_the_models_own_fields(model: PreTrainedModel) -> None:
+    """As ``generate(generation_config=...)``: fields the given config leaves unset (an
+    instruct model's end-of-turn EOS here) come from ``model.generation_config``."""
+    eos = _eos_for(model, PROMPTS[0])
+    saved = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = eos
+    try:
+        config = GenerationConfig(max_new_tokens=12)
+        expected = _generate_plain(model, PROMPTS[0], generation_config=config)
+        async with aiocb.Manager(model, generation_config=config) as manager:
+            output = await manager.generate(PROMPTS[0])
+    finally:
+        model.generation_config.eos_token_id = saved
+    assert expected[-1] == eos and len(expected) < 12
+    assert output.generated_tokens == expected

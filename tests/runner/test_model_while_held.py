@@ -1,0 +1,75 @@
+"""The model stays usable as itself while a manager holds it: ``model.generate`` and plain
+forward passes get the model's original attention with the masks transformers makes for it
+(causal, sliding windows, padding), and equal what they give outside any manager."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import transformers as tf
+
+import aiocb
+
+PROMPT = [(7 * i + 3) % 299 + 1 for i in range(40)]
+
+
+def tiny(model_class: type, config_class: type, attention: str, **extra: object) -> tf.PreTrainedModel:
+    torch.manual_seed(0)
+    config = config_class(
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        initializer_range=0.3,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
+        attn_implementation=attention,
+        **extra,
+    )
+    model: tf.PreTrainedModel = model_class(config).eval()
+    return model
+
+
+MODELS: dict[str, Callable[[], tf.PreTrainedModel]] = {
+    "llama-eager": lambda: tiny(tf.LlamaForCausalLM, tf.LlamaConfig, "eager"),
+    "llama-sdpa": lambda: tiny(tf.LlamaForCausalLM, tf.LlamaConfig, "sdpa"),
+    "mistral-sliding-sdpa": lambda: tiny(tf.MistralForCausalLM, tf.MistralConfig, "sdpa", sliding_window=16),
+    "gemma3-hybrid-eager": lambda: tiny(
+        tf.Gemma3ForCausalLM,
+        tf.Gemma3TextConfig,
+        "eager",
+        sliding_window=16,
+        sliding_window_pattern=2,
+        final_logit_softcapping=None,
+    ),
+}
+
+
+def plain_runs(model: tf.PreTrainedModel) -> tuple[list[list[int]], torch.Tensor]:
+    """A left-padded batch through ``generate`` and one prompt's logits through ``model(...)``."""
+    ids = torch.tensor([[0] * 30 + PROMPT[:10], PROMPT])
+    mask = torch.ones_like(ids)
+    mask[0, :30] = 0
+    with torch.no_grad():
+        generated = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=10, pad_token_id=0)
+        logits = model(torch.tensor([PROMPT])).logits
+    return generated[:, ids.shape[1] :].tolist(), logits
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+async def test_generate_and_forward_while_a_manager_holds_the_model(name: str) -> None:
+    model = MODELS[name]()
+    before, logits_before = plain_runs(model)
+    async with aiocb.Manager(model) as manager:
+        during, logits_during = plain_runs(model)
+        served = await manager.generate(PROMPT, max_new_tokens=10)  # the manager's own passes still work
+    after, _ = plain_runs(model)
+    assert during == before and after == before
+    assert torch.equal(logits_during, logits_before)
+    assert served.generated_tokens == before[1]
