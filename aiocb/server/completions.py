@@ -38,6 +38,44 @@ class PreparedCompletion:
 
     request: CompletionRequest
     prompts: list[Prompt]
+    #: one per choice: the prompts' ``n`` choices in turn
+    specs: list[ChoiceSpec]
+
+
+#: Choices whose specs are made on the event loop (a few microseconds each); more are made
+#: in the tokenizer thread.
+_INLINE_CHOICES = 128
+
+
+def completion_specs(request: CompletionRequest, prompts: list[Prompt]) -> list[ChoiceSpec]:
+    """What each choice asks of the engine."""
+    sampling = request.sampling
+    max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if sampling.max_tokens is None else sampling.max_tokens
+    want_logprobs = request.logprobs is not None
+    specs: list[ChoiceSpec] = []
+    for p, prompt in enumerate(prompts):
+        for j in range(sampling.n):
+            params = engine_params(
+                sampling,
+                seed=choice_seed(sampling, j),
+                logprobs=want_logprobs,
+                top_logprobs=request.logprobs or 0,
+                prompt_logprobs=want_logprobs and request.echo,
+                score_only=max_tokens == 0,
+            )
+            specs.append(
+                ChoiceSpec(
+                    index=p * sampling.n + j,
+                    prompt_ids=prompt.ids,
+                    max_tokens=max_tokens,
+                    params=params,
+                    stop=sampling.stop,
+                    skip_special_tokens=sampling.skip_special_tokens,
+                    min_tokens=sampling.min_tokens,
+                    include_stop_str_in_output=sampling.include_stop_str_in_output,
+                )
+            )
+    return specs
 
 
 def parse_completion(ctx: ServerContext, body: bytes) -> CompletionRequest:
@@ -71,7 +109,10 @@ async def prepare_completion(ctx: ServerContext, body: bytes) -> PreparedComplet
         else:
             text = await ctx.off_loop(len(prompt), ctx.decode, prompt) if request.echo else ""
             prompts.append(Prompt(prompt, text))
-    return PreparedCompletion(request, prompts)
+    choices = len(prompts) * request.sampling.n
+    inline = choices <= _INLINE_CHOICES
+    specs = completion_specs(request, prompts) if inline else await ctx.in_thread(completion_specs, request, prompts)
+    return PreparedCompletion(request, prompts, specs)
 
 
 class Completion:
@@ -79,38 +120,12 @@ class Completion:
 
     def __init__(self, ctx: ServerContext, prepared: PreparedCompletion, received: float) -> None:
         self.ctx = ctx
-        self.request = request = prepared.request
+        self.request = prepared.request
         self.received = received
         self.id = f"cmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.prompts = prepared.prompts
-        sampling = request.sampling
-        self.max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if sampling.max_tokens is None else sampling.max_tokens
-        want_logprobs = request.logprobs is not None
-        specs: list[ChoiceSpec] = []
-        for p, prompt in enumerate(self.prompts):
-            for j in range(sampling.n):
-                params = engine_params(
-                    sampling,
-                    seed=choice_seed(sampling, j),
-                    logprobs=want_logprobs,
-                    top_logprobs=request.logprobs or 0,
-                    prompt_logprobs=want_logprobs and request.echo,
-                    score_only=self.max_tokens == 0,
-                )
-                specs.append(
-                    ChoiceSpec(
-                        index=p * sampling.n + j,
-                        prompt_ids=prompt.ids,
-                        max_tokens=self.max_tokens,
-                        params=params,
-                        stop=sampling.stop,
-                        skip_special_tokens=sampling.skip_special_tokens,
-                        min_tokens=sampling.min_tokens,
-                        include_stop_str_in_output=sampling.include_stop_str_in_output,
-                    )
-                )
-        self.submission = Submission(ctx, specs, received)
+        self.submission = Submission(ctx, prepared.specs, received)
 
     async def submit(self) -> None:
         """Queue every choice (or none: the error is raised)."""

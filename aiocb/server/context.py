@@ -98,6 +98,10 @@ class ServerContext:
         sends one job a prompt, so that other requests' jobs come between them."""
         if size <= INLINE_BODY_BYTES:
             return work(*args)
+        return await self.in_thread(work, *args)
+
+    async def in_thread(self, work: Callable[..., T], *args: Any) -> T:
+        """``work(*args)`` in the tokenizer thread, in turn with the other jobs there."""
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aiocb-tokenizer")
         return await asyncio.get_running_loop().run_in_executor(self._executor, partial(work, *args))
