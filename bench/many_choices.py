@@ -1,0 +1,111 @@
+"""Event-loop lag while the server takes one completions request with many prompts.
+
+The app runs in this process over ASGI (httpx, no socket), on the loop a 1 ms heartbeat
+shares: one ``POST /v1/completions`` brings ``--prompts`` two-token prompts (token ids)
+for one new token each. The heartbeat records how late it wakes (what held the loop:
+parsing, queuing the choices, starting their streams, waking their readers, the response)
+and the garbage collector's pauses during the request are listed beside it.
+
+    python bench/many_choices.py [--prompts 3000] [--repeats 3]
+
+The model is a tiny seeded Qwen3 over a byte-level BPE tokenizer trained here (the test
+suite's server fixtures), so nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as `python bench/many_choices.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import httpx
+
+import aiocb
+from aiocb.server import build_app
+from aiocb.server.limits import ServerLimits
+from bench.common import machine_info
+from tests.server.conftest import MODEL_NAME, build_tokenizer, serve_config, serve_model
+
+
+class CollectorPauses:
+    """While open, the garbage collector's pauses (milliseconds, by generation)."""
+
+    def __init__(self) -> None:
+        self.pauses: list[tuple[int, float]] = []
+        self._started = 0.0
+
+    def __enter__(self) -> CollectorPauses:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.pauses.append((info["generation"], (time.perf_counter() - self._started) * 1e3))
+
+
+async def one_round(manager: aiocb.Manager, tokenizer: Any, prompts: int) -> str:
+    limits = ServerLimits(max_choices=max(prompts, ServerLimits().max_choices))
+    app = build_app(manager, tokenizer, MODEL_NAME, limits=limits)
+    lags: list[float] = []
+    running = True
+
+    async def heartbeat() -> None:
+        while running:
+            before = time.perf_counter()
+            await asyncio.sleep(0.001)
+            lags.append(time.perf_counter() - before - 0.001)
+
+    body = {"prompt": [[5, i % 50 + 6] for i in range(prompts)], "max_tokens": 1}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://bench") as client:
+        await client.post("/v1/completions", json={"prompt": body["prompt"][:8], "max_tokens": 1})  # warm-up
+        beat = asyncio.create_task(heartbeat())
+        await asyncio.sleep(0.01)
+        with CollectorPauses() as collector:
+            started = time.perf_counter()
+            response = await client.post("/v1/completions", json=body)
+            wall = time.perf_counter() - started
+        running = False
+        await beat
+    assert response.status_code == 200 and len(response.json()["choices"]) == prompts, response.text[:300]
+    lags.sort()
+    p99 = lags[int(0.99 * (len(lags) - 1))]
+    longest = max(collector.pauses, key=lambda pause: pause[1], default=(0, 0.0))
+    return (
+        f"{prompts} prompts: wall {wall:.2f} s; lag p50 {statistics.median(lags) * 1e3:.2f} ms, "
+        f"p99 {p99 * 1e3:.2f} ms, max {lags[-1] * 1e3:.2f} ms ({len(lags)} beats); collector: "
+        f"{len(collector.pauses)} pauses, longest {longest[1]:.1f} ms (generation {longest[0]})"
+    )
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    tokenizer = build_tokenizer()
+    model = serve_model(tokenizer)
+    async with aiocb.Manager(model, continuous_batching_config=serve_config(num_blocks=4096)) as manager:
+        for _ in range(args.repeats):
+            print(await one_round(manager, tokenizer, args.prompts), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--prompts", type=int, default=3000)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    print(machine_info().describe(), flush=True)
+    asyncio.run(main_async(args))
+
+
+if __name__ == "__main__":
+    main()
