@@ -61,7 +61,9 @@ class Waker:
 
     def __init__(self) -> None:
         self._pending: deque[asyncio.Future[None]] = deque()
-        self._scheduled = False
+        #: the loop a run is scheduled on (None: none is); a persistent manager's next
+        #: loop schedules its own
+        self._scheduled: asyncio.AbstractEventLoop | None = None
         self._batch = _MIN_BATCH  # (grows once a batch is measured: consumers may be slow)
         #: when the last batch was woken, and how many it woke (0: none to measure)
         self._since = 0.0
@@ -70,11 +72,14 @@ class Waker:
     def wake(self, waiter: asyncio.Future[None]) -> None:
         """Complete ``waiter`` (with None) in this batch or a later one."""
         self._pending.append(waiter)
-        if not self._scheduled:
-            self._scheduled = True
-            waiter.get_loop().call_soon(self._run, waiter.get_loop())
+        loop = waiter.get_loop()
+        if self._scheduled is not loop:
+            self._scheduled = loop
+            loop.call_soon(self._run, loop)
 
     def _run(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._scheduled is not loop:
+            return  # (scheduled on an earlier loop, which another has replaced)
         now = time.perf_counter()
         if self._woken:
             cost = (now - self._since) / self._woken
@@ -83,7 +88,8 @@ class Waker:
         woken = 0
         while pending and woken < self._batch:
             waiter = pending.popleft()
-            if not waiter.done():  # (its consumer was cancelled meanwhile)
+            # (its consumer may have been cancelled meanwhile, or have lived on another loop)
+            if not waiter.done() and waiter.get_loop() is loop:
                 waiter.set_result(None)
                 woken += 1
         self._since, self._woken = time.perf_counter(), woken
@@ -91,4 +97,4 @@ class Waker:
             # Scheduled after the woken tasks' steps: the next run measures them.
             loop.call_soon(self._run, loop)
         else:
-            self._scheduled = False
+            self._scheduled = None

@@ -24,6 +24,7 @@ from aiocb.engine.admission import Turnstile
 from aiocb.engine.requests import RequestFactory
 from aiocb.engine.router import OutputRouter
 from aiocb.engine.stream import RequestHandle
+from aiocb.engine.turns import Waker
 from aiocb.runner.step_batch import BatchWriter
 from tests.conftest import random_prompts, reference_generate
 
@@ -184,6 +185,21 @@ async def test_consumers_that_a_step_touched_are_woken_a_few_per_loop_turn(qwen3
     assert turns.turns > 20
     most = max(b - a for a, b in itertools.pairwise(marks))
     assert most <= 16, most
+
+
+def test_a_waker_left_scheduled_on_a_closed_loop_wakes_on_the_next() -> None:
+    # A persistent manager outlives its loop: a run scheduled there never comes.
+    waker = Waker()
+    first = asyncio.new_event_loop()
+    waker.wake(first.create_future())
+    first.close()
+
+    async def on_the_next_loop() -> None:
+        waiter = asyncio.get_running_loop().create_future()
+        waker.wake(waiter)
+        await asyncio.wait_for(waiter, 1)
+
+    asyncio.run(on_the_next_loop())
 
 
 async def test_awaiters_are_woken_by_the_final_output_only(
