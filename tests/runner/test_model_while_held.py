@@ -11,27 +11,14 @@ import torch
 import transformers as tf
 
 import aiocb
+from tests.conftest import _TINY
 
 PROMPT = [(7 * i + 3) % 299 + 1 for i in range(40)]
 
 
 def tiny(model_class: type, config_class: type, attention: str, **extra: object) -> tf.PreTrainedModel:
     torch.manual_seed(0)
-    config = config_class(
-        vocab_size=300,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        initializer_range=0.3,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=0,
-        attn_implementation=attention,
-        **extra,
-    )
+    config = config_class(**{**_TINY, "head_dim": 16, **extra}, attn_implementation=attention)
     model: tf.PreTrainedModel = model_class(config).eval()
     return model
 
