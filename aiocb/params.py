@@ -338,7 +338,22 @@ def _strings(value: Any) -> tuple[str, ...] | None:
             raise InvalidRequestError(f"stop must hold strings, got {s!r}", param="stop")
         if not s:
             raise InvalidRequestError("stop holds an empty string, which would match everywhere", param="stop")
+        if not s.isascii() and not _is_unicode(s):
+            raise InvalidRequestError(
+                f"stop holds {s!r}, which is not Unicode text (a lone surrogate): no output could match it",
+                param="stop",
+            )
     return strings
+
+
+def _is_unicode(text: str) -> bool:
+    """Whether ``text`` is Unicode text: JSON's escapes can make strings that are not
+    (a lone UTF-16 surrogate such as "\\ud800"), which no decoded output holds."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _ids(name: str, value: Any, *, empty_ok: bool = True, negative_ok: bool = False) -> tuple[int, ...] | None:

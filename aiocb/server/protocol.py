@@ -483,6 +483,10 @@ def _stop(value: Any) -> tuple[str, ...]:
         raise bad_request("'stop' must be a string or a list of strings", "stop")
     if "" in value:
         raise bad_request("'stop' holds an empty string, which would match everywhere", "stop")
+    try:
+        SamplingParams(stop=value)  # (the engine's checks: no stop string it could never match)
+    except InvalidRequestError as exc:
+        raise bad_request(str(exc), "stop") from None
     return tuple(value)  # as sent, so that the server's bound counts what the client sent
 
 

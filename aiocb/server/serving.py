@@ -25,7 +25,7 @@ from aiocb.params import STRUCTURE_FIELDS
 from aiocb.server.context import ServerContext
 from aiocb.server.edge import AccessRecord
 from aiocb.server.protocol import APIError, SamplingRequest
-from aiocb.server.remote import OutputStream, RemoteManager, ServedEngine
+from aiocb.server.remote import OutputStream, RemoteManager, RemoteStream, ServedEngine
 
 _FINISH_REASONS = {
     FinishReason.STOP: "stop",
@@ -170,12 +170,23 @@ def _by_prompt(specs: Sequence[ChoiceSpec]) -> list[list[ChoiceSpec]]:
 
 
 async def _submit_remote(manager: RemoteManager, specs: Sequence[ChoiceSpec]) -> list[OutputStream]:
-    """The choices queued in the engine process, in one round trip for all of them."""
+    """The choices queued in the engine process, a frame a prompt, started 16 a loop turn
+    (each first step pickles and writes its frame: 3,000 at once held the loop)."""
     groups = _by_prompt(specs)
-    opened = await asyncio.gather(
-        *(manager.open_streams(g[0].prompt_ids, max(g[0].max_tokens, 1), len(g), **g[0].params) for g in groups),
-        return_exceptions=True,
-    )
+    openings: list[asyncio.Task[list[RemoteStream]]] = []
+    try:
+        for start in range(0, len(groups), _STARTED_PER_TURN):
+            for g in groups[start : start + _STARTED_PER_TURN]:
+                opening = manager.open_streams(g[0].prompt_ids, max(g[0].max_tokens, 1), len(g), **g[0].params)
+                openings.append(asyncio.create_task(opening))
+            await asyncio.sleep(0)
+    except BaseException:
+        for task in openings:
+            task.cancel()
+        for remote in await _opened(openings):
+            await remote.aclose()
+        raise
+    opened = await asyncio.gather(*openings, return_exceptions=True)
     streams: list[OutputStream] = [s for group in opened if not isinstance(group, BaseException) for s in group]
     errors = [error for error in opened if isinstance(error, BaseException)]
     if errors:
@@ -183,6 +194,12 @@ async def _submit_remote(manager: RemoteManager, specs: Sequence[ChoiceSpec]) ->
             await stream.aclose()
         raise errors[0]
     return streams
+
+
+async def _opened(openings: Sequence[asyncio.Task[list[RemoteStream]]]) -> list[RemoteStream]:
+    """The streams of the openings that succeeded (waiting for the others to end)."""
+    results = await asyncio.gather(*openings, return_exceptions=True)
+    return [s for group in results if not isinstance(group, BaseException) for s in group]
 
 
 class Submission:

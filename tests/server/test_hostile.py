@@ -103,6 +103,11 @@ async def test_text_that_is_not_unicode_is_a_400(client: httpx.AsyncClient, mana
     message = {"role": "user", "content": "\ud800"}
     assert_error(await post_escaped(client, CHAT, chat(messages=[message])), 400, "messages")
     assert_error(await post_escaped(client, "/tokenize", {"prompt": "\ud800"}), 400, "prompt")
+    # A stop string no decoded output can hold would never stop anything.
+    assert_error(await post_escaped(client, COMPLETIONS, body(stop=["ok", "a\ud800"])), 400, "stop")
+    with pytest.raises(aiocb.InvalidRequestError, match="not Unicode text") as raised:
+        aiocb.SamplingParams(stop="\udc00")
+    assert raised.value.param == "stop"
     # Errors that quote it back are still JSON (escaped), not a plain-text 500.
     error = assert_error(await post_escaped(client, COMPLETIONS, body(model="m\ud800")), 404, "model")
     assert "\ud800" in error["message"]
