@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import statistics
 import sys
 import time
@@ -32,28 +31,8 @@ import aiocb
 from aiocb.server import build_app
 from aiocb.server.limits import ServerLimits
 from bench.common import machine_info
+from bench.stress import GCPauses
 from tests.server.conftest import MODEL_NAME, build_tokenizer, serve_config, serve_model
-
-
-class CollectorPauses:
-    """While open, the garbage collector's pauses (milliseconds, by generation)."""
-
-    def __init__(self) -> None:
-        self.pauses: list[tuple[int, float]] = []
-        self._started = 0.0
-
-    def __enter__(self) -> CollectorPauses:
-        gc.callbacks.append(self._callback)
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        gc.callbacks.remove(self._callback)
-
-    def _callback(self, phase: str, info: dict[str, Any]) -> None:
-        if phase == "start":
-            self._started = time.perf_counter()
-        else:
-            self.pauses.append((info["generation"], (time.perf_counter() - self._started) * 1e3))
 
 
 async def one_round(manager: aiocb.Manager, tokenizer: Any, prompts: int) -> str:
@@ -73,7 +52,7 @@ async def one_round(manager: aiocb.Manager, tokenizer: Any, prompts: int) -> str
         await client.post("/v1/completions", json={"prompt": body["prompt"][:8], "max_tokens": 1})  # warm-up
         beat = asyncio.create_task(heartbeat())
         await asyncio.sleep(0.01)
-        with CollectorPauses() as collector:
+        with GCPauses() as collector:
             started = time.perf_counter()
             response = await client.post("/v1/completions", json=body)
             wall = time.perf_counter() - started
@@ -82,11 +61,11 @@ async def one_round(manager: aiocb.Manager, tokenizer: Any, prompts: int) -> str
     assert response.status_code == 200 and len(response.json()["choices"]) == prompts, response.text[:300]
     lags.sort()
     p99 = lags[int(0.99 * (len(lags) - 1))]
-    longest = max(collector.pauses, key=lambda pause: pause[1], default=(0, 0.0))
+    generation = collector.longest[0][1] if collector.longest else "-"
     return (
         f"{prompts} prompts: wall {wall:.2f} s; lag p50 {statistics.median(lags) * 1e3:.2f} ms, "
         f"p99 {p99 * 1e3:.2f} ms, max {lags[-1] * 1e3:.2f} ms ({len(lags)} beats); collector: "
-        f"{len(collector.pauses)} pauses, longest {longest[1]:.1f} ms (generation {longest[0]})"
+        f"{collector.collections} pauses, longest {collector.max_pause * 1e3:.1f} ms (generation {generation})"
     )
 
 

@@ -156,7 +156,7 @@ class SpeculationPlanner:
                     self._catch_up_left -= take
                 if first + take < computed:
                     return None  # (still behind after this step's share)
-            return [0] * count or None  # (placeholders: the draft model proposes on the device)
+            return [0] * count or None  # (the proposal's slots: the draft model writes its tokens on the device)
         lookup = request.proposer
         if lookup is None:
             lookup = request.proposer = NgramProposer(self.config, self.verify_cost)

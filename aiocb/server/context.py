@@ -229,8 +229,7 @@ class ServerContext:
         template never reads (they would change nothing)."""
         for key in kwargs:
             if key in _TEMPLATE_CALL_ARGUMENTS:
-                own = {"tools": "give tools as 'tools'", "add_generation_prompt": "give it as 'add_generation_prompt'"}
-                why = own.get(key, "the server's template call sets it")
+                why = _OWN_FIELDS.get(key, "the server's template call sets it")
                 raise bad_request(f"'chat_template_kwargs' may not set {key!r}: {why}", "chat_template_kwargs")
             if self._template_variables is not None and key not in self._template_variables:
                 raise bad_request(
@@ -271,6 +270,10 @@ _TEMPLATE_CALL_ARGUMENTS = frozenset(
         "tokenizer_kwargs",
     }
 )
+
+
+#: Template call arguments that a chat body gives as fields of its own.
+_OWN_FIELDS = {"tools": "give tools as 'tools'", "add_generation_prompt": "give it as 'add_generation_prompt'"}
 
 
 def _template_variables(template: Any) -> frozenset[str] | None:
