@@ -34,12 +34,13 @@ import logging
 import pickle
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from aiocb.config import ContinuousBatchingConfig
 from aiocb.engine.manager import Manager, ManagerStatistics
 from aiocb.engine.stream import RequestStream
+from aiocb.engine.turns import LoopTurn, Waker
 from aiocb.errors import (
     AiocbError,
     EngineDeadError,
@@ -310,7 +311,8 @@ class _ModelConfigOnly:
 @dataclass(slots=True)
 class _StreamState:
     output: GenerationOutput
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    #: the stream's consumer while it sleeps for the next output
+    waiter: asyncio.Future[None] | None = None
     #: set once the engine said whether it queued the request
     added: asyncio.Future[None] | None = None
     error: AiocbError | None = None
@@ -344,6 +346,10 @@ class RemoteManager:
         self._idle.set()
         self._keys = itertools.count()
         self._loop = asyncio.get_running_loop()
+        # One frame can carry outputs for hundreds of streams, each of whose consumers
+        # (detokenizing, formatting a chunk) takes tens of microseconds: woken at once they
+        # would hold the loop for milliseconds.
+        self._waker = Waker()
         self._receiver = self._loop.create_task(self._receive(), name="aiocb-remote-engine")
 
     @classmethod
@@ -385,7 +391,7 @@ class RemoteManager:
         for key, state in list(self._streams.items()):
             self._cancel(key)
             state.error = RequestAbortedError(f"the server stopped before the request finished ({timeout} s drain)")
-            state.changed.set()
+            self._notify(state)
 
     async def close(self) -> None:
         """Close the connection (the engine cancels whatever this worker still had)."""
@@ -450,8 +456,10 @@ class RemoteManager:
             while True:
                 message = await read_frame(self._reader)
                 if message[0] == "batch":
+                    turn = LoopTurn()  # (a frame may carry hundreds of outputs)
                     for key, event in message[1]:
                         self._dispatch(key, event)
+                        await turn.give()
                 elif message[0] == "stats":
                     _, self._statistics, self._engine_dead = message
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -483,14 +491,21 @@ class RemoteManager:
             _apply(state.output, OutputDelta(*event[1]))
             if state.output.is_finished():
                 self._forget(key)
-        state.changed.set()
+        self._notify(state)
+
+    def _notify(self, state: _StreamState) -> None:
+        """Wake the stream's consumer, if it sleeps, in the waker's next batch."""
+        waiter = state.waiter
+        if waiter is not None:
+            state.waiter = None
+            self._waker.wake(waiter)
 
     def _fail_all(self, reason: str) -> None:
         for state in self._streams.values():
             state.error = EngineDeadError(reason)
             if state.added is not None and not state.added.done():
                 state.added.set_exception(EngineDeadError(reason))
-            state.changed.set()
+            self._notify(state)
         self._streams.clear()
         self._idle.set()
 
@@ -543,8 +558,8 @@ class RemoteStream:
                 and not output.is_finished()
                 and len(output.generated_tokens) <= max(self._delivered, 0)
             ):
-                state.changed.clear()
-                await state.changed.wait()
+                waiter = state.waiter = self._manager._loop.create_future()
+                await waiter
         except asyncio.CancelledError:
             self._close()
             raise

@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import math
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +18,15 @@ import pytest
 import aiocb
 from aiocb.server import build_app
 from aiocb.server import remote as remote_module
-from aiocb.server.remote import EngineService, RemoteManager, encode_frame, read_frame
+from aiocb.server.remote import (
+    EngineInfo,
+    EngineService,
+    OutputDelta,
+    RemoteManager,
+    RemoteStream,
+    encode_frame,
+    read_frame,
+)
 from tests.conftest import random_prompts
 from tests.server.conftest import MODEL_NAME, wait_until_idle, wait_until_running
 
@@ -213,3 +223,72 @@ async def test_remote_samples_fork_in_the_engine(manager: aiocb.Manager, remote:
     assert manager.statistics().prefix_hit_tokens - before == 2 * (len(PROMPTS[0]) - 1)
     local = await manager.generate(PROMPTS[0], n=3, max_new_tokens=4, temperature=1.0, seed=3)
     assert [o.generated_tokens for o in outputs] == [o.generated_tokens for o in local]
+
+
+async def test_one_frame_of_outputs_wakes_its_consumers_a_few_at_a_time(manager: aiocb.Manager, tmp_path: Path) -> None:
+    """A frame carrying outputs for 200 streams: their consumers (slow, as a server's are)
+    resume a loop iteration's budget at a time, not all in the same iteration."""
+    count = 200
+    everything_added = asyncio.Event()
+    send_outputs = asyncio.Event()
+
+    engine_done = asyncio.Event()
+
+    async def fake_engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            writer.write(encode_frame(("hello", EngineInfo(manager.config, manager.statistics(), False))))
+            keys: list[int] = []
+            while len(keys) < count:
+                _, added, *_ = await read_frame(reader)
+                keys += added
+                writer.write(encode_frame(("batch", [(key, ("added",)) for key in added])))
+            everything_added.set()
+            await send_outputs.wait()
+            delta = OutputDelta([7], None, None, None, None, 3, "length", None, 0.0, None, None, None, None, 0)
+            writer.write(encode_frame(("batch", [(key, ("output", tuple(delta))) for key in keys])))
+            await writer.drain()
+            await reader.read()  # (until the worker hangs up)
+        finally:
+            writer.close()
+            engine_done.set()
+
+    path = str(tmp_path / "fake-engine.sock")
+    server = await asyncio.start_unix_server(fake_engine, path)
+    worker = await RemoteManager.connect(path, manager.model.config)
+    loop = asyncio.get_running_loop()
+    iteration = 0
+    ticking = True
+
+    def tick() -> None:  # once a loop iteration
+        nonlocal iteration
+        iteration += 1
+        if ticking:
+            loop.call_soon(tick)
+
+    resumed_in: list[int] = []
+
+    async def consume(stream: RemoteStream) -> list[int]:
+        output = await stream.__anext__()
+        resumed_in.append(iteration)
+        started = time.perf_counter()
+        while time.perf_counter() - started < 2e-4:  # a server's consumer formats a chunk
+            pass
+        return output.generated_tokens
+
+    try:
+        streams = [await worker.open_stream([1, 2, 3], 1) for _ in range(count)]
+        await everything_added.wait()
+        consumers = [asyncio.create_task(consume(stream)) for stream in streams]
+        for _ in range(3):
+            await asyncio.sleep(0)  # every consumer asleep on its stream
+        tick()
+        send_outputs.set()
+        assert await asyncio.gather(*consumers) == [[7]] * count
+    finally:
+        ticking = False
+        await worker.close()
+        await engine_done.wait()
+        server.close()
+        await server.wait_closed()
+    per_iteration = collections.Counter(resumed_in)
+    assert max(per_iteration.values()) <= 16, per_iteration
