@@ -624,18 +624,10 @@ SAMPLED = {"do_sample": True, "temperature": 0.8, "top_p": 0.9}
 async def _aiocb_run(
     manager: aiocb.Manager, prompts: list[list[int]], new: int, params: aiocb.SamplingParams | None = None
 ) -> dict[str, Any]:
-    lags: list[float] = []
-    running = True
+    from bench.loop_watch import GCPauses, Heartbeat
 
-    async def heartbeat() -> None:
-        while running:
-            before = time.perf_counter()
-            await asyncio.sleep(0.001)
-            lags.append(time.perf_counter() - before - 0.001)
-
-    from bench.stress import GCPauses
-
-    beat = asyncio.create_task(heartbeat())
+    beat = Heartbeat()
+    beat.start()
     steps = manager._steps
     assert steps is not None
     # The step log is a bounded deque: count this run's steps, then take the last ones.
@@ -646,8 +638,7 @@ async def _aiocb_run(
         started = time.perf_counter()
         outputs = await manager.generate_batch(prompts, max_new_tokens=new, sampling_params=params)
     seconds = time.perf_counter() - started
-    running = False
-    await beat
+    await beat.stop()
     results = list(outputs.values())
     tokens = sum(len(o.generated_tokens) for o in results)
     ttft = sorted((o.first_token_time or 0.0) - o.created_time for o in results)
@@ -668,9 +659,9 @@ async def _aiocb_run(
         "ttft_p50_ms": 1000 * statistics.median(ttft),
         "ttft_p99_ms": 1000 * ttft[int(0.99 * (len(ttft) - 1))],
         "itl_p50_ms": 1000 * statistics.median(itl) if itl else float("nan"),
-        "loop_lag_p50_ms": 1000 * statistics.median(lags) if lags else float("nan"),
-        "loop_lag_p99_ms": 1000 * sorted(lags)[int(0.99 * (len(lags) - 1))] if lags else float("nan"),
-        "loop_lag_max_ms": 1000 * max(lags) if lags else float("nan"),
+        "loop_lag_p50_ms": beat.percentile_ms(0.5),
+        "loop_lag_p99_ms": beat.percentile_ms(0.99),
+        "loop_lag_max_ms": beat.percentile_ms(1.0),
         "decode_step_ms": 1000 * statistics.median(intervals) if intervals else float("nan"),
         "decode_steps_measured": len(intervals),
         "longest_step_intervals_ms": sorted((round(1000 * t, 1) for t in every_interval), reverse=True)[:3],

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -28,35 +27,20 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import aiocb
+from bench.loop_watch import Heartbeat
 
 
 async def _run(model: Qwen3ForCausalLM, rows: int) -> str:
-    lags: list[float] = []
-    running = True
-
-    async def heartbeat() -> None:
-        while running:
-            started = time.perf_counter()
-            await asyncio.sleep(0.001)
-            lags.append(time.perf_counter() - started - 0.001)
-
     config = aiocb.ContinuousBatchingConfig(
         max_requests_per_batch=rows, num_blocks=rows * 4 + 8, page_size=16, max_batch_tokens=max(rows * 16, 2048)
     )
     async with aiocb.Manager(model, continuous_batching_config=config, num_requests_hint=rows) as manager:
         await manager.generate_batch([[1] * 16] * 8, max_new_tokens=4)  # warm-up
-        beat = asyncio.create_task(heartbeat())
-        started = time.perf_counter()
-        await manager.generate_batch([[i % 200 + 1] * 16 for i in range(rows)], max_new_tokens=32)
-        wall = time.perf_counter() - started
-        running = False
-        await beat
-    lags.sort()
-    p99 = lags[int(0.99 * (len(lags) - 1))]
-    return (
-        f"rows {rows}: wall {wall:.2f} s; lag p50 {statistics.median(lags) * 1e3:.2f} ms, "
-        f"p99 {p99 * 1e3:.2f} ms, max {lags[-1] * 1e3:.2f} ms ({len(lags)} beats)"
-    )
+        async with Heartbeat() as beat:
+            started = time.perf_counter()
+            await manager.generate_batch([[i % 200 + 1] * 16 for i in range(rows)], max_new_tokens=32)
+            wall = time.perf_counter() - started
+    return f"rows {rows}: wall {wall:.2f} s; {beat.summary()}"
 
 
 def main(argv: list[str] | None = None) -> int:

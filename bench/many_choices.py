@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -31,40 +30,26 @@ import aiocb
 from aiocb.server import build_app
 from aiocb.server.limits import ServerLimits
 from bench.common import machine_info
-from bench.stress import GCPauses
+from bench.loop_watch import GCPauses, Heartbeat
 from tests.server.conftest import MODEL_NAME, build_tokenizer, serve_config, serve_model
 
 
 async def one_round(manager: aiocb.Manager, tokenizer: Any, prompts: int) -> str:
     limits = ServerLimits(max_choices=max(prompts, ServerLimits().max_choices))
     app = build_app(manager, tokenizer, MODEL_NAME, limits=limits)
-    lags: list[float] = []
-    running = True
-
-    async def heartbeat() -> None:
-        while running:
-            before = time.perf_counter()
-            await asyncio.sleep(0.001)
-            lags.append(time.perf_counter() - before - 0.001)
-
     body = {"prompt": [[5, i % 50 + 6] for i in range(prompts)], "max_tokens": 1}
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://bench") as client:
         await client.post("/v1/completions", json={"prompt": body["prompt"][:8], "max_tokens": 1})  # warm-up
-        beat = asyncio.create_task(heartbeat())
-        await asyncio.sleep(0.01)
-        with GCPauses() as collector:
-            started = time.perf_counter()
-            response = await client.post("/v1/completions", json=body)
-            wall = time.perf_counter() - started
-        running = False
-        await beat
+        async with Heartbeat() as beat:
+            await asyncio.sleep(0.01)
+            with GCPauses() as collector:
+                started = time.perf_counter()
+                response = await client.post("/v1/completions", json=body)
+                wall = time.perf_counter() - started
     assert response.status_code == 200 and len(response.json()["choices"]) == prompts, response.text[:300]
-    lags.sort()
-    p99 = lags[int(0.99 * (len(lags) - 1))]
     generation = collector.longest[0][1] if collector.longest else "-"
     return (
-        f"{prompts} prompts: wall {wall:.2f} s; lag p50 {statistics.median(lags) * 1e3:.2f} ms, "
-        f"p99 {p99 * 1e3:.2f} ms, max {lags[-1] * 1e3:.2f} ms ({len(lags)} beats); collector: "
+        f"{prompts} prompts: wall {wall:.2f} s; {beat.summary()}; collector: "
         f"{collector.collections} pauses, longest {collector.max_pause * 1e3:.1f} ms (generation {generation})"
     )
 

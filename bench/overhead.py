@@ -78,6 +78,7 @@ import torch
 
 import aiocb
 from bench.common import CpuContention, build_model, machine_info, make_workload, markdown_table
+from bench.loop_watch import Heartbeat
 
 MODES = ("generate", "greedy", "sampled", "streamed", "lag", "forward")
 DEFAULT_MODES = MODES[:-1]
@@ -233,35 +234,6 @@ async def run_streamed(manager: aiocb.Manager, prompts: list[list[int]], new_tok
     return sum(chunks for _, chunks in results) / len(results)
 
 
-class Heartbeat:
-    """Sleeps ``HEARTBEAT_S`` at a time on the running loop and records how late it wakes."""
-
-    def __init__(self) -> None:
-        self.lags_s: list[float] = []
-        self._running = False
-        self._task: asyncio.Task[None] | None = None
-
-    async def _beat(self) -> None:
-        while self._running:
-            started = time.perf_counter()
-            await asyncio.sleep(HEARTBEAT_S)
-            self.lags_s.append(time.perf_counter() - started - HEARTBEAT_S)
-
-    async def __aenter__(self) -> Heartbeat:
-        self._running = True
-        self._task = asyncio.create_task(self._beat())
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        self._running = False
-        assert self._task is not None
-        await self._task
-
-    def percentile_ms(self, q: float) -> float:
-        lags = sorted(self.lags_s)
-        return 1e3 * lags[int(q * (len(lags) - 1))] if lags else math.nan
-
-
 # --------------------------------------------------------------------------- one cell
 
 
@@ -308,13 +280,13 @@ async def measure_cell(
                 elif mode == "streamed":
                     extra["chunks_per_request"] = await run_streamed(manager, prompts, tokens)
                 else:  # lag
-                    async with Heartbeat() as beat:
+                    async with Heartbeat(HEARTBEAT_S) as beat:
                         await run_batch(manager, prompts, tokens, None, mode)
                     extra.update(
                         lag_p50_ms=beat.percentile_ms(0.5),
                         lag_p99_ms=beat.percentile_ms(0.99),
                         lag_max_ms=beat.percentile_ms(1.0),
-                        beats=len(beat.lags_s),
+                        beats=len(beat.lags),
                     )
                 wall = time.perf_counter() - started
             return Run(mode, round_, wall, tokens, manager.statistics().steps - steps_before, cpu.other_cores, **extra)

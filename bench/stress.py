@@ -50,7 +50,6 @@ import os
 import pstats
 import random
 import sys
-import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -63,6 +62,7 @@ if __package__ in (None, ""):  # run as `python bench/stress.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import PeakRSS, build_model, machine_info, make_workload, markdown_table
+from bench.loop_watch import GCPauses, Heartbeat
 
 #: transformers' own continuous-batching manager driven from asyncio the way ``transformers serve``
 #: drives it, on this workload and machine (measured separately): the throughput target is 4x this.
@@ -117,71 +117,6 @@ class StressResult:
 
 
 # --------------------------------------------------------------------------- instruments
-
-
-class Heartbeat:
-    """A task that sleeps ``interval`` seconds in a loop and records how late it wakes up."""
-
-    #: whether a heartbeat runs (the window in which lag is measured, and traced)
-    running = False
-
-    def __init__(self, interval: float = 0.001) -> None:
-        self.interval = interval
-        self.lags: list[float] = []
-        self._task: asyncio.Task[None] | None = None
-
-    async def _beat(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            start = loop.time()
-            await asyncio.sleep(self.interval)
-            self.lags.append(max(0.0, loop.time() - start - self.interval))
-
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._beat(), name="heartbeat")
-        Heartbeat.running = True
-
-    async def stop(self) -> None:
-        assert self._task is not None
-        Heartbeat.running = False
-        self._task.cancel()
-        await asyncio.gather(self._task, return_exceptions=True)
-
-    def percentile_ms(self, q: float) -> float:
-        if not self.lags:
-            return float("nan")
-        ordered = sorted(self.lags)
-        return 1000.0 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-class GCPauses:
-    """Garbage-collector pauses while active (every collection, on any thread: it holds the GIL)."""
-
-    def __init__(self) -> None:
-        self.max_pause = 0.0
-        self.collections = 0
-        #: (seconds, generation, thread that triggered it, objects collected), the longest ones
-        self.longest: list[tuple[float, int, str, int]] = []
-        self._start = 0.0
-
-    def _callback(self, phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            self._start = time.perf_counter()
-            return
-        pause = time.perf_counter() - self._start
-        self.collections += 1
-        self.max_pause = max(self.max_pause, pause)
-        if pause > 0.001:
-            thread = threading.current_thread().name
-            self.longest.append((pause, info.get("generation", -1), thread, info.get("collected", 0)))
-            self.longest = sorted(self.longest, reverse=True)[:5]
-
-    def __enter__(self) -> GCPauses:
-        gc.callbacks.append(self._callback)
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        gc.callbacks.remove(self._callback)
 
 
 def _cpu_contention() -> Any:
@@ -387,7 +322,7 @@ async def stress(
     result.lag_samples = len(heartbeat.lags)
     result.lag_p50_ms = heartbeat.percentile_ms(0.50)
     result.lag_p99_ms = heartbeat.percentile_ms(0.99)
-    result.lag_max_ms = 1000.0 * max(heartbeat.lags, default=float("nan"))
+    result.lag_max_ms = heartbeat.percentile_ms(1.0)
     result.gc_max_pause_ms = 1000.0 * pauses.max_pause
     result.gc_collections = pauses.collections
     result.gc_frozen = gc_freeze

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +24,7 @@ import torch
 
 import aiocb
 from aiocb.default_model import load_default_model
+from bench.loop_watch import Heartbeat
 from bench.structured import SCHEMA
 
 
@@ -35,27 +34,11 @@ async def _run(model: Any, tokenizer: Any, rows: int, constrained: bool) -> str:
     )
     async with aiocb.Manager(model, tokenizer=tokenizer, continuous_batching_config=config) as manager:
         await manager.generate("x", max_new_tokens=4, json_schema=SCHEMA)  # warm-up, schema compiled
-        lags: list[float] = []
-        running = True
-
-        async def heartbeat() -> None:
-            while running:
-                started = time.perf_counter()
-                await asyncio.sleep(0.001)
-                lags.append(time.perf_counter() - started - 0.001)
-
-        beat = asyncio.create_task(heartbeat())
         extra: dict[str, Any] = {"json_schema": SCHEMA} if constrained else {}
         prompts = [[1 + i % 300] * 8 for i in range(rows)]
-        await manager.generate_batch(prompts, max_new_tokens=24, temperature=1.0, **extra)
-        running = False
-        await beat
-    lags.sort()
-    p99 = lags[int(0.99 * (len(lags) - 1))]
-    return (
-        f"{'constrained' if constrained else 'free':>11}: lag p50 {statistics.median(lags) * 1e3:.2f} ms, "
-        f"p99 {p99 * 1e3:.2f} ms, max {lags[-1] * 1e3:.2f} ms ({len(lags)} beats)"
-    )
+        async with Heartbeat() as beat:
+            await manager.generate_batch(prompts, max_new_tokens=24, temperature=1.0, **extra)
+    return f"{'constrained' if constrained else 'free':>11}: {beat.summary()}"
 
 
 def main(argv: list[str] | None = None) -> int:
