@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
+import weakref
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -314,7 +315,9 @@ def _fallback_for(module: torch.nn.Module) -> Callable[..., tuple[torch.Tensor, 
 
 
 #: Configs of installed models (by id: a config is not hashable, and an attribute on it
-#: would be saved with it) -> the name of the model's original attention.
+#: would be saved with it) -> the name of the model's original attention. The mask
+#: function sees only the config; the attention sees its module, which carries the name
+#: itself. An entry leaves with its config, so a later config at the same id never finds it.
 _ORIGINALS: dict[int, str] = {}
 #: Per device, the 4D stand-in mask of aiocb's own passes (:func:`forward`).
 _NO_MASK: dict[torch.device, torch.Tensor] = {}
@@ -371,6 +374,8 @@ def install(model: PreTrainedModel) -> str:
         if hasattr(module, "layer_idx"):
             setattr(module, _FALLBACK_ATTR, original)
     for config in _configs(model):
+        if id(config) not in _ORIGINALS:
+            weakref.finalize(config, _ORIGINALS.pop, id(config), None)
         _ORIGINALS[id(config)] = original
     model.set_attn_implementation(ATTENTION_NAME)
     return original

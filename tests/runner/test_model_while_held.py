@@ -4,6 +4,7 @@ forward passes get the model's original attention with the masks transformers ma
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 import transformers as tf
 
 import aiocb
+from aiocb.runner.attention import _ORIGINALS, _configs, install
 from tests.conftest import _TINY
 
 PROMPT = [(7 * i + 3) % 299 + 1 for i in range(40)]
@@ -60,3 +62,15 @@ async def test_generate_and_forward_while_a_manager_holds_the_model(name: str) -
     assert during == before and after == before
     assert torch.equal(logits_during, logits_before)
     assert served.generated_tokens == before[1]
+
+
+def test_a_model_dropped_while_installed_leaves_no_record_of_its_attention() -> None:
+    """The mask function finds the original attention by the config's id: an entry must
+    leave with its config, or a later config at the same id would inherit it."""
+    model = MODELS["llama-eager"]()
+    install(model)
+    ids = {id(config) for config in _configs(model)}
+    assert ids <= _ORIGINALS.keys()
+    del model
+    gc.collect()
+    assert not ids & _ORIGINALS.keys()
