@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 #: A sequence of token ids and the bias added to its last token when the history ends with the rest.
@@ -76,8 +77,8 @@ class ResolvedParams:
         copy, a third of what ``dataclasses.replace`` costs, which runs the checks again:
         a thousand samples are made on the event loop in one call)."""
         copy = object.__new__(ResolvedParams)
-        for name in ResolvedParams.__slots__:
-            object.__setattr__(copy, name, getattr(self, name))
+        for name, value in zip(ResolvedParams.__slots__, _every_field(self), strict=True):
+            object.__setattr__(copy, name, value)
         object.__setattr__(copy, "seed", seed)
         return copy
 
@@ -97,3 +98,7 @@ class ResolvedParams:
         sequence biases, bad words, a grammar), so no step may be planned while it is being
         sampled."""
         return bool(self.sequence_biases or self.bad_sequences) or self.structure is not None
+
+
+#: every field of a ResolvedParams in one call (slot order)
+_every_field = operator.attrgetter(*ResolvedParams.__slots__)

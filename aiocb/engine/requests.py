@@ -12,7 +12,7 @@ import asyncio
 import itertools
 import random
 import time
-from collections.abc import Container
+from collections.abc import Callable, Container, Iterator
 from typing import Any
 
 from transformers import GenerationConfig, PreTrainedTokenizerBase
@@ -26,7 +26,7 @@ from aiocb.params import SamplingParams
 from aiocb.prompts import Prompt, encode_prompt, is_large
 from aiocb.runner.step_batch import token_history
 from aiocb.sampling import RequestLimits, config_defaults, normalize_prompt, resolve_params
-from aiocb.structured import GrammarCompiler
+from aiocb.structured import GrammarCompiler, GrammarState
 
 #: a request that gives no parameter: everything from the GenerationConfig
 _NO_PARAMS = SamplingParams()
@@ -82,6 +82,26 @@ class RequestFactory:
         in_use: Container[str],
     ) -> Request:
         """The request (its other samples in ``children``), or InvalidRequestError naming the problem."""
+        request, samples = self.build_lazily(
+            input_ids, request_id, max_new_tokens, sampling_params, params, limits=limits, in_use=in_use
+        )
+        request.children.extend(samples)
+        return request
+
+    def build_lazily(
+        self,
+        input_ids: Any,
+        request_id: str | None,
+        max_new_tokens: int | None,
+        sampling_params: SamplingParams | None,
+        params: dict[str, Any],
+        *,
+        limits: RequestLimits,
+        in_use: Container[str],
+    ) -> tuple[Request, Iterator[Request]]:
+        """Like :meth:`build`, but the request's other samples come from the iterator (each
+        checked as it is made), for the caller to append to ``children``: a thousand of them
+        take milliseconds, which an ``await``ing caller spreads over several loop turns."""
         requested = self.merged(sampling_params, max_new_tokens, params)
         prompt = normalize_prompt(input_ids, limits)
         resolved = resolve_params(
@@ -116,19 +136,33 @@ class RequestFactory:
             request.grammar = grammar(resolved.structure)
         if resolved.penalizes:
             token_history(request)  # its prompt copied now, not in the step that admits it
+        return request, self._samples(request, n, grammar, in_use)
+
+    def _samples(
+        self,
+        request: Request,
+        n: int,
+        grammar: Callable[[tuple[str, str]], GrammarState] | None,
+        in_use: Container[str],
+    ) -> Iterator[Request]:
+        """The other ``n - 1`` samples of ``request``, forked from it."""
+        resolved = request.params
         for i in range(1, n):
-            child_id = f"{request_id}__child#{i - 1}"  # transformers' name for it
+            child_id = f"{request.request_id}__child#{i - 1}"  # transformers' name for it
             if child_id in in_use:
-                raise InvalidRequestError(f"request id {child_id!r} (a sample of {request_id!r}) is already in use")
+                raise InvalidRequestError(
+                    f"request id {child_id!r} (a sample of {request.request_id!r}) is already in use"
+                )
             # Each sample draws from its own stream: the request's seed plus its index.
             child_params = resolved.with_seed(resolved.seed + i)
-            text = self._text(prompt, resolved)
-            child = Request(child_id, prompt, child_params, now, deadline=deadline, text=text)
+            text = self._text(request.prompt_ids, resolved)
+            child = Request(
+                child_id, request.prompt_ids, child_params, request.arrival_time, deadline=request.deadline, text=text
+            )
             if grammar is not None:
                 assert resolved.structure is not None
                 child.grammar = grammar(resolved.structure)
-            request.children.append(child)
-        return request
+            yield child
 
     async def precompile(self, requested: SamplingParams, vocab_size: int) -> None:
         """Compile a request's constraint on a worker thread, so that :meth:`build` (on the

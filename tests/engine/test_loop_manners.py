@@ -17,6 +17,7 @@ from transformers import PreTrainedModel
 
 import aiocb
 from aiocb.core.kv_cache import KVCacheManager
+from aiocb.core.params import ResolvedParams
 from aiocb.core.request import Request
 from aiocb.core.scheduler import Scheduler, SchedulerOutput
 from aiocb.engine import step_loop
@@ -154,6 +155,26 @@ async def test_generate_batch_adds_and_collects_a_slice_at_a_time(
     for what, marks in seen.items():
         assert len(marks) == len(prompts)
         assert other.gave_back(marks) >= len(prompts) - 2, f"the loop was not given back between requests {what}"
+
+
+async def test_a_request_with_many_samples_is_forked_a_slice_at_a_time(
+    qwen3: PreTrainedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # n = 1,024 samples take milliseconds to make: an awaited add spreads them out.
+    monkeypatch.setattr("aiocb.engine.turns.SLICE", 0.0)  # give the loop back after every sample
+    other = LoopTurns()
+    forked_at: list[int] = []
+    with_seed = ResolvedParams.with_seed
+
+    def recorded_with_seed(self: ResolvedParams, seed: int) -> ResolvedParams:
+        forked_at.append(other.turns)
+        return with_seed(self, seed)
+
+    monkeypatch.setattr(ResolvedParams, "with_seed", recorded_with_seed)
+    async with aiocb.Manager(qwen3) as manager, other:
+        samples = await manager.generate(PROMPTS[0], max_new_tokens=2, n=40, do_sample=True, seed=5)
+    assert len(samples) == 40 and len(forked_at) == 39
+    assert other.gave_back(forked_at) >= 37, "the loop was not given back between samples"
 
 
 async def test_consumers_that_a_step_touched_are_woken_a_few_per_loop_turn(qwen3: PreTrainedModel) -> None:
