@@ -352,6 +352,7 @@ class Manager:
         streaming: bool = False,
         *,
         sampling_params: SamplingParams | None = None,
+        wait: bool = True,
         **params: Any,
     ) -> str:
         """Queue one request and return its id, waiting while the admission queue is full.
@@ -360,10 +361,16 @@ class Manager:
         request's controls are ``sampling_params`` (:class:`~aiocb.SamplingParams`) and
         any of its fields given as keyword arguments, which take precedence. With
         ``streaming=True`` partial outputs also reach :meth:`get_result` and iteration.
+        With ``wait=False`` a full queue raises :class:`~aiocb.WouldBlock` at once, as
+        :meth:`add_request_nowait` does, while a long prompt is still tokenized off the
+        loop and a request's ``n`` samples made a slice of the loop at a time.
         """
         await self._turnstile.enter()
         request = await self._prepared(input_ids, request_id, max_new_tokens, sampling_params, params)
-        await self._admission.wait_for_room(request)
+        if wait:
+            await self._admission.wait_for_room(request)
+        elif not self._admission.has_room(request):
+            raise WouldBlock(_QUEUE_FULL)
         return self._submit(request, streaming=streaming, consumer=Consumer.RESULTS)
 
     def add_request_nowait(
@@ -383,7 +390,7 @@ class Manager:
         prompt = self._requests.encode_now(input_ids)
         request = self._new_request(prompt, request_id, max_new_tokens, sampling_params, params)
         if not self._admission.has_room(request):
-            raise WouldBlock("the admission queue is full (max_queue_size / max_queued_tokens)")
+            raise WouldBlock(_QUEUE_FULL)
         return self._submit(request, streaming=streaming, consumer=Consumer.RESULTS)
 
     async def add_requests(
@@ -732,6 +739,9 @@ class Manager:
             self._steps.add(request, request.children)
         return handles
 
+
+#: what WouldBlock says
+_QUEUE_FULL = "the admission queue is full (max_queue_size / max_queued_tokens)"
 
 _frozen = False
 

@@ -10,8 +10,9 @@ The two sides speak over a Unix socket, in length-prefixed pickled frames (both 
 this package in processes of one user; the socket lives in a private directory):
 
 - worker to engine: ``("add", keys, input_ids, max_new_tokens, params)`` queues a request
-  (``add_request_nowait``) with ``len(keys)`` samples, one key each; ``("cancel", key)``
-  cancels one;
+  (``add_request_nowait``; with many samples ``add_request(wait=False)``, whose samples and
+  streams are made a slice of the loop at a time) with ``len(keys)`` samples, one key each;
+  ``("cancel", key)`` cancels one;
 - engine to worker: ``("hello", EngineInfo)`` once, then ``("batch", [(key, event), ...])``
   with everything that happened to that worker's requests in one turn of the engine's
   loop (so a step's tokens for all of a worker's streams cost one frame and one write),
@@ -59,6 +60,8 @@ STATS_INTERVAL_S = 0.2
 #: Bytes written to a worker and not yet read by it beyond which the engine gives up on
 #: it (a stuck worker must not grow the engine's memory without bound).
 MAX_UNREAD_BYTES = 256 * 2**20
+#: Requests with at least this many samples are added a slice of the engine's loop at a time.
+_SLICED_SAMPLES = 16
 #: The errors a refusal or a failure is sent as; anything else becomes EngineDeadError.
 _ERRORS: dict[str, type[AiocbError]] = {
     cls.__name__: cls
@@ -183,6 +186,11 @@ class _WorkerConnection:
         self.writer = writer
         self._loop = asyncio.get_running_loop()
         self._pumps: dict[int, asyncio.Task[None]] = {}
+        #: requests with many samples being added: their keys, and the tasks adding them
+        self._adding: set[int] = set()
+        self._adders: set[asyncio.Task[None]] = set()
+        #: keys cancelled while being added
+        self._cancelled: set[int] = set()
         self._outbox: list[tuple[int, tuple[Any, ...]]] = []
         self._flush_scheduled = False
         self._closed = False
@@ -197,11 +205,19 @@ class _WorkerConnection:
         kind = message[0]
         if kind == "add":
             _, keys, input_ids, max_new_tokens, params = message
-            self._add(keys, input_ids, max_new_tokens, params)
+            if len(keys) < _SLICED_SAMPLES:
+                self._add(keys, input_ids, max_new_tokens, params)
+            else:
+                self._adding.update(keys)
+                adder = self._loop.create_task(self._add_sliced(keys, input_ids, max_new_tokens, params))
+                self._adders.add(adder)
+                adder.add_done_callback(self._adders.discard)
         elif kind == "cancel":
             pump = self._pumps.pop(message[1], None)
             if pump is not None:
                 pump.cancel()  # closing its stream cancels the request
+            elif message[1] in self._adding:
+                self._cancelled.add(message[1])
         else:
             raise ValueError(f"unknown message kind {kind!r}")
 
@@ -211,6 +227,8 @@ class _WorkerConnection:
             return
         self._closed = True
         self._stats_task.cancel()
+        for adder in self._adders:
+            adder.cancel()
         for pump in self._pumps.values():
             pump.cancel()
         self._pumps.clear()
@@ -230,6 +248,41 @@ class _WorkerConnection:
         for key, stream in zip(keys, streams, strict=True):
             self._queue(key, ("added",))
             self._pumps[key] = self._loop.create_task(self._pump(key, stream))
+
+    async def _add_sliced(
+        self, keys: list[int], input_ids: list[int], max_new_tokens: int | None, params: dict[str, Any]
+    ) -> None:
+        """:meth:`_add` for a request with many samples: a thousand samples, their streams
+        and pumps take tens of milliseconds to make, given the loop back a slice at a time."""
+        ids: list[str] = []
+        started = 0  # (the samples whose pumps run: they own their requests)
+        try:
+            try:
+                request_id = await self.manager.add_request(
+                    input_ids, max_new_tokens=max_new_tokens, wait=False, **{**params, "n": len(keys)}
+                )
+            except Exception as exc:
+                for key in keys:
+                    self._queue(key, ("refused", error_to_wire(exc)))
+                return
+            ids = [request_id, *(f"{request_id}__child#{i}" for i in range(len(keys) - 1))]
+            turn = LoopTurn()
+            for key, rid in zip(keys, ids, strict=True):
+                if key in self._cancelled:
+                    self.manager.cancel_request(rid)
+                else:
+                    stream = self.manager.stream(rid)
+                    self._queue(key, ("added",))
+                    self._pumps[key] = self._loop.create_task(self._pump(key, stream))
+                started += 1
+                await turn.give()
+        except asyncio.CancelledError:
+            for rid in ids[started:]:  # (the connection closed)
+                self.manager.cancel_request(rid)
+            raise
+        finally:
+            self._adding.difference_update(keys)
+            self._cancelled.difference_update(keys)
 
     async def _pump(self, key: int, stream: RequestStream) -> None:
         tokens = 0

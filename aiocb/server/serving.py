@@ -21,7 +21,6 @@ from typing import Any
 from aiocb.detokenize import IncrementalDetokenizer, StopStringMatcher
 from aiocb.engine.turns import LoopTurn
 from aiocb.outputs import FinishReason, GenerationOutput, RequestStatus
-from aiocb.params import STRUCTURE_FIELDS
 from aiocb.server.context import ServerContext
 from aiocb.server.edge import AccessRecord
 from aiocb.server.protocol import APIError, SamplingRequest
@@ -145,10 +144,10 @@ async def submit_choices(manager: ServedEngine, specs: Sequence[ChoiceSpec]) -> 
             await turn.give()
             first = group[0]
             params = {**first.params, "n": len(group)} if len(group) > 1 else first.params
-            constraint = {k: v for k, v in params.items() if k in STRUCTURE_FIELDS}
-            if constraint:
-                await manager.precompile(**constraint)  # (off the loop; the request then finds it)
-            rid = manager.add_request_nowait(first.prompt_ids, max_new_tokens=max(first.max_tokens, 1), **params)
+            # (a constraint compiled off the loop, many samples made a slice at a time)
+            rid = await manager.add_request(
+                first.prompt_ids, max_new_tokens=max(first.max_tokens, 1), wait=False, **params
+            )
             streams.append(manager.stream(rid))
             streams += [manager.stream(f"{rid}__child#{i}") for i in range(len(group) - 1)]
     except BaseException:

@@ -24,6 +24,9 @@ async def test_add_request_waits_for_room_and_nowait_raises(qwen3: PreTrainedMod
         assert manager.statistics().waiting_requests == 2
         with pytest.raises(aiocb.WouldBlock):
             manager.add_request_nowait(PROMPTS[3], max_new_tokens=5)
+        with pytest.raises(aiocb.WouldBlock, match="admission queue is full"):
+            await manager.add_request(PROMPTS[3], max_new_tokens=5, wait=False)
+        assert manager.statistics().waiting_requests == 2  # (neither refusal queued anything)
         blocked = asyncio.create_task(manager.add_request(PROMPTS[3], max_new_tokens=5))
         await asyncio.sleep(0.01)
         assert not blocked.done()

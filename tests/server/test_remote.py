@@ -225,6 +225,38 @@ async def test_remote_samples_fork_in_the_engine(manager: aiocb.Manager, remote:
     assert [o.generated_tokens for o in outputs] == [o.generated_tokens for o in local]
 
 
+@pytest.mark.parametrize("new_tokens", [1, 4])
+async def test_many_samples_are_added_a_slice_at_a_time_and_stay_exact(
+    manager: aiocb.Manager, remote: RemoteManager, monkeypatch: pytest.MonkeyPatch, new_tokens: int
+) -> None:
+    """A request with many samples is made in the engine over several loop turns; its
+    samples equal the manager's own (one token: some end before their streams exist)."""
+    monkeypatch.setattr("aiocb.engine.turns.SLICE", 0.0)  # give the loop back after every sample
+    n = remote_module._SLICED_SAMPLES + 8
+    streams = await remote.open_streams(PROMPTS[1], new_tokens, n, temperature=1.0, seed=11)
+    outputs = [(await _last(stream))[0] for stream in streams]
+    local = await manager.generate(PROMPTS[1], n=n, max_new_tokens=new_tokens, temperature=1.0, seed=11)
+    assert [o.generated_tokens for o in outputs] == [o.generated_tokens for o in local]
+    assert {len(o.generated_tokens) for o in outputs} == {new_tokens}
+
+
+async def test_samples_cancelled_while_being_added_end_in_the_engine(
+    manager: aiocb.Manager, remote: RemoteManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("aiocb.engine.turns.SLICE", 0.0)
+    n = remote_module._SLICED_SAMPLES + 8
+    opening = asyncio.create_task(remote.open_streams(PROMPTS[2], 500, n, temperature=1.0, eos_token_id=[]))
+    await asyncio.sleep(0)  # the add is on its way: cancel it before its samples are all made
+    await asyncio.sleep(0)
+    opening.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await opening
+    stats = await wait_until_idle(manager)
+    assert (stats.running_requests, stats.waiting_requests) == (0, 0)
+    assert stats.free_blocks == stats.total_blocks
+    assert not remote._streams
+
+
 async def test_one_frame_of_outputs_wakes_its_consumers_a_few_at_a_time(manager: aiocb.Manager, tmp_path: Path) -> None:
     """A frame carrying outputs for 200 streams: their consumers (slow, as a server's are)
     resume a loop iteration's budget at a time, not all in the same iteration."""
