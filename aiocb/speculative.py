@@ -17,7 +17,7 @@ their context (code edits, extraction, quoting).
 
 A request speculates only when it can gain: not while its acceptance stays low (it backs
 off for a while; a draft model's new request starts from the draft's recent acceptance
-over other requests, and waits while that does not pay), not when many requests decode
+over other requests, and waits while that does not pay), not when many requests run
 at once (``disable_by_batch_size``: the step is then no longer memory-bound, so extra
 query tokens cost real compute), and where decode steps replay CUDA graphs, only while
 its acceptance pays for what a step that verifies proposals costs against a decode step
@@ -79,7 +79,8 @@ class SpeculativeConfig:
     #: the shortest and longest suffix of the request that is looked up
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
-    #: no speculation while more than this many requests decode (None: whatever the batch)
+    #: no speculation while more than this many requests run, decoding or computing their
+    #: prompts (None: whatever the batch)
     disable_by_batch_size: int | None = 32
     #: a request whose recent acceptance falls below this share stops proposing for
     #: ``backoff_steps`` steps, then tries again (``method="draft"``: below this or the

@@ -130,7 +130,8 @@ class SchedulerStats:
     num_recomputed_tokens: int = 0
     #: decode inputs planned while their token was still being sampled (async batching)
     num_carried_tokens: int = 0
-    #: speculative decoding: tokens proposed, and those of them the model agreed with
+    #: speculative decoding: proposed tokens the model verified (not those past a stop, or
+    #: of a request that ended while its step ran), and those of them it agreed with
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
 
@@ -438,7 +439,6 @@ class Scheduler:
                 scheduled.append(ScheduledRequest(request, start, end - start, True, False, drafts))
                 output.num_speculating += 1
                 request.speculating = True
-                self.stats.num_draft_tokens += len(drafts)
                 sample, end = True, known  # (the proposed positions are not carried tokens)
             else:
                 sample = end == known + request.num_pending_tokens
@@ -646,8 +646,11 @@ class Scheduler:
             if not agrees:
                 break
         self.stats.num_accepted_tokens += accepted
+        # Proposals past a stop were never compared: neither rejected nor counted.
+        verified = min(taken, k) if ended else k
+        self.stats.num_draft_tokens += verified
         assert self.speculation is not None  # (the row brought proposals)
-        self.speculation.record(request, k, accepted, load)
+        self.speculation.record(request, verified, accepted, load)
         if not ended:
             # Computed: the last token and the proposed ones kept (the last one taken is
             # the next step's input). A request preempted meanwhile computed less, or none.

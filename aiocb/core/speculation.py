@@ -118,7 +118,11 @@ class SpeculationPlanner:
 
     def _scouts_first(self, request: Request) -> bool:
         """Whether ``request`` tries the draft before it has any acceptance figure: the first
-        to ask does, and the next once that one ended without a try."""
+        to ask that may speculate does, and the next once that one ended without a try.
+        (One that may not, with a penalty or a grammar, would never try: the others would
+        wait for as long as it runs.)"""
+        if not self.may_speculate(request):
+            return False
         scout = self._first_scout
         if scout is None or scout is request or scout.is_finished:
             self._first_scout = request

@@ -74,7 +74,9 @@ class ManagerStatistics:
     prefix_hit_tokens: int
     offloaded_blocks: int
     restored_blocks: int
-    #: speculative decoding: tokens proposed, and those the model agreed with
+    #: speculative decoding: proposed tokens the model verified (those past a stop token
+    #: or string, or of a request cancelled while its step ran, never were), and those of
+    #: them it agreed with
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
 
@@ -99,7 +101,8 @@ class Manager:
 
     With ``persistent_manager=True`` the manager outlives its ``async with`` block: the
     next ``aiocb.Manager(model, persistent_manager=True)`` on the same model returns the
-    same manager (and its cache), even under a new event loop.
+    same manager (and its cache), even under a new event loop; given another configuration
+    it raises :class:`~aiocb.InvalidConfigError` instead of ignoring it.
     """
 
     config: ContinuousBatchingConfig
@@ -127,8 +130,9 @@ class Manager:
     ) -> None:
         if getattr(self, "_initialized", False):
             # A cached persistent manager, returned by __new__: it keeps its configuration.
-            if continuous_batching_config is not None and continuous_batching_config != self.config:
-                logger.info("reusing the model's persistent manager; the new continuous_batching_config is ignored")
+            self._refuse_another_configuration(
+                generation_config, continuous_batching_config, speculative_config, tokenizer, grammar_tokenizer
+            )
             return
         self._initialized = True
         self.model = model
@@ -161,6 +165,34 @@ class Manager:
         self._turnstile = Turnstile()
         if persistent_manager:
             setattr(model, _CACHED_MANAGER_ATTR, self)
+
+    def _refuse_another_configuration(
+        self,
+        generation_config: GenerationConfig | None,
+        continuous_batching_config: ContinuousBatchingConfig | None,
+        speculative_config: SpeculativeConfig | None,
+        tokenizer: PreTrainedTokenizerBase | None,
+        grammar_tokenizer: PreTrainedTokenizerBase | None,
+    ) -> None:
+        """InvalidConfigError naming what differs from this (persistent) manager's own
+        configuration; ``num_requests_hint`` sizes a cache that exists already."""
+        given_generation = (
+            None if generation_config is None else merged_generation_config(self.model, generation_config)
+        )
+        differs = {
+            "continuous_batching_config": continuous_batching_config not in (None, self.config),
+            "speculative_config": speculative_config not in (None, self.speculative_config),
+            "generation_config": given_generation not in (None, self.generation_config),
+            "tokenizer": tokenizer is not None and tokenizer is not self.tokenizer,
+            "grammar_tokenizer": grammar_tokenizer is not None
+            and grammar_tokenizer is not self._requests.grammar_tokenizer,
+        }
+        changed = [name for name, differ in differs.items() if differ]
+        if changed:
+            raise InvalidConfigError(
+                f"the model's persistent manager was built with another {' and '.join(changed)}; "
+                "destroy it (await manager.destroy()) to build one with the new configuration"
+            )
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import PreTrainedModel
+from transformers import GenerationConfig, PreTrainedModel
 
 import aiocb
 from aiocb.runner.model_runner import ModelRunner
@@ -131,6 +131,36 @@ async def test_persistent_manager_is_reused_by_the_next_async_with(qwen3: PreTra
     await second.destroy()
     async with aiocb.Manager(qwen3, persistent_manager=True) as third:
         assert third is not first
+    await third.destroy()
+
+
+async def test_a_persistent_manager_refuses_another_configuration(qwen3: PreTrainedModel) -> None:
+    config = aiocb.ContinuousBatchingConfig(num_blocks=64)
+    generation = GenerationConfig(max_new_tokens=3, eos_token_id=qwen3.generation_config.eos_token_id)
+    kept = aiocb.Manager(qwen3, generation, config, persistent_manager=True)
+    try:
+        # The same configuration (or none given) finds the same manager.
+        assert (
+            aiocb.Manager(qwen3, generation, aiocb.ContinuousBatchingConfig(num_blocks=64), persistent_manager=True)
+            is kept
+        )
+        assert aiocb.Manager(qwen3, persistent_manager=True, num_requests_hint=500) is kept
+        ngram = aiocb.SpeculativeConfig(method="ngram")
+        for changes, named in [
+            (
+                {"continuous_batching_config": aiocb.ContinuousBatchingConfig(num_blocks=65)},
+                "continuous_batching_config",
+            ),
+            ({"speculative_config": ngram}, "speculative_config"),
+            ({"generation_config": GenerationConfig(max_new_tokens=4)}, "generation_config"),
+        ]:
+            with pytest.raises(aiocb.InvalidConfigError, match=f"another {named};"):
+                aiocb.Manager(qwen3, persistent_manager=True, **changes)
+        async with aiocb.Manager(qwen3, persistent_manager=True) as manager:
+            output = await manager.generate(PROMPTS[0])
+        assert len(output.generated_tokens) == 3  # (its own GenerationConfig still)
+    finally:
+        await kept.destroy()
 
 
 def test_persistent_manager_survives_successive_asyncio_runs(qwen3: PreTrainedModel) -> None:

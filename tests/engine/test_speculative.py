@@ -985,3 +985,46 @@ async def test_a_draft_that_cannot_use_the_targets_attention_kernels_is_refused(
     with pytest.raises(aiocb.InvalidConfigError, match=r"draft_model \(torch.bfloat16.*target's dtype"):
         async with aiocb.Manager(model, speculative_config=_draft_config(draft)):
             pass
+
+
+async def test_a_first_request_that_cannot_speculate_does_not_hold_the_others_back() -> None:
+    """Before the draft has a figure, the one request that tries it first must be one that
+    may speculate: a penalised request running first would otherwise keep every later
+    request waiting for as long as it runs."""
+    model = MODELS["qwen3"]()
+    prompts = random_prompts(4, 10, 30, seed=3)
+    async with aiocb.Manager(model, speculative_config=_draft_config(_draft(model, "same"))) as manager:
+        penalised = asyncio.create_task(
+            manager.generate(prompts[0], max_new_tokens=2000, repetition_penalty=1.2, eos_token_id=[])
+        )
+        await asyncio.sleep(0)
+        outputs = await asyncio.gather(*(manager.generate(p, max_new_tokens=40) for p in prompts[1:]))
+        assert not penalised.done()
+        stats = manager.statistics()
+        penalised.cancel()
+    async with aiocb.Manager(model) as plain:
+        expected = await plain.generate_batch(prompts[1:], max_new_tokens=40)
+    assert [o.generated_tokens for o in outputs] == [o.generated_tokens for o in expected.values()]
+    assert stats.draft_tokens > 0 and stats.accepted_draft_tokens == stats.draft_tokens
+
+
+async def test_proposals_past_a_stop_are_neither_rejected_nor_counted() -> None:
+    """A request that stops on the first proposed position had its later proposals never
+    compared: its try counts as all accepted (a copy of the target agrees with every
+    token), so the requests after it speculate, and the statistics count only what the
+    model verified."""
+    model = MODELS["qwen3"]()
+    prompts = random_prompts(8, 10, 30, seed=3)
+    async with aiocb.Manager(model) as plain:
+        reference = await plain.generate(prompts[0], max_new_tokens=10)
+        expected = await plain.generate_batch(prompts[1:], max_new_tokens=40)
+    stop = reference.generated_tokens[1]  # (the first proposed position)
+    async with aiocb.Manager(model, speculative_config=_draft_config(_draft(model, "same"))) as manager:
+        first = await manager.generate(prompts[0], max_new_tokens=10, stop_token_ids=[stop])
+        assert first.generated_tokens == reference.generated_tokens[:2]
+        after_first = manager.statistics()
+        outputs = await manager.generate_batch(prompts[1:], max_new_tokens=40)
+        stats = manager.statistics()
+    assert after_first.draft_tokens == after_first.accepted_draft_tokens == 1
+    assert [o.generated_tokens for o in outputs.values()] == [o.generated_tokens for o in expected.values()]
+    assert stats.draft_tokens > 100 and stats.accepted_draft_tokens == stats.draft_tokens
