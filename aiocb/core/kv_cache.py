@@ -95,6 +95,17 @@ class KVCacheManager:
         ring = self._ring[group]
         return blocks if ring is None else min(blocks, ring)
 
+    def has_room(self, request: Request, num_new_tokens: int, spare: int = 0) -> bool:
+        """Whether every group has the free blocks :meth:`allocate` would give ``request``
+        for ``num_new_tokens`` more tokens, and ``spare`` more in each group of full
+        attention (a sliding group never gives a request more than a ring)."""
+        total = request.num_computed_tokens + num_new_tokens
+        held = request.block_ids or [[] for _ in self.pools]
+        return all(
+            self._blocks_wanted(i, total) - len(held[i]) + (spare if ring is None else 0) <= pool.num_free
+            for i, (pool, ring) in enumerate(zip(self.pools, self._ring, strict=True))
+        )
+
     def allocate(self, request: Request, num_new_tokens: int) -> bool:
         """Give ``request`` the blocks for ``num_new_tokens`` more tokens; all or nothing."""
         if not request.block_ids:

@@ -747,15 +747,14 @@ class Scheduler:
         request = self._first_waiting()
         if request.num_pending_tokens:
             return  # it resumes once its token has landed
-        page = self.kv_cache.page_size
         first_chunk = min(request.num_tokens - request.num_computed_tokens, self.max_batch_tokens)
-        needed = -(-first_chunk // page) + 1
         while self.running:
             victim = self._last_running()
             if self._order[victim] <= self._order[request]:
                 return
+            # Room in every cache group (each has its own pool), and a block to spare.
             room = (
-                self.kv_cache.num_free_blocks >= needed
+                self.kv_cache.has_room(request, first_chunk, spare=1)
                 and (self.kv_cache.free_fraction >= self.safety_margin)
                 and len(self.running) < self.max_requests_per_batch
             )

@@ -934,3 +934,55 @@ def test_the_measured_verify_cost_is_kept_with_and_without_speculation() -> None
         scheduler.verify_cost = 2.5  # (as the step loop sets the runner's measure)
         assert scheduler.verify_cost == 2.5
     assert speculating.speculation is not None and speculating.speculation.verify_cost == 2.5
+
+
+# ---------------------------------------------------------------------- priority and cache groups
+
+
+def _prioritised(request_id: str, prompt_len: int, priority: int, max_new_tokens: int) -> Request:
+    request = make_request(request_id, prompt_len, max_new_tokens)
+    request.params = ResolvedParams(max_new_tokens=max_new_tokens, priority=priority)
+    return request
+
+
+def _steps_until_scheduled(scheduler: Scheduler, request_id: str) -> tuple[int, list[str]]:
+    """Steps run before ``request_id`` is scheduled, and who that step preempted."""
+    for step in range(300):
+        output = scheduler.schedule()
+        scheduler.update(output, StepResult([7] * output.num_sampled), 0.0)
+        if any(item.request.request_id == request_id for item in output.scheduled):
+            return step, [r.request_id for r in output.preempted]
+    raise AssertionError(f"{request_id} never ran")
+
+
+@pytest.mark.parametrize("hybrid", [False, True], ids=["full", "full+sliding"])
+def test_an_urgent_request_preempts_when_its_own_group_is_full(hybrid: bool) -> None:
+    """Each cache group has its own pool: free sliding-window blocks are no room for the
+    full-attention blocks an urgent request needs."""
+    groups = [CacheGroup((0,), 10)] + ([CacheGroup((1,), 10, sliding_window=32)] if hybrid else [])
+    kv = KVCacheManager(groups, 16, enable_prefix_caching=False)
+    scheduler = Scheduler(kv, max_batch_tokens=256, max_requests_per_batch=64, safety_margin=0.0)
+    for name in ("low0", "low1"):
+        scheduler.add(_prioritised(name, 64, 5, 200))
+    output = scheduler.schedule()
+    scheduler.update(output, StepResult([7] * output.num_sampled), 0.0)
+    assert kv.pools[0].num_free == 2 and (not hybrid or kv.pools[1].num_free == 4)
+    scheduler.add(_prioritised("urgent", 40, 0, 4))  # 3 full-attention blocks and a spare
+    assert _steps_until_scheduled(scheduler, "urgent") == (0, ["low1"])
+
+
+def test_an_urgent_request_that_fits_a_sliding_cache_preempts_nothing() -> None:
+    """A sliding-window group gives a request at most a ring of blocks, however long its prompt."""
+    kv = KVCacheManager([CacheGroup((0,), 24, sliding_window=12)], 4, enable_prefix_caching=False)
+    assert ring_size(12, 4) == 4
+    scheduler = Scheduler(kv, max_batch_tokens=64, max_requests_per_batch=64, safety_margin=0.0)
+    for i in range(5):
+        scheduler.add(_prioritised(f"low{i}", 20, 5, 50))
+    for _ in range(3):
+        output = scheduler.schedule()
+        scheduler.update(output, StepResult([7] * output.num_sampled), 0.0)
+    assert kv.pools[0].num_free == 4
+    scheduler.add(_prioritised("urgent", 64, 0, 4))
+    output = scheduler.schedule()
+    assert "urgent" in [item.request.request_id for item in output.scheduled]
+    assert output.preempted == []
