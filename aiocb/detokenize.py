@@ -21,8 +21,12 @@ from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 #: Prompt tokens decoded with the first generated ones, so that a tokenizer that drops a
-#: leading space at the start of a text (SentencePiece) puts it back where it belongs.
+#: leading space at the start of a text (SentencePiece) puts it back where it belongs ...
 _CONTEXT_TOKENS = 5
+#: ... or more, up to this many, so that they start on a character: a byte-fallback
+#: decoder (Llama 2, Mistral, Gemma) turns a whole run of byte tokens that starts inside a
+#: character into U+FFFD, the new tokens' bytes with it.
+_MAX_CONTEXT_TOKENS = 24
 _REPLACEMENT = "\ufffd"
 
 
@@ -52,8 +56,8 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, context_ids: Sequence[int] = (), *, skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
-        context = list(context_ids[-_CONTEXT_TOKENS:]) if context_ids else []
         self._backend = _stream_backend(tokenizer)
+        context = self._context(context_ids)
         self._stream = self._new_stream(self._backend, context) if self._backend else None
         # The window of the offsets method; with a stream, only what flush() needs: the
         # last tokens that produced text, then the ones still held.
@@ -67,12 +71,25 @@ class IncrementalDetokenizer:
         """Append one token; returns the text it completes (often all of its own text, maybe "")."""
         self._ids.append(token_id)
         if self._stream is not None:
-            text = self._stream.step(self._backend, token_id)  # type: ignore[arg-type]  # set with the stream
+            try:
+                text = self._stream.step(self._backend, token_id)  # type: ignore[arg-type]  # set with the stream
+            except Exception:  # (the library's own error type is not exported)
+                # "Invalid prefix encountered": the new token changed text already emitted
+                # (a byte-fallback decoder turned a run of bytes into U+FFFD, say). The
+                # window method takes over for good, from the tokens after the last text,
+                # which it never looks back past.
+                self._stream = None
+                self._prefix_offset = self._read_offset
+                return self._window_delta()
             if not text:
                 return ""  # a special token skipped, or a character still incomplete
             self._advance()
             self.num_chars += len(text)
             return text
+        return self._window_delta()
+
+    def _window_delta(self) -> str:
+        """The offsets method: the text the window's new tokens add to its last text."""
         prefix = self._decode(self._prefix_offset, self._read_offset)
         text = self._decode(self._prefix_offset, len(self._ids))
         if len(text) <= len(prefix) or text.endswith(_REPLACEMENT):
@@ -95,10 +112,21 @@ class IncrementalDetokenizer:
         self._advance()
         if self._stream is not None and self._backend is not None:
             # The held tokens are spent: a later token starts after them, as with a decode.
-            self._stream = self._new_stream(self._backend, self._ids[-_CONTEXT_TOKENS:])
+            self._stream = self._new_stream(self._backend, self._context(self._ids))
         delta = text[len(prefix) :] if len(text) > len(prefix) else ""
         self.num_chars += len(delta)
         return delta
+
+    def _context(self, ids: Sequence[int]) -> list[int]:
+        """The shortest suffix of ``ids`` of at least :data:`_CONTEXT_TOKENS` tokens whose text
+        starts on a character (has no U+FFFD), of at most :data:`_MAX_CONTEXT_TOKENS`."""
+        if len(ids) <= _CONTEXT_TOKENS:
+            return list(ids)
+        for size in range(_CONTEXT_TOKENS, min(len(ids), _MAX_CONTEXT_TOKENS) + 1):
+            suffix = list(ids[-size:])
+            if _REPLACEMENT not in self._decode_ids(suffix):
+                return suffix
+        return list(ids[-_CONTEXT_TOKENS:])  # (a prompt with U+FFFD of its own, say)
 
     def _new_stream(self, backend: Tokenizer, context: list[int]) -> DecodeStream | None:
         """A stream that has decoded ``context`` and will emit only what follows it; None
@@ -120,6 +148,8 @@ class IncrementalDetokenizer:
         return self._decode_ids(self._ids[start:end]) if start < end else ""
 
     def _decode_ids(self, ids: list[int]) -> str:
+        if self._backend is not None:  # (what tokenizer.decode gives, without its Python layers)
+            return self._backend.decode(ids, skip_special_tokens=self._skip_special)
         text: str = self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
         return text
 

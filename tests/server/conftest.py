@@ -5,6 +5,7 @@ test's event loop."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -14,7 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast
 
 import aiocb
@@ -71,6 +72,30 @@ def build_tokenizer(vocab_size: int = 640) -> PreTrainedTokenizerFast:
     backend.train_from_iterator([CORPUS] * 4, trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=EOS, pad_token=EOS)
     tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_byte_fallback_tokenizer(vocab_size: int = 400) -> PreTrainedTokenizerFast:
+    """A SentencePiece-style tokenizer (Llama 2, Mistral, Gemma): BPE over "▁"-joined words
+    trained on :data:`CORPUS`, every byte a token of its own (``<0xE4>``) for characters
+    outside its vocabulary, and a decoder that fuses byte runs into characters (U+FFFD
+    where a run is not UTF-8) and strips the text's leading space."""
+    backend = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False, limit_alphabet=60
+    )
+    backend.train_from_iterator([CORPUS] * 4, trainer)
+    spec = json.loads(backend.to_str())
+    vocab = spec["model"]["vocab"]
+    for byte in range(256):  # (in the model's vocabulary, where byte fallback looks)
+        vocab.setdefault(f"<0x{byte:02X}>", len(vocab))
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(json.dumps(spec)), bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
     return tokenizer
 
 

@@ -1,4 +1,5 @@
-"""Incremental detokenization and stop strings, on the byte-level BPE test tokenizer."""
+"""Incremental detokenization and stop strings, on the byte-level BPE test tokenizer and a
+SentencePiece-style one with byte fallback."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 import pytest
 
 from aiocb.detokenize import IncrementalDetokenizer, StopStringMatcher
+from tests.server.conftest import build_byte_fallback_tokenizer
 
 TEXTS = [
     "Héllo wörld, naïve café!",
@@ -142,3 +144,50 @@ def test_a_fast_tokenizer_decodes_through_the_stream(tokenizer: Any) -> None:
     prompt = tokenizer.encode("Once upon a time", add_special_tokens=False)
     assert IncrementalDetokenizer(tokenizer, prompt)._stream is not None
     assert IncrementalDetokenizer(_DecodeOnly(tokenizer), prompt)._stream is None
+
+
+# ---------------------------------------------------------------------- byte-fallback tokenizers
+
+
+@pytest.fixture(scope="module")
+def byte_fallback() -> Any:
+    return build_byte_fallback_tokenizer()
+
+
+def _deltas(tokenizer: Any, prompt: list[int], ids: list[int]) -> str:
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt)
+    return "".join(detokenizer.add(token) for token in ids) + detokenizer.flush()
+
+
+@pytest.mark.parametrize(
+    ("prompt", "completion"), [("こんにちは", "世界です"), ("Answer: 안녕", "하세요"), ("Ответ: Привет", "мир")]
+)
+def test_a_prompt_whose_last_tokens_start_inside_a_character_leaves_the_output_whole(
+    byte_fallback: Any, prompt: str, completion: str
+) -> None:
+    """The context decoded with the first tokens must start on a character: a byte run
+    that starts inside one decodes to U+FFFD, the new tokens' bytes with it."""
+    prompt_ids = byte_fallback.encode(prompt)
+    whole = byte_fallback.encode(prompt + completion)
+    assert whole[: len(prompt_ids)] == prompt_ids
+    generated = whole[len(prompt_ids) :]
+    assert _deltas(byte_fallback, prompt_ids, generated) == byte_fallback.decode(generated) == completion
+
+
+def test_a_token_that_rewrites_emitted_text_is_decoded_without_an_error(byte_fallback: Any) -> None:
+    """A stray continuation byte after a complete character makes the decoder turn the whole
+    run into U+FFFD, text the decode stream already emitted: it raises, and the window method
+    takes over."""
+    prompt = byte_fallback.encode("Hello 🐟")
+    stray = byte_fallback.convert_tokens_to_ids("<0x9F>")
+    generated = [stray, *byte_fallback.encode(" the end")]
+    assert _deltas(byte_fallback, prompt, generated) == byte_fallback.decode(generated)
+
+
+def test_random_ids_after_random_prompts_never_raise(byte_fallback: Any) -> None:
+    rng = random.Random(4)
+    vocab = len(byte_fallback)
+    for _ in range(300):
+        prompt = [rng.randrange(3, vocab) for _ in range(rng.randrange(0, 12))]
+        ids = [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 20))]
+        _deltas(byte_fallback, prompt, ids)
