@@ -73,7 +73,8 @@ class GenerationOutput(_DeferredTokens):
     top_logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[dict[int, float] | None] | None = None
-    #: the generated text so far, when the manager has a tokenizer (stop strings trimmed)
+    #: the generated text so far, when the manager has a tokenizer (the stop string or
+    #: stop token that ended it left out, unless ``include_stop_str_in_output``)
     text: str | None = None
     #: the text added since the previous output handed to the same consumer
     text_delta: str | None = None

@@ -663,9 +663,12 @@ class Scheduler:
         """Why ``request``, just given ``token``, ends now (None: it goes on)."""
         params = request.params
         num_output = len(request.token_ids) - len(request.prompt_ids)
-        matched = None if request.text is None else request.text.add(token, num_output)
+        stops = num_output > params.min_tokens and token in params.stop_token_ids
+        # The text of a stop token is left out, as a stop string is (unless kept).
+        keeps_text = not stops or params.include_stop_str_in_output
+        matched = request.text.add(token, num_output) if request.text is not None and keeps_text else None
         completed = request.grammar is not None and request.grammar.accept(token)
-        if num_output > params.min_tokens and token in params.stop_token_ids:
+        if stops:
             request.stop_reason = token
             return FinishReason.STOP
         if matched is not None:

@@ -133,6 +133,7 @@ class ChatCompletion:
         messages = [MessageBuilder(reasoning=self.ctx.reasoning) for _ in range(n)]
         logprobs: list[list[dict[str, Any]]] = [[] for _ in range(n)]
         finish: list[str | None] = [None] * n
+        stop_reasons: list[int | str | None] = [None] * n
         generated = [0] * n
         try:
             async with aclosing(self.submission.deltas()) as deltas:
@@ -143,6 +144,7 @@ class ChatCompletion:
                     if delta.finish_reason is not None:
                         messages[j].add(outputs[j].finish())
                         finish[j] = self._finish_reason(delta.finish_reason, outputs[j])
+                        stop_reasons[j] = delta.stop_reason
                     generated[j] = delta.num_generated
         finally:
             await self.submission.aclose()
@@ -152,6 +154,7 @@ class ChatCompletion:
                 "message": messages[j].message(),
                 "logprobs": {"content": logprobs[j]} if self.request.logprobs else None,
                 "finish_reason": finish[j],
+                "stop_reason": stop_reasons[j],
             }
             for j in range(n)
         ]
@@ -190,7 +193,13 @@ class ChatCompletion:
                     parts = [{}]
                 for k, part in enumerate(parts):
                     last = k == len(parts) - 1
-                    yield self._chunk(j, part, logprobs if k == 0 else None, finish_reason if last else None)
+                    yield self._chunk(
+                        j,
+                        part,
+                        logprobs if k == 0 else None,
+                        finish_reason if last else None,
+                        delta.stop_reason if last else None,
+                    )
         if self.request.sampling.include_usage:
             yield {**self._header(), "choices": [], "usage": self._usage(sum(generated))}
 
@@ -214,9 +223,20 @@ class ChatCompletion:
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.ctx.model_name}
 
     def _chunk(
-        self, index: int, delta: dict[str, Any], logprobs: dict[str, Any] | None, finish_reason: str | None
+        self,
+        index: int,
+        delta: dict[str, Any],
+        logprobs: dict[str, Any] | None,
+        finish_reason: str | None,
+        stop_reason: int | str | None = None,
     ) -> dict[str, Any]:
-        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {
+            "index": index,
+            "delta": delta,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+            "stop_reason": stop_reason,
+        }
         return {**self._header(), "choices": [choice]}
 
     def _usage(self, completion_tokens: int) -> dict[str, Any]:

@@ -150,6 +150,7 @@ class Completion:
                     "text": (prompt.text if self.request.echo else "") + choice.text,
                     "logprobs": self._logprobs(prompt, choice, echo=self.request.echo),
                     "finish_reason": choice.finish_reason,
+                    "stop_reason": choice.stop_reason,
                 }
             )
         completion_tokens = sum(c.num_generated for c in choices)
@@ -183,6 +184,7 @@ class Completion:
                             "text": text,
                             "logprobs": self._logprobs(prompt, delta, echo=echo),
                             "finish_reason": delta.finish_reason,
+                            "stop_reason": delta.stop_reason,
                         }
                     ],
                 }

@@ -68,6 +68,9 @@ class ChoiceDelta:
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[dict[int, float] | None] | None = None
     finish_reason: str | None = None
+    #: with ``finish_reason`` "stop": the stop string or the requested stop token id that
+    #: ended the choice (None: an end-of-sequence token, or another reason), as vLLM says
+    stop_reason: int | str | None = None
     #: tokens generated so far by the choice (usage)
     num_generated: int = 0
     #: prompt tokens the choice found in the prefix cache (usage)
@@ -89,6 +92,7 @@ class ChoiceDelta:
             self.prompt_logprobs = later.prompt_logprobs
             self.prompt_top_logprobs = later.prompt_top_logprobs
         self.finish_reason = later.finish_reason or self.finish_reason
+        self.stop_reason = later.stop_reason if later.stop_reason is not None else self.stop_reason
         self.num_generated = later.num_generated
         self.num_cached_tokens = later.num_cached_tokens
 
@@ -292,18 +296,20 @@ async def choice_deltas(
                 else:
                     metrics.observe_inter_token(len(new), now - last_time)
                 last_time = now
-            _add_tokens(delta, output, new, seen, detokenizer, stopper)
+            _add_tokens(delta, output, new, seen, detokenizer, stopper, spec.include_stop_str_in_output)
             seen += len(delta.token_ids)
             delta.num_generated = seen
             delta.num_cached_tokens = output.num_cached_tokens
             first = False
             if stopper.matched is not None:
                 delta.finish_reason = "stop"
+                delta.stop_reason = stopper.matched
             elif output.is_finished():
                 _check_failed(output)
                 delta.text += stopper.feed(detokenizer.flush())
                 delta.text += stopper.flush()
                 delta.finish_reason = "stop" if stopper.matched is not None else _finish_reason(output, score_only)
+                delta.stop_reason = stopper.matched or _stop_token(spec, output)
             if delta.finish_reason is not None:
                 metrics.e2e_latency.observe(now - received)
                 metrics.prompt_tokens.inc(len(spec.prompt_ids))
@@ -321,18 +327,34 @@ def _add_tokens(
     start: int,
     detokenizer: IncrementalDetokenizer,
     stopper: StopStringMatcher,
+    include_stop_str: bool,
 ) -> None:
     logprobs = output.logprobs
     top = output.top_logprobs
+    # The text of the stop token that ended the output is left out, as a stop string is.
+    last = len(output.generated_tokens) - 1 if _ended_by_token(output) and not include_stop_str else -1
     for position, token_id in enumerate(new, start=start):
         delta.text_offsets.append(detokenizer.num_chars)
-        delta.text += stopper.feed(detokenizer.add(token_id), position + 1)
+        if position != last:
+            delta.text += stopper.feed(detokenizer.add(token_id), position + 1)
         delta.token_ids.append(token_id)
         if logprobs is not None and position < len(logprobs):
             delta.logprobs.append(logprobs[position])
             delta.top_logprobs.append(top[position] if top is not None and position < len(top) else {})
         if stopper.matched is not None:
             return
+
+
+def _ended_by_token(output: GenerationOutput) -> bool:
+    """Whether ``output`` ended on a stop token (an EOS or a requested stop token id)."""
+    return output.finish_reason is FinishReason.STOP and isinstance(output.stop_reason, int)
+
+
+def _stop_token(spec: ChoiceSpec, output: GenerationOutput) -> int | None:
+    """The requested stop token id that ended ``output`` (not an EOS, which vLLM leaves out)."""
+    if _ended_by_token(output) and output.stop_reason in spec.params.get("stop_token_ids", ()):
+        return output.stop_reason  # type: ignore[return-value]  # (an int: _ended_by_token)
+    return None
 
 
 def _check_failed(output: GenerationOutput) -> None:

@@ -144,3 +144,19 @@ def test_generate_batch_with_a_tokenizer(model: PreTrainedModel, tokenizer: Any,
     outputs = aiocb.generate_batch(model, PROMPTS[:2], tokenizer=tokenizer, sampling_params=params)
     for output, tokens in zip(outputs.values(), plain, strict=False):
         assert output.text == tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+async def test_the_stop_token_that_ended_a_request_is_left_out_of_its_text(
+    model: PreTrainedModel, tokenizer: Any, plain: list[list[int]], keep: bool
+) -> None:
+    """As a stop string is, unless ``include_stop_str_in_output``; greedy tokens unchanged."""
+    tokens = plain[5]
+    at = next(i for i in range(2, NEW) if tokenizer.decode(tokens[i : i + 1]).strip() and tokens[i] not in tokens[:i])
+    async with aiocb.Manager(model, tokenizer=tokenizer) as manager:
+        output = await manager.generate(
+            PROMPTS[5], max_new_tokens=NEW, stop_token_ids=[tokens[at]], include_stop_str_in_output=keep
+        )
+    assert output.generated_tokens == tokens[: at + 1]
+    assert output.stop_reason == tokens[at]
+    assert output.text == tokenizer.decode(tokens[: at + 1] if keep else tokens[:at])

@@ -113,12 +113,12 @@ async def test_stop_strings_are_trimmed_and_free_the_request(
     data = (await client.post("/v1/completions", json=body)).json()
     (choice,) = data["choices"]
     assert choice["text"] == expected
-    assert choice["finish_reason"] == "stop"
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop)
     assert data["usage"]["completion_tokens"] < 40
     streamed = (await client.post("/v1/completions", json={**body, "stream": True})).text
     chunks = [e for e in sse_events(streamed) if e != "[DONE]"]
     assert "".join(c["choices"][0]["text"] for c in chunks) == expected
-    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert (chunks[-1]["choices"][0]["finish_reason"], chunks[-1]["choices"][0]["stop_reason"]) == ("stop", stop)
     stats = await wait_until_idle(manager)
     assert stats.free_blocks == stats.total_blocks
 
@@ -136,14 +136,29 @@ async def test_stop_token_ids_and_ignore_eos(model: PreTrainedModel, tokenizer: 
             body = {"prompt": PROMPT, "max_tokens": 20, "temperature": 0}
             stopped = (await http.post("/v1/completions", json=body)).json()
             ignored = (await http.post("/v1/completions", json={**body, "ignore_eos": True})).json()
-            by_id = (
-                await http.post("/v1/completions", json={**body, "ignore_eos": True, "stop_token_ids": [eos]})
-            ).json()
+            by_id_body = {**body, "ignore_eos": True, "stop_token_ids": [eos]}
+            by_id = (await http.post("/v1/completions", json=by_id_body)).json()
+            kept = (await http.post("/v1/completions", json={**by_id_body, "include_stop_str_in_output": True})).json()
+            streamed = (await http.post("/v1/completions", json={**by_id_body, "stream": True})).text
+            chat_body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 20, "temperature": 0}
+            chat = (await http.post("/v1/chat/completions", json={**chat_body, "stop_token_ids": [eos]})).json()
+    before_stop = tokenizer.decode(reference[:first])
     assert stopped["choices"][0]["finish_reason"] == "stop"
     assert stopped["usage"]["completion_tokens"] == first + 1
+    # As vLLM: the stop token's text is left out unless kept; stop_reason names a requested
+    # stop token, not an end-of-sequence one.
+    assert (stopped["choices"][0]["text"], stopped["choices"][0]["stop_reason"]) == (before_stop, None)
     assert ignored["choices"][0]["finish_reason"] == "length"
     assert ignored["usage"]["completion_tokens"] == 20
+    assert ignored["choices"][0]["stop_reason"] is None
     assert by_id["usage"]["completion_tokens"] == first + 1
+    assert (by_id["choices"][0]["text"], by_id["choices"][0]["stop_reason"]) == (before_stop, eos)
+    assert kept["choices"][0]["text"] == tokenizer.decode(reference[: first + 1])
+    chunks = [e for e in sse_events(streamed) if e != "[DONE]"]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == before_stop
+    assert chunks[-1]["choices"][0]["stop_reason"] == eos
+    (chat_choice,) = chat["choices"]
+    assert chat_choice["stop_reason"] == (eos if chat_choice["finish_reason"] == "stop" else None)
 
 
 async def test_logprobs_with_alternatives(client: httpx.AsyncClient, manager: aiocb.Manager, tokenizer: Any) -> None:
