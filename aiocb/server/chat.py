@@ -64,7 +64,10 @@ def prepare_chat(ctx: ServerContext, body: bytes) -> PreparedChat:
         tools=None if tools is None else list(tools.tools),
     )
     ctx.check_prompt_chars(text, "messages")
-    opens_thinking = ctx.reasoning and prompt_opens_thinking(text)
+    continued = (
+        request.messages[-1].get("content") if request.chat_template_kwargs.get("continue_final_message") else None
+    )
+    opens_thinking = ctx.reasoning and prompt_opens_thinking(text, continued if isinstance(continued, str) else None)
     constraint: dict[str, Any] = {}
     if tools is not None and tools.enforced:
         assert parser is not None

@@ -17,9 +17,14 @@ OPEN = "<think>"
 CLOSE = "</think>"
 
 
-def prompt_opens_thinking(prompt: str) -> bool:
-    """Whether the rendered prompt ends inside a ``<think>`` block (the template opened it)."""
-    return prompt.rfind(OPEN) > prompt.rfind(CLOSE)
+def prompt_opens_thinking(prompt: str, continued: str | None = None) -> bool:
+    """Whether the rendered prompt ends inside a ``<think>`` block: the template opened it
+    (the prompt ends with it), or ``continued``, the assistant message the prompt ends with
+    (``continue_final_message``), did. A ``<think>`` anywhere else, in a user's message
+    say, opens nothing."""
+    if prompt.rstrip().endswith(OPEN):
+        return True
+    return continued is not None and continued.rfind(OPEN) > continued.rfind(CLOSE)
 
 
 class ReasoningSplitter:

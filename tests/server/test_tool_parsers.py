@@ -150,6 +150,12 @@ def test_prompt_opens_thinking() -> None:
     assert prompt_opens_thinking("<|im_start|>assistant\n<think>\n")
     assert not prompt_opens_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert not prompt_opens_thinking("<|im_start|>assistant\n")
+    # A user's message that mentions the tag opens nothing.
+    assert not prompt_opens_thinking("<|im_start|>user\nWhat does <think> do?<|im_end|>\n<|im_start|>assistant\n")
+    # A continued assistant message that opened the block and left it open does.
+    continued = "<think>Let me see"
+    assert prompt_opens_thinking(f"<|im_start|>assistant\n{continued}", continued)
+    assert not prompt_opens_thinking("<|im_start|>assistant\n<think>a</think>b", "<think>a</think>b")
 
 
 def test_stream_deltas_reassemble_to_the_message() -> None:
