@@ -30,6 +30,9 @@ class Prompt:
     ids: list[int]
     #: what ``echo`` puts before the completion
     text: str
+    #: where each of ``ids`` starts in ``text``, for echoed logprobs of a text prompt (None:
+    #: found by decoding ``ids``, which ``text`` then is)
+    offsets: list[int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +108,12 @@ async def prepare_completion(ctx: ServerContext, body: bytes) -> PreparedComplet
         if isinstance(prompt, str):
             where = f"prompt[{i}]" if many else "prompt"
             encode = partial(ctx.encode, add_special_tokens=True, param="prompt", where=where)
-            prompts.append(Prompt(await ctx.off_loop(len(prompt), encode, prompt), prompt))
+            ids = await ctx.off_loop(len(prompt), encode, prompt)
+            offsets = None
+            if request.echo and request.logprobs is not None:
+                # (the text holds no BOS the tokenizer added, and may hold what decodes otherwise)
+                offsets = await ctx.off_loop(len(prompt), ctx.char_offsets, prompt, len(ids))
+            prompts.append(Prompt(ids, prompt, offsets))
         else:
             text = await ctx.off_loop(len(prompt), ctx.decode, prompt) if request.echo else ""
             prompts.append(Prompt(prompt, text))
@@ -214,8 +222,11 @@ class Completion:
             tops = choice.prompt_top_logprobs or [None] * len(ids)
             detokenizer = IncrementalDetokenizer(ctx.tokenizer, skip_special_tokens=False)
             for position, token_id in enumerate(ids):
-                text_offset.append(detokenizer.num_chars)
-                detokenizer.add(token_id)
+                if prompt.offsets is not None:
+                    text_offset.append(prompt.offsets[position])
+                else:
+                    text_offset.append(detokenizer.num_chars)
+                    detokenizer.add(token_id)
                 tokens.append(ctx.token_text(token_id))
                 score = scores[position] if position < len(scores) else None
                 token_logprobs.append(None if score is None else finite(score))

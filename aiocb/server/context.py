@@ -28,6 +28,8 @@ INLINE_BODY_BYTES = 2048
 _CHARS_MARGIN = 4
 
 _REPLACEMENT = "\ufffd"
+#: how SentencePiece vocabularies mark a token that starts a word (a space before it)
+_WORD_START = "\u2581"
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
@@ -157,6 +159,9 @@ class ServerContext:
         text = self._token_texts.get(token_id)
         if text is None:
             text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            piece = self.tokenizer.convert_ids_to_tokens(token_id)
+            if isinstance(piece, str) and piece.startswith(_WORD_START) and not text.startswith(" "):
+                text = " " + text  # (a SentencePiece decoder strips the space a text starts with)
             if _REPLACEMENT in text:
                 raw = self.token_bytes(token_id)
                 if raw is not None:
@@ -185,6 +190,16 @@ class ServerContext:
             message = f"{where or param} cannot be tokenized (is it valid Unicode text?): {exc}"
             raise bad_request(message, param) from None
         return ids
+
+    def char_offsets(self, text: str, num_tokens: int) -> list[int] | None:
+        """Where each of the ``num_tokens`` tokens of ``text`` (special tokens added) starts
+        in it; a token the tokenizer added (a BOS) starts where the next does. None when the
+        tokenizer cannot say (a slow one)."""
+        try:
+            spans = self.tokenizer(text, add_special_tokens=True, return_offsets_mapping=True)["offset_mapping"]
+        except (NotImplementedError, TypeError, ValueError):
+            return None
+        return [start for start, _ in spans] if len(spans) == num_tokens else None
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         """Text of ``token_ids``.

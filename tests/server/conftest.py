@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast
 
 import aiocb
@@ -75,11 +75,12 @@ def build_tokenizer(vocab_size: int = 640) -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def build_byte_fallback_tokenizer(vocab_size: int = 400) -> PreTrainedTokenizerFast:
+def build_byte_fallback_tokenizer(vocab_size: int = 400, *, bos: bool = False) -> PreTrainedTokenizerFast:
     """A SentencePiece-style tokenizer (Llama 2, Mistral, Gemma): BPE over "▁"-joined words
     trained on :data:`CORPUS`, every byte a token of its own (``<0xE4>``) for characters
     outside its vocabulary, and a decoder that fuses byte runs into characters (U+FFFD
-    where a run is not UTF-8) and strips the text's leading space."""
+    where a run is not UTF-8) and strips the text's leading space; with ``bos``, encoding a
+    text puts ``<s>`` before it."""
     backend = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
     backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
     backend.decoder = decoders.Sequence(
@@ -93,8 +94,13 @@ def build_byte_fallback_tokenizer(vocab_size: int = 400) -> PreTrainedTokenizerF
     vocab = spec["model"]["vocab"]
     for byte in range(256):  # (in the model's vocabulary, where byte fallback looks)
         vocab.setdefault(f"<0x{byte:02X}>", len(vocab))
+    backend = Tokenizer.from_str(json.dumps(spec))
+    if bos:
+        backend.post_processor = processors.TemplateProcessing(
+            single="<s> $A", special_tokens=[("<s>", backend.token_to_id("<s>"))]
+        )
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer.from_str(json.dumps(spec)), bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="</s>"
     )
     return tokenizer
 

@@ -13,7 +13,15 @@ from transformers import GenerationConfig, PreTrainedModel
 import aiocb
 from aiocb.server import build_app
 from tests.conftest import arm_failure
-from tests.server.conftest import API_KEY, MODEL_NAME, serve_config, serve_model, wait_until_idle, wait_until_running
+from tests.server.conftest import (
+    API_KEY,
+    MODEL_NAME,
+    build_byte_fallback_tokenizer,
+    serve_config,
+    serve_model,
+    wait_until_idle,
+    wait_until_running,
+)
 
 PROMPT = "Once upon a time"
 
@@ -206,6 +214,36 @@ async def test_echo_scores_the_prompt_for_loglikelihood(
     logprobs = (await client.post("/v1/completions", json=body)).json()["choices"][0]["logprobs"]
     assert len(logprobs["token_logprobs"]) == len(ids) + 1
     assert logprobs["token_logprobs"][1:-1] == pytest.approx(scored.prompt_logprobs[1:], abs=1e-5)
+
+
+async def test_echoed_offsets_and_tokens_of_a_sentencepiece_tokenizer_with_a_bos() -> None:
+    """The echoed text holds no BOS: the prompt's offsets point into it (the BOS at 0), the
+    generated ones follow it; a token that starts a word shows its space, as the text has it."""
+    tokenizer = build_byte_fallback_tokenizer(bos=True)
+    prompt = "the cat sat on the mat and"
+    ids = tokenizer.encode(prompt)
+    assert tokenizer.convert_ids_to_tokens(ids[0]) == "<s>"
+    async with aiocb.Manager(serve_model(tokenizer), continuous_batching_config=serve_config()) as manager:
+        app = build_app(manager, tokenizer, MODEL_NAME)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+            body = {
+                "prompt": prompt,
+                "max_tokens": 6,
+                "echo": True,
+                "logprobs": 1,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
+            (choice,) = (await http.post("/v1/completions", json=body)).json()["choices"]
+    text, logprobs = choice["text"], choice["logprobs"]
+    offsets, tokens = logprobs["text_offset"], logprobs["tokens"]
+    assert text.startswith(prompt) and len(tokens) == len(ids) + 6
+    assert offsets == sorted(offsets) and offsets[0] == offsets[1] == 0
+    assert all(0 <= at <= len(text) for at in offsets)
+    assert offsets[len(ids)] >= len(prompt)
+    for token, at in zip(tokens[2 : len(ids)], offsets[2 : len(ids)], strict=True):
+        assert text[at : at + len(token)] == token, (token, at)
+    assert sum(token.startswith(" ") for token in tokens[2 : len(ids)]) >= 3  # (the spaces shown)
 
 
 async def test_streaming_completion_matches_the_whole_one(client: httpx.AsyncClient) -> None:
