@@ -47,8 +47,10 @@ class ToolCallParser(ABC):
         self.calls = 0
         self._buffer = ""
         self._in_call = False
-        #: whitespace after content, held until more content follows (not before a call)
+        #: whitespace after content, held until more content follows (not before a call) ...
         self._space = ""
+        #: ... and before what may be a call, held until that is decided (content if not)
+        self._before_call = ""
 
     def feed(self, text: str) -> list[Fragment]:
         """The fragments ``text`` completes."""
@@ -93,15 +95,19 @@ class ToolCallParser(ABC):
     def _content(self, text: str, out: list[Fragment], *, before_call: bool) -> None:
         text = self._space + text
         stripped = text.rstrip()
-        self._space = "" if before_call else text[len(stripped) :]
+        self._space, self._before_call = ("", text[len(stripped) :]) if before_call else (text[len(stripped) :], "")
         if stripped:
             out.append(Content(stripped))
 
     def _calls(self, body: str) -> list[Fragment]:
         """The calls in one call's text, or that text as content when it is not calls."""
         parsed = self.parse(body)
+        space, self._before_call = self._before_call, ""
         if parsed is None or not parsed or any(name not in self.functions for name, _ in parsed):
-            return [Content(body)] if body.strip() else []
+            if body.strip():
+                return [Content(space + body)]
+            self._space = space + body
+            return []
         if not self.parallel:
             parsed = parsed[: max(0, 1 - self.calls)]
         calls: list[Fragment] = []

@@ -87,6 +87,19 @@ def test_hermes_leaves_what_is_not_a_call_as_content() -> None:
     assert _parse_every_way(HermesParser, '<tool_call>\n{"name": "add", "argu')[2] == []
 
 
+@pytest.mark.parametrize(
+    ("parser", "text"),
+    [
+        (HermesParser, 'Use the tag like this: <tool_call>{"name": "unknown", "arguments": {}}</tool_call> ok'),
+        (HermesParser, "Compare a\n\n<tool_call>not json</tool_call>"),
+        (Llama3JsonParser, 'Example: {"name": "Bob", "age": 3}'),
+    ],
+)
+def test_what_is_not_a_call_keeps_the_space_before_it(parser: type[ToolCallParser], text: str) -> None:
+    """The whitespace before a would-be call is held until the call is decided, not dropped."""
+    assert _parse_every_way(parser, text) == (text, "", [])
+
+
 def test_hermes_arguments_as_json_text() -> None:
     text = '<tool_call>{"name": "add", "arguments": "{\\"a\\": 5}"}</tool_call>'
     assert _parse_every_way(HermesParser, text)[2] == [("add", {"a": 5})]
