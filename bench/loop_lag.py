@@ -6,6 +6,10 @@ and records how late it wakes: the time aiocb's own work (planning, snapshots, u
 delivery) held the loop.
 
     python bench/loop_lag.py [--rows 1024] [--repeats 3] [--torch-threads N]
+    python bench/loop_lag.py --samples 1024    # one sampled request with that many samples
+
+With ``--samples`` the batch is one request with ``n`` samples instead: the heartbeat
+then also sees the request's samples being made and queued (``await add_request``).
 
 On a machine with few cores, torch's own threads (one per core by default) and the
 event loop's thread compete for them: ``--torch-threads`` (the cores less one) leaves the
@@ -30,7 +34,8 @@ import aiocb
 from bench.loop_watch import Heartbeat
 
 
-async def _run(model: Qwen3ForCausalLM, rows: int) -> str:
+async def _run(model: Qwen3ForCausalLM, rows: int, samples: int) -> str:
+    rows = max(rows, samples)
     config = aiocb.ContinuousBatchingConfig(
         max_requests_per_batch=rows, num_blocks=rows * 4 + 8, page_size=16, max_batch_tokens=max(rows * 16, 2048)
     )
@@ -38,15 +43,22 @@ async def _run(model: Qwen3ForCausalLM, rows: int) -> str:
         await manager.generate_batch([[1] * 16] * 8, max_new_tokens=4)  # warm-up
         async with Heartbeat() as beat:
             started = time.perf_counter()
-            await manager.generate_batch([[i % 200 + 1] * 16 for i in range(rows)], max_new_tokens=32)
+            if samples:
+                await manager.generate([7] * 16, max_new_tokens=32, n=samples, do_sample=True, seed=1)
+            else:
+                await manager.generate_batch([[i % 200 + 1] * 16 for i in range(rows)], max_new_tokens=32)
             wall = time.perf_counter() - started
-    return f"rows {rows}: wall {wall:.2f} s; {beat.summary()}"
+    what = f"one request, n {samples}" if samples else f"rows {rows}"
+    return f"{what}: wall {wall:.2f} s; {beat.summary()}"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--samples", type=int, default=0, help="one request with this many samples (0: --rows requests)"
+    )
     parser.add_argument("--torch-threads", type=int, default=0, help="torch's intra-op threads (0: its default)")
     args = parser.parse_args(argv)
     if args.torch_threads:
@@ -64,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     model = Qwen3ForCausalLM(config).eval()
     for _ in range(args.repeats):
-        print(asyncio.run(_run(model, args.rows)))
+        print(asyncio.run(_run(model, args.rows, args.samples)))
     return 0
 
 
