@@ -51,11 +51,18 @@ class ToolCallParser(ABC):
         self._space = ""
         #: ... and before what may be a call, held until that is decided (content if not)
         self._before_call = ""
+        #: the end of the text so far when it may begin a hidden special token's text
+        self._hidden_start = ""
 
     def feed(self, text: str) -> list[Fragment]:
         """The fragments ``text`` completes."""
-        for hidden in self.hidden:
-            text = text.replace(hidden, "")
+        if self.hidden:
+            # (a piece may end inside a hidden token's text: held back until it is known)
+            text = self._hidden_start + text
+            for hidden in self.hidden:
+                text = text.replace(hidden, "")
+            keep = max(partial_suffix(text, hidden) for hidden in self.hidden)
+            text, self._hidden_start = text[: len(text) - keep], text[len(text) - keep :]
         self._buffer += text
         out: list[Fragment] = []
         while True:
@@ -81,6 +88,8 @@ class ToolCallParser(ABC):
 
     def finish(self) -> list[Fragment]:
         """What is left at the end of the output: an unclosed call is tried as it is."""
+        self._buffer += self._hidden_start
+        self._hidden_start = ""
         out: list[Fragment] = []
         if self._in_call:
             out += self._calls(self._buffer)

@@ -125,6 +125,12 @@ def test_mistral_both_formats_and_hidden_special_tokens() -> None:
     parser = MistralParser(FUNCTIONS, hidden=["</s>", "[TOOL_CALLS]"])
     fragments = _run(ChoiceOutput(None, parser), ["Sure.</s>"])
     assert _summary(fragments) == ("Sure.", "", [])
+    # ... however the text comes in pieces (a held-back stop string's prefix splits it);
+    # text that only looked like its start is content after all.
+    for pieces in (["Sure.</", "s>"], ["Sure.<", "/", "s", ">"], ["a </", "b"], ["a </s"]):
+        parser = MistralParser(FUNCTIONS, hidden=["</s>", "[TOOL_CALLS]"])
+        expected = "".join(pieces).replace("</s>", "")
+        assert _summary(_run(ChoiceOutput(None, parser), pieces)) == (expected, "", [])
 
 
 def test_parallel_tool_calls_false_keeps_the_first_call() -> None:
