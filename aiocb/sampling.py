@@ -30,6 +30,8 @@ _DEFAULT_TOP_P = 1.0
 _DEFAULT_MAX_NEW_TOKENS = 20
 #: the smallest temperature a sampled request may ask for (0 is greedy)
 MIN_TEMPERATURE = 1e-6
+#: the largest: float32's (the logits are divided by it in float32, where more is infinite)
+MAX_TEMPERATURE = 3.4028234663852886e38
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,6 +262,14 @@ def resolve_params(
         raise InvalidRequestError(
             f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {temperature}", param="temperature"
         )
+    if do_sample and temperature > MAX_TEMPERATURE:
+        raise InvalidRequestError(
+            f"temperature must be at most {MAX_TEMPERATURE:.4g} (float32's largest), got {temperature}",
+            param="temperature",
+        )
+    top_k = pick("top_k", _DEFAULT_TOP_K)
+    if top_k >= limits.vocab_size:
+        top_k = 0  # (every token: what 0 says, in a form the device takes whatever was asked)
     top_logprobs = pick("top_logprobs", 0)
     if top_logprobs > limits.vocab_size:
         raise InvalidRequestError(
@@ -329,7 +339,7 @@ def resolve_params(
     return ResolvedParams(
         max_new_tokens=max_new_tokens,
         temperature=temperature if do_sample else 0.0,
-        top_k=pick("top_k", _DEFAULT_TOP_K),
+        top_k=top_k,
         top_p=pick("top_p", _DEFAULT_TOP_P),
         min_p=pick("min_p", 0.0),
         seed=default_seed if seed is None else seed,

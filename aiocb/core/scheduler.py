@@ -880,7 +880,10 @@ def _record_prompt_logprobs(
         position = start + 1 + i
         if position == len(request.prompt_logprobs):
             request.prompt_logprobs.append(value)
-            request.prompt_top_logprobs.append(None if tops is None else dict(tops[i]))
+            # (the step computes as many alternatives as its most demanding row asked for)
+            wanted = request.params.top_logprobs
+            top = dict(tops[i][:wanted]) if tops is not None and wanted else None
+            request.prompt_top_logprobs.append(top)
 
 
 def _extend(per_group: list[list[tuple[int, int]]], more: list[list[tuple[int, int]]]) -> None:

@@ -124,3 +124,44 @@ async def test_a_long_scored_prompt_is_scored_over_several_steps(qwen3: PreTrain
     expected = logprobs[:-1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
     assert scored.prompt_logprobs is not None
     assert torch.allclose(torch.tensor(scored.prompt_logprobs[1:]), expected, atol=1e-4)
+
+
+async def test_a_top_k_past_the_vocabulary_keeps_every_token(qwen3: PreTrainedModel) -> None:
+    """However large (beyond int64 too), a top-k of the vocabulary or more is no filter,
+    as 0 is; it never reaches the device as a number it cannot hold."""
+    prompts = random_prompts(2, 5, 10, seed=41)
+    vocab = qwen3.config.vocab_size
+    async with aiocb.Manager(qwen3) as manager:
+        unfiltered = await manager.generate(prompts[0], max_new_tokens=8, top_k=0, temperature=1.0, seed=3)
+        for top_k in (vocab, 2**63, 10**30):
+            huge, mate = await asyncio.gather(
+                manager.generate(prompts[0], max_new_tokens=8, top_k=top_k, temperature=1.0, seed=3),
+                manager.generate(prompts[1], max_new_tokens=8),
+            )
+            assert huge.generated_tokens == unfiltered.generated_tokens
+            assert mate.generated_tokens == reference_generate(qwen3, prompts[1], 8)
+
+
+async def test_a_temperature_past_float32_is_refused(qwen3: PreTrainedModel) -> None:
+    async with aiocb.Manager(qwen3) as manager:
+        with pytest.raises(aiocb.InvalidRequestError, match="temperature must be at most") as caught:
+            await manager.generate([1, 2, 3], max_new_tokens=2, temperature=1e39)
+        assert caught.value.param == "temperature"
+        output = await manager.generate([1, 2, 3], max_new_tokens=2, temperature=1e38, seed=1)
+        assert len(output.generated_tokens) == 2
+
+
+async def test_prompt_top_logprobs_hold_the_requests_own_count_whatever_shares_the_step(
+    qwen3: PreTrainedModel,
+) -> None:
+    prompts = random_prompts(2, 8, 8, seed=3)
+    async with aiocb.Manager(qwen3) as manager:
+        mine, other, plain = await asyncio.gather(
+            manager.generate(prompts[0], max_new_tokens=2, prompt_logprobs=True, top_logprobs=2),
+            manager.generate(prompts[1], max_new_tokens=2, prompt_logprobs=True, top_logprobs=5),
+            manager.generate(prompts[1], max_new_tokens=2, prompt_logprobs=True),
+        )
+    for output, count in ((mine, 2), (other, 5)):
+        assert output.prompt_top_logprobs is not None
+        assert {len(top) for top in output.prompt_top_logprobs[1:] if top is not None} == {count}
+    assert not any(plain.prompt_top_logprobs or [])  # (none asked for)
