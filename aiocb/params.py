@@ -93,10 +93,18 @@ class SamplingParams:
         metadata=_doc("stop strings, matched across tokens (needs a tokenizer); not in `text`", "none"),
     )
     include_stop_str_in_output: bool | None = field(
-        default=None, metadata=_doc("keep the stop string at the end of `text`", "False")
+        default=None,
+        metadata=_doc(
+            "keep the stop string (or the text of the stop token) that ended the request at the end of `text`",
+            "False",
+        ),
     )
     stop_token_ids: Iterable[int] | None = field(
-        default=None, metadata=_doc("tokens that end the request, as EOS does (kept in the output)", "none")
+        default=None,
+        metadata=_doc(
+            "tokens that end the request, as EOS does (kept in `generated_tokens`; their text left out of `text`)",
+            "none",
+        ),
     )
     eos_token_id: int | Iterable[int] | None = field(
         default=None, metadata=_doc("replaces the EOS ids (`[]`: none)", "GenerationConfig, else the model's")
