@@ -32,6 +32,8 @@ from aiocb.runner.noise import GUMBEL_BOUND, gumbel, gumbel_argmax, gumbel_at, u
 
 #: How many largest logits a row's draw looks at before falling back to the vocabulary.
 CANDIDATES = 1024
+#: Candidates beyond a top-k, for the tokens tied with its k-th largest logit.
+_TIE_ROOM = 16
 
 
 def draw_full(
@@ -55,19 +57,27 @@ def draw_full(
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
-    """Set every logit outside a row's top-k, then outside its top-p mass, to -inf."""
+    """Set every logit outside a row's top-k, then outside its top-p nucleus, to -inf.
+
+    As transformers' filters: top-k keeps every token at least the k-th largest logit
+    (ties included), top-p the most likely tokens while the mass before them is below
+    ``top_p`` (the first always). Tokens tied with the nucleus's last are kept too: a
+    sort's order among equal logits is no reason to keep one and drop another.
+    """
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
-    ranks = torch.arange(vocab, device=logits.device)[None, :]
     if top_k is not None:
-        k = torch.where(top_k > 0, top_k, vocab)
-        sorted_logits = sorted_logits.masked_fill(ranks >= k[:, None], float("-inf"))
+        k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab)
+        kth = sorted_logits.gather(1, (k - 1)[:, None])
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
     if top_p is not None:
         probs = sorted_logits.softmax(dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs
-        # The most likely token always survives, whatever top_p is.
-        drop = (mass_before > top_p[:, None]) & (ranks > 0)
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        ranks = torch.arange(vocab, device=logits.device)[None, :]
+        # The most likely token always stays, whatever top_p is; a row of top_p 1 keeps all.
+        inside = (mass_before < top_p[:, None]) | (ranks == 0) | (top_p[:, None] >= 1.0)
+        floor = torch.where(inside, sorted_logits, float("inf")).amin(dim=-1, keepdim=True)
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < floor, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
@@ -140,13 +150,16 @@ def _draw_from_candidates(
 ) -> torch.Tensor:
     """:func:`draw` from the rows' :data:`CANDIDATES` largest logits where they suffice."""
     vocab = logits.shape[-1]
-    k = torch.where(top_k > 0, top_k, vocab)
-    # As few candidates as the rows' top-k allow (a row without one needs the most).
-    width = min(vocab, CANDIDATES, int(torch.where(top_k > 0, top_k, CANDIDATES).max()))
+    k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab)
+    # As few candidates as the rows' top-k allow (a row without one needs the most), and
+    # a few more, for the tokens tied with the k-th.
+    width = min(vocab, CANDIDATES, int(torch.where(top_k > 0, top_k, CANDIDATES).max()) + _TIE_ROOM)
     values, ids = logits.topk(width, dim=-1)  # (a row's order over its temperature too)
     scaled = values / temperature[:, None]
     ranks = torch.arange(width, device=logits.device)
-    in_k = ranks[None, :] < k[:, None]
+    # Every token tied with the k-th stays (as in transformers).
+    kth = values.gather(1, (k.clamp(max=width) - 1)[:, None])
+    in_k = (values >= kth) | (k > width)[:, None]
     keep = in_k
     nucleus = top_p < 1.0
     if bool(nucleus.any()):
@@ -159,15 +172,20 @@ def _draw_from_candidates(
             normaliser[whole] = rows.logsumexp(-1, keepdim=True)
         probs = torch.where(in_k, (scaled - normaliser).exp(), 0.0)
         mass_before = probs.cumsum(-1) - probs
-        keep = keep & ((mass_before <= top_p[:, None]) | (ranks[None, :] == 0))
+        inside = in_k & ((mass_before < top_p[:, None]) | (ranks[None, :] == 0) | ~nucleus[:, None])
+        # (and every token tied with the nucleus's last)
+        keep = keep & (scaled >= torch.where(inside, scaled, float("inf")).amin(-1, keepdim=True))
     if min_p is not None:
         # min-p compares probabilities with the row's largest: a difference of logits.
         keep = keep & ((scaled - scaled[:, :1]) >= torch.log(min_p)[:, None])
     tokens = torch.zeros_like(top_k)
     redo = torch.zeros_like(nucleus)
     if width < vocab:
-        # A nucleus over a top-k set larger than the candidates needs that set's softmax.
-        redo = (k > width) & (k < vocab) & nucleus
+        # A nucleus over a top-k set larger than the candidates needs that set's softmax,
+        # and a tie at the k-th that reaches the last candidate may go on past them.
+        # (Not a tie of masked tokens, -inf: those are never drawn.)
+        tie_beyond = (k <= width) & (values[:, -1] == kth[:, 0]) & (kth[:, 0] > float("-inf"))
+        redo = ((k > width) & (k < vocab) & nucleus) | tie_beyond
         # The kept tokens may go on past the candidates: then a pick stands only if no token
         # left out (logit at most the last candidate's) can beat it. Rows where it almost
         # surely would not stand (the best score falls about this far short of the bound

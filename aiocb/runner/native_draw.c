@@ -144,8 +144,9 @@ static inline v4f max4(v4f a, v4f b) { /* a NaN in a is passed over */
     return (v4f)(((v4i)a & gt) | ((v4i)b & ~gt));
 }
 
-/* The k first of row x[0:n] in rank order, sorted, into buf[0:k]; gmax holds 2k + 8 floats.
- * Returns how many there are (k, or n if that is fewer). */
+/* The k first of row x[0:n] in rank order, and every later one tied with the k-th (as
+ * transformers' top-k keeps them), sorted, into buf; gmax holds 2k + 8 floats. Returns how
+ * many there are (k or more, or n if that is fewer). */
 static int64_t top_k(const float* x, int64_t n, int64_t k, item* buf, float* gmax) {
     int64_t count = 0;
     int64_t groups = (2 * k + 7) / 8 * 8;
@@ -160,8 +161,15 @@ static int64_t top_k(const float* x, int64_t n, int64_t k, item* buf, float* gma
             for (int64_t g = 0; g < groups; g += 4) store4(gmax + g, max4(load4(x + j + g), load4(gmax + g)));
         for (int64_t g = 0; j + g < n; g++) gmax[g] = x[j + g] > gmax[g] ? x[j + g] : gmax[g];
         float t = kth_largest(gmax, groups, k);
+        /* Fewer than k finite logits (a grammar's or an allow-list's row): the masked ones
+         * can never be drawn, and are left out (all of them would tie at -inf). */
+        if (t == -INFINITY) {
+            for (int64_t m = 0; m < n; m++)
+                if (!(x[m] == -INFINITY)) buf[count++] = (item){x[m], m};
+            if (count == 0) buf[count++] = (item){x[0], 0}; /* (all masked: the first, as a sort ranks it) */
+        }
         v4f tv = {t, t, t, t};
-        int64_t i = 0;
+        int64_t i = t == -INFINITY ? n : 0;
         for (; i + 16 <= n; i += 16) {
             /* (a NaN is never below t: it is kept, and ranks first) */
             v4i hit = ~((load4(x + i) < tv) & (load4(x + i + 4) < tv) & (load4(x + i + 8) < tv) & (load4(x + i + 12) < tv));
@@ -176,7 +184,14 @@ static int64_t top_k(const float* x, int64_t n, int64_t k, item* buf, float* gma
     }
     if (count > k) {
         select_first(buf, count, k);
-        count = k;
+        /* (every token equal to the k-th is at least the threshold t: it is in buf) */
+        float kth = buf[0].v;
+        for (int64_t j = 1; j < k; j++) kth = buf[j].v < kth ? buf[j].v : kth;
+        int64_t kept = k;
+        if (kth != -INFINITY) /* (masked tokens are never drawn: no need to keep them all) */
+            for (int64_t j = k; j < count; j++)
+                if (buf[j].v == kth) swap_items(&buf[j], &buf[kept++]);
+        count = kept;
     }
     sort_items(buf, count);
     return count;
@@ -292,8 +307,9 @@ static float log_sum_exp(const float* v, int64_t n) {
 }
 
 /* whether a token whose probability is `weight` stays in a nucleus of `top_p` when the
- * tokens before it hold `mass`: torch's mass before it, (its cumsum) - weight in float */
-static inline int fits(double mass, float weight, float top_p) { return (float)(mass + weight) - weight <= top_p; }
+ * tokens before it hold `mass` (below top_p, as transformers'): torch's mass before it,
+ * (its cumsum) - weight in float */
+static inline int fits(double mass, float weight, float top_p) { return (float)(mass + weight) - weight < top_p; }
 
 /* The bins of nucleus_floor: BINS of equal width over the values within SPAN of the row's
  * largest (a token further below has a probability under e^-40 of the largest's), and one
@@ -302,7 +318,8 @@ enum { BINS = 4096 };
 #define SPAN 40.0f
 
 /* The smallest value x / temperature of a row's top-p nucleus (the tokens, by decreasing
- * value, whose probability mass before them is at most top_p, the first always), NaN if
+ * value, whose probability mass before them is below top_p, the first always; the caller
+ * keeps the tokens tied with it too), NaN if
  * the row holds a NaN; `top` receives the largest value. No sort of the row: one pass
  * finds the largest, one sums the exponentials into the softmax normaliser and into bins
  * of equal width in value, and a third collects the tokens of the bin where the mass
@@ -364,19 +381,23 @@ static void draw_filtered_row(const job* jb, int64_t r, item* buf, float* gmax, 
     int nucleus = top_p < 1.0f;
     int64_t count = top_k(x, n, k, buf, gmax);
     for (int64_t i = 0; i < count; i++) scaled[i] = buf[i].v / temperature;
-    float normaliser = 0.0f;
-    if (nucleus) normaliser = log_sum_exp(scaled, count);
-    double mass = 0.0;
+    /* the nucleus's smallest value: the tokens tied with it stay too */
+    float smallest = -INFINITY;
+    if (nucleus) {
+        float normaliser = log_sum_exp(scaled, count);
+        double mass = 0.0;
+        for (int64_t i = 0; i < count; i++) {
+            float prob = expf(scaled[i] - normaliser);
+            if (i > 0 && !fits(mass, prob, top_p)) break; /* (the first always stays, whatever top_p is) */
+            smallest = scaled[i];
+            mass += prob;
+        }
+    }
     float best = -INFINITY;
     int64_t pick = 0;
     int found = 0;
     for (int64_t i = 0; i < count; i++) {
-        if (nucleus) {
-            float prob = expf(scaled[i] - normaliser);
-            int kept = i == 0 || fits(mass, prob, top_p); /* (the first always stays, whatever top_p is) */
-            mass += prob;
-            if (!kept) continue;
-        }
+        if (nucleus && !(scaled[i] >= smallest)) continue;
         if (jb->log_min_p && !(scaled[i] - scaled[0] >= floor)) continue;
         uint32_t bits = noise_bits(key1, key2, (uint32_t)buf[i].i);
         /* no logarithms for a candidate that cannot win even with its bucket's largest noise */
@@ -418,7 +439,7 @@ static void run(const job* jb) {
     int64_t groups = (2 * jb->most_k + 7) / 8 * 8;
     item* buf = malloc(sizeof(item) * (size_t)jb->vocab);
     float* gmax = malloc(sizeof(float) * (size_t)groups);
-    float* scaled = malloc(sizeof(float) * (size_t)jb->most_k);
+    float* scaled = malloc(sizeof(float) * (size_t)jb->vocab); /* (a top-k's ties may go past k) */
     double* bins = malloc(sizeof(double) * (BINS + 1));
     if (buf && gmax && scaled && bins)
         for (int64_t r = jb->first; r < jb->last; r++) draw_filtered_row(jb, r, buf, gmax, scaled, bins);

@@ -10,7 +10,7 @@ sampling, with fixed noise instead of fresh draws):
 1. One pass: the row max ``m``, the top-k set's mass ``Z_k = sum exp(s - m)`` and the
    winner ``c = argmax(s + g)`` over the top-k set.
 2. While ``c`` may be outside the support: one pass for the mass of the tokens above
-   ``c`` (its top-p test: ``mass <= top_p * Z_k``; no noise), and only if the test fails
+   ``c`` (its top-p test: ``mass < top_p * Z_k``; no noise), and only if the test fails
    (or ``c`` fails min-p), one more for the winner among the tokens above ``c`` that pass
    top-k and min-p (the support lies above a rejected candidate), the next candidate.
 
@@ -34,11 +34,9 @@ comparison) and the winner drawn among them, with the noise of their ids. Its pi
 one the passes would make, since every token of its support is a lane.
 
 Ties (common in a bf16 model's upcast logits): at a top-k tie (several tokens equal to
-the k-th largest logit) this keeps all of them where ``draw_full`` keeps exactly k by
-its sort order, and tokens tied with a candidate are not ranked before it for top-p;
-``draw_full`` ranks them by sort order.
-Rows with ``top_p >= 1`` skip the top-p test, where ``draw_full`` could still drop tail
-tokens whose float32 cumulative sum rounds above 1. Otherwise the two differ only where
+the k-th largest logit) this keeps all of them, and tokens tied with a candidate are not
+ranked before it for top-p, so a tie at the nucleus's edge stays whole, as in
+``draw_full``. Rows with ``top_p >= 1`` skip the top-p test. The two differ only where
 a float32 test lands within rounding of its threshold. On the GPU the division is the
 IEEE-rounded one (``div_rn``) and the logarithm libdevice's, as torch computes them
 there, so the scores should match torch's bit for bit (the ``gpu`` test compares the
@@ -211,7 +209,8 @@ if HAS_TRITON:
             weight = tl.where(valid & (logits >= threshold), tl.where(scaled >= m, 1.0, tl.exp(scaled - m)), 0.0)
             above = tl.sum(tl.where(scaled[None, :] > scaled[:, None], weight[None, :], 0.0), 1)
             bound = tl.where(top_p < 1.0, top_p * tl.sum(weight, 0), float("inf"))  # (top_p 1: no test)
-            support = support & (above <= bound)
+            # (below top_p, as transformers; the largest always, however small top_p is)
+            support = support & ((above < bound) | (above == 0.0))
         noise = _gumbel(_bits(ids, row_key, second_key), PRECISE)
         score = tl.where(support, scaled + noise, float("-inf"))
         best = tl.max(score, 0)
@@ -260,7 +259,8 @@ if HAS_TRITON:
                     in_k, logits, temperature, top, ids, start, best, cand, row_key, second_key, PRECISE
                 )
 
-        # draw_full keeps a token when the mass ranked before it is at most top_p.
+        # draw_full keeps a token when the mass ranked before it is below top_p (the tokens
+        # tied with it are not before it).
         bound = top_p * mass_k
         nucleus = top_p < 1.0
         cand_logit = tl.load(row_ptr + cand).to(tl.float32)
@@ -285,7 +285,7 @@ if HAS_TRITON:
                             scaled = tl.math.div_rn(logits, temperature)
                             above = scaled > cand_scaled
                             above_mass += tl.sum(tl.where(above, tl.exp(scaled - m), 0.0), 0)
-                    accepted = above_mass <= bound
+                    accepted = (above_mass < bound) | (above_mass == 0.0)  # (the largest always)
             # Only for a rejected candidate, a pass for the winner among the tokens above it
             # that pass top-k and min-p (the support lies above a rejected candidate).
             next_best = float("-inf")

@@ -23,6 +23,7 @@ from aiocb.runner.draw import draw_full
 from aiocb.runner.noise import gumbel, gumbel_at, random_bits, uniform_noise
 from aiocb.runner.sampler import SamplingTensors, draw_on_device, sample
 from aiocb.runner.triton_sampler import is_available, triton_draw, triton_noise
+from tests.runner.test_draw import tie_inclusive_pick
 from tests.runner.test_sampler import Row
 
 needs_kernel = pytest.mark.skipif(
@@ -237,30 +238,10 @@ def test_a_row_with_infinite_logits_picks_the_first_of_them() -> None:
         assert torch.equal(draw_full(logits / temperature[:, None], seed, offset, top_k, top_p, min_p), first)
 
 
-def _tie_inclusive_pick(
-    logits: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor, k: int, p: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Gumbel winner over the support with ties kept whole, and that support.
-
-    Top-k keeps every logit at least the k-th largest; top-p keeps a token when the mass
-    strictly above it, over the top-k set's total, is at most ``p``.
-    """
-    scaled = logits / temperature[:, None]
-    kth = logits.topk(k, dim=-1).values[:, -1:]
-    in_k = logits >= kth
-    weights = torch.where(in_k, (scaled - scaled.amax(-1, keepdim=True)).exp(), 0.0)
-    above = (scaled[:, None, :] > scaled[:, :, None]).float()  # [R, i, j]: j above i
-    mass_above = (above * weights[:, None, :]).sum(-1)
-    support = in_k & (mass_above <= p * weights.sum(-1, keepdim=True))
-    ids = torch.arange(logits.shape[-1])[None, :]
-    noise = gumbel_at(seed, offset, ids)
-    return torch.where(support, scaled + noise, float("-inf")).argmax(-1), support
-
-
 @needs_kernel
 def test_ties_are_kept_whole() -> None:
-    """bf16 logits (a model's, upcast) tie often: at the k-th largest the kernel keeps the
-    whole tie, where draw_full keeps exactly k by its sort order."""
+    """bf16 logits (a model's, upcast) tie often: at the k-th largest and at the nucleus's
+    edge the kernel keeps the whole tie, as draw_full does."""
     vocab, rows, k, p = 300, 12, 20, 0.8
     gen = torch.Generator().manual_seed(9)
     logits = (torch.randn(rows, vocab, generator=gen) * 2).round(decimals=1)  # ~50 distinct values
@@ -268,9 +249,10 @@ def test_ties_are_kept_whole() -> None:
     temperature, seed, offset = _inputs(rows, gen)
     top_k, top_p = torch.full((rows,), k), torch.full((rows,), p)
     got = triton_draw(logits, temperature, seed, offset, top_k, top_p, None, k, block=BLOCK)
-    want, support = _tie_inclusive_pick(logits, temperature, seed, offset, k, p)
+    want, support = tie_inclusive_pick(logits, temperature, seed, offset, k, p)
     assert torch.equal(got, want), (got, want)
     assert support.gather(1, got[:, None]).all()
+    assert torch.equal(draw_full(logits / temperature[:, None], seed, offset, top_k, top_p, None), want)
 
 
 @needs_kernel
