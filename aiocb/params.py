@@ -270,12 +270,16 @@ def _json_object(name: str, value: Any) -> str | None:
             value = json.loads(value)
         except ValueError as error:
             raise InvalidRequestError(f"{name} is not valid JSON: {error}", param=name) from None
+        except RecursionError:
+            raise InvalidRequestError(f"{name} nests too deeply to read", param=name) from None
     if not isinstance(value, Mapping):
         raise InvalidRequestError(f"{name} must be a JSON object (a dict), got {type(value).__name__}", param=name)
     try:
         return json.dumps(value)
     except (TypeError, ValueError) as error:
         raise InvalidRequestError(f"{name} cannot be written as JSON: {error}", param=name) from None
+    except RecursionError:
+        raise InvalidRequestError(f"{name} nests too deeply to write as JSON", param=name) from None
 
 
 def parameter_table() -> str:

@@ -18,6 +18,7 @@ import threading
 from collections.abc import Collection
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
@@ -84,19 +85,36 @@ class GrammarCompiler:
 class GrammarState:
     """Where one request stands in its grammar (event-loop thread)."""
 
-    __slots__ = ("_matcher",)
+    __slots__ = ("_matcher", "rejected")
 
     def __init__(self, matcher: Any) -> None:
         self._matcher = matcher
+        #: whether a token the grammar did not allow came (every token was masked: the
+        #: request's other controls left none of those the grammar allows)
+        self.rejected = False
 
     def accept(self, token: int) -> bool:
         """Take the request's next token; whether the request ends here (its grammar is
-        complete, or the token was not one it allowed)."""
-        return not self._matcher.accept_token(token) or bool(self._matcher.is_terminated())
+        complete, or the token was not one it allowed: :attr:`rejected`)."""
+        if not self._matcher.accept_token(token):
+            self.rejected = True
+            return True
+        return bool(self._matcher.is_terminated())
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the tokens allowed next into row ``row`` of ``bitmask``."""
         self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    def only_ends(self, bitmask: torch.Tensor, row: int, ends: Collection[int]) -> bool:
+        """Whether row ``row`` of ``bitmask``, just filled, allows nothing but ``ends`` (the
+        grammar is complete and can only stop)."""
+        if not self._matcher.is_completed():
+            return False
+        words = bitmask[row].numpy().view(np.uint32).copy()
+        for token in ends:
+            if token // 32 < len(words):
+                words[token // 32] &= ~np.uint32(1 << (token % 32))
+        return not words.any()
 
 
 def _current_structural_tag(text: str) -> str:

@@ -74,3 +74,13 @@ def test_unknown_names_are_refused() -> None:
         aiocb.SamplingParams().updated(temprature=0.5)
     with pytest.raises(TypeError):
         aiocb.SamplingParams(temprature=0.5)  # type: ignore[call-arg]
+
+
+def test_a_schema_nested_past_pythons_recursion_limit_is_refused_by_name() -> None:
+    deep: dict[str, object] = {"type": "string"}
+    for _ in range(5000):
+        deep = {"type": "array", "items": deep}
+    for given in (deep, "[" * 100_000 + "]" * 100_000):
+        with pytest.raises(aiocb.InvalidRequestError, match="json_schema") as caught:
+            aiocb.SamplingParams(json_schema=given)
+        assert caught.value.param == "json_schema"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -23,9 +24,14 @@ class TextState(Protocol):
 class GrammarState(Protocol):
     """A constrained request's place in its grammar (``aiocb.structured.GrammarState``)."""
 
+    #: whether a token the grammar did not allow came
+    rejected: bool
+
     def accept(self, token: int) -> bool: ...
 
     def fill(self, bitmask: Any, row: int) -> None: ...
+
+    def only_ends(self, bitmask: Any, row: int, ends: Collection[int]) -> bool: ...
 
 
 _FINISHED = RequestStatus.FINISHED

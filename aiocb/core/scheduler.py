@@ -270,6 +270,8 @@ class Scheduler:
             self.kv_cache.drop_host_copy(request)
         if request.text is not None:
             request.text.finish()
+        if reason is FinishReason.ERROR and error is None and request.error is not None:
+            status, error = RequestStatus.FAILED, request.error  # (the request's own failure: _stop_reason)
         request.status = status
         request.finish_reason = reason
         request.error = error
@@ -668,13 +670,19 @@ class Scheduler:
         keeps_text = not stops or params.include_stop_str_in_output
         matched = request.text.add(token, num_output) if request.text is not None and keeps_text else None
         completed = request.grammar is not None and request.grammar.accept(token)
+        if completed and request.grammar is not None and request.grammar.rejected:
+            request.error = (
+                "no token satisfies both the request's output constraint and its other controls "
+                "(allowed_token_ids, bad_words_ids, sequence_bias, ...): the token drawn breaks the constraint"
+            )
+            return FinishReason.ERROR
         if stops:
             request.stop_reason = token
             return FinishReason.STOP
         if matched is not None:
             request.stop_reason = matched
             return FinishReason.STOP
-        if completed:  # (its grammar allows nothing more, min_tokens or not)
+        if completed:  # (its grammar allows nothing more: min_tokens then gives way)
             return FinishReason.STOP
         if num_output >= params.max_new_tokens:
             return FinishReason.LENGTH

@@ -317,12 +317,21 @@ class BatchWriter:
             if item.sample:
                 offset = len(request.token_ids) - len(request.prompt_ids) + request.num_pending_tokens - 1
                 state.sampled_row = len(sampled)
-                if params.uses_controls:
-                    parts.controls[state.sampled_row] = row_controls(request, offset, item.carries, carry_row)
+                grammar_ends = False
                 if request.grammar is not None:
                     assert parts.bitmask is not None
-                    request.grammar.fill(parts.bitmask, len(parts.bitmask_rows))
+                    mask_row = len(parts.bitmask_rows)
+                    request.grammar.fill(parts.bitmask, mask_row)
                     parts.bitmask_rows.append(state.sampled_row)
+                    # A complete grammar that can only stop outranks min_tokens: banning its
+                    # stops would leave no token at all.
+                    grammar_ends = offset < params.min_tokens and request.grammar.only_ends(
+                        parts.bitmask, mask_row, params.stop_token_ids
+                    )
+                if params.uses_controls:
+                    parts.controls[state.sampled_row] = row_controls(
+                        request, offset, item.carries, carry_row, may_stop=grammar_ends
+                    )
                 sampled.append(row)
                 if drafts is not None:  # (this row's own sample comes after its proposed tokens')
                     parts.draft_rows.append(state.sampled_row)
@@ -479,10 +488,13 @@ def _send_blocks(writes: TableWrites, state: RowState, group: int, blocks: list[
     state.sent[group] = len(blocks)
 
 
-def row_controls(request: Request, offset: int, carries: bool, carry_row: int = -1) -> RowControls:
+def row_controls(
+    request: Request, offset: int, carries: bool, carry_row: int = -1, *, may_stop: bool = False
+) -> RowControls:
     """What a request's controls do at the step sampling its ``offset``-th output token
     (counted from 0); ``carries``: its last token is still being sampled by the step before,
-    in that step's sampled row ``carry_row``."""
+    in that step's sampled row ``carry_row``; ``may_stop``: its stop tokens are not banned
+    before ``min_tokens`` (its grammar allows nothing else)."""
     params = request.params
     penalizes = params.penalizes
     biases: list[tuple[int, float]] | None = None
@@ -492,7 +504,7 @@ def row_controls(request: Request, offset: int, carries: bool, carry_row: int = 
         known = request.token_ids
         biases = matched_sequence_bias(known, params.sequence_biases)
         bans = [token for token, _ in matched_sequence_bias(known, params.bad_sequences)]
-    if offset < params.min_tokens:
+    if offset < params.min_tokens and not may_stop:
         bans = [*(bans or ()), *params.stop_token_ids]
     if offset == 0 and params.begin_bans:
         bans = [*(bans or ()), *params.begin_bans]

@@ -23,7 +23,7 @@ from aiocb.engine.turns import LoopTurn
 from aiocb.outputs import FinishReason, GenerationOutput, RequestStatus
 from aiocb.server.context import ServerContext
 from aiocb.server.edge import AccessRecord
-from aiocb.server.protocol import APIError, SamplingRequest
+from aiocb.server.protocol import APIError, SamplingRequest, bad_request
 from aiocb.server.remote import OutputStream, RemoteManager, RemoteStream, ServedEngine
 
 _FINISH_REASONS = {
@@ -305,7 +305,7 @@ async def choice_deltas(
                 delta.finish_reason = "stop"
                 delta.stop_reason = stopper.matched
             elif output.is_finished():
-                _check_failed(output)
+                _check_failed(output, ctx.manager.is_dead)
                 delta.text += stopper.feed(detokenizer.flush())
                 delta.text += stopper.flush()
                 delta.finish_reason = "stop" if stopper.matched is not None else _finish_reason(output, score_only)
@@ -357,8 +357,11 @@ def _stop_token(spec: ChoiceSpec, output: GenerationOutput) -> int | None:
     return None
 
 
-def _check_failed(output: GenerationOutput) -> None:
+def _check_failed(output: GenerationOutput, engine_dead: bool) -> None:
     if output.status is RequestStatus.FAILED or output.finish_reason is FinishReason.ERROR:
+        if not engine_dead and output.finish_reason is FinishReason.ERROR:
+            # The request's own failure (its controls left its grammar no token): a 400.
+            raise bad_request(f"the request failed: {output.error}")
         raise APIError(500, f"the engine failed the request: {output.error}", type="internal_server_error")
 
 

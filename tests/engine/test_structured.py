@@ -3,6 +3,7 @@ the manager with the bundled model and its tokenizer, at temperature 1.0."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from typing import Any
@@ -225,3 +226,51 @@ async def test_a_stop_string_ends_a_constrained_request_first(bundled: tuple[Any
     for output in outputs:
         assert output.text == "a" and output.stop_reason == "b"
         assert output.finish_reason is aiocb.FinishReason.STOP
+
+
+def _eos_last_tokenizer() -> Any:
+    """A tokenizer whose EOS is its last token, not token 0 (as in Qwen's and Llama's, where
+    token 0 is "!"): a row with every logit masked draws token 0, which must not pass."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.server.conftest import CORPUS
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=640, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    backend.train_from_iterator([CORPUS] * 4, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
+    tokenizer.add_special_tokens({"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"})
+    return tokenizer
+
+
+async def test_min_tokens_gives_way_to_a_complete_grammar_and_a_conflict_fails_the_request() -> None:
+    """A complete grammar can only stop: min_tokens must not ban that (it left no token,
+    and the masked row's token 0 came out as "valid"). Controls that leave the grammar no
+    token at all fail the request, naming the conflict, and harm no other."""
+    from tests.conftest import tiny_qwen3
+
+    tokenizer = _eos_last_tokenizer()
+    assert tokenizer.eos_token_id != 0 and tokenizer.convert_ids_to_tokens(0) == "!"
+    model = tiny_qwen3(0, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}
+    async with aiocb.Manager(model, tokenizer=tokenizer) as manager:
+        for params in ({"min_tokens": 6}, {"min_tokens": 6, "temperature": 1.0, "seed": 3}):
+            output = await manager.generate("Answer:", choice=["yes", "no"], max_new_tokens=10, **params)
+            assert output.text in ("yes", "no") and output.finish_reason is aiocb.FinishReason.STOP
+        output = await manager.generate("x", json_schema=schema, max_new_tokens=40, min_tokens=30)
+        assert isinstance(json.loads(output.text)["a"], bool)
+        letter = tokenizer.convert_tokens_to_ids("a")
+        failed, mate = await asyncio.gather(
+            manager.generate("x", regex=r"\d+", allowed_token_ids=[letter], max_new_tokens=8),
+            manager.generate("x", regex=r"\d+", max_new_tokens=8),
+        )
+        stats = manager.statistics()
+    assert failed.status is aiocb.RequestStatus.FAILED and failed.finish_reason is aiocb.FinishReason.ERROR
+    assert failed.error is not None and "output constraint" in failed.error
+    assert re.fullmatch(r"\d+", mate.text or "")
+    assert stats.free_blocks == stats.total_blocks

@@ -113,3 +113,13 @@ async def test_bad_constraints_are_400s_naming_the_field(
     assert message in error["message"]
     if param is not None:
         assert error["param"] == param
+
+
+async def test_controls_that_leave_a_constraint_no_token_are_a_400(client: httpx.AsyncClient, tokenizer: Any) -> None:
+    letter = tokenizer.convert_tokens_to_ids("a")
+    body = {"model": MODEL_NAME, "prompt": "x", "max_tokens": 8, "structured_outputs": {"regex": r"\d+"}}
+    response = await client.post("/v1/completions", json={**body, "allowed_token_ids": [letter]})
+    assert response.status_code == 400, response.text
+    assert "output constraint" in response.json()["error"]["message"]
+    for text in await _completion(client, structured_outputs={"regex": r"\d+"}):  # (the server goes on)
+        assert re.fullmatch(r"\d+", text)
