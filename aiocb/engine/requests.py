@@ -13,6 +13,7 @@ import itertools
 import random
 import time
 from collections.abc import Callable, Container, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from transformers import GenerationConfig, PreTrainedTokenizerBase
@@ -30,6 +31,8 @@ from aiocb.structured import GrammarCompiler, GrammarState
 
 #: a request that gives no parameter: everything from the GenerationConfig
 _NO_PARAMS = SamplingParams()
+#: constraints (their text) up to this many characters compile in the short lane
+_SHORT_CONSTRAINT = 16_384
 
 
 class RequestFactory:
@@ -57,6 +60,8 @@ class RequestFactory:
         self._seeds = random.Random(config.seed)
         self._ids = itertools.count()
         self._grammar_compiler: GrammarCompiler | None = None
+        #: the threads constraints compile on: short ones, long ones (made on first use)
+        self._compilers: list[ThreadPoolExecutor | None] = [None, None]
         #: the last merge of a SamplingParams with a max_new_tokens: (given, max_new_tokens, merged)
         self._last_merge: tuple[SamplingParams, int, SamplingParams] | None = None
 
@@ -172,7 +177,14 @@ class RequestFactory:
             return  # (build refuses a constraint without a tokenizer)
         grammars = self._grammars(vocab_size)
         if not grammars.is_cached(structure):
-            await asyncio.to_thread(grammars.compile, structure)
+            # Long constraints (a schema with an enum of thousands) can take minutes to
+            # compile: they queue on a thread of their own, never ahead of a short one nor
+            # on the loop's default executor (which tokenizes long prompts).
+            lane = 1 if len(structure[1]) > _SHORT_CONSTRAINT else 0
+            if self._compilers[lane] is None:
+                self._compilers[lane] = ThreadPoolExecutor(1, thread_name_prefix=f"aiocb-grammar-{lane}")
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(self._compilers[lane], grammars.compile, structure)
 
     def _grammars(self, vocab_size: int) -> GrammarCompiler:
         """The compiler of constraints for the model's vocabulary (built on first use)."""

@@ -274,3 +274,34 @@ async def test_min_tokens_gives_way_to_a_complete_grammar_and_a_conflict_fails_t
     assert failed.error is not None and "output constraint" in failed.error
     assert re.fullmatch(r"\d+", mate.text or "")
     assert stats.free_blocks == stats.total_blocks
+
+
+async def test_a_long_constraint_compiles_in_a_lane_of_its_own(
+    bundled: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A constraint that takes minutes to compile (an enum of thousands) never holds up a
+    short one, nor the loop's default executor."""
+    import threading
+
+    from aiocb.structured import GrammarCompiler
+
+    release = threading.Event()
+    compile_ = GrammarCompiler.compile
+
+    def slow_when_long(self: GrammarCompiler, structure: tuple[str, str]) -> Any:
+        if len(structure[1]) > 16_384:
+            release.wait(30)
+        return compile_(self, structure)
+
+    monkeypatch.setattr(GrammarCompiler, "compile", slow_when_long)
+    model, tokenizer = bundled
+    # More of them than the default executor has threads.
+    longs = ["(" + "|".join(f"w{i}x{j}" for i in range(3000)) + ")" for j in range(40)]
+    async with aiocb.Manager(model, tokenizer=tokenizer) as manager:
+        slow = [asyncio.create_task(manager.generate("x", regex=r, max_new_tokens=2)) for r in longs]
+        await asyncio.sleep(0.05)
+        short = await asyncio.wait_for(manager.generate("x", regex="[ab]{3}", max_new_tokens=8), 20)
+        assert re.fullmatch("[ab]{3}", short.text or "") and not any(task.done() for task in slow)
+        assert await asyncio.wait_for(asyncio.to_thread(lambda: "free"), 5) == "free"  # (the default executor)
+        release.set()
+        assert all(output.text for output in await asyncio.wait_for(asyncio.gather(*slow), 120))
