@@ -72,6 +72,10 @@ class AdmissionQueue:
         #: the scheduler of the running session (None between sessions)
         self.scheduler: Scheduler | None = None
         self._waiters: deque[tuple[asyncio.Future[None], Request]] = deque()
+        #: room handed to waiters whose callers have not queued their requests yet (they
+        #: resume in a later callback): requests (samples counted) and tokens
+        self._granted = 0
+        self._granted_tokens = 0
 
     def has_room(self, request: Request) -> bool:
         """Whether ``request`` (and its samples) may be queued now, ahead of nobody."""
@@ -87,22 +91,33 @@ class AdmissionQueue:
         entry = (waiter, request)
         self._waiters.append(entry)
         remaining = None if request.deadline is None else request.deadline - time.perf_counter()
+        gave_up = True
         try:
             async with asyncio.timeout(remaining):
                 await waiter
+            gave_up = False
         except TimeoutError:
             pass  # the caller finds the deadline passed and ends it with finish_reason "timeout"
         finally:
             if entry in self._waiters:
                 self._waiters.remove(entry)
                 self.release()
+            elif waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+                # Its room, held for it since release(): the caller queues the request as
+                # soon as this returns, or (timed out, cancelled) hands the room on.
+                self._granted -= 1 + len(request.children)
+                self._granted_tokens -= request.num_tokens
+                if gave_up:
+                    self.release()
 
     def release(self) -> None:
         """Let through the waiters that fit now, in order (call when the queue shrank)."""
         while self._waiters and self._fits(self._waiters[0][1]):
-            waiter, _ = self._waiters.popleft()
+            waiter, request = self._waiters.popleft()
             if not waiter.done():
                 waiter.set_result(None)
+                self._granted += 1 + len(request.children)
+                self._granted_tokens += request.num_tokens
 
     def fail(self, error: BaseException) -> None:
         """Wake every waiter with ``error`` (the manager stops or died)."""
@@ -114,10 +129,10 @@ class AdmissionQueue:
     def _fits(self, request: Request) -> bool:
         scheduler = self.scheduler
         assert scheduler is not None
-        queued = len(scheduler.waiting) + scheduler.num_held_children
+        queued = len(scheduler.waiting) + scheduler.num_held_children + self._granted
         # (a group of n samples counts as n requests)
         if self.max_queue_size and queued + 1 + len(request.children) > self.max_queue_size:
             return False
         limit = self.max_queued_tokens
-        waiting_tokens = scheduler.num_waiting_tokens
+        waiting_tokens = scheduler.num_waiting_tokens + self._granted_tokens
         return not limit or waiting_tokens == 0 or waiting_tokens + request.num_tokens <= limit

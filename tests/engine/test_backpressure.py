@@ -91,3 +91,55 @@ async def test_timeout_while_waiting_for_room(qwen3: PreTrainedModel) -> None:
         rid = await manager.add_request(PROMPTS[2], max_new_tokens=5, timeout=0.05)
         result = await manager.get_result(rid)
         assert result is not None and result.finish_reason is aiocb.FinishReason.TIMEOUT
+
+
+async def test_room_freed_once_lets_through_only_what_fits(qwen3: PreTrainedModel) -> None:
+    """A freed place goes to one waiter: the ones woken have not queued their requests yet
+    when the next ones are looked at, and must count (the queue grew to 29 of 2)."""
+    config = aiocb.ContinuousBatchingConfig(max_queue_size=2, max_requests_per_batch=1)
+    prompts = random_prompts(30, 30, 30, seed=2)
+    most = 0
+    async with aiocb.Manager(qwen3, continuous_batching_config=config) as manager:
+
+        async def add(prompt: list[int]) -> str:
+            nonlocal most
+            rid = await manager.add_request(prompt, max_new_tokens=3)
+            most = max(most, manager.statistics().waiting_requests)
+            return rid
+
+        ids = await asyncio.gather(*(add(p) for p in prompts))
+        results = [await manager.get_result(rid) for rid in ids]
+    assert most <= 2
+    assert all(r is not None and len(r.generated_tokens) == 3 for r in results)
+
+
+async def test_a_waiter_cancelled_after_its_room_came_hands_it_on(
+    qwen3: PreTrainedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from aiocb.engine.admission import AdmissionQueue
+
+    config = aiocb.ContinuousBatchingConfig(max_queue_size=1, max_requests_per_batch=1)
+    prompts = random_prompts(4, 20, 20, seed=3)
+    doomed: list[asyncio.Task[str]] = []
+    release = AdmissionQueue.release
+
+    def release_then_cancel(self: AdmissionQueue) -> None:
+        release(self)
+        if self._granted:  # (its room came: cancelled before it could use it)
+            for task in doomed:
+                task.cancel()
+
+    monkeypatch.setattr(AdmissionQueue, "release", release_then_cancel)
+    async with aiocb.Manager(qwen3, continuous_batching_config=config) as manager:
+        running = await manager.add_request(prompts[0], max_new_tokens=500, eos_token_id=[])
+        await asyncio.sleep(0.05)  # admitted: the queue is empty again
+        await manager.add_request(prompts[1], max_new_tokens=3)  # the queue's one place
+        doomed.append(asyncio.create_task(manager.add_request(prompts[2], max_new_tokens=3)))
+        await asyncio.sleep(0.01)
+        after = asyncio.create_task(manager.add_request(prompts[3], max_new_tokens=3))
+        await asyncio.sleep(0.01)
+        assert not doomed[0].done() and not after.done()
+        manager.cancel_request(running)  # (the queued one is admitted: its place frees)
+        rid = await asyncio.wait_for(after, 10)
+        assert (await manager.get_result(rid)) is not None
+        assert doomed[0].cancelled()
