@@ -215,6 +215,13 @@ class StepLoop:
     def _expire_deadlines(self) -> None:
         if not self._deadlines:
             return
+        scheduler = self.scheduler
+        live = len(scheduler.running) + len(scheduler.waiting) + scheduler.num_held_children
+        if len(self._deadlines) > 2 * live + 64:
+            # Most entries are of requests that ended before their deadline: dropped, or a
+            # long timeout would keep every finished request (its tokens, its text) alive.
+            self._deadlines = [entry for entry in self._deadlines if not entry[2].is_finished]
+            heapq.heapify(self._deadlines)
         now = time.perf_counter()
         expired: list[Request] = []
         while self._deadlines and self._deadlines[0][0] <= now:

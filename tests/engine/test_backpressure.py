@@ -143,3 +143,14 @@ async def test_a_waiter_cancelled_after_its_room_came_hands_it_on(
         rid = await asyncio.wait_for(after, 10)
         assert (await manager.get_result(rid)) is not None
         assert doomed[0].cancelled()
+
+
+async def test_requests_that_end_before_their_deadline_are_let_go(qwen3: PreTrainedModel) -> None:
+    """A finished request is not kept alive until its (long) timeout would have passed."""
+    prompts = random_prompts(300, 5, 10, seed=4)
+    async with aiocb.Manager(qwen3) as manager:
+        await manager.generate_batch(prompts, max_new_tokens=2, timeout=3600.0)
+        await manager.generate(prompts[0], max_new_tokens=2)  # (a step after they all ended)
+        steps = manager._steps
+        assert steps is not None
+        assert len(steps._deadlines) <= 64
