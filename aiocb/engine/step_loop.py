@@ -106,6 +106,8 @@ class StepLoop:
         # Waiting for a GPU step's results must not queue behind the next launch.
         self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aiocb-wait", initializer=bind)
         in_flight: tuple[SchedulerOutput, asyncio.Future[PendingStep]] | None = None
+        #: a step launched while the one before is collected (in_flight's next, once that is)
+        launched: asyncio.Future[PendingStep] | None = None
         pipelined = runner.async_batching
         idle = False  # whether the loop ends with nothing left in the worker threads
         # (the step thread's warm-up: graph captures, which nothing can interrupt midway)
@@ -138,6 +140,7 @@ class StepLoop:
                         done = in_flight[0]
                         result = await self._collect(runner, await in_flight[1])
                     in_flight = None if launched is None or output is None else (output, launched)
+                    launched = None
                 else:
                     assert output is not None and batch is not None
                     result = await loop.run_in_executor(self._executor, runner.execute, batch)
@@ -157,8 +160,11 @@ class StepLoop:
                 # Cancelled during the warm-up: the session's end (detaching the model's
                 # attention) must wait until the step thread has left the model.
                 await asyncio.wait([asyncio.wrap_future(warming)])
-            if in_flight is not None:  # (the loop failed with a step in flight)
-                future = in_flight[1]
+            # (the loop failed with a step in flight, or one launched while the one before
+            # was being collected when that failed)
+            for future in (None if in_flight is None else in_flight[1], launched):
+                if future is None:
+                    continue
                 if future.done() and not future.cancelled():
                     future.exception()  # retrieved: the loop's own error is the one that matters
                 else:

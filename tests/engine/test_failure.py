@@ -59,3 +59,28 @@ async def test_async_with_around_a_dying_engine_exits_cleanly() -> None:
         async with aiocb.Manager(model) as manager:
             await manager.generate(PROMPTS[0], max_new_tokens=3)
     assert model.config._attn_implementation == "sdpa"
+
+
+async def test_a_pipelined_failure_leaves_no_step_unaccounted_for(caplog: pytest.LogCaptureFixture) -> None:
+    """Under async batching the next step is launched while the failing one is collected:
+    that one's outcome is retrieved too, not left to the collector's "never retrieved"."""
+    import gc
+
+    model = tiny_qwen3()
+    switch = arm_failure(model, Boom)
+    config = aiocb.ContinuousBatchingConfig(use_async_batching=True)
+    manager = aiocb.Manager(model, continuous_batching_config=config)
+    manager.start()
+    await manager.generate(PROMPTS[0], max_new_tokens=2)
+    awaiting = [asyncio.create_task(manager.generate(p, max_new_tokens=300)) for p in PROMPTS]
+    await asyncio.sleep(0.05)
+    switch["fail"] = True
+    outcomes = await asyncio.wait_for(asyncio.gather(*awaiting, return_exceptions=True), 20)
+    assert all(isinstance(outcome, aiocb.EngineDeadError) for outcome in outcomes)
+    await manager.destroy()
+    await asyncio.sleep(0.1)
+    gc.collect()
+    await asyncio.sleep(0)
+    assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
+    stats = manager.statistics()
+    assert stats.free_blocks == stats.total_blocks
