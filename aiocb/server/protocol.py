@@ -81,7 +81,9 @@ def error_from_exception(exc: BaseException, params: Mapping[str, str] | None = 
         return bad_request(str(exc), param)
     if isinstance(exc, ManagerClosedError):
         return APIError(503, f"the server is not accepting requests: {exc}", type="service_unavailable")
-    if isinstance(exc, (EngineDeadError, RequestAbortedError)):
+    if isinstance(exc, RequestAbortedError):  # (the server stopping: a retry elsewhere may succeed)
+        return APIError(503, f"the server stopped before the request finished: {exc}", type="service_unavailable")
+    if isinstance(exc, EngineDeadError):
         return APIError(500, f"the engine failed: {exc}", type="internal_server_error")
     return APIError(500, f"internal error: {exc!r}", type="internal_server_error")
 

@@ -47,7 +47,7 @@ async def events(chunks: AsyncIterator[dict[str, Any]], metrics: ServerMetrics) 
             yield event(chunk)
     except Exception as exc:
         error = error_from_exception(exc)
-        if error.status >= 500:
+        if error.status >= 500 and error.status != 503:  # (503: the server stopping, not a fault)
             logger.error("a streamed request failed", exc_info=exc)
         metrics.observe_error(error.status)
         yield event(error.to_dict())

@@ -258,7 +258,9 @@ async def test_ready_and_health(model: PreTrainedModel, tokenizer: Any) -> None:
         assert "retry-after" in refused.headers
         events = sse_events((await running).text)
         await drain
-        assert "aborted" in events[-2]["error"]["message"]  # the drain's timeout cut it short
+        error = events[-2]["error"]
+        assert "aborted" in error["message"]  # the drain's timeout cut it short: retryable, not a fault
+        assert error["type"] == "service_unavailable"
         assert events[-1] == "[DONE]"
         assert not manager.is_running
         assert_error(await http.get("/health"), 503)
