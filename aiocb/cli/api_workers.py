@@ -11,7 +11,8 @@ request metrics of all workers (prometheus_client's multiprocess mode) with the 
 ``SIGTERM`` or ``SIGINT`` to the engine process drains: the workers stop accepting, answer
 ``/ready`` with 503 and give their running requests ``--shutdown-timeout`` seconds; then
 the engine stops. A worker that dies takes the whole server down (exit status 1), so that
-whatever supervises it restarts one consistent server.
+whatever supervises it restarts one consistent server; a worker whose engine went away
+(killed, or it dropped a worker that fell behind) exits too (status 1), leaving the port.
 """
 
 from __future__ import annotations
@@ -154,7 +155,7 @@ def _wait_for_exit(workers: list[subprocess.Popen[bytes]], timeout: float) -> No
 # --------------------------------------------------------------------------- a worker
 
 
-async def _worker(args: argparse.Namespace, engine_socket: str, listener: socket.socket) -> None:
+async def _worker(args: argparse.Namespace, engine_socket: str, listener: socket.socket) -> int:
     from transformers import AutoConfig, AutoTokenizer
 
     from aiocb.server import build_app
@@ -186,10 +187,20 @@ async def _worker(args: argparse.Namespace, engine_socket: str, listener: socket
     gc.collect()
     gc.freeze()
     server = DrainingServer(uvicorn_config(app, args, event_loop_name(args)), app, args.shutdown_timeout)
+    lost: list[str] = []
+
+    async def exit_when_the_engine_goes() -> None:
+        lost.append(await engine.wait_lost())
+        logger.error("API worker: %s; exiting", lost[0])
+        server.should_exit = True
+
+    watch = asyncio.create_task(exit_when_the_engine_goes())
     try:
         await server.serve(sockets=[listener])
     finally:
+        watch.cancel()
         await engine.close()
+    return 1 if lost else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -204,8 +215,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.access_log:
         logging.getLogger("aiocb.access").setLevel(logging.WARNING)
     listener = socket.socket(fileno=own.listen_fd)
-    _run_loop(event_loop_name(args), _worker(args, own.engine_socket, listener))
-    return 0
+    return _run_loop(event_loop_name(args), _worker(args, own.engine_socket, listener))
 
 
 if __name__ == "__main__":

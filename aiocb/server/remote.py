@@ -431,6 +431,12 @@ class RemoteManager:
         """The engine's statistics, as last sent (at most ``STATS_INTERVAL_S`` old)."""
         return self._statistics
 
+    async def wait_lost(self) -> str:
+        """Return, with the reason, once the connection to the engine is lost (the engine
+        exited, or dropped this worker)."""
+        await asyncio.wait([self._receiver])
+        return self._lost or "the connection to the engine was closed"
+
     def start(self) -> None:
         """The engine's own process runs it: nothing to start here."""
 

@@ -308,3 +308,42 @@ def test_a_dead_api_worker_stops_the_server(model_dir: Path, tmp_path: Path) -> 
             process.kill()
             process.wait()
     assert f"API worker {worker} exited" in log.read_text()
+
+
+def test_api_workers_exit_when_the_engine_dies(model_dir: Path, tmp_path: Path) -> None:
+    """A killed engine's workers leave too, freeing the port for the supervisor's restart."""
+    port = _free_port()
+    command = [sys.executable, "-m", "aiocb.cli.serve", str(model_dir), "--port", str(port), "--api-workers", "1"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    log = tmp_path / "server.log"
+    with log.open("w") as out:
+        process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+    worker = None
+    try:
+        _wait_ready(f"http://127.0.0.1:{port}", process, log)
+        worker = int(log.read_text().split("API workers (pids ")[1].split(")")[0])
+        process.kill()
+        process.wait()
+        deadline = time.monotonic() + 30
+        while _alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(worker), "the worker outlived its engine"
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(("127.0.0.1", port))  # (free again)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        if worker is not None and _alive(worker):
+            os.kill(worker, signal.SIGKILL)
+    assert "API worker: the engine closed the connection; exiting" in log.read_text()
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (not gone, not a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
