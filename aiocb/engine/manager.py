@@ -199,6 +199,7 @@ class Manager:
     @property
     def is_running(self) -> bool:
         """Whether the step loop runs (also while stopping gracefully)."""
+        self._forget_a_closed_loop()
         return self._state in (_State.RUNNING, _State.STOPPING)
 
     @property
@@ -219,6 +220,7 @@ class Manager:
                 "Manager.start() needs a running event loop: call it from async code, or use "
                 "`async with aiocb.Manager(...)`; for blocking use, call aiocb.generate_batch()"
             ) from None
+        self._forget_a_closed_loop()
         if self.is_running:
             if loop is not self._loop:
                 raise self._wrong_loop()
@@ -610,9 +612,25 @@ class Manager:
     # ------------------------------------------------------------------ internals
 
     def _check_loop(self) -> None:
-        loop = asyncio.get_running_loop()
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            raise WrongEventLoopError(
+                "a manager is used from its event loop's thread, in async code; from another "
+                "thread, use asyncio.run_coroutine_threadsafe() or loop.call_soon_threadsafe()"
+            ) from None
+        self._forget_a_closed_loop()
         if self._loop is not None and loop is not self._loop:
             raise self._wrong_loop()
+
+    def _forget_a_closed_loop(self) -> None:
+        """A session whose event loop was closed without stopping it (``loop.close()`` after
+        ``run_until_complete``, no task cancelled) can never resume: end it as
+        ``asyncio.run()``'s cancellation would, so that the manager starts anew elsewhere."""
+        if self._loop is not None and self._loop.is_closed() and self._state in (_State.RUNNING, _State.STOPPING):
+            logger.warning("the event loop this manager ran on was closed without stopping it; its session ends")
+            self._router.abort_all("the event loop running the manager was closed")
+            self._end_session()
 
     def _wrong_loop(self) -> WrongEventLoopError:
         return WrongEventLoopError(

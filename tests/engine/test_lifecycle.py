@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -229,3 +230,39 @@ async def test_the_step_thread_makes_the_models_device_current_before_its_first_
     for device in (torch.device("cuda", 1), torch.device("cpu")):
         bind(SimpleNamespace(device=device))  # type: ignore[arg-type]
     assert set_to == [torch.device("cuda", 1)]
+
+
+def test_a_manager_whose_loop_was_closed_without_a_stop_starts_anew(qwen3: PreTrainedModel) -> None:
+    """``loop.close()`` after ``run_until_complete`` cancels nothing: the session can never
+    resume, and the next loop must still be able to use, stop and destroy the manager."""
+    loop = asyncio.new_event_loop()
+
+    async def first() -> aiocb.Manager:
+        manager = aiocb.Manager(qwen3, persistent_manager=True)
+        manager.start()
+        await manager.generate(PROMPTS[0], max_new_tokens=2)
+        return manager
+
+    manager = loop.run_until_complete(first())
+    loop.close()
+
+    async def second() -> list[int]:
+        again = aiocb.Manager(qwen3, persistent_manager=True)
+        assert again is manager and not again.is_running
+        async with again:
+            output = await again.generate(PROMPTS[2], max_new_tokens=4)
+        await again.destroy()
+        return output.generated_tokens
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the first loop's step task, pending when it closed)
+        assert asyncio.run(second()) == reference_generate(qwen3, PROMPTS[2], 4)
+
+
+async def test_a_call_from_a_thread_without_a_loop_names_the_problem(qwen3: PreTrainedModel) -> None:
+    async with aiocb.Manager(qwen3) as manager:
+        rid = await manager.add_request(PROMPTS[0], max_new_tokens=200)
+        for call in (lambda: manager.cancel_request(rid), lambda: manager.add_request_nowait(PROMPTS[1])):
+            with pytest.raises(aiocb.WrongEventLoopError, match="run_coroutine_threadsafe"):
+                await asyncio.to_thread(call)
+        manager.cancel_request(rid)
