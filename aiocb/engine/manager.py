@@ -221,6 +221,8 @@ class Manager:
                 "`async with aiocb.Manager(...)`; for blocking use, call aiocb.generate_batch()"
             ) from None
         self._forget_a_closed_loop()
+        if self._state is _State.STOPPING:
+            raise ManagerClosedError("the manager is still stopping: await its stop() before start() again")
         if self.is_running:
             if loop is not self._loop:
                 raise self._wrong_loop()

@@ -266,3 +266,18 @@ async def test_a_call_from_a_thread_without_a_loop_names_the_problem(qwen3: PreT
             with pytest.raises(aiocb.WrongEventLoopError, match="run_coroutine_threadsafe"):
                 await asyncio.to_thread(call)
         manager.cancel_request(rid)
+
+
+async def test_start_while_a_stop_is_under_way_is_refused(qwen3: PreTrainedModel) -> None:
+    manager = aiocb.Manager(qwen3)
+    manager.start()
+    rid = await manager.add_request(PROMPTS[0], max_new_tokens=30)
+    stopping = asyncio.create_task(manager.stop())
+    await asyncio.sleep(0)
+    with pytest.raises(aiocb.ManagerClosedError, match="still stopping"):
+        manager.start()
+    await stopping
+    assert (await manager.get_result(rid)) is not None
+    manager.start()  # (once stopped, a new session)
+    assert len((await manager.generate(PROMPTS[1], max_new_tokens=2)).generated_tokens) == 2
+    await manager.destroy()
