@@ -37,6 +37,7 @@ from typing import Any, TypeVar
 
 from aiocb.cli.serve import (
     SHUTDOWN_MARGIN_S,
+    ModelLoadError,
     chat_parsers,
     event_loop_name,
     limits_from_args,
@@ -56,8 +57,17 @@ _WATCH_INTERVAL_S = 0.2
 
 def serve_with_workers(args: argparse.Namespace, config: ContinuousBatchingConfig) -> int:
     """Run the engine process of ``aiocb serve --api-workers N`` until a signal; the exit status."""
-    manager, _ = load_manager(args, config)
-    listener = socket.create_server((args.host, args.port), backlog=4096)
+    try:  # (before the model loads: a port in use is found in a moment, not after it)
+        listener = socket.create_server((args.host, args.port), backlog=4096)
+    except (OSError, OverflowError) as exc:
+        print(f"aiocb serve: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        manager, _ = load_manager(args, config)
+    except ModelLoadError as exc:
+        listener.close()
+        print(f"aiocb serve: {exc}", file=sys.stderr)
+        return 2
     workdir = Path(tempfile.mkdtemp(prefix="aiocb-engine-"))  # private (0700): the socket and metrics
     try:
         return _run_loop(event_loop_name(args), _engine(args, manager, listener, workdir))

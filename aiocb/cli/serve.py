@@ -22,6 +22,7 @@ import dataclasses
 import importlib.util
 import json
 import logging
+import math
 import os
 import sys
 import types
@@ -244,12 +245,9 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if not args.access_log:
         logging.getLogger("aiocb.access").setLevel(logging.WARNING)
-    if args.api_workers < 0:
-        print(f"aiocb serve: --api-workers must be 0 or more, got {args.api_workers}", file=sys.stderr)
-        return 2
     from aiocb.cli.replicas import replica_problems
 
-    problems = replica_problems(args)
+    problems = flag_problems(args) + replica_problems(args)
     if problems:
         print(f"aiocb serve: {'; '.join(problems)}", file=sys.stderr)
         return 2
@@ -270,7 +268,11 @@ def run_serve(args: argparse.Namespace) -> int:
         from aiocb.cli.api_workers import serve_with_workers
 
         return serve_with_workers(args, config)
-    manager, tokenizer = load_manager(args, config)
+    try:
+        manager, tokenizer = load_manager(args, config)
+    except ModelLoadError as exc:
+        print(f"aiocb serve: {exc}", file=sys.stderr)
+        return 2
     name = served_model_name(args)
     app = build_app(
         manager,
@@ -285,6 +287,37 @@ def run_serve(args: argparse.Namespace) -> int:
     logger.info("serving %s on http://%s:%d (event loop: %s)", name, args.host, args.port, loop)
     DrainingServer(uvicorn_config(app, args, loop), app, args.shutdown_timeout).run()
     return 0
+
+
+def flag_problems(args: argparse.Namespace) -> list[str]:
+    """What is wrong with the flags the server itself reads (each naming its flag)."""
+    problems = []
+    checks = [
+        ("--port", args.port, 0 <= args.port <= 65535, "a port, 0 to 65535 (0: a free one)"),
+        ("--api-workers", args.api_workers, args.api_workers >= 0, "0 or more"),
+        ("--shutdown-timeout", args.shutdown_timeout, args.shutdown_timeout >= 0, "0 or more seconds"),
+        ("--header-timeout", args.header_timeout, args.header_timeout > 0, "more than 0 seconds"),
+        ("--timeout-keep-alive", args.timeout_keep_alive, args.timeout_keep_alive > 0, "more than 0 seconds"),
+        ("--max-connections", args.max_connections, args.max_connections >= 1, "1 or more"),
+        ("--max-header-bytes", args.max_header_bytes, args.max_header_bytes >= 1024, "1024 or more"),
+    ]
+    if args.torch_threads is not None:
+        checks.append(("--torch-threads", args.torch_threads, args.torch_threads >= 1, "1 or more"))
+    for flag, value, fine, wanted in checks:
+        if not fine or (isinstance(value, float) and not math.isfinite(value)):
+            problems.append(f"{flag} must be {wanted}, got {value}")
+    if args.device != "auto":
+        import torch
+
+        try:
+            torch.device(args.device)
+        except (RuntimeError, ValueError):
+            problems.append(f"--device must be auto, cpu, cuda or cuda:N (a torch device), got {args.device!r}")
+    return problems
+
+
+class ModelLoadError(Exception):
+    """The model or its tokenizer could not be loaded (the message says which, and why)."""
 
 
 def _replica_count(text: str) -> int | str:
@@ -378,15 +411,20 @@ def uvicorn_config(app: Any, args: argparse.Namespace, loop: str) -> Any:
 
 
 def load_model(args: argparse.Namespace) -> tuple[Any, Any]:
-    """``AutoModelForCausalLM`` and ``AutoTokenizer`` from ``args.model`` (or ``args.tokenizer``)."""
-    return load_pretrained(
-        args.model,
-        tokenizer=args.tokenizer,
-        dtype=args.dtype,
-        device=args.device,
-        trust_remote_code=args.trust_remote_code,
-        torch_threads=args.torch_threads,
-    )
+    """``AutoModelForCausalLM`` and ``AutoTokenizer`` from ``args.model`` (or ``args.tokenizer``);
+    :class:`ModelLoadError` naming what could not be loaded."""
+    try:
+        return load_pretrained(
+            args.model,
+            tokenizer=args.tokenizer,
+            dtype=args.dtype,
+            device=args.device,
+            trust_remote_code=args.trust_remote_code,
+            torch_threads=args.torch_threads,
+        )
+    except (OSError, ValueError, RuntimeError, ImportError) as exc:
+        what = args.model if args.model is not None else "the bundled model"
+        raise ModelLoadError(f"cannot load {what} (or its tokenizer) on {args.device}: {exc}") from exc
 
 
 def load_pretrained(

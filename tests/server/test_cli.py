@@ -173,6 +173,46 @@ def test_limit_flags() -> None:
     assert (args.max_connections, args.timeout_keep_alive, args.max_header_bytes) == (4096, 5.0, 16384)
 
 
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--port", "70000"),
+        ("--header-timeout", "0"),
+        ("--timeout-keep-alive", "-1"),
+        ("--max-connections", "0"),
+        ("--max-header-bytes", "0"),
+        ("--shutdown-timeout", "-1"),
+        ("--shutdown-timeout", "nan"),
+        ("--torch-threads", "-1"),
+        ("--api-workers", "-2"),
+        ("--device", "bogus"),
+    ],
+)
+def test_server_flags_out_of_range_are_refused_by_name(
+    capsys: pytest.CaptureFixture[str], flag: str, value: str
+) -> None:
+    assert run_serve(parse(flag, value)) == 2  # before anything loads
+    assert flag in capsys.readouterr().err
+
+
+def test_a_model_that_does_not_load_is_a_clean_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for flags in ([], ["--api-workers", "1"]):
+        args = parse(*flags, "--port", str(_free_port()))
+        args.model = str(tmp_path / "nothing here")
+        assert run_serve(args) == 2
+        error = capsys.readouterr().err
+        assert error.startswith("aiocb serve: cannot load") and "nothing here" in error
+
+
+def test_api_workers_on_a_port_in_use_fail_before_the_model_loads(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert run_serve(parse("--api-workers", "1", "--host", "127.0.0.1", "--port", str(port))) == 2
+    assert "cannot listen" in capsys.readouterr().err
+
+
 def test_bad_limits_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert run_serve(parse("--max-request-bytes", "0")) == 2  # before anything loads
     assert "max_request_bytes" in capsys.readouterr().err
