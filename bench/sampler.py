@@ -1,7 +1,9 @@
 """The sampler alone: the CPU's ``sample()`` against the whole-vocabulary pick.
 
 Random logits (normal, times ``--scale``) at two vocabulary sizes, every row sampled with
-top-k 50 + top-p 0.9, with top-p 0.9 alone, and with the temperature alone. The
+top-k 50 + top-p 0.9, with top-p 0.9 alone, and with the temperature alone; and top-k 50
+over rows a grammar masked down to three tokens (the rest -inf), as a constrained
+request's rows are. The
 whole-vocabulary draw (``draw_full``: a sort for top-k and top-p) is what a GPU runs
 without Triton; ``sample()`` on a CPU takes a top-k or top-p row's largest logits where
 they suffice, and the whole-vocabulary draw for the rest and for rows without those
@@ -68,11 +70,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     print("| vocab | rows | filters | whole vocabulary ms | sample() ms | torch argmax ms | chunked argmax ms |")
     print("|---:|---:|---|---:|---:|---:|---:|")
-    kinds = {"top-k 50, top-p 0.9": {}, "top-p 0.9": {"top_k": 0}, "temperature only": {"top_k": 0, "top_p": 1.0}}
+    kinds: dict[str, dict[str, float]] = {
+        "top-k 50, top-p 0.9": {},
+        "top-p 0.9": {"top_k": 0},
+        "temperature only": {"top_k": 0, "top_p": 1.0},
+        "top-k 50, 3 tokens unmasked": {"top_p": 1.0},
+    }
     for vocab, rows in ((4096, 256), (151_936, 64)):
-        logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(vocab)) * args.scale
-        assert torch.equal(argmax_rows(logits), logits.argmax(-1))
+        generator = torch.Generator().manual_seed(vocab)
+        random_logits = torch.randn(rows, vocab, generator=generator) * args.scale
+        assert torch.equal(argmax_rows(random_logits), random_logits.argmax(-1))
+        masked = torch.full_like(random_logits, float("-inf"))
+        kept = torch.randint(0, vocab, (rows, 3), generator=generator)
+        masked.scatter_(1, kept, random_logits.gather(1, kept))
         for name, fields in kinds.items():
+            logits = masked if "unmasked" in name else random_logits
             params = SamplingTensors.from_rows([_Row(seed=i, **fields) for i in range(rows)], logits.device)  # type: ignore[arg-type]
             assert torch.equal(_full(logits, params), sample(logits, params).tokens)
             full = _ms(_full, args.repeats, logits, params)
