@@ -21,7 +21,9 @@ Scenarios, each on a fresh Manager with ``bench/overhead.py``'s near-zero-comput
   ``manager.stream``;
 * ``cancel``: ``--rows`` 16-token requests of up to 200 new tokens, all cancelled once the
   last added has 8 (the script's own loop over ``cancel_request`` is one callback of
-  ``run_scenario``).
+  ``run_scenario``);
+* ``samples``: one 16-token request with ``--rows`` samples (``n``), sampled, 8 new tokens:
+  its samples made, queued and forked from the prompt together.
 
 Callbacks are listed by their task: ``run_scenario`` is the caller's (aiocb's
 ``generate_batch`` and ``add_requests`` run inside it), ``Manager._run_steps`` the step loop.
@@ -52,7 +54,7 @@ import aiocb
 from bench.common import machine_info
 from bench.overhead import tiny_model
 
-SCENARIOS = ("prefix", "pages", "streams", "cancel")
+SCENARIOS = ("prefix", "pages", "streams", "cancel", "samples")
 GC_REPORTED_S = 0.0005
 
 
@@ -186,7 +188,10 @@ def scenarios(rows: int) -> dict[str, Callable[[aiocb.Manager], Awaitable[None]]
             manager.cancel_request(request_id)
         await asyncio.sleep(0.2)  # the steps that let the cancelled requests go
 
-    return {"prefix": prefix, "pages": pages, "streams": streams, "cancel": cancel}
+    async def samples(manager: aiocb.Manager) -> None:
+        await manager.generate(short_prompts[0], max_new_tokens=8, n=rows, do_sample=True, seed=1)
+
+    return {"prefix": prefix, "pages": pages, "streams": streams, "cancel": cancel, "samples": samples}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -189,6 +189,7 @@ class Scheduler:
         #: the waiting requests by order, with stale entries (dropped when met)
         self._heap: list[tuple[int, int, Request]] = []
         #: parents still computing their prompt, and the children that will fork from them
+        #: (last first: they are taken from the end of the list)
         self._forks: dict[Request, list[Request]] = {}
         #: each held child's parent
         self._held: dict[Request, Request] = {}
@@ -227,7 +228,7 @@ class Scheduler:
             heapq.heapify(self._heap)
         self._enqueue(request)
         if children and request.num_prompt_tokens > 1 and not request.params.prompt_logprobs:
-            self._forks[request] = list(children)
+            self._forks[request] = list(children)[::-1]  # (last first: forked from the end, in order)
             self._held.update((child, request) for child in children)
         else:  # nothing to share (a sample scoring its prompt computes every position itself)
             for child in children:
@@ -260,7 +261,7 @@ class Scheduler:
         parent = self._held.pop(request, None)
         if parent is not None:  # a held sample: it no longer waits for the fork
             self._forks[parent].remove(request)
-        for child in self._forks.pop(request, ()):
+        for child in reversed(self._forks.pop(request, [])):
             del self._held[child]
             self._enqueue(child)  # the parent will not compute the prompt: they do
         if self._holding:
@@ -326,7 +327,7 @@ class Scheduler:
         preempted: list[Request] = []
         output = SchedulerOutput(preempted=preempted)
         if self._forks:
-            self._fork_children(output)
+            yield from self._fork_children(output, chunk)
         if self.prioritized:
             self._make_room_for_priority(output)
         out_of_room = False
@@ -729,14 +730,25 @@ class Scheduler:
             heapq.heappop(heap)
         return heap[0][2]
 
-    def _fork_children(self, output: SchedulerOutput) -> None:
+    def _fork_children(self, output: SchedulerOutput, chunk: int) -> Generator[None, None, None]:
         """Fork the children of every parent whose planned steps cover its prompt but the
-        last token (its KV is written by steps launched before this one)."""
+        last token (its KV is written by steps launched before this one), pausing after
+        every ``chunk`` (a request of a thousand samples forks them over several pauses)."""
+        forked = 0
         for parent in list(self._forks):
             if parent not in self.running or parent.num_computed_tokens < parent.num_prompt_tokens - 1:
                 continue
             assert parent.num_computed_tokens == parent.num_prompt_tokens - 1
-            for child in self._forks.pop(parent):
+            children = self._forks[parent]
+            while children:
+                if forked and forked % chunk == 0:
+                    yield
+                    if self._forks.get(parent) is not children:
+                        break  # (the parent ended meanwhile: its other samples were queued)
+                    if not children:
+                        break  # (its last samples ended meanwhile)
+                forked += 1
+                child = children.pop()
                 del self._held[child]
                 copies = self.kv_cache.fork(parent, child)
                 if copies is None:
@@ -750,6 +762,8 @@ class Scheduler:
                 self.running[child] = None
                 child.status = RequestStatus.PREFILLING
                 child.scheduled_time = time.perf_counter()
+            if self._forks.get(parent) is children:
+                del self._forks[parent]
 
     def _make_room_for_priority(self, output: SchedulerOutput) -> None:
         """Preempt running requests that come after the first waiting one, until it fits."""

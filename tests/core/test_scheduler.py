@@ -986,3 +986,50 @@ def test_an_urgent_request_that_fits_a_sliding_cache_preempts_nothing() -> None:
     output = scheduler.schedule()
     assert "urgent" in [item.request.request_id for item in output.scheduled]
     assert output.preempted == []
+
+
+# ---------------------------------------------------------------------- samples forked in slices
+
+
+def _with_samples(count: int) -> tuple[Request, list[Request]]:
+    parent = make_request("parent", 12, 4)
+    children = [Request(f"parent__child#{i}", list(parent.prompt_ids), parent.params, 0.0) for i in range(count)]
+    return parent, children
+
+
+@pytest.mark.parametrize("ends", ["nothing", "a sample", "the parent"])
+def test_many_samples_fork_over_several_pauses_and_survive_what_ends_meanwhile(ends: str) -> None:
+    kv = full_cache(200)
+    scheduler = make_scheduler(kv, budget=64)
+    parent, children = _with_samples(10)
+    scheduler.add(parent, children)
+    step(scheduler)  # the prompt but its last token: the samples fork in the next plan
+    scheduler.hold_blocks()
+    planner = scheduler.plan(chunk=3)
+    pauses = 0
+    while True:
+        try:
+            next(planner)
+        except StopIteration as done:
+            output = done.value
+            break
+        pauses += 1
+        if pauses == 2 and ends == "a sample":
+            scheduler.finish(children[-1], FinishReason.CANCELLED, 1.0)  # (one not forked yet)
+        elif pauses == 2 and ends == "the parent":
+            scheduler.finish(parent, FinishReason.CANCELLED, 1.0)
+    scheduler.release_blocks()
+    assert pauses >= 3, "forked a slice at a time"
+    forked = [r for r in children if r in scheduler.running]
+    queued = [r for r in children if r in scheduler.waiting]
+    finished = [r for r in children if r.is_finished]
+    assert len(forked) + len(queued) + len(finished) == 10 and not scheduler._held
+    assert [r.request_id for r in forked] == [c.request_id for c in children[: len(forked)]], "in order"
+    if ends == "the parent":  # the first were forked; the rest compute their prompts themselves
+        cached = [r.num_cached_tokens for r in children]
+        assert 0 < cached.count(11) < 10 and cached.count(0) == 10 - cached.count(11)
+    scheduled = {item.request for item in output.scheduled}
+    assert set(forked) <= scheduled
+    for request in list(scheduler.running) + list(scheduler.waiting):
+        scheduler.finish(request, FinishReason.CANCELLED, 2.0)
+    assert kv.num_free_blocks == kv.num_total_blocks
