@@ -13,6 +13,7 @@ being sampled (the next mask depends on it), and it ends when its grammar is com
 
 from __future__ import annotations
 
+import copy
 import json
 import threading
 from collections.abc import Collection
@@ -61,6 +62,14 @@ class GrammarCompiler:
         if compiled is not None:
             return compiled
         kind, text = structure
+        if kind == "json_schema":
+            ignored = _unenforced_keyword(text)
+            if ignored is not None:
+                raise InvalidRequestError(
+                    f"json_schema: {ignored}, which constrained decoding cannot enforce; leave it out "
+                    "(and check the output yourself)",
+                    param="json_schema",
+                )
         try:
             if kind == "json_schema":
                 # No free whitespace: a weak model could otherwise pad its JSON without end.
@@ -80,6 +89,74 @@ class GrammarCompiler:
     def state(self, structure: tuple[str, str]) -> GrammarState:
         """A fresh matcher for one request (or one sample of it)."""
         return GrammarState(_xgrammar().GrammarMatcher(self.compile(structure)))
+
+
+#: JSON Schema keywords that constrain (not annotate) an instance, which xgrammar may leave
+#: out of the grammar it builds: each one a schema holds is checked (:func:`_unenforced_keyword`)
+_CHECKED_KEYWORDS = frozenset(
+    {
+        "not",
+        "if",
+        "then",
+        "else",
+        "uniqueItems",
+        "contains",
+        "minContains",
+        "maxContains",
+        "propertyNames",
+        "dependentRequired",
+        "dependentSchemas",
+        "dependencies",
+        "unevaluatedProperties",
+        "unevaluatedItems",
+        "multipleOf",
+    }
+)
+
+
+def _unenforced_keyword(text: str) -> str | None:
+    """``'KEYWORD' at PATH`` for the first constraining keyword of the schema ``text`` that
+    the grammar xgrammar builds leaves out (the grammar is the same without it); None if
+    there is none. A grammar that ignored it would let through outputs the schema forbids."""
+    try:
+        schema = json.loads(text)
+    except ValueError:
+        return None  # (compiling reports it)
+    found: list[tuple[list[str | int], str]] = []
+
+    def walk(node: Any, path: list[str | int]) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key in _CHECKED_KEYWORDS and not (path and path[-1] in ("properties", "$defs", "definitions")):
+                    found.append((path, key))
+                walk(value, [*path, key])
+        elif isinstance(node, list):
+            for index, value in enumerate(node):
+                walk(value, [*path, index])
+
+    walk(schema, [])
+    if not found:
+        return None
+    grammar = _xgrammar().Grammar.from_json_schema
+
+    def build(value: Any) -> str | None:
+        try:
+            return str(grammar(json.dumps(value), any_whitespace=False))
+        except Exception:  # (compiling reports it)
+            return None
+
+    whole = build(schema)
+    if whole is None:
+        return None
+    for path, key in found:
+        without = copy.deepcopy(schema)
+        node = without
+        for step in path:
+            node = node[step]
+        del node[key]
+        if build(without) == whole:
+            return f"{key!r} at /{'/'.join(str(step) for step in path)}"
+    return None
 
 
 class GrammarState:

@@ -305,3 +305,29 @@ async def test_a_long_constraint_compiles_in_a_lane_of_its_own(
         assert await asyncio.wait_for(asyncio.to_thread(lambda: "free"), 5) == "free"  # (the default executor)
         release.set()
         assert all(output.text for output in await asyncio.wait_for(asyncio.gather(*slow), 120))
+
+
+@pytest.mark.parametrize(
+    ("keyword", "schema"),
+    [
+        ("uniqueItems", {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}),
+        (
+            "not",
+            {"type": "object", "properties": {"a": {"type": "integer"}}, "not": {"required": ["a"]}},
+        ),
+    ],
+)
+async def test_a_schema_keyword_the_grammar_cannot_enforce_is_refused_by_name(
+    bundled: tuple[Any, Any], keyword: str, schema: dict[str, Any]
+) -> None:
+    """Left out of the grammar, it would let through outputs the schema forbids. A property
+    that happens to be called so is no keyword."""
+    model, tokenizer = bundled
+    async with aiocb.Manager(model, tokenizer=tokenizer) as manager:
+        with pytest.raises(aiocb.InvalidRequestError, match=f"'{keyword}' at /") as caught:
+            await manager.generate("x", json_schema=schema, max_new_tokens=4)
+        assert caught.value.param == "json_schema"
+        small = {"type": "integer", "minimum": 0, "maximum": 99}
+        named = {"type": "object", "properties": {keyword: small}, "required": [keyword], "additionalProperties": False}
+        output = await manager.generate("x", json_schema=named, max_new_tokens=40)
+        assert isinstance(json.loads(output.text or "")[keyword], int)
