@@ -675,7 +675,7 @@ class Manager:
             isinstance(sampling_params, SamplingParams) and sampling_params.structure() is not None
         ):
             await self._precompile(self._requests.merged(sampling_params, max_new_tokens, params))
-        request, samples = self._requests.build_lazily(
+        request, samples = self._requests.build(
             ids, request_id, max_new_tokens, sampling_params, params, limits=self._limits(), in_use=self._router
         )
         turn = LoopTurn()  # (n = 1,024 samples take about 6 ms)
@@ -706,9 +706,11 @@ class Manager:
         sampling_params: SamplingParams | None,
         params: dict[str, Any],
     ) -> Request:
-        return self._requests.build(
+        request, samples = self._requests.build(
             input_ids, request_id, max_new_tokens, sampling_params, params, limits=self._limits(), in_use=self._router
         )
+        request.children.extend(samples)
+        return request
 
     def _limits(self) -> RequestLimits:
         """What a request must fit (checked on the manager's loop, while it accepts requests)."""

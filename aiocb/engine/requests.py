@@ -85,28 +85,11 @@ class RequestFactory:
         *,
         limits: RequestLimits,
         in_use: Container[str],
-    ) -> Request:
-        """The request (its other samples in ``children``), or InvalidRequestError naming the problem."""
-        request, samples = self.build_lazily(
-            input_ids, request_id, max_new_tokens, sampling_params, params, limits=limits, in_use=in_use
-        )
-        request.children.extend(samples)
-        return request
-
-    def build_lazily(
-        self,
-        input_ids: Any,
-        request_id: str | None,
-        max_new_tokens: int | None,
-        sampling_params: SamplingParams | None,
-        params: dict[str, Any],
-        *,
-        limits: RequestLimits,
-        in_use: Container[str],
     ) -> tuple[Request, Iterator[Request]]:
-        """Like :meth:`build`, but the request's other samples come from the iterator (each
-        checked as it is made), for the caller to append to ``children``: a thousand of them
-        take milliseconds, which an ``await``ing caller spreads over several loop turns."""
+        """The request, or InvalidRequestError naming the problem, and its other samples
+        (``n``), which the iterator makes (each checked as it is made) for the caller to
+        append to ``children``: a thousand of them take milliseconds, which an ``await``ing
+        caller spreads over several loop turns."""
         requested = self.merged(sampling_params, max_new_tokens, params)
         prompt = normalize_prompt(input_ids, limits)
         resolved = resolve_params(

@@ -8,7 +8,7 @@ import itertools
 import os
 import threading
 import time
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
 from typing import Any
 
 import pytest
@@ -138,7 +138,7 @@ async def test_generate_batch_adds_and_collects_a_slice_at_a_time(
     seen: dict[str, list[int]] = {"built": [], "taken": []}
     build, take = RequestFactory.build, RequestHandle.take
 
-    def recorded_build(self: RequestFactory, *args: Any, **kwargs: Any) -> Request:
+    def recorded_build(self: RequestFactory, *args: Any, **kwargs: Any) -> tuple[Request, Iterator[Request]]:
         seen["built"].append(other.turns)
         return build(self, *args, **kwargs)
 

@@ -331,7 +331,8 @@ def test_api_workers_serve_together_and_drain(model_dir: Path, tmp_path: Path) -
     assert output.count("draining: no new requests") == 2
 
 
-def test_a_dead_api_worker_stops_the_server(model_dir: Path, tmp_path: Path) -> None:
+def _one_api_worker(model_dir: Path, tmp_path: Path) -> tuple[subprocess.Popen[str], Path, int]:
+    """``aiocb serve --api-workers 1`` started and ready: the engine process, its log, the port."""
     port = _free_port()
     command = [sys.executable, "-m", "aiocb.cli.serve", str(model_dir), "--port", str(port), "--api-workers", "1"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
@@ -340,7 +341,21 @@ def test_a_dead_api_worker_stops_the_server(model_dir: Path, tmp_path: Path) -> 
         process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
     try:
         _wait_ready(f"http://127.0.0.1:{port}", process, log)
-        worker = int(log.read_text().split("API workers (pids ")[1].split(")")[0])
+    except BaseException:
+        process.kill()
+        process.wait()
+        raise
+    return process, log, port
+
+
+def _worker_pid(log: Path) -> int:
+    return int(log.read_text().split("API workers (pids ")[1].split(")")[0])
+
+
+def test_a_dead_api_worker_stops_the_server(model_dir: Path, tmp_path: Path) -> None:
+    process, log, _ = _one_api_worker(model_dir, tmp_path)
+    try:
+        worker = _worker_pid(log)
         os.kill(worker, signal.SIGKILL)
         assert process.wait(timeout=60) == 1
     finally:
@@ -352,16 +367,9 @@ def test_a_dead_api_worker_stops_the_server(model_dir: Path, tmp_path: Path) -> 
 
 def test_api_workers_exit_when_the_engine_dies(model_dir: Path, tmp_path: Path) -> None:
     """A killed engine's workers leave too, freeing the port for the supervisor's restart."""
-    port = _free_port()
-    command = [sys.executable, "-m", "aiocb.cli.serve", str(model_dir), "--port", str(port), "--api-workers", "1"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
-    log = tmp_path / "server.log"
-    with log.open("w") as out:
-        process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
-    worker = None
+    process, log, port = _one_api_worker(model_dir, tmp_path)
+    worker = _worker_pid(log)
     try:
-        _wait_ready(f"http://127.0.0.1:{port}", process, log)
-        worker = int(log.read_text().split("API workers (pids ")[1].split(")")[0])
         process.kill()
         process.wait()
         deadline = time.monotonic() + 30
@@ -375,7 +383,7 @@ def test_api_workers_exit_when_the_engine_dies(model_dir: Path, tmp_path: Path) 
         if process.poll() is None:
             process.kill()
             process.wait()
-        if worker is not None and _alive(worker):
+        if _alive(worker):
             os.kill(worker, signal.SIGKILL)
     assert "API worker: the engine closed the connection; exiting" in log.read_text()
 
