@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -25,10 +26,7 @@ DEFAULT_MAX_BATCH_TOKENS = 8192
 MIN_AUTO_MAX_BATCH_TOKENS = 256
 #: ``max_requests_per_batch`` when neither the config nor the workload says otherwise.
 DEFAULT_MAX_REQUESTS_PER_BATCH = 1024
-#: ``q_padding_interval_size`` / ``kv_padding_interval_size`` when they are 0.
-DEFAULT_Q_PADDING_INTERVAL = 64
-DEFAULT_KV_PADDING_INTERVAL = 16384
-#: ``max_blocks_per_request`` when it cannot be inferred from the workload.
+#: ``max_blocks_per_request`` when it is None.
 DEFAULT_MAX_BLOCKS_PER_REQUEST = 32
 #: ``safety_margin`` per scheduler when it is None.
 DEFAULT_SAFETY_MARGIN: dict[str, float] = {"fifo": 0.15, "prefill_first": 0.0}
@@ -53,15 +51,15 @@ class ContinuousBatchingConfig:
             batch buffers may use; 0.9 on accelerators, 0.6 on CPU by default.
         max_requests_per_batch: requests per forward pass; by default the number of
             prompts submitted (``generate_batch``) or 1024, capped by ``max_batch_tokens``.
-        max_blocks_per_request: width of the decode fast path's block table; inferred
-            from the workload, else 32; 0 disables the fast path.
+        max_blocks_per_request: width of the decode fast path's block table; 32 when
+            None; 0 disables the fast path.
         allow_block_sharing: prefix caching across requests (full-attention models only).
         use_async_batching: overlap scheduling of step N+1 with step N on the device
-            (CUDA only); on by default when CUDA graphs are on.
+            (on a CPU too); on by default when CUDA graphs are on.
         use_cuda_graph: capture and replay CUDA graphs; ``(varlen, decode)`` sets the two
             paths apart. On by default on CUDA for the decode path.
-        q_padding_interval_size: query-length padding interval of graph shapes (0 = 64).
-        kv_padding_interval_size: KV-length padding interval of graph shapes (0 = 16384).
+        q_padding_interval_size, kv_padding_interval_size: accepted for compatibility
+            (checked, then unused): aiocb's decode graphs are keyed by padded batch size.
         varlen_compile_config: ``torch.compile`` keyword arguments for mixed/prefill steps.
         decode_compile_config: ``torch.compile`` keyword arguments for decode-only steps.
             (aiocb) When neither it nor ``default_compile_level`` is set and decode steps
@@ -129,6 +127,14 @@ class ContinuousBatchingConfig:
     max_cached_graphs: int | None = None
 
     def __post_init__(self) -> None:
+        for name in _BOOLS:
+            _check_bool(getattr(self, name), name)
+        for name in ("use_async_batching", "use_default_compile_configs"):
+            if getattr(self, name) is not None:
+                _check_bool(getattr(self, name), name)
+        for name in _NUMBERS:
+            if getattr(self, name) is not None or name == "cpu_offload_space_safety_threshold":
+                _check_number(getattr(self, name), name)
         if self.block_size is not None:
             logger.warning("ContinuousBatchingConfig.block_size is deprecated: use page_size")
             self.page_size, self.block_size = self.block_size, None
@@ -151,7 +157,7 @@ class ContinuousBatchingConfig:
             raise InvalidConfigError(f"default_compile_level must be 0, 1, 2 or 3, got {self.default_compile_level}")
         if self.max_memory_percent is not None and not 0.0 < self.max_memory_percent <= 1.0:
             raise InvalidConfigError(f"max_memory_percent must be in (0, 1], got {self.max_memory_percent}")
-        if self.scheduler_type not in DEFAULT_SAFETY_MARGIN:
+        if not isinstance(self.scheduler_type, str) or self.scheduler_type not in DEFAULT_SAFETY_MARGIN:
             raise InvalidConfigError(
                 f"scheduler_type must be one of {sorted(DEFAULT_SAFETY_MARGIN)}, got {self.scheduler_type!r}"
             )
@@ -214,6 +220,35 @@ def _checked_init(self: ContinuousBatchingConfig, *args: Any, **kwargs: Any) -> 
 
 
 ContinuousBatchingConfig.__init__ = _checked_init  # type: ignore[method-assign]
+
+
+#: the fields that must be a bool ...
+_BOOLS = (
+    "allow_block_sharing",
+    "return_logprobs",
+    "auto_switch_to_flash",
+    "per_request_processors",
+    "drop_unsupported_processors",
+    "disable_nccl_graph_mixing",
+)
+#: ... and a finite number (None allowed where the field's default is None), before their ranges are checked
+_NUMBERS = (
+    "max_memory_percent",
+    "safety_margin",
+    "cpu_offload_space",
+    "cpu_offload_space_safety_threshold",
+    "cpu_group_timeout",
+)
+
+
+def _check_bool(value: object, name: str) -> None:
+    if not isinstance(value, bool):
+        raise InvalidConfigError(f"{name} must be True or False, got {value!r}")
+
+
+def _check_number(value: object, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InvalidConfigError(f"{name} must be a finite number, got {value!r}")
 
 
 def _check_int(value: object, name: str, *, minimum: int) -> None:

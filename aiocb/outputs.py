@@ -30,7 +30,7 @@ class FinishReason(enum.StrEnum):
     CANCELLED = "cancelled"  # cancel_request(), a cancelled awaiter, or a closed stream
     TIMEOUT = "timeout"  # the request's deadline passed (queue time included)
     ABORTED = "aborted"  # stop(hard_stop=True)
-    ERROR = "error"  # the engine failed
+    ERROR = "error"  # the engine failed, or the request did (its controls left its grammar no token)
 
 
 class _DeferredTokens:

@@ -241,7 +241,8 @@ def check_names(fields: Mapping[str, Any]) -> None:
     unknown = sorted(set(fields) - FIELD_NAMES)
     if unknown:
         raise InvalidRequestError(
-            f"unknown request parameter(s): {', '.join(unknown)}; known: {', '.join(sorted(FIELD_NAMES))}"
+            f"unknown request parameter(s): {', '.join(unknown)}; known: {', '.join(sorted(FIELD_NAMES))}",
+            param=unknown[0],
         )
 
 

@@ -81,7 +81,7 @@ class GrammarCompiler:
             else:
                 compiled = self._compiler.compile_grammar(text)
         except Exception as error:  # (xgrammar raises RuntimeError and others on bad input)
-            raise InvalidRequestError(f"{kind} cannot be compiled: {error}") from None
+            raise InvalidRequestError(f"{kind} cannot be compiled: {error}", param=kind) from None
         with self._lock:
             self._compiled[structure] = compiled
         return compiled

@@ -263,3 +263,27 @@ def test_edge_values_are_accepted(field: str, value: Any) -> None:
 def test_invalid_values_raise(field: str, value: Any, message: str) -> None:
     with pytest.raises(InvalidConfigError, match=message):
         ContinuousBatchingConfig(**{field: value})
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("allow_block_sharing", "no"),
+        ("drop_unsupported_processors", "no"),
+        ("return_logprobs", 3),
+        ("use_async_batching", "yes"),
+        ("disable_nccl_graph_mixing", 0),
+        ("max_memory_percent", "0.5"),
+        ("safety_margin", "0.1"),
+        ("cpu_offload_space", float("nan")),
+        ("cpu_offload_space", float("inf")),
+        ("cpu_offload_space_safety_threshold", None),
+        ("cpu_group_timeout", float("nan")),
+        ("scheduler_type", ["fifo"]),
+    ],
+)
+def test_a_value_of_the_wrong_kind_is_refused_by_name(field: str, value: Any) -> None:
+    """Never stored to act otherwise later ("no" is true), nor a bare TypeError or a failure
+    at start()."""
+    with pytest.raises(aiocb.InvalidConfigError, match=field):
+        aiocb.ContinuousBatchingConfig(**{field: value})

@@ -97,7 +97,13 @@ class Manager:
             output = await manager.generate(prompt_ids, max_new_tokens=32)
 
     ``generation_config`` gives the requests' defaults; as in ``model.generate``, a field
-    it leaves unset comes from ``model.generation_config``.
+    it leaves unset comes from ``model.generation_config``. ``continuous_batching_config``
+    says how the cache and batches are sized (:class:`~aiocb.ContinuousBatchingConfig`).
+    With ``tokenizer`` prompts may be texts or chat messages and outputs carry text;
+    ``grammar_tokenizer`` gives the vocabulary that output constraints are compiled against
+    when prompts stay token ids (``tokenizer``'s, when given). ``num_requests_hint`` (how
+    many requests are expected at once) helps size the batch. ``speculative_config`` makes
+    requests speculate (:class:`~aiocb.SpeculativeConfig`).
 
     With ``persistent_manager=True`` the manager outlives its ``async with`` block: the
     next ``aiocb.Manager(model, persistent_manager=True)`` on the same model returns the
@@ -551,8 +557,9 @@ class Manager:
         """Iterate the outputs of one request: each new output carries every token so far,
         the last one is final (``status`` ``FINISHED``, or ``CANCELLED`` / ``FAILED``).
 
-        Breaking out of the loop, closing the stream or cancelling the task iterating it
-        cancels the request.
+        Closing the stream (``aclose()``, or leaving ``async with manager.stream(...)``) or
+        cancelling the task iterating it cancels the request; breaking out of the loop does
+        too once nothing refers to the stream any more (it is cancelled when collected).
         """
         self._check_loop()
         handle = self._router.claim_for_stream(request_id)
@@ -691,7 +698,7 @@ class Manager:
 
     async def precompile(self, sampling_params: SamplingParams | None = None, **params: Any) -> None:
         """Compile the output constraint these parameters carry (``json_schema``, ``regex``,
-        ``choice`` or ``grammar``) on a worker thread and cache it, so that a request added
+        ``choice``, ``grammar`` or ``structural_tag``) on a worker thread and cache it, so that a request added
         with them later, by :meth:`add_request_nowait` too, does not compile it on the loop.
         Raises :class:`~aiocb.InvalidRequestError` when it does not compile."""
         self._check_loop()

@@ -331,3 +331,12 @@ async def test_a_schema_keyword_the_grammar_cannot_enforce_is_refused_by_name(
         named = {"type": "object", "properties": {keyword: small}, "required": [keyword], "additionalProperties": False}
         output = await manager.generate("x", json_schema=named, max_new_tokens=40)
         assert isinstance(json.loads(output.text or "")[keyword], int)
+
+
+async def test_a_constraint_that_does_not_compile_carries_its_field(bundled: tuple[Any, Any]) -> None:
+    model, tokenizer = bundled
+    async with aiocb.Manager(model, tokenizer=tokenizer) as manager:
+        for field, value in (("regex", "("), ("json_schema", {"type": "nope"}), ("bogus", 1)):
+            with pytest.raises(aiocb.InvalidRequestError) as caught:
+                await manager.generate("x", max_new_tokens=2, **{field: value})
+            assert caught.value.param == field
