@@ -18,7 +18,7 @@ replaced; a replica lost mid-burst fails only its own requests.
 
 from __future__ import annotations
 
-from aiocb.ray_serve.app import AUTOSCALING_DEFAULTS, MAX_ONGOING_REQUESTS, build_app
+from aiocb.ray_serve.app import AUTOSCALING_DEFAULTS, PROBE_ROOM, build_app
 from aiocb.ray_serve.options import ReplicaOptions
 from aiocb.ray_serve.replica import REPLICA_HEADER
 from aiocb.ray_serve.routing import BLOCK_CHARS, PrefixAffinityRouter, prefix_hashes, prompt_text
@@ -26,7 +26,7 @@ from aiocb.ray_serve.routing import BLOCK_CHARS, PrefixAffinityRouter, prefix_ha
 __all__ = [
     "AUTOSCALING_DEFAULTS",
     "BLOCK_CHARS",
-    "MAX_ONGOING_REQUESTS",
+    "PROBE_ROOM",
     "REPLICA_HEADER",
     "PrefixAffinityRouter",
     "ReplicaOptions",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -30,8 +31,10 @@ AUTOSCALING_DEFAULTS: dict[str, Any] = {
     "upscale_delay_s": 30.0,
     "downscale_delay_s": 600.0,
 }
-#: Requests one replica takes at once; more wait in the ingress's router.
-MAX_ONGOING_REQUESTS = 512
+#: Requests one replica takes at once beyond its ``--max-concurrent-requests``: room for the
+#: probes (``/health``, ``/ready``, ``/metrics``), which the server never refuses, and for
+#: the requests it answers 429 (it must see them to refuse them).
+PROBE_ROOM = 16
 #: Requests the ingress takes at once (it only forwards them).
 INGRESS_MAX_ONGOING_REQUESTS = 8192
 
@@ -46,7 +49,7 @@ def build_app(
     ray_actor_options: Mapping[str, Any] | None = None,
     tensor_parallel_size: int = 1,
     routing: Routing = "prefix_affinity",
-    max_ongoing_requests: int = MAX_ONGOING_REQUESTS,
+    max_ongoing_requests: int | None = None,
     max_imbalance: int = MAX_IMBALANCE,
     health_check_period_s: float = 10.0,
     health_check_timeout_s: float = 30.0,
@@ -73,7 +76,10 @@ def build_app(
         routing: ``"prefix_affinity"`` (:class:`~aiocb.ray_serve.PrefixAffinityRouter`)
             or ``"power_of_two"`` (Ray Serve's default: the less loaded of two random
             replicas).
-        max_ongoing_requests: requests one replica takes at once.
+        max_ongoing_requests: requests one replica takes at once (more wait in the
+            ingress's router); default: the server's ``max_concurrent_requests`` plus
+            :data:`PROBE_ROOM`. Below that the replica's 429s and probes would wait in
+            the router: refused.
         max_imbalance: ongoing requests a prefix's replica may have beyond the least
             loaded one's and still get the requests that share the prefix (prefix-affinity
             routing only, as is the ``x-aiocb-replica`` request header).
@@ -89,13 +95,24 @@ def build_app(
     options = ReplicaOptions.from_kwargs(server_options)
     source = None if model is None else os.fspath(model)
     if source is not None and os.path.exists(source):
+        if options.served_model_name is None:  # (clients name it as given, as with one process)
+            options = dataclasses.replace(options, served_model_name=source)
         source = os.path.abspath(source)  # the replicas' working directory is not this one
+    least = options.limits.max_concurrent_requests + PROBE_ROOM
+    if max_ongoing_requests is None:
+        max_ongoing_requests = least
     deployment_options = _scaling(num_replicas, autoscaling_config)
     actor_options = _actor_options(ray_actor_options)
     deployment_options |= _placement(source, options, tensor_parallel_size, actor_options)
     for name, value in (("max_ongoing_requests", max_ongoing_requests), ("num_ingress_replicas", num_ingress_replicas)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise InvalidConfigError(f"{name} must be an int >= 1, got {value!r}")
+    if max_ongoing_requests < least:
+        raise InvalidConfigError(
+            f"max_ongoing_requests ({max_ongoing_requests}) must be at least the server's max_concurrent_requests "
+            f"({options.limits.max_concurrent_requests}) plus {PROBE_ROOM}: a replica that takes fewer never "
+            "answers 429, and its probes wait behind its requests"
+        )
     if max_imbalance < 0:
         raise InvalidConfigError(f"max_imbalance must be 0 or more, got {max_imbalance}")
     if health_check_period_s <= 0 or health_check_timeout_s <= 0:

@@ -29,6 +29,7 @@ from aiocb.ray_serve.replica import REPLICA_HEADER
 from aiocb.ray_serve.routing import prefix_hashes, prompt_text
 from aiocb.server.limits import ServerLimits, read_body
 from aiocb.server.protocol import APIError
+from aiocb.server.sse import DONE
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +137,7 @@ class _ForwardedResponse(StreamingResponse):
 
 async def _rest(stream: DeploymentResponseGenerator[Any], event_stream: bool) -> AsyncGenerator[bytes, None]:
     """The body's chunks; a replica lost mid-stream ends an event stream with an error event
-    (any other body is cut short, which its Content-Length tells the client)."""
+    and ``[DONE]`` (any other body is cut short, which its Content-Length tells the client)."""
     try:
         async for chunk in stream:
             yield chunk
@@ -145,6 +146,7 @@ async def _rest(stream: DeploymentResponseGenerator[Any], event_stream: bool) ->
         if not event_stream:
             raise
         yield b"data: " + json.dumps(_replica_failed(exc).to_dict()).encode() + b"\n\n"
+        yield DONE  # (as one process's server ends a stream after its error event)
 
 
 def _is_event_stream(start: ResponseStart) -> bool:

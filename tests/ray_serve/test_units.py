@@ -21,6 +21,7 @@ from aiocb.errors import InvalidConfigError
 from aiocb.ray_serve import BLOCK_CHARS, PrefixAffinityRouter, build_app, prefix_hashes, prompt_text
 from aiocb.ray_serve.forwarding import ForwardedRequest, ResponseStart, run_asgi
 from aiocb.server import build_app as build_server
+from aiocb.server.limits import ServerLimits
 from tests.server.conftest import MODEL_NAME, serve_config, wait_until_idle, wait_until_running
 
 # ------------------------------------------------------------------ prefix hashing
@@ -267,7 +268,12 @@ def test_build_app_defaults() -> None:
     assert ingress.name == "AiocbIngress"
     assert engine.name == "AiocbEngine"
     assert engine.num_replicas == 1
-    assert engine.max_ongoing_requests == aiocb.ray_serve.MAX_ONGOING_REQUESTS
+    # (room for the server's own 429s beyond its max_concurrent_requests, and for probes)
+    assert engine.max_ongoing_requests == ServerLimits().max_concurrent_requests + aiocb.ray_serve.PROBE_ROOM
+    with pytest.raises(InvalidConfigError, match=r"max_ongoing_requests \(64\) must be at least"):
+        build_app(None, max_ongoing_requests=64)
+    small = build_app(None, max_ongoing_requests=64, limits=ServerLimits(max_concurrent_requests=48))
+    assert small._bound_deployment.init_args[0]._bound_deployment.max_ongoing_requests == 64
     router = engine._deployment_config.request_router_config
     assert router.request_router_class.endswith("PrefixAffinityRouter")
     scaled = build_app(None, num_replicas="auto")._bound_deployment.init_args[0]._bound_deployment
@@ -288,3 +294,32 @@ async def test_a_burst_of_new_prefixes_spreads_over_the_replicas_before_any_is_r
         (await router.choose_replicas([a, b], _pending((tenant, tenant + 1))))[0][0] for tenant in range(0, 80, 10)
     ]
     assert again == chosen, "each prefix's later requests follow it"
+
+
+def test_a_model_given_by_a_relative_path_is_served_under_that_name(
+    model_dir: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The replicas load it by its absolute path, but clients name it as one process's
+    ``aiocb serve`` serves it: as given."""
+    monkeypatch.chdir(model_dir.parent)
+    engine = build_app(model_dir.name)._bound_deployment.init_args[0]._bound_deployment
+    source, options = engine.init_args[0], engine.init_args[1]
+    assert source == str(model_dir.resolve())
+    assert options.served_model_name == model_dir.name
+    named = build_app(model_dir.name, served_model_name="mine")._bound_deployment.init_args[0]._bound_deployment
+    assert named.init_args[1].served_model_name == "mine"
+
+
+async def test_a_replica_lost_mid_stream_ends_the_event_stream_with_an_error_and_done() -> None:
+    from ray.exceptions import RayActorError
+
+    from aiocb.ray_serve.ingress import _rest
+
+    async def dying() -> Any:
+        yield b'data: {"choices": []}\n\n'
+        raise RayActorError()
+
+    chunks = [chunk async for chunk in _rest(dying(), event_stream=True)]  # type: ignore[arg-type]
+    assert len(chunks) == 3 and chunks[-1] == b"data: [DONE]\n\n"
+    error = json.loads(chunks[1].removeprefix(b"data: "))["error"]
+    assert error["type"] == "service_unavailable" and "replica" in error["message"]
