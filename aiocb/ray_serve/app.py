@@ -84,7 +84,7 @@ def build_app(
             loaded one's and still get the requests that share the prefix (prefix-affinity
             routing only, as is the ``x-aiocb-replica`` request header).
         health_check_period_s, health_check_timeout_s: Ray Serve's health checks; a
-            replica whose engine is dead fails its check and is replaced.
+            replica whose engine is dead fails its check, and exits by itself first.
         num_ingress_replicas: ingress replicas (each keeps its own prefix table).
         server_options: :class:`~aiocb.ray_serve.ReplicaOptions` fields
             (``continuous_batching_config``, ``api_key``, ``limits``, ``dtype``, ...).

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -25,6 +26,9 @@ logger = logging.getLogger(__name__)
 
 #: The response header naming the replica that served a request.
 REPLICA_HEADER = "x-aiocb-replica"
+#: How long a replica whose engine died lets the answers already made leave before it
+#: exits (seconds).
+_LAST_ANSWERS_S = 0.5
 
 
 class EngineReplica:
@@ -79,7 +83,24 @@ class EngineReplica:
             reasoning_parser=options.reasoning_parser,
         )
         self._header = ((REPLICA_HEADER.encode(), self.replica_id.encode()),)
+        self._watch = asyncio.get_running_loop().create_task(self._leave_when_the_engine_dies())
         logger.info("aiocb replica %s serves %s", self.replica_id, model_name(model, options.served_model_name))
+
+    async def _leave_when_the_engine_dies(self) -> None:
+        """End this replica's process once its engine is dead. Its requests fail at once
+        (500s), so it looks the least loaded of all and the router would keep sending it
+        work until health checks failed three times; a replica that is gone is routed
+        around at once, and Ray starts another."""
+        steps = self.manager._task  # (the step loop's task: it ends when the engine dies, or stops)
+        if steps is not None:
+            await asyncio.wait([steps])
+        if not self.manager.is_dead:
+            return  # (stopped: the replica is shutting down)
+        logger.error("aiocb replica %s: the engine is dead; the replica exits for Ray to replace it", self.replica_id)
+        await asyncio.sleep(_LAST_ANSWERS_S)  # (the failed requests' answers leave first)
+        if self.group is not None:
+            await asyncio.to_thread(self.group.close)
+        os._exit(1)
 
     @staticmethod
     async def _load_with_followers(group: TensorParallelGroup) -> tuple[Any, Any]:
