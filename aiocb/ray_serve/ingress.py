@@ -20,14 +20,15 @@ import orjson
 from ray.exceptions import RayError
 from ray.serve.exceptions import RayServeException
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from aiocb.ray_serve.forwarding import ForwardedRequest, ResponseStart
 from aiocb.ray_serve.replica import REPLICA_HEADER
 from aiocb.ray_serve.routing import prefix_hashes, prompt_text
-from aiocb.server.limits import ServerLimits, read_body
+from aiocb.server.app import receive_body
+from aiocb.server.limits import ServerLimits
 from aiocb.server.protocol import APIError
 from aiocb.server.sse import DONE
 
@@ -82,15 +83,12 @@ class Ingress:
         return response
 
     async def _body(self, request: Request) -> bytes:
-        try:
-            async with asyncio.timeout(self.limits.body_timeout):
-                return await read_body(request.stream(), self.limits)
-        except ClientDisconnect:
-            raise APIError(499, "the client closed the connection before its body arrived") from None
-        except TimeoutError:
-            raise APIError(
-                408, f"the request body did not arrive within {self.limits.body_timeout} s", code="request_timeout"
-            ) from None
+        """The body, refused as one process's server refuses it: too large by its
+        Content-Length before it is read, then as it comes (:func:`receive_body`)."""
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.limits.max_request_bytes:
+            raise self.limits.too_large(int(length))
+        return await receive_body(request, self.limits)
 
     async def _prefix(self, path: str, body: bytes) -> tuple[int, ...]:
         """The prompt's prefix hashes (none for a body that is not JSON: the replica says why)."""
@@ -160,4 +158,6 @@ def _replica_failed(exc: BaseException) -> APIError:
 
 
 def _error(error: APIError) -> JSONResponse:
-    return JSONResponse(error.to_dict(), status_code=error.status)
+    # (a body refused unread leaves the connection unusable, as one process's server says)
+    headers = {"Connection": "close"} if error.status == 413 else None
+    return JSONResponse(error.to_dict(), status_code=error.status, headers=headers)

@@ -210,21 +210,7 @@ class _Api:
         """
         if self.ctx.draining:
             raise APIError(503, "the server is shutting down; send the request elsewhere", type="service_unavailable")
-        limits = self.ctx.limits
-        try:
-            async with asyncio.timeout(limits.body_timeout):
-                return await read_body(request.stream(), limits)
-        except ClientDisconnect:
-            # The client's to answer for, not the server's: counted, never logged as an error.
-            raise APIError(
-                _CLIENT_GONE, "the client closed the connection before its body arrived", type="client_closed_request"
-            ) from None
-        except TimeoutError:
-            raise APIError(
-                408,
-                f"the request body did not arrive within {limits.body_timeout} s (--body-timeout)",
-                code="request_timeout",
-            ) from None
+        return await receive_body(request, self.ctx.limits)
 
     async def _respond(self, request: Request, work: Coroutine[Any, Any, dict[str, Any]]) -> Response:
         try:
@@ -376,6 +362,25 @@ class _Api:
             "root": self.ctx.model_name,
             "max_model_len": self.ctx.max_model_len,
         }
+
+
+async def receive_body(request: Request, limits: ServerLimits) -> bytes:
+    """``request``'s body, bounded in size (413) and in the time the client takes to send it
+    (408); 499 when the client went away first (the Ray Serve ingress reads bodies so too)."""
+    try:
+        async with asyncio.timeout(limits.body_timeout):
+            return await read_body(request.stream(), limits)
+    except ClientDisconnect:
+        # The client's to answer for, not the server's: counted, never logged as an error.
+        raise APIError(
+            _CLIENT_GONE, "the client closed the connection before its body arrived", type="client_closed_request"
+        ) from None
+    except TimeoutError:
+        raise APIError(
+            408,
+            f"the request body did not arrive within {limits.body_timeout} s (--body-timeout)",
+            code="request_timeout",
+        ) from None
 
 
 class ErrorResponse(JSONResponse):

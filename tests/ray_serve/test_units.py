@@ -323,3 +323,40 @@ async def test_a_replica_lost_mid_stream_ends_the_event_stream_with_an_error_and
     assert len(chunks) == 3 and chunks[-1] == b"data: [DONE]\n\n"
     error = json.loads(chunks[1].removeprefix(b"data: "))["error"]
     assert error["type"] == "service_unavailable" and "replica" in error["message"]
+
+
+async def test_the_ingress_refuses_bodies_as_one_process_s_server_does() -> None:
+    """Too large by its Content-Length before it is read (the size named, the connection
+    closed), too slow (408 naming the flag), or the client gone (499)."""
+    from starlette.requests import Request
+
+    from aiocb.ray_serve.ingress import Ingress, _error
+    from aiocb.server.protocol import APIError
+
+    class Handle:
+        def options(self, **_: Any) -> Handle:
+            return self
+
+    limits = ServerLimits(max_request_bytes=100, body_timeout=0.05)
+    ingress = Ingress(Handle(), limits, BLOCK_CHARS)  # type: ignore[arg-type]
+
+    def request(headers: list[tuple[bytes, bytes]], messages: list[dict[str, Any]], wait: float = 0.0) -> Request:
+        async def receive() -> dict[str, Any]:
+            if wait:
+                await asyncio.sleep(wait)
+            return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": headers}
+        return Request(scope, receive)
+
+    never_read: list[dict[str, Any]] = []
+    with pytest.raises(APIError) as caught:
+        await ingress._body(request([(b"content-length", b"5000")], never_read))
+    assert caught.value.status == 413 and "(5000 bytes)" in caught.value.message
+    assert _error(caught.value).headers["connection"] == "close"
+    with pytest.raises(APIError) as caught:
+        await ingress._body(request([], [{"type": "http.request", "body": b"{", "more_body": True}], wait=0.2))
+    assert caught.value.status == 408 and "(--body-timeout)" in caught.value.message
+    with pytest.raises(APIError) as caught:
+        await ingress._body(request([], []))
+    assert caught.value.status == 499 and caught.value.type == "client_closed_request"
