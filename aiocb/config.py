@@ -127,14 +127,14 @@ class ContinuousBatchingConfig:
     max_cached_graphs: int | None = None
 
     def __post_init__(self) -> None:
-        for name in _BOOLS:
-            _check_bool(getattr(self, name), name)
-        for name in ("use_async_batching", "use_default_compile_configs"):
-            if getattr(self, name) is not None:
-                _check_bool(getattr(self, name), name)
-        for name in _NUMBERS:
-            if getattr(self, name) is not None or name == "cpu_offload_space_safety_threshold":
-                _check_number(getattr(self, name), name)
+        for check, required, optional in (
+            (_check_bool, _BOOLS, _OPTIONAL_BOOLS),
+            (_check_number, _NUMBERS, _OPTIONAL_NUMBERS),
+        ):
+            for name in (*required, *optional):
+                value = getattr(self, name)
+                if value is not None or name in required:
+                    check(value, name)
         if self.block_size is not None:
             logger.warning("ContinuousBatchingConfig.block_size is deprecated: use page_size")
             self.page_size, self.block_size = self.block_size, None
@@ -222,7 +222,7 @@ def _checked_init(self: ContinuousBatchingConfig, *args: Any, **kwargs: Any) -> 
 ContinuousBatchingConfig.__init__ = _checked_init  # type: ignore[method-assign]
 
 
-#: the fields that must be a bool ...
+#: the fields that must be a bool (or may be None too) ...
 _BOOLS = (
     "allow_block_sharing",
     "return_logprobs",
@@ -231,14 +231,10 @@ _BOOLS = (
     "drop_unsupported_processors",
     "disable_nccl_graph_mixing",
 )
-#: ... and a finite number (None allowed where the field's default is None), before their ranges are checked
-_NUMBERS = (
-    "max_memory_percent",
-    "safety_margin",
-    "cpu_offload_space",
-    "cpu_offload_space_safety_threshold",
-    "cpu_group_timeout",
-)
+_OPTIONAL_BOOLS = ("use_async_batching", "use_default_compile_configs")
+#: ... and a finite number (or may be None too), before their ranges are checked
+_NUMBERS = ("cpu_offload_space_safety_threshold",)
+_OPTIONAL_NUMBERS = ("max_memory_percent", "safety_margin", "cpu_offload_space", "cpu_group_timeout")
 
 
 def _check_bool(value: object, name: str) -> None:

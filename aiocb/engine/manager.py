@@ -16,7 +16,7 @@ import logging
 import time
 import traceback
 import types
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, overload
 
@@ -682,9 +682,7 @@ class Manager:
             isinstance(sampling_params, SamplingParams) and sampling_params.structure() is not None
         ):
             await self._precompile(self._requests.merged(sampling_params, max_new_tokens, params))
-        request, samples = self._requests.build(
-            ids, request_id, max_new_tokens, sampling_params, params, limits=self._limits(), in_use=self._router
-        )
+        request, samples = self._build(ids, request_id, max_new_tokens, sampling_params, params)
         turn = LoopTurn()  # (n = 1,024 samples take about 6 ms)
         for sample in samples:
             request.children.append(sample)
@@ -713,20 +711,29 @@ class Manager:
         sampling_params: SamplingParams | None,
         params: dict[str, Any],
     ) -> Request:
-        request, samples = self._requests.build(
-            input_ids, request_id, max_new_tokens, sampling_params, params, limits=self._limits(), in_use=self._router
-        )
+        request, samples = self._build(input_ids, request_id, max_new_tokens, sampling_params, params)
         request.children.extend(samples)
         return request
 
-    def _limits(self) -> RequestLimits:
-        """What a request must fit (checked on the manager's loop, while it accepts requests)."""
+    def _build(
+        self,
+        input_ids: Any,
+        request_id: str | None,
+        max_new_tokens: int | None,
+        sampling_params: SamplingParams | None,
+        params: dict[str, Any],
+    ) -> tuple[Request, Iterator[Request]]:
+        """A request checked against what it must fit (on the manager's loop, while it
+        accepts requests), and the maker of its other samples."""
         self._check_loop()
         self._check_accepting()
         assert self._runner is not None and self._steps is not None
         spec = self._runner.spec
         capacity = self._steps.scheduler.kv_cache.capacity_tokens
-        return RequestLimits(spec.vocab_size, spec.max_position_embeddings, capacity)
+        limits = RequestLimits(spec.vocab_size, spec.max_position_embeddings, capacity)
+        return self._requests.build(
+            input_ids, request_id, max_new_tokens, sampling_params, params, limits=limits, in_use=self._router
+        )
 
     async def _add_many(
         self,

@@ -35,6 +35,12 @@ _NO_PARAMS = SamplingParams()
 _SHORT_CONSTRAINT = 16_384
 
 
+def sample_ids(request_id: str, n: int) -> list[str]:
+    """The ids of a request's ``n`` samples: its own, then its children's
+    (``<id>__child#<i>``, transformers' names for them)."""
+    return [request_id, *(f"{request_id}__child#{i}" for i in range(n - 1))]
+
+
 class RequestFactory:
     """Checks requests and builds them, with the manager's defaults."""
 
@@ -135,8 +141,7 @@ class RequestFactory:
     ) -> Iterator[Request]:
         """The other ``n - 1`` samples of ``request``, forked from it."""
         resolved = request.params
-        for i in range(1, n):
-            child_id = f"{request.request_id}__child#{i - 1}"  # transformers' name for it
+        for i, child_id in enumerate(sample_ids(request.request_id, n)[1:], 1):
             if child_id in in_use:
                 raise InvalidRequestError(
                     f"request id {child_id!r} (a sample of {request.request_id!r}) is already in use"

@@ -220,13 +220,14 @@ class Completion:
             ids = prompt.ids
             scores = choice.prompt_logprobs or [None] * len(ids)
             tops = choice.prompt_top_logprobs or [None] * len(ids)
-            detokenizer = IncrementalDetokenizer(ctx.tokenizer, skip_special_tokens=False)
-            for position, token_id in enumerate(ids):
-                if prompt.offsets is not None:
-                    text_offset.append(prompt.offsets[position])
-                else:
+            if prompt.offsets is not None:
+                text_offset += prompt.offsets
+            else:
+                detokenizer = IncrementalDetokenizer(ctx.tokenizer, skip_special_tokens=False)
+                for token_id in ids:
                     text_offset.append(detokenizer.num_chars)
                     detokenizer.add(token_id)
+            for position, token_id in enumerate(ids):
                 tokens.append(ctx.token_text(token_id))
                 score = scores[position] if position < len(scores) else None
                 token_logprobs.append(None if score is None else finite(score))

@@ -40,6 +40,7 @@ from typing import Any, NamedTuple
 
 from aiocb.config import ContinuousBatchingConfig
 from aiocb.engine.manager import Manager, ManagerStatistics
+from aiocb.engine.requests import sample_ids
 from aiocb.engine.stream import RequestStream
 from aiocb.engine.turns import LoopTurn, Waker
 from aiocb.errors import (
@@ -239,8 +240,7 @@ class _WorkerConnection:
             if len(keys) > 1:
                 params = {**params, "n": len(keys)}
             request_id = self.manager.add_request_nowait(input_ids, max_new_tokens=max_new_tokens, **params)
-            ids = [request_id, *(f"{request_id}__child#{i}" for i in range(len(keys) - 1))]
-            streams = [self.manager.stream(rid) for rid in ids]
+            streams = [self.manager.stream(rid) for rid in sample_ids(request_id, len(keys))]
         except Exception as exc:
             for key in keys:
                 self._queue(key, ("refused", error_to_wire(exc)))
@@ -265,7 +265,7 @@ class _WorkerConnection:
                 for key in keys:
                     self._queue(key, ("refused", error_to_wire(exc)))
                 return
-            ids = [request_id, *(f"{request_id}__child#{i}" for i in range(len(keys) - 1))]
+            ids = sample_ids(request_id, len(keys))
             turn = LoopTurn()
             for key, rid in zip(keys, ids, strict=True):
                 if key in self._cancelled:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiocb.detokenize import IncrementalDetokenizer, StopStringMatcher
+from aiocb.engine.requests import sample_ids
 from aiocb.engine.turns import LoopTurn
 from aiocb.outputs import FinishReason, GenerationOutput, RequestStatus
 from aiocb.server.context import ServerContext
@@ -152,8 +153,7 @@ async def submit_choices(manager: ServedEngine, specs: Sequence[ChoiceSpec]) -> 
             rid = await manager.add_request(
                 first.prompt_ids, max_new_tokens=max(first.max_tokens, 1), wait=False, **params
             )
-            streams.append(manager.stream(rid))
-            streams += [manager.stream(f"{rid}__child#{i}") for i in range(len(group) - 1)]
+            streams += [manager.stream(sample) for sample in sample_ids(rid, len(group))]
     except BaseException:
         for stream in streams:
             await stream.aclose()  # cancels the request
@@ -190,7 +190,7 @@ async def _submit_remote(manager: RemoteManager, specs: Sequence[ChoiceSpec]) ->
             await remote.aclose()
         raise
     opened = await asyncio.gather(*openings, return_exceptions=True)
-    streams: list[OutputStream] = [s for group in opened if not isinstance(group, BaseException) for s in group]
+    streams: list[OutputStream] = list(_succeeded(opened))
     errors = [error for error in opened if isinstance(error, BaseException)]
     if errors:
         for stream in streams:
@@ -201,8 +201,12 @@ async def _submit_remote(manager: RemoteManager, specs: Sequence[ChoiceSpec]) ->
 
 async def _opened(openings: Sequence[asyncio.Task[list[RemoteStream]]]) -> list[RemoteStream]:
     """The streams of the openings that succeeded (waiting for the others to end)."""
-    results = await asyncio.gather(*openings, return_exceptions=True)
-    return [s for group in results if not isinstance(group, BaseException) for s in group]
+    return _succeeded(await asyncio.gather(*openings, return_exceptions=True))
+
+
+def _succeeded(opened: Sequence[list[RemoteStream] | BaseException]) -> list[RemoteStream]:
+    """The streams of the openings that did not fail."""
+    return [stream for group in opened if not isinstance(group, BaseException) for stream in group]
 
 
 class Submission:
