@@ -62,14 +62,15 @@ class GrammarCompiler:
         if compiled is not None:
             return compiled
         kind, text = structure
-        if kind == "json_schema":
-            ignored = _unenforced_keyword(text)
-            if ignored is not None:
-                raise InvalidRequestError(
-                    f"json_schema: {ignored}, which constrained decoding cannot enforce; leave it out "
-                    "(and check the output yourself)",
-                    param="json_schema",
-                )
+        if kind == "structural_tag":
+            text = _current_structural_tag(text)
+        ignored = _unenforced_in(kind, text)
+        if ignored is not None:
+            raise InvalidRequestError(
+                f"{kind}: {ignored}, which constrained decoding cannot enforce; leave it out "
+                "(and check the output yourself)",
+                param=kind,
+            )
         try:
             if kind == "json_schema":
                 # No free whitespace: a weak model could otherwise pad its JSON without end.
@@ -77,7 +78,7 @@ class GrammarCompiler:
             elif kind == "regex":
                 compiled = self._compiler.compile_regex(text)
             elif kind == "structural_tag":
-                compiled = self._compiler.compile_structural_tag(_current_structural_tag(text))
+                compiled = self._compiler.compile_structural_tag(text)
             else:
                 compiled = self._compiler.compile_grammar(text)
         except Exception as error:  # (xgrammar raises RuntimeError and others on bad input)
@@ -114,14 +115,45 @@ _CHECKED_KEYWORDS = frozenset(
 )
 
 
-def _unenforced_keyword(text: str) -> str | None:
-    """``'KEYWORD' at PATH`` for the first constraining keyword of the schema ``text`` that
-    the grammar xgrammar builds leaves out (the grammar is the same without it); None if
-    there is none. A grammar that ignored it would let through outputs the schema forbids."""
+def _unenforced_in(kind: str, text: str) -> str | None:
+    """Where the constraint ``(kind, text)`` holds a JSON schema keyword that its grammar
+    leaves out (:func:`_unenforced_keyword`): in a ``json_schema``, or in a ``structural_tag``'s
+    ``json_schema`` contents (named by the tag they are in); None if it holds none."""
+    if kind not in ("json_schema", "structural_tag"):
+        return None
     try:
-        schema = json.loads(text)
+        parsed = json.loads(text)
     except ValueError:
         return None  # (compiling reports it)
+    if kind == "json_schema":
+        return _unenforced_keyword(parsed)
+
+    def walk(node: Any, tag: Any) -> str | None:
+        if isinstance(node, dict):
+            if node.get("type") == "json_schema" and "json_schema" in node:
+                ignored = _unenforced_keyword(node["json_schema"])
+                if ignored is not None:
+                    where = "" if tag is None else f" of the tag beginning {tag!r}"
+                    return f"the json_schema{where}: {ignored}"
+            tag = node.get("begin", tag) if node.get("type") == "tag" else tag
+            children: Collection[Any] = node.values()
+        elif isinstance(node, list):
+            children = node
+        else:
+            return None
+        for child in children:
+            found = walk(child, tag)
+            if found is not None:
+                return found
+        return None
+
+    return walk(parsed, None)
+
+
+def _unenforced_keyword(schema: Any) -> str | None:
+    """``'KEYWORD' at PATH`` for the first constraining keyword of ``schema`` (parsed) that
+    the grammar xgrammar builds leaves out (the grammar is the same without it); None if
+    there is none. A grammar that ignored it would let through outputs the schema forbids."""
     found: list[tuple[list[str | int], str]] = []
 
     def walk(node: Any, path: list[str | int]) -> None:
@@ -199,10 +231,11 @@ def _current_structural_tag(text: str) -> str:
     clients still send (``structures`` of ``begin``/``schema``/``end``, and ``triggers``) is
     a ``triggered_tags`` format; its JSON gets no runs of whitespace, as ``json_schema`` does."""
     tag = json.loads(text)
-    if "format" in tag or "structures" not in tag:
-        return text
+    structures = tag.get("structures")
+    if "format" in tag or not isinstance(structures, list) or not all(isinstance(s, dict) for s in structures):
+        return text  # (what is wrong with it, compiling reports)
     tags = []
-    for structure in tag["structures"]:
+    for structure in structures:
         content = {"type": "json_schema", "json_schema": structure.get("schema"), "max_whitespace_cnt": 1}
         tags.append({"type": "tag", "begin": structure.get("begin"), "content": content, "end": structure.get("end")})
     triggered = {"type": "triggered_tags", "triggers": tag.get("triggers", []), "tags": tags}

@@ -197,7 +197,11 @@ class _Api:
             chat.submission.record = access_record(request.scope)
             await chat.submit()
         except Exception as exc:
-            said = {"max_new_tokens": prepared.request.sampling.max_tokens_field} if prepared is not None else {}
+            said = {}
+            if prepared is not None:
+                said["max_new_tokens"] = prepared.request.sampling.max_tokens_field
+                if "structural_tag" in prepared.constraint:  # (built from the tools)
+                    said["structural_tag"] = "tools"
             return self.error(exc, {**CHAT_PARAMS, **said})
         if prepared.request.sampling.stream:
             return EventStreamResponse(events(chat.chunks(), self.ctx.metrics))

@@ -333,6 +333,26 @@ async def test_a_schema_keyword_the_grammar_cannot_enforce_is_refused_by_name(
         assert isinstance(json.loads(output.text or "")[keyword], int)
 
 
+async def test_a_structural_tag_whose_schema_holds_such_a_keyword_is_refused_naming_the_tag(
+    bundled: tuple[Any, Any],
+) -> None:
+    """In either form of the tag; a tag whose schemas the grammar enforces whole is served."""
+    model, tokenizer = bundled
+    unique = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
+    content = {"type": "json_schema", "json_schema": unique}
+    tag = {"type": "structural_tag", "format": {"type": "tag", "begin": "xs = ", "content": content, "end": "\n"}}
+    older = {"type": "structural_tag", "structures": [{"begin": "(", "schema": unique, "end": ")"}], "triggers": ["("]}
+    async with aiocb.Manager(model, tokenizer=tokenizer) as manager:
+        for given, begin in ((tag, "xs = "), (older, "(")):
+            with pytest.raises(aiocb.InvalidRequestError) as caught:
+                await manager.generate("x", structural_tag=given, max_new_tokens=4)
+            assert caught.value.param == "structural_tag"
+            assert f"tag beginning {begin!r}: 'uniqueItems' at /" in str(caught.value)
+        del unique["uniqueItems"]
+        output = await manager.generate("x", structural_tag=tag, max_new_tokens=40)
+        assert output.finish_reason is not aiocb.FinishReason.ERROR
+
+
 async def test_a_constraint_that_does_not_compile_carries_its_field(bundled: tuple[Any, Any]) -> None:
     model, tokenizer = bundled
     async with aiocb.Manager(model, tokenizer=tokenizer) as manager:

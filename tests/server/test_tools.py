@@ -299,3 +299,16 @@ async def test_reasoning_content(manager: aiocb.Manager, tokenizer: Any) -> None
     async with await _client(manager, tokenizer) as http:  # no parser: the thoughts stay in the content
         message = (await _chat(http, **fields))["choices"][0]["message"]
         assert "reasoning_content" not in message
+
+
+@pytest.mark.parametrize("fields", [{"tool_choice": "required"}, {"strict": True}], ids=["required", "strict"])
+async def test_an_enforced_tool_schema_with_a_keyword_the_grammar_leaves_out_is_refused_naming_it(
+    client: httpx.AsyncClient, fields: dict[str, Any]
+) -> None:
+    tools = _tools(strict=fields.pop("strict", None))
+    tools[1]["function"]["parameters"] = {**ADD, "not": {"required": ["a"]}}
+    response = await client.post("/v1/chat/completions", json=_body(tools=tools, **fields))
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "tools"
+    assert "'not' at /" in error["message"] and '"add"' in error["message"], error["message"]
