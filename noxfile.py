@@ -76,6 +76,7 @@ def typecheck(session: nox.Session) -> None:
     _install(session, "lint")
     session.install(*CONSTRAINTS, "-e", ".[ray]")
     session.run("mypy")
+    session.run("mypy", "tests/typed_use.py")  # (the public API as users type-check it)
 
 
 @nox.session

@@ -142,3 +142,8 @@ def test_the_core_modules_import_neither_torch_nor_asyncio() -> None:
 
 def test_importing_aiocb_core_imports_neither_torch_nor_asyncio() -> None:
     assert _heavy_modules_after(_IMPORT_CORE) == []
+
+
+def test_the_package_declares_its_type_hints() -> None:
+    """PEP 561: without ``py.typed`` a user's type checker sees every aiocb name as Any."""
+    assert (Path(aiocb.__file__).parent / "py.typed").is_file()

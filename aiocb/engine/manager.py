@@ -471,7 +471,19 @@ class Manager:
         *,
         request_id: str | None = None,
         sampling_params: SamplingParams | None = None,
-        n: Literal[1] | None = None,
+        n: Literal[1],
+        **params: Any,
+    ) -> GenerationOutput: ...
+
+    @overload
+    async def generate(
+        self,
+        input_ids: Prompt,
+        max_new_tokens: int | None = None,
+        *,
+        request_id: str | None = None,
+        sampling_params: None = None,
+        n: None = None,
         **params: Any,
     ) -> GenerationOutput: ...
 
@@ -486,6 +498,18 @@ class Manager:
         n: int,
         **params: Any,
     ) -> list[GenerationOutput]: ...
+
+    @overload
+    async def generate(
+        self,
+        input_ids: Prompt,
+        max_new_tokens: int | None = None,
+        *,
+        request_id: str | None = None,
+        sampling_params: SamplingParams,
+        n: None = None,
+        **params: Any,
+    ) -> GenerationOutput | list[GenerationOutput]: ...
 
     async def generate(
         self,
