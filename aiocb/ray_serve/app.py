@@ -143,7 +143,7 @@ def build_app(
         max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS,
         ray_actor_options={"num_cpus": 0},
     )(Ingress)
-    application: Application = ingress.bind(engine, options.limits, BLOCK_CHARS)
+    application: Application = ingress.bind(engine, options.limits, BLOCK_CHARS, options.api_key)
     return application
 
 

@@ -1,8 +1,9 @@
 """The HTTP ingress of a Ray Serve app: reads each request, hashes its prompt's prefix,
 and forwards it whole to the replica the router picks, streaming the response back.
 
-It parses nothing but the prompt (to hash it) and bounds nothing but the body's size
-and arrival time: every route, check and error is the replicas'. A replica lost before
+It parses nothing but the prompt (to hash it) and checks nothing but the API key (before
+reading a body) and the body's size and arrival time: every other route, check and error
+is the replicas'. A replica lost before
 its response starts gives the client a 503; one lost mid-stream ends the stream with an
 error event. A client that goes away cancels the call, which cancels the request on its
 replica.
@@ -27,7 +28,7 @@ from starlette.types import Receive, Scope, Send
 from aiocb.ray_serve.forwarding import ForwardedRequest, ResponseStart
 from aiocb.ray_serve.replica import REPLICA_HEADER
 from aiocb.ray_serve.routing import prefix_hashes, prompt_text
-from aiocb.server.app import receive_body
+from aiocb.server.app import api_key_refusal, receive_body
 from aiocb.server.limits import ServerLimits
 from aiocb.server.protocol import APIError
 from aiocb.server.sse import DONE
@@ -42,18 +43,25 @@ _INLINE_PARSE_BYTES = 64 * 1024
 class Ingress:
     """The ingress deployment's class: one Starlette request in, one streamed response out."""
 
-    def __init__(self, engine: DeploymentHandle[Any], limits: ServerLimits, block_chars: int) -> None:
+    def __init__(
+        self, engine: DeploymentHandle[Any], limits: ServerLimits, block_chars: int, api_key: str | None = None
+    ) -> None:
         self.engine = engine.options(stream=True)
         self.limits = limits
         self.block_chars = block_chars
+        self._key = api_key.encode() if api_key else None
 
     async def __call__(self, request: Request) -> Response:
         """Forward ``request`` to a replica and stream its response."""
+        path = _app_path(request.scope)
+        # (as the replicas would, but before an unauthenticated client can send its body)
+        refusal = None if self._key is None else api_key_refusal(path, request.headers, self._key)
+        if refusal is not None:
+            return _error(refusal)
         try:
             body = await self._body(request)
         except APIError as exc:
             return _error(exc)
-        path = _app_path(request.scope)
         prefix = await self._prefix(path, body) if request.method == "POST" else ()
         client = request.client
         forwarded = ForwardedRequest(

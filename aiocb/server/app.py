@@ -432,13 +432,20 @@ class _ApiKeyMiddleware:
         self._metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
-            await self.app(scope, receive, send)
-            return
-        scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
-        if scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), self._key):
+        error = api_key_refusal(scope["path"], Headers(scope=scope), self._key) if scope["type"] == "http" else None
+        if error is None:
             await self.app(scope, receive, send)
             return
         self._metrics.observe_error(401)
-        error = APIError(401, "Incorrect or missing API key", code="invalid_api_key")
         await ErrorResponse(error.to_dict(), status_code=401)(scope, receive, send)
+
+
+def api_key_refusal(path: str, headers: Headers, key: bytes) -> APIError | None:
+    """The 401 for a request to ``path`` (below the app's root) without ``Authorization:
+    Bearer <key>``; None if it may pass (it has the key, or the route is open to all)."""
+    if path in OPEN_PATHS:
+        return None
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), key):
+        return None
+    return APIError(401, "Incorrect or missing API key", code="invalid_api_key")

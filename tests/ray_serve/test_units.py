@@ -360,3 +360,32 @@ async def test_the_ingress_refuses_bodies_as_one_process_s_server_does() -> None
     with pytest.raises(APIError) as caught:
         await ingress._body(request([], []))
     assert caught.value.status == 499 and caught.value.type == "client_closed_request"
+
+
+async def test_the_ingress_refuses_a_client_without_the_api_key_before_reading_its_body() -> None:
+    """As a replica would refuse it, but an unauthenticated client sends no body through."""
+    from starlette.requests import Request
+
+    from aiocb.ray_serve.ingress import Ingress
+
+    class Handle:
+        def options(self, **_: Any) -> Handle:
+            return self
+
+    ingress = Ingress(Handle(), ServerLimits(max_request_bytes=100), BLOCK_CHARS, "sesame")  # type: ignore[arg-type]
+    received: list[str] = []
+
+    async def receive() -> dict[str, Any]:
+        received.append("read")
+        return {"type": "http.request", "body": b"x" * 5000}
+
+    for authorization in (None, b"Bearer nope", b"Basic sesame"):
+        headers = [(b"content-length", b"5000")] + ([(b"authorization", authorization)] if authorization else [])
+        scope = {"type": "http", "method": "POST", "path": "/qwen/v1/completions", "root_path": "/qwen"}
+        response = await ingress(Request({**scope, "headers": headers}, receive))
+        assert response.status_code == 401 and b"invalid_api_key" in response.body
+    assert not received
+    # With the key, the body is read (and refused here for its size, as without a key).
+    headers = [(b"content-length", b"5000"), (b"authorization", b"Bearer sesame")]
+    response = await ingress(Request({**scope, "headers": headers}, receive))
+    assert response.status_code == 413
