@@ -715,25 +715,36 @@ def bench_aiocb(
         async with aiocb.Manager(model, continuous_batching_config=cb) as manager:
             rec.put("setup", {**_runner_setup(manager), "config": config})
             for name, (prompts, new) in runs.items():
-                started = time.perf_counter()
-                await manager.generate_batch([p[:64] for p in prompts], max_new_tokens=4)
-                captures, capture_s = _captures(manager)
-                rec.put(f"{name}_warm_up", {"seconds": time.perf_counter() - started, "capture_seconds": capture_s})
-                log(f"aiocb {name}: warm (graph capture {capture_s} s)")
-                row = await _aiocb_run(manager, prompts, new)
-                row["captures_during_run"] = _captures(manager)[0] - captures
-                rec.put(name, row)
-                log(f"aiocb {name}: {row['tokens_per_s']:.0f} tok/s")
-                if sampled:
-                    params = aiocb.SamplingParams(**SAMPLED, seed=0)
-                    row = await _aiocb_run(manager, prompts, new, params)
-                    row["over_greedy"] = row["tokens_per_s"] / rec.data[name]["tokens_per_s"]
-                    rec.put(f"{name}_sampled", row)
-                    log(f"aiocb {name} sampled {SAMPLED}: {row['tokens_per_s']:.0f} tok/s")
+                try:  # (a failed workload is recorded; the next one still runs)
+                    await _workload(manager, name, prompts, new)
+                except Exception as error:  # (the report's table shows it in the run's row)
+                    rec.put(f"{name}_sampled" if name in rec.data else name, {"error": repr(error)})
+                    log(f"aiocb {name} failed: {error!r}")
             stats = manager.statistics()
             rec.put("leaked_blocks", stats.total_blocks - stats.free_blocks)
 
-    asyncio.run(main())
+    async def _workload(manager: aiocb.Manager, name: str, prompts: list[list[int]], new: int) -> None:
+        started = time.perf_counter()
+        await manager.generate_batch([p[:64] for p in prompts], max_new_tokens=4)
+        captures, capture_s = _captures(manager)
+        rec.put(f"{name}_warm_up", {"seconds": time.perf_counter() - started, "capture_seconds": capture_s})
+        log(f"aiocb {name}: warm (graph capture {capture_s} s)")
+        row = await _aiocb_run(manager, prompts, new)
+        row["captures_during_run"] = _captures(manager)[0] - captures
+        rec.put(name, row)
+        log(f"aiocb {name}: {row['tokens_per_s']:.0f} tok/s")
+        if sampled:
+            params = aiocb.SamplingParams(**SAMPLED, seed=0)
+            row = await _aiocb_run(manager, prompts, new, params)
+            row["over_greedy"] = row["tokens_per_s"] / rec.data[name]["tokens_per_s"]
+            rec.put(f"{name}_sampled", row)
+            log(f"aiocb {name} sampled {SAMPLED}: {row['tokens_per_s']:.0f} tok/s")
+
+    try:  # (the memory check below runs whatever happened)
+        asyncio.run(main())
+    except Exception as error:
+        rec.put("session_error", repr(error))
+        log(f"aiocb session failed: {error!r}")
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.synchronize()

@@ -237,7 +237,8 @@ class StepInputs:
 
 
 class HostToDevice:
-    """Moves a step's host tensors to the device in one copy per dtype.
+    """Moves a step's host tensors to the device in one copy per carrier dtype (int64 for
+    integers and bools, each floating dtype its own).
 
     On CUDA the tensors are packed into pinned host buffers, two per dtype used in turn
     (the copy of step N may still be reading one while step N+1 fills the other), and
@@ -274,10 +275,10 @@ class HostToDevice:
         assert stream is not None
         compute = torch.cuda.current_stream(self.device)
         copies: list[tuple[list[int], torch.Tensor]] = []
-        for kind in (torch.int64, torch.float32):
-            which = [i for i, t in enumerate(tensors) if (t.dtype == torch.float32) == (kind == torch.float32)]
-            if not which:
-                continue
+        # Integers and bools travel as int64 (exactly), each floating dtype as itself.
+        carriers = [t.dtype if t.is_floating_point() else torch.int64 for t in tensors]
+        for kind in dict.fromkeys(carriers):
+            which = [i for i, carrier in enumerate(carriers) if carrier == kind]
             total = sum(tensors[i].numel() for i in which)
             host = self._host_buffer(kind, turn, total)
             offset = 0

@@ -18,6 +18,7 @@ from aiocb.config import (
 )
 from aiocb.core.kv_cache import ring_size
 from aiocb.runner.model_spec import ModelSpec
+from aiocb.speculative import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -49,10 +50,14 @@ class CachePlan:
 
 
 def free_memory_bytes(device: torch.device) -> int:
-    """Memory free for the cache: the device's free memory, or available host RAM on CPU."""
+    """Memory free for the cache: the device's free memory, or available host RAM on CPU.
+
+    On CUDA that counts what PyTorch's caching allocator holds unused (a destroyed
+    manager's cache, say, which the driver does not see as free but the next one reuses)."""
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
-        return int(free)
+        held = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int(free) + max(int(held), 0)
     return int(psutil.virtual_memory().available)
 
 
@@ -70,6 +75,7 @@ def plan_cache(
     num_requests_hint: int | None = None,
     free_bytes: int | None = None,
     extra_bytes_per_block: int = 0,
+    speculative: SpeculativeConfig | None = None,
 ) -> CachePlan:
     """Decide ``max_batch_tokens``, ``max_requests_per_batch`` and blocks per cache group.
 
@@ -78,7 +84,8 @@ def plan_cache(
     ``max_batch_tokens`` if they would take more than a quarter of it, but never below
     256; the blocks fill the rest unless ``num_blocks`` is given. Each block of a full
     attention group costs ``extra_bytes_per_block`` more (a draft model's cache, which
-    mirrors the target's blocks).
+    mirrors the target's blocks). With ``speculative``, a step that verifies proposals
+    samples ``k + 1`` rows per speculating request: the logits' room counts them.
     """
     page = config.page_size
     percent = config.max_memory_percent
@@ -102,7 +109,13 @@ def plan_cache(
     # fp32 logits of every sampled row, plus the sampler's noise and sort buffers (and the
     # float32 log-softmax of scored prompt positions, taken that many rows at a time), and
     # the logits of the prompt positions a step may score, in the model's dtype.
-    logits_bytes = (3 * max_requests * 4 + scored_rows(max_requests) * spec.dtype_bytes) * spec.vocab_size
+    sampled = max_requests
+    if speculative is not None:
+        assert speculative.num_speculative_tokens is not None
+        speculating = min(max_requests, speculative.disable_by_batch_size or max_requests)
+        verified = speculating * (speculative.num_speculative_tokens + 1)
+        sampled = max(max_requests, min(verified, max_batch_tokens))
+    logits_bytes = (3 * sampled * 4 + scored_rows(max_requests) * spec.dtype_bytes) * spec.vocab_size
     remaining = budget - max_batch_tokens * per_token - logits_bytes
 
     groups = spec.group_layers()

@@ -74,7 +74,7 @@ class ModelRunner:
         extra = 0 if drafted is None else drafted.bytes_per_block(config.page_size, drafted.num_layers)
         # Under tensor parallelism every rank gets the plan all ranks agreed on.
         self.plan: CachePlan = plan or plan_cache(
-            self.spec, config, num_requests_hint=num_requests_hint, extra_bytes_per_block=extra
+            self.spec, config, num_requests_hint=num_requests_hint, extra_bytes_per_block=extra, speculative=speculative
         )
         self.cache = PagedKVCache(self.spec, self.plan)
         self.backends = select_backends(
@@ -150,31 +150,43 @@ class ModelRunner:
         sampler's kernels, so that no sampled step waits for the compiler. Idempotent."""
         if self.graphs is not None:
             captures = self.graphs.captures
-            self._capture_graphs()
-            if self.graphs.captures > captures and self._decode_model is not self.model:
-                _freeze_what_the_compile_made()
-            # (the model as steps without a graph run it)
-            varlen_model = self._varlen_model
-            self.verify_cost = self.graphs.verify_cost(
-                lambda ids, pos, keep, meta: attention.forward(varlen_model, ids, pos, keep, meta)
-            )
-            logger.info("a step that verifies proposals costs %.2fx a decode step", self.verify_cost)
+            graphs = self._capture_graphs()
+            if graphs is not None:
+                if graphs.captures > captures and self._decode_model is not self.model:
+                    _freeze_what_the_compile_made()
+                # (the model as steps without a graph run it)
+                varlen_model = self._varlen_model
+                self.verify_cost = graphs.verify_cost(
+                    lambda ids, pos, keep, meta: attention.forward(varlen_model, ids, pos, keep, meta)
+                )
+                logger.info("a step that verifies proposals costs %.2fx a decode step", self.verify_cost)
         self.compile_sampler()
 
-    def _capture_graphs(self) -> None:
+    def _capture_graphs(self) -> DecodeGraphs | None:
         """Capture the decode graphs, and those of steps that verify proposals and of the
-        draft model. Those two only speed speculation up: if their capture fails, such steps
-        and the draft's passes run eagerly (with the error logged) rather than not at all."""
+        draft model; the decode graphs in use after (None: decode steps run eagerly).
+
+        Those of verification and the draft only speed speculation up: if their capture
+        fails, such steps and the draft's passes run eagerly (with the error logged) rather
+        than not at all. So do decode steps, on the model itself, if theirs fails where the
+        graphs were the device's default (a forward that cannot be captured: one that reads
+        a device value on the host, say); one that ``use_cuda_graph`` asked for, or one
+        under tensor parallelism (whose ranks replay in step), raises."""
         assert self.graphs is not None
         try:
             self.graphs.capture_all()
-        except Exception:
-            if not self.graphs.widths:
-                raise
-            logger.exception("capturing the CUDA graphs of steps that verify proposals failed: they run eagerly")
+        except Exception as error:
             self.graphs.release()
-            self.graphs = self._graphs(self._decode_model, self.cache, None)
-            self.graphs.capture_all()
+            if not self.graphs.widths:
+                self._decode_eagerly(error)
+            else:
+                logger.exception("capturing the CUDA graphs of steps that verify proposals failed: they run eagerly")
+                self.graphs = self._graphs(self._decode_model, self.cache, None)
+                try:
+                    self.graphs.capture_all()
+                except Exception as again:
+                    self.graphs.release()
+                    self._decode_eagerly(again)
         drafter = self.drafter
         if drafter is not None and drafter.graphs is not None:
             try:
@@ -183,6 +195,20 @@ class ModelRunner:
                 logger.exception("capturing the draft model's CUDA graphs failed: its passes run eagerly")
                 drafter.graphs.release()
                 drafter.graphs = None
+        return self.graphs
+
+    def _decode_eagerly(self, error: Exception) -> None:
+        """After the decode graphs' capture failed with ``error``: decode steps run eagerly,
+        or ``error`` is raised (see :meth:`_capture_graphs`)."""
+        if self.config.use_cuda_graph is not None or tensor_parallel_layout(self.model) is not None:
+            error.add_note("use_cuda_graph=False runs decode steps without CUDA graphs")
+            raise error
+        logger.exception(
+            "capturing the decode steps' CUDA graphs failed: they run eagerly, on the model itself "
+            "(use_cuda_graph=False skips the attempt)"
+        )
+        self.graphs = None
+        self._decode_model = self.model
 
     def compile_sampler(self) -> None:
         """Compile the GPU sampler for the logits it will draw from: the model's, in its

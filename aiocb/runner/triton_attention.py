@@ -217,19 +217,21 @@ if HAS_TRITON:
     ):
         """Attention of one query tile of one row and KV head group over the paged keys.
 
-        Unsplit (``SPLIT`` false): the grid's last axis is the query tile and the program
-        writes the final output. Split: that axis is ``q_tile * num_splits + split``; the
+        The grid is (query tile, KV head, row): the query tiles of a long prefill chunk on
+        the first axis, the only one that may exceed 65,535 programs. Unsplit (``SPLIT``
+        false) the program writes the final output. Split: the first axis is
+        ``q_tile * num_splits + split``; the
         program covers one partition of the tile's keys and writes its normalised partial
         output to ``part_ptr`` and its log2-domain log-sum-exp to ``lse_ptr`` (``-inf`` for a
         partition with no visible key), for :func:`_merge_splits_kernel`.
         """
-        row = tl.program_id(0)
+        row = tl.program_id(2)
         kv_head = tl.program_id(1)
         if SPLIT:
-            q_tile = tl.program_id(2) // num_splits
-            split = tl.program_id(2) % num_splits
+            q_tile = tl.program_id(0) // num_splits
+            split = tl.program_id(0) % num_splits
         else:
-            q_tile = tl.program_id(2)
+            q_tile = tl.program_id(0)
 
         q_begin = tl.load(query_start_ptr + row)
         q_len = tl.load(query_start_ptr + row + 1) - q_begin
@@ -352,15 +354,15 @@ if HAS_TRITON:
         HEAD_DIM_PAD: tl.constexpr,
         SPLITS_PAD: tl.constexpr,
     ):
-        """Exact merge of one query token's (grid: row, query head, token of the row) partials.
+        """Exact merge of one query token's (grid: token of the row, query head, row) partials.
 
         With ``o_s`` each partition's output normalised by its own sum ``l_s`` and
         ``lse_s = m_s + log2(l_s)``, the full softmax weighs ``o_s`` by ``l_s 2^m_s``, i.e. by
         ``2^lse_s`` relative to any common shift; shifting by the largest keeps it in range.
         """
-        row = tl.program_id(0)
+        t = tl.program_id(0)
         head = tl.program_id(1)
-        t = tl.program_id(2)
+        row = tl.program_id(2)
         q_begin = tl.load(query_start_ptr + row)
         q_len = tl.load(query_start_ptr + row + 1) - q_begin
         if t >= q_len:  # grid sized for the longest row; rows of out owned by none stay as they are
@@ -598,6 +600,17 @@ def _launch(
     return out
 
 
+#: CUDA's limit on the programs along a grid's second and third axes (the first's is 2^31 - 1)
+GRID_YZ_LIMIT = 65_535
+
+
+def _grid(x: int, y: int, z: int) -> tuple[int, int, int]:
+    """A launch grid, refused with a clear error where CUDA would fail to launch it."""
+    if max(y, z) > GRID_YZ_LIMIT:
+        raise ValueError(f"a grid of {(x, y, z)} programs exceeds CUDA's {GRID_YZ_LIMIT} on its second or third axis")
+    return (x, y, z)
+
+
 def _launch_partitions(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -636,7 +649,7 @@ def _launch_partitions(
     else:  # never read: the kernel's pointers need some tensor
         partials = lse = out
     min_partition = triton.cdiv(max(config.min_partition, 1), config.block_n) * config.block_n
-    grid = (block_table.shape[0], num_kv_heads, triton.cdiv(max_query_len, block_q) * config.num_splits)
+    grid = _grid(triton.cdiv(max_query_len, block_q) * config.num_splits, num_kv_heads, block_table.shape[0])
     _paged_attention_kernel[grid](
         query,
         key_cache,
@@ -703,7 +716,7 @@ def _merge_partitions(
     num_tokens, num_heads, num_splits, head_dim = partials.shape
     if num_tokens == 0:
         return
-    _merge_splits_kernel[(num_rows, num_heads, max_query_len)](
+    _merge_splits_kernel[_grid(max_query_len, num_heads, num_rows)](
         partials,
         lse,
         out,

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
+from typing import Any
 
 import pytest
 import torch
@@ -211,3 +213,49 @@ async def test_triton_backend_with_a_draft_model_that_catches_up(
     ]
     assert stats.draft_tokens > 0 and stats.accepted_draft_tokens == stats.draft_tokens
     assert caught_up and caught_up[0] > len(PROMPTS[1])  # (its prompt and the tokens decoded without the draft)
+
+
+def test_the_packed_copy_to_the_device_keeps_every_dtype_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HostToDevice's CUDA path (one pinned buffer and one copy per carrier dtype), run on
+    the host with CUDA's streams and events stubbed: integers and bools travel as int64,
+    each floating dtype as itself (a float64 or bf16 tensor packed as int64 lost its fractions)."""
+
+    class Stub:
+        def __init__(self, *args: Any, **kwargs: Any) -> None: ...
+        def record(self, stream: Any = None) -> None: ...
+        def synchronize(self) -> None: ...
+        def wait_stream(self, stream: Any) -> None: ...
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stub)
+    monkeypatch.setattr(torch.cuda, "Event", Stub)
+    monkeypatch.setattr(torch.cuda, "current_stream", Stub)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None, raising=False)
+    mover = HostToDevice(torch.device("cpu"))
+    mover._stream = Stub()  # type: ignore[assignment]
+
+    def unpinned(dtype: torch.dtype, turn: int, numel: int) -> torch.Tensor:  # (pinning needs CUDA)
+        return mover._buffers.setdefault((dtype, turn), torch.empty(4096, dtype=dtype))
+
+    monkeypatch.setattr(mover, "_host_buffer", unpinned)
+    tensors = [
+        torch.tensor([1, 2**40, -7]),
+        torch.tensor([-1, 2**31 - 1, -(2**31)], dtype=torch.int32),
+        torch.tensor([True, False]),
+        torch.tensor([[0.1, float("-inf")], [2.5, -0.0]]),
+        torch.tensor([1.5, -2.25], dtype=torch.float64),
+        torch.tensor([1.5, 3.0e38], dtype=torch.bfloat16),
+        torch.tensor([0.5], dtype=torch.float16),
+        torch.tensor([200, 3], dtype=torch.uint8),
+    ]
+    for _ in range(2):  # (both turns' buffers)
+        moved = mover._copy(tensors)
+        for before, after in zip(tensors, moved, strict=True):
+            assert after.dtype == before.dtype and after.shape == before.shape and torch.equal(after, before)
+    assert {dtype for dtype, _ in mover._buffers} == {
+        torch.int64,
+        torch.float32,
+        torch.float64,
+        torch.bfloat16,
+        torch.float16,
+    }

@@ -445,3 +445,39 @@ def test_a_session_cancelled_during_its_warm_up_ends_after_it(
         assert qwen3.config._attn_implementation == original
 
     asyncio.run(main())
+
+
+def test_a_decode_step_that_cannot_be_captured_runs_eagerly_unless_graphs_were_asked_for(
+    graphs_on_cpu: list[int], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A forward that reads a device value on the host (a dynamic RoPE, say) fails to
+    capture: with the device's default graphs, decode steps then run on the model itself,
+    outputs unchanged; with ``use_cuda_graph=True`` the manager fails to start, saying so."""
+
+    def uncapturable(self: DecodeGraphs, args: Any) -> Any:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(DecodeGraphs, "_record", uncapturable)
+    # (a stand-in for torch.compile's decode model: the graphs' compile is left too)
+    monkeypatch.setattr("aiocb.runner.model_runner.compiled", lambda model, arguments: partial(model))
+    model = tiny_qwen3()
+    prompts = random_prompts(3, 4, 30, seed=8)
+    config = aiocb.ContinuousBatchingConfig(page_size=16, num_blocks=64, max_requests_per_batch=4)
+
+    async def main(config: aiocb.ContinuousBatchingConfig) -> list[list[int]]:
+        async with aiocb.Manager(model, continuous_batching_config=config) as manager:
+            outputs = await manager.generate_batch(prompts, max_new_tokens=5)
+            runner = manager._runner
+            assert runner is not None and runner.graphs is None and runner._decode_model is model
+        return [o.generated_tokens for o in outputs.values()]
+
+    with caplog.at_level("ERROR", logger="aiocb.runner.model_runner"):
+        assert asyncio.run(main(config)) == [reference_generate(model, p, 5) for p in prompts]
+    assert "CUDA graphs failed: they run eagerly" in caplog.text
+    asked = aiocb.ContinuousBatchingConfig(page_size=16, num_blocks=64, max_requests_per_batch=4, use_cuda_graph=True)
+    with pytest.raises(Exception, match="operation not permitted") as caught:
+        asyncio.run(main(asked))
+    error: BaseException | None = caught.value
+    while error is not None and not getattr(error, "__notes__", None):
+        error = error.__cause__
+    assert error is not None and "use_cuda_graph=False" in error.__notes__[0]

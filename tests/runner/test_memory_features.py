@@ -218,3 +218,32 @@ def test_sliding_window_decode_rows_in_batches_match_generate(factory: object, m
     prompts = random_prompts(10, 1, 150, seed=24)
     outputs, _, _ = asyncio.run(_generate(model, prompts, aiocb.ContinuousBatchingConfig(page_size=16)))
     assert outputs == [reference_generate(model, p, NEW) for p in prompts]
+
+
+def test_the_cache_plan_counts_what_the_caching_allocator_holds_unused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A destroyed manager's cache goes back to PyTorch's allocator, not the driver: the
+    next manager's plan counts it as free (it was about a tenth of the first's)."""
+    from aiocb.runner.memory import free_memory_bytes
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (10 * 2**30, 140 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 120 * 2**30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 2 * 2**30)
+    assert free_memory_bytes(cuda) == 128 * 2**30
+
+
+def test_the_cache_plan_keeps_room_for_the_rows_a_verifying_step_samples(qwen3: PreTrainedModel) -> None:
+    """Speculating requests sample ``k + 1`` rows each (at most ``disable_by_batch_size``
+    requests speculate, at most ``max_batch_tokens`` rows in all)."""
+    from aiocb.runner.memory import plan_cache
+    from aiocb.runner.model_spec import model_spec
+
+    spec, free = model_spec(qwen3), 2**30
+    config = aiocb.ContinuousBatchingConfig(max_requests_per_batch=64, max_batch_tokens=256)
+    plain = plan_cache(spec, config, free_bytes=free)
+    per_block = spec.bytes_per_block(config.page_size, spec.num_layers)
+    for disable, rows in ((8, 64), (None, 256), (32, 32 * 5)):
+        speculative = aiocb.SpeculativeConfig(num_speculative_tokens=4, disable_by_batch_size=disable)
+        plan = plan_cache(spec, config, free_bytes=free, speculative=speculative)
+        lost = 3 * 4 * spec.vocab_size * (rows - 64)
+        assert plain.num_blocks[0] - plan.num_blocks[0] == pytest.approx(lost / per_block, abs=1), disable

@@ -387,6 +387,20 @@ def test_split_kernel_handles_prefill_chunks() -> None:
     check(make_case(rows, seed=20), window=20, config=split_config(2))
 
 
+@needs_kernel
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_a_long_chunk_s_query_tiles_go_on_the_grid_axis_without_cuda_s_small_limit(
+    monkeypatch: pytest.MonkeyPatch, num_splits: int
+) -> None:
+    """CUDA launches at most 65,535 programs along a grid's second and third axes: a
+    65,536-token prefill chunk has that many query tiles (one token each in fp32 with a
+    large head group). Here the limit is 4, the tiles (and tokens to merge) 20 or more."""
+    monkeypatch.setattr(triton_attention, "GRID_YZ_LIMIT", 4)
+    check(make_case([(53, 40), (12, 1)], seed=21), config=split_config(num_splits))
+    with pytest.raises(ValueError, match="exceeds CUDA's 4"):
+        check(make_case([(3, 1)] * 5, seed=22), config=split_config(num_splits))
+
+
 def test_choose_num_splits() -> None:
     sms = 132
     # Large decode batches already fill the GPU: the single-pass kernel.
