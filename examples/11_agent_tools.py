@@ -109,8 +109,7 @@ async def main() -> None:
     model, tokenizer = load_default_model()
     manager = aiocb.Manager(model, grammar_tokenizer=tokenizer)  # (the vocabulary for constraints)
     app = build_app(manager, tokenizer, model_name=MODEL)  # tool-call format: detected from the template
-    async with local_server(app) as url:
-        client = AsyncOpenAI(base_url=f"{url}/v1", api_key="unused")
+    async with local_server(app) as url, AsyncOpenAI(base_url=f"{url}/v1", api_key="unused") as client:
         questions = [f"Is it warm in {city}? Answer in Fahrenheit." for city in CITIES]
         transcripts = await asyncio.gather(*(agent(client, q, seed=i) for i, q in enumerate(questions)))
         for transcript in transcripts:

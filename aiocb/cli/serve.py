@@ -101,7 +101,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--shutdown-timeout", type=float, default=10.0, help="seconds running requests get on shutdown (default 10)"
     )
     parser.add_argument(
-        "--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info", help="log level"
+        "--log-level",
+        choices=("critical", "error", "warning", "info", "debug"),
+        default="info",
+        help="log level (default: info)",
     )
     parser.add_argument(
         "--no-access-log", dest="access_log", action="store_false", help="no access-log line per request"
@@ -306,6 +309,11 @@ def flag_problems(args: argparse.Namespace) -> list[str]:
     for flag, value, fine, wanted in checks:
         if not fine or (isinstance(value, float) and not math.isfinite(value)):
             problems.append(f"{flag} must be {wanted}, got {value}")
+    if getattr(args, "cb_return_logprobs", False):
+        problems.append(
+            "--return-logprobs is the library's default for requests that do not say; a server's requests "
+            "always say (the logprobs field, false when left out)"
+        )
     if args.device != "auto":
         import torch
 
@@ -534,7 +542,7 @@ def _attribute_docs(docstring: str) -> dict[str, str]:
     """``{name: text}`` from a Google-style ``Attributes:`` section."""
     docs: dict[str, str] = {}
     inside = False
-    current: str | None = None
+    current: list[str] | None = None
     for line in docstring.splitlines():
         stripped = line.strip()
         if stripped == "Attributes:":
@@ -543,12 +551,16 @@ def _attribute_docs(docstring: str) -> dict[str, str]:
         if not inside or not stripped:
             continue
         indent = len(line) - len(line.lstrip())
-        name, colon, text = stripped.partition(":")
-        if colon and name.isidentifier() and indent <= 8:
-            current = name
-            docs[name] = text.strip()
+        names, colon, text = stripped.partition(":")
+        # (one entry may document several fields: "a, b: text")
+        named = names.split(", ")
+        if colon and all(name.isidentifier() for name in named) and indent <= 8:
+            current = named
+            for name in named:
+                docs[name] = text.strip()
         elif current is not None:
-            docs[current] += " " + stripped
+            for name in current:
+                docs[name] += " " + stripped
     return docs
 
 

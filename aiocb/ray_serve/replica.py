@@ -81,6 +81,7 @@ class EngineReplica:
             limits=options.limits,
             tool_call_parser=options.tool_call_parser,
             reasoning_parser=options.reasoning_parser,
+            replica=self.replica_id,
         )
         self._header = ((REPLICA_HEADER.encode(), self.replica_id.encode()),)
         self._watch = asyncio.get_running_loop().create_task(self._leave_when_the_engine_dies())

@@ -68,6 +68,7 @@ def build_app(
     limits: ServerLimits | None = None,
     tool_call_parser: str | None = "auto",
     reasoning_parser: str | None = None,
+    replica: str | None = None,
 ) -> Starlette:
     """An OpenAI-compatible ASGI app serving ``manager``'s model as ``model_name``.
 
@@ -81,10 +82,11 @@ def build_app(
     (``hermes``, ``llama3_json``, ``mistral``; ``"auto"``: the one the chat template
     writes; None: requests with tools are refused). ``reasoning_parser`` (``qwen3`` or
     ``deepseek_r1``, both the ``<think>`` format) splits reasoning into
-    ``reasoning_content``; None leaves it in the content.
+    ``reasoning_content``; None leaves it in the content. ``replica`` labels every
+    ``/metrics`` series (one of several replicas of the model behind one route).
     """
     limits = limits or ServerLimits()
-    metrics = ServerMetrics(manager, model_name)
+    metrics = ServerMetrics(manager, model_name, replica)
     ctx = ServerContext(
         manager,
         tokenizer,
@@ -265,7 +267,7 @@ class _Api:
         """``GET /metrics`` in Prometheus' text format."""
         from prometheus_client import CONTENT_TYPE_LATEST
 
-        return Response(self.ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        return Response(await self.ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     # ------------------------------------------------------------------ tokenizer
 

@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
-from aiocb.server.remote import ServedEngine
+from aiocb.server.remote import RemoteManager, ServedEngine
 
 #: Latency buckets in seconds, from sub-millisecond (loopback, tiny models) to a minute.
 _TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 60.0)
@@ -26,14 +26,14 @@ _E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.
 class _ManagerCollector(Collector):
     """Reads the manager's statistics at scrape time."""
 
-    def __init__(self, manager: ServedEngine, model_name: str) -> None:
+    def __init__(self, manager: ServedEngine, labels: dict[str, str]) -> None:
         self._manager = manager
-        self._model_name = model_name
+        self._labels = labels
 
     def collect(self) -> Iterable[Metric]:
         stats = self._manager.statistics()
-        labels = ["model_name"]
-        value = [self._model_name]
+        labels = list(self._labels)
+        value = list(self._labels.values())
 
         def gauge(name: str, doc: str, number: float) -> GaugeMetricFamily:
             family = GaugeMetricFamily(name, doc, labels=labels)
@@ -72,44 +72,52 @@ class _ManagerCollector(Collector):
 class ServerMetrics:
     """The server's metrics; :meth:`render` is the body of ``GET /metrics``.
 
-    In an API worker of ``aiocb serve --api-workers N`` (``PROMETHEUS_MULTIPROC_DIR`` set
-    before prometheus_client was imported), the request metrics of every worker are kept
-    in that directory and :meth:`render` adds them up.
+    Every series is labelled ``model_name``, and ``replica`` when one is given (one of the
+    replicas that serve a model behind one route: their series stay apart). In an API
+    worker of ``aiocb serve --api-workers N`` (``PROMETHEUS_MULTIPROC_DIR`` set before
+    prometheus_client was imported), the request metrics of every worker are kept in that
+    directory and :meth:`render` adds them up, and the engine's are fetched fresh for each
+    scrape, so that scrapes answered by different workers never see a counter go back.
     """
 
-    def __init__(self, manager: ServedEngine, model_name: str) -> None:
+    def __init__(self, manager: ServedEngine, model_name: str, replica: str | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self._engine = _ManagerCollector(manager, model_name)
+        self._manager = manager
+        constant = {"model_name": model_name} if replica is None else {"model_name": model_name, "replica": replica}
+        self._engine = _ManagerCollector(manager, constant)
         self.registry.register(self._engine)
-        labels = ["model_name"]
-        self._model_name = model_name
+        labels = list(constant)
+        self._values = list(constant.values())
         self.time_to_first_token = Histogram(
             "aiocb_time_to_first_token_seconds",
-            "Seconds from receiving a request to its first generated token.",
+            "Seconds from receiving a request to a choice's first generated token (each of n choices).",
             labels,
             buckets=_TTFT_BUCKETS,
             registry=self.registry,
-        ).labels(model_name)
+        ).labels(*self._values)
         self.inter_token_latency = Histogram(
             "aiocb_inter_token_latency_seconds",
-            "Seconds between consecutive generated tokens of a request.",
+            "Seconds between consecutive generated tokens of a choice.",
             labels,
             buckets=_ITL_BUCKETS,
             registry=self.registry,
-        ).labels(model_name)
+        ).labels(*self._values)
         self.e2e_latency = Histogram(
             "aiocb_e2e_request_latency_seconds",
-            "Seconds from receiving a request to its last token.",
+            "Seconds from receiving a request to a choice's last token (each of n choices).",
             labels,
             buckets=_E2E_BUCKETS,
             registry=self.registry,
-        ).labels(model_name)
+        ).labels(*self._values)
         self.prompt_tokens = Counter(
-            "aiocb_prompt_tokens", "Prompt tokens of finished requests.", labels, registry=self.registry
-        ).labels(model_name)
+            "aiocb_prompt_tokens",
+            "Prompt tokens of finished requests (a prompt once, whatever its choices).",
+            labels,
+            registry=self.registry,
+        ).labels(*self._values)
         self.generation_tokens = Counter(
             "aiocb_generation_tokens", "Generated tokens returned to clients.", labels, registry=self.registry
-        ).labels(model_name)
+        ).labels(*self._values)
         self._finished = Counter(
             "aiocb_request_success",
             "Finished choices, by finish reason.",
@@ -122,11 +130,11 @@ class ServerMetrics:
 
     def observe_finished(self, finish_reason: str) -> None:
         """Count one finished choice."""
-        self._finished.labels(self._model_name, finish_reason).inc()
+        self._finished.labels(*self._values, finish_reason).inc()
 
     def observe_error(self, status: int) -> None:
         """Count one error response."""
-        self._errors.labels(self._model_name, str(status)).inc()
+        self._errors.labels(*self._values, str(status)).inc()
 
     def observe_inter_token(self, count: int, interval: float) -> None:
         """``count`` tokens arrived together ``interval`` seconds after the previous ones."""
@@ -136,8 +144,10 @@ class ServerMetrics:
         for _ in range(count):
             self.inter_token_latency.observe(share)
 
-    def render(self) -> bytes:
+    async def render(self) -> bytes:
         """The metrics in Prometheus' text format."""
+        if isinstance(self._manager, RemoteManager):
+            await self._manager.fresh_statistics()
         if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
             registry = CollectorRegistry()
             MultiProcessCollector(registry)  # type: ignore[no-untyped-call]  # registers itself

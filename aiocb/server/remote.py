@@ -12,11 +12,12 @@ this package in processes of one user; the socket lives in a private directory):
 - worker to engine: ``("add", keys, input_ids, max_new_tokens, params)`` queues a request
   (``add_request_nowait``; with many samples ``add_request(wait=False)``, whose samples and
   streams are made a slice of the loop at a time) with ``len(keys)`` samples, one key each;
-  ``("cancel", key)`` cancels one;
+  ``("cancel", key)`` cancels one; ``("statistics",)`` asks for the statistics now;
 - engine to worker: ``("hello", EngineInfo)`` once, then ``("batch", [(key, event), ...])``
   with everything that happened to that worker's requests in one turn of the engine's
   loop (so a step's tokens for all of a worker's streams cost one frame and one write),
-  and ``("stats", ManagerStatistics, is_dead)`` a few times a second.
+  and ``("stats", ManagerStatistics, is_dead)`` a few times a second, and in answer to
+  ``("statistics",)``, ``("statistics", ManagerStatistics, is_dead)``.
 
 An event is ``("added",)``, ``("refused", error)``, ``("output", tuple(OutputDelta))`` or
 ``("failed", error)``. :class:`EngineService` is the engine's side; :class:`RemoteManager`
@@ -28,6 +29,7 @@ fails every open stream of every worker with :class:`~aiocb.EngineDeadError`.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import itertools
@@ -56,8 +58,10 @@ from aiocb.outputs import FinishReason, GenerationOutput, RequestStatus
 logger = logging.getLogger(__name__)
 
 _LENGTH = struct.Struct("!I")
-#: How often the engine sends its statistics to each worker (for /metrics, /health).
+#: How often the engine sends its statistics to each worker (for /health).
 STATS_INTERVAL_S = 0.2
+#: How long a worker waits for the statistics it asked for before it uses the last sent.
+FRESH_STATISTICS_TIMEOUT_S = 1.0
 #: Bytes written to a worker and not yet read by it beyond which the engine gives up on
 #: it (a stuck worker must not grow the engine's memory without bound).
 MAX_UNREAD_BYTES = 256 * 2**20
@@ -213,6 +217,8 @@ class _WorkerConnection:
                 adder = self._loop.create_task(self._add_sliced(keys, input_ids, max_new_tokens, params))
                 self._adders.add(adder)
                 adder.add_done_callback(self._adders.discard)
+        elif kind == "statistics":
+            self.writer.write(encode_frame(("statistics", self.manager.statistics(), self.manager.is_dead)))
         elif kind == "cancel":
             pump = self._pumps.pop(message[1], None)
             if pump is not None:
@@ -394,6 +400,8 @@ class RemoteManager:
         self._engine_dead = info.is_dead
         self._lost: str | None = None
         self._streams: dict[int, _StreamState] = {}
+        #: callers of fresh_statistics, in the order their questions were sent
+        self._asking: collections.deque[asyncio.Future[None]] = collections.deque()
         #: set whenever the last of this worker's requests ended
         self._idle = asyncio.Event()
         self._idle.set()
@@ -429,6 +437,18 @@ class RemoteManager:
 
     def statistics(self) -> ManagerStatistics:
         """The engine's statistics, as last sent (at most ``STATS_INTERVAL_S`` old)."""
+        return self._statistics
+
+    async def fresh_statistics(self) -> ManagerStatistics:
+        """The engine's statistics as of now: taken after this call asked for them, so never
+        older than what any earlier call got, in any worker (the last sent if the engine
+        does not answer within ``FRESH_STATISTICS_TIMEOUT_S``, or is gone)."""
+        if self._lost is None:
+            answered = self._loop.create_future()
+            self._asking.append(answered)
+            self._writer.write(encode_frame(("statistics",)))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(answered), FRESH_STATISTICS_TIMEOUT_S)
         return self._statistics
 
     async def wait_lost(self) -> str:
@@ -521,6 +541,11 @@ class RemoteManager:
                         await turn.give()
                 elif message[0] == "stats":
                     _, self._statistics, self._engine_dead = message
+                elif message[0] == "statistics":
+                    _, self._statistics, self._engine_dead = message
+                    answered = self._asking.popleft()
+                    if not answered.done():
+                        answered.set_result(None)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         except Exception as exc:
@@ -560,6 +585,10 @@ class RemoteManager:
             self._waker.wake(waiter)
 
     def _fail_all(self, reason: str) -> None:
+        for answered in self._asking:
+            if not answered.done():
+                answered.set_result(None)
+        self._asking.clear()
         for state in self._streams.values():
             state.error = EngineDeadError(reason)
             if state.added is not None and not state.added.done():

@@ -235,10 +235,17 @@ class Submission:
             for spec, stream in zip(self.specs, self._streams, strict=True)
         ]
         record = self.record
+        # A prompt's tokens count once, when its first choice finishes (n choices share it).
+        counted: set[int] = set()
         async with aclosing(merge_deltas(iterators)) as merged:
             async for delta in merged:
                 record.completion_tokens += len(delta.token_ids)
                 self._cached[delta.index] = delta.num_cached_tokens
+                if delta.finish_reason is not None:
+                    prompt = self.specs[delta.index].prompt_ids
+                    if id(prompt) not in counted:
+                        counted.add(id(prompt))
+                        self.ctx.metrics.prompt_tokens.inc(len(prompt))
                 yield delta
 
     def usage(self, completion_tokens: int) -> dict[str, Any]:
@@ -293,15 +300,16 @@ async def choice_deltas(
                 delta.prompt_logprobs = output.prompt_logprobs
                 delta.prompt_top_logprobs = output.prompt_top_logprobs
             new = [] if score_only else output.tokens_since(seen)
-            if new:
-                metrics.generation_tokens.inc(len(new))
+            _add_tokens(delta, output, new, seen, detokenizer, stopper, spec.include_stop_str_in_output)
+            returned = len(delta.token_ids)  # (tokens past a stop string are not)
+            if returned:
+                metrics.generation_tokens.inc(returned)
                 if seen == 0:
                     metrics.time_to_first_token.observe(now - received)
                 else:
-                    metrics.observe_inter_token(len(new), now - last_time)
+                    metrics.observe_inter_token(returned, now - last_time)
                 last_time = now
-            _add_tokens(delta, output, new, seen, detokenizer, stopper, spec.include_stop_str_in_output)
-            seen += len(delta.token_ids)
+            seen += returned
             delta.num_generated = seen
             delta.num_cached_tokens = output.num_cached_tokens
             first = False
@@ -316,7 +324,6 @@ async def choice_deltas(
                 delta.stop_reason = stopper.matched or _stop_token(spec, output)
             if delta.finish_reason is not None:
                 metrics.e2e_latency.observe(now - received)
-                metrics.prompt_tokens.inc(len(spec.prompt_ids))
                 metrics.observe_finished(delta.finish_reason)
                 yield delta
                 return  # leaving `async with stream` cancels a request cut short by a stop string

@@ -142,7 +142,8 @@ async def _metric(http: httpx.AsyncClient, replica: str, name: str) -> float:
     response = await http.get("/metrics", headers={REPLICA_HEADER: replica})
     assert response.headers[REPLICA_HEADER] == replica
     for line in response.text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
+        if line.startswith(name + "{"):
+            assert f'replica="{replica}"' in line, line  # (series of replicas kept apart)
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"no {name} in {response.text[:200]!r}")
 

@@ -44,6 +44,12 @@ def test_every_config_field_has_a_flag() -> None:
     add_serve_arguments(parser)
     help_text = parser.format_help()
     assert all(flag in help_text for flag in fields)
+    # Each with its own description (one docstring entry may name several fields).
+    for flag, kwargs in config_flags():
+        assert not kwargs["help"].startswith(" (default"), flag
+    entry = dict(config_flags())
+    assert entry["--kv-padding-interval-size"]["help"] == entry["--q-padding-interval-size"]["help"]
+    assert "(default" not in entry["--use-cuda-graph"]["help"].partition("(default")[2][1:]
 
 
 def test_unset_flags_keep_the_defaults() -> None:
@@ -186,12 +192,13 @@ def test_limit_flags() -> None:
         ("--torch-threads", "-1"),
         ("--api-workers", "-2"),
         ("--device", "bogus"),
+        ("--return-logprobs", None),  # (a server's requests always say)
     ],
 )
 def test_server_flags_out_of_range_are_refused_by_name(
-    capsys: pytest.CaptureFixture[str], flag: str, value: str
+    capsys: pytest.CaptureFixture[str], flag: str, value: str | None
 ) -> None:
-    assert run_serve(parse(flag, value)) == 2  # before anything loads
+    assert run_serve(parse(flag) if value is None else parse(flag, value)) == 2  # before anything loads
     assert flag in capsys.readouterr().err
 
 

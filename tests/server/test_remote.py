@@ -324,3 +324,36 @@ async def test_one_frame_of_outputs_wakes_its_consumers_a_few_at_a_time(manager:
         await server.wait_closed()
     per_iteration = collections.Counter(resumed_in)
     assert max(per_iteration.values()) <= 16, per_iteration
+
+
+async def test_metrics_scraped_through_any_worker_never_go_back(
+    manager: aiocb.Manager,
+    service: tuple[EngineService, str],
+    tokenizer: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each worker's copy of the engine's statistics is sent a few times a second, out of
+    step with the others': a scrape takes them fresh from the engine instead, so a scraper
+    whose scrapes land on different workers sees every counter as the engine has it."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    monkeypatch.setattr(remote_module, "STATS_INTERVAL_S", 3600.0)  # (no copies sent meanwhile)
+    workers = [await RemoteManager.connect(service[1], manager.model.config) for _ in range(2)]
+    try:
+        clients = [
+            httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=build_app(w, tokenizer, MODEL_NAME)), base_url="http://t"
+            )
+            for w in workers
+        ]
+        for round_ in range(3):
+            await _last(await workers[round_ % 2].open_stream(PROMPTS[round_], 6))
+            for client in clients:
+                text = (await client.get("/metrics")).text
+                value = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+                assert value["aiocb_engine_steps_total"] == manager.statistics().steps > 0
+        for client in clients:
+            await client.aclose()
+    finally:
+        for worker in workers:
+            await worker.close()
