@@ -295,13 +295,14 @@ class Scheduler:
         """
         self._holding = True
 
-    def release_blocks(self) -> None:
-        """Free the blocks of the requests that ended since :meth:`hold_blocks`."""
+    def release_blocks(self) -> int:
+        """Free the blocks of the requests that ended since :meth:`hold_blocks`; how many ended."""
         self._holding = False
         ended, self._ended_holding = self._ended_holding, []
         for request in ended:
             self.kv_cache.free(request)
             self.kv_cache.drop_host_copy(request)
+        return len(ended)
 
     def schedule(self) -> SchedulerOutput:
         """Plan the next step and allocate its blocks, in one go."""

@@ -50,6 +50,8 @@ class StepLoop:
         self._tie = itertools.count()
         self._executor: ThreadPoolExecutor | None = None
         self._waiter: ThreadPoolExecutor | None = None
+        #: whether requests ended (were cancelled) while the last plan was made and copied
+        self._ended_while_planning = False
         self.num_steps = 0
         self.busy_seconds = 0.0
         #: the last steps as ``(finished at, rows, query tokens)``, for step-time statistics
@@ -128,6 +130,10 @@ class StepLoop:
                 output, batch = planned if planned is not None else (None, None)
                 if output is not None and batch is None:
                     if in_flight is None:
+                        if self._ended_while_planning:
+                            # (the plan lost its rows to cancellations made while it paused:
+                            # the plan was of the requests before; the next is of those left)
+                            continue
                         raise RuntimeError("the scheduler planned an empty step while requests were pending")
                     output = None  # everything left waits on the step in flight
                 started = time.perf_counter()
@@ -209,7 +215,7 @@ class StepLoop:
             writer.add_rows(rows)
             return output, writer.finish()
         finally:
-            scheduler.release_blocks()
+            self._ended_while_planning = scheduler.release_blocks() > 0
 
     async def _collect(self, runner: ModelRunner, pending: PendingStep) -> StepResult:
         """A launched step's results; a device step is waited for off the loop thread."""

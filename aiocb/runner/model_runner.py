@@ -90,11 +90,7 @@ class ModelRunner:
         if draft_model is not None and drafted is not None:
             self.drafter = Drafter(draft_model, drafted, self.plan, config, self.backends, self.spec.vocab_size)
         self._transfer = HostToDevice(self.device)
-        groups = range(len(self.cache.group_windows))
-        #: the event loop's side of the persistent batch (it copies plans out) ...
-        self.writer = BatchWriter(len(groups), self.spec.vocab_size)
-        #: ... and the worker's (every slot's tables and sampling parameters)
-        self.input_batch = InputBatch([self.cache.null_block(g) for g in groups])
+        self._new_batch()
         graphed = self._decode_graphs_wanted()
         tensor_parallel = tensor_parallel_layout(model) is not None
         varlen_config, decode_config = compile_configs(config, decode_graphs=graphed, tensor_parallel=tensor_parallel)
@@ -128,11 +124,22 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
 
     def attach(self) -> None:
-        """Route the model's attention through the paged cache (idempotent)."""
+        """Start a session: route the model's attention through the paged cache (idempotent
+        within a session). A persistent manager's runner serves several sessions: each
+        starts with an empty persistent batch (the last session's rows never departed from
+        it, and a copy cut short by the end of its event loop may be half made)."""
         if self._original_attention is None:
+            self._new_batch()
             self._original_attention = attention.install(self.model)
         if self.drafter is not None:
             self.drafter.attach()
+
+    def _new_batch(self) -> None:
+        groups = range(len(self.cache.group_windows))
+        #: the event loop's side of the persistent batch (it copies plans out) ...
+        self.writer = BatchWriter(len(groups), self.spec.vocab_size)
+        #: ... and the worker's (every slot's tables and sampling parameters)
+        self.input_batch = InputBatch([self.cache.null_block(g) for g in groups])
 
     def detach(self) -> None:
         """Give the model back its original attention implementation (idempotent)."""

@@ -104,3 +104,27 @@ async def test_cancelling_generate_batch_cancels_all_its_requests(qwen3: PreTrai
         stats = manager.statistics()
         assert stats.running_requests == stats.waiting_requests == 0
         assert stats.free_blocks == stats.total_blocks
+
+
+async def test_samples_cancelled_while_their_fork_pauses_leave_the_engine_running(qwen3: PreTrainedModel) -> None:
+    """Forking hundreds of samples pauses between slices; cancelling them all then empties
+    the plan being made (a 17-token prompt on 16-token pages: the fork copies no block).
+    The next plan is of what is left, and the manager goes on."""
+    config = aiocb.ContinuousBatchingConfig(page_size=16, num_blocks=64)
+    prompt = list(range(1, 18))
+    async with aiocb.Manager(qwen3, continuous_batching_config=config) as manager:
+        task = asyncio.create_task(manager.generate(prompt, 4, n=300, temperature=1.0, seed=1))
+        for _ in range(100_000):
+            await asyncio.sleep(0)
+            steps = manager._steps  # (the scheduler's state, only to time the cancellation)
+            if steps is not None and steps.scheduler._forks and len(steps.scheduler.running) > 1:
+                break
+        else:
+            raise AssertionError("the fork never paused")
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        output = await asyncio.wait_for(manager.generate([5, 6, 7], 3), 30)
+        assert output.generated_tokens == reference_generate(qwen3, [5, 6, 7], 3)
+        assert not manager.is_dead
+        stats = manager.statistics()
+        assert stats.free_blocks == stats.total_blocks

@@ -135,6 +135,25 @@ async def test_persistent_manager_is_reused_by_the_next_async_with(qwen3: PreTra
     await third.destroy()
 
 
+async def test_each_session_of_a_persistent_manager_starts_with_an_empty_batch(qwen3: PreTrainedModel) -> None:
+    """Requests that end in a session's last step never depart from the persistent batch
+    (no step follows): the next session's batch starts empty, or slots pile up session
+    after session (and a copy cut short by a closed loop would be left half made)."""
+    config = aiocb.ContinuousBatchingConfig(page_size=4, num_blocks=64)
+    try:
+        for session in range(3):
+            prompts = random_prompts(8, 3, 10, seed=session)
+            async with aiocb.Manager(qwen3, persistent_manager=True, continuous_batching_config=config) as manager:
+                outputs = await manager.generate_batch(prompts, max_new_tokens=4)
+                assert [o.generated_tokens for o in outputs.values()] == [
+                    reference_generate(qwen3, p, 4) for p in prompts
+                ]
+            runner = manager._runner
+            assert runner is not None and runner.writer.num_live_slots <= len(prompts), session
+    finally:
+        await manager.destroy()
+
+
 async def test_a_persistent_manager_refuses_another_configuration(qwen3: PreTrainedModel) -> None:
     config = aiocb.ContinuousBatchingConfig(num_blocks=64)
     generation = GenerationConfig(max_new_tokens=3, eos_token_id=qwen3.generation_config.eos_token_id)
