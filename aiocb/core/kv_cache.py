@@ -46,6 +46,7 @@ class KVCacheManager:
         # its prefix: sharing is only sound when every layer keeps every position. Hits are
         # looked up and registered in the first pool only, so that must be the only pool.
         self.prefix_caching = enable_prefix_caching and len(groups) == 1 and groups[0].sliding_window is None
+        #: prompt tokens admitted requests found in the prefix cache (counted by the scheduler)
         self.num_prefix_hit_tokens = 0
         #: one cache group, of full attention: a request's blocks are one list, one block per
         #: ``page_size`` tokens (the scheduler checks a decode step's room itself then)
@@ -240,9 +241,7 @@ class KVCacheManager:
             pool.acquire(block)
         request.block_ids = [hits]
         request.num_registered_blocks = len(hits)
-        num_tokens = len(hits) * self.page_size
-        self.num_prefix_hit_tokens += num_tokens
-        return num_tokens
+        return len(hits) * self.page_size
 
     def unmatch_last_block(self, request: Request) -> None:
         """Give back the last block :meth:`match_prefix` attached (its tokens are computed again)."""
@@ -251,7 +250,6 @@ class KVCacheManager:
         request.num_registered_blocks -= 1
         request.num_computed_tokens -= self.page_size
         request.num_cached_tokens -= self.page_size
-        self.num_prefix_hit_tokens -= self.page_size
 
     def cache_full_blocks(self, request: Request) -> None:
         """Register the request's newly completed blocks for prefix sharing."""

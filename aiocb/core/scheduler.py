@@ -804,7 +804,8 @@ class Scheduler:
             if request.num_pending_tokens:
                 break  # preempted while its token was in flight: resume once it has landed
             offloaded = bool(request.host_block_ids)
-            if not request.block_ids and not offloaded and not request.params.prompt_logprobs:
+            matched = not request.block_ids and not offloaded and not request.params.prompt_logprobs
+            if matched:
                 # (a request scoring its prompt must compute every prompt position)
                 request.num_computed_tokens = self.kv_cache.match_prefix(request)
                 request.num_cached_tokens = request.num_computed_tokens
@@ -825,11 +826,11 @@ class Scheduler:
             if not self.kv_cache.allocate(request, num_new):
                 if not offloaded:
                     self.kv_cache.free(request)  # let go of prefix hits until it can run
-                    # they were not used: the next try looks them up (and counts them) again
-                    self.kv_cache.num_prefix_hit_tokens -= request.num_cached_tokens
                     request.num_computed_tokens = 0
                     request.num_cached_tokens = 0
                 break
+            if matched:  # (counted once admitted: a counter never goes back)
+                self.kv_cache.num_prefix_hit_tokens += request.num_cached_tokens
             if offloaded:
                 _extend(output.swap_in, self.kv_cache.restore(request))
             self._dequeue(request)
