@@ -14,10 +14,12 @@ from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerB
 
 from aiocb.config import ContinuousBatchingConfig
 from aiocb.engine.manager import Manager
+from aiocb.errors import InvalidRequestError
 from aiocb.outputs import GenerationOutput
 from aiocb.params import SamplingParams
 from aiocb.prompts import Prompt
 from aiocb.runner.distributed import follow_call, return_to_followers, tensor_parallel_layout
+from aiocb.sampling import merged_generation_config
 from aiocb.speculative import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
@@ -34,6 +36,10 @@ def generate_batch(
     max_new_tokens: int | None = None,
     sampling_params: SamplingParams | None = None,
     speculative_config: SpeculativeConfig | None = None,
+    record_timestamps: bool = False,
+    progress_bar: bool | None = None,
+    persistent_manager: bool = False,
+    warmup: bool = True,
     **params: Any,
 ) -> dict[str, GenerationOutput]:
     """Generate for every prompt and block until all are done.
@@ -45,6 +51,11 @@ def generate_batch(
     speculate (:class:`~aiocb.SpeculativeConfig`). It runs
     its own event loop, so it cannot be called from async code: there, use
     ``await manager.generate_batch(inputs)``.
+
+    transformers' own arguments are taken too: ``record_timestamps`` (each output's
+    ``timestamps``), ``progress_bar`` (``progress``), ``persistent_manager`` (the manager and
+    its cache are kept on the model for the next call) and ``warmup`` (aiocb always warms
+    up, capturing its CUDA graphs before the first step: ``False`` is refused).
 
     Under tensor parallelism call it on every rank with the same arguments, as with
     transformers: rank 0 runs the manager, the other ranks follow its steps inside the
@@ -62,6 +73,19 @@ def generate_batch(
     if in_loop and (layout is None or not layout.is_driver):  # rank 0 tells its followers first
         raise _in_a_loop()
 
+    if warmup is not True:
+        raise InvalidRequestError(
+            f"warmup={warmup!r}: aiocb always captures its CUDA graphs before the first step (none lands in a "
+            "request's time); leave warmup out",
+            param="warmup",
+        )
+    if progress_bar is not None:
+        if progress and not progress_bar:
+            raise InvalidRequestError("progress=True and progress_bar=False contradict each other", param="progress")
+        progress = progress_bar  # (transformers' name for it)
+    if record_timestamps:
+        params["record_timestamps"] = True
+
     def run() -> dict[str, GenerationOutput]:
         if in_loop:
             raise _in_a_loop()
@@ -74,8 +98,10 @@ def generate_batch(
                 generation_config,
                 continuous_batching_config,
                 tokenizer=tokenizer,
-                num_requests_hint=len(inputs),
+                # (as transformers sizes its batches: every sample of every prompt)
+                num_requests_hint=len(inputs) * _samples_per_prompt(model, generation_config, sampling_params, params),
                 speculative_config=speculative_config,
+                persistent_manager=persistent_manager,
             )
             async with manager:
                 return await manager.generate_batch(
@@ -110,6 +136,21 @@ def generate_batch(
         raise
     return_to_followers(layout, timeout, outputs, None, fingerprint)
     return outputs
+
+
+def _samples_per_prompt(
+    model: PreTrainedModel,
+    generation_config: GenerationConfig | None,
+    sampling_params: SamplingParams | None,
+    params: Mapping[str, Any],
+) -> int:
+    """The ``n`` the requests will have (1 where it is not a valid count: the request says why)."""
+    n = params.get("n")
+    if n is None and sampling_params is not None:
+        n = sampling_params.n
+    if n is None:
+        n = merged_generation_config(model, generation_config).num_return_sequences
+    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
 
 
 def _in_a_loop() -> RuntimeError:

@@ -60,7 +60,8 @@ class ContinuousBatchingConfig:
             paths apart. On by default on CUDA for the decode path.
         q_padding_interval_size, kv_padding_interval_size: accepted for compatibility
             (checked, then unused): aiocb's decode graphs are keyed by padded batch size.
-        varlen_compile_config: ``torch.compile`` keyword arguments for mixed/prefill steps.
+        varlen_compile_config: ``torch.compile`` keyword arguments for mixed/prefill steps (a
+            dict, or a transformers ``CompileConfig``).
         decode_compile_config: ``torch.compile`` keyword arguments for decode-only steps.
             (aiocb) When neither it nor ``default_compile_level`` is set and decode steps
             replay CUDA graphs on one process, the decode model is compiled with
@@ -91,8 +92,9 @@ class ContinuousBatchingConfig:
         disable_nccl_graph_mixing: under tensor parallelism (``WORLD_SIZE`` > 1), set
             ``NCCL_GRAPH_MIXING_SUPPORT=0`` (as transformers does).
         block_size: deprecated name of ``page_size``.
-        use_default_compile_configs, max_cached_graphs: deprecated in transformers;
-            accepted and ignored, with a log message.
+        use_default_compile_configs: deprecated in transformers, mapped as it maps it:
+            True sets ``default_compile_level`` to 3, False to 0 (with a warning).
+        max_cached_graphs: deprecated in transformers; accepted and ignored, with a warning.
     """
 
     page_size: int = 256
@@ -138,9 +140,16 @@ class ContinuousBatchingConfig:
         if self.block_size is not None:
             logger.warning("ContinuousBatchingConfig.block_size is deprecated: use page_size")
             self.page_size, self.block_size = self.block_size, None
-        for name in ("use_default_compile_configs", "max_cached_graphs"):
-            if getattr(self, name) is not None:
-                logger.info("ContinuousBatchingConfig.%s is deprecated and has no effect", name)
+        if self.use_default_compile_configs is not None:
+            # (as transformers maps it since deprecating it)
+            self.default_compile_level = 3 if self.use_default_compile_configs else 0
+            logger.warning(
+                "ContinuousBatchingConfig.use_default_compile_configs is deprecated: use default_compile_level "
+                "(set to %d from it)",
+                self.default_compile_level,
+            )
+        if self.max_cached_graphs is not None:
+            logger.warning("ContinuousBatchingConfig.max_cached_graphs is deprecated and has no effect")
         if self.disable_nccl_graph_mixing and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             os.environ.setdefault("NCCL_GRAPH_MIXING_SUPPORT", "0")
         _check_int(self.page_size, "page_size", minimum=4)
@@ -184,8 +193,13 @@ class ContinuousBatchingConfig:
             )
         for name in ("varlen_compile_config", "decode_compile_config"):
             value = getattr(self, name)
+            if value is not None and not isinstance(value, dict) and callable(getattr(value, "to_dict", None)):
+                value = value.to_dict()  # (transformers' CompileConfig, whose fields are torch.compile's)
+                setattr(self, name, value)
             if value is not None and not isinstance(value, dict):
-                raise InvalidConfigError(f"{name} must be a dict of torch.compile arguments or None")
+                raise InvalidConfigError(
+                    f"{name} must be a dict of torch.compile arguments, a transformers CompileConfig or None"
+                )
 
     @property
     def resolved_safety_margin(self) -> float:

@@ -91,6 +91,16 @@ class GenerationOutput(_DeferredTokens):
     scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    #: with ``record_timestamps``: when each of ``generated_tokens`` came (``time.perf_counter()``)
+    timestamps: list[float] | None = None
+
+    @property
+    def lifespan(self) -> tuple[float, float]:
+        """``(scheduled_time, finished_time)`` as transformers gives it: -1 for each not yet reached."""
+        return (
+            -1.0 if self.scheduled_time is None else self.scheduled_time,
+            -1.0 if self.finished_time is None else self.finished_time,
+        )
 
     def is_finished(self) -> bool:
         """Whether this is the request's final output."""

@@ -123,6 +123,10 @@ class SamplingParams:
     prompt_logprobs: bool | None = field(
         default=None, metadata=_doc("each prompt token's log-probability given the ones before", "False")
     )
+    record_timestamps: bool | None = field(
+        default=None,
+        metadata=_doc("when each generated token came (`time.perf_counter()`), in the output's `timestamps`", "False"),
+    )
     n: int | None = field(
         default=None,
         metadata=_doc(
@@ -169,7 +173,7 @@ class SamplingParams:
         _check_int(self, "n", minimum=1)
         for name in ("do_sample", "include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             _check_bool(self, name)
-        for name in ("return_logprobs", "prompt_logprobs"):
+        for name in ("return_logprobs", "prompt_logprobs", "record_timestamps"):
             _check_bool(self, name)
         _check_float(self, "temperature", low=0.0)
         _check_float(self, "top_p", low=0.0, low_open=True, high=1.0)

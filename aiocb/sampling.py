@@ -348,6 +348,7 @@ def resolve_params(
         return_logprobs=bool(top_logprobs) or (default_logprobs if return_logprobs is None else return_logprobs),
         top_logprobs=top_logprobs,
         prompt_logprobs=pick("prompt_logprobs", False),
+        record_timestamps=pick("record_timestamps", False),
         repetition_penalty=pick("repetition_penalty", 1.0),
         presence_penalty=pick("presence_penalty", 0.0),
         frequency_penalty=pick("frequency_penalty", 0.0),

@@ -287,3 +287,28 @@ def test_a_value_of_the_wrong_kind_is_refused_by_name(field: str, value: Any) ->
     at start()."""
     with pytest.raises(aiocb.InvalidConfigError, match=field):
         aiocb.ContinuousBatchingConfig(**{field: value})
+
+
+@pytest.mark.parametrize(("given", "level"), [(True, 3), (False, 0)])
+def test_use_default_compile_configs_sets_the_compile_level_as_transformers_does(
+    given: bool, level: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level("WARNING", logger="aiocb.config"):
+        config = aiocb.ContinuousBatchingConfig(use_default_compile_configs=given, default_compile_level=1)
+    assert config.default_compile_level == level
+    assert "use_default_compile_configs is deprecated" in caplog.text
+
+
+def test_a_transformers_compile_config_is_taken_as_its_torch_compile_arguments() -> None:
+    from transformers import CompileConfig
+
+    config = ContinuousBatchingConfig(decode_compile_config=CompileConfig(mode="max-autotune", fullgraph=True))
+    assert config.decode_compile_config == {
+        "fullgraph": True,
+        "dynamic": None,
+        "backend": "inductor",
+        "mode": "max-autotune",
+        "options": None,
+    }
+    with pytest.raises(InvalidConfigError, match="varlen_compile_config"):
+        ContinuousBatchingConfig(varlen_compile_config="max-autotune")  # type: ignore[arg-type]

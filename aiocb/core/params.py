@@ -34,6 +34,8 @@ class ResolvedParams:
     top_logprobs: int = 0
     #: return the log-probability of every prompt token given the ones before it
     prompt_logprobs: bool = False
+    #: stamp each generated token with when it came (``time.perf_counter()``)
+    record_timestamps: bool = False
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0

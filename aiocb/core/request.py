@@ -79,6 +79,8 @@ class Request:
     #: per prompt position, the token's log-probability given the ones before (None first)
     prompt_logprobs: list[float | None] = field(default_factory=list)
     prompt_top_logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    #: with ``record_timestamps``: when each generated token came
+    timestamps: list[float] = field(default_factory=list)
     status: RequestStatus = RequestStatus.PENDING
     finish_reason: FinishReason | None = None
     error: str | None = None
@@ -180,6 +182,7 @@ class Request:
             self.scheduled_time,
             self.first_token_time,
             self.finished_time,
+            list(self.timestamps) if params.record_timestamps else None,
         )
         if not eager:
             defer_generated_tokens(output, tokens, start, stop)

@@ -526,6 +526,8 @@ class Scheduler:
                         request.top_logprobs.append(dict(tops[row][: params.top_logprobs]))
                     if request.first_token_time is None:
                         request.first_token_time = now
+                    if params.record_timestamps:
+                        request.timestamps.append(now)
                     if status is not decoding and request in running:  # (not if preempted while the step ran)
                         request.status = decoding
                     updated.append(request)
@@ -638,6 +640,8 @@ class Scheduler:
                 request.top_logprobs.append(dict(tops[at][: params.top_logprobs]))
             if request.first_token_time is None:
                 request.first_token_time = now
+            if params.record_timestamps:
+                request.timestamps.append(now)
             taken += 1
             agrees = j < k and token == drafts[j]
             accepted += agrees

@@ -32,11 +32,18 @@ from aiocb.engine.router import OutputRouter
 from aiocb.engine.step_loop import StepLoop
 from aiocb.engine.stream import Consumer, RequestHandle, RequestStream
 from aiocb.engine.turns import LoopTurn
-from aiocb.errors import EngineDeadError, InvalidConfigError, ManagerClosedError, WouldBlock, WrongEventLoopError
+from aiocb.errors import (
+    EngineDeadError,
+    InvalidConfigError,
+    InvalidRequestError,
+    ManagerClosedError,
+    WouldBlock,
+    WrongEventLoopError,
+)
 from aiocb.outputs import FinishReason, GenerationOutput, RequestStatus
 from aiocb.params import STRUCTURE_FIELDS, SamplingParams
 from aiocb.prompts import Prompt
-from aiocb.runner.distributed import build_runner
+from aiocb.runner.distributed import build_runner, tensor_parallel_layout
 from aiocb.runner.memory import scored_rows
 from aiocb.runner.model_runner import ModelRunner
 from aiocb.sampling import RequestLimits, eos_ids, merged_generation_config
@@ -161,6 +168,8 @@ class Manager:
         self._state = _State.CREATED
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
+        #: a stop begun with block=False, which goes on without its caller
+        self._stopping: asyncio.Future[None] | None = None
         self._runner: ModelRunner | None = None
         self._steps: StepLoop | None = None
         #: the last statistics, kept when destroy() drops the step loop and its scheduler
@@ -271,13 +280,26 @@ class Manager:
         self._state = _State.RUNNING
         self._task = loop.create_task(self._run_steps(self._steps), name="aiocb-step-loop")
 
-    async def stop(self, hard_stop: bool = False, timeout: float | None = None) -> None:
-        """Stop accepting requests, then finish every queued and running one.
+    async def stop(
+        self,
+        block: bool = True,
+        timeout: float | None = None,
+        keep_for_next_session: bool = False,
+        hard_stop: bool = False,
+    ) -> None:
+        """Stop accepting requests, then finish every queued and running one (transformers'
+        arguments, in its order).
 
         With ``hard_stop=True`` they end at once instead: their awaiters and streams get
         :class:`~aiocb.RequestAbortedError`. If ``timeout`` seconds pass before a graceful
-        stop completes, the remaining requests are aborted the same way.
+        stop completes, the remaining requests are aborted the same way (transformers only
+        stops waiting then). With ``block=False`` it returns once the stop has begun, which
+        goes on on the loop (``destroy`` waits for it). ``keep_for_next_session=True`` makes
+        the manager persistent, as ``persistent_manager=True`` would have: the next
+        ``aiocb.Manager(model, persistent_manager=True)`` returns it, its cache kept.
         """
+        if keep_for_next_session and not self.persistent:
+            self._keep_for_next_session()
         if self._state in (_State.CREATED, _State.STOPPED, _State.DESTROYED, _State.DEAD):
             if self._state is _State.CREATED:
                 logger.warning("Manager.stop(): the manager was never started")
@@ -289,8 +311,28 @@ class Manager:
         self._admission.fail(ManagerClosedError("the manager is stopping; the request was not queued"))
         if hard_stop:
             self._router.abort_all("stop(hard_stop=True) aborted the request")
-        assert self._steps is not None and self._task is not None
+        assert self._steps is not None
         self._steps.drain()
+        if block:
+            await self._stopped(timeout)
+        else:  # (kept: a task nothing refers to may be collected before it ends)
+            self._stopping = asyncio.ensure_future(self._stopped(timeout))
+
+    def _keep_for_next_session(self) -> None:
+        if tensor_parallel_layout(self.model) is not None and self._runner is not None:
+            # (the follower ranks' runners were built to be dropped at the session's end)
+            raise InvalidRequestError(
+                "keep_for_next_session: a tensor-parallel manager is kept only when built with persistent_manager=True"
+            )
+        cached = getattr(self.model, _CACHED_MANAGER_ATTR, None)
+        if cached is not None and cached is not self:
+            raise InvalidRequestError("keep_for_next_session: the model already keeps another persistent manager")
+        self.persistent = True
+        setattr(self.model, _CACHED_MANAGER_ATTR, self)
+
+    async def _stopped(self, timeout: float | None) -> None:
+        """Wait for the step loop to end, aborting what is left after ``timeout`` seconds."""
+        assert self._task is not None
         try:
             await asyncio.wait_for(asyncio.shield(self._task), timeout)
         except TimeoutError:
@@ -308,7 +350,7 @@ class Manager:
         if self._state is _State.DESTROYED:
             return
         if self.is_running:
-            await self.stop()
+            await self.stop()  # (or joins one begun without blocking)
         if self._runner is not None:
             self._runner.detach()
             self._runner = None
@@ -567,6 +609,9 @@ class Manager:
         )
         order = [r for parent in requests for r in (*parent.children, parent)]
         handles = [self._router.get(r.request_id) for r in order]
+        if bar is not None and bar.total != len(order):
+            bar.total = len(order)  # (every sample of every prompt)
+            bar.refresh()
         try:
             return await self._collect(order, handles)
         except BaseException:

@@ -32,3 +32,77 @@ def test_sampling_parameters_apply_to_every_prompt(qwen3: PreTrainedModel) -> No
     again = aiocb.generate_batch(qwen3, PROMPTS[:2], max_new_tokens=6, temperature=1.0, seed=5, return_logprobs=True)
     assert [o.generated_tokens for o in first.values()] == [o.generated_tokens for o in again.values()]
     assert all(o.logprobs is not None and len(o.logprobs) == 6 for o in first.values())
+
+
+@pytest.mark.parametrize(
+    "samples",
+    [{"n": 3}, {"sampling_params": aiocb.SamplingParams(n=3)}, {"generation_config": "num_return_sequences=3"}],
+    ids=["keyword", "sampling_params", "generation_config"],
+)
+def test_batches_are_sized_and_counted_by_samples(
+    qwen3: PreTrainedModel,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    samples: dict[str, object],
+) -> None:
+    """As transformers does: every sample of every prompt is a row the batch may hold,
+    and a finished request on the progress bar."""
+    from transformers import GenerationConfig
+
+    hints: list[object] = []
+    init = aiocb.Manager.__init__
+
+    def spy(self: aiocb.Manager, *args: object, **kwargs: object) -> None:
+        hints.append(kwargs.get("num_requests_hint"))
+        init(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(aiocb.Manager, "__init__", spy)
+
+    if samples.get("generation_config"):
+        samples = {"generation_config": GenerationConfig(num_return_sequences=3, do_sample=True, max_new_tokens=4)}
+    config = aiocb.ContinuousBatchingConfig(page_size=16, num_blocks=64)
+    outputs = aiocb.generate_batch(
+        qwen3, random_prompts(2, 4, 8, seed=3), continuous_batching_config=config, progress=True,
+        max_new_tokens=4, temperature=1.0, **samples,  # type: ignore[arg-type]
+    )  # fmt: skip
+    assert len(outputs) == 6 and hints == [6]
+    assert "6/6" in capsys.readouterr().err
+
+
+def test_transformers_own_arguments(qwen3: PreTrainedModel, capsys: pytest.CaptureFixture[str]) -> None:
+    """``record_timestamps``, ``progress_bar``, ``persistent_manager`` and ``warmup``, as
+    transformers' ``generate_batch`` takes them."""
+    outputs = aiocb.generate_batch(qwen3, PROMPTS, max_new_tokens=5, record_timestamps=True, progress_bar=True)
+    assert "5/5" in capsys.readouterr().err
+    for prompt, output in zip(PROMPTS, outputs.values(), strict=True):
+        assert output.generated_tokens == reference_generate(qwen3, prompt, 5)
+        stamps = output.timestamps
+        assert stamps is not None and len(stamps) == 5 and stamps == sorted(stamps)
+        start, end = output.lifespan
+        assert output.created_time <= start <= stamps[0] and stamps[-1] <= end
+    plain = aiocb.generate_batch(qwen3, PROMPTS[:1], max_new_tokens=2)
+    assert plain["req_0"].timestamps is None
+    with pytest.raises(aiocb.InvalidRequestError, match="warmup"):
+        aiocb.generate_batch(qwen3, PROMPTS, warmup=False)
+    kept = aiocb.generate_batch(qwen3, PROMPTS[:2], max_new_tokens=2, persistent_manager=True)
+    manager = aiocb.Manager(qwen3, persistent_manager=True)  # (the one the call kept)
+    try:
+        assert manager._runner is not None, "its cache was kept"
+        again = aiocb.generate_batch(qwen3, PROMPTS[:2], max_new_tokens=2, persistent_manager=True)
+        assert [o.generated_tokens for o in again.values()] == [o.generated_tokens for o in kept.values()]
+        assert aiocb.Manager(qwen3, persistent_manager=True) is manager
+    finally:
+        import asyncio
+
+        asyncio.run(manager.destroy())
+
+
+async def test_timestamps_of_streamed_and_speculated_tokens(qwen3: PreTrainedModel) -> None:
+    speculative = aiocb.SpeculativeConfig(prompt_lookup_min=1, disable_by_batch_size=None)
+    async with aiocb.Manager(qwen3, speculative_config=speculative) as manager:
+        rid = await manager.add_request([5, 6, 7, 5, 6, 7, 5, 6], max_new_tokens=12, record_timestamps=True)
+        seen = 0
+        async for chunk in manager.stream(rid):
+            assert chunk.timestamps is not None and len(chunk.timestamps) == len(chunk.generated_tokens) >= seen
+            seen = len(chunk.generated_tokens)
+        assert seen == 12 and chunk.finished_time is not None and chunk.timestamps[-1] <= chunk.finished_time

@@ -34,6 +34,34 @@ async def test_stop_finishes_queued_and_running_requests(qwen3: PreTrainedModel)
     await manager.destroy()
 
 
+async def test_stop_takes_transformers_arguments_in_its_order(qwen3: PreTrainedModel) -> None:
+    """``stop(block, timeout, keep_for_next_session, hard_stop)``: not blocking, it returns
+    with the stop begun (new requests refused, running ones finishing); keeping the manager
+    for the next session makes it the model's persistent one."""
+    manager = aiocb.Manager(qwen3)
+    manager.start()
+    running = asyncio.create_task(manager.generate(PROMPTS[0], max_new_tokens=8))
+    await asyncio.sleep(0)
+    await manager.stop(False, None, True)
+    assert manager.is_running, "stopping, not stopped"
+    with pytest.raises(aiocb.ManagerClosedError):
+        await manager.add_request(PROMPTS[1], max_new_tokens=2)
+    output = await running
+    assert output.generated_tokens == reference_generate(qwen3, PROMPTS[0], 8)
+    await manager.stop(True)  # (joins the stop begun)
+    assert not manager.is_running
+    again = aiocb.Manager(qwen3, persistent_manager=True)
+    assert again is manager and manager._runner is not None
+    async with again:
+        assert (await again.generate(PROMPTS[1], max_new_tokens=3)).generated_tokens == reference_generate(
+            qwen3, PROMPTS[1], 3
+        )
+    await manager.destroy()
+    fresh = aiocb.Manager(qwen3, persistent_manager=True)
+    assert fresh is not manager
+    await fresh.destroy()
+
+
 async def test_hard_stop_fails_pending_requests(qwen3: PreTrainedModel) -> None:
     manager = aiocb.Manager(qwen3)
     manager.start()

@@ -90,8 +90,10 @@ def test_a_deferred_output_behaves_as_a_plain_one() -> None:
 
 
 def test_an_output_carries_each_field_of_its_request() -> None:
-    params = ResolvedParams(max_new_tokens=20, return_logprobs=True, top_logprobs=1, prompt_logprobs=True)
-    request = Request("r", [1, 2], params, 1.5, token_ids=[1, 2, 3])
+    params = ResolvedParams(
+        max_new_tokens=20, return_logprobs=True, top_logprobs=1, prompt_logprobs=True, record_timestamps=True
+    )
+    request = Request("r", [1, 2], params, 1.5, token_ids=[1, 2, 3], timestamps=[3.5])
     request.logprobs, request.top_logprobs = [-0.5], [{3: -0.5}]
     request.prompt_logprobs, request.prompt_top_logprobs = [None, -0.25], [None, {2: -0.25}]
     request.status, request.finish_reason = aiocb.RequestStatus.FINISHED, aiocb.FinishReason.STOP
@@ -116,4 +118,5 @@ def test_an_output_carries_each_field_of_its_request() -> None:
         "scheduled_time": 2.5,
         "first_token_time": 3.5,
         "finished_time": 4.5,
+        "timestamps": [3.5],
     }
