@@ -123,6 +123,15 @@ class SamplingParams:
     prompt_logprobs: bool | None = field(
         default=None, metadata=_doc("each prompt token's log-probability given the ones before", "False")
     )
+    logprobs_mode: str | None = field(
+        default=None,
+        metadata=_doc(
+            '`"raw"`: logprobs of the model\'s distribution (a log-softmax of its logits); `"processed"`: of '
+            "the distribution the token was drawn from (after the logits controls, a grammar's mask, temperature, "
+            "top-k, top-p and min-p), as transformers gives them",
+            '`"raw"`',
+        ),
+    )
     record_timestamps: bool | None = field(
         default=None,
         metadata=_doc("when each generated token came (`time.perf_counter()`), in the output's `timestamps`", "False"),
@@ -175,6 +184,10 @@ class SamplingParams:
             _check_bool(self, name)
         for name in ("return_logprobs", "prompt_logprobs", "record_timestamps"):
             _check_bool(self, name)
+        if self.logprobs_mode not in (None, "raw", "processed"):
+            raise InvalidRequestError(
+                f'logprobs_mode must be "raw" or "processed", got {self.logprobs_mode!r}', param="logprobs_mode"
+            )
         _check_float(self, "temperature", low=0.0)
         _check_float(self, "top_p", low=0.0, low_open=True, high=1.0)
         _check_float(self, "min_p", low=0.0, high=1.0)

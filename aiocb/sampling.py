@@ -349,6 +349,7 @@ def resolve_params(
         top_logprobs=top_logprobs,
         prompt_logprobs=pick("prompt_logprobs", False),
         record_timestamps=pick("record_timestamps", False),
+        processed_logprobs=pick("logprobs_mode", "raw") == "processed",
         repetition_penalty=pick("repetition_penalty", 1.0),
         presence_penalty=pick("presence_penalty", 0.0),
         frequency_penalty=pick("frequency_penalty", 0.0),

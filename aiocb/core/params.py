@@ -34,6 +34,9 @@ class ResolvedParams:
     top_logprobs: int = 0
     #: return the log-probability of every prompt token given the ones before it
     prompt_logprobs: bool = False
+    #: logprobs of the distribution drawn from (after controls, temperature and filters),
+    #: not of the model's raw one
+    processed_logprobs: bool = False
     #: stamp each generated token with when it came (``time.perf_counter()``)
     record_timestamps: bool = False
     repetition_penalty: float = 1.0

@@ -41,6 +41,8 @@ class SlotParams:
     any_logprobs: bool
     max_top_logprobs: int
     max_top_k: int
+    #: rows whose logprobs are of the distribution drawn from; None when no row's are
+    processed_logprobs: torch.Tensor | None
 
 
 class InputBatch:
@@ -58,6 +60,7 @@ class InputBatch:
         self.seed = torch.zeros(num_slots, dtype=_LONG)
         self.logprobs = torch.zeros(num_slots, dtype=torch.bool)
         self.top_logprobs = torch.zeros(num_slots, dtype=_LONG)
+        self.processed_logprobs = torch.zeros(num_slots, dtype=torch.bool)
         #: the last two :meth:`sampling_params`, the latest first: steady decode steps sample
         #: the same slots, whose parameters change only when a slot gets a new owner (two:
         #: a draft model's passes sample the speculating rows' slots in between)
@@ -75,7 +78,9 @@ class InputBatch:
         if batch.join_slots:
             self._params = []
             slots = torch.tensor(batch.join_slots, dtype=_LONG)
-            temperature, top_k, top_p, min_p, seed, logprobs, top_logprobs = zip(*batch.join_params, strict=True)
+            temperature, top_k, top_p, min_p, seed, logprobs, top_logprobs, processed = zip(
+                *batch.join_params, strict=True
+            )
             self.temperature[slots] = torch.tensor(temperature, dtype=torch.float32)
             self.top_k[slots] = torch.tensor(top_k, dtype=_LONG)
             self.top_p[slots] = torch.tensor(top_p, dtype=torch.float32)
@@ -83,6 +88,7 @@ class InputBatch:
             self.seed[slots] = torch.tensor(seed, dtype=_LONG)
             self.logprobs[slots] = torch.tensor(logprobs, dtype=torch.bool)
             self.top_logprobs[slots] = torch.tensor(top_logprobs, dtype=_LONG)
+            self.processed_logprobs[slots] = torch.tensor(processed, dtype=torch.bool)
         for g, writes in enumerate(batch.tables):
             if writes.resets:
                 resets = torch.tensor(writes.resets, dtype=_LONG)
@@ -112,6 +118,7 @@ class InputBatch:
         min_p = self.min_p.index_select(0, slots)
         drawn = temperature != 0.0
         tops = self.top_logprobs.index_select(0, slots)
+        processed = self.processed_logprobs.index_select(0, slots)
         drawn_k = top_k[drawn]
         params = SlotParams(
             # (a copy: the caller may reuse its tensor)
@@ -128,6 +135,7 @@ class InputBatch:
             any_logprobs=bool((self.logprobs.index_select(0, slots) | (tops > 0)).any()),
             max_top_logprobs=int(tops.max()) if tops.numel() else 0,
             max_top_k=int(drawn_k.max()) if drawn_k.numel() else 0,
+            processed_logprobs=processed if bool(processed.any()) else None,
         )
         self._params = [params, *self._params[:1]]
         return params
@@ -157,6 +165,7 @@ class InputBatch:
         self.seed = grown(self.seed, 0)
         self.logprobs = grown(self.logprobs, False)
         self.top_logprobs = grown(self.top_logprobs, 0)
+        self.processed_logprobs = grown(self.processed_logprobs, False)
 
     def _grow_width(self, group: int, needed: int) -> None:
         table = self.tables[group]

@@ -574,6 +574,7 @@ def _sampling_tensors(
         max_top_logprobs=gathered.max_top_logprobs,
         max_top_k=gathered.max_top_k,
         min_p=gathered.min_p,
+        processed_logprobs=gathered.processed_logprobs,
         controls=controls_from_tensors(controls),
         history_carry=controls.get("c_history_carry"),
         history_carry_rows=controls.get("c_history_carry_rows"),

@@ -20,8 +20,8 @@ from typing import Protocol
 import torch
 
 from aiocb.runner.argmax import argmax_rows
-from aiocb.runner.draw import draw, draw_full
-from aiocb.runner.logits_controls import LogitsControls, apply_controls
+from aiocb.runner.draw import apply_top_k_top_p, draw, draw_full
+from aiocb.runner.logits_controls import LogitsControls, apply_controls, apply_min_p
 from aiocb.runner.noise import seed_key
 
 logger = logging.getLogger(__name__)
@@ -59,6 +59,9 @@ class SamplingTensors:
     any_greedy: bool = True
     #: [S] float32, 0 = off; None when no sampled row uses min-p
     min_p: torch.Tensor | None = None
+    #: [S] bool: rows whose logprobs are of the distribution drawn from (after controls,
+    #: masks, temperature and filters), not the raw one; None when no row's are
+    processed_logprobs: torch.Tensor | None = None
     #: biases, penalties, bans and allow-lists; None when no row uses one
     controls: LogitsControls | None = None
     #: entries of ``controls.history_ids`` still being sampled by the previous step, and
@@ -127,6 +130,7 @@ class SamplingTensors:
             any_logprobs=False,
             max_top_logprobs=0,
             min_p=None if self.min_p is None else self.min_p.index_select(0, rows),
+            processed_logprobs=None,
             controls=None,
             history_carry=None,
             history_carry_rows=None,
@@ -160,7 +164,8 @@ def sample(logits: torch.Tensor, params: SamplingTensors) -> Sampled:
     """Pick one token per row of ``logits [S, V]`` (the model's dtype).
 
     When any row asked for them, also the log-probabilities of the picks and the most
-    likely alternatives, under the raw distribution (log-softmax of ``logits``).
+    likely alternatives, under the raw distribution (log-softmax of ``logits``), or for
+    the rows of ``params.processed_logprobs`` under the distribution drawn from.
     """
     raw = logits
     drawn_on_cpu = not params.all_greedy and logits.device.type == "cpu"
@@ -198,8 +203,26 @@ def sample(logits: torch.Tensor, params: SamplingTensors) -> Sampled:
         tokens = draw_on_device(logits, params)
     result = Sampled(tokens)
     if params.any_logprobs:
-        result.logprobs, result.top_ids, result.top_logprobs = score(raw, tokens, params.max_top_logprobs)
+        scored = raw if params.processed_logprobs is None else _drawn_from(raw, logits, params)
+        result.logprobs, result.top_ids, result.top_logprobs = score(scored, tokens, params.max_top_logprobs)
     return result
+
+
+def _drawn_from(raw: torch.Tensor, logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+    """The logits of the distributions the rows were drawn from, float32, for the rows of
+    ``params.processed_logprobs`` (the others' raw logits): ``logits`` (after controls and
+    masks) over the row's temperature, with its top-k, top-p and min-p filters, as
+    transformers' logits processors make them. A greedy row's is its controlled logits."""
+    assert params.processed_logprobs is not None
+    drawn = params.temperature != 0.0
+    processed = logits.float() / torch.where(drawn, params.temperature, 1.0)[:, None]
+    top_k = torch.where(drawn, params.top_k, 0) if params.any_top_k else None
+    top_p = torch.where(drawn, params.top_p, 1.0) if params.any_top_p else None
+    if top_k is not None or top_p is not None:
+        processed = apply_top_k_top_p(processed, top_k, top_p)
+    if params.min_p is not None:
+        processed = apply_min_p(processed, params.min_p)  # (0, off, for greedy rows)
+    return torch.where(params.processed_logprobs[:, None], processed, raw.float())
 
 
 #: whether the Triton sampler failed once in this process (it is not tried again)

@@ -51,8 +51,9 @@ class RowControls:
 
 
 #: A slot's sampling parameters: temperature (0 when greedy), top-k, top-p, min-p (0 when
-#: greedy), 32-bit seed, whether to return logprobs, how many top alternatives.
-RowParams = tuple[float, int, float, float, int, bool, int]
+#: greedy), 32-bit seed, whether to return logprobs, how many top alternatives, whether
+#: logprobs are of the distribution drawn from.
+RowParams = tuple[float, int, float, float, int, bool, int, bool]
 
 
 def row_params(params: ResolvedParams) -> RowParams:
@@ -66,6 +67,7 @@ def row_params(params: ResolvedParams) -> RowParams:
         seed_key(params.seed),
         params.return_logprobs,
         params.top_logprobs,
+        params.processed_logprobs,
     )
 
 

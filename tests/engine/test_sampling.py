@@ -69,6 +69,51 @@ async def test_logprobs_match_log_softmax_of_the_model(qwen3: PreTrainedModel) -
         assert torch.allclose(torch.tensor(output.logprobs), expected[:, 0], atol=1e-4)
 
 
+@pytest.mark.parametrize("speculate", [False, True], ids=["plain", "speculating"])
+async def test_processed_logprobs_are_of_the_distribution_drawn_from(qwen3: PreTrainedModel, speculate: bool) -> None:
+    """``logprobs_mode="processed"``: transformers' logits processors (penalty, temperature,
+    top-k, top-p, min-p) applied to the model's logits, then a log-softmax; a greedy row's
+    are of its penalised logits; raw rows in the same steps keep the model's own."""
+    from transformers import (
+        MinPLogitsWarper,
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    sampled = {"temperature": 0.7, "top_k": 20, "top_p": 0.9, "min_p": 0.05, "seed": 5}
+    cases = [
+        {**sampled, "repetition_penalty": 1.3, "logprobs_mode": "processed"},
+        {"repetition_penalty": 1.3, "logprobs_mode": "processed"},
+        {**sampled, "repetition_penalty": 1.3},
+    ]
+    speculative = aiocb.SpeculativeConfig(prompt_lookup_min=1, disable_by_batch_size=None) if speculate else None
+    async with aiocb.Manager(qwen3, speculative_config=speculative) as manager:
+        outputs = await asyncio.gather(
+            *(manager.generate(PROMPTS[i], max_new_tokens=10, return_logprobs=True, **c) for i, c in enumerate(cases))
+        )
+    for i, (case, output) in enumerate(zip(cases, outputs, strict=True)):
+        prompt, processors = PROMPTS[i], [RepetitionPenaltyLogitsProcessor(1.3)]
+        if case.get("logprobs_mode") != "processed":
+            processors = []
+        elif "temperature" in case:
+            processors += [TemperatureLogitsWarper(0.7), TopKLogitsWarper(20), TopPLogitsWarper(0.9)]
+            processors.append(MinPLogitsWarper(0.05))
+        sequence = prompt + output.generated_tokens
+        with torch.no_grad():
+            logits = qwen3(torch.tensor([sequence])).logits[0]
+        expected = []
+        for j, token in enumerate(output.generated_tokens):
+            history = torch.tensor([sequence[: len(prompt) + j]])
+            scores = logits[len(prompt) + j - 1][None].clone()
+            for processor in processors:
+                scores = processor(history, scores)
+            expected.append(float(scores.log_softmax(-1)[0, token]))
+        assert output.logprobs is not None
+        assert torch.allclose(torch.tensor(output.logprobs), torch.tensor(expected), atol=1e-4), case
+
+
 async def test_logprobs_are_absent_unless_asked(qwen3: PreTrainedModel) -> None:
     async with aiocb.Manager(qwen3) as manager:
         plain = await manager.generate(PROMPTS[0], max_new_tokens=3)

@@ -70,10 +70,11 @@ def _check_rows(
             length = int(state.lengths[g][slot])
             assert state.tables[g][slot, :length].tolist() == blocks, f"row {row} group {g}"
             assert (state.tables[g][slot, length:] == state._null[g]).all(), "stale entries past the table"
-        temperature, top_k, top_p, min_p, seed, logprobs, top_logprobs = row_params(request.params)
+        temperature, top_k, top_p, min_p, seed, logprobs, top_logprobs, processed = row_params(request.params)
         assert float(state.temperature[slot]) == torch.tensor(temperature, dtype=torch.float32).item()
         assert (int(state.top_k[slot]), int(state.seed[slot]), bool(state.logprobs[slot])) == (top_k, seed, logprobs)
         assert int(state.top_logprobs[slot]) == top_logprobs
+        assert bool(state.processed_logprobs[slot]) == processed
         assert float(state.top_p[slot]) == torch.tensor(top_p, dtype=torch.float32).item()
         assert float(state.min_p[slot]) == torch.tensor(min_p, dtype=torch.float32).item()
         known = request.token_ids[item.start : item.start + item.num_tokens]
@@ -85,7 +86,7 @@ def _check_rows(
     if sampled:  # the gathered parameters (perhaps those of the step before) are the rows' own
         gathered = state.sampling_params(torch.tensor([slots[row] for row in sampled]))
         for i, row in enumerate(sampled):
-            temperature, top_k, _, _, seed, _, _ = row_params(output.scheduled[row].request.params)
+            temperature, top_k, _, _, seed, _, _, _ = row_params(output.scheduled[row].request.params)
             assert (int(gathered.top_k[i]), int(gathered.seed[i])) == (top_k, seed)
             assert float(gathered.temperature[i]) == torch.tensor(temperature, dtype=torch.float32).item()
 
@@ -159,7 +160,7 @@ def test_the_persistent_batch_follows_the_scheduler(seed: int, num_blocks: int, 
 
 def _joining(slots: list[int], temperatures: list[float]) -> StepBatch:
     """A step that gives ``slots`` new owners sampling at ``temperatures`` (top-k 5 each)."""
-    params = [(t, 5, 1.0, 0.0, 7, False, 0) for t in temperatures]
+    params = [(t, 5, 1.0, 0.0, 7, False, 0, False) for t in temperatures]
     return StepBatch(
         token_ids=[],
         slots=[],
