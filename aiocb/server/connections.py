@@ -51,7 +51,10 @@ class _HeaderBounds:
 
     def data_received(self, data: bytes) -> None:
         before = self.cycle
-        waiting = before is None or before.response_complete
+        # Bytes after a whole request are the next request's, also while the response is
+        # still going (pipelining): the parser keeps such headers until they end, unbounded.
+        waiting = before is None or before.response_complete or not before.more_body
+        end = -1
         if waiting:
             # The bytes of this chunk that belong to the headers: up to the blank line
             # that ends them (which may straddle two chunks), or all of it.
@@ -64,8 +67,10 @@ class _HeaderBounds:
                 return
             self._header_tail = seen[-3:] if end < 0 else b""
         super().data_received(data)  # type: ignore[misc]
-        if self.cycle is not before:
-            self._disarm()  # a new request's headers arrived
+        if self.cycle is not before or end >= 0:
+            # A new request's headers arrived (a pipelined one's wait, with reading paused,
+            # for the response in progress to end)
+            self._disarm()
         elif waiting:
             self._arm()  # part of the next request's headers: they are now on the clock
 
@@ -86,8 +91,9 @@ class _HeaderBounds:
 
     def _headers_too_slow(self) -> None:
         self._header_timer = None
-        if self.cycle is None or self.cycle.response_complete:
-            self.transport.close()
+        cycle = self.cycle
+        if cycle is None or cycle.response_complete or not cycle.more_body:
+            self.transport.close()  # (a pipelined request's headers too: the response is cut short)
 
     def _refuse_headers(self) -> None:
         self._disarm()

@@ -4,6 +4,7 @@ draining, and an event loop that keeps serving while huge inputs are refused or 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -183,6 +184,51 @@ async def test_headers_too_large_are_431(
                 assert refused.status_code == 431
                 assert "--max-header-bytes" in refused.json()["error"]["message"]
             assert (await http.get("/health")).status_code == 200, "the server goes on"
+
+
+@pytest.mark.parametrize("protocol", [h11_protocol, httptools_protocol], ids=["h11", "httptools"])
+async def test_a_pipelined_request_s_headers_are_bounded_while_a_response_streams(
+    manager: aiocb.Manager, tokenizer: Any, protocol: Callable[[float, int], type[asyncio.Protocol]]
+) -> None:
+    """HTTP/1.1 pipelining: the next request's headers come while the first one's response
+    is still streaming. A short one is answered after it; one past the bound closes the
+    connection (the parser would otherwise keep header lines without end)."""
+    body = json.dumps({"prompt": "hi", "max_tokens": 64, "ignore_eos": True, "stream": True}).encode()
+    post = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    post += b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    async with live_server(manager, tokenizer, max_header_bytes=2048, protocol=protocol) as server:
+        host, port = server.url.removeprefix("http://").split(":")
+        writers: list[asyncio.StreamWriter] = []
+        try:
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writers.append(writer)
+            writer.write(post + b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            answered = await asyncio.wait_for(reader.read(1 << 20), 30)
+            while b'{"status"' not in answered:  # (the stream, then the pipelined answer)
+                more = await asyncio.wait_for(reader.read(1 << 20), 30)
+                assert more, answered[-300:]
+                answered += more
+            assert answered.count(b"HTTP/1.1 200") == 2
+            writer.close()
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writers.append(writer)
+            writer.write(post)
+            await asyncio.wait_for(reader.read(100), 30)  # (the stream has begun)
+            writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+            pad = b"X-Pad: " + b"a" * 1000 + b"\r\n"
+            with contextlib.suppress(ConnectionError):
+                for _ in range(64):  # 64 KiB of header lines: far past the 2 KiB bound
+                    writer.write(pad)
+                    await writer.drain()
+            rest = b""
+            with contextlib.suppress(ConnectionError):
+                while chunk := await asyncio.wait_for(reader.read(1 << 20), 30):
+                    rest += chunk
+            assert b"HTTP/1.1 431" in rest and b'{"status"' not in rest, rest[-300:]
+            writer.close()
+        finally:
+            for each in writers:
+                each.close()
 
 
 async def test_a_client_gone_before_its_body_is_no_server_error(
