@@ -154,32 +154,51 @@ class Driver:
                 self.failure.__cause__ = exc
 
     def _work(self) -> None:
+        while self._serve(self._next_job()):
+            pass
+
+    def _next_job(self) -> tuple[Callable[[], Any], Future[Any]] | None:
+        """The next job, sending heartbeats while none comes; None: the thread ends."""
         while True:
             try:
-                item = self._jobs.get(timeout=self.channel.heartbeat_interval)
+                return self._jobs.get(timeout=self.channel.heartbeat_interval)
             except queue.Empty:
                 if not dist.is_initialized():
                     self.closed = True  # destroy_process_group() ran: nothing left to talk over
-                    return
+                    return None
                 if self.usable:
                     try:
                         self.send("heartbeat")
                     except DistributedError as exc:
                         logger.error("%s", exc)
                         self._fail(exc)
-                continue
-            if item is None:
-                return
-            job, future = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                result = job()
-            except BaseException as exc:
-                self._fail(exc)
-                future.set_exception(exc)
-            else:
+
+    def _serve(self, item: tuple[Callable[[], Any], Future[Any]] | None) -> bool:
+        """Run one job and hand its outcome to its caller; False once the thread is to end."""
+        if item is None:
+            return False
+        job, future = item
+        del item
+        if future.set_running_or_notify_cancel():
+            result, error = _outcome(job)
+            # A job is a closure over its runner: let go of it before the caller hears back,
+            # or this thread, idle until the next job, would keep a destroyed manager's
+            # runner and its KV cache alive.
+            del job
+            if error is None:
                 future.set_result(result)
+            else:
+                self._fail(error)
+                future.set_exception(error)
+        return True
+
+
+def _outcome(job: Callable[[], T]) -> tuple[T | None, BaseException | None]:
+    """What ``job`` returned, or what it raised."""
+    try:
+        return job(), None
+    except BaseException as exc:
+        return None, exc
 
 
 _DRIVERS: dict[tuple[int, tuple[int, ...]], Driver] = {}

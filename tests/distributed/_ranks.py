@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import json
 import logging
 import os
 import signal
 import sys
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -159,6 +161,29 @@ async def scenario_kill_driver(model: Any, out: Path) -> dict[str, Any]:
     return {}
 
 
+def _runner_refs(manager: aiocb.Manager) -> list[weakref.ref[Any]]:
+    """Weak references to a manager's runner and to every K and V tensor of its cache."""
+    runner = manager._runner
+    assert runner is not None
+    return [weakref.ref(runner), *(weakref.ref(t) for t in (*runner.cache.key, *runner.cache.value))]
+
+
+def _alive(refs: list[weakref.ref[Any]]) -> int:
+    return sum(ref() is not None for ref in refs)
+
+
+async def scenario_release(model: Any, out: Path) -> dict[str, Any]:
+    """Destroyed managers free their cache on rank 0 by reference counting alone, while rank 0 idles."""
+    result: dict[str, Any] = {}
+    gc.disable()  # (only reference counting frees what the check looks at)
+    async with aiocb.Manager(model, continuous_batching_config=_config()) as plain:
+        await _generate(plain)
+        refs = _runner_refs(plain)
+    result["plain_alive"] = _alive(refs)
+    gc.enable()
+    return result
+
+
 async def _start_a_manager(model: Any) -> str | None:
     """On a follower: the error a Manager gives at start."""
     try:
@@ -185,6 +210,7 @@ SCENARIOS: dict[str, Scenario] = {
     "kill_follower": scenario_kill_follower,
     "hang_follower": scenario_hang_follower,
     "kill_driver": scenario_kill_driver,
+    "release": scenario_release,
 }
 
 

@@ -13,7 +13,7 @@ from transformers import PreTrainedModel
 
 from tests.conftest import reference_generate
 from tests.distributed._ranks import MAX_NEW_TOKENS, PROMPTS
-from tests.distributed.launch import launch, logs_of
+from tests.distributed.launch import Ranks, launch, logs_of
 
 pytestmark = pytest.mark.skipif(
     not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo"
@@ -75,6 +75,19 @@ def test_generate_batch_on_every_rank_runs_once_and_returns_rank_0_s_outputs_eve
     assert follower["again"] == driver["again"], "the ranks are still in step after a refusal and a divergence"
     rank0_log = (tmp_path / "rank0.log").read_text()
     assert "could not release" not in rank0_log, "rank 0 sent nothing after the last return: the followers left"
+
+
+@pytest.fixture(scope="module")
+def released(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Ranks, Path]:
+    """Managers destroyed on rank 0, with the follower's runners watched (one launch for the tests below)."""
+    out = tmp_path_factory.mktemp("release")
+    return launch("release", llama_dir, out), out
+
+
+def test_rank_0_frees_a_destroyed_manager_s_cache_while_idle(released: tuple[Ranks, Path]) -> None:
+    ranks, out = released
+    assert ranks.driver is not None and ranks.exit_codes == [0, 0], logs_of(out)
+    assert ranks.driver["plain_alive"] == 0, "the driver thread, idle, still held the last session's runner"
 
 
 def test_a_killed_follower_fails_rank_0_with_a_clear_error(llama_dir: Path, tmp_path: Path) -> None:
