@@ -14,6 +14,11 @@ machines). Every rank loads its shard of the weights; rank 0 runs the
     else:
         aiocb.distributed.run_follower(model)
 
+One manager's session runs on the ranks at a time, as they hold one cache at a time:
+starting another manager on rank 0 while one runs raises
+:class:`~aiocb.InvalidRequestError` (a persistent manager between its sessions does not
+count; the next session of either takes the cache back).
+
 Rank 0 talks to the others over a CPU (gloo) process group. ``cpu_group_timeout`` (of
 the :class:`~aiocb.ContinuousBatchingConfig`) bounds every wait on another rank: when a
 rank dies or hangs, the others fail with :class:`~aiocb.DistributedError` (on rank 0,

@@ -16,6 +16,7 @@ import os
 import pickle
 import queue
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -64,6 +65,11 @@ class Driver:
         self.closed = False
         #: the runner whose cache the followers hold (only the driver thread changes it)
         self.current: ModelRunner | None = None
+        #: the runner whose manager's session is starting or running: the followers hold one
+        #: runner at a time, so no other may start one (weak: an abandoned session's runner
+        #: must not hold the ranks once nothing else refers to it)
+        self._owner: weakref.ref[ModelRunner] | None = None
+        self._owner_lock = threading.Lock()
         self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._work, name="aiocb-tp-driver", daemon=True)
         self._thread.start()
@@ -95,6 +101,28 @@ class Driver:
             )
             assert self.failure is not None
             raise self.failure from None
+
+    def owns(self, runner: ModelRunner) -> bool:
+        """Whether ``runner``'s manager holds the session."""
+        return self._owner is not None and self._owner() is runner
+
+    def claim(self, runner: ModelRunner) -> None:
+        """Give ``runner``'s manager the session, or refuse it (another one's is live)."""
+        with self._owner_lock:
+            owner = None if self._owner is None else self._owner()
+            if owner is not None and owner is not runner:
+                raise InvalidRequestError(
+                    f"another aiocb.Manager's session runs on this tensor-parallel model (ranks "
+                    f"{list(self.channel.layout.ranks)}): one manager at a time per tensor-parallel process group; "
+                    "stop that one before starting this one"
+                )
+            self._owner = weakref.ref(runner)
+
+    def disown(self, runner: ModelRunner) -> None:
+        """End ``runner``'s hold on the session (no-op if it has none)."""
+        with self._owner_lock:
+            if self.owns(runner):
+                self._owner = None
 
     def send(self, kind: str, *payload: Any) -> None:
         """Broadcast one message with the pending events (driver thread only)."""
@@ -270,8 +298,14 @@ class DriverRunner(ModelRunner):
             driver.current = None if isinstance(agreed, str) else self
             return agreed
 
-        plan = driver.call("agreeing on the cache size", start)
+        driver.claim(self)  # before "init", which replaces the followers' cache
+        try:
+            plan = driver.call("agreeing on the cache size", start)
+        except BaseException:
+            driver.disown(self)
+            raise
         if isinstance(plan, str):
+            driver.disown(self)
             raise MemoryError(plan)
         self._driver = driver
         self._num_requests_hint = num_requests_hint
@@ -287,7 +321,8 @@ class DriverRunner(ModelRunner):
             )
 
     def attach(self) -> None:
-        """Start a session on every rank."""
+        """Start a session on every rank; refused while another manager's session runs."""
+        self._driver.claim(self)
 
         def attach() -> None:
             if self._driver.current is not self:  # another manager's cache replaced this one's
@@ -302,23 +337,27 @@ class DriverRunner(ModelRunner):
             self._driver.send("attach")
             ModelRunner.attach(self)
 
-        self._driver.call("starting a session", attach)
+        try:
+            self._driver.call("starting a session", attach)
+        except BaseException:
+            self._driver.disown(self)
+            raise
 
     def detach(self) -> None:
-        """End the session on every rank (only here when the group has failed)."""
-        if self._driver.usable:
+        """End the session on every rank; only on this one when the group has failed, or
+        when this runner's session is not the one running (it was refused)."""
+        if self._driver.usable and self._driver.owns(self):
 
             def detach() -> None:
                 self._driver.send("detach")
                 if not self._keep_cache:
                     self._driver.current = None  # the followers drop their cache too
-                ModelRunner.detach(self)
 
             try:
                 self._driver.call("ending a session", detach)
-                return
             except DistributedError as exc:
                 logger.warning("%s", exc)
+        self._driver.disown(self)
         ModelRunner.detach(self)
 
     def warm_up(self) -> None:
@@ -337,6 +376,7 @@ class DriverRunner(ModelRunner):
 
     def execute(self, batch: StepBatch) -> StepResult:
         """Run one step on every rank and wait for its results."""
+        self._check_session()
         return self._driver.call(
             "a step", lambda: self._step(batch, lambda: ModelRunner.collect(self, ModelRunner.launch(self, batch)))
         )
@@ -344,11 +384,17 @@ class DriverRunner(ModelRunner):
     def launch(self, batch: StepBatch) -> PendingStep:
         """Async batching: launch ``batch`` on every rank (followers collect the step before
         it when they launch it; rank 0 collects separately)."""
+        self._check_session()
         return self._driver.call("a step", lambda: self._step(batch, lambda: ModelRunner.launch(self, batch)))
 
-    def _step(self, batch: StepBatch | None, run: Callable[[], T]) -> T:
-        if batch is not None:
-            self._driver.send("step", batch)
+    def _check_session(self) -> None:
+        """The followers run a step on the cache of the session that holds them: never
+        send them another runner's."""
+        if not self._driver.owns(self):
+            raise DistributedError("a step of a manager whose tensor-parallel session is not the one running")
+
+    def _step(self, batch: StepBatch, run: Callable[[], T]) -> T:
+        self._driver.send("step", batch)
         try:
             return run()
         except Exception as exc:

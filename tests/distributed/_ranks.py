@@ -161,6 +161,36 @@ async def scenario_kill_driver(model: Any, out: Path) -> dict[str, Any]:
     return {}
 
 
+async def _refused(manager: aiocb.Manager) -> str:
+    """Start ``manager``, expecting its refusal: the error's name and message."""
+    try:
+        async with manager:
+            return f"ran: {await _generate(manager)}"
+    except aiocb.AiocbError as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+async def scenario_two_managers(model: Any, out: Path) -> dict[str, Any]:
+    """While one manager's session runs, no other may start on the same ranks."""
+    result: dict[str, Any] = {}
+    kept = aiocb.Manager(model, continuous_batching_config=_config(), persistent_manager=True)
+    async with kept:
+        result["kept"] = await _generate(kept)
+    first = aiocb.Manager(model, continuous_batching_config=_config())
+    async with first:
+        running = asyncio.create_task(_generate(first))
+        await _until_steps(first, 2)
+        result["second"] = await _refused(aiocb.Manager(model, continuous_batching_config=_config()))
+        result["kept_again"] = await _refused(kept)
+        result["first"] = await running
+    async with kept:  # its session's turn: the followers get its cache back
+        result["kept_after"] = await _generate(kept)
+    await kept.destroy()
+    async with aiocb.Manager(model, continuous_batching_config=_config()) as after:
+        result["after"] = await _generate(after)
+    return result
+
+
 def _runner_refs(manager: aiocb.Manager) -> list[weakref.ref[Any]]:
     """Weak references to a manager's runner and to every K and V tensor of its cache."""
     runner = manager._runner
@@ -211,6 +241,7 @@ SCENARIOS: dict[str, Scenario] = {
     "hang_follower": scenario_hang_follower,
     "kill_driver": scenario_kill_driver,
     "release": scenario_release,
+    "two_managers": scenario_two_managers,
 }
 
 

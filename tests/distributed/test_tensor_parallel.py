@@ -77,6 +77,21 @@ def test_generate_batch_on_every_rank_runs_once_and_returns_rank_0_s_outputs_eve
     assert "could not release" not in rank0_log, "rank 0 sent nothing after the last return: the followers left"
 
 
+def test_one_manager_at_a_time_runs_on_the_ranks(llama_model: PreTrainedModel, llama_dir: Path, tmp_path: Path) -> None:
+    ranks = launch("two_managers", llama_dir, tmp_path)
+    driver, follower = ranks.driver, ranks.follower
+    assert driver is not None and follower is not None, logs_of(tmp_path)
+    assert ranks.exit_codes == [0, 0], logs_of(tmp_path)
+    expected = [reference_generate(llama_model, p, MAX_NEW_TOKENS) for p in PROMPTS]
+
+    for refused in ("second", "kept_again"):  # a new manager, and a persistent one between sessions
+        assert driver[refused].startswith("InvalidRequestError: "), driver[refused]
+        assert "one manager at a time" in driver[refused], driver[refused]
+    assert driver["first"] == expected, "the running manager's steps ran on its own cache everywhere"
+    assert driver["kept"] == driver["kept_after"] == driver["after"] == expected
+    assert follower["error"] is None, logs_of(tmp_path)
+
+
 @pytest.fixture(scope="module")
 def released(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Ranks, Path]:
     """Managers destroyed on rank 0, with the follower's runners watched (one launch for the tests below)."""
