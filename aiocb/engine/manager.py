@@ -345,7 +345,8 @@ class Manager:
 
         When it returns, nothing in the manager refers to the model runner, its KV cache
         or the step loop any more: they are freed by reference counting alone, whether or
-        not the manager itself is kept. Outputs not yet read stay readable.
+        not the manager itself is kept; under tensor parallelism the other ranks have freed
+        their shards of the cache too. Outputs not yet read stay readable.
         """
         if self._state is _State.DESTROYED:
             return
@@ -353,6 +354,7 @@ class Manager:
             await self.stop()  # (or joins one begun without blocking)
         if self._runner is not None:
             self._runner.detach()
+            self._runner.close()
             self._runner = None
         if self._steps is not None:
             self._final_statistics = self.statistics()

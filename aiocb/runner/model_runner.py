@@ -149,6 +149,11 @@ class ModelRunner:
         if self.drafter is not None:
             self.drafter.detach()
 
+    def close(self) -> None:
+        """Free what outlives the last session, when the manager is destroyed: nothing
+        here (the cache goes with the runner); the other ranks' caches under tensor
+        parallelism."""
+
     @torch.inference_mode()
     def warm_up(self) -> None:
         """Work done once before the first step, on the step thread (off the event loop):

@@ -8,6 +8,8 @@ Every message is ``(kind, *payload, events)``:
   the element-wise minimum, so block ids mean the same everywhere; a plan is given when
   a kept runner (a persistent manager's) takes the followers back from another one;
 * ``("attach", events)`` / ``("detach", events)``: a manager session starts / ends;
+* ``("release", events)``: free the cache kept between sessions (its persistent manager
+  was destroyed); every rank then joins a gather, so that rank 0 knows it is freed;
 * ``("step", StepBatch, events)``: run this step (rank 0 runs it at the same time);
 * ``("heartbeat", events)``: rank 0 is alive but idle;
 * ``("return", value, error, fingerprint, events)``: a call every rank makes
@@ -81,10 +83,15 @@ class ControlChannel:
         dist.broadcast_object_list(holder, src=self.layout.ranks[0], group=self.group, device=torch.device("cpu"))
         return holder[0]
 
+    def gather(self, answer: Any = None) -> list[Any]:
+        """Every rank's ``answer``, in rank order (each rank waits for all the others')."""
+        answers: list[Any] = [None] * self.layout.size
+        dist.all_gather_object(answers, answer, group=self.group)
+        return answers
+
     def agree_on_plan(self, own: CachePlan | str) -> CachePlan | str:
         """Every rank's cache plan -> the element-wise minimum, or the first rank's error message."""
-        plans: list[Any] = [None] * self.layout.size
-        dist.all_gather_object(plans, own, group=self.group)
+        plans = self.gather(own)
         for rank, plan in enumerate(plans):
             if isinstance(plan, str):
                 return f"tensor-parallel rank {rank}: {plan}"

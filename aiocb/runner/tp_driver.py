@@ -63,7 +63,8 @@ class Driver:
         #: why the group is unusable (a rank failed, or a step failed half-way); None while healthy
         self.failure: DistributedError | None = None
         self.closed = False
-        #: the runner whose cache the followers hold (only the driver thread changes it)
+        #: the runner whose cache the followers hold (only the driver thread changes it,
+        #: while the group is usable)
         self.current: ModelRunner | None = None
         #: the runner whose manager's session is starting or running: the followers hold one
         #: runner at a time, so no other may start one (weak: an abandoned session's runner
@@ -154,12 +155,18 @@ class Driver:
             except (FutureTimeoutError, DistributedError) as exc:
                 logger.warning("could not release the follower ranks: %s", exc)
         self.closed = True
+        self._forget_runners()
         self._end_thread(wait=self.failure is None)
 
     def retire(self) -> None:
         """End the driver thread without a word to the followers (they no longer listen)."""
         self.closed = True
+        self._forget_runners()
         self._end_thread()
+
+    def _forget_runners(self) -> None:
+        """A closed driver refers to no runner: a destroyed manager's cache is freed with it."""
+        self.current = None
 
     def _end_thread(self, wait: bool = True) -> None:
         """Stop the driver thread; with ``wait``, also join it (a few seconds at most): a
@@ -359,6 +366,25 @@ class DriverRunner(ModelRunner):
                 logger.warning("%s", exc)
         self._driver.disown(self)
         ModelRunner.detach(self)
+
+    def close(self) -> None:
+        """Make the followers free this runner's cache if they hold it (a persistent
+        manager's, kept between sessions), and wait until they have."""
+        driver = self._driver
+
+        def release() -> None:
+            if driver.current is self:
+                driver.send("release")
+                driver.channel.gather()
+                driver.current = None
+
+        if driver.usable:
+            try:
+                driver.call("freeing the cache", release)
+            except DistributedError as exc:
+                logger.warning("%s", exc)
+        if driver.current is self:  # the group failed: nothing more to tell the followers
+            driver.current = None
 
     def warm_up(self) -> None:
         """Only the sampler's compile before the first step: the decode graphs' warm-up

@@ -184,6 +184,10 @@ class _Follower:
             if not self.keep_cache:
                 self.runner = None
 
+    def _on_release(self) -> None:
+        self._drop()
+        self.channel.gather()  # rank 0 waits until the cache is freed
+
     def _on_heartbeat(self) -> None:
         self.counters.heartbeats += 1
 

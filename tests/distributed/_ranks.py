@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 import aiocb
 import aiocb.distributed
+from aiocb.runner.model_runner import ModelRunner
 
 #: Prompts of the parity checks (vocabulary of the tiny test models: 512).
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12, 100, 200, 300, 4], [400, 401, 7, 7, 7, 9, 250, 1, 2, 3, 4, 5, 6, 7]]
@@ -210,6 +211,13 @@ async def scenario_release(model: Any, out: Path) -> dict[str, Any]:
         await _generate(plain)
         refs = _runner_refs(plain)
     result["plain_alive"] = _alive(refs)
+    kept = aiocb.Manager(model, continuous_batching_config=_config(), persistent_manager=True)
+    async with kept:
+        await _generate(kept)
+        refs = _runner_refs(kept)
+    await kept.destroy()
+    result["persistent_alive"] = _alive(refs)
+    result["destroyed_at"] = time.time()
     gc.enable()
     return result
 
@@ -221,6 +229,19 @@ async def _start_a_manager(model: Any) -> str | None:
     except aiocb.AiocbError as exc:
         return f"{type(exc).__name__}: {exc}"
     return None
+
+
+def _watch_runners() -> list[float]:
+    """When each model runner of this process is freed (``time.time()``, rank 0's clock too)."""
+    freed: list[float] = []
+    build = ModelRunner.__init__
+
+    def watched(runner: ModelRunner, *args: Any, **kwargs: Any) -> None:
+        build(runner, *args, **kwargs)
+        weakref.finalize(runner, lambda: freed.append(time.time()))
+
+    ModelRunner.__init__ = watched  # type: ignore[method-assign]
+    return freed
 
 
 def _describe(outcome: object) -> dict[str, Any]:
@@ -282,6 +303,7 @@ def main() -> None:
     else:
         (out_dir / f"pid{rank}").write_text(str(os.getpid()))
         record: dict[str, Any] = {"manager_here": asyncio.run(_start_a_manager(model))}
+        record["runners_freed_at"] = _watch_runners()
         try:
             report = aiocb.distributed.run_follower(model, _config(cpu_group_timeout=10.0))
             record |= {"report": dataclasses.asdict(report), "error": None}

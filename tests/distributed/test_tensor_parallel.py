@@ -105,6 +105,16 @@ def test_rank_0_frees_a_destroyed_manager_s_cache_while_idle(released: tuple[Ran
     assert ranks.driver["plain_alive"] == 0, "the driver thread, idle, still held the last session's runner"
 
 
+def test_destroying_a_persistent_manager_frees_its_cache_on_every_rank(released: tuple[Ranks, Path]) -> None:
+    ranks, out = released
+    driver, follower = ranks.driver, ranks.follower
+    assert driver is not None and follower is not None and ranks.exit_codes == [0, 0], logs_of(out)
+    assert driver["persistent_alive"] == 0, "rank 0's driver still referred to the destroyed manager's runner"
+    freed = follower["runners_freed_at"]
+    assert len(freed) == 2, "the plain manager's runner and the persistent one's"
+    assert max(freed) < driver["destroyed_at"], "the follower kept the cache until shutdown()"
+
+
 def test_a_killed_follower_fails_rank_0_with_a_clear_error(llama_dir: Path, tmp_path: Path) -> None:
     ranks = launch("kill_follower", llama_dir, tmp_path)
     driver = ranks.driver
