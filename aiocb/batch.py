@@ -61,7 +61,9 @@ def generate_batch(
     transformers: rank 0 runs the manager, the other ranks follow its steps inside the
     same call, and every rank returns rank 0's outputs (or raises its exception). Ranks
     whose prompts, configs or parameters differ from rank 0's raise
-    :class:`~aiocb.InvalidRequestError`; only rank 0 shows ``progress``.
+    :class:`~aiocb.InvalidRequestError`; only rank 0 shows ``progress``. Rank 0 may also
+    call it alone while the other ranks run :func:`aiocb.distributed.run_follower`: they
+    follow its steps and go on following until :func:`aiocb.distributed.shutdown`.
     """
     try:
         asyncio.get_running_loop()

@@ -119,6 +119,9 @@ def run_follower(
 ) -> FollowerReport:
     """On every rank but 0: run the steps rank 0 broadcasts, until rank 0 calls :func:`shutdown`.
 
+    Those are the steps of rank 0's managers, and of :func:`aiocb.generate_batch` called
+    on rank 0 alone (called on every rank, it follows rank 0 by itself instead).
+
     Blocks. Returns what was received (counts of steps, sessions, stops and
     cancellations); raises :class:`~aiocb.DistributedError` if rank 0 dies or sends
     nothing for ``cpu_group_timeout`` seconds. Every other setting follows rank 0's

@@ -12,9 +12,11 @@ Every message is ``(kind, *payload, events)``:
   was destroyed); every rank then joins a gather, so that rank 0 knows it is freed;
 * ``("step", StepBatch, events)``: run this step (rank 0 runs it at the same time);
 * ``("heartbeat", events)``: rank 0 is alive but idle;
-* ``("return", value, error, fingerprint, events)``: a call every rank makes
-  (``generate_batch``) returned ``value`` or raised ``error`` on rank 0, given arguments
-  that hash to ``fingerprint``;
+* ``("return", value, error, fingerprint, events)``: ``generate_batch`` returned
+  ``value`` or raised ``error`` on rank 0, given arguments that hash to ``fingerprint``;
+  every rank then joins a gather of whether it keeps following: True under
+  :func:`~aiocb.runner.tp_follower.follow` (rank 0 made the call alone), False in the
+  rank's own call, which returns;
 * ``("shutdown", events)``: :func:`~aiocb.runner.tp_follower.follow` returns.
 
 ``events`` are what happened on rank 0 since the last message: ``("cancel", request id,

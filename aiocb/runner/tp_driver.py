@@ -263,18 +263,32 @@ def return_to_followers(
     error: BaseException | None,
     fingerprint: str,
 ) -> None:
-    """Rank 0, at the end of a call every rank makes (``generate_batch``): send what it
-    returned (``value``) or raised (``error``) to the followers waiting in
-    :func:`~aiocb.runner.tp_follower.follow_call`."""
+    """Rank 0, at the end of ``generate_batch``: send what it returned (``value``) or raised
+    (``error``) to the followers, those waiting in
+    :func:`~aiocb.runner.tp_follower.follow_call` (every rank made the call) and those in
+    :func:`~aiocb.runner.tp_follower.follow` (rank 0 made it alone), which keep following."""
     if error is not None:
         try:
             pickle.dumps(error)
         except Exception:  # an exception that cannot travel is described instead
             error = DistributedError(f"generate_batch() failed on rank 0: {type(error).__name__}: {error}")
     driver = driver_for(layout, timeout)
-    driver.call("returning generate_batch()'s outputs", lambda: driver.send("return", value, error, fingerprint))
-    # The followers stopped listening when they took it: no heartbeat or shutdown may follow,
-    # since a gloo send waits for its receiver. The next call gets a new driver.
+
+    def give_back() -> list[bool]:
+        driver.send("return", value, error, fingerprint)
+        return driver.channel.gather()[1:]  # whether each follower keeps following
+
+    following = driver.call("returning generate_batch()'s outputs", give_back)
+    if all(following):
+        return
+    if any(following):
+        logger.error(
+            "generate_batch() ran on rank 0 while some follower ranks called it too and others ran "
+            "run_follower(): those stop at cpu_group_timeout; call it on every rank, or on rank 0 alone"
+        )
+    # Those that called it stopped listening when they took its outputs: no heartbeat or
+    # shutdown may follow, since a gloo send waits for its receiver. The next call gets a
+    # new driver.
     driver.retire()
 
 

@@ -146,9 +146,12 @@ class _Follower:
                     logger.info("rank 0 released tensor-parallel rank %d", self.layout.rank)
                     return None
                 if kind == "return":
+                    # Rank 0 learns whether this rank keeps following (run_follower(): the
+                    # call was rank 0's alone) or leaves with the outputs (its own call).
+                    self.channel.gather(not until_return)
                     if until_return:
                         return tuple(payload)
-                    continue  # a call only rank 0 made (a follower that runs run_follower())
+                    continue
                 handler = getattr(self, f"_on_{kind}", None)
                 if handler is None:
                     raise DistributedError(f"unknown control message {kind!r} from rank 0")

@@ -192,6 +192,19 @@ async def scenario_two_managers(model: Any, out: Path) -> dict[str, Any]:
     return result
 
 
+async def scenario_generate_batch_alone(model: Any, out: Path) -> dict[str, Any]:
+    """aiocb.generate_batch() on rank 0 alone, while the follower runs run_follower()."""
+    config = _config(cpu_group_timeout=2.0)
+    outputs = await asyncio.to_thread(
+        aiocb.generate_batch, model, PROMPTS, continuous_batching_config=config, max_new_tokens=MAX_NEW_TOKENS
+    )
+    # Idle for longer than cpu_group_timeout: heartbeats keep the follower waiting.
+    await asyncio.sleep(3.0)
+    async with aiocb.Manager(model, continuous_batching_config=config) as manager:
+        after = await _generate(manager)
+    return {"generate_batch": [o.generated_tokens for o in outputs.values()], "after": after}
+
+
 def _runner_refs(manager: aiocb.Manager) -> list[weakref.ref[Any]]:
     """Weak references to a manager's runner and to every K and V tensor of its cache."""
     runner = manager._runner
@@ -263,6 +276,7 @@ SCENARIOS: dict[str, Scenario] = {
     "kill_driver": scenario_kill_driver,
     "release": scenario_release,
     "two_managers": scenario_two_managers,
+    "generate_batch_alone": scenario_generate_batch_alone,
 }
 
 

@@ -77,6 +77,21 @@ def test_generate_batch_on_every_rank_runs_once_and_returns_rank_0_s_outputs_eve
     assert "could not release" not in rank0_log, "rank 0 sent nothing after the last return: the followers left"
 
 
+def test_generate_batch_on_rank_0_alone_leaves_run_follower_following(
+    llama_model: PreTrainedModel, llama_dir: Path, tmp_path: Path
+) -> None:
+    ranks = launch("generate_batch_alone", llama_dir, tmp_path)
+    driver, follower = ranks.driver, ranks.follower
+    assert driver is not None and follower is not None, logs_of(tmp_path)
+    assert follower["error"] is None, logs_of(tmp_path)
+    assert ranks.exit_codes == [0, 0], logs_of(tmp_path)
+    expected = [reference_generate(llama_model, p, MAX_NEW_TOKENS) for p in PROMPTS]
+    assert driver["generate_batch"] == driver["after"] == expected
+    assert follower["report"]["heartbeats"] >= 1, "idle for longer than cpu_group_timeout, kept alive by heartbeats"
+    assert follower["report"]["sessions"] == 2
+    assert "could not release" not in (tmp_path / "rank0.log").read_text(), "shutdown() released the follower"
+
+
 def test_one_manager_at_a_time_runs_on_the_ranks(llama_model: PreTrainedModel, llama_dir: Path, tmp_path: Path) -> None:
     ranks = launch("two_managers", llama_dir, tmp_path)
     driver, follower = ranks.driver, ranks.follower
