@@ -85,9 +85,7 @@ class Driver:
         if self.failure is not None:
             raise self.failure
         if self.closed:
-            raise DistributedError(
-                "aiocb.distributed.shutdown() released the follower ranks; they must call run_follower() again"
-            )
+            raise _released()
         future: Future[T] = Future()
         self._jobs.put((job, future))
         timeout = self.channel.timeout
@@ -127,6 +125,8 @@ class Driver:
 
     def send(self, kind: str, *payload: Any) -> None:
         """Broadcast one message with the pending events (driver thread only)."""
+        if self.closed:  # (a step queued while shutdown() released the followers)
+            raise _released()
         events: list[Event] = []
         while self.events:
             events.append(self.events.popleft())
@@ -149,7 +149,7 @@ class Driver:
             )
         elif self.failure is None:
             future: Future[None] = Future()
-            self._jobs.put((lambda: self.send("shutdown"), future))
+            self._jobs.put((self._release_followers, future))
             try:
                 future.result(timeout=timeout if timeout is not None else self.channel.timeout)
             except (FutureTimeoutError, DistributedError) as exc:
@@ -157,6 +157,11 @@ class Driver:
         self.closed = True
         self._forget_runners()
         self._end_thread(wait=self.failure is None)
+
+    def _release_followers(self) -> None:
+        """The shutdown job: closed at once, so that no job after it sends to the followers."""
+        self.send("shutdown")
+        self.closed = True
 
     def retire(self) -> None:
         """End the driver thread without a word to the followers (they no longer listen)."""
@@ -226,6 +231,12 @@ class Driver:
                 self._fail(error)
                 future.set_exception(error)
         return True
+
+
+def _released() -> DistributedError:
+    return DistributedError(
+        "aiocb.distributed.shutdown() released the follower ranks; they must call run_follower() again"
+    )
 
 
 def _outcome(job: Callable[[], T]) -> tuple[T | None, BaseException | None]:

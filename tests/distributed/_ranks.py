@@ -205,6 +205,22 @@ async def scenario_generate_batch_alone(model: Any, out: Path) -> dict[str, Any]
     return {"generate_batch": [o.generated_tokens for o in outputs.values()], "after": after}
 
 
+async def scenario_shutdown_mid_session(model: Any, out: Path) -> dict[str, Any]:
+    """aiocb.distributed.shutdown() while a manager runs: its request fails, naming it."""
+    manager = aiocb.Manager(model, continuous_batching_config=_config(cpu_group_timeout=10.0))
+    manager.start()
+    task = asyncio.create_task(manager.generate(PROMPTS[0], max_new_tokens=1500))
+    await _until_steps(manager, 5)
+    await asyncio.to_thread(aiocb.distributed.shutdown)
+    outcome: Any
+    try:
+        outcome = await asyncio.wait_for(task, 60)
+    except Exception as exc:
+        outcome = exc
+    await manager.destroy()
+    return {"error": _describe(outcome)}
+
+
 def _runner_refs(manager: aiocb.Manager) -> list[weakref.ref[Any]]:
     """Weak references to a manager's runner and to every K and V tensor of its cache."""
     runner = manager._runner
@@ -277,6 +293,7 @@ SCENARIOS: dict[str, Scenario] = {
     "release": scenario_release,
     "two_managers": scenario_two_managers,
     "generate_batch_alone": scenario_generate_batch_alone,
+    "shutdown_mid_session": scenario_shutdown_mid_session,
 }
 
 

@@ -130,6 +130,16 @@ def test_destroying_a_persistent_manager_frees_its_cache_on_every_rank(released:
     assert max(freed) < driver["destroyed_at"], "the follower kept the cache until shutdown()"
 
 
+def test_shutdown_while_a_manager_runs_fails_its_requests_naming_it(llama_dir: Path, tmp_path: Path) -> None:
+    ranks = launch("shutdown_mid_session", llama_dir, tmp_path)
+    driver, follower = ranks.driver, ranks.follower
+    assert driver is not None and follower is not None, logs_of(tmp_path)
+    assert follower["error"] is None, "the follower was released"
+    error = driver["error"]
+    assert error["type"] == "EngineDeadError" and error["cause_type"] == "DistributedError", error
+    assert "shutdown() released the follower ranks" in error["cause_message"], error
+
+
 def test_a_killed_follower_fails_rank_0_with_a_clear_error(llama_dir: Path, tmp_path: Path) -> None:
     ranks = launch("kill_follower", llama_dir, tmp_path)
     driver = ranks.driver
