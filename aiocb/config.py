@@ -33,6 +33,9 @@ DEFAULT_SAFETY_MARGIN: dict[str, float] = {"fifo": 0.15, "prefill_first": 0.0}
 #: ``max_memory_percent`` when it is None: host memory is shared with everything else.
 DEFAULT_MEMORY_PERCENT_CPU = 0.6
 DEFAULT_MEMORY_PERCENT_ACCELERATOR = 0.9
+#: The longest ``cpu_group_timeout`` (a year, in seconds): lock and queue waits overflow
+#: long before 1e10 s, and None already means waiting for ever.
+MAX_CPU_GROUP_TIMEOUT = 365 * 24 * 3600
 
 
 @dataclass
@@ -79,7 +82,8 @@ class ContinuousBatchingConfig:
             None sizes it from ``cpu_offload_space_safety_threshold``).
         cpu_offload_space_safety_threshold: share of available host memory the offload
             pool may take when ``cpu_offload_space`` is None.
-        cpu_group_timeout: seconds a tensor-parallel collective may wait (None = forever).
+        cpu_group_timeout: seconds a tensor-parallel collective may wait, at most a year
+            (None = forever).
         per_request_processors: accepted for compatibility; per-request sampling
             parameters always apply in aiocb.
         max_queue_size: waiting requests admitted before ``add_request`` waits (0 = no bound).
@@ -180,6 +184,11 @@ class ContinuousBatchingConfig:
             )
         if self.cpu_group_timeout is not None and self.cpu_group_timeout <= 0:
             raise InvalidConfigError(f"cpu_group_timeout must be > 0 seconds or None, got {self.cpu_group_timeout}")
+        if self.cpu_group_timeout is not None and self.cpu_group_timeout > MAX_CPU_GROUP_TIMEOUT:
+            raise InvalidConfigError(
+                f"cpu_group_timeout must be at most {MAX_CPU_GROUP_TIMEOUT} s (a year), or None to wait for ever; "
+                f"got {self.cpu_group_timeout}"
+            )
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise InvalidConfigError(f"seed must be an int or None, got {self.seed!r}")
         graphs = self.use_cuda_graph

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from transformers import PreTrainedModel
 
-from aiocb.config import ContinuousBatchingConfig
+from aiocb.config import MAX_CPU_GROUP_TIMEOUT, ContinuousBatchingConfig
 from aiocb.runner.memory import CachePlan, plan_cache
 from aiocb.runner.model_spec import model_spec
 from aiocb.runner.tp_layout import TensorParallelLayout
@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 Event = tuple[Any, ...]
 
 #: ``cpu_group_timeout=None``: collectives wait this long (gloo needs a finite timeout).
-_FOREVER = timedelta(days=365)
+_FOREVER = timedelta(seconds=MAX_CPU_GROUP_TIMEOUT)
 #: ``cpu_group_timeout=None``: seconds between heartbeats of an idle rank 0.
 _SLOW_HEARTBEAT = 3600.0
 #: Substrings of the errors torch.distributed backends raise when a peer fails.

@@ -96,6 +96,14 @@ async def test_a_device_map_over_several_devices_next_to_tp_is_refused() -> None
         aiocb.Manager(model).start()
 
 
+def test_a_cpu_group_timeout_beyond_a_year_is_refused() -> None:
+    """Waits of ~1e10 s overflow the driver's lock and queue timeouts: None waits forever."""
+    aiocb.ContinuousBatchingConfig(cpu_group_timeout=365 * 24 * 3600)
+    for too_long in (365 * 24 * 3600 + 1, 1e10):
+        with pytest.raises(aiocb.InvalidConfigError, match=r"cpu_group_timeout must be at most 31536000 s"):
+            aiocb.ContinuousBatchingConfig(cpu_group_timeout=too_long)
+
+
 def test_run_follower_needs_a_sharded_model(llama_model: PreTrainedModel) -> None:
     with pytest.raises(aiocb.InvalidRequestError, match="tensor parallelism"):
         aiocb.distributed.run_follower(llama_model)
