@@ -10,13 +10,14 @@ its stream or the shared results. The manager itself starts, stops and fails the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import gc
 import logging
 import time
 import traceback
 import types
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, overload
 
@@ -43,7 +44,7 @@ from aiocb.errors import (
 from aiocb.outputs import FinishReason, GenerationOutput, RequestStatus
 from aiocb.params import STRUCTURE_FIELDS, SamplingParams
 from aiocb.prompts import Prompt
-from aiocb.runner.distributed import build_runner, tensor_parallel_layout
+from aiocb.runner.distributed import build_runner, driver_layout, tensor_parallel_layout
 from aiocb.runner.memory import scored_rows
 from aiocb.runner.model_runner import ModelRunner
 from aiocb.sampling import RequestLimits, eos_ids, merged_generation_config
@@ -56,6 +57,8 @@ _CACHED_MANAGER_ATTR = "_aiocb_persistent_manager"
 
 class _State(enum.Enum):
     CREATED = "created"
+    #: under tensor parallelism, while start() reaches the other ranks off the loop
+    STARTING = "starting"
     RUNNING = "running"
     STOPPING = "stopping"
     STOPPED = "stopped"
@@ -170,6 +173,8 @@ class Manager:
         self._task: asyncio.Task[None] | None = None
         #: a stop begun with block=False, which goes on without its caller
         self._stopping: asyncio.Future[None] | None = None
+        #: the outcome of the last start under tensor parallelism (None: none yet)
+        self._starting: asyncio.Future[None] | None = None
         self._runner: ModelRunner | None = None
         self._steps: StepLoop | None = None
         #: the last statistics, kept when destroy() drops the step loop and its scheduler
@@ -213,9 +218,9 @@ class Manager:
 
     @property
     def is_running(self) -> bool:
-        """Whether the step loop runs (also while stopping gracefully)."""
+        """Whether the step loop runs (also while it starts, and while stopping gracefully)."""
         self._forget_a_closed_loop()
-        return self._state in (_State.RUNNING, _State.STOPPING)
+        return self._state in (_State.STARTING, _State.RUNNING, _State.STOPPING)
 
     @property
     def is_dead(self) -> bool:
@@ -223,7 +228,13 @@ class Manager:
         return self._state is _State.DEAD
 
     def start(self) -> None:
-        """Start the step loop on the running event loop (allocates the cache on first use)."""
+        """Start the step loop on the running event loop (allocates the cache on first use).
+
+        Under tensor parallelism building the cache and starting the session are round
+        trips to the other ranks: they run off the event loop and ``start()`` returns
+        before they are done. Requests made meanwhile wait for them (``add_request_nowait``
+        refuses them); :meth:`wait_started` waits too, and raises what made them fail.
+        """
         if self._state is _State.DESTROYED:
             raise ManagerClosedError("this manager was destroyed and cannot be restarted; create a new Manager")
         if self._state is _State.DEAD:
@@ -243,8 +254,30 @@ class Manager:
                 raise self._wrong_loop()
             logger.warning("Manager.start(): the manager is already running")
             return
-        if self._runner is None:
-            self._runner = build_runner(
+        if driver_layout(self.model, self._draft_model) is not None:
+            self._starting = loop.create_future()
+            self._bind(loop, _State.STARTING, self._start_then_run(self._state, self._starting))
+            return
+        steps = self._open_session(self._attached_runner(self._runner))
+        self._bind(loop, _State.RUNNING, self._run_steps(steps))
+
+    async def wait_started(self) -> None:
+        """Wait until the session :meth:`start` began has started; raises what made it fail.
+
+        On one process ``start()`` has started it already. Under tensor parallelism
+        ``start()`` returns before the other ranks are reached, and this waits for them:
+        it raises what made the start fail (another manager's session runs on the ranks,
+        no cache fits, a rank does not answer), as the requests made meanwhile do.
+        """
+        self._check_loop()
+        if self._starting is not None:
+            await asyncio.shield(self._starting)
+
+    def _attached_runner(self, runner: ModelRunner | None) -> ModelRunner:
+        """``runner``, or a new one on first use (the cache is allocated), attached to the
+        model for a session; detached again if attaching fails."""
+        if runner is None:
+            runner = build_runner(
                 self.model,
                 self.config,
                 num_requests_hint=self._num_requests_hint,
@@ -252,8 +285,76 @@ class Manager:
                 draft_model=self._draft_model,
                 speculative=self.speculative_config,
             )
-        runner = self._runner
-        runner.attach()
+        try:
+            runner.attach()
+        except BaseException:
+            runner.detach()
+            raise
+        return runner
+
+    async def _start_then_run(self, previous: _State, starting: asyncio.Future[None]) -> None:
+        """The session's task under tensor parallelism: the runner is built and attached on a
+        worker thread, as both wait for the other ranks (up to ``cpu_group_timeout``), then
+        the steps run. A failed start leaves the manager as it was (``previous``)."""
+        try:
+            steps = self._open_session(await self._attached_off_the_loop())
+        except asyncio.CancelledError:
+            self._not_started(
+                previous, starting, ManagerClosedError("the event loop shut down while the manager started")
+            )
+            raise
+        except Exception as exc:
+            self._not_started(previous, starting, exc)
+            return
+        self._state = _State.RUNNING
+        starting.set_result(None)
+        await self._run_steps(steps)
+
+    async def _attached_off_the_loop(self) -> ModelRunner:
+        """:meth:`_attached_runner` on a worker thread."""
+        work = asyncio.get_running_loop().run_in_executor(None, self._attached_runner, self._runner)
+        try:
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+            # The worker thread cannot be interrupted: wait for it, and end the session it
+            # started, or the other ranks would stay attached to a runner nobody stops.
+            await asyncio.wait([work])
+            if not work.cancelled() and work.exception() is None:
+                self._end_runner_session(work.result())
+            raise
+
+    def _not_started(self, previous: _State, starting: asyncio.Future[None], error: BaseException) -> None:
+        """A start off the loop failed: the manager is as it was, and whoever waits for the
+        start (:meth:`wait_started`, requests) gets ``error``."""
+        logger.error("Manager.start() failed: %s", error)
+        self._state = previous
+        self._loop = None
+        self._task = None
+        self._router.results_changed.set()
+        starting.set_exception(error)
+        starting.exception()  # (retrieved: nobody has to wait for the start)
+
+    async def _until_started(self) -> None:
+        """Wait while a start off the loop is under way (raises its failure)."""
+        if self._state is _State.STARTING:
+            assert self._starting is not None
+            await asyncio.shield(self._starting)
+
+    def _open_session(self, runner: ModelRunner) -> StepLoop:
+        """The scheduler and step loop of a session on ``runner`` (attached); it is detached
+        if they cannot be made."""
+        self._runner = runner
+        try:
+            scheduler = self._scheduler(runner)
+        except BaseException:
+            self._end_runner_session(runner)
+            raise
+        self._steps = StepLoop(scheduler, runner, self._router.on_step)
+        self._admission.scheduler = scheduler
+        self._router.steps = self._steps
+        return self._steps
+
+    def _scheduler(self, runner: ModelRunner) -> Scheduler:
         groups = runner.spec.cache_groups(runner.plan.num_blocks, runner.plan.num_host_blocks)
         kv_cache = KVCacheManager(groups, runner.plan.page_size, enable_prefix_caching=self.config.allow_block_sharing)
         if self.config.allow_block_sharing and not kv_cache.prefix_caching:
@@ -261,7 +362,7 @@ class Manager:
         if self.speculative_config is not None and any(w is not None for w in runner.cache.group_windows):
             # (a rejected position written into a sliding ring could overwrite a key still in the window)
             raise InvalidConfigError("speculative decoding does not support models with sliding-window layers yet")
-        scheduler = Scheduler(
+        return Scheduler(
             kv_cache,
             max_batch_tokens=runner.plan.max_batch_tokens,
             max_requests_per_batch=runner.plan.max_requests_per_batch,
@@ -272,13 +373,13 @@ class Manager:
             max_scored_tokens=scored_rows(runner.plan.max_requests_per_batch),
             draft_share=0.0 if self._draft_model is None else draft_share(self._draft_model, self.model),
         )
-        self._steps = StepLoop(scheduler, runner, self._router.on_step)
-        self._admission.scheduler = scheduler
-        self._router.steps = self._steps
+
+    def _bind(self, loop: asyncio.AbstractEventLoop, state: _State, session: Coroutine[Any, Any, None]) -> None:
+        """Run ``session`` (the session's task) on ``loop``, which the manager now belongs to."""
         self._router.results_changed = asyncio.Event()  # (one per event loop)
         self._loop = loop
-        self._state = _State.RUNNING
-        self._task = loop.create_task(self._run_steps(self._steps), name="aiocb-step-loop")
+        self._state = state
+        self._task = loop.create_task(session, name="aiocb-step-loop")
 
     async def stop(
         self,
@@ -305,6 +406,12 @@ class Manager:
                 logger.warning("Manager.stop(): the manager was never started")
             return
         self._check_loop()
+        if self._state is _State.STARTING:
+            # Stop the session once it runs; a start that fails leaves nothing to stop.
+            with contextlib.suppress(Exception):
+                await self._until_started()
+            if self._state not in (_State.RUNNING, _State.STOPPING):
+                return
         self._state = _State.STOPPING
         if self._runner is not None:
             self._runner.notify("stop", hard_stop)  # for the other tensor-parallel ranks
@@ -363,6 +470,7 @@ class Manager:
             self._router.steps = None
             self._admission.scheduler = None
         self._task = None
+        self._starting = None
         if self._dead_error is not None:
             # The failure's traceback holds the failed step's frames, and through them the
             # runner and the cache, for as long as any awaiter keeps the error; it is also
@@ -374,6 +482,7 @@ class Manager:
 
     async def __aenter__(self) -> Manager:
         self.start()
+        await self.wait_started()
         return self
 
     async def __aexit__(
@@ -406,12 +515,16 @@ class Manager:
             # to the runner and to this manager (its callback), a cycle otherwise.
             self._steps.close()
         if self._runner is not None:
-            self._runner.detach()
-            if not self.persistent:
-                self._runner = None  # free the cache; start() builds a new one
+            self._end_runner_session(self._runner)
         self._state = _State.STOPPED
         self._loop = None
         self._router.results_changed.set()
+
+    def _end_runner_session(self, runner: ModelRunner) -> None:
+        """Detach ``runner``; a persistent manager keeps it (and its cache) for its next
+        session, another frees it (start() builds a new one)."""
+        runner.detach()
+        self._runner = runner if self.persistent else None
 
     def _die(self, exc: BaseException) -> None:
         logger.error("aiocb step loop failed; every pending request fails", exc_info=exc)
@@ -707,9 +820,11 @@ class Manager:
         """A session whose event loop was closed without stopping it (``loop.close()`` after
         ``run_until_complete``, no task cancelled) can never resume: end it as
         ``asyncio.run()``'s cancellation would, so that the manager starts anew elsewhere."""
-        if self._loop is not None and self._loop.is_closed() and self._state in (_State.RUNNING, _State.STOPPING):
+        running = (_State.STARTING, _State.RUNNING, _State.STOPPING)
+        if self._loop is not None and self._loop.is_closed() and self._state in running:
             logger.warning("the event loop this manager ran on was closed without stopping it; its session ends")
             self._router.abort_all("the event loop running the manager was closed")
+            self._starting = None  # (a start of that loop's, which will never end)
             self._end_session()
 
     def _wrong_loop(self) -> WrongEventLoopError:
@@ -725,6 +840,8 @@ class Manager:
             raise self._dead()
         message = {
             _State.CREATED: "the manager is not started: call start() or use `async with`",
+            _State.STARTING: "the manager is still starting (it reaches the other tensor-parallel ranks): "
+            "await manager.wait_started() before add_request_nowait()",
             _State.STOPPING: "the manager is stopping and accepts no new requests",
             _State.STOPPED: "the manager is stopped and accepts no new requests; call start() again",
             _State.DESTROYED: "the manager was destroyed",
@@ -748,6 +865,7 @@ class Manager:
     ) -> Request:
         """A request built from a prompt, with its tokenizing and its constraint's
         compiling done off the loop where they are long."""
+        await self._until_started()
         ids = await self._requests.encode(input_ids)
         if not params.keys().isdisjoint(STRUCTURE_FIELDS) or (
             isinstance(sampling_params, SamplingParams) and sampling_params.structure() is not None
@@ -771,6 +889,7 @@ class Manager:
         with them later, by :meth:`add_request_nowait` too, does not compile it on the loop.
         Raises :class:`~aiocb.InvalidRequestError` when it does not compile."""
         self._check_loop()
+        await self._until_started()
         self._check_accepting()
         await self._precompile(self._requests.merged(sampling_params, None, params))
 
@@ -817,6 +936,7 @@ class Manager:
         consumer: Consumer,
         on_finish: Callable[[], object] | None = None,
     ) -> list[Request]:
+        await self._until_started()
         requests: list[Request] = []
         # The same parameters for every prompt: merged once, not once per request.
         sampling_params = self._requests.merged(sampling_params, max_new_tokens, params)

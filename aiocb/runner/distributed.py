@@ -19,7 +19,7 @@ This module gathers the names the rest of aiocb uses (the engine builds its runn
 
 from __future__ import annotations
 
-from aiocb.runner.tp_driver import build_runner, return_to_followers, shutdown
+from aiocb.runner.tp_driver import build_runner, driver_layout, return_to_followers, shutdown
 from aiocb.runner.tp_follower import FollowerReport, follow, follow_call
 from aiocb.runner.tp_layout import TensorParallelLayout, check_tp_size, tensor_parallel_layout
 
@@ -28,6 +28,7 @@ __all__ = [
     "TensorParallelLayout",
     "build_runner",
     "check_tp_size",
+    "driver_layout",
     "follow",
     "follow_call",
     "return_to_followers",

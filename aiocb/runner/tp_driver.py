@@ -457,6 +457,26 @@ class DriverRunner(ModelRunner):
             raise
 
 
+def driver_layout(model: PreTrainedModel, draft_model: PreTrainedModel | None = None) -> TensorParallelLayout | None:
+    """The model's tensor-parallel layout, where this process may run a manager on it
+    (rank 0); None without tensor parallelism. Uses no process group.
+
+    Raises :class:`~aiocb.InvalidRequestError` on the other ranks, and
+    :class:`~aiocb.InvalidConfigError` for a draft model (one process only).
+    """
+    layout = tensor_parallel_layout(model)
+    if layout is None:
+        return None
+    if draft_model is not None:
+        raise InvalidConfigError("speculative decoding with a draft model does not support tensor parallelism yet")
+    if not layout.is_driver:
+        raise InvalidRequestError(
+            f"this process is tensor-parallel rank {layout.rank} of {layout.size}: only rank 0 runs an "
+            "aiocb.Manager; call aiocb.distributed.run_follower(model) here instead"
+        )
+    return layout
+
+
 def build_runner(
     model: PreTrainedModel,
     config: ContinuousBatchingConfig,
@@ -471,18 +491,12 @@ def build_runner(
     ``keep_cache`` tells the followers to keep their cache between sessions, as a
     persistent manager keeps its own. ``draft_model`` is speculative decoding's (one
     process only); given ``speculative``, a single process's runner also captures graphs
-    of the steps that verify proposals.
+    of the steps that verify proposals. Under tensor parallelism this is a round trip to
+    every other rank (see :func:`driver_layout`).
     """
-    layout = tensor_parallel_layout(model)
+    layout = driver_layout(model, draft_model)
     if layout is None:
         return ModelRunner(
             model, config, num_requests_hint=num_requests_hint, draft_model=draft_model, speculative=speculative
-        )
-    if draft_model is not None:
-        raise InvalidConfigError("speculative decoding with a draft model does not support tensor parallelism yet")
-    if not layout.is_driver:
-        raise InvalidRequestError(
-            f"this process is tensor-parallel rank {layout.rank} of {layout.size}: only rank 0 runs an "
-            "aiocb.Manager; call aiocb.distributed.run_follower(model) here instead"
         )
     return DriverRunner(model, config, layout, num_requests_hint=num_requests_hint, keep_cache=keep_cache)

@@ -103,6 +103,7 @@ def build_app(
         started_here = not manager.is_running
         if started_here:
             manager.start()
+            await manager.wait_started()  # (under tensor parallelism, once the other ranks are reached)
         ctx.draining = False
         try:
             yield

@@ -460,6 +460,9 @@ class RemoteManager:
     def start(self) -> None:
         """The engine's own process runs it: nothing to start here."""
 
+    async def wait_started(self) -> None:
+        """The engine's own process started it: nothing to wait for here."""
+
     async def stop(self, timeout: float | None = None) -> None:
         """Drain this worker's requests: wait ``timeout`` seconds (None: for ever) for them to end,
         then cancel the rest, whose streams raise :class:`~aiocb.RequestAbortedError` (as the

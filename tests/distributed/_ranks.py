@@ -54,6 +54,7 @@ async def scenario_main(model: Any, out: Path) -> dict[str, Any]:
     result: dict[str, Any] = {"steps": 0}
     manager = aiocb.Manager(model, continuous_batching_config=_config(cpu_group_timeout=3.0))
     manager.start()
+    await manager.wait_started()
     result["kv_heads_per_shard"] = manager._runner.spec.num_kv_heads  # type: ignore[union-attr]
     result["greedy"] = await _generate(manager)
 
@@ -111,7 +112,8 @@ async def scenario_kill_follower(model: Any, out: Path) -> dict[str, Any]:
     """SIGKILL the follower mid-generation: every awaiter gets EngineDeadError < DistributedError."""
     result: dict[str, Any] = {}
     manager = aiocb.Manager(model, continuous_batching_config=_config(cpu_group_timeout=10.0))
-    manager.start()  # returns once the follower runs run_follower, so it wrote its pid
+    manager.start()
+    await manager.wait_started()  # the follower runs run_follower, so it wrote its pid
     follower = int((out / "pid1").read_text())
     tasks = [asyncio.create_task(manager.generate(p, max_new_tokens=1500)) for p in PROMPTS]
     await _until_steps(manager, 5)
@@ -134,6 +136,7 @@ async def scenario_hang_follower(model: Any, out: Path) -> dict[str, Any]:
     result: dict[str, Any] = {}
     manager = aiocb.Manager(model, continuous_batching_config=_config(cpu_group_timeout=4.0))
     manager.start()
+    await manager.wait_started()
     follower = int((out / "pid1").read_text())
     task = asyncio.create_task(manager.generate(PROMPTS[0], max_new_tokens=1500))
     await _until_steps(manager, 5)
@@ -171,6 +174,15 @@ async def _refused(manager: aiocb.Manager) -> str:
         return f"{type(exc).__name__}: {exc}"
 
 
+async def _refused_request(manager: aiocb.Manager) -> str:
+    """A request made right after ``manager.start()``, expecting the start's refusal: the error."""
+    manager.start()
+    try:
+        return f"ran: {(await manager.generate(PROMPTS[0], max_new_tokens=MAX_NEW_TOKENS)).generated_tokens}"
+    except aiocb.AiocbError as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
 async def scenario_two_managers(model: Any, out: Path) -> dict[str, Any]:
     """While one manager's session runs, no other may start on the same ranks."""
     result: dict[str, Any] = {}
@@ -183,12 +195,65 @@ async def scenario_two_managers(model: Any, out: Path) -> dict[str, Any]:
         await _until_steps(first, 2)
         result["second"] = await _refused(aiocb.Manager(model, continuous_batching_config=_config()))
         result["kept_again"] = await _refused(kept)
+        refused = aiocb.Manager(model, continuous_batching_config=_config())
+        result["queued_on_refused"] = await _refused_request(refused)
+        result["refused_running"] = refused.is_running
         result["first"] = await running
     async with kept:  # its session's turn: the followers get its cache back
         result["kept_after"] = await _generate(kept)
     await kept.destroy()
     async with aiocb.Manager(model, continuous_batching_config=_config()) as after:
         result["after"] = await _generate(after)
+    return result
+
+
+async def _longest_stall(done: asyncio.Event) -> float:
+    """The longest the event loop was held (beyond a 5 ms sleep) until ``done`` is set."""
+    loop = asyncio.get_running_loop()
+    longest = 0.0
+    while not done.is_set():
+        before = loop.time()
+        await asyncio.sleep(0.005)
+        longest = max(longest, loop.time() - before - 0.005)
+    return longest
+
+
+async def _start_only(model: Any) -> aiocb.Manager:
+    manager = aiocb.Manager(model, continuous_batching_config=_config())
+    manager.start()
+    return manager
+
+
+async def scenario_late_follower(model: Any, out: Path) -> dict[str, Any]:
+    """The follower reaches run_follower() late: start() returns at once, requests wait for it."""
+    result: dict[str, Any] = {}
+    # (made first: the first manager of a process sets the garbage collector up, ~0.1 s)
+    manager = aiocb.Manager(model, continuous_batching_config=_config())
+    done = asyncio.Event()
+    stalls = asyncio.create_task(_longest_stall(done))
+    await asyncio.sleep(0)  # (the ticker runs)
+    began = time.perf_counter()
+    manager.start()
+    result["start_s"] = time.perf_counter() - began
+    result["greedy"] = await _generate(manager)  # made before the ranks agreed on a cache
+    done.set()
+    result["longest_stall_s"] = await stalls
+    await manager.stop()
+    # A stop, and a destroy, while the start is under way: the session ends once it began.
+    manager.start()
+    await manager.stop()
+    result["stopped_while_starting"] = not manager.is_running
+    manager.start()
+    result["restarted"] = await _generate(manager)
+    await manager.destroy()
+    destroyed = aiocb.Manager(model, continuous_batching_config=_config())
+    destroyed.start()
+    await destroyed.destroy()
+    # An event loop that ends while the start is under way (asyncio.run() cancels it).
+    abandoned = await asyncio.to_thread(asyncio.run, _start_only(model))
+    result["abandoned_running"] = abandoned.is_running
+    async with aiocb.Manager(model, continuous_batching_config=_config()) as again:
+        result["again"] = await _generate(again)
     return result
 
 
@@ -294,7 +359,10 @@ SCENARIOS: dict[str, Scenario] = {
     "two_managers": scenario_two_managers,
     "generate_batch_alone": scenario_generate_batch_alone,
     "shutdown_mid_session": scenario_shutdown_mid_session,
+    "late_follower": scenario_late_follower,
 }
+#: Seconds the follower waits before run_follower(), as if it were still loading.
+FOLLOWER_LATE_S = {"late_follower": 2.0}
 
 
 def every_rank_generate_batch(model: Any, rank: int) -> dict[str, Any]:
@@ -335,6 +403,7 @@ def main() -> None:
         (out_dir / f"pid{rank}").write_text(str(os.getpid()))
         record: dict[str, Any] = {"manager_here": asyncio.run(_start_a_manager(model))}
         record["runners_freed_at"] = _watch_runners()
+        time.sleep(FOLLOWER_LATE_S.get(scenario, 0.0))
         try:
             report = aiocb.distributed.run_follower(model, _config(cpu_group_timeout=10.0))
             record |= {"report": dataclasses.asdict(report), "error": None}

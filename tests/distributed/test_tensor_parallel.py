@@ -102,9 +102,29 @@ def test_one_manager_at_a_time_runs_on_the_ranks(llama_model: PreTrainedModel, l
     for refused in ("second", "kept_again"):  # a new manager, and a persistent one between sessions
         assert driver[refused].startswith("InvalidRequestError: "), driver[refused]
         assert "one manager at a time" in driver[refused], driver[refused]
+    assert driver["queued_on_refused"].startswith("InvalidRequestError: "), "a request made during the refused start"
+    assert "one manager at a time" in driver["queued_on_refused"]
+    assert driver["refused_running"] is False
     assert driver["first"] == expected, "the running manager's steps ran on its own cache everywhere"
     assert driver["kept"] == driver["kept_after"] == driver["after"] == expected
     assert follower["error"] is None, logs_of(tmp_path)
+
+
+def test_start_leaves_the_event_loop_free_while_it_reaches_a_late_follower(
+    llama_model: PreTrainedModel, llama_dir: Path, tmp_path: Path
+) -> None:
+    ranks = launch("late_follower", llama_dir, tmp_path)
+    driver, follower = ranks.driver, ranks.follower
+    assert driver is not None and follower is not None, logs_of(tmp_path)
+    assert ranks.exit_codes == [0, 0], logs_of(tmp_path)
+    assert follower["error"] is None, logs_of(tmp_path)
+    # (the follower comes 2 s late; the bounds leave room for a busy machine)
+    assert driver["start_s"] < 0.5, "start() waited for the follower on the event loop"
+    assert driver["longest_stall_s"] < 0.5, "the event loop was held while the ranks agreed on a cache"
+    expected = [reference_generate(llama_model, p, MAX_NEW_TOKENS) for p in PROMPTS]
+    assert driver["greedy"] == driver["restarted"] == driver["again"] == expected
+    assert driver["stopped_while_starting"] is True
+    assert driver["abandoned_running"] is False, "and the next manager ran: the ranks were left free"
 
 
 @pytest.fixture(scope="module")
