@@ -8,11 +8,15 @@ request it
 - refuses, before the app runs, a body whose ``Content-Length`` is over the limit (413,
   with the body unread) and an API request beyond ``max_concurrent_requests`` (429 with
   ``Retry-After``); probes (``/health``, ``/ready``) and ``/metrics`` are never refused;
-- writes one access-log line when the response ends: status, tokens and latency.
+- writes one access-log line when the response ends: status, tokens and latency;
+- drops a client that stops reading: a response that waits more than ``send_timeout``
+  seconds for the client to take its bytes has its request cancelled (a stream's
+  generation with it) and the connection closed, so that it holds no slot or memory.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -67,6 +71,12 @@ class EdgeMiddleware:
         self.metrics = metrics
         #: API requests in flight (a stream until it ends)
         self.in_flight = 0
+        #: the requests whose response waits on a send, and since when (loop time)
+        self._sending: dict[asyncio.Task[Any], float] = {}
+        #: those cancelled for it, and the next look at the waits (None: none due)
+        self._stalled: set[asyncio.Task[Any]] = set()
+        self._look: asyncio.TimerHandle | None = None
+        self._look_loop: asyncio.AbstractEventLoop | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -77,12 +87,24 @@ class EdgeMiddleware:
         record = AccessRecord(request_id_from(headers.get("x-request-id")))
         scope[_SCOPE_KEY] = record
         id_header = (b"x-request-id", record.request_id.encode())
+        task = asyncio.current_task()
+        assert task is not None
+        loop = asyncio.get_running_loop()
+        sending = self._sending
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
                 record.status = message["status"]
                 message = {**message, "headers": [*message.get("headers", ()), id_header]}
-            await send(message)
+            # (a dictionary entry per send, not a timer: sends of stream events are many)
+            sending[task] = loop.time()
+            if self._look is None or self._look_loop is not loop:  # (an app may outlive a loop)
+                self._look_loop = loop
+                self._look = loop.call_later(self._look_every, self._cancel_stalled)
+            try:
+                await send(message)
+            finally:
+                del sending[task]
 
         gated = scope["path"] not in OPEN_PATHS
         try:
@@ -96,11 +118,41 @@ class EdgeMiddleware:
                 self.in_flight += 1
             try:
                 await self.app(scope, receive, send_with_id)
+            except asyncio.CancelledError:
+                if task not in self._stalled:
+                    raise
+                # (the response was begun and is left unfinished: the server closes the connection)
+                self._stalled.discard(task)
+                task.uncancel()
+                access_logger.warning(
+                    "request_id=%s: the client took no bytes for %s s (--send-timeout); request cancelled",
+                    record.request_id,
+                    self.limits.send_timeout,
+                )
             finally:
+                self._stalled.discard(task)
                 if gated:
                     self.in_flight -= 1
         finally:
             self._log(scope, record, time.perf_counter() - started)
+
+    @property
+    def _look_every(self) -> float:
+        return min(1.0, self.limits.send_timeout / 2)
+
+    def _cancel_stalled(self) -> None:
+        """Cancel the requests whose response has waited on a send for ``send_timeout``;
+        look again while any waits."""
+        self._look = None
+        if not self._sending:
+            return
+        loop = asyncio.get_running_loop()
+        overdue = loop.time() - self.limits.send_timeout
+        for task, since in list(self._sending.items()):
+            if since <= overdue and task not in self._stalled:
+                self._stalled.add(task)
+                task.cancel()
+        self._look = loop.call_later(self._look_every, self._cancel_stalled)
 
     def _refusal(self, headers: Headers) -> APIError | None:
         length = headers.get("content-length")

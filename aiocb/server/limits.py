@@ -35,6 +35,9 @@ class ServerLimits:
         max_choices: choices one request may ask for, its prompts times ``n`` (400 beyond).
         body_timeout: seconds a client may take to send its body once its headers have
             arrived (408 beyond).
+        send_timeout: seconds a response may wait for the client to take its next bytes;
+            beyond, the client is taken to have stopped reading: its request is cancelled
+            and the connection closed.
         retry_after: seconds a 429 or 503 response tells the client to wait.
     """
 
@@ -45,6 +48,7 @@ class ServerLimits:
     max_concurrent_requests: int = 1024
     max_choices: int = 1024
     body_timeout: float = 60.0
+    send_timeout: float = 60.0
     retry_after: int = 1
 
     def __post_init__(self) -> None:
@@ -55,8 +59,9 @@ class ServerLimits:
         for name in counts:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0: no bound), got {getattr(self, name)}")
-        if not self.body_timeout > 0:
-            raise ValueError(f"body_timeout must be a positive number of seconds, got {self.body_timeout}")
+        for name in ("body_timeout", "send_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
 
     def too_large(self, size: int | None = None) -> APIError:
         """The 413 for a body over :attr:`max_request_bytes`."""

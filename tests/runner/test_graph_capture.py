@@ -362,6 +362,7 @@ def test_rank_zero_drops_its_graphs_when_the_followers_build_a_new_cache(
         call=lambda what, job: job(),
         send=lambda kind, *payload: sent.append(kind),
         channel=SimpleNamespace(set_timeout=lambda timeout: None),
+        claim=lambda runner: None,
     )
     driving = DriverRunner.__new__(DriverRunner)
     driving.__dict__.update(runner.__dict__)

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -229,6 +230,44 @@ async def test_a_pipelined_request_s_headers_are_bounded_while_a_response_stream
         finally:
             for each in writers:
                 each.close()
+
+
+async def test_a_client_that_stops_reading_is_dropped_and_its_request_cancelled(
+    manager: aiocb.Manager, tokenizer: Any
+) -> None:
+    """Its stream fills the socket's buffers, then a send waits: past --send-timeout the
+    request is cancelled (its slot and the engine's rows freed) and the connection closed."""
+    limits = ServerLimits(send_timeout=0.5, max_concurrent_requests=1)
+    body = {"prompt": "hi", "max_tokens": 1000, "n": 8, "ignore_eos": True, "stream": True, "logprobs": 5}
+    data = json.dumps(body).encode()
+    post = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    post += b"Content-Length: %d\r\n\r\n%s" % (len(data), data)
+    async with live_server(manager, tokenizer, limits=limits) as server:
+        host, port = server.url.removeprefix("http://").split(":")
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
+        _, writer = await asyncio.open_connection(sock=sock)
+        try:
+            writer.write(post)
+            await writer.drain()
+            await wait_until_running(manager, 1)
+            deadline = time.monotonic() + 60
+            async with httpx.AsyncClient(base_url=server.url) as http:
+                while time.monotonic() < deadline:
+                    response = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+                    if response.status_code == 200:
+                        break
+                    assert response.status_code == 429
+                    await asyncio.sleep(0.1)
+                else:
+                    raise AssertionError("the stalled stream kept its slot")
+            await wait_until_idle(manager)
+            stats = manager.statistics()
+            assert stats.free_blocks == stats.total_blocks
+        finally:
+            writer.close()
 
 
 async def test_a_client_gone_before_its_body_is_no_server_error(
