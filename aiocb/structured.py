@@ -2,8 +2,8 @@
 of strings, an EBNF grammar or a structural tag, through xgrammar (the ``aiocb[structured]`` extra).
 
 A constraint is compiled once per ``(kind, text)`` against the tokenizer's vocabulary
-(:class:`GrammarCompiler`, cached; the manager's async methods compile off the event
-loop). Each constrained request keeps a :class:`GrammarState` on the loop's thread: the
+(:class:`GrammarCompiler`, cached, the least recently used dropped beyond
+:data:`CACHE_LIMIT_BYTES`; the manager's async methods compile off the event loop). Each constrained request keeps a :class:`GrammarState` on the loop's thread: the
 plan's copy for the device fills the request's row of the step's token bitmask (what the
 grammar allows next), the sampler masks that row's logits with it, and the sampled token
 moves the state on. Rows without a constraint are not touched, so their tokens are what
@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import json
 import threading
+from collections import OrderedDict
 from collections.abc import Collection
 from typing import Any
 
@@ -36,8 +37,15 @@ def _xgrammar() -> Any:
     return xgrammar
 
 
+#: What the compiled constraints of one manager may hold in memory: each distinct
+#: constraint's grammar is kept (a quarter of a megabyte for a 4,096-token vocabulary, more
+#: for larger ones), and clients may send as many distinct ones as they like.
+CACHE_LIMIT_BYTES = 512 * 2**20
+
+
 class GrammarCompiler:
-    """Compiles constraints against one tokenizer's vocabulary, and caches them."""
+    """Compiles constraints against one tokenizer's vocabulary, and caches them (the least
+    recently used dropped once they hold more than :data:`CACHE_LIMIT_BYTES`)."""
 
     def __init__(
         self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_token_ids: Collection[int] = ()
@@ -48,8 +56,10 @@ class GrammarCompiler:
         # which the tokenizer's eos_token need not be).
         stops = sorted(i for i in stop_token_ids if 0 <= i < vocab_size) or None
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stops)
-        self._compiler = xgr.GrammarCompiler(info)
-        self._compiled: dict[tuple[str, str], Any] = {}
+        # (no cache of its own: this one's, bounded, holds every compiled grammar)
+        self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
+        self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._cached_bytes = 0
         self._lock = threading.Lock()  # (compiled on worker threads too)
 
     def is_cached(self, structure: tuple[str, str]) -> bool:
@@ -58,9 +68,11 @@ class GrammarCompiler:
 
     def compile(self, structure: tuple[str, str]) -> Any:
         """The compiled grammar of ``(kind, text)``; InvalidRequestError naming what is wrong."""
-        compiled = self._compiled.get(structure)
-        if compiled is not None:
-            return compiled
+        with self._lock:
+            compiled = self._compiled.get(structure)
+            if compiled is not None:
+                self._compiled.move_to_end(structure)
+                return compiled
         kind, text = structure
         if kind == "structural_tag":
             text = _current_structural_tag(text)
@@ -84,7 +96,12 @@ class GrammarCompiler:
         except Exception as error:  # (xgrammar raises RuntimeError and others on bad input)
             raise InvalidRequestError(f"{kind} cannot be compiled: {error}", param=kind) from None
         with self._lock:
-            self._compiled[structure] = compiled
+            if structure not in self._compiled:
+                self._compiled[structure] = compiled
+                self._cached_bytes += compiled.memory_size_bytes
+                while self._cached_bytes > CACHE_LIMIT_BYTES and len(self._compiled) > 1:
+                    _, dropped = self._compiled.popitem(last=False)
+                    self._cached_bytes -= dropped.memory_size_bytes
         return compiled
 
     def state(self, structure: tuple[str, str]) -> GrammarState:

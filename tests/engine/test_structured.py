@@ -360,3 +360,24 @@ async def test_a_constraint_that_does_not_compile_carries_its_field(bundled: tup
             with pytest.raises(aiocb.InvalidRequestError) as caught:
                 await manager.generate("x", max_new_tokens=2, **{field: value})
             assert caught.value.param == field
+
+
+def test_compiled_constraints_are_kept_within_a_memory_bound(
+    bundled: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Clients may send any number of distinct constraints: beyond the bound the least
+    recently used grammar is dropped (compiled again if it comes back)."""
+    from aiocb import structured
+    from aiocb.structured import GrammarCompiler
+
+    model, tokenizer = bundled
+    compiler = GrammarCompiler(tokenizer, model.config.vocab_size)
+    patterns = [("regex", f"{letter}[0-9]{{3}}") for letter in "abcd"]
+    size = compiler.compile(patterns[0]).memory_size_bytes
+    monkeypatch.setattr(structured, "CACHE_LIMIT_BYTES", int(size * 2.5))
+    compiler.compile(patterns[1])
+    compiler.compile(patterns[0])  # (used again: the most recent)
+    compiler.compile(patterns[2])
+    assert [compiler.is_cached(p) for p in patterns] == [True, False, True, False]
+    compiler.compile(patterns[3])
+    assert [compiler.is_cached(p) for p in patterns] == [False, False, True, True]
