@@ -3,10 +3,11 @@ of strings, an EBNF grammar or a structural tag, through xgrammar (the ``aiocb[s
 
 A constraint is compiled once per ``(kind, text)`` against the tokenizer's vocabulary
 (:class:`GrammarCompiler`, cached, the least recently used dropped beyond
-:data:`CACHE_LIMIT_BYTES`; the manager's async methods compile off the event loop). Each constrained request keeps a :class:`GrammarState` on the loop's thread: the
-plan's copy for the device fills the request's row of the step's token bitmask (what the
-grammar allows next), the sampler masks that row's logits with it, and the sampled token
-moves the state on. Rows without a constraint are not touched, so their tokens are what
+:data:`CACHE_LIMIT_BYTES`; the manager's async methods compile off the event loop). Each
+constrained request keeps a :class:`GrammarState` on the loop's thread: the plan's copy
+for the device fills the request's row of the step's token bitmask (what the grammar
+allows next), the sampler masks that row's logits with it, and the sampled token moves
+the state on. Rows without a constraint are not touched, so their tokens are what
 they would be alone. A constrained request is never planned while its last token is still
 being sampled (the next mask depends on it), and it ends when its grammar is complete.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Collection
@@ -76,13 +78,9 @@ class GrammarCompiler:
         kind, text = structure
         if kind == "structural_tag":
             text = _current_structural_tag(text)
-        ignored = _unenforced_in(kind, text)
-        if ignored is not None:
-            raise InvalidRequestError(
-                f"{kind}: {ignored}, which constrained decoding cannot enforce; leave it out "
-                "(and check the output yourself)",
-                param=kind,
-            )
+        problem = _schema_problem(kind, text)
+        if problem is not None:
+            raise InvalidRequestError(f"{kind}: {problem}", param=kind)
         try:
             if kind == "json_schema":
                 # No free whitespace: a weak model could otherwise pad its JSON without end.
@@ -132,10 +130,11 @@ _CHECKED_KEYWORDS = frozenset(
 )
 
 
-def _unenforced_in(kind: str, text: str) -> str | None:
-    """Where the constraint ``(kind, text)`` holds a JSON schema keyword that its grammar
-    leaves out (:func:`_unenforced_keyword`): in a ``json_schema``, or in a ``structural_tag``'s
-    ``json_schema`` contents (named by the tag they are in); None if it holds none."""
+def _schema_problem(kind: str, text: str) -> str | None:
+    """What the JSON schemas of the constraint ``(kind, text)`` hold that is refused (a
+    ``json_schema``, or a ``structural_tag``'s ``json_schema`` contents, named by the tag
+    they are in): a keyword its grammar leaves out (:func:`_unenforced_keyword`) or a
+    pattern too slow to compile (:func:`_slow_pattern`); None if neither."""
     if kind not in ("json_schema", "structural_tag"):
         return None
     try:
@@ -143,15 +142,15 @@ def _unenforced_in(kind: str, text: str) -> str | None:
     except ValueError:
         return None  # (compiling reports it)
     if kind == "json_schema":
-        return _unenforced_keyword(parsed)
+        return _problem_of(parsed)
 
     def walk(node: Any, tag: Any) -> str | None:
         if isinstance(node, dict):
             if node.get("type") == "json_schema" and "json_schema" in node:
-                ignored = _unenforced_keyword(node["json_schema"])
-                if ignored is not None:
+                problem = _problem_of(node["json_schema"])
+                if problem is not None:
                     where = "" if tag is None else f" of the tag beginning {tag!r}"
-                    return f"the json_schema{where}: {ignored}"
+                    return f"the json_schema{where}: {problem}"
             tag = node.get("begin", tag) if node.get("type") == "tag" else tag
             children: Collection[Any] = node.values()
         elif isinstance(node, list):
@@ -165,6 +164,100 @@ def _unenforced_in(kind: str, text: str) -> str | None:
         return None
 
     return walk(parsed, None)
+
+
+def _problem_of(schema: Any) -> str | None:
+    ignored = _unenforced_keyword(schema)
+    if ignored is not None:
+        return f"{ignored}, which constrained decoding cannot enforce; leave it out (and check the output yourself)"
+    return _slow_pattern(schema)
+
+
+#: The most times a JSON schema's ``pattern`` may repeat a piece through bounded
+#: quantifiers (``{m,n}``, a product where one is inside another). The grammar xgrammar
+#: builds for a pattern grows with it, and its compile time faster: 900 took 2.8 s, one
+#: bound of 50,000 four minutes (to fail: a single bound past about 150 never compiles).
+MAX_PATTERN_REPEATS = 128
+
+
+def _slow_pattern(schema: Any) -> str | None:
+    """``the pattern at PATH ...`` for the first ``pattern`` of ``schema`` (parsed) that
+    repeats a piece more than :data:`MAX_PATTERN_REPEATS` times; None if none does."""
+    found: list[tuple[list[str | int], int]] = []
+
+    def walk(node: Any, path: list[str | int]) -> None:
+        if isinstance(node, dict):
+            pattern = node.get("pattern")
+            in_names = bool(path) and path[-1] in ("properties", "$defs", "definitions")
+            if isinstance(pattern, str) and not in_names:
+                repeats = pattern_repeats(pattern)
+                if repeats > MAX_PATTERN_REPEATS:
+                    found.append((path, repeats))
+            for key, value in node.items():
+                walk(value, [*path, key])
+        elif isinstance(node, list):
+            for index, value in enumerate(node):
+                walk(value, [*path, index])
+
+    walk(schema, [])
+    if not found:
+        return None
+    path, repeats = found[0]
+    return (
+        f"the pattern at /{'/'.join(str(step) for step in path)} repeats a piece {repeats} times through bounded "
+        f"quantifiers, more than the {MAX_PATTERN_REPEATS} that compile in good time (a quantifier inside "
+        "another counts their product); use a smaller bound, or * and + (unbounded repetition is cheap)"
+    )
+
+
+#: a bounded quantifier: ``{m}``, ``{m,}`` or ``{m,n}``
+_BOUNDED = re.compile(r"\{([0-9]+)(?:,([0-9]*))?\}")
+
+
+def pattern_repeats(pattern: str) -> int:
+    """The most times ``pattern`` (a regular expression) repeats one piece through bounded
+    quantifiers ``{m}``, ``{m,}``, ``{m,n}``, nested ones multiplied (1 without any)."""
+    stack = [1]  # per open group: the most repeats of a piece inside it so far
+    i, last = 0, 1  # (the repeats of the atom just read, which a quantifier multiplies)
+    while i < len(pattern):
+        char = pattern[i]
+        if char == "\\":
+            i, last = i + 2, 1
+            continue
+        if char == "[":
+            i = _class_end(pattern, i)
+            last = 1
+            continue
+        if char == "(":
+            stack.append(1)
+            i += 1
+            continue
+        if char == ")" and len(stack) > 1:
+            last = stack.pop()
+            stack[-1] = max(stack[-1], last)
+            i += 1
+            continue
+        quantifier = _BOUNDED.match(pattern, i) if char == "{" else None
+        if quantifier is not None:
+            last *= max(int(quantifier[1]), int(quantifier[2] or 0), 1)
+            stack[-1] = max(stack[-1], last)
+            i = quantifier.end()
+            continue
+        last = 1
+        i += 1
+    return max(stack)
+
+
+def _class_end(pattern: str, start: int) -> int:
+    """The index after the character class that opens at ``start``."""
+    i = start + 1
+    if i < len(pattern) and pattern[i] == "^":
+        i += 1
+    if i < len(pattern) and pattern[i] == "]":  # (a leading ] is a member)
+        i += 1
+    while i < len(pattern) and pattern[i] != "]":
+        i += 2 if pattern[i] == "\\" else 1
+    return i + 1
 
 
 def _unenforced_keyword(schema: Any) -> str | None:

@@ -381,3 +381,25 @@ def test_compiled_constraints_are_kept_within_a_memory_bound(
     assert [compiler.is_cached(p) for p in patterns] == [True, False, True, False]
     compiler.compile(patterns[3])
     assert [compiler.is_cached(p) for p in patterns] == [False, False, True, True]
+
+
+async def test_a_pattern_too_slow_to_compile_is_refused_at_once(bundled: tuple[Any, Any]) -> None:
+    """A 47-byte schema whose pattern repeats a piece 50,000 times took four minutes of a
+    compile thread (every other constraint waiting) to fail; refused by name before that."""
+    import time
+
+    model, tokenizer = bundled
+    slow = {"type": "object", "properties": {"id": {"type": "string", "pattern": "[a-z]{1,50000}"}}}
+    nested = {"type": "string", "pattern": "([a-z]{1,30}){1,30}"}
+    fine = {"type": "string", "pattern": "([a-z]{1,4}){1,3}"}
+    async with aiocb.Manager(model, tokenizer=tokenizer) as manager:
+        for schema, where, repeats in ((slow, "/properties/id", 50000), (nested, "/", 900)):
+            started = time.perf_counter()
+            with pytest.raises(aiocb.InvalidRequestError) as caught:
+                await manager.generate("x", json_schema=schema, max_new_tokens=4)
+            assert time.perf_counter() - started < 5
+            assert caught.value.param == "json_schema"
+            assert f"the pattern at {where} repeats a piece {repeats} times" in str(caught.value)
+        output = await manager.generate("x", json_schema=fine, max_new_tokens=40)
+        assert output.finish_reason is aiocb.FinishReason.STOP
+        assert re.fullmatch("[a-z]{1,12}", json.loads(output.text or ""))
