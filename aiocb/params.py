@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -417,12 +418,17 @@ def _pairs(name: str, value: Any, example: str) -> Iterable[tuple[Any, Any]]:
     return pairs
 
 
+#: A token id as a JSON object key: ASCII digits only (``str.isdigit`` is also true of
+#: superscripts, which ``int`` refuses, and of other scripts' digits, which ``int`` reads).
+_DECIMAL = re.compile(r"-?[0-9]+")
+
+
 def _logit_bias(value: Any) -> tuple[tuple[int, float], ...] | None:
     if value is None:
         return None
     pairs: dict[int, float] = {}
     for token, bias in _pairs("logit_bias", value, "token ids to biases, e.g. {42: -100}"):
-        if isinstance(token, str) and token.lstrip("-").isdigit():
+        if isinstance(token, str) and _DECIMAL.fullmatch(token):
             token = int(token)  # JSON object keys are strings
         if not _is_int(token) or token < 0:
             raise InvalidRequestError(f"logit_bias keys must be token ids, got {token!r}", param="logit_bias")

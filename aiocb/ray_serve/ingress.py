@@ -93,9 +93,9 @@ class Ingress:
     async def _body(self, request: Request) -> bytes:
         """The body, refused as one process's server refuses it: too large by its
         Content-Length before it is read, then as it comes (:func:`receive_body`)."""
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > self.limits.max_request_bytes:
-            raise self.limits.too_large(int(length))
+        too_large = self.limits.declared_too_large(request.headers.get("content-length"))
+        if too_large is not None:
+            raise too_large
         return await receive_body(request, self.limits)
 
     async def _prefix(self, path: str, body: bytes) -> tuple[int, ...]:

@@ -155,9 +155,9 @@ class EdgeMiddleware:
         self._look = loop.call_later(self._look_every, self._cancel_stalled)
 
     def _refusal(self, headers: Headers) -> APIError | None:
-        length = headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > self.limits.max_request_bytes:
-            return self.limits.too_large(int(length))
+        too_large = self.limits.declared_too_large(headers.get("content-length"))
+        if too_large is not None:
+            return too_large
         bound = self.limits.max_concurrent_requests
         if bound and self.in_flight >= bound:
             return APIError(

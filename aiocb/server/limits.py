@@ -73,6 +73,15 @@ class ServerLimits:
             code="request_too_large",
         )
 
+    def declared_too_large(self, content_length: str | None) -> APIError | None:
+        """The 413 for a body whose ``Content-Length`` header declares more than
+        :attr:`max_request_bytes`; None otherwise, also for a header that is not a count in
+        ASCII digits (``str.isdigit`` takes superscripts too), whose body is bounded as it arrives."""
+        if content_length is None or not (content_length.isascii() and content_length.isdigit()):
+            return None
+        size = int(content_length)
+        return self.too_large(size) if size > self.max_request_bytes else None
+
     def check_stop(self, stop: tuple[str, ...]) -> None:
         """Refuse too many or too long stop strings."""
         if self.max_stop_strings and len(stop) > self.max_stop_strings:

@@ -354,6 +354,8 @@ async def test_the_ingress_refuses_bodies_as_one_process_s_server_does() -> None
         await ingress._body(request([(b"content-length", b"5000")], never_read))
     assert caught.value.status == 413 and "(5000 bytes)" in caught.value.message
     assert _error(caught.value).headers["connection"] == "close"
+    sent = [{"type": "http.request", "body": b"{}", "more_body": False}]
+    assert await ingress._body(request([(b"content-length", b"\xb2")], sent)) == b"{}"
     with pytest.raises(APIError) as caught:
         await ingress._body(request([], [{"type": "http.request", "body": b"{", "more_body": True}], wait=0.2))
     assert caught.value.status == 408 and "(--body-timeout)" in caught.value.message

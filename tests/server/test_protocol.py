@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from aiocb.errors import EngineDeadError, InvalidRequestError, ManagerClosedError, WouldBlock
+from aiocb.params import SamplingParams
 from aiocb.server.protocol import (
     APIError,
     error_from_exception,
@@ -139,6 +140,16 @@ def test_chat_content_parts_and_max_completion_tokens() -> None:
     assert (
         parse_chat_request({"messages": [{"role": "user", "content": "x"}], "max_tokens": 4}).sampling.max_tokens == 4
     )
+
+
+@pytest.mark.parametrize("key", ["\u00b2", "--5", "\u0663", "-5", "+5", " 5", "5\n", "1_0", ""])
+def test_logit_bias_keys_are_ascii_decimal_token_ids(key: str) -> None:
+    with pytest.raises(APIError, match="logit_bias") as caught:
+        parse_completion_request({"prompt": "x", "logit_bias": {key: 1}})
+    assert (caught.value.status, caught.value.param) == (400, "logit_bias")
+    with pytest.raises(InvalidRequestError, match="logit_bias"):
+        SamplingParams(logit_bias={key: 1})
+    assert SamplingParams(logit_bias={"5": 1, "012": -2}).logit_bias == ((5, 1.0), (12, -2.0))
 
 
 @pytest.mark.parametrize(
