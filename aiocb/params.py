@@ -206,7 +206,7 @@ class SamplingParams:
         _set(self, "sequence_bias", _sequence_bias(self.sequence_bias))
         _set(self, "bad_words_ids", _bad_words(self.bad_words_ids))
         _set(self, "json_schema", _json_schema(self.json_schema))
-        _set(self, "structural_tag", _json_object("structural_tag", self.structural_tag))
+        _set(self, "structural_tag", _structural_tag(self.structural_tag))
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
@@ -282,6 +282,44 @@ def _json_schema(value: Any) -> str | None:
 
 def _json_object(name: str, value: Any) -> str | None:
     """A JSON object given as a dict or as JSON text, as JSON text."""
+    mapping = _json_mapping(name, value)
+    return None if mapping is None else _json_text(name, mapping)
+
+
+#: A structural tag's keys in xgrammar's form, and in the older one that vLLM and SGLang
+#: clients still send (``structures`` of ``begin``, ``schema`` and ``end``, and ``triggers``).
+_TAG_KEYS = ("type", "format")
+_LEGACY_TAG_KEYS = ("type", "structures", "triggers")
+_LEGACY_STRUCTURE_KEYS = ("begin", "schema", "end")
+
+
+def _structural_tag(value: Any) -> str | None:
+    """A structural tag given as a dict or as JSON text, as JSON text. A key that neither
+    form has is refused: xgrammar reads past it, so a misspelt one would change nothing.
+    What ``format`` holds is xgrammar's to check."""
+    tag = _json_mapping("structural_tag", value)
+    if tag is None:
+        return None
+    _refuse_tag_keys(tag, _TAG_KEYS if "format" in tag else _LEGACY_TAG_KEYS, "structural_tag")
+    structures = tag.get("structures")
+    if isinstance(structures, list):
+        for i, structure in enumerate(structures):
+            if isinstance(structure, Mapping):
+                _refuse_tag_keys(structure, _LEGACY_STRUCTURE_KEYS, f"structural_tag.structures[{i}]")
+    return _json_text("structural_tag", tag)
+
+
+def _refuse_tag_keys(value: Mapping[str, Any], known: tuple[str, ...], where: str) -> None:
+    unknown = sorted(set(value) - set(known))
+    if unknown:
+        raise InvalidRequestError(
+            f"{where} has the unknown key(s) {unknown}; it takes {', '.join(known)}",
+            param=f"{where}.{unknown[0]}",
+        )
+
+
+def _json_mapping(name: str, value: Any) -> Mapping[str, Any] | None:
+    """A JSON object given as a dict or as JSON text."""
     if value is None:
         return None
     if isinstance(value, str):
@@ -293,6 +331,10 @@ def _json_object(name: str, value: Any) -> str | None:
             raise InvalidRequestError(f"{name} nests too deeply to read", param=name) from None
     if not isinstance(value, Mapping):
         raise InvalidRequestError(f"{name} must be a JSON object (a dict), got {type(value).__name__}", param=name)
+    return value
+
+
+def _json_text(name: str, value: Mapping[str, Any]) -> str:
     try:
         return json.dumps(value)
     except (TypeError, ValueError) as error:

@@ -59,6 +59,11 @@ def test_values_are_normalised_and_frozen() -> None:
         ({"stop": b"x"}, "stop must be a string or a list of strings"),
         ({"logit_bias": {"a": 1}}, "logit_bias keys must be token ids"),
         ({"logit_bias": {"\u00b2": 1}}, "logit_bias keys must be token ids"),
+        (
+            {"structural_tag": {"type": "structural_tag", "format": {}, "triggers": []}},
+            r"unknown key\(s\) \['triggers'\]",
+        ),
+        ({"structural_tag": {"structures": [{"begin": "a", "schema": {}, "end": "b", "x": 1}]}}, r"structures\[0\]"),
         ({"sequence_bias": {(): 1.0}}, "sequence_bias is empty"),
         ({"bad_words_ids": [[]]}, "bad_words_ids is empty"),
         ({"stop_token_ids": [-3]}, "stop_token_ids holds a negative token id"),

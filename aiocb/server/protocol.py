@@ -8,7 +8,7 @@ are refused with an :class:`APIError` of status 400 that names the field.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +56,19 @@ class APIError(Exception):
 def bad_request(message: str, param: str | None = None) -> APIError:
     """A 400 error about the request body."""
     return APIError(400, message, param=param)
+
+
+def refuse_unknown_keys(keys: Iterable[str], known: tuple[str, ...], where: str, what: str = "") -> None:
+    """Refuse the ``keys`` of the object at ``where`` (a body path such as ``tools[0]``) that
+    are not ``known``: a 400 whose ``param`` is the first one's path, as OpenAI names a nested
+    field. ``what`` describes the object in the message (default: its path)."""
+    unknown = sorted(set(keys) - set(known))
+    if unknown:
+        paths = [f"{where}.{key}" for key in unknown]
+        raise bad_request(
+            f"unsupported field(s) {', '.join(map(repr, paths))}; {what or where} takes {', '.join(known)}",
+            paths[0],
+        )
 
 
 #: The engine's names of parameters (``aiocb.SamplingParams`` fields) that a request body
@@ -237,29 +250,12 @@ def parse_detokenize_request(body: Any) -> DetokenizeRequest:
 
 
 def _sampling(body: Mapping[str, Any], *, max_tokens_keys: tuple[str, ...]) -> SamplingRequest:
-    max_tokens = None
-    max_tokens_field = max_tokens_keys[0]
-    for key in max_tokens_keys:
-        max_tokens = _opt_int(body, key, minimum=0)
-        if max_tokens is not None:
-            max_tokens_field = key
-            break
+    max_tokens_field = _max_tokens_field(body, max_tokens_keys)
     top_k = _opt_int(body, "top_k", minimum=-1)
     stream = _bool(body, "stream", False)
-    stream_options = body.get("stream_options")
-    if stream_options is not None:
-        if not isinstance(stream_options, dict):
-            raise bad_request("'stream_options' must be an object", "stream_options")
-        if not stream:
-            raise bad_request(
-                "'stream_options' is for streamed responses; give it with 'stream': true", "stream_options"
-            )
-        unknown = sorted(set(stream_options) - {"include_usage"})
-        if unknown:
-            raise bad_request(f"unsupported 'stream_options' key(s) {unknown}; known: include_usage", "stream_options")
     return SamplingRequest(
         model=_opt_str(body, "model"),
-        max_tokens=max_tokens,
+        max_tokens=_opt_int(body, max_tokens_field, minimum=0),
         temperature=_float(body, "temperature", 1.0, minimum=0.0, maximum=2.0),
         top_p=_float(body, "top_p", 1.0, minimum=0.0, maximum=1.0, exclusive_minimum=True),
         top_k=max(top_k or 0, 0),  # -1 (vLLM) and 0 both mean "off"
@@ -270,12 +266,39 @@ def _sampling(body: Mapping[str, Any], *, max_tokens_keys: tuple[str, ...]) -> S
         ignore_eos=_bool(body, "ignore_eos", False),
         skip_special_tokens=_bool(body, "skip_special_tokens", True),
         stream=stream,
-        include_usage=bool(stream_options and _bool(stream_options, "include_usage", False)),
+        include_usage=_include_usage(body, stream),
         min_tokens=_opt_int(body, "min_tokens", minimum=0) or 0,
         include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False),
         controls={**_controls(body), **_structure(body)},
         max_tokens_field=max_tokens_field,
     )
+
+
+def _max_tokens_field(body: Mapping[str, Any], keys: tuple[str, ...]) -> str:
+    """The one of ``keys`` (names of the output's length bound) that the body gives, or the first."""
+    given = [key for key in keys if body.get(key) is not None]
+    if len(given) > 1:
+        # As OpenAI answers it: the two names are one bound (``max_tokens`` the older), so
+        # which one wins would be a guess (vLLM takes max_completion_tokens without a word).
+        raise APIError(
+            400,
+            f"setting {' and '.join(repr(key) for key in given)} at the same time is not supported; give one",
+            param="max_tokens",
+            code="invalid_parameter_combination",
+        )
+    return given[0] if given else keys[0]
+
+
+def _include_usage(body: Mapping[str, Any], stream: bool) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise bad_request("'stream_options' must be an object", "stream_options")
+    if not stream:
+        raise bad_request("'stream_options' is for streamed responses; give it with 'stream': true", "stream_options")
+    refuse_unknown_keys(options, ("include_usage",), "stream_options")
+    return _bool(options, "include_usage", False, path="stream_options.include_usage")
 
 
 #: Body fields that become ``aiocb.SamplingParams`` fields of the same name, checked there.
@@ -323,36 +346,16 @@ _STRUCTURED_OUTPUTS = {
 
 def _structure(body: Mapping[str, Any]) -> dict[str, Any]:
     """The output constraint of a body (OpenAI's ``response_format``, vLLM's
-    ``structured_outputs`` and ``guided_*``) as a ``SamplingParams`` field; at most one.
-    A ``structural_tag`` response format is the tag itself (xgrammar's form, or the older
-    ``structures`` and ``triggers``)."""
-    found: list[tuple[str, str, Any]] = []  # (body field, SamplingParams field, value)
-    response_format = body.get("response_format")
+    ``structured_outputs`` and ``guided_*``) as a ``SamplingParams`` field; at most one."""
+    found: list[tuple[str, str, Any]] = []  # (body path, SamplingParams field, value)
+    response_format = _response_format(body.get("response_format"))
     if response_format is not None:
-        kind = response_format.get("type") if isinstance(response_format, dict) else None
-        if kind == "json_object":
-            found.append(("response_format", "json_schema", {"type": "object"}))
-        elif kind == "json_schema":
-            spec = response_format.get("json_schema")
-            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
-                message = "'response_format.json_schema.schema' must be a JSON schema object"
-                raise bad_request(message, "response_format")
-            found.append(("response_format", "json_schema", spec["schema"]))
-        elif kind == "structural_tag":
-            found.append(("response_format", "structural_tag", response_format))
-        elif kind != "text":
-            raise bad_request(
-                "'response_format' must be an object whose 'type' is text, json_object, json_schema or structural_tag",
-                "response_format",
-            )
+        found.append(response_format)
     outputs = body.get("structured_outputs")
     if outputs is not None:
         if not isinstance(outputs, dict):
             raise bad_request("'structured_outputs' must be an object", "structured_outputs")
-        unknown = sorted(set(outputs) - set(_STRUCTURED_OUTPUTS))
-        if unknown:
-            message = f"unsupported 'structured_outputs' key(s) {unknown}; known: {', '.join(_STRUCTURED_OUTPUTS)}"
-            raise bad_request(message, "structured_outputs")
+        refuse_unknown_keys(outputs, tuple(_STRUCTURED_OUTPUTS), "structured_outputs")
         found += [(f"structured_outputs.{k}", _STRUCTURED_OUTPUTS[k], v) for k, v in outputs.items() if v is not None]
     found += [(key, name, body[key]) for key, name in _GUIDED.items() if body.get(key) is not None]
     if not found:
@@ -363,8 +366,57 @@ def _structure(body: Mapping[str, Any]) -> dict[str, Any]:
     try:
         SamplingParams(**{name: value})
     except InvalidRequestError as exc:
-        raise bad_request(f"{where}: {exc}", where.split(".")[0]) from None
+        # A structural tag's error names the key at fault inside the tag: the same path below ``where``.
+        inside = exc.param[len(name) :] if exc.param and exc.param.startswith(f"{name}.") else ""
+        raise bad_request(f"{where + inside}: {exc}", where + inside) from None
     return {name: value}
+
+
+#: The keys of each ``response_format`` type beside ``type`` (a ``structural_tag`` response
+#: format is the tag itself, xgrammar's form or the older one, checked as ``SamplingParams``
+#: checks one).
+_RESPONSE_FORMAT_KEYS: dict[str, tuple[str, ...]] = {"text": (), "json_object": (), "json_schema": ("json_schema",)}
+#: OpenAI's ``json_schema`` object. The schema is enforced, which is all ``strict`` asks (and
+#: ``strict: false`` allows); ``name`` and ``description`` label it and change no output.
+_JSON_SCHEMA_KEYS = ("name", "description", "schema", "strict")
+
+
+def _response_format(value: Any) -> tuple[str, str, Any] | None:
+    """OpenAI's ``response_format`` as (body path, ``SamplingParams`` field, value); None
+    when not given or ``text``."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise bad_request("'response_format' must be an object with a 'type'", "response_format")
+    kind = value.get("type")
+    if kind == "structural_tag":
+        return ("response_format", "structural_tag", value)
+    if not isinstance(kind, str) or kind not in _RESPONSE_FORMAT_KEYS:
+        raise bad_request(
+            f"'response_format.type' must be text, json_object, json_schema or structural_tag, got {kind!r}",
+            "response_format.type",
+        )
+    refuse_unknown_keys(value, ("type", *_RESPONSE_FORMAT_KEYS[kind]), "response_format", f"a {kind} response_format")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ("response_format", "json_schema", {"type": "object"})
+    return ("response_format.json_schema.schema", "json_schema", _json_schema_spec(value.get("json_schema")))
+
+
+def _json_schema_spec(spec: Any) -> dict[str, Any]:
+    """The schema of a ``json_schema`` response format, its other keys checked."""
+    where = "response_format.json_schema"
+    if not isinstance(spec, dict):
+        raise bad_request(f"'{where}' must be an object with the JSON schema under 'schema'", where)
+    refuse_unknown_keys(spec, _JSON_SCHEMA_KEYS, where)
+    for key in ("name", "description"):
+        _opt_str(spec, key, path=f"{where}.{key}")
+    _bool(spec, "strict", False, path=f"{where}.strict")
+    schema = spec.get("schema")
+    if not isinstance(schema, dict):
+        raise bad_request(f"'{where}.schema' must be a JSON schema object", f"{where}.schema")
+    return schema
 
 
 #: Fields that do not change what is generated (identifiers, bookkeeping): accepted as they are.
@@ -492,9 +544,19 @@ def _stop(value: Any) -> tuple[str, ...]:
     return tuple(value)  # as sent, so that the server's bound counts what the client sent
 
 
-#: A chat message's fields, all passed to the chat template (``reasoning_content``: an
-#: earlier turn's reasoning, which templates such as Qwen3's render or drop by turn).
-MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"})
+#: The fields of a chat message by role, all passed to the chat template: OpenAI's, an
+#: assistant's ``reasoning_content`` (an earlier turn's reasoning, which templates such as
+#: Qwen3's render or drop by turn) and ``parsed`` (the openai client's parse of the content,
+#: which a parsed message sent back holds: a copy that says nothing new). Other roles (a
+#: template's own too, such as Llama 3's ``ipython``) take the fields every message has.
+_MESSAGE_FIELDS = ("role", "content", "name")
+_ROLE_FIELDS = {
+    "assistant": (*_MESSAGE_FIELDS, "tool_calls", "reasoning_content", "parsed"),
+    "tool": (*_MESSAGE_FIELDS, "tool_call_id"),
+}
+#: The fields some role takes, and those of them whose value must be text when given.
+_ROLE_SPECIFIC = frozenset(name for names in _ROLE_FIELDS.values() for name in names)
+_TEXT_FIELDS = ("name", "tool_call_id", "reasoning_content")
 #: Fields of assistant messages that OpenAI's responses carry, accepted while empty (a client
 #: sends a response's message back as it came).
 _UNSET_OK = frozenset({"refusal", "function_call", "audio", "annotations"})
@@ -503,38 +565,48 @@ _UNSET_OK = frozenset({"refusal", "function_call", "audio", "annotations"})
 def _messages(value: Any) -> list[dict[str, Any]]:
     if not isinstance(value, list) or not value:
         raise bad_request("'messages' must be a non-empty list of messages", "messages")
-    messages: list[dict[str, Any]] = []
-    for i, message in enumerate(value):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise bad_request(f"messages[{i}] must be an object with a string 'role'", "messages")
-        unknown = sorted(k for k in set(message) - MESSAGE_FIELDS if not (k in _UNSET_OK and not message[k]))
-        if unknown:
-            raise bad_request(
-                f"messages[{i}] has unsupported field(s) {unknown}; known: {sorted(MESSAGE_FIELDS)}", "messages"
-            )
-        flat = dict(message)
-        flat["content"] = _content(message.get("content"), i)
-        messages.append(flat)
-    return messages
+    return [_message(message, f"messages[{i}]") for i, message in enumerate(value)]
 
 
-def _content(content: Any, index: int) -> str:
+def _message(message: Any, where: str) -> dict[str, Any]:
+    """A message checked against its role's fields, its content flattened to a string."""
+    if not isinstance(message, dict):
+        raise bad_request(f"{where} must be an object with a string 'role'", where)
+    role = message.get("role")
+    if not isinstance(role, str):
+        raise bad_request(f"{where}.role must be a string", f"{where}.role")
+    # A null field that some role takes is one not given (clients send one shape for every
+    # role), and an empty response field is one a client sent back as it came.
+    given = [k for k, v in message.items() if not ((v is None and k in _ROLE_SPECIFIC) or (k in _UNSET_OK and not v))]
+    refuse_unknown_keys(given, _ROLE_FIELDS.get(role, _MESSAGE_FIELDS), where, f"a message of role {role!r}")
+    for key in _TEXT_FIELDS:
+        _opt_str(message, key, path=f"{where}.{key}")
+    return {**message, "content": _content(message.get("content"), f"{where}.content")}
+
+
+def _content(content: Any, where: str) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    if isinstance(content, list):
-        texts: list[str] = []
-        for part in content:
-            if isinstance(part, str):
-                texts.append(part)
-            elif isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
-                texts.append(part["text"])
-            else:
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise bad_request(f"messages[{index}].content: only text parts are supported, got {kind!r}", "messages")
-        return "\n".join(texts)
-    raise bad_request(f"messages[{index}].content must be a string or a list of text parts", "messages")
+    if not isinstance(content, list):
+        raise bad_request(f"{where} must be a string or a list of text parts", where)
+    return "\n".join(_text_part(part, f"{where}[{j}]") for j, part in enumerate(content))
+
+
+def _text_part(part: Any, where: str) -> str:
+    """The text of a content part: OpenAI's ``{"type": "text", "text": ...}``, or a string."""
+    if isinstance(part, str):
+        return part
+    if not isinstance(part, dict):
+        raise bad_request(f"{where} must be a text part, got {type(part).__name__}", where)
+    if part.get("type") != "text":
+        raise bad_request(f"{where}.type: only text parts are supported, got {part.get('type')!r}", f"{where}.type")
+    refuse_unknown_keys(part, ("type", "text"), where, "a text part")
+    text = part.get("text")
+    if not isinstance(text, str):
+        raise bad_request(f"{where}.text must be a string", f"{where}.text")
+    return text
 
 
 def _is_int(value: Any) -> bool:
@@ -577,17 +649,19 @@ def _float(
     return float(value)
 
 
-def _bool(body: Mapping[str, Any], key: str, default: bool) -> bool:
+def _bool(body: Mapping[str, Any], key: str, default: bool, *, path: str = "") -> bool:
+    """``body[key]``, a bool; ``path`` names it in errors (default: ``key``)."""
     value = body.get(key)
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise bad_request(f"'{key}' must be true or false, got {value!r}", key)
+        raise bad_request(f"'{path or key}' must be true or false, got {value!r}", path or key)
     return value
 
 
-def _opt_str(body: Mapping[str, Any], key: str) -> str | None:
+def _opt_str(body: Mapping[str, Any], key: str, *, path: str = "") -> str | None:
+    """``body[key]``, a string or None; ``path`` names it in errors (default: ``key``)."""
     value = body.get(key)
     if value is not None and not isinstance(value, str):
-        raise bad_request(f"'{key}' must be a string", key)
+        raise bad_request(f"'{path or key}' must be a string", path or key)
     return value

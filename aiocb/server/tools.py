@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from aiocb.server.protocol import bad_request
+from aiocb.server.protocol import bad_request, refuse_unknown_keys
 
 _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 #: Tool-call JSON may hold at most this many whitespace characters in a row: a weak model
@@ -78,47 +78,60 @@ def parse_tools(body: Mapping[str, Any]) -> ToolRequest | None:
         return None
     checked = tuple(_tool(tool, i) for i, tool in enumerate(tools))
     names = [tool["function"]["name"] for tool in checked]
-    duplicate = next((name for name in names if names.count(name) > 1), None)
-    if duplicate is not None:
-        raise bad_request(f"'tools' names the function {duplicate!r} twice", "tools")
+    for j, name in enumerate(names):
+        if name in names[:j]:
+            where = f"tools[{j}].function.name"
+            raise bad_request(f"'{where}' is {name!r}, which an earlier tool is named too", where)
     forced = False
     if choice is None:
         choice = "auto"
     elif isinstance(choice, dict):
-        function = choice.get("function")
-        name = function.get("name") if isinstance(function, dict) else None
-        if choice.get("type") != "function" or not isinstance(name, str):
-            raise bad_request(
-                '\'tool_choice\' must be none, auto, required or {"type": "function", "function": {"name": ...}}',
-                "tool_choice",
-            )
-        if name not in names:
-            raise bad_request(f"'tool_choice' names {name!r}, which is not one of the tools", "tool_choice")
-        choice, forced = name, True
+        choice, forced = _named_choice(choice, names), True
     elif choice not in ("none", "auto", "required"):
         raise bad_request(f"'tool_choice' must be none, auto, required or a function, got {choice!r}", "tool_choice")
     return ToolRequest(tools=checked, choice=choice, forced=forced, parallel=True if parallel is None else parallel)
 
 
+def _named_choice(choice: dict[str, Any], names: list[str]) -> str:
+    """The function a ``tool_choice`` object names, checked."""
+    function = choice.get("function")
+    if choice.get("type") != "function" or not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise bad_request(
+            '\'tool_choice\' must be none, auto, required or {"type": "function", "function": {"name": ...}}',
+            "tool_choice",
+        )
+    refuse_unknown_keys(choice, ("type", "function"), "tool_choice")
+    refuse_unknown_keys(function, ("name",), "tool_choice.function")
+    name: str = function["name"]
+    if name not in names:
+        where = "tool_choice.function.name"
+        raise bad_request(f"'{where}' is {name!r}, which is not one of the tools", where)
+    return name
+
+
 def _tool(tool: Any, index: int) -> dict[str, Any]:
     where = f"tools[{index}]"
-    if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
-        raise bad_request(f'{where} must be {{"type": "function", "function": {{...}}}}', "tools")
+    if not isinstance(tool, dict):
+        raise bad_request(f'{where} must be {{"type": "function", "function": {{...}}}}', where)
+    if tool.get("type") != "function":
+        raise bad_request(f"{where}.type must be 'function', got {tool.get('type')!r}", f"{where}.type")
+    if not isinstance(tool.get("function"), dict):
+        raise bad_request(f"{where}.function must be an object", f"{where}.function")
+    refuse_unknown_keys(tool, ("type", "function"), where)
+    where += ".function"
     function = dict(tool["function"])
     name = function.get("name")
     if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise bad_request(f"{where}.function.name must be 1 to 64 letters, digits, '_', '.' or '-'", "tools")
-    unknown = sorted(set(function) - {"name", "description", "parameters", "strict"})
-    if unknown:
-        raise bad_request(f"{where}.function has unsupported field(s) {unknown}", "tools")
+        raise bad_request(f"{where}.name must be 1 to 64 letters, digits, '_', '.' or '-'", f"{where}.name")
+    refuse_unknown_keys(function, ("name", "description", "parameters", "strict"), where)
     if function.get("description") is not None and not isinstance(function["description"], str):
-        raise bad_request(f"{where}.function.description must be a string", "tools")
+        raise bad_request(f"{where}.description must be a string", f"{where}.description")
     parameters = function.get("parameters")
     if parameters is not None and not isinstance(parameters, dict):
-        raise bad_request(f"{where}.function.parameters must be a JSON schema object", "tools")
+        raise bad_request(f"{where}.parameters must be a JSON schema object", f"{where}.parameters")
     strict = function.get("strict")
     if strict is not None and not isinstance(strict, bool):
-        raise bad_request(f"{where}.function.strict must be true or false", "tools")
+        raise bad_request(f"{where}.strict must be true or false", f"{where}.strict")
     return {"type": "function", "function": function}
 
 
@@ -135,25 +148,37 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             rendered.append(message)
             continue
         if not isinstance(calls, list):
-            raise bad_request(f"messages[{i}].tool_calls must be a list", "messages")
+            raise bad_request(f"messages[{i}].tool_calls must be a list", f"messages[{i}].tool_calls")
         rendered.append({**message, "tool_calls": [_template_call(call, i, j) for j, call in enumerate(calls)]})
     return rendered
+
+
+#: A call of an assistant message: OpenAI's fields, and ``index``, a streamed call's position,
+#: which a client that rebuilt the message from its deltas sends back (the list's order says
+#: the same). Its function's ``parsed_arguments`` is the openai client's parse of
+#: ``arguments``, which a parsed message sent back holds: a copy that says nothing new.
+_CALL_FIELDS = ("id", "type", "function", "index")
+_CALL_FUNCTION_FIELDS = ("name", "arguments", "parsed_arguments")
 
 
 def _template_call(call: Any, i: int, j: int) -> dict[str, Any]:
     where = f"messages[{i}].tool_calls[{j}]"
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-        raise bad_request(f"{where} must be a function call with a 'name' and 'arguments'", "messages")
+        raise bad_request(f"{where} must be a function call with a 'name' and 'arguments'", where)
+    refuse_unknown_keys(call, _CALL_FIELDS, where, "a tool call")
+    if call.get("type") not in (None, "function"):
+        raise bad_request(f"{where}.type must be 'function', got {call['type']!r}", f"{where}.type")
+    refuse_unknown_keys(function, _CALL_FUNCTION_FIELDS, f"{where}.function")
+    where += ".function.arguments"
     arguments = function.get("arguments", "{}")
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments) if arguments.strip() else {}
         except ValueError as exc:
-            raise bad_request(f"{where}.function.arguments is not valid JSON: {exc}", "messages") from None
+            raise bad_request(f"{where} is not valid JSON: {exc}", where) from None
     if not isinstance(arguments, dict):
-        message = f"{where}.function.arguments must be a JSON object (or its text), got {type(arguments).__name__}"
-        raise bad_request(message, "messages")
+        raise bad_request(f"{where} must be a JSON object (or its text), got {type(arguments).__name__}", where)
     # Templates read the call either at the top level (Llama 3) or under "function" (Qwen).
     function = {**function, "arguments": arguments}
     return {**call, "function": function, "name": function["name"], "arguments": arguments}

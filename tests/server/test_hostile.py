@@ -132,7 +132,7 @@ async def test_parameters_that_would_do_nothing_are_refused(client: httpx.AsyncC
     options = {"include_usage": True}
     assert_error(await client.post(COMPLETIONS, json=body(stream_options=options)), 400, "stream_options")
     streamed = body(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
-    error = assert_error(await client.post(COMPLETIONS, json=streamed), 400, "stream_options")
+    error = assert_error(await client.post(COMPLETIONS, json=streamed), 400, "stream_options.continuous_usage_stats")
     assert "continuous_usage_stats" in error["message"]
     for value in (0, [], False):
         assert_error(await client.post(COMPLETIONS, json=body(suffix=value)), 400, "suffix")
@@ -146,19 +146,20 @@ async def test_parameters_that_would_do_nothing_are_refused(client: httpx.AsyncC
 
 async def test_chat_messages_bring_only_fields_the_template_takes(client: httpx.AsyncClient) -> None:
     extra = {"role": "user", "content": "Hello", "colour": "blue"}
-    error = assert_error(await client.post(CHAT, json=chat(messages=[extra])), 400, "messages")
+    error = assert_error(await client.post(CHAT, json=chat(messages=[extra])), 400, "messages[0].colour")
     assert "colour" in error["message"]
     # A response's message sent back as it came: empty OpenAI fields are accepted.
     echoed = {"role": "assistant", "content": "Hi", "refusal": None, "annotations": [], "function_call": None}
     messages = [{"role": "user", "content": "Hello"}, echoed, {"role": "user", "content": "Again"}]
     assert (await client.post(CHAT, json=chat(messages=messages))).status_code == 200
     refused = {**echoed, "refusal": "I cannot"}
-    assert_error(await client.post(CHAT, json=chat(messages=[refused, messages[2]])), 400, "messages")
+    assert_error(await client.post(CHAT, json=chat(messages=[refused, messages[2]])), 400, "messages[0].refusal")
     for arguments in (3, [1, 2]):
         call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
         calls = [{"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "user", "content": "ok"}]
-        error = assert_error(await client.post(CHAT, json=chat(messages=calls)), 400, "messages")
-        assert "arguments" in error["message"]
+        where = "messages[0].tool_calls[0].function.arguments"
+        error = assert_error(await client.post(CHAT, json=chat(messages=calls)), 400, where)
+        assert where in error["message"]
 
 
 async def test_tokenize_and_detokenize_refuse_unknown_fields_and_unbounded_input(
@@ -191,7 +192,7 @@ async def test_engine_refusals_name_the_body_field(client: httpx.AsyncClient) ->
     assert error["message"].startswith("prompt[2][1] = 1000000")
     assert_error(await client.post(COMPLETIONS, json=body(max_tokens=10**6)), 400, "max_tokens")
     assert_error(await client.post(CHAT, json=chat(max_tokens=10**6)), 400, "max_tokens")
-    request = {**chat(), "max_completion_tokens": 10**6}
+    request = {**chat(max_tokens=None), "max_completion_tokens": 10**6}
     assert_error(await client.post(CHAT, json=request), 400, "max_completion_tokens")
     assert_error(await client.post(COMPLETIONS, json=body(temperature=1e-30)), 400, "temperature")
     assert_error(await client.post(COMPLETIONS, json=body(logit_bias={"99999": 1})), 400, "logit_bias")

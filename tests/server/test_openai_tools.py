@@ -176,6 +176,11 @@ def test_pydantic_parse(client: Any) -> None:
         asked = [{"role": "user", "content": f"Report {seed}: Lima, 21 degrees, sunny."}]
         completion = client.beta.chat.completions.parse(model=MODEL, messages=asked, response_format=Report, seed=seed)
         assert isinstance(completion.choices[0].message.parsed, Report)
+    # A parsed message goes back into the history as the client sends it, ``parsed`` included
+    # (dumped here: the client's own dump warns that a generic model's field holds a Report).
+    sent_back = completion.choices[0].message.model_dump(exclude_unset=True, warnings=False)
+    again = [*asked, sent_back, {"role": "user", "content": "Again."}]
+    assert client.chat.completions.create(model=MODEL, messages=again, max_tokens=2).choices
     completion = client.beta.chat.completions.parse(
         model=MODEL,
         messages=MESSAGES,
@@ -187,3 +192,6 @@ def test_pydantic_parse(client: Any) -> None:
     )
     (call,) = completion.choices[0].message.tool_calls[:1]
     assert isinstance(call.function.parsed_arguments, GetWeather)
+    message = completion.choices[0].message  # (its calls' ``parsed_arguments`` included)
+    results = [{"role": "tool", "tool_call_id": made.id, "content": "12 C"} for made in message.tool_calls]
+    assert client.chat.completions.create(model=MODEL, messages=[*MESSAGES, message, *results], max_tokens=2).choices

@@ -128,7 +128,7 @@ def test_chat_content_parts_and_max_completion_tokens() -> None:
                 {"role": "assistant", "content": None},
             ],
             "max_completion_tokens": 9,
-            "max_tokens": 4,
+            "max_tokens": None,
             "logprobs": True,
             "top_logprobs": 2,
         }
@@ -142,6 +142,16 @@ def test_chat_content_parts_and_max_completion_tokens() -> None:
     )
 
 
+def test_max_tokens_beside_max_completion_tokens_is_refused() -> None:
+    messages = [{"role": "user", "content": "x"}]
+    for max_tokens in (4, 9):
+        with pytest.raises(APIError, match="at the same time") as caught:
+            parse_chat_request({"messages": messages, "max_tokens": max_tokens, "max_completion_tokens": 9})
+        assert (caught.value.status, caught.value.param) == (400, "max_tokens")
+    body = {"messages": messages, "max_tokens": 4, "max_completion_tokens": None}
+    assert parse_chat_request(body).sampling.max_tokens == 4
+
+
 @pytest.mark.parametrize("key", ["\u00b2", "--5", "\u0663", "-5", "+5", " 5", "5\n", "1_0", ""])
 def test_logit_bias_keys_are_ascii_decimal_token_ids(key: str) -> None:
     with pytest.raises(APIError, match="logit_bias") as caught:
@@ -150,6 +160,129 @@ def test_logit_bias_keys_are_ascii_decimal_token_ids(key: str) -> None:
     with pytest.raises(InvalidRequestError, match="logit_bias"):
         SamplingParams(logit_bias={key: 1})
     assert SamplingParams(logit_bias={"5": 1, "012": -2}).logit_bias == ((5, 1.0), (12, -2.0))
+
+
+SCHEMA = {"type": "object"}
+
+
+def _json_schema(**spec: Any) -> dict[str, Any]:
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, **spec}}}
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"response_format": {"type": "json_object", "schema": SCHEMA}}, "response_format.schema"),
+        ({"response_format": {"type": ["json_object"]}}, "response_format.type"),
+        ({"response_format": {"type": "text", "json_schema": {"schema": SCHEMA}}}, "response_format.json_schema"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA}, "strict": True}},
+            "response_format.strict",
+        ),
+        (_json_schema(whitespace_pattern=" *"), "response_format.json_schema.whitespace_pattern"),
+        (_json_schema(name=5), "response_format.json_schema.name"),
+        (_json_schema(description=["a"]), "response_format.json_schema.description"),
+        (_json_schema(strict="yes"), "response_format.json_schema.strict"),
+        (
+            {"response_format": {"type": "structural_tag", "format": {"type": "any_text"}, "triggers": []}},
+            "response_format.triggers",
+        ),
+        (
+            {"response_format": {"type": "structural_tag", "structures": [], "triggers": [], "format": {}}},
+            "response_format.structures",
+        ),
+        (
+            {"structured_outputs": {"structural_tag": {"type": "structural_tag", "format": {}, "bogus": 1}}},
+            "structured_outputs.structural_tag.bogus",
+        ),
+        (
+            {"structured_outputs": {"structural_tag": '{"structures": [{"begin": "a", "end": "b", "x": 1}]}'}},
+            "structured_outputs.structural_tag.structures[0].x",
+        ),
+        (
+            {"structured_outputs": {"regex": "a", "disable_any_whitespace": True}},
+            "structured_outputs.disable_any_whitespace",
+        ),
+        (
+            {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+            "stream_options.continuous_usage_stats",
+        ),
+        ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
+    ],
+)
+def test_nested_fields_are_checked_and_named_by_their_path(fields: dict[str, Any], param: str) -> None:
+    for parse, body in (
+        (parse_completion_request, {"prompt": "x"}),
+        (parse_chat_request, {"messages": [{"role": "user", "content": "x"}]}),
+    ):
+        with pytest.raises(APIError) as caught:
+            parse({**body, **fields})
+        assert (caught.value.status, caught.value.param) == (400, param)
+        assert param in caught.value.message
+
+
+def test_known_nested_fields_are_accepted() -> None:
+    spec = {"name": "x", "description": "a report", "schema": SCHEMA, "strict": False}
+    formats: list[Any] = [
+        {"type": "json_schema", "json_schema": spec},
+        {"type": "json_schema", "json_schema": {"schema": SCHEMA, "name": None, "description": None, "strict": None}},
+        {"type": "json_object"},
+        {"type": "text"},
+        {
+            "type": "structural_tag",
+            "structures": [{"begin": "<a>", "schema": SCHEMA, "end": "</a>"}],
+            "triggers": ["<a>"],
+        },
+        {"type": "structural_tag", "format": {"type": "any_text"}},
+    ]
+    for response_format in formats:
+        parse_completion_request({"prompt": "x", "response_format": response_format})
+    request = parse_completion_request({"prompt": "x", "stream": True, "stream_options": {"include_usage": True}})
+    assert request.sampling.include_usage
+
+
+@pytest.mark.parametrize(
+    ("message", "param"),
+    [
+        (
+            {"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]},
+            "messages[0].content[0].cache_control",
+        ),
+        (
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+            "messages[0].content[0].type",
+        ),
+        ({"role": "user", "content": [{"text": "hi"}]}, "messages[0].content[0].type"),
+        ({"role": "user", "content": [{"type": "text", "text": 5}]}, "messages[0].content[0].text"),
+        ({"role": "user", "content": "x", "colour": "blue"}, "messages[0].colour"),
+        ({"role": "user", "content": "x", "colour": None}, "messages[0].colour"),
+        ({"role": "user", "content": "x", "tool_call_id": "c"}, "messages[0].tool_call_id"),
+        ({"role": "system", "content": "x", "tool_calls": []}, "messages[0].tool_calls"),
+        ({"role": "user", "content": "x", "reasoning_content": "r"}, "messages[0].reasoning_content"),
+        ({"role": "tool", "content": "x", "reasoning_content": "r"}, "messages[0].reasoning_content"),
+        ({"role": "user", "content": "x", "name": {"a": 1}}, "messages[0].name"),
+        ({"role": "tool", "content": "x", "tool_call_id": 5}, "messages[0].tool_call_id"),
+        ({"role": "assistant", "content": "x", "reasoning_content": {"x": 1}}, "messages[0].reasoning_content"),
+        ({"role": "assistant", "content": "x", "refusal": "I cannot"}, "messages[0].refusal"),
+    ],
+)
+def test_message_fields_are_checked_by_role_and_named_by_their_path(message: dict[str, Any], param: str) -> None:
+    for parse in (parse_chat_request, parse_tokenize_request):
+        with pytest.raises(APIError) as caught:
+            parse({"messages": [message]})
+        assert (caught.value.status, caught.value.param) == (400, param)
+        assert param in caught.value.message
+
+
+def test_each_role_takes_its_own_fields() -> None:
+    messages = [
+        {"role": "system", "content": "Be brief.", "name": "rules"},
+        {"role": "user", "content": [{"type": "text", "text": "hi"}], "name": "ana", "tool_call_id": None},
+        {"role": "assistant", "content": None, "reasoning_content": "hm", "tool_calls": [], "refusal": None},
+        {"role": "tool", "content": "20 C", "tool_call_id": "c1", "name": "get_weather"},
+        {"role": "ipython", "content": "a template's own role"},
+    ]
+    assert len(parse_chat_request({"messages": messages}).messages) == 5
 
 
 @pytest.mark.parametrize(

@@ -94,12 +94,21 @@ async def test_vllm_fields(client: httpx.AsyncClient) -> None:
 @pytest.mark.parametrize(
     ("fields", "param", "message"),
     [
-        ({"response_format": {"type": "xml"}}, "response_format", "json_schema or structural_tag"),
-        ({"response_format": {"type": "json_schema"}}, "response_format", "must be a JSON schema object"),
+        ({"response_format": {"type": "xml"}}, "response_format.type", "json_schema or structural_tag"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "the JSON schema under"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": []}}},
+            "response_format.json_schema.schema",
+            "must be a JSON schema object",
+        ),
         ({"guided_json": {"type": "nonsense"}}, None, "json_schema cannot be compiled"),
         ({"guided_regex": "("}, None, "regex cannot be compiled"),
         ({"guided_choice": []}, "guided_choice", "non-empty list"),
-        ({"structured_outputs": {"xml": "<a/>"}}, "structured_outputs", "unsupported 'structured_outputs' key"),
+        (
+            {"structured_outputs": {"xml": "<a/>"}},
+            "structured_outputs.xml",
+            "unsupported field(s) 'structured_outputs.xml'",
+        ),
         ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice", "give one output constraint"),
     ],
 )

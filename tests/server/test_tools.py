@@ -240,22 +240,48 @@ async def test_a_tool_result_turn_renders_through_the_template(client: httpx.Asy
     _check_calls(result["choices"][0]["message"])
 
 
+def _turn(**call: Any) -> list[dict[str, Any]]:
+    """A conversation whose assistant turn made one call: ``call``'s fields over a valid one."""
+    made = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": true}'}, **call}
+    return [
+        {"role": "user", "content": "Add."},
+        {"role": "assistant", "content": None, "tool_calls": [made]},
+        {"role": "tool", "tool_call_id": "c1", "content": "2"},
+    ]
+
+
+NAMED = {"type": "function", "function": {"name": "add"}}
+
+
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
         ({"tools": None, "tool_choice": "required"}, "tool_choice"),
-        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice.function.name"),
         ({"tool_choice": "sometimes"}, "tool_choice"),
-        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
-        ({"tools": [{"type": "retrieval"}]}, "tools"),
-        ({"tools": [*_tools(), *_tools()]}, "tools"),
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "tools"),
+        ({"tool_choice": {**NAMED, "x": 1}}, "tool_choice.x"),
+        ({"tool_choice": {**NAMED, "function": {"name": "add", "arguments": "{}"}}}, "tool_choice.function.arguments"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
+        ({"tools": [{"type": "retrieval"}]}, "tools[0].type"),
+        ({"tools": [*_tools(), *_tools()]}, "tools[2].function.name"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]},
+            "tools[0].function.parameters",
+        ),
+        ({"tools": [{"type": "function", "function": {"name": "f", "bogus": 1}}]}, "tools[0].function.bogus"),
+        ({"tools": [{**_tools()[0], "cache_control": {"type": "ephemeral"}}]}, "tools[0].cache_control"),
         ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
         ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
         ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
         (
-            {"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}]},
-            "messages",
+            {"messages": _turn(function={"name": "add", "arguments": "{oops"})},
+            "messages[1].tool_calls[0].function.arguments",
+        ),
+        ({"messages": _turn(x=1)}, "messages[1].tool_calls[0].x"),
+        ({"messages": _turn(type="retrieval")}, "messages[1].tool_calls[0].type"),
+        (
+            {"messages": _turn(function={"name": "add", "arguments": "{}", "parsed": {}})},
+            "messages[1].tool_calls[0].function.parsed",
         ),
     ],
 )
@@ -263,6 +289,14 @@ async def test_bad_tool_requests_are_refused(client: httpx.AsyncClient, fields: 
     response = await client.post("/v1/chat/completions", json=_body(**fields))
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+    assert param in response.json()["error"]["message"]
+
+
+async def test_a_call_sent_back_as_clients_rebuild_it_is_taken(client: httpx.AsyncClient) -> None:
+    parsed = {"name": "add", "arguments": '{"a": 1, "b": true}', "parsed_arguments": {"a": 1, "b": True}}
+    for messages in (_turn(), _turn(index=0), _turn(function=parsed)):
+        response = await client.post("/tokenize", json={"model": MODEL_NAME, "messages": messages})
+        assert response.status_code == 200, response.text
 
 
 async def test_without_a_parser_tools_are_refused(manager: aiocb.Manager, tokenizer: Any) -> None:
