@@ -19,7 +19,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from typing import Any
 
 import numpy as np
@@ -183,31 +183,15 @@ MAX_PATTERN_REPEATS = 128
 def _slow_pattern(schema: Any) -> str | None:
     """``the pattern at PATH ...`` for the first ``pattern`` of ``schema`` (parsed) that
     repeats a piece more than :data:`MAX_PATTERN_REPEATS` times; None if none does."""
-    found: list[tuple[list[str | int], int]] = []
-
-    def walk(node: Any, path: list[str | int]) -> None:
-        if isinstance(node, dict):
-            pattern = node.get("pattern")
-            in_names = bool(path) and path[-1] in ("properties", "$defs", "definitions")
-            if isinstance(pattern, str) and not in_names:
-                repeats = pattern_repeats(pattern)
-                if repeats > MAX_PATTERN_REPEATS:
-                    found.append((path, repeats))
-            for key, value in node.items():
-                walk(value, [*path, key])
-        elif isinstance(node, list):
-            for index, value in enumerate(node):
-                walk(value, [*path, index])
-
-    walk(schema, [])
-    if not found:
-        return None
-    path, repeats = found[0]
-    return (
-        f"the pattern at /{'/'.join(str(step) for step in path)} repeats a piece {repeats} times through bounded "
-        f"quantifiers, more than the {MAX_PATTERN_REPEATS} that compile in good time (a quantifier inside "
-        "another counts their product); use a smaller bound, or * and + (unbounded repetition is cheap)"
-    )
+    for path, node in _schemas(schema):
+        pattern = node.get("pattern")
+        if isinstance(pattern, str) and (repeats := pattern_repeats(pattern)) > MAX_PATTERN_REPEATS:
+            return (
+                f"the pattern at /{'/'.join(str(step) for step in path)} repeats a piece {repeats} times through "
+                f"bounded quantifiers, more than the {MAX_PATTERN_REPEATS} that compile in good time (a quantifier "
+                "inside another counts their product); use a smaller bound, or * and + (unbounded repetition is cheap)"
+            )
+    return None
 
 
 #: a bounded quantifier: ``{m}``, ``{m,}`` or ``{m,n}``
@@ -260,23 +244,24 @@ def _class_end(pattern: str, start: int) -> int:
     return i + 1
 
 
+def _schemas(node: Any, path: tuple[str | int, ...] = ()) -> Iterator[tuple[tuple[str | int, ...], dict[str, Any]]]:
+    """Every object within a parsed JSON schema that is a schema (not a map of names to
+    schemas: ``properties``, ``$defs``), with its path."""
+    if isinstance(node, dict):
+        if not (path and path[-1] in ("properties", "$defs", "definitions")):
+            yield path, node
+        for key, value in node.items():
+            yield from _schemas(value, (*path, key))
+    elif isinstance(node, list):
+        for index, value in enumerate(node):
+            yield from _schemas(value, (*path, index))
+
+
 def _unenforced_keyword(schema: Any) -> str | None:
     """``'KEYWORD' at PATH`` for the first constraining keyword of ``schema`` (parsed) that
     the grammar xgrammar builds leaves out (the grammar is the same without it); None if
     there is none. A grammar that ignored it would let through outputs the schema forbids."""
-    found: list[tuple[list[str | int], str]] = []
-
-    def walk(node: Any, path: list[str | int]) -> None:
-        if isinstance(node, dict):
-            for key, value in node.items():
-                if key in _CHECKED_KEYWORDS and not (path and path[-1] in ("properties", "$defs", "definitions")):
-                    found.append((path, key))
-                walk(value, [*path, key])
-        elif isinstance(node, list):
-            for index, value in enumerate(node):
-                walk(value, [*path, index])
-
-    walk(schema, [])
+    found = [(path, key) for path, node in _schemas(schema) for key in node if key in _CHECKED_KEYWORDS]
     if not found:
         return None
     grammar = _xgrammar().Grammar.from_json_schema
