@@ -6,6 +6,7 @@ Each test launches two Python processes that import torch and transformers (~5-1
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch.distributed as dist
@@ -18,6 +19,14 @@ from tests.distributed.launch import Ranks, launch, logs_of
 pytestmark = pytest.mark.skipif(
     not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo"
 )
+
+
+def _both_ran(scenario: str, llama_dir: Path, tmp_path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The reports of both ranks of ``scenario``, each rank having exited 0."""
+    ranks = launch(scenario, llama_dir, tmp_path)
+    assert ranks.driver is not None and ranks.follower is not None, logs_of(tmp_path)
+    assert ranks.exit_codes == [0, 0], logs_of(tmp_path)
+    return ranks.driver, ranks.follower
 
 
 def test_two_ranks_match_one_process_and_follow_every_control(
@@ -57,10 +66,7 @@ def test_two_ranks_match_one_process_and_follow_every_control(
 def test_generate_batch_on_every_rank_runs_once_and_returns_rank_0_s_outputs_everywhere(
     llama_model: PreTrainedModel, llama_dir: Path, tmp_path: Path
 ) -> None:
-    ranks = launch("generate_batch", llama_dir, tmp_path)
-    driver, follower = ranks.driver, ranks.follower
-    assert driver is not None and follower is not None, logs_of(tmp_path)
-    assert ranks.exit_codes == [0, 0], logs_of(tmp_path)
+    driver, follower = _both_ran("generate_batch", llama_dir, tmp_path)
     expected = [reference_generate(llama_model, p, MAX_NEW_TOKENS) for p in PROMPTS]
 
     assert driver["first"] == {"ids": ["req_0", "req_1", "req_2"], "tokens": expected}
@@ -93,10 +99,7 @@ def test_generate_batch_on_rank_0_alone_leaves_run_follower_following(
 
 
 def test_one_manager_at_a_time_runs_on_the_ranks(llama_model: PreTrainedModel, llama_dir: Path, tmp_path: Path) -> None:
-    ranks = launch("two_managers", llama_dir, tmp_path)
-    driver, follower = ranks.driver, ranks.follower
-    assert driver is not None and follower is not None, logs_of(tmp_path)
-    assert ranks.exit_codes == [0, 0], logs_of(tmp_path)
+    driver, follower = _both_ran("two_managers", llama_dir, tmp_path)
     expected = [reference_generate(llama_model, p, MAX_NEW_TOKENS) for p in PROMPTS]
 
     for refused in ("second", "kept_again"):  # a new manager, and a persistent one between sessions
@@ -113,10 +116,7 @@ def test_one_manager_at_a_time_runs_on_the_ranks(llama_model: PreTrainedModel, l
 def test_start_leaves_the_event_loop_free_while_it_reaches_a_late_follower(
     llama_model: PreTrainedModel, llama_dir: Path, tmp_path: Path
 ) -> None:
-    ranks = launch("late_follower", llama_dir, tmp_path)
-    driver, follower = ranks.driver, ranks.follower
-    assert driver is not None and follower is not None, logs_of(tmp_path)
-    assert ranks.exit_codes == [0, 0], logs_of(tmp_path)
+    driver, follower = _both_ran("late_follower", llama_dir, tmp_path)
     assert follower["error"] is None, logs_of(tmp_path)
     # (the follower comes 2 s late; the bounds leave room for a busy machine)
     assert driver["start_s"] < 0.5, "start() waited for the follower on the event loop"
