@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence, Sized
 from contextlib import aclosing
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 from aiocb.detokenize import IncrementalDetokenizer
-from aiocb.server.context import ServerContext, finite
+from aiocb.server.context import INLINE_BODY_BYTES, ServerContext, finite
 from aiocb.server.limits import parse_json
 from aiocb.server.protocol import DEFAULT_COMPLETION_MAX_TOKENS, CompletionRequest, parse_completion_request
 from aiocb.server.serving import (
@@ -48,6 +48,9 @@ class PreparedCompletion:
 #: Choices whose specs are made on the event loop (a few microseconds each); more are made
 #: in the tokenizer thread.
 _INLINE_CHOICES = 128
+#: Characters (or token ids) of prompts tokenized in one job of the tokenizer thread: a few
+#: milliseconds' work, so that another request's job never waits long behind it.
+_JOB_SIZE = 4096
 
 
 def completion_specs(request: CompletionRequest, prompts: list[Prompt]) -> list[ChoiceSpec]:
@@ -100,27 +103,59 @@ def parse_completion(ctx: ServerContext, body: bytes) -> CompletionRequest:
 
 async def prepare_completion(ctx: ServerContext, body: bytes) -> PreparedCompletion:
     """Parse, check and tokenize a completions body; a large body's work runs in the
-    tokenizer thread, one job per prompt."""
+    tokenizer thread."""
     request = await ctx.prepare(body, partial(parse_completion, ctx))
-    prompts: list[Prompt] = []
-    many = len(request.prompts) > 1
-    for i, prompt in enumerate(request.prompts):
-        if isinstance(prompt, str):
-            where = f"prompt[{i}]" if many else "prompt"
-            encode = partial(ctx.encode, add_special_tokens=True, param="prompt", where=where)
-            ids = await ctx.off_loop(len(prompt), encode, prompt)
-            offsets = None
-            if request.echo and request.logprobs is not None:
-                # (the text holds no BOS the tokenizer added, and may hold what decodes otherwise)
-                offsets = await ctx.off_loop(len(prompt), ctx.char_offsets, prompt, len(ids))
-            prompts.append(Prompt(ids, prompt, offsets))
-        else:
-            text = await ctx.off_loop(len(prompt), ctx.decode, prompt) if request.echo else ""
-            prompts.append(Prompt(prompt, text))
+    prompts = await tokenize_prompts(ctx, request)
     choices = len(prompts) * request.sampling.n
     inline = choices <= _INLINE_CHOICES
     specs = completion_specs(request, prompts) if inline else await ctx.in_thread(completion_specs, request, prompts)
     return PreparedCompletion(request, prompts, specs)
+
+
+async def tokenize_prompts(ctx: ServerContext, request: CompletionRequest) -> list[Prompt]:
+    """The request's prompts, tokenized (or decoded, to echo them): on the loop when all of
+    them together are small, else in the tokenizer thread, a job per few kilobytes of
+    prompts so that other requests' jobs come between them (a thousand small prompts
+    tokenized on the loop one after another held it for over half a second)."""
+    if sum(map(len, request.prompts)) <= INLINE_BODY_BYTES:
+        return _tokenize(ctx, request, 0, len(request.prompts))
+    prompts: list[Prompt] = []
+    for start, stop in _jobs(request.prompts):
+        prompts += await ctx.in_thread(_tokenize, ctx, request, start, stop)
+    return prompts
+
+
+def _jobs(prompts: Sequence[Sized]) -> list[tuple[int, int]]:
+    """``prompts`` cut into runs of at most :data:`_JOB_SIZE` in all (a larger prompt alone)."""
+    jobs: list[tuple[int, int]] = []
+    start = size = 0
+    for i, prompt in enumerate(prompts):
+        if i > start and size + len(prompt) > _JOB_SIZE:
+            jobs.append((start, i))
+            start, size = i, 0
+        size += len(prompt)
+    if start < len(prompts):
+        jobs.append((start, len(prompts)))
+    return jobs
+
+
+def _tokenize(ctx: ServerContext, request: CompletionRequest, start: int, stop: int) -> list[Prompt]:
+    """Prompts ``start`` to ``stop`` of the request, tokenized (thread-safe)."""
+    many = len(request.prompts) > 1
+    prompts: list[Prompt] = []
+    for i in range(start, stop):
+        prompt = request.prompts[i]
+        if isinstance(prompt, str):
+            where = f"prompt[{i}]" if many else "prompt"
+            ids = ctx.encode(prompt, add_special_tokens=True, param="prompt", where=where)
+            offsets = None
+            if request.echo and request.logprobs is not None:
+                # (the text holds no BOS the tokenizer added, and may hold what decodes otherwise)
+                offsets = ctx.char_offsets(prompt, len(ids))
+            prompts.append(Prompt(ids, prompt, offsets))
+        else:
+            prompts.append(Prompt(prompt, ctx.decode(prompt) if request.echo else ""))
+    return prompts
 
 
 class Completion:

@@ -97,7 +97,7 @@ class ServerContext:
     async def off_loop(self, size: int, work: Callable[..., T], *args: Any) -> T:
         """``work(*args)`` on the loop when ``size`` (bytes, characters or tokens) is small,
         else in the tokenizer thread. Jobs there run in turn: a request with many prompts
-        sends one job a prompt, so that other requests' jobs come between them."""
+        sends one job a few kilobytes of them, so that other requests' jobs come between."""
         if size <= INLINE_BODY_BYTES:
             return work(*args)
         return await self.in_thread(work, *args)

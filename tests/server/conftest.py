@@ -117,9 +117,10 @@ def tokenizer(tokenizer_dir: Path) -> Any:
     return AutoTokenizer.from_pretrained(tokenizer_dir)
 
 
-def serve_model(tokenizer: Any, seed: int = 0) -> PreTrainedModel:
-    """A tiny Qwen3 whose vocabulary is the tokenizer's and whose EOS is the tokenizer's."""
-    model = tiny_qwen3(seed, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+def serve_model(tokenizer: Any, seed: int = 0, **config: Any) -> PreTrainedModel:
+    """A tiny Qwen3 whose vocabulary is the tokenizer's and whose EOS is the tokenizer's
+    (``config`` changes other fields of its configuration)."""
+    model = tiny_qwen3(seed, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, **config)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model
