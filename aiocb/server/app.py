@@ -27,6 +27,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from aiocb.server.bodies import JSONBody, encode
 from aiocb.server.chat import ChatCompletion, PreparedChat, prepare_chat
 from aiocb.server.completions import Completion, prepare_completion
 from aiocb.server.context import ServerContext
@@ -221,12 +222,12 @@ class _Api:
 
     async def _respond(self, request: Request, work: Coroutine[Any, Any, dict[str, Any]]) -> Response:
         try:
-            body = await _unless_disconnected(request, work)
+            pieces = await _unless_disconnected(request, _encoded(work))
         except Exception as exc:
             return self.error(exc)
-        if body is None:
+        if pieces is None:
             return Response(status_code=_CLIENT_GONE)
-        return JSONResponse(body)
+        return JSONBody(pieces)
 
     # ------------------------------------------------------------------ model and server
 
@@ -401,6 +402,12 @@ class ErrorResponse(JSONResponse):
 def _json_bytes(value: Any) -> bytes:
     """``value`` as a JSONResponse would send it."""
     return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+
+async def _encoded(work: Awaitable[dict[str, Any]]) -> list[bytes]:
+    """The body ``work`` makes, written a slice of the loop at a time (tens of megabytes
+    with many choices' logprobs)."""
+    return await encode(await work)
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:

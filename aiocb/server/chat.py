@@ -10,6 +10,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
+from aiocb.engine.turns import LoopTurn
 from aiocb.params import STRUCTURE_FIELDS
 from aiocb.server.chat_output import ChoiceOutput, MessageBuilder
 from aiocb.server.chat_output import delta as message_delta
@@ -138,12 +139,14 @@ class ChatCompletion:
         finish: list[str | None] = [None] * n
         stop_reasons: list[int | str | None] = [None] * n
         generated = [0] * n
+        turn = LoopTurn()
         try:
             async with aclosing(self.submission.deltas()) as deltas:
                 async for delta in deltas:
+                    await turn.give()  # (deltas that came together are taken without a wait)
                     j = delta.index
                     messages[j].add(outputs[j].feed(delta.text))
-                    logprobs[j] += self._logprob_entries(delta)
+                    logprobs[j] += await self._logprob_entries(delta, turn)
                     if delta.finish_reason is not None:
                         messages[j].add(outputs[j].finish())
                         finish[j] = self._finish_reason(delta.finish_reason, outputs[j])
@@ -180,8 +183,10 @@ class ChatCompletion:
             yield self._chunk(j, {"role": "assistant", "content": ""}, None, None)
         outputs = [self._output() for _ in range(n)]
         generated = [0] * n
+        turn = LoopTurn()
         async with aclosing(self.submission.deltas()) as deltas:
             async for delta in deltas:
+                await turn.give()  # (deltas that came together are taken without a wait)
                 j = delta.index
                 generated[j] = delta.num_generated
                 fragments = outputs[j].feed(delta.text)
@@ -189,7 +194,7 @@ class ChatCompletion:
                 if delta.finish_reason is not None:
                     fragments += outputs[j].finish()
                     finish_reason = self._finish_reason(delta.finish_reason, outputs[j])
-                entries = self._logprob_entries(delta)
+                entries = await self._logprob_entries(delta, turn)
                 logprobs = {"content": entries} if self.request.logprobs else None
                 parts = [message_delta(fragment) for fragment in fragments]
                 if not parts and (entries or finish_reason is not None):
@@ -245,7 +250,9 @@ class ChatCompletion:
     def _usage(self, completion_tokens: int) -> dict[str, Any]:
         return self.submission.usage(completion_tokens)
 
-    def _logprob_entries(self, delta: ChoiceDelta) -> list[dict[str, Any]]:
+    async def _logprob_entries(self, delta: ChoiceDelta, turn: LoopTurn) -> list[dict[str, Any]]:
+        """The delta's tokens' logprobs entries, a slice of the loop at a time (a delta may
+        bring hundreds of tokens with twenty alternatives each)."""
         if not self.request.logprobs:
             return []
         entries = []
@@ -253,6 +260,7 @@ class ChatCompletion:
         for token_id, score, top in zip(delta.token_ids, delta.logprobs, delta.top_logprobs, strict=False):
             alternatives = [self._token_entry(t, s) for t, s in list(top.items())[:top_n]]
             entries.append({**self._token_entry(token_id, score), "top_logprobs": alternatives})
+            await turn.give()
         return entries
 
     def _token_entry(self, token_id: int, logprob: float) -> dict[str, Any]:

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence, Sized
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence, Sized
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+import orjson
+
 from aiocb.detokenize import IncrementalDetokenizer
+from aiocb.engine.turns import LoopTurn
+from aiocb.server import sse
+from aiocb.server.bodies import Chain, array_items
 from aiocb.server.context import INLINE_BODY_BYTES, ServerContext, finite
 from aiocb.server.limits import parse_json
 from aiocb.server.protocol import DEFAULT_COMPLETION_MAX_TOKENS, CompletionRequest, parse_completion_request
@@ -48,6 +53,8 @@ class PreparedCompletion:
 #: Choices whose specs are made on the event loop (a few microseconds each); more are made
 #: in the tokenizer thread.
 _INLINE_CHOICES = 128
+#: How an echoed array is made of the prompt's part and the generated tokens' part.
+_Join = Callable[[list[Any], list[Any], LoopTurn], Awaitable[Any]]
 #: Characters (or token ids) of prompts tokenized in one job of the tokenizer thread: a few
 #: milliseconds' work, so that another request's job never waits long behind it.
 _JOB_SIZE = 4096
@@ -169,19 +176,26 @@ class Completion:
         self.created = int(time.time())
         self.prompts = prepared.prompts
         self.submission = Submission(ctx, prepared.specs, received)
+        #: the echoed logprobs last made for each prompt, by its index
+        self._echoes: dict[int, _Echo] = {}
+        #: the echoed arrays written for the event stream, by id (kept: no id is reused)
+        self._event_parts: dict[int, tuple[list[Any], bytes]] = {}
 
     async def submit(self) -> None:
         """Queue every choice (or none: the error is raised)."""
         await self.submission.submit()
 
     async def response(self) -> dict[str, Any]:
-        """Run every choice to its end; the whole response body."""
+        """Run every choice to its end; the whole response body (its arrays of echoed
+        logprobs are :class:`Chain` values: a prompt's part is shared by its choices)."""
         n = self.request.sampling.n
         choices = [ChoiceDelta(i) for i in range(len(self.submission.specs))]
+        turn = LoopTurn()
         try:
             async with aclosing(self.submission.deltas()) as deltas:
                 async for delta in deltas:
                     choices[delta.index].extend(delta)
+                    await turn.give()  # (deltas that came together are taken without a wait)
         finally:
             await self.submission.aclose()
         body_choices = []
@@ -191,7 +205,7 @@ class Completion:
                 {
                     "index": index,
                     "text": (prompt.text if self.request.echo else "") + choice.text,
-                    "logprobs": self._logprobs(prompt, choice, echo=self.request.echo),
+                    "logprobs": await self._logprobs(choice, turn, echo=self.request.echo, join=_chain),
                     "finish_reason": choice.finish_reason,
                     "stop_reason": choice.stop_reason,
                 }
@@ -208,8 +222,10 @@ class Completion:
         echoed: set[int] = set()
         generated = [0] * len(self.submission.specs)
         want_logprobs = self.request.logprobs is not None
+        turn = LoopTurn()
         async with aclosing(self.submission.deltas()) as deltas:
             async for delta in deltas:
+                await turn.give()  # (deltas that came together are taken without a wait)
                 generated[delta.index] = delta.num_generated
                 prompt = self.prompts[delta.index // n]
                 text = delta.text
@@ -225,7 +241,7 @@ class Completion:
                         {
                             "index": delta.index,
                             "text": text,
-                            "logprobs": self._logprobs(prompt, delta, echo=echo),
+                            "logprobs": await self._logprobs(delta, turn, echo=echo, join=self._event_array),
                             "finish_reason": delta.finish_reason,
                             "stop_reason": delta.stop_reason,
                         }
@@ -240,47 +256,136 @@ class Completion:
     def _usage(self, completion_tokens: int) -> dict[str, Any]:
         return self.submission.usage(completion_tokens)
 
-    def _logprobs(self, prompt: Prompt, choice: ChoiceDelta, *, echo: bool) -> dict[str, Any] | None:
-        """Completions-style logprobs: the prompt's first when ``echo``, then the generated tokens'."""
+    async def _logprobs(self, choice: ChoiceDelta, turn: LoopTurn, *, echo: bool, join: _Join) -> dict[str, Any] | None:
+        """Completions-style logprobs: the prompt's first when ``echo`` (each array the
+        prompt's part and the generated tokens' put together by ``join``), then the
+        generated tokens'."""
         if self.request.logprobs is None:
             return None
         ctx = self.ctx
         top_n = self.request.logprobs
-        tokens: list[str] = []
-        token_logprobs: list[float | None] = []
-        top_logprobs: list[dict[str, float] | None] = []
-        text_offset: list[int] = []
-        base = len(prompt.text) if self.request.echo else 0
-        if echo:
-            ids = prompt.ids
-            scores = choice.prompt_logprobs or [None] * len(ids)
-            tops = choice.prompt_top_logprobs or [None] * len(ids)
-            if prompt.offsets is not None:
-                text_offset += prompt.offsets
-            else:
-                detokenizer = IncrementalDetokenizer(ctx.tokenizer, skip_special_tokens=False)
-                for token_id in ids:
-                    text_offset.append(detokenizer.num_chars)
-                    detokenizer.add(token_id)
-            for position, token_id in enumerate(ids):
-                tokens.append(ctx.token_text(token_id))
-                score = scores[position] if position < len(scores) else None
-                token_logprobs.append(None if score is None else finite(score))
-                top = tops[position] if position < len(tops) else None
-                top_logprobs.append(None if score is None else _top_dict(ctx, top, token_id, score, top_n))
+        prompt_index = choice.index // self.request.sampling.n
+        base = len(self.prompts[prompt_index].text) if self.request.echo else 0
+        generated = _Logprobs()
         for token_id, score, top, at in zip(
             choice.token_ids, choice.logprobs, choice.top_logprobs, choice.text_offsets, strict=False
         ):
-            tokens.append(ctx.token_text(token_id))
-            token_logprobs.append(finite(score))
-            top_logprobs.append(_top_dict(ctx, top, token_id, score, top_n))
-            text_offset.append(base + at)
-        return {
-            "tokens": tokens,
-            "token_logprobs": token_logprobs,
-            "top_logprobs": top_logprobs,
-            "text_offset": text_offset,
-        }
+            generated.tokens.append(ctx.token_text(token_id))
+            generated.token_logprobs.append(finite(score))
+            generated.top_logprobs.append(_top_dict(ctx, top, token_id, score, top_n))
+            generated.text_offset.append(base + at)
+            await turn.give()
+        if not echo:
+            return generated.as_dict()
+        echoed = await self._echoed(prompt_index, choice, turn)
+        return {name: await join(getattr(echoed, name), part, turn) for name, part in generated.as_dict().items()}
+
+    async def _event_array(self, prompt_part: list[Any], generated: list[Any], turn: LoopTurn) -> orjson.Fragment:
+        """The array of a streamed chunk that echoes the prompt, as the event stream writes
+        it: the prompt's part is written once, a slice of the loop at a time, for all its
+        choices (a prompt of thousands of tokens with twenty alternatives each is megabytes
+        of JSON: written whole with each chunk, it held the loop for tens of milliseconds)."""
+        written = self._event_parts.get(id(prompt_part))
+        if written is None:
+            written = (prompt_part, b"".join(await array_items(prompt_part, sse.dumps, turn)))
+            self._event_parts[id(prompt_part)] = written
+        items = [written[1]] if prompt_part else []
+        if generated:
+            items.append(sse.dumps(generated)[1:-1])
+        return orjson.Fragment(b"[" + b",".join(items) + b"]")
+
+    async def _echoed(self, prompt_index: int, choice: ChoiceDelta, turn: LoopTurn) -> _Echo:
+        """The prompt's echoed logprobs for ``choice``: those made for an earlier choice of the
+        prompt when its prompt logprobs are the same (as they are for the ``n`` choices of a
+        prompt, each of which scores it), made a slice of the loop at a time otherwise."""
+        made = self._echoes.get(prompt_index)
+        scores, tops = choice.prompt_logprobs, choice.prompt_top_logprobs
+        if made is not None and await _same(made.scores, scores, turn) and await _same(made.tops, tops, turn):
+            return made
+        prompt = self.prompts[prompt_index]
+        echo = _Echo(scores=scores, tops=tops)
+        await self._score(echo, prompt.ids, turn)
+        if made is not None:  # (the tokens and their offsets are the prompt's alone)
+            echo.tokens, echo.text_offset = made.tokens, made.text_offset
+        else:
+            echo.tokens = await self._token_texts(prompt.ids, turn)
+            echo.text_offset = prompt.offsets if prompt.offsets is not None else await self._offsets(prompt, turn)
+        self._echoes[prompt_index] = echo
+        return echo
+
+    async def _token_texts(self, ids: list[int], turn: LoopTurn) -> list[str]:
+        texts: list[str] = []
+        for token_id in ids:
+            texts.append(self.ctx.token_text(token_id))
+            await turn.give()
+        return texts
+
+    async def _offsets(self, prompt: Prompt, turn: LoopTurn) -> list[int]:
+        """Where each of the prompt's tokens starts in the text they decode to."""
+        offsets: list[int] = []
+        detokenizer = IncrementalDetokenizer(self.ctx.tokenizer, skip_special_tokens=False)
+        for token_id in prompt.ids:
+            offsets.append(detokenizer.num_chars)
+            detokenizer.add(token_id)
+            await turn.give()
+        return offsets
+
+    async def _score(self, echo: _Echo, ids: list[int], turn: LoopTurn) -> None:
+        """Fill ``echo``'s logprobs of the prompt's tokens from the engine's."""
+        scores = echo.scores or [None] * len(ids)
+        tops = echo.tops or [None] * len(ids)
+        top_n = self.request.logprobs or 0
+        for position, token_id in enumerate(ids):
+            score = scores[position] if position < len(scores) else None
+            echo.token_logprobs.append(None if score is None else finite(score))
+            top = tops[position] if position < len(tops) else None
+            echo.top_logprobs.append(None if score is None else _top_dict(self.ctx, top, token_id, score, top_n))
+            await turn.give()
+
+
+@dataclass(slots=True)
+class _Logprobs:
+    """The four arrays of completions-style logprobs."""
+
+    tokens: list[str] = field(default_factory=list)
+    token_logprobs: list[float | None] = field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = field(default_factory=list)
+    text_offset: list[int] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, list[Any]]:
+        """The arrays by name, in the format's order."""
+        names = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+        return {name: getattr(self, name) for name in names}
+
+
+@dataclass(slots=True)
+class _Echo(_Logprobs):
+    """A prompt's echoed logprobs, made of the engine's prompt logprobs ``scores`` and ``tops``."""
+
+    scores: list[float | None] | None = None
+    tops: list[dict[int, float] | None] | None = None
+
+
+async def _chain(prompt_part: list[Any], generated: list[Any], turn: LoopTurn) -> Chain:
+    return Chain((prompt_part, generated))
+
+
+#: Positions of two choices' prompt logprobs compared in one go.
+_COMPARED = 256
+
+
+async def _same(a: list[Any] | None, b: list[Any] | None, turn: LoopTurn) -> bool:
+    """Whether ``a == b``, compared a slice of the loop at a time (thousands of positions
+    with twenty alternatives each take milliseconds)."""
+    if a is b:
+        return True
+    if a is None or b is None or len(a) != len(b):
+        return False
+    for start in range(0, len(a), _COMPARED):
+        if a[start : start + _COMPARED] != b[start : start + _COMPARED]:
+            return False
+        await turn.give()
+    return True
 
 
 def _top_dict(

@@ -9,6 +9,7 @@ request here held the loop for hundreds of milliseconds when its work was done i
 from __future__ import annotations
 
 import asyncio
+import gc
 import random
 import string
 import time
@@ -21,7 +22,7 @@ import httpx
 import aiocb
 from aiocb.server import build_app
 from aiocb.server.limits import ServerLimits
-from tests.server.conftest import MODEL_NAME, wait_until_idle
+from tests.server.conftest import MODEL_NAME, serve_config, serve_model, wait_until_idle
 
 T = TypeVar("T")
 
@@ -50,9 +51,14 @@ class Heartbeat:
         return max(self.lags, default=0.0)
 
     async def during(self, work: Awaitable[T]) -> T:
-        """``work``'s result, the heartbeat running while it is awaited."""
+        """``work``'s result, the heartbeat running while it is awaited.
+
+        The cyclic collector is off meanwhile: its pauses grow with every object of the
+        test process, not with the request's work (bench/loop_watch.py measures them apart).
+        """
         self._task = asyncio.create_task(self._beat())
         await asyncio.sleep(0.005)
+        gc.disable()
         try:
             return await work
         finally:
@@ -60,6 +66,7 @@ class Heartbeat:
             # the loop back would end the heartbeat before the beat records its lateness)
             await asyncio.sleep(0.005)
             self._task.cancel()
+            gc.enable()
 
 
 @asynccontextmanager
@@ -73,6 +80,70 @@ async def app_client(manager: aiocb.Manager, tokenizer: Any, **limits: Any) -> A
 def token_prompt(length: int, vocab: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(3, vocab) for _ in range(length)]
+
+
+# --------------------------------------------------------------------------- responses
+
+
+async def test_echoed_logprobs_of_many_choices_are_written_a_slice_at_a_time(
+    manager: aiocb.Manager, tokenizer: Any
+) -> None:
+    # 48 choices each echo a 600-token prompt with 20 alternatives a token: a 20 MB body,
+    # built and rendered in one go it held the loop for about half a second.
+    prompt = token_prompt(600, len(tokenizer), seed=1)
+    body = {"model": MODEL_NAME, "prompt": prompt, "n": 48, "echo": True, "logprobs": 20, "max_tokens": 1}
+    beat = Heartbeat()
+    async with app_client(manager, tokenizer) as client:
+        response = await beat.during(client.post(COMPLETIONS, json={**body, "temperature": 1.0}))
+    assert response.status_code == 200, response.text
+    choices = response.json()["choices"]
+    assert len(choices) == 48
+    assert all(len(c["logprobs"]["top_logprobs"]) == 601 for c in choices)
+    assert beat.longest < MAX_HOLD, beat.longest
+    await wait_until_idle(manager)
+
+
+async def test_a_chat_response_with_many_choices_and_alternatives_is_written_a_slice_at_a_time(
+    manager: aiocb.Manager, tokenizer: Any
+) -> None:
+    # 64 choices of 96 tokens with 20 alternatives each: a 25 MB body.
+    body = {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": "Once upon a time"}],
+        "n": 64,
+        "max_tokens": 96,
+        "ignore_eos": True,
+        "logprobs": True,
+        "top_logprobs": 20,
+        "temperature": 1.0,
+    }
+    beat = Heartbeat()
+    async with app_client(manager, tokenizer) as client:
+        response = await beat.during(client.post(CHAT, json=body))
+    assert response.status_code == 200, response.text
+    choices = response.json()["choices"]
+    assert [len(c["logprobs"]["content"]) for c in choices] == [96] * 64
+    assert beat.longest < MAX_HOLD, beat.longest
+    await wait_until_idle(manager)
+
+
+async def test_streamed_echoes_are_built_a_slice_at_a_time(tokenizer: Any) -> None:
+    # Each choice's first chunk echoes the 12,000-token prompt with 20 alternatives a token:
+    # built in one go, each held the loop for about 100 ms.
+    model = serve_model(tokenizer, max_position_embeddings=12288)
+    prompt = token_prompt(12000, len(tokenizer), seed=2)
+    body = {"model": MODEL_NAME, "prompt": prompt, "n": 2, "echo": True, "logprobs": 20, "max_tokens": 1}
+    beat = Heartbeat()
+    async with (
+        aiocb.Manager(model, continuous_batching_config=serve_config(num_blocks=3072, max_batch_tokens=256)) as manager,
+        app_client(manager, tokenizer) as client,
+    ):
+        stream = client.post(COMPLETIONS, json={**body, "temperature": 1.0, "stream": True})
+        response = await beat.during(stream)
+    assert response.status_code == 200, response.text
+    echoes = [line for line in response.text.split("\n\n") if '"top_logprobs":[null,' in line]
+    assert len(echoes) == 2
+    assert beat.longest < MAX_HOLD, beat.longest
 
 
 # --------------------------------------------------------------------------- requests
