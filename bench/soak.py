@@ -323,6 +323,12 @@ async def _oversized_chunks(size: int, model: str) -> AsyncIterator[bytes]:
     yield tail
 
 
+def _longest(body: dict[str, Any], max_tokens: int) -> None:
+    """Give ``body`` ``max_tokens`` under the name it already uses (a chat request may use
+    ``max_completion_tokens``; both at once are refused)."""
+    body["max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"] = max_tokens
+
+
 def _check_body(data: Any, choices: int, max_tokens: int, logprobs: bool) -> str | None:
     """What is wrong with a 200 response body, or None."""
     if not isinstance(data, dict) or not isinstance(data.get("choices"), list):
@@ -513,7 +519,7 @@ class Soak:
 
     async def _cancel_request(self, http: httpx.AsyncClient) -> tuple[Result, str]:
         path, (body, choices, logprobs) = self._either_endpoint(stream=False)
-        body["max_tokens"] = self.args.max_tokens
+        _longest(body, self.args.max_tokens)
         body["ignore_eos"] = True
         delay = self.rng.uniform(0.02, self.args.cancel_within)
         try:
@@ -527,7 +533,7 @@ class Soak:
 
     async def _disconnect_stream(self, http: httpx.AsyncClient) -> tuple[Result, str]:
         path, (body, choices, _) = self._either_endpoint(stream=True)
-        body["max_tokens"] = self.args.max_tokens
+        _longest(body, self.args.max_tokens)
         body["ignore_eos"] = True
         after = self.rng.randint(1, 4)
         async with http.stream("POST", path, json=body) as response:
