@@ -2,14 +2,18 @@
 written a slice at a time (or in the tokenizer thread), so that a heartbeat on the same loop
 keeps beating while they run.
 
-The bounds are generous against a loaded 2-core runner (idle lags reach ~10 ms); each
-request here held the loop for hundreds of milliseconds when its work was done in one go.
+The bounds are generous against a loaded 2-core runner (idle lags reach ~10 ms, and
+tens of milliseconds when other processes take the cores); each request here held the
+loop for half a second or more when its work was done in one go. Where the work is
+smaller, the slices are counted instead (the loop given back after each unit of work).
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import itertools
+import json
 import random
 import string
 import time
@@ -18,18 +22,22 @@ from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 import httpx
+import pytest
+from starlette.responses import JSONResponse
 
 import aiocb
-from aiocb.server import build_app
+from aiocb.server import bodies, build_app, completions
+from aiocb.server.bodies import Chain, encode
 from aiocb.server.limits import ServerLimits
-from tests.server.conftest import MODEL_NAME, serve_config, serve_model, wait_until_idle
+from tests.server.conftest import MODEL_NAME, wait_until_idle
 
 T = TypeVar("T")
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
-#: The longest the loop may be held while a large request runs (seconds).
-MAX_HOLD = 0.06
+#: The longest the loop may be held while a large request runs (seconds): the requests
+#: below held it for half a second or more.
+MAX_HOLD = 0.15
 
 
 class Heartbeat:
@@ -77,6 +85,35 @@ async def app_client(manager: aiocb.Manager, tokenizer: Any, **limits: Any) -> A
         yield client
 
 
+class LoopTurns:
+    """While open, a coroutine that counts the loop iterations it gets (:attr:`turns`)."""
+
+    def __init__(self) -> None:
+        self.turns = 0
+        self._open = False
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> LoopTurns:
+        self._open = True
+        self._task = asyncio.create_task(self._count())
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._open = False
+        assert self._task is not None
+        await self._task
+
+    async def _count(self) -> None:
+        while self._open:
+            await asyncio.sleep(0)
+            self.turns += 1
+            time.sleep(0)  # noqa: ASYNC251  (lets the step thread have the GIL between turns)
+
+    def gave_back(self, marks: list[int]) -> int:
+        """How many times the count moved between consecutive ``marks`` (turns read at each)."""
+        return sum(1 for a, b in itertools.pairwise(marks) if b > a)
+
+
 def token_prompt(length: int, vocab: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(3, vocab) for _ in range(length)]
@@ -88,16 +125,16 @@ def token_prompt(length: int, vocab: int, seed: int) -> list[int]:
 async def test_echoed_logprobs_of_many_choices_are_written_a_slice_at_a_time(
     manager: aiocb.Manager, tokenizer: Any
 ) -> None:
-    # 48 choices each echo a 600-token prompt with 20 alternatives a token: a 20 MB body,
-    # built and rendered in one go it held the loop for about half a second.
+    # 64 choices each echo a 600-token prompt with 20 alternatives a token: a 25 MB body,
+    # built and rendered in one go it held the loop for about 0.7 s.
     prompt = token_prompt(600, len(tokenizer), seed=1)
-    body = {"model": MODEL_NAME, "prompt": prompt, "n": 48, "echo": True, "logprobs": 20, "max_tokens": 1}
+    body = {"model": MODEL_NAME, "prompt": prompt, "n": 64, "echo": True, "logprobs": 20, "max_tokens": 1}
     beat = Heartbeat()
     async with app_client(manager, tokenizer) as client:
         response = await beat.during(client.post(COMPLETIONS, json={**body, "temperature": 1.0}))
     assert response.status_code == 200, response.text
     choices = response.json()["choices"]
-    assert len(choices) == 48
+    assert len(choices) == 64
     assert all(len(c["logprobs"]["top_logprobs"]) == 601 for c in choices)
     assert beat.longest < MAX_HOLD, beat.longest
     await wait_until_idle(manager)
@@ -106,11 +143,12 @@ async def test_echoed_logprobs_of_many_choices_are_written_a_slice_at_a_time(
 async def test_a_chat_response_with_many_choices_and_alternatives_is_written_a_slice_at_a_time(
     manager: aiocb.Manager, tokenizer: Any
 ) -> None:
-    # 64 choices of 96 tokens with 20 alternatives each: a 25 MB body.
+    # 128 choices of 96 tokens with 20 alternatives each: a 50 MB body, rendered in one go
+    # it held the loop for about half a second.
     body = {
         "model": MODEL_NAME,
         "messages": [{"role": "user", "content": "Once upon a time"}],
-        "n": 64,
+        "n": 128,
         "max_tokens": 96,
         "ignore_eos": True,
         "logprobs": True,
@@ -122,28 +160,55 @@ async def test_a_chat_response_with_many_choices_and_alternatives_is_written_a_s
         response = await beat.during(client.post(CHAT, json=body))
     assert response.status_code == 200, response.text
     choices = response.json()["choices"]
-    assert [len(c["logprobs"]["content"]) for c in choices] == [96] * 64
+    assert [len(c["logprobs"]["content"]) for c in choices] == [96] * 128
     assert beat.longest < MAX_HOLD, beat.longest
     await wait_until_idle(manager)
 
 
-async def test_streamed_echoes_are_built_a_slice_at_a_time(tokenizer: Any) -> None:
-    # Each choice's first chunk echoes the 12,000-token prompt with 20 alternatives a token:
-    # built in one go, each held the loop for about 100 ms.
-    model = serve_model(tokenizer, max_position_embeddings=12288)
-    prompt = token_prompt(12000, len(tokenizer), seed=2)
-    body = {"model": MODEL_NAME, "prompt": prompt, "n": 2, "echo": True, "logprobs": 20, "max_tokens": 1}
-    beat = Heartbeat()
-    async with (
-        aiocb.Manager(model, continuous_batching_config=serve_config(num_blocks=3072, max_batch_tokens=256)) as manager,
-        app_client(manager, tokenizer) as client,
-    ):
-        stream = client.post(COMPLETIONS, json={**body, "temperature": 1.0, "stream": True})
-        response = await beat.during(stream)
+async def test_a_streamed_echo_is_made_a_slice_at_a_time(
+    manager: aiocb.Manager, tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each choice's first chunk echoes the 2,000-token prompt with 20 alternatives a token:
+    # made in one go, each held the loop for about 20 ms (and 100 ms at 12,000 tokens).
+    monkeypatch.setattr("aiocb.engine.turns.SLICE", 0.0)  # give the loop back after every unit
+    turns = LoopTurns()
+    made_at: list[int] = []
+    top_dict = completions._top_dict
+
+    def recorded(*args: Any) -> dict[str, float]:
+        made_at.append(turns.turns)
+        return top_dict(*args)
+
+    monkeypatch.setattr(completions, "_top_dict", recorded)
+    prompt = token_prompt(2000, len(tokenizer), seed=2)
+    body = {"model": MODEL_NAME, "prompt": prompt, "n": 4, "echo": True, "logprobs": 20, "max_tokens": 1}
+    async with app_client(manager, tokenizer) as client, turns:
+        response = await client.post(COMPLETIONS, json={**body, "temperature": 1.0, "stream": True})
     assert response.status_code == 200, response.text
     echoes = [line for line in response.text.split("\n\n") if '"top_logprobs":[null,' in line]
-    assert len(echoes) == 2
-    assert beat.longest < MAX_HOLD, beat.longest
+    assert len(echoes) == 4
+    # Each choice's token and the prompt's 1,999 scored positions: once for all choices
+    # when they scored the prompt alike, else once each (their scores may differ in the
+    # last bits: each scored it in batches of its own).
+    assert len(made_at) in (1999 + 4, 4 * 2000)
+    assert turns.gave_back(made_at) >= len(made_at) - 8, "the loop was not given back between positions"
+    await wait_until_idle(manager)
+
+
+def test_bodies_are_written_as_a_json_response_renders_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bodies, "_SMALL", 2)  # (nearly every container walked, arrays batched)
+    shared = [{"a": -1.5e-05, "b": None}, [1, 2, 3], "é\u2028😀"] * 40
+    value = {
+        "x": [1, 2.5, "é", True, None, (3, 4)],
+        7: {"k": [[], {}], None: 1e300, 2.5: [[{"q": list(range(100))}]]},
+        "once": Chain((shared, [])),
+        "twice": [Chain(([], shared, ["z"] * 50)), Chain((shared, [{"c": 1}]))],
+        "empty": Chain(([], [])),
+    }
+    plain = json.loads(json.dumps(value, default=lambda chain: [x for part in chain.parts for x in part]))
+    assert b"".join(asyncio.run(encode(value))) == JSONResponse(plain).body
+    with pytest.raises(ValueError, match="not JSON compliant"):
+        asyncio.run(encode({"a": [float("nan")] * 300}))
 
 
 # --------------------------------------------------------------------------- requests
