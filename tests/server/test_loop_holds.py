@@ -26,9 +26,10 @@ import pytest
 from starlette.responses import JSONResponse
 
 import aiocb
-from aiocb.server import bodies, build_app, completions
+from aiocb.server import bodies, build_app, completions, limits
 from aiocb.server.bodies import Chain, encode
-from aiocb.server.limits import ServerLimits
+from aiocb.server.limits import ServerLimits, parse_json
+from aiocb.server.protocol import APIError
 from tests.server.conftest import MODEL_NAME, wait_until_idle
 
 T = TypeVar("T")
@@ -211,6 +212,45 @@ def test_bodies_are_written_as_a_json_response_renders_them(monkeypatch: pytest.
         asyncio.run(encode({"a": [float("nan")] * 300}))
 
 
+def random_json(rng: random.Random, depth: int = 0) -> Any:
+    """A value with the scalars, keys and nesting JSON bodies have (commas and brackets
+    inside strings included)."""
+    roll = rng.random()
+    if depth > 4 or roll < 0.4:
+        words = ["", "a,b", "[x]", '{"y":', "é😀", "\\", "\u2028"]
+        return rng.choice([None, True, 7, -(10**20), 1.5e-7, float("inf"), rng.choice(words)])
+    if roll < 0.7:
+        return [random_json(rng, depth + 1) for _ in range(rng.randrange(12))]
+    return {f"{rng.choice(['k', ',', ']'])}{rng.randrange(4)}": random_json(rng, depth + 1) for _ in range(6)}
+
+
+def test_a_large_body_parses_as_json_loads_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(limits, "_WHOLE_BYTES", 0)  # (every body parsed a piece at a time)
+    monkeypatch.setattr(limits, "_PIECE_CHARS", 24)
+    rng = random.Random(4)
+    for _ in range(300):
+        value = random_json(rng)
+        text = json.dumps(value, indent=rng.choice([None, 1]), ensure_ascii=rng.random() < 0.5)
+        assert json.dumps(parse_json(text.encode(), 64)) == json.dumps(json.loads(text)), text
+        cut = rng.randrange(len(text)) + 1  # (a text cut short or with a character more is no JSON)
+        for broken in (text[:cut], text[:cut] + rng.choice(",]}:1") + text[cut:]):
+            try:
+                json.loads(broken)
+            except ValueError:
+                with pytest.raises(APIError, match=r"not valid JSON|deeper than"):
+                    parse_json(broken.encode(), 64)
+    assert parse_json(b'{"a": 1, "b": 2, "a": [3]}', 64) == {"a": [3], "b": 2}
+    assert list(parse_json(b'{"a": 1, "b": 2, "a": [3]}', 64)) == ["a", "b"]
+    with pytest.raises(APIError, match="not valid JSON"):
+        parse_json(b'{"max_tokens": ' + b"9" * 5000 + b"}", 64)
+    nested = b'{"a": [[[{"b": [1, 2, 3, [4]]}]]]}'
+    assert parse_json(nested, 7) == json.loads(nested)
+    with pytest.raises(APIError, match="deeper than the server's limit of 6 levels"):
+        parse_json(nested, 6)
+    with pytest.raises(APIError, match="64 levels"):
+        parse_json(b"[" * 100_000 + b"]" * 100_000, 64)
+
+
 # --------------------------------------------------------------------------- requests
 
 
@@ -233,4 +273,31 @@ async def test_many_small_text_prompts_are_tokenized_off_the_loop(manager: aiocb
     assert response.status_code == 400, response.text
     assert "4200 tokens" in response.json()["error"]["message"]
     assert beat.longest < MAX_HOLD, beat.longest
+    await wait_until_idle(manager)
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        pytest.param(b"[" + b",".join([b"7"] * 4_000_000) + b"]", id="array"),
+        pytest.param(b"{" + b",".join(b'"%d":0' % i for i in range(600_000)) + b"}", id="object"),
+    ],
+)
+async def test_a_large_json_body_is_parsed_a_slice_at_a_time(
+    manager: aiocb.Manager, tokenizer: Any, field: bytes
+) -> None:
+    # 7 to 8 MiB of small values: parsed in one call, the tokenizer thread held the GIL (and
+    # so the loop) for 0.2 to 0.8 s, as long as the call takes here (the baseline).
+    raw = b'{"prompt":"hi","max_tokens":1,"metadata":' + field + b"}"
+    gc.disable()
+    began = time.perf_counter()
+    json.loads(raw)
+    whole = time.perf_counter() - began
+    gc.enable()
+    beat = Heartbeat()
+    async with app_client(manager, tokenizer) as client:
+        headers = {"content-type": "application/json"}
+        response = await beat.during(client.post(COMPLETIONS, content=raw, headers=headers))
+    assert response.status_code == 200, response.text
+    assert beat.longest < whole / 2, (beat.longest, whole)
     await wait_until_idle(manager)
