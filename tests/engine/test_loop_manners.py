@@ -27,45 +27,9 @@ from aiocb.engine.router import OutputRouter
 from aiocb.engine.stream import RequestHandle
 from aiocb.engine.turns import Waker
 from aiocb.runner.step_batch import BatchWriter
-from tests.conftest import random_prompts, reference_generate
+from tests.conftest import LoopTurns, gil_turn, random_prompts, reference_generate
 
 PROMPTS = random_prompts(4, 5, 30, seed=31)
-
-
-def gil_turn() -> None:
-    """Let the step thread have the GIL: a coroutine that never sleeps keeps the loop thread
-    running Python, and the step thread's forward pass would get the GIL only once per
-    switch interval (5 ms) between its operations."""
-    time.sleep(0)
-
-
-class LoopTurns:
-    """While open, a coroutine that counts the loop iterations it gets (:attr:`turns`)."""
-
-    def __init__(self) -> None:
-        self.turns = 0
-        self._open = False
-        self._task: asyncio.Task[None] | None = None
-
-    async def __aenter__(self) -> LoopTurns:
-        self._open = True
-        self._task = asyncio.create_task(self._count())
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        self._open = False
-        assert self._task is not None
-        await self._task
-
-    async def _count(self) -> None:
-        while self._open:
-            await asyncio.sleep(0)
-            self.turns += 1
-            gil_turn()
-
-    def gave_back(self, marks: list[int]) -> int:
-        """How many times the count moved between consecutive ``marks`` (turns read at each)."""
-        return sum(1 for a, b in itertools.pairwise(marks) if b > a)
 
 
 async def test_turnstile_lets_a_fixed_number_through_per_iteration() -> None:

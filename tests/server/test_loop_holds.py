@@ -30,6 +30,7 @@ from aiocb.server import bodies, build_app, completions, limits
 from aiocb.server.bodies import Chain, encode
 from aiocb.server.limits import ServerLimits, parse_json
 from aiocb.server.protocol import APIError
+from tests.conftest import LoopTurns
 from tests.server.conftest import MODEL_NAME, wait_until_idle
 
 T = TypeVar("T")
@@ -84,31 +85,6 @@ async def app_client(manager: aiocb.Manager, tokenizer: Any, **limits: Any) -> A
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=120) as client:
         yield client
-
-
-class LoopTurns:
-    """While open, a coroutine that counts the loop iterations it gets (:attr:`turns`)."""
-
-    def __init__(self) -> None:
-        self.turns = 0
-        self._open = False
-        self._task: asyncio.Task[None] | None = None
-
-    async def __aenter__(self) -> LoopTurns:
-        self._open = True
-        self._task = asyncio.create_task(self._count())
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        self._open = False
-        assert self._task is not None
-        await self._task
-
-    async def _count(self) -> None:
-        while self._open:
-            await asyncio.sleep(0)
-            self.turns += 1
-            time.sleep(0)  # noqa: ASYNC251  (lets the step thread have the GIL between turns)
 
     def gave_back(self, marks: list[int]) -> int:
         """How many times the count moved between consecutive ``marks`` (turns read at each)."""
