@@ -11,6 +11,7 @@ prompt's echoed logprobs, the same in each of its choices).
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -29,6 +30,8 @@ _SMALL = 256
 #: What one call of the encoder should take: the elements of an array are written in
 #: batches sized from what the last batch took.
 _BATCH_SECONDS = SLICE / 2
+#: Elements of an array looked at to tell whether they are small.
+_SAMPLED = 16
 #: Bytes sent in one body message.
 _SEND_BYTES = 1 << 18
 
@@ -144,8 +147,10 @@ class _Writer:
 
     async def _elements(self, items: Sequence[Any], out: list[bytes]) -> None:
         """Append ``items``' elements, comma-separated, to ``out``: in batches while they are
-        small (the first one that holds anything says), else one by one."""
-        sample = next((item for item in items if isinstance(item, (dict, list, tuple, Chain))), None)
+        small (the first container among the first few says), else one by one."""
+        # (arrays here are of one kind of element, often after a None: the first ones say)
+        heads = itertools.islice(items, _SAMPLED)
+        sample = next((item for item in heads if isinstance(item, (dict, list, tuple, Chain))), None)
         if sample is not None and not _small(sample):
             for i, item in enumerate(items):
                 if i:
@@ -160,7 +165,7 @@ async def array_items(items: Sequence[Any], dumps: Callable[[Any], bytes], turn:
     and without the brackets, written in batches sized so that each call takes a share of
     a slice of the loop (the loop is given back between them)."""
     out: list[bytes] = []
-    start, batch = 0, 16
+    start, batch = 0, 1
     while start < len(items):
         began = time.perf_counter()
         text = dumps(items[start : start + batch])[1:-1]

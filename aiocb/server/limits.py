@@ -285,8 +285,8 @@ class _SlicedParser:
         return _skip(self.text, at + 1), False
 
     def _check_depth(self, value: Any, text: str, depth: int) -> None:
-        """Refuse ``value``, parsed whole from ``text``, if it nests past the limit, being a
-        container within one at ``depth`` (its text's brackets bound how deep it can)."""
+        """Refuse ``value``, parsed whole from ``text``, if as a container at ``depth + 1``
+        it nests past the limit (its text's brackets bound how deep it can)."""
         room = self.max_depth - depth
         if text.count("[") + text.count("{") > room and _depth_exceeds(value, room):
             raise _too_deep(self.max_depth)
