@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import itertools
 import json
 import random
 import string
@@ -85,10 +84,6 @@ async def app_client(manager: aiocb.Manager, tokenizer: Any, **limits: Any) -> A
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=120) as client:
         yield client
-
-    def gave_back(self, marks: list[int]) -> int:
-        """How many times the count moved between consecutive ``marks`` (turns read at each)."""
-        return sum(1 for a, b in itertools.pairwise(marks) if b > a)
 
 
 def token_prompt(length: int, vocab: int, seed: int) -> list[int]:
