@@ -16,7 +16,7 @@ import json
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -46,8 +46,33 @@ class Chain:
     parts: tuple[Sequence[Any], ...]
 
 
+class Lazy(Sequence[Any]):
+    """A JSON array of ``make(item)`` for each of ``items``, made as it is written: a body's
+    millions of small objects (a chat's logprobs entries, twenty alternatives a token)
+    are never all alive at once, which made each of the collector's full passes, on the
+    loop, take hundreds of milliseconds."""
+
+    def __init__(self, items: Sequence[Any], make: Callable[[Any], Any]) -> None:
+        self._items = items
+        self._make = make
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @overload
+    def __getitem__(self, index: int) -> Any: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[Any]: ...
+
+    def __getitem__(self, index: int | slice) -> Any:
+        if isinstance(index, slice):
+            return [self._make(item) for item in self._items[index]]
+        return self._make(self._items[index])
+
+
 async def encode(value: Any) -> list[bytes]:
-    """``value`` as a ``JSONResponse`` writes it (``Chain`` values as arrays), in pieces:
+    """``value`` as a ``JSONResponse`` writes it (``Chain`` and ``Lazy`` values as arrays), in pieces:
     the loop is given back whenever a slice of it has been used."""
     pieces: list[bytes] = []
     await _Writer().value(value, pieces)
@@ -150,7 +175,7 @@ class _Writer:
         small (the first container among the first few says), else one by one."""
         # (arrays here are of one kind of element, often after a None: the first ones say)
         heads = itertools.islice(items, _SAMPLED)
-        sample = next((item for item in heads if isinstance(item, (dict, list, tuple, Chain))), None)
+        sample = next((item for item in heads if isinstance(item, (dict, list, tuple, Chain, Lazy))), None)
         if sample is not None and not _small(sample):
             for i, item in enumerate(items):
                 if i:
@@ -189,12 +214,12 @@ def _key(key: Any) -> bytes:
 
 def _small(value: Any) -> bool:
     """Whether ``value`` holds at most :data:`_SMALL` values, nested ones included (counted
-    no further than that), and no chain: small enough to write in one call."""
+    no further than that), and no chain or lazy array: small enough to write in one call."""
     left = _SMALL
     stack = [value]
     while stack:
         node = stack.pop()
-        if isinstance(node, Chain):
+        if isinstance(node, (Chain, Lazy)):
             return False
         if not isinstance(node, (dict, list, tuple)):
             continue

@@ -12,6 +12,7 @@ from typing import Any
 
 from aiocb.engine.turns import LoopTurn
 from aiocb.params import STRUCTURE_FIELDS
+from aiocb.server.bodies import Lazy
 from aiocb.server.chat_output import ChoiceOutput, MessageBuilder
 from aiocb.server.chat_output import delta as message_delta
 from aiocb.server.context import ServerContext, finite
@@ -135,7 +136,8 @@ class ChatCompletion:
         n = self.request.sampling.n
         outputs = [self._output() for _ in range(n)]
         messages = [MessageBuilder(reasoning=self.ctx.reasoning) for _ in range(n)]
-        logprobs: list[list[dict[str, Any]]] = [[] for _ in range(n)]
+        #: each choice's tokens with their logprobs, made into entries as the body is written
+        scored: list[list[_Scored]] = [[] for _ in range(n)]
         finish: list[str | None] = [None] * n
         stop_reasons: list[int | str | None] = [None] * n
         generated = [0] * n
@@ -146,7 +148,7 @@ class ChatCompletion:
                     await turn.give()  # (deltas that came together are taken without a wait)
                     j = delta.index
                     messages[j].add(outputs[j].feed(delta.text))
-                    logprobs[j] += await self._logprob_entries(delta, turn)
+                    scored[j] += _scored(delta)
                     if delta.finish_reason is not None:
                         messages[j].add(outputs[j].finish())
                         finish[j] = self._finish_reason(delta.finish_reason, outputs[j])
@@ -158,7 +160,7 @@ class ChatCompletion:
             {
                 "index": j,
                 "message": messages[j].message(),
-                "logprobs": {"content": logprobs[j]} if self.request.logprobs else None,
+                "logprobs": {"content": Lazy(scored[j], self._logprob_entry)} if self.request.logprobs else None,
                 "finish_reason": finish[j],
                 "stop_reason": stop_reasons[j],
             }
@@ -256,14 +258,26 @@ class ChatCompletion:
         if not self.request.logprobs:
             return []
         entries = []
-        top_n = self.request.top_logprobs
-        for token_id, score, top in zip(delta.token_ids, delta.logprobs, delta.top_logprobs, strict=False):
-            alternatives = [self._token_entry(t, s) for t, s in list(top.items())[:top_n]]
-            entries.append({**self._token_entry(token_id, score), "top_logprobs": alternatives})
+        for token in _scored(delta):
+            entries.append(self._logprob_entry(token))
             await turn.give()
         return entries
+
+    def _logprob_entry(self, token: _Scored) -> dict[str, Any]:
+        """One token's entry: its logprob and its alternatives'."""
+        token_id, score, top = token
+        alternatives = [self._token_entry(t, s) for t, s in list(top.items())[: self.request.top_logprobs]]
+        return {**self._token_entry(token_id, score), "top_logprobs": alternatives}
 
     def _token_entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         text = self.ctx.token_text(token_id)
         raw = self.ctx.token_bytes(token_id) if text.startswith("bytes:") else None
         return {"token": text, "logprob": finite(logprob), "bytes": list(raw if raw is not None else text.encode())}
+
+
+#: A generated token, its logprob and its alternatives' (by token id).
+_Scored = tuple[int, float, dict[int, float]]
+
+
+def _scored(delta: ChoiceDelta) -> list[_Scored]:
+    return list(zip(delta.token_ids, delta.logprobs, delta.top_logprobs, strict=False))
