@@ -486,7 +486,7 @@ def _refuse_unsupported(body: Mapping[str, Any]) -> None:
         raise bad_request("'suffix' must be a string", "suffix")
     if suffix:
         raise bad_request("'suffix' is not supported by this server", "suffix")
-    best_of = body.get("best_of")
+    best_of = _opt_int(body, "best_of", minimum=1)
     n = body.get("n") or 1
     if best_of is not None and best_of != n:
         raise bad_request("'best_of' is not supported by this server (only best_of == n)", "best_of")

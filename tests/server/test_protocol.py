@@ -103,6 +103,8 @@ def test_sampling_fields() -> None:
         ({"prompt": "x", "min_tokens": -1}, "min_tokens"),
         ({"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids"),
         ({"prompt": "x", "best_of": 3}, "best_of"),
+        ({"prompt": "x", "best_of": True}, "best_of"),
+        ({"prompt": "x", "best_of": "1"}, "best_of"),
         ({"prompt": "x", "bad_words": ["no"]}, "bad_words"),
         ({"prompt": "x", "use_beam_search": True}, "use_beam_search"),
     ],
@@ -345,3 +347,8 @@ def test_events_stay_on_one_line_for_any_line_splitter() -> None:
     line = raw[len("data: ") : -2]
     assert line.splitlines() == [line]
     assert json.loads(line) == {"text": text}
+
+
+def test_best_of_equal_to_n_is_accepted() -> None:
+    assert parse_completion_request({"prompt": "x", "best_of": 2, "n": 2}).sampling.n == 2
+    assert parse_completion_request({"prompt": "x", "best_of": 1}).sampling.n == 1
