@@ -33,7 +33,7 @@ from aiocb.server.completions import Completion, prepare_completion
 from aiocb.server.context import ServerContext
 from aiocb.server.edge import OPEN_PATHS, EdgeMiddleware, access_record
 from aiocb.server.limits import ServerLimits, parse_json, read_body
-from aiocb.server.metrics import ServerMetrics
+from aiocb.server.metrics import CLIENT_GONE, ServerMetrics
 from aiocb.server.protocol import (
     CHAT_PARAMS,
     COMPLETION_PARAMS,
@@ -54,9 +54,6 @@ from aiocb.server.tools import template_messages
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-#: Status of a response to a client that has gone (nginx's "client closed request").
-_CLIENT_GONE = 499
 
 
 def build_app(
@@ -188,7 +185,7 @@ class _Api:
         except Exception as exc:
             return self.error(exc, COMPLETION_PARAMS)
         if prepared.request.sampling.stream:
-            return EventStreamResponse(events(completion.chunks(), self.ctx.metrics))
+            return EventStreamResponse(events(completion.chunks(), self.ctx.metrics), self.ctx.metrics)
         return await self._respond(request, completion.response())
 
     async def chat_completions(self, request: Request) -> Response:
@@ -208,7 +205,7 @@ class _Api:
                     said["structural_tag"] = "tools"
             return self.error(exc, {**CHAT_PARAMS, **said})
         if prepared.request.sampling.stream:
-            return EventStreamResponse(events(chat.chunks(), self.ctx.metrics))
+            return EventStreamResponse(events(chat.chunks(), self.ctx.metrics), self.ctx.metrics)
         return await self._respond(request, chat.response())
 
     async def _body(self, request: Request) -> bytes:
@@ -226,7 +223,8 @@ class _Api:
         except Exception as exc:
             return self.error(exc)
         if pieces is None:
-            return Response(status_code=_CLIENT_GONE)
+            self.ctx.metrics.observe_client_gone()
+            return Response(status_code=CLIENT_GONE)
         return JSONBody(pieces)
 
     # ------------------------------------------------------------------ model and server
@@ -381,7 +379,7 @@ async def receive_body(request: Request, limits: ServerLimits) -> bytes:
     except ClientDisconnect:
         # The client's to answer for, not the server's: counted, never logged as an error.
         raise APIError(
-            _CLIENT_GONE, "the client closed the connection before its body arrived", type="client_closed_request"
+            CLIENT_GONE, "the client closed the connection before its body arrived", type="client_closed_request"
         ) from None
     except TimeoutError:
         raise APIError(

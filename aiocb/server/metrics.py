@@ -18,6 +18,9 @@ from prometheus_client.registry import Collector
 from aiocb.server.remote import RemoteManager, ServedEngine
 
 #: Latency buckets in seconds, from sub-millisecond (loopback, tiny models) to a minute.
+#: Status of a response to a client that has gone (nginx's "client closed request").
+CLIENT_GONE = 499
+
 _TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 60.0)
 _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 _E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
@@ -135,6 +138,11 @@ class ServerMetrics:
     def observe_error(self, status: int) -> None:
         """Count one error response."""
         self._errors.labels(*self._values, str(status)).inc()
+
+    def observe_client_gone(self) -> None:
+        """Count one request whose client went away before its response was complete
+        (status 499, as nginx logs it)."""
+        self.observe_error(CLIENT_GONE)
 
     def observe_inter_token(self, count: int, interval: float) -> None:
         """``count`` tokens arrived together ``interval`` seconds after the previous ones."""

@@ -67,16 +67,30 @@ class EventStreamResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[bytes]) -> None:
+    def __init__(self, content: AsyncIterator[bytes], metrics: ServerMetrics) -> None:
         super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._iterator = content
+        self._metrics = metrics
+        self._complete = False
+        self._client_gone = False
+
+    async def stream_response(self, send: Send) -> None:
+        await super().stream_response(send)
+        self._complete = True
+
+    async def listen_for_disconnect(self, receive: Receive) -> None:
+        await super().listen_for_disconnect(receive)
+        # (a client may close as the last event reaches it, before this is cancelled)
+        self._client_gone = not self._complete
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         except ClientDisconnect:
-            pass
+            self._client_gone = True
         finally:
+            if self._client_gone:
+                self._metrics.observe_client_gone()
             aclose = getattr(self._iterator, "aclose", None)
             if aclose is not None:
                 await aclose()

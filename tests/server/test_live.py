@@ -210,6 +210,7 @@ async def test_a_client_that_disconnects_mid_stream_frees_its_request(server: Li
     assert stats.waiting_requests == 0
     assert stats.free_blocks == stats.total_blocks
     assert stats.steps <= steps + 2, "the requests ended within a step of the disconnect"
+    assert await _clients_gone(server) == 1
 
 
 async def test_closing_an_openai_stream_frees_its_request(openai_client: AsyncOpenAI, server: LiveServer) -> None:
@@ -236,6 +237,20 @@ async def test_a_client_that_gives_up_on_a_whole_response_frees_its_request(serv
     stats = await wait_until_idle(server.manager)
     assert stats.running_requests == 0
     assert stats.free_blocks == stats.total_blocks
+    assert await _clients_gone(server) == 1
+
+
+async def _clients_gone(server: LiveServer) -> float:
+    """The server's count of responses whose client went first (status 499)."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    async with httpx.AsyncClient(base_url=server.url, headers=headers) as http:
+        for _ in range(50):  # (counted when the server sees the connection gone)
+            text = (await http.get("/metrics")).text
+            for line in text.splitlines():
+                if line.startswith("aiocb_http_errors_total{") and 'status="499"' in line:
+                    return float(line.rsplit(" ", 1)[1])
+            await asyncio.sleep(0.02)
+    return 0.0
 
 
 async def test_many_concurrent_streams(server: LiveServer) -> None:
