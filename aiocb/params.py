@@ -296,7 +296,7 @@ _LEGACY_STRUCTURE_KEYS = ("begin", "schema", "end")
 def _structural_tag(value: Any) -> str | None:
     """A structural tag given as a dict or as JSON text, as JSON text. A key that neither
     form has is refused: xgrammar reads past it, so a misspelt one would change nothing.
-    What ``format`` holds is xgrammar's to check."""
+    What ``format`` holds is checked when it is compiled (:mod:`aiocb.structured`)."""
     tag = _json_mapping("structural_tag", value)
     if tag is None:
         return None

@@ -15,9 +15,11 @@ being sampled (the next mask depends on it), and it ends when its grammar is com
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import re
 import threading
+import typing
 from collections import OrderedDict
 from collections.abc import Collection, Iterator
 from typing import Any
@@ -77,6 +79,10 @@ class GrammarCompiler:
                 return compiled
         kind, text = structure
         if kind == "structural_tag":
+            unknown = _unknown_format_key(json.loads(text).get("format"), "format")
+            if unknown is not None:
+                path, what = unknown
+                raise InvalidRequestError(f"structural_tag.{path}: {what}", param=f"structural_tag.{path}")
             text = _current_structural_tag(text)
         problem = _schema_problem(kind, text)
         if problem is not None:
@@ -319,6 +325,50 @@ class GrammarState:
             if token // 32 < len(words):
                 words[token // 32] &= ~np.uint32(1 << (token % 32))
         return not words.any()
+
+
+@functools.cache
+def _format_keys() -> dict[str, frozenset[str]]:
+    """The keys of each kind of structural tag format, by its ``type``, as xgrammar's
+    models of them declare."""
+    from xgrammar import structural_tag
+
+    union = typing.get_args(typing.get_args(structural_tag.Format)[0])
+    return {
+        model.model_fields["type"].default: frozenset(f.alias or name for name, f in model.model_fields.items())
+        for model in union
+    }
+
+
+#: The ``type`` a format has where it may leave it out, by the key that holds it.
+_IMPLIED_TYPES = {"tags": "tag", "begin": "token", "end": "token"}
+
+
+def _unknown_format_key(node: Any, path: str, implied: str | None = None) -> tuple[str, str] | None:
+    """``(path of the key, problem)`` for the first key of a structural tag's format
+    (``node``, at ``path``) that its kind of format does not have; None if none. xgrammar
+    reads past such a key, so a misspelt one (``max_token``, ``stop_after_frist``) would
+    silently change nothing. A format's JSON schemas are not formats: not looked into."""
+    if isinstance(node, list):
+        for i, item in enumerate(node):
+            found = _unknown_format_key(item, f"{path}[{i}]", implied)
+            if found is not None:
+                return found
+        return None
+    if not isinstance(node, dict):
+        return None
+    kind = node.get("type", implied)
+    known = _format_keys().get(kind) if isinstance(kind, str) else None
+    if known is None:
+        return None  # (an unknown type: compiling names it)
+    for key, value in node.items():
+        if key not in known:
+            return f"{path}.{key}", f"the {kind!r} format has no key {key!r}; it takes {', '.join(sorted(known))}"
+        if key not in ("json_schema", "type"):
+            found = _unknown_format_key(value, f"{path}.{key}", _IMPLIED_TYPES.get(key))
+            if found is not None:
+                return found
+    return None
 
 
 def _current_structural_tag(text: str) -> str:

@@ -29,7 +29,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from aiocb.server.bodies import JSONBody, encode
 from aiocb.server.chat import ChatCompletion, PreparedChat, prepare_chat
-from aiocb.server.completions import Completion, prepare_completion
+from aiocb.server.completions import Completion, PreparedCompletion, prepare_completion
 from aiocb.server.context import ServerContext
 from aiocb.server.edge import OPEN_PATHS, EdgeMiddleware, access_record
 from aiocb.server.limits import ServerLimits, parse_json, read_body
@@ -177,13 +177,15 @@ class _Api:
     async def completions(self, request: Request) -> Response:
         """``POST /v1/completions``."""
         received = time.perf_counter()
+        prepared: PreparedCompletion | None = None
         try:
             prepared = await prepare_completion(self.ctx, await self._body(request))
             completion = Completion(self.ctx, prepared, received)
             completion.submission.record = access_record(request.scope)
             await completion.submit()
         except Exception as exc:
-            return self.error(exc, COMPLETION_PARAMS)
+            said = {} if prepared is None else prepared.request.sampling.body_params()
+            return self.error(exc, {**COMPLETION_PARAMS, **said})
         if prepared.request.sampling.stream:
             return EventStreamResponse(events(completion.chunks(), self.ctx.metrics), self.ctx.metrics)
         return await self._respond(request, completion.response())
@@ -200,7 +202,7 @@ class _Api:
         except Exception as exc:
             said = {}
             if prepared is not None:
-                said["max_new_tokens"] = prepared.request.sampling.max_tokens_field
+                said = prepared.request.sampling.body_params()
                 if "structural_tag" in prepared.constraint:  # (built from the tools)
                     said["structural_tag"] = "tools"
             return self.error(exc, {**CHAT_PARAMS, **said})

@@ -19,7 +19,7 @@ from aiocb.errors import (
     RequestAbortedError,
     WouldBlock,
 )
-from aiocb.params import SamplingParams
+from aiocb.params import STRUCTURE_FIELDS, SamplingParams
 
 #: ``max_tokens`` of a completion that does not say (OpenAI's default).
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -90,8 +90,7 @@ def error_from_exception(exc: BaseException, params: Mapping[str, str] | None = 
             code="rate_limit_exceeded",
         )
     if isinstance(exc, InvalidRequestError):
-        param = exc.param if params is None or exc.param is None else params.get(exc.param, exc.param)
-        return bad_request(str(exc), param)
+        return bad_request(str(exc), exc.param if params is None or exc.param is None else _renamed(exc.param, params))
     if isinstance(exc, ManagerClosedError):
         return APIError(503, f"the server is not accepting requests: {exc}", type="service_unavailable")
     if isinstance(exc, RequestAbortedError):  # (the server stopping: a retry elsewhere may succeed)
@@ -99,6 +98,12 @@ def error_from_exception(exc: BaseException, params: Mapping[str, str] | None = 
     if isinstance(exc, EngineDeadError):
         return APIError(500, f"the engine failed: {exc}", type="internal_server_error")
     return APIError(500, f"internal error: {exc!r}", type="internal_server_error")
+
+
+def _renamed(param: str, params: Mapping[str, str]) -> str:
+    """``param`` (``field`` or a path within one: ``field.key``) with ``field`` as ``params`` renames it."""
+    field_name, dot, inside = param.partition(".")
+    return params[field_name] + dot + inside if field_name in params else param
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +131,16 @@ class SamplingRequest:
     controls: Mapping[str, Any] = field(default_factory=dict)
     #: the body field ``max_tokens`` came from (errors about it name that one)
     max_tokens_field: str = "max_tokens"
+    #: where in the body the output constraint came from, if any (errors about it name that)
+    constraint_field: str | None = None
+
+    def body_params(self) -> dict[str, str]:
+        """The body's names of the engine's parameters that this request renames."""
+        named = {"max_new_tokens": self.max_tokens_field}
+        for name in STRUCTURE_FIELDS:
+            if name in self.controls and self.constraint_field is not None:
+                named[name] = self.constraint_field
+        return named
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,6 +268,7 @@ def _sampling(body: Mapping[str, Any], *, max_tokens_keys: tuple[str, ...]) -> S
     max_tokens_field = _max_tokens_field(body, max_tokens_keys)
     top_k = _opt_int(body, "top_k", minimum=-1)
     stream = _bool(body, "stream", False)
+    constraint, constraint_field = _structure(body)
     return SamplingRequest(
         model=_opt_str(body, "model"),
         max_tokens=_opt_int(body, max_tokens_field, minimum=0),
@@ -269,8 +285,9 @@ def _sampling(body: Mapping[str, Any], *, max_tokens_keys: tuple[str, ...]) -> S
         include_usage=_include_usage(body, stream),
         min_tokens=_opt_int(body, "min_tokens", minimum=0) or 0,
         include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False),
-        controls={**_controls(body), **_structure(body)},
+        controls={**_controls(body), **constraint},
         max_tokens_field=max_tokens_field,
+        constraint_field=constraint_field,
     )
 
 
@@ -344,9 +361,10 @@ _STRUCTURED_OUTPUTS = {
 }
 
 
-def _structure(body: Mapping[str, Any]) -> dict[str, Any]:
+def _structure(body: Mapping[str, Any]) -> tuple[dict[str, Any], str | None]:
     """The output constraint of a body (OpenAI's ``response_format``, vLLM's
-    ``structured_outputs`` and ``guided_*``) as a ``SamplingParams`` field; at most one."""
+    ``structured_outputs`` and ``guided_*``) as a ``SamplingParams`` field, at most one, and
+    where in the body it is."""
     found: list[tuple[str, str, Any]] = []  # (body path, SamplingParams field, value)
     response_format = _response_format(body.get("response_format"))
     if response_format is not None:
@@ -359,7 +377,7 @@ def _structure(body: Mapping[str, Any]) -> dict[str, Any]:
         found += [(f"structured_outputs.{k}", _STRUCTURED_OUTPUTS[k], v) for k, v in outputs.items() if v is not None]
     found += [(key, name, body[key]) for key, name in _GUIDED.items() if body.get(key) is not None]
     if not found:
-        return {}
+        return {}, None
     if len(found) > 1:
         raise bad_request(f"give one output constraint, got {', '.join(f for f, _, _ in found)}", found[1][0])
     where, name, value = found[0]
@@ -369,7 +387,7 @@ def _structure(body: Mapping[str, Any]) -> dict[str, Any]:
         # A structural tag's error names the key at fault inside the tag: the same path below ``where``.
         inside = exc.param[len(name) :] if exc.param and exc.param.startswith(f"{name}.") else ""
         raise bad_request(f"{where + inside}: {exc}", where + inside) from None
-    return {name: value}
+    return {name: value}, where
 
 
 #: The keys of each ``response_format`` type beside ``type`` (a ``structural_tag`` response

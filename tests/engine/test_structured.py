@@ -353,6 +353,47 @@ async def test_a_structural_tag_whose_schema_holds_such_a_keyword_is_refused_nam
         assert output.finish_reason is not aiocb.FinishReason.ERROR
 
 
+@pytest.mark.parametrize(
+    ("tag_format", "path"),
+    [
+        ({"type": "const_string", "value": "x", "valeu": "y"}, "format.valeu"),
+        (
+            {"type": "tag", "begin": "<a>", "content": {"type": "any_text", "max_token": 9}, "end": "</a>"},
+            "format.content.max_token",
+        ),
+        (
+            {
+                "type": "triggered_tags",
+                "triggers": ["<a"],
+                "tags": [{"begin": "<a>", "content": {"type": "any_text"}, "end": "</a>", "stop": 1}],
+            },
+            "format.tags[0].stop",
+        ),
+        (
+            {"type": "sequence", "elements": [{"type": "const_string", "value": "x"}], "stop_after_frist": True},
+            "format.stop_after_frist",
+        ),
+        (
+            {"type": "dispatch", "rules": [["<a>", {"type": "regex", "pattern": "b", "flags": "i"}]]},
+            "format.rules[0][1].flags",
+        ),
+    ],
+)
+async def test_a_structural_tag_format_key_that_xgrammar_would_read_past_is_refused_naming_it(
+    bundled: tuple[Any, Any], tag_format: dict[str, Any], path: str
+) -> None:
+    """xgrammar ignores a key its kind of format lacks: a misspelt bound would change nothing."""
+    model, tokenizer = bundled
+    async with aiocb.Manager(model, tokenizer=tokenizer) as manager:
+        with pytest.raises(aiocb.InvalidRequestError, match="has no key") as caught:
+            await manager.generate(
+                "x", structural_tag={"type": "structural_tag", "format": tag_format}, max_new_tokens=4
+            )
+        assert caught.value.param == f"structural_tag.{path}"
+        stats = manager.statistics()
+        assert stats.free_blocks == stats.total_blocks
+
+
 async def test_a_constraint_that_does_not_compile_carries_its_field(bundled: tuple[Any, Any]) -> None:
     model, tokenizer = bundled
     async with aiocb.Manager(model, tokenizer=tokenizer) as manager:

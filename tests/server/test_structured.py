@@ -101,8 +101,19 @@ async def test_vllm_fields(client: httpx.AsyncClient) -> None:
             "response_format.json_schema.schema",
             "must be a JSON schema object",
         ),
-        ({"guided_json": {"type": "nonsense"}}, None, "json_schema cannot be compiled"),
-        ({"guided_regex": "("}, None, "regex cannot be compiled"),
+        ({"guided_json": {"type": "nonsense"}}, "guided_json", "json_schema cannot be compiled"),
+        ({"structured_outputs": {"regex": "("}}, "structured_outputs.regex", "regex cannot be compiled"),
+        ({"guided_regex": "("}, "guided_regex", "regex cannot be compiled"),
+        (
+            {"response_format": {"type": "structural_tag", "format": {"type": "regex", "pattern": "a", "flags": "i"}}},
+            "response_format.format.flags",
+            "the 'regex' format has no key 'flags'",
+        ),
+        (
+            {"structured_outputs": {"structural_tag": {"format": {"type": "any_text", "max_token": 3}}}},
+            "structured_outputs.structural_tag.format.max_token",
+            "the 'any_text' format has no key 'max_token'",
+        ),
         ({"guided_choice": []}, "guided_choice", "non-empty list"),
         (
             {"structured_outputs": {"xml": "<a/>"}},
