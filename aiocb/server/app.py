@@ -294,6 +294,7 @@ class _Api:
             text = self.ctx.render_chat(
                 messages, add_generation_prompt=parsed.add_generation_prompt, kwargs=parsed.chat_template_kwargs
             )
+            self.ctx.check_prompt_chars(text, "messages", "the rendered conversation")
         param = "prompt" if parsed.prompt is not None else "messages"
         tokens = self.ctx.encode(text, add_special_tokens=parsed.add_special_tokens, param=param)
         return _json_bytes({"tokens": tokens, "count": len(tokens), "max_model_len": self.ctx.max_model_len})

@@ -124,6 +124,8 @@ async def test_a_prompt_too_long_by_its_length_is_refused_untokenized(
     assert "cannot fit the model's context of 2048 tokens" in error["message"]
     chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "y" * (bound + 1)}]}
     assert_error(await client.post("/v1/chat/completions", json=chat), 400, "messages")
+    assert_error(await client.post("/tokenize", json={"prompt": "y" * (bound + 1)}), 400, "prompt")
+    assert_error(await client.post("/tokenize", json={"messages": chat["messages"]}), 400, "messages")
     assert calls == []
     # Under the bound it is tokenized, and the engine says it does not fit
     error = assert_error(await client.post(COMPLETIONS, json=body(prompt="y " * 3000)), 400)
