@@ -50,6 +50,7 @@ def prepare_chat(ctx: ServerContext, body: bytes) -> PreparedChat:
     tools = parse_tools(parsed)
     ctx.check_model(request.sampling.model)
     ctx.limits.check_stop(request.sampling.stop)
+    ctx.limits.check_token_ids(request.sampling)
     ctx.limits.check_choices(1, request.sampling.n)
     if tools is not None and tools.choice == "none":
         tools = None  # (the model is not shown tools it may not call)

@@ -97,6 +97,7 @@ def parse_completion(ctx: ServerContext, body: bytes) -> CompletionRequest:
     request = parse_completion_request(parse_json(body, ctx.limits.max_json_depth))
     ctx.check_model(request.sampling.model)
     ctx.limits.check_stop(request.sampling.stop)
+    ctx.limits.check_token_ids(request.sampling)
     ctx.limits.check_choices(len(request.prompts), request.sampling.n)
     many = len(request.prompts) > 1
     for i, prompt in enumerate(request.prompts):
@@ -113,6 +114,8 @@ async def prepare_completion(ctx: ServerContext, body: bytes) -> PreparedComplet
     tokenizer thread."""
     request = await ctx.prepare(body, partial(parse_completion, ctx))
     prompts = await tokenize_prompts(ctx, request)
+    if request.echo and request.logprobs is not None:
+        ctx.limits.check_echo_logprobs(sum(len(p.ids) for p in prompts), request.logprobs, request.sampling.n)
     choices = len(prompts) * request.sampling.n
     inline = choices <= _INLINE_CHOICES
     specs = completion_specs(request, prompts) if inline else await ctx.in_thread(completion_specs, request, prompts)

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from aiocb.server.protocol import APIError, bad_request
+from aiocb.server.protocol import APIError, SamplingRequest, bad_request
 
 MiB = 1 << 20
 
@@ -35,6 +35,12 @@ class ServerLimits:
         max_concurrent_requests: requests on the API routes in flight at once, streams
             counted until they end; one more gets 429 with ``Retry-After``.
         max_choices: choices one request may ask for, its prompts times ``n`` (400 beyond).
+        max_token_ids: entries of each token-id list or map of a request: ``logit_bias``,
+            ``allowed_token_ids``, ``stop_token_ids`` (400 beyond; each prompt's choices
+            carry them).
+        max_echo_logprobs: echoed prompt logprobs one request may ask for: its prompts'
+            tokens times one plus ``logprobs`` (the alternatives), times ``n`` (400 beyond:
+            a body of a few megabytes could otherwise ask for gigabytes of them).
         body_timeout: seconds a client may take to send its body once its headers have
             arrived (408 beyond).
         send_timeout: seconds a response may wait for the client to take its next bytes;
@@ -49,6 +55,8 @@ class ServerLimits:
     max_stop_string_chars: int = 1024
     max_concurrent_requests: int = 1024
     max_choices: int = 1024
+    max_token_ids: int = 4096
+    max_echo_logprobs: int = 1 << 20
     body_timeout: float = 60.0
     send_timeout: float = 60.0
     retry_after: int = 1
@@ -57,7 +65,15 @@ class ServerLimits:
         for name in ("max_request_bytes", "max_json_depth"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        counts = ("max_stop_strings", "max_stop_string_chars", "max_concurrent_requests", "max_choices", "retry_after")
+        counts = (
+            "max_stop_strings",
+            "max_stop_string_chars",
+            "max_concurrent_requests",
+            "max_choices",
+            "max_token_ids",
+            "max_echo_logprobs",
+            "retry_after",
+        )
         for name in counts:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0: no bound), got {getattr(self, name)}")
@@ -98,6 +114,34 @@ class ServerLimits:
                 f"a 'stop' string has {longest} characters; the server allows at most "
                 f"{self.max_stop_string_chars} (--max-stop-string-chars)",
                 "stop",
+            )
+
+    def check_token_ids(self, sampling: SamplingRequest) -> None:
+        """Refuse a token-id list or map (``logit_bias``, ``allowed_token_ids``,
+        ``stop_token_ids``) of more than :attr:`max_token_ids` entries."""
+        lists = {
+            "stop_token_ids": sampling.stop_token_ids,
+            "logit_bias": sampling.controls.get("logit_bias", ()),
+            "allowed_token_ids": sampling.controls.get("allowed_token_ids", ()),
+        }
+        for name, ids in lists.items():
+            if self.max_token_ids and len(ids) > self.max_token_ids:
+                raise bad_request(
+                    f"'{name}' has {len(ids)} entries; the server allows at most {self.max_token_ids} "
+                    "(--max-token-ids)",
+                    name,
+                )
+
+    def check_echo_logprobs(self, prompt_tokens: int, alternatives: int, n: int) -> None:
+        """Refuse an echo of more prompt logprobs than :attr:`max_echo_logprobs`:
+        ``prompt_tokens`` (all prompts') times ``1 + alternatives``, times ``n``."""
+        asked = prompt_tokens * (1 + alternatives) * n
+        if self.max_echo_logprobs and asked > self.max_echo_logprobs:
+            raise bad_request(
+                f"echoing the prompts' logprobs asks for {asked} of them ({prompt_tokens} prompt tokens times "
+                f"{1 + alternatives} (the token and its logprobs = {alternatives} alternatives) times n = {n}); "
+                f"the server allows at most {self.max_echo_logprobs} (--max-echo-logprobs)",
+                "logprobs",
             )
 
     def check_choices(self, prompts: int, n: int) -> None:

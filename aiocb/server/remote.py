@@ -170,10 +170,14 @@ class EngineService:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         connection = _WorkerConnection(self.manager, writer)
         self._connections.add(connection)
+        turn = LoopTurn()
         try:
             connection.send_hello()
             while True:
                 connection.handle(await read_frame(reader))
+                # (frames already buffered are read without a wait: a burst of a thousand
+                # adds was handled in one go, holding the loop for a tenth of a second)
+                await turn.give()
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the worker went away
         except Exception:

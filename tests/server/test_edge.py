@@ -31,6 +31,9 @@ def body(**fields: Any) -> dict[str, Any]:
     return {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 4, **fields}
 
 
+CHAT_BODY = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
 @pytest.fixture
 async def limited(manager: aiocb.Manager, tokenizer: Any) -> AsyncIterator[httpx.AsyncClient]:
     """The app over ASGI with small limits, to reach each one cheaply."""
@@ -39,6 +42,8 @@ async def limited(manager: aiocb.Manager, tokenizer: Any) -> AsyncIterator[httpx
         max_json_depth=4,
         max_stop_strings=3,
         max_stop_string_chars=8,
+        max_token_ids=3,
+        max_echo_logprobs=60,
         max_concurrent_requests=2,
         body_timeout=0.5,
         retry_after=7,
@@ -110,6 +115,42 @@ async def test_stop_strings_are_bounded(limited: httpx.AsyncClient, client: http
     assert_error(await client.post(COMPLETIONS, json=body(stop="x" * MiB)), 400, "stop")
     chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "stop": many}
     assert_error(await client.post("/v1/chat/completions", json=chat), 400, "stop")
+
+
+@pytest.mark.parametrize(
+    ("field", "three", "four"),
+    [
+        ("logit_bias", {"5": 1, "6": 1, "7": 1}, {"5": 1, "6": 1, "7": 1, "0008": 1}),
+        ("allowed_token_ids", [5, 6, 7], [5, 6, 7, 8]),
+        ("stop_token_ids", [5, 6, 7], [5, 6, 7, 7]),
+    ],
+)
+async def test_token_id_lists_are_bounded(
+    limited: httpx.AsyncClient, field: str, three: Any, four: Any, manager: aiocb.Manager
+) -> None:
+    for route, base in ((COMPLETIONS, body()), ("/v1/chat/completions", CHAT_BODY)):
+        error = assert_error(await limited.post(route, json={**base, field: four}), 400, field)
+        assert "has 4 entries" in error["message"] and "--max-token-ids" in error["message"]
+        assert (await limited.post(route, json={**base, field: three})).status_code == 200
+    stats = await wait_until_idle(manager)
+    assert stats.free_blocks == stats.total_blocks
+
+
+async def test_echoed_prompt_logprobs_are_bounded(limited: httpx.AsyncClient, tokenizer: Any) -> None:
+    # 60 echoed logprobs: 10 prompt tokens with 5 alternatives (6 each), or 20 with 2 ...
+    ten = list(range(10, 20))
+    echo = body(prompt=ten, echo=True, max_tokens=1)
+    assert (await limited.post(COMPLETIONS, json={**echo, "logprobs": 5})).status_code == 200
+    error = assert_error(await limited.post(COMPLETIONS, json={**echo, "logprobs": 6}), 400, "logprobs")
+    assert "70 of them" in error["message"] and "--max-echo-logprobs" in error["message"]
+    # ... counted over every prompt and choice, text prompts by their tokens
+    assert_error(await limited.post(COMPLETIONS, json={**echo, "logprobs": 2, "n": 3}), 400, "logprobs")
+    assert_error(await limited.post(COMPLETIONS, json={**echo, "prompt": [ten] * 7, "logprobs": 0}), 400, "logprobs")
+    text = "x " * 70
+    assert len(tokenizer(text).input_ids) > 60
+    assert_error(await limited.post(COMPLETIONS, json={**echo, "prompt": text, "logprobs": 0}), 400, "logprobs")
+    # without echo the prompt is not scored
+    assert (await limited.post(COMPLETIONS, json={**echo, "echo": False, "logprobs": 6})).status_code == 200
 
 
 async def test_a_prompt_too_long_by_its_length_is_refused_untokenized(

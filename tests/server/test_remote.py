@@ -27,7 +27,7 @@ from aiocb.server.remote import (
     encode_frame,
     read_frame,
 )
-from tests.conftest import random_prompts
+from tests.conftest import LoopTurns, random_prompts
 from tests.server.conftest import MODEL_NAME, wait_until_idle, wait_until_running
 
 PROMPTS = random_prompts(4, 6, 30, seed=5)
@@ -212,6 +212,37 @@ async def test_a_worker_that_stops_reading_is_dropped(
     assert transport.is_closing()
     stats = await wait_until_idle(manager)
     assert stats.free_blocks == stats.total_blocks and stats.running_requests == 0
+    writer.close()
+
+
+async def test_frames_that_arrive_together_are_handled_a_slice_at_a_time(
+    manager: aiocb.Manager, service: tuple[EngineService, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A burst of frames already buffered was read and handled without a wait: a thousand
+    # adds held the engine's loop for a tenth of a second.
+    monkeypatch.setattr("aiocb.engine.turns.SLICE", 0.0)  # give the loop back after every unit
+    turns = LoopTurns()
+    handled_at: list[int] = []
+    handle = remote_module._WorkerConnection.handle
+
+    def recorded(self: Any, message: tuple[Any, ...]) -> None:
+        handled_at.append(turns.turns)
+        handle(self, message)
+
+    monkeypatch.setattr(remote_module._WorkerConnection, "handle", recorded)
+    reader, writer = await asyncio.open_unix_connection(service[1])
+    assert (await read_frame(reader))[0] == "hello"
+    frames = [encode_frame(("add", [key], PROMPTS[key % 4], 2, {})) for key in range(64)]
+    async with turns:
+        writer.write(b"".join(frames))
+        for _ in range(400):
+            if len(handled_at) == len(frames):
+                break
+            await asyncio.sleep(0.005)
+    assert len(handled_at) == len(frames)
+    assert turns.gave_back(handled_at) >= len(frames) - 4, "the loop was not given back between frames"
+    stats = await wait_until_idle(manager, within_s=30)
+    assert stats.free_blocks == stats.total_blocks
     writer.close()
 
 
