@@ -47,6 +47,7 @@ from aiocb.server.protocol import (
 )
 from aiocb.server.reasoning import ReasoningSplitter
 from aiocb.server.remote import ServedEngine
+from aiocb.server.serving import release
 from aiocb.server.sse import EventStreamResponse, events
 from aiocb.server.tool_parsers import PARSERS, ToolCallParser, detect_parser
 from aiocb.server.tools import template_messages
@@ -407,8 +408,11 @@ def _json_bytes(value: Any) -> bytes:
 
 async def _encoded(work: Awaitable[dict[str, Any]]) -> list[bytes]:
     """The body ``work`` makes, written a slice of the loop at a time (tens of megabytes
-    with many choices' logprobs)."""
-    return await encode(await work)
+    with many choices' logprobs), then its choices freed a slice at a time too."""
+    body = await work
+    pieces = await encode(body)
+    await release(body["choices"])
+    return pieces
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:

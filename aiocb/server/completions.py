@@ -25,6 +25,7 @@ from aiocb.server.serving import (
     Submission,
     choice_seed,
     engine_params,
+    release,
 )
 
 
@@ -191,7 +192,6 @@ class Completion:
     async def response(self) -> dict[str, Any]:
         """Run every choice to its end; the whole response body (its arrays of echoed
         logprobs are :class:`Chain` values: a prompt's part is shared by its choices)."""
-        n = self.request.sampling.n
         choices = [ChoiceDelta(i) for i in range(len(self.submission.specs))]
         turn = LoopTurn()
         try:
@@ -201,20 +201,21 @@ class Completion:
                     await turn.give()  # (deltas that came together are taken without a wait)
         finally:
             await self.submission.aclose()
-        body_choices = []
-        for index, choice in enumerate(choices):
-            prompt = self.prompts[index // n]
-            body_choices.append(
-                {
-                    "index": index,
-                    "text": (prompt.text if self.request.echo else "") + choice.text,
-                    "logprobs": await self._logprobs(choice, turn, echo=self.request.echo, join=_chain),
-                    "finish_reason": choice.finish_reason,
-                    "stop_reason": choice.stop_reason,
-                }
-            )
+        # (a comprehension's variables go with it: nothing here holds a choice after the release)
+        body_choices = [await self._body_choice(index, choice, turn) for index, choice in enumerate(choices)]
         completion_tokens = sum(c.num_generated for c in choices)
+        await release(choices)  # (what the body was made of: freed a slice of the loop at a time)
         return {**self._header(), "choices": body_choices, "usage": self._usage(completion_tokens)}
+
+    async def _body_choice(self, index: int, choice: ChoiceDelta, turn: LoopTurn) -> dict[str, Any]:
+        prompt = self.prompts[index // self.request.sampling.n]
+        return {
+            "index": index,
+            "text": (prompt.text if self.request.echo else "") + choice.text,
+            "logprobs": await self._logprobs(choice, turn, echo=self.request.echo, join=_chain),
+            "finish_reason": choice.finish_reason,
+            "stop_reason": choice.stop_reason,
+        }
 
     def chunks(self) -> AsyncIterator[dict[str, Any]]:
         """The stream's chunks (after :meth:`submit`)."""

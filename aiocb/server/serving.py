@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -266,9 +266,13 @@ class Submission:
         }
 
     async def aclose(self) -> None:
-        """Cancel whatever has not finished (idempotent)."""
-        for stream in self._streams:
-            await stream.aclose()
+        """Cancel whatever has not finished, and let go of the streams (idempotent).
+
+        They are let go of one at a time, a slice of the loop at a time: each holds its
+        request, whose logprobs (a long prompt's, twenty alternatives a token) are millions
+        of objects across a request's choices, freed all at once in tens of milliseconds.
+        """
+        await release(self._streams, lambda stream: stream.aclose())
 
     async def closing(self, chunks: AsyncGenerator[dict[str, Any]]) -> AsyncGenerator[dict[str, Any]]:
         """Yield a response's ``chunks``, then close them and cancel whatever has not finished
@@ -279,6 +283,19 @@ class Submission:
                     yield chunk
         finally:
             await self.aclose()
+
+
+async def release(items: list[Any], close: Callable[[Any], Awaitable[None]] | None = None) -> None:
+    """Empty ``items``, last first, giving the loop back whenever a slice of it is used: an
+    item that is the last hold on much (a choice's logprobs) is freed as it is taken out.
+    ``close`` is awaited on each first."""
+    turn = LoopTurn()
+    while items:
+        item = items.pop()
+        if close is not None:
+            await close(item)
+        del item
+        await turn.give()
 
 
 async def choice_deltas(
