@@ -249,7 +249,6 @@ class KVCacheManager:
         self.pools[0].free([block])
         request.num_registered_blocks -= 1
         request.num_computed_tokens -= self.page_size
-        request.num_cached_tokens -= self.page_size
 
     def cache_full_blocks(self, request: Request) -> None:
         """Register the request's newly completed blocks for prefix sharing."""

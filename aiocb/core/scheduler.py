@@ -812,7 +812,6 @@ class Scheduler:
             if matched:
                 # (a request scoring its prompt must compute every prompt position)
                 request.num_computed_tokens = self.kv_cache.match_prefix(request)
-                request.num_cached_tokens = request.num_computed_tokens
                 if request in self._forks and request.num_computed_tokens == request.num_prompt_tokens - 1:
                     # The prefix cache holds all but the last token: the fork point. A parent
                     # must compute something before its children fork (next step), so that
@@ -831,10 +830,13 @@ class Scheduler:
                 if not offloaded:
                     self.kv_cache.free(request)  # let go of prefix hits until it can run
                     request.num_computed_tokens = 0
-                    request.num_cached_tokens = 0
                 break
             if matched:  # (counted once admitted: a counter never goes back)
-                self.kv_cache.num_prefix_hit_tokens += request.num_cached_tokens
+                self.kv_cache.num_prefix_hit_tokens += request.num_computed_tokens
+                if request.scheduled_time is None:
+                    # Its prompt's (a request readmitted after a preemption finds its own
+                    # generated tokens' blocks too: not prompt tokens served from the cache).
+                    request.num_cached_tokens = min(request.num_computed_tokens, request.num_prompt_tokens)
             if offloaded:
                 _extend(output.swap_in, self.kv_cache.restore(request))
             self._dequeue(request)
