@@ -157,9 +157,9 @@ class IncrementalDetokenizer:
 class StopStringMatcher:
     """Holds back text that may begin a stop string; trims the stop string when it appears.
 
-    Stop strings are looked for only in text of tokens after the first ``min_tokens``
-    (text before is released as it comes). The stop string found is dropped from the
-    released text unless ``include``; text after it always is.
+    A stop string counts only where it ends in the text of a token after the first
+    ``min_tokens`` (it may begin earlier, as vLLM's does). The stop string found is dropped
+    from the released text unless ``include``; text after it always is.
     """
 
     def __init__(self, stop: Sequence[str], *, min_tokens: int = 0, include: bool = False) -> None:
@@ -167,6 +167,8 @@ class StopStringMatcher:
         self._min_tokens = min_tokens
         self._include = include
         self._held = ""
+        #: how much of the held text is of the first ``min_tokens`` tokens: no stop ends there
+        self._early = 0
         #: the stop string that was found, once one was
         self.matched: str | None = None
 
@@ -187,12 +189,10 @@ class StopStringMatcher:
         if not self._stop:
             return text
         buffer = self._held + text
-        if num_output_tokens is not None and num_output_tokens <= self._min_tokens:
-            self._held = ""
-            return buffer
+        early = len(buffer) if num_output_tokens is not None and num_output_tokens <= self._min_tokens else self._early
         first: tuple[int, str] | None = None
         for stop in self._stop:
-            at = buffer.find(stop)
+            at = buffer.find(stop, max(0, early - len(stop) + 1))  # (the first that ends past the early text)
             if at >= 0 and (first is None or at < first[0]):
                 first = (at, stop)
         if first is not None:
@@ -202,6 +202,7 @@ class StopStringMatcher:
             return buffer[: at + len(stop)] if self._include else buffer[:at]
         keep = self._longest_stop_prefix_suffix(buffer)
         self._held = buffer[len(buffer) - keep :] if keep else ""
+        self._early = max(0, keep - (len(buffer) - early))
         return buffer[: len(buffer) - keep]
 
     def flush(self) -> str:

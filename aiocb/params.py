@@ -45,7 +45,9 @@ class SamplingParams:
     )
     min_tokens: int | None = field(
         default=None,
-        metadata=_doc("no EOS, stop token or stop string before this many tokens (`min_new_tokens`)", "0"),
+        metadata=_doc(
+            "no EOS or stop token before this many tokens, and no stop string that ends before (`min_new_tokens`)", "0"
+        ),
     )
     do_sample: bool | None = field(
         default=None,

@@ -129,6 +129,23 @@ async def test_min_tokens_holds_back_stop_strings(
     assert held.generated_tokens[:10] == tokens[:10] and len(held.generated_tokens) > 10
 
 
+async def test_a_stop_string_that_ends_after_min_tokens_counts_where_it_begins(
+    model: PreTrainedModel, tokenizer: Any, plain: list[list[int]]
+) -> None:
+    # The last character of token k's text and the first of token k + 1's: with
+    # min_tokens = k the stop string ends in token k + 1, which may end the output.
+    tokens = plain[5]
+    texts = [tokenizer.decode(tokens[: i + 1]) for i in range(len(tokens))]
+    k = next(k for k in range(2, 10) if len(texts[k - 1]) > len(texts[k - 2]) and len(texts[k]) > len(texts[k - 1]))
+    stop = texts[k][len(texts[k - 1]) - 1 : len(texts[k - 1]) + 1]
+    assert stop not in texts[k - 1]  # (else it would end early)
+    async with aiocb.Manager(model, tokenizer=tokenizer) as manager:
+        output = await manager.generate(PROMPTS[5], max_new_tokens=NEW, ignore_eos=True, stop=stop, min_tokens=k)
+    assert output.stop_reason == stop
+    assert output.generated_tokens == tokens[: k + 1]
+    assert output.text == texts[k][: texts[k].index(stop, len(texts[k - 1]) - 1)]
+
+
 async def test_chat_messages_use_the_template(model: PreTrainedModel, tokenizer: Any) -> None:
     messages = [{"role": "user", "content": "Question: What is the capital of France?"}]
     rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

@@ -103,6 +103,20 @@ def test_stop_inside_one_piece_and_nothing_after_a_match() -> None:
     assert matcher.flush() == ""
 
 
+def test_a_stop_string_may_begin_in_the_first_min_tokens_but_not_end_there() -> None:
+    matcher = StopStringMatcher(["ab", "zz"], min_tokens=2)
+    released = [matcher.feed("zz", 1), matcher.feed("xa", 2)]  # "zz" ends in token 1: no stop
+    assert matcher.matched is None
+    released.append(matcher.feed("b-", 3))  # "ab" ends in token 3: the stop
+    assert matcher.matched == "ab"
+    assert "".join(released) == "zzx"
+    # a stop wholly inside the first min_tokens tokens' text, held back while it may begin another
+    matcher = StopStringMatcher(["ab", "abcd"], min_tokens=2)
+    released = [matcher.feed("a", 1), matcher.feed("bc", 2), matcher.feed("e", 3), matcher.feed("ab", 4)]
+    assert matcher.matched == "ab"
+    assert "".join(released) == "abce"
+
+
 def test_no_stop_strings_passes_text_through() -> None:
     matcher = StopStringMatcher(["", ""])
     assert matcher.feed("anything") == "anything"
