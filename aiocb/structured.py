@@ -60,6 +60,8 @@ class GrammarCompiler:
         # which the tokenizer's eos_token need not be).
         stops = sorted(i for i in stop_token_ids if 0 <= i < vocab_size) or None
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stops)
+        #: the tokens that end a complete grammar unless a request says otherwise
+        self.stop_token_ids = frozenset(info.stop_token_ids)
         # (no cache of its own: this one's, bounded, holds every compiled grammar)
         self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
         self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
@@ -108,9 +110,13 @@ class GrammarCompiler:
                     self._cached_bytes -= dropped.memory_size_bytes
         return compiled
 
-    def state(self, structure: tuple[str, str]) -> GrammarState:
-        """A fresh matcher for one request (or one sample of it)."""
-        return GrammarState(_xgrammar().GrammarMatcher(self.compile(structure)))
+    def state(self, structure: tuple[str, str], ends: frozenset[int] | None = None) -> GrammarState:
+        """A fresh matcher for one request (or one sample of it), whose complete output ends
+        with one of ``ends`` (None or empty: :attr:`stop_token_ids`)."""
+        matcher = _xgrammar().GrammarMatcher(self.compile(structure))
+        if not ends or ends == self.stop_token_ids:
+            return GrammarState(matcher)
+        return GrammarState(matcher, ends, self.stop_token_ids - ends)
 
 
 #: JSON Schema keywords that constrain (not annotate) an instance, which xgrammar may leave
@@ -293,12 +299,19 @@ def _unenforced_keyword(schema: Any) -> str | None:
 
 
 class GrammarState:
-    """Where one request stands in its grammar (event-loop thread)."""
+    """Where one request stands in its grammar (event-loop thread).
 
-    __slots__ = ("_matcher", "rejected")
+    The compiled grammar ends with the compiler's stop tokens; a request whose own end
+    tokens differ (its ``eos_token_id``, its ``stop_token_ids``) is given ``ends`` in their
+    place wherever the grammar is complete, and ``unended``, the compiled ones it lacks.
+    """
 
-    def __init__(self, matcher: Any) -> None:
+    __slots__ = ("_ends", "_matcher", "_unended", "rejected")
+
+    def __init__(self, matcher: Any, ends: frozenset[int] = frozenset(), unended: frozenset[int] = frozenset()) -> None:
         self._matcher = matcher
+        self._ends = ends
+        self._unended = unended
         #: whether a token the grammar did not allow came (every token was masked: the
         #: request's other controls left none of those the grammar allows)
         self.rejected = False
@@ -306,7 +319,9 @@ class GrammarState:
     def accept(self, token: int) -> bool:
         """Take the request's next token; whether the request ends here (its grammar is
         complete, or the token was not one it allowed: :attr:`rejected`)."""
-        if not self._matcher.accept_token(token):
+        if token in self._ends and self._matcher.is_completed():
+            return True  # (one of the request's own ends, which the compiled grammar may not know)
+        if token in self._unended or not self._matcher.accept_token(token):
             self.rejected = True
             return True
         return bool(self._matcher.is_terminated())
@@ -314,6 +329,14 @@ class GrammarState:
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the tokens allowed next into row ``row`` of ``bitmask``."""
         self._matcher.fill_next_token_bitmask(bitmask, row)
+        if self._ends and self._matcher.is_completed():
+            words = bitmask[row].numpy().view(np.uint32)  # (a view: written through)
+            for token in self._unended:
+                if token // 32 < len(words):
+                    words[token // 32] &= ~np.uint32(1 << (token % 32))
+            for token in self._ends:
+                if token // 32 < len(words):
+                    words[token // 32] |= np.uint32(1 << (token % 32))
 
     def only_ends(self, bitmask: torch.Tensor, row: int, ends: Collection[int]) -> bool:
         """Whether row ``row`` of ``bitmask``, just filled, allows nothing but ``ends`` (the

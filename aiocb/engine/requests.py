@@ -26,7 +26,7 @@ from aiocb.errors import InvalidRequestError
 from aiocb.params import SamplingParams
 from aiocb.prompts import Prompt, encode_prompt, is_large
 from aiocb.runner.step_batch import token_history
-from aiocb.sampling import RequestLimits, config_defaults, normalize_prompt, resolve_params
+from aiocb.sampling import RequestLimits, config_defaults, eos_ids, normalize_prompt, resolve_params
 from aiocb.structured import GrammarCompiler, GrammarState
 
 #: a request that gives no parameter: everything from the GenerationConfig
@@ -127,7 +127,7 @@ class RequestFactory:
         request = Request(request_id, prompt, resolved, now, deadline=deadline, text=self._text(prompt, resolved))
         if grammar is not None:
             assert resolved.structure is not None
-            request.grammar = grammar(resolved.structure)
+            request.grammar = grammar(resolved.structure, resolved.stop_token_ids)
         if resolved.penalizes:
             token_history(request)  # its prompt copied now, not in the step that admits it
         return request, self._samples(request, n, grammar, in_use)
@@ -136,7 +136,7 @@ class RequestFactory:
         self,
         request: Request,
         n: int,
-        grammar: Callable[[tuple[str, str]], GrammarState] | None,
+        grammar: Callable[[tuple[str, str], frozenset[int]], GrammarState] | None,
         in_use: Container[str],
     ) -> Iterator[Request]:
         """The other ``n - 1`` samples of ``request``, forked from it."""
@@ -154,7 +154,7 @@ class RequestFactory:
             )
             if grammar is not None:
                 assert resolved.structure is not None
-                child.grammar = grammar(resolved.structure)
+                child.grammar = grammar(resolved.structure, resolved.stop_token_ids)
             yield child
 
     async def precompile(self, requested: SamplingParams, vocab_size: int) -> None:
@@ -178,7 +178,11 @@ class RequestFactory:
         """The compiler of constraints for the model's vocabulary (built on first use)."""
         assert self.grammar_tokenizer is not None  # (resolve_params refuses a constraint without one)
         if self._grammar_compiler is None:
-            self._grammar_compiler = GrammarCompiler(self.grammar_tokenizer, vocab_size, self._default_eos)
+            # (ended as a request that does not say otherwise ends: the GenerationConfig's EOS
+            # tokens, a chat model's <|im_end|> among them, else the model config's)
+            configured = self.defaults.params.eos_token_id
+            ends = self._default_eos if configured is None else eos_ids(configured)
+            self._grammar_compiler = GrammarCompiler(self.grammar_tokenizer, vocab_size, ends)
         return self._grammar_compiler
 
     def merged(

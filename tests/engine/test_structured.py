@@ -161,6 +161,40 @@ async def test_structural_tags_in_both_forms(bundled: tuple[Any, Any]) -> None:
     assert tagged > 0, "code opens parentheses: some spans should be there to check"
 
 
+async def test_a_complete_grammar_ends_with_the_requests_own_end_tokens(bundled: tuple[Any, Any]) -> None:
+    """The bundled model's config ends on token 0, its GenerationConfig on 0 or 2: a grammar
+    ends on either unless the request names its own (greedy: equal to ``model.generate``
+    with xgrammar's processor and the same end tokens)."""
+    import torch
+    import xgrammar as xgr
+    from transformers import GenerationConfig, LogitsProcessorList
+
+    model, tokenizer = bundled
+    assert model.config.eos_token_id == 0 and sorted(model.generation_config.eos_token_id) == [0, 2]
+    prompt, regex = "return ", r"[a-z]{2,6}\(\d\)"
+    ids = tokenizer.encode(prompt)
+
+    def reference(ends: list[int]) -> list[int]:
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer), stop_token_ids=ends)
+        processor = xgr.contrib.hf.LogitsProcessor(xgr.GrammarCompiler(info).compile_regex(regex))
+        config = GenerationConfig(do_sample=False, max_new_tokens=30, eos_token_id=ends, pad_token_id=0)
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([ids]), generation_config=config, logits_processor=LogitsProcessorList([processor])
+            )
+        return list(out[0, len(ids) :].tolist())
+
+    async with aiocb.Manager(model, tokenizer=tokenizer) as manager:
+        for ends in ([0, 2], [0], [2]):
+            given = {} if ends == [0, 2] else {"eos_token_id": ends}
+            output = await manager.generate(prompt, max_new_tokens=30, temperature=0, regex=regex, **given)
+            expected = reference(ends)
+            assert output.generated_tokens == expected, ends
+            assert expected[-1] in ends and output.stop_reason == expected[-1]
+            assert re.fullmatch(regex, output.text or ""), output.text
+    assert reference([0, 2])[-1] == 2 and reference([0])[-1] == 0  # (the end token chosen differs)
+
+
 async def test_a_pydantic_model_and_several_samples(bundled: tuple[Any, Any]) -> None:
     model, tokenizer = bundled
 
