@@ -1,0 +1,150 @@
+"""How long the server's event loop is held while it answers one very large response.
+
+Each scenario sends one request to the OpenAI app over raw ASGI (the body is counted and
+dropped, as a server writes it to a socket: a test client that assembles a 50 MB body holds
+the loop itself), with a 1 ms heartbeat on the loop and the cyclic garbage collector on, as
+in a server. It reports the response's size, its wall time, the five longest heartbeat lags
+and the full collections made meanwhile. The model is the bundled one, on a 4,096-block cache.
+
+* ``chat``: one chat completion, ``n`` 64, 512 tokens each, ``top_logprobs`` 20 (about
+  47 MB of JSON, 33,000 logprob entries with 20 alternatives each);
+* ``echo``: one completion, ``n`` 64, echoing a 600-token prompt with ``logprobs`` 20 and
+  one new token (about 25 MB).
+
+    python bench/response_holds.py                  # both scenarios, once each
+    python bench/response_holds.py --scenarios chat --repeat 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as `python bench/response_holds.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import aiocb
+from aiocb.default_model import load_default_model
+from aiocb.server import build_app
+from bench.common import machine_info
+
+SCENARIOS = ("chat", "echo")
+MODEL_NAME = "bundled"
+
+
+def _bodies(vocab_size: int) -> dict[str, tuple[str, dict[str, Any]]]:
+    rng = random.Random(1)
+    prompt = [rng.randrange(3, vocab_size) for _ in range(600)]
+    chat = {
+        "messages": [{"role": "user", "content": "Write a function."}],
+        "n": 64,
+        "max_tokens": 512,
+        "ignore_eos": True,
+        "logprobs": True,
+        "top_logprobs": 20,
+        "temperature": 1.0,
+    }
+    echo = {"prompt": prompt, "n": 64, "echo": True, "logprobs": 20, "max_tokens": 1, "temperature": 1.0}
+    return {"chat": ("/v1/chat/completions", chat), "echo": ("/v1/completions", echo)}
+
+
+async def _post(app: Any, path: str, body: dict[str, Any]) -> tuple[int, int]:
+    """``(status, body bytes)`` of one POST through ``app``, the body dropped as it comes."""
+    payload = json.dumps({"model": MODEL_NAME, **body}).encode()
+    received = False
+    status, size = 0, 0
+
+    async def receive() -> dict[str, Any]:
+        nonlocal received
+        if not received:
+            received = True
+            return {"type": "http.request", "body": payload, "more_body": False}
+        await asyncio.Event().wait()  # (the client stays: no disconnect)
+        raise AssertionError
+
+    async def send(message: dict[str, Any]) -> None:
+        nonlocal status, size
+        if message["type"] == "http.response.start":
+            status = message["status"]
+        elif message["type"] == "http.response.body":
+            size += len(message.get("body", b""))
+
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": headers,
+        "client": ("127.0.0.1", 1),
+        "server": ("bench", 80),
+        "state": {},
+    }
+    await app(scope, receive, send)
+    return status, size
+
+
+async def _beat(lags: list[float], done: asyncio.Event) -> None:
+    """Sleep a millisecond at a time until ``done``, appending how late each wake-up is."""
+    while not done.is_set():
+        before = time.perf_counter()
+        await asyncio.sleep(0.001)
+        lags.append(time.perf_counter() - before - 0.001)
+
+
+async def run(scenarios: list[str], repeat: int) -> None:
+    model, tokenizer = load_default_model()
+    config = aiocb.ContinuousBatchingConfig(num_blocks=4096, page_size=16)
+    bodies = _bodies(len(tokenizer))
+    async with aiocb.Manager(model, tokenizer=tokenizer, continuous_batching_config=config) as manager:
+        app = build_app(manager, tokenizer, MODEL_NAME)
+        await _post(app, "/v1/completions", {"prompt": "warm up", "max_tokens": 4})
+        for _ in range(repeat):
+            for name in scenarios:
+                path, body = bodies[name]
+                lags: list[float] = []
+                done = asyncio.Event()
+                heart = asyncio.create_task(_beat(lags, done))
+                full_before = gc.get_stats()[2]["collections"]
+                began = time.perf_counter()
+                status, size = await _post(app, path, body)
+                took = time.perf_counter() - began
+                await asyncio.sleep(0.02)
+                done.set()
+                await heart
+                longest = ", ".join(f"{lag * 1e3:.0f}" for lag in sorted(lags)[-5:])
+                print(
+                    f"{name}: {status}, {size / 1e6:.0f} MB in {took:.1f} s; longest loop lags {longest} ms; "
+                    f"{gc.get_stats()[2]['collections'] - full_before} full collections",
+                    flush=True,
+                )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated, of {SCENARIOS}")
+    parser.add_argument("--repeat", type=int, default=1)
+    args = parser.parse_args(argv)
+    scenarios = [s for s in args.scenarios.split(",") if s]
+    unknown = sorted(set(scenarios) - set(SCENARIOS))
+    if unknown:
+        parser.error(f"unknown scenarios {unknown}; choose from {SCENARIOS}")
+    print(machine_info())
+    asyncio.run(run(scenarios, args.repeat))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
