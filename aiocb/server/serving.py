@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -268,11 +268,14 @@ class Submission:
     async def aclose(self) -> None:
         """Cancel whatever has not finished, and let go of the streams (idempotent).
 
-        They are let go of one at a time, a slice of the loop at a time: each holds its
-        request, whose logprobs (a long prompt's, twenty alternatives a token) are millions
-        of objects across a request's choices, freed all at once in tens of milliseconds.
+        All are closed first (a cancellation of this coroutine never leaves one running),
+        then let go of one at a time, a slice of the loop at a time: each holds its request,
+        whose logprobs (a long prompt's, twenty alternatives a token) are millions of
+        objects across a request's choices, freed all at once in tens of milliseconds.
         """
-        await release(self._streams, lambda stream: stream.aclose())
+        for stream in self._streams:
+            await stream.aclose()
+        await release(self._streams)
 
     async def closing(self, chunks: AsyncGenerator[dict[str, Any]]) -> AsyncGenerator[dict[str, Any]]:
         """Yield a response's ``chunks``, then close them and cancel whatever has not finished
@@ -285,16 +288,12 @@ class Submission:
             await self.aclose()
 
 
-async def release(items: list[Any], close: Callable[[Any], Awaitable[None]] | None = None) -> None:
+async def release(items: list[Any]) -> None:
     """Empty ``items``, last first, giving the loop back whenever a slice of it is used: an
-    item that is the last hold on much (a choice's logprobs) is freed as it is taken out.
-    ``close`` is awaited on each first."""
+    item that is the last hold on much (a choice's logprobs) is freed as it is taken out."""
     turn = LoopTurn()
     while items:
-        item = items.pop()
-        if close is not None:
-            await close(item)
-        del item
+        items.pop()
         await turn.give()
 
 
