@@ -81,7 +81,8 @@ class ContinuousBatchingConfig:
         cpu_offload_space: GiB of host memory for KV blocks of preempted requests (0 = off;
             None sizes it from ``cpu_offload_space_safety_threshold``).
         cpu_offload_space_safety_threshold: share of available host memory the offload
-            pool may take when ``cpu_offload_space`` is None.
+            pool may take: a larger ``cpu_offload_space`` is clamped to it (with a
+            warning), and None sizes the pool from it (0: no offloading).
         cpu_group_timeout: seconds a tensor-parallel collective may wait, at most a year
             (None = forever).
         per_request_processors: accepted for compatibility; per-request sampling
@@ -178,9 +179,10 @@ class ContinuousBatchingConfig:
             raise InvalidConfigError(f"safety_margin must be in [0, 1], got {self.safety_margin}")
         if self.cpu_offload_space is not None and self.cpu_offload_space < 0:
             raise InvalidConfigError(f"cpu_offload_space must be >= 0 GiB or None, got {self.cpu_offload_space}")
-        if not 0.0 < self.cpu_offload_space_safety_threshold <= 1.0:
+        if not 0.0 <= self.cpu_offload_space_safety_threshold <= 1.0:
             raise InvalidConfigError(
-                f"cpu_offload_space_safety_threshold must be in (0, 1], got {self.cpu_offload_space_safety_threshold}"
+                f"cpu_offload_space_safety_threshold must be in [0, 1] (0: no offloading), "
+                f"got {self.cpu_offload_space_safety_threshold}"
             )
         if self.cpu_group_timeout is not None and self.cpu_group_timeout <= 0:
             raise InvalidConfigError(f"cpu_group_timeout must be > 0 seconds or None, got {self.cpu_group_timeout}")

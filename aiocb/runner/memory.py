@@ -58,6 +58,11 @@ def free_memory_bytes(device: torch.device) -> int:
         free, _total = torch.cuda.mem_get_info(device)
         held = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         return int(free) + max(int(held), 0)
+    return host_memory_bytes()
+
+
+def host_memory_bytes() -> int:
+    """Host memory available now (bytes)."""
     return int(psutil.virtual_memory().available)
 
 
@@ -148,10 +153,19 @@ def _host_blocks(
 ) -> list[int]:
     """Host blocks per group for CPU offloading, shared out like the device cache."""
     space = config.cpu_offload_space
+    available = host_memory_bytes()
+    limit = int(available * config.cpu_offload_space_safety_threshold)
     if space is None:
-        host_bytes = int(psutil.virtual_memory().available * config.cpu_offload_space_safety_threshold)
+        host_bytes = limit
     else:
         host_bytes = int(space * 2**30)
+        if host_bytes > limit:  # (as transformers clamps it: a pool past the host's memory would swap or fail)
+            logger.warning(
+                "cpu_offload_space=%.1f GiB exceeds %.0f%% of the available host memory (%.1f GiB): "
+                "clamped to %.1f GiB",
+                space, 100 * config.cpu_offload_space_safety_threshold, available / 2**30, limit / 2**30,
+            )  # fmt: skip
+            host_bytes = limit
     if host_bytes <= 0:
         return [0] * len(groups)
     per_block = [spec.bytes_per_block(page, len(layers)) for _, layers in groups]

@@ -21,7 +21,7 @@ from transformers import (
 import aiocb
 from aiocb.config import DEFAULT_MAX_REQUESTS_PER_BATCH
 from aiocb.core.kv_cache import CacheGroup
-from aiocb.runner import inputs
+from aiocb.runner import inputs, memory
 from tests.conftest import _TINY, random_prompts, reference_generate
 
 NEW = 16
@@ -101,6 +101,30 @@ async def test_cpu_offloading_falls_back_to_recompute_when_the_host_pool_is_full
     assert stats.offloaded_blocks > 0 and stats.restored_blocks == stats.offloaded_blocks
     assert stats.recomputed_tokens > 0, "the host pool was too small for every preempted request"
     assert stats.free_blocks == stats.total_blocks
+
+
+async def test_a_host_pool_larger_than_the_safety_threshold_is_clamped_to_it(
+    qwen3: PreTrainedModel, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    prompts = random_prompts(12, 40, 100, seed=25)
+    six_blocks = 6 * (2 * 2 * 16 * 2 * 16 * 4)  # (as above: room for 6 blocks)
+    # A host whose available memory's half is those six blocks, and a pool asked of 1,000 GiB.
+    monkeypatch.setattr(memory, "host_memory_bytes", lambda: 2 * six_blocks)
+    config = aiocb.ContinuousBatchingConfig(
+        page_size=16, num_blocks=24, cpu_offload_space=1000.0, cpu_offload_space_safety_threshold=0.5, safety_margin=0.0
+    )
+    with caplog.at_level(logging.WARNING, logger="aiocb.runner.memory"):
+        async with aiocb.Manager(qwen3, continuous_batching_config=config) as manager:
+            outputs = await manager.generate_batch(prompts, max_new_tokens=60)
+            stats = manager.statistics()
+    assert "cpu_offload_space=1000.0 GiB exceeds 50% of the available host memory" in caplog.text
+    assert [o.generated_tokens for o in outputs.values()] == [reference_generate(qwen3, p, 60) for p in prompts]
+    assert stats.offloaded_blocks > 0 and stats.recomputed_tokens > 0, "a pool of six blocks, not 1,000 GiB"
+    # A threshold of 0 turns offloading off, as in transformers.
+    config = config.replace(cpu_offload_space_safety_threshold=0.0)
+    async with aiocb.Manager(qwen3, continuous_batching_config=config) as manager:
+        await manager.generate_batch(prompts[:6], max_new_tokens=60)
+        assert manager.statistics().offloaded_blocks == 0
 
 
 def _mistral() -> PreTrainedModel:
