@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from aiocb.config import ContinuousBatchingConfig
+from aiocb.config import ContinuousBatchingConfig, as_config
 from aiocb.engine.manager import Manager
 from aiocb.errors import InvalidRequestError
 from aiocb.outputs import GenerationOutput
@@ -74,6 +74,9 @@ def generate_batch(
     layout = tensor_parallel_layout(model)
     if in_loop and (layout is None or not layout.is_driver):  # rank 0 tells its followers first
         raise _in_a_loop()
+    continuous_batching_config = as_config(
+        continuous_batching_config, generation_config if generation_config is not None else model.generation_config
+    )
 
     if warmup is not True:
         raise InvalidRequestError(
@@ -127,7 +130,7 @@ def generate_batch(
     if not layout.is_driver:
         followed: dict[str, GenerationOutput] = follow_call(model, continuous_batching_config, fingerprint)
         return followed
-    timeout = (continuous_batching_config or ContinuousBatchingConfig()).cpu_group_timeout
+    timeout = continuous_batching_config.cpu_group_timeout
     try:
         outputs = run()
     except BaseException as exc:

@@ -230,6 +230,40 @@ class ContinuousBatchingConfig:
 
 
 _FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(ContinuousBatchingConfig))
+
+
+def as_config(value: Any, generation_config: Any = None) -> ContinuousBatchingConfig:
+    """The :class:`ContinuousBatchingConfig` a manager runs with, from what it was given.
+
+    aiocb's own; transformers' ``ContinuousBatchingConfig``, whose fields aiocb's has under
+    the same names (copied, then checked as a new config); or, when none is given, one that
+    ``generation_config`` carries as ``continuous_batching_config`` (deprecated in
+    transformers, which still honours it with a warning), else the defaults. Anything else
+    is refused with :class:`InvalidConfigError` naming its type.
+    """
+    if value is None:
+        carried = getattr(generation_config, "continuous_batching_config", None)
+        if carried is None:
+            return ContinuousBatchingConfig()
+        logger.warning(
+            "passing a ContinuousBatchingConfig through GenerationConfig is deprecated: "
+            "pass it as continuous_batching_config"
+        )
+        value = carried
+    if isinstance(value, ContinuousBatchingConfig):
+        return value
+    if dataclasses.is_dataclass(value) and type(value).__name__ == "ContinuousBatchingConfig":
+        fields = {f.name for f in dataclasses.fields(value)}
+        unknown = sorted(fields - _FIELD_NAMES)
+        if unknown:
+            raise InvalidConfigError(f"transformers' ContinuousBatchingConfig has fields aiocb lacks: {unknown}")
+        return ContinuousBatchingConfig(**{name: getattr(value, name) for name in fields})
+    raise InvalidConfigError(
+        "continuous_batching_config must be an aiocb.ContinuousBatchingConfig (or transformers'), "
+        f"got {type(value).__name__}"
+    )
+
+
 _dataclass_init = ContinuousBatchingConfig.__init__
 
 

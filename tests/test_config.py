@@ -313,3 +313,31 @@ def test_a_transformers_compile_config_is_taken_as_its_torch_compile_arguments()
     }
     with pytest.raises(InvalidConfigError, match="varlen_compile_config"):
         ContinuousBatchingConfig(varlen_compile_config="max-autotune")  # type: ignore[arg-type]
+
+
+async def test_transformers_own_config_is_taken_field_by_field(caplog: pytest.LogCaptureFixture) -> None:
+    from transformers import ContinuousBatchingConfig as TransformersConfig
+    from transformers import GenerationConfig
+
+    from tests.conftest import random_prompts, reference_generate, tiny_qwen3
+
+    model = tiny_qwen3()
+    prompt = random_prompts(1, 12, 12, seed=3)[0]
+    theirs = TransformersConfig(page_size=16, num_blocks=40, max_batch_tokens=128)
+    async with aiocb.Manager(model, continuous_batching_config=theirs) as manager:
+        assert isinstance(manager.config, ContinuousBatchingConfig)
+        assert (manager.config.page_size, manager.config.num_blocks) == (16, 40)
+        output = await manager.generate(prompt, max_new_tokens=4)
+        assert manager.statistics().total_blocks == 40
+    assert output.generated_tokens == reference_generate(model, prompt, 4)
+    # Carried by a GenerationConfig (deprecated in transformers, still honoured there): taken, with a warning.
+    with pytest.warns(FutureWarning, match="deprecated"):  # (transformers' own warning)
+        carrier = GenerationConfig(max_new_tokens=3, continuous_batching_config=theirs)
+    with caplog.at_level("WARNING", logger="aiocb.config"):
+        async with aiocb.Manager(model, carrier) as manager:
+            output = await manager.generate(prompt)
+            assert manager.statistics().total_blocks == 40
+    assert "through GenerationConfig is deprecated" in caplog.text
+    assert output.generated_tokens == reference_generate(model, prompt, 3)
+    with pytest.raises(InvalidConfigError, match=r"must be an aiocb\.ContinuousBatchingConfig .* got dict"):
+        aiocb.Manager(model, continuous_batching_config={"page_size": 16})  # type: ignore[arg-type]

@@ -23,7 +23,7 @@ from typing import Any, Literal, overload
 
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from aiocb.config import ContinuousBatchingConfig
+from aiocb.config import ContinuousBatchingConfig, as_config
 from aiocb.core.kv_cache import KVCacheManager
 from aiocb.core.request import Request
 from aiocb.core.scheduler import Scheduler
@@ -108,7 +108,9 @@ class Manager:
 
     ``generation_config`` gives the requests' defaults; as in ``model.generate``, a field
     it leaves unset comes from ``model.generation_config``. ``continuous_batching_config``
-    says how the cache and batches are sized (:class:`~aiocb.ContinuousBatchingConfig`).
+    says how the cache and batches are sized (:class:`~aiocb.ContinuousBatchingConfig`, or
+    transformers' own, taken field by field; one carried by ``generation_config`` is taken
+    too, with transformers' deprecation warning).
     With ``tokenizer`` prompts may be texts or chat messages and outputs carry text;
     ``grammar_tokenizer`` gives the vocabulary that output constraints are compiled against
     when prompts stay token ids (``tokenizer``'s, when given). ``num_requests_hint`` (how
@@ -153,7 +155,8 @@ class Manager:
         self._initialized = True
         self.model = model
         self.generation_config = merged_generation_config(model, generation_config)
-        self.config = continuous_batching_config or ContinuousBatchingConfig()
+        carrier = generation_config if generation_config is not None else model.generation_config
+        self.config = as_config(continuous_batching_config, carrier)
         #: with a tokenizer, prompts may be text or chat messages and outputs carry text
         self.tokenizer = tokenizer
         model_eos = eos_ids(getattr(model.config.get_text_config(), "eos_token_id", None))
@@ -200,7 +203,8 @@ class Manager:
             None if generation_config is None else merged_generation_config(self.model, generation_config)
         )
         differs = {
-            "continuous_batching_config": continuous_batching_config not in (None, self.config),
+            "continuous_batching_config": continuous_batching_config is not None
+            and as_config(continuous_batching_config) != self.config,
             "speculative_config": speculative_config not in (None, self.speculative_config),
             "generation_config": given_generation not in (None, self.generation_config),
             "tokenizer": tokenizer is not None and tokenizer is not self.tokenizer,
