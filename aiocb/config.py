@@ -9,6 +9,8 @@ wrote it rather than deep inside the step loop.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import logging
 import math
 import os
@@ -194,6 +196,8 @@ class ContinuousBatchingConfig:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise InvalidConfigError(f"seed must be an int or None, got {self.seed!r}")
         graphs = self.use_cuda_graph
+        if isinstance(graphs, list):  # (a pair read from JSON)
+            graphs = self.use_cuda_graph = tuple(graphs)
         if not (
             graphs is None
             or isinstance(graphs, bool)
@@ -211,6 +215,12 @@ class ContinuousBatchingConfig:
                 raise InvalidConfigError(
                     f"{name} must be a dict of torch.compile arguments, a transformers CompileConfig or None"
                 )
+            unknown = sorted(set(value or ()) - _compile_arguments())
+            if unknown:
+                raise InvalidConfigError(
+                    f"{name} has {', '.join(map(repr, unknown))}, which torch.compile does not take; "
+                    f"it takes {', '.join(sorted(_compile_arguments()))}"
+                )
 
     @property
     def resolved_safety_margin(self) -> float:
@@ -227,6 +237,14 @@ class ContinuousBatchingConfig:
     def replace(self, **changes: Any) -> ContinuousBatchingConfig:
         """A copy with some fields changed (validated like a new config)."""
         return dataclasses.replace(self, **changes)
+
+
+@functools.cache
+def _compile_arguments() -> frozenset[str]:
+    """The keyword arguments of ``torch.compile`` (besides the model)."""
+    import torch
+
+    return frozenset(inspect.signature(torch.compile).parameters) - {"model"}
 
 
 _FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(ContinuousBatchingConfig))

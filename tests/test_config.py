@@ -235,6 +235,10 @@ def test_edge_values_are_accepted(field: str, value: Any) -> None:
     assert getattr(ContinuousBatchingConfig(**{field: value}), field) == value
 
 
+def test_a_cuda_graph_pair_read_from_json_is_taken() -> None:
+    assert ContinuousBatchingConfig(use_cuda_graph=[True, False]).use_cuda_graph == (True, False)
+
+
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
@@ -256,7 +260,9 @@ def test_edge_values_are_accepted(field: str, value: Any) -> None:
         ("use_cuda_graph", "yes", "use_cuda_graph must be"),
         ("use_cuda_graph", (True,), "use_cuda_graph must be"),
         ("use_cuda_graph", (True, 1), "use_cuda_graph must be"),
-        ("use_cuda_graph", [True, False], "use_cuda_graph must be"),
+        ("use_cuda_graph", [True, 1], "use_cuda_graph must be"),
+        ("use_cuda_graph", [True], "use_cuda_graph must be"),
+        ("decode_compile_config", {"mdoe": "reduce-overhead"}, "'mdoe', which torch.compile does not take"),
         ("varlen_compile_config", ["mode"], "varlen_compile_config must be a dict"),
         ("decode_compile_config", "max-autotune", "decode_compile_config must be a dict"),
     ],
