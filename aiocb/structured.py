@@ -269,6 +269,11 @@ def _schemas(node: Any, path: tuple[str | int, ...] = ()) -> Iterator[tuple[tupl
             yield from _schemas(value, (*path, index))
 
 
+#: Checked keywords xgrammar never enforces, whatever their form: a grammar built with one
+#: may still be written differently (``not`` changes how the root rule is inlined).
+_NEVER_ENFORCED = frozenset({"not"})
+
+
 def _unenforced_keyword(schema: Any) -> str | None:
     """``'KEYWORD' at PATH`` for the first constraining keyword of ``schema`` (parsed) that
     the grammar xgrammar builds leaves out (the grammar is the same without it); None if
@@ -284,6 +289,9 @@ def _unenforced_keyword(schema: Any) -> str | None:
         except Exception:  # (compiling reports it)
             return None
 
+    for path, key in found:
+        if key in _NEVER_ENFORCED:
+            return f"{key!r} at /{'/'.join(str(step) for step in path)}"
     whole = build(schema)
     if whole is None:
         return None
