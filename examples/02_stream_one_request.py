@@ -16,7 +16,7 @@ async def main() -> None:
         print(prompt, end="", flush=True)
         shown = ""
         async for chunk in manager.stream(request_id):  # each chunk holds every token so far
-            text = tokenizer.decode(chunk.generated_tokens)
+            text = tokenizer.decode(chunk.generated_tokens, skip_special_tokens=True)
             print(text[len(shown) :], end="", flush=True)
             shown = text
         print(f"\n[{chunk.status.name}, {chunk.finish_reason}, {len(chunk.generated_tokens)} tokens]")

@@ -323,8 +323,10 @@ class ModelRunner:
         wanted = self.config.use_cuda_graph
         if isinstance(wanted, tuple):
             varlen, wanted = wanted
-            if varlen:
-                logger.info("mixed and prefill steps run without CUDA graphs (decode steps use them)")
+        else:
+            varlen = bool(wanted)
+        if varlen and self.device.type == "cuda":  # (asked for by name: said where it is not done)
+            logger.warning("mixed and prefill steps run without CUDA graphs (decode steps only replay them)")
         paged = all(b in (Backend.TRITON, Backend.FLASH) for b in self.backends)
         if wanted is None:
             wanted = self.device.type == "cuda" and paged
