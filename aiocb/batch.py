@@ -74,7 +74,8 @@ def generate_batch(
     layout = tensor_parallel_layout(model)
     if in_loop and (layout is None or not layout.is_driver):  # rank 0 tells its followers first
         raise _in_a_loop()
-    continuous_batching_config = as_config(
+    # (the Manager is given what was given: a persistent manager reused without a config keeps its own)
+    resolved = as_config(
         continuous_batching_config, generation_config if generation_config is not None else model.generation_config
     )
 
@@ -128,9 +129,9 @@ def generate_batch(
         params,
     )
     if not layout.is_driver:
-        followed: dict[str, GenerationOutput] = follow_call(model, continuous_batching_config, fingerprint)
+        followed: dict[str, GenerationOutput] = follow_call(model, resolved, fingerprint)
         return followed
-    timeout = continuous_batching_config.cpu_group_timeout
+    timeout = resolved.cpu_group_timeout
     try:
         outputs = run()
     except BaseException as exc:

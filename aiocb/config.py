@@ -239,6 +239,11 @@ class ContinuousBatchingConfig:
         return dataclasses.replace(self, **changes)
 
 
+def _is_transformers_config(value: Any) -> bool:
+    """Whether ``value`` is transformers' ``ContinuousBatchingConfig`` (a dataclass of that name)."""
+    return dataclasses.is_dataclass(value) and type(value).__name__ == "ContinuousBatchingConfig"
+
+
 @functools.cache
 def _compile_arguments() -> frozenset[str]:
     """The keyword arguments of ``torch.compile`` (besides the model)."""
@@ -263,6 +268,13 @@ def as_config(value: Any, generation_config: Any = None) -> ContinuousBatchingCo
         carried = getattr(generation_config, "continuous_batching_config", None)
         if carried is None:
             return ContinuousBatchingConfig()
+        if not isinstance(carried, ContinuousBatchingConfig) and not _is_transformers_config(carried):
+            # (transformers passes over it too: what a GenerationConfig read from JSON holds)
+            logger.warning(
+                "the GenerationConfig's continuous_batching_config is a %s, not a ContinuousBatchingConfig: ignored",
+                type(carried).__name__,
+            )
+            return ContinuousBatchingConfig()
         logger.warning(
             "passing a ContinuousBatchingConfig through GenerationConfig is deprecated: "
             "pass it as continuous_batching_config"
@@ -270,7 +282,7 @@ def as_config(value: Any, generation_config: Any = None) -> ContinuousBatchingCo
         value = carried
     if isinstance(value, ContinuousBatchingConfig):
         return value
-    if dataclasses.is_dataclass(value) and type(value).__name__ == "ContinuousBatchingConfig":
+    if _is_transformers_config(value):
         fields = {f.name for f in dataclasses.fields(value)}
         unknown = sorted(fields - _FIELD_NAMES)
         if unknown:

@@ -112,9 +112,11 @@ class GrammarCompiler:
 
     def state(self, structure: tuple[str, str], ends: frozenset[int] | None = None) -> GrammarState:
         """A fresh matcher for one request (or one sample of it), whose complete output ends
-        with one of ``ends`` (None or empty: :attr:`stop_token_ids`)."""
+        with one of ``ends`` (None: :attr:`stop_token_ids`; empty: a request with no end
+        tokens, ``ignore_eos``, goes on while its grammar allows more, and ends with one of
+        :attr:`stop_token_ids` only when its grammar allows nothing else)."""
         matcher = _xgrammar().GrammarMatcher(self.compile(structure))
-        if not ends or ends == self.stop_token_ids:
+        if ends is None or ends == self.stop_token_ids:
             return GrammarState(matcher)
         return GrammarState(matcher, ends, self.stop_token_ids - ends)
 
@@ -256,14 +258,26 @@ def _class_end(pattern: str, start: int) -> int:
     return i + 1
 
 
-def _schemas(node: Any, path: tuple[str | int, ...] = ()) -> Iterator[tuple[tuple[str | int, ...], dict[str, Any]]]:
+#: Keywords whose value maps names to schemas (its keys are names, not keywords).
+_NAME_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies"})
+#: Keywords whose value is data (an instance, not a schema): never looked into.
+_DATA = frozenset({"const", "enum", "default", "examples", "example"})
+
+
+def _schemas(
+    node: Any, path: tuple[str | int, ...] = (), *, names: bool = False
+) -> Iterator[tuple[tuple[str | int, ...], dict[str, Any]]]:
     """Every object within a parsed JSON schema that is a schema (not a map of names to
-    schemas: ``properties``, ``$defs``), with its path."""
+    schemas, ``names``: ``properties``, ``$defs``, ...; nothing inside ``const``, ``enum``
+    and the other keywords whose values are data), with its path."""
     if isinstance(node, dict):
-        if not (path and path[-1] in ("properties", "$defs", "definitions")):
+        if not names:
             yield path, node
         for key, value in node.items():
-            yield from _schemas(value, (*path, key))
+            if names:  # (a name: its value is a schema, whatever the name)
+                yield from _schemas(value, (*path, key))
+            elif key not in _DATA:
+                yield from _schemas(value, (*path, key), names=key in _NAME_MAPS)
     elif isinstance(node, list):
         for index, value in enumerate(node):
             yield from _schemas(value, (*path, index))
@@ -311,15 +325,18 @@ class GrammarState:
 
     The compiled grammar ends with the compiler's stop tokens; a request whose own end
     tokens differ (its ``eos_token_id``, its ``stop_token_ids``) is given ``ends`` in their
-    place wherever the grammar is complete, and ``unended``, the compiled ones it lacks.
+    place wherever the grammar is complete, and ``unended``, the compiled ones it lacks
+    (allowed still where the grammar allows nothing else: a request with no end tokens).
     """
 
-    __slots__ = ("_ends", "_matcher", "_unended", "rejected")
+    __slots__ = ("_ends", "_forced", "_matcher", "_unended", "rejected")
 
     def __init__(self, matcher: Any, ends: frozenset[int] = frozenset(), unended: frozenset[int] = frozenset()) -> None:
         self._matcher = matcher
         self._ends = ends
         self._unended = unended
+        #: whether the last fill gave back the compiled ends, the only tokens left
+        self._forced = False
         #: whether a token the grammar did not allow came (every token was masked: the
         #: request's other controls left none of those the grammar allows)
         self.rejected = False
@@ -329,7 +346,7 @@ class GrammarState:
         complete, or the token was not one it allowed: :attr:`rejected`)."""
         if token in self._ends and self._matcher.is_completed():
             return True  # (one of the request's own ends, which the compiled grammar may not know)
-        if token in self._unended or not self._matcher.accept_token(token):
+        if (token in self._unended and not self._forced) or not self._matcher.accept_token(token):
             self.rejected = True
             return True
         return bool(self._matcher.is_terminated())
@@ -337,14 +354,21 @@ class GrammarState:
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the tokens allowed next into row ``row`` of ``bitmask``."""
         self._matcher.fill_next_token_bitmask(bitmask, row)
-        if self._ends and self._matcher.is_completed():
-            words = bitmask[row].numpy().view(np.uint32)  # (a view: written through)
-            for token in self._unended:
-                if token // 32 < len(words):
-                    words[token // 32] &= ~np.uint32(1 << (token % 32))
-            for token in self._ends:
-                if token // 32 < len(words):
-                    words[token // 32] |= np.uint32(1 << (token % 32))
+        self._forced = False
+        if not self._unended or not self._matcher.is_completed():
+            return
+        words = bitmask[row].numpy().view(np.uint32)  # (a view: written through)
+        before = words.copy()
+        for token in self._unended:
+            if token // 32 < len(words):
+                words[token // 32] &= ~np.uint32(1 << (token % 32))
+        for token in self._ends:
+            if token // 32 < len(words):
+                words[token // 32] |= np.uint32(1 << (token % 32))
+        # (no end tokens of its own, and the grammar allows nothing more: it ends as compiled)
+        self._forced = not words.any()
+        if self._forced:
+            words[:] = before
 
     def only_ends(self, bitmask: torch.Tensor, row: int, ends: Collection[int]) -> bool:
         """Whether row ``row`` of ``bitmask``, just filled, allows nothing but ``ends`` (the

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from aiocb.cli.serve import DTYPES
-from aiocb.config import ContinuousBatchingConfig
+from aiocb.config import ContinuousBatchingConfig, as_config
 from aiocb.errors import InvalidConfigError
 from aiocb.server.limits import ServerLimits
 from aiocb.server.reasoning import ReasoningSplitter
@@ -72,12 +72,10 @@ class ReplicaOptions:
             raise InvalidConfigError(f"torch_threads must be at least 1, got {self.torch_threads}")
         if self.shutdown_timeout < 0:
             raise InvalidConfigError(f"shutdown_timeout must be 0 or more, got {self.shutdown_timeout}")
-        for name, kind in (
-            ("limits", ServerLimits),
-            ("continuous_batching_config", ContinuousBatchingConfig),
-        ):
-            if not isinstance(getattr(self, name), kind):
-                raise InvalidConfigError(f"{name} must be a {kind.__name__}, got {type(getattr(self, name)).__name__}")
+        if not isinstance(self.limits, ServerLimits):
+            raise InvalidConfigError(f"limits must be a ServerLimits, got {type(self.limits).__name__}")
+        # (aiocb's or transformers' own, as a Manager takes it)
+        object.__setattr__(self, "continuous_batching_config", as_config(self.continuous_batching_config))
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
             raise InvalidConfigError(
                 f"speculative_config must be an aiocb.SpeculativeConfig, got {type(self.speculative_config).__name__}"

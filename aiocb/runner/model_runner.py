@@ -326,7 +326,10 @@ class ModelRunner:
         else:
             varlen = bool(wanted)
         if varlen and self.device.type == "cuda":  # (asked for by name: said where it is not done)
-            logger.warning("mixed and prefill steps run without CUDA graphs (decode steps only replay them)")
+            logger.warning(
+                "use_cuda_graph asks for graphs of mixed and prefill steps, which aiocb does not capture "
+                "(only decode steps can replay graphs)"
+            )
         paged = all(b in (Backend.TRITON, Backend.FLASH) for b in self.backends)
         if wanted is None:
             wanted = self.device.type == "cuda" and paged

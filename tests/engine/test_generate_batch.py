@@ -84,13 +84,16 @@ def test_transformers_own_arguments(qwen3: PreTrainedModel, capsys: pytest.Captu
     assert plain["req_0"].timestamps is None
     with pytest.raises(aiocb.InvalidRequestError, match="warmup"):
         aiocb.generate_batch(qwen3, PROMPTS, warmup=False)
-    kept = aiocb.generate_batch(qwen3, PROMPTS[:2], max_new_tokens=2, persistent_manager=True)
+    # (built with a config of its own: a later call that gives none reuses it as it is)
+    config = aiocb.ContinuousBatchingConfig(page_size=16, num_blocks=64)
+    kept = aiocb.generate_batch(qwen3, PROMPTS[:2], None, config, max_new_tokens=2, persistent_manager=True)
     manager = aiocb.Manager(qwen3, persistent_manager=True)  # (the one the call kept)
     try:
         assert manager._runner is not None, "its cache was kept"
         again = aiocb.generate_batch(qwen3, PROMPTS[:2], max_new_tokens=2, persistent_manager=True)
         assert [o.generated_tokens for o in again.values()] == [o.generated_tokens for o in kept.values()]
         assert aiocb.Manager(qwen3, persistent_manager=True) is manager
+        assert manager.config == config
     finally:
         import asyncio
 

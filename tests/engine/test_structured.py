@@ -195,6 +195,22 @@ async def test_a_complete_grammar_ends_with_the_requests_own_end_tokens(bundled:
     assert reference([0, 2])[-1] == 2 and reference([0])[-1] == 0  # (the end token chosen differs)
 
 
+async def test_a_request_without_end_tokens_goes_on_while_its_grammar_allows(bundled: tuple[Any, Any]) -> None:
+    """With ``ignore_eos`` a complete grammar that allows more is not ended by the model's
+    EOS (favoured here by a bias); one that allows nothing more still ends."""
+    model, tokenizer = bundled
+    favoured = {"logit_bias": {0: 50.0, 2: 50.0}, "temperature": 0}
+    async with aiocb.Manager(model, tokenizer=tokenizer) as manager:
+        open_ended = await manager.generate("x = '", regex="[a-z]+", ignore_eos=True, max_new_tokens=8, **favoured)
+        ending = await manager.generate("return ", regex=r"[a-z]{2,6}\(\d\)", ignore_eos=True, max_new_tokens=30)
+        ended = await manager.generate("x = '", regex="[a-z]+", max_new_tokens=8, **favoured)
+    assert open_ended.finish_reason is aiocb.FinishReason.LENGTH and len(open_ended.generated_tokens) == 8
+    assert re.fullmatch("[a-z]+", open_ended.text or ""), open_ended.text
+    assert ending.finish_reason is aiocb.FinishReason.STOP and ending.generated_tokens[-1] in (0, 2)
+    assert re.fullmatch(r"[a-z]{2,6}\(\d\)", tokenizer.decode(ending.generated_tokens[:-1])), ending.text
+    assert ended.finish_reason is aiocb.FinishReason.STOP and len(ended.generated_tokens) < 8  # (the bias's effect)
+
+
 async def test_a_pydantic_model_and_several_samples(bundled: tuple[Any, Any]) -> None:
     model, tokenizer = bundled
 
@@ -367,6 +383,30 @@ async def test_a_schema_keyword_the_grammar_cannot_enforce_is_refused_by_name(
         named = {"type": "object", "properties": {keyword: small}, "required": [keyword], "additionalProperties": False}
         output = await manager.generate("x", json_schema=named, max_new_tokens=40)
         assert isinstance(json.loads(output.text or "")[keyword], int)
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "object", "properties": {"a": {"const": {"not": 1}}}, "required": ["a"]},
+        {"enum": [{"not": "x"}, 1]},
+        {
+            "type": "object",
+            "properties": {"properties": {"type": "object", "properties": {"not": {"type": "integer"}}}},
+            "required": ["properties"],
+            "additionalProperties": False,
+        },
+    ],
+)
+async def test_a_keyword_name_inside_data_or_a_map_of_names_is_no_keyword(
+    bundled: tuple[Any, Any], schema: dict[str, Any]
+) -> None:
+    """``not`` as a constant's key, an enum member's or a property's name is served."""
+    model, tokenizer = bundled
+    async with aiocb.Manager(model, tokenizer=tokenizer) as manager:
+        output = await manager.generate("x", json_schema=schema, max_new_tokens=40)
+    assert output.finish_reason is not aiocb.FinishReason.ERROR
+    jsonschema.validate(json.loads(output.text or ""), schema)
 
 
 async def test_a_structural_tag_whose_schema_holds_such_a_keyword_is_refused_naming_the_tag(

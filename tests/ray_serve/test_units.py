@@ -252,6 +252,16 @@ def test_build_app_refuses_bad_options_by_name(kwargs: dict[str, Any], message: 
         build_app(None, **kwargs)
 
 
+def test_replica_options_take_transformers_own_config() -> None:
+    from transformers import ContinuousBatchingConfig as TransformersConfig
+
+    from aiocb.ray_serve.options import ReplicaOptions
+
+    options = ReplicaOptions(continuous_batching_config=TransformersConfig(page_size=16, num_blocks=40))
+    assert isinstance(options.continuous_batching_config, aiocb.ContinuousBatchingConfig)
+    assert (options.continuous_batching_config.page_size, options.continuous_batching_config.num_blocks) == (16, 40)
+
+
 def test_build_app_checks_tensor_parallelism_against_the_model_config(model_dir: Any) -> None:
     with pytest.raises(InvalidConfigError, match="num_key_value_heads"):
         build_app(model_dir, tensor_parallel_size=3)

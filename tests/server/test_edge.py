@@ -324,6 +324,49 @@ async def test_a_client_that_stops_reading_is_dropped_and_its_request_cancelled(
             writer.close()
 
 
+async def test_a_stream_the_client_left_is_counted_under_asgi_2_4(manager: aiocb.Manager, tokenizer: Any) -> None:
+    # ASGI 2.4 servers raise OSError from send once the client is gone (2.3 ones, uvicorn's,
+    # send http.disconnect: tests/server/test_live.py).
+    app = build_app(manager, tokenizer, MODEL_NAME)
+    payload = json.dumps(body(stream=True, max_tokens=200, ignore_eos=True)).encode()
+    received = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal received
+        if not received:
+            received = True
+            return {"type": "http.request", "body": payload, "more_body": False}
+        await asyncio.Event().wait()
+        raise AssertionError
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body" and message.get("body"):
+            raise OSError("the client is gone")
+
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.4"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": COMPLETIONS,
+        "raw_path": COMPLETIONS.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": headers,
+        "client": ("127.0.0.1", 1),
+        "server": ("test", 80),
+        "state": {},
+    }
+    await app(scope, receive, send)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+        metrics = (await http.get("/metrics")).text
+    assert 'aiocb_http_errors_total{model_name="tiny-qwen3",status="499"} 1.0' in metrics
+    stats = await wait_until_idle(manager)
+    assert stats.free_blocks == stats.total_blocks
+
+
 async def test_a_client_gone_before_its_body_is_no_server_error(
     manager: aiocb.Manager, tokenizer: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
