@@ -118,7 +118,7 @@ class GrammarCompiler:
         matcher = _xgrammar().GrammarMatcher(self.compile(structure))
         if ends is None or ends == self.stop_token_ids:
             return GrammarState(matcher)
-        return GrammarState(matcher, ends, self.stop_token_ids - ends)
+        return GrammarState(matcher, ends - self.stop_token_ids, self.stop_token_ids - ends)
 
 
 #: JSON Schema keywords that constrain (not annotate) an instance, which xgrammar may leave
@@ -324,9 +324,10 @@ class GrammarState:
     """Where one request stands in its grammar (event-loop thread).
 
     The compiled grammar ends with the compiler's stop tokens; a request whose own end
-    tokens differ (its ``eos_token_id``, its ``stop_token_ids``) is given ``ends`` in their
-    place wherever the grammar is complete, and ``unended``, the compiled ones it lacks
-    (allowed still where the grammar allows nothing else: a request with no end tokens).
+    tokens differ (its ``eos_token_id``, its ``stop_token_ids``) is given ``ends``, those of
+    its own the compiled grammar lacks, wherever the grammar is complete, and ``unended``,
+    the compiled ones the request lacks, are taken away there (allowed still where the
+    grammar allows nothing else: a request with no end tokens).
     """
 
     __slots__ = ("_ends", "_forced", "_matcher", "_unended", "rejected")
@@ -355,7 +356,7 @@ class GrammarState:
         """Write the tokens allowed next into row ``row`` of ``bitmask``."""
         self._matcher.fill_next_token_bitmask(bitmask, row)
         self._forced = False
-        if not self._unended or not self._matcher.is_completed():
+        if not (self._unended or self._ends) or not self._matcher.is_completed():
             return
         words = bitmask[row].numpy().view(np.uint32)  # (a view: written through)
         before = words.copy()

@@ -193,6 +193,14 @@ async def test_a_complete_grammar_ends_with_the_requests_own_end_tokens(bundled:
             assert expected[-1] in ends and output.stop_reason == expected[-1]
             assert re.fullmatch(regex, output.text or ""), output.text
     assert reference([0, 2])[-1] == 2 and reference([0])[-1] == 0  # (the end token chosen differs)
+    # A stop token of its own beside the EOS ends a complete grammar too (favoured by a bias here).
+    newline = tokenizer.encode("\n")[-1]
+    async with aiocb.Manager(model, tokenizer=tokenizer) as manager:
+        output = await manager.generate(
+            prompt, max_new_tokens=30, temperature=0, regex=regex, stop_token_ids=[newline], logit_bias={newline: 50.0}
+        )
+    assert output.stop_reason == newline and output.generated_tokens[-1] == newline
+    assert re.fullmatch(regex, tokenizer.decode(output.generated_tokens[:-1])), output.text
 
 
 async def test_a_request_without_end_tokens_goes_on_while_its_grammar_allows(bundled: tuple[Any, Any]) -> None:
