@@ -347,3 +347,18 @@ async def test_transformers_own_config_is_taken_field_by_field(caplog: pytest.Lo
     assert output.generated_tokens == reference_generate(model, prompt, 3)
     with pytest.raises(InvalidConfigError, match=r"must be an aiocb\.ContinuousBatchingConfig .* got dict"):
         aiocb.Manager(model, continuous_batching_config={"page_size": 16})  # type: ignore[arg-type]
+
+
+async def test_the_sizes_a_manager_chose_are_in_its_continuous_batching_config() -> None:
+    from tests.conftest import tiny_qwen3
+
+    config = ContinuousBatchingConfig(page_size=16, max_memory_percent=0.01)
+    manager = aiocb.Manager(tiny_qwen3(), continuous_batching_config=config)
+    assert manager.continuous_batching_config is manager.config  # (nothing chosen yet)
+    async with manager:
+        chosen = manager.continuous_batching_config
+        assert chosen.num_blocks == manager.statistics().total_blocks > 0
+        assert chosen.max_batch_tokens is not None and chosen.max_requests_per_batch is not None
+        assert (chosen.page_size, chosen.max_memory_percent) == (16, 0.01)
+    assert config.num_blocks is None and manager.config is config  # (the given one is left as it was)
+    await manager.destroy()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import enum
 import gc
 import logging
@@ -219,6 +220,20 @@ class Manager:
             )
 
     # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def continuous_batching_config(self) -> ContinuousBatchingConfig:
+        """:attr:`config` with the sizes this manager chose filled in, as transformers'
+        manager shows them: ``num_blocks`` (its largest cache group's), ``max_batch_tokens``
+        and ``max_requests_per_batch``, once its cache exists; before, :attr:`config`."""
+        if self._runner is None:
+            return self.config
+        plan = self._runner.plan
+        resolved = copy.copy(self.config)  # (not replace(): no checks or deprecation warnings again)
+        resolved.num_blocks = max(plan.num_blocks)
+        resolved.max_batch_tokens = plan.max_batch_tokens
+        resolved.max_requests_per_batch = plan.max_requests_per_batch
+        return resolved
 
     @property
     def is_running(self) -> bool:
