@@ -99,6 +99,10 @@ class SchedulerOutput:
         return not self.scheduled and not any(self.swap_out) and not any(self.swap_in) and not any(self.copy_blocks)
 
 
+#: Prompt positions' most likely alternatives: their ids, and their logprobs, a list a position.
+PromptTops = tuple[list[list[int]], list[list[float]]]
+
+
 @dataclass(frozen=True, slots=True)
 class StepResult:
     """What one step produced, per sampled row in plan order, then per proposed token of
@@ -107,13 +111,14 @@ class StepResult:
     ``prompt_logprobs`` has one entry per scheduled request that asked for prompt
     logprobs and computed prompt positions in this step (in plan order): the
     log-probabilities of the prompt tokens after the step's positions, with their top
-    alternatives when the request asked for them.
+    alternatives when the request asked for them (a list of ids and one of logprobs a
+    position).
     """
 
     token_ids: list[int]
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
-    prompt_logprobs: list[tuple[list[float], list[list[tuple[int, float]]] | None]] | None = None
+    prompt_logprobs: list[tuple[list[float], PromptTops | None]] | None = None
     #: a draft model's proposals, per speculating row in plan order (each row's in order)
     proposed: list[int] | None = None
 
@@ -476,9 +481,11 @@ class Scheduler:
     def update_in_chunks(
         self, output: SchedulerOutput, result: StepResult, now: float, chunk: int = 256
     ) -> Iterator[tuple[list[Request], list[Request]]]:
-        """:meth:`update`, ``chunk`` scheduled requests at a time: after each chunk, yields
-        those of its requests that got a token and those that ended (the caller may let
-        other work run before taking the next chunk)."""
+        """:meth:`update`, about ``chunk`` scheduled requests' worth of work at a time (a
+        request that records prompt logprobs counts for more, one per
+        :data:`_PROMPT_ENTRIES_PER_WORK` of them): after each chunk, yields those of its
+        requests that got a token and those that ended (the caller may let other work run
+        before taking the next chunk)."""
         if not output.scheduled:
             yield [], []
             return
@@ -494,14 +501,17 @@ class Scheduler:
         last = len(output.scheduled)
         num_generated = 0
         load = 1.0 if self.speculation is None else self.speculation.load(output)
+        work = 0
         for looked, item in enumerate(output.scheduled, 1):
             request = item.request
             params = request.params
+            work += 1
             if params.prompt_logprobs and wants_prompt_logprobs(request, item.start):
                 assert result.prompt_logprobs is not None
                 values, top_prompt = result.prompt_logprobs[prompt_row]
                 prompt_row += 1
                 _record_prompt_logprobs(request, item.start, values, top_prompt)
+                work += len(values) * (1 + params.top_logprobs) // _PROMPT_ENTRIES_PER_WORK
             if item.drafts is not None:
                 request.num_pending_tokens -= 1
                 request.speculating = False
@@ -550,7 +560,8 @@ class Scheduler:
                         self.finish(request, reason, now)
                         finished.append(request)
                 row += 1
-            if looked % chunk == 0 or looked == last:
+            if work >= chunk or looked == last:
+                work = 0
                 self.stats.num_generated_tokens += num_generated
                 num_generated = 0
                 yield updated, finished
@@ -902,9 +913,13 @@ def wants_prompt_logprobs(request: Request, start: int) -> bool:
     return request.params.prompt_logprobs and start < request.num_prompt_tokens - 1
 
 
-def _record_prompt_logprobs(
-    request: Request, start: int, values: list[float], tops: list[list[tuple[int, float]]] | None
-) -> None:
+#: Prompt logprobs recorded (positions times one plus their alternatives) that count as one
+#: request's worth of update work: a chunk whose requests record thousands of them (a
+#: prefill chunk of a long prompt, twenty alternatives a position) ends sooner.
+_PROMPT_ENTRIES_PER_WORK = 64
+
+
+def _record_prompt_logprobs(request: Request, start: int, values: list[float], tops: PromptTops | None) -> None:
     # After a preemption the prompt is computed again: keep what was recorded first.
     for i, value in enumerate(values):
         position = start + 1 + i
@@ -912,7 +927,11 @@ def _record_prompt_logprobs(
             request.prompt_logprobs.append(value)
             # (the step computes as many alternatives as its most demanding row asked for)
             wanted = request.params.top_logprobs
-            top = dict(tops[i][:wanted]) if tops is not None and wanted else None
+            top = (
+                dict(zip(tops[0][i][:wanted], tops[1][i][:wanted], strict=True))
+                if tops is not None and wanted
+                else None
+            )
             request.prompt_top_logprobs.append(top)
 
 
