@@ -1033,3 +1033,25 @@ def test_many_samples_fork_over_several_pauses_and_survive_what_ends_meanwhile(e
     for request in list(scheduler.running) + list(scheduler.waiting):
         scheduler.finish(request, FinishReason.CANCELLED, 2.0)
     assert kv.num_free_blocks == kv.num_total_blocks
+
+
+def test_a_step_update_ends_its_chunks_sooner_for_requests_recording_many_prompt_logprobs() -> None:
+    """Each request recording 64 prompt positions with 20 alternatives counts for 22 requests'
+    worth of update work: a chunk of 32 holds two of them, not all four."""
+    scheduler = Scheduler(
+        full_cache(64, page=16), max_batch_tokens=1024, max_requests_per_batch=8, max_scored_tokens=1024
+    )
+    params = ResolvedParams(max_new_tokens=2, prompt_logprobs=True, top_logprobs=20)
+    scored = [Request(f"s{i}", list(range(1, 66)), params, arrival_time=0.0) for i in range(4)]
+    plain = [make_request(f"p{i}", 8) for i in range(4)]
+    for request in (*scored, *plain):
+        scheduler.add(request)
+    output = scheduler.schedule()
+    assert [s.request for s in output.scheduled] == [*scored, *plain] and all(s.sample for s in output.scheduled)
+    tops = ([list(range(20))] * 64, [[-1.0] * 20] * 64)
+    result = StepResult([fake_token(s.request) for s in output.scheduled], prompt_logprobs=[([-1.0] * 64, tops)] * 4)
+    chunks = [updated for updated, _ in scheduler.update_in_chunks(output, result, 0.0, chunk=32)]
+    assert [len(updated) for updated in chunks] == [2, 2, 4]
+    assert all(
+        len(r.prompt_top_logprobs) == 65 and r.prompt_top_logprobs[-1] == dict.fromkeys(range(20), -1.0) for r in scored
+    )
