@@ -452,6 +452,7 @@ def _rows(tensor: torch.Tensor | None) -> list[list[Any]] | None:
 
 def _pairs(ids: torch.Tensor | None, values: torch.Tensor | None) -> list[list[tuple[int, float]]] | None:
     """``[N, k]`` ids and values as N lists of ``(id, value)``."""
-    if ids is None or values is None:
+    id_rows, value_rows = _rows(ids), _rows(values)
+    if id_rows is None or value_rows is None:
         return None
-    return [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
+    return [list(zip(i, v, strict=True)) for i, v in zip(id_rows, value_rows, strict=True)]
