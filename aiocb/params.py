@@ -64,6 +64,25 @@ class SamplingParams:
     min_p: float | None = field(
         default=None, metadata=_doc("drop tokens below `min_p` times the top probability (0: off)", "0")
     )
+    top_h: float | None = field(
+        default=None,
+        metadata=_doc(
+            "of the 100 most likely tokens, keep the most likely while their entropy is at most `top_h` times "
+            "the 100's, in (0, 1] (applied before `top_k`)",
+            "off",
+        ),
+    )
+    typical_p: float | None = field(
+        default=None,
+        metadata=_doc("locally typical sampling: keep the tokens nearest the entropy with this mass (1: off)", "1.0"),
+    )
+    epsilon_cutoff: float | None = field(
+        default=None, metadata=_doc("drop tokens below this probability, in [0, 1) (0: off)", "0")
+    )
+    eta_cutoff: float | None = field(
+        default=None,
+        metadata=_doc("drop tokens below `min(eta, sqrt(eta) * exp(-entropy))`, in [0, 1) (0: off)", "0"),
+    )
     seed: int | None = field(
         default=None,
         metadata=_doc("the request's own random stream (an int in [-2**63, 2**64)): same seed, same samples", "random"),
@@ -130,8 +149,8 @@ class SamplingParams:
         default=None,
         metadata=_doc(
             '`"raw"`: logprobs of the model\'s distribution (a log-softmax of its logits); `"processed"`: of '
-            "the distribution the token was drawn from (after the logits controls, a grammar's mask, temperature, "
-            "top-k, top-p and min-p), as transformers gives them",
+            "the distribution the token was drawn from (after the logits controls, a grammar's mask, temperature "
+            "and the filters), as transformers gives them",
             '`"raw"`',
         ),
     )
@@ -194,6 +213,10 @@ class SamplingParams:
         _check_float(self, "temperature", low=0.0)
         _check_float(self, "top_p", low=0.0, low_open=True, high=1.0)
         _check_float(self, "min_p", low=0.0, high=1.0)
+        _check_float(self, "top_h", low=0.0, low_open=True, high=1.0)
+        _check_float(self, "typical_p", low=0.0, low_open=True, high=1.0)
+        _check_float(self, "epsilon_cutoff", low=0.0, high=1.0, high_open=True)
+        _check_float(self, "eta_cutoff", low=0.0, high=1.0, high_open=True)
         _check_float(self, "repetition_penalty", low=0.0, low_open=True)
         _check_float(self, "presence_penalty", low=-2.0, high=2.0)
         _check_float(self, "frequency_penalty", low=-2.0, high=2.0)
@@ -383,16 +406,23 @@ def _check_bool(params: SamplingParams, name: str) -> None:
 
 
 def _check_float(
-    params: SamplingParams, name: str, *, low: float, high: float | None = None, low_open: bool = False
+    params: SamplingParams,
+    name: str,
+    *,
+    low: float,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
 ) -> None:
     value = getattr(params, name)
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise InvalidRequestError(f"{name} must be a finite number, got {value!r}", param=name)
-    if (value <= low if low_open else value < low) or (high is not None and value > high):
+    above = high is not None and (value >= high if high_open else value > high)
+    if (value <= low if low_open else value < low) or above:
         bracket = "(" if low_open else "["
-        top = "inf)" if high is None else f"{high}]"
+        top = "inf)" if high is None else f"{high}{')' if high_open else ']'}"
         raise InvalidRequestError(f"{name} must be in {bracket}{low}, {top}, got {value}", param=name)
     _set(params, name, float(value))
 

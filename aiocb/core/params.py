@@ -15,7 +15,8 @@ class ResolvedParams:
     from :class:`aiocb.SamplingParams` and the manager's ``GenerationConfig``.
 
     ``temperature == 0`` means greedy decoding; ``top_k == 0``, ``top_p == 1.0``,
-    ``min_p == 0`` turn those filters off. ``seed`` selects the request's own random
+    ``min_p == 0``, ``top_h == 0``, ``typical_p == 1.0``, ``epsilon_cutoff == 0`` and
+    ``eta_cutoff == 0`` turn those filters off. ``seed`` selects the request's own random
     stream, so its samples do not depend on which other requests share its batch.
     """
 
@@ -24,6 +25,10 @@ class ResolvedParams:
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
+    top_h: float = 0.0
+    typical_p: float = 1.0
+    epsilon_cutoff: float = 0.0
+    eta_cutoff: float = 0.0
     seed: int = 0
     #: EOS ids (unless ignored) and the request's stop tokens
     stop_token_ids: frozenset[int] = frozenset()
@@ -91,6 +96,12 @@ class ResolvedParams:
     def greedy(self) -> bool:
         """Whether the request picks the most likely token at every step."""
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def rare_filters(self) -> tuple[float, float, float, float] | None:
+        """``(top_h, typical_p, epsilon_cutoff, eta_cutoff)`` when any of them is on, else None."""
+        values = (self.top_h, self.typical_p, self.epsilon_cutoff, self.eta_cutoff)
+        return None if values == (0.0, 1.0, 0.0, 0.0) else values
 
     @property
     def penalizes(self) -> bool:

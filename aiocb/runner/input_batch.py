@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from aiocb.runner.filter_chain import OFF, rare_filters_used
 from aiocb.runner.step_batch import StepBatch
 
 _LONG = torch.long
@@ -34,6 +35,9 @@ class SlotParams:
     seed: torch.Tensor
     #: None when no row uses min-p
     min_p: torch.Tensor | None
+    #: ``[S, 4]`` the rarer filters, and the rows that use any; None when no row does
+    filters: torch.Tensor | None
+    filter_rows: torch.Tensor | None
     all_greedy: bool
     any_greedy: bool
     any_top_k: bool
@@ -57,6 +61,7 @@ class InputBatch:
         self.top_k = torch.zeros(num_slots, dtype=_LONG)
         self.top_p = torch.ones(num_slots, dtype=torch.float32)
         self.min_p = torch.zeros(num_slots, dtype=torch.float32)
+        self.filters = torch.tensor(OFF, dtype=torch.float32).repeat(num_slots, 1)
         self.seed = torch.zeros(num_slots, dtype=_LONG)
         self.logprobs = torch.zeros(num_slots, dtype=torch.bool)
         self.top_logprobs = torch.zeros(num_slots, dtype=_LONG)
@@ -78,7 +83,7 @@ class InputBatch:
         if batch.join_slots:
             self._params = []
             slots = torch.tensor(batch.join_slots, dtype=_LONG)
-            temperature, top_k, top_p, min_p, seed, logprobs, top_logprobs, processed = zip(
+            temperature, top_k, top_p, min_p, seed, logprobs, top_logprobs, processed, filters = zip(
                 *batch.join_params, strict=True
             )
             self.temperature[slots] = torch.tensor(temperature, dtype=torch.float32)
@@ -89,6 +94,7 @@ class InputBatch:
             self.logprobs[slots] = torch.tensor(logprobs, dtype=torch.bool)
             self.top_logprobs[slots] = torch.tensor(top_logprobs, dtype=_LONG)
             self.processed_logprobs[slots] = torch.tensor(processed, dtype=torch.bool)
+            self.filters[slots] = torch.tensor([OFF if f is None else f for f in filters], dtype=torch.float32)
         for g, writes in enumerate(batch.tables):
             if writes.resets:
                 resets = torch.tensor(writes.resets, dtype=_LONG)
@@ -120,6 +126,8 @@ class InputBatch:
         tops = self.top_logprobs.index_select(0, slots)
         processed = self.processed_logprobs.index_select(0, slots)
         drawn_k = top_k[drawn]
+        filters = self.filters.index_select(0, slots)
+        filter_rows = (rare_filters_used(filters) & drawn).nonzero()[:, 0]
         params = SlotParams(
             # (a copy: the caller may reuse its tensor)
             slots=slots.clone(),
@@ -128,6 +136,8 @@ class InputBatch:
             top_p=top_p,
             seed=self.seed.index_select(0, slots),
             min_p=min_p if bool((min_p > 0.0).any()) else None,
+            filters=filters if filter_rows.numel() else None,
+            filter_rows=filter_rows if filter_rows.numel() else None,
             all_greedy=not bool(drawn.any()),
             any_greedy=not bool(drawn.all()),
             any_top_k=bool((drawn_k > 1).any()),
@@ -162,6 +172,9 @@ class InputBatch:
         self.top_k = grown(self.top_k, 0)
         self.top_p = grown(self.top_p, 1.0)
         self.min_p = grown(self.min_p, 0.0)
+        filters = torch.tensor(OFF, dtype=torch.float32).repeat(size, 1)
+        filters[: self.filters.shape[0]] = self.filters
+        self.filters = filters
         self.seed = grown(self.seed, 0)
         self.logprobs = grown(self.logprobs, False)
         self.top_logprobs = grown(self.top_logprobs, 0)

@@ -574,6 +574,8 @@ def _sampling_tensors(
         max_top_logprobs=gathered.max_top_logprobs,
         max_top_k=gathered.max_top_k,
         min_p=gathered.min_p,
+        filters=gathered.filters,
+        filter_rows=gathered.filter_rows,
         processed_logprobs=gathered.processed_logprobs,
         controls=controls_from_tensors(controls),
         history_carry=controls.get("c_history_carry"),

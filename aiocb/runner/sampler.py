@@ -1,4 +1,4 @@
-"""Batched per-request sampling: controls, greedy, temperature, top-k, top-p and min-p.
+"""Batched per-request sampling: controls, greedy, temperature and transformers' filters.
 
 Randomness comes from a counter-based hash of ``(request seed, token index, vocab id)``
 rather than a shared generator, so a request's samples depend on its seed alone, not on
@@ -6,7 +6,9 @@ which requests share its batch or in which order, and no host synchronisation is
 on a GPU. A token is drawn with the Gumbel-max trick (:mod:`aiocb.runner.draw`): on a CPU
 from each row's largest logits where they suffice, on a GPU by a Triton kernel's
 rejection passes over the vocabulary (:mod:`aiocb.runner.triton_sampler`), or over the
-sorted vocabulary without Triton; all give the same pick.
+sorted vocabulary without Triton; all give the same pick. Rows that use one of the rarer
+filters (top-h, typical-p, epsilon or eta cutoffs) are drawn over the whole vocabulary
+by :mod:`aiocb.runner.filter_chain`, with the same noise.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from typing import Protocol
 import torch
 
 from aiocb.runner.argmax import argmax_rows
-from aiocb.runner.draw import apply_top_k_top_p, draw, draw_full
-from aiocb.runner.logits_controls import LogitsControls, apply_controls, apply_min_p
+from aiocb.runner.draw import draw, draw_full
+from aiocb.runner.filter_chain import OFF, draw_filtered, filter_chain
+from aiocb.runner.logits_controls import LogitsControls, apply_controls
 from aiocb.runner.noise import seed_key
 
 logger = logging.getLogger(__name__)
@@ -36,6 +39,8 @@ class _SamplingRow(Protocol):
     offset: int
     logprobs: bool
     top_logprobs: int
+    #: the rarer filters' values (top-h, typical-p, epsilon and eta cutoffs), None when off
+    filters: tuple[float, float, float, float] | None
 
 
 @dataclass(slots=True)
@@ -59,6 +64,10 @@ class SamplingTensors:
     any_greedy: bool = True
     #: [S] float32, 0 = off; None when no sampled row uses min-p
     min_p: torch.Tensor | None = None
+    #: [S, 4] float32: the rarer filters (:mod:`aiocb.runner.filter_chain`), and the rows
+    #: (sampled ones) that use any; both None when none does
+    filters: torch.Tensor | None = None
+    filter_rows: torch.Tensor | None = None
     #: [S] bool: rows whose logprobs are of the distribution drawn from (after controls,
     #: masks, temperature and filters), not the raw one; None when no row's are
     processed_logprobs: torch.Tensor | None = None
@@ -85,6 +94,11 @@ class SamplingTensors:
         }
         if any(r.min_p > 0.0 and not _greedy(r) for r in rows):
             host["min_p"] = torch.tensor([0.0 if _greedy(r) else r.min_p for r in rows], dtype=torch.float32)
+        filtered = [i for i, r in enumerate(rows) if r.filters is not None and not _greedy(r)]
+        if filtered:
+            values = [OFF if i not in filtered else rows[i].filters for i in range(len(rows))]
+            host["filters"] = torch.tensor(values, dtype=torch.float32)
+            host["filter_rows"] = torch.tensor(filtered, dtype=torch.long)
         return host
 
     @classmethod
@@ -111,15 +125,19 @@ class SamplingTensors:
             max_top_k=max((r.top_k for r, g in zip(rows, greedy, strict=True) if not g), default=0),
             any_greedy=any(greedy),
             min_p=tensors.get("min_p"),
+            filters=tensors.get("filters"),
+            filter_rows=tensors.get("filter_rows"),
             controls=controls_from_tensors(tensors),
             history_carry=tensors.get("c_history_carry"),
             history_carry_rows=tensors.get("c_history_carry_rows"),
         )
 
     def select(self, rows: torch.Tensor) -> SamplingTensors:
-        """The parameters of ``rows`` (a device index) alone, without logprobs, controls or
-        grammar masks (for rows that use none; the batch-wide flags stay the batch's, which
-        may only make the draw take a more general path)."""
+        """The parameters of ``rows`` (a device index) alone, without logprobs, controls,
+        grammar masks or the rarer filters (the first proposals of a draft model, which the
+        target's own draw then checks: a proposal drawn without those filters is only less
+        likely to be accepted; the batch-wide flags stay the batch's, which may only make
+        the draw take a more general path)."""
         return dataclasses.replace(
             self,
             temperature=self.temperature.index_select(0, rows),
@@ -130,6 +148,8 @@ class SamplingTensors:
             any_logprobs=False,
             max_top_logprobs=0,
             min_p=None if self.min_p is None else self.min_p.index_select(0, rows),
+            filters=None,
+            filter_rows=None,
             processed_logprobs=None,
             controls=None,
             history_carry=None,
@@ -201,6 +221,8 @@ def sample(logits: torch.Tensor, params: SamplingTensors) -> Sampled:
             tokens[rows] = drawn
     else:
         tokens = draw_on_device(logits, params)
+    if params.filter_rows is not None and not params.all_greedy:
+        tokens.index_copy_(0, params.filter_rows, _draw_rare(logits, params, params.filter_rows))
     result = Sampled(tokens)
     if params.any_logprobs:
         scored = raw if params.processed_logprobs is None else _drawn_from(raw, logits, params)
@@ -208,20 +230,39 @@ def sample(logits: torch.Tensor, params: SamplingTensors) -> Sampled:
     return result
 
 
+def _draw_rare(logits: torch.Tensor, params: SamplingTensors, rows: torch.Tensor) -> torch.Tensor:
+    """The picks of ``rows`` (sampled rows that use one of the rarer filters) of
+    ``logits`` (after controls and masks)."""
+    assert params.filters is not None
+
+    def take(t: torch.Tensor) -> torch.Tensor:
+        return t.index_select(0, rows)
+
+    scaled = take(logits).float() / take(params.temperature)[:, None]
+    min_p = None if params.min_p is None else take(params.min_p)
+    return draw_filtered(
+        scaled,
+        take(params.seed),
+        take(params.offset),
+        take(params.top_k),
+        take(params.top_p),
+        min_p,
+        take(params.filters),
+    )
+
+
 def _drawn_from(raw: torch.Tensor, logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
     """The logits of the distributions the rows were drawn from, float32, for the rows of
     ``params.processed_logprobs`` (the others' raw logits): ``logits`` (after controls and
-    masks) over the row's temperature, with its top-k, top-p and min-p filters, as
-    transformers' logits processors make them. A greedy row's is its controlled logits."""
+    masks) over the row's temperature, with its filters, as transformers' logits
+    processors make them. A greedy row's is its controlled logits."""
     assert params.processed_logprobs is not None
     drawn = params.temperature != 0.0
     processed = logits.float() / torch.where(drawn, params.temperature, 1.0)[:, None]
     top_k = torch.where(drawn, params.top_k, 0) if params.any_top_k else None
     top_p = torch.where(drawn, params.top_p, 1.0) if params.any_top_p else None
-    if top_k is not None or top_p is not None:
-        processed = apply_top_k_top_p(processed, top_k, top_p)
-    if params.min_p is not None:
-        processed = apply_min_p(processed, params.min_p)  # (0, off, for greedy rows)
+    # (min-p and the rarer filters are off, 0 or their OFF values, for greedy rows)
+    processed = filter_chain(processed, top_k, top_p, params.min_p, params.filters)
     return torch.where(params.processed_logprobs[:, None], processed, raw.float())
 
 

@@ -52,8 +52,9 @@ class RowControls:
 
 #: A slot's sampling parameters: temperature (0 when greedy), top-k, top-p, min-p (0 when
 #: greedy), 32-bit seed, whether to return logprobs, how many top alternatives, whether
-#: logprobs are of the distribution drawn from.
-RowParams = tuple[float, int, float, float, int, bool, int, bool]
+#: logprobs are of the distribution drawn from, and the rarer filters (top-h, typical-p,
+#: epsilon and eta cutoffs; None when greedy or when none is on).
+RowParams = tuple[float, int, float, float, int, bool, int, bool, tuple[float, float, float, float] | None]
 
 
 def row_params(params: ResolvedParams) -> RowParams:
@@ -68,6 +69,7 @@ def row_params(params: ResolvedParams) -> RowParams:
         params.return_logprobs,
         params.top_logprobs,
         params.processed_logprobs,
+        None if greedy else params.rare_filters,
     )
 
 

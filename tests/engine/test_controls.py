@@ -135,11 +135,36 @@ async def test_unsupported_generation_config_fields_are_named() -> None:
         aiocb.Manager(model, GenerationConfig(stop_strings=["\n"]), strict)
 
 
+async def test_generation_configs_rarer_filters_are_honoured() -> None:
+    """top-h, typical-p, epsilon and eta cutoffs from a GenerationConfig apply to every
+    request (a strict manager takes them): a filter that keeps only the most likely token
+    gives ``generate``'s greedy tokens whatever the seed, and a request's own values in
+    their place give the same tokens as the config's."""
+    model = MODELS["qwen3"]()
+    strict = aiocb.ContinuousBatchingConfig(drop_unsupported_processors=False)
+    prompt = PROMPTS[0]
+    reference = reference_generate(model, prompt, NEW)
+    for narrow in ({"top_h": 1e-6}, {"epsilon_cutoff": 0.99}):
+        config = GenerationConfig(do_sample=True, max_new_tokens=NEW, **narrow)  # type: ignore[arg-type]
+        async with aiocb.Manager(model, config, strict) as manager:
+            outputs = await asyncio.gather(*(manager.generate(prompt, seed=s) for s in range(3)))
+        assert all(o.generated_tokens == reference for o in outputs), narrow
+    rare = {"typical_p": 0.7, "eta_cutoff": 0.003, "top_h": 0.9}
+    config = GenerationConfig(do_sample=True, temperature=1.2, max_new_tokens=NEW, **rare)  # type: ignore[arg-type]
+    async with aiocb.Manager(model, config, strict) as manager:
+        from_config = await manager.generate(prompt, seed=4)
+    async with aiocb.Manager(model) as manager:
+        own = await manager.generate(prompt, max_new_tokens=NEW, temperature=1.2, seed=4, **rare)
+        unfiltered = await manager.generate(prompt, max_new_tokens=NEW, temperature=1.2, seed=4)
+    assert from_config.generated_tokens == own.generated_tokens
+    assert own.generated_tokens != unfiltered.generated_tokens, "the filters changed nothing here"
+
+
 def test_unsupported_generation_config_fields_are_dropped_with_one_warning(caplog: pytest.LogCaptureFixture) -> None:
     model = MODELS["qwen3"]()
     with caplog.at_level("WARNING", logger="aiocb"):
-        aiocb.Manager(model, GenerationConfig(typical_p=0.5, do_sample=True))
-    warnings = [r for r in caplog.records if "typical_p" in r.getMessage()]
+        aiocb.Manager(model, GenerationConfig(no_repeat_ngram_size=3, do_sample=True))
+    warnings = [r for r in caplog.records if "no_repeat_ngram_size" in r.getMessage()]
     assert len(warnings) == 1 and "dropped" in warnings[0].getMessage()
 
 
@@ -151,6 +176,8 @@ MIXED: list[dict[str, Any]] = [
     {"temperature": 1.0, "seed": 15, "allowed_token_ids": list(range(0, 512, 3)), "min_tokens": 4},
     {"temperature": 0.0, "repetition_penalty": 1.3},
     {"temperature": 1.0, "seed": 16},
+    {"temperature": 0.9, "seed": 17, "typical_p": 0.6, "eta_cutoff": 0.002},
+    {"temperature": 1.1, "seed": 18, "top_h": 0.7, "epsilon_cutoff": 0.001, "top_k": 30},
 ]
 
 

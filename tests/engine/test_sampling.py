@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 import torch
-from transformers import PreTrainedModel
+from transformers import GenerationConfig, PreTrainedModel
 
 import aiocb
 from aiocb.runner.memory import MIN_SCORED_ROWS, scored_rows
@@ -72,8 +73,9 @@ async def test_logprobs_match_log_softmax_of_the_model(qwen3: PreTrainedModel) -
 @pytest.mark.parametrize("speculate", [False, True], ids=["plain", "speculating"])
 async def test_processed_logprobs_are_of_the_distribution_drawn_from(qwen3: PreTrainedModel, speculate: bool) -> None:
     """``logprobs_mode="processed"``: transformers' logits processors (penalty, temperature,
-    top-k, top-p, min-p) applied to the model's logits, then a log-softmax; a greedy row's
-    are of its penalised logits; raw rows in the same steps keep the model's own."""
+    top-k, top-p, min-p; top-h, typical-p, epsilon and eta cutoffs) applied to the model's
+    logits, then a log-softmax; a greedy row's are of its penalised logits; raw rows in the
+    same steps keep the model's own."""
     from transformers import (
         MinPLogitsWarper,
         RepetitionPenaltyLogitsProcessor,
@@ -83,10 +85,12 @@ async def test_processed_logprobs_are_of_the_distribution_drawn_from(qwen3: PreT
     )
 
     sampled = {"temperature": 0.7, "top_k": 20, "top_p": 0.9, "min_p": 0.05, "seed": 5}
+    rare = {"temperature": 1.3, "top_h": 0.9, "typical_p": 0.8, "epsilon_cutoff": 1e-4, "eta_cutoff": 3e-3, "seed": 6}
     cases = [
         {**sampled, "repetition_penalty": 1.3, "logprobs_mode": "processed"},
         {"repetition_penalty": 1.3, "logprobs_mode": "processed"},
         {**sampled, "repetition_penalty": 1.3},
+        {**rare, "repetition_penalty": 1.3, "logprobs_mode": "processed"},
     ]
     speculative = aiocb.SpeculativeConfig(prompt_lookup_min=1, disable_by_batch_size=None) if speculate else None
     async with aiocb.Manager(qwen3, speculative_config=speculative) as manager:
@@ -97,6 +101,10 @@ async def test_processed_logprobs_are_of_the_distribution_drawn_from(qwen3: PreT
         prompt, processors = PROMPTS[i], [RepetitionPenaltyLogitsProcessor(1.3)]
         if case.get("logprobs_mode") != "processed":
             processors = []
+        elif "top_h" in case:  # (and top-k 50, the default, as generate sets it)
+            given = {k: v for k, v in case.items() if k in rare and k != "seed"}
+            config = GenerationConfig(**given, top_k=50, do_sample=True)
+            processors += list(qwen3._get_logits_processor(generation_config=config, device="cpu"))
         elif "temperature" in case:
             processors += [TemperatureLogitsWarper(0.7), TopKLogitsWarper(20), TopPLogitsWarper(0.9)]
             processors.append(MinPLogitsWarper(0.05))
@@ -111,6 +119,7 @@ async def test_processed_logprobs_are_of_the_distribution_drawn_from(qwen3: PreT
                 scores = processor(history, scores)
             expected.append(float(scores.log_softmax(-1)[0, token]))
         assert output.logprobs is not None
+        assert all(math.isfinite(e) for e in expected), "a token drawn outside the filtered set"
         assert torch.allclose(torch.tensor(output.logprobs), torch.tensor(expected), atol=1e-4), case
 
 

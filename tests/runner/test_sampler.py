@@ -30,6 +30,8 @@ class Row:
     offset: int = 0
     logprobs: bool = False
     top_logprobs: int = 0
+    #: top-h, typical-p, epsilon and eta cutoffs (None: off)
+    filters: tuple[float, float, float, float] | None = None
 
 
 def _draw(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:

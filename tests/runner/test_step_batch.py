@@ -21,6 +21,7 @@ from aiocb.core.params import ResolvedParams
 from aiocb.core.request import Request
 from aiocb.core.scheduler import Scheduler, SchedulerOutput, StepResult
 from aiocb.outputs import FinishReason, RequestStatus
+from aiocb.runner.filter_chain import OFF
 from aiocb.runner.input_batch import InputBatch
 from aiocb.runner.step_batch import BatchWriter, RowState, StepBatch, TableWrites, row_params
 from tests.fuzzing import fuzz_settings
@@ -40,6 +41,8 @@ def _requests(rng: random.Random, count: int) -> list[tuple[Request, list[Reques
             top_k=rng.choice((0, 1, 5)),
             top_p=rng.choice((1.0, 0.9)),
             min_p=rng.choice((0.0, 0.1)),
+            typical_p=rng.choice((1.0, 1.0, 0.8)),
+            eta_cutoff=rng.choice((0.0, 0.0, 0.001)),
             seed=rng.randrange(2**40),
             return_logprobs=rng.random() < 0.3,
             top_logprobs=rng.choice((0, 0, 2)),
@@ -70,13 +73,14 @@ def _check_rows(
             length = int(state.lengths[g][slot])
             assert state.tables[g][slot, :length].tolist() == blocks, f"row {row} group {g}"
             assert (state.tables[g][slot, length:] == state._null[g]).all(), "stale entries past the table"
-        temperature, top_k, top_p, min_p, seed, logprobs, top_logprobs, processed = row_params(request.params)
+        temperature, top_k, top_p, min_p, seed, logprobs, top_logprobs, processed, filters = row_params(request.params)
         assert float(state.temperature[slot]) == torch.tensor(temperature, dtype=torch.float32).item()
         assert (int(state.top_k[slot]), int(state.seed[slot]), bool(state.logprobs[slot])) == (top_k, seed, logprobs)
         assert int(state.top_logprobs[slot]) == top_logprobs
         assert bool(state.processed_logprobs[slot]) == processed
         assert float(state.top_p[slot]) == torch.tensor(top_p, dtype=torch.float32).item()
         assert float(state.min_p[slot]) == torch.tensor(min_p, dtype=torch.float32).item()
+        assert state.filters[slot].tolist() == torch.tensor(filters or OFF, dtype=torch.float32).tolist()
         known = request.token_ids[item.start : item.start + item.num_tokens]
         tokens += known + [0] * (item.num_tokens - len(known))
         assert batch.starts[row] == item.start and batch.num_tokens[row] == item.num_tokens
@@ -86,8 +90,10 @@ def _check_rows(
     if sampled:  # the gathered parameters (perhaps those of the step before) are the rows' own
         gathered = state.sampling_params(torch.tensor([slots[row] for row in sampled]))
         for i, row in enumerate(sampled):
-            temperature, top_k, _, _, seed, _, _, _ = row_params(output.scheduled[row].request.params)
+            temperature, top_k, _, _, seed, _, _, _, filters = row_params(output.scheduled[row].request.params)
             assert (int(gathered.top_k[i]), int(gathered.seed[i])) == (top_k, seed)
+            uses_filters = gathered.filter_rows is not None and i in gathered.filter_rows.tolist()
+            assert uses_filters == (filters is not None)
             assert float(gathered.temperature[i]) == torch.tensor(temperature, dtype=torch.float32).item()
 
 
@@ -160,7 +166,7 @@ def test_the_persistent_batch_follows_the_scheduler(seed: int, num_blocks: int, 
 
 def _joining(slots: list[int], temperatures: list[float]) -> StepBatch:
     """A step that gives ``slots`` new owners sampling at ``temperatures`` (top-k 5 each)."""
-    params = [(t, 5, 1.0, 0.0, 7, False, 0, False) for t in temperatures]
+    params = [(t, 5, 1.0, 0.0, 7, False, 0, False, None) for t in temperatures]
     return StepBatch(
         token_ids=[],
         slots=[],

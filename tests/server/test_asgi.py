@@ -549,7 +549,7 @@ async def test_speculation_metrics(model: PreTrainedModel, tokenizer: Any) -> No
 async def test_generation_controls_are_honoured(
     client: httpx.AsyncClient, manager: aiocb.Manager, tokenizer: Any
 ) -> None:
-    """Penalties, biases, min_p, min_tokens and allow-lists reach the engine: the text equals
+    """Penalties, biases, min_p and the rarer filters, min_tokens and allow-lists reach the engine: the text equals
     the library's for the same parameters, and differs from the plain greedy text."""
     ids = tokenizer.encode(PROMPT)
     plain = await greedy(manager, ids, 16)
@@ -560,6 +560,8 @@ async def test_generation_controls_are_honoured(
         {"logit_bias": {str(plain.generated_tokens[0]): -100}},
         {"allowed_token_ids": allowed},
         {"min_p": 0.2, "temperature": 1.0, "seed": 3},
+        {"typical_p": 0.5, "eta_cutoff": 0.01, "temperature": 1.0, "top_k": 40, "seed": 4},
+        {"top_h": 0.6, "epsilon_cutoff": 0.001, "temperature": 1.0, "top_k": 40, "seed": 5},
     ]
     for controls in cases:
         body = {"prompt": PROMPT, "max_tokens": 16, "temperature": 0, "ignore_eos": True, **controls}
