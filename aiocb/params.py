@@ -68,8 +68,8 @@ class SamplingParams:
         default=None,
         metadata=_doc(
             "of the 100 most likely tokens, keep the most likely while their entropy is at most `top_h` times "
-            "the 100's, in (0, 1] (applied before `top_k`)",
-            "off",
+            "the 100's (applied before `top_k`; 0: off)",
+            "0",
         ),
     )
     typical_p: float | None = field(
@@ -213,7 +213,7 @@ class SamplingParams:
         _check_float(self, "temperature", low=0.0)
         _check_float(self, "top_p", low=0.0, low_open=True, high=1.0)
         _check_float(self, "min_p", low=0.0, high=1.0)
-        _check_float(self, "top_h", low=0.0, low_open=True, high=1.0)
+        _check_float(self, "top_h", low=0.0, high=1.0)
         _check_float(self, "typical_p", low=0.0, low_open=True, high=1.0)
         _check_float(self, "epsilon_cutoff", low=0.0, high=1.0, high_open=True)
         _check_float(self, "eta_cutoff", low=0.0, high=1.0, high_open=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -155,6 +156,7 @@ def config_defaults(
     naming it, or with ``drop_unsupported`` is dropped with one warning naming it."""
     gen = generation_config
     unsupported = [name for name, off in _UNSUPPORTED.items() if getattr(gen, name, None) not in (None, *off)]
+    top_h, typical_p, epsilon_cutoff, eta_cutoff = _rare_filters(gen, unsupported)
     stop_strings = gen.stop_strings
     if stop_strings is not None and not has_tokenizer:
         unsupported.append("stop_strings (stop strings need the Manager's tokenizer=)")
@@ -175,11 +177,10 @@ def config_defaults(
         top_k=gen.top_k,
         top_p=gen.top_p,
         min_p=gen.min_p,
-        top_h=gen.top_h,
-        # (transformers' values for "off" here: its processors are built only past them)
-        typical_p=None if gen.typical_p == 1.0 else gen.typical_p,
-        epsilon_cutoff=None if gen.epsilon_cutoff == 0.0 else gen.epsilon_cutoff,
-        eta_cutoff=None if gen.eta_cutoff == 0.0 else gen.eta_cutoff,
+        top_h=top_h,
+        typical_p=typical_p,
+        epsilon_cutoff=epsilon_cutoff,
+        eta_cutoff=eta_cutoff,
         repetition_penalty=gen.repetition_penalty,
         sequence_bias=sequence_bias,
         bad_words_ids=gen.bad_words_ids,
@@ -197,6 +198,30 @@ def config_defaults(
         suppress_tokens=tuple(gen.suppress_tokens or ()),
         begin_suppress_tokens=tuple(gen.begin_suppress_tokens or ()),
     )
+
+
+def _rare_filters(gen: GenerationConfig, unsupported: list[str]) -> list[float | None]:
+    """The GenerationConfig's top-h, typical-p, epsilon and eta cutoffs as transformers uses
+    them: a value it builds no processor for (``typical_p`` 1 or more, a cutoff outside
+    (0, 1)) is off, and one its processor refuses (``typical_p`` 0 or less, ``top_h``
+    outside (0, 1]) joins ``unsupported``."""
+    rare: list[float | None] = []
+    for name in ("top_h", "typical_p", "epsilon_cutoff", "eta_cutoff"):
+        value = getattr(gen, name, None)
+        rare.append(None)
+        if value is None:
+            continue
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+            or (name == "top_h" and not 0 < value <= 1)
+            or (name == "typical_p" and value <= 0)
+        ):
+            unsupported.append(f"{name} ({value!r}, which transformers refuses)")
+        elif 0 < value < 1 or (name == "top_h" and value == 1):
+            rare[-1] = float(value)
+    return rare
 
 
 def resolve_params(

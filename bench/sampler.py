@@ -47,6 +47,7 @@ class _Row:
     offset: int = 0
     logprobs: bool = False
     top_logprobs: int = 0
+    filters: tuple[float, float, float, float] | None = None
 
 
 def _full(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:

@@ -101,7 +101,11 @@ class ResolvedParams:
     def rare_filters(self) -> tuple[float, float, float, float] | None:
         """``(top_h, typical_p, epsilon_cutoff, eta_cutoff)`` when any of them is on, else None."""
         values = (self.top_h, self.typical_p, self.epsilon_cutoff, self.eta_cutoff)
-        return None if values == (0.0, 1.0, 0.0, 0.0) else values
+        if values == (0.0, 1.0, 0.0, 0.0):
+            return None
+        if 0.0 < self.top_h < _SMALLEST_FLOAT32:  # (it would round to 0, off, on the device)
+            values = (_SMALLEST_FLOAT32, *values[1:])
+        return values
 
     @property
     def penalizes(self) -> bool:
@@ -115,6 +119,9 @@ class ResolvedParams:
         sampled."""
         return bool(self.sequence_biases or self.bad_sequences) or self.structure is not None
 
+
+#: float32's smallest positive value
+_SMALLEST_FLOAT32 = 1.401298464324817e-45
 
 #: every field of a ResolvedParams in one call (slot order)
 _every_field = operator.attrgetter(*ResolvedParams.__slots__)

@@ -2,21 +2,22 @@
 
 Besides top-k, top-p and min-p (which the draws of :mod:`aiocb.runner.draw`, the C kernels
 and the Triton kernel apply themselves), transformers has four rarer filters: top-h,
-typical-p, epsilon and eta cutoffs. A sampled row that uses one of them is drawn here
-(:func:`draw_filtered`): its scaled logits go through every filter in the order
-``GenerationConfig`` builds them (temperature, top-h, top-k, top-p, min-p, typical-p,
-epsilon, eta), then the Gumbel-max pick of :func:`~aiocb.runner.draw.draw_full`, with the
-row's own noise. Each filter is computed as transformers' ``LogitsProcessor`` computes it,
-with one value per row (a row whose value is "off" comes out bitwise unchanged), so the
-distribution drawn from is transformers' exactly. These rows pay for sorts of the whole
-vocabulary; rows without the rarer filters never come here.
+typical-p, epsilon and eta cutoffs. A sampled row that uses one of them is drawn from
+:func:`filter_chain`'s logits: every filter in the order ``GenerationConfig`` builds them
+(temperature, top-h, top-k, top-p, min-p, typical-p, epsilon, eta), then the Gumbel-max
+pick of :func:`~aiocb.runner.draw.draw_full`, with the row's own noise. Each rarer filter
+is computed op for op as transformers' ``LogitsProcessor`` computes it, with one value
+per row (a row whose value is off comes out bitwise unchanged). These rows pay for sorts
+of the whole vocabulary; rows without the rarer filters never come here.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from aiocb.runner.draw import apply_top_k_top_p, draw_full
+from aiocb.runner.draw import apply_top_k_top_p
 from aiocb.runner.logits_controls import apply_min_p
 
 #: The columns of a row's rarer filters, ``[S, 4]`` float32, and each one's "off" value:
@@ -27,9 +28,27 @@ OFF = (0.0, 1.0, 0.0, 0.0)
 TOP_H_CANDIDATES = 100
 
 
-def rare_filters_used(filters: torch.Tensor) -> torch.Tensor:
-    """``[S]`` bool: which rows of ``filters [S, 4]`` turn any of the rarer filters on."""
-    return (filters != torch.tensor(OFF, device=filters.device)).any(dim=-1)
+@dataclass(frozen=True, slots=True)
+class RareFilters:
+    """The rarer filters of the rows that use any (and only of those)."""
+
+    #: ``[F]`` which of the step's sampled rows they are
+    rows: torch.Tensor
+    #: ``[F, 4]`` their values, a column a filter (:data:`OFF` where a row leaves it off)
+    values: torch.Tensor
+    #: which filters any of them turns on (read on the host: the others are skipped)
+    used: tuple[bool, bool, bool, bool]
+
+    @staticmethod
+    def gather(values: torch.Tensor, sampled: torch.Tensor) -> RareFilters | None:
+        """Those of ``values [S, 4]`` (host tensor) whose rows are ``sampled`` (bool) and turn
+        any filter on; None when no row does."""
+        on = values != torch.tensor(OFF)
+        rows = (on.any(dim=-1) & sampled).nonzero()[:, 0]
+        if not rows.numel():
+            return None
+        used = on.index_select(0, rows).any(dim=0).tolist()
+        return RareFilters(rows, values.index_select(0, rows), (used[0], used[1], used[2], used[3]))
 
 
 def filter_chain(
@@ -37,38 +56,24 @@ def filter_chain(
     top_k: torch.Tensor | None,
     top_p: torch.Tensor | None,
     min_p: torch.Tensor | None,
-    filters: torch.Tensor | None,
+    values: torch.Tensor | None = None,
+    used: tuple[bool, bool, bool, bool] = (False, False, False, False),
 ) -> torch.Tensor:
     """``scaled [R, V]`` (float32 logits over temperature) with every filter applied in
-    transformers' order, dropped tokens at -inf. A filter no row uses may be None; rows
-    whose value is off are left as they are."""
-    if filters is not None:
-        scaled = apply_top_h(scaled, filters[:, TOP_H])
+    transformers' order, dropped tokens at -inf. A filter no row uses may be None (for the
+    rarer ones, ``values [R, 4]`` and ``used``, which of them to apply); rows whose value is
+    off are left as they are."""
+    if values is not None and used[TOP_H]:
+        scaled = apply_top_h(scaled, values[:, TOP_H])
     if top_k is not None or top_p is not None:
         scaled = apply_top_k_top_p(scaled, top_k, top_p)
     if min_p is not None:
         scaled = apply_min_p(scaled, min_p)
-    if filters is not None:
-        scaled = apply_typical_p(scaled, filters[:, TYPICAL_P])
-        scaled = apply_epsilon_cutoff(scaled, filters[:, EPSILON_CUTOFF])
-        scaled = apply_eta_cutoff(scaled, filters[:, ETA_CUTOFF])
+    if values is not None:
+        for column, apply in _AFTER_MIN_P:
+            if used[column]:
+                scaled = apply(scaled, values[:, column])
     return scaled
-
-
-def draw_filtered(
-    scaled: torch.Tensor,
-    seed: torch.Tensor,
-    offset: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    min_p: torch.Tensor | None,
-    filters: torch.Tensor,
-) -> torch.Tensor:
-    """The pick of every row of ``scaled [R, V]`` after :func:`filter_chain`: the same
-    Gumbel-max pick (the same noise) as the other draws make for a row without the rarer
-    filters."""
-    chained = filter_chain(scaled, top_k, top_p, min_p, filters)
-    return draw_full(chained, seed, offset, None, None, None)
 
 
 def apply_top_h(scaled: torch.Tensor, top_h: torch.Tensor) -> torch.Tensor:
@@ -80,9 +85,9 @@ def apply_top_h(scaled: torch.Tensor, top_h: torch.Tensor) -> torch.Tensor:
     top_logits, top_ids = scaled.topk(top_n, dim=-1, largest=True, sorted=True)
     normalised, probs = _categorical(top_logits)
     tau = _entropy(normalised, probs) * top_h
-    # (a token of probability 0, -inf, adds 0 rather than NaN: it is never drawn anyway)
     terms = torch.where(probs > 0.0, -probs * probs.log(), 0.0)
-    selected = terms.cumsum(dim=-1) <= tau[:, None]
+    # (transformers' NaN terms for tokens of probability 0 leave them out: so here)
+    selected = (terms.cumsum(dim=-1) <= tau[:, None]) & (probs > 0.0)
     selected[:, 0] = True
     keep = torch.zeros_like(scaled, dtype=torch.bool).scatter_(1, top_ids, selected)
     drop = ~keep & (top_h > 0.0)[:, None]
@@ -139,3 +144,11 @@ def _entropy(normalised: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
     counts as the dtype's lowest, so a token of probability 0 adds 0, not NaN)."""
     lowest = torch.finfo(normalised.dtype).min
     return -(normalised.clamp(min=lowest) * probs).sum(dim=-1)
+
+
+#: The rarer filters transformers applies after min-p, in its order.
+_AFTER_MIN_P = (
+    (TYPICAL_P, apply_typical_p),
+    (EPSILON_CUTOFF, apply_epsilon_cutoff),
+    (ETA_CUTOFF, apply_eta_cutoff),
+)

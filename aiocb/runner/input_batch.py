@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from aiocb.runner.filter_chain import OFF, rare_filters_used
+from aiocb.runner.filter_chain import OFF, RareFilters
 from aiocb.runner.step_batch import StepBatch
 
 _LONG = torch.long
@@ -35,9 +35,8 @@ class SlotParams:
     seed: torch.Tensor
     #: None when no row uses min-p
     min_p: torch.Tensor | None
-    #: ``[S, 4]`` the rarer filters, and the rows that use any; None when no row does
-    filters: torch.Tensor | None
-    filter_rows: torch.Tensor | None
+    #: the rarer filters of the rows that use any; None when no row does
+    rare: RareFilters | None
     all_greedy: bool
     any_greedy: bool
     any_top_k: bool
@@ -126,8 +125,6 @@ class InputBatch:
         tops = self.top_logprobs.index_select(0, slots)
         processed = self.processed_logprobs.index_select(0, slots)
         drawn_k = top_k[drawn]
-        filters = self.filters.index_select(0, slots)
-        filter_rows = (rare_filters_used(filters) & drawn).nonzero()[:, 0]
         params = SlotParams(
             # (a copy: the caller may reuse its tensor)
             slots=slots.clone(),
@@ -136,8 +133,7 @@ class InputBatch:
             top_p=top_p,
             seed=self.seed.index_select(0, slots),
             min_p=min_p if bool((min_p > 0.0).any()) else None,
-            filters=filters if filter_rows.numel() else None,
-            filter_rows=filter_rows if filter_rows.numel() else None,
+            rare=RareFilters.gather(self.filters.index_select(0, slots), drawn),
             all_greedy=not bool(drawn.any()),
             any_greedy=not bool(drawn.all()),
             any_top_k=bool((drawn_k > 1).any()),

@@ -23,7 +23,7 @@ import torch
 
 from aiocb.runner.argmax import argmax_rows
 from aiocb.runner.draw import draw, draw_full
-from aiocb.runner.filter_chain import OFF, draw_filtered, filter_chain
+from aiocb.runner.filter_chain import OFF, RareFilters, filter_chain
 from aiocb.runner.logits_controls import LogitsControls, apply_controls
 from aiocb.runner.noise import seed_key
 
@@ -64,10 +64,9 @@ class SamplingTensors:
     any_greedy: bool = True
     #: [S] float32, 0 = off; None when no sampled row uses min-p
     min_p: torch.Tensor | None = None
-    #: [S, 4] float32: the rarer filters (:mod:`aiocb.runner.filter_chain`), and the rows
-    #: (sampled ones) that use any; both None when none does
-    filters: torch.Tensor | None = None
-    filter_rows: torch.Tensor | None = None
+    #: the rarer filters (:mod:`aiocb.runner.filter_chain`) of the sampled rows that use
+    #: any; None when none does
+    rare: RareFilters | None = None
     #: [S] bool: rows whose logprobs are of the distribution drawn from (after controls,
     #: masks, temperature and filters), not the raw one; None when no row's are
     processed_logprobs: torch.Tensor | None = None
@@ -94,18 +93,21 @@ class SamplingTensors:
         }
         if any(r.min_p > 0.0 and not _greedy(r) for r in rows):
             host["min_p"] = torch.tensor([0.0 if _greedy(r) else r.min_p for r in rows], dtype=torch.float32)
-        filtered = [i for i, r in enumerate(rows) if r.filters is not None and not _greedy(r)]
-        if filtered:
-            values = [OFF if i not in filtered else rows[i].filters for i in range(len(rows))]
+        if any(r.filters is not None and not _greedy(r) for r in rows):
+            values = [OFF if r.filters is None or _greedy(r) else r.filters for r in rows]
             host["filters"] = torch.tensor(values, dtype=torch.float32)
-            host["filter_rows"] = torch.tensor(filtered, dtype=torch.long)
         return host
 
     @classmethod
     def from_rows(cls, rows: Sequence[_SamplingRow], device: torch.device) -> SamplingTensors:
         """Gather the sampled rows' parameters onto ``device``."""
         host = cls.host_tensors(rows)
-        return cls.from_device({name: t.to(device) for name, t in host.items()}, rows)
+        params = cls.from_device({name: t.to(device) for name, t in host.items()}, rows)
+        if "filters" in host:
+            rare = RareFilters.gather(host["filters"], host["temperature"] != 0.0)
+            assert rare is not None
+            params.rare = RareFilters(rare.rows.to(device), rare.values.to(device), rare.used)
+        return params
 
     @classmethod
     def from_device(cls, tensors: dict[str, torch.Tensor], rows: Sequence[_SamplingRow]) -> SamplingTensors:
@@ -125,8 +127,6 @@ class SamplingTensors:
             max_top_k=max((r.top_k for r, g in zip(rows, greedy, strict=True) if not g), default=0),
             any_greedy=any(greedy),
             min_p=tensors.get("min_p"),
-            filters=tensors.get("filters"),
-            filter_rows=tensors.get("filter_rows"),
             controls=controls_from_tensors(tensors),
             history_carry=tensors.get("c_history_carry"),
             history_carry_rows=tensors.get("c_history_carry_rows"),
@@ -148,8 +148,7 @@ class SamplingTensors:
             any_logprobs=False,
             max_top_logprobs=0,
             min_p=None if self.min_p is None else self.min_p.index_select(0, rows),
-            filters=None,
-            filter_rows=None,
+            rare=None,
             processed_logprobs=None,
             controls=None,
             history_carry=None,
@@ -221,8 +220,12 @@ def sample(logits: torch.Tensor, params: SamplingTensors) -> Sampled:
             tokens[rows] = drawn
     else:
         tokens = draw_on_device(logits, params)
-    if params.filter_rows is not None and not params.all_greedy:
-        tokens.index_copy_(0, params.filter_rows, _draw_rare(logits, params, params.filter_rows))
+    if params.rare is not None:
+        # (the same Gumbel-max pick over the whole vocabulary, with the row's own noise)
+        rows = params.rare.rows
+        chained = _rare_chain(logits, params, params.rare)
+        seed, offset = params.seed.index_select(0, rows), params.offset.index_select(0, rows)
+        tokens.index_copy_(0, rows, draw_full(chained, seed, offset, None, None, None))
     result = Sampled(tokens)
     if params.any_logprobs:
         scored = raw if params.processed_logprobs is None else _drawn_from(raw, logits, params)
@@ -230,25 +233,20 @@ def sample(logits: torch.Tensor, params: SamplingTensors) -> Sampled:
     return result
 
 
-def _draw_rare(logits: torch.Tensor, params: SamplingTensors, rows: torch.Tensor) -> torch.Tensor:
-    """The picks of ``rows`` (sampled rows that use one of the rarer filters) of
-    ``logits`` (after controls and masks)."""
-    assert params.filters is not None
+def _rare_chain(logits: torch.Tensor, params: SamplingTensors, rare: RareFilters) -> torch.Tensor:
+    """The logits the rows of ``rare`` (sampled rows that use one of the rarer filters) are
+    drawn from: ``logits`` (after controls and masks) over their temperature, with every
+    filter of theirs, float32."""
+    rows = rare.rows
 
     def take(t: torch.Tensor) -> torch.Tensor:
         return t.index_select(0, rows)
 
     scaled = take(logits).float() / take(params.temperature)[:, None]
+    top_k = take(params.top_k) if params.any_top_k else None
+    top_p = take(params.top_p) if params.any_top_p else None
     min_p = None if params.min_p is None else take(params.min_p)
-    return draw_filtered(
-        scaled,
-        take(params.seed),
-        take(params.offset),
-        take(params.top_k),
-        take(params.top_p),
-        min_p,
-        take(params.filters),
-    )
+    return filter_chain(scaled, top_k, top_p, min_p, rare.values, rare.used)
 
 
 def _drawn_from(raw: torch.Tensor, logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
@@ -261,8 +259,9 @@ def _drawn_from(raw: torch.Tensor, logits: torch.Tensor, params: SamplingTensors
     processed = logits.float() / torch.where(drawn, params.temperature, 1.0)[:, None]
     top_k = torch.where(drawn, params.top_k, 0) if params.any_top_k else None
     top_p = torch.where(drawn, params.top_p, 1.0) if params.any_top_p else None
-    # (min-p and the rarer filters are off, 0 or their OFF values, for greedy rows)
-    processed = filter_chain(processed, top_k, top_p, params.min_p, params.filters)
+    processed = filter_chain(processed, top_k, top_p, params.min_p)  # (min-p is 0, off, for greedy rows)
+    if params.rare is not None:
+        processed = processed.index_copy(0, params.rare.rows, _rare_chain(logits, params, params.rare))
     return torch.where(params.processed_logprobs[:, None], processed, raw.float())
 
 

@@ -148,7 +148,15 @@ async def test_generation_configs_rarer_filters_are_honoured() -> None:
         config = GenerationConfig(do_sample=True, max_new_tokens=NEW, **narrow)  # type: ignore[arg-type]
         async with aiocb.Manager(model, config, strict) as manager:
             outputs = await asyncio.gather(*(manager.generate(prompt, seed=s) for s in range(3)))
+            # A request's own "off" values turn the config's filter off.
+            off = {"top_h": 0.0} if "top_h" in narrow else {"epsilon_cutoff": 0.0}
+            free = await manager.generate(prompt, seed=0, **off)
         assert all(o.generated_tokens == reference for o in outputs), narrow
+        assert free.generated_tokens != reference, narrow
+    async with aiocb.Manager(model) as manager:
+        # (a top-h below float32's smallest number is not rounded to 0, off)
+        tiny = await manager.generate(prompt, max_new_tokens=NEW, temperature=1.0, top_h=1e-46, seed=1)
+    assert tiny.generated_tokens == reference
     rare = {"typical_p": 0.7, "eta_cutoff": 0.003, "top_h": 0.9}
     config = GenerationConfig(do_sample=True, temperature=1.2, max_new_tokens=NEW, **rare)  # type: ignore[arg-type]
     async with aiocb.Manager(model, config, strict) as manager:
@@ -158,6 +166,24 @@ async def test_generation_configs_rarer_filters_are_honoured() -> None:
         unfiltered = await manager.generate(prompt, max_new_tokens=NEW, temperature=1.2, seed=4)
     assert from_config.generated_tokens == own.generated_tokens
     assert own.generated_tokens != unfiltered.generated_tokens, "the filters changed nothing here"
+
+
+async def test_generation_config_filter_values_transformers_ignores_or_refuses() -> None:
+    """Values transformers builds no processor for (typical_p 1.5, an epsilon cutoff of 1)
+    are off, as there; values its processors refuse (top_h 1.5, typical_p 0) are named,
+    dropped with a warning or refused by a strict manager."""
+    model = MODELS["qwen3"]()
+    strict = aiocb.ContinuousBatchingConfig(drop_unsupported_processors=False)
+    ignored = GenerationConfig(do_sample=True, max_new_tokens=NEW, typical_p=1.5, epsilon_cutoff=1.0, eta_cutoff=-1.0)
+    async with aiocb.Manager(model, ignored, strict) as manager:
+        output = await manager.generate(PROMPTS[0], seed=3)
+    async with aiocb.Manager(model, GenerationConfig(do_sample=True, max_new_tokens=NEW)) as manager:
+        plain = await manager.generate(PROMPTS[0], seed=3)
+    assert output.generated_tokens == plain.generated_tokens
+    for refused in ({"top_h": 1.5}, {"typical_p": 0.0}):
+        name = next(iter(refused))
+        with pytest.raises(aiocb.InvalidRequestError, match=rf"{name} \(.*which transformers refuses"):
+            aiocb.Manager(model, GenerationConfig(do_sample=True, **refused), strict)  # type: ignore[arg-type]
 
 
 def test_unsupported_generation_config_fields_are_dropped_with_one_warning(caplog: pytest.LogCaptureFixture) -> None:

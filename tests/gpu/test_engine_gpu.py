@@ -332,3 +332,30 @@ def test_prompt_lookup_replays_graphs_of_its_steps_with_the_decode_model_compile
           f"verify_cost {seen['verify_cost']:.2f}, {len(began)} graphs in {seen['seconds']:.1f} s")  # fmt: skip
     assert same >= len(expected) - 1  # (the compiled model and the kernels round otherwise)
     assert seen["replays"] > 0 and stats.draft_tokens > 0
+
+
+def test_rows_with_the_rarer_filters_pick_on_the_device_what_they_pick_on_cpu() -> None:
+    """A batch mixing rows with top-h, typical-p, epsilon or eta cutoffs and rows without:
+    on CUDA (the Triton draw, then the filtered rows drawn again over the vocabulary) each
+    row picks what it picks on the CPU, from float32 logits; bfloat16 logits draw too."""
+    from aiocb.runner.sampler import SamplingTensors, sample
+    from tests.runner.test_sampler import Row
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(8, 4096, generator=gen) * 3
+    rows = [
+        Row(1.0, seed=1, filters=(0.0, 0.5, 0.0, 0.0)),
+        Row(0.7, top_k=30, seed=2),
+        Row(0.0),
+        Row(1.2, top_p=0.9, seed=3, offset=4, filters=(0.4, 1.0, 1e-3, 0.0)),
+        Row(1.0, min_p=0.1, seed=4),
+        Row(0.9, seed=5, filters=(0.0, 1.0, 0.0, 0.01)),
+        Row(1.0, top_k=50, seed=6, filters=(0.0, 0.9, 1e-4, 1e-3)),
+        Row(1.1, seed=7),
+    ]
+    on_cpu = sample(logits, SamplingTensors.from_rows(rows, logits.device)).tokens
+    device = torch.device("cuda")
+    on_gpu = sample(logits.to(device), SamplingTensors.from_rows(rows, device)).tokens.cpu()
+    assert on_gpu.tolist() == on_cpu.tolist()
+    half = sample(logits.to(device, torch.bfloat16), SamplingTensors.from_rows(rows, device)).tokens
+    assert half.shape == (8,) and int(half.min()) >= 0 and int(half.max()) < 4096

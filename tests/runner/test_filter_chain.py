@@ -75,6 +75,15 @@ def test_each_filter_is_transformers_processor_row_by_row(name: str, masked: boo
     assert dropped_any, "no value dropped a token: the comparison proves nothing"
 
 
+def test_top_h_leaves_out_tokens_of_probability_zero() -> None:
+    """Tokens whose probability underflows to 0 are dropped by top-h, as transformers'
+    NaN entropy terms drop them (the processed logprobs report -inf for them)."""
+    logits = torch.tensor([[0.0, -120.0, -130.0, -1.0]])
+    theirs = TopHLogitsWarper(0.9)(torch.zeros(1, 1, dtype=torch.long), logits.clone())
+    assert torch.equal(apply_top_h(logits, torch.tensor([0.9])), theirs)
+    assert theirs[0, 1:3].isinf().all()
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_the_chain_is_generation_configs_in_its_order(qwen3: PreTrainedModel, seed: int) -> None:
     """Every filter together, one value per row: each row as transformers' own warpers,
@@ -96,7 +105,7 @@ def test_the_chain_is_generation_configs_in_its_order(qwen3: PreTrainedModel, se
     min_p = torch.tensor([s.get("min_p", 0.0) for s in settings])
     names = ("top_h", "typical_p", "epsilon_cutoff", "eta_cutoff")
     filters = torch.tensor([[s.get(n, off) for n, off in zip(names, OFF, strict=True)] for s in settings])
-    ours = filter_chain(scaled, top_k, top_p, min_p, filters)
+    ours = filter_chain(scaled, top_k, top_p, min_p, filters, (True, True, True, True))
     for row, setting in enumerate(settings):
         config = GenerationConfig(do_sample=True, temperature=temperature, **{"top_k": 0, **setting})
         warpers = qwen3._get_logits_processor(generation_config=config, device="cpu")

@@ -92,7 +92,7 @@ def _check_rows(
         for i, row in enumerate(sampled):
             temperature, top_k, _, _, seed, _, _, _, filters = row_params(output.scheduled[row].request.params)
             assert (int(gathered.top_k[i]), int(gathered.seed[i])) == (top_k, seed)
-            uses_filters = gathered.filter_rows is not None and i in gathered.filter_rows.tolist()
+            uses_filters = gathered.rare is not None and i in gathered.rare.rows.tolist()
             assert uses_filters == (filters is not None)
             assert float(gathered.temperature[i]) == torch.tensor(temperature, dtype=torch.float32).item()
 
