@@ -30,6 +30,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from aiocb.core.kv_cache import KVCacheManager
 from aiocb.core.request import Request
@@ -99,8 +100,20 @@ class SchedulerOutput:
         return not self.scheduled and not any(self.swap_out) and not any(self.swap_in) and not any(self.copy_blocks)
 
 
-#: Prompt positions' most likely alternatives: their ids, and their logprobs, a list a position.
-PromptTops = tuple[list[list[int]], list[list[float]]]
+class Block(Protocol):
+    """A ``[positions, k]`` block of a step's results (a host tensor), made into Python lists
+    only when recorded."""
+
+    def __getitem__(self, index: Any) -> Block: ...
+
+    def tolist(self) -> list[list[Any]]: ...
+
+
+#: Prompt positions' most likely alternatives: their ids and their logprobs, ``[positions, k]``.
+#: (Blocks rather than lists: the lists of a whole step, 76,800 of them for 38,400 scored
+#: positions, set the cyclic collector off on the step thread, where it held the GIL, and so
+#: the loop, 20 ms at a time; a request's are made as it is recorded, in a chunk of the update.)
+PromptTops = tuple[Block, Block]
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,13 +125,13 @@ class StepResult:
     logprobs and computed prompt positions in this step (in plan order): the
     log-probabilities of the prompt tokens after the step's positions, with their top
     alternatives when the request asked for them (a list of ids and one of logprobs a
-    position).
+    position). :meth:`Scheduler.update_in_chunks` consumes the entries (None once recorded).
     """
 
     token_ids: list[int]
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
-    prompt_logprobs: list[tuple[list[float], PromptTops | None]] | None = None
+    prompt_logprobs: list[tuple[list[float], PromptTops | None] | None] | None = None
     #: a draft model's proposals, per speculating row in plan order (each row's in order)
     proposed: list[int] | None = None
 
@@ -508,10 +521,18 @@ class Scheduler:
             work += 1
             if params.prompt_logprobs and wants_prompt_logprobs(request, item.start):
                 assert result.prompt_logprobs is not None
-                values, top_prompt = result.prompt_logprobs[prompt_row]
+                entry = result.prompt_logprobs[prompt_row]
+                assert entry is not None
+                # The step's lists are let go of a row at a time, in this chunk: freed all
+                # at once with the step's result (38,400 positions with 20 alternatives
+                # each, bench/response_holds.py's echo), they held the loop 30 ms.
+                result.prompt_logprobs[prompt_row] = None
                 prompt_row += 1
+                values, top_prompt = entry
+                del entry
                 _record_prompt_logprobs(request, item.start, values, top_prompt)
                 work += len(values) * (1 + params.top_logprobs) // _PROMPT_ENTRIES_PER_WORK
+                del values, top_prompt
             if item.drafts is not None:
                 request.num_pending_tokens -= 1
                 request.speculating = False
@@ -920,19 +941,20 @@ _PROMPT_ENTRIES_PER_WORK = 64
 
 
 def _record_prompt_logprobs(request: Request, start: int, values: list[float], tops: PromptTops | None) -> None:
-    # After a preemption the prompt is computed again: keep what was recorded first.
-    for i, value in enumerate(values):
-        position = start + 1 + i
-        if position == len(request.prompt_logprobs):
-            request.prompt_logprobs.append(value)
-            # (the step computes as many alternatives as its most demanding row asked for)
-            wanted = request.params.top_logprobs
-            top = (
-                dict(zip(tops[0][i][:wanted], tops[1][i][:wanted], strict=True))
-                if tops is not None and wanted
-                else None
-            )
-            request.prompt_top_logprobs.append(top)
+    """Record the logprobs of the prompt positions after ``start`` that follow the ones
+    recorded (after a preemption the prompt is computed again: what was recorded first
+    stays)."""
+    first = len(request.prompt_logprobs) - (start + 1)
+    if first < 0 or first >= len(values):
+        return
+    request.prompt_logprobs.extend(values[first:])
+    wanted = request.params.top_logprobs
+    if tops is None or not wanted:
+        request.prompt_top_logprobs.extend([None] * (len(values) - first))
+        return
+    # (the step computes as many alternatives as its most demanding row asked for)
+    ids, logprobs = tops[0][first:, :wanted].tolist(), tops[1][first:, :wanted].tolist()
+    request.prompt_top_logprobs.extend(dict(zip(i, v, strict=True)) for i, v in zip(ids, logprobs, strict=True))
 
 
 def _extend(per_group: list[list[tuple[int, int]]], more: list[list[tuple[int, int]]]) -> None:

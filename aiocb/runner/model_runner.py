@@ -17,7 +17,7 @@ import torch
 from transformers import PreTrainedModel
 
 from aiocb.config import DEFAULT_MAX_BLOCKS_PER_REQUEST, ContinuousBatchingConfig
-from aiocb.core.scheduler import StepResult
+from aiocb.core.scheduler import PromptTops, StepResult
 from aiocb.runner import attention
 from aiocb.runner.backends import Backend, select_backends
 from aiocb.runner.compile import compile_configs, compiled
@@ -285,14 +285,15 @@ class ModelRunner:
         """Wait for a launched step's results and return them as lists."""
         if pending.event is not None:
             pending.event.synchronize()
-        prompt_logprobs = None
+        prompt_logprobs: list[tuple[list[float], PromptTops | None] | None] | None = None
         if pending.prompt_counts:
             assert pending.prompt_chosen is not None
             chosen = pending.prompt_chosen.tolist()
-            # (ids and values as a list a position each, not (id, value) pairs: a step
-            # scoring 38,400 positions with 20 alternatives made 768,000 tuples, which set
-            # the cyclic collector off again and again; bench/response_holds.py's echo)
-            top_ids, top_values = _rows(pending.prompt_top_ids), _rows(pending.prompt_top_values)
+            # (the alternatives stay tensors, each row's a view: made into lists here, a
+            # step scoring 38,400 positions with 20 alternatives made 76,800 lists on this
+            # thread, which set the cyclic collector off while it held the GIL, and held
+            # the loop with it; bench/response_holds.py's echo)
+            top_ids, top_values = pending.prompt_top_ids, pending.prompt_top_values
             prompt_logprobs = []
             start = 0
             for count in pending.prompt_counts:
@@ -436,7 +437,7 @@ def _to_host(tensor: torch.Tensor | None) -> torch.Tensor | None:
 
 #: Rows made into Python lists in one call: a call holds the GIL from start to end, and
 #: this runs on the step thread beside the event loop, whose thread takes its turn between
-#: calls (a step may score 38,400 prompt positions with 20 alternatives each).
+#: calls (a step may sample thousands of rows with 20 alternatives each).
 _ROWS_BLOCK = 1024
 
 

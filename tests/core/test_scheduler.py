@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from unittest import mock
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -1048,10 +1049,35 @@ def test_a_step_update_ends_its_chunks_sooner_for_requests_recording_many_prompt
         scheduler.add(request)
     output = scheduler.schedule()
     assert [s.request for s in output.scheduled] == [*scored, *plain] and all(s.sample for s in output.scheduled)
-    tops = ([list(range(20))] * 64, [[-1.0] * 20] * 64)
+    tops = (torch.arange(20).repeat(64, 1), torch.full((64, 20), -1.0))
     result = StepResult([fake_token(s.request) for s in output.scheduled], prompt_logprobs=[([-1.0] * 64, tops)] * 4)
     chunks = [updated for updated, _ in scheduler.update_in_chunks(output, result, 0.0, chunk=32)]
     assert [len(updated) for updated in chunks] == [2, 2, 4]
     assert all(
         len(r.prompt_top_logprobs) == 65 and r.prompt_top_logprobs[-1] == dict.fromkeys(range(20), -1.0) for r in scored
     )
+
+
+def test_prompt_logprobs_are_recorded_once_and_let_go_of_a_row_at_a_time() -> None:
+    """A step's prompt logprobs become the request's as the update reaches it, and the
+    step's entry is let go of then (its lists freed a row at a time, not with the whole
+    result); only the request's own number of alternatives become dicts; positions
+    recorded before (a prompt computed again after a preemption) keep their first values."""
+    from aiocb.core.scheduler import _record_prompt_logprobs
+
+    scheduler = Scheduler(full_cache(64, page=16), max_batch_tokens=64, max_requests_per_batch=4, max_scored_tokens=64)
+    params = ResolvedParams(max_new_tokens=2, prompt_logprobs=True, top_logprobs=2)
+    request = Request("s", list(range(1, 9)), params, arrival_time=0.0)
+    scheduler.add(request)
+    output = scheduler.schedule()
+    ids, values = torch.arange(35).reshape(7, 5), -torch.arange(35, dtype=torch.float32).reshape(7, 5)
+    chosen = [-0.5 * i for i in range(7)]
+    result = StepResult([fake_token(request)], prompt_logprobs=[(chosen, (ids, values))])
+    scheduler.update(output, result, 0.0)
+    assert result.prompt_logprobs == [None]
+    assert request.prompt_logprobs == [None, *chosen]
+    assert request.prompt_top_logprobs[1:] == [{5 * i: -5.0 * i, 5 * i + 1: -5.0 * i - 1} for i in range(7)]
+    # Computed again from position 3: the first values stay, nothing is appended twice.
+    _record_prompt_logprobs(request, 3, [9.0] * 4, (ids[3:], values[3:] + 1))
+    assert request.prompt_logprobs == [None, *chosen]
+    assert len(request.prompt_top_logprobs) == 8
