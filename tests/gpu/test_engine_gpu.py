@@ -339,20 +339,10 @@ def test_rows_with_the_rarer_filters_pick_on_the_device_what_they_pick_on_cpu() 
     on CUDA (the Triton draw, then the filtered rows drawn again over the vocabulary) each
     row picks what it picks on the CPU, from float32 logits; bfloat16 logits draw too."""
     from aiocb.runner.sampler import SamplingTensors, sample
-    from tests.runner.test_sampler import Row
+    from tests.runner.test_filter_chain import MIXED_ROWS as rows
 
     gen = torch.Generator().manual_seed(0)
-    logits = torch.randn(8, 4096, generator=gen) * 3
-    rows = [
-        Row(1.0, seed=1, filters=(0.0, 0.5, 0.0, 0.0)),
-        Row(0.7, top_k=30, seed=2),
-        Row(0.0),
-        Row(1.2, top_p=0.9, seed=3, offset=4, filters=(0.4, 1.0, 1e-3, 0.0)),
-        Row(1.0, min_p=0.1, seed=4),
-        Row(0.9, seed=5, filters=(0.0, 1.0, 0.0, 0.01)),
-        Row(1.0, top_k=50, seed=6, filters=(0.0, 0.9, 1e-4, 1e-3)),
-        Row(1.1, seed=7),
-    ]
+    logits = torch.randn(len(rows), 4096, generator=gen) * 3
     on_cpu = sample(logits, SamplingTensors.from_rows(rows, logits.device)).tokens
     device = torch.device("cuda")
     on_gpu = sample(logits.to(device), SamplingTensors.from_rows(rows, device)).tokens.cpu()

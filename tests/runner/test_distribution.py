@@ -37,6 +37,8 @@ class Setting:
     min_p: float = 0.0
     #: draws differ by seed (offset 0), or by offset (one seed): a request's successive tokens
     vary: str = "seed"
+    #: the rarer filters: top-h, typical-p, epsilon and eta cutoffs (tests/runner/test_filter_chain.py)
+    filters: tuple[float, float, float, float] = (0.0, 1.0, 0.0, 0.0)
 
 
 SETTINGS = {

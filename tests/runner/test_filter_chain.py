@@ -4,8 +4,8 @@ order, and seeded draws that follow the filtered softmax as ``torch.multinomial`
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -27,7 +27,15 @@ from aiocb.runner.filter_chain import (
     filter_chain,
 )
 from aiocb.runner.sampler import SamplingTensors, sample
-from tests.runner.test_distribution import CHUNK, DRAWS, MARGIN, multinomial_tv, realistic_logits, total_variation
+from tests.runner.test_distribution import (
+    CHUNK,
+    DRAWS,
+    MARGIN,
+    Setting,
+    multinomial_tv,
+    realistic_logits,
+    total_variation,
+)
 from tests.runner.test_sampler import Row
 
 ROWS, VOCAB = 6, 512
@@ -115,15 +123,6 @@ def test_the_chain_is_generation_configs_in_its_order(qwen3: PreTrainedModel, se
         torch.testing.assert_close(ours[row][kept], theirs[kept], rtol=0, atol=0)
 
 
-@dataclass(frozen=True)
-class Setting:
-    temperature: float
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    filters: tuple[float, float, float, float] = OFF
-
-
 SETTINGS = {
     "typical-p": Setting(1.0, filters=(0.0, 0.5, 0.0, 0.0)),
     "epsilon": Setting(0.9, top_k=200, filters=(0.0, 1.0, 2e-3, 0.0)),
@@ -185,23 +184,29 @@ def test_draws_follow_the_filtered_softmax(name: str) -> None:
     assert outside.numel() == 0, f"{outside.numel()} draws outside the support"
     ours, reference = total_variation(draws, distribution), multinomial_tv(distribution, DRAWS)
     assert ours <= reference + MARGIN, f"TV {ours:.4f} against multinomial's {reference:.4f}"
-    hotter = Setting(setting.temperature * 1.1, setting.top_k, setting.top_p, setting.min_p, setting.filters)
+    hotter = dataclasses.replace(setting, temperature=setting.temperature * 1.1)
     biased = torch.multinomial(_target(logits, hotter, torch.float64), DRAWS, True, generator=torch.Generator())
     assert total_variation(biased, distribution) > reference + MARGIN, "the check has no power here"
+
+
+#: Rows with and without the rarer filters (a greedy one among them), for one batch.
+MIXED_ROWS = [
+    Row(1.0, seed=1, filters=(0.0, 0.5, 0.0, 0.0)),
+    Row(0.7, top_k=30, seed=2),
+    Row(0.0),
+    Row(1.2, top_p=0.9, seed=3, offset=4, filters=(0.4, 1.0, 1e-3, 0.0)),
+    Row(1.0, min_p=0.1, seed=4),
+    Row(0.9, seed=5, filters=(0.0, 1.0, 0.0, 0.01)),
+    Row(1.0, top_k=50, seed=6, filters=(0.0, 0.9, 1e-4, 1e-3)),
+    Row(1.1, seed=7),
+]
 
 
 def test_a_rows_picks_do_not_depend_on_its_batch_mates() -> None:
     """Rows with and without the rarer filters, sampled together, pick what each picks
     alone (its own seed and offset), and greedy rows keep the argmax."""
     logits = _logits(5, masked=False)
-    rows = [
-        Row(1.0, seed=1, filters=(0.0, 0.5, 0.0, 0.0)),
-        Row(0.7, top_k=30, seed=2),
-        Row(0.0),
-        Row(1.2, top_p=0.9, seed=3, offset=4, filters=(0.4, 1.0, 1e-3, 0.0)),
-        Row(1.0, min_p=0.1, seed=4),
-        Row(0.9, seed=5, filters=(0.0, 1.0, 0.0, 0.01)),
-    ]
+    rows = MIXED_ROWS[:ROWS]
     together = sample(logits, SamplingTensors.from_rows(rows, logits.device)).tokens
     alone = [
         int(sample(logits[i : i + 1], SamplingTensors.from_rows([r], logits.device)).tokens) for i, r in enumerate(rows)
