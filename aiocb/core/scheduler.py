@@ -106,7 +106,9 @@ class Block(Protocol):
 
     def __getitem__(self, index: Any) -> Block: ...
 
-    def tolist(self) -> list[list[Any]]: ...
+    def reshape(self, *shape: int) -> Block: ...
+
+    def tolist(self) -> list[Any]: ...
 
 
 #: Prompt positions' most likely alternatives: their ids and their logprobs, ``[positions, k]``.
@@ -124,8 +126,8 @@ class StepResult:
     ``prompt_logprobs`` has one entry per scheduled request that asked for prompt
     logprobs and computed prompt positions in this step (in plan order): the
     log-probabilities of the prompt tokens after the step's positions, with their top
-    alternatives when the request asked for them (a list of ids and one of logprobs a
-    position). :meth:`Scheduler.update_in_chunks` consumes the entries (None once recorded).
+    alternatives when the request asked for them (:data:`PromptTops`, ``[positions, k]``
+    blocks). :meth:`Scheduler.update_in_chunks` consumes the entries (None once recorded).
     """
 
     token_ids: list[int]
@@ -952,9 +954,12 @@ def _record_prompt_logprobs(request: Request, start: int, values: list[float], t
     if tops is None or not wanted:
         request.prompt_top_logprobs.extend([None] * (len(values) - first))
         return
-    # (the step computes as many alternatives as its most demanding row asked for)
-    ids, logprobs = tops[0][first:, :wanted].tolist(), tops[1][first:, :wanted].tolist()
-    request.prompt_top_logprobs.extend(dict(zip(i, v, strict=True)) for i, v in zip(ids, logprobs, strict=True))
+    # (the step computes as many alternatives as its most demanding row asked for; flat
+    # lists, not a list a position: those would be tracked by the cyclic collector)
+    ids, logprobs = tops[0][first:, :wanted].reshape(-1).tolist(), tops[1][first:, :wanted].reshape(-1).tolist()
+    request.prompt_top_logprobs.extend(
+        dict(zip(ids[at : at + wanted], logprobs[at : at + wanted], strict=True)) for at in range(0, len(ids), wanted)
+    )
 
 
 def _extend(per_group: list[list[tuple[int, int]]], more: list[list[tuple[int, int]]]) -> None:

@@ -282,7 +282,8 @@ class ModelRunner:
         return pending
 
     def collect(self, pending: PendingStep) -> StepResult:
-        """Wait for a launched step's results and return them as lists."""
+        """Wait for a launched step's results and return them as lists (the prompt
+        positions' alternatives as blocks of the host tensors: see ``PromptTops``)."""
         if pending.event is not None:
             pending.event.synchronize()
         prompt_logprobs: list[tuple[list[float], PromptTops | None] | None] | None = None

@@ -4,6 +4,7 @@ and every failed awaiter gets its own exception."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import os
 import threading
@@ -359,3 +360,37 @@ def test_the_loop_thread_gets_an_openmp_team_before_the_step_thread() -> None:
     finally:
         torch.set_num_threads(threads)
     assert counts[1] == counts[0] + 1 == counts[2]
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["synchronous", "async_batching"])
+async def test_requests_that_ended_together_are_let_go_of_one_at_a_time(
+    qwen3: PreTrainedModel, monkeypatch: pytest.MonkeyPatch, pipelined: bool
+) -> None:
+    """Requests that ended in one step, whose outputs nobody holds any more, are freed (with
+    every logprob they recorded) one between two loop turns, not all at once when the
+    step loop lets go of its plan: 64 chat samples with 20 top logprobs a token held the
+    loop 19 ms so (bench/RESULTS.md)."""
+    alive: list[int] = []
+
+    def ended_alive() -> int:
+        return sum(1 for o in gc.get_objects() if isinstance(o, Request) and o.request_id.startswith("ended-"))
+
+    class CountingTurn(step_loop.LoopTurn):
+        async def give(self) -> None:
+            alive.append(ended_alive())
+            await super().give()
+
+    monkeypatch.setattr(step_loop, "LoopTurn", CountingTurn)
+    config = aiocb.ContinuousBatchingConfig(use_async_batching=pipelined)
+    async with aiocb.Manager(qwen3, continuous_batching_config=config) as manager:
+        params: dict[str, Any] = {"max_new_tokens": 3, "top_logprobs": 5, "prompt_logprobs": True}
+        outputs = await asyncio.gather(
+            *(manager.generate(PROMPTS[0], request_id=f"ended-{i}", **params) for i in range(12))
+        )
+        assert all(o.finish_reason is not None for o in outputs)
+        del outputs
+        await manager.generate(PROMPTS[1], max_new_tokens=4)  # (steps after theirs)
+        assert ended_alive() == 0, "the engine still holds requests that ended"
+    assert max(alive) == 12
+    drops = [before - after for before, after in itertools.pairwise(alive)]
+    assert max(drops) == 1, f"requests freed together: {alive}"
