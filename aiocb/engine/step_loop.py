@@ -262,8 +262,15 @@ class StepLoop:
         if len(self._deadlines) > 2 * live + 64:
             # Most entries are of requests that ended before their deadline: dropped, or a
             # long timeout would keep every finished request (its tokens, its text) alive.
-            self._deadlines = [entry for entry in self._deadlines if not entry[2].is_finished]
-            heapq.heapify(self._deadlines)
+            # (and those ended go one at a time, as the others that ended: see _let_go)
+            kept: list[tuple[float, int, Request]] = []
+            for entry in self._deadlines:
+                if entry[2].is_finished:
+                    self._ended.append(entry[2])
+                else:
+                    kept.append(entry)
+            self._deadlines = kept
+            heapq.heapify(kept)
         now = time.perf_counter()
         expired: list[Request] = []
         while self._deadlines and self._deadlines[0][0] <= now:

@@ -362,14 +362,19 @@ def test_the_loop_thread_gets_an_openmp_team_before_the_step_thread() -> None:
     assert counts[1] == counts[0] + 1 == counts[2]
 
 
-@pytest.mark.parametrize("pipelined", [False, True], ids=["synchronous", "async_batching"])
+@pytest.mark.parametrize(
+    ("pipelined", "count", "timeout"),
+    [(False, 12, None), (True, 12, None), (False, 70, 600.0)],
+    ids=["synchronous", "async_batching", "with-deadlines"],
+)
 async def test_requests_that_ended_together_are_let_go_of_one_at_a_time(
-    qwen3: PreTrainedModel, monkeypatch: pytest.MonkeyPatch, pipelined: bool
+    qwen3: PreTrainedModel, monkeypatch: pytest.MonkeyPatch, pipelined: bool, count: int, timeout: float | None
 ) -> None:
     """Requests that ended in one step, whose outputs nobody holds any more, are freed (with
     every logprob they recorded) one between two loop turns, not all at once when the
-    step loop lets go of its plan: 64 chat samples with 20 top logprobs a token held the
-    loop 19 ms so (bench/RESULTS.md)."""
+    step loop lets go of its plan (or, with a timeout each, of their deadlines: more than
+    64 ended ones are pruned from the deadline heap at once): 64 chat samples with 20 top
+    logprobs a token held the loop 19 ms so (bench/RESULTS.md)."""
     alive: list[int] = []
 
     def ended_alive() -> int:
@@ -383,14 +388,21 @@ async def test_requests_that_ended_together_are_let_go_of_one_at_a_time(
     monkeypatch.setattr(step_loop, "LoopTurn", CountingTurn)
     config = aiocb.ContinuousBatchingConfig(use_async_batching=pipelined)
     async with aiocb.Manager(qwen3, continuous_batching_config=config) as manager:
-        params: dict[str, Any] = {"max_new_tokens": 3, "top_logprobs": 5, "prompt_logprobs": True}
+        params: dict[str, Any] = {"max_new_tokens": 3, "top_logprobs": 5, "prompt_logprobs": True, "timeout": timeout}
+        # (with deadlines: six longer requests keep the heap of 76 from being pruned, at more
+        # than 64 + 2 per live request, until the short ones' plans are long gone and their
+        # deadlines the last hold on them)
+        longer = [
+            asyncio.create_task(manager.generate(PROMPTS[i % 4], max_new_tokens=40, timeout=timeout)) for i in range(6)
+        ]
         outputs = await asyncio.gather(
-            *(manager.generate(PROMPTS[0], request_id=f"ended-{i}", **params) for i in range(12))
+            *(manager.generate(PROMPTS[0], request_id=f"ended-{i}", **params) for i in range(count))
         )
         assert all(o.finish_reason is not None for o in outputs)
         del outputs
+        await asyncio.gather(*longer)
         await manager.generate(PROMPTS[1], max_new_tokens=4)  # (steps after theirs)
         assert ended_alive() == 0, "the engine still holds requests that ended"
-    assert max(alive) == 12
+    assert max(alive) == count
     drops = [before - after for before, after in itertools.pairwise(alive)]
     assert max(drops) == 1, f"requests freed together: {alive}"
