@@ -26,6 +26,8 @@ TOP_H, TYPICAL_P, EPSILON_CUTOFF, ETA_CUTOFF = range(4)
 OFF = (0.0, 1.0, 0.0, 0.0)
 #: How many most likely tokens top-h looks at (transformers' ``TopHLogitsWarper.top_n``).
 TOP_H_CANDIDATES = 100
+#: Candidates beyond the largest top-k, for the tokens tied with a k-th largest logit.
+_TIE_ROOM = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +51,34 @@ class RareFilters:
             return None
         used = on.index_select(0, rows).any(dim=0).tolist()
         return RareFilters(rows, values.index_select(0, rows), (used[0], used[1], used[2], used[3]))
+
+
+def candidates(
+    scaled: torch.Tensor, top_k: torch.Tensor | None, used: tuple[bool, bool, bool, bool]
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """On a CPU, each row's largest logits ``(values, ids)`` (``[R, width]``, by decreasing
+    logit) when they hold every token the row's top-k can keep: then :func:`filter_chain`
+    over them leaves what it leaves over the whole row (every other token is -inf after
+    top-k, and top-h, before it, reads the 100 largest), without sorting the vocabulary.
+    None where that does not hold (a row without top-k, a tie with a k-th largest logit
+    that may go on past them) or brings nothing, and on other devices (the top-k's width
+    is read on the host)."""
+    if top_k is None or scaled.device.type != "cpu":
+        return None
+    vocab = scaled.shape[-1]
+    ks = top_k.tolist()
+    if not ks or min(ks) <= 0 or max(ks) >= vocab:
+        return None
+    width = max(ks) + _TIE_ROOM
+    if used[TOP_H]:
+        width = max(width, TOP_H_CANDIDATES)
+    if 4 * width > vocab:
+        return None
+    values, ids = scaled.topk(width, dim=-1)
+    kth = values.gather(1, (top_k - 1)[:, None])
+    if bool((values[:, -1] == kth[:, 0]).any()):
+        return None
+    return values, ids
 
 
 def filter_chain(

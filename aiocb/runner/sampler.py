@@ -23,9 +23,9 @@ import torch
 
 from aiocb.runner.argmax import argmax_rows
 from aiocb.runner.draw import draw, draw_full
-from aiocb.runner.filter_chain import OFF, RareFilters, filter_chain
+from aiocb.runner.filter_chain import OFF, RareFilters, candidates, filter_chain
 from aiocb.runner.logits_controls import LogitsControls, apply_controls
-from aiocb.runner.noise import seed_key
+from aiocb.runner.noise import gumbel_at, seed_key
 
 logger = logging.getLogger(__name__)
 
@@ -221,11 +221,16 @@ def sample(logits: torch.Tensor, params: SamplingTensors) -> Sampled:
     else:
         tokens = draw_on_device(logits, params)
     if params.rare is not None:
-        # (the same Gumbel-max pick over the whole vocabulary, with the row's own noise)
+        # (the same Gumbel-max pick, with the row's own noise, over the whole vocabulary or
+        # over the candidates outside which every token is -inf)
         rows = params.rare.rows
-        chained = _rare_chain(logits, params, params.rare)
+        chained, ids = _rare_chain(logits, params, params.rare)
         seed, offset = params.seed.index_select(0, rows), params.offset.index_select(0, rows)
-        tokens.index_copy_(0, rows, draw_full(chained, seed, offset, None, None, None))
+        if ids is None:
+            drawn = draw_full(chained, seed, offset, None, None, None)
+        else:
+            drawn = ids.gather(1, (chained + gumbel_at(seed, offset, ids)).argmax(dim=-1, keepdim=True))[:, 0]
+        tokens.index_copy_(0, rows, drawn)
     result = Sampled(tokens)
     if params.any_logprobs:
         scored = raw if params.processed_logprobs is None else _drawn_from(raw, logits, params)
@@ -233,10 +238,13 @@ def sample(logits: torch.Tensor, params: SamplingTensors) -> Sampled:
     return result
 
 
-def _rare_chain(logits: torch.Tensor, params: SamplingTensors, rare: RareFilters) -> torch.Tensor:
+def _rare_chain(
+    logits: torch.Tensor, params: SamplingTensors, rare: RareFilters
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The logits the rows of ``rare`` (sampled rows that use one of the rarer filters) are
     drawn from: ``logits`` (after controls and masks) over their temperature, with every
-    filter of theirs, float32."""
+    filter of theirs, float32; over the whole vocabulary (ids None), or over the rows'
+    :func:`~aiocb.runner.filter_chain.candidates` and their ids."""
     rows = rare.rows
 
     def take(t: torch.Tensor) -> torch.Tensor:
@@ -246,7 +254,11 @@ def _rare_chain(logits: torch.Tensor, params: SamplingTensors, rare: RareFilters
     top_k = take(params.top_k) if params.any_top_k else None
     top_p = take(params.top_p) if params.any_top_p else None
     min_p = None if params.min_p is None else take(params.min_p)
-    return filter_chain(scaled, top_k, top_p, min_p, rare.values, rare.used)
+    block = candidates(scaled, top_k, rare.used)
+    if block is None:
+        return filter_chain(scaled, top_k, top_p, min_p, rare.values, rare.used), None
+    values, ids = block
+    return filter_chain(values, top_k, top_p, min_p, rare.values, rare.used), ids
 
 
 def _drawn_from(raw: torch.Tensor, logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
@@ -261,7 +273,10 @@ def _drawn_from(raw: torch.Tensor, logits: torch.Tensor, params: SamplingTensors
     top_p = torch.where(drawn, params.top_p, 1.0) if params.any_top_p else None
     processed = filter_chain(processed, top_k, top_p, params.min_p)  # (min-p is 0, off, for greedy rows)
     if params.rare is not None:
-        processed = processed.index_copy(0, params.rare.rows, _rare_chain(logits, params, params.rare))
+        chained, ids = _rare_chain(logits, params, params.rare)
+        if ids is not None:  # (the candidates' logits in place, every other token -inf)
+            chained = torch.full_like(processed[: ids.shape[0]], float("-inf")).scatter_(1, ids, chained)
+        processed = processed.index_copy(0, params.rare.rows, chained)
     return torch.where(params.processed_logprobs[:, None], processed, raw.float())
 
 

@@ -243,3 +243,37 @@ def test_processed_logprobs_are_of_the_filtered_distribution() -> None:
         kept = int(expected.isfinite().sum())
         tops = picked.top_logprobs[r]
         assert tops[: min(5, kept)].isfinite().all() and tops[kept:].isinf().all()
+
+
+def test_the_chain_over_a_top_ks_candidates_is_the_chain_over_the_vocabulary(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a top-k on every row, the chain runs over each row's largest logits only: the
+    same tokens are kept with the same logits as over the whole vocabulary, and the same
+    tokens are drawn; a tie with a k-th largest logit that reaches the last candidate
+    takes the whole vocabulary."""
+    from aiocb.runner import sampler
+    from aiocb.runner.filter_chain import candidates
+
+    gen = torch.Generator().manual_seed(8)
+    logits = torch.randn(6, 8192, generator=gen) * torch.linspace(0.5, 4.0, 6)[:, None]
+    top_k, top_p = torch.tensor([50, 5, 200, 50, 120, 30]), torch.tensor([1.0, 0.9, 0.95, 1.0, 0.8, 1.0])
+    min_p = torch.tensor([0.0, 0.0, 0.01, 0.0, 0.0, 0.05])
+    values = torch.tensor([(0.6, 0.9, 0.0, 1e-3), OFF, (0.0, 0.5, 1e-3, 0.0), (0.3, 1.0, 0.0, 0.0), OFF, OFF])
+    used = (True, True, True, True)
+    block = candidates(logits, top_k, used)
+    assert block is not None and block[0].shape[1] == 216
+    over_block = torch.full_like(logits, float("-inf")).scatter_(
+        1, block[1], filter_chain(block[0], top_k, top_p, min_p, values, used)
+    )
+    whole = filter_chain(logits, top_k, top_p, min_p, values, used)
+    assert torch.equal(over_block.isinf(), whole.isinf())
+    assert torch.equal(over_block[~whole.isinf()], whole[~whole.isinf()])
+    # the picks: sample() with and without the candidates
+    rows = [Row(1.0, top_k=40, seed=s, filters=(0.0, 0.7, 0.0, 2e-3)) for s in range(64)]
+    batch = logits[2:3].expand(64, -1).contiguous()
+    fast = sample(batch, SamplingTensors.from_rows(rows, batch.device)).tokens
+    monkeypatch.setattr(sampler, "candidates", lambda *args: None)
+    slow = sample(batch, SamplingTensors.from_rows(rows, batch.device)).tokens
+    assert fast.tolist() == slow.tolist() and len(set(fast.tolist())) > 5
+    tied = logits.clone()
+    tied[0, tied[0].topk(300).indices[49:]] = tied[0].topk(50).values[-1]  # (the 50th to the 300th)
+    assert candidates(tied, top_k, used) is None
