@@ -14,6 +14,10 @@ top-p rows without top-k mostly fall back to the whole vocabulary.
 A greedy step's pick is timed beside them: torch's ``argmax`` and the chunked
 :func:`~aiocb.runner.argmax.argmax_rows` that greedy rows take on a CPU (same indices,
 checked).
+Then the rarer filters (top-h, typical-p, epsilon and eta cutoffs) at the larger
+vocabulary: 64 rows of top-k 50 and top-p 0.9, none, one or eight of them with one of
+those filters, drawn over the top-k's candidates (the CPU's way) and over the sorted
+vocabulary (the same tokens, checked).
 
     python bench/sampler.py [--repeats 3]
 """
@@ -23,7 +27,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +37,7 @@ if __package__ in (None, ""):  # run as `python bench/sampler.py`
 
 import torch
 
+from aiocb.runner import sampler
 from aiocb.runner.argmax import argmax_rows
 from aiocb.runner.draw import draw_full
 from aiocb.runner.sampler import SamplingTensors, sample
@@ -93,7 +99,44 @@ def main(argv: list[str] | None = None) -> int:
             argmax = _ms(torch.argmax, args.repeats, logits, -1)
             chunked = _ms(argmax_rows, args.repeats, logits)
             print(f"| {vocab} | {rows} | {name} | {full:.1f} | {sampled:.1f} | {argmax:.2f} | {chunked:.2f} |")
+    _rare_filters(args.repeats, args.scale)
     return 0
+
+
+def _rare_filters(repeats: int, scale: float) -> None:
+    """``sample()`` with rows of the rarer filters among 64, over candidates and not."""
+    print()
+    print("| vocab | rows | rows with a rarer filter | over candidates ms | over the sorted vocabulary ms |")
+    print("|---:|---:|---|---:|---:|")
+    vocab, rows = 151_936, 64
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(1)) * scale
+    kinds: dict[str, tuple[int, tuple[float, float, float, float] | None]] = {
+        "none": (0, None),
+        "1 epsilon 3e-4": (1, (0.0, 1.0, 3e-4, 0.0)),
+        "1 typical 0.9": (1, (0.0, 0.9, 0.0, 0.0)),
+        "1 top-h 0.5": (1, (0.5, 1.0, 0.0, 0.0)),
+        "8 eta 2e-3": (8, (0.0, 1.0, 0.0, 2e-3)),
+    }
+    for name, (count, filters) in kinds.items():
+        rows_ = [_Row(seed=i, filters=filters if i < count else None) for i in range(rows)]
+        params = SamplingTensors.from_rows(rows_, logits.device)  # type: ignore[arg-type]
+        fast = _ms(sample, repeats, logits, params)
+        tokens = sample(logits, params).tokens
+        with _without_candidates():
+            slow = _ms(sample, repeats, logits, params)
+            assert torch.equal(sample(logits, params).tokens, tokens)
+        print(f"| {vocab} | {rows} | {name} | {fast:.1f} | {slow:.1f} |")
+
+
+@contextmanager
+def _without_candidates() -> Iterator[None]:
+    """``sample()`` drawing rows of the rarer filters over the sorted vocabulary."""
+    original = sampler.candidates
+    sampler.candidates = lambda *args: None
+    try:
+        yield
+    finally:
+        sampler.candidates = original
 
 
 if __name__ == "__main__":
