@@ -94,8 +94,8 @@ class ContinuousBatchingConfig:
             (0 = no bound).
         drop_unsupported_processors: a ``GenerationConfig`` field that changes outputs and
             that aiocb cannot honour (beam search, ``no_repeat_ngram_size``,
-            ``guidance_scale``, ...) is dropped with one warning naming it; with False it is refused with
-            ``InvalidRequestError`` when the manager is built.
+            ``guidance_scale``, ...) is dropped with one warning naming it; with False it
+            is refused with ``InvalidRequestError`` when the manager is built.
         disable_nccl_graph_mixing: under tensor parallelism (``WORLD_SIZE`` > 1), set
             ``NCCL_GRAPH_MIXING_SUPPORT=0`` (as transformers does).
         block_size: deprecated name of ``page_size``.

@@ -531,7 +531,6 @@ class Scheduler:
                 result.prompt_logprobs[prompt_row] = None
                 prompt_row += 1
                 values, top_prompt = entry
-                del entry
                 _record_prompt_logprobs(request, item.start, values, top_prompt)
                 work += len(values) * (1 + params.top_logprobs) // _PROMPT_ENTRIES_PER_WORK
                 del values, top_prompt

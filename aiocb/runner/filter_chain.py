@@ -7,8 +7,9 @@ typical-p, epsilon and eta cutoffs. A sampled row that uses one of them is drawn
 (temperature, top-h, top-k, top-p, min-p, typical-p, epsilon, eta), then the Gumbel-max
 pick of :func:`~aiocb.runner.draw.draw_full`, with the row's own noise. Each rarer filter
 is computed op for op as transformers' ``LogitsProcessor`` computes it, with one value
-per row (a row whose value is off comes out bitwise unchanged). These rows pay for sorts
-of the whole vocabulary; rows without the rarer filters never come here.
+per row (a row whose value is off comes out bitwise unchanged). On a CPU, rows with a
+top-k run the chain over their top-k's :func:`candidates`; other rows pay for sorts of
+the whole vocabulary. Rows without the rarer filters never come here.
 """
 
 from __future__ import annotations

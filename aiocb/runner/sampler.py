@@ -7,8 +7,8 @@ on a GPU. A token is drawn with the Gumbel-max trick (:mod:`aiocb.runner.draw`):
 from each row's largest logits where they suffice, on a GPU by a Triton kernel's
 rejection passes over the vocabulary (:mod:`aiocb.runner.triton_sampler`), or over the
 sorted vocabulary without Triton; all give the same pick. Rows that use one of the rarer
-filters (top-h, typical-p, epsilon or eta cutoffs) are drawn over the whole vocabulary
-by :mod:`aiocb.runner.filter_chain`, with the same noise.
+filters (top-h, typical-p, epsilon or eta cutoffs) are drawn from
+:mod:`aiocb.runner.filter_chain`'s logits, with the same noise.
 """
 
 from __future__ import annotations
@@ -220,11 +220,13 @@ def sample(logits: torch.Tensor, params: SamplingTensors) -> Sampled:
             tokens[rows] = drawn
     else:
         tokens = draw_on_device(logits, params)
-    if params.rare is not None:
+    rare = None if params.rare is None else _rare_chain(logits, params, params.rare)
+    if rare is not None:
         # (the same Gumbel-max pick, with the row's own noise, over the whole vocabulary or
         # over the candidates outside which every token is -inf)
+        assert params.rare is not None
         rows = params.rare.rows
-        chained, ids = _rare_chain(logits, params, params.rare)
+        chained, ids = rare
         seed, offset = params.seed.index_select(0, rows), params.offset.index_select(0, rows)
         if ids is None:
             drawn = draw_full(chained, seed, offset, None, None, None)
@@ -233,7 +235,7 @@ def sample(logits: torch.Tensor, params: SamplingTensors) -> Sampled:
         tokens.index_copy_(0, rows, drawn)
     result = Sampled(tokens)
     if params.any_logprobs:
-        scored = raw if params.processed_logprobs is None else _drawn_from(raw, logits, params)
+        scored = raw if params.processed_logprobs is None else _drawn_from(raw, logits, params, rare)
         result.logprobs, result.top_ids, result.top_logprobs = score(scored, tokens, params.max_top_logprobs)
     return result
 
@@ -261,19 +263,26 @@ def _rare_chain(
     return filter_chain(values, top_k, top_p, min_p, rare.values, rare.used), ids
 
 
-def _drawn_from(raw: torch.Tensor, logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+def _drawn_from(
+    raw: torch.Tensor,
+    logits: torch.Tensor,
+    params: SamplingTensors,
+    rare: tuple[torch.Tensor, torch.Tensor | None] | None,
+) -> torch.Tensor:
     """The logits of the distributions the rows were drawn from, float32, for the rows of
     ``params.processed_logprobs`` (the others' raw logits): ``logits`` (after controls and
     masks) over the row's temperature, with its filters, as transformers' logits
-    processors make them. A greedy row's is its controlled logits."""
+    processors make them (``rare``: :func:`_rare_chain`'s, which the draw made). A greedy
+    row's is its controlled logits."""
     assert params.processed_logprobs is not None
     drawn = params.temperature != 0.0
     processed = logits.float() / torch.where(drawn, params.temperature, 1.0)[:, None]
     top_k = torch.where(drawn, params.top_k, 0) if params.any_top_k else None
     top_p = torch.where(drawn, params.top_p, 1.0) if params.any_top_p else None
     processed = filter_chain(processed, top_k, top_p, params.min_p)  # (min-p is 0, off, for greedy rows)
-    if params.rare is not None:
-        chained, ids = _rare_chain(logits, params, params.rare)
+    if rare is not None:
+        assert params.rare is not None
+        chained, ids = rare
         if ids is not None:  # (the candidates' logits in place, every other token -inf)
             chained = torch.full_like(processed[: ids.shape[0]], float("-inf")).scatter_(1, ids, chained)
         processed = processed.index_copy(0, params.rare.rows, chained)
