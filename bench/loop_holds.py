@@ -23,7 +23,9 @@ Scenarios, each on a fresh Manager with ``bench/overhead.py``'s near-zero-comput
   last added has 8 (the script's own loop over ``cancel_request`` is one callback of
   ``run_scenario``);
 * ``samples``: one 16-token request with ``--rows`` samples (``n``), sampled, 8 new tokens:
-  its samples made, queued and forked from the prompt together.
+  its samples made, queued and forked from the prompt together;
+* ``scored``: one 4,000-token prompt scored with ``prompt_logprobs`` and 20 alternatives a
+  position, 1 new token: a step scores up to ``--rows`` of its positions, and records them.
 
 Callbacks are listed by their task: ``run_scenario`` is the caller's (aiocb's
 ``generate_batch`` and ``add_requests`` run inside it), ``Manager._run_steps`` the step loop.
@@ -54,7 +56,7 @@ import aiocb
 from bench.common import machine_info
 from bench.overhead import tiny_model
 
-SCENARIOS = ("prefix", "pages", "streams", "cancel", "samples")
+SCENARIOS = ("prefix", "pages", "streams", "cancel", "samples", "scored")
 GC_REPORTED_S = 0.0005
 
 
@@ -191,7 +193,18 @@ def scenarios(rows: int) -> dict[str, Callable[[aiocb.Manager], Awaitable[None]]
     async def samples(manager: aiocb.Manager) -> None:
         await manager.generate(short_prompts[0], max_new_tokens=8, n=rows, do_sample=True, seed=1)
 
-    return {"prefix": prefix, "pages": pages, "streams": streams, "cancel": cancel, "samples": samples}
+    async def scored(manager: aiocb.Manager) -> None:
+        prompt = [(i * 7) % 4000 + 1 for i in range(4000)]
+        await manager.generate(prompt, max_new_tokens=1, prompt_logprobs=True, top_logprobs=20)
+
+    return {
+        "prefix": prefix,
+        "pages": pages,
+        "streams": streams,
+        "cancel": cancel,
+        "samples": samples,
+        "scored": scored,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

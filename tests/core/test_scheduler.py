@@ -1078,6 +1078,6 @@ def test_prompt_logprobs_are_recorded_once_and_let_go_of_a_row_at_a_time() -> No
     assert request.prompt_logprobs == [None, *chosen]
     assert request.prompt_top_logprobs[1:] == [{5 * i: -5.0 * i, 5 * i + 1: -5.0 * i - 1} for i in range(7)]
     # Computed again from position 3: the first values stay, nothing is appended twice.
-    _record_prompt_logprobs(request, 3, [9.0] * 4, (ids[3:], values[3:] + 1))
+    assert list(_record_prompt_logprobs(request, 3, [9.0] * 4, (ids[3:], values[3:] + 1))) == []
     assert request.prompt_logprobs == [None, *chosen]
     assert len(request.prompt_top_logprobs) == 8

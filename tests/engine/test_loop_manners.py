@@ -17,6 +17,7 @@ import torch
 from transformers import PreTrainedModel
 
 import aiocb
+from aiocb.core import scheduler as scheduler_module
 from aiocb.core.kv_cache import KVCacheManager
 from aiocb.core.params import ResolvedParams
 from aiocb.core.request import Request
@@ -406,3 +407,40 @@ async def test_requests_that_ended_together_are_let_go_of_one_at_a_time(
     assert max(alive) == count
     drops = [before - after for before, after in itertools.pairwise(alive)]
     assert max(drops) == 1, f"requests freed together: {alive}"
+
+
+async def test_a_long_prompts_logprobs_are_recorded_a_slice_between_two_loop_turns(
+    qwen3: PreTrainedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step that scored a long prompt with twenty alternatives a position records them a
+    slice at a time, giving the loop back in between (8,192 positions took 20 ms in one
+    go on this project's CPU machine), and the recorded logprobs are the model's."""
+    monkeypatch.setattr("aiocb.engine.turns.SLICE", 0.0)  # give the loop back whenever the update pauses
+    record = scheduler_module._record_prompt_logprobs
+    slices: list[tuple[int, int]] = []  # (the counter's turns, entries recorded)
+    counter = LoopTurns()
+
+    def recorded(*args: Any) -> Iterator[tuple[int, bool]]:
+        for entries, more in record(*args):
+            slices.append((counter.turns, entries))
+            yield entries, more
+
+    monkeypatch.setattr(scheduler_module, "_record_prompt_logprobs", recorded)
+    prompt = random_prompts(1, 1200, 1200, seed=12)[0]
+    async with aiocb.Manager(qwen3) as manager, counter:
+        output = await manager.generate(prompt, max_new_tokens=1, prompt_logprobs=True, top_logprobs=20)
+    per_turn: dict[int, int] = {}
+    for turn, entries in slices:
+        per_turn[turn] = per_turn.get(turn, 0) + entries
+    assert sum(per_turn.values()) == (len(prompt) - 1) * 21
+    assert max(per_turn.values()) <= scheduler_module._PROMPT_ENTRIES_PER_SLICE
+    assert len(per_turn) >= len(prompt) * 21 // scheduler_module._PROMPT_ENTRIES_PER_SLICE
+    with torch.no_grad():
+        logprobs = qwen3(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    assert output.prompt_logprobs is not None and output.prompt_top_logprobs is not None
+    expected = logprobs[:-1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(output.prompt_logprobs[1:]), expected, atol=1e-4)
+    best = logprobs[:-1].topk(20)
+    for j, top in enumerate(output.prompt_top_logprobs[1:]):
+        assert top is not None and list(top) == best.indices[j].tolist()
+        assert torch.allclose(torch.tensor(list(top.values())), best.values[j], atol=1e-4)
