@@ -126,6 +126,9 @@ class StepLoop:
                     if self._draining:
                         idle = True
                         return
+                    if self._going_idle(runner.writer):
+                        await self._let_go()
+                        continue  # (work may have come meanwhile)
                     self._work.clear()
                     await self._work.wait()
                     continue
@@ -230,6 +233,16 @@ class StepLoop:
             return output, batch
         finally:
             self._ended_while_planning = scheduler.release_blocks() > 0
+
+    def _going_idle(self, writer: BatchWriter) -> bool:
+        """With nothing left to do, give back the slots of the requests that left since the
+        last plan and queue those that ended to be let go of (else they, and everything they
+        recorded, would be held until a next request comes); whether any are queued."""
+        departed = self.scheduler.take_departed()
+        if departed:
+            writer.release(departed)
+            self._ended.extend(request for request in departed if request.is_finished)
+        return bool(self._ended)
 
     async def _let_go(self) -> None:
         """Drop the engine's last references to requests that ended, one request at a time,

@@ -410,6 +410,15 @@ class BatchWriter:
         self._next_slot += 1
         return slot
 
+    def release(self, departed: Sequence[Request]) -> None:
+        """Give back the slots of ``departed`` requests (that left the running set: see
+        :meth:`begin`) between two copies, when no plan is coming to do it."""
+        assert self._output is None, "a plan is being copied"
+        for request in departed:
+            state = request.runner_state
+            if isinstance(state, RowState) and state.writer is self and state.slot >= 0:
+                self._release(state)
+
     def _release(self, state: RowState) -> None:
         self._free.append(state.slot)
         state.slot = -1

@@ -444,3 +444,31 @@ async def test_a_long_prompts_logprobs_are_recorded_a_slice_between_two_loop_tur
     for j, top in enumerate(output.prompt_top_logprobs[1:]):
         assert top is not None and list(top) == best.indices[j].tolist()
         assert torch.allclose(torch.tensor(list(top.values())), best.values[j], atol=1e-4)
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["sync", "async-batching"])
+async def test_requests_that_ended_are_let_go_of_when_the_engine_goes_idle(
+    qwen3: PreTrainedModel, pipelined: bool
+) -> None:
+    """Once the engine has nothing left to do, it holds none of the requests that ended (with
+    everything they recorded): not until a next request comes, which may be never."""
+
+    def ended_alive() -> int:
+        return sum(1 for o in gc.get_objects() if isinstance(o, Request) and o.request_id.startswith("idle-"))
+
+    config = aiocb.ContinuousBatchingConfig(use_async_batching=pipelined)
+    async with aiocb.Manager(qwen3, continuous_batching_config=config) as manager:
+        params: dict[str, Any] = {"max_new_tokens": 4, "top_logprobs": 5, "prompt_logprobs": True}
+        outputs = await asyncio.gather(
+            *(manager.generate(PROMPTS[i % 4], request_id=f"idle-{i}", **params) for i in range(6))
+        )
+        assert [o.generated_tokens for o in outputs] == [reference_generate(qwen3, PROMPTS[i % 4], 4) for i in range(6)]
+        del outputs
+        for _ in range(100):  # (a few loop turns: the step loop goes idle)
+            await asyncio.sleep(0)
+        assert ended_alive() == 0, "the idle engine still holds requests that ended"
+        stats = manager.statistics()
+        assert stats.free_blocks == stats.total_blocks
+        # and it serves on as before (the slots of those that ended were given back)
+        again = await manager.generate(PROMPTS[1], max_new_tokens=4)
+        assert again.generated_tokens == reference_generate(qwen3, PROMPTS[1], 4)
