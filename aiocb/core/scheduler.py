@@ -247,10 +247,10 @@ class Scheduler:
             self._heap = [(*self._order[r], r) for r in self.waiting]
             heapq.heapify(self._heap)
         self._enqueue(request)
-        if children and request.num_prompt_tokens > 1 and not request.params.prompt_logprobs:
+        if children and request.num_prompt_tokens > 1:
             self._forks[request] = list(children)[::-1]  # (last first: forked from the end, in order)
             self._held.update((child, request) for child in children)
-        else:  # nothing to share (a sample scoring its prompt computes every position itself)
+        else:  # nothing to share
             for child in children:
                 self._enqueue(child)
 
@@ -803,6 +803,12 @@ class Scheduler:
                 _extend(output.copy_blocks, copies)
                 if self.speculation is not None:
                     self.speculation.forked(parent, child)
+                if parent.params.prompt_logprobs:
+                    # The parent scores the prompt for all: the same lists, which its steps
+                    # in flight may still fill (a sample never scores positions before
+                    # the fork point; one preempted and computed again finds them recorded).
+                    child.prompt_logprobs = parent.prompt_logprobs
+                    child.prompt_top_logprobs = parent.prompt_top_logprobs
                 self.kv_cache.num_prefix_hit_tokens += child.num_computed_tokens
                 child.num_cached_tokens = child.num_computed_tokens
                 self.running[child] = None

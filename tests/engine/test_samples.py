@@ -1,4 +1,4 @@
-"""``n`` samples of one prompt: the prompt computed once, each sample forked from it.
+"""``n`` samples of one prompt: the prompt computed (and scored) once, each sample forked from it.
 
 A forked sample shares the prompt's full blocks and gets a copy of the partial last one;
 its tokens must equal those of a request of its own with the same seed, whatever the
@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 import aiocb
@@ -109,8 +110,32 @@ async def test_n_is_checked(qwen3: PreTrainedModel) -> None:
             await manager.add_request(PROMPT, request_id="x", n=2, max_new_tokens=2)
 
 
-async def test_samples_scoring_their_prompt_each_get_prompt_logprobs(qwen3: PreTrainedModel) -> None:
-    async with aiocb.Manager(qwen3) as manager:
-        samples = await manager.generate(PROMPT, n=2, max_new_tokens=3, prompt_logprobs=True, **SAMPLED)
-    assert samples[0].prompt_logprobs is not None and len(samples[0].prompt_logprobs) == len(PROMPT)
-    assert samples[1].prompt_logprobs == samples[0].prompt_logprobs
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+async def test_samples_scoring_their_prompt_share_the_parents_score(qwen3: PreTrainedModel, schedule: str) -> None:
+    """With ``prompt_logprobs``, the prompt is still computed (and scored) once: every
+    sample gets the parent's scores, which the steps in flight at the fork may still be
+    recording (async batching, a prompt chunked over steps), and its own tokens."""
+    config = aiocb.ContinuousBatchingConfig(**SCHEDULES[schedule])
+    scoring = {"prompt_logprobs": True, "top_logprobs": 3}
+    async with aiocb.Manager(qwen3, continuous_batching_config=config) as manager:
+        before = manager.statistics()
+        samples = await manager.generate(PROMPT, n=4, max_new_tokens=NEW, **scoring, **SAMPLED)
+        after = manager.statistics()
+        alone = [
+            await manager.generate(PROMPT, max_new_tokens=NEW, **scoring, **{**SAMPLED, "seed": 5 + i})
+            for i in range(4)
+        ]
+    if schedule != "preemption":  # (a preempted sample computes its prompt again)
+        assert after.tokens_computed - before.tokens_computed == (len(PROMPT) - 1) + 4 * NEW
+    with torch.no_grad():
+        logprobs = qwen3(torch.tensor([PROMPT])).logits[0].log_softmax(-1)
+    expected = logprobs[:-1].gather(1, torch.tensor(PROMPT[1:])[:, None])[:, 0]
+    for i, (sample, own) in enumerate(zip(samples, alone, strict=True)):
+        assert sample.generated_tokens == own.generated_tokens, f"sample {i}"
+        assert sample.prompt_logprobs is not None and sample.prompt_top_logprobs is not None
+        assert sample.prompt_logprobs[0] is None and sample.prompt_top_logprobs[0] is None
+        assert torch.allclose(torch.tensor(sample.prompt_logprobs[1:]), expected, atol=1e-4), f"sample {i}"
+        assert sample.prompt_logprobs == samples[0].prompt_logprobs
+        assert sample.prompt_top_logprobs == samples[0].prompt_top_logprobs
+        assert [list(top) for top in sample.prompt_top_logprobs[1:]] == logprobs[:-1].topk(3).indices.tolist()
+    assert after.free_blocks == after.total_blocks
