@@ -249,6 +249,9 @@ class Manager:
     def start(self) -> None:
         """Start the step loop on the running event loop (allocates the cache on first use).
 
+        Requests made before the first start (on one process) wait in the queue for it, as
+        transformers' do; they are checked when made, which allocates the cache then.
+
         Under tensor parallelism building the cache and starting the session are round
         trips to the other ranks: they run off the event loop and ``start()`` returns
         before they are done. Requests made meanwhile wait for them (``add_request_nowait``
@@ -268,6 +271,8 @@ class Manager:
         self._forget_a_closed_loop()
         if self._state is _State.STOPPING:
             raise ManagerClosedError("the manager is still stopping: await its stop() before start() again")
+        if self._state is _State.CREATED and self._loop is not None and loop is not self._loop:
+            raise self._wrong_loop()  # (requests queued before the start wait on their loop)
         if self.is_running:
             if loop is not self._loop:
                 raise self._wrong_loop()
@@ -296,20 +301,41 @@ class Manager:
         """``runner``, or a new one on first use (the cache is allocated), attached to the
         model for a session; detached again if attaching fails."""
         if runner is None:
-            runner = build_runner(
-                self.model,
-                self.config,
-                num_requests_hint=self._num_requests_hint,
-                keep_cache=self.persistent,
-                draft_model=self._draft_model,
-                speculative=self.speculative_config,
-            )
+            runner = self._new_runner()
         try:
             runner.attach()
         except BaseException:
             runner.detach()
             raise
         return runner
+
+    def _new_runner(self) -> ModelRunner:
+        """A runner for this manager's model (its KV cache allocated), not attached."""
+        return build_runner(
+            self.model,
+            self.config,
+            num_requests_hint=self._num_requests_hint,
+            keep_cache=self.persistent,
+            draft_model=self._draft_model,
+            speculative=self.speculative_config,
+        )
+
+    def _queue_before_start(self) -> None:
+        """Make the first session's scheduler, on a runner not yet attached, so that requests
+        made before the first start are checked and wait in its queue (on this loop)."""
+        loop = asyncio.get_running_loop()
+        runner = self._runner if self._runner is not None else self._new_runner()
+        try:
+            scheduler = self._scheduler(runner)
+        except BaseException:
+            self._runner = None
+            raise
+        self._runner = runner
+        self._steps = StepLoop(scheduler, runner, self._router.on_step)
+        self._admission.scheduler = scheduler
+        self._router.steps = self._steps
+        self._router.results_changed = asyncio.Event()
+        self._loop = loop
 
     async def _start_then_run(self, previous: _State, starting: asyncio.Future[None]) -> None:
         """The session's task under tensor parallelism: the runner is built and attached on a
@@ -363,6 +389,8 @@ class Manager:
         """The scheduler and step loop of a session on ``runner`` (attached); it is detached
         if they cannot be made."""
         self._runner = runner
+        if self._steps is not None and self._steps.runner is runner:
+            return self._steps  # (made for the requests queued before the first start)
         try:
             scheduler = self._scheduler(runner)
         except BaseException:
@@ -395,7 +423,8 @@ class Manager:
 
     def _bind(self, loop: asyncio.AbstractEventLoop, state: _State, session: Coroutine[Any, Any, None]) -> None:
         """Run ``session`` (the session's task) on ``loop``, which the manager now belongs to."""
-        self._router.results_changed = asyncio.Event()  # (one per event loop)
+        if loop is not self._loop:  # (the same loop when requests were queued before the start)
+            self._router.results_changed = asyncio.Event()  # (one per event loop)
         self._loop = loop
         self._state = state
         self._task = loop.create_task(session, name="aiocb-step-loop")
@@ -423,6 +452,7 @@ class Manager:
         if self._state in (_State.CREATED, _State.STOPPED, _State.DESTROYED, _State.DEAD):
             if self._state is _State.CREATED:
                 logger.warning("Manager.stop(): the manager was never started")
+                self._drop_queue_before_start("stop() before start() aborted the request")
             return
         self._check_loop()
         if self._state is _State.STARTING:
@@ -478,6 +508,7 @@ class Manager:
             return
         if self.is_running:
             await self.stop()  # (or joins one begun without blocking)
+        self._drop_queue_before_start("the manager was destroyed before it started")
         if self._runner is not None:
             self._runner.detach()
             self._runner.close()
@@ -527,6 +558,18 @@ class Manager:
             self._die(exc)
         else:
             self._end_session()
+
+    def _drop_queue_before_start(self, reason: str) -> None:
+        """Abort the requests queued before a first start that will not come (``reason``);
+        the manager is as new (its runner, unattached, kept for a start)."""
+        if self._state is not _State.CREATED or self._steps is None:
+            return
+        self._router.abort_all(reason)
+        self._steps.close()
+        self._steps = None
+        self._router.steps = None
+        self._admission.scheduler = None
+        self._loop = None
 
     def _end_session(self) -> None:
         if self._steps is not None:
@@ -840,6 +883,9 @@ class Manager:
         ``run_until_complete``, no task cancelled) can never resume: end it as
         ``asyncio.run()``'s cancellation would, so that the manager starts anew elsewhere."""
         running = (_State.STARTING, _State.RUNNING, _State.STOPPING)
+        if self._loop is not None and self._loop.is_closed() and self._state is _State.CREATED:
+            logger.warning("the event loop requests were queued on was closed before the manager started")
+            self._drop_queue_before_start("the event loop the request was queued on was closed")
         if self._loop is not None and self._loop.is_closed() and self._state in running:
             logger.warning("the event loop this manager ran on was closed without stopping it; its session ends")
             self._router.abort_all("the event loop running the manager was closed")
@@ -853,12 +899,19 @@ class Manager:
         )
 
     def _check_accepting(self) -> None:
+        """Raise unless requests may be made now; before the first start (on one process)
+        they may, and the queue they wait in is made (see :meth:`start`)."""
         if self._state is _State.RUNNING:
             return
         if self._state is _State.DEAD:
             raise self._dead()
+        if self._state is _State.CREATED and driver_layout(self.model, self._draft_model) is None:
+            if self._steps is None:
+                self._queue_before_start()
+            return
         message = {
-            _State.CREATED: "the manager is not started: call start() or use `async with`",
+            _State.CREATED: "the manager is not started: under tensor parallelism requests are made after "
+            "start() (await manager.wait_started()), or in `async with`",
             _State.STARTING: "the manager is still starting (it reaches the other tensor-parallel ranks): "
             "await manager.wait_started() before add_request_nowait()",
             _State.STOPPING: "the manager is stopping and accepts no new requests",
@@ -872,7 +925,7 @@ class Manager:
         """Whether the shared results can still grow (raises if the engine died)."""
         if self._state is _State.DEAD:
             raise self._dead()
-        return self.is_running
+        return self.is_running or (self._state is _State.CREATED and self._steps is not None)
 
     async def _prepared(
         self,
@@ -885,6 +938,7 @@ class Manager:
         """A request built from a prompt, with its tokenizing and its constraint's
         compiling done off the loop where they are long."""
         await self._until_started()
+        self._check_accepting()  # (before the first start: the runner whose vocabulary constraints use)
         ids = await self._requests.encode(input_ids)
         if not params.keys().isdisjoint(STRUCTURE_FIELDS) or (
             isinstance(sampling_params, SamplingParams) and sampling_params.structure() is not None
@@ -956,6 +1010,7 @@ class Manager:
         on_finish: Callable[[], object] | None = None,
     ) -> list[Request]:
         await self._until_started()
+        self._check_accepting()
         requests: list[Request] = []
         # The same parameters for every prompt: merged once, not once per request.
         sampling_params = self._requests.merged(sampling_params, max_new_tokens, params)

@@ -53,6 +53,10 @@ async def scenario_main(model: Any, out: Path) -> dict[str, Any]:
     """Parity, cancellation, idle heartbeats, stop + restart, hard stop, async batching."""
     result: dict[str, Any] = {"steps": 0}
     manager = aiocb.Manager(model, continuous_batching_config=_config(cpu_group_timeout=3.0))
+    try:  # (requests queue before the start on one process only)
+        result["before_start"] = f"ran: {await manager.add_request(PROMPTS[0], max_new_tokens=MAX_NEW_TOKENS)}"
+    except aiocb.AiocbError as exc:
+        result["before_start"] = f"{type(exc).__name__}: {exc}"
     manager.start()
     await manager.wait_started()
     result["kv_heads_per_shard"] = manager._runner.spec.num_kv_heads  # type: ignore[union-attr]

@@ -39,6 +39,7 @@ def test_two_ranks_match_one_process_and_follow_every_control(
     assert ranks.exit_codes == [0, 0], logs_of(tmp_path)
     expected = [reference_generate(llama_model, p, MAX_NEW_TOKENS) for p in PROMPTS]
 
+    assert driver["before_start"].startswith("ManagerClosedError: the manager is not started: under tensor parallelism")
     assert driver["kv_heads_per_shard"] == 1, "2 KV heads over 2 ranks: the cache holds one per rank"
     assert driver["greedy"] == expected
     assert driver["after_idle"] == expected

@@ -95,8 +95,6 @@ async def test_add_after_stop_is_refused_with_a_warning(
     qwen3: PreTrainedModel, caplog: pytest.LogCaptureFixture
 ) -> None:
     manager = aiocb.Manager(qwen3)
-    with pytest.raises(aiocb.ManagerClosedError, match="not started"):
-        await manager.add_request(PROMPTS[0])
     manager.start()
     await manager.stop()
     with caplog.at_level(logging.WARNING, logger="aiocb"), pytest.raises(aiocb.ManagerClosedError, match="stopped"):
@@ -105,6 +103,110 @@ async def test_add_after_stop_is_refused_with_a_warning(
     with pytest.raises(aiocb.ManagerClosedError):
         await manager.add_requests(PROMPTS)
     await manager.destroy()
+
+
+async def test_requests_made_before_the_first_start_wait_for_it(qwen3: PreTrainedModel) -> None:
+    """As in transformers, requests may be made before ``start()``: they are checked when
+    made and queue until the start, by every way of making them; a stream, a result awaited
+    and a ``generate`` begun before the start get their outputs after it."""
+    expected = [reference_generate(qwen3, p, 6) for p in PROMPTS]
+    manager = aiocb.Manager(qwen3)
+    first = await manager.add_request(PROMPTS[0], max_new_tokens=6)
+    second = manager.add_request_nowait(PROMPTS[1], max_new_tokens=6)
+    more = await manager.add_requests(PROMPTS[2:4], max_new_tokens=6)
+    streamed = await manager.add_request(PROMPTS[4], max_new_tokens=6, streaming=True)
+    doomed = await manager.add_request(PROMPTS[5], max_new_tokens=6)
+    assert manager.cancel_request(doomed)
+    with pytest.raises(aiocb.InvalidRequestError, match="context length"):
+        await manager.add_request(PROMPTS[0], max_new_tokens=10**6)
+    stats = manager.statistics()
+    assert not stats.is_running and stats.waiting_requests == 5 and stats.steps == 0
+    chunks: list[aiocb.GenerationOutput] = []
+
+    async def read() -> None:
+        chunks.extend([chunk async for chunk in manager.stream(streamed)])
+
+    reading = asyncio.create_task(read())
+    generating = asyncio.create_task(manager.generate(PROMPTS[5], max_new_tokens=6))
+    awaited = asyncio.create_task(manager.get_result(first))
+    await asyncio.sleep(0.05)
+    assert not (reading.done() or generating.done() or awaited.done()), "nothing runs before the start"
+    manager.start()
+    assert (await awaited).generated_tokens == expected[0]
+    assert (await generating).generated_tokens == expected[5]
+    await reading
+    assert chunks[-1].generated_tokens == expected[4] and len(chunks) > 1
+    outputs = {}
+    for request_id in (second, *more, doomed):
+        output = await manager.get_result(request_id)
+        assert output is not None
+        outputs[request_id] = output
+    assert [outputs[i].generated_tokens for i in (second, *more)] == expected[1:4]
+    assert outputs[doomed].status is aiocb.RequestStatus.CANCELLED
+    stats = manager.statistics()
+    assert stats.free_blocks == stats.total_blocks
+    await manager.stop()
+    await manager.destroy()
+
+
+async def test_requests_queued_before_a_start_that_never_comes_are_aborted(qwen3: PreTrainedModel) -> None:
+    """A stop or a destroy before the first start aborts what was queued (no awaiter is
+    left waiting); after a stop the manager starts and serves as a new one."""
+    manager = aiocb.Manager(qwen3)
+    waiter = asyncio.create_task(manager.generate(PROMPTS[0], max_new_tokens=4))
+    queued = await manager.add_request(PROMPTS[1], max_new_tokens=4)
+    await asyncio.sleep(0)
+    await manager.stop()
+    with pytest.raises(aiocb.RequestAbortedError, match=r"stop\(\) before start\(\)"):
+        await waiter
+    output = await manager.get_result(queued)
+    assert output is not None and output.status is aiocb.RequestStatus.FAILED
+    assert output.finish_reason is aiocb.FinishReason.ABORTED
+    manager.start()
+    again = await manager.generate(PROMPTS[0], max_new_tokens=4)
+    assert again.generated_tokens == reference_generate(qwen3, PROMPTS[0], 4)
+    await manager.stop()
+    await manager.destroy()
+
+    manager = aiocb.Manager(qwen3)
+    waiter = asyncio.create_task(manager.generate(PROMPTS[0], max_new_tokens=4))
+    await asyncio.sleep(0)
+    await manager.destroy()
+    with pytest.raises(aiocb.RequestAbortedError, match="destroyed before it started"):
+        await waiter
+
+
+def test_requests_queued_on_a_loop_that_closed_before_the_start_are_dropped(qwen3: PreTrainedModel) -> None:
+    """Requests queued before the start on an event loop that then closed (``asyncio.run``
+    returned) are dropped with a warning; the manager starts on a new loop as a new one.
+    A start on another loop while the first still runs is refused."""
+    manager = aiocb.Manager(qwen3)
+
+    async def queue() -> None:
+        await manager.add_request(PROMPTS[0], max_new_tokens=4)
+
+    asyncio.run(queue())
+
+    async def serve() -> list[int]:
+        assert manager.statistics().waiting_requests == 0
+        async with manager:
+            return (await manager.generate(PROMPTS[0], max_new_tokens=4)).generated_tokens
+
+    assert asyncio.run(serve()) == reference_generate(qwen3, PROMPTS[0], 4)
+
+    other = aiocb.Manager(qwen3)
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(other.add_request(PROMPTS[0], max_new_tokens=4))
+
+        async def start_elsewhere() -> None:
+            with pytest.raises(aiocb.WrongEventLoopError):
+                other.start()
+
+        asyncio.run(start_elsewhere())
+        loop.run_until_complete(other.destroy())
+    finally:
+        loop.close()
 
 
 async def test_restart_after_stop_runs_a_new_session(qwen3: PreTrainedModel) -> None:
