@@ -93,7 +93,7 @@ class ContinuousBatchingConfig:
         max_queued_tokens: (aiocb) waiting prompt tokens before ``add_request`` waits
             (0 = no bound).
         drop_unsupported_processors: a ``GenerationConfig`` field that changes outputs and
-            that aiocb cannot honour (beam search, ``no_repeat_ngram_size``,
+            that aiocb cannot honour (beam search, ``encoder_no_repeat_ngram_size``,
             ``guidance_scale``, ...) is dropped with one warning naming it; with False it
             is refused with ``InvalidRequestError`` when the manager is built.
         disable_nccl_graph_mixing: under tensor parallelism (``WORLD_SIZE`` > 1), set

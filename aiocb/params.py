@@ -107,6 +107,10 @@ class SamplingParams:
     bad_words_ids: Iterable[Iterable[int]] | None = field(
         default=None, metadata=_doc("token sequences never generated", "none")
     )
+    no_repeat_ngram_size: int | None = field(
+        default=None,
+        metadata=_doc("transformers': no n-gram of this many tokens occurs twice in prompt and output (0: off)", "0"),
+    )
     allowed_token_ids: Iterable[int] | None = field(
         default=None, metadata=_doc("only these tokens may be generated", "all")
     )
@@ -202,6 +206,7 @@ class SamplingParams:
         _check_int(self, "seed", minimum=-(2**63), maximum=2**64 - 1)
         _check_int(self, "priority", minimum=None)
         _check_int(self, "n", minimum=1)
+        _check_int(self, "no_repeat_ngram_size", minimum=0)
         for name in ("do_sample", "include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             _check_bool(self, name)
         for name in ("return_logprobs", "prompt_logprobs", "record_timestamps"):

@@ -129,7 +129,6 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "diversity_penalty": (0.0,),
     "penalty_alpha": (),
     "guidance_scale": (1.0,),
-    "no_repeat_ngram_size": (0,),
     "encoder_no_repeat_ngram_size": (0,),
     "encoder_repetition_penalty": (1.0,),
     "forced_bos_token_id": (),
@@ -184,6 +183,7 @@ def config_defaults(
         repetition_penalty=gen.repetition_penalty,
         sequence_bias=sequence_bias,
         bad_words_ids=gen.bad_words_ids,
+        no_repeat_ngram_size=gen.no_repeat_ngram_size,
         eos_token_id=gen.eos_token_id,
         # transformers keeps the stop string in the output (it ends on whole tokens)
         stop=stop_strings,
@@ -388,6 +388,7 @@ def resolve_params(
         bad_sequences=tuple((word, 0.0) for word in dict.fromkeys(bad_sequences)),
         bans=tuple(dict.fromkeys(bans)),
         begin_bans=tuple(_checked_ids("begin_suppress_tokens", defaults.begin_suppress_tokens, vocab)),
+        no_repeat_ngram_size=pick("no_repeat_ngram_size", 0),
         allowed_token_ids=allowed,
         stop=stop,
         include_stop_str_in_output=pick("include_stop_str_in_output", False),

@@ -58,6 +58,8 @@ class ResolvedParams:
     bans: tuple[int, ...] = ()
     #: tokens not generated first (the GenerationConfig's begin_suppress_tokens)
     begin_bans: tuple[int, ...] = ()
+    #: no n-gram of this many tokens occurs twice in prompt and output (0: off)
+    no_repeat_ngram_size: int = 0
     #: when set, the only tokens that may be generated
     allowed_token_ids: tuple[int, ...] | None = None
     stop: tuple[str, ...] = ()
@@ -78,6 +80,7 @@ class ResolvedParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
             or bool(self.biases or self.sequence_biases or self.bad_sequences or self.bans or self.begin_bans)
+            or self.no_repeat_ngram_size > 0
             or self.allowed_token_ids is not None
         )
         object.__setattr__(self, "uses_controls", uses)
@@ -115,9 +118,13 @@ class ResolvedParams:
     @property
     def needs_known_history(self) -> bool:
         """Whether each step's controls depend on the last token itself (multi-token
-        sequence biases, bad words, a grammar), so no step may be planned while it is being
-        sampled."""
-        return bool(self.sequence_biases or self.bad_sequences) or self.structure is not None
+        sequence biases, bad words, n-grams not to repeat, a grammar), so no step may be
+        planned while it is being sampled."""
+        return (
+            bool(self.sequence_biases or self.bad_sequences)
+            or self.no_repeat_ngram_size > 0
+            or self.structure is not None
+        )
 
 
 #: float32's smallest positive value

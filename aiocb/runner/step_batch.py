@@ -26,6 +26,7 @@ from aiocb.core.params import ResolvedParams
 from aiocb.core.request import Request
 from aiocb.core.scheduler import SchedulerOutput, wants_prompt_logprobs
 from aiocb.runner.logits_controls import matched_sequence_bias
+from aiocb.runner.ngram_bans import RepeatedNgrams
 from aiocb.runner.noise import seed_key
 from aiocb.structured import new_bitmask
 
@@ -181,6 +182,8 @@ class RowState:
     sampled_row: int = -1
     #: prompt and output tokens, kept up to date for penalties (see :func:`token_history`)
     history: array.array[int] | None = None
+    #: the same as bytes, for ``no_repeat_ngram_size``
+    ngrams: RepeatedNgrams | None = None
 
 
 def row_state(request: Request) -> RowState:
@@ -517,6 +520,13 @@ def row_controls(
         known = request.token_ids
         biases = matched_sequence_bias(known, params.sequence_biases)
         bans = [token for token, _ in matched_sequence_bias(known, params.bad_sequences)]
+    if params.no_repeat_ngram_size:
+        state = row_state(request)
+        if state.ngrams is None:
+            state.ngrams = RepeatedNgrams()
+        repeated = state.ngrams.bans(request.token_ids, params.no_repeat_ngram_size)
+        if repeated:
+            bans = [*(bans or ()), *repeated]
     if offset < params.min_tokens and not may_stop:
         bans = [*(bans or ()), *params.stop_token_ids]
     if offset == 0 and params.begin_bans:

@@ -328,6 +328,7 @@ _CONTROLS = (
     "typical_p",
     "epsilon_cutoff",
     "eta_cutoff",
+    "no_repeat_ngram_size",
     "logit_bias",
     "allowed_token_ids",
     "priority",

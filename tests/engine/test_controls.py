@@ -1,4 +1,4 @@
-"""Logits controls (penalties, biases, bad words, min tokens) match ``model.generate`` greedily.
+"""Logits controls (penalties, biases, bad words, n-grams, min tokens) match ``model.generate`` greedily.
 
 Each control is given once through a ``GenerationConfig`` and once through
 ``aiocb.SamplingParams`` / keyword arguments, under plain, pipelined (async batching, the
@@ -47,8 +47,10 @@ def _cases(model: PreTrainedModel) -> dict[str, dict[str, Any]]:
         "bad_words": {"bad_words_ids": [[plain[1]], [plain[4], plain[5]], [PROMPTS[0][-1], plain[0]]]},
         "sequence_bias": {"sequence_bias": {(plain[3],): -5.0, (plain[0], plain[1]): -50.0, (7,): 4.0}},
         "min_new_tokens": {"min_new_tokens": 6, "eos_token_id": _eos_for(model, PROMPTS[0])},
+        "no_repeat_ngram": {"no_repeat_ngram_size": 1},
         "combined": {
             "repetition_penalty": 1.3,
+            "no_repeat_ngram_size": 2,
             "bad_words_ids": [[plain[2]]],
             "sequence_bias": {(plain[5],): -3.0},
             "min_new_tokens": 4,
@@ -129,8 +131,8 @@ async def test_allowed_token_ids_and_penalties_restrict_outputs(model: PreTraine
 async def test_unsupported_generation_config_fields_are_named() -> None:
     model = MODELS["qwen3"]()
     strict = aiocb.ContinuousBatchingConfig(drop_unsupported_processors=False)
-    with pytest.raises(aiocb.InvalidRequestError, match=r"num_beams, .*no_repeat_ngram_size"):
-        aiocb.Manager(model, GenerationConfig(num_beams=2, no_repeat_ngram_size=3), strict)
+    with pytest.raises(aiocb.InvalidRequestError, match=r"num_beams, .*encoder_no_repeat_ngram_size"):
+        aiocb.Manager(model, GenerationConfig(num_beams=2, encoder_no_repeat_ngram_size=3), strict)
     with pytest.raises(aiocb.InvalidRequestError, match="stop_strings"):
         aiocb.Manager(model, GenerationConfig(stop_strings=["\n"]), strict)
 
@@ -189,8 +191,8 @@ async def test_generation_config_filter_values_transformers_ignores_or_refuses()
 def test_unsupported_generation_config_fields_are_dropped_with_one_warning(caplog: pytest.LogCaptureFixture) -> None:
     model = MODELS["qwen3"]()
     with caplog.at_level("WARNING", logger="aiocb"):
-        aiocb.Manager(model, GenerationConfig(no_repeat_ngram_size=3, do_sample=True))
-    warnings = [r for r in caplog.records if "no_repeat_ngram_size" in r.getMessage()]
+        aiocb.Manager(model, GenerationConfig(encoder_no_repeat_ngram_size=3, do_sample=True))
+    warnings = [r for r in caplog.records if "encoder_no_repeat_ngram_size" in r.getMessage()]
     assert len(warnings) == 1 and "dropped" in warnings[0].getMessage()
 
 
@@ -204,6 +206,7 @@ MIXED: list[dict[str, Any]] = [
     {"temperature": 1.0, "seed": 16},
     {"temperature": 0.9, "seed": 17, "typical_p": 0.6, "eta_cutoff": 0.002},
     {"temperature": 1.1, "seed": 18, "top_h": 0.7, "epsilon_cutoff": 0.001, "top_k": 30},
+    {"temperature": 1.0, "seed": 19, "no_repeat_ngram_size": 1, "top_k": 0},
 ]
 
 
@@ -223,6 +226,10 @@ async def test_seeded_outputs_do_not_depend_on_the_batch(schedule: str) -> None:
     for i, (a, b) in enumerate(zip(alone, together, strict=False)):
         assert a.generated_tokens == b.generated_tokens, f"request {i}: {MIXED[i]}"
     assert set(alone[4].generated_tokens) <= set(range(0, 512, 3))
+    assert "no_repeat_ngram_size" in MIXED[-1]
+    sequence = prompts[-1] + alone[-1].generated_tokens
+    for at in range(len(prompts[-1]), len(sequence)):
+        assert sequence[at] not in sequence[:at], "no_repeat_ngram_size=1: a token came twice"
 
 
 def _generate_plain(model: PreTrainedModel, prompt: list[int], **kwargs: Any) -> list[int]:

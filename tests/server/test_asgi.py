@@ -562,6 +562,7 @@ async def test_generation_controls_are_honoured(
         {"min_p": 0.2, "temperature": 1.0, "seed": 3},
         {"typical_p": 0.5, "eta_cutoff": 0.01, "temperature": 1.0, "top_k": 40, "seed": 4},
         {"top_h": 0.6, "epsilon_cutoff": 0.001, "temperature": 1.0, "top_k": 40, "seed": 5},
+        {"no_repeat_ngram_size": 1},
     ]
     for controls in cases:
         body = {"prompt": PROMPT, "max_tokens": 16, "temperature": 0, "ignore_eos": True, **controls}
