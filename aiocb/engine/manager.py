@@ -181,6 +181,10 @@ class Manager:
         self._starting: asyncio.Future[None] | None = None
         self._runner: ModelRunner | None = None
         self._steps: StepLoop | None = None
+        #: requests were made before the first start (they wait in ``_steps``'s queue)
+        self._queued_before_start = False
+        #: the timers that end those with a timeout at their deadline
+        self._deadline_timers: list[asyncio.TimerHandle] = []
         #: the last statistics, kept when destroy() drops the step loop and its scheduler
         self._final_statistics: ManagerStatistics | None = None
         self._dead_error: EngineDeadError | None = None
@@ -250,7 +254,8 @@ class Manager:
         """Start the step loop on the running event loop (allocates the cache on first use).
 
         Requests made before the first start (on one process) wait in the queue for it, as
-        transformers' do; they are checked when made, which allocates the cache then.
+        transformers' do; they are checked when made, which allocates the cache then, and
+        the start must come on their event loop. :meth:`stop` before the start aborts them.
 
         Under tensor parallelism building the cache and starting the session are round
         trips to the other ranks: they run off the event loop and ``start()`` returns
@@ -283,6 +288,8 @@ class Manager:
             self._bind(loop, _State.STARTING, self._start_then_run(self._state, self._starting))
             return
         steps = self._open_session(self._attached_runner(self._runner))
+        self._queued_before_start = False
+        self._stop_deadline_timers()  # (the step loop ends those requests from now on)
         self._bind(loop, _State.RUNNING, self._run_steps(steps))
 
     async def wait_started(self) -> None:
@@ -321,21 +328,25 @@ class Manager:
         )
 
     def _queue_before_start(self) -> None:
-        """Make the first session's scheduler, on a runner not yet attached, so that requests
-        made before the first start are checked and wait in its queue (on this loop)."""
-        loop = asyncio.get_running_loop()
-        runner = self._runner if self._runner is not None else self._new_runner()
-        try:
-            scheduler = self._scheduler(runner)
-        except BaseException:
-            self._runner = None
-            raise
-        self._runner = runner
-        self._steps = StepLoop(scheduler, runner, self._router.on_step)
+        """Make the first session's scheduler and step loop, on a runner not yet attached:
+        requests made before the first start are checked against them, and wait in the
+        scheduler's queue (see :meth:`_submit_group`)."""
+        if self._runner is None:
+            self._runner = self._new_runner()
+        scheduler = self._scheduler(self._runner)
+        self._steps = StepLoop(scheduler, self._runner, self._router.on_step)
         self._admission.scheduler = scheduler
         self._router.steps = self._steps
-        self._router.results_changed = asyncio.Event()
-        self._loop = loop
+
+    def _expire_before_start(self) -> None:
+        """A deadline of a request queued before the start came: end those it ends."""
+        if self._state is _State.CREATED and self._steps is not None:
+            self._steps.expire_deadlines()
+
+    def _stop_deadline_timers(self) -> None:
+        for timer in self._deadline_timers:
+            timer.cancel()
+        self._deadline_timers.clear()
 
     async def _start_then_run(self, previous: _State, starting: asyncio.Future[None]) -> None:
         """The session's task under tensor parallelism: the runner is built and attached on a
@@ -451,8 +462,12 @@ class Manager:
             self._keep_for_next_session()
         if self._state in (_State.CREATED, _State.STOPPED, _State.DESTROYED, _State.DEAD):
             if self._state is _State.CREATED:
+                # Stopped as a session is: what was queued ends, new requests are refused.
                 logger.warning("Manager.stop(): the manager was never started")
-                self._drop_queue_before_start("stop() before start() aborted the request")
+                if self._queued_before_start:
+                    self._check_loop()
+                    self._drop_queue_before_start("stop() before start()")
+                self._state = _State.STOPPED
             return
         self._check_loop()
         if self._state is _State.STARTING:
@@ -508,7 +523,9 @@ class Manager:
             return
         if self.is_running:
             await self.stop()  # (or joins one begun without blocking)
-        self._drop_queue_before_start("the manager was destroyed before it started")
+        if self._queued_before_start:
+            self._check_loop()
+            self._drop_queue_before_start("destroy() before start()")
         if self._runner is not None:
             self._runner.detach()
             self._runner.close()
@@ -559,17 +576,22 @@ class Manager:
         else:
             self._end_session()
 
-    def _drop_queue_before_start(self, reason: str) -> None:
-        """Abort the requests queued before a first start that will not come (``reason``);
-        the manager is as new (its runner, unattached, kept for a start)."""
-        if self._state is not _State.CREATED or self._steps is None:
+    def _drop_queue_before_start(self, cause: str) -> None:
+        """Abort the requests queued before a first start that will not come (for ``cause``),
+        and those waiting for room in the queue; the queue is made anew for the next."""
+        if not self._queued_before_start:
             return
-        self._router.abort_all(reason)
+        assert self._steps is not None
+        self._stop_deadline_timers()
+        self._admission.fail(ManagerClosedError(f"{cause}: the request was not queued"))
+        self._router.abort_all(f"{cause} aborted the request")
         self._steps.close()
         self._steps = None
         self._router.steps = None
         self._admission.scheduler = None
+        self._queued_before_start = False
         self._loop = None
+        self._router.results_changed.set()  # (a get_result() waiting finds nothing will come)
 
     def _end_session(self) -> None:
         if self._steps is not None:
@@ -885,7 +907,7 @@ class Manager:
         running = (_State.STARTING, _State.RUNNING, _State.STOPPING)
         if self._loop is not None and self._loop.is_closed() and self._state is _State.CREATED:
             logger.warning("the event loop requests were queued on was closed before the manager started")
-            self._drop_queue_before_start("the event loop the request was queued on was closed")
+            self._drop_queue_before_start("the event loop it was queued on closed before the start")
         if self._loop is not None and self._loop.is_closed() and self._state in running:
             logger.warning("the event loop this manager ran on was closed without stopping it; its session ends")
             self._router.abort_all("the event loop running the manager was closed")
@@ -906,7 +928,7 @@ class Manager:
         if self._state is _State.DEAD:
             raise self._dead()
         if self._state is _State.CREATED and driver_layout(self.model, self._draft_model) is None:
-            if self._steps is None:
+            if self._steps is None:  # (made once; bound to the loop when a request joins it)
                 self._queue_before_start()
             return
         message = {
@@ -925,7 +947,7 @@ class Manager:
         """Whether the shared results can still grow (raises if the engine died)."""
         if self._state is _State.DEAD:
             raise self._dead()
-        return self.is_running or (self._state is _State.CREATED and self._steps is not None)
+        return self.is_running or (self._state is _State.CREATED and self._queued_before_start)
 
     async def _prepared(
         self,
@@ -1051,6 +1073,19 @@ class Manager:
         self._submit_group(request, streaming=streaming, consumer=consumer)
         return request.request_id
 
+    def _queue_on_this_loop(self, request: Request) -> None:
+        """Before the first start: the queue belongs to the running loop from the first
+        request it takes (the start must come on that loop), and a request with a timeout
+        ends at its deadline even if the start has not come by then."""
+        loop = asyncio.get_running_loop()
+        if not self._queued_before_start:
+            self._queued_before_start = True
+            self._loop = loop
+            self._router.results_changed = asyncio.Event()
+        if request.deadline is not None:
+            delay = max(0.0, request.deadline - time.perf_counter())
+            self._deadline_timers.append(loop.call_later(delay, self._expire_before_start))
+
     def _submit_group(
         self,
         request: Request,
@@ -1062,6 +1097,8 @@ class Manager:
         """Queue a request and its samples; their handles, the request's first."""
         self._check_accepting()
         assert self._steps is not None
+        if self._state is _State.CREATED:
+            self._queue_on_this_loop(request)
         group = [request, *request.children]
         handles = self._router.register(group, streaming=streaming, consumer=consumer, on_finish=on_finish)
         if request.deadline is not None and request.deadline <= time.perf_counter():

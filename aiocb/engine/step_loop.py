@@ -121,7 +121,7 @@ class StepLoop:
             await asyncio.wrap_future(warming)
             self.scheduler.verify_cost = runner.verify_cost  # (measured by the warm-up)
             while True:
-                self._expire_deadlines()
+                self.expire_deadlines()
                 if not self.scheduler.has_work and in_flight is None:
                     if self._draining:
                         idle = True
@@ -267,7 +267,8 @@ class StepLoop:
         assert self._waiter is not None
         return await asyncio.get_running_loop().run_in_executor(self._waiter, runner.collect, pending)
 
-    def _expire_deadlines(self) -> None:
+    def expire_deadlines(self) -> None:
+        """End the requests whose deadline has passed (the loop does before each plan)."""
         if not self._deadlines:
             return
         scheduler = self.scheduler

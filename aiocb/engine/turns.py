@@ -71,8 +71,10 @@ class Waker:
 
     def wake(self, waiter: asyncio.Future[None]) -> None:
         """Complete ``waiter`` (with None) in this batch or a later one."""
-        self._pending.append(waiter)
         loop = waiter.get_loop()
+        if loop.is_closed():
+            return  # (its consumer's loop was closed under it: nothing runs there any more)
+        self._pending.append(waiter)
         if self._scheduled is not loop:
             self._scheduled = loop
             loop.call_soon(self._run, loop)

@@ -150,18 +150,28 @@ async def test_requests_made_before_the_first_start_wait_for_it(qwen3: PreTraine
 
 
 async def test_requests_queued_before_a_start_that_never_comes_are_aborted(qwen3: PreTrainedModel) -> None:
-    """A stop or a destroy before the first start aborts what was queued (no awaiter is
-    left waiting); after a stop the manager starts and serves as a new one."""
-    manager = aiocb.Manager(qwen3)
+    """A stop or a destroy before the first start aborts what was queued and what waits for
+    room in the queue; a ``get_result()`` waiting returns None. After the stop new requests
+    are refused, as after any stop, until a start: the manager then serves as a new one."""
+    config = aiocb.ContinuousBatchingConfig(max_queue_size=2)
+    manager = aiocb.Manager(qwen3, continuous_batching_config=config)
     waiter = asyncio.create_task(manager.generate(PROMPTS[0], max_new_tokens=4))
     queued = await manager.add_request(PROMPTS[1], max_new_tokens=4)
-    await asyncio.sleep(0)
+    blocked = asyncio.create_task(manager.add_request(PROMPTS[2], max_new_tokens=4))  # (no room)
+    shared = asyncio.create_task(manager.get_result())
+    await asyncio.sleep(0.01)
+    assert not (blocked.done() or shared.done())
     await manager.stop()
-    with pytest.raises(aiocb.RequestAbortedError, match=r"stop\(\) before start\(\)"):
+    with pytest.raises(aiocb.RequestAbortedError, match=r"stop\(\) before start\(\) aborted the request"):
         await waiter
-    output = await manager.get_result(queued)
-    assert output is not None and output.status is aiocb.RequestStatus.FAILED
-    assert output.finish_reason is aiocb.FinishReason.ABORTED
+    with pytest.raises(aiocb.ManagerClosedError, match=r"stop\(\) before start\(\): the request was not queued"):
+        await blocked
+    first = await shared
+    assert first is not None and first.request_id == queued  # (the aborted output, then no more)
+    assert first.status is aiocb.RequestStatus.FAILED and first.finish_reason is aiocb.FinishReason.ABORTED
+    assert await manager.get_result() is None
+    with pytest.raises(aiocb.ManagerClosedError, match="stopped"):
+        await manager.add_request(PROMPTS[0], max_new_tokens=4)
     manager.start()
     again = await manager.generate(PROMPTS[0], max_new_tokens=4)
     assert again.generated_tokens == reference_generate(qwen3, PROMPTS[0], 4)
@@ -172,20 +182,55 @@ async def test_requests_queued_before_a_start_that_never_comes_are_aborted(qwen3
     waiter = asyncio.create_task(manager.generate(PROMPTS[0], max_new_tokens=4))
     await asyncio.sleep(0)
     await manager.destroy()
-    with pytest.raises(aiocb.RequestAbortedError, match="destroyed before it started"):
+    with pytest.raises(aiocb.RequestAbortedError, match=r"destroy\(\) before start\(\) aborted the request"):
         await waiter
+
+
+async def test_a_timeout_ends_a_request_queued_before_the_start_at_its_deadline(qwen3: PreTrainedModel) -> None:
+    manager = aiocb.Manager(qwen3)
+    waiter = asyncio.create_task(manager.generate(PROMPTS[0], max_new_tokens=4, timeout=0.05))
+    kept = await manager.add_request(PROMPTS[1], max_new_tokens=4, timeout=30.0)
+    output = await asyncio.wait_for(waiter, 5.0)
+    assert output.finish_reason is aiocb.FinishReason.TIMEOUT and not output.generated_tokens
+    async with manager:
+        result = await manager.get_result(kept)
+    assert result is not None and result.generated_tokens == reference_generate(qwen3, PROMPTS[1], 4)
+
+
+async def test_a_refused_request_before_the_start_queues_nothing(qwen3: PreTrainedModel) -> None:
+    """A request refused before the start (or a precompile) leaves no queue behind: a
+    ``get_result()`` returns None at once and the manager may start on any loop."""
+    manager = aiocb.Manager(qwen3)
+    with pytest.raises(aiocb.InvalidRequestError, match="context length"):
+        await manager.add_request(PROMPTS[0], max_new_tokens=10**6)
+    assert await asyncio.wait_for(manager.get_result(), 1.0) is None
+
+    def elsewhere() -> list[int]:
+        async def serve() -> list[int]:
+            async with manager:
+                return (await manager.generate(PROMPTS[0], max_new_tokens=4)).generated_tokens
+
+        return asyncio.run(serve())
+
+    assert await asyncio.to_thread(elsewhere) == reference_generate(qwen3, PROMPTS[0], 4)
 
 
 def test_requests_queued_on_a_loop_that_closed_before_the_start_are_dropped(qwen3: PreTrainedModel) -> None:
     """Requests queued before the start on an event loop that then closed (``asyncio.run``
-    returned) are dropped with a warning; the manager starts on a new loop as a new one.
-    A start on another loop while the first still runs is refused."""
+    returned, or ``close()`` with a ``generate`` still awaiting) are dropped with a warning;
+    the manager starts on a new loop as a new one. A start on another loop while the first
+    still runs is refused."""
     manager = aiocb.Manager(qwen3)
 
     async def queue() -> None:
         await manager.add_request(PROMPTS[0], max_new_tokens=4)
 
     asyncio.run(queue())
+    closed = asyncio.new_event_loop()
+    awaiting = closed.create_task(manager.generate(PROMPTS[1], max_new_tokens=4))
+    closed.run_until_complete(asyncio.sleep(0.01))
+    assert not awaiting.done()
+    closed.close()
 
     async def serve() -> list[int]:
         assert manager.statistics().waiting_requests == 0
