@@ -162,6 +162,10 @@ class SamplingParams:
         default=None,
         metadata=_doc("when each generated token came (`time.perf_counter()`), in the output's `timestamps`", "False"),
     )
+    truncate_prompt_tokens: int | None = field(
+        default=None,
+        metadata=_doc("vLLM's: keep only the prompt's last this many tokens (-1: the model's context length)", "none"),
+    )
     n: int | None = field(
         default=None,
         metadata=_doc(
@@ -207,6 +211,12 @@ class SamplingParams:
         _check_int(self, "priority", minimum=None)
         _check_int(self, "n", minimum=1)
         _check_int(self, "no_repeat_ngram_size", minimum=0)
+        _check_int(self, "truncate_prompt_tokens", minimum=-1)
+        if self.truncate_prompt_tokens == 0:
+            raise InvalidRequestError(
+                "truncate_prompt_tokens must be at least 1 (or -1: the model's context length), got 0",
+                param="truncate_prompt_tokens",
+            )
         for name in ("do_sample", "include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             _check_bool(self, name)
         for name in ("return_logprobs", "prompt_logprobs", "record_timestamps"):

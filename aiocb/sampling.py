@@ -58,6 +58,16 @@ def merged_generation_config(model: Any, given: GenerationConfig | None) -> Gene
     return merged
 
 
+def truncated_prompt(prompt: list[int], keep: int | None, max_model_len: int | None) -> list[int]:
+    """``prompt`` cut to its last ``keep`` tokens (``truncate_prompt_tokens``; -1: the model's
+    context length, ``max_model_len``; None: all of it)."""
+    if keep == -1:
+        keep = max_model_len
+    if keep is None or len(prompt) <= keep:
+        return prompt
+    return prompt[len(prompt) - keep :]
+
+
 def normalize_prompt(input_ids: Any, limits: RequestLimits) -> list[int]:
     """The prompt as a list of ints, or an InvalidRequestError saying what is wrong."""
     if hasattr(input_ids, "tolist") and not isinstance(input_ids, list):

@@ -26,7 +26,7 @@ from aiocb.errors import InvalidRequestError
 from aiocb.params import SamplingParams
 from aiocb.prompts import Prompt, encode_prompt, is_large
 from aiocb.runner.step_batch import token_history
-from aiocb.sampling import RequestLimits, config_defaults, eos_ids, normalize_prompt, resolve_params
+from aiocb.sampling import RequestLimits, config_defaults, eos_ids, normalize_prompt, resolve_params, truncated_prompt
 from aiocb.structured import GrammarCompiler, GrammarState
 
 #: a request that gives no parameter: everything from the GenerationConfig
@@ -97,7 +97,8 @@ class RequestFactory:
         append to ``children``: a thousand of them take milliseconds, which an ``await``ing
         caller spreads over several loop turns."""
         requested = self.merged(sampling_params, max_new_tokens, params)
-        prompt = normalize_prompt(input_ids, limits)
+        keep = requested.truncate_prompt_tokens
+        prompt = truncated_prompt(normalize_prompt(input_ids, limits), keep, limits.max_model_len)
         resolved = resolve_params(
             requested,
             self.defaults,

@@ -12,6 +12,7 @@ from typing import Any
 
 from aiocb.engine.turns import LoopTurn
 from aiocb.params import STRUCTURE_FIELDS
+from aiocb.sampling import truncated_prompt
 from aiocb.server.bodies import Lazy
 from aiocb.server.chat_output import ChoiceOutput, MessageBuilder
 from aiocb.server.chat_output import delta as message_delta
@@ -66,7 +67,9 @@ def prepare_chat(ctx: ServerContext, body: bytes) -> PreparedChat:
         kwargs=request.chat_template_kwargs,
         tools=None if tools is None else list(tools.tools),
     )
-    ctx.check_prompt_chars(text, "messages")
+    keep = request.sampling.truncate_prompt_tokens
+    if keep is None:  # (else cut once tokenized; the body's size bounds the work)
+        ctx.check_prompt_chars(text, "messages")
     continued = (
         request.messages[-1].get("content") if request.chat_template_kwargs.get("continue_final_message") else None
     )
@@ -83,9 +86,8 @@ def prepare_chat(ctx: ServerContext, body: bytes) -> PreparedChat:
             raise bad_request(message, "tool_choice")
         mode = "disabled" if not ctx.reasoning else "enabled" if opens_thinking else "auto"
         constraint["structural_tag"] = structural_tag(tools, parser.xgrammar_format, mode)
-    return PreparedChat(
-        request, ctx.encode(text, add_special_tokens=False, param="messages"), tools, constraint, opens_thinking
-    )
+    ids = truncated_prompt(ctx.encode(text, add_special_tokens=False, param="messages"), keep, ctx.max_model_len)
+    return PreparedChat(request, ids, tools, constraint, opens_thinking)
 
 
 class ChatCompletion:

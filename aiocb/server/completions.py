@@ -14,6 +14,7 @@ import orjson
 
 from aiocb.detokenize import IncrementalDetokenizer
 from aiocb.engine.turns import LoopTurn
+from aiocb.sampling import truncated_prompt
 from aiocb.server import sse
 from aiocb.server.bodies import Chain, array_items
 from aiocb.server.context import INLINE_BODY_BYTES, ServerContext, finite
@@ -101,12 +102,14 @@ def parse_completion(ctx: ServerContext, body: bytes) -> CompletionRequest:
     ctx.limits.check_token_ids(request.sampling)
     ctx.limits.check_choices(len(request.prompts), request.sampling.n)
     many = len(request.prompts) > 1
+    keep = request.sampling.truncate_prompt_tokens
     for i, prompt in enumerate(request.prompts):
         where = f"prompt[{i}]" if many else "prompt"
         if isinstance(prompt, str):
-            ctx.check_prompt_chars(prompt, "prompt", where)
+            if keep is None:  # (else cut once tokenized; the body's size bounds the work)
+                ctx.check_prompt_chars(prompt, "prompt", where)
         else:
-            ctx.check_prompt_ids(prompt, "prompt", where)
+            ctx.check_prompt_ids(truncated_prompt(prompt, keep, ctx.max_model_len), "prompt", where)
     return request
 
 
@@ -153,19 +156,25 @@ def _jobs(prompts: Sequence[Sized]) -> list[tuple[int, int]]:
 def _tokenize(ctx: ServerContext, request: CompletionRequest, start: int, stop: int) -> list[Prompt]:
     """Prompts ``start`` to ``stop`` of the request, tokenized (thread-safe)."""
     many = len(request.prompts) > 1
+    keep = request.sampling.truncate_prompt_tokens
     prompts: list[Prompt] = []
     for i in range(start, stop):
         prompt = request.prompts[i]
         if isinstance(prompt, str):
             where = f"prompt[{i}]" if many else "prompt"
             ids = ctx.encode(prompt, add_special_tokens=True, param="prompt", where=where)
+            kept = truncated_prompt(ids, keep, ctx.max_model_len)
+            if len(kept) < len(ids):  # (the echo is of the tokens kept)
+                prompts.append(Prompt(kept, ctx.decode(kept) if request.echo else ""))
+                continue
             offsets = None
             if request.echo and request.logprobs is not None:
                 # (the text holds no BOS the tokenizer added, and may hold what decodes otherwise)
                 offsets = ctx.char_offsets(prompt, len(ids))
             prompts.append(Prompt(ids, prompt, offsets))
         else:
-            prompts.append(Prompt(prompt, ctx.decode(prompt) if request.echo else ""))
+            kept = truncated_prompt(prompt, keep, ctx.max_model_len)
+            prompts.append(Prompt(kept, ctx.decode(kept) if request.echo else ""))
     return prompts
 
 

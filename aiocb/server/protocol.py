@@ -127,6 +127,8 @@ class SamplingRequest:
     #: no stop token or stop string before this many tokens
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
+    #: vLLM's: the prompt is cut to its last this many tokens (-1: the model's context), None: not
+    truncate_prompt_tokens: int | None = None
     #: the logits controls (penalties, biases, allow-lists), as ``aiocb.SamplingParams`` fields
     controls: Mapping[str, Any] = field(default_factory=dict)
     #: the body field ``max_tokens`` came from (errors about it name that one)
@@ -285,10 +287,21 @@ def _sampling(body: Mapping[str, Any], *, max_tokens_keys: tuple[str, ...]) -> S
         include_usage=_include_usage(body, stream),
         min_tokens=_opt_int(body, "min_tokens", minimum=0) or 0,
         include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False),
+        truncate_prompt_tokens=_truncate_prompt_tokens(body),
         controls={**_controls(body), **constraint},
         max_tokens_field=max_tokens_field,
         constraint_field=constraint_field,
     )
+
+
+def _truncate_prompt_tokens(body: Mapping[str, Any]) -> int | None:
+    value = body.get("truncate_prompt_tokens")
+    if value is not None:
+        try:
+            SamplingParams(truncate_prompt_tokens=value)
+        except InvalidRequestError as exc:
+            raise bad_request(str(exc), "truncate_prompt_tokens") from None
+    return value
 
 
 def _max_tokens_field(body: Mapping[str, Any], keys: tuple[str, ...]) -> str:
@@ -461,6 +474,7 @@ _SAMPLING_FIELDS = frozenset(
         "stream_options",
         "min_tokens",
         "include_stop_str_in_output",
+        "truncate_prompt_tokens",
         "best_of",
         "response_format",
         "structured_outputs",

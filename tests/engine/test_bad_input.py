@@ -53,6 +53,9 @@ BAD_REQUESTS: list[tuple[str, Any, dict[str, Any], str]] = [
     ("flat bad_words_ids", [1, 2], {"bad_words_ids": [3, 4]}, "list of lists"),
     ("bad word beyond vocab", [1, 2], {"bad_words_ids": [[VOCAB]]}, "bad_words_ids.*outside the vocabulary"),
     ("empty allowed_token_ids", [1, 2], {"allowed_token_ids": []}, "allowed_token_ids is empty"),
+    ("truncate to nothing", [1, 2], {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens must be at least 1"),
+    ("truncate below -1", [1, 2], {"truncate_prompt_tokens": -2}, "truncate_prompt_tokens must be >= -1"),
+    ("negative no_repeat_ngram_size", [1, 2], {"no_repeat_ngram_size": -1}, "no_repeat_ngram_size must be >= 0"),
     (
         "sampling_params not a SamplingParams",
         [1, 2],

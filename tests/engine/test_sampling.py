@@ -219,3 +219,22 @@ async def test_prompt_top_logprobs_hold_the_requests_own_count_whatever_shares_t
         assert output.prompt_top_logprobs is not None
         assert {len(top) for top in output.prompt_top_logprobs[1:] if top is not None} == {count}
     assert not any(plain.prompt_top_logprobs or [])  # (none asked for)
+
+
+async def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(qwen3: PreTrainedModel) -> None:
+    """vLLM's ``truncate_prompt_tokens``: the request is the prompt's last k tokens, in its
+    outputs and its prompt logprobs too; -1 keeps the model's context length."""
+    prompt = random_prompts(1, 60, 60, seed=61)[0]
+    async with aiocb.Manager(qwen3) as manager:
+        cut = await manager.generate(prompt, max_new_tokens=6, truncate_prompt_tokens=20, prompt_logprobs=True)
+        whole = await manager.generate(prompt, max_new_tokens=6, truncate_prompt_tokens=600)
+        assert qwen3.config.max_position_embeddings == 2048
+        long = [7] * 2100
+        with pytest.raises(aiocb.InvalidRequestError, match=r"prompt \(2048 tokens\) plus max_new_tokens \(4\)"):
+            await manager.generate(long, max_new_tokens=4, truncate_prompt_tokens=-1)
+        ends = await manager.generate(long, max_new_tokens=4, truncate_prompt_tokens=2044)
+    assert cut.prompt_ids == prompt[-20:]
+    assert cut.generated_tokens == reference_generate(qwen3, prompt[-20:], 6)
+    assert cut.prompt_logprobs is not None and len(cut.prompt_logprobs) == 20
+    assert whole.prompt_ids == prompt and whole.generated_tokens == reference_generate(qwen3, prompt, 6)
+    assert ends.prompt_ids == long[-2044:] and len(ends.generated_tokens) == 4

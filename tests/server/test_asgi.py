@@ -318,6 +318,43 @@ async def test_chat_completion(client: httpx.AsyncClient, manager: aiocb.Manager
     assert (await client.post("/v1/chat/completions", json=as_parts)).json()["choices"] == data["choices"]
 
 
+async def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(
+    client: httpx.AsyncClient, manager: aiocb.Manager, tokenizer: Any
+) -> None:
+    """vLLM's ``truncate_prompt_tokens``: the model sees the prompt's (or the rendered
+    conversation's) last k tokens; usage counts those, an echo shows them, and a token-id
+    prompt longer than the context passes once cut."""
+    ids = tokenizer.encode("Question: Which planet is known as the red planet? Answer: Mars.")
+    kept = ids[-6:]
+    reference = await greedy(manager, kept, 4)
+    body = {"prompt": "Question: Which planet is known as the red planet? Answer: Mars.", "max_tokens": 4}
+    body |= {"temperature": 0, "ignore_eos": True, "truncate_prompt_tokens": 6, "echo": True, "logprobs": 0}
+    data = (await client.post("/v1/completions", json=body)).json()
+    (choice,) = data["choices"]
+    generated = tokenizer.decode(reference.generated_tokens, skip_special_tokens=True)
+    assert choice["text"] == tokenizer.decode(kept) + generated
+    assert len(choice["logprobs"]["tokens"]) == 6 + 4 and choice["logprobs"]["token_logprobs"][0] is None
+    assert data["usage"]["prompt_tokens"] == 6
+    assert manager.model.config.max_position_embeddings == 2048
+    long = [ids[1]] * 2100
+    too_long = await client.post("/v1/completions", json={"prompt": long, "max_tokens": 2})
+    assert too_long.status_code == 400, too_long.text
+    body = {"prompt": long, "max_tokens": 2, "truncate_prompt_tokens": 2000, "temperature": 0, "ignore_eos": True}
+    cut = await client.post("/v1/completions", json=body)
+    assert cut.status_code == 200, cut.text
+    assert cut.json()["usage"]["prompt_tokens"] == 2000
+
+    messages = [{"role": "user", "content": "Tell me a story about the red planet."}]
+    chat_ids = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+    reference = await greedy(manager, chat_ids[-5:], 4)
+    body = {"messages": messages, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "truncate_prompt_tokens": 5}
+    data = (await client.post("/v1/chat/completions", json=body)).json()
+    assert data["choices"][0]["message"]["content"] == tokenizer.decode(
+        reference.generated_tokens, skip_special_tokens=True
+    )
+    assert data["usage"]["prompt_tokens"] == 5
+
+
 async def test_chat_stream_and_logprobs(client: httpx.AsyncClient) -> None:
     body = {
         "messages": [{"role": "user", "content": "Hello"}],

@@ -104,6 +104,8 @@ def test_sampling_fields() -> None:
         ({"prompt": "x", "eta_cutoff": "0.1"}, "eta_cutoff"),
         ({"prompt": "x", "top_h": 1.5}, "top_h"),
         ({"prompt": "x", "no_repeat_ngram_size": -2}, "no_repeat_ngram_size"),
+        ({"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ({"prompt": "x", "truncate_prompt_tokens": "5"}, "truncate_prompt_tokens"),
         ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
         ({"prompt": "x", "min_tokens": -1}, "min_tokens"),
         ({"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids"),
