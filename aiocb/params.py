@@ -107,6 +107,14 @@ class SamplingParams:
     bad_words_ids: Iterable[Iterable[int]] | None = field(
         default=None, metadata=_doc("token sequences never generated", "none")
     )
+    bad_words: str | Iterable[str] | None = field(
+        default=None,
+        metadata=_doc(
+            "vLLM's: words never generated, each as the tokenizer writes it alone and after a space "
+            "(needs a tokenizer; as `bad_words_ids`)",
+            "none",
+        ),
+    )
     no_repeat_ngram_size: int | None = field(
         default=None,
         metadata=_doc("transformers': no n-gram of this many tokens occurs twice in prompt and output (0: off)", "0"),
@@ -236,7 +244,8 @@ class SamplingParams:
         _check_float(self, "presence_penalty", low=-2.0, high=2.0)
         _check_float(self, "frequency_penalty", low=-2.0, high=2.0)
         _check_float(self, "timeout", low=0.0, low_open=True)
-        _set(self, "stop", _strings(self.stop))
+        _set(self, "stop", _strings(self.stop, "stop"))
+        _set(self, "bad_words", _strings(self.bad_words, "bad_words"))
         _set(self, "stop_token_ids", _ids("stop_token_ids", self.stop_token_ids))
         _set(self, "allowed_token_ids", _ids("allowed_token_ids", self.allowed_token_ids, empty_ok=False))
         if self.eos_token_id is not None:
@@ -442,26 +451,29 @@ def _check_float(
     _set(params, name, float(value))
 
 
-def _strings(value: Any) -> tuple[str, ...] | None:
+def _strings(value: Any, name: str) -> tuple[str, ...] | None:
+    """``stop`` or ``bad_words`` (``name``) as a tuple of non-empty Unicode strings."""
     if value is None:
         return None
     if isinstance(value, str):
         value = [value]
     if isinstance(value, (bytes, Mapping)) or not isinstance(value, Iterable):
         raise InvalidRequestError(
-            f"stop must be a string or a list of strings, got {type(value).__name__}", param="stop"
+            f"{name} must be a string or a list of strings, got {type(value).__name__}", param=name
         )
     # A set has no order of its own: sorted, the request is the same in every process.
     strings = tuple(sorted(value, key=repr)) if isinstance(value, set | frozenset) else tuple(value)
     for s in strings:
         if not isinstance(s, str):
-            raise InvalidRequestError(f"stop must hold strings, got {s!r}", param="stop")
+            raise InvalidRequestError(f"{name} must hold strings, got {s!r}", param=name)
         if not s:
-            raise InvalidRequestError("stop holds an empty string, which would match everywhere", param="stop")
+            raise InvalidRequestError(f"{name} holds an empty string, which would match everywhere", param=name)
+        if name == "bad_words" and not s.strip():
+            raise InvalidRequestError(f"bad_words holds {s!r}, which holds no word", param=name)
         if not s.isascii() and not _is_unicode(s):
             raise InvalidRequestError(
-                f"stop holds {s!r}, which is not Unicode text (a lone surrogate): no output could match it",
-                param="stop",
+                f"{name} holds {s!r}, which is not Unicode text (a lone surrogate): no output could match it",
+                param=name,
             )
     return strings
 

@@ -56,3 +56,19 @@ def encode_prompt(prompt: Any, tokenizer: Any) -> Any:
     # The template writes the special tokens (BOS and the like) itself.
     ids = tokenizer.encode(text, add_special_tokens=False)
     return ids
+
+
+def bad_words_ids(words: Sequence[str], tokenizer: Any) -> list[list[int]]:
+    """vLLM's token sequences for ``bad_words``: each word (leading spaces dropped) as the
+    tokenizer writes it alone, and after a space when that makes another first token in as
+    many tokens (a word that begins the text and one inside it)."""
+    sequences: list[list[int]] = []
+    for word in words:
+        alone: list[int] = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced: list[int] = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if not alone:
+            raise InvalidRequestError(f"bad_words: the tokenizer writes {word!r} as no token", param="bad_words")
+        sequences.append(alone)
+        if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+            sequences.append(spaced)
+    return sequences

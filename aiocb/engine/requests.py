@@ -24,13 +24,15 @@ from aiocb.core.request import Request
 from aiocb.detokenize import TextTracker
 from aiocb.errors import InvalidRequestError
 from aiocb.params import SamplingParams
-from aiocb.prompts import Prompt, encode_prompt, is_large
+from aiocb.prompts import Prompt, bad_words_ids, encode_prompt, is_large
 from aiocb.runner.step_batch import token_history
 from aiocb.sampling import RequestLimits, config_defaults, eos_ids, normalize_prompt, resolve_params, truncated_prompt
 from aiocb.structured import GrammarCompiler, GrammarState
 
 #: a request that gives no parameter: everything from the GenerationConfig
 _NO_PARAMS = SamplingParams()
+#: ``bad_words`` lists whose token sequences are kept (the cache is emptied when full)
+_BAD_WORDS_KEPT = 256
 #: constraints (their text) up to this many characters compile in the short lane
 _SHORT_CONSTRAINT = 16_384
 
@@ -68,6 +70,8 @@ class RequestFactory:
         self._grammar_compiler: GrammarCompiler | None = None
         #: the threads constraints compile on: short ones, long ones (made on first use)
         self._compilers: list[ThreadPoolExecutor | None] = [None, None]
+        #: the token sequences of recent requests' ``bad_words`` (tokenized once each)
+        self._bad_words: dict[tuple[str, ...], list[list[int]]] = {}
         #: the last merge of a SamplingParams with a max_new_tokens: (given, max_new_tokens, merged)
         self._last_merge: tuple[SamplingParams, int, SamplingParams] | None = None
 
@@ -97,6 +101,8 @@ class RequestFactory:
         append to ``children``: a thousand of them take milliseconds, which an ``await``ing
         caller spreads over several loop turns."""
         requested = self.merged(sampling_params, max_new_tokens, params)
+        if requested.bad_words:
+            requested = self._with_bad_words_ids(requested)
         keep = requested.truncate_prompt_tokens
         prompt = truncated_prompt(normalize_prompt(input_ids, limits), keep, limits.max_model_len)
         resolved = resolve_params(
@@ -209,6 +215,22 @@ class RequestFactory:
         merged = requested.updated(max_new_tokens=max_new_tokens)
         self._last_merge = (requested, max_new_tokens, merged)
         return merged
+
+    def _with_bad_words_ids(self, requested: SamplingParams) -> SamplingParams:
+        """``requested`` with its ``bad_words`` as token sequences, after its ``bad_words_ids``."""
+        assert requested.bad_words is not None
+        if self.tokenizer is None:
+            raise InvalidRequestError(
+                "bad_words need a tokenizer: create the Manager with tokenizer=..., or give bad_words_ids",
+                param="bad_words",
+            )
+        words = tuple(requested.bad_words)
+        sequences = self._bad_words.get(words)
+        if sequences is None:
+            if len(self._bad_words) >= _BAD_WORDS_KEPT:
+                self._bad_words.clear()
+            sequences = self._bad_words[words] = bad_words_ids(words, self.tokenizer)
+        return requested.updated(bad_words_ids=[*(requested.bad_words_ids or ()), *sequences])
 
     def _text(self, prompt: list[int], params: ResolvedParams) -> TextTracker | None:
         if self.tokenizer is None:

@@ -3,6 +3,7 @@ output back as an assistant message (content, ``reasoning_content``, ``tool_call
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -52,6 +53,7 @@ def prepare_chat(ctx: ServerContext, body: bytes) -> PreparedChat:
     ctx.check_model(request.sampling.model)
     ctx.limits.check_stop(request.sampling.stop)
     ctx.limits.check_token_ids(request.sampling)
+    request = dataclasses.replace(request, sampling=ctx.with_bad_words(request.sampling))
     ctx.limits.check_choices(1, request.sampling.n)
     if tools is not None and tools.choice == "none":
         tools = None  # (the model is not shown tools it may not call)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence, Sized
@@ -100,6 +101,7 @@ def parse_completion(ctx: ServerContext, body: bytes) -> CompletionRequest:
     ctx.check_model(request.sampling.model)
     ctx.limits.check_stop(request.sampling.stop)
     ctx.limits.check_token_ids(request.sampling)
+    request = dataclasses.replace(request, sampling=ctx.with_bad_words(request.sampling))
     ctx.limits.check_choices(len(request.prompts), request.sampling.n)
     many = len(request.prompts) > 1
     keep = request.sampling.truncate_prompt_tokens

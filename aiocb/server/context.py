@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -10,9 +11,11 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, TypeVar
 
+from aiocb.errors import InvalidRequestError
+from aiocb.prompts import bad_words_ids
 from aiocb.server.limits import ServerLimits
 from aiocb.server.metrics import ServerMetrics
-from aiocb.server.protocol import APIError, bad_request
+from aiocb.server.protocol import APIError, SamplingRequest, bad_request
 from aiocb.server.remote import ServedEngine
 from aiocb.server.tool_parsers import ToolCallParser
 
@@ -190,6 +193,17 @@ class ServerContext:
             message = f"{where or param} cannot be tokenized (is it valid Unicode text?): {exc}"
             raise bad_request(message, param) from None
         return ids
+
+    def with_bad_words(self, sampling: SamplingRequest) -> SamplingRequest:
+        """``sampling`` with its ``bad_words`` as token sequences (``bad_words_ids``), made
+        as vLLM makes them with this server's tokenizer."""
+        if not sampling.bad_words:
+            return sampling
+        try:
+            sequences = bad_words_ids(sampling.bad_words, self.tokenizer)
+        except InvalidRequestError as exc:
+            raise bad_request(str(exc), "bad_words") from None
+        return dataclasses.replace(sampling, controls={**sampling.controls, "bad_words_ids": sequences})
 
     def char_offsets(self, text: str, num_tokens: int) -> list[int] | None:
         """Where each of the ``num_tokens`` tokens of ``text`` (special tokens added) starts

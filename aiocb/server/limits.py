@@ -118,9 +118,11 @@ class ServerLimits:
 
     def check_token_ids(self, sampling: SamplingRequest) -> None:
         """Refuse a token-id list or map (``logit_bias``, ``allowed_token_ids``,
-        ``stop_token_ids``) of more than :attr:`max_token_ids` entries."""
+        ``stop_token_ids``, ``bad_words``: its words, before they are tokenized) of more
+        than :attr:`max_token_ids` entries."""
         lists = {
             "stop_token_ids": sampling.stop_token_ids,
+            "bad_words": sampling.bad_words,
             "logit_bias": sampling.controls.get("logit_bias", ()),
             "allowed_token_ids": sampling.controls.get("allowed_token_ids", ()),
         }

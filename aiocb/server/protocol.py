@@ -129,6 +129,8 @@ class SamplingRequest:
     include_stop_str_in_output: bool = False
     #: vLLM's: the prompt is cut to its last this many tokens (-1: the model's context), None: not
     truncate_prompt_tokens: int | None = None
+    #: vLLM's: words never generated (made token sequences with the server's tokenizer)
+    bad_words: tuple[str, ...] = ()
     #: the logits controls (penalties, biases, allow-lists), as ``aiocb.SamplingParams`` fields
     controls: Mapping[str, Any] = field(default_factory=dict)
     #: the body field ``max_tokens`` came from (errors about it name that one)
@@ -288,6 +290,7 @@ def _sampling(body: Mapping[str, Any], *, max_tokens_keys: tuple[str, ...]) -> S
         min_tokens=_opt_int(body, "min_tokens", minimum=0) or 0,
         include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False),
         truncate_prompt_tokens=_truncate_prompt_tokens(body),
+        bad_words=_bad_words(body),
         controls={**_controls(body), **constraint},
         max_tokens_field=max_tokens_field,
         constraint_field=constraint_field,
@@ -302,6 +305,17 @@ def _truncate_prompt_tokens(body: Mapping[str, Any]) -> int | None:
         except InvalidRequestError as exc:
             raise bad_request(str(exc), "truncate_prompt_tokens") from None
     return value
+
+
+def _bad_words(body: Mapping[str, Any]) -> tuple[str, ...]:
+    value = body.get("bad_words")
+    if value is None:
+        return ()
+    try:
+        words = SamplingParams(bad_words=value).bad_words
+    except InvalidRequestError as exc:
+        raise bad_request(str(exc), "bad_words") from None
+    return tuple(words or ())
 
 
 def _max_tokens_field(body: Mapping[str, Any], keys: tuple[str, ...]) -> str:
@@ -475,6 +489,7 @@ _SAMPLING_FIELDS = frozenset(
         "min_tokens",
         "include_stop_str_in_output",
         "truncate_prompt_tokens",
+        "bad_words",
         "best_of",
         "response_format",
         "structured_outputs",

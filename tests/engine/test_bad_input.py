@@ -38,6 +38,8 @@ BAD_REQUESTS: list[tuple[str, Any, dict[str, Any], str]] = [
     ("bad timeout", [1, 2], {"timeout": -1}, "timeout"),
     ("bad seed", [1, 2], {"seed": "x"}, "seed must be an int"),
     ("stop without tokenizer", [1, 2], {"stop": "\n"}, "stop strings need a tokenizer"),
+    ("bad_words without tokenizer", [1, 2], {"bad_words": ["hello"]}, "bad_words need a tokenizer"),
+    ("blank bad word", [1, 2], {"bad_words": ["  "]}, "bad_words holds '  ', which holds no word"),
     ("empty stop string", [1, 2], {"stop": [""]}, "empty string"),
     ("presence penalty too big", [1, 2], {"presence_penalty": 3.0}, r"presence_penalty must be in \[-2.0, 2.0\]"),
     ("frequency penalty nan", [1, 2], {"frequency_penalty": float("nan")}, "frequency_penalty must be a finite"),

@@ -177,3 +177,35 @@ async def test_the_stop_token_that_ended_a_request_is_left_out_of_its_text(
     assert output.generated_tokens == tokens[: at + 1]
     assert output.stop_reason == tokens[at]
     assert output.text == tokenizer.decode(tokens[: at + 1] if keep else tokens[:at])
+
+
+async def test_bad_words_are_banned_as_vllm_tokenizes_them(
+    model: PreTrainedModel, tokenizer: Any, plain: list[list[int]]
+) -> None:
+    """vLLM's ``bad_words``: each word is banned as the tokenizer writes it alone and after
+    a space (when that is another token sequence of the same length), exactly as the same
+    sequences given to ``model.generate`` as ``bad_words_ids`` ban them."""
+    from aiocb.prompts import bad_words_ids
+    from tests.conftest import reference_generate
+
+    prompt = tokenizer.encode(PROMPTS[5])
+    greedy = reference_generate(model, prompt, NEW)
+    # Words the greedy output writes as one token of their own (alone or after a space).
+    texts = [tokenizer.decode([token]) for token in greedy]
+    words = [text for text in texts if text.strip().isalpha()][:2]
+    assert len(words) == 2, texts
+    sequences = bad_words_ids(words, tokenizer)
+    for word in words:
+        alone = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        assert alone in sequences
+        assert (spaced in sequences) == (spaced[0] != alone[0] and len(spaced) == len(alone))
+    expected = reference_generate(model, prompt, NEW, bad_words_ids=sequences)
+    assert expected != greedy, "the words change nothing: the test would not notice them ignored"
+    async with aiocb.Manager(model, tokenizer=tokenizer) as manager:
+        output = await manager.generate(PROMPTS[5], max_new_tokens=NEW, bad_words=words)
+        both = await manager.generate(PROMPTS[5], max_new_tokens=NEW, bad_words=words[0], bad_words_ids=[[plain[5][5]]])
+    assert output.generated_tokens == expected
+    assert both.generated_tokens == reference_generate(
+        model, prompt, NEW, bad_words_ids=[[plain[5][5]], *bad_words_ids(words[:1], tokenizer)]
+    )

@@ -11,6 +11,7 @@ import pytest
 from transformers import GenerationConfig, PreTrainedModel
 
 import aiocb
+from aiocb.prompts import bad_words_ids
 from aiocb.server import build_app
 from tests.conftest import arm_failure
 from tests.server.conftest import (
@@ -600,6 +601,7 @@ async def test_generation_controls_are_honoured(
         {"typical_p": 0.5, "eta_cutoff": 0.01, "temperature": 1.0, "top_k": 40, "seed": 4},
         {"top_h": 0.6, "epsilon_cutoff": 0.001, "temperature": 1.0, "top_k": 40, "seed": 5},
         {"no_repeat_ngram_size": 1},
+        {"bad_words": [word for word in map(tokenizer.decode, plain.generated_tokens) if word.strip().isalpha()][:1]},
     ]
     for controls in cases:
         body = {"prompt": PROMPT, "max_tokens": 16, "temperature": 0, "ignore_eos": True, **controls}
@@ -608,6 +610,9 @@ async def test_generation_controls_are_honoured(
         library = dict(controls)
         if "logit_bias" in library:
             library["logit_bias"] = {int(k): v for k, v in library["logit_bias"].items()}
+        if "bad_words" in library:  # (this manager works in token ids)
+            assert library["bad_words"], "no word to ban in the plain text"
+            library["bad_words_ids"] = bad_words_ids(library.pop("bad_words"), tokenizer)
         expected = await manager.generate(ids, max_new_tokens=16, ignore_eos=True, **{"temperature": 0.0, **library})
         text = response.json()["choices"][0]["text"]
         assert text == tokenizer.decode(expected.generated_tokens, skip_special_tokens=True), controls

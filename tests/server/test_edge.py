@@ -123,6 +123,7 @@ async def test_stop_strings_are_bounded(limited: httpx.AsyncClient, client: http
         ("logit_bias", {"5": 1, "6": 1, "7": 1}, {"5": 1, "6": 1, "7": 1, "0008": 1}),
         ("allowed_token_ids", [5, 6, 7], [5, 6, 7, 8]),
         ("stop_token_ids", [5, 6, 7], [5, 6, 7, 7]),
+        ("bad_words", ["sun", "moon", "star"], ["sun", "moon", "star", "sky"]),
     ],
 )
 async def test_token_id_lists_are_bounded(
