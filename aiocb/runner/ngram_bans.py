@@ -6,7 +6,8 @@ occurrence of its last ``n - 1`` tokens. transformers rebuilds every n-gram of t
 in Python at each step; an index kept up to date would cost a long prompt's indexing on the
 event loop when the request joins (about a microsecond a token). Here the sequence is kept as
 int64 bytes, extended by the new tokens only, and each step searches it for the last
-``n - 1`` tokens with ``bytearray.find`` (C speed: some microseconds per 8,000 tokens).
+``n - 1`` tokens with ``bytearray.find`` (measured on the project's CPU machine: about
+30 µs a step at 8,000 tokens, 90 µs at 32,000; transformers' rebuild takes milliseconds).
 """
 
 from __future__ import annotations
