@@ -1,13 +1,12 @@
-"""transformers' ``no_repeat_ngram_size`` for one request, without an n-gram index.
+"""transformers' ``no_repeat_ngram_size`` for one request, on the host.
 
 ``NoRepeatNGramLogitsProcessor`` bans, at each step, every token that would complete an
 n-gram the sequence (prompt and output) already holds: the tokens that followed each earlier
-occurrence of its last ``n - 1`` tokens. transformers rebuilds every n-gram of the sequence
-in Python at each step; an index kept up to date would cost a long prompt's indexing on the
-event loop when the request joins (about a microsecond a token). Here the sequence is kept as
-int64 bytes, extended by the new tokens only, and each step searches it for the last
-``n - 1`` tokens with ``bytearray.find`` (measured on the project's CPU machine: about
-30 µs a step at 8,000 tokens, 90 µs at 32,000; transformers' rebuild takes milliseconds).
+occurrence of its last ``n - 1`` tokens (transformers matches that suffix against every
+window of the sequence). Here the row's sequence is kept as int64 bytes, extended by its new
+tokens only, and each step searches it for the last ``n - 1`` tokens with
+``bytearray.find``: about 30 µs a step at 8,000 tokens and 90 µs at 32,000 on the project's
+CPU machine (one-off timings), and no index to build when a long prompt joins.
 """
 
 from __future__ import annotations
