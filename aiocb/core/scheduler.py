@@ -720,7 +720,8 @@ class Scheduler:
         if completed and request.grammar is not None and request.grammar.rejected:
             request.error = (
                 "no token satisfies both the request's output constraint and its other controls "
-                "(allowed_token_ids, bad_words_ids, sequence_bias, ...): the token drawn breaks the constraint"
+                "(allowed_token_ids, bad_words_ids, no_repeat_ngram_size, sequence_bias, ...): the token drawn "
+                "breaks the constraint"
             )
             return FinishReason.ERROR
         if stops:

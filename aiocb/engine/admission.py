@@ -123,7 +123,8 @@ class AdmissionQueue:
         """Wake every waiter with ``error`` (the manager stops or died)."""
         while self._waiters:
             waiter, _ = self._waiters.popleft()
-            if not waiter.done():
+            # (one whose loop was closed under it can never run again: nothing to wake)
+            if not waiter.done() and not waiter.get_loop().is_closed():
                 waiter.set_exception(error)
 
     def _fits(self, request: Request) -> bool:

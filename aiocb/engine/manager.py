@@ -342,6 +342,8 @@ class Manager:
         """A deadline of a request queued before the start came: end those it ends."""
         if self._state is _State.CREATED and self._steps is not None:
             self._steps.expire_deadlines()
+            now = asyncio.get_running_loop().time()
+            self._deadline_timers = [timer for timer in self._deadline_timers if timer.when() > now]
 
     def _stop_deadline_timers(self) -> None:
         for timer in self._deadline_timers:
@@ -904,11 +906,15 @@ class Manager:
         """A session whose event loop was closed without stopping it (``loop.close()`` after
         ``run_until_complete``, no task cancelled) can never resume: end it as
         ``asyncio.run()``'s cancellation would, so that the manager starts anew elsewhere."""
-        running = (_State.STARTING, _State.RUNNING, _State.STOPPING)
-        if self._loop is not None and self._loop.is_closed() and self._state is _State.CREATED:
+        if self._loop is None or not self._loop.is_closed():
+            return
+        # Whoever waited for the shared results there can never be woken (setting the
+        # event would schedule their wake-up on the closed loop, which raises).
+        self._router.results_changed = asyncio.Event()
+        if self._state is _State.CREATED:
             logger.warning("the event loop requests were queued on was closed before the manager started")
             self._drop_queue_before_start("the event loop it was queued on closed before the start")
-        if self._loop is not None and self._loop.is_closed() and self._state in running:
+        elif self._state in (_State.STARTING, _State.RUNNING, _State.STOPPING):
             logger.warning("the event loop this manager ran on was closed without stopping it; its session ends")
             self._router.abort_all("the event loop running the manager was closed")
             self._starting = None  # (a start of that loop's, which will never end)
@@ -1079,6 +1085,7 @@ class Manager:
         ends at its deadline even if the start has not come by then."""
         loop = asyncio.get_running_loop()
         if not self._queued_before_start:
+            logger.info("the manager is not started: requests wait in its queue until start()")
             self._queued_before_start = True
             self._loop = loop
             self._router.results_changed = asyncio.Event()

@@ -217,19 +217,26 @@ async def test_a_refused_request_before_the_start_queues_nothing(qwen3: PreTrain
 
 def test_requests_queued_on_a_loop_that_closed_before_the_start_are_dropped(qwen3: PreTrainedModel) -> None:
     """Requests queued before the start on an event loop that then closed (``asyncio.run``
-    returned, or ``close()`` with a ``generate`` still awaiting) are dropped with a warning;
-    the manager starts on a new loop as a new one. A start on another loop while the first
-    still runs is refused."""
-    manager = aiocb.Manager(qwen3)
+    returned, or ``close()`` with a ``generate``, a ``get_result()`` and a request waiting
+    for room still awaiting) are dropped with a warning; the manager starts on a new loop as
+    a new one. A start on another loop while the first still runs is refused."""
+    manager = aiocb.Manager(qwen3, continuous_batching_config=aiocb.ContinuousBatchingConfig(max_queue_size=1))
 
     async def queue() -> None:
         await manager.add_request(PROMPTS[0], max_new_tokens=4)
 
     asyncio.run(queue())
     closed = asyncio.new_event_loop()
-    awaiting = closed.create_task(manager.generate(PROMPTS[1], max_new_tokens=4))
+    awaiting = [
+        closed.create_task(manager.generate(PROMPTS[1], max_new_tokens=4)),
+        closed.create_task(manager.add_request(PROMPTS[2], max_new_tokens=4)),  # (no room)
+    ]
     closed.run_until_complete(asyncio.sleep(0.01))
-    assert not awaiting.done()
+    dropped = closed.run_until_complete(manager.get_result())  # (the request queued on the first loop)
+    assert dropped is not None and dropped.finish_reason is aiocb.FinishReason.ABORTED
+    awaiting.append(closed.create_task(manager.get_result()))
+    closed.run_until_complete(asyncio.sleep(0.01))
+    assert not any(task.done() for task in awaiting)
     closed.close()
 
     async def serve() -> list[int]:
