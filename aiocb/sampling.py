@@ -58,9 +58,19 @@ def merged_generation_config(model: Any, given: GenerationConfig | None) -> Gene
     return merged
 
 
+def check_truncation(keep: int | None, max_model_len: int | None) -> None:
+    """Refuse a ``truncate_prompt_tokens`` beyond the model's context length (as vLLM does)."""
+    if keep is not None and max_model_len is not None and keep > max_model_len:
+        raise InvalidRequestError(
+            f"truncate_prompt_tokens ({keep}) is more than the model's context length ({max_model_len})",
+            param="truncate_prompt_tokens",
+        )
+
+
 def truncated_prompt(prompt: list[int], keep: int | None, max_model_len: int | None) -> list[int]:
     """``prompt`` cut to its last ``keep`` tokens (``truncate_prompt_tokens``; -1: the model's
     context length, ``max_model_len``; None: all of it)."""
+    check_truncation(keep, max_model_len)
     if keep == -1:
         keep = max_model_len
     if keep is None or len(prompt) <= keep:

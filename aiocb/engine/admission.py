@@ -77,6 +77,12 @@ class AdmissionQueue:
         self._granted = 0
         self._granted_tokens = 0
 
+    def forget(self) -> None:
+        """The loop the waiters lived on was closed under them: drop them, and the room held
+        for callers there (they will never queue their requests)."""
+        self._waiters.clear()
+        self._granted = self._granted_tokens = 0
+
     def has_room(self, request: Request) -> bool:
         """Whether ``request`` (and its samples) may be queued now, ahead of nobody."""
         if self._waiters:

@@ -908,9 +908,12 @@ class Manager:
         ``asyncio.run()``'s cancellation would, so that the manager starts anew elsewhere."""
         if self._loop is None or not self._loop.is_closed():
             return
-        # Whoever waited for the shared results there can never be woken (setting the
-        # event would schedule their wake-up on the closed loop, which raises).
+        # Whoever waited there can never be woken (a wake-up scheduled on the closed loop
+        # raises): the shared results' event, the room in the queue and the turnstile's
+        # places are made anew for the next loop.
         self._router.results_changed = asyncio.Event()
+        self._admission.forget()
+        self._turnstile = Turnstile()
         if self._state is _State.CREATED:
             logger.warning("the event loop requests were queued on was closed before the manager started")
             self._drop_queue_before_start("the event loop it was queued on closed before the start")

@@ -13,7 +13,7 @@ from typing import Any
 
 from aiocb.engine.turns import LoopTurn
 from aiocb.params import STRUCTURE_FIELDS
-from aiocb.sampling import truncated_prompt
+from aiocb.sampling import check_truncation, truncated_prompt
 from aiocb.server.bodies import Lazy
 from aiocb.server.chat_output import ChoiceOutput, MessageBuilder
 from aiocb.server.chat_output import delta as message_delta
@@ -70,6 +70,7 @@ def prepare_chat(ctx: ServerContext, body: bytes) -> PreparedChat:
         tools=None if tools is None else list(tools.tools),
     )
     keep = request.sampling.truncate_prompt_tokens
+    check_truncation(keep, ctx.max_model_len)
     if keep is None:  # (else cut once tokenized; the body's size bounds the work)
         ctx.check_prompt_chars(text, "messages")
     continued = (

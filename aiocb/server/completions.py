@@ -15,7 +15,7 @@ import orjson
 
 from aiocb.detokenize import IncrementalDetokenizer
 from aiocb.engine.turns import LoopTurn
-from aiocb.sampling import truncated_prompt
+from aiocb.sampling import check_truncation, truncated_prompt
 from aiocb.server import sse
 from aiocb.server.bodies import Chain, array_items
 from aiocb.server.context import INLINE_BODY_BYTES, ServerContext, finite
@@ -105,6 +105,7 @@ def parse_completion(ctx: ServerContext, body: bytes) -> CompletionRequest:
     ctx.limits.check_choices(len(request.prompts), request.sampling.n)
     many = len(request.prompts) > 1
     keep = request.sampling.truncate_prompt_tokens
+    check_truncation(keep, ctx.max_model_len)  # (before a long text is tokenized)
     for i, prompt in enumerate(request.prompts):
         where = f"prompt[{i}]" if many else "prompt"
         if isinstance(prompt, str):

@@ -52,6 +52,10 @@ def _byte_level_decoder() -> dict[str, int]:
 _BYTE_LEVEL_DECODER = _byte_level_decoder()
 
 
+#: characters of ``bad_words`` allowed per token of ``--max-token-ids`` before they are tokenized
+_CHARS_PER_TOKEN_BOUND = 16
+
+
 class ServerContext:
     """What the handlers share: the manager, the tokenizer and the metrics."""
 
@@ -199,10 +203,27 @@ class ServerContext:
         as vLLM makes them with this server's tokenizer."""
         if not sampling.bad_words:
             return sampling
+        # Bounded by --max-token-ids: their characters before they are tokenized (a few a
+        # token), their tokens after (each step matches every sequence against the output).
+        bound = self.limits.max_token_ids
+        chars = sum(map(len, sampling.bad_words))
+        if bound and chars > _CHARS_PER_TOKEN_BOUND * bound:
+            raise bad_request(
+                f"'bad_words' hold {chars} characters; the server allows at most {_CHARS_PER_TOKEN_BOUND * bound} "
+                f"({_CHARS_PER_TOKEN_BOUND} times --max-token-ids)",
+                "bad_words",
+            )
         try:
             sequences = bad_words_ids(sampling.bad_words, self.tokenizer)
         except InvalidRequestError as exc:
             raise bad_request(str(exc), "bad_words") from None
+        tokens = sum(map(len, sequences))
+        if bound and tokens > bound:
+            raise bad_request(
+                f"'bad_words' make {tokens} tokens (each word alone and after a space); the server allows at "
+                f"most {bound} (--max-token-ids)",
+                "bad_words",
+            )
         return dataclasses.replace(sampling, controls={**sampling.controls, "bad_words_ids": sequences})
 
     def char_offsets(self, text: str, num_tokens: int) -> list[int] | None:

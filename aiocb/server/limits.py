@@ -36,8 +36,9 @@ class ServerLimits:
             counted until they end; one more gets 429 with ``Retry-After``.
         max_choices: choices one request may ask for, its prompts times ``n`` (400 beyond).
         max_token_ids: entries of each token-id list or map of a request: ``logit_bias``,
-            ``allowed_token_ids``, ``stop_token_ids`` (400 beyond; each prompt's choices
-            carry them).
+            ``allowed_token_ids``, ``stop_token_ids``, and ``bad_words`` (their words, and
+            the tokens they make; 16 characters a token before they are tokenized) (400
+            beyond; each prompt's choices carry them).
         max_echo_logprobs: echoed prompt logprobs one request may ask for: its prompts'
             tokens times one plus ``logprobs`` (the alternatives), times ``n`` (400 beyond:
             a body of a few megabytes could otherwise ask for gigabytes of them).

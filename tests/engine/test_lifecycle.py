@@ -460,6 +460,42 @@ def test_a_manager_whose_loop_was_closed_without_a_stop_starts_anew(qwen3: PreTr
         assert asyncio.run(second()) == reference_generate(qwen3, PROMPTS[2], 4)
 
 
+def test_waiters_left_on_a_closed_loop_hold_no_place_on_the_next(qwen3: PreTrainedModel) -> None:
+    """Callers that waited for room in the queue, or for their turn through the turnstile
+    (more than 64 in one loop turn), when their loop was closed under them, keep no room and
+    no turn from the callers of the next loop."""
+    config = aiocb.ContinuousBatchingConfig(max_queue_size=1, max_requests_per_batch=1)
+    manager = aiocb.Manager(qwen3, continuous_batching_config=config, persistent_manager=True)
+    loop = asyncio.new_event_loop()
+    crowd: list[asyncio.Task[aiocb.GenerationOutput]] = []
+
+    async def gather_a_crowd() -> None:
+        manager.start()
+        crowd.extend(loop.create_task(manager.generate(PROMPTS[0], max_new_tokens=50)) for _ in range(100))
+        await asyncio.sleep(0.05)  # (they wait for room in the queue)
+
+    async def gather_more() -> None:  # (64 pass the turnstile; the loop closes before the next turn)
+        crowd.extend(loop.create_task(manager.generate(PROMPTS[1], max_new_tokens=50)) for _ in range(100))
+
+    loop.run_until_complete(gather_a_crowd())
+    loop.run_until_complete(gather_more())
+    assert not any(task.done() for task in crowd)
+    loop.close()
+
+    async def second() -> list[int]:
+        async with aiocb.Manager(qwen3, persistent_manager=True) as again:
+            assert again is manager
+            output = await asyncio.wait_for(again.generate(PROMPTS[2], max_new_tokens=4), 30.0)
+            stats = again.statistics()
+        await again.destroy()
+        assert stats.free_blocks == stats.total_blocks
+        return output.generated_tokens
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the first loop's tasks, pending when it closed)
+        assert asyncio.run(second()) == reference_generate(qwen3, PROMPTS[2], 4)
+
+
 async def test_a_call_from_a_thread_without_a_loop_names_the_problem(qwen3: PreTrainedModel) -> None:
     async with aiocb.Manager(qwen3) as manager:
         rid = await manager.add_request(PROMPTS[0], max_new_tokens=200)

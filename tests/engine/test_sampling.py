@@ -233,6 +233,8 @@ async def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(qwen3: PreTr
         with pytest.raises(aiocb.InvalidRequestError, match=r"prompt \(2048 tokens\) plus max_new_tokens \(4\)"):
             await manager.generate(long, max_new_tokens=4, truncate_prompt_tokens=-1)
         ends = await manager.generate(long, max_new_tokens=4, truncate_prompt_tokens=2044)
+        with pytest.raises(aiocb.InvalidRequestError, match=r"truncate_prompt_tokens \(2049\) is more than"):
+            await manager.generate(prompt, max_new_tokens=4, truncate_prompt_tokens=2049)
     assert cut.prompt_ids == prompt[-20:]
     assert cut.generated_tokens == reference_generate(qwen3, prompt[-20:], 6)
     assert cut.prompt_logprobs is not None and len(cut.prompt_logprobs) == 20

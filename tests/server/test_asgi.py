@@ -344,6 +344,8 @@ async def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(
     cut = await client.post("/v1/completions", json=body)
     assert cut.status_code == 200, cut.text
     assert cut.json()["usage"]["prompt_tokens"] == 2000
+    beyond = await client.post("/v1/completions", json={**body, "prompt": "x" * 10**6, "truncate_prompt_tokens": 2049})
+    assert beyond.status_code == 400 and beyond.json()["error"]["param"] == "truncate_prompt_tokens"
 
     messages = [{"role": "user", "content": "Tell me a story about the red planet."}]
     chat_ids = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))

@@ -123,7 +123,7 @@ async def test_stop_strings_are_bounded(limited: httpx.AsyncClient, client: http
         ("logit_bias", {"5": 1, "6": 1, "7": 1}, {"5": 1, "6": 1, "7": 1, "0008": 1}),
         ("allowed_token_ids", [5, 6, 7], [5, 6, 7, 8]),
         ("stop_token_ids", [5, 6, 7], [5, 6, 7, 7]),
-        ("bad_words", ["sun", "moon", "star"], ["sun", "moon", "star", "sky"]),
+        ("bad_words", ["x", "x", "x"], ["x", "x", "x", "x"]),
     ],
 )
 async def test_token_id_lists_are_bounded(
@@ -133,6 +133,19 @@ async def test_token_id_lists_are_bounded(
         error = assert_error(await limited.post(route, json={**base, field: four}), 400, field)
         assert "has 4 entries" in error["message"] and "--max-token-ids" in error["message"]
         assert (await limited.post(route, json={**base, field: three})).status_code == 200
+    stats = await wait_until_idle(manager)
+    assert stats.free_blocks == stats.total_blocks
+
+
+async def test_bad_words_are_bounded_by_their_tokens(limited: httpx.AsyncClient, manager: aiocb.Manager) -> None:
+    """``bad_words`` count against ``--max-token-ids`` as tokens once tokenized (each step
+    matches them all), and as characters (16 a token) before."""
+    for route, base in ((COMPLETIONS, body()), ("/v1/chat/completions", CHAT_BODY)):
+        error = assert_error(await limited.post(route, json={**base, "bad_words": ["sun"]}), 400, "bad_words")
+        assert "make 6 tokens" in error["message"] and "--max-token-ids" in error["message"]
+        error = assert_error(await limited.post(route, json={**base, "bad_words": ["x" * 49]}), 400, "bad_words")
+        assert "49 characters" in error["message"] and "--max-token-ids" in error["message"]
+        assert (await limited.post(route, json={**base, "bad_words": ["x", "a"]})).status_code == 200
     stats = await wait_until_idle(manager)
     assert stats.free_blocks == stats.total_blocks
 
