@@ -922,6 +922,8 @@ class Manager:
             self._router.abort_all("the event loop running the manager was closed")
             self._starting = None  # (a start of that loop's, which will never end)
             self._end_session()
+        elif self._state is _State.DEAD:
+            self._loop = None  # (nothing runs there: from any loop, callers hear of the failure)
 
     def _wrong_loop(self) -> WrongEventLoopError:
         return WrongEventLoopError(

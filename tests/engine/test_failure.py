@@ -84,3 +84,31 @@ async def test_a_pipelined_failure_leaves_no_step_unaccounted_for(caplog: pytest
     assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
     stats = manager.statistics()
     assert stats.free_blocks == stats.total_blocks
+
+
+def test_a_dead_manager_says_so_from_a_new_loop_once_its_own_closed() -> None:
+    """The engine died, then its event loop was closed: callers on a new loop hear of the
+    failure, not of a wrong event loop, and may destroy the manager."""
+    model = tiny_qwen3()
+    switch = arm_failure(model, Boom)
+    manager = aiocb.Manager(model)
+    loop = asyncio.new_event_loop()
+
+    async def die() -> None:
+        manager.start()
+        switch["fail"] = True
+        with pytest.raises(aiocb.EngineDeadError):
+            await manager.generate(PROMPTS[0], max_new_tokens=3)
+
+    loop.run_until_complete(die())
+    loop.close()
+
+    async def later() -> None:
+        with pytest.raises(aiocb.EngineDeadError):
+            await manager.get_result()
+        with pytest.raises(aiocb.EngineDeadError):
+            await manager.add_request(PROMPTS[1], max_new_tokens=3)
+        assert manager.is_dead
+        await manager.destroy()
+
+    asyncio.run(later())
