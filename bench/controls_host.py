@@ -1,11 +1,13 @@
 """Host work of per-request controls in one decode step, without a model.
 
 256 sampled rows whose requests hold 600 prompt and 500 generated tokens, with and
-without penalties (repetition, presence, frequency), a bias and a ban. For each step it
-times the event loop's part (``snapshot``: the plan copied out of the scheduler) and the
-step worker's part (``controls_host_tensors``: the flat tensors sent to the device).
+without penalties (repetition, presence, frequency), a bias and a ban, and with
+``--bad-words N`` also N multi-token bad words each (2 to 4 tokens: each step matches them
+against the row's history). For each step it times the event loop's part (``snapshot``:
+the plan copied out of the scheduler) and the step worker's part
+(``controls_host_tensors``: the flat tensors sent to the device).
 
-    python bench/controls_host.py [--rows 256] [--steps 40]
+    python bench/controls_host.py [--rows 256] [--steps 40] [--bad-words 800]
 """
 
 from __future__ import annotations
@@ -26,11 +28,12 @@ from aiocb.core.scheduler import ScheduledRequest, SchedulerOutput
 from aiocb.runner import inputs, step_batch
 
 
-def _requests(rows: int, controls: bool, rng: random.Random) -> list[Request]:
+def _requests(rows: int, controls: bool, bad_words: int, rng: random.Random) -> list[Request]:
     requests = []
+    words = tuple((tuple(rng.randrange(1000) for _ in range(rng.randint(2, 4))), 0.0) for _ in range(bad_words))
     for i in range(rows):
         penalties = {"repetition_penalty": 1.2, "presence_penalty": 0.5, "frequency_penalty": 0.3}
-        extra = {**penalties, "biases": ((5, 1.0),), "bans": (3,)} if controls else {}
+        extra = {**penalties, "biases": ((5, 1.0),), "bans": (3,), "bad_sequences": words} if controls else {}
         params = ResolvedParams(max_new_tokens=4096, temperature=1.0, seed=i, **extra)  # type: ignore[arg-type]
         request = Request(f"r{i}", [rng.randrange(1000) for _ in range(600)], params, 0.0)
         request.token_ids += [rng.randrange(1000) for _ in range(500)]
@@ -46,10 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=256)
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--bad-words", type=int, default=0)
     args = parser.parse_args(argv)
     rng = random.Random(0)
     for controls in (False, True):
-        requests = _requests(args.rows, controls, rng)
+        requests = _requests(args.rows, controls, args.bad_words, rng)
         writer = step_batch.BatchWriter(1, 1000)
         loop_ms: list[float] = []
         worker_ms: list[float] = []

@@ -152,13 +152,36 @@ def matched_sequence_bias(
     contains or ends with EOS is kept. This helper does not know the EOS ids: the caller
     removes such ``[eos]`` bad words before calling it.
     """
-    pairs: list[tuple[int, float]] = []
-    history = tuple(token_ids)
-    for sequence, bias in dict(sequences).items():
-        prefix = sequence[:-1]
-        if len(prefix) > len(history):
-            continue
-        # An empty prefix (a one-token sequence) matches any history: history[len(history):] is ().
-        if history[len(history) - len(prefix) :] == prefix:
-            pairs.append((sequence[-1], bias))
-    return pairs
+    return SequenceMatcher(sequences).matches(token_ids)
+
+
+class SequenceMatcher:
+    """:func:`matched_sequence_bias` for one request's sequences, indexed once: each step
+    looks its history's last tokens up once per distinct prefix length, rather than
+    comparing every sequence (a list of 800 bad words cost 0.26 ms a row a step so)."""
+
+    __slots__ = ("_by_length",)
+
+    def __init__(self, sequences: Sequence[tuple[tuple[int, ...], float]]) -> None:
+        #: per prefix length, each prefix's ``(place in the list, last token, bias)``s
+        self._by_length: dict[int, dict[tuple[int, ...], list[tuple[int, int, float]]]] = {}
+        for place, (sequence, bias) in enumerate(dict(sequences).items()):
+            prefix = sequence[:-1]
+            self._by_length.setdefault(len(prefix), {}).setdefault(prefix, []).append((place, sequence[-1], bias))
+
+    def matches(self, token_ids: Sequence[int]) -> list[tuple[int, float]]:
+        """The ``(token id, bias)`` pairs for a row whose history is ``token_ids``, in the
+        sequences' order."""
+        found: list[tuple[int, int, float]] = []
+        end = len(token_ids)
+        lengths = 0
+        for length, prefixes in self._by_length.items():
+            if length > end:
+                continue  # (transformers skips a sequence whose prefix is longer than the history)
+            entries = prefixes.get(tuple(token_ids[end - length : end]))
+            if entries:
+                found += entries
+                lengths += 1
+        if lengths > 1:
+            found.sort()
+        return [(token, bias) for _, token, bias in found]

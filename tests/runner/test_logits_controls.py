@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 
 import torch
@@ -15,7 +16,13 @@ from transformers.generation.logits_process import (
     TemperatureLogitsWarper,
 )
 
-from aiocb.runner.logits_controls import LogitsControls, apply_controls, apply_min_p, matched_sequence_bias
+from aiocb.runner.logits_controls import (
+    LogitsControls,
+    SequenceMatcher,
+    apply_controls,
+    apply_min_p,
+    matched_sequence_bias,
+)
 
 VOCAB = 40
 INF = float("inf")
@@ -234,3 +241,28 @@ def test_rows_without_controls_are_bitwise_unchanged_and_input_is_untouched() ->
     assert apply_controls(logits, LogitsControls()) is logits
     assert torch.equal(apply_min_p(logits, torch.zeros(4)), logits)
     assert torch.equal(logits, before)
+
+
+def test_an_indexed_matcher_gives_every_pair_in_order_as_history_grows() -> None:
+    """One :class:`SequenceMatcher` per request, asked at every step as its history grows,
+    gives the pairs comparing every sequence would give, in the sequences' order (a token's
+    biases add up in that order), with duplicates' last bias and too-long prefixes skipped."""
+
+    def every_sequence(history: list[int], sequences: list[tuple[tuple[int, ...], float]]) -> list[tuple[int, float]]:
+        pairs = []
+        for sequence, bias in dict(sequences).items():
+            prefix = sequence[:-1]
+            if len(prefix) <= len(history) and tuple(history[len(history) - len(prefix) :]) == prefix:
+                pairs.append((sequence[-1], bias))
+        return pairs
+
+    rng = random.Random(5)
+    for _ in range(30):
+        sequences = [
+            (tuple(rng.randrange(4) for _ in range(rng.randint(1, 5))), float(rng.randint(-3, 3))) for _ in range(40)
+        ]
+        matcher = SequenceMatcher(sequences)
+        history: list[int] = []
+        for _ in range(40):
+            assert matcher.matches(history) == every_sequence(history, sequences), (history, sequences)
+            history.append(rng.randrange(4))
