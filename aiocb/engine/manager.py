@@ -181,8 +181,6 @@ class Manager:
         self._starting: asyncio.Future[None] | None = None
         self._runner: ModelRunner | None = None
         self._steps: StepLoop | None = None
-        #: requests were made before the first start (they wait in ``_steps``'s queue)
-        self._queued_before_start = False
         #: the timers that end those with a timeout at their deadline
         self._deadline_timers: list[asyncio.TimerHandle] = []
         #: the last statistics, kept when destroy() drops the step loop and its scheduler
@@ -288,7 +286,6 @@ class Manager:
             self._bind(loop, _State.STARTING, self._start_then_run(self._state, self._starting))
             return
         steps = self._open_session(self._attached_runner(self._runner))
-        self._queued_before_start = False
         self._stop_deadline_timers()  # (the step loop ends those requests from now on)
         self._bind(loop, _State.RUNNING, self._run_steps(steps))
 
@@ -326,6 +323,12 @@ class Manager:
             draft_model=self._draft_model,
             speculative=self.speculative_config,
         )
+
+    @property
+    def _queued_before_start(self) -> bool:
+        """Whether requests were made before the first start: they wait in ``_steps``'s
+        queue, bound to the loop they were made on (a manager never started has no other)."""
+        return self._state is _State.CREATED and self._loop is not None
 
     def _queue_before_start(self) -> None:
         """Make the first session's scheduler and step loop, on a runner not yet attached:
@@ -591,7 +594,6 @@ class Manager:
         self._steps = None
         self._router.steps = None
         self._admission.scheduler = None
-        self._queued_before_start = False
         self._loop = None
         self._router.results_changed.set()  # (a get_result() waiting finds nothing will come)
 
@@ -958,7 +960,7 @@ class Manager:
         """Whether the shared results can still grow (raises if the engine died)."""
         if self._state is _State.DEAD:
             raise self._dead()
-        return self.is_running or (self._state is _State.CREATED and self._queued_before_start)
+        return self.is_running or self._queued_before_start
 
     async def _prepared(
         self,
@@ -1091,7 +1093,6 @@ class Manager:
         loop = asyncio.get_running_loop()
         if not self._queued_before_start:
             logger.info("the manager is not started: requests wait in its queue until start()")
-            self._queued_before_start = True
             self._loop = loop
             self._router.results_changed = asyncio.Event()
         if request.deadline is not None:
