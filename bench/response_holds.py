@@ -1,4 +1,5 @@
-"""How long the server's event loop is held while it answers one very large response.
+"""How long the server's event loop is held while it answers one very large response, or
+takes one very large prompt.
 
 Each scenario sends one request to the OpenAI app over raw ASGI (the body is counted and
 dropped, as a server writes it to a socket: a test client that assembles a 50 MB body holds
@@ -9,10 +10,15 @@ and the full collections made meanwhile. The model is the bundled one, on a 4,09
 * ``chat``: one chat completion, ``n`` 64, 512 tokens each, ``top_logprobs`` 20 (about
   47 MB of JSON, 33,000 logprob entries with 20 alternatives each);
 * ``echo``: one completion, ``n`` 64, echoing a 600-token prompt with ``logprobs`` 20 and
-  one new token (about 25 MB).
+  one new token (about 25 MB);
+* ``prompt``: one completion of a 6-million-character text prompt (Python code, about
+  2 million tokens, near the default 8 MiB body limit) cut to its last 64 tokens
+  (``truncate_prompt_tokens``), one new token. ``--tokenize-in-process`` tokenizes it in
+  the server's process, as every prompt was before the tokenizer process.
 
-    python bench/response_holds.py                  # both scenarios, once each
+    python bench/response_holds.py                  # every scenario, once each
     python bench/response_holds.py --scenarios chat --repeat 3
+    python bench/response_holds.py --scenarios prompt --repeat 3 --tokenize-in-process
 """
 
 from __future__ import annotations
@@ -32,10 +38,10 @@ if __package__ in (None, ""):  # run as `python bench/response_holds.py`
 
 import aiocb
 from aiocb.default_model import load_default_model
-from aiocb.server import build_app
+from aiocb.server import build_app, context
 from bench.common import machine_info
 
-SCENARIOS = ("chat", "echo")
+SCENARIOS = ("chat", "echo", "prompt")
 MODEL_NAME = "bundled"
 
 
@@ -52,7 +58,14 @@ def _bodies(vocab_size: int) -> dict[str, tuple[str, dict[str, Any]]]:
         "temperature": 1.0,
     }
     echo = {"prompt": prompt, "n": 64, "echo": True, "logprobs": 20, "max_tokens": 1, "temperature": 1.0}
-    return {"chat": ("/v1/chat/completions", chat), "echo": ("/v1/completions", echo)}
+    words = ["def", " return", " self", " x", " import", " foo", " bar", "(", ")", ":", "\n", "    ", " 1234", " print"]
+    text = "".join(rng.choice(words) for _ in range(1_500_000))
+    long = {"prompt": text, "truncate_prompt_tokens": 64, "max_tokens": 1, "temperature": 1.0}
+    return {
+        "chat": ("/v1/chat/completions", chat),
+        "echo": ("/v1/completions", echo),
+        "prompt": ("/v1/completions", long),
+    }
 
 
 async def _post(app: Any, path: str, body: dict[str, Any]) -> tuple[int, int]:
@@ -136,7 +149,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated, of {SCENARIOS}")
     parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument(
+        "--tokenize-in-process", action="store_true", help="tokenize long prompts in the server's process"
+    )
     args = parser.parse_args(argv)
+    if args.tokenize_in_process:
+        context.PROCESS_PROMPT_CHARS = sys.maxsize
     scenarios = [s for s in args.scenarios.split(",") if s]
     unknown = sorted(set(scenarios) - set(SCENARIOS))
     if unknown:

@@ -13,7 +13,7 @@ from typing import Any
 
 from aiocb.engine.turns import LoopTurn
 from aiocb.params import STRUCTURE_FIELDS
-from aiocb.sampling import check_truncation, truncated_prompt
+from aiocb.sampling import check_truncation
 from aiocb.server.bodies import Lazy
 from aiocb.server.chat_output import ChoiceOutput, MessageBuilder
 from aiocb.server.chat_output import delta as message_delta
@@ -89,7 +89,7 @@ def prepare_chat(ctx: ServerContext, body: bytes) -> PreparedChat:
             raise bad_request(message, "tool_choice")
         mode = "disabled" if not ctx.reasoning else "enabled" if opens_thinking else "auto"
         constraint["structural_tag"] = structural_tag(tools, parser.xgrammar_format, mode)
-    ids = truncated_prompt(ctx.encode(text, add_special_tokens=False, param="messages"), keep, ctx.max_model_len)
+    ids = ctx.encode_prompt(text, add_special_tokens=False, param="messages", keep=keep).ids
     return PreparedChat(request, ids, tools, constraint, opens_thinking)
 
 

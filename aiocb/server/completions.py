@@ -165,10 +165,9 @@ def _tokenize(ctx: ServerContext, request: CompletionRequest, start: int, stop: 
         prompt = request.prompts[i]
         if isinstance(prompt, str):
             where = f"prompt[{i}]" if many else "prompt"
-            ids = ctx.encode(prompt, add_special_tokens=True, param="prompt", where=where)
-            kept = truncated_prompt(ids, keep, ctx.max_model_len)
-            if len(kept) < len(ids):  # (the echo is of the tokens kept)
-                prompts.append(Prompt(kept, ctx.decode(kept) if request.echo else ""))
+            ids, total = ctx.encode_prompt(prompt, add_special_tokens=True, param="prompt", where=where, keep=keep)
+            if len(ids) < total:  # (the echo is of the tokens kept)
+                prompts.append(Prompt(ids, ctx.decode(ids) if request.echo else ""))
                 continue
             offsets = None
             if request.echo and request.logprobs is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -17,9 +18,12 @@ from aiocb.server.limits import ServerLimits
 from aiocb.server.metrics import ServerMetrics
 from aiocb.server.protocol import APIError, SamplingRequest, bad_request
 from aiocb.server.remote import ServedEngine
+from aiocb.server.tokenizer_process import Tokenized, TokenizerProcess, TokenizerProcessError
 from aiocb.server.tool_parsers import ToolCallParser
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 #: Bodies up to this size are parsed and tokenized on the event loop (well under a
 #: millisecond); larger ones in the tokenizer thread, so that a big prompt never holds
@@ -29,6 +33,9 @@ INLINE_BODY_BYTES = 2048
 #: context times the vocabulary's longest token: no tokenization could make it fit
 #: (the factor covers normalizers that merge characters).
 _CHARS_MARGIN = 4
+#: Prompts longer than this many characters are tokenized in the tokenizer process (one
+#: of this length holds the GIL well under a millisecond when tokenized in this process).
+PROCESS_PROMPT_CHARS = 1 << 15
 
 _REPLACEMENT = "\ufffd"
 #: how SentencePiece vocabularies mark a token that starts a word (a space before it)
@@ -91,6 +98,8 @@ class ServerContext:
         self.draining = False
         self._token_texts: dict[int, str] = {}
         self._executor: ThreadPoolExecutor | None = None
+        #: where long prompts are tokenized (None: in this process)
+        self._process = TokenizerProcess.for_tokenizer(tokenizer)
         self._template_variables = _template_variables(getattr(tokenizer, "chat_template", None))
 
     async def prepare(self, body: bytes, work: Callable[[bytes], T]) -> T:
@@ -116,10 +125,12 @@ class ServerContext:
         return await asyncio.get_running_loop().run_in_executor(self._executor, partial(work, *args))
 
     def close(self) -> None:
-        """Let the tokenizer thread go (at shutdown)."""
+        """Let the tokenizer thread and process go (at shutdown)."""
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
+        if self._process is not None:
+            self._process.close()
 
     def check_model(self, model: str | None) -> None:
         """A 404 unless ``model`` (when given) is the served model's name."""
@@ -193,10 +204,37 @@ class ServerContext:
         try:
             ids: list[int] = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         except (TypeError, UnicodeError) as exc:
-            # A lone UTF-16 surrogate ("\ud800") is valid JSON but no Unicode text.
-            message = f"{where or param} cannot be tokenized (is it valid Unicode text?): {exc}"
-            raise bad_request(message, param) from None
+            raise _untokenizable(where or param, param, exc) from None
         return ids
+
+    def encode_prompt(
+        self, text: str, *, add_special_tokens: bool, param: str, where: str | None = None, keep: int | None = None
+    ) -> Tokenized:
+        """Token ids of a prompt to generate from: its last ``keep`` (``truncate_prompt_tokens``;
+        -1: the context's length) or all of them, and how many the whole text made; a 400
+        when the text is not Unicode, or when, uncut, it has more tokens than the context.
+
+        A long text is tokenized in the tokenizer process, whose answer holds only the
+        tokens kept (thread-safe: the tokenizer thread calls this for large bodies).
+        """
+        limit = self.max_model_len
+        keep = limit if keep == -1 else keep
+        tokenized = None
+        if self._process is not None and len(text) > PROCESS_PROMPT_CHARS:
+            try:
+                tokenized = self._process.encode(text, add_special_tokens=add_special_tokens, keep=keep, limit=limit)
+            except (UnicodeError, ValueError) as exc:
+                raise _untokenizable(where or param, param, exc) from None
+            except TokenizerProcessError as exc:
+                log.warning("%s; tokenizing in the server's process", exc)
+        if tokenized is None:
+            ids = self.encode(text, add_special_tokens=add_special_tokens, param=param, where=where)
+            tokenized = Tokenized(ids[len(ids) - keep :] if keep and len(ids) > keep else ids, len(ids))
+        if keep is None and limit is not None and tokenized.total > limit:
+            raise bad_request(
+                f"{where or param} has {tokenized.total} tokens, more than the model's context of {limit}", param
+            )
+        return tokenized
 
     def with_bad_words(self, sampling: SamplingRequest) -> SamplingRequest:
         """``sampling`` with its ``bad_words`` as token sequences (``bad_words_ids``), made
@@ -346,3 +384,8 @@ def _template_variables(template: Any) -> frozenset[str] | None:
 def finite(logprob: float) -> float:
     """A logprob JSON can carry: -inf becomes -9999.0 (as vLLM does)."""
     return logprob if logprob > -9999.0 else -9999.0
+
+
+def _untokenizable(where: str, param: str, exc: Exception) -> APIError:
+    # A lone UTF-16 surrogate ("\ud800") is valid JSON but no Unicode text.
+    return bad_request(f"{where} cannot be tokenized (is it valid Unicode text?): {exc}", param)

@@ -1,0 +1,216 @@
+"""Long prompts tokenized in a child process, so that the server's process never holds
+the GIL for them.
+
+The tokenizers library lets the GIL go while it encodes, but not while it hands the
+result over or frees it: a 6-million-character prompt (within the default body limit)
+held the event loop for 70-240 ms in the server's tokenizer thread, mostly in building
+and freeing its two million tokens' Python lists and Rust strings. A prompt is only
+generated from when it fits the model's context, and a cut one keeps its last few
+tokens, so the child sends back just those tokens and the count: what crosses into the
+server's process is bounded by the context, whatever the text's length.
+
+The child runs this module (``python -m aiocb.server.tokenizer_process``), which imports
+nothing but the standard library and ``tokenizers``. It reads frames on its standard
+input and answers each on its standard output:
+
+- first, the tokenizer as its JSON (a ``<Q`` length, then the UTF-8 text);
+- then one request after another: ``<BqqQ`` (add special tokens, the tokens to keep or
+  0 for all, the most tokens to send or 0 for no bound, the text's UTF-8 length) and
+  the text; the answer is ``<BQQ`` (0, the text's token count, the ids sent) and the ids
+  as int64, or ``<BQ`` (1, the message's length) and the tokenizer's error message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import weakref
+from array import array
+from typing import IO, Any, NamedTuple
+
+log = logging.getLogger(__name__)
+
+_REQUEST = struct.Struct("<BqqQ")
+_ANSWER = struct.Struct("<BQQ")
+_ERROR = struct.Struct("<BQ")
+_LENGTH = struct.Struct("<Q")
+#: characters encoded to UTF-8 at a time when a text is sent (each a short hold of the GIL)
+_SEND_CHARS = 1 << 16
+#: texts the server's tokenizer and the child's must tokenize alike before the child is used
+_PROBES = (
+    "Hello, world!",
+    "  two leading spaces\n\n\tand a tab",
+    "def f(x):\n    return x ** 2  # squares\n",
+    "ünïcödé, 中文, emoji 🙂, and a zero-width\u200bspace",
+    "1234567890 3.14159 -42",
+)
+
+
+class Tokenized(NamedTuple):
+    """A prompt's token ids, perhaps cut, and how many tokens the whole text made."""
+
+    ids: list[int]
+    total: int
+
+
+class TokenizerProcessError(RuntimeError):
+    """The child process failed or went away (the caller tokenizes in its own process)."""
+
+
+class TokenizerProcess:
+    """The server's side of the child: one text at a time (a lock), from any thread.
+
+    The child starts on first use and is started again after it fails. A call blocks its
+    thread (not the GIL) while the child works: the server calls it from its tokenizer
+    thread.
+    """
+
+    def __init__(self, tokenizer_json: str) -> None:
+        self._json = tokenizer_json.encode()
+        self._lock = threading.Lock()
+        self._child: subprocess.Popen[bytes] | None = None
+        #: ends the child when this object goes without being closed
+        self._ending: weakref.finalize[Any, Any] | None = None
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Any) -> TokenizerProcess | None:
+        """A process for ``tokenizer`` when it is a tokenizers-library tokenizer whose own
+        ``encode`` its backend reproduces (on a few probe texts, special tokens included);
+        else None (the tokenizer runs in the server's process, as a slow one must)."""
+        backend = getattr(tokenizer, "_tokenizer", None)
+        if backend is None or not hasattr(backend, "to_str"):
+            return None
+        probes = [*_PROBES, "".join(getattr(tokenizer, "all_special_tokens", ())) + " after the specials"]
+        try:
+            for text in probes:
+                for special in (True, False):
+                    if (
+                        tokenizer.encode(text, add_special_tokens=special)
+                        != backend.encode(text, add_special_tokens=special).ids
+                    ):
+                        log.info("long prompts are tokenized in-process: the tokenizer differs from its backend")
+                        return None
+            return cls(backend.to_str())
+        except Exception as exc:  # (a tokenizer that cannot be serialised or probed)
+            log.info("long prompts are tokenized in-process: %s", exc)
+            return None
+
+    def encode(self, text: str, *, add_special_tokens: bool, keep: int | None, limit: int | None) -> Tokenized:
+        """``text``'s token ids: the last ``keep`` of them when given, else all of them, or
+        none when there are more than ``limit`` (the caller refuses the prompt by its count).
+
+        Raises UnicodeEncodeError for text that is not Unicode (a lone surrogate), ValueError
+        with the tokenizer's message when it refuses the text, and TokenizerProcessError
+        when the child fails.
+        """
+        pieces = [text[i : i + _SEND_CHARS].encode() for i in range(0, len(text), _SEND_CHARS)]
+        size = sum(map(len, pieces))
+        header = _REQUEST.pack(add_special_tokens, keep or 0, limit or 0, size)
+        with self._lock:
+            child = self._started()
+            try:
+                assert child.stdin is not None and child.stdout is not None
+                child.stdin.write(header)
+                for piece in pieces:
+                    child.stdin.write(piece)
+                child.stdin.flush()
+                return _answer(child.stdout)
+            except (OSError, struct.error, EOFError) as exc:
+                self._stop()
+                raise TokenizerProcessError(f"the tokenizer process failed: {exc!r}") from None
+
+    def close(self) -> None:
+        """End the child (at the server's shutdown)."""
+        with self._lock:
+            self._stop()
+
+    def _started(self) -> subprocess.Popen[bytes]:
+        if self._child is not None and self._child.poll() is None:
+            return self._child
+        try:
+            child = subprocess.Popen(
+                [sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=1 << 16
+            )
+            assert child.stdin is not None
+            child.stdin.write(_LENGTH.pack(len(self._json)) + self._json)
+            child.stdin.flush()
+        except OSError as exc:
+            raise TokenizerProcessError(f"the tokenizer process did not start: {exc!r}") from None
+        self._child = child
+        self._ending = weakref.finalize(self, _end, child)
+        return child
+
+    def _stop(self) -> None:
+        if self._ending is not None:
+            self._ending()
+        self._child = self._ending = None
+
+
+def _end(child: subprocess.Popen[bytes]) -> None:
+    """Close the child's input (it exits), and kill it if it does not."""
+    for stream in (child.stdin, child.stdout):
+        if stream is not None:
+            with contextlib.suppress(OSError):
+                stream.close()
+    try:
+        child.wait(timeout=1.0)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+
+
+def _answer(stdout: IO[bytes]) -> Tokenized:
+    status = _read(stdout, 1)[0]
+    if status == 1:
+        (length,) = _LENGTH.unpack(_read(stdout, _LENGTH.size))
+        raise ValueError(_read(stdout, length).decode())
+    total, count = struct.unpack("<QQ", _read(stdout, _ANSWER.size - 1))
+    ids = array("q")
+    ids.frombytes(_read(stdout, 8 * count))
+    return Tokenized(ids.tolist(), total)
+
+
+def _read(stream: IO[bytes], size: int) -> bytes:
+    data = stream.read(size)
+    if len(data) != size:
+        raise EOFError(f"the tokenizer process ended ({len(data)} of {size} bytes read)")
+    return data
+
+
+def _serve(stdin: IO[bytes], stdout: IO[bytes]) -> None:
+    """The child: tokenize each text it is sent, until its input ends."""
+    from tokenizers import Tokenizer
+
+    (length,) = _LENGTH.unpack(_read(stdin, _LENGTH.size))
+    tokenizer = Tokenizer.from_str(_read(stdin, length).decode())
+    while header := stdin.read(_REQUEST.size):
+        if len(header) != _REQUEST.size:
+            return
+        special, keep, limit, size = _REQUEST.unpack(header)
+        text = _read(stdin, size).decode()
+        try:
+            ids = tokenizer.encode(text, add_special_tokens=bool(special)).ids
+        except Exception as exc:  # (its message goes back to the request)
+            message = str(exc).encode()
+            stdout.write(_ERROR.pack(1, len(message)) + message)
+            stdout.flush()
+            continue
+        total = len(ids)
+        if keep and total > keep:
+            ids = ids[total - keep :]
+        elif not keep and limit and total > limit:
+            ids = []
+        stdout.write(_ANSWER.pack(0, total, len(ids)) + array("q", ids).tobytes())
+        stdout.flush()
+
+
+if __name__ == "__main__":
+    # The server's shutdown ends the child by closing its input; a Ctrl-C in the server's
+    # terminal, sent to the child as well, is not its to act on.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _serve(sys.stdin.buffer, sys.stdout.buffer)

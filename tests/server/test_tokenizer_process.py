@@ -1,0 +1,136 @@
+"""Long prompts tokenized in the tokenizer process: the ids the server's tokenizer makes,
+only the kept ones sent back, and the server's answers the same as when tokenized in
+its own process."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import httpx
+import pytest
+
+import aiocb
+from aiocb.server.context import PROCESS_PROMPT_CHARS
+from aiocb.server.tokenizer_process import Tokenized, TokenizerProcess, TokenizerProcessError
+from tests.server.conftest import CORPUS, build_byte_fallback_tokenizer
+
+
+def long_text(chars: int) -> str:
+    return (CORPUS + "\n") * (chars // (len(CORPUS) + 1) + 1)
+
+
+@pytest.mark.parametrize("build", ["byte-level", "byte-fallback"])
+def test_the_process_tokenizes_as_the_tokenizer(build: str, tokenizer: Any) -> None:
+    tok = tokenizer if build == "byte-level" else build_byte_fallback_tokenizer(bos=True)
+    process = TokenizerProcess.for_tokenizer(tok)
+    assert process is not None
+    try:
+        for text in (CORPUS, f"{tok.eos_token}{CORPUS}{tok.eos_token}", "", " ", long_text(20_000)):
+            for special in (True, False):
+                ids = tok.encode(text, add_special_tokens=special)
+                assert process.encode(text, add_special_tokens=special, keep=None, limit=None) == (ids, len(ids))
+                assert process.encode(text, add_special_tokens=special, keep=5, limit=8) == (ids[-5:], len(ids))
+                bounded = process.encode(text, add_special_tokens=special, keep=None, limit=8)
+                assert bounded == (ids if len(ids) <= 8 else [], len(ids))
+        with pytest.raises(UnicodeError):
+            process.encode("text then a lone surrogate \ud800", add_special_tokens=True, keep=None, limit=None)
+        assert process.encode("still answering", add_special_tokens=False, keep=None, limit=None).total > 0
+    finally:
+        process.close()
+
+
+def test_a_child_that_died_is_started_again_and_close_ends_it(tokenizer: Any) -> None:
+    process = TokenizerProcess.for_tokenizer(tokenizer)
+    assert process is not None
+    expected = Tokenized(tokenizer.encode(CORPUS), len(tokenizer.encode(CORPUS)))
+    assert process.encode(CORPUS, add_special_tokens=True, keep=None, limit=None) == expected
+    first = process._child
+    assert first is not None
+    first.kill()
+    first.wait()
+    assert process.encode(CORPUS, add_special_tokens=True, keep=None, limit=None) == expected
+    second = process._child
+    assert second is not None and second.pid != first.pid
+    process.close()
+    assert second.poll() is not None and process._child is None
+
+
+def test_a_tokenizer_the_backend_does_not_reproduce_is_kept_in_process(tokenizer: Any) -> None:
+    class Prefixed:
+        """A tokenizer whose own encode adds to what its backend makes."""
+
+        _tokenizer = tokenizer._tokenizer
+        all_special_tokens = ()
+
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            return [0, *tokenizer.encode(text, add_special_tokens=add_special_tokens)]
+
+    assert TokenizerProcess.for_tokenizer(Prefixed()) is None
+    assert TokenizerProcess.for_tokenizer(object()) is None
+
+
+async def test_the_server_sends_long_prompts_to_the_process(
+    client: httpx.AsyncClient, manager: aiocb.Manager, tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prompt past the threshold goes to the process, which sends back the kept tokens
+    only; the answers are those of the tokens themselves; one too long for the context,
+    uncut, is refused by its count."""
+    calls: list[tuple[int, int | None, int | None]] = []
+    encode = TokenizerProcess.encode
+
+    def spied(self: TokenizerProcess, text: str, **kwargs: Any) -> Tokenized:
+        result = encode(self, text, **kwargs)
+        calls.append((len(text), kwargs["keep"], len(result.ids)))
+        return result
+
+    monkeypatch.setattr(TokenizerProcess, "encode", spied)
+    text = long_text(PROCESS_PROMPT_CHARS + 1)
+    ids = tokenizer.encode(text)
+    assert len(ids) > manager.model.config.max_position_embeddings
+
+    too_long = await client.post("/v1/completions", json={"prompt": text, "max_tokens": 2})
+    assert too_long.status_code == 400, too_long.text
+    error = too_long.json()["error"]
+    assert error["param"] == "prompt" and f"has {len(ids)} tokens, more than the model's context" in error["message"]
+    assert calls.pop() == (len(text), None, 0)
+
+    reference = await manager.generate(ids[-6:], max_new_tokens=3, do_sample=False, eos_token_id=[])
+    body = {"prompt": text, "max_tokens": 3, "temperature": 0, "ignore_eos": True, "echo": True}
+    data = (await client.post("/v1/completions", json=body | {"truncate_prompt_tokens": 6})).json()
+    assert calls.pop() == (len(text), 6, 6)
+    generated = tokenizer.decode(reference.generated_tokens, skip_special_tokens=True)
+    assert data["choices"][0]["text"] == tokenizer.decode(ids[-6:]) + generated
+    assert data["usage"]["prompt_tokens"] == 6
+
+    whole = await client.post("/v1/completions", json=body | {"truncate_prompt_tokens": -1})
+    assert calls.pop() == (len(text), 2048, 2048)
+    assert whole.status_code == 400 and "prompt (2048 tokens)" in whole.json()["error"]["message"]
+
+    messages = [{"role": "user", "content": text}]
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    reference = await manager.generate(tokenizer.encode(rendered)[-5:], max_new_tokens=3, do_sample=False)
+    chat = {"messages": messages, "max_tokens": 3, "temperature": 0, "truncate_prompt_tokens": 5}
+    answer = (await client.post("/v1/chat/completions", json=chat)).json()
+    assert calls.pop() == (len(rendered), 5, 5) and not calls
+    assert answer["choices"][0]["message"]["content"] == tokenizer.decode(
+        reference.generated_tokens, skip_special_tokens=True
+    )
+    assert answer["usage"]["prompt_tokens"] == 5
+
+
+async def test_a_failed_process_leaves_the_prompt_to_the_servers_process(
+    client: httpx.AsyncClient, manager: aiocb.Manager, tokenizer: Any, monkeypatch: pytest.MonkeyPatch, caplog: Any
+) -> None:
+    def failing(self: TokenizerProcess, text: str, **kwargs: Any) -> Tokenized:
+        raise TokenizerProcessError("the tokenizer process failed: BrokenPipeError()")
+
+    monkeypatch.setattr(TokenizerProcess, "encode", failing)
+    text = long_text(PROCESS_PROMPT_CHARS + 1)
+    ids = tokenizer.encode(text)
+    reference = await manager.generate(ids[-4:], max_new_tokens=2, do_sample=False, eos_token_id=[])
+    body = {"prompt": text, "max_tokens": 2, "temperature": 0, "ignore_eos": True, "truncate_prompt_tokens": 4}
+    with caplog.at_level(logging.WARNING, logger="aiocb.server.context"):
+        data = (await client.post("/v1/completions", json=body)).json()
+    assert data["choices"][0]["text"] == tokenizer.decode(reference.generated_tokens, skip_special_tokens=True)
+    assert any("tokenizing in the server's process" in record.message for record in caplog.records)
