@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from aiocb.errors import InvalidRequestError
+from aiocb.tokenizer_process import TokenizerProcess, encode_kept
 
 #: A prompt: token ids, a text, or chat messages (``[{"role": ..., "content": ...}, ...]``).
 Prompt = Sequence[int] | str | Sequence[Mapping[str, Any]]
@@ -31,31 +32,60 @@ def is_large(prompt: Any) -> bool:
     return False
 
 
-def encode_prompt(prompt: Any, tokenizer: Any) -> Any:
+def encode_prompt(
+    prompt: Any,
+    tokenizer: Any,
+    process: TokenizerProcess | None = None,
+    *,
+    keep: int | None = None,
+    limit: int | None = None,
+) -> Any:
     """Token ids of a text or chat prompt (the chat template rendered with a generation
-    prompt); anything else is returned as it is, to be checked as token ids."""
-    if not isinstance(prompt, str) and not is_chat(prompt):
+    prompt); anything else is returned as it is, to be checked as token ids.
+
+    ``keep`` (``truncate_prompt_tokens``, resolved) and ``limit`` (the model's context) let
+    a long text go to ``process``, which sends back only the last ``keep`` tokens, or none
+    of a text with more than ``limit``: refused here, by its count.
+    """
+    text = prompt_text(prompt, tokenizer)
+    if text is None:
         return prompt
+    # (a chat template writes the special tokens, BOS and the like, itself)
+    special = isinstance(prompt, str)
+    try:
+        tokenized = encode_kept(text, tokenizer, process, add_special_tokens=special, keep=keep, limit=limit)
+    except (TypeError, ValueError) as exc:  # (UnicodeError is a ValueError)
+        raise InvalidRequestError(f"the prompt cannot be tokenized (is it valid Unicode text?): {exc}") from None
+    if keep is None and limit is not None and tokenized.total > limit:
+        raise InvalidRequestError(
+            f"the prompt has {tokenized.total} tokens, more than the model's context length of {limit}",
+            param="input_ids",
+        )
+    return tokenized.ids
+
+
+def prompt_text(prompt: Any, tokenizer: Any) -> str | None:
+    """The text to tokenize for a text or chat prompt (the chat template rendered with a
+    generation prompt); None for anything else."""
+    if not isinstance(prompt, str) and not is_chat(prompt):
+        return None
     if tokenizer is None:
         kind = "a text" if isinstance(prompt, str) else "chat messages"
         raise InvalidRequestError(
             f"the prompt is {kind}, which needs a tokenizer: create the Manager with tokenizer=..., or pass token ids"
         )
     if isinstance(prompt, str):
-        ids: list[int] = tokenizer.encode(prompt, add_special_tokens=True)
-        return ids
+        return prompt
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError("the tokenizer has no chat template, so chat messages cannot be rendered")
     for i, message in enumerate(prompt):
         if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
             raise InvalidRequestError(f"messages[{i}] must be a mapping with a string 'role'")
     try:
-        text = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=False)
+        text: str = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=False)
     except Exception as exc:  # jinja2 errors, raise_exception() in templates
         raise InvalidRequestError(f"the chat template failed on these messages: {exc}") from exc
-    # The template writes the special tokens (BOS and the like) itself.
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    return ids
+    return text
 
 
 def bad_words_ids(words: Sequence[str], tokenizer: Any) -> list[list[int]]:

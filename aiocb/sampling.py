@@ -86,7 +86,10 @@ def normalize_prompt(input_ids: Any, limits: RequestLimits) -> list[int]:
                 f"input_ids must be one-dimensional (one prompt), got shape {tuple(input_ids.shape)}",
                 param="input_ids",
             )
-        input_ids = input_ids.tolist()
+        try:
+            input_ids = input_ids.tolist()
+        except Exception as exc:  # (a tensor with no data: on the meta device, say)
+            raise InvalidRequestError(f"input_ids cannot be read as token ids: {exc}", param="input_ids") from None
     if isinstance(input_ids, (str, bytes)) or not isinstance(input_ids, Sequence):
         raise InvalidRequestError(
             f"input_ids must be a list of token ids, got {type(input_ids).__name__}; "

@@ -85,7 +85,7 @@ class GrammarCompiler:
             if unknown is not None:
                 path, what = unknown
                 raise InvalidRequestError(f"structural_tag.{path}: {what}", param=f"structural_tag.{path}")
-            text = _current_structural_tag(text)
+            text = current_structural_tag(text)
         problem = _schema_problem(kind, text)
         if problem is not None:
             raise InvalidRequestError(f"{kind}: {problem}", param=kind)
@@ -427,7 +427,30 @@ def _unknown_format_key(node: Any, path: str, implied: str | None = None) -> tup
     return None
 
 
-def _current_structural_tag(text: str) -> str:
+def answer_format(structure: tuple[str, str]) -> dict[str, Any]:
+    """The constraint ``(kind, text)`` (:meth:`~aiocb.SamplingParams.structure`) as an
+    element of a structural tag's format, which holds the output as the constraint alone
+    would (a JSON schema's grammar is the one :meth:`GrammarCompiler.compile` builds,
+    after the same checks); InvalidRequestError naming what is wrong."""
+    kind, text = structure
+    problem = _schema_problem(kind, text)
+    if problem is not None:
+        raise InvalidRequestError(f"{kind}: {problem}", param=kind)
+    if kind == "regex":
+        return {"type": "regex", "pattern": text}
+    if kind == "grammar":
+        return {"type": "grammar", "grammar": text}
+    if kind == "structural_tag":
+        format_: dict[str, Any] = json.loads(current_structural_tag(text))["format"]
+        return format_
+    try:
+        grammar = _xgrammar().Grammar.from_json_schema(text, any_whitespace=False)
+    except Exception as error:  # (xgrammar raises RuntimeError and others on bad input)
+        raise InvalidRequestError(f"{kind} cannot be compiled: {error}", param=kind) from None
+    return {"type": "grammar", "grammar": str(grammar)}
+
+
+def current_structural_tag(text: str) -> str:
     """A structural tag in xgrammar's current form. The older form that vLLM and SGLang
     clients still send (``structures`` of ``begin``/``schema``/``end``, and ``triggers``) is
     a ``triggered_tags`` format; its JSON gets no runs of whitespace, as ``json_schema`` does."""

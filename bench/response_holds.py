@@ -37,8 +37,9 @@ if __package__ in (None, ""):  # run as `python bench/response_holds.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import aiocb
+from aiocb import tokenizer_process
 from aiocb.default_model import load_default_model
-from aiocb.server import build_app, context
+from aiocb.server import build_app
 from bench.common import machine_info
 
 SCENARIOS = ("chat", "echo", "prompt")
@@ -154,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.tokenize_in_process:
-        context.PROCESS_PROMPT_CHARS = sys.maxsize
+        tokenizer_process.PROCESS_PROMPT_CHARS = sys.maxsize
     scenarios = [s for s in args.scenarios.split(",") if s]
     unknown = sorted(set(scenarios) - set(SCENARIOS))
     if unknown:

@@ -135,7 +135,8 @@ class AdmissionQueue:
 
     def _fits(self, request: Request) -> bool:
         scheduler = self.scheduler
-        assert scheduler is not None
+        if scheduler is None:  # (between sessions: the manager refuses the caller, or fails its wait)
+            return False
         queued = len(scheduler.waiting) + scheduler.num_held_children + self._granted
         # (a group of n samples counts as n requests)
         if self.max_queue_size and queued + 1 + len(request.children) > self.max_queue_size:

@@ -44,7 +44,7 @@ from aiocb.errors import (
 )
 from aiocb.outputs import FinishReason, GenerationOutput, RequestStatus
 from aiocb.params import STRUCTURE_FIELDS, SamplingParams
-from aiocb.prompts import Prompt
+from aiocb.prompts import Prompt, is_large
 from aiocb.runner.distributed import build_runner, driver_layout, tensor_parallel_layout
 from aiocb.runner.memory import scored_rows
 from aiocb.runner.model_runner import ModelRunner
@@ -655,8 +655,8 @@ class Manager:
         await self._turnstile.enter()
         request = await self._prepared(input_ids, request_id, max_new_tokens, sampling_params, params)
         if wait:
-            await self._admission.wait_for_room(request)
-        elif not self._admission.has_room(request):
+            await self._wait_for_room(request)
+        elif not self._has_room(request):
             raise WouldBlock(_QUEUE_FULL)
         return self._submit(request, streaming=streaming, consumer=Consumer.RESULTS)
 
@@ -776,7 +776,7 @@ class Manager:
         if n is not None:
             params["n"] = n
         request = await self._prepared(input_ids, request_id, max_new_tokens, sampling_params, params)
-        await self._admission.wait_for_room(request)
+        await self._wait_for_room(request)
         handles = self._submit_group(request, streaming=False, consumer=Consumer.AWAITER)
         if not request.children:
             return await self._router.final(handles[0])
@@ -784,7 +784,7 @@ class Manager:
             return [await self._router.final(handle) for handle in handles]
         except BaseException:
             for handle in handles:
-                self._router.cancel(handle.request.request_id, forget=True)
+                self._router.cancel_own(handle)
             raise
 
     async def generate_batch(
@@ -818,8 +818,9 @@ class Manager:
         try:
             return await self._collect(order, handles)
         except BaseException:
-            for r in order:
-                self._router.cancel(r.request_id, forget=True)
+            for handle in handles:
+                if handle is not None:
+                    self._router.cancel_own(handle)
             raise
         finally:
             if bar is not None:
@@ -974,11 +975,17 @@ class Manager:
         compiling done off the loop where they are long."""
         await self._until_started()
         self._check_accepting()  # (before the first start: the runner whose vocabulary constraints use)
-        ids = await self._requests.encode(input_ids)
-        if not params.keys().isdisjoint(STRUCTURE_FIELDS) or (
+        structured = not params.keys().isdisjoint(STRUCTURE_FIELDS) or (
             isinstance(sampling_params, SamplingParams) and sampling_params.structure() is not None
-        ):
-            await self._precompile(self._requests.merged(sampling_params, max_new_tokens, params))
+        )
+        # (merged here only when needed: the build merges again, from its cache for a SamplingParams)
+        merged = structured or is_large(input_ids)
+        requested = self._requests.merged(sampling_params, max_new_tokens, params) if merged else None
+        keep = None if requested is None else requested.truncate_prompt_tokens
+        ids = await self._requests.encode(input_ids, keep=keep, limit=self._context())
+        if structured:
+            assert requested is not None
+            await self._precompile(requested)
         request, samples = self._build(ids, request_id, max_new_tokens, sampling_params, params)
         turn = LoopTurn()  # (n = 1,024 samples take about 6 ms)
         for sample in samples:
@@ -1012,6 +1019,11 @@ class Manager:
         request, samples = self._build(input_ids, request_id, max_new_tokens, sampling_params, params)
         request.children.extend(samples)
         return request
+
+    def _context(self) -> int | None:
+        """The model's context length (the runner is made once requests are accepted)."""
+        assert self._runner is not None
+        return self._runner.spec.max_position_embeddings
 
     def _build(
         self,
@@ -1051,22 +1063,25 @@ class Manager:
         sampling_params = self._requests.merged(sampling_params, max_new_tokens, params)
         await self._precompile(sampling_params)
         turn = LoopTurn()  # (a long list must not hold the loop in one go)
+        keep = sampling_params.truncate_prompt_tokens
         for prompt in inputs:
             await turn.give()
-            ids = await self._requests.encode(prompt)
+            ids = await self._requests.encode(prompt, keep=keep, limit=self._context())
             requests.append(self._new_request(ids, None, None, sampling_params, {}))
         order = list(range(len(requests)))
         if self.config.allow_block_sharing:
             order.sort(key=lambda i: requests[i].prompt_ids)
+        submitted: list[RequestHandle] = []
         try:
             for i in order:
                 await turn.give()
-                await self._admission.wait_for_room(requests[i])
-                self._submit_group(requests[i], streaming=streaming, consumer=consumer, on_finish=on_finish)
+                await self._wait_for_room(requests[i])
+                submitted += self._submit_group(
+                    requests[i], streaming=streaming, consumer=consumer, on_finish=on_finish
+                )
         except BaseException:
-            for request in requests:
-                for r in (request, *request.children):
-                    self._router.cancel(r.request_id, forget=True)
+            for handle in submitted:
+                self._router.cancel_own(handle)
             raise
         return requests
 
@@ -1081,6 +1096,16 @@ class Manager:
                 outputs[request.request_id] = await self._router.final(handle)
                 await turn.give()
         return outputs
+
+    async def _wait_for_room(self, request: Request) -> None:
+        """Wait for room in the queue; refused first when the manager stopped (or was
+        destroyed) while the request was made, since making it awaits."""
+        self._check_accepting()
+        await self._admission.wait_for_room(request)
+
+    def _has_room(self, request: Request) -> bool:
+        self._check_accepting()
+        return self._admission.has_room(request)
 
     def _submit(self, request: Request, *, streaming: bool, consumer: Consumer) -> str:
         self._submit_group(request, streaming=streaming, consumer=consumer)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
+import threading
 import time
 from collections.abc import Callable, Container, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +29,7 @@ from aiocb.prompts import Prompt, bad_words_ids, encode_prompt, is_large
 from aiocb.runner.step_batch import token_history
 from aiocb.sampling import RequestLimits, config_defaults, eos_ids, normalize_prompt, resolve_params, truncated_prompt
 from aiocb.structured import GrammarCompiler, GrammarState
+from aiocb.tokenizer_process import TokenizerProcess
 
 #: a request that gives no parameter: everything from the GenerationConfig
 _NO_PARAMS = SamplingParams()
@@ -74,16 +76,31 @@ class RequestFactory:
         self._bad_words: dict[tuple[str, ...], list[list[int]]] = {}
         #: the last merge of a SamplingParams with a max_new_tokens: (given, max_new_tokens, merged)
         self._last_merge: tuple[SamplingParams, int, SamplingParams] | None = None
+        #: where very long prompts are tokenized (None: in this process), once probed
+        self._process: TokenizerProcess | None = None
+        self._probed = False
+        self._process_lock = threading.Lock()
 
     def encode_now(self, prompt: Prompt) -> Any:
         """Token ids of a text or chat prompt, tokenized on the calling thread."""
         return encode_prompt(prompt, self.tokenizer)
 
-    async def encode(self, prompt: Prompt) -> Any:
-        """Token ids of a text or chat prompt; a long one is tokenized on a worker thread."""
-        if is_large(prompt):
-            return await asyncio.to_thread(encode_prompt, prompt, self.tokenizer)
-        return encode_prompt(prompt, self.tokenizer)
+    async def encode(self, prompt: Prompt, *, keep: int | None, limit: int | None) -> Any:
+        """Token ids of a text or chat prompt; a long one is tokenized on a worker thread,
+        a very long one in a child process (:mod:`aiocb.tokenizer_process`) that sends back
+        only the last ``keep`` tokens (``truncate_prompt_tokens``, -1: ``limit``) or, past
+        ``limit`` (the model's context) uncut, refuses the prompt by its count."""
+        if not is_large(prompt):
+            return encode_prompt(prompt, self.tokenizer)
+        keep = limit if keep == -1 else keep
+        return await asyncio.to_thread(self._encode_large, prompt, keep, limit)
+
+    def _encode_large(self, prompt: Prompt, keep: int | None, limit: int | None) -> Any:
+        with self._process_lock:  # (the first large prompt probes the tokenizer)
+            if not self._probed:
+                self._process = TokenizerProcess.for_tokenizer(self.tokenizer)
+                self._probed = True
+        return encode_prompt(prompt, self.tokenizer, self._process, keep=keep, limit=limit)
 
     def build(
         self,

@@ -128,11 +128,11 @@ class OutputRouter:
             handle.error = raises
         if forget:
             self._handles.pop(request.request_id, None)
-            self._on_room()
         elif queue:
             self.deliver(handle)
         else:
             handle.notify()
+        self._on_room()  # (the request left the queue: room for a caller waiting for it, now)
 
     def cancel(self, request_id: str, *, forget: bool = False) -> bool:
         """Cancel a live request; whether there was one to cancel."""
@@ -143,6 +143,13 @@ class OutputRouter:
             return False
         self.end(handle, FinishReason.CANCELLED, status=RequestStatus.CANCELLED, forget=forget)
         return True
+
+    def cancel_own(self, handle: RequestHandle) -> None:
+        """Cancel and forget ``handle``'s request while the handle is still its id's: a
+        caller cleaning up touches only what it made, never a later request reusing the id."""
+        request_id = handle.request.request_id
+        if self._handles.get(request_id) is handle:
+            self.cancel(request_id, forget=True)
 
     def abort_all(self, reason: str) -> None:
         """End every live request as aborted; awaiters and streams raise RequestAbortedError."""
@@ -197,9 +204,16 @@ class OutputRouter:
         handle = self._handles.get(request_id)
         if handle is None:
             raise InvalidRequestError(f"no pending request with id {request_id!r}")
-        if handle.consumer is Consumer.STREAM:
-            raise InvalidRequestError(f"request {request_id!r} is consumed by a stream")
-        while not handle.has_news(partial=handle.streaming):
+        while True:
+            # (checked again after each wait: a stream may have claimed the request meanwhile)
+            if handle.consumer is Consumer.STREAM:
+                raise InvalidRequestError(f"request {request_id!r} is consumed by a stream")
+            if handle.consumer is Consumer.AWAITER:
+                raise InvalidRequestError(
+                    f"request {request_id!r} is awaited by the generate() or generate_batch() call that made it"
+                )
+            if handle.has_news(partial=handle.streaming):
+                break
             if handle.final_delivered:  # (another caller waiting on the same request took it)
                 raise InvalidRequestError(f"request {request_id!r} ended and its final output went to another caller")
             await handle.wait()
@@ -215,9 +229,10 @@ class OutputRouter:
             while not handle.has_news(partial=False):
                 await handle.wait()
         except asyncio.CancelledError:
-            self.cancel(handle.request.request_id, forget=True)
+            self.cancel_own(handle)
             raise
-        self._handles.pop(handle.request.request_id, None)
+        if self._handles.get(handle.request.request_id) is handle:
+            del self._handles[handle.request.request_id]
         if handle.error is not None:
             raise fresh_error(handle.error)
         return handle.take()

@@ -117,7 +117,8 @@ class RequestHandle:
         elif self._more_waiters is None:
             self._more_waiters = [waiter]
         else:
-            self._more_waiters.append(waiter)
+            # (the waits of callers that gave up, timed out or cancelled, go now, not at the end)
+            self._more_waiters = [*(w for w in self._more_waiters if not w.done()), waiter]
         return waiter
 
     def take(self) -> GenerationOutput:
@@ -160,6 +161,9 @@ class RequestStream:
         handle = self._handle
         try:
             while not handle.has_news(partial=True):
+                if handle.final_delivered:  # (another task iterating this stream took the last output)
+                    self._done = True
+                    raise StopAsyncIteration
                 await handle.wait()
         except asyncio.CancelledError:
             self._close()
@@ -185,12 +189,12 @@ class RequestStream:
     def _close(self) -> None:
         if not self._done:
             self._done = True
-            self._router.cancel(self.request_id, forget=True)
+            self._router.cancel_own(self._handle)
 
     def __del__(self) -> None:
         # An `async for` left with break drops the iterator without closing it.
         if not self._done and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(functools.partial(self._router.cancel, self.request_id, forget=True))
+            self._loop.call_soon_threadsafe(functools.partial(self._router.cancel_own, self._handle))
 
 
 def fresh_error(error: BaseException) -> BaseException:

@@ -20,7 +20,7 @@ from aiocb.server.chat_output import delta as message_delta
 from aiocb.server.context import ServerContext, finite
 from aiocb.server.limits import parse_json
 from aiocb.server.protocol import ChatCompletionRequest, bad_request, parse_chat_request
-from aiocb.server.reasoning import ReasoningSplitter, prompt_opens_thinking
+from aiocb.server.reasoning import ReasoningSplitter, after_thinking, prompt_opens_thinking
 from aiocb.server.serving import (
     ChoiceDelta,
     ChoiceSpec,
@@ -63,6 +63,12 @@ def prepare_chat(ctx: ServerContext, body: bytes) -> PreparedChat:
             "this server has no tool-call parser for its model's chat template; start it with --tool-call-parser",
             "tools",
         )
+    if request.chat_template_kwargs.get("continue_final_message") and request.add_generation_prompt:
+        raise bad_request(
+            "chat_template_kwargs.continue_final_message continues the last message, which add_generation_prompt "
+            "(true by default) would follow with a new one: send add_generation_prompt false with it",
+            "add_generation_prompt",
+        )
     text = ctx.render_chat(
         template_messages(request.messages),
         add_generation_prompt=request.add_generation_prompt,
@@ -89,6 +95,14 @@ def prepare_chat(ctx: ServerContext, body: bytes) -> PreparedChat:
             raise bad_request(message, "tool_choice")
         mode = "disabled" if not ctx.reasoning else "enabled" if opens_thinking else "auto"
         constraint["structural_tag"] = structural_tag(tools, parser.xgrammar_format, mode)
+    elif ctx.reasoning:
+        given = [name for name in STRUCTURE_FIELDS if name in request.sampling.controls]
+        if given:  # (the constraint holds for the answer, after the thinking)
+            (name,) = given
+            constraint = {
+                name: None,
+                "structural_tag": after_thinking(name, request.sampling.controls[name], opened=opens_thinking),
+            }
     ids = ctx.encode_prompt(text, add_special_tokens=False, param="messages", keep=keep).ids
     return PreparedChat(request, ids, tools, constraint, opens_thinking)
 
@@ -106,6 +120,8 @@ class ChatCompletion:
         self.opens_thinking = prepared.opens_thinking
         sampling = request.sampling
         keep_special = self.tools is not None and ctx.tool_parser is not None and ctx.tool_parser.needs_special_tokens
+        #: whether the text keeps special tokens the client asked to skip (the parser drops them)
+        self.hides_special = keep_special and sampling.skip_special_tokens
         max_tokens = sampling.max_tokens
         if max_tokens is None:
             max_tokens = ctx.default_max_tokens(len(self.prompt_ids))
@@ -226,7 +242,7 @@ class ChatCompletion:
         tools = None
         if self.tools is not None:
             assert ctx.tool_parser is not None  # (prepare_chat refuses tools without one)
-            hidden = getattr(ctx.tokenizer, "all_special_tokens", ())
+            hidden = ctx.special_texts if self.hides_special else ()
             tools = ctx.tool_parser(self.tools.names, parallel=self.tools.parallel, hidden=hidden)
         return ChoiceOutput(reasoning, tools)
 

@@ -18,8 +18,8 @@ from aiocb.server.limits import ServerLimits
 from aiocb.server.metrics import ServerMetrics
 from aiocb.server.protocol import APIError, SamplingRequest, bad_request
 from aiocb.server.remote import ServedEngine
-from aiocb.server.tokenizer_process import Tokenized, TokenizerProcess, TokenizerProcessError
 from aiocb.server.tool_parsers import ToolCallParser
+from aiocb.tokenizer_process import Tokenized, TokenizerProcess, encode_kept
 
 T = TypeVar("T")
 
@@ -33,9 +33,6 @@ INLINE_BODY_BYTES = 2048
 #: context times the vocabulary's longest token: no tokenization could make it fit
 #: (the factor covers normalizers that merge characters).
 _CHARS_MARGIN = 4
-#: Prompts longer than this many characters are tokenized in the tokenizer process (one
-#: of this length holds the GIL well under a millisecond when tokenized in this process).
-PROCESS_PROMPT_CHARS = 1 << 15
 
 _REPLACEMENT = "\ufffd"
 #: how SentencePiece vocabularies mark a token that starts a word (a space before it)
@@ -94,6 +91,8 @@ class ServerContext:
         self.max_prompt_chars: int | None = (
             None if self.max_model_len is None else self.max_model_len * max(longest_token, 1) * _CHARS_MARGIN
         )
+        #: the texts of the tokens a decode that skips special tokens leaves out
+        self.special_texts: tuple[str, ...] = _special_texts(tokenizer)
         #: set when the server begins to shut down: ``/ready`` answers 503 from then on
         self.draining = False
         self._token_texts: dict[int, str] = {}
@@ -214,22 +213,18 @@ class ServerContext:
         -1: the context's length) or all of them, and how many the whole text made; a 400
         when the text is not Unicode, or when, uncut, it has more tokens than the context.
 
-        A long text is tokenized in the tokenizer process, whose answer holds only the
-        tokens kept (thread-safe: the tokenizer thread calls this for large bodies).
+        A long text is tokenized in a child process (:mod:`aiocb.tokenizer_process`), whose
+        answer holds only the tokens kept (thread-safe: the tokenizer thread calls this for
+        large bodies).
         """
         limit = self.max_model_len
         keep = limit if keep == -1 else keep
-        tokenized = None
-        if self._process is not None and len(text) > PROCESS_PROMPT_CHARS:
-            try:
-                tokenized = self._process.encode(text, add_special_tokens=add_special_tokens, keep=keep, limit=limit)
-            except (UnicodeError, ValueError) as exc:
-                raise _untokenizable(where or param, param, exc) from None
-            except TokenizerProcessError as exc:
-                log.warning("%s; tokenizing in the server's process", exc)
-        if tokenized is None:
-            ids = self.encode(text, add_special_tokens=add_special_tokens, param=param, where=where)
-            tokenized = Tokenized(ids[len(ids) - keep :] if keep and len(ids) > keep else ids, len(ids))
+        try:
+            tokenized = encode_kept(
+                text, self.tokenizer, self._process, add_special_tokens=add_special_tokens, keep=keep, limit=limit
+            )
+        except (TypeError, ValueError) as exc:  # (UnicodeError is a ValueError)
+            raise _untokenizable(where or param, param, exc) from None
         if keep is None and limit is not None and tokenized.total > limit:
             raise bad_request(
                 f"{where or param} has {tokenized.total} tokens, more than the model's context of {limit}", param
@@ -389,3 +384,11 @@ def finite(logprob: float) -> float:
 def _untokenizable(where: str, param: str, exc: Exception) -> APIError:
     # A lone UTF-16 surrogate ("\ud800") is valid JSON but no Unicode text.
     return bad_request(f"{where} cannot be tokenized (is it valid Unicode text?): {exc}", param)
+
+
+def _special_texts(tokenizer: Any) -> tuple[str, ...]:
+    """The texts of ``tokenizer``'s special tokens: those it names, and every added token
+    marked special (a chat template's ``<|im_end|>`` often is one and not the other)."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}).values()
+    texts = {*getattr(tokenizer, "all_special_tokens", ()), *(t.content for t in added if t.special)}
+    return tuple(sorted(texts))

@@ -8,6 +8,7 @@ are refused with an :class:`APIError` of status 400 that names the field.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -90,7 +91,11 @@ def error_from_exception(exc: BaseException, params: Mapping[str, str] | None = 
             code="rate_limit_exceeded",
         )
     if isinstance(exc, InvalidRequestError):
-        return bad_request(str(exc), exc.param if params is None or exc.param is None else _renamed(exc.param, params))
+        if params is None:
+            return bad_request(str(exc), exc.param)
+        # (the message names the body's fields too: "max_tokens (5)", not the engine's "max_new_tokens (5)")
+        message = re.sub(r"\b\w+\b", lambda word: params.get(word[0], word[0]), str(exc))
+        return bad_request(message, None if exc.param is None else _renamed(exc.param, params))
     if isinstance(exc, ManagerClosedError):
         return APIError(503, f"the server is not accepting requests: {exc}", type="service_unavailable")
     if isinstance(exc, RequestAbortedError):  # (the server stopping: a retry elsewhere may succeed)
@@ -273,9 +278,13 @@ def _sampling(body: Mapping[str, Any], *, max_tokens_keys: tuple[str, ...]) -> S
     top_k = _opt_int(body, "top_k", minimum=-1)
     stream = _bool(body, "stream", False)
     constraint, constraint_field = _structure(body)
+    max_tokens = _opt_int(body, max_tokens_field, minimum=0)
+    min_tokens = _opt_int(body, "min_tokens", minimum=0) or 0
+    if max_tokens is not None and min_tokens > max_tokens:  # (0 scores the prompt: the engine sees 1)
+        raise bad_request(f"min_tokens ({min_tokens}) is more than {max_tokens_field} ({max_tokens})", "min_tokens")
     return SamplingRequest(
         model=_opt_str(body, "model"),
-        max_tokens=_opt_int(body, max_tokens_field, minimum=0),
+        max_tokens=max_tokens,
         temperature=_float(body, "temperature", 1.0, minimum=0.0, maximum=2.0),
         top_p=_float(body, "top_p", 1.0, minimum=0.0, maximum=1.0, exclusive_minimum=True),
         top_k=max(top_k or 0, 0),  # -1 (vLLM) and 0 both mean "off"
@@ -287,7 +296,7 @@ def _sampling(body: Mapping[str, Any], *, max_tokens_keys: tuple[str, ...]) -> S
         skip_special_tokens=_bool(body, "skip_special_tokens", True),
         stream=stream,
         include_usage=_include_usage(body, stream),
-        min_tokens=_opt_int(body, "min_tokens", minimum=0) or 0,
+        min_tokens=min_tokens,
         include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False),
         truncate_prompt_tokens=_truncate_prompt_tokens(body),
         bad_words=_bad_words(body),
@@ -469,7 +478,8 @@ def _json_schema_spec(spec: Any) -> dict[str, Any]:
     return schema
 
 
-#: Fields that do not change what is generated (identifiers, bookkeeping): accepted as they are.
+#: Fields that do not change what is generated (identifiers, bookkeeping): accepted when of
+#: their type (``store`` only when false: :func:`_check_no_effect`).
 _NO_EFFECT = frozenset({"user", "metadata", "store", "service_tier", "request_id"})
 _SAMPLING_FIELDS = frozenset(
     {
@@ -529,6 +539,25 @@ def _refuse_unknown(body: Mapping[str, Any], known: frozenset[str]) -> None:
             f"unsupported field(s): {', '.join(repr(k) for k in unknown)}; this server does not implement them",
             unknown[0],
         )
+    _check_no_effect(body)
+
+
+def _check_no_effect(body: Mapping[str, Any]) -> None:
+    """The bookkeeping fields' types, as OpenAI's API (and vLLM's) checks them; ``store``
+    true asks to keep the completion, which this server cannot do."""
+    for name in ("user", "service_tier", "request_id"):
+        if body.get(name) is not None and not isinstance(body[name], str):
+            raise bad_request(f"'{name}' must be a string", name)
+    metadata = body.get("metadata")
+    if metadata is not None and (
+        not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values())
+    ):
+        raise bad_request("'metadata' must be an object of string values", "metadata")
+    store = body.get("store")
+    if store is not None and not isinstance(store, bool):
+        raise bad_request("'store' must be a boolean", "store")
+    if store:
+        raise bad_request("'store': this server does not store completions; leave it out or false", "store")
 
 
 def _refuse_unsupported(body: Mapping[str, Any]) -> None:

@@ -9,9 +9,11 @@ content. A block never closed (the output was cut short) is all reasoning.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
+from aiocb.params import SamplingParams
 from aiocb.server.fragments import Content, Fragment, Reasoning, partial_suffix
+from aiocb.structured import answer_format
 
 OPEN = "<think>"
 CLOSE = "</think>"
@@ -25,6 +27,23 @@ def prompt_opens_thinking(prompt: str, continued: str | None = None) -> bool:
     if prompt.rstrip().endswith(OPEN):
         return True
     return continued is not None and continued.rfind(OPEN) > continued.rfind(CLOSE)
+
+
+def after_thinking(field: str, value: Any, *, opened: bool) -> dict[str, Any]:
+    """A structural tag that leaves a reasoning model's ``<think>`` block free and applies
+    the output constraint ``field=value`` (a :class:`~aiocb.SamplingParams` field) to the
+    answer after it, as vLLM does with a reasoning parser: the block is the one the prompt
+    ``opened``, else one the output may open first. Up to two newlines may come between
+    the block and the answer (``</think>\n\n``, as these models write it)."""
+    structure = SamplingParams(**{field: value}).structure()
+    assert structure is not None
+    thinking: dict[str, Any] = {"type": "tag", "begin": "" if opened else OPEN, "content": {"type": "any_text"}}
+    thinking["end"] = CLOSE
+    if not opened:
+        thinking = {"type": "optional", "content": thinking}
+    gap = {"type": "regex", "pattern": "\\n{0,2}"}
+    elements = [thinking, gap, answer_format(structure)]
+    return {"type": "structural_tag", "format": {"type": "sequence", "elements": elements}}
 
 
 class ReasoningSplitter:

@@ -8,7 +8,7 @@ import pytest
 from transformers import PreTrainedModel
 
 import aiocb
-from tests.conftest import random_prompts
+from tests.conftest import random_prompts, reference_generate
 
 PROMPTS = random_prompts(6, 20, 40, seed=10)
 
@@ -154,3 +154,39 @@ async def test_requests_that_end_before_their_deadline_are_let_go(qwen3: PreTrai
         steps = manager._steps
         assert steps is not None
         assert len(steps._deadlines) <= 64
+
+
+@pytest.mark.parametrize("started", [False, True], ids=["before-the-start", "running"])
+async def test_a_cancelled_request_makes_room_for_the_next(qwen3: PreTrainedModel, started: bool) -> None:
+    """``cancel_request`` takes a request out of the queue: a caller waiting for room gets
+    it at once (the engine may be idle, or not started: no step comes to hand it on)."""
+    config = aiocb.ContinuousBatchingConfig(max_queue_size=1, max_requests_per_batch=1)
+    manager = aiocb.Manager(qwen3, continuous_batching_config=config)
+    if started:
+        manager.start()
+        await manager.add_request(PROMPTS[0], max_new_tokens=200, eos_token_id=[])  # (holds the one row)
+        await asyncio.sleep(0.05)
+    queued = await manager.add_request(PROMPTS[1], max_new_tokens=5)
+    waiting = asyncio.create_task(manager.add_request(PROMPTS[2], max_new_tokens=5))
+    await asyncio.sleep(0.01)
+    assert not waiting.done()
+    assert manager.cancel_request(queued)
+    admitted = await asyncio.wait_for(waiting, 5)
+    if not started:
+        manager.start()
+    output = await asyncio.wait_for(manager.get_result(admitted), 30)
+    assert output is not None and output.generated_tokens == reference_generate(qwen3, PROMPTS[2], 5)
+    await manager.stop(hard_stop=True)
+
+
+async def test_a_request_made_while_the_manager_is_destroyed_is_refused(qwen3: PreTrainedModel) -> None:
+    """A ``generate`` whose request is still being made (its samples forked a slice of the
+    loop at a time) when ``destroy()`` comes raises ManagerClosedError."""
+    manager = aiocb.Manager(qwen3)
+    manager.start()
+    making = asyncio.create_task(manager.generate(PROMPTS[3], max_new_tokens=4, n=600, do_sample=True))
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    await manager.destroy()
+    with pytest.raises(aiocb.ManagerClosedError):
+        await asyncio.wait_for(making, 10)

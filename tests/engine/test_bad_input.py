@@ -25,6 +25,7 @@ BAD_REQUESTS: list[tuple[str, Any, dict[str, Any], str]] = [
     ("chat prompt", [{"role": "user", "content": "hi"}], {}, "needs a tokenizer"),
     ("dict prompt", {"a": 1}, {}, "list of token ids"),
     ("2-d tensor", torch.ones(2, 3, dtype=torch.long), {}, "one-dimensional"),
+    ("meta tensor", torch.empty(3, dtype=torch.long, device="meta"), {}, "cannot be read as token ids"),
     ("beyond context", [1] * 2000, {"max_new_tokens": 100}, "context length"),
     ("max_new_tokens zero", [1, 2], {"max_new_tokens": 0}, "max_new_tokens must be >= 1"),
     ("max_new_tokens float", [1, 2], {"max_new_tokens": 2.5}, "max_new_tokens must be an int"),

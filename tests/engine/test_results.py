@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Callable
 
 import pytest
 from transformers import PreTrainedModel
@@ -71,6 +72,57 @@ async def test_two_callers_awaiting_one_request_neither_hangs(qwen3: PreTrainedM
     assert len(outputs) == 1 and outputs[0].generated_tokens == reference_generate(qwen3, PROMPTS[1], 6)
     assert len(errors) == 1 and isinstance(errors[0], aiocb.InvalidRequestError)
     assert "went to another caller" in str(errors[0])
+
+
+async def test_no_caller_takes_another_consumers_final_output(qwen3: PreTrainedModel) -> None:
+    """Whoever owns a request's outputs gets them: ``get_result(id)`` of a request that a
+    ``generate`` call (or ``generate_batch``) awaits, or that a stream claimed while it
+    waited, is refused; two tasks iterating one stream both end."""
+    async with aiocb.Manager(qwen3) as manager:
+        owner = asyncio.create_task(manager.generate(PROMPTS[2], max_new_tokens=6, n=2, request_id="x"))
+        await asyncio.sleep(0)
+        for sample in ("x", "x__child#0"):
+            with pytest.raises(aiocb.InvalidRequestError, match="awaited by the generate"):
+                await manager.get_result(sample)
+        outputs = await asyncio.wait_for(owner, 30)
+        assert isinstance(outputs, list) and outputs[0].generated_tokens == reference_generate(qwen3, PROMPTS[2], 6)
+
+        rid = await manager.add_request(PROMPTS[3], max_new_tokens=6)
+        waiting = asyncio.create_task(manager.get_result(rid))
+        await asyncio.sleep(0)
+        stream = manager.stream(rid)
+        streamed = [chunk async for chunk in stream]
+        assert streamed[-1].generated_tokens == reference_generate(qwen3, PROMPTS[3], 6)
+        with pytest.raises(aiocb.InvalidRequestError, match="consumed by a stream"):
+            await asyncio.wait_for(waiting, 5)
+
+        stream = manager.stream(await manager.add_request(PROMPTS[4], max_new_tokens=6))
+
+        async def read() -> list[aiocb.GenerationOutput]:
+            return [chunk async for chunk in stream]
+
+        first, second = await asyncio.wait_for(asyncio.gather(read(), read()), 30)
+        chunks = sorted(first + second, key=lambda chunk: len(chunk.generated_tokens))
+        assert chunks[-1].generated_tokens == reference_generate(qwen3, PROMPTS[4], 6)
+        assert sum(chunk.is_finished() for chunk in chunks) == 1
+
+
+async def test_cleanup_touches_only_the_callers_own_requests(qwen3: PreTrainedModel) -> None:
+    """A ``generate`` cancelled after its request's id was taken by another caller (the
+    request itself ended and was read, a sample of it still runs) cancels its sample, not
+    the other caller's request."""
+    async with aiocb.Manager(qwen3) as manager:
+        owner = asyncio.create_task(manager.generate(PROMPTS[5], n=2, request_id="x", max_new_tokens=400))
+        await until(lambda: "x" in manager._router)
+        assert manager.cancel_request("x")
+        await until(lambda: "x" not in manager._router)  # (the generate call read its cancelled output)
+        reused = await manager.add_request(PROMPTS[0], request_id="x", max_new_tokens=6)
+        owner.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await owner
+        output = await asyncio.wait_for(manager.get_result(reused), 30)
+        assert output is not None and output.generated_tokens == reference_generate(qwen3, PROMPTS[0], 6)
+        assert "x__child#0" not in manager._router
 
 
 async def test_async_for_yields_results_until_the_manager_stops(qwen3: PreTrainedModel) -> None:
@@ -180,3 +232,12 @@ async def test_outputs_carry_cached_tokens_and_timestamps(qwen3: PreTrainedModel
         assert output.scheduled_time is not None and output.first_token_time is not None
         assert output.finished_time is not None
         assert output.created_time <= output.scheduled_time <= output.first_token_time <= output.finished_time
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    """Give the loop turns until ``condition()`` holds (a few hundred at most)."""
+    for _ in range(1000):
+        if condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("the condition never held")

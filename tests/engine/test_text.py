@@ -8,6 +8,7 @@ import pytest
 from transformers import PreTrainedModel
 
 import aiocb
+from aiocb.tokenizer_process import PROCESS_PROMPT_CHARS, Tokenized, TokenizerProcess
 from tests.server.conftest import build_tokenizer, serve_model
 
 PROMPTS = ["Привет, мир", "你好，世界", "Héllo wörld", "Emoji: 😀", "こんにちは", "The quick brown"]
@@ -209,3 +210,37 @@ async def test_bad_words_are_banned_as_vllm_tokenizes_them(
     assert both.generated_tokens == reference_generate(
         model, prompt, NEW, bad_words_ids=[[plain[5][5]], *bad_words_ids(words[:1], tokenizer)]
     )
+
+
+async def test_long_text_and_chat_prompts_are_tokenized_in_the_process(
+    model: PreTrainedModel, tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prompt past the tokenizer process's threshold is tokenized there, only its kept
+    tokens sent back (every way of adding it); uncut and longer than the context, it is
+    refused by its count."""
+    sent: list[tuple[int, int | None]] = []
+    encode = TokenizerProcess.encode
+
+    def spied(self: TokenizerProcess, text: str, **kwargs: Any) -> Tokenized:
+        result = encode(self, text, **kwargs)
+        sent.append((kwargs["keep"], len(result.ids)))
+        return result
+
+    monkeypatch.setattr(TokenizerProcess, "encode", spied)
+    text = " ".join(PROMPTS) * (PROCESS_PROMPT_CHARS // len(" ".join(PROMPTS)) + 1)
+    ids = tokenizer.encode(text)
+    assert len(ids) > model.config.max_position_embeddings
+    messages = [{"role": "user", "content": text}]
+    chat_ids = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+    async with aiocb.Manager(model, tokenizer=tokenizer) as manager:
+        expected = await manager.generate(ids[-8:], max_new_tokens=4, ignore_eos=True)
+        cut = await manager.generate(text, max_new_tokens=4, ignore_eos=True, truncate_prompt_tokens=8)
+        assert sent.pop() == (8, 8)
+        assert cut.prompt_ids == ids[-8:] and cut.generated_tokens == expected.generated_tokens
+        batched = await manager.generate_batch([text], max_new_tokens=4, ignore_eos=True, truncate_prompt_tokens=8)
+        assert sent.pop() == (8, 8) and next(iter(batched.values())).generated_tokens == expected.generated_tokens
+        chat = await manager.generate(messages, max_new_tokens=4, ignore_eos=True, truncate_prompt_tokens=5)
+        assert sent.pop() == (5, 5) and chat.prompt_ids == chat_ids[-5:]
+        with pytest.raises(aiocb.InvalidRequestError, match=rf"the prompt has {len(ids)} tokens, more than"):
+            await manager.generate(text, max_new_tokens=4)
+        assert sent.pop() == (None, 0) and not sent

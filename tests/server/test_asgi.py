@@ -358,6 +358,19 @@ async def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(
     assert data["usage"]["prompt_tokens"] == 5
 
 
+async def test_continue_final_message_continues_the_last_message(client: httpx.AsyncClient, tokenizer: Any) -> None:
+    """``continue_final_message`` renders the conversation to end inside its last message
+    (transformers' option); a new message after it (``add_generation_prompt``) is refused."""
+    messages = [{"role": "user", "content": "Name a planet."}, {"role": "assistant", "content": "The red one is"}]
+    body = {"messages": messages, "max_tokens": 2, "chat_template_kwargs": {"continue_final_message": True}}
+    error = assert_error(await client.post("/v1/chat/completions", json=body), 400, "add_generation_prompt")
+    assert "continue_final_message" in error["message"]
+    data = (await client.post("/v1/chat/completions", json={**body, "add_generation_prompt": False})).json()
+    rendered = tokenizer.apply_chat_template(messages, continue_final_message=True, tokenize=False)
+    assert rendered.endswith("The red one is")
+    assert data["usage"]["prompt_tokens"] == len(tokenizer.encode(rendered))
+
+
 async def test_chat_stream_and_logprobs(client: httpx.AsyncClient) -> None:
     body = {
         "messages": [{"role": "user", "content": "Hello"}],
@@ -406,16 +419,18 @@ async def test_bad_input_is_a_400(client: httpx.AsyncClient, tokenizer: Any) -> 
 
 
 async def test_unknown_fields_are_refused_and_bookkeeping_ones_accepted(client: httpx.AsyncClient) -> None:
-    body = {"prompt": "x", "max_tokens": 2, "user": "me", "metadata": {"a": "b"}}
+    body = {"prompt": "x", "max_tokens": 2, "user": "me", "metadata": {"a": "b"}, "store": False}
+    body |= {"service_tier": "auto", "request_id": "mine"}
     assert (await client.post("/v1/completions", json=body)).status_code == 200
     error = assert_error(await client.post("/v1/completions", json={**body, "some_new_field": [1]}), 400)
     assert error["param"] == "some_new_field" and "some_new_field" in error["message"]
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     assert_error(await client.post("/v1/chat/completions", json={**chat, "use_beam_search": True}), 400)
+    assert_error(await client.post("/v1/chat/completions", json={**chat, "store": True}), 400, "store")
     # This fixture's manager was given no vocabulary for grammars: a constraint is refused.
     fmt = {**chat, "response_format": {"type": "json_object"}}
     error = assert_error(await client.post("/v1/chat/completions", json=fmt), 400)
-    assert "json_schema needs a tokenizer" in error["message"]
+    assert "response_format needs a tokenizer" in error["message"]
 
 
 async def test_unknown_model_route_and_method(client: httpx.AsyncClient) -> None:

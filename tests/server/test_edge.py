@@ -98,7 +98,7 @@ async def test_nesting_beyond_the_limit_is_400(limited: httpx.AsyncClient, clien
     nested = {"a": {"b": {"c": {"d": 1}}}}  # depth 5 with the body itself
     error = assert_error(await limited.post(COMPLETIONS, json=body(user=nested)), 400)
     assert "--max-json-depth" in error["message"]
-    assert (await limited.post(COMPLETIONS, json=body(user={"a": {"b": 1}}))).status_code == 200
+    assert (await limited.post(COMPLETIONS, json=body(prompt=[[5, 6]]))).status_code == 200  # (depth 3)
     # 100,000 levels: a 400 (never a RecursionError's 500) with the default limits
     error = assert_error(await client.post(COMPLETIONS, content=b"[" * 100_000 + b"]" * 100_000), 400)
     assert "64 levels" in error["message"]
@@ -172,8 +172,9 @@ async def test_a_prompt_too_long_by_its_length_is_refused_untokenized(
 ) -> None:
     app_ctx = client._transport.app.state.aiocb  # type: ignore[attr-defined]
     calls: list[int] = []
-    encode = app_ctx.encode
+    encode, encode_prompt = app_ctx.encode, app_ctx.encode_prompt
     app_ctx.encode = lambda text, **kw: calls.append(len(text)) or encode(text, **kw)
+    app_ctx.encode_prompt = lambda text, **kw: calls.append(len(text)) or encode_prompt(text, **kw)
     bound = app_ctx.max_prompt_chars
     error = assert_error(await client.post(COMPLETIONS, json=body(prompt="y" * (bound + 1))), 400, "prompt")
     assert "cannot fit the model's context of 2048 tokens" in error["message"]

@@ -18,6 +18,7 @@ import aiocb
 from aiocb.server import build_app
 from aiocb.server.context import ServerContext
 from aiocb.server.limits import ServerLimits
+from aiocb.tokenizer_process import Tokenized
 from tests.server.conftest import MODEL_NAME, wait_until_idle
 from tests.server.test_asgi import assert_error
 
@@ -128,7 +129,10 @@ async def test_parameters_that_would_do_nothing_are_refused(client: httpx.AsyncC
     assert_error(await client.post(COMPLETIONS, json=body(stop=[""])), 400, "stop")
     assert_error(await client.post(COMPLETIONS, json=body(stop=["a", ""])), 400, "stop")
     error = assert_error(await client.post(COMPLETIONS, json=body(min_tokens=10, max_tokens=4)), 400, "min_tokens")
-    assert "max_new_tokens (4)" in error["message"]
+    assert "is more than max_tokens (4)" in error["message"]
+    # the engine's refusals name the body's fields too
+    error = assert_error(await client.post(COMPLETIONS, json=body(max_tokens=5000)), 400, "max_tokens")
+    assert "plus max_tokens (5000)" in error["message"] and "max_new_tokens" not in error["message"]
     options = {"include_usage": True}
     assert_error(await client.post(COMPLETIONS, json=body(stream_options=options)), 400, "stream_options")
     streamed = body(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
@@ -237,15 +241,15 @@ async def test_a_request_with_many_prompts_lets_others_tokenize_between_them(
     ctx: ServerContext = client._transport.app.state.aiocb  # type: ignore[attr-defined]
     order: list[str] = []
     first_started = threading.Event()
-    encode = ctx.encode
+    encode = ctx.encode_prompt
 
-    def slow_encode(text: str, **kwargs: Any) -> list[int]:
+    def slow_encode(text: str, **kwargs: Any) -> Tokenized:
         order.append(text[0])
         first_started.set()
         time.sleep(0.05)
         return encode(text, **kwargs)
 
-    ctx.encode = slow_encode  # type: ignore[method-assign]
+    ctx.encode_prompt = slow_encode  # type: ignore[method-assign]
     prompts = [letter + " the quick brown fox" * 150 for letter in "ABCD"]  # each about 3 KB: off the loop
     many = asyncio.create_task(client.post(COMPLETIONS, json=body(prompt=prompts, max_tokens=1)))
     await asyncio.get_running_loop().run_in_executor(None, first_started.wait)

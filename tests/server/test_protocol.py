@@ -115,6 +115,14 @@ def test_sampling_fields() -> None:
         ({"prompt": "x", "best_of": True}, "best_of"),
         ({"prompt": "x", "best_of": "1"}, "best_of"),
         ({"prompt": "x", "use_beam_search": True}, "use_beam_search"),
+        ({"prompt": "x", "max_tokens": 0, "min_tokens": 3}, "min_tokens"),
+        ({"prompt": "x", "user": 123}, "user"),
+        ({"prompt": "x", "metadata": "not-a-map"}, "metadata"),
+        ({"prompt": "x", "metadata": {"a": 1}}, "metadata"),
+        ({"prompt": "x", "store": "yes"}, "store"),
+        ({"prompt": "x", "store": True}, "store"),
+        ({"prompt": "x", "service_tier": 7}, "service_tier"),
+        ({"prompt": "x", "request_id": ["x"]}, "request_id"),
     ],
 )
 def test_bad_completion_fields_are_named(body: dict[str, Any], param: str) -> None:

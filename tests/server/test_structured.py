@@ -101,7 +101,7 @@ async def test_vllm_fields(client: httpx.AsyncClient) -> None:
             "response_format.json_schema.schema",
             "must be a JSON schema object",
         ),
-        ({"guided_json": {"type": "nonsense"}}, "guided_json", "json_schema cannot be compiled"),
+        ({"guided_json": {"type": "nonsense"}}, "guided_json", "guided_json cannot be compiled"),
         ({"structured_outputs": {"regex": "("}}, "structured_outputs.regex", "regex cannot be compiled"),
         ({"guided_regex": "("}, "guided_regex", "regex cannot be compiled"),
         (

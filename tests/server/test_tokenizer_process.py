@@ -11,8 +11,7 @@ import httpx
 import pytest
 
 import aiocb
-from aiocb.server.context import PROCESS_PROMPT_CHARS
-from aiocb.server.tokenizer_process import Tokenized, TokenizerProcess, TokenizerProcessError
+from aiocb.tokenizer_process import PROCESS_PROMPT_CHARS, Tokenized, TokenizerProcess, TokenizerProcessError
 from tests.server.conftest import CORPUS, build_byte_fallback_tokenizer
 
 
@@ -130,7 +129,7 @@ async def test_a_failed_process_leaves_the_prompt_to_the_servers_process(
     ids = tokenizer.encode(text)
     reference = await manager.generate(ids[-4:], max_new_tokens=2, do_sample=False, eos_token_id=[])
     body = {"prompt": text, "max_tokens": 2, "temperature": 0, "ignore_eos": True, "truncate_prompt_tokens": 4}
-    with caplog.at_level(logging.WARNING, logger="aiocb.server.context"):
+    with caplog.at_level(logging.WARNING, logger="aiocb.tokenizer_process"):
         data = (await client.post("/v1/completions", json=body)).json()
     assert data["choices"][0]["text"] == tokenizer.decode(reference.generated_tokens, skip_special_tokens=True)
-    assert any("tokenizing in the server's process" in record.message for record in caplog.records)
+    assert any("tokenizing in this process" in record.message for record in caplog.records)

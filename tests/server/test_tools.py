@@ -50,6 +50,7 @@ ADD = {
     "additionalProperties": False,
 }
 SCHEMAS = {"get_weather": WEATHER, "add": ADD}
+FLAG = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
 
 
 def _tools(*, strict: bool | None = None) -> list[dict[str, Any]]:
@@ -333,6 +334,59 @@ async def test_reasoning_content(manager: aiocb.Manager, tokenizer: Any) -> None
     async with await _client(manager, tokenizer) as http:  # no parser: the thoughts stay in the content
         message = (await _chat(http, **fields))["choices"][0]["message"]
         assert "reasoning_content" not in message
+
+
+@pytest.mark.parametrize("parser", ["hermes", "mistral"])
+@pytest.mark.parametrize("skip", [True, False], ids=["skipped", "kept"])
+@pytest.mark.parametrize("special", ["<|endoftext|>", "<|im_end|>"], ids=["named", "added"])
+async def test_special_tokens_in_the_content_are_the_same_with_tools_offered(
+    manager: aiocb.Manager, tokenizer: Any, parser: str, skip: bool, special: str
+) -> None:
+    """``skip_special_tokens`` holds whether tools are offered or not: a parser that needs
+    special tokens in the text (mistral's ``[TOOL_CALLS]``) drops the ones the client asked
+    to skip, the added tokens marked special among them (``<|im_end|>`` here, which is not
+    in ``all_special_tokens``), and keeps those the client asked to keep."""
+    assert (special in tokenizer.all_special_tokens) == (special == "<|endoftext|>")
+    bias = {str(tokenizer.convert_tokens_to_ids(special)): 100}
+    fields = {"max_tokens": 3, "ignore_eos": True, "logit_bias": bias, "skip_special_tokens": skip}
+    async with await _client(manager, tokenizer, tool_call_parser=parser) as http:
+        plain = (await _chat(http, **fields, tools=None))["choices"][0]["message"]["content"]
+        offered = (await _chat(http, **fields, tool_choice="auto"))["choices"][0]["message"]["content"]
+    assert plain == offered == ("" if skip else special * 3)
+
+
+@pytest.mark.parametrize("opened", [True, False], ids=["opened-by-the-template", "opened-by-the-output"])
+@pytest.mark.parametrize(
+    "constraint",
+    [
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": FLAG}}},
+        {"structured_outputs": {"choice": ["yes", "no"]}},
+    ],
+    ids=["json_schema", "choice"],
+)
+async def test_an_output_constraint_holds_for_the_answer_after_the_thinking(
+    manager: aiocb.Manager, tokenizer: Any, opened: bool, constraint: dict[str, Any]
+) -> None:
+    """With a reasoning parser, as vLLM does: the ``<think>`` block stays free and the
+    constraint holds for the answer after it (the block is the template's, or one the
+    output opens first); the streamed answer is the same."""
+    start, end = (str(tokenizer.convert_tokens_to_ids(t)) for t in ("<think>", "</think>"))
+    fields = {"tools": None, "max_tokens": 24, "chat_template_kwargs": {"think": opened}, **constraint}
+    fields["logit_bias"] = {start: 10, end: 20}  # (into the block when free to open it, and out again)
+    fields["logprobs"] = True
+    async with await _client(manager, tokenizer, reasoning_parser="qwen3") as http:
+        whole = await _chat(http, **fields)
+        streamed = _reassemble(await _stream(http, **fields), 1)
+    (choice,) = whole["choices"]
+    assert streamed == [_flat(choice)]
+    message = choice["message"]
+    assert choice["finish_reason"] == "stop" and "<think>" not in message["content"], choice
+    tokens = [entry["token"] for entry in choice["logprobs"]["content"]]
+    assert tokens[: 1 if opened else 2] == (["</think>"] if opened else ["<think>", "</think>"]), tokens
+    if "response_format" in constraint:
+        assert isinstance(json.loads(message["content"])["ok"], bool), message
+    else:
+        assert message["content"].lstrip("\n") in ("yes", "no"), message
 
 
 @pytest.mark.parametrize("fields", [{"tool_choice": "required"}, {"strict": True}], ids=["required", "strict"])

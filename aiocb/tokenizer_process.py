@@ -1,15 +1,15 @@
-"""Long prompts tokenized in a child process, so that the server's process never holds
-the GIL for them.
+"""Long prompts tokenized in a child process, so that the event loop's process never
+holds the GIL for them.
 
 The tokenizers library lets the GIL go while it encodes, but not while it hands the
-result over or frees it: a 6-million-character prompt (within the default body limit)
-held the event loop for 70-240 ms in the server's tokenizer thread, mostly in building
-and freeing its two million tokens' Python lists and Rust strings. A prompt is only
+result over or frees it: a 6-million-character prompt (within the server's default body
+limit) held the event loop for 70-240 ms from a worker thread, mostly in building and
+freeing its two million tokens' Python lists and Rust strings. A prompt is only
 generated from when it fits the model's context, and a cut one keeps its last few
 tokens, so the child sends back just those tokens and the count: what crosses into the
-server's process is bounded by the context, whatever the text's length.
+loop's process is bounded by the context, whatever the text's length.
 
-The child runs this module (``python -m aiocb.server.tokenizer_process``), which imports
+The child runs this module (``python -m aiocb.tokenizer_process``), which imports
 nothing but the standard library and ``tokenizers``. It reads frames on its standard
 input and answers each on its standard output:
 
@@ -41,7 +41,10 @@ _ERROR = struct.Struct("<BQ")
 _LENGTH = struct.Struct("<Q")
 #: characters encoded to UTF-8 at a time when a text is sent (each a short hold of the GIL)
 _SEND_CHARS = 1 << 16
-#: texts the server's tokenizer and the child's must tokenize alike before the child is used
+#: Prompts longer than this many characters are worth the child (one of this length holds
+#: the GIL well under a millisecond when tokenized in the loop's process).
+PROCESS_PROMPT_CHARS = 1 << 15
+#: texts the loop's tokenizer and the child's must tokenize alike before the child is used
 _PROBES = (
     "Hello, world!",
     "  two leading spaces\n\n\tand a tab",
@@ -63,11 +66,10 @@ class TokenizerProcessError(RuntimeError):
 
 
 class TokenizerProcess:
-    """The server's side of the child: one text at a time (a lock), from any thread.
+    """The parent's side of the child: one text at a time (a lock), from any thread.
 
     The child starts on first use and is started again after it fails. A call blocks its
-    thread (not the GIL) while the child works: the server calls it from its tokenizer
-    thread.
+    thread (not the GIL) while the child works: it is made from a worker thread.
     """
 
     def __init__(self, tokenizer_json: str) -> None:
@@ -81,7 +83,7 @@ class TokenizerProcess:
     def for_tokenizer(cls, tokenizer: Any) -> TokenizerProcess | None:
         """A process for ``tokenizer`` when it is a tokenizers-library tokenizer whose own
         ``encode`` its backend reproduces (on a few probe texts, special tokens included);
-        else None (the tokenizer runs in the server's process, as a slow one must)."""
+        else None (the tokenizer runs in the loop's process, as a slow one must)."""
         backend = getattr(tokenizer, "_tokenizer", None)
         if backend is None or not hasattr(backend, "to_str"):
             return None
@@ -162,6 +164,30 @@ def _end(child: subprocess.Popen[bytes]) -> None:
     except subprocess.TimeoutExpired:
         child.kill()
         child.wait()
+
+
+def encode_kept(
+    text: str,
+    tokenizer: Any,
+    process: TokenizerProcess | None,
+    *,
+    add_special_tokens: bool,
+    keep: int | None,
+    limit: int | None,
+) -> Tokenized:
+    """``text``'s token ids, the last ``keep`` of them when given (else all, or none when
+    there are more than ``limit``), and how many the whole text made: from ``process``
+    when there is one and the text is long, else from ``tokenizer`` itself (also when the
+    process fails, with a warning). Thread-safe; raises what either raises for text they
+    cannot take.
+    """
+    if process is not None and len(text) > PROCESS_PROMPT_CHARS:
+        try:
+            return process.encode(text, add_special_tokens=add_special_tokens, keep=keep, limit=limit)
+        except TokenizerProcessError as exc:
+            log.warning("%s; tokenizing in this process", exc)
+    ids: list[int] = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return Tokenized(ids[len(ids) - keep :] if keep and len(ids) > keep else ids, len(ids))
 
 
 def _answer(stdout: IO[bytes]) -> Tokenized:
