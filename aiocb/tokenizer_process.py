@@ -22,8 +22,10 @@ input and answers each on its standard output:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+import os
 import signal
 import struct
 import subprocess
@@ -68,36 +70,45 @@ class TokenizerProcessError(RuntimeError):
 class TokenizerProcess:
     """The parent's side of the child: one text at a time (a lock), from any thread.
 
-    The child starts on first use and is started again after it fails. A call blocks its
-    thread (not the GIL) while the child works: it is made from a worker thread.
+    The child starts on first use, and again after it fails or in a process forked from
+    this one (which must not share the parent's). A call blocks its thread (not the GIL)
+    while the child works: it is made from a worker thread, never an event loop's.
     """
 
-    def __init__(self, tokenizer_json: str) -> None:
+    def __init__(self, tokenizer_json: str, size: int) -> None:
         self._json = tokenizer_json.encode()
+        #: the tokenizer's length when it was copied (a token added since: the copy is stale)
+        self.size = size
         self._lock = threading.Lock()
         self._child: subprocess.Popen[bytes] | None = None
         #: ends the child when this object goes without being closed
         self._ending: weakref.finalize[Any, Any] | None = None
+        self._pid = os.getpid()
+        self._closed = False
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Any) -> TokenizerProcess | None:
         """A process for ``tokenizer`` when it is a tokenizers-library tokenizer whose own
-        ``encode`` its backend reproduces (on a few probe texts, special tokens included);
-        else None (the tokenizer runs in the loop's process, as a slow one must)."""
+        ``encode`` the copy the child loads reproduces (on a few probe texts, special tokens
+        included: a copy keeps no setting made on the tokenizer object, such as
+        ``split_special_tokens``); else None (the tokenizer runs in this process, as a slow
+        one must)."""
         backend = getattr(tokenizer, "_tokenizer", None)
         if backend is None or not hasattr(backend, "to_str"):
             return None
         probes = [*_PROBES, "".join(getattr(tokenizer, "all_special_tokens", ())) + " after the specials"]
         try:
+            from tokenizers import Tokenizer
+
+            copied = backend.to_str()
+            copy = Tokenizer.from_str(copied)
             for text in probes:
                 for special in (True, False):
-                    if (
-                        tokenizer.encode(text, add_special_tokens=special)
-                        != backend.encode(text, add_special_tokens=special).ids
-                    ):
-                        log.info("long prompts are tokenized in-process: the tokenizer differs from its backend")
+                    ids = copy.encode(text, add_special_tokens=special).ids
+                    if tokenizer.encode(text, add_special_tokens=special) != ids:
+                        log.info("long prompts are tokenized in-process: the tokenizer differs from its copy")
                         return None
-            return cls(backend.to_str())
+            return cls(copied, len(tokenizer))
         except Exception as exc:  # (a tokenizer that cannot be serialised or probed)
             log.info("long prompts are tokenized in-process: %s", exc)
             return None
@@ -108,11 +119,13 @@ class TokenizerProcess:
 
         Raises UnicodeEncodeError for text that is not Unicode (a lone surrogate), ValueError
         with the tokenizer's message when it refuses the text, and TokenizerProcessError
-        when the child fails.
+        when the child fails or the process was closed.
         """
         pieces = [text[i : i + _SEND_CHARS].encode() for i in range(0, len(text), _SEND_CHARS)]
         size = sum(map(len, pieces))
         header = _REQUEST.pack(add_special_tokens, keep or 0, limit or 0, size)
+        if self._pid != os.getpid():
+            self._forked()
         with self._lock:
             child = self._started()
             try:
@@ -122,48 +135,66 @@ class TokenizerProcess:
                     child.stdin.write(piece)
                 child.stdin.flush()
                 return _answer(child.stdout)
-            except (OSError, struct.error, EOFError) as exc:
+            except (OSError, ValueError, struct.error, EOFError) as exc:  # (ValueError: closed under us)
                 self._stop()
                 raise TokenizerProcessError(f"the tokenizer process failed: {exc!r}") from None
 
     def close(self) -> None:
-        """End the child (at the server's shutdown)."""
-        with self._lock:
-            self._stop()
+        """End the child, at once (at shutdown: without waiting for a text it is tokenizing,
+        whose caller then tokenizes in its own process); later calls are refused."""
+        self._closed = True
+        self._stop()
 
     def _started(self) -> subprocess.Popen[bytes]:
+        if self._closed:
+            raise TokenizerProcessError("the tokenizer process was closed")
         if self._child is not None and self._child.poll() is None:
             return self._child
+        self._stop()  # (a child that died: its pipes closed now, not when this object goes)
         try:
             child = subprocess.Popen(
                 [sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=1 << 16
             )
             assert child.stdin is not None
+            self._ending = weakref.finalize(self, _end, child, self._pid)
             child.stdin.write(_LENGTH.pack(len(self._json)) + self._json)
             child.stdin.flush()
-        except OSError as exc:
+        except Exception as exc:  # (no interpreter to start, no pipe, a child that died at once)
+            self._stop()
             raise TokenizerProcessError(f"the tokenizer process did not start: {exc!r}") from None
         self._child = child
-        self._ending = weakref.finalize(self, _end, child)
         return child
 
     def _stop(self) -> None:
+        ending, self._ending, self._child = self._ending, None, None
+        if ending is not None:
+            ending()
+
+    def _forked(self) -> None:
+        """In a process forked from the one that made the child: let go of the parent's
+        child (it is not this process's to end) and of a lock a parent's thread may have
+        held at the fork."""
         if self._ending is not None:
-            self._ending()
+            self._ending.detach()
+        for stream in (self._child.stdin, self._child.stdout) if self._child is not None else ():
+            if stream is not None:
+                with contextlib.suppress(OSError, ValueError):
+                    stream.close()
         self._child = self._ending = None
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
 
 
-def _end(child: subprocess.Popen[bytes]) -> None:
-    """Close the child's input (it exits), and kill it if it does not."""
+def _end(child: subprocess.Popen[bytes], pid: int) -> None:
+    """End the child made by process ``pid`` and close its pipes (only close them in a
+    process forked from that one: the child is not its to end)."""
+    if os.getpid() == pid and child.poll() is None:
+        child.kill()  # (idle, it holds nothing; busy, its caller tokenizes in its own process)
+        child.wait()
     for stream in (child.stdin, child.stdout):
         if stream is not None:
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError, ValueError):
                 stream.close()
-    try:
-        child.wait(timeout=1.0)
-    except subprocess.TimeoutExpired:
-        child.kill()
-        child.wait()
 
 
 def encode_kept(
@@ -178,16 +209,26 @@ def encode_kept(
     """``text``'s token ids, the last ``keep`` of them when given (else all, or none when
     there are more than ``limit``), and how many the whole text made: from ``process``
     when there is one and the text is long, else from ``tokenizer`` itself (also when the
-    process fails, with a warning). Thread-safe; raises what either raises for text they
-    cannot take.
+    process fails, with a warning). The process is not used from an event loop's thread
+    (a small body whose template makes a long text: the loop must not wait for the child
+    while a worker thread's long prompt holds it), nor when ``tokenizer`` gained tokens
+    since it was copied. Thread-safe; raises what either raises for text they cannot take.
     """
-    if process is not None and len(text) > PROCESS_PROMPT_CHARS:
+    if process is not None and len(text) > PROCESS_PROMPT_CHARS and process.size == len(tokenizer) and not _on_a_loop():
         try:
             return process.encode(text, add_special_tokens=add_special_tokens, keep=keep, limit=limit)
         except TokenizerProcessError as exc:
             log.warning("%s; tokenizing in this process", exc)
     ids: list[int] = tokenizer.encode(text, add_special_tokens=add_special_tokens)
     return Tokenized(ids[len(ids) - keep :] if keep and len(ids) > keep else ids, len(ids))
+
+
+def _on_a_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _answer(stdout: IO[bytes]) -> Tokenized:

@@ -541,6 +541,7 @@ class Manager:
             self._steps = None  # the scheduler, its block pool and prefix maps
             self._router.steps = None
             self._admission.scheduler = None
+        self._requests.close()  # (the tokenizer process, if long prompts started one)
         self._task = None
         self._starting = None
         if self._dead_error is not None:
@@ -1063,10 +1064,10 @@ class Manager:
         sampling_params = self._requests.merged(sampling_params, max_new_tokens, params)
         await self._precompile(sampling_params)
         turn = LoopTurn()  # (a long list must not hold the loop in one go)
-        keep = sampling_params.truncate_prompt_tokens
+        keep, limit = sampling_params.truncate_prompt_tokens, self._context()
         for prompt in inputs:
             await turn.give()
-            ids = await self._requests.encode(prompt, keep=keep, limit=self._context())
+            ids = await self._requests.encode(prompt, keep=keep, limit=limit)
             requests.append(self._new_request(ids, None, None, sampling_params, {}))
         order = list(range(len(requests)))
         if self.config.allow_block_sharing:

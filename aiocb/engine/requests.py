@@ -27,7 +27,15 @@ from aiocb.errors import InvalidRequestError
 from aiocb.params import SamplingParams
 from aiocb.prompts import Prompt, bad_words_ids, encode_prompt, is_large
 from aiocb.runner.step_batch import token_history
-from aiocb.sampling import RequestLimits, config_defaults, eos_ids, normalize_prompt, resolve_params, truncated_prompt
+from aiocb.sampling import (
+    RequestLimits,
+    check_truncation,
+    config_defaults,
+    eos_ids,
+    normalize_prompt,
+    resolve_params,
+    truncated_prompt,
+)
 from aiocb.structured import GrammarCompiler, GrammarState
 from aiocb.tokenizer_process import TokenizerProcess
 
@@ -92,15 +100,29 @@ class RequestFactory:
         ``limit`` (the model's context) uncut, refuses the prompt by its count."""
         if not is_large(prompt):
             return encode_prompt(prompt, self.tokenizer)
+        check_truncation(keep, limit)  # (before a long text is tokenized)
         keep = limit if keep == -1 else keep
         return await asyncio.to_thread(self._encode_large, prompt, keep, limit)
 
     def _encode_large(self, prompt: Prompt, keep: int | None, limit: int | None) -> Any:
-        with self._process_lock:  # (the first large prompt probes the tokenizer)
-            if not self._probed:
+        if self.tokenizer is None:
+            return encode_prompt(prompt, None)  # (refused, saying why)
+        with self._process_lock:
+            # (probed at the first large prompt, and again once the tokenizer gained tokens)
+            stale = self._process is not None and self._process.size != len(self.tokenizer)
+            if not self._probed or stale:
+                self.close()
                 self._process = TokenizerProcess.for_tokenizer(self.tokenizer)
                 self._probed = True
-        return encode_prompt(prompt, self.tokenizer, self._process, keep=keep, limit=limit)
+            process = self._process
+        return encode_prompt(prompt, self.tokenizer, process, keep=keep, limit=limit)
+
+    def close(self) -> None:
+        """End the tokenizer process, if long prompts started one (a later one starts anew)."""
+        if self._process is not None:
+            self._process.close()
+            self._process = None
+        self._probed = False
 
     def build(
         self,

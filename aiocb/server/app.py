@@ -204,8 +204,10 @@ class _Api:
             said = {}
             if prepared is not None:
                 said = prepared.request.sampling.body_params()
-                if "structural_tag" in prepared.constraint:  # (built from the tools)
+                if prepared.tools is not None and "structural_tag" in prepared.constraint:  # (built from them)
                     said["structural_tag"] = "tools"
+                elif "structural_tag" in prepared.constraint and prepared.request.sampling.constraint_field:
+                    said["structural_tag"] = prepared.request.sampling.constraint_field  # (around the thinking)
             return self.error(exc, {**CHAT_PARAMS, **said})
         if prepared.request.sampling.stream:
             return EventStreamResponse(events(chat.chunks(), self.ctx.metrics), self.ctx.metrics)

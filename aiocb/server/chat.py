@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiocb.engine.turns import LoopTurn
+from aiocb.errors import InvalidRequestError
 from aiocb.params import STRUCTURE_FIELDS
 from aiocb.sampling import check_truncation
 from aiocb.server.bodies import Lazy
@@ -19,7 +20,7 @@ from aiocb.server.chat_output import ChoiceOutput, MessageBuilder
 from aiocb.server.chat_output import delta as message_delta
 from aiocb.server.context import ServerContext, finite
 from aiocb.server.limits import parse_json
-from aiocb.server.protocol import ChatCompletionRequest, bad_request, parse_chat_request
+from aiocb.server.protocol import ChatCompletionRequest, bad_request, error_from_exception, parse_chat_request
 from aiocb.server.reasoning import ReasoningSplitter, after_thinking, prompt_opens_thinking
 from aiocb.server.serving import (
     ChoiceDelta,
@@ -99,10 +100,11 @@ def prepare_chat(ctx: ServerContext, body: bytes) -> PreparedChat:
         given = [name for name in STRUCTURE_FIELDS if name in request.sampling.controls]
         if given:  # (the constraint holds for the answer, after the thinking)
             (name,) = given
-            constraint = {
-                name: None,
-                "structural_tag": after_thinking(name, request.sampling.controls[name], opened=opens_thinking),
-            }
+            try:
+                answer = after_thinking(name, request.sampling.controls[name], opened=opens_thinking)
+            except InvalidRequestError as exc:
+                raise error_from_exception(exc, request.sampling.body_params()) from None
+            constraint = {name: None, "structural_tag": answer}
     ids = ctx.encode_prompt(text, add_special_tokens=False, param="messages", keep=keep).ids
     return PreparedChat(request, ids, tools, constraint, opens_thinking)
 

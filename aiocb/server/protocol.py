@@ -93,8 +93,7 @@ def error_from_exception(exc: BaseException, params: Mapping[str, str] | None = 
     if isinstance(exc, InvalidRequestError):
         if params is None:
             return bad_request(str(exc), exc.param)
-        # (the message names the body's fields too: "max_tokens (5)", not the engine's "max_new_tokens (5)")
-        message = re.sub(r"\b\w+\b", lambda word: params.get(word[0], word[0]), str(exc))
+        message = _renamed_text(str(exc), params)
         return bad_request(message, None if exc.param is None else _renamed(exc.param, params))
     if isinstance(exc, ManagerClosedError):
         return APIError(503, f"the server is not accepting requests: {exc}", type="service_unavailable")
@@ -103,6 +102,21 @@ def error_from_exception(exc: BaseException, params: Mapping[str, str] | None = 
     if isinstance(exc, EngineDeadError):
         return APIError(500, f"the engine failed: {exc}", type="internal_server_error")
     return APIError(500, f"internal error: {exc!r}", type="internal_server_error")
+
+
+#: a quoted part of a message (the request's own text: a schema's names, a stop string)
+_QUOTED = re.compile(r"""('[^']*'|"[^"]*")""")
+#: a name in a message, not within a path (``/properties/input_ids``) or a dotted name
+_NAME = re.compile(r"(?<![\w/.])\w+(?![\w/])")
+
+
+def _renamed_text(message: str, params: Mapping[str, str]) -> str:
+    """``message`` naming the body's fields where it names the engine's ("max_tokens (5)",
+    not "max_new_tokens (5)"), outside what it quotes of the request and outside paths."""
+    parts = _QUOTED.split(message)
+    for i in range(0, len(parts), 2):  # (the odd parts are quoted)
+        parts[i] = _NAME.sub(lambda name: params.get(name[0], name[0]), parts[i])
+    return "".join(parts)
 
 
 def _renamed(param: str, params: Mapping[str, str]) -> str:

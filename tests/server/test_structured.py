@@ -102,6 +102,11 @@ async def test_vllm_fields(client: httpx.AsyncClient) -> None:
             "must be a JSON schema object",
         ),
         ({"guided_json": {"type": "nonsense"}}, "guided_json", "guided_json cannot be compiled"),
+        (  # (a name of the engine's in the request's own schema is not renamed)
+            {"guided_json": {"type": "object", "properties": {"input_ids": {"not": {"type": "null"}}}}},
+            "guided_json",
+            "'not' at /properties/input_ids",
+        ),
         ({"structured_outputs": {"regex": "("}}, "structured_outputs.regex", "regex cannot be compiled"),
         ({"guided_regex": "("}, "guided_regex", "regex cannot be compiled"),
         (

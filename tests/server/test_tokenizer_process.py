@@ -4,15 +4,23 @@ its own process."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
 import httpx
 import pytest
+from transformers import PreTrainedTokenizerFast
 
 import aiocb
-from aiocb.tokenizer_process import PROCESS_PROMPT_CHARS, Tokenized, TokenizerProcess, TokenizerProcessError
-from tests.server.conftest import CORPUS, build_byte_fallback_tokenizer
+from aiocb.tokenizer_process import (
+    PROCESS_PROMPT_CHARS,
+    Tokenized,
+    TokenizerProcess,
+    TokenizerProcessError,
+    encode_kept,
+)
+from tests.server.conftest import CORPUS, EOS, build_byte_fallback_tokenizer, build_tokenizer
 
 
 def long_text(chars: int) -> str:
@@ -53,6 +61,40 @@ def test_a_child_that_died_is_started_again_and_close_ends_it(tokenizer: Any) ->
     assert second is not None and second.pid != first.pid
     process.close()
     assert second.poll() is not None and process._child is None
+    with pytest.raises(TokenizerProcessError, match="closed"):
+        process.encode(CORPUS, add_special_tokens=True, keep=None, limit=None)
+
+
+async def test_the_process_is_used_only_where_it_tokenizes_alike_and_off_the_loop(tokenizer: Any) -> None:
+    """Not from an event loop's thread (the loop must not wait for a worker's long prompt
+    there), not for a tokenizer that gained tokens since it was copied, and not for one
+    whose copy tokenizes otherwise (``split_special_tokens`` is not in the copy)."""
+    process = TokenizerProcess.for_tokenizer(tokenizer)
+    assert process is not None
+    text = long_text(PROCESS_PROMPT_CHARS + 1) + "<|im_start|>"
+    used: list[str] = []
+    encode = process.encode
+    process.encode = lambda text, **kwargs: used.append(text) or encode(text, **kwargs)  # type: ignore[method-assign]
+    try:
+        expected = encode_kept(text, tokenizer, None, add_special_tokens=True, keep=3, limit=None)
+        assert encode_kept(text, tokenizer, process, add_special_tokens=True, keep=3, limit=None) == expected
+        assert not used  # (on the loop)
+        off_loop = await asyncio.to_thread(
+            encode_kept, text, tokenizer, process, add_special_tokens=True, keep=3, limit=None
+        )
+        assert off_loop == expected and len(used) == 1
+        grown = build_tokenizer()
+        stale = TokenizerProcess.for_tokenizer(grown)
+        assert stale is not None
+        grown.add_tokens(["<|new|>"])
+        ids = await asyncio.to_thread(
+            encode_kept, text + "<|new|>", grown, stale, add_special_tokens=True, keep=2, limit=None
+        )
+        assert ids.ids[-1] == grown.convert_tokens_to_ids("<|new|>") and stale._child is None
+    finally:
+        process.close()
+    split = PreTrainedTokenizerFast(tokenizer_object=tokenizer._tokenizer, eos_token=EOS, split_special_tokens=True)
+    assert TokenizerProcess.for_tokenizer(split) is None
 
 
 def test_a_tokenizer_the_backend_does_not_reproduce_is_kept_in_process(tokenizer: Any) -> None:

@@ -389,6 +389,24 @@ async def test_an_output_constraint_holds_for_the_answer_after_the_thinking(
         assert message["content"].lstrip("\n") in ("yes", "no"), message
 
 
+@pytest.mark.parametrize(
+    ("constraint", "param"),
+    [
+        ({"structured_outputs": {"regex": "("}}, "structured_outputs.regex"),
+        ({"guided_json": {"type": "nonsense"}}, "guided_json"),
+        ({"guided_json": {"type": "object", "not": {"required": ["a"]}}}, "guided_json"),
+    ],
+)
+async def test_a_bad_constraint_around_the_thinking_is_named_as_sent(
+    manager: aiocb.Manager, tokenizer: Any, constraint: dict[str, Any], param: str
+) -> None:
+    async with await _client(manager, tokenizer, reasoning_parser="qwen3") as http:
+        response = await http.post("/v1/chat/completions", json=_body(tools=None, max_tokens=4, **constraint))
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"].startswith(param), error
+
+
 @pytest.mark.parametrize("fields", [{"tool_choice": "required"}, {"strict": True}], ids=["required", "strict"])
 async def test_an_enforced_tool_schema_with_a_keyword_the_grammar_leaves_out_is_refused_naming_it(
     client: httpx.AsyncClient, fields: dict[str, Any]
