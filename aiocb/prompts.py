@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from aiocb.errors import InvalidRequestError
-from aiocb.tokenizer_process import TokenizerProcess, encode_kept
+from aiocb.tokenizer_process import LazyTokenizerProcess, encode_kept
 
 #: A prompt: token ids, a text, or chat messages (``[{"role": ..., "content": ...}, ...]``).
 Prompt = Sequence[int] | str | Sequence[Mapping[str, Any]]
@@ -35,7 +35,7 @@ def is_large(prompt: Any) -> bool:
 def encode_prompt(
     prompt: Any,
     tokenizer: Any,
-    process: TokenizerProcess | None = None,
+    processes: LazyTokenizerProcess | None = None,
     *,
     keep: int | None = None,
     limit: int | None = None,
@@ -44,8 +44,9 @@ def encode_prompt(
     prompt); anything else is returned as it is, to be checked as token ids.
 
     ``keep`` (``truncate_prompt_tokens``, resolved) and ``limit`` (the model's context) let
-    a long text go to ``process``, which sends back only the last ``keep`` tokens, or none
-    of a text with more than ``limit``: refused here, by its count.
+    a long text go to the tokenizer process (``processes``), which sends back only the
+    last ``keep`` tokens, or none of a text with more than ``limit``: refused here, by its
+    count.
     """
     text = prompt_text(prompt, tokenizer)
     if text is None:
@@ -53,7 +54,7 @@ def encode_prompt(
     # (a chat template writes the special tokens, BOS and the like, itself)
     special = isinstance(prompt, str)
     try:
-        tokenized = encode_kept(text, tokenizer, process, add_special_tokens=special, keep=keep, limit=limit)
+        tokenized = encode_kept(text, tokenizer, processes, add_special_tokens=special, keep=keep, limit=limit)
     except (TypeError, ValueError) as exc:  # (UnicodeError is a ValueError)
         raise InvalidRequestError(f"the prompt cannot be tokenized (is it valid Unicode text?): {exc}") from None
     if keep is None and limit is not None and tokenized.total > limit:

@@ -9,9 +9,9 @@ generated from when it fits the model's context, and a cut one keeps its last fe
 tokens, so the child sends back just those tokens and the count: what crosses into the
 loop's process is bounded by the context, whatever the text's length.
 
-The child runs this module (``python -m aiocb.tokenizer_process``), which imports
-nothing but the standard library and ``tokenizers``. It reads frames on its standard
-input and answers each on its standard output:
+The child runs this module (``python -m aiocb.tokenizer_process``): the standard library
+and ``tokenizers``, no torch nor transformers (a start of about 0.1 s). It reads frames on
+its standard input and answers each on its standard output:
 
 - first, the tokenizer as its JSON (a ``<Q`` length, then the UTF-8 text);
 - then one request after another: ``<BqqQ`` (add special tokens, the tokens to keep or
@@ -197,28 +197,68 @@ def _end(child: subprocess.Popen[bytes], pid: int) -> None:
                 stream.close()
 
 
+class LazyTokenizerProcess:
+    """The tokenizer process of one tokenizer, made on first use: :func:`encode_kept` asks
+    for it from a worker thread, where the probe's copy of the tokenizer (a few hundred
+    milliseconds for a large vocabulary) holds no event loop; made again once the
+    tokenizer gained tokens (its copy is stale then), never again once closed."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._lock = threading.Lock()
+        self._process: TokenizerProcess | None = None
+        self._probed = False
+        self._closed = False
+
+    def get(self) -> TokenizerProcess | None:
+        """The process, or None for a tokenizer that cannot have one, or once closed
+        (thread-safe)."""
+        with self._lock:
+            stale = self._process is not None and self._process.size != len(self.tokenizer)
+            if (not self._probed or stale) and not self._closed:
+                self._end()
+                self._process = TokenizerProcess.for_tokenizer(self.tokenizer)
+                self._probed = True
+            if self._closed:  # (closed while the probe ran: its process goes too)
+                self._end()
+            return self._process
+
+    def close(self) -> None:
+        """End the process, if one was made, at once (without waiting for a probe or a
+        text in progress: their callers tokenize in their own process)."""
+        self._closed = True
+        self._end()
+
+    def _end(self) -> None:
+        process, self._process = self._process, None
+        if process is not None:
+            process.close()
+
+
 def encode_kept(
     text: str,
     tokenizer: Any,
-    process: TokenizerProcess | None,
+    processes: LazyTokenizerProcess | None,
     *,
     add_special_tokens: bool,
     keep: int | None,
     limit: int | None,
 ) -> Tokenized:
     """``text``'s token ids, the last ``keep`` of them when given (else all, or none when
-    there are more than ``limit``), and how many the whole text made: from ``process``
-    when there is one and the text is long, else from ``tokenizer`` itself (also when the
-    process fails, with a warning). The process is not used from an event loop's thread
-    (a small body whose template makes a long text: the loop must not wait for the child
-    while a worker thread's long prompt holds it), nor when ``tokenizer`` gained tokens
-    since it was copied. Thread-safe; raises what either raises for text they cannot take.
+    there are more than ``limit``), and how many the whole text made: from the tokenizer
+    process when the text is long and ``tokenizer`` can have one, else from ``tokenizer``
+    itself (also when the process fails, with a warning). The process is not used from an
+    event loop's thread (a small body whose template makes a long text: the loop must not
+    wait for the child while a worker thread's long prompt holds it). Thread-safe; raises
+    what either raises for text they cannot take.
     """
-    if process is not None and len(text) > PROCESS_PROMPT_CHARS and process.size == len(tokenizer) and not _on_a_loop():
-        try:
-            return process.encode(text, add_special_tokens=add_special_tokens, keep=keep, limit=limit)
-        except TokenizerProcessError as exc:
-            log.warning("%s; tokenizing in this process", exc)
+    if processes is not None and len(text) > PROCESS_PROMPT_CHARS and not _on_a_loop():
+        process = processes.get()
+        if process is not None:
+            try:
+                return process.encode(text, add_special_tokens=add_special_tokens, keep=keep, limit=limit)
+            except TokenizerProcessError as exc:
+                log.warning("%s; tokenizing in this process", exc)
     ids: list[int] = tokenizer.encode(text, add_special_tokens=add_special_tokens)
     return Tokenized(ids[len(ids) - keep :] if keep and len(ids) > keep else ids, len(ids))
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
-import threading
 import time
 from collections.abc import Callable, Container, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -37,7 +36,7 @@ from aiocb.sampling import (
     truncated_prompt,
 )
 from aiocb.structured import GrammarCompiler, GrammarState
-from aiocb.tokenizer_process import TokenizerProcess
+from aiocb.tokenizer_process import LazyTokenizerProcess
 
 #: a request that gives no parameter: everything from the GenerationConfig
 _NO_PARAMS = SamplingParams()
@@ -84,10 +83,8 @@ class RequestFactory:
         self._bad_words: dict[tuple[str, ...], list[list[int]]] = {}
         #: the last merge of a SamplingParams with a max_new_tokens: (given, max_new_tokens, merged)
         self._last_merge: tuple[SamplingParams, int, SamplingParams] | None = None
-        #: where very long prompts are tokenized (None: in this process), once probed
-        self._process: TokenizerProcess | None = None
-        self._probed = False
-        self._process_lock = threading.Lock()
+        #: where very long prompts are tokenized
+        self._processes = LazyTokenizerProcess(tokenizer) if tokenizer is not None else None
 
     def encode_now(self, prompt: Prompt) -> Any:
         """Token ids of a text or chat prompt, tokenized on the calling thread."""
@@ -105,24 +102,12 @@ class RequestFactory:
         return await asyncio.to_thread(self._encode_large, prompt, keep, limit)
 
     def _encode_large(self, prompt: Prompt, keep: int | None, limit: int | None) -> Any:
-        if self.tokenizer is None:
-            return encode_prompt(prompt, None)  # (refused, saying why)
-        with self._process_lock:
-            # (probed at the first large prompt, and again once the tokenizer gained tokens)
-            stale = self._process is not None and self._process.size != len(self.tokenizer)
-            if not self._probed or stale:
-                self.close()
-                self._process = TokenizerProcess.for_tokenizer(self.tokenizer)
-                self._probed = True
-            process = self._process
-        return encode_prompt(prompt, self.tokenizer, process, keep=keep, limit=limit)
+        return encode_prompt(prompt, self.tokenizer, self._processes, keep=keep, limit=limit)
 
     def close(self) -> None:
         """End the tokenizer process, if long prompts started one (a later one starts anew)."""
-        if self._process is not None:
-            self._process.close()
-            self._process = None
-        self._probed = False
+        if self._processes is not None:
+            self._processes.close()
 
     def build(
         self,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import logging
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -19,11 +18,9 @@ from aiocb.server.metrics import ServerMetrics
 from aiocb.server.protocol import APIError, SamplingRequest, bad_request
 from aiocb.server.remote import ServedEngine
 from aiocb.server.tool_parsers import ToolCallParser
-from aiocb.tokenizer_process import Tokenized, TokenizerProcess, encode_kept
+from aiocb.tokenizer_process import LazyTokenizerProcess, Tokenized, encode_kept
 
 T = TypeVar("T")
-
-log = logging.getLogger(__name__)
 
 #: Bodies up to this size are parsed and tokenized on the event loop (well under a
 #: millisecond); larger ones in the tokenizer thread, so that a big prompt never holds
@@ -97,8 +94,8 @@ class ServerContext:
         self.draining = False
         self._token_texts: dict[int, str] = {}
         self._executor: ThreadPoolExecutor | None = None
-        #: where long prompts are tokenized (None: in this process)
-        self._process = TokenizerProcess.for_tokenizer(tokenizer)
+        #: where long prompts are tokenized
+        self._processes = LazyTokenizerProcess(tokenizer)
         self._template_variables = _template_variables(getattr(tokenizer, "chat_template", None))
 
     async def prepare(self, body: bytes, work: Callable[[bytes], T]) -> T:
@@ -128,8 +125,7 @@ class ServerContext:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
-        if self._process is not None:
-            self._process.close()
+        self._processes.close()
 
     def check_model(self, model: str | None) -> None:
         """A 404 unless ``model`` (when given) is the served model's name."""
@@ -221,7 +217,7 @@ class ServerContext:
         keep = limit if keep == -1 else keep
         try:
             tokenized = encode_kept(
-                text, self.tokenizer, self._process, add_special_tokens=add_special_tokens, keep=keep, limit=limit
+                text, self.tokenizer, self._processes, add_special_tokens=add_special_tokens, keep=keep, limit=limit
             )
         except (TypeError, ValueError) as exc:  # (UnicodeError is a ValueError)
             raise _untokenizable(where or param, param, exc) from None

@@ -244,7 +244,7 @@ async def test_long_text_and_chat_prompts_are_tokenized_in_the_process(
         with pytest.raises(aiocb.InvalidRequestError, match=rf"the prompt has {len(ids)} tokens, more than"):
             await manager.generate(text, max_new_tokens=4)
         assert sent.pop() == (None, 0) and not sent
-        child = manager._requests._process._child  # type: ignore[union-attr]
+        child = manager._requests._processes._process._child  # type: ignore[union-attr]
         assert child is not None and child.poll() is None
         await manager.destroy()
     assert child.poll() is not None  # (the manager's end ends the child)

@@ -15,6 +15,7 @@ from transformers import PreTrainedTokenizerFast
 import aiocb
 from aiocb.tokenizer_process import (
     PROCESS_PROMPT_CHARS,
+    LazyTokenizerProcess,
     Tokenized,
     TokenizerProcess,
     TokenizerProcessError,
@@ -65,50 +66,43 @@ def test_a_child_that_died_is_started_again_and_close_ends_it(tokenizer: Any) ->
         process.encode(CORPUS, add_special_tokens=True, keep=None, limit=None)
 
 
-async def test_the_process_is_used_only_where_it_tokenizes_alike_and_off_the_loop(tokenizer: Any) -> None:
+async def test_the_process_is_used_only_where_it_tokenizes_alike_and_off_the_loop(
+    tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Not from an event loop's thread (the loop must not wait for a worker's long prompt
-    there), not for a tokenizer that gained tokens since it was copied, and not for one
-    whose copy tokenizes otherwise (``split_special_tokens`` is not in the copy)."""
-    process = TokenizerProcess.for_tokenizer(tokenizer)
-    assert process is not None
+    there), not for a tokenizer whose copy tokenizes otherwise (``split_special_tokens``
+    is not in the copy); made again once the tokenizer gained tokens, never once closed."""
+    used: list[int] = []
+    encode = TokenizerProcess.encode
+
+    def spied(self: TokenizerProcess, text: str, **kwargs: Any) -> Tokenized:
+        used.append(id(self))
+        return encode(self, text, **kwargs)
+
+    monkeypatch.setattr(TokenizerProcess, "encode", spied)
+    grown = build_tokenizer()
+    processes = LazyTokenizerProcess(grown)
     text = long_text(PROCESS_PROMPT_CHARS + 1) + "<|im_start|>"
-    used: list[str] = []
-    encode = process.encode
-    process.encode = lambda text, **kwargs: used.append(text) or encode(text, **kwargs)  # type: ignore[method-assign]
     try:
-        expected = encode_kept(text, tokenizer, None, add_special_tokens=True, keep=3, limit=None)
-        assert encode_kept(text, tokenizer, process, add_special_tokens=True, keep=3, limit=None) == expected
-        assert not used  # (on the loop)
-        off_loop = await asyncio.to_thread(
-            encode_kept, text, tokenizer, process, add_special_tokens=True, keep=3, limit=None
-        )
-        assert off_loop == expected and len(used) == 1
-        grown = build_tokenizer()
-        stale = TokenizerProcess.for_tokenizer(grown)
-        assert stale is not None
+        expected = encode_kept(text, grown, None, add_special_tokens=True, keep=3, limit=None)
+        assert encode_kept(text, grown, processes, add_special_tokens=True, keep=3, limit=None) == expected
+        assert not used and processes._process is None  # (on the loop: not even made)
+        kept = await asyncio.to_thread(encode_kept, text, grown, processes, add_special_tokens=True, keep=3, limit=None)
+        assert kept == expected and len(used) == 1
         grown.add_tokens(["<|new|>"])
-        ids = await asyncio.to_thread(
-            encode_kept, text + "<|new|>", grown, stale, add_special_tokens=True, keep=2, limit=None
+        kept = await asyncio.to_thread(
+            encode_kept, text + "<|new|>", grown, processes, add_special_tokens=True, keep=2, limit=None
         )
-        assert ids.ids[-1] == grown.convert_tokens_to_ids("<|new|>") and stale._child is None
+        assert kept.ids[-1] == grown.convert_tokens_to_ids("<|new|>") and len(set(used)) == 2  # (a new copy)
+        child = processes._process._child  # type: ignore[union-attr]
+        processes.close()
+        assert child is not None and child.poll() is not None
+        kept = await asyncio.to_thread(encode_kept, text, grown, processes, add_special_tokens=True, keep=3, limit=None)
+        assert kept == expected and len(used) == 2 and processes._process is None
     finally:
-        process.close()
+        processes.close()
     split = PreTrainedTokenizerFast(tokenizer_object=tokenizer._tokenizer, eos_token=EOS, split_special_tokens=True)
     assert TokenizerProcess.for_tokenizer(split) is None
-
-
-def test_a_tokenizer_the_backend_does_not_reproduce_is_kept_in_process(tokenizer: Any) -> None:
-    class Prefixed:
-        """A tokenizer whose own encode adds to what its backend makes."""
-
-        _tokenizer = tokenizer._tokenizer
-        all_special_tokens = ()
-
-        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-            return [0, *tokenizer.encode(text, add_special_tokens=add_special_tokens)]
-
-    assert TokenizerProcess.for_tokenizer(Prefixed()) is None
-    assert TokenizerProcess.for_tokenizer(object()) is None
 
 
 async def test_the_server_sends_long_prompts_to_the_process(
