@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from aiocb.errors import InvalidRequestError
-from aiocb.tokenizer_process import LazyTokenizerProcess, encode_kept
+from aiocb.tokenizer_process import TokenizerProcessHolder, encode_kept
 
 #: A prompt: token ids, a text, or chat messages (``[{"role": ..., "content": ...}, ...]``).
 Prompt = Sequence[int] | str | Sequence[Mapping[str, Any]]
@@ -35,7 +35,7 @@ def is_large(prompt: Any) -> bool:
 def encode_prompt(
     prompt: Any,
     tokenizer: Any,
-    processes: LazyTokenizerProcess | None = None,
+    processes: TokenizerProcessHolder | None = None,
     *,
     keep: int | None = None,
     limit: int | None = None,

@@ -197,11 +197,12 @@ def _end(child: subprocess.Popen[bytes], pid: int) -> None:
                 stream.close()
 
 
-class LazyTokenizerProcess:
-    """The tokenizer process of one tokenizer, made on first use: :func:`encode_kept` asks
-    for it from a worker thread, where the probe's copy of the tokenizer (a few hundred
-    milliseconds for a large vocabulary) holds no event loop; made again once the
-    tokenizer gained tokens (its copy is stale then), never again once closed."""
+class TokenizerProcessHolder:
+    """The tokenizer process of one tokenizer: probed when the holder is made (the copy
+    and the probe hold the GIL: with a large vocabulary, better while the server or the
+    manager is built than under a request), its child started on first use, the process
+    made again once the tokenizer gained tokens (its copy is stale then), never again once
+    closed."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -209,6 +210,7 @@ class LazyTokenizerProcess:
         self._process: TokenizerProcess | None = None
         self._probed = False
         self._closed = False
+        self.get()
 
     def get(self) -> TokenizerProcess | None:
         """The process, or None for a tokenizer that cannot have one, or once closed
@@ -238,7 +240,7 @@ class LazyTokenizerProcess:
 def encode_kept(
     text: str,
     tokenizer: Any,
-    processes: LazyTokenizerProcess | None,
+    processes: TokenizerProcessHolder | None,
     *,
     add_special_tokens: bool,
     keep: int | None,

@@ -36,7 +36,7 @@ from aiocb.sampling import (
     truncated_prompt,
 )
 from aiocb.structured import GrammarCompiler, GrammarState
-from aiocb.tokenizer_process import LazyTokenizerProcess
+from aiocb.tokenizer_process import TokenizerProcessHolder
 
 #: a request that gives no parameter: everything from the GenerationConfig
 _NO_PARAMS = SamplingParams()
@@ -84,7 +84,7 @@ class RequestFactory:
         #: the last merge of a SamplingParams with a max_new_tokens: (given, max_new_tokens, merged)
         self._last_merge: tuple[SamplingParams, int, SamplingParams] | None = None
         #: where very long prompts are tokenized
-        self._processes = LazyTokenizerProcess(tokenizer) if tokenizer is not None else None
+        self._processes = TokenizerProcessHolder(tokenizer) if tokenizer is not None else None
 
     def encode_now(self, prompt: Prompt) -> Any:
         """Token ids of a text or chat prompt, tokenized on the calling thread."""

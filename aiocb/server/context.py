@@ -18,7 +18,7 @@ from aiocb.server.metrics import ServerMetrics
 from aiocb.server.protocol import APIError, SamplingRequest, bad_request
 from aiocb.server.remote import ServedEngine
 from aiocb.server.tool_parsers import ToolCallParser
-from aiocb.tokenizer_process import LazyTokenizerProcess, Tokenized, encode_kept
+from aiocb.tokenizer_process import Tokenized, TokenizerProcessHolder, encode_kept
 
 T = TypeVar("T")
 
@@ -95,7 +95,7 @@ class ServerContext:
         self._token_texts: dict[int, str] = {}
         self._executor: ThreadPoolExecutor | None = None
         #: where long prompts are tokenized
-        self._processes = LazyTokenizerProcess(tokenizer)
+        self._processes = TokenizerProcessHolder(tokenizer)
         self._template_variables = _template_variables(getattr(tokenizer, "chat_template", None))
 
     async def prepare(self, body: bytes, work: Callable[[bytes], T]) -> T:

@@ -264,7 +264,10 @@ def random_json(rng: random.Random, depth: int = 0) -> Any:
     roll = rng.random()
     if depth > 4 or roll < 0.4:
         words = ["", "a,b", "[x]", '{"y":', "é😀", "\\", "\u2028"]
-        return rng.choice([None, True, 7, -(10**20), 1.5e-7, float("inf"), rng.choice(words)])
+        # (a string longer than a piece: decoded a piece at a time, never cutting an escape)
+        pieces = [*words, '"', "\n", "\x01", "😀😀", "abcdefghijklmnop", " " * 13]
+        long = "".join(rng.choice(pieces) for _ in range(rng.randrange(60)))
+        return rng.choice([None, True, 7, -(10**20), 1.5e-7, float("inf"), rng.choice(words), long])
     if roll < 0.7:
         return [random_json(rng, depth + 1) for _ in range(rng.randrange(12))]
     return {f"{rng.choice(['k', ',', ']'])}{rng.randrange(4)}": random_json(rng, depth + 1) for _ in range(6)}

@@ -15,10 +15,10 @@ from transformers import PreTrainedTokenizerFast
 import aiocb
 from aiocb.tokenizer_process import (
     PROCESS_PROMPT_CHARS,
-    LazyTokenizerProcess,
     Tokenized,
     TokenizerProcess,
     TokenizerProcessError,
+    TokenizerProcessHolder,
     encode_kept,
 )
 from tests.server.conftest import CORPUS, EOS, build_byte_fallback_tokenizer, build_tokenizer
@@ -81,12 +81,12 @@ async def test_the_process_is_used_only_where_it_tokenizes_alike_and_off_the_loo
 
     monkeypatch.setattr(TokenizerProcess, "encode", spied)
     grown = build_tokenizer()
-    processes = LazyTokenizerProcess(grown)
+    processes = TokenizerProcessHolder(grown)
     text = long_text(PROCESS_PROMPT_CHARS + 1) + "<|im_start|>"
     try:
         expected = encode_kept(text, grown, None, add_special_tokens=True, keep=3, limit=None)
         assert encode_kept(text, grown, processes, add_special_tokens=True, keep=3, limit=None) == expected
-        assert not used and processes._process is None  # (on the loop: not even made)
+        assert not used  # (on the loop)
         kept = await asyncio.to_thread(encode_kept, text, grown, processes, add_special_tokens=True, keep=3, limit=None)
         assert kept == expected and len(used) == 1
         grown.add_tokens(["<|new|>"])
@@ -98,7 +98,7 @@ async def test_the_process_is_used_only_where_it_tokenizes_alike_and_off_the_loo
         processes.close()
         assert child is not None and child.poll() is not None
         kept = await asyncio.to_thread(encode_kept, text, grown, processes, add_special_tokens=True, keep=3, limit=None)
-        assert kept == expected and len(used) == 2 and processes._process is None
+        assert kept == expected and len(used) == 2 and processes.get() is None
     finally:
         processes.close()
     split = PreTrainedTokenizerFast(tokenizer_object=tokenizer._tokenizer, eos_token=EOS, split_special_tokens=True)
