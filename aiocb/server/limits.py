@@ -276,6 +276,7 @@ class _SlicedParser:
                 if run is not None:
                     chunk, at = run
                     items += chunk
+                    _yield_gil()
                     continue
                 one_by_one_until = at + _PIECE_CHARS  # (a failed run costs no more than this)
             value, at = self._value(at, depth + 1)
@@ -296,6 +297,7 @@ class _SlicedParser:
                 if run is not None:
                     chunk, at = run
                     members.update(chunk)  # (a repeated key keeps its first place, its last value)
+                    _yield_gil()
                     continue
                 one_by_one_until = at + _PIECE_CHARS
             if self.text[at : at + 1] != '"':
