@@ -14,7 +14,10 @@ and the full collections made meanwhile. The model is the bundled one, on a 4,09
 * ``prompt``: one completion of a 6-million-character text prompt (Python code, about
   2 million tokens, near the default 8 MiB body limit) cut to its last 64 tokens
   (``truncate_prompt_tokens``), one new token. ``--tokenize-in-process`` tokenizes it in
-  the server's process, as every prompt was before the tokenizer process.
+  the server's process, as every prompt was before the tokenizer process;
+* ``ids``: one completion whose prompt is 2.5 million token ids (a 7.5 MB body, parsed a
+  run of elements at a time in the tokenizer thread, then refused: longer than the
+  context), answered 400.
 
     python bench/response_holds.py                  # every scenario, once each
     python bench/response_holds.py --scenarios chat --repeat 3
@@ -42,7 +45,7 @@ from aiocb.default_model import load_default_model
 from aiocb.server import build_app
 from bench.common import machine_info
 
-SCENARIOS = ("chat", "echo", "prompt")
+SCENARIOS = ("chat", "echo", "prompt", "ids")
 MODEL_NAME = "bundled"
 
 
@@ -66,6 +69,7 @@ def _bodies(vocab_size: int) -> dict[str, tuple[str, dict[str, Any]]]:
         "chat": ("/v1/chat/completions", chat),
         "echo": ("/v1/completions", echo),
         "prompt": ("/v1/completions", long),
+        "ids": ("/v1/completions", {"prompt": [7] * 2_500_000, "max_tokens": 1}),
     }
 
 

@@ -12,12 +12,11 @@ from __future__ import annotations
 import json
 import json.scanner
 import re
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from aiocb.server.protocol import APIError, SamplingRequest, bad_request
+from aiocb.server.protocol import APIError, SamplingRequest, bad_request, yield_gil
 
 MiB = 1 << 20
 
@@ -276,7 +275,7 @@ class _SlicedParser:
                 if run is not None:
                     chunk, at = run
                     items += chunk
-                    _yield_gil()
+                    yield_gil()
                     continue
                 one_by_one_until = at + _PIECE_CHARS  # (a failed run costs no more than this)
             value, at = self._value(at, depth + 1)
@@ -297,7 +296,7 @@ class _SlicedParser:
                 if run is not None:
                     chunk, at = run
                     members.update(chunk)  # (a repeated key keeps its first place, its last value)
-                    _yield_gil()
+                    yield_gil()
                     continue
                 one_by_one_until = at + _PIECE_CHARS
             if self.text[at : at + 1] != '"':
@@ -369,7 +368,7 @@ def _long_string(text: str, start: int) -> tuple[str, int] | None:
             return None
         parts.append(part)
         at = cut
-        _yield_gil()
+        yield_gil()
     return "".join(parts), close + 1
 
 
@@ -387,14 +386,8 @@ def _string_end(text: str, start: int) -> int:
         if stop == end - 1 and end == size:
             return -1  # (a backslash that ends the text)
         at = stop  # (the window's end, or a backslash it cut from what it escapes)
-        _yield_gil()
+        yield_gil()
     return -1
-
-
-def _yield_gil() -> None:
-    """Let another thread (the event loop's) take the GIL now, rather than when this one
-    has held it for the interpreter's switch interval (5 ms)."""
-    time.sleep(0)
 
 
 def _escape_free_cut(text: str, at: int, close: int) -> int:

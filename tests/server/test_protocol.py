@@ -368,3 +368,13 @@ def test_events_stay_on_one_line_for_any_line_splitter() -> None:
 def test_best_of_equal_to_n_is_accepted() -> None:
     assert parse_completion_request({"prompt": "x", "best_of": 2, "n": 2}).sampling.n == 2
     assert parse_completion_request({"prompt": "x", "best_of": 1}).sampling.n == 1
+
+
+@pytest.mark.parametrize(("last", "message"), [(True, "ints"), (1.5, "ints"), ("7", "ints"), (-1, "negative")])
+def test_a_long_token_id_prompt_is_checked_to_its_end(last: Any, message: str) -> None:
+    """The ids are checked a slice at a time: what is wrong past the first slice is found."""
+    ids = [5] * 100_000
+    assert parse_completion_request({"prompt": ids}).prompts == [ids]
+    with pytest.raises(APIError, match=message) as caught:
+        parse_completion_request({"prompt": [*ids, last]})
+    assert caught.value.param == "prompt"
