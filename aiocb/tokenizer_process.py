@@ -13,11 +13,15 @@ The child runs this module (``python -m aiocb.tokenizer_process``): the standard
 and ``tokenizers``, no torch nor transformers (a start of about 0.1 s). It reads frames on
 its standard input and answers each on its standard output:
 
-- first, the tokenizer as its JSON (a ``<Q`` length, then the UTF-8 text);
-- then one request after another: ``<BqqQ`` (add special tokens, the tokens to keep or
-  0 for all, the most tokens to send or 0 for no bound, the text's UTF-8 length) and
-  the text; the answer is ``<BQQ`` (0, the text's token count, the ids sent) and the ids
-  as int64, or ``<BQ`` (1, the message's length) and the tokenizer's error message.
+- first, the tokenizer as its JSON (a ``<Q`` length, then the UTF-8 text), answered by
+  :data:`_READY` (its standard output is the protocol's alone from then on: what the
+  interpreter printed before, a site's banner, is skipped, and later prints go to its
+  standard error);
+- then one request after another: ``<BqqQ`` (add special tokens; the tokens to keep, 0
+  for all; the tokens beyond which, uncut, none are sent but the count, 0 for no bound;
+  the text's UTF-8 length) and the text; the answer is ``<BQQ`` (0, the text's token
+  count, the ids sent) and the ids as int64, or ``<BQ`` (1, the message's length) and the
+  tokenizer's error message.
 """
 
 from __future__ import annotations
@@ -41,6 +45,14 @@ _REQUEST = struct.Struct("<BqqQ")
 _ANSWER = struct.Struct("<BQQ")
 _ERROR = struct.Struct("<BQ")
 _LENGTH = struct.Struct("<Q")
+#: what the child writes once it has loaded the tokenizer, before its first answer
+_READY = b"\x00aiocb-tokenizer-ready\x00"
+#: bytes of other output a child may write before it is ready
+_MAX_BANNER = 1 << 16
+#: the largest ``keep`` or ``limit`` sent (the protocol's are signed 64-bit)
+_MAX_COUNT = 1 << 62
+#: the directory ``aiocb`` is imported from here, for the child to import the same
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: characters encoded to UTF-8 at a time when a text is sent (each a short hold of the GIL)
 _SEND_CHARS = 1 << 16
 #: Prompts longer than this many characters are worth the child (one of this length holds
@@ -67,6 +79,10 @@ class TokenizerProcessError(RuntimeError):
     """The child process failed or went away (the caller tokenizes in its own process)."""
 
 
+class _Refused(Exception):
+    """The child's tokenizer refused the text (its message)."""
+
+
 class TokenizerProcess:
     """The parent's side of the child: one text at a time (a lock), from any thread.
 
@@ -75,10 +91,11 @@ class TokenizerProcess:
     while the child works: it is made from a worker thread, never an event loop's.
     """
 
-    def __init__(self, tokenizer_json: str, size: int) -> None:
+    def __init__(self, tokenizer_json: str, fingerprint: tuple[Any, ...]) -> None:
         self._json = tokenizer_json.encode()
-        #: the tokenizer's length when it was copied (a token added since: the copy is stale)
-        self.size = size
+        #: what the tokenizer made of a probe when it was copied (otherwise since: a token
+        #: added, a setting changed, and the copy is stale)
+        self.fingerprint = fingerprint
         self._lock = threading.Lock()
         self._child: subprocess.Popen[bytes] | None = None
         #: ends the child when this object goes without being closed
@@ -108,7 +125,7 @@ class TokenizerProcess:
                     if tokenizer.encode(text, add_special_tokens=special) != ids:
                         log.info("long prompts are tokenized in-process: the tokenizer differs from its copy")
                         return None
-            return cls(copied, len(tokenizer))
+            return cls(copied, fingerprint(tokenizer))
         except Exception as exc:  # (a tokenizer that cannot be serialised or probed)
             log.info("long prompts are tokenized in-process: %s", exc)
             return None
@@ -123,7 +140,8 @@ class TokenizerProcess:
         """
         pieces = [text[i : i + _SEND_CHARS].encode() for i in range(0, len(text), _SEND_CHARS)]
         size = sum(map(len, pieces))
-        header = _REQUEST.pack(add_special_tokens, keep or 0, limit or 0, size)
+        keep, limit = (max(0, min(bound or 0, _MAX_COUNT)) for bound in (keep, limit))
+        header = _REQUEST.pack(add_special_tokens, keep, limit, size)
         if self._pid != os.getpid():
             self._forked()
         with self._lock:
@@ -134,14 +152,20 @@ class TokenizerProcess:
                 for piece in pieces:
                     child.stdin.write(piece)
                 child.stdin.flush()
-                return _answer(child.stdout)
-            except (OSError, ValueError, struct.error, EOFError) as exc:  # (ValueError: closed under us)
+                return _answer(child.stdout, keep or limit)
+            except _Refused as exc:  # (the child is in step, and kept)
+                raise ValueError(str(exc)) from None
+            except Exception as exc:  # (a pipe closed, an answer out of step: the child goes)
                 self._stop()
                 raise TokenizerProcessError(f"the tokenizer process failed: {exc!r}") from None
+            except BaseException:  # (interrupted mid-answer: the stream is out of step)
+                self._stop()
+                raise
 
     def close(self) -> None:
-        """End the child, at once (at shutdown: without waiting for a text it is tokenizing,
-        whose caller then tokenizes in its own process); later calls are refused."""
+        """End the child at once (at shutdown: without waiting for a text it is tokenizing,
+        whose caller then tokenizes in its own process); later calls are refused, and a
+        child a call was starting meanwhile is ended as soon as it is made."""
         self._closed = True
         self._stop()
 
@@ -151,18 +175,27 @@ class TokenizerProcess:
         if self._child is not None and self._child.poll() is None:
             return self._child
         self._stop()  # (a child that died: its pipes closed now, not when this object goes)
+        # The same aiocb as this process's, whatever the working directory holds.
+        start = (
+            f"import sys, runpy; sys.path.insert(0, {_PACKAGE_ROOT!r}); "
+            f"runpy.run_module({__name__!r}, run_name='__main__')"
+        )
         try:
             child = subprocess.Popen(
-                [sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=1 << 16
+                [sys.executable, "-c", start], stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=1 << 16
             )
-            assert child.stdin is not None
             self._ending = weakref.finalize(self, _end, child, self._pid)
+            assert child.stdin is not None and child.stdout is not None
             child.stdin.write(_LENGTH.pack(len(self._json)) + self._json)
             child.stdin.flush()
-        except Exception as exc:  # (no interpreter to start, no pipe, a child that died at once)
+            _await_ready(child.stdout)
+        except Exception as exc:  # (no interpreter to start, no pipe, a child that died or babbled)
             self._stop()
             raise TokenizerProcessError(f"the tokenizer process did not start: {exc!r}") from None
         self._child = child
+        if self._closed:  # (closed while it started)
+            self._stop()
+            raise TokenizerProcessError("the tokenizer process was closed")
         return child
 
     def _stop(self) -> None:
@@ -201,8 +234,8 @@ class TokenizerProcessHolder:
     """The tokenizer process of one tokenizer: probed when the holder is made (the copy
     and the probe hold the GIL: with a large vocabulary, better while the server or the
     manager is built than under a request), its child started on first use, the process
-    made again once the tokenizer gained tokens (its copy is stale then), never again once
-    closed."""
+    made again once the tokenizer tokenizes a probe otherwise (a token added, a setting
+    changed: its copy is stale then), never again once closed."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -210,13 +243,16 @@ class TokenizerProcessHolder:
         self._process: TokenizerProcess | None = None
         self._probed = False
         self._closed = False
+        self._pid = os.getpid()
         self.get()
 
     def get(self) -> TokenizerProcess | None:
         """The process, or None for a tokenizer that cannot have one, or once closed
         (thread-safe)."""
+        if self._pid != os.getpid():  # (forked: a lock a parent's thread held stays held here)
+            self._lock, self._pid, self._process, self._probed = threading.Lock(), os.getpid(), None, False
         with self._lock:
-            stale = self._process is not None and self._process.size != len(self.tokenizer)
+            stale = self._process is not None and self._process.fingerprint != fingerprint(self.tokenizer)
             if (not self._probed or stale) and not self._closed:
                 self._end()
                 self._process = TokenizerProcess.for_tokenizer(self.tokenizer)
@@ -273,12 +309,37 @@ def _on_a_loop() -> bool:
     return True
 
 
-def _answer(stdout: IO[bytes]) -> Tokenized:
+def fingerprint(tokenizer: Any) -> tuple[Any, ...]:
+    """What ``tokenizer`` makes of a probe with special tokens in it, with and without
+    its own (and its length): a copy made when this was different is stale."""
+    probe = "".join(getattr(tokenizer, "all_special_tokens", ())) + _PROBES[1]
+    return (len(tokenizer), *(tuple(tokenizer.encode(probe, add_special_tokens=s)) for s in (True, False)))
+
+
+def _await_ready(stdout: IO[bytes]) -> None:
+    """Read the child's output up to :data:`_READY` (what came before it is no answer)."""
+    seen = b""
+    while not seen.endswith(_READY):
+        if len(seen) > _MAX_BANNER:
+            raise EOFError("the tokenizer process wrote too much before it was ready")
+        seen += _read(stdout, 1)
+
+
+def _answer(stdout: IO[bytes], bound: int) -> Tokenized:
+    """The child's answer; ``bound``: the most ids it may send (0: any number up to the
+    count). Raises _Refused with the tokenizer's message, and ValueError for an answer
+    out of step."""
     status = _read(stdout, 1)[0]
     if status == 1:
         (length,) = _LENGTH.unpack(_read(stdout, _LENGTH.size))
-        raise ValueError(_read(stdout, length).decode())
+        if length > _MAX_BANNER:
+            raise ValueError(f"an error message of {length} bytes")
+        raise _Refused(_read(stdout, length).decode(errors="replace"))
+    if status != 0:
+        raise ValueError(f"an answer with status {status}")
     total, count = struct.unpack("<QQ", _read(stdout, _ANSWER.size - 1))
+    if count > total or (bound and count > bound):
+        raise ValueError(f"an answer of {count} ids for {total} tokens")
     ids = array("q")
     ids.frombytes(_read(stdout, 8 * count))
     return Tokenized(ids.tolist(), total)
@@ -297,6 +358,8 @@ def _serve(stdin: IO[bytes], stdout: IO[bytes]) -> None:
 
     (length,) = _LENGTH.unpack(_read(stdin, _LENGTH.size))
     tokenizer = Tokenizer.from_str(_read(stdin, length).decode())
+    stdout.write(_READY)
+    stdout.flush()
     while header := stdin.read(_REQUEST.size):
         if len(header) != _REQUEST.size:
             return
@@ -319,7 +382,11 @@ def _serve(stdin: IO[bytes], stdout: IO[bytes]) -> None:
 
 
 if __name__ == "__main__":
-    # The server's shutdown ends the child by closing its input; a Ctrl-C in the server's
+    # Its parent ends it (closing its input, or killing it); a Ctrl-C in the parent's
     # terminal, sent to the child as well, is not its to act on.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _serve(sys.stdin.buffer, sys.stdout.buffer)
+    # The answers go out on a copy of the standard output; what anything prints from now
+    # on goes to the standard error, out of the protocol's way.
+    answers = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    _serve(sys.stdin.buffer, answers)

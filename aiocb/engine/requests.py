@@ -105,7 +105,7 @@ class RequestFactory:
         return encode_prompt(prompt, self.tokenizer, self._processes, keep=keep, limit=limit)
 
     def close(self) -> None:
-        """End the tokenizer process, if long prompts started one (a later one starts anew)."""
+        """End the tokenizer process, if long prompts started one (for good: the manager's end)."""
         if self._processes is not None:
             self._processes.close()
 

@@ -5,7 +5,9 @@ its own process."""
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
+import struct
 from typing import Any
 
 import httpx
@@ -13,6 +15,7 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 import aiocb
+from aiocb import tokenizer_process
 from aiocb.tokenizer_process import (
     PROCESS_PROMPT_CHARS,
     Tokenized,
@@ -169,3 +172,45 @@ async def test_a_failed_process_leaves_the_prompt_to_the_servers_process(
         data = (await client.post("/v1/completions", json=body)).json()
     assert data["choices"][0]["text"] == tokenizer.decode(reference.generated_tokens, skip_special_tokens=True)
     assert any("tokenizing in this process" in record.message for record in caplog.records)
+
+
+def test_a_refusal_keeps_the_child_and_an_answer_out_of_step_is_a_failure(tokenizer: Any) -> None:
+    """The tokenizer's refusal is a ValueError with its message, the child kept; what the
+    interpreter printed before the child was ready is skipped; an answer out of step (a
+    count beyond the bound or the total, an unknown status) is refused, not trusted."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    word_level = Tokenizer(models.WordLevel({"a": 0}, unk_token="[UNK]"))  # ([UNK] is no token)
+    word_level.pre_tokenizer = pre_tokenizers.Whitespace()
+    process = TokenizerProcess(word_level.to_str(), ())
+    try:
+        assert process.encode("a a", add_special_tokens=True, keep=None, limit=None).total == 2
+        child = process._child
+        with pytest.raises(ValueError, match="UNK"):
+            process.encode("b", add_special_tokens=True, keep=None, limit=None)
+        assert process._child is child and child is not None and child.poll() is None
+    finally:
+        process.close()
+    tokenizer_process._await_ready(io.BytesIO(b"a site's banner\n" + tokenizer_process._READY))
+    with pytest.raises(EOFError):
+        tokenizer_process._await_ready(io.BytesIO(b"x" * (tokenizer_process._MAX_BANNER + 2)))
+    answer = struct.pack("<BQQ", 0, 5, 3) + struct.pack("<3q", 1, 2, 3)
+    assert tokenizer_process._answer(io.BytesIO(answer), 3) == ([1, 2, 3], 5)
+    for wrong, bound in ((answer, 2), (struct.pack("<BQQ", 0, 2, 3), 0), (b"h" + answer[1:], 3)):
+        with pytest.raises(ValueError, match="an answer"):
+            tokenizer_process._answer(io.BytesIO(wrong), bound)
+
+
+async def test_a_setting_changed_since_the_copy_makes_it_again() -> None:
+    tok = build_byte_fallback_tokenizer(bos=True)
+    processes = TokenizerProcessHolder(tok)
+    text = long_text(PROCESS_PROMPT_CHARS + 1)
+    try:
+        tok.add_bos_token = False
+        # (all the ids: the first would be the BOS a stale copy adds)
+        kept = await asyncio.to_thread(
+            encode_kept, text, tok, processes, add_special_tokens=True, keep=None, limit=None
+        )
+        assert kept.ids == tok.encode(text) and kept.ids[0] != tok.bos_token_id
+    finally:
+        processes.close()
