@@ -282,14 +282,15 @@ def encode_kept(
     keep: int | None,
     limit: int | None,
 ) -> Tokenized:
-    """``text``'s token ids, the last ``keep`` of them when given (else all, or none when
-    there are more than ``limit``), and how many the whole text made: from the tokenizer
-    process when the text is long and ``tokenizer`` can have one, else from ``tokenizer``
-    itself (also when the process fails, with a warning). The process is not used from an
+    """``text``'s token ids, the last ``keep`` of them when given (-1: ``limit`` of them;
+    else all, or none when there are more than ``limit``), and how many the whole text
+    made: from the tokenizer process when the text is long and ``tokenizer`` can have one,
+    else from ``tokenizer`` itself (also when the process fails, with a warning). The process is not used from an
     event loop's thread (a small body whose template makes a long text: the loop must not
     wait for the child while a worker thread's long prompt holds it). Thread-safe; raises
     what either raises for text they cannot take.
     """
+    keep = limit if keep == -1 else keep
     if processes is not None and len(text) > PROCESS_PROMPT_CHARS and not _on_a_loop():
         process = processes.get()
         if process is not None:

@@ -98,7 +98,6 @@ class RequestFactory:
         if not is_large(prompt):
             return encode_prompt(prompt, self.tokenizer)
         check_truncation(keep, limit)  # (before a long text is tokenized)
-        keep = limit if keep == -1 else keep
         return await asyncio.to_thread(self._encode_large, prompt, keep, limit)
 
     def _encode_large(self, prompt: Prompt, keep: int | None, limit: int | None) -> Any:

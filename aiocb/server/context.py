@@ -214,7 +214,6 @@ class ServerContext:
         large bodies).
         """
         limit = self.max_model_len
-        keep = limit if keep == -1 else keep
         try:
             tokenized = encode_kept(
                 text, self.tokenizer, self._processes, add_special_tokens=add_special_tokens, keep=keep, limit=limit

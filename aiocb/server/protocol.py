@@ -278,9 +278,7 @@ def parse_tokenize_request(body: Any) -> TokenizeRequest:
 def parse_detokenize_request(body: Any) -> DetokenizeRequest:
     """Validate a detokenize body."""
     body = _object(body)
-    tokens = body.get("tokens")
-    if not isinstance(tokens, list) or not all(_is_int(t) and t >= 0 for t in tokens):
-        raise bad_request("'tokens' must be a list of token ids", "tokens")
+    tokens = _token_ids(body.get("tokens"), "tokens")
     _refuse_unknown(body, DETOKENIZE_FIELDS)
     return DetokenizeRequest(model=_opt_str(body, "model"), tokens=list(tokens))
 
