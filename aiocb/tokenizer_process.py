@@ -13,10 +13,11 @@ The child runs this module (``python -m aiocb.tokenizer_process``): the standard
 and ``tokenizers``, no torch nor transformers (a start of about 0.1 s). It reads frames on
 its standard input and answers each on its standard output:
 
-- first, the tokenizer as its JSON (a ``<Q`` length, then the UTF-8 text), answered by
-  :data:`_READY` (its standard output is the protocol's alone from then on: what the
-  interpreter printed before, a site's banner, is skipped, and later prints go to its
-  standard error);
+- first, the tokenizer: ``<BQ`` (0 for its JSON, 1 for the path of a ``tokenizer.json``
+  file; the length) and the UTF-8 text, answered by :data:`_READY` and ``<Q`` (its
+  vocabulary's size, added tokens included); its standard output is the protocol's alone
+  from then on: what the interpreter printed before, a site's banner, is skipped, and
+  later prints go to its standard error;
 - then one request after another: ``<BqqQ`` (add special tokens; the tokens to keep, 0
   for all; the tokens beyond which, uncut, none are sent but the count, 0 for no bound;
   the text's UTF-8 length) and the text; the answer is ``<BQQ`` (0, the text's token
@@ -45,6 +46,7 @@ _REQUEST = struct.Struct("<BqqQ")
 _ANSWER = struct.Struct("<BQQ")
 _ERROR = struct.Struct("<BQ")
 _LENGTH = struct.Struct("<Q")
+_SOURCE = struct.Struct("<BQ")
 #: what the child writes once it has loaded the tokenizer, before its first answer
 _READY = b"\x00aiocb-tokenizer-ready\x00"
 #: bytes of other output a child may write before it is ready
@@ -89,10 +91,22 @@ class TokenizerProcess:
     The child starts on first use, and again after it fails or in a process forked from
     this one (which must not share the parent's). A call blocks its thread (not the GIL)
     while the child works: it is made from a worker thread, never an event loop's.
+
+    The child loads the tokenizer from ``tokenizer_json`` (its serialised form) or, when
+    that is None, from the file ``tokenizer_file``.
     """
 
-    def __init__(self, tokenizer_json: str, fingerprint: tuple[Any, ...]) -> None:
-        self._json = tokenizer_json.encode()
+    def __init__(
+        self, tokenizer_json: str | None, fingerprint: tuple[Any, ...], *, tokenizer_file: str | None = None
+    ) -> None:
+        if (tokenizer_json is None) == (tokenizer_file is None):
+            raise ValueError("give the tokenizer's JSON or its file, one of them")
+        #: the file the child loads (None: it loads the JSON it is sent)
+        self.tokenizer_file = tokenizer_file
+        data = tokenizer_json.encode() if tokenizer_json is not None else os.fsencode(tokenizer_file or "")
+        self._source = _SOURCE.pack(int(tokenizer_json is None), len(data)) + data
+        #: the child's vocabulary size, added tokens included (None until it started)
+        self.vocab_size: int | None = None
         #: what the tokenizer made of a probe when it was copied (otherwise since: a token
         #: added, a setting changed, and the copy is stale)
         self.fingerprint = fingerprint
@@ -105,30 +119,51 @@ class TokenizerProcess:
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Any) -> TokenizerProcess | None:
-        """A process for ``tokenizer`` when it is a tokenizers-library tokenizer whose own
-        ``encode`` the copy the child loads reproduces (on a few probe texts, special tokens
-        included: a copy keeps no setting made on the tokenizer object, such as
-        ``split_special_tokens``); else None (the tokenizer runs in this process, as a slow
-        one must)."""
+        """A process for ``tokenizer`` when it is a tokenizers-library tokenizer that a child
+        reproduces; else None (the tokenizer runs in this process, as a slow one must).
+
+        The child loads the ``tokenizer.json`` the tokenizer was loaded from, when one is
+        found (its folder, or the hub's cache), and else a copy of the tokenizer (``to_str``:
+        it holds the GIL, some 90-150 ms for a vocabulary of 151,000). Either is used only
+        once it tokenizes a few probe texts, special tokens included, as ``tokenizer`` does,
+        with the same vocabulary size: neither a file nor a copy keeps a setting made on the
+        tokenizer object, such as ``split_special_tokens``. Blocks the calling thread while
+        the child starts and loads (not the GIL): call it from a worker thread.
+        """
         backend = getattr(tokenizer, "_tokenizer", None)
         if backend is None or not hasattr(backend, "to_str"):
             return None
-        probes = [*_PROBES, "".join(getattr(tokenizer, "all_special_tokens", ())) + " after the specials"]
         try:
-            from tokenizers import Tokenizer
-
-            copied = backend.to_str()
-            copy = Tokenizer.from_str(copied)
-            for text in probes:
-                for special in (True, False):
-                    ids = copy.encode(text, add_special_tokens=special).ids
-                    if tokenizer.encode(text, add_special_tokens=special) != ids:
-                        log.info("long prompts are tokenized in-process: the tokenizer differs from its copy")
-                        return None
-            return cls(copied, fingerprint(tokenizer))
+            stamp = fingerprint(tokenizer)
+            file = _tokenizer_file(tokenizer)
+            if file is not None:
+                process = cls(None, stamp, tokenizer_file=file)
+                if process.tokenizes_as(tokenizer):
+                    return process
+                process.close()
+            process = cls(backend.to_str(), stamp)
+            if process.tokenizes_as(tokenizer):
+                return process
+            process.close()
+            log.info("long prompts are tokenized in-process: the tokenizer differs from its copy")
         except Exception as exc:  # (a tokenizer that cannot be serialised or probed)
             log.info("long prompts are tokenized in-process: %s", exc)
-            return None
+        return None
+
+    def tokenizes_as(self, tokenizer: Any) -> bool:
+        """Whether the child (started now if need be) has ``tokenizer``'s vocabulary size and
+        tokenizes the probe texts as it does, with and without special tokens."""
+        probes = [*_PROBES, "".join(getattr(tokenizer, "all_special_tokens", ())) + " after the specials"]
+        try:
+            for text in probes:
+                for special in (True, False):
+                    ids = self.encode(text, add_special_tokens=special, keep=None, limit=None).ids
+                    if tokenizer.encode(text, add_special_tokens=special) != ids:
+                        return False
+        except (TokenizerProcessError, ValueError) as exc:  # (a file it cannot load, a probe refused)
+            log.info("the tokenizer process cannot stand in for the tokenizer: %s", exc)
+            return False
+        return bool(self.vocab_size == tokenizer._tokenizer.get_vocab_size(with_added_tokens=True))
 
     def encode(self, text: str, *, add_special_tokens: bool, keep: int | None, limit: int | None) -> Tokenized:
         """``text``'s token ids: the last ``keep`` of them when given, else all of them, or
@@ -186,9 +221,10 @@ class TokenizerProcess:
             )
             self._ending = weakref.finalize(self, _end, child, self._pid)
             assert child.stdin is not None and child.stdout is not None
-            child.stdin.write(_LENGTH.pack(len(self._json)) + self._json)
+            child.stdin.write(self._source)
             child.stdin.flush()
             _await_ready(child.stdout)
+            (self.vocab_size,) = _LENGTH.unpack(_read(child.stdout, _LENGTH.size))
         except Exception as exc:  # (no interpreter to start, no pipe, a child that died or babbled)
             self._stop()
             raise TokenizerProcessError(f"the tokenizer process did not start: {exc!r}") from None
@@ -231,11 +267,11 @@ def _end(child: subprocess.Popen[bytes], pid: int) -> None:
 
 
 class TokenizerProcessHolder:
-    """The tokenizer process of one tokenizer: probed when the holder is made (the copy
-    and the probe hold the GIL: with a large vocabulary, better while the server or the
-    manager is built than under a request), its child started on first use, the process
-    made again once the tokenizer tokenizes a probe otherwise (a token added, a setting
-    changed: its copy is stale then), never again once closed."""
+    """The tokenizer process of one tokenizer: made on first use (off the event loop, by
+    :func:`encode_kept`; nothing happens while the holder is made, which may be on a
+    running loop: the server's or the manager's construction), made again once the
+    tokenizer tokenizes a probe otherwise (a token added, a setting changed: the child's
+    tokenizer is stale then), never again once closed."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -244,11 +280,11 @@ class TokenizerProcessHolder:
         self._probed = False
         self._closed = False
         self._pid = os.getpid()
-        self.get()
 
     def get(self) -> TokenizerProcess | None:
         """The process, or None for a tokenizer that cannot have one, or once closed
-        (thread-safe)."""
+        (thread-safe; the first call, and the first after the tokenizer changed, waits
+        for a child to start: not from an event loop's thread)."""
         if self._pid != os.getpid():  # (forked: a lock a parent's thread held stays held here)
             self._lock, self._pid, self._process, self._probed = threading.Lock(), os.getpid(), None, False
         with self._lock:
@@ -300,6 +336,27 @@ def encode_kept(
                 log.warning("%s; tokenizing in this process", exc)
     ids: list[int] = tokenizer.encode(text, add_special_tokens=add_special_tokens)
     return Tokenized(ids[len(ids) - keep :] if keep and len(ids) > keep else ids, len(ids))
+
+
+def _tokenizer_file(tokenizer: Any) -> str | None:
+    """The ``tokenizer.json`` that ``tokenizer`` was loaded from, when one is found: the
+    file named at its construction, its folder's, or the hub's cached copy of its
+    repository's (the probes tell a file that no longer matches it)."""
+    named = tokenizer.init_kwargs.get("tokenizer_file") if hasattr(tokenizer, "init_kwargs") else None
+    source = str(getattr(tokenizer, "name_or_path", "") or "")
+    candidates = [named, os.path.join(source, "tokenizer.json") if source and os.path.isdir(source) else None]
+    for candidate in candidates:
+        if isinstance(candidate, str) and os.path.isfile(candidate):
+            return candidate
+    if not source or os.path.exists(source):
+        return None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(source, "tokenizer.json")
+    except Exception:  # (not a repository's name)
+        return None
+    return cached if isinstance(cached, str) and os.path.isfile(cached) else None
 
 
 def _on_a_loop() -> bool:
@@ -357,9 +414,10 @@ def _serve(stdin: IO[bytes], stdout: IO[bytes]) -> None:
     """The child: tokenize each text it is sent, until its input ends."""
     from tokenizers import Tokenizer
 
-    (length,) = _LENGTH.unpack(_read(stdin, _LENGTH.size))
-    tokenizer = Tokenizer.from_str(_read(stdin, length).decode())
-    stdout.write(_READY)
+    kind, length = _SOURCE.unpack(_read(stdin, _SOURCE.size))
+    source = _read(stdin, length)
+    tokenizer = Tokenizer.from_file(os.fsdecode(source)) if kind == 1 else Tokenizer.from_str(source.decode())
+    stdout.write(_READY + _LENGTH.pack(tokenizer.get_vocab_size(with_added_tokens=True)))
     stdout.flush()
     while header := stdin.read(_REQUEST.size):
         if len(header) != _REQUEST.size:

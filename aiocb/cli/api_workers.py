@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gc
 import logging
 import os
 import pickle
@@ -45,6 +44,7 @@ from aiocb.cli.serve import (
     served_model_name,
     uvicorn_config,
 )
+from aiocb.collector import freeze_alive_objects
 from aiocb.config import ContinuousBatchingConfig
 
 logger = logging.getLogger(__name__)
@@ -191,11 +191,10 @@ async def _worker(args: argparse.Namespace, engine_socket: str, listener: socket
     )
     # Everything alive now (torch, transformers, the tokenizer, the app) lives as long as
     # the process: out of the collector's view, as the engine's manager does with its own
-    # (see aiocb.engine.manager._freeze_long_lived_objects). Without it a full collection,
+    # (see aiocb.collector). Without it a full collection,
     # which a large request's objects set off, rescanned some 365,000 objects: 150-365 ms
     # of this worker's loop.
-    gc.collect()
-    gc.freeze()
+    freeze_alive_objects()
     server = DrainingServer(uvicorn_config(app, args, event_loop_name(args)), app, args.shutdown_timeout)
     lost: list[str] = []
 

@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import copy
 import enum
-import gc
 import logging
 import time
 import traceback
@@ -24,6 +23,7 @@ from typing import Any, Literal, overload
 
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from aiocb.collector import freeze_alive_objects
 from aiocb.config import ContinuousBatchingConfig, as_config
 from aiocb.core.kv_cache import KVCacheManager
 from aiocb.core.request import Request
@@ -131,8 +131,8 @@ class Manager:
         if persistent_manager and isinstance(cached, cls) and cached._state is not _State.DESTROYED:
             return cached
         # Before the manager exists, so that it (and the runner and cache it will build)
-        # stays out of the frozen set; see _freeze_long_lived_objects.
-        _freeze_long_lived_objects()
+        # stays out of the frozen set; see _freeze_the_first_managers_model.
+        _freeze_the_first_managers_model()
         return super().__new__(cls)
 
     def __init__(
@@ -1152,27 +1152,23 @@ class Manager:
 #: what WouldBlock says
 _QUEUE_FULL = "the admission queue is full (max_queue_size / max_queued_tokens)"
 
-_frozen = False
+_model_frozen = False
 
 
-def _freeze_long_lived_objects() -> None:
-    """Move everything alive now (torch, transformers, the model) out of the garbage
-    collector's view, once per process: otherwise every full collection rescans hundreds
-    of thousands of objects that never die, a pause of hundreds of milliseconds that
-    stalls the event loop (and the step thread, through the GIL).
+def _freeze_the_first_managers_model() -> None:
+    """Freeze what came after this module's import (the model, its modeling code, a
+    tokenizer), once per process, as the first manager is being created: the model is an
+    argument, so it is alive, while the manager, its runner and its KV cache are not yet.
 
-    It runs when the first manager is being created, before that manager exists: the
-    objects that make the pauses long (modules, the model's parameters and submodules,
-    the libraries' registries) are all alive by then, since the model is an argument,
-    while the manager, its runner and its KV cache are not, so they are not frozen. A
-    frozen object is never collected by the cyclic collector, so freezing a manager
-    would pin anything in a reference cycle with it (its step loop, and through that the
-    runner and the cache) for the life of the process."""
-    global _frozen
-    if not _frozen:
-        _frozen = True
-        gc.collect()
-        gc.freeze()
+    The libraries were frozen when this module was imported (below), usually before any
+    event loop runs; what is left for this collection is the model and what loading it
+    imported: a few milliseconds on the loop where the whole set took 150 ms. Not later
+    managers: a frozen object is never collected as part of a cycle, so freezing a
+    manager would pin its step loop, runner and cache for the life of the process."""
+    global _model_frozen
+    if not _model_frozen:
+        _model_frozen = True
+        freeze_alive_objects()
 
 
 def _release_tracebacks(error: BaseException) -> None:
@@ -1206,3 +1202,10 @@ def _progress_bar(total: int) -> Any:
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc="aiocb", unit="req")
+
+
+# Torch and transformers are imported by now: their objects go out of the collector's view
+# here, at import (commonly at the top of a program, before its event loop runs), so that
+# the first manager's own freeze, which may come on a running loop, has only the model
+# and what came after it to collect.
+freeze_alive_objects()

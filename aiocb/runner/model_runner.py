@@ -8,7 +8,6 @@ are read on the device from this step's sampled tokens (async batching).
 
 from __future__ import annotations
 
-import gc
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +15,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from aiocb.collector import freeze_alive_objects
 from aiocb.config import DEFAULT_MAX_BLOCKS_PER_REQUEST, ContinuousBatchingConfig
 from aiocb.core.scheduler import PromptTops, StepResult
 from aiocb.runner import attention
@@ -401,7 +401,7 @@ def _freeze_what_the_compile_made() -> None:
 
     Compiling the decode model leaves hundreds of thousands of long-lived objects
     (torch.compile's graphs, guards and generated code) that the first manager's freeze
-    (:func:`aiocb.engine.manager._freeze_long_lived_objects`) came too early for: every
+    (:func:`aiocb.engine.manager._freeze_the_first_managers_model`) came too early for: every
     later full collection rescans them, a pause of 90-250 ms (measured on the development
     CPU after a compile) that holds the GIL, so the event loop stalls with it: the likely
     cause of the H200's loop stalls of 54 and 241 ms with the decode model compiled, 6 and
@@ -410,8 +410,7 @@ def _freeze_what_the_compile_made() -> None:
     runner and cache go (tests/engine/test_memory_release.py); the collection comes first,
     so that no garbage is frozen. Runs on the step thread, once per session whose warm-up
     compiled: its own pause falls before the first step."""
-    gc.collect()
-    gc.freeze()
+    freeze_alive_objects()
 
 
 def _score_in_chunks(

@@ -303,7 +303,7 @@ def test_a_warm_up_that_compiled_collects_then_freezes_once(
     import gc
 
     calls: list[str] = []
-    monkeypatch.setattr("aiocb.engine.manager._frozen", True)  # (the first manager's freeze: done)
+    monkeypatch.setattr("aiocb.engine.manager._model_frozen", True)  # (the first manager's freeze: done)
     monkeypatch.setattr(gc, "collect", lambda *args: calls.append("collect") or 0)
     monkeypatch.setattr(gc, "freeze", lambda: calls.append("freeze"))
 

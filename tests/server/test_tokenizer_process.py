@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
-from transformers import PreTrainedTokenizerFast
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 import aiocb
 from aiocb import tokenizer_process
@@ -79,7 +79,8 @@ async def test_the_process_is_used_only_where_it_tokenizes_alike_and_off_the_loo
     encode = TokenizerProcess.encode
 
     def spied(self: TokenizerProcess, text: str, **kwargs: Any) -> Tokenized:
-        used.append(id(self))
+        if len(text) > PROCESS_PROMPT_CHARS:  # (not the probes)
+            used.append(id(self))
         return encode(self, text, **kwargs)
 
     monkeypatch.setattr(TokenizerProcess, "encode", spied)
@@ -119,7 +120,8 @@ async def test_the_server_sends_long_prompts_to_the_process(
 
     def spied(self: TokenizerProcess, text: str, **kwargs: Any) -> Tokenized:
         result = encode(self, text, **kwargs)
-        calls.append((len(text), kwargs["keep"], len(result.ids)))
+        if len(text) > PROCESS_PROMPT_CHARS:  # (not the probes)
+            calls.append((len(text), kwargs["keep"], len(result.ids)))
         return result
 
     monkeypatch.setattr(TokenizerProcess, "encode", spied)
@@ -160,8 +162,12 @@ async def test_the_server_sends_long_prompts_to_the_process(
 async def test_a_failed_process_leaves_the_prompt_to_the_servers_process(
     client: httpx.AsyncClient, manager: aiocb.Manager, tokenizer: Any, monkeypatch: pytest.MonkeyPatch, caplog: Any
 ) -> None:
+    encode = TokenizerProcess.encode
+
     def failing(self: TokenizerProcess, text: str, **kwargs: Any) -> Tokenized:
-        raise TokenizerProcessError("the tokenizer process failed: BrokenPipeError()")
+        if len(text) > PROCESS_PROMPT_CHARS:  # (the probes pass: the child fails in use)
+            raise TokenizerProcessError("the tokenizer process failed: BrokenPipeError()")
+        return encode(self, text, **kwargs)
 
     monkeypatch.setattr(TokenizerProcess, "encode", failing)
     text = long_text(PROCESS_PROMPT_CHARS + 1)
@@ -212,5 +218,41 @@ async def test_a_setting_changed_since_the_copy_makes_it_again() -> None:
             encode_kept, text, tok, processes, add_special_tokens=True, keep=None, limit=None
         )
         assert kept.ids == tok.encode(text) and kept.ids[0] != tok.bos_token_id
+    finally:
+        processes.close()
+
+
+async def test_a_tokenizer_from_a_folder_is_loaded_by_the_child_from_its_file(
+    tokenizer: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nothing is made while the holder is (a server or a manager may be built on a
+    running loop); on first use the child loads the folder's ``tokenizer.json`` rather
+    than a copy (``to_str`` holds the GIL, 90-150 ms for a vocabulary of 151,000), and a
+    copy once the tokenizer has tokens its file lacks (its vocabulary size tells)."""
+    tokenizer.save_pretrained(tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    made: list[Any] = []
+    for_tokenizer = TokenizerProcess.for_tokenizer
+    monkeypatch.setattr(
+        TokenizerProcess, "for_tokenizer", classmethod(lambda cls, tok: made.append(tok) or for_tokenizer(tok))
+    )
+    processes = TokenizerProcessHolder(loaded)
+    assert not made
+    text = long_text(PROCESS_PROMPT_CHARS + 1)
+    try:
+        ids = loaded.encode(text)
+        kept = await asyncio.to_thread(
+            encode_kept, text, loaded, processes, add_special_tokens=True, keep=4, limit=None
+        )
+        assert kept == (ids[-4:], len(ids)) and made == [loaded]
+        process = processes._process
+        assert process is not None and process.tokenizer_file == str(tmp_path / "tokenizer.json")
+        loaded.add_tokens(["<|late|>"])
+        kept = await asyncio.to_thread(
+            encode_kept, text + "<|late|>", loaded, processes, add_special_tokens=False, keep=1, limit=None
+        )
+        assert kept.ids == [loaded.convert_tokens_to_ids("<|late|>")] and len(made) == 2
+        process = processes._process
+        assert process is not None and process.tokenizer_file is None
     finally:
         processes.close()

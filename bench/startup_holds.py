@@ -1,0 +1,147 @@
+"""How long building a manager holds a running event loop, and its first long prompt,
+with a vocabulary of 151,000 tokens (Qwen's size).
+
+Each repeat is a fresh process (the garbage collector's freezes happen once a process):
+it imports ``aiocb.Manager`` before its event loop runs, as a program does at its top,
+loads the bundled model and a synthetic byte-level BPE tokenizer of 151,000 tokens (made
+by this script in a temporary folder), then, on a loop with a 1 ms heartbeat, builds the
+manager with that tokenizer, starts it and awaits one 52,000-character text prompt cut to
+its last 8 tokens (``truncate_prompt_tokens``: tokenized in the tokenizer process).
+``--source memory`` gives the manager a tokenizer made in memory from the file's contents
+(no file to load: the child gets a copy).
+
+    python bench/startup_holds.py --repeat 3
+    python bench/startup_holds.py --repeat 3 --source memory
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as `python bench/startup_holds.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import REPO_ROOT, machine_info
+
+VOCAB_SIZE = 151_000
+PROMPT = "hello world, " * 4_000
+
+
+def write_tokenizer(folder: Path) -> None:
+    """A byte-level BPE tokenizer of :data:`VOCAB_SIZE` tokens (seeded merges of printable
+    characters), saved by transformers into ``folder``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(0)
+    alphabet = [chr(c) for c in range(33, 127)] + ["Ġ"]
+    vocab = {c: i for i, c in enumerate(alphabet)}
+    tokens = list(alphabet)
+    merges: list[tuple[str, str]] = []
+    while len(vocab) < VOCAB_SIZE:
+        left, right = rng.choice(tokens), rng.choice(alphabet)
+        if len(left) <= 12 and left + right not in vocab:
+            vocab[left + right] = len(vocab)
+            merges.append((left, right))
+            tokens.append(left + right)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="Ġ").save_pretrained(folder)
+
+
+async def _beat(lags: list[tuple[float, float]], done: asyncio.Event) -> None:
+    """Sleep a millisecond at a time until ``done``, appending (when, how late) for each."""
+    while not done.is_set():
+        before = time.perf_counter()
+        await asyncio.sleep(0.001)
+        lags.append((before, time.perf_counter() - before - 0.001))
+
+
+def _longest(lags: list[tuple[float, float]], start: float, end: float) -> float:
+    return max((lag for when, lag in lags if start <= when < end), default=0.0) * 1e3
+
+
+async def _measure(model: Any, tokenizer: Any) -> dict[str, float]:
+    from aiocb import Manager
+
+    lags: list[tuple[float, float]] = []
+    done = asyncio.Event()
+    heart = asyncio.create_task(_beat(lags, done))
+    await asyncio.sleep(0.02)
+    began = time.perf_counter()
+    manager = Manager(model, tokenizer=tokenizer)
+    built = time.perf_counter()
+    manager.start()
+    await manager.wait_started()
+    started = time.perf_counter()
+    await manager.generate(PROMPT, max_new_tokens=2, truncate_prompt_tokens=8)
+    answered = time.perf_counter()
+    await asyncio.sleep(0.02)
+    done.set()
+    await heart
+    await manager.destroy()
+    return {
+        "build_ms": (built - began) * 1e3,
+        "build_lag_ms": _longest(lags, began - 0.002, built + 0.002),
+        "start_lag_ms": _longest(lags, built, started),
+        "prompt_ms": (answered - started) * 1e3,
+        "prompt_lag_ms": _longest(lags, started, answered + 0.02),
+    }
+
+
+def child(folder: str, source: str) -> None:
+    """One repeat, in its own process: prints its figures as JSON."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from aiocb import Manager  # noqa: F401 (before the loop, as at a program's top)
+    from aiocb.default_model import load_default_model
+
+    model, _ = load_default_model()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    if source == "memory":
+        tokenizer = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend_tokenizer, eos_token="Ġ")
+    print(json.dumps(asyncio.run(_measure(model, tokenizer))))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--source", choices=("file", "memory"), default="file")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        child(args.child, args.source)
+        return 0
+    print(machine_info())
+    with tempfile.TemporaryDirectory() as folder:
+        write_tokenizer(Path(folder))
+        for _ in range(args.repeat):
+            run = subprocess.run(
+                [sys.executable, __file__, "--child", folder, "--source", args.source],
+                cwd=REPO_ROOT,
+                capture_output=True,
+                text=True,
+                check=True,
+            )
+            figures = json.loads(run.stdout.strip().splitlines()[-1])
+            print(
+                f"Manager(): {figures['build_ms']:.1f} ms, longest lag {figures['build_lag_ms']:.1f} ms; "
+                f"start: longest lag {figures['start_lag_ms']:.1f} ms; first long prompt: "
+                f"{figures['prompt_ms']:.0f} ms, longest lag {figures['prompt_lag_ms']:.1f} ms",
+                flush=True,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
