@@ -363,6 +363,8 @@ def resolve_params(
     allowed = pick("allowed_token_ids", None)
     if allowed is not None:
         allowed = tuple(sorted(_checked_ids("allowed_token_ids", allowed, vocab)))
+    begin_bans = _checked_ids("begin_suppress_tokens", defaults.begin_suppress_tokens, vocab)
+    _refuse_nothing_allowed(allowed, frozenset(bans), begin_bans, stops if min_tokens > 0 else frozenset(), vocab)
 
     total = prompt_len + max_new_tokens
     if limits.max_model_len is not None and total > limits.max_model_len:
@@ -410,7 +412,7 @@ def resolve_params(
         sequence_biases=tuple(sequences),
         bad_sequences=tuple((word, 0.0) for word in dict.fromkeys(bad_sequences)),
         bans=tuple(dict.fromkeys(bans)),
-        begin_bans=tuple(_checked_ids("begin_suppress_tokens", defaults.begin_suppress_tokens, vocab)),
+        begin_bans=tuple(begin_bans),
         no_repeat_ngram_size=pick("no_repeat_ngram_size", 0),
         allowed_token_ids=allowed,
         stop=stop,
@@ -418,6 +420,37 @@ def resolve_params(
         skip_special_tokens=pick("skip_special_tokens", True),
         priority=pick("priority", 0),
         structure=structure,
+    )
+
+
+def _refuse_nothing_allowed(
+    allowed: tuple[int, ...] | None,
+    bans: frozenset[int],
+    begin_bans: frozenset[int],
+    held_stops: frozenset[int],
+    vocab_size: int,
+) -> None:
+    """InvalidRequestError when a request's controls ban every token its first step could
+    pick (transformers' greedy search would give token 0 there, a token it forbade).
+    Bans that grow as it generates (multi-token bad words, n-grams) are caught at the step
+    that leaves nothing: the request fails there (``Scheduler``'s ``_NOTHING_ALLOWED``)."""
+    banned = bans | begin_bans | held_stops
+    left = vocab_size - len(banned) if allowed is None else len(set(allowed) - banned)
+    if left > 0:
+        return
+    by = [
+        name
+        for name, ids in (
+            ("bad_words_ids (or the generation config's suppress_tokens)", bans),
+            ("the generation config's begin_suppress_tokens", begin_bans),
+            ("min_tokens, which holds off the stop tokens (stop_token_ids, eos_token_id)", held_stops),
+        )
+        if ids
+    ]
+    subject = "every token in allowed_token_ids" if allowed is not None else "every token of the vocabulary"
+    raise InvalidRequestError(
+        f"no token is left to generate: {subject} is banned by {' and '.join(by)}",
+        param="allowed_token_ids" if allowed is not None else "bad_words_ids",
     )
 
 

@@ -745,6 +745,10 @@ def bench_aiocb(
     except Exception as error:
         rec.put("session_error", repr(error))
         log(f"aiocb session failed: {error!r}")
+    # A warm-up that compiled froze what was alive then (the manager among it): frozen
+    # objects are invisible to gc.get_objects() and to _alive_tensors' referrers, and their
+    # cycles uncollectable. The phase's process ends after this check.
+    gc.unfreeze()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.synchronize()

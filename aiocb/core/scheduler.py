@@ -136,6 +136,8 @@ class StepResult:
     prompt_logprobs: list[tuple[list[float], PromptTops | None] | None] | None = None
     #: a draft model's proposals, per speculating row in plan order (each row's in order)
     proposed: list[int] | None = None
+    #: rows of ``token_ids`` whose request's controls (or grammar) left no token to pick
+    blocked: list[int] | None = None
 
 
 @dataclass(slots=True)
@@ -513,6 +515,7 @@ class Scheduler:
         running, decoding, finished_status = self.running, RequestStatus.DECODING, RequestStatus.FINISHED
         max_model_len = self.max_model_len
         tokens, logprobs, tops = result.token_ids, result.logprobs, result.top_logprobs
+        blocked = None if result.blocked is None else frozenset(result.blocked)
         last = len(output.scheduled)
         num_generated = 0
         load = 1.0 if self.speculation is None else self.speculation.load(output)
@@ -555,7 +558,11 @@ class Scheduler:
             elif item.sample:
                 request.num_pending_tokens -= 1
                 status = request.status
-                if status < finished_status:  # (else ended while the step ran: no token)
+                if blocked is not None and row in blocked and status < finished_status:
+                    request.error = _NOTHING_ALLOWED if request.grammar is None else _CONSTRAINT_CONFLICT
+                    self.finish(request, FinishReason.ERROR, now)
+                    finished.append(request)
+                elif status < finished_status:  # (else ended while the step ran: no token)
                     num_generated += 1
                     token = tokens[row]
                     token_ids = request.token_ids
@@ -718,11 +725,7 @@ class Scheduler:
         matched = request.text.add(token, num_output) if request.text is not None and keeps_text else None
         completed = request.grammar is not None and request.grammar.accept(token)
         if completed and request.grammar is not None and request.grammar.rejected:
-            request.error = (
-                "no token satisfies both the request's output constraint and its other controls "
-                "(allowed_token_ids, bad_words_ids, no_repeat_ngram_size, sequence_bias, ...): the token drawn "
-                "breaks the constraint"
-            )
+            request.error = _CONSTRAINT_CONFLICT
             return FinishReason.ERROR
         if stops:
             request.stop_reason = token
@@ -954,6 +957,18 @@ def wants_prompt_logprobs(request: Request, start: int) -> bool:
 #: request's worth of update work: a chunk whose requests record thousands of them (a
 #: prefill chunk of a long prompt, twenty alternatives a position) ends sooner.
 _PROMPT_ENTRIES_PER_WORK = 64
+
+#: the error of a constrained request whose other controls leave its grammar no token
+_CONSTRAINT_CONFLICT = (
+    "no token satisfies both the request's output constraint and its other controls "
+    "(allowed_token_ids, bad_words_ids, no_repeat_ngram_size, sequence_bias, ...)"
+)
+#: the error of a request whose controls left no token at a step (its pick would be a
+#: token it forbade: transformers' greedy search gives token 0 there)
+_NOTHING_ALLOWED = (
+    "no token is left to generate: the request's controls (allowed_token_ids, bad_words_ids, "
+    "no_repeat_ngram_size, min_tokens, ...) ban every token at this step"
+)
 
 #: Prompt logprobs recorded between two of the update's pauses at most (about 0.25 ms
 #: with twenty alternatives a position on this project's CPU machine).

@@ -51,6 +51,8 @@ class PendingStep:
     prompt_top_values: torch.Tensor | None
     #: the draft model's proposals, row by row (speculative decoding with a draft model)
     proposed: torch.Tensor | None = None
+    #: rows whose controls or grammar mask left no token (see ``Sampled.blocked``)
+    blocked: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -276,6 +278,7 @@ class ModelRunner:
             *(_to_host(t) for t in (picked.tokens, picked.logprobs, picked.top_ids, picked.top_logprobs, *prompt)),  # type: ignore[arg-type]
         )
         pending.proposed = _to_host(proposed)
+        pending.blocked = _to_host(picked.blocked)
         if self.device.type == "cuda":
             pending.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             pending.event.record()
@@ -308,6 +311,7 @@ class ModelRunner:
             top_logprobs=_pairs(pending.top_ids, pending.top_values),
             prompt_logprobs=prompt_logprobs,
             proposed=None if pending.proposed is None else pending.proposed.tolist(),
+            blocked=None if pending.blocked is None else pending.blocked.nonzero()[:, 0].tolist() or None,
         )
 
     def _logits(self, batch: StepBatch, inputs: StepInputs) -> torch.Tensor:

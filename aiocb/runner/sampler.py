@@ -173,6 +173,9 @@ class Sampled:
     logprobs: torch.Tensor | None = None
     top_ids: torch.Tensor | None = None
     top_logprobs: torch.Tensor | None = None
+    #: [S] bool, rows whose controls or grammar mask left no token (their pick is
+    #: meaningless); None when no row has either
+    blocked: torch.Tensor | None = None
 
 
 def _greedy(row: _SamplingRow) -> bool:
@@ -234,6 +237,10 @@ def sample(logits: torch.Tensor, params: SamplingTensors) -> Sampled:
             drawn = ids.gather(1, (chained + gumbel_at(seed, offset, ids)).argmax(dim=-1, keepdim=True))[:, 0]
         tokens.index_copy_(0, rows, drawn)
     result = Sampled(tokens)
+    if params.controls is not None or params.bitmask is not None:
+        # Bans, allow-lists and n-gram bans may leave a row nothing (a pick of every
+        # token at -inf, whatever path drew it); a top-k, top-p or min-p filter never does.
+        result.blocked = logits.gather(1, tokens[:, None])[:, 0] == float("-inf")
     if params.any_logprobs:
         scored = raw if params.processed_logprobs is None else _drawn_from(raw, logits, params, rare)
         result.logprobs, result.top_ids, result.top_logprobs = score(scored, tokens, params.max_top_logprobs)

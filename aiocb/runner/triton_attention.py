@@ -166,7 +166,13 @@ if HAS_TRITON:
         acc = tl.dot(p, v, acc=acc, input_precision=DOT_PRECISION)
         return m_new, l_i, acc
 
-    @triton.jit  # type: ignore[untyped-decorator]
+    # Triton compiles a kernel anew for each integer argument's "equal to 1" and "divisible
+    # by 16": the block table's width (an eager step's longest row, in pages) and the
+    # split count (and the log-sum-exps' strides that follow it) change from step to step,
+    # so a kernel specialised on them would be compiled again mid-serving (1.2 s on the
+    # host, the loop stalled up to 75 ms through the GIL) for a run's first 2-page table.
+    # Scalar loads gain nothing from the hints.
+    @triton.jit(do_not_specialize=["num_splits", "stride_lt", "stride_lh", "stride_bt"])  # type: ignore[untyped-decorator]
     def _paged_attention_kernel(  # type: ignore[no-untyped-def]
         q_ptr,
         k_cache_ptr,
@@ -336,7 +342,7 @@ if HAS_TRITON:
             out_ptrs = out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
             tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
 
-    @triton.jit  # type: ignore[untyped-decorator]
+    @triton.jit(do_not_specialize=["num_splits", "stride_lt", "stride_lh"])  # type: ignore[untyped-decorator]
     def _merge_splits_kernel(  # type: ignore[no-untyped-def]
         part_ptr,
         lse_ptr,

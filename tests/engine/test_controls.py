@@ -128,6 +128,38 @@ async def test_allowed_token_ids_and_penalties_restrict_outputs(model: PreTraine
     assert len(penalized.generated_tokens) - len(set(penalized.generated_tokens)) < repeats
 
 
+@pytest.mark.parametrize("schedule", ["plain", "async_batching"])
+async def test_controls_that_leave_no_token_are_refused_or_fail_the_request(schedule: str) -> None:
+    """A request whose own controls ban every token its first step could pick is refused,
+    naming them; one whose bans grow to cover every token it may pick (an n-gram ban over
+    a one-token allow-list) fails at that step with an error, not with a token it forbade
+    (transformers' greedy search gives token 0 there); the request beside it keeps its
+    output, and every block comes back."""
+    from tests.conftest import tiny_qwen3
+
+    config = aiocb.ContinuousBatchingConfig(**SCHEDULES[schedule])
+    async with aiocb.Manager(tiny_qwen3(), GenerationConfig(do_sample=False), config) as manager:
+        with pytest.raises(aiocb.InvalidRequestError, match=r"no token is left.*bad_words_ids") as refused:
+            await manager.generate(PROMPTS[0], max_new_tokens=4, allowed_token_ids=[5, 6], bad_words_ids=[[5], [6]])
+        assert refused.value.param == "allowed_token_ids"
+        with pytest.raises(aiocb.InvalidRequestError, match=r"no token is left.*min_tokens"):
+            await manager.generate(
+                PROMPTS[0], max_new_tokens=4, allowed_token_ids=[7], stop_token_ids=[7], min_tokens=3
+            )
+        alone = await manager.generate(PROMPTS[1], max_new_tokens=6)
+        for params in ({}, {"temperature": 1.0, "seed": 2}):
+            failed, mate = await asyncio.gather(
+                manager.generate(PROMPTS[0], max_new_tokens=6, allowed_token_ids=[5], no_repeat_ngram_size=1, **params),
+                manager.generate(PROMPTS[1], max_new_tokens=6),
+            )
+            assert failed.generated_tokens == [5], params
+            assert failed.status is aiocb.RequestStatus.FAILED and failed.finish_reason is aiocb.FinishReason.ERROR
+            assert failed.error is not None and "no token is left" in failed.error
+            assert mate.generated_tokens == alone.generated_tokens
+        stats = manager.statistics()
+    assert stats.free_blocks == stats.total_blocks
+
+
 async def test_unsupported_generation_config_fields_are_named() -> None:
     model = MODELS["qwen3"]()
     strict = aiocb.ContinuousBatchingConfig(drop_unsupported_processors=False)

@@ -11,6 +11,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -536,6 +537,34 @@ def test_gpu_realistic_bf16_and_decode_timing(page: int) -> None:
         f"({kv_bytes / per_call_ms / 1e6:.0f} GB/s of KV) for batch {batch} x context {context}"
     )
     assert per_call_ms < 5.0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _CUDA_KERNEL, reason="needs CUDA and a compiled kernel (AIOCB_GPU_TESTS=1)")
+def test_gpu_block_table_widths_and_split_counts_share_one_compiled_kernel() -> None:
+    """An eager step's block table is as wide as its longest row's pages and its split
+    count follows its contexts: neither may make Triton compile the kernels again (it
+    specialises an integer on being 1 and on dividing by 16), which mid-serving stalls
+    the step for a second and the event loop for tens of milliseconds."""
+    from aiocb.runner import triton_attention
+
+    def compiled(kernel: Any) -> int:
+        return sum(len(caches[0]) for caches in kernel.device_caches.values())
+
+    scale = 32**-0.5
+    kernels = ("_paged_attention_kernel", "_merge_splits_kernel")
+    before = {name: compiled(getattr(triton_attention, name)) for name in kernels}
+    # (block tables 2, 4, 16 and 32 pages wide, a padding column included; 1, 2, 3 and 16 splits)
+    for contexts, num_splits in (([10], 1), ([40, 3], 1), ([240, 20], 1), ([40, 3], 2), ([240, 20], 3), ([496], 16)):
+        case = make_case([(n, 1) for n in contexts], dtype=torch.bfloat16, device="cuda", seed=num_splits)
+        want = reference(case, scale, acc=torch.float32)
+        got = run_kernel(case, scale, config=split_config(num_splits))
+        torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    after = {name: compiled(getattr(triton_attention, name)) for name in before}
+    # (one variant each: unsplit and split are the attention kernel's two; fewer when an
+    # earlier test of this process compiled them)
+    assert after["_paged_attention_kernel"] - before["_paged_attention_kernel"] <= 2, after
+    assert after["_merge_splits_kernel"] - before["_merge_splits_kernel"] <= 1, after
 
 
 def _bf16_decode_step(
