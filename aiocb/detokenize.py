@@ -221,9 +221,14 @@ class StopStringMatcher:
 
 class TextTracker:
     """A request's generated text as its tokens arrive, and the stop string that ended it
-    (see :class:`StopStringMatcher` for ``stop``, ``min_tokens`` and ``include_stop_str``)."""
+    (see :class:`StopStringMatcher` for ``stop``, ``min_tokens`` and ``include_stop_str``).
 
-    __slots__ = ("_detokenizer", "_matcher", "_parts", "matched")
+    ``config_stop`` are stop strings with transformers' rules (a ``GenerationConfig``'s
+    ``stop_strings``): found in the text with special tokens (a chat model's
+    ``"<|im_end|>"``), from the first token on, and the text of every token kept.
+    """
+
+    __slots__ = ("_config_stop", "_detokenizer", "_matcher", "_parts", "_seen", "_special_text", "matched")
 
     def __init__(
         self,
@@ -234,9 +239,19 @@ class TextTracker:
         include_stop_str: bool = False,
         skip_special_tokens: bool = True,
         min_tokens: int = 0,
+        config_stop: Sequence[str] = (),
     ) -> None:
         self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=skip_special_tokens)
         self._matcher = StopStringMatcher(stop, min_tokens=min_tokens, include=include_stop_str) if stop else None
+        self._config_stop = tuple(dict.fromkeys(s for s in config_stop if s))
+        #: the text with special tokens, where the released text skips them
+        self._special_text = (
+            IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=False)
+            if self._config_stop and skip_special_tokens
+            else None
+        )
+        #: the end of that text a config stop string could begin in
+        self._seen = ""
         self._parts: list[str] = []
         #: the stop string found, once one was
         self.matched: str | None = None
@@ -252,17 +267,29 @@ class TextTracker:
         """Add the ``num_output_tokens``-th generated token; returns the stop string it completes, if any."""
         if self.matched is not None:
             return None
-        self._release(self._detokenizer.add(token_id), num_output_tokens)
+        piece = self._detokenizer.add(token_id)
+        self._release(piece, num_output_tokens)
+        if self._config_stop and self.matched is None:
+            self._watch(piece if self._special_text is None else self._special_text.add(token_id))
         return self.matched
 
     def finish(self) -> None:
         """The request ended: release the text still held (an incomplete character, a
-        possible stop string's beginning)."""
-        if self.matched is not None:
+        possible stop string's beginning; all of it after a config stop string)."""
+        if self.matched is not None and self._matcher is not None:
             return
         self._release(self._detokenizer.flush(), None)
         if self._matcher is not None and self.matched is None:
             self._parts.append(self._matcher.flush())
+
+    def _watch(self, piece: str) -> None:
+        """Look for a config stop string in the text with special tokens, ``piece`` new."""
+        seen = self._seen + piece
+        found = [(at, stop) for stop in self._config_stop if (at := seen.find(stop)) >= 0]
+        if found:
+            self.matched = min(found)[1]
+        else:
+            self._seen = seen[len(seen) - (max(map(len, self._config_stop)) - 1) :]
 
     def _release(self, piece: str, num_output_tokens: int | None) -> None:
         matcher = self._matcher

@@ -143,6 +143,8 @@ class ConfigDefaults:
     min_length: int | None = None
     suppress_tokens: tuple[int, ...] = ()
     begin_suppress_tokens: tuple[int, ...] = ()
+    #: its ``stop_strings``, which follow transformers' rules (see ``ResolvedParams.config_stop``)
+    stop_strings: tuple[str, ...] = ()
 
 
 #: GenerationConfig fields aiocb cannot honour, with the values that mean "off".
@@ -208,9 +210,6 @@ def config_defaults(
         bad_words_ids=gen.bad_words_ids,
         no_repeat_ngram_size=gen.no_repeat_ngram_size,
         eos_token_id=gen.eos_token_id,
-        # transformers keeps the stop string in the output (it ends on whole tokens)
-        stop=stop_strings,
-        include_stop_str_in_output=True if stop_strings is not None else None,
         timeout=gen.max_time,
         n=gen.num_return_sequences,
     )
@@ -220,7 +219,18 @@ def config_defaults(
         min_length=gen.min_length,
         suppress_tokens=tuple(gen.suppress_tokens or ()),
         begin_suppress_tokens=tuple(gen.begin_suppress_tokens or ()),
+        stop_strings=_config_stop_strings(stop_strings),
     )
+
+
+def _config_stop_strings(value: Any) -> tuple[str, ...]:
+    """A GenerationConfig's ``stop_strings`` (a string or strings; None for none)."""
+    if value is None:
+        return ()
+    strings = [value] if isinstance(value, str) else list(value)
+    if not all(isinstance(s, str) and s for s in strings):
+        raise InvalidRequestError(f"the GenerationConfig's stop_strings must be non-empty strings, got {value!r}")
+    return tuple(strings)
 
 
 def _rare_filters(gen: GenerationConfig, unsupported: list[str]) -> list[float | None]:
@@ -417,6 +427,8 @@ def resolve_params(
         allowed_token_ids=allowed,
         stop=stop,
         include_stop_str_in_output=pick("include_stop_str_in_output", False),
+        # (a request's own stop strings replace the config's, as its other fields do)
+        config_stop=defaults.stop_strings if request.stop is None else (),
         skip_special_tokens=pick("skip_special_tokens", True),
         priority=pick("priority", 0),
         structure=structure,

@@ -64,6 +64,10 @@ class ResolvedParams:
     allowed_token_ids: tuple[int, ...] | None = None
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
+    #: the GenerationConfig's ``stop_strings``, with transformers' rules (when the request
+    #: gives no ``stop``): matched in the text with special tokens, from the first token
+    #: (``min_tokens`` holds off only stop tokens), the text of every token kept
+    config_stop: tuple[str, ...] = ()
     skip_special_tokens: bool = True
     #: lower runs first (admission and preemption order); 0 for every request: arrival order
     priority: int = 0

@@ -265,6 +265,7 @@ class RequestFactory:
             include_stop_str=params.include_stop_str_in_output,
             skip_special_tokens=params.skip_special_tokens,
             min_tokens=params.min_tokens,
+            config_stop=params.config_stop,
         )
 
     def _fresh_id(self, in_use: Container[str]) -> str:

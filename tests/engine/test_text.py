@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from transformers import PreTrainedModel
+import torch
+from transformers import GenerationConfig, PreTrainedModel
 
 import aiocb
 from aiocb.tokenizer_process import PROCESS_PROMPT_CHARS, Tokenized, TokenizerProcess
@@ -147,6 +148,40 @@ async def test_a_stop_string_that_ends_after_min_tokens_counts_where_it_begins(
     assert output.text == texts[k][: texts[k].index(stop, len(texts[k - 1]) - 1)]
 
 
+async def test_a_generation_configs_stop_strings_end_where_generate_ends(
+    model: PreTrainedModel, tokenizer: Any, plain: list[list[int]]
+) -> None:
+    """A GenerationConfig's ``stop_strings`` follow transformers' rules: matched in the text
+    with special tokens (a chat model's ``<|im_end|>``), from the first token on
+    (``min_new_tokens`` holds off only the EOS), the text of every token kept; a request's
+    own ``stop`` replaces them, with its own rules (the stop string left out of ``text``)."""
+    tokens, prompt = plain[5], tokenizer.encode(PROMPTS[5])
+    texts = [tokenizer.decode(tokens[: i + 1]) for i in range(len(tokens))]
+    k = next(k for k in range(2, 10) if len(texts[k]) > len(texts[k - 1]) + 1)
+    in_text = texts[k][len(texts[k - 1]) - 1 : len(texts[k - 1]) + 1]  # (across tokens k - 1 and k)
+    assert in_text not in texts[k - 1]
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    cases = [
+        GenerationConfig(stop_strings=[in_text], min_new_tokens=k + 4),
+        GenerationConfig(stop_strings=["<|im_end|>"], min_new_tokens=3, sequence_bias={(im_end,): 50.0}),
+    ]
+    for config in cases:
+        config.update(do_sample=False, max_new_tokens=NEW, eos_token_id=tokenizer.eos_token_id)
+        ids = model.generate(torch.tensor([prompt]), generation_config=config, tokenizer=tokenizer)
+        expected = ids[0, len(prompt) :].tolist()
+        assert len(expected) < NEW  # (it stopped)
+        async with aiocb.Manager(model, config, tokenizer=tokenizer) as manager:
+            output = await manager.generate(PROMPTS[5])
+            own = await manager.generate(PROMPTS[5], stop=[in_text], min_tokens=0, ignore_eos=True)
+        assert output.generated_tokens == expected, config.stop_strings
+        assert output.finish_reason is aiocb.FinishReason.STOP and output.stop_reason == config.stop_strings[0]
+        assert output.text == tokenizer.decode(expected, skip_special_tokens=True)
+        if config.stop_strings == [in_text]:
+            assert own.generated_tokens == tokens[: k + 1] and own.text == texts[k][: texts[k].index(in_text)]
+        else:  # (<|im_end|> every token: the config's stop string replaced, nothing stops it)
+            assert own.generated_tokens == [im_end] * NEW and own.text == ""
+
+
 async def test_chat_messages_use_the_template(model: PreTrainedModel, tokenizer: Any) -> None:
     messages = [{"role": "user", "content": "Question: What is the capital of France?"}]
     rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -223,7 +258,8 @@ async def test_long_text_and_chat_prompts_are_tokenized_in_the_process(
 
     def spied(self: TokenizerProcess, text: str, **kwargs: Any) -> Tokenized:
         result = encode(self, text, **kwargs)
-        sent.append((kwargs["keep"], len(result.ids)))
+        if len(text) > PROCESS_PROMPT_CHARS:  # (not the probes)
+            sent.append((kwargs["keep"], len(result.ids)))
         return result
 
     monkeypatch.setattr(TokenizerProcess, "encode", spied)
