@@ -50,7 +50,10 @@ class IncrementalDetokenizer:
 
     ``context_ids`` (the prompt) are decoded with the first tokens but never emitted. The
     concatenated deltas, with :meth:`flush` at the end, equal ``tokenizer.decode`` of the
-    added ids.
+    added ids where their bytes are valid UTF-8. Where a byte-fallback tokenizer's (Llama
+    2, Mistral, Gemma) run of byte tokens is not, its decoder turns the whole run into
+    U+FFFD, bytes already streamed as characters among them; the deltas keep those as
+    they were sent (as vLLM's do) and give U+FFFD for the rest.
     """
 
     def __init__(self, tokenizer: Any, context_ids: Sequence[int] = (), *, skip_special_tokens: bool = True) -> None:

@@ -287,6 +287,12 @@ def _drawn_from(
     top_k = torch.where(drawn, params.top_k, 0) if params.any_top_k else None
     top_p = torch.where(drawn, params.top_p, 1.0) if params.any_top_p else None
     processed = filter_chain(processed, top_k, top_p, params.min_p)  # (min-p is 0, off, for greedy rows)
+    # A row sampled with top-k 1 is drawn greedily; transformers' top-k warper leaves its
+    # largest logits alone (ties included), every other token -inf.
+    top_one = ~drawn & (params.top_k == 1)
+    processed = processed.masked_fill(
+        top_one[:, None] & (processed < processed.amax(dim=-1, keepdim=True)), float("-inf")
+    )
     if rare is not None:
         assert params.rare is not None
         chained, ids = rare

@@ -74,8 +74,9 @@ async def test_logprobs_match_log_softmax_of_the_model(qwen3: PreTrainedModel) -
 async def test_processed_logprobs_are_of_the_distribution_drawn_from(qwen3: PreTrainedModel, speculate: bool) -> None:
     """``logprobs_mode="processed"``: transformers' logits processors (penalty, temperature,
     top-k, top-p, min-p; top-h, typical-p, epsilon and eta cutoffs) applied to the model's
-    logits, then a log-softmax; a greedy row's are of its penalised logits; raw rows in the
-    same steps keep the model's own."""
+    logits, then a log-softmax; a greedy row's are of its penalised logits (a row sampled
+    with top-k 1, drawn greedily, has top-k 1's: 0 for its token); raw rows in the same
+    steps keep the model's own."""
     from transformers import (
         MinPLogitsWarper,
         RepetitionPenaltyLogitsProcessor,
@@ -91,6 +92,7 @@ async def test_processed_logprobs_are_of_the_distribution_drawn_from(qwen3: PreT
         {"repetition_penalty": 1.3, "logprobs_mode": "processed"},
         {**sampled, "repetition_penalty": 1.3},
         {**rare, "repetition_penalty": 1.3, "logprobs_mode": "processed"},
+        {"temperature": 0.5, "top_k": 1, "seed": 7, "repetition_penalty": 1.3, "logprobs_mode": "processed"},
     ]
     speculative = aiocb.SpeculativeConfig(prompt_lookup_min=1, disable_by_batch_size=None) if speculate else None
     async with aiocb.Manager(qwen3, speculative_config=speculative) as manager:
@@ -105,6 +107,8 @@ async def test_processed_logprobs_are_of_the_distribution_drawn_from(qwen3: PreT
             given = {k: v for k, v in case.items() if k in rare and k != "seed"}
             config = GenerationConfig(**given, top_k=50, do_sample=True)
             processors += list(qwen3._get_logits_processor(generation_config=config, device="cpu"))
+        elif case.get("top_k") == 1:  # (drawn greedily; its distribution is top-k 1's)
+            processors += [TemperatureLogitsWarper(0.5), TopKLogitsWarper(1)]
         elif "temperature" in case:
             processors += [TemperatureLogitsWarper(0.7), TopKLogitsWarper(20), TopPLogitsWarper(0.9)]
             processors.append(MinPLogitsWarper(0.05))
