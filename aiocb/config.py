@@ -74,7 +74,9 @@ class ContinuousBatchingConfig:
             ``{"disable": True}`` (``torch.compile``'s own switch) keeps it eager. Modes
             that capture CUDA graphs of their own are refused while aiocb's are on.
         default_compile_level: 0 (no compile) to 3; explicit compile configs win.
-        scheduler_type: ``"fifo"`` (decode first) or ``"prefill_first"``.
+        scheduler_type: ``"fifo"`` (decode first) or ``"prefill_first"``. In both, while a
+            request waits that could be admitted, running prompts' chunks take at most half
+            the step's tokens.
         safety_margin: fraction of the cache kept free for running requests: below it no
             new request is admitted; 0.15 for fifo and 0.0 for prefill_first by default.
         return_logprobs: return each generated token's log-probability by default.

@@ -364,6 +364,11 @@ class Scheduler:
             speculation = None  # (not at this batch size)
         drafted: dict[Request, list[int]] = {}
         self._scored_left = self.max_scored_tokens
+        # While a request waits that could be admitted, running prompts' chunks take at
+        # most half the step's tokens: one long prompt must not hold back the short ones
+        # queued behind it for its whole prefill (vLLM's long_prefill_token_threshold does
+        # the like). The step's size is the same: the other half admits them.
+        prefill_room = budget // 2 if self._admission_waits() else budget
         # Most rows of most steps only decode: a short loop plans those, and the general one
         # below the rest (or everything, when a decoding row needs more than its next token).
         rest = None
@@ -387,6 +392,9 @@ class Scheduler:
             num_new = min(len(request.token_ids) + request.num_pending_tokens - computed, budget)
             if forks and request in forks:  # its children fork before the prompt's last token
                 num_new = min(num_new, request.num_prompt_tokens - 1 - computed)
+            prefilling = request.status is RequestStatus.PREFILLING
+            if prefilling:
+                num_new = min(num_new, prefill_room)
             if request.params.prompt_logprobs:
                 num_new = self._within_scored_budget(request, computed, num_new)
             if num_new <= 0 or (request.num_pending_tokens and self._waits_for_token(request)):
@@ -422,6 +430,8 @@ class Scheduler:
                 planned[request] = computed
                 request.num_computed_tokens = computed + num_new
                 budget -= num_new
+                if prefilling:
+                    prefill_room -= num_new
                 if drafts:
                     drafted[request] = drafts
 
@@ -903,6 +913,15 @@ class Scheduler:
             if work >= chunk:
                 work = 0
                 yield  # (the loop's conditions are checked again after it)
+
+    def _admission_waits(self) -> bool:
+        """Whether a waiting request could be admitted this step, cache permitting (the
+        first check of :meth:`_admit`)."""
+        if not self.waiting:
+            return False
+        if self.running and self.kv_cache.free_fraction < self.safety_margin:
+            return False
+        return not self._first_waiting().num_pending_tokens
 
     def _within_scored_budget(self, request: Request, start: int, num_new: int) -> int:
         """``num_new`` cut so that the step scores at most ``max_scored_tokens`` prompt

@@ -429,6 +429,24 @@ def test_admission_is_first_in_first_out() -> None:
     assert big.block_ids == []
 
 
+@pytest.mark.parametrize("scheduler_type", ["fifo", "prefill_first"])
+def test_a_long_prompt_leaves_half_the_step_to_requests_waiting_behind_it(scheduler_type: str) -> None:
+    """While a request waits that could be admitted, running prompts' chunks take half the
+    step's tokens at most: the short request behind a long prompt starts at once, instead
+    of after the long one's whole prefill; with nobody waiting the long prompt has the
+    whole step again."""
+    scheduler = make_scheduler(full_cache(64), budget=16, scheduler_type=scheduler_type)
+    scheduler.add(make_request("long", 100, max_new_tokens=2))
+    assert plan(step(scheduler)[0]) == [("long", 0, 16, False)]  # (nobody waits)
+    scheduler.add(make_request("short", 5, max_new_tokens=2))
+    assert plan(step(scheduler)[0]) == [("long", 16, 8, False), ("short", 0, 5, True)]
+    # (fifo decodes the short one first; prefill_first, prefills first, lets it wait)
+    expected = (
+        [("short", 5, 1, True), ("long", 24, 15, False)] if scheduler_type == "fifo" else [("long", 24, 16, False)]
+    )
+    assert plan(step(scheduler)[0]) == expected
+
+
 def test_admission_stops_at_the_token_budget() -> None:
     scheduler = make_scheduler(full_cache(64), budget=5)
     for name in "abc":
