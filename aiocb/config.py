@@ -64,7 +64,8 @@ class ContinuousBatchingConfig:
         use_cuda_graph: capture and replay CUDA graphs; ``(varlen, decode)`` sets the two
             paths apart. On by default on CUDA for the decode path.
         q_padding_interval_size, kv_padding_interval_size: accepted for compatibility
-            (checked, then unused): aiocb's decode graphs are keyed by padded batch size.
+            (checked, then unused, with a warning when not 0): aiocb captures no graphs of
+            mixed steps, and its decode graphs are keyed by padded batch size.
         varlen_compile_config: ``torch.compile`` keyword arguments for mixed/prefill steps (a
             dict, or a transformers ``CompileConfig``).
         decode_compile_config: ``torch.compile`` keyword arguments for decode-only steps.
@@ -168,6 +169,13 @@ class ContinuousBatchingConfig:
         _check_optional_int(self.max_blocks_per_request, "max_blocks_per_request", minimum=0)
         _check_int(self.q_padding_interval_size, "q_padding_interval_size", minimum=0)
         _check_int(self.kv_padding_interval_size, "kv_padding_interval_size", minimum=0)
+        padded = [n for n in ("q_padding_interval_size", "kv_padding_interval_size") if getattr(self, n)]
+        if padded:
+            logger.warning(
+                "ContinuousBatchingConfig.%s pads transformers' CUDA graphs of mixed steps, which aiocb does not "
+                "capture: it has no effect (aiocb's decode graphs are keyed by padded batch size)",
+                " and ".join(padded),
+            )
         _check_int(self.max_queue_size, "max_queue_size", minimum=0)
         _check_int(self.max_queued_tokens, "max_queued_tokens", minimum=0)
         _check_int(self.default_compile_level, "default_compile_level", minimum=0)

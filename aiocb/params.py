@@ -41,7 +41,11 @@ class SamplingParams:
 
     max_new_tokens: int | None = field(
         default=None,
-        metadata=_doc("tokens to generate at most", "GenerationConfig (its `max_length` counts the prompt), else 20"),
+        metadata=_doc(
+            "tokens to generate at most; with the prompt, within the model's context (beyond it the request is "
+            "refused, as vLLM does, where `generate` only warns)",
+            "GenerationConfig (its `max_length` counts the prompt), else 20",
+        ),
     )
     min_tokens: int | None = field(
         default=None,

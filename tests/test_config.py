@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import logging
 from typing import Any
 
 import pytest
@@ -360,5 +361,31 @@ async def test_the_sizes_a_manager_chose_are_in_its_continuous_batching_config()
         assert chosen.num_blocks == manager.statistics().total_blocks > 0
         assert chosen.max_batch_tokens is not None and chosen.max_requests_per_batch is not None
         assert (chosen.page_size, chosen.max_memory_percent) == (16, 0.01)
+        # (what it runs with on a CPU: no graphs, synchronous steps, 32-block tables)
+        assert (chosen.use_cuda_graph, chosen.use_async_batching, chosen.max_blocks_per_request) == (
+            (False, False),
+            False,
+            32,
+        )
     assert config.num_blocks is None and manager.config is config  # (the given one is left as it was)
     await manager.destroy()
+    async with aiocb.Manager(tiny_qwen3(), continuous_batching_config=ContinuousBatchingConfig()) as manager:
+        chosen = manager.continuous_batching_config
+    assert chosen.max_memory_percent == 0.6  # (the CPU's default share)
+    async with aiocb.Manager(
+        tiny_qwen3(), continuous_batching_config=ContinuousBatchingConfig(use_async_batching=True)
+    ) as manager:
+        assert manager.continuous_batching_config.use_async_batching is True
+
+
+def test_padding_intervals_say_they_have_no_effect(caplog: pytest.LogCaptureFixture) -> None:
+    """transformers pads its graphs of mixed steps by them; aiocb captures none: a value
+    other than 0 is taken with a warning naming it, not silently."""
+    with caplog.at_level(logging.WARNING, logger="aiocb.config"):
+        ContinuousBatchingConfig()
+        assert not caplog.records
+        ContinuousBatchingConfig(kv_padding_interval_size=128)
+    assert [r.getMessage() for r in caplog.records if "no effect" in r.getMessage()] == [
+        "ContinuousBatchingConfig.kv_padding_interval_size pads transformers' CUDA graphs of mixed steps, which "
+        "aiocb does not capture: it has no effect (aiocb's decode graphs are keyed by padded batch size)"
+    ]

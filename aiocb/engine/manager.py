@@ -24,7 +24,7 @@ from typing import Any, Literal, overload
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from aiocb.collector import freeze_alive_objects
-from aiocb.config import ContinuousBatchingConfig, as_config
+from aiocb.config import DEFAULT_MAX_BLOCKS_PER_REQUEST, ContinuousBatchingConfig, as_config
 from aiocb.core.kv_cache import KVCacheManager
 from aiocb.core.request import Request
 from aiocb.core.scheduler import Scheduler
@@ -46,7 +46,7 @@ from aiocb.outputs import FinishReason, GenerationOutput, RequestStatus
 from aiocb.params import STRUCTURE_FIELDS, SamplingParams
 from aiocb.prompts import Prompt, is_large
 from aiocb.runner.distributed import build_runner, driver_layout, tensor_parallel_layout
-from aiocb.runner.memory import scored_rows
+from aiocb.runner.memory import memory_percent, scored_rows
 from aiocb.runner.model_runner import ModelRunner
 from aiocb.sampling import RequestLimits, eos_ids, merged_generation_config
 from aiocb.speculative import SpeculativeConfig, draft_share, load_draft_model
@@ -118,10 +118,17 @@ class Manager:
     many requests are expected at once) helps size the batch. ``speculative_config`` makes
     requests speculate (:class:`~aiocb.SpeculativeConfig`).
 
+    Leaving the ``async with`` block normally stops the manager gracefully (requests still
+    queued or running finish); leaving it by an exception or a cancellation aborts them
+    (``stop(hard_stop=True)``: nobody is left to read them), where transformers' context
+    manager finishes them.
+
     With ``persistent_manager=True`` the manager outlives its ``async with`` block: the
     next ``aiocb.Manager(model, persistent_manager=True)`` on the same model returns the
     same manager (and its cache), even under a new event loop; given another configuration
-    it raises :class:`~aiocb.InvalidConfigError` instead of ignoring it.
+    it raises :class:`~aiocb.InvalidConfigError` naming what differs (transformers'
+    ``generate_batch`` takes a new generation config's ``max_new_tokens`` then, and ignores
+    its other fields; here a request's own parameters are the way to change them).
     """
 
     config: ContinuousBatchingConfig
@@ -225,16 +232,25 @@ class Manager:
 
     @property
     def continuous_batching_config(self) -> ContinuousBatchingConfig:
-        """:attr:`config` with the sizes this manager chose filled in, as transformers'
-        manager shows them: ``num_blocks`` (its largest cache group's), ``max_batch_tokens``
-        and ``max_requests_per_batch``, once its cache exists; before, :attr:`config`."""
-        if self._runner is None:
+        """:attr:`config` with what this manager chose filled in, as transformers' manager
+        shows it, once its cache exists (before, :attr:`config`): ``num_blocks`` (its largest
+        cache group's), ``max_batch_tokens``, ``max_requests_per_batch``,
+        ``max_memory_percent``, ``max_blocks_per_request`` (the block tables' width in the
+        decode graphs and the in-place kernels), ``use_cuda_graph`` (``(varlen, decode)``)
+        and ``use_async_batching``."""
+        runner = self._runner
+        if runner is None:
             return self.config
-        plan = self._runner.plan
+        plan = runner.plan
         resolved = copy.copy(self.config)  # (not replace(): no checks or deprecation warnings again)
         resolved.num_blocks = max(plan.num_blocks)
         resolved.max_batch_tokens = plan.max_batch_tokens
         resolved.max_requests_per_batch = plan.max_requests_per_batch
+        resolved.max_memory_percent = memory_percent(self.config, runner.device)
+        if resolved.max_blocks_per_request is None:
+            resolved.max_blocks_per_request = DEFAULT_MAX_BLOCKS_PER_REQUEST
+        resolved.use_cuda_graph = (False, runner.graphs is not None)
+        resolved.use_async_batching = runner.async_batching
         return resolved
 
     @property

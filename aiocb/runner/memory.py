@@ -61,6 +61,14 @@ def free_memory_bytes(device: torch.device) -> int:
     return host_memory_bytes()
 
 
+def memory_percent(config: ContinuousBatchingConfig, device: torch.device) -> float:
+    """The share of free memory the cache plan takes on ``device``: ``max_memory_percent``,
+    else the device kind's default."""
+    if config.max_memory_percent is not None:
+        return config.max_memory_percent
+    return DEFAULT_MEMORY_PERCENT_CPU if device.type == "cpu" else DEFAULT_MEMORY_PERCENT_ACCELERATOR
+
+
 def host_memory_bytes() -> int:
     """Host memory available now (bytes)."""
     return int(psutil.virtual_memory().available)
@@ -87,15 +95,13 @@ def plan_cache(
     ``max_batch_tokens`` and ``num_blocks`` share one budget (``max_memory_percent`` of
     free memory): the step buffers are reserved first, lowering a default
     ``max_batch_tokens`` if they would take more than a quarter of it, but never below
-    256; the blocks fill the rest unless ``num_blocks`` is given. Each block of a full
+    256; the blocks fill the rest unless ``num_blocks`` is given, which must fit it. Each block of a full
     attention group costs ``extra_bytes_per_block`` more (a draft model's cache, which
     mirrors the target's blocks). With ``speculative``, a step that verifies proposals
     samples ``k + 1`` rows per speculating request: the logits' room counts them.
     """
     page = config.page_size
-    percent = config.max_memory_percent
-    if percent is None:
-        percent = DEFAULT_MEMORY_PERCENT_CPU if spec.device.type == "cpu" else DEFAULT_MEMORY_PERCENT_ACCELERATOR
+    percent = memory_percent(config, spec.device)
     free = free_memory_bytes(spec.device) if free_bytes is None else free_bytes
     budget = int(free * percent)
 
@@ -126,6 +132,17 @@ def plan_cache(
     groups = spec.group_layers()
     if config.num_blocks is not None:
         num_blocks = [config.num_blocks] * len(groups)
+        needed = sum(
+            config.num_blocks
+            * (spec.bytes_per_block(page, len(layers)) + (extra_bytes_per_block if window is None else 0))
+            for window, layers in groups
+        )
+        if needed > remaining:  # (as transformers checks a given size's footprint)
+            raise MemoryError(
+                f"num_blocks={config.num_blocks} needs {needed / 2**30:.2f} GiB of KV cache, more than the "
+                f"{max(remaining, 0) / 2**30:.2f} GiB its memory budget leaves after the step buffers "
+                f"({percent:.0%} of {free / 2**30:.2f} GiB free); lower num_blocks or raise max_memory_percent"
+            )
     else:
         num_blocks = _fill_budget(spec, groups, page, max_requests, remaining, extra_bytes_per_block)
     if min(num_blocks) < 1:

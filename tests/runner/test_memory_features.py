@@ -272,3 +272,23 @@ def test_the_cache_plan_keeps_room_for_the_rows_a_verifying_step_samples(qwen3: 
         plan = plan_cache(spec, config, free_bytes=free, speculative=speculative)
         lost = 3 * 4 * spec.vocab_size * (rows - 64)
         assert plain.num_blocks[0] - plan.num_blocks[0] == pytest.approx(lost / per_block, abs=1), disable
+
+
+async def test_a_given_num_blocks_must_fit_the_memory_budget(qwen3: PreTrainedModel) -> None:
+    """As transformers checks a given cache size's footprint: a ``num_blocks`` beyond what
+    ``max_memory_percent`` of the free memory leaves after the step buffers is refused,
+    naming both, before anything is allocated (not an out-of-memory error later)."""
+    from aiocb.runner.memory import plan_cache
+    from aiocb.runner.model_spec import model_spec
+
+    spec, free = model_spec(qwen3), 2**30
+    sizes = {"max_batch_tokens": 256, "max_requests_per_batch": 8, "max_memory_percent": 0.5}
+    fitted = plan_cache(spec, aiocb.ContinuousBatchingConfig(**sizes), free_bytes=free).num_blocks[0]
+    given = aiocb.ContinuousBatchingConfig(num_blocks=fitted, **sizes)
+    assert plan_cache(spec, given, free_bytes=free).num_blocks == [fitted]
+    with pytest.raises(MemoryError, match=r"num_blocks=.*max_memory_percent"):
+        plan_cache(spec, aiocb.ContinuousBatchingConfig(num_blocks=fitted + 64, **sizes), free_bytes=free)
+    tiny = aiocb.ContinuousBatchingConfig(num_blocks=10**6, max_memory_percent=1e-6)
+    with pytest.raises(MemoryError, match="num_blocks=1000000"):
+        async with aiocb.Manager(qwen3, continuous_batching_config=tiny) as manager:
+            await manager.generate([1, 2, 3], max_new_tokens=2)
