@@ -170,7 +170,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-connections",
         type=int,
         default=UVICORN_DEFAULTS["max_connections"],
-        help="open connections (and tasks) at most; beyond them uvicorn answers a plain 503 (default 4096)",
+        help=(
+            "open connections (and tasks) at most, per API worker; beyond them uvicorn answers a plain 503 "
+            "(default 4096)"
+        ),
     )
     connections.add_argument(
         "--header-timeout",

@@ -46,7 +46,7 @@ from aiocb.server.protocol import (
     parse_tokenize_request,
 )
 from aiocb.server.reasoning import ReasoningSplitter
-from aiocb.server.remote import ServedEngine
+from aiocb.server.remote import RemoteManager, ServedEngine
 from aiocb.server.serving import release
 from aiocb.server.sse import EventStreamResponse, events
 from aiocb.server.tool_parsers import PARSERS, ToolCallParser, detect_parser
@@ -251,15 +251,19 @@ class _Api:
         manager = self.ctx.manager
         if manager.is_running:
             return JSONResponse({"status": "ok"})
-        state = "dead" if manager.is_dead else "stopped"
-        return self.error(APIError(503, f"the engine is {state}", type="service_unavailable"))
+        silence = manager.silence() if isinstance(manager, RemoteManager) else None
+        state = silence or f"the engine is {'dead' if manager.is_dead else 'stopped'}"
+        return self.error(APIError(503, state, type="service_unavailable"))
 
     async def ready(self, request: Request) -> Response:
         """``GET /ready`` (readiness): 200 while the model is loaded, the engine alive and the
         server not draining; 503 otherwise, saying which."""
         manager = self.ctx.manager
+        silence = manager.silence() if isinstance(manager, RemoteManager) else None
         if manager.is_dead:
             reason = "the engine is dead"
+        elif silence is not None:
+            reason = silence
         elif self.ctx.draining:
             reason = "the server is shutting down"
         elif not manager.is_running:

@@ -163,7 +163,7 @@ class EdgeMiddleware:
             return APIError(
                 429,
                 f"the server is handling its limit of {bound} concurrent requests "
-                "(--max-concurrent-requests); retry later",
+                "(--max-concurrent-requests, per API worker); retry later",
                 type="rate_limit_exceeded",
                 code="too_many_concurrent_requests",
             )

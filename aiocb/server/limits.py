@@ -33,7 +33,8 @@ class ServerLimits:
         max_stop_strings: stop strings per request (400 beyond).
         max_stop_string_chars: characters of one stop string (400 beyond).
         max_concurrent_requests: requests on the API routes in flight at once, streams
-            counted until they end; one more gets 429 with ``Retry-After``.
+            counted until they end; one more gets 429 with ``Retry-After``. Each API
+            worker process (``--api-workers``) counts its own.
         max_choices: choices one request may ask for, its prompts times ``n`` (400 beyond).
         max_token_ids: entries of each token-id list or map of a request: ``logit_bias``,
             ``allowed_token_ids``, ``stop_token_ids``, and ``bad_words`` (their words, and

@@ -10,8 +10,10 @@ The two sides speak over a Unix socket, in length-prefixed pickled frames (both 
 this package in processes of one user; the socket lives in a private directory):
 
 - worker to engine: ``("add", keys, input_ids, max_new_tokens, params)`` queues a request
-  (``add_request_nowait``; with many samples ``add_request(wait=False)``, whose samples and
-  streams are made a slice of the loop at a time) with ``len(keys)`` samples, one key each;
+  (``add_request_nowait``; with many samples or an output constraint
+  ``add_request(wait=False)``, which compiles the constraint off the loop and makes the
+  samples and their streams a slice of the loop at a time) with ``len(keys)`` samples,
+  one key each;
   ``("cancel", key)`` cancels one; ``("statistics",)`` asks for the statistics now;
 - engine to worker: ``("hello", EngineInfo)`` once, then ``("batch", [(key, event), ...])``
   with everything that happened to that worker's requests in one turn of the engine's
@@ -54,6 +56,7 @@ from aiocb.errors import (
     WouldBlock,
 )
 from aiocb.outputs import FinishReason, GenerationOutput, RequestStatus
+from aiocb.params import STRUCTURE_FIELDS, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +65,10 @@ _LENGTH = struct.Struct("!I")
 STATS_INTERVAL_S = 0.2
 #: How long a worker waits for the statistics it asked for before it uses the last sent.
 FRESH_STATISTICS_TIMEOUT_S = 1.0
+#: How long the engine may send nothing (its statistics come every ``STATS_INTERVAL_S``)
+#: before a worker takes it for hung: ``/health`` and ``/ready`` answer 503, its open
+#: streams fail and new requests are refused until the engine is heard from again.
+ENGINE_SILENCE_S = 10.0
 #: Bytes written to a worker and not yet read by it beyond which the engine gives up on
 #: it (a stuck worker must not grow the engine's memory without bound).
 MAX_UNREAD_BYTES = 256 * 2**20
@@ -214,11 +221,11 @@ class _WorkerConnection:
         kind = message[0]
         if kind == "add":
             _, keys, input_ids, max_new_tokens, params = message
-            if len(keys) < _SLICED_SAMPLES:
+            if len(keys) < _SLICED_SAMPLES and not _constrained(params):
                 self._add(keys, input_ids, max_new_tokens, params)
             else:
                 self._adding.update(keys)
-                adder = self._loop.create_task(self._add_sliced(keys, input_ids, max_new_tokens, params))
+                adder = self._loop.create_task(self._add_awaited(keys, input_ids, max_new_tokens, params))
                 self._adders.add(adder)
                 adder.add_done_callback(self._adders.discard)
         elif kind == "statistics":
@@ -259,11 +266,13 @@ class _WorkerConnection:
             self._queue(key, ("added",))
             self._pumps[key] = self._loop.create_task(self._pump(key, stream))
 
-    async def _add_sliced(
+    async def _add_awaited(
         self, keys: list[int], input_ids: list[int], max_new_tokens: int | None, params: dict[str, Any]
     ) -> None:
-        """:meth:`_add` for a request with many samples: a thousand samples, their streams
-        and pumps take tens of milliseconds to make, given the loop back a slice at a time."""
+        """:meth:`_add` for a request with many samples or an output constraint: its
+        constraint compiles off the loop (a large one takes seconds), and a thousand
+        samples, their streams and pumps (tens of milliseconds to make) are made a slice
+        of the loop at a time."""
         ids: list[str] = []
         started = 0  # (the samples whose pumps run: they own their requests)
         try:
@@ -361,6 +370,14 @@ class _WorkerConnection:
                 self.writer.write(encode_frame(("stats", manager.statistics(), manager.is_dead)))
 
 
+def _constrained(params: dict[str, Any]) -> bool:
+    """Whether a request's parameters carry an output constraint (compiled on a thread)."""
+    given = params.get("sampling_params")
+    return not params.keys().isdisjoint(STRUCTURE_FIELDS) or (
+        isinstance(given, SamplingParams) and given.structure() is not None
+    )
+
+
 # --------------------------------------------------------------------------- the worker's side
 
 
@@ -403,6 +420,8 @@ class RemoteManager:
         self._statistics = info.statistics
         self._engine_dead = info.is_dead
         self._lost: str | None = None
+        #: set by stop(): requests opened from then on are refused
+        self._stopping = False
         self._streams: dict[int, _StreamState] = {}
         #: callers of fresh_statistics, in the order their questions were sent
         self._asking: collections.deque[asyncio.Future[None]] = collections.deque()
@@ -415,7 +434,10 @@ class RemoteManager:
         # (detokenizing, formatting a chunk) takes tens of microseconds: woken at once they
         # would hold the loop for milliseconds.
         self._waker = Waker()
+        #: when the engine was last heard from (loop time)
+        self._heard = self._loop.time()
         self._receiver = self._loop.create_task(self._receive(), name="aiocb-remote-engine")
+        self._watchdog = self._loop.create_task(self._watch_silence(), name="aiocb-remote-watchdog")
 
     @classmethod
     async def connect(cls, path: str, model_config: Any) -> RemoteManager:
@@ -431,8 +453,13 @@ class RemoteManager:
 
     @property
     def is_running(self) -> bool:
-        """Whether the engine is reachable and its step loop runs."""
-        return self._lost is None and not self._engine_dead and self._statistics.is_running
+        """Whether the engine is reachable, answers, and its step loop runs."""
+        return self._lost is None and not self._engine_dead and self._statistics.is_running and self.silence() is None
+
+    def silence(self) -> str | None:
+        """Why the engine is taken for hung (nothing heard from it for ``ENGINE_SILENCE_S``), or None."""
+        silent = self._loop.time() - self._heard
+        return f"the engine has not answered for {silent:.0f} s" if silent > ENGINE_SILENCE_S else None
 
     @property
     def is_dead(self) -> bool:
@@ -470,18 +497,21 @@ class RemoteManager:
     async def stop(self, timeout: float | None = None) -> None:
         """Drain this worker's requests: wait ``timeout`` seconds (None: for ever) for them to end,
         then cancel the rest, whose streams raise :class:`~aiocb.RequestAbortedError` (as the
-        manager's do after its own drain). The engine keeps running for the other workers."""
+        manager's do after its own drain). The engine keeps running for the other workers.
+        Requests opened from now on are refused with :class:`~aiocb.ManagerClosedError`."""
+        self._stopping = True
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout):
                 await self._idle.wait()
         for key, state in list(self._streams.items()):
             self._cancel(key)
-            state.error = RequestAbortedError(f"the server stopped before the request finished ({timeout} s drain)")
+            state.error = RequestAbortedError(f"its {timeout} s drain ran out")
             self._notify(state)
 
     async def close(self) -> None:
         """Close the connection (the engine cancels whatever this worker still had)."""
         self._receiver.cancel()
+        self._watchdog.cancel()
         self._writer.close()
         with contextlib.suppress(Exception):
             await self._writer.wait_closed()
@@ -505,6 +535,11 @@ class RemoteManager:
         once in the engine): one stream per sample, the request's first."""
         if self._lost is not None:
             raise EngineDeadError(self._lost)
+        if self._stopping:
+            raise ManagerClosedError("the server is shutting down and accepts no new requests")
+        silence = self.silence()
+        if silence is not None:
+            raise EngineDeadError(silence)
         keys = [next(self._keys) for _ in range(n)]
         states = [_StreamState(GenerationOutput(f"remote-{key}", list(input_ids))) for key in keys]
         loop = asyncio.get_running_loop()
@@ -541,6 +576,7 @@ class RemoteManager:
         try:
             while True:
                 message = await read_frame(self._reader)
+                self._heard = self._loop.time()
                 if message[0] == "batch":
                     turn = LoopTurn()  # (a frame may carry hundreds of outputs)
                     for key, event in message[1]:
@@ -560,6 +596,26 @@ class RemoteManager:
             reason = f"unreadable message from the engine: {exc!r}"
         self._lost = reason
         self._fail_all(reason)
+
+    async def _watch_silence(self) -> None:
+        """Fail the open streams once the engine is silent for ``ENGINE_SILENCE_S`` (a hung
+        engine would leave them waiting for ever); their requests are cancelled in the
+        engine, should it wake."""
+        while self._lost is None:
+            await asyncio.sleep(ENGINE_SILENCE_S / 4)
+            silence = self.silence()
+            if silence is None or not self._streams:
+                continue
+            logger.error("%s: failing this worker's %d open streams", silence, len(self._streams))
+            states = list(self._streams.items())
+            for key, _ in states:
+                self._cancel(key)
+            for _, state in states:
+                error = EngineDeadError(silence)
+                state.error = error
+                if state.added is not None and not state.added.done():
+                    state.added.set_exception(error)
+                self._notify(state)
 
     def _dispatch(self, key: int, event: tuple[Any, ...]) -> None:
         state = self._streams.get(key)

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import json
 import math
+import re
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -145,6 +147,62 @@ async def test_a_worker_drain_aborts_what_outlasts_it(manager: aiocb.Manager, re
         await asyncio.wait_for(_last(long), 10)
     stats = await wait_until_idle(manager)
     assert stats.free_blocks == stats.total_blocks
+
+
+async def test_a_worker_refuses_what_comes_after_its_drain_began(manager: aiocb.Manager, remote: RemoteManager) -> None:
+    """A request still being prepared when the drain began (a long prompt tokenizing, say)
+    is refused as the manager refuses it after its stop: it would outlive the drain."""
+    await remote.stop(timeout=1)
+    with pytest.raises(aiocb.ManagerClosedError, match="shutting down"):
+        await remote.open_stream(PROMPTS[0], 2)
+
+
+async def test_a_silent_engine_is_taken_for_hung(
+    manager: aiocb.Manager, tokenizer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine that stops answering (its loop stuck) fails the worker's open streams,
+    turns /health and /ready to 503 saying so, and has new requests refused, until it is
+    heard from again."""
+    monkeypatch.setattr(remote_module, "ENGINE_SILENCE_S", 0.3)
+    speak = asyncio.Event()
+    cancelled: list[int] = []
+
+    async def fake_engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(encode_frame(("hello", EngineInfo(manager.config, manager.statistics(), False))))
+        _, keys, *_ = await read_frame(reader)
+        writer.write(encode_frame(("batch", [(key, ("added",)) for key in keys])))
+        cancelled.append((await read_frame(reader))[1])  # (silent meanwhile: the worker gives up)
+        await speak.wait()
+        writer.write(encode_frame(("stats", manager.statistics(), False)))
+        with contextlib.suppress(ConnectionError):
+            await reader.read()
+        writer.close()
+
+    path = str(tmp_path / "silent-engine.sock")
+    server = await asyncio.start_unix_server(fake_engine, path)
+    worker = await RemoteManager.connect(path, manager.model.config)
+    app = build_app(worker, tokenizer, MODEL_NAME)
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+            stream = await worker.open_stream([1, 2, 3], 4)
+            with pytest.raises(aiocb.EngineDeadError, match="has not answered for"):
+                await asyncio.wait_for(_last(stream), 5)
+            assert cancelled == [0]
+            for path_ in ("/health", "/ready"):
+                answer = await http.get(path_)
+                assert answer.status_code == 503 and "has not answered" in answer.json()["error"]["message"]
+            with pytest.raises(aiocb.EngineDeadError, match="has not answered"):
+                await worker.open_stream([1, 2, 3], 4)
+            speak.set()
+            for _ in range(100):
+                if worker.silence() is None:
+                    break
+                await asyncio.sleep(0.01)
+            assert (await http.get("/health")).status_code == 200
+    finally:
+        await worker.close()
+        server.close()
+        await server.wait_closed()
 
 
 async def test_the_app_over_a_remote_engine_answers_as_over_the_manager(
@@ -388,3 +446,40 @@ async def test_metrics_scraped_through_any_worker_never_go_back(
     finally:
         for worker in workers:
             await worker.close()
+
+
+async def test_a_constrained_request_compiles_off_the_engines_loop(
+    model: Any, tokenizer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An output constraint (a large one compiles for seconds) is compiled on a worker
+    thread, as the manager's awaited add does, not on the engine's loop, whose steps feed
+    every worker's streams; the output keeps to it."""
+    pytest.importorskip("xgrammar")
+    import threading
+
+    from aiocb.structured import GrammarCompiler
+    from tests.server.conftest import serve_config
+
+    compiled_on: list[bool] = []
+    compile_ = GrammarCompiler.compile
+
+    def spied(self: GrammarCompiler, structure: tuple[str, str]) -> Any:
+        if not self.is_cached(structure):  # (a compile, not a lookup)
+            compiled_on.append(threading.current_thread() is threading.main_thread())
+        return compile_(self, structure)
+
+    monkeypatch.setattr(GrammarCompiler, "compile", spied)
+    config = serve_config()
+    async with aiocb.Manager(model, continuous_batching_config=config, grammar_tokenizer=tokenizer) as manager:
+        engine = EngineService(manager)
+        path = str(tmp_path / "engine.sock")
+        await engine.start(path)
+        remote = await RemoteManager.connect(path, model.config)
+        try:
+            prompt = tokenizer.encode("digits: ")
+            output, _ = await _last(await remote.open_stream(prompt, 8, regex="[0-9]{3}", temperature=1.0, seed=1))
+        finally:
+            await remote.close()
+            await engine.close()
+    assert compiled_on == [False], "compiled once, off the loop's thread"
+    assert re.fullmatch("[0-9]{3}", tokenizer.decode(output.generated_tokens, skip_special_tokens=True))
