@@ -292,7 +292,8 @@ class TextTracker:
         if found:
             self.matched = min(found)[1]
         else:
-            self._seen = seen[len(seen) - (max(map(len, self._config_stop)) - 1) :]
+            keep = max(map(len, self._config_stop)) - 1  # (a stop string may begin there)
+            self._seen = seen[max(0, len(seen) - keep) :]
 
     def _release(self, piece: str, num_output_tokens: int | None) -> None:
         matcher = self._matcher

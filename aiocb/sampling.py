@@ -460,10 +460,9 @@ def _refuse_nothing_allowed(
         if ids
     ]
     subject = "every token in allowed_token_ids" if allowed is not None else "every token of the vocabulary"
-    raise InvalidRequestError(
-        f"no token is left to generate: {subject} is banned by {' and '.join(by)}",
-        param="allowed_token_ids" if allowed is not None else "bad_words_ids",
-    )
+    # (the request's own field at fault: the config's bans are no field of the request)
+    param = "allowed_token_ids" if allowed is not None else "min_tokens" if held_stops else "bad_words_ids"
+    raise InvalidRequestError(f"no token is left to generate: {subject} is banned by {' and '.join(by)}", param=param)
 
 
 def _checked_ids(name: str, value: int | Iterable[int], vocab_size: int) -> frozenset[int]:

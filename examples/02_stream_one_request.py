@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import asyncio
 
-import aiocb
+from aiocb import Manager
 from aiocb.default_model import load_default_model
 
 
 async def main() -> None:
     model, tokenizer = load_default_model()
     prompt = "def parse_args(argv):\n    "
-    async with aiocb.Manager(model) as manager:
+    async with Manager(model) as manager:
         request_id = await manager.add_request(tokenizer(prompt).input_ids, max_new_tokens=80, temperature=0.7, seed=0)
         print(prompt, end="", flush=True)
         shown = ""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-import aiocb
+from aiocb import Manager
 from aiocb.default_model import load_default_model
 
 TOOLS = ["read_file", "write_file", "list_dir", "run_tests", "grep"]
@@ -17,7 +17,7 @@ TOOLS = ["read_file", "write_file", "list_dir", "run_tests", "grep"]
 
 async def main(calls: int = 1000) -> None:
     model, tokenizer = load_default_model()
-    async with aiocb.Manager(model) as manager:
+    async with Manager(model) as manager:
 
         async def think(step: int) -> str:
             prompt = f"def {TOOLS[step % len(TOOLS)]}_{step}(path):\n    "

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 
-import aiocb
+from aiocb import Manager
 from aiocb.default_model import load_default_model
 
 QUESTIONS = [
@@ -22,7 +22,7 @@ QUESTIONS = [
 
 async def main() -> None:
     model, tokenizer = load_default_model()
-    async with aiocb.Manager(model) as manager:
+    async with Manager(model) as manager:
 
         async def loglikelihood(context: str, continuation: str) -> float:
             context_ids = tokenizer(context).input_ids

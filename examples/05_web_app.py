@@ -21,11 +21,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-import aiocb
+from aiocb import Manager
 from aiocb.default_model import load_default_model
 
 model, tokenizer = load_default_model()
-manager = aiocb.Manager(model)
+manager = Manager(model)
 
 
 async def complete(request: Request) -> JSONResponse:

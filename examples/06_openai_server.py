@@ -10,7 +10,7 @@ import asyncio
 
 from openai import AsyncOpenAI
 
-import aiocb
+from aiocb import Manager
 from aiocb.default_model import DEFAULT_MODEL_PATH, load_default_model
 from aiocb.server import build_app
 from aiocb.server.connections import local_server
@@ -18,7 +18,7 @@ from aiocb.server.connections import local_server
 
 async def main() -> None:
     model, tokenizer = load_default_model()
-    app = build_app(aiocb.Manager(model), tokenizer, model_name=DEFAULT_MODEL_PATH.name)
+    app = build_app(Manager(model), tokenizer, model_name=DEFAULT_MODEL_PATH.name)
     async with local_server(app) as url, AsyncOpenAI(base_url=f"{url}/v1", api_key="unused") as client:
         reply = await client.completions.create(
             model=DEFAULT_MODEL_PATH.name, prompt="def merge_sort(items):\n", max_tokens=48, temperature=0

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import asyncio
 
-import aiocb
+from aiocb import Manager
 from aiocb.default_model import load_default_model
 
 
 async def main() -> None:
     model, tokenizer = load_default_model()
     ids = tokenizer("def handle_request(self, request):\n    ").input_ids
-    async with aiocb.Manager(model) as manager:
+    async with Manager(model) as manager:
         greedy, cool, hot, seeded = await asyncio.gather(
             manager.generate(ids, max_new_tokens=32),
             manager.generate(ids, max_new_tokens=32, temperature=0.3, top_p=0.9, seed=1),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import aiocb
+from aiocb import Manager
 from aiocb.default_model import load_default_model
 
 SYSTEM = '''"""Utilities for the project's command-line tools.
@@ -24,7 +25,7 @@ async def run(sharing: bool) -> aiocb.ManagerStatistics:
     model, tokenizer = load_default_model()
     config = aiocb.ContinuousBatchingConfig(page_size=16, allow_block_sharing=sharing)
     prompts = [tokenizer(SYSTEM + task).input_ids for task in TASKS * 4]
-    async with aiocb.Manager(model, continuous_batching_config=config) as manager:
+    async with Manager(model, continuous_batching_config=config) as manager:
         outputs = await manager.generate_batch(prompts, max_new_tokens=24)
         stats = manager.statistics()
     if sharing:

@@ -11,12 +11,13 @@ from __future__ import annotations
 import asyncio
 
 import aiocb
+from aiocb import Manager
 from aiocb.default_model import load_default_model
 
 
 async def main() -> None:
     model, tokenizer = load_default_model()
-    async with aiocb.Manager(model, tokenizer=tokenizer) as manager:
+    async with Manager(model, tokenizer=tokenizer) as manager:
         # Stop at the end of the function; the penalty keeps the model from looping.
         params = aiocb.SamplingParams(max_new_tokens=96, stop="\n\n", repetition_penalty=1.3)
         output = await manager.generate("def parse_header(line):\n", sampling_params=params)

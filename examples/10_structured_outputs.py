@@ -13,7 +13,7 @@ import json
 
 from pydantic import BaseModel, Field
 
-import aiocb
+from aiocb import Manager
 from aiocb.default_model import load_default_model
 
 
@@ -25,7 +25,7 @@ class Task(BaseModel):
 
 async def main() -> None:
     model, tokenizer = load_default_model()
-    async with aiocb.Manager(model, tokenizer=tokenizer) as manager:
+    async with Manager(model, tokenizer=tokenizer) as manager:
         # A pydantic model as the schema: the text parses back into it.
         tasks = await manager.generate("todo = ", max_new_tokens=96, json_schema=Task, temperature=1.0, seed=0, n=3)
         for sample in tasks:

@@ -20,7 +20,7 @@ from typing import Any
 from openai import AsyncOpenAI
 from pydantic import BaseModel, Field
 
-import aiocb
+from aiocb import Manager
 from aiocb.default_model import DEFAULT_MODEL_PATH, load_default_model
 from aiocb.server import build_app
 from aiocb.server.connections import local_server
@@ -107,7 +107,7 @@ async def agent(client: AsyncOpenAI, question: str, seed: int, rounds: int = 2) 
 
 async def main() -> None:
     model, tokenizer = load_default_model()
-    manager = aiocb.Manager(model, grammar_tokenizer=tokenizer)  # (the vocabulary for constraints)
+    manager = Manager(model, grammar_tokenizer=tokenizer)  # (the vocabulary for constraints)
     app = build_app(manager, tokenizer, model_name=MODEL)  # tool-call format: detected from the template
     async with local_server(app) as url, AsyncOpenAI(base_url=f"{url}/v1", api_key="unused") as client:
         questions = [f"Is it warm in {city}? Answer in Fahrenheit." for city in CITIES]

@@ -24,6 +24,7 @@ from transformers import PreTrainedModel
 
 import aiocb
 import aiocb.distributed
+from aiocb import Manager
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,"]
 
@@ -56,7 +57,7 @@ async def serve(
     model: PreTrainedModel, prompts: list[list[int]], config: aiocb.ContinuousBatchingConfig
 ) -> list[list[int]]:
     """Rank 0: what a server would do, with a few concurrent requests."""
-    async with aiocb.Manager(model, continuous_batching_config=config) as manager:
+    async with Manager(model, continuous_batching_config=config) as manager:
         started = time.perf_counter()
         outputs = await asyncio.gather(*(manager.generate(ids, max_new_tokens=24) for ids in prompts))
         print(f"{len(outputs)} requests in {time.perf_counter() - started:.2f} s")

@@ -32,6 +32,7 @@ from typing import Any, TextIO
 import torch
 
 import aiocb
+from aiocb import Manager
 from aiocb.default_model import load_default_model
 
 #: Openings of Python code for the model to continue.
@@ -206,7 +207,7 @@ async def _demo(args: argparse.Namespace, out: TextIO, *, live: bool) -> int:
     slots = [_Slot() for _ in range(args.concurrency)]
     tally = _Tally()
     glyphs = _Glyphs.for_stream(out)
-    async with aiocb.Manager(model, continuous_batching_config=config, num_requests_hint=args.concurrency) as manager:
+    async with Manager(model, continuous_batching_config=config, num_requests_hint=args.concurrency) as manager:
         # One short request first: the first forward pass pays one-off costs (allocation,
         # kernel selection, CUDA graph capture) that would otherwise distort the timings.
         await manager.generate(tokenizer.encode(PROMPTS[0]), max_new_tokens=2, seed=args.seed)

@@ -368,7 +368,7 @@ class Scheduler:
         # most half the step's tokens: one long prompt must not hold back the short ones
         # queued behind it for its whole prefill (vLLM's long_prefill_token_threshold does
         # the like). The step's size is the same: the other half admits them.
-        prefill_room = budget // 2 if self._admission_waits() else budget
+        prefill_room = budget // 2 if self._admission_waits(budget // 2) else budget
         # Most rows of most steps only decode: a short loop plans those, and the general one
         # below the rest (or everything, when a decoding row needs more than its next token).
         rest = None
@@ -914,14 +914,19 @@ class Scheduler:
                 work = 0
                 yield  # (the loop's conditions are checked again after it)
 
-    def _admission_waits(self) -> bool:
-        """Whether a waiting request could be admitted this step, cache permitting (the
-        first check of :meth:`_admit`)."""
-        if not self.waiting:
+    def _admission_waits(self, room: int) -> bool:
+        """Whether the first waiting request could be admitted this step with ``room``
+        tokens: a row left, the cache above its margin, blocks for its first chunk free
+        (:meth:`_admit`'s conditions, before the step's own allocations; prefix hits not
+        counted)."""
+        if not self.waiting or len(self.running) >= self.max_requests_per_batch:
             return False
         if self.running and self.kv_cache.free_fraction < self.safety_margin:
             return False
-        return not self._first_waiting().num_pending_tokens
+        first = self._first_waiting()
+        if first.num_pending_tokens:
+            return False
+        return self.kv_cache.has_room(first, min(first.num_tokens - first.num_computed_tokens, max(room, 1)))
 
     def _within_scored_budget(self, request: Request, start: int, num_new: int) -> int:
         """``num_new`` cut so that the step scores at most ``max_scored_tokens`` prompt

@@ -1221,7 +1221,7 @@ def _progress_bar(total: int) -> Any:
 
 
 # Torch and transformers are imported by now: their objects go out of the collector's view
-# here, at import (commonly at the top of a program, before its event loop runs), so that
+# here, at import (at the top of a program, before its event loop runs, as the README asks), so that
 # the first manager's own freeze, which may come on a running loop, has only the model
 # and what came after it to collect.
 freeze_alive_objects()

@@ -116,6 +116,8 @@ def plan_cache(
     else:
         max_requests = min(num_requests_hint or DEFAULT_MAX_REQUESTS_PER_BATCH, DEFAULT_MAX_REQUESTS_PER_BATCH)
     max_requests = max(1, min(max_requests, max_batch_tokens))
+    if config.num_blocks is not None:  # (no more requests than its tokens: the clamp below, made first)
+        max_requests = min(max_requests, config.num_blocks * page)
 
     # fp32 logits of every sampled row, plus the sampler's noise and sort buffers (and the
     # float32 log-softmax of scored prompt positions, taken that many rows at a time), and
@@ -139,9 +141,11 @@ def plan_cache(
         )
         if needed > remaining:  # (as transformers checks a given size's footprint)
             raise MemoryError(
-                f"num_blocks={config.num_blocks} needs {needed / 2**30:.2f} GiB of KV cache, more than the "
-                f"{max(remaining, 0) / 2**30:.2f} GiB its memory budget leaves after the step buffers "
-                f"({percent:.0%} of {free / 2**30:.2f} GiB free); lower num_blocks or raise max_memory_percent"
+                f"num_blocks={config.num_blocks} needs {needed / 2**20:,.1f} MiB of KV cache, more than the "
+                f"{max(remaining, 0) / 2**20:,.1f} MiB left of the memory budget ({percent:.0%} of "
+                f"{free / 2**20:,.0f} MiB free) after the step buffers ({(budget - remaining) / 2**20:,.1f} MiB for "
+                f"max_batch_tokens={max_batch_tokens} and max_requests_per_batch={max_requests}); lower num_blocks "
+                "or those, or raise max_memory_percent"
             )
     else:
         num_blocks = _fill_budget(spec, groups, page, max_requests, remaining, extra_bytes_per_block)

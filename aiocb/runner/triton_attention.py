@@ -737,6 +737,8 @@ def _merge_partitions(
         out.stride(1),
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=max(16, _next_pow2(head_dim)),
-        SPLITS_PAD=max(2, _next_pow2(num_splits)),
+        # (one variant for every count up to MAX_SPLITS: a constexpr per count would be
+        # compiled mid-serving the first time a step split that many ways)
+        SPLITS_PAD=max(MAX_SPLITS, _next_pow2(num_splits)),
         num_warps=4 if head_dim > 64 else 2,
     )

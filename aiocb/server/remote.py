@@ -538,8 +538,8 @@ class RemoteManager:
         if self._stopping:
             raise ManagerClosedError("the server is shutting down and accepts no new requests")
         silence = self.silence()
-        if silence is not None:
-            raise EngineDeadError(silence)
+        if silence is not None:  # (503, as /health says: it may yet answer)
+            raise ManagerClosedError(silence)
         keys = [next(self._keys) for _ in range(n)]
         states = [_StreamState(GenerationOutput(f"remote-{key}", list(input_ids))) for key in keys]
         loop = asyncio.get_running_loop()

@@ -447,6 +447,29 @@ def test_a_long_prompt_leaves_half_the_step_to_requests_waiting_behind_it(schedu
     assert plan(step(scheduler)[0]) == expected
 
 
+def test_a_long_prompt_keeps_the_whole_step_while_nothing_waiting_could_be_admitted() -> None:
+    """The cap is for admitting what waits: with the batch's rows all taken, or no blocks
+    for the waiting request's first chunk, the running prompt keeps the whole step."""
+    rows_taken = make_scheduler(full_cache(64), budget=16, max_requests=1)
+    rows_taken.add(make_request("long", 100, max_new_tokens=2))
+    step(rows_taken)
+    rows_taken.add(make_request("short", 5))
+    assert [plan(step(rows_taken)[0]) for _ in range(2)] == [[("long", 16, 16, False)], [("long", 32, 16, False)]]
+    no_blocks = make_scheduler(full_cache(64), budget=16)
+    no_blocks.add(make_request("long", 100, max_new_tokens=2))
+    step(no_blocks)
+    no_blocks.add(make_request("big", 12))
+    asked: list[tuple[str, int]] = []
+
+    def no_room(request: Request, num_new_tokens: int, spare: int = 0) -> bool:
+        asked.append((request.request_id, num_new_tokens))
+        return False
+
+    with mock.patch.object(no_blocks.kv_cache, "has_room", no_room):
+        assert plan(no_blocks.schedule()) == [("long", 16, 16, False)]
+    assert asked == [("big", 8)]  # (its first chunk: the half step it would get)
+
+
 def test_admission_stops_at_the_token_budget() -> None:
     scheduler = make_scheduler(full_cache(64), budget=5)
     for name in "abc":

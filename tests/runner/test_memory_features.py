@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import random
 
@@ -108,7 +109,10 @@ async def test_a_host_pool_larger_than_the_safety_threshold_is_clamped_to_it(
 ) -> None:
     prompts = random_prompts(12, 40, 100, seed=25)
     six_blocks = 6 * (2 * 2 * 16 * 2 * 16 * 4)  # (as above: room for 6 blocks)
-    # A host whose available memory's half is those six blocks, and a pool asked of 1,000 GiB.
+    # A host whose available memory's half is those six blocks, and a pool asked of 1,000 GiB
+    # (the device's cache, on this CPU, still planned from what is really free).
+    available = memory.free_memory_bytes(torch.device("cpu"))
+    monkeypatch.setattr(memory, "free_memory_bytes", lambda device: available)
     monkeypatch.setattr(memory, "host_memory_bytes", lambda: 2 * six_blocks)
     config = aiocb.ContinuousBatchingConfig(
         page_size=16, num_blocks=24, cpu_offload_space=1000.0, cpu_offload_space_safety_threshold=0.5, safety_margin=0.0
@@ -288,6 +292,11 @@ async def test_a_given_num_blocks_must_fit_the_memory_budget(qwen3: PreTrainedMo
     assert plan_cache(spec, given, free_bytes=free).num_blocks == [fitted]
     with pytest.raises(MemoryError, match=r"num_blocks=.*max_memory_percent"):
         plan_cache(spec, aiocb.ContinuousBatchingConfig(num_blocks=fitted + 64, **sizes), free_bytes=free)
+    # A small cache holds fewer requests than the default count: the step buffers are
+    # reckoned for those (the logits of 32 rows of a 151,936-token vocabulary, not 1,024).
+    small = aiocb.ContinuousBatchingConfig(num_blocks=2, page_size=16, max_batch_tokens=256, max_memory_percent=0.6)
+    wide = dataclasses.replace(spec, vocab_size=151_936)
+    assert plan_cache(wide, small, free_bytes=free).max_requests_per_batch == 32
     tiny = aiocb.ContinuousBatchingConfig(num_blocks=10**6, max_memory_percent=1e-6)
     with pytest.raises(MemoryError, match="num_blocks=1000000"):
         async with aiocb.Manager(qwen3, continuous_batching_config=tiny) as manager:

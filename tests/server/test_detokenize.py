@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from aiocb.detokenize import IncrementalDetokenizer, StopStringMatcher
+from aiocb.detokenize import IncrementalDetokenizer, StopStringMatcher, TextTracker
 from tests.server.conftest import build_byte_fallback_tokenizer
 
 TEXTS = [
@@ -115,6 +115,23 @@ def test_a_stop_string_may_begin_in_the_first_min_tokens_but_not_end_there() -> 
     released = [matcher.feed("a", 1), matcher.feed("bc", 2), matcher.feed("e", 3), matcher.feed("ab", 4)]
     assert matcher.matched == "ab"
     assert "".join(released) == "abce"
+
+
+@pytest.mark.parametrize("stop", ["Observation:", "fox Observation:", "brown fox Observation:", "x O"])
+def test_config_stop_strings_are_found_across_any_number_of_tokens(tokenizer: Any, stop: str) -> None:
+    """A GenerationConfig's stop string spanning several tokens ends the text at the token
+    that completes it, whatever the lengths of the text seen before; the text keeps every
+    token's text (transformers' rules)."""
+    text = " the quick brown fox Observation: done"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    ends = [len(tokenizer.decode(ids[: n + 1])) for n in range(len(ids))]
+    completing = next(n for n, end in enumerate(ends) if text.index(stop) + len(stop) <= end)
+    assert text.index(stop) < ends[completing - 1], "it begins in an earlier token"
+    tracker = TextTracker(tokenizer, [], config_stop=[stop])
+    matched = [tracker.add(token, n) for n, token in enumerate(ids[: completing + 1], 1)]
+    assert matched == [None] * completing + [stop]
+    tracker.finish()
+    assert tracker.text == tokenizer.decode(ids[: completing + 1])
 
 
 def test_no_stop_strings_passes_text_through() -> None:

@@ -191,7 +191,7 @@ async def test_a_silent_engine_is_taken_for_hung(
             for path_ in ("/health", "/ready"):
                 answer = await http.get(path_)
                 assert answer.status_code == 503 and "has not answered" in answer.json()["error"]["message"]
-            with pytest.raises(aiocb.EngineDeadError, match="has not answered"):
+            with pytest.raises(aiocb.ManagerClosedError, match="has not answered"):
                 await worker.open_stream([1, 2, 3], 4)
             speak.set()
             for _ in range(100):
