@@ -75,12 +75,12 @@ async def test_the_process_is_used_only_where_it_tokenizes_alike_and_off_the_loo
     """Not from an event loop's thread (the loop must not wait for a worker's long prompt
     there), not for a tokenizer whose copy tokenizes otherwise (``split_special_tokens``
     is not in the copy); made again once the tokenizer gained tokens, never once closed."""
-    used: list[int] = []
+    used: list[TokenizerProcess] = []  # (the objects: an id may be reused once one is freed)
     encode = TokenizerProcess.encode
 
     def spied(self: TokenizerProcess, text: str, **kwargs: Any) -> Tokenized:
         if len(text) > PROCESS_PROMPT_CHARS:  # (not the probes)
-            used.append(id(self))
+            used.append(self)
         return encode(self, text, **kwargs)
 
     monkeypatch.setattr(TokenizerProcess, "encode", spied)
@@ -97,7 +97,7 @@ async def test_the_process_is_used_only_where_it_tokenizes_alike_and_off_the_loo
         kept = await asyncio.to_thread(
             encode_kept, text + "<|new|>", grown, processes, add_special_tokens=True, keep=2, limit=None
         )
-        assert kept.ids[-1] == grown.convert_tokens_to_ids("<|new|>") and len(set(used)) == 2  # (a new copy)
+        assert kept.ids[-1] == grown.convert_tokens_to_ids("<|new|>") and len(set(map(id, used))) == 2  # (a new copy)
         child = processes._process._child  # type: ignore[union-attr]
         processes.close()
         assert child is not None and child.poll() is not None
