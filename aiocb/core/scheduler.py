@@ -977,11 +977,6 @@ def wants_prompt_logprobs(request: Request, start: int) -> bool:
     return request.params.prompt_logprobs and start < request.num_prompt_tokens - 1
 
 
-#: Prompt logprobs recorded (positions times one plus their alternatives) that count as one
-#: request's worth of update work: a chunk whose requests record thousands of them (a
-#: prefill chunk of a long prompt, twenty alternatives a position) ends sooner.
-_PROMPT_ENTRIES_PER_WORK = 64
-
 #: the error of a constrained request whose other controls leave its grammar no token
 _CONSTRAINT_CONFLICT = (
     "no token satisfies both the request's output constraint and its other controls "
@@ -993,6 +988,11 @@ _NOTHING_ALLOWED = (
     "no token is left to generate: the request's controls (allowed_token_ids, bad_words_ids, "
     "no_repeat_ngram_size, min_tokens, ...) ban every token at this step"
 )
+
+#: Prompt logprobs recorded (positions times one plus their alternatives) that count as one
+#: request's worth of update work: a chunk whose requests record thousands of them (a
+#: prefill chunk of a long prompt, twenty alternatives a position) ends sooner.
+_PROMPT_ENTRIES_PER_WORK = 64
 
 #: Prompt logprobs recorded between two of the update's pauses at most (about 0.25 ms
 #: with twenty alternatives a position on this project's CPU machine).
