@@ -20,3 +20,10 @@ def freeze_alive_objects() -> None:
     no garbage is frozen."""
     gc.collect()
     gc.freeze()
+
+
+def thaw_frozen_objects() -> None:
+    """Undo :func:`freeze_alive_objects`: everything frozen back in the collector's view,
+    then a full collection (the cycles among them that died while frozen are freed)."""
+    gc.unfreeze()
+    gc.collect()

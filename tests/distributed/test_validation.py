@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -149,3 +150,32 @@ def test_generate_batch_s_argument_fingerprint_is_the_same_in_every_process() ->
     ]
     digests = {run.communicate(timeout=300)[0].strip() for run in runs}
     assert len(digests) == 1 and len(next(iter(digests))) == 64, digests
+
+
+_THAW = """
+import gc, json, os, socket
+import torch.distributed as dist
+import aiocb.distributed
+from aiocb import Manager  # (its import freezes torch's and transformers' objects)
+
+frozen = gc.get_freeze_count()
+aiocb.distributed.shutdown()  # (no process group: nothing to thaw)
+without_group = gc.get_freeze_count()
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+aiocb.distributed.shutdown()
+print(json.dumps([frozen, without_group, gc.get_freeze_count()]))
+dist.destroy_process_group()
+"""
+
+
+def test_shutdown_puts_what_aiocb_froze_back_in_the_collectors_view() -> None:
+    """Frozen cycles keep what they refer to of torch.distributed alive past
+    destroy_process_group(), to be torn down at exit: shutdown() thaws and collects them
+    in a process group (and leaves the freeze alone without one)."""
+    run = subprocess.run([sys.executable, "-c", _THAW], capture_output=True, text=True, timeout=120, check=False)
+    assert run.returncode == 0, run.stderr
+    frozen, without_group, after = json.loads(run.stdout.strip().splitlines()[-1])
+    assert frozen > 100_000 and without_group == frozen and after == 0
