@@ -321,6 +321,14 @@ def check_names(fields: Mapping[str, Any]) -> None:
 STRUCTURE_FIELDS: tuple[str, ...] = ("json_schema", "regex", "choice", "grammar", "structural_tag")
 
 
+def asks_for_structure(sampling_params: Any, params: Mapping[str, Any]) -> bool:
+    """Whether a request's parameters (a ``SamplingParams`` and keyword fields) carry an
+    output constraint, whose compile belongs off the event loop."""
+    return not params.keys().isdisjoint(STRUCTURE_FIELDS) or (
+        isinstance(sampling_params, SamplingParams) and sampling_params.structure() is not None
+    )
+
+
 def _json_schema(value: Any) -> str | None:
     """A JSON schema given as a dict, JSON text or pydantic model class, as JSON text."""
     if isinstance(value, type):

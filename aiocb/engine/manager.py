@@ -43,7 +43,7 @@ from aiocb.errors import (
     WrongEventLoopError,
 )
 from aiocb.outputs import FinishReason, GenerationOutput, RequestStatus
-from aiocb.params import STRUCTURE_FIELDS, SamplingParams
+from aiocb.params import SamplingParams, asks_for_structure
 from aiocb.prompts import Prompt, is_large
 from aiocb.runner.distributed import build_runner, driver_layout, tensor_parallel_layout
 from aiocb.runner.memory import memory_percent, scored_rows
@@ -992,9 +992,7 @@ class Manager:
         compiling done off the loop where they are long."""
         await self._until_started()
         self._check_accepting()  # (before the first start: the runner whose vocabulary constraints use)
-        structured = not params.keys().isdisjoint(STRUCTURE_FIELDS) or (
-            isinstance(sampling_params, SamplingParams) and sampling_params.structure() is not None
-        )
+        structured = asks_for_structure(sampling_params, params)
         # (merged here only when needed: the build merges again, from its cache for a SamplingParams)
         merged = structured or is_large(input_ids)
         requested = self._requests.merged(sampling_params, max_new_tokens, params) if merged else None

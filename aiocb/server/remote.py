@@ -56,7 +56,7 @@ from aiocb.errors import (
     WouldBlock,
 )
 from aiocb.outputs import FinishReason, GenerationOutput, RequestStatus
-from aiocb.params import STRUCTURE_FIELDS, SamplingParams
+from aiocb.params import asks_for_structure
 
 logger = logging.getLogger(__name__)
 
@@ -221,7 +221,7 @@ class _WorkerConnection:
         kind = message[0]
         if kind == "add":
             _, keys, input_ids, max_new_tokens, params = message
-            if len(keys) < _SLICED_SAMPLES and not _constrained(params):
+            if len(keys) < _SLICED_SAMPLES and not asks_for_structure(params.get("sampling_params"), params):
                 self._add(keys, input_ids, max_new_tokens, params)
             else:
                 self._adding.update(keys)
@@ -368,14 +368,6 @@ class _WorkerConnection:
                 await asyncio.sleep(STATS_INTERVAL_S)
                 manager = self.manager
                 self.writer.write(encode_frame(("stats", manager.statistics(), manager.is_dead)))
-
-
-def _constrained(params: dict[str, Any]) -> bool:
-    """Whether a request's parameters carry an output constraint (compiled on a thread)."""
-    given = params.get("sampling_params")
-    return not params.keys().isdisjoint(STRUCTURE_FIELDS) or (
-        isinstance(given, SamplingParams) and given.structure() is not None
-    )
 
 
 # --------------------------------------------------------------------------- the worker's side
