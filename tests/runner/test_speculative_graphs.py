@@ -72,7 +72,7 @@ async def _serve(
     speculative: aiocb.SpeculativeConfig | None, model: Any, **params: Any
 ) -> tuple[list[list[int]], ModelRunner, Any]:
     config = aiocb.ContinuousBatchingConfig(
-        page_size=16, num_blocks=96, max_requests_per_batch=8, decode_compile_config={"disable": True}
+        page_size=16, num_blocks=96, max_requests_per_batch=4, decode_compile_config={"disable": True}
     )
     async with aiocb.Manager(model, continuous_batching_config=config, speculative_config=speculative) as manager:
         runner = manager._runner
@@ -99,7 +99,7 @@ async def test_steps_with_proposals_replay_graphs_and_equal_no_speculation(
     assert stats.accepted_draft_tokens > 0
     graphs = runner.graphs
     assert graphs is not None
-    assert graphs.widths == ([2, 3, 5] if method == "ngram" else [2, 3, 4]) and graphs.wide_buckets == [1, 2, 4, 8]
+    assert graphs.widths == ([2, 3, 5] if method == "ngram" else [2, 3, 4]) and graphs.wide_buckets == [1, 2, 4]
     # Every graph before the first step, none after.
     assert graphs.captures == len(graphs.keys)
     captured = len(graphs.keys)
@@ -115,7 +115,7 @@ async def test_steps_with_proposals_replay_graphs_and_equal_no_speculation(
         assert drafter.graphs.wide_replays > 0 and _replays(drafter.graphs, 1) > 0
         # (its graphs keep one token's logits a row, the target's every token's)
         assert drafter.graphs._logits_out is not None and graphs._logits_out is not None
-        assert drafter.graphs._logits_out.shape[0] == 8 and graphs._logits_out.shape[0] == 8 * 4
+        assert drafter.graphs._logits_out.shape[0] == 4 and graphs._logits_out.shape[0] == 4 * 4
         assert len(checked_replays) == graphs.wide_replays + drafter.graphs.wide_replays
         assert stats.accepted_draft_tokens == stats.draft_tokens  # (a copy of the model)
     else:
