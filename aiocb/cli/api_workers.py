@@ -93,6 +93,7 @@ async def _engine(args: argparse.Namespace, manager: Any, listener: socket.socke
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     manager.start()
+    await manager.wait_started()  # (a runner that cannot be built ends the server here)
     service = EngineService(manager)
     engine_socket = str(workdir / "engine.sock")
     await service.start(engine_socket)

@@ -46,8 +46,9 @@ from aiocb.outputs import FinishReason, GenerationOutput, RequestStatus
 from aiocb.params import SamplingParams, asks_for_structure
 from aiocb.prompts import Prompt, is_large
 from aiocb.runner.distributed import build_runner, driver_layout, tensor_parallel_layout
-from aiocb.runner.memory import memory_percent, scored_rows
-from aiocb.runner.model_runner import ModelRunner
+from aiocb.runner.memory import CachePlan, memory_percent, scored_rows
+from aiocb.runner.model_runner import ModelRunner, runner_plan
+from aiocb.runner.model_spec import ModelSpec
 from aiocb.sampling import RequestLimits, eos_ids, merged_generation_config
 from aiocb.speculative import SpeculativeConfig, draft_share, load_draft_model
 
@@ -187,6 +188,9 @@ class Manager:
         #: the outcome of the last start under tensor parallelism (None: none yet)
         self._starting: asyncio.Future[None] | None = None
         self._runner: ModelRunner | None = None
+        #: on one process, the layout and cache plan of the session's runner, known before
+        #: the runner is built off the loop (see :meth:`_make_steps`)
+        self._layout: tuple[ModelSpec, CachePlan] | None = None
         self._steps: StepLoop | None = None
         #: the timers that end those with a timeout at their deadline
         self._deadline_timers: list[asyncio.TimerHandle] = []
@@ -233,24 +237,27 @@ class Manager:
     @property
     def continuous_batching_config(self) -> ContinuousBatchingConfig:
         """:attr:`config` with what this manager chose filled in, as transformers' manager
-        shows it, once its cache exists (before, :attr:`config`): ``num_blocks`` (its largest
-        cache group's), ``max_batch_tokens``, ``max_requests_per_batch``,
-        ``max_memory_percent``, ``max_blocks_per_request`` (the block tables' width in the
-        decode graphs and the in-place kernels), ``use_cuda_graph`` (``(varlen, decode)``)
-        and ``use_async_batching``."""
+        shows it, once its cache is planned (at the first request or start; before,
+        :attr:`config`): ``num_blocks`` (its largest cache group's), ``max_batch_tokens``,
+        ``max_requests_per_batch``, ``max_memory_percent``, ``max_blocks_per_request`` (the
+        block tables' width in the decode graphs and the in-place kernels), and once the
+        runner is built (:meth:`wait_started`) ``use_cuda_graph`` (``(varlen, decode)``) and
+        ``use_async_batching``."""
         runner = self._runner
-        if runner is None:
+        layout = (runner.spec, runner.plan) if runner is not None else self._layout
+        if layout is None:
             return self.config
-        plan = runner.plan
+        spec, plan = layout
         resolved = copy.copy(self.config)  # (not replace(): no checks or deprecation warnings again)
         resolved.num_blocks = max(plan.num_blocks)
         resolved.max_batch_tokens = plan.max_batch_tokens
         resolved.max_requests_per_batch = plan.max_requests_per_batch
-        resolved.max_memory_percent = memory_percent(self.config, runner.device)
+        resolved.max_memory_percent = memory_percent(self.config, spec.device)
         if resolved.max_blocks_per_request is None:
             resolved.max_blocks_per_request = DEFAULT_MAX_BLOCKS_PER_REQUEST
-        resolved.use_cuda_graph = (False, runner.graphs is not None)
-        resolved.use_async_batching = runner.async_batching
+        if runner is not None:
+            resolved.use_cuda_graph = (False, runner.graphs is not None)
+            resolved.use_async_batching = runner.async_batching
         return resolved
 
     @property
@@ -265,16 +272,22 @@ class Manager:
         return self._state is _State.DEAD
 
     def start(self) -> None:
-        """Start the step loop on the running event loop (allocates the cache on first use).
+        """Start the step loop on the running event loop.
+
+        The model runner (its KV cache allocated, its kernels loaded: a second or more for
+        a large cache) is built on a worker thread, so ``start()`` returns at once: requests
+        are taken from then on, checked against the cache plan made here, and wait in the
+        queue until the runner is ready. :meth:`wait_started` waits for it and raises what
+        made it fail (the manager is then dead). A cache plan that cannot be made (no cache
+        fits the memory budget) raises here.
 
         Requests made before the first start (on one process) wait in the queue for it, as
-        transformers' do; they are checked when made, which allocates the cache then, and
-        the start must come on their event loop. :meth:`stop` before the start aborts them.
+        transformers' do; they are checked when made, and the start must come on their
+        event loop. :meth:`stop` before the start aborts them.
 
         Under tensor parallelism building the cache and starting the session are round
-        trips to the other ranks: they run off the event loop and ``start()`` returns
-        before they are done. Requests made meanwhile wait for them (``add_request_nowait``
-        refuses them); :meth:`wait_started` waits too, and raises what made them fail.
+        trips to the other ranks, which agree on the plan: requests made before they are
+        done wait for them (``add_request_nowait`` refuses them).
         """
         if self._state is _State.DESTROYED:
             raise ManagerClosedError("this manager was destroyed and cannot be restarted; create a new Manager")
@@ -301,17 +314,19 @@ class Manager:
             self._starting = loop.create_future()
             self._bind(loop, _State.STARTING, self._start_then_run(self._state, self._starting))
             return
-        steps = self._open_session(self._attached_runner(self._runner))
-        self._stop_deadline_timers()  # (the step loop ends those requests from now on)
-        self._bind(loop, _State.RUNNING, self._run_steps(steps))
+        steps = self._steps if self._queued_before_start else self._make_steps()
+        assert steps is not None
+        self._starting = loop.create_future()
+        self._bind(loop, _State.RUNNING, self._attach_then_run(steps, self._starting))
 
     async def wait_started(self) -> None:
         """Wait until the session :meth:`start` began has started; raises what made it fail.
 
-        On one process ``start()`` has started it already. Under tensor parallelism
-        ``start()`` returns before the other ranks are reached, and this waits for them:
-        it raises what made the start fail (another manager's session runs on the ranks,
-        no cache fits, a rank does not answer), as the requests made meanwhile do.
+        ``start()`` returns before its runner is built (on a worker thread): this waits for
+        it. Under tensor parallelism ``start()`` returns before the other ranks are reached,
+        and this waits for them too: it raises what made the start fail (another manager's
+        session runs on the ranks, no cache fits, a rank does not answer), as the requests
+        made meanwhile do.
         """
         self._check_loop()
         if self._starting is not None:
@@ -330,7 +345,8 @@ class Manager:
         return runner
 
     def _new_runner(self) -> ModelRunner:
-        """A runner for this manager's model (its KV cache allocated), not attached."""
+        """A runner for this manager's model (its KV cache allocated), not attached; on one
+        process, with the plan its session's requests were checked against."""
         return build_runner(
             self.model,
             self.config,
@@ -338,6 +354,7 @@ class Manager:
             keep_cache=self.persistent,
             draft_model=self._draft_model,
             speculative=self.speculative_config,
+            plan=None if self._layout is None else self._layout[1],
         )
 
     @property
@@ -346,20 +363,32 @@ class Manager:
         queue, bound to the loop they were made on (a manager never started has no other)."""
         return self._state is _State.CREATED and self._loop is not None
 
-    def _queue_before_start(self) -> None:
-        """Make the first session's scheduler and step loop, on a runner not yet attached:
-        requests made before the first start are checked against them, and wait in the
-        scheduler's queue (see :meth:`_submit_group`)."""
-        if self._runner is None:
-            self._runner = self._new_runner()
-        scheduler = self._scheduler(self._runner)
+    def _make_steps(self) -> StepLoop:
+        """The scheduler and step loop of a session on one process, made on the event loop
+        from the runner's plan (a persistent manager's runner's, or a new one) before the
+        runner is built (or attached) off it: requests are checked against them, and wait
+        in the scheduler's queue, meanwhile. Raises where no plan or scheduler can be made."""
+        if self._runner is not None:
+            layout = (self._runner.spec, self._runner.plan)
+        else:
+            layout = runner_plan(
+                self.model,
+                self.config,
+                num_requests_hint=self._num_requests_hint,
+                draft_model=self._draft_model,
+                speculative=self.speculative_config,
+            )
+        scheduler = self._scheduler(*layout)
+        self._layout = layout
         self._steps = StepLoop(scheduler, self._runner, self._router.on_step)
         self._admission.scheduler = scheduler
         self._router.steps = self._steps
+        return self._steps
 
     def _expire_before_start(self) -> None:
-        """A deadline of a request queued before the start came: end those it ends."""
-        if self._state is _State.CREATED and self._steps is not None:
+        """A deadline of a request queued before the steps run (before the start, or while
+        the runner is built) came: end those it ends."""
+        if self._steps is not None and self._steps.runner is None and self._state is not _State.DEAD:
             self._steps.expire_deadlines()
             now = asyncio.get_running_loop().time()
             self._deadline_timers = [timer for timer in self._deadline_timers if timer.when() > now]
@@ -387,8 +416,44 @@ class Manager:
         starting.set_result(None)
         await self._run_steps(steps)
 
+    async def _attach_then_run(self, steps: StepLoop, starting: asyncio.Future[None]) -> None:
+        """The session's task on one process: the runner built on a worker thread (its cache
+        allocated; a persistent manager's is kept), attached here (a few milliseconds at
+        most: a build whose loop closed meanwhile is never left attached to the model),
+        then the steps run. A runner that cannot be built fails the session: the manager
+        is dead, with the cause."""
+        try:
+            runner = self._runner
+            if runner is None:
+                work = asyncio.get_running_loop().run_in_executor(None, self._new_runner)
+                try:
+                    runner = await asyncio.shield(work)
+                except asyncio.CancelledError:
+                    await asyncio.wait([work])  # (the thread cannot be interrupted: its runner is dropped)
+                    raise
+            runner = self._attached_runner(runner)
+        except asyncio.CancelledError:
+            self._stop_deadline_timers()
+            self._router.abort_all("the event loop running the manager shut down")
+            starting.set_exception(ManagerClosedError("the event loop shut down while the manager started"))
+            starting.exception()  # (retrieved: nobody has to wait for the start)
+            self._end_session()
+            raise
+        except Exception as exc:
+            self._stop_deadline_timers()
+            starting.set_exception(exc)
+            starting.exception()
+            self._die(exc, "building the model runner (its KV cache) failed")
+            return
+        self._stop_deadline_timers()  # (the step loop ends those requests from now on)
+        self._runner = runner
+        steps.runner = runner
+        starting.set_result(None)
+        await self._run_steps(steps)
+
     async def _attached_off_the_loop(self) -> ModelRunner:
-        """:meth:`_attached_runner` on a worker thread."""
+        """:meth:`_attached_runner` on a worker thread (under tensor parallelism: a round trip
+        to the other ranks)."""
         work = asyncio.get_running_loop().run_in_executor(None, self._attached_runner, self._runner)
         try:
             return await asyncio.shield(work)
@@ -424,7 +489,7 @@ class Manager:
         if self._steps is not None and self._steps.runner is runner:
             return self._steps  # (made for the requests queued before the first start)
         try:
-            scheduler = self._scheduler(runner)
+            scheduler = self._scheduler(runner.spec, runner.plan)
         except BaseException:
             self._end_runner_session(runner)
             raise
@@ -433,23 +498,23 @@ class Manager:
         self._router.steps = self._steps
         return self._steps
 
-    def _scheduler(self, runner: ModelRunner) -> Scheduler:
-        groups = runner.spec.cache_groups(runner.plan.num_blocks, runner.plan.num_host_blocks)
-        kv_cache = KVCacheManager(groups, runner.plan.page_size, enable_prefix_caching=self.config.allow_block_sharing)
+    def _scheduler(self, spec: ModelSpec, plan: CachePlan) -> Scheduler:
+        groups = spec.cache_groups(plan.num_blocks, plan.num_host_blocks)
+        kv_cache = KVCacheManager(groups, plan.page_size, enable_prefix_caching=self.config.allow_block_sharing)
         if self.config.allow_block_sharing and not kv_cache.prefix_caching:
             logger.info("prefix caching is off: the model has sliding-window layers, which keep no full prefix")
-        if self.speculative_config is not None and any(w is not None for w in runner.cache.group_windows):
+        if self.speculative_config is not None and any(w is not None for w in spec.layer_windows):
             # (a rejected position written into a sliding ring could overwrite a key still in the window)
             raise InvalidConfigError("speculative decoding does not support models with sliding-window layers yet")
         return Scheduler(
             kv_cache,
-            max_batch_tokens=runner.plan.max_batch_tokens,
-            max_requests_per_batch=runner.plan.max_requests_per_batch,
+            max_batch_tokens=plan.max_batch_tokens,
+            max_requests_per_batch=plan.max_requests_per_batch,
             scheduler_type=self.config.scheduler_type,
             safety_margin=self.config.resolved_safety_margin,
-            max_model_len=runner.spec.max_position_embeddings,
+            max_model_len=spec.max_position_embeddings,
             speculative=self.speculative_config,
-            max_scored_tokens=scored_rows(runner.plan.max_requests_per_batch),
+            max_scored_tokens=scored_rows(plan.max_requests_per_batch),
             draft_share=0.0 if self._draft_model is None else draft_share(self._draft_model, self.model),
         )
 
@@ -631,9 +696,9 @@ class Manager:
         runner.detach()
         self._runner = runner if self.persistent else None
 
-    def _die(self, exc: BaseException) -> None:
-        logger.error("aiocb step loop failed; every pending request fails", exc_info=exc)
-        self._dead_error = EngineDeadError(f"the step loop failed: {exc!r}", exc)
+    def _die(self, exc: BaseException, what: str = "the step loop failed") -> None:
+        logger.error("aiocb: %s; every pending request fails", what, exc_info=exc)
+        self._dead_error = EngineDeadError(f"{what}: {exc!r}", exc)
         self._state = _State.DEAD
         self._router.fail_all(self._dead_error, exc)
         self._admission.fail(self._dead_error)
@@ -960,7 +1025,7 @@ class Manager:
             raise self._dead()
         if self._state is _State.CREATED and driver_layout(self.model, self._draft_model) is None:
             if self._steps is None:  # (made once; bound to the loop when a request joins it)
-                self._queue_before_start()
+                self._make_steps()
             return
         message = {
             _State.CREATED: "the manager is not started: under tensor parallelism requests are made after "
@@ -1010,8 +1075,8 @@ class Manager:
 
     async def _precompile(self, requested: SamplingParams) -> None:
         """Compile a request's output constraint off the loop (when it has one)."""
-        if requested.structure() is not None and self._runner is not None:
-            await self._requests.precompile(requested, self._runner.spec.vocab_size)
+        if requested.structure() is not None:
+            await self._requests.precompile(requested, self._model_spec.vocab_size)
 
     async def precompile(self, sampling_params: SamplingParams | None = None, **params: Any) -> None:
         """Compile the output constraint these parameters carry (``json_schema``, ``regex``,
@@ -1035,10 +1100,18 @@ class Manager:
         request.children.extend(samples)
         return request
 
+    @property
+    def _model_spec(self) -> ModelSpec:
+        """The model's layout, once requests are accepted: the runner's, or on one process
+        the plan's while the runner is built."""
+        if self._runner is not None:
+            return self._runner.spec
+        assert self._layout is not None
+        return self._layout[0]
+
     def _context(self) -> int | None:
-        """The model's context length (the runner is made once requests are accepted)."""
-        assert self._runner is not None
-        return self._runner.spec.max_position_embeddings
+        """The model's context length."""
+        return self._model_spec.max_position_embeddings
 
     def _build(
         self,
@@ -1052,8 +1125,8 @@ class Manager:
         accepts requests), and the maker of its other samples."""
         self._check_loop()
         self._check_accepting()
-        assert self._runner is not None and self._steps is not None
-        spec = self._runner.spec
+        assert self._steps is not None
+        spec = self._model_spec
         capacity = self._steps.scheduler.kv_cache.capacity_tokens
         limits = RequestLimits(spec.vocab_size, spec.max_position_embeddings, capacity)
         return self._requests.build(
@@ -1127,11 +1200,12 @@ class Manager:
         return request.request_id
 
     def _queue_on_this_loop(self, request: Request) -> None:
-        """Before the first start: the queue belongs to the running loop from the first
-        request it takes (the start must come on that loop), and a request with a timeout
-        ends at its deadline even if the start has not come by then."""
+        """Before the steps run (before the first start, or while the runner is built): a
+        request with a timeout ends at its deadline even if they have not begun by then;
+        before the first start the queue belongs to the running loop from the first request
+        it takes (the start must come on that loop)."""
         loop = asyncio.get_running_loop()
-        if not self._queued_before_start:
+        if self._state is _State.CREATED and not self._queued_before_start:
             logger.info("the manager is not started: requests wait in its queue until start()")
             self._loop = loop
             self._router.results_changed = asyncio.Event()
@@ -1150,7 +1224,7 @@ class Manager:
         """Queue a request and its samples; their handles, the request's first."""
         self._check_accepting()
         assert self._steps is not None
-        if self._state is _State.CREATED:
+        if self._steps.runner is None:
             self._queue_on_this_loop(request)
         group = [request, *request.children]
         handles = self._router.register(group, streaming=streaming, consumer=consumer, on_finish=on_finish)

@@ -39,9 +39,10 @@ CHUNK = 32
 class StepLoop:
     """Runs steps while there is work; sleeps on an event (no polling) when idle."""
 
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner, on_step: StepCallback) -> None:
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner | None, on_step: StepCallback) -> None:
         self.scheduler = scheduler
-        #: None once :meth:`close` ended the session
+        #: None until the session's runner is built (set before :meth:`run`), and once
+        #: :meth:`close` ended the session
         self.runner: ModelRunner | None = runner
         self._on_step = on_step
         self._work = asyncio.Event()
@@ -104,7 +105,7 @@ class StepLoop:
         loop = asyncio.get_running_loop()
         runner = self.runner
         if runner is None:
-            raise RuntimeError("this step loop was closed; a new session needs a new StepLoop")
+            raise RuntimeError("this step loop has no runner: it was closed (a new session needs a new StepLoop)")
         _start_openmp_team()  # (before the step thread starts its own)
         bind = runner.bind_thread
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aiocb-step", initializer=bind)

@@ -96,10 +96,12 @@ def _paged_backend(
 
 def cpu_kernel_fits(dtype: torch.dtype, head_dim: int) -> bool:
     """Whether the ``cpu`` backend's C kernels take a cache of ``dtype`` with heads of
-    ``head_dim`` (and the kernels are built)."""
+    ``head_dim`` and are not known to be unavailable here. Whether they build is learnt when
+    they are loaded (:meth:`~aiocb.runner.model_runner.ModelRunner.load_kernels`, before the
+    first step and off the event loop: the first build on a machine takes a second or more)."""
     from aiocb.runner import native
 
-    return dtype == torch.float32 and head_dim <= native.MOST_HEAD_DIM and native.library() is not None
+    return dtype == torch.float32 and head_dim <= native.MOST_HEAD_DIM and native.may_load()
 
 
 def _flash_available() -> bool:

@@ -73,6 +73,23 @@ def draft_spec(draft: PreTrainedModel) -> ModelSpec:
     return spec
 
 
+def refuse_other_kernels(
+    spec: ModelSpec, plan: CachePlan, config: ContinuousBatchingConfig, backends: list[str]
+) -> None:
+    """InvalidConfigError unless a draft model of ``spec`` attends through the target's
+    ``backends``: the draft's first pass of a step attends through the target's attention
+    metadata, which is built for the target's kernels, so the draft's cache (its dtype, its
+    head size) must take the same ones."""
+    own = select_backends(spec.device, config, [None] * len(backends), plan.page_size,
+                          dtype=spec.dtype, head_dim=spec.head_dim)  # fmt: skip
+    if own != backends:
+        raise InvalidConfigError(
+            f"draft_model ({spec.dtype}, heads of {spec.head_dim}) cannot use the target's attention "
+            f"kernels ({', '.join(backends)}; it would need {', '.join(own)}): give a draft model in the "
+            "target's dtype"
+        )
+
+
 class Drafter:
     """Runs the draft model over a step and proposes the speculating rows' tokens."""
 
@@ -85,17 +102,7 @@ class Drafter:
         backends: list[str],
         vocab_size: int,
     ) -> None:
-        # The draft's first pass of a step attends through the target's attention metadata,
-        # which is built for the target's kernels: the draft's cache (its dtype, its head
-        # size) must take the same ones.
-        own = select_backends(spec.device, config, [None] * len(backends), plan.page_size,
-                              dtype=spec.dtype, head_dim=spec.head_dim)  # fmt: skip
-        if own != backends:
-            raise InvalidConfigError(
-                f"draft_model ({spec.dtype}, heads of {spec.head_dim}) cannot use the target's attention "
-                f"kernels ({', '.join(backends)}; it would need {', '.join(own)}): give a draft model in the "
-                "target's dtype"
-            )
+        refuse_other_kernels(spec, plan, config, backends)
         self.model = model
         self.spec = spec
         # Zeroed: a step's first pass runs over every row, those the draft slept through

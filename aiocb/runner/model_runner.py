@@ -18,11 +18,11 @@ from transformers import PreTrainedModel
 from aiocb.collector import freeze_alive_objects
 from aiocb.config import DEFAULT_MAX_BLOCKS_PER_REQUEST, ContinuousBatchingConfig
 from aiocb.core.scheduler import PromptTops, StepResult
-from aiocb.runner import attention
+from aiocb.runner import attention, native
 from aiocb.runner.backends import Backend, select_backends
 from aiocb.runner.compile import compile_configs, compiled
 from aiocb.runner.cuda_graphs import DecodeGraphs, query_widths
-from aiocb.runner.draft import Drafter, draft_spec
+from aiocb.runner.draft import Drafter, draft_spec, refuse_other_kernels
 from aiocb.runner.input_batch import InputBatch
 from aiocb.runner.inputs import HostToDevice, StepInputs, prepare_inputs
 from aiocb.runner.memory import CachePlan, plan_cache
@@ -55,6 +55,44 @@ class PendingStep:
     blocked: torch.Tensor | None = None
 
 
+def _plan(
+    spec: ModelSpec,
+    drafted: ModelSpec | None,
+    config: ContinuousBatchingConfig,
+    num_requests_hint: int | None,
+    speculative: SpeculativeConfig | None,
+) -> CachePlan:
+    # (a draft model's cache mirrors the target's blocks: each block costs both)
+    extra = 0 if drafted is None else drafted.bytes_per_block(config.page_size, drafted.num_layers)
+    return plan_cache(
+        spec, config, num_requests_hint=num_requests_hint, extra_bytes_per_block=extra, speculative=speculative
+    )
+
+
+def runner_plan(
+    model: PreTrainedModel,
+    config: ContinuousBatchingConfig,
+    *,
+    num_requests_hint: int | None = None,
+    draft_model: PreTrainedModel | None = None,
+    speculative: SpeculativeConfig | None = None,
+) -> tuple[ModelSpec, CachePlan]:
+    """The layout and cache plan of the runner these arguments build (give it the plan),
+    found in a fraction of a millisecond where building the runner allocates the cache: the
+    manager checks requests against them on the event loop while the runner is built off
+    it. Raises what building would for the plan (no cache fits) or the draft model."""
+    spec = model_spec(model)
+    drafted = None if draft_model is None else draft_spec(draft_model)
+    plan = _plan(spec, drafted, config, num_requests_hint, speculative)
+    if drafted is not None:
+        windows = [window for window, _ in spec.group_layers()]
+        backends = select_backends(
+            spec.device, config, windows, plan.page_size, dtype=spec.dtype, head_dim=spec.head_dim
+        )
+        refuse_other_kernels(drafted, plan, config, backends)
+    return spec, plan
+
+
 class ModelRunner:
     """Owns the model's paged cache and turns :class:`StepBatch` plans into sampled tokens."""
 
@@ -72,12 +110,8 @@ class ModelRunner:
         self.config = config
         self.spec: ModelSpec = model_spec(model)
         drafted = None if draft_model is None else draft_spec(draft_model)
-        # (a draft model's cache mirrors the target's blocks: each block costs both)
-        extra = 0 if drafted is None else drafted.bytes_per_block(config.page_size, drafted.num_layers)
         # Under tensor parallelism every rank gets the plan all ranks agreed on.
-        self.plan: CachePlan = plan or plan_cache(
-            self.spec, config, num_requests_hint=num_requests_hint, extra_bytes_per_block=extra, speculative=speculative
-        )
+        self.plan: CachePlan = plan or _plan(self.spec, drafted, config, num_requests_hint, speculative)
         self.cache = PagedKVCache(self.spec, self.plan)
         self.backends = select_backends(
             self.device,
@@ -162,6 +196,7 @@ class ModelRunner:
         capturing every decode CUDA graph, so that no capture lands in a served or timed
         step (``graphs.capture_seconds`` says how long it took), and compiling the GPU
         sampler's kernels, so that no sampled step waits for the compiler. Idempotent."""
+        self.load_kernels()
         if self.graphs is not None:
             captures = self.graphs.captures
             graphs = self._capture_graphs()
@@ -175,6 +210,14 @@ class ModelRunner:
                 )
                 logger.info("a step that verifies proposals costs %.2fx a decode step", self.verify_cost)
         self.compile_sampler()
+
+    def load_kernels(self) -> None:
+        """Build (once per machine) or load aiocb's CPU C kernels where a cache group attends
+        through them (the ``cpu`` backend), so that the event loop that built the runner never
+        waits for a compiler; where they cannot be built, those groups (the draft model's
+        too: it shares :attr:`backends`) attend through the ``reference`` backend instead."""
+        if Backend.CPU in self.backends and native.library() is None:
+            self.backends[:] = [Backend.REFERENCE if b == Backend.CPU else b for b in self.backends]  # (logged)
 
     def _capture_graphs(self) -> DecodeGraphs | None:
         """Capture the decode graphs, and those of steps that verify proposals and of the

@@ -161,6 +161,12 @@ def _openmp_entry_points() -> tuple[int | None, int | None, int | None]:
 _OPENMP_NAMES = ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads")
 
 
+def may_load() -> bool:
+    """Whether the kernels are not turned off and not known to have failed to build (a
+    cheap test: nothing is built or loaded)."""
+    return os.environ.get("AIOCB_NATIVE", "1") != "0" and (not _tried or _library is not None)
+
+
 def library() -> ctypes.CDLL | None:
     """The loaded kernels, built on the first call; None where they cannot be (logged once)."""
     global _library, _tried

@@ -412,12 +412,13 @@ class DriverRunner(ModelRunner):
             driver.current = None
 
     def warm_up(self) -> None:
-        """Only the sampler's compile before the first step: the decode graphs' warm-up
-        passes run collectives, so every rank captures them together, at the first decode
-        step (all ranks run it), and no graphs of steps that verify proposals (those run
-        eagerly). Nor is ``verify_cost`` measured (its timed passes would run
-        collectives too): speculation is refused under tensor parallelism with a draft
-        model, and prompt lookup keeps the floor it is given."""
+        """Only the CPU kernels' load and the sampler's compile before the first step: the
+        decode graphs' warm-up passes run collectives, so every rank captures them together,
+        at the first decode step (all ranks run it), and no graphs of steps that verify
+        proposals (those run eagerly). Nor is ``verify_cost`` measured (its timed passes
+        would run collectives too): speculation is refused under tensor parallelism with a
+        draft model, and prompt lookup keeps the floor it is given."""
+        self.load_kernels()
         with torch.inference_mode():
             self.compile_sampler()
 
@@ -485,18 +486,26 @@ def build_runner(
     keep_cache: bool = False,
     draft_model: PreTrainedModel | None = None,
     speculative: SpeculativeConfig | None = None,
+    plan: CachePlan | None = None,
 ) -> ModelRunner:
     """The runner for ``model``: a plain one, or rank 0's :class:`DriverRunner` under tensor parallelism.
 
     ``keep_cache`` tells the followers to keep their cache between sessions, as a
     persistent manager keeps its own. ``draft_model`` is speculative decoding's (one
     process only); given ``speculative``, a single process's runner also captures graphs
-    of the steps that verify proposals. Under tensor parallelism this is a round trip to
-    every other rank (see :func:`driver_layout`).
+    of the steps that verify proposals. ``plan`` is a single process's cache plan, made
+    beforehand (:func:`~aiocb.runner.model_runner.runner_plan`; None: made here). Under
+    tensor parallelism this is a round trip to every other rank, which agree on the plan
+    (see :func:`driver_layout`).
     """
     layout = driver_layout(model, draft_model)
     if layout is None:
         return ModelRunner(
-            model, config, num_requests_hint=num_requests_hint, draft_model=draft_model, speculative=speculative
+            model,
+            config,
+            num_requests_hint=num_requests_hint,
+            plan=plan,
+            draft_model=draft_model,
+            speculative=speculative,
         )
     return DriverRunner(model, config, layout, num_requests_hint=num_requests_hint, keep_cache=keep_cache)

@@ -472,3 +472,93 @@ async def test_requests_that_ended_are_let_go_of_when_the_engine_goes_idle(
         # and it serves on as before (the slots of those that ended were given back)
         again = await manager.generate(PROMPTS[1], max_new_tokens=4)
         assert again.generated_tokens == reference_generate(qwen3, PROMPTS[1], 4)
+
+
+@pytest.fixture
+def slow_cache(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Allocating a runner's KV cache takes 0.4 s (as a large one's first touch or a GPU's
+    allocation can); returns the names of the threads that allocated one."""
+    from aiocb.runner import model_runner
+
+    threads: list[str] = []
+    allocate = model_runner.PagedKVCache
+
+    def slow(*args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        time.sleep(0.4)
+        return allocate(*args, **kwargs)
+
+    monkeypatch.setattr(model_runner, "PagedKVCache", slow)
+    return threads
+
+
+async def test_a_start_builds_the_runner_off_the_loop_and_takes_requests_meanwhile(
+    qwen3: PreTrainedModel, slow_cache: list[str]
+) -> None:
+    manager = aiocb.Manager(qwen3)
+    began = time.perf_counter()
+    manager.start()
+    request_id = manager.add_request_nowait(PROMPTS[0], max_new_tokens=6)  # (checked against the plan)
+    assert time.perf_counter() - began < 0.1, "the cache was allocated on the loop"
+    with pytest.raises(aiocb.InvalidRequestError, match="max_new_tokens"):
+        manager.add_request_nowait(PROMPTS[1], max_new_tokens=-1)
+    assert manager.continuous_batching_config.num_blocks is not None  # (the plan's)
+    try:
+        # A request's timeout ends it at its deadline, though the steps have not begun.
+        late = await manager.generate(PROMPTS[1], max_new_tokens=6, timeout=0.1)
+        assert late.finish_reason == "timeout" and time.perf_counter() - began < 0.35
+        await manager.wait_started()
+        assert time.perf_counter() - began >= 0.4
+        output = await manager.get_result(request_id, timeout=60)
+    finally:
+        await manager.stop()
+    assert output is not None and output.generated_tokens == reference_generate(qwen3, PROMPTS[0], 6)
+    assert len(slow_cache) == 1 and slow_cache[0] != threading.current_thread().name
+    assert manager.statistics().free_blocks == manager.statistics().total_blocks
+
+
+async def test_a_runner_that_cannot_be_built_fails_the_start_and_what_waits(
+    qwen3: PreTrainedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from aiocb.runner import model_runner
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("CUDA out of memory (a stand-in)")
+
+    monkeypatch.setattr(model_runner, "PagedKVCache", failing)
+    manager = aiocb.Manager(qwen3)
+    manager.start()
+    waiting = asyncio.ensure_future(manager.generate(PROMPTS[0], max_new_tokens=4))
+    with pytest.raises(RuntimeError, match="out of memory"):
+        await manager.wait_started()
+    with pytest.raises(aiocb.EngineDeadError, match="out of memory"):
+        await waiting
+    assert manager.is_dead
+    await manager.destroy()
+
+
+def test_a_loop_closed_while_the_runner_is_built_leaves_the_model_as_it_was(
+    qwen3: PreTrainedModel, slow_cache: list[str]
+) -> None:
+    """The build finishes on its thread after the loop is gone: the runner it made is
+    never attached, so the model keeps its own attention and a start on a new loop serves."""
+    original = qwen3.config._attn_implementation
+    manager = aiocb.Manager(qwen3)
+
+    async def start() -> None:
+        manager.start()
+        await asyncio.sleep(0.05)
+
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(start())
+    loop.close()
+    assert not manager.is_running  # (the session ends with its loop)
+    time.sleep(0.6)  # (the build's thread finishes)
+    assert qwen3.config._attn_implementation == original
+
+    async def serve() -> list[int]:
+        async with manager:
+            return (await manager.generate(PROMPTS[0], max_new_tokens=5)).generated_tokens
+
+    assert asyncio.run(serve()) == reference_generate(qwen3, PROMPTS[0], 5)
+    assert qwen3.config._attn_implementation == original

@@ -4,7 +4,10 @@ backend is what a CPU float32 model runs on by default."""
 from __future__ import annotations
 
 import ctypes
+import logging
 import math
+import threading
+import time
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -322,6 +325,61 @@ def test_without_the_kernels_cpu_models_use_the_reference_backend(monkeypatch: p
     assert select_backends(torch.device("cpu"), aiocb.ContinuousBatchingConfig(), [None], 16, **FLOAT32) == [
         Backend.REFERENCE
     ]
+
+
+@pytest.fixture
+def unloaded(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The kernels as in a new process (not loaded yet), their build noted: the names of
+    the threads that built them."""
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setattr(native, "_library", None)
+    return []
+
+
+async def test_a_start_leaves_the_kernels_build_to_the_step_thread(
+    kernel: ctypes.CDLL, qwen3: PreTrainedModel, unloaded: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first build on a machine runs the C compiler for a second or more: a manager's
+    runner picks the cpu backend without waiting for it, and the step thread's warm-up
+    builds the kernels (here a pause, then the cached library) before the first step."""
+
+    def slow_build() -> ctypes.CDLL:
+        unloaded.append(threading.current_thread().name)
+        time.sleep(0.5)
+        return kernel
+
+    monkeypatch.setattr(native, "_build", slow_build)
+    prompt = [5, 9, 11, 3, 8]
+    manager = aiocb.Manager(qwen3)
+    began = time.perf_counter()
+    manager.start()
+    assert time.perf_counter() - began < 0.25, "start() waited for the build"
+    try:
+        await manager.wait_started()
+        assert manager._runner is not None and manager._runner.backends == [Backend.CPU]
+        output = await manager.generate(prompt, max_new_tokens=8)
+    finally:
+        await manager.stop()
+    assert output.generated_tokens == reference_generate(qwen3, prompt, 8)
+    assert len(unloaded) == 1 and unloaded[0].startswith("aiocb-step")
+
+
+async def test_kernels_that_do_not_build_leave_their_groups_to_the_reference_backend(
+    qwen3: PreTrainedModel, unloaded: list[str], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def failing_build() -> ctypes.CDLL:
+        unloaded.append(threading.current_thread().name)
+        raise RuntimeError("no C compiler 'cc' on PATH")
+
+    monkeypatch.setattr(native, "_build", failing_build)
+    prompt = [5, 9, 11, 3, 8]
+    with caplog.at_level(logging.WARNING, logger="aiocb.runner.native"):
+        async with aiocb.Manager(qwen3) as manager:
+            output = await manager.generate(prompt, max_new_tokens=8)
+            assert manager._runner is not None and manager._runner.backends == [Backend.REFERENCE]
+    assert output.generated_tokens == reference_generate(qwen3, prompt, 8)
+    assert "no C compiler 'cc' on PATH" in caplog.text
+    assert len(unloaded) == 1 and unloaded[0].startswith("aiocb-step")
 
 
 def test_the_openmp_runtime_is_torchs_own_or_none(monkeypatch: pytest.MonkeyPatch) -> None:
