@@ -181,8 +181,7 @@ class _Api:
         prepared: PreparedCompletion | None = None
         try:
             prepared = await prepare_completion(self.ctx, await self._body(request))
-            completion = Completion(self.ctx, prepared, received)
-            completion.submission.record = access_record(request.scope)
+            completion = Completion(self.ctx, prepared, received, access_record(request.scope))
             await completion.submit()
         except Exception as exc:
             said = {} if prepared is None else prepared.request.sampling.body_params()
@@ -197,8 +196,7 @@ class _Api:
         prepared: PreparedChat | None = None
         try:
             prepared = await self.ctx.prepare(await self._body(request), partial(prepare_chat, self.ctx))
-            chat = ChatCompletion(self.ctx, prepared, received)
-            chat.submission.record = access_record(request.scope)
+            chat = ChatCompletion(self.ctx, prepared, received, access_record(request.scope))
             await chat.submit()
         except Exception as exc:
             said = {}

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from aiocb.server.bodies import Lazy
 from aiocb.server.chat_output import ChoiceOutput, MessageBuilder
 from aiocb.server.chat_output import delta as message_delta
 from aiocb.server.context import ServerContext, finite
+from aiocb.server.edge import AccessRecord
 from aiocb.server.limits import parse_json
 from aiocb.server.protocol import ChatCompletionRequest, bad_request, error_from_exception, parse_chat_request
 from aiocb.server.reasoning import ReasoningSplitter, after_thinking, prompt_opens_thinking
@@ -28,6 +28,7 @@ from aiocb.server.serving import (
     Submission,
     choice_seed,
     engine_params,
+    response_id,
 )
 from aiocb.server.tools import ToolRequest, parse_tools, structural_tag, template_messages
 
@@ -95,7 +96,7 @@ def prepare_chat(ctx: ServerContext, body: bytes) -> PreparedChat:
             )
             raise bad_request(message, "tool_choice")
         mode = "disabled" if not ctx.reasoning else "enabled" if opens_thinking else "auto"
-        constraint["structural_tag"] = structural_tag(tools, parser.xgrammar_format, mode)
+        constraint["structural_tag"] = structural_tag(tools, parser.xgrammar_format, mode, parser.separator)
     elif ctx.reasoning:
         given = [name for name in STRUCTURE_FIELDS if name in request.sampling.controls]
         if given:  # (the constraint holds for the answer, after the thinking)
@@ -112,10 +113,10 @@ def prepare_chat(ctx: ServerContext, body: bytes) -> PreparedChat:
 class ChatCompletion:
     """One chat completions request from submission to its response or stream."""
 
-    def __init__(self, ctx: ServerContext, prepared: PreparedChat, received: float) -> None:
+    def __init__(self, ctx: ServerContext, prepared: PreparedChat, received: float, record: AccessRecord) -> None:
         self.ctx = ctx
         self.request = request = prepared.request
-        self.id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.id = f"chatcmpl-{response_id(request.sampling, record)}"
         self.created = int(time.time())
         self.prompt_ids = prepared.prompt_ids
         self.tools = prepared.tools
@@ -150,6 +151,7 @@ class ChatCompletion:
             for j in range(sampling.n)
         ]
         self.submission = Submission(ctx, specs, received)
+        self.submission.record = record
 
     async def submit(self) -> None:
         """Queue every choice (or none: the error is raised)."""
@@ -159,7 +161,7 @@ class ChatCompletion:
         """Run every choice to its end; the whole response body."""
         n = self.request.sampling.n
         outputs = [self._output() for _ in range(n)]
-        messages = [MessageBuilder(reasoning=self.ctx.reasoning) for _ in range(n)]
+        messages = [MessageBuilder(reasoning=self.ctx.reasoning, calls_only=self._calls_only) for _ in range(n)]
         #: each choice's tokens with their logprobs, made into entries as the body is written
         scored: list[list[_Scored]] = [[] for _ in range(n)]
         finish: list[str | None] = [None] * n
@@ -206,7 +208,7 @@ class ChatCompletion:
     async def _chunks(self) -> AsyncGenerator[dict[str, Any]]:
         n = self.request.sampling.n
         for j in range(n):
-            yield self._chunk(j, {"role": "assistant", "content": ""}, None, None)
+            yield self._chunk(j, {"role": "assistant", "content": None if self._calls_only else ""}, None, None)
         outputs = [self._output() for _ in range(n)]
         generated = [0] * n
         turn = LoopTurn()
@@ -245,8 +247,15 @@ class ChatCompletion:
         if self.tools is not None:
             assert ctx.tool_parser is not None  # (prepare_chat refuses tools without one)
             hidden = ctx.special_texts if self.hides_special else ()
-            tools = ctx.tool_parser(self.tools.names, parallel=self.tools.parallel, hidden=hidden)
+            tools = ctx.tool_parser(
+                self.tools.names, parallel=self.tools.parallel, hidden=hidden, calls_only=self.tools.calls_only
+            )
         return ChoiceOutput(reasoning, tools)
+
+    @property
+    def _calls_only(self) -> bool:
+        """Whether the answer is tool calls alone (its ``content`` null)."""
+        return self.tools is not None and self.tools.calls_only
 
     def _finish_reason(self, reason: str, output: ChoiceOutput) -> str:
         """``tool_calls`` when the model stopped after calling tools it chose to call."""

@@ -80,8 +80,10 @@ def _call(call: ToolCall) -> dict[str, Any]:
 class MessageBuilder:
     """A choice's fragments gathered into the response's ``message``."""
 
-    def __init__(self, *, reasoning: bool) -> None:
+    def __init__(self, *, reasoning: bool, calls_only: bool = False) -> None:
         self._reasoning = reasoning
+        #: whether the answer is tool calls alone: no content, even without a call
+        self._calls_only = calls_only
         self._content: list[str] = []
         self._thoughts: list[str] = []
         self._calls: list[ToolCall] = []
@@ -99,7 +101,8 @@ class MessageBuilder:
     def message(self) -> dict[str, Any]:
         """The assistant message: ``content`` is null when the answer is tool calls only."""
         content = "".join(self._content)
-        message: dict[str, Any] = {"role": "assistant", "content": content if content or not self._calls else None}
+        calls_only = self._calls_only or bool(self._calls)
+        message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls_only else None}
         if self._reasoning:
             message["reasoning_content"] = "".join(self._thoughts) if self._thoughts else None
         if self._calls:

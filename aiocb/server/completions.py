@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence, Sized
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from aiocb.sampling import check_truncation, truncated_prompt
 from aiocb.server import sse
 from aiocb.server.bodies import Chain, array_items
 from aiocb.server.context import INLINE_BODY_BYTES, ServerContext, finite
+from aiocb.server.edge import AccessRecord
 from aiocb.server.limits import parse_json
 from aiocb.server.protocol import DEFAULT_COMPLETION_MAX_TOKENS, CompletionRequest, parse_completion_request
 from aiocb.server.serving import (
@@ -28,6 +28,7 @@ from aiocb.server.serving import (
     choice_seed,
     engine_params,
     release,
+    response_id,
 )
 
 
@@ -183,14 +184,15 @@ def _tokenize(ctx: ServerContext, request: CompletionRequest, start: int, stop: 
 class Completion:
     """One completions request from submission to its response or stream."""
 
-    def __init__(self, ctx: ServerContext, prepared: PreparedCompletion, received: float) -> None:
+    def __init__(self, ctx: ServerContext, prepared: PreparedCompletion, received: float, record: AccessRecord) -> None:
         self.ctx = ctx
         self.request = prepared.request
         self.received = received
-        self.id = f"cmpl-{uuid.uuid4().hex}"
+        self.id = f"cmpl-{response_id(prepared.request.sampling, record)}"
         self.created = int(time.time())
         self.prompts = prepared.prompts
         self.submission = Submission(ctx, prepared.specs, received)
+        self.submission.record = record
         #: the echoed logprobs last made for each prompt, by its index
         self._echoes: dict[int, _Echo] = {}
         #: the echoed arrays written for the event stream, by id (kept: no id is reused)

@@ -157,6 +157,8 @@ class SamplingRequest:
     max_tokens_field: str = "max_tokens"
     #: where in the body the output constraint came from, if any (errors about it name that)
     constraint_field: str | None = None
+    #: vLLM's: the response's id is made from it (None: from the X-Request-Id header, or fresh)
+    request_id: str | None = None
 
     def body_params(self) -> dict[str, str]:
         """The body's names of the engine's parameters that this request renames."""
@@ -309,6 +311,7 @@ def _sampling(body: Mapping[str, Any], *, max_tokens_keys: tuple[str, ...]) -> S
         skip_special_tokens=_bool(body, "skip_special_tokens", True),
         stream=stream,
         include_usage=_include_usage(body, stream),
+        request_id=_request_id(body),
         min_tokens=min_tokens,
         include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False),
         truncate_prompt_tokens=_truncate_prompt_tokens(body),
@@ -493,7 +496,7 @@ def _json_schema_spec(spec: Any) -> dict[str, Any]:
 
 #: Fields that do not change what is generated (identifiers, bookkeeping): accepted when of
 #: their type (``store`` only when false: :func:`_check_no_effect`).
-_NO_EFFECT = frozenset({"user", "metadata", "store", "service_tier", "request_id"})
+_NO_EFFECT = frozenset({"user", "metadata", "store", "service_tier"})
 _SAMPLING_FIELDS = frozenset(
     {
         "model",
@@ -521,7 +524,7 @@ _SAMPLING_FIELDS = frozenset(
     }
 )
 #: Every field each endpoint honours; any other one is refused with a 400 naming it.
-COMPLETION_FIELDS = _SAMPLING_FIELDS | _NO_EFFECT | {"prompt", "logprobs", "echo", "suffix"}
+COMPLETION_FIELDS = _SAMPLING_FIELDS | _NO_EFFECT | {"prompt", "logprobs", "echo", "suffix", "request_id"}
 CHAT_FIELDS = (
     _SAMPLING_FIELDS
     | _NO_EFFECT
@@ -535,6 +538,7 @@ CHAT_FIELDS = (
         "tools",
         "tool_choice",
         "parallel_tool_calls",
+        "request_id",
     }
 )
 
@@ -557,10 +561,17 @@ def _refuse_unknown(body: Mapping[str, Any], known: frozenset[str]) -> None:
 
 def _check_no_effect(body: Mapping[str, Any]) -> None:
     """The bookkeeping fields' types, as OpenAI's API (and vLLM's) checks them; ``store``
-    true asks to keep the completion, which this server cannot do."""
-    for name in ("user", "service_tier", "request_id"):
+    true asks to keep the completion, and a ``service_tier`` other than the default one
+    asks for a tier, which this server cannot do."""
+    for name in ("user", "service_tier"):
         if body.get(name) is not None and not isinstance(body[name], str):
             raise bad_request(f"'{name}' must be a string", name)
+    if body.get("service_tier") not in (None, "auto", "default"):
+        raise bad_request(
+            f"'service_tier' {body['service_tier']!r}: this server has one tier; leave it out, or send 'auto' or "
+            "'default'",
+            "service_tier",
+        )
     metadata = body.get("metadata")
     if metadata is not None and (
         not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values())
@@ -571,6 +582,16 @@ def _check_no_effect(body: Mapping[str, Any]) -> None:
         raise bad_request("'store' must be a boolean", "store")
     if store:
         raise bad_request("'store': this server does not store completions; leave it out or false", "store")
+
+
+def _request_id(body: Mapping[str, Any]) -> str | None:
+    """vLLM's ``request_id``: 1 to 128 visible ASCII characters (it names the response)."""
+    value = body.get("request_id")
+    if value is None:
+        return None
+    if not isinstance(value, str) or not 0 < len(value) <= 128 or not all("!" <= c <= "~" for c in value):
+        raise bad_request("'request_id' must be a string of 1 to 128 visible ASCII characters", "request_id")
+    return value
 
 
 def _refuse_unsupported(body: Mapping[str, Any]) -> None:

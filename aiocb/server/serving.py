@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -207,6 +208,12 @@ async def _opened(openings: Sequence[asyncio.Task[list[RemoteStream]]]) -> list[
 def _succeeded(opened: Sequence[list[RemoteStream] | BaseException]) -> list[RemoteStream]:
     """The streams of the openings that did not fail."""
     return [stream for group in opened if not isinstance(group, BaseException) for stream in group]
+
+
+def response_id(sampling: SamplingRequest, record: AccessRecord) -> str:
+    """What a response's id is made from: the body's ``request_id`` (vLLM's), else the
+    HTTP request's id (the client's ``X-Request-Id`` when it sent a sane one, else fresh)."""
+    return sampling.request_id or record.request_id or uuid.uuid4().hex
 
 
 class Submission:

@@ -5,7 +5,10 @@ Each parser reads one choice's text incrementally (:meth:`ToolCallParser.feed`, 
 fragments. Text that may still become a call is held back until it is decided, so a
 stream never shows the start of a call as content. A call that does not parse, or names
 a function the request did not offer, stays content: the client sees what the model
-wrote rather than a call it cannot make.
+wrote rather than a call it cannot make. An output of calls alone (``tool_choice``
+required or a named function, which its grammar enforces) has no content: a call cut
+short at the end (by ``max_tokens``) is a call with the arguments written so far, as
+OpenAI returns one, or nothing where even its name was cut.
 
 Formats:
 
@@ -18,6 +21,7 @@ Formats:
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Collection
@@ -36,12 +40,23 @@ class ToolCallParser(ABC):
     #: how xgrammar enforces the format: a builtin format name, or a single-call format
     #: for :func:`aiocb.server.tools.structural_tag`
     xgrammar_format: ClassVar[str | dict[str, str]]
+    #: what goes between two calls in an output of calls alone (``tool_choice`` required)
+    separator: ClassVar[str] = "\n"
     #: whether the marker is a special token, so the text must keep special tokens
     needs_special_tokens: ClassVar[bool] = False
 
-    def __init__(self, functions: Collection[str], *, parallel: bool = True, hidden: Collection[str] = ()) -> None:
+    def __init__(
+        self,
+        functions: Collection[str],
+        *,
+        parallel: bool = True,
+        hidden: Collection[str] = (),
+        calls_only: bool = False,
+    ) -> None:
         self.functions = frozenset(functions)
         self.parallel = parallel
+        #: whether the output is calls alone (no content; see the module's docstring)
+        self.calls_only = calls_only
         #: texts of special tokens that are not content (``</s>``) when they are kept
         self.hidden = tuple(t for t in hidden if t and t != self.start)
         self.calls = 0
@@ -92,11 +107,11 @@ class ToolCallParser(ABC):
         self._hidden_start = ""
         out: list[Fragment] = []
         if self._in_call:
-            out += self._calls(self._buffer)
+            out += self._calls(self._buffer, at_end=True)
         else:
             self._content(self._buffer, out, before_call=False)
         self._buffer = ""
-        if self._space and not self.calls:
+        if self._space and not self.calls and not self.calls_only:
             out.append(Content(self._space))
         self._space = ""
         return out
@@ -105,14 +120,19 @@ class ToolCallParser(ABC):
         text = self._space + text
         stripped = text.rstrip()
         self._space, self._before_call = ("", text[len(stripped) :]) if before_call else (text[len(stripped) :], "")
-        if stripped:
+        if stripped and not self.calls_only:
             out.append(Content(stripped))
 
-    def _calls(self, body: str) -> list[Fragment]:
-        """The calls in one call's text, or that text as content when it is not calls."""
+    def _calls(self, body: str, *, at_end: bool = False) -> list[Fragment]:
+        """The calls in one call's text (``at_end``: the output's last, maybe cut short), or
+        that text as content when it is not calls."""
         parsed = self.parse(body)
+        if parsed is None and at_end and self.calls_only:
+            parsed = _cut_short(body)
         space, self._before_call = self._before_call, ""
         if parsed is None or not parsed or any(name not in self.functions for name, _ in parsed):
+            if self.calls_only:
+                return []
             if body.strip():
                 return [Content(space + body)]
             self._space = space + body
@@ -144,6 +164,19 @@ def _arguments(value: Any) -> str | None:
     if not isinstance(value, dict):
         return None
     return json.dumps(value, ensure_ascii=False)
+
+
+#: a call's name and where its arguments begin, in every format's JSON form
+_CALL_HEAD = re.compile(r'"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+
+
+def _cut_short(body: str) -> list[tuple[str, str]]:
+    """The call a text cut short holds: its name and its arguments as far as they were
+    written (not JSON yet); none where the text stops before its arguments."""
+    head = _CALL_HEAD.search(body)
+    if head is None:
+        return []
+    return [(json.loads(head.group(1)), body[head.end() :].rstrip())]
 
 
 def _named(value: Any, arguments_key: str) -> tuple[str, str] | None:
@@ -190,6 +223,7 @@ class Llama3JsonParser(ToolCallParser):
     name = "llama3_json"
     start = '{"name":'
     xgrammar_format = "llama"
+    separator = "; "
 
     def _call_end(self, text: str) -> int | None:
         end = _json_end(text, 0)

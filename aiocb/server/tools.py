@@ -9,7 +9,7 @@ model may do with them is ``tool_choice``:
   follows a structural tag (xgrammar) in the parser's format, so a call's arguments
   always validate; without ``strict`` the output is free.
 - ``required`` and a named function: enforced the same way, with at least one call (or
-  exactly the named one).
+  exactly the named one), and nothing but calls: no text before, between or after them.
 
 Assistant messages' ``tool_calls`` arrive with ``arguments`` as JSON text; templates
 expect objects, so they are parsed before rendering.
@@ -54,7 +54,12 @@ class ToolRequest:
         """Whether the output is constrained to the parser's tool-call format."""
         if self.choice == "none":
             return False
-        return self.forced or self.choice == "required" or any(_strict(tool) for tool in self.tools)
+        return self.calls_only or any(_strict(tool) for tool in self.tools)
+
+    @property
+    def calls_only(self) -> bool:
+        """Whether the output is tool calls and nothing else (``required``, a named function)."""
+        return self.forced or self.choice == "required"
 
     def xgrammar_tool_choice(self) -> str | dict[str, Any]:
         """``tool_choice`` as xgrammar's builders take it."""
@@ -184,20 +189,25 @@ def _template_call(call: Any, i: int, j: int) -> dict[str, Any]:
     return {**call, "function": function, "name": function["name"], "arguments": arguments}
 
 
-def structural_tag(request: ToolRequest, model_format: str | dict[str, str], reasoning: str) -> dict[str, Any]:
+def structural_tag(
+    request: ToolRequest, model_format: str | dict[str, str], reasoning: str, separator: str
+) -> dict[str, Any]:
     """The structural tag that enforces ``request`` in a tool-call format.
 
     ``model_format`` is an xgrammar builtin format name (``"qwen_3"``, ``"llama"``) or a
     single-call format ``{"begin": ..., "name_end": ..., "end": ..., "trigger": ...}`` for
     one xgrammar does not build; ``reasoning`` is xgrammar's mode for a leading
-    ``<think>`` block (``"disabled"``, ``"enabled"``: the prompt opened it, ``"auto"``).
+    ``<think>`` block (``"disabled"``, ``"enabled"``: the prompt opened it, ``"auto"``);
+    ``separator`` goes between two calls where nothing else may (``required``, a named
+    function).
     """
     try:
         import xgrammar
     except ImportError:
         raise bad_request("enforcing tool calls needs xgrammar: pip install 'aiocb[structured]'", "tools") from None
     if isinstance(model_format, dict):
-        return _single_call_tag(request, model_format)
+        tag = _single_call_tag(request, model_format)
+        return _calls_only(tag, separator) if request.calls_only else tag
     try:
         tag = xgrammar.get_model_structural_tag(
             model_format,
@@ -210,7 +220,27 @@ def structural_tag(request: ToolRequest, model_format: str | dict[str, str], rea
     except ValueError as exc:
         raise bad_request(f"the tools cannot be enforced: {exc}", "tools") from None
     built: dict[str, Any] = tag.model_dump(mode="json")
-    return built
+    return _calls_only(built, separator) if request.calls_only else built
+
+
+def _calls_only(node: Any, separator: str) -> Any:
+    """``node`` (a structural tag, or a part of one) with each triggered-tags format that
+    must match a call (xgrammar's form for ``required``: free text allowed around the
+    calls) made a tags-with-separator one: the calls, ``separator`` between two, and no
+    other text."""
+    if isinstance(node, list):
+        return [_calls_only(item, separator) for item in node]
+    if not isinstance(node, dict):
+        return node
+    if node.get("type") == "triggered_tags" and node.get("at_least_one"):
+        return {
+            "type": "tags_with_separator",
+            "tags": node["tags"],
+            "separator": separator,
+            "at_least_one": True,
+            "stop_after_first": node["stop_after_first"],
+        }
+    return {key: _calls_only(value, separator) for key, value in node.items()}
 
 
 def _single_call_tag(request: ToolRequest, fmt: dict[str, str]) -> dict[str, Any]:
@@ -238,6 +268,6 @@ def _single_call_tag(request: ToolRequest, fmt: dict[str, str]) -> dict[str, Any
             "triggers": [fmt["trigger"]],
             "tags": tags,
             "at_least_one": request.choice != "auto",
-            "stop_after_first": not request.parallel,
+            "stop_after_first": request.forced or not request.parallel,  # (a named function: one call)
         },
     }

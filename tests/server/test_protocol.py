@@ -123,6 +123,9 @@ def test_sampling_fields() -> None:
         ({"prompt": "x", "store": True}, "store"),
         ({"prompt": "x", "service_tier": 7}, "service_tier"),
         ({"prompt": "x", "request_id": ["x"]}, "request_id"),
+        ({"prompt": "x", "request_id": ""}, "request_id"),
+        ({"prompt": "x", "request_id": "two words"}, "request_id"),
+        ({"prompt": "x", "service_tier": "priority"}, "service_tier"),
     ],
 )
 def test_bad_completion_fields_are_named(body: dict[str, Any], param: str) -> None:

@@ -200,3 +200,39 @@ def test_detect_parser() -> None:
     assert detect_parser("<|python_tag|>{{ x }}") is Llama3JsonParser
     assert detect_parser("{{ messages }}") is None
     assert detect_parser(None) is None
+
+
+#: one call to get_weather in each parser's format
+ONE_CALL = {
+    HermesParser: '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+    Llama3JsonParser: '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+    MistralParser: '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+}
+
+
+@pytest.mark.parametrize("parser", list(ONE_CALL))
+def test_an_output_of_calls_alone_has_no_content_and_its_cut_call_keeps_what_was_written(
+    parser: type[ToolCallParser],
+) -> None:
+    """``tool_choice`` required or a named function: the last call cut short (by
+    ``max_tokens``) is a call with the arguments written so far; cut before them, nothing;
+    never the call's text as content."""
+    call = ONE_CALL[parser]
+    cut = call[: call.index("Paris")]  # (inside the arguments)
+    rng = random.Random(3)
+    for _ in range(5):
+        fragments = _run(
+            ChoiceOutput(None, parser(FUNCTIONS, calls_only=True)), _cuts(call + parser.separator + cut, rng)
+        )
+        assert not any(isinstance(f, Content) for f in fragments)
+        calls = [f for f in fragments if isinstance(f, ToolCall)]
+        assert [(c.index, c.name) for c in calls] == [(0, "get_weather"), (1, "get_weather")]
+        assert json.loads(calls[0].arguments) == {"city": "Paris"}
+        assert calls[1].arguments == '{"city": "'
+        head = call[: call.index("get_we")]  # (its name cut short)
+        assert _run(ChoiceOutput(None, parser(FUNCTIONS, calls_only=True)), _cuts(head, rng)) == []
+    # Where text beside calls is allowed, a call cut short stays text.
+    assert _summary(_run(ChoiceOutput(None, parser(FUNCTIONS)), [cut]))[0] == cut.strip()
+    message = MessageBuilder(reasoning=False, calls_only=True)
+    message.add(_run(ChoiceOutput(None, parser(FUNCTIONS, calls_only=True)), [call[:5]]))
+    assert message.message() == {"role": "assistant", "content": None}

@@ -18,6 +18,8 @@ jsonschema = pytest.importorskip("jsonschema")
 
 import aiocb  # noqa: E402
 from aiocb.server import build_app  # noqa: E402
+from aiocb.server.tool_parsers import PARSERS, ToolCallParser  # noqa: E402
+from aiocb.server.tools import parse_tools, structural_tag  # noqa: E402
 from tests.server.conftest import MODEL_NAME, build_tokenizer, serve_config, serve_model  # noqa: E402
 
 #: A Hermes-style (Qwen 2.5) template, reduced to what the tests need.
@@ -146,6 +148,54 @@ async def test_required_and_named_tool_choice_give_valid_calls(client: httpx.Asy
             assert len(_check_calls(choice["message"])) >= 1
 
 
+@pytest.mark.parametrize("parser", list(PARSERS.values()), ids=list(PARSERS))
+@pytest.mark.parametrize("choice", ["required", "named"])
+@pytest.mark.parametrize("parallel", [True, False])
+def test_calls_alone_are_enforced_with_no_text_around_them(
+    parser: type[ToolCallParser], choice: str, parallel: bool
+) -> None:
+    """``required`` and a named function: the grammar takes one call (two, separated, when
+    parallel calls are allowed and no function is named) and no text before or after."""
+    xgrammar = pytest.importorskip("xgrammar")
+    compiler = xgrammar.GrammarCompiler(xgrammar.TokenizerInfo(["a"]))
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    body = {"tools": _tools(), "tool_choice": named if choice == "named" else choice, "parallel_tool_calls": parallel}
+    request = parse_tools(body)
+    assert request is not None and request.calls_only
+    tag = structural_tag(request, parser.xgrammar_format, "disabled", parser.separator)
+    compiled = compiler.compile_structural_tag(json.dumps(tag))
+
+    def takes(text: str) -> bool:
+        matcher = xgrammar.GrammarMatcher(compiled)
+        return bool(matcher.accept_string(text) and matcher.is_completed())
+
+    call = {
+        "hermes": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>',
+        "llama3_json": '{"name": "get_weather", "parameters": {"city": "Oslo", "days": 2}}',
+        "mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}]',
+    }[parser.name]
+    assert takes(call)
+    assert not takes(call + " It is sunny.") and not takes("Let me see. " + call)
+    assert takes(call + parser.separator + call) == (parallel and choice == "required")
+
+
+async def test_required_parallel_calls_come_with_no_content(client: httpx.AsyncClient) -> None:
+    """Sampled hot, with room for several calls: every choice is calls (the last maybe cut
+    short by max_tokens, its arguments as far as they were written), never text."""
+    for seed in (1, 2):
+        result = await _chat(client, tool_choice="required", n=8, temperature=1.3, seed=seed, max_tokens=120)
+        for choice in result["choices"]:
+            message = choice["message"]
+            assert message["content"] is None, choice
+            calls = message["tool_calls"]
+            assert calls and all(call["function"]["name"] in SCHEMAS for call in calls), choice
+            if choice["finish_reason"] == "tool_calls":
+                _check_calls(message)
+            else:
+                assert choice["finish_reason"] == "length"
+                _check_calls({"tool_calls": calls[:-1]})
+
+
 def _reassemble(events: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
     """Choices rebuilt from stream chunks, as an OpenAI client accumulates them."""
     messages: list[dict[str, Any]] = [{"content": "", "reasoning_content": "", "tool_calls": {}} for _ in range(n)]
@@ -206,7 +256,13 @@ async def test_stream_reassembles_to_the_response(
     bias = {str(tokenizer.convert_tokens_to_ids("<tool_call>")): 8}
     fields = {"n": 3, "logit_bias": bias, "parallel_tool_calls": False, **fields}
     whole = await _chat(client, **fields)
-    streamed = _reassemble(await _stream(client, **fields), 3)
+    events = await _stream(client, **fields)
+    # The role first, with null content where the answer is calls alone (as the response's).
+    calls_only = fields.get("tool_choice", "auto") != "auto"
+    assert [e["choices"][0]["delta"] for e in events[:3]] == [
+        {"role": "assistant", "content": None if calls_only else ""}
+    ] * 3
+    streamed = _reassemble(events, 3)
     flat = [_flat(choice) for choice in whole["choices"]]
     for choice in flat:
         choice["reasoning_content"] = None
