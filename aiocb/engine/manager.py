@@ -14,6 +14,7 @@ import contextlib
 import copy
 import enum
 import logging
+import threading
 import time
 import traceback
 import types
@@ -191,6 +192,8 @@ class Manager:
         #: on one process, the layout and cache plan of the session's runner, known before
         #: the runner is built off the loop (see :meth:`_make_steps`)
         self._layout: tuple[ModelSpec, CachePlan] | None = None
+        #: the runner being built and attached on a worker thread for the session starting
+        self._pending_build: _Build | None = None
         self._steps: StepLoop | None = None
         #: the timers that end those with a timeout at their deadline
         self._deadline_timers: list[asyncio.TimerHandle] = []
@@ -417,21 +420,11 @@ class Manager:
         await self._run_steps(steps)
 
     async def _attach_then_run(self, steps: StepLoop, starting: asyncio.Future[None]) -> None:
-        """The session's task on one process: the runner built on a worker thread (its cache
-        allocated; a persistent manager's is kept), attached here (a few milliseconds at
-        most: a build whose loop closed meanwhile is never left attached to the model),
-        then the steps run. A runner that cannot be built fails the session: the manager
-        is dead, with the cause."""
+        """The session's task on one process: the runner built (its cache allocated; a
+        persistent manager's is kept) and attached on a worker thread, then the steps run.
+        A runner that cannot be built fails the session: the manager is dead, with the cause."""
         try:
-            runner = self._runner
-            if runner is None:
-                work = asyncio.get_running_loop().run_in_executor(None, self._new_runner)
-                try:
-                    runner = await asyncio.shield(work)
-                except asyncio.CancelledError:
-                    await asyncio.wait([work])  # (the thread cannot be interrupted: its runner is dropped)
-                    raise
-            runner = self._attached_runner(runner)
+            runner = await self._attached_off_the_loop()
         except asyncio.CancelledError:
             self._stop_deadline_timers()
             self._router.abort_all("the event loop running the manager shut down")
@@ -453,10 +446,14 @@ class Manager:
 
     async def _attached_off_the_loop(self) -> ModelRunner:
         """:meth:`_attached_runner` on a worker thread (under tensor parallelism: a round trip
-        to the other ranks)."""
-        work = asyncio.get_running_loop().run_in_executor(None, self._attached_runner, self._runner)
+        to the other ranks); if the loop closes meanwhile, the runner is detached as soon as
+        it is attached (see :meth:`_forget_a_closed_loop`)."""
+        build = self._pending_build = _Build()
+        work = asyncio.get_running_loop().run_in_executor(None, build.run, self._attached_runner, self._runner)
         try:
-            return await asyncio.shield(work)
+            runner = await asyncio.shield(work)
+            self._pending_build = None
+            return runner
         except asyncio.CancelledError:
             # The worker thread cannot be interrupted: wait for it, and end the session it
             # started, or the other ranks would stay attached to a runner nobody stops.
@@ -1006,6 +1003,9 @@ class Manager:
             logger.warning("the event loop this manager ran on was closed without stopping it; its session ends")
             self._router.abort_all("the event loop running the manager was closed")
             self._starting = None  # (a start of that loop's, which will never end)
+            if self._pending_build is not None:  # (a runner built for that session: never collected)
+                self._pending_build.abandon()
+                self._pending_build = None
             self._end_session()
         elif self._state is _State.DEAD:
             self._loop = None  # (nothing runs there: from any loop, callers hear of the failure)
@@ -1235,6 +1235,35 @@ class Manager:
         else:
             self._steps.add(request, request.children)
         return handles
+
+
+class _Build:
+    """A runner built and attached on a worker thread for a session that may end before
+    it is collected (its event loop closed): such a runner is detached, not left attached
+    to the model."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._abandoned = False
+        self._runner: ModelRunner | None = None
+
+    def run(self, attached: Callable[[ModelRunner | None], ModelRunner], runner: ModelRunner | None) -> ModelRunner:
+        """``attached(runner)``, on the worker thread."""
+        made = attached(runner)
+        with self._lock:
+            if self._abandoned:
+                made.detach()
+            else:
+                self._runner = made
+        return made
+
+    def abandon(self) -> None:
+        """Nobody will collect the runner: detach it, now or once it is attached."""
+        with self._lock:
+            self._abandoned = True
+            if self._runner is not None:
+                self._runner.detach()
+                self._runner = None
 
 
 #: what WouldBlock says

@@ -30,6 +30,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from aiocb.core.kv_cache import ring_size
+from aiocb.gil import yield_gil
 from aiocb.runner import native
 from aiocb.runner.backends import Backend, paged_kernel
 from aiocb.runner.inputs import AttentionMetadata, GroupAttention
@@ -370,13 +371,17 @@ def install(model: PreTrainedModel) -> str:
     original = str(model.config._attn_implementation)
     if original == ATTENTION_NAME:
         return original
+    # (each walk over a large model's modules takes a millisecond or so: on a worker
+    # thread, the event loop's thread gets the GIL between them)
     for module in model.modules():
         if hasattr(module, "layer_idx"):
             setattr(module, _FALLBACK_ATTR, original)
+    yield_gil()
     for config in _configs(model):
         if id(config) not in _ORIGINALS:
             weakref.finalize(config, _ORIGINALS.pop, id(config), None)
         _ORIGINALS[id(config)] = original
+    yield_gil()
     model.set_attn_implementation(ATTENTION_NAME)
     return original
 

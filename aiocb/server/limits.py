@@ -16,7 +16,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from aiocb.server.protocol import APIError, SamplingRequest, bad_request, yield_gil
+from aiocb.gil import yield_gil
+from aiocb.server.protocol import APIError, SamplingRequest, bad_request
 
 MiB = 1 << 20
 

@@ -9,7 +9,6 @@ are refused with an :class:`APIError` of status 400 that names the field.
 from __future__ import annotations
 
 import re
-import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +20,7 @@ from aiocb.errors import (
     RequestAbortedError,
     WouldBlock,
 )
+from aiocb.gil import yield_gil
 from aiocb.params import STRUCTURE_FIELDS, SamplingParams
 
 #: ``max_tokens`` of a completion that does not say (OpenAI's default).
@@ -650,13 +650,6 @@ def _token_ids(value: Any, param: str) -> list[int]:
         if min(ids) < 0:
             raise bad_request(f"'{param}' holds a negative token id", param)
     return value
-
-
-def yield_gil() -> None:
-    """Let another thread (the event loop's) take the GIL now, rather than when this one
-    has held it for the interpreter's switch interval (5 ms). A sleep of 0.1 ms: one of 0 s
-    lets the GIL go, but this thread mostly takes it back before the waiting one wakes."""
-    time.sleep(0.0001)
 
 
 def _stop(value: Any) -> tuple[str, ...]:

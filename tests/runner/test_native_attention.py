@@ -281,7 +281,7 @@ def test_decode_attention_refuses_what_it_cannot_read(kernel: ctypes.CDLL) -> No
         native.prefill_attention(kernel, query, key_cache, value_cache, *prefill, torch.empty(2, 4, 4))
 
 
-def test_a_cpu_float32_model_attends_with_the_kernel(
+async def test_a_cpu_float32_model_attends_with_the_kernel(
     kernel: ctypes.CDLL, qwen3: PreTrainedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The default on CPU: every decode step's single-token rows go through the kernel, and
@@ -309,14 +309,18 @@ def test_a_cpu_float32_model_attends_with_the_kernel(
     monkeypatch.setattr(native, "decode_attention", counting_decode)
     monkeypatch.setattr(native, "prefill_attention", counting_prefill)
     prompts = [[5, 9, 11, 3], [7] * 30, list(range(1, 60))]
-    # 70 tokens a step: the 4- and 59-token prompts whole, 7 tokens of the 30-token one,
-    # whose other 23 come in the next step, after its cached keys
+    # 70 tokens a step, in order: the 4- and 30-token prompts whole, 36 tokens of the
+    # 59-token one (SDPA's), whose other 23 come in the next step, after its cached keys
+    # (queued before the start: the first step sees all three, whenever the runner is ready)
     config = aiocb.ContinuousBatchingConfig(page_size=16, max_batch_tokens=70)
-    outputs = aiocb.generate_batch(qwen3, prompts, max_new_tokens=12, continuous_batching_config=config)
-    assert [o.generated_tokens for o in outputs.values()] == [reference_generate(qwen3, p, 12) for p in prompts]
+    manager = aiocb.Manager(qwen3, continuous_batching_config=config)
+    ids = [manager.add_request_nowait(prompt, max_new_tokens=12) for prompt in prompts]
+    async with manager:
+        outputs = [await manager.get_result(request_id) for request_id in ids]
+    assert [o.generated_tokens for o in outputs if o] == [reference_generate(qwen3, p, 12) for p in prompts]
     assert calls["decode"] >= 11 * qwen3.config.num_hidden_layers
     assert calls["prefill"] >= qwen3.config.num_hidden_layers
-    assert {(0, 4), (0, 7), (7, 23)} == set(prefill_rows)  # (the 59 tokens went to SDPA)
+    assert {(0, 4), (0, 30), (36, 23)} == set(prefill_rows)  # (the 36 tokens went to SDPA)
 
 
 def test_without_the_kernels_cpu_models_use_the_reference_backend(monkeypatch: pytest.MonkeyPatch) -> None:
