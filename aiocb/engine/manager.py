@@ -451,9 +451,7 @@ class Manager:
         build = self._pending_build = _Build()
         work = asyncio.get_running_loop().run_in_executor(None, build.run, self._attached_runner, self._runner)
         try:
-            runner = await asyncio.shield(work)
-            self._pending_build = None
-            return runner
+            return await asyncio.shield(work)
         except asyncio.CancelledError:
             # The worker thread cannot be interrupted: wait for it, and end the session it
             # started, or the other ranks would stay attached to a runner nobody stops.
@@ -461,6 +459,8 @@ class Manager:
             if not work.cancelled() and work.exception() is None:
                 self._end_runner_session(work.result())
             raise
+        finally:
+            self._pending_build = None  # (collected, or ended: it must not keep the runner)
 
     def _not_started(self, previous: _State, starting: asyncio.Future[None], error: BaseException) -> None:
         """A start off the loop failed: the manager is as it was, and whoever waits for the

@@ -562,3 +562,9 @@ def test_a_loop_closed_while_the_runner_is_built_leaves_the_model_as_it_was(
 
     assert asyncio.run(serve()) == reference_generate(qwen3, PROMPTS[0], 5)
     assert qwen3.config._attn_implementation == original
+    # asyncio.run() returning during a build cancels the session, which waits for the build
+    # and ends it: nothing keeps that runner (or its cache) afterwards.
+    manager = aiocb.Manager(qwen3)
+    asyncio.run(start())
+    assert not manager.is_running and manager._pending_build is None and manager._runner is None
+    assert qwen3.config._attn_implementation == original
