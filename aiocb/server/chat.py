@@ -176,7 +176,7 @@ class ChatCompletion:
                     messages[j].add(outputs[j].feed(delta.text))
                     scored[j] += _scored(delta)
                     if delta.finish_reason is not None:
-                        messages[j].add(outputs[j].finish())
+                        messages[j].add(outputs[j].finish(cut=delta.finish_reason == "length"))
                         finish[j] = self._finish_reason(delta.finish_reason, outputs[j])
                         stop_reasons[j] = delta.stop_reason
                     generated[j] = delta.num_generated
@@ -220,7 +220,7 @@ class ChatCompletion:
                 fragments = outputs[j].feed(delta.text)
                 finish_reason = None
                 if delta.finish_reason is not None:
-                    fragments += outputs[j].finish()
+                    fragments += outputs[j].finish(cut=delta.finish_reason == "length")
                     finish_reason = self._finish_reason(delta.finish_reason, outputs[j])
                 entries = await self._logprob_entries(delta, turn)
                 logprobs = {"content": entries} if self.request.logprobs else None

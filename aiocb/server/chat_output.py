@@ -35,19 +35,19 @@ class ChoiceOutput:
         split: list[Fragment] = self._reasoning.feed(text) if self._reasoning is not None else [Content(text)]
         return _merged(self._parse_tools(split, finish=False))
 
-    def finish(self) -> list[Fragment]:
-        """What is left at the end of the output."""
+    def finish(self, *, cut: bool = False) -> list[Fragment]:
+        """What is left at the end of the output (``cut``: it ended at its length limit)."""
         split = self._reasoning.finish() if self._reasoning is not None else []
-        return _merged(self._parse_tools(split, finish=True))
+        return _merged(self._parse_tools(split, finish=True, cut=cut))
 
-    def _parse_tools(self, fragments: list[Fragment], *, finish: bool) -> list[Fragment]:
+    def _parse_tools(self, fragments: list[Fragment], *, finish: bool, cut: bool = False) -> list[Fragment]:
         if self._tools is None:
             return fragments
         out: list[Fragment] = []
         for fragment in fragments:
             out += self._tools.feed(fragment.text) if isinstance(fragment, Content) else [fragment]
         if finish:
-            out += self._tools.finish()
+            out += self._tools.finish(cut=cut)
         return out
 
 

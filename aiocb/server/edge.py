@@ -29,14 +29,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from aiocb.server.limits import ServerLimits
 from aiocb.server.metrics import ServerMetrics
-from aiocb.server.protocol import APIError
+from aiocb.server.protocol import APIError, sane_request_id
 
 access_logger = logging.getLogger("aiocb.access")
 
 #: Paths that stay open whatever the load (and without an API key): probes and scrapers.
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 _SCOPE_KEY = "aiocb.access"
-_MAX_ID_CHARS = 128
 
 
 @dataclass(slots=True)
@@ -44,6 +43,8 @@ class AccessRecord:
     """What the access log says of one request; the handlers fill in the token counts."""
 
     request_id: str
+    #: whether ``request_id`` is the client's (its ``X-Request-Id``), not one made here
+    from_client: bool = False
     status: int = 500
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -55,11 +56,11 @@ def access_record(scope: Scope) -> AccessRecord:
     return record if isinstance(record, AccessRecord) else AccessRecord("")
 
 
-def request_id_from(value: str | None) -> str:
-    """The client's request id when it is 1 to 128 visible ASCII characters, else a fresh one."""
-    if value and len(value) <= _MAX_ID_CHARS and all("!" <= char <= "~" for char in value):
-        return value
-    return uuid.uuid4().hex
+def _record(header: str | None) -> AccessRecord:
+    """The record of a request with this ``X-Request-Id``: the client's id when sane, else fresh."""
+    if header is not None and sane_request_id(header):  # (1 to 128 visible ASCII characters)
+        return AccessRecord(header, from_client=True)
+    return AccessRecord(uuid.uuid4().hex)
 
 
 class EdgeMiddleware:
@@ -84,9 +85,8 @@ class EdgeMiddleware:
             return
         started = time.perf_counter()
         headers = Headers(scope=scope)
-        record = AccessRecord(request_id_from(headers.get("x-request-id")))
+        record = _record(headers.get("x-request-id"))
         scope[_SCOPE_KEY] = record
-        id_header = (b"x-request-id", record.request_id.encode())
         task = asyncio.current_task()
         assert task is not None
         loop = asyncio.get_running_loop()
@@ -95,6 +95,8 @@ class EdgeMiddleware:
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
                 record.status = message["status"]
+                # (read now: a body's request_id may have named the request meanwhile)
+                id_header = (b"x-request-id", record.request_id.encode())
                 message = {**message, "headers": [*message.get("headers", ()), id_header]}
             # (a dictionary entry per send, not a timer: sends of stream events are many)
             sending[task] = loop.time()

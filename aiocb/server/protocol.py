@@ -584,12 +584,21 @@ def _check_no_effect(body: Mapping[str, Any]) -> None:
         raise bad_request("'store': this server does not store completions; leave it out or false", "store")
 
 
+def sane_request_id(value: str) -> bool:
+    """Whether a client's request id (``X-Request-Id``, a body's ``request_id``) is 1 to
+    128 visible ASCII characters: it goes into headers and the access log as it is."""
+    return 0 < len(value) <= _MAX_REQUEST_ID_CHARS and all("!" <= char <= "~" for char in value)
+
+
+_MAX_REQUEST_ID_CHARS = 128
+
+
 def _request_id(body: Mapping[str, Any]) -> str | None:
-    """vLLM's ``request_id``: 1 to 128 visible ASCII characters (it names the response)."""
+    """vLLM's ``request_id`` (it names the request and its response), checked."""
     value = body.get("request_id")
     if value is None:
         return None
-    if not isinstance(value, str) or not 0 < len(value) <= 128 or not all("!" <= c <= "~" for c in value):
+    if not isinstance(value, str) or not sane_request_id(value):
         raise bad_request("'request_id' must be a string of 1 to 128 visible ASCII characters", "request_id")
     return value
 

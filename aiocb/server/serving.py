@@ -211,9 +211,14 @@ def _succeeded(opened: Sequence[list[RemoteStream] | BaseException]) -> list[Rem
 
 
 def response_id(sampling: SamplingRequest, record: AccessRecord) -> str:
-    """What a response's id is made from: the body's ``request_id`` (vLLM's), else the
-    HTTP request's id (the client's ``X-Request-Id`` when it sent a sane one, else fresh)."""
-    return sampling.request_id or record.request_id or uuid.uuid4().hex
+    """What a response's id is made from, as vLLM makes it: the client's ``X-Request-Id``
+    when it sent a sane one, else the body's ``request_id``, else a fresh id; the request
+    is named by it in the ``X-Request-Id`` response header and the access log too."""
+    if not record.from_client and sampling.request_id is not None:
+        record.request_id = sampling.request_id
+    if not record.request_id:  # (a record made outside the edge middleware)
+        record.request_id = uuid.uuid4().hex
+    return record.request_id
 
 
 class Submission:

@@ -7,8 +7,9 @@ stream never shows the start of a call as content. A call that does not parse, o
 a function the request did not offer, stays content: the client sees what the model
 wrote rather than a call it cannot make. An output of calls alone (``tool_choice``
 required or a named function, which its grammar enforces) has no content: a call cut
-short at the end (by ``max_tokens``) is a call with the arguments written so far, as
-OpenAI returns one, or nothing where even its name was cut.
+short at the end by ``max_tokens`` is a call with the arguments written so far, as
+OpenAI returns one, or nothing where even its name was cut; one a stop string cut is
+dropped.
 
 Formats:
 
@@ -101,13 +102,14 @@ class ToolCallParser(ABC):
             break
         return out
 
-    def finish(self) -> list[Fragment]:
-        """What is left at the end of the output: an unclosed call is tried as it is."""
+    def finish(self, *, cut: bool = False) -> list[Fragment]:
+        """What is left at the end of the output: an unclosed call is tried as it is
+        (``cut``: the output ended at its length limit, see :func:`_cut_short`)."""
         self._buffer += self._hidden_start
         self._hidden_start = ""
         out: list[Fragment] = []
         if self._in_call:
-            out += self._calls(self._buffer, at_end=True)
+            out += self._calls(self._buffer, cut=cut)
         else:
             self._content(self._buffer, out, before_call=False)
         self._buffer = ""
@@ -123,11 +125,11 @@ class ToolCallParser(ABC):
         if stripped and not self.calls_only:
             out.append(Content(stripped))
 
-    def _calls(self, body: str, *, at_end: bool = False) -> list[Fragment]:
-        """The calls in one call's text (``at_end``: the output's last, maybe cut short), or
-        that text as content when it is not calls."""
+    def _calls(self, body: str, *, cut: bool = False) -> list[Fragment]:
+        """The calls in one call's text (``cut``: the output's last, cut short by its length
+        limit), or that text as content when it is not calls."""
         parsed = self.parse(body)
-        if parsed is None and at_end and self.calls_only:
+        if parsed is None and cut and self.calls_only:
             parsed = _cut_short(body)
         space, self._before_call = self._before_call, ""
         if parsed is None or not parsed or any(name not in self.functions for name, _ in parsed):
@@ -172,11 +174,13 @@ _CALL_HEAD = re.compile(r'"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|p
 
 def _cut_short(body: str) -> list[tuple[str, str]]:
     """The call a text cut short holds: its name and its arguments as far as they were
-    written (not JSON yet); none where the text stops before its arguments."""
+    written (JSON when they were complete, only the call's closing markup cut); none where
+    the text stops before its arguments."""
     head = _CALL_HEAD.search(body)
     if head is None:
         return []
-    return [(json.loads(head.group(1)), body[head.end() :].rstrip())]
+    end = _json_end(body, head.end())
+    return [(json.loads(head.group(1)), body[head.end() : end].rstrip())]
 
 
 def _named(value: Any, arguments_key: str) -> tuple[str, str] | None:

@@ -420,11 +420,16 @@ async def test_every_response_carries_a_request_id(
     ids = [r.headers["x-request-id"] for r in [*fresh, stream]]
     assert len(set(ids)) == len(ids) and all(len(i) == 32 for i in ids)
     assert events[-1] == "[DONE]"
-    # The response's id is made from the request's (vLLM's), the body's request_id first.
+    # The response's id is made from the request's, as vLLM's is: the client's X-Request-Id,
+    # else the body's request_id (which then names the request in the header and the log).
     assert mine.json()["id"] == "cmpl-trace-42" and fresh[0].json()["id"] == f"cmpl-{ids[0]}"
     assert {event["id"] for event in events[:-1]} == {f"cmpl-{ids[-1]}"}
-    named = await client.post(COMPLETIONS, json=body(request_id="job-7"), headers={"X-Request-Id": "trace-43"})
-    assert named.json()["id"] == "cmpl-job-7" and named.headers["x-request-id"] == "trace-43"
+    both = await client.post(COMPLETIONS, json=body(request_id="job-7"), headers={"X-Request-Id": "trace-43"})
+    assert both.json()["id"] == "cmpl-trace-43" and both.headers["x-request-id"] == "trace-43"
+    with caplog.at_level(logging.INFO, logger="aiocb.access"):
+        named = await client.post(COMPLETIONS, json=body(request_id="job-7"))
+    assert named.json()["id"] == "cmpl-job-7" and named.headers["x-request-id"] == "job-7"
+    assert any("request_id=job-7" in r.getMessage() for r in caplog.records if r.name == "aiocb.access")
     lines = [r.getMessage() for r in caplog.records if r.name == "aiocb.access"]
     (line,) = [line for line in lines if "request_id=trace-42" in line]
     assert '"POST /v1/completions" 200' in line

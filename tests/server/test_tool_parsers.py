@@ -22,11 +22,11 @@ from aiocb.server.tool_parsers import (
 FUNCTIONS = ("get_weather", "add")
 
 
-def _run(output: ChoiceOutput, pieces: list[str]) -> list[Fragment]:
+def _run(output: ChoiceOutput, pieces: list[str], *, cut: bool = False) -> list[Fragment]:
     fragments: list[Fragment] = []
     for piece in pieces:
         fragments += output.feed(piece)
-    return fragments + output.finish()
+    return fragments + output.finish(cut=cut)
 
 
 def _cuts(text: str, rng: random.Random) -> list[str]:
@@ -214,23 +214,27 @@ ONE_CALL = {
 def test_an_output_of_calls_alone_has_no_content_and_its_cut_call_keeps_what_was_written(
     parser: type[ToolCallParser],
 ) -> None:
-    """``tool_choice`` required or a named function: the last call cut short (by
-    ``max_tokens``) is a call with the arguments written so far; cut before them, nothing;
-    never the call's text as content."""
+    """``tool_choice`` required or a named function: the last call cut short by
+    ``max_tokens`` is a call with the arguments written so far (whole, when only its closing
+    markup was cut); cut before them, nothing; cut by a stop string, nothing; never the
+    call's text as content."""
     call = ONE_CALL[parser]
     cut = call[: call.index("Paris")]  # (inside the arguments)
     rng = random.Random(3)
-    for _ in range(5):
-        fragments = _run(
-            ChoiceOutput(None, parser(FUNCTIONS, calls_only=True)), _cuts(call + parser.separator + cut, rng)
-        )
+
+    def calls_of(text: str, *, length: bool = True) -> list[tuple[str, str]]:
+        fragments = _run(ChoiceOutput(None, parser(FUNCTIONS, calls_only=True)), _cuts(text, rng), cut=length)
         assert not any(isinstance(f, Content) for f in fragments)
-        calls = [f for f in fragments if isinstance(f, ToolCall)]
-        assert [(c.index, c.name) for c in calls] == [(0, "get_weather"), (1, "get_weather")]
-        assert json.loads(calls[0].arguments) == {"city": "Paris"}
-        assert calls[1].arguments == '{"city": "'
-        head = call[: call.index("get_we")]  # (its name cut short)
-        assert _run(ChoiceOutput(None, parser(FUNCTIONS, calls_only=True)), _cuts(head, rng)) == []
+        return [(f.name, f.arguments) for f in fragments if isinstance(f, ToolCall)]
+
+    for _ in range(5):
+        first, second = calls_of(call + parser.separator + cut)
+        assert first[0] == "get_weather" and json.loads(first[1]) == {"city": "Paris"}
+        assert second == ("get_weather", '{"city": "')
+        assert calls_of(call[: call.index("get_we")]) == []  # (its name cut short)
+        assert calls_of(cut, length=False) == []  # (a stop string ended it)
+        ((name, arguments),) = calls_of(call[: call.index("}") + 1])  # (its closing markup cut)
+        assert name == "get_weather" and json.loads(arguments) == {"city": "Paris"}
     # Where text beside calls is allowed, a call cut short stays text.
     assert _summary(_run(ChoiceOutput(None, parser(FUNCTIONS)), [cut]))[0] == cut.strip()
     message = MessageBuilder(reasoning=False, calls_only=True)
