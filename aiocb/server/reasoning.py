@@ -37,13 +37,18 @@ def after_thinking(field: str, value: Any, *, opened: bool) -> dict[str, Any]:
     the block and the answer (``</think>\n\n``, as these models write it)."""
     structure = SamplingParams(**{field: value}).structure()
     assert structure is not None
+    return {"type": "structural_tag", "format": thinking_first(answer_format(structure), opened=opened)}
+
+
+def thinking_first(answer: dict[str, Any], *, opened: bool) -> dict[str, Any]:
+    """A structural tag's format: a free ``<think>`` block (the one the prompt ``opened``,
+    else one the output may open), up to two newlines, then ``answer``."""
     thinking: dict[str, Any] = {"type": "tag", "begin": "" if opened else OPEN, "content": {"type": "any_text"}}
     thinking["end"] = CLOSE
     if not opened:
         thinking = {"type": "optional", "content": thinking}
     gap = {"type": "regex", "pattern": "\\n{0,2}"}
-    elements = [thinking, gap, answer_format(structure)]
-    return {"type": "structural_tag", "format": {"type": "sequence", "elements": elements}}
+    return {"type": "sequence", "elements": [thinking, gap, answer]}
 
 
 class ReasoningSplitter:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiocb.server.protocol import bad_request, refuse_unknown_keys
+from aiocb.server.reasoning import thinking_first
 
 _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 #: Tool-call JSON may hold at most this many whitespace characters in a row: a weak model
@@ -207,7 +208,7 @@ def structural_tag(
         raise bad_request("enforcing tool calls needs xgrammar: pip install 'aiocb[structured]'", "tools") from None
     if isinstance(model_format, dict):
         tag = _single_call_tag(request, model_format)
-        return _calls_only(tag, separator) if request.calls_only else tag
+        return _thinking_first(_calls_only(tag, separator) if request.calls_only else tag, reasoning)
     try:
         tag = xgrammar.get_model_structural_tag(
             model_format,
@@ -220,7 +221,16 @@ def structural_tag(
     except ValueError as exc:
         raise bad_request(f"the tools cannot be enforced: {exc}", "tools") from None
     built: dict[str, Any] = tag.model_dump(mode="json")
-    return _calls_only(built, separator) if request.calls_only else built
+    return _thinking_first(_calls_only(built, separator) if request.calls_only else built, reasoning)
+
+
+def _thinking_first(tag: dict[str, Any], reasoning: str) -> dict[str, Any]:
+    """``tag`` after a free ``<think>`` block where the reasoning mode asks for one and the
+    format has none of its own (xgrammar's ``qwen_3`` has; its ``llama`` and the single-call
+    formats have not: a call forced at once could never follow the thinking)."""
+    if reasoning == "disabled" or tag["format"].get("type") == "sequence":
+        return tag
+    return {**tag, "format": thinking_first(tag["format"], opened=reasoning == "enabled")}
 
 
 def _calls_only(node: Any, separator: str) -> Any:

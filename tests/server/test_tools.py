@@ -179,6 +179,30 @@ def test_calls_alone_are_enforced_with_no_text_around_them(
     assert takes(call + parser.separator + call) == (parallel and choice == "required")
 
 
+@pytest.mark.parametrize("parser", list(PARSERS.values()), ids=list(PARSERS))
+def test_calls_alone_may_follow_a_reasoning_models_thinking(parser: type[ToolCallParser]) -> None:
+    """With a reasoning parser the thinking comes first, free, then the calls: in every
+    format (xgrammar builds it into its qwen_3 format alone)."""
+    xgrammar = pytest.importorskip("xgrammar")
+    compiler = xgrammar.GrammarCompiler(xgrammar.TokenizerInfo(["a"]))
+    request = parse_tools({"tools": _tools(), "tool_choice": "required"})
+    assert request is not None
+    call = {
+        "hermes": '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": true}}\n</tool_call>',
+        "llama3_json": '{"name": "add", "parameters": {"a": 1, "b": true}}',
+        "mistral": '[TOOL_CALLS][{"name": "add", "arguments": {"a": 1, "b": true}}]',
+    }[parser.name]
+
+    def takes(mode: str, text: str) -> bool:
+        tag = structural_tag(request, parser.xgrammar_format, mode, parser.separator)
+        matcher = xgrammar.GrammarMatcher(compiler.compile_structural_tag(json.dumps(tag)))
+        return bool(matcher.accept_string(text) and matcher.is_completed())
+
+    assert takes("enabled", "Adding.</think>\n\n" + call) and not takes("enabled", call)  # (the prompt opened it)
+    assert takes("auto", "<think>Adding.</think>\n\n" + call) and takes("auto", call)
+    assert not takes("auto", "<think>Adding.</think>\n\n" + call + " Done.")
+
+
 async def test_required_parallel_calls_come_with_no_content(client: httpx.AsyncClient) -> None:
     """Sampled hot, with room for several calls: every choice is calls (the last maybe cut
     short by max_tokens, its arguments as far as they were written), never text."""
