@@ -194,6 +194,8 @@ class Manager:
         self._layout: tuple[ModelSpec, CachePlan] | None = None
         #: the runner being built and attached on a worker thread for the session starting
         self._pending_build: _Build | None = None
+        #: one abandoned with its closed loop, maybe still running: the next build waits for it
+        self._abandoned_build: _Build | None = None
         self._steps: StepLoop | None = None
         #: the timers that end those with a timeout at their deadline
         self._deadline_timers: list[asyncio.TimerHandle] = []
@@ -277,12 +279,13 @@ class Manager:
     def start(self) -> None:
         """Start the step loop on the running event loop.
 
-        The model runner (its KV cache allocated, its kernels loaded: a second or more for
-        a large cache) is built on a worker thread, so ``start()`` returns at once: requests
-        are taken from then on, checked against the cache plan made here, and wait in the
-        queue until the runner is ready. :meth:`wait_started` waits for it and raises what
-        made it fail (the manager is then dead). A cache plan that cannot be made (no cache
-        fits the memory budget) raises here.
+        The model runner (its KV cache allocated: a second or more for a large cache) is
+        built on a worker thread, so ``start()`` returns at once: requests are taken from
+        then on, checked against the cache plan made here, and wait in the queue until the
+        runner is ready. :meth:`wait_started` waits for it and raises what made it fail; the
+        requests made meanwhile are then aborted, naming it, and the manager is as it was
+        before the start (it may be started again). A cache plan that cannot be made (no
+        cache fits the memory budget) raises here.
 
         Requests made before the first start (on one process) wait in the queue for it, as
         transformers' do; they are checked when made, and the start must come on their
@@ -317,10 +320,11 @@ class Manager:
             self._starting = loop.create_future()
             self._bind(loop, _State.STARTING, self._start_then_run(self._state, self._starting))
             return
+        previous = self._state
         steps = self._steps if self._queued_before_start else self._make_steps()
         assert steps is not None
         self._starting = loop.create_future()
-        self._bind(loop, _State.RUNNING, self._attach_then_run(steps, self._starting))
+        self._bind(loop, _State.RUNNING, self._attach_then_run(previous, steps, self._starting))
 
     async def wait_started(self) -> None:
         """Wait until the session :meth:`start` began has started; raises what made it fail.
@@ -419,10 +423,11 @@ class Manager:
         starting.set_result(None)
         await self._run_steps(steps)
 
-    async def _attach_then_run(self, steps: StepLoop, starting: asyncio.Future[None]) -> None:
+    async def _attach_then_run(self, previous: _State, steps: StepLoop, starting: asyncio.Future[None]) -> None:
         """The session's task on one process: the runner built (its cache allocated; a
         persistent manager's is kept) and attached on a worker thread, then the steps run.
-        A runner that cannot be built fails the session: the manager is dead, with the cause."""
+        A runner that cannot be built ends the session before it began: what was queued is
+        aborted, and the manager is as it was (``previous``)."""
         try:
             runner = await self._attached_off_the_loop()
         except asyncio.CancelledError:
@@ -434,9 +439,16 @@ class Manager:
             raise
         except Exception as exc:
             self._stop_deadline_timers()
-            starting.set_exception(exc)
-            starting.exception()
-            self._die(exc, "building the model runner (its KV cache) failed")
+            cause = f"the manager's start failed (building the model runner and its KV cache): {exc!r}"
+            self._admission.fail(ManagerClosedError(f"{cause}; the request was not queued"))
+            self._router.abort_all(cause)
+            steps.close()
+            self._steps = None
+            self._router.steps = None
+            self._admission.scheduler = None
+            if self._runner is None:
+                self._layout = None  # (the next start plans anew)
+            self._not_started(previous, starting, exc)
             return
         self._stop_deadline_timers()  # (the step loop ends those requests from now on)
         self._runner = runner
@@ -448,7 +460,8 @@ class Manager:
         """:meth:`_attached_runner` on a worker thread (under tensor parallelism: a round trip
         to the other ranks); if the loop closes meanwhile, the runner is detached as soon as
         it is attached (see :meth:`_forget_a_closed_loop`)."""
-        build = self._pending_build = _Build()
+        build = self._pending_build = _Build(after=self._abandoned_build)
+        self._abandoned_build = None
         work = asyncio.get_running_loop().run_in_executor(None, build.run, self._attached_runner, self._runner)
         try:
             return await asyncio.shield(work)
@@ -480,11 +493,9 @@ class Manager:
             await asyncio.shield(self._starting)
 
     def _open_session(self, runner: ModelRunner) -> StepLoop:
-        """The scheduler and step loop of a session on ``runner`` (attached); it is detached
-        if they cannot be made."""
+        """The scheduler and step loop of a session under tensor parallelism on ``runner``
+        (attached); it is detached if they cannot be made."""
         self._runner = runner
-        if self._steps is not None and self._steps.runner is runner:
-            return self._steps  # (made for the requests queued before the first start)
         try:
             scheduler = self._scheduler(runner.spec, runner.plan)
         except BaseException:
@@ -613,6 +624,7 @@ class Manager:
             self._runner.detach()
             self._runner.close()
             self._runner = None
+        self._layout = None
         if self._steps is not None:
             self._final_statistics = self.statistics()
             self._steps.close()
@@ -689,13 +701,15 @@ class Manager:
 
     def _end_runner_session(self, runner: ModelRunner) -> None:
         """Detach ``runner``; a persistent manager keeps it (and its cache) for its next
-        session, another frees it (start() builds a new one)."""
+        session, another frees it (start() plans and builds a new one)."""
         runner.detach()
         self._runner = runner if self.persistent else None
+        if self._runner is None:
+            self._layout = None
 
-    def _die(self, exc: BaseException, what: str = "the step loop failed") -> None:
-        logger.error("aiocb: %s; every pending request fails", what, exc_info=exc)
-        self._dead_error = EngineDeadError(f"{what}: {exc!r}", exc)
+    def _die(self, exc: BaseException) -> None:
+        logger.error("aiocb step loop failed; every pending request fails", exc_info=exc)
+        self._dead_error = EngineDeadError(f"the step loop failed: {exc!r}", exc)
         self._state = _State.DEAD
         self._router.fail_all(self._dead_error, exc)
         self._admission.fail(self._dead_error)
@@ -1005,7 +1019,7 @@ class Manager:
             self._starting = None  # (a start of that loop's, which will never end)
             if self._pending_build is not None:  # (a runner built for that session: never collected)
                 self._pending_build.abandon()
-                self._pending_build = None
+                self._abandoned_build, self._pending_build = self._pending_build, None
             self._end_session()
         elif self._state is _State.DEAD:
             self._loop = None  # (nothing runs there: from any loop, callers hear of the failure)
@@ -1240,22 +1254,31 @@ class Manager:
 class _Build:
     """A runner built and attached on a worker thread for a session that may end before
     it is collected (its event loop closed): such a runner is detached, not left attached
-    to the model."""
+    to the model, and a build for a later session waits for it (``after``) rather than
+    attach the model at the same time."""
 
-    def __init__(self) -> None:
+    def __init__(self, after: _Build | None = None) -> None:
         self._lock = threading.Lock()
         self._abandoned = False
         self._runner: ModelRunner | None = None
+        self._after = after
+        self._done = threading.Event()
 
     def run(self, attached: Callable[[ModelRunner | None], ModelRunner], runner: ModelRunner | None) -> ModelRunner:
         """``attached(runner)``, on the worker thread."""
-        made = attached(runner)
-        with self._lock:
-            if self._abandoned:
-                made.detach()
-            else:
-                self._runner = made
-        return made
+        try:
+            if self._after is not None:
+                self._after._done.wait()
+                self._after = None
+            made = attached(runner)
+            with self._lock:
+                if self._abandoned:
+                    made.detach()
+                else:
+                    self._runner = made
+            return made
+        finally:
+            self._done.set()
 
     def abandon(self) -> None:
         """Nobody will collect the runner: detach it, now or once it is attached."""

@@ -72,7 +72,7 @@ class EngineReplica:
             speculative_config=options.speculative_config,
         )
         self.manager.start()
-        await self.manager.wait_started()  # (under tensor parallelism, once the other ranks are reached)
+        await self.manager.wait_started()  # (its runner and cache built; under tensor parallelism, the ranks reached)
         self.app = build_app(
             self.manager,
             tokenizer,

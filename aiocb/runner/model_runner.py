@@ -146,6 +146,8 @@ class ModelRunner:
         self.async_batching = self._resolve_async_batching()
         self._last_tokens: torch.Tensor | None = None
         self._original_attention: str | None = None
+        #: whether :meth:`load_kernels` ran (before the first step, on the step thread)
+        self._kernels_loaded = False
 
     @property
     def device(self) -> torch.device:
@@ -218,6 +220,7 @@ class ModelRunner:
         too: it shares :attr:`backends`) attend through the ``reference`` backend instead."""
         if Backend.CPU in self.backends and native.library() is None:
             self.backends[:] = [Backend.REFERENCE if b == Backend.CPU else b for b in self.backends]  # (logged)
+        self._kernels_loaded = True
 
     def _capture_graphs(self) -> DecodeGraphs | None:
         """Capture the decode graphs, and those of steps that verify proposals and of the
@@ -288,6 +291,8 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, batch: StepBatch) -> PendingStep:
         """Enqueue one step's forward pass and sampling; returns without waiting."""
+        if not self._kernels_loaded:  # (a runner stepped without its warm-up)
+            self.load_kernels()
         drafter = self.drafter
         for cache in (self.cache,) if drafter is None else (self.cache, drafter.cache):
             cache.move_blocks(batch.copy_blocks, batch.swap_out, batch.swap_in)

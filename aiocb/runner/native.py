@@ -161,10 +161,14 @@ def _openmp_entry_points() -> tuple[int | None, int | None, int | None]:
 _OPENMP_NAMES = ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads")
 
 
+def _turned_off() -> bool:
+    return os.environ.get("AIOCB_NATIVE", "1") == "0"
+
+
 def may_load() -> bool:
     """Whether the kernels are not turned off and not known to have failed to build (a
     cheap test: nothing is built or loaded)."""
-    return os.environ.get("AIOCB_NATIVE", "1") != "0" and (not _tried or _library is not None)
+    return not _turned_off() and (not _tried or _library is not None)
 
 
 def library() -> ctypes.CDLL | None:
@@ -174,7 +178,7 @@ def library() -> ctypes.CDLL | None:
         return _library
     with _lock:
         if not _tried:
-            if os.environ.get("AIOCB_NATIVE", "1") != "0":
+            if not _turned_off():
                 try:
                     _library = _build()
                 except (OSError, RuntimeError, subprocess.SubprocessError) as error:

@@ -102,7 +102,7 @@ def build_app(
         started_here = not manager.is_running
         if started_here:
             manager.start()
-            await manager.wait_started()  # (under tensor parallelism, once the other ranks are reached)
+            await manager.wait_started()  # (its runner and cache built; under tensor parallelism, the ranks reached)
         ctx.draining = False
         try:
             yield

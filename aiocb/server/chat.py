@@ -28,7 +28,7 @@ from aiocb.server.serving import (
     Submission,
     choice_seed,
     engine_params,
-    response_id,
+    name_response,
 )
 from aiocb.server.tools import ToolRequest, parse_tools, structural_tag, template_messages
 
@@ -116,7 +116,7 @@ class ChatCompletion:
     def __init__(self, ctx: ServerContext, prepared: PreparedChat, received: float, record: AccessRecord) -> None:
         self.ctx = ctx
         self.request = request = prepared.request
-        self.id = f"chatcmpl-{response_id(request.sampling, record)}"
+        self.id = f"chatcmpl-{name_response(request.sampling, record)}"
         self.created = int(time.time())
         self.prompt_ids = prepared.prompt_ids
         self.tools = prepared.tools

@@ -27,8 +27,8 @@ from aiocb.server.serving import (
     Submission,
     choice_seed,
     engine_params,
+    name_response,
     release,
-    response_id,
 )
 
 
@@ -188,7 +188,7 @@ class Completion:
         self.ctx = ctx
         self.request = prepared.request
         self.received = received
-        self.id = f"cmpl-{response_id(prepared.request.sampling, record)}"
+        self.id = f"cmpl-{name_response(prepared.request.sampling, record)}"
         self.created = int(time.time())
         self.prompts = prepared.prompts
         self.submission = Submission(ctx, prepared.specs, received)

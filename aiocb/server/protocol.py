@@ -495,7 +495,8 @@ def _json_schema_spec(spec: Any) -> dict[str, Any]:
 
 
 #: Fields that do not change what is generated (identifiers, bookkeeping): accepted when of
-#: their type (``store`` only when false: :func:`_check_no_effect`).
+#: their type (``store`` only when false, ``service_tier`` only auto or default:
+#: :func:`_check_no_effect`).
 _NO_EFFECT = frozenset({"user", "metadata", "store", "service_tier"})
 _SAMPLING_FIELDS = frozenset(
     {
@@ -584,13 +585,13 @@ def _check_no_effect(body: Mapping[str, Any]) -> None:
         raise bad_request("'store': this server does not store completions; leave it out or false", "store")
 
 
+_MAX_REQUEST_ID_CHARS = 128
+
+
 def sane_request_id(value: str) -> bool:
     """Whether a client's request id (``X-Request-Id``, a body's ``request_id``) is 1 to
     128 visible ASCII characters: it goes into headers and the access log as it is."""
     return 0 < len(value) <= _MAX_REQUEST_ID_CHARS and all("!" <= char <= "~" for char in value)
-
-
-_MAX_REQUEST_ID_CHARS = 128
 
 
 def _request_id(body: Mapping[str, Any]) -> str | None:

@@ -210,10 +210,11 @@ def _succeeded(opened: Sequence[list[RemoteStream] | BaseException]) -> list[Rem
     return [stream for group in opened if not isinstance(group, BaseException) for stream in group]
 
 
-def response_id(sampling: SamplingRequest, record: AccessRecord) -> str:
-    """What a response's id is made from, as vLLM makes it: the client's ``X-Request-Id``
-    when it sent a sane one, else the body's ``request_id``, else a fresh id; the request
-    is named by it in the ``X-Request-Id`` response header and the access log too."""
+def name_response(sampling: SamplingRequest, record: AccessRecord) -> str:
+    """The request's name, which its response's id is made from, as vLLM makes it: the
+    client's ``X-Request-Id`` when it sent a sane one, else the body's ``request_id`` (which
+    then names the request in the ``X-Request-Id`` response header and the access log
+    too: ``record`` is changed), else the fresh id the record has."""
     if not record.from_client and sampling.request_id is not None:
         record.request_id = sampling.request_id
     if not record.request_id:  # (a record made outside the edge middleware)

@@ -173,14 +173,18 @@ _CALL_HEAD = re.compile(r'"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|p
 
 
 def _cut_short(body: str) -> list[tuple[str, str]]:
-    """The call a text cut short holds: its name and its arguments as far as they were
-    written (JSON when they were complete, only the call's closing markup cut); none where
-    the text stops before its arguments."""
+    """The first call a text cut short holds (an enforced format writes one call a marker):
+    its name and its arguments as far as they were written (JSON when they were complete,
+    only the call's closing markup cut); none where the text stops before its arguments."""
     head = _CALL_HEAD.search(body)
     if head is None:
         return []
+    try:
+        name = json.loads(head.group(1))
+    except ValueError:  # (an invalid escape in the name: no call to make)
+        return []
     end = _json_end(body, head.end())
-    return [(json.loads(head.group(1)), body[head.end() : end].rstrip())]
+    return [(name, body[head.end() : end].rstrip())]
 
 
 def _named(value: Any, arguments_key: str) -> tuple[str, str] | None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiocb.server.protocol import bad_request, refuse_unknown_keys
-from aiocb.server.reasoning import thinking_first
+from aiocb.server.reasoning import CLOSE, thinking_first
 
 _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 #: Tool-call JSON may hold at most this many whitespace characters in a row: a weak model
@@ -228,9 +228,18 @@ def _thinking_first(tag: dict[str, Any], reasoning: str) -> dict[str, Any]:
     """``tag`` after a free ``<think>`` block where the reasoning mode asks for one and the
     format has none of its own (xgrammar's ``qwen_3`` has; its ``llama`` and the single-call
     formats have not: a call forced at once could never follow the thinking)."""
-    if reasoning == "disabled" or tag["format"].get("type") == "sequence":
+    if reasoning == "disabled" or _ends_thinking(tag["format"]):
         return tag
     return {**tag, "format": thinking_first(tag["format"], opened=reasoning == "enabled")}
+
+
+def _ends_thinking(node: Any) -> bool:
+    """Whether a structural tag's format has a tag that closes a ``<think>`` block."""
+    if isinstance(node, list):
+        return any(_ends_thinking(item) for item in node)
+    if not isinstance(node, dict):
+        return False
+    return node.get("end") == CLOSE or any(_ends_thinking(value) for value in node.values())
 
 
 def _calls_only(node: Any, separator: str) -> Any:

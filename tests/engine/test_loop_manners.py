@@ -520,28 +520,41 @@ async def test_a_start_builds_the_runner_off_the_loop_and_takes_requests_meanwhi
 async def test_a_runner_that_cannot_be_built_fails_the_start_and_what_waits(
     qwen3: PreTrainedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The start fails, naming why; what was queued meanwhile is aborted; the manager is as
+    it was, and a later start (the memory back) serves."""
     from aiocb.runner import model_runner
+
+    allocate = model_runner.PagedKVCache
 
     def failing(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("CUDA out of memory (a stand-in)")
 
     monkeypatch.setattr(model_runner, "PagedKVCache", failing)
     manager = aiocb.Manager(qwen3)
+    queued = manager.add_request_nowait(PROMPTS[1], max_new_tokens=4)  # (before the start)
     manager.start()
     waiting = asyncio.ensure_future(manager.generate(PROMPTS[0], max_new_tokens=4))
     with pytest.raises(RuntimeError, match="out of memory"):
         await manager.wait_started()
-    with pytest.raises(aiocb.EngineDeadError, match="out of memory"):
+    with pytest.raises(aiocb.RequestAbortedError, match="out of memory"):
         await waiting
-    assert manager.is_dead
-    await manager.destroy()
+    result = await manager.get_result(queued)  # (its result says so, as a hard stop's)
+    assert result is not None and result.finish_reason is aiocb.FinishReason.ABORTED
+    assert result.error is not None and "start failed" in result.error
+    assert not manager.is_running and not manager.is_dead
+    assert qwen3.config._attn_implementation != "aiocb_paged"
+    monkeypatch.setattr(model_runner, "PagedKVCache", allocate)
+    async with manager:
+        output = await manager.generate(PROMPTS[0], max_new_tokens=4)
+    assert output.generated_tokens == reference_generate(qwen3, PROMPTS[0], 4)
 
 
 def test_a_loop_closed_while_the_runner_is_built_leaves_the_model_as_it_was(
     qwen3: PreTrainedModel, slow_cache: list[str]
 ) -> None:
     """The build finishes on its thread after the loop is gone: the runner it made is
-    never attached, so the model keeps its own attention and a start on a new loop serves."""
+    detached as soon as it is attached, so the model keeps its own attention, and a start on
+    a new loop (whose build waits for that one) serves."""
     original = qwen3.config._attn_implementation
     manager = aiocb.Manager(qwen3)
 
@@ -568,3 +581,51 @@ def test_a_loop_closed_while_the_runner_is_built_leaves_the_model_as_it_was(
     asyncio.run(start())
     assert not manager.is_running and manager._pending_build is None and manager._runner is None
     assert qwen3.config._attn_implementation == original
+
+
+def test_a_start_after_a_build_abandoned_with_its_loop_waits_for_that_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A persistent manager's build, slow to attach, is abandoned with its closed loop: the
+    next session's build waits for it, so the two never attach the model at once, and the
+    model has its own attention back once that session stops."""
+    from aiocb.runner import attention
+    from tests.conftest import tiny_qwen3
+
+    model = tiny_qwen3()
+    original = model.config._attn_implementation
+    install, calls = attention.install, []
+
+    def slow_second_install(target: PreTrainedModel) -> str:
+        calls.append(1)
+        if len(calls) == 2:  # (the session whose loop closes)
+            time.sleep(0.3)
+        return install(target)
+
+    monkeypatch.setattr(attention, "install", slow_second_install)
+    manager = aiocb.Manager(model, persistent_manager=True)
+
+    async def first() -> None:
+        manager.start()
+        await manager.wait_started()
+        await manager.stop()
+
+    async def started_only() -> None:
+        manager.start()
+        await asyncio.sleep(0.05)
+
+    async def serve() -> list[int]:
+        manager.start()
+        await manager.wait_started()
+        await asyncio.sleep(0.4)  # (the abandoned build has ended by now, whatever the order)
+        output = await manager.generate(PROMPTS[1], max_new_tokens=5)
+        await manager.stop()
+        return output.generated_tokens
+
+    try:
+        asyncio.run(first())
+        loop = asyncio.new_event_loop()
+        loop.run_until_complete(started_only())
+        loop.close()
+        assert asyncio.run(serve()) == reference_generate(model, PROMPTS[1], 5)
+        assert model.config._attn_implementation == original
+    finally:
+        asyncio.run(manager.destroy())
