@@ -17,7 +17,8 @@ async def test_add_request_waits_for_room_and_nowait_raises(qwen3: PreTrainedMod
     # One request per step and a queue of two: the third add has to wait.
     config = aiocb.ContinuousBatchingConfig(max_queue_size=2, max_requests_per_batch=1)
     async with aiocb.Manager(qwen3, continuous_batching_config=config) as manager:
-        first = await manager.add_request(PROMPTS[0], max_new_tokens=50)
+        # (long enough to run through the checks below on a fast machine)
+        first = await manager.add_request(PROMPTS[0], max_new_tokens=400, ignore_eos=True)
         await asyncio.sleep(0.05)  # first is admitted and running
         await manager.add_request(PROMPTS[1], max_new_tokens=5)
         await manager.add_request(PROMPTS[2], max_new_tokens=5)
