@@ -60,6 +60,8 @@ class ToolCallParser(ABC):
         self.calls_only = calls_only
         #: texts of special tokens that are not content (``</s>``) when they are kept
         self.hidden = tuple(t for t in hidden if t and t != self.start)
+        #: whether the marker is such a token too: left out of a call that stays content
+        self._hides_start = self.start in hidden
         self.calls = 0
         self._buffer = ""
         self._in_call = False
@@ -135,6 +137,8 @@ class ToolCallParser(ABC):
         if parsed is None or not parsed or any(name not in self.functions for name, _ in parsed):
             if self.calls_only:
                 return []
+            if self._hides_start:  # (the client asked for no special tokens in the text)
+                body = body.replace(self.start, "")
             if body.strip():
                 return [Content(space + body)]
             self._space = space + body

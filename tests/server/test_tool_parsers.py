@@ -131,6 +131,11 @@ def test_mistral_both_formats_and_hidden_special_tokens() -> None:
         parser = MistralParser(FUNCTIONS, hidden=["</s>", "[TOOL_CALLS]"])
         expected = "".join(pieces).replace("</s>", "")
         assert _summary(_run(ChoiceOutput(None, parser), pieces)) == (expected, "", [])
+    # A call that does not parse stays content, without the hidden marker's text.
+    parser = MistralParser(FUNCTIONS, hidden=["</s>", "[TOOL_CALLS]"])
+    assert _summary(_run(ChoiceOutput(None, parser), ["[TOOL_CALLS]", "[{oops}]"])) == ("[{oops}]", "", [])
+    kept = MistralParser(FUNCTIONS, hidden=["</s>"])  # (the client kept special tokens)
+    assert _summary(_run(ChoiceOutput(None, kept), ["[TOOL_CALLS][{oops}]"]))[0] == "[TOOL_CALLS][{oops}]"
 
 
 def test_parallel_tool_calls_false_keeps_the_first_call() -> None:
