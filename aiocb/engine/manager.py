@@ -438,14 +438,8 @@ class Manager:
             self._end_session()
             raise
         except Exception as exc:
-            self._stop_deadline_timers()
-            cause = f"the manager's start failed (building the model runner and its KV cache): {exc!r}"
-            self._admission.fail(ManagerClosedError(f"{cause}; the request was not queued"))
-            self._router.abort_all(cause)
-            steps.close()
-            self._steps = None
-            self._router.steps = None
-            self._admission.scheduler = None
+            assert self._steps is steps
+            self._drop_queue(f"the manager's start failed (building the model runner and its KV cache: {exc!r})")
             if self._runner is None:
                 self._layout = None  # (the next start plans anew)
             self._not_started(previous, starting, exc)
@@ -675,8 +669,12 @@ class Manager:
     def _drop_queue_before_start(self, cause: str) -> None:
         """Abort the requests queued before a first start that will not come (for ``cause``),
         and those waiting for room in the queue; the queue is made anew for the next."""
-        if not self._queued_before_start:
-            return
+        if self._queued_before_start:
+            self._drop_queue(cause)
+
+    def _drop_queue(self, cause: str) -> None:
+        """Abort what waits in the queue of a session whose steps never ran (for ``cause``),
+        and what waits for room in it; the queue is made anew for the next."""
         assert self._steps is not None
         self._stop_deadline_timers()
         self._admission.fail(ManagerClosedError(f"{cause}: the request was not queued"))

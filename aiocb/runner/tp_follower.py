@@ -174,7 +174,6 @@ class _Follower:
         # (a new runner captures its decode graphs at the first decode step, as rank 0's does:
         # rank 0 builds a new runner, or drops its graphs, whenever it sends "init")
         self.runner = ModelRunner(self.model, config, num_requests_hint=hint, plan=agreed)
-        self.runner.load_kernels()  # (no event loop to keep free here: before the first step)
         self.counters.inits += 1
         self.counters.plan = agreed
 

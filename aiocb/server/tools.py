@@ -208,20 +208,20 @@ def structural_tag(
         raise bad_request("enforcing tool calls needs xgrammar: pip install 'aiocb[structured]'", "tools") from None
     if isinstance(model_format, dict):
         tag = _single_call_tag(request, model_format)
-        return _thinking_first(_calls_only(tag, separator) if request.calls_only else tag, reasoning)
-    try:
-        tag = xgrammar.get_model_structural_tag(
-            model_format,
-            tools=list(request.tools),
-            tool_choice=request.xgrammar_tool_choice(),
-            reasoning=reasoning,
-            max_whitespace_cnt=_MAX_WHITESPACE,
-            parallel_tool_calls=request.parallel,
-        )
-    except ValueError as exc:
-        raise bad_request(f"the tools cannot be enforced: {exc}", "tools") from None
-    built: dict[str, Any] = tag.model_dump(mode="json")
-    return _thinking_first(_calls_only(built, separator) if request.calls_only else built, reasoning)
+    else:
+        try:
+            built = xgrammar.get_model_structural_tag(
+                model_format,
+                tools=list(request.tools),
+                tool_choice=request.xgrammar_tool_choice(),
+                reasoning=reasoning,
+                max_whitespace_cnt=_MAX_WHITESPACE,
+                parallel_tool_calls=request.parallel,
+            )
+        except ValueError as exc:
+            raise bad_request(f"the tools cannot be enforced: {exc}", "tools") from None
+        tag = built.model_dump(mode="json")
+    return _thinking_first(_calls_only(tag, separator) if request.calls_only else tag, reasoning)
 
 
 def _thinking_first(tag: dict[str, Any], reasoning: str) -> dict[str, Any]:

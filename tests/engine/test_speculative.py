@@ -196,8 +196,12 @@ def test_generate_batch_takes_a_speculative_config(model: PreTrainedModel) -> No
 
 async def test_a_large_batch_turns_speculation_off(model: PreTrainedModel) -> None:
     config = aiocb.SpeculativeConfig(prompt_lookup_min=1, disable_by_batch_size=2)
-    async with aiocb.Manager(model, speculative_config=config) as manager:
-        await manager.generate_batch(PROMPTS[:6], max_new_tokens=20, do_sample=False)
+    manager = aiocb.Manager(model, speculative_config=config)
+    # (queued before the start: the steps have all six from the first, whenever the runner is ready)
+    ids = [manager.add_request_nowait(p, max_new_tokens=20, do_sample=False) for p in PROMPTS[:6]]
+    async with manager:
+        for request_id in ids:
+            await manager.get_result(request_id)
         assert manager.statistics().draft_tokens == 0
         await manager.generate(PROMPTS[0], max_new_tokens=60, do_sample=False)
         assert manager.statistics().draft_tokens > 0
