@@ -412,6 +412,9 @@ class Scheduler:
                 if drafts:  # speculation gives way before anything is preempted
                     drafts, num_new = None, 1
                     continue
+                if drafted:  # the proposals of rows planned before it too, newest first
+                    budget += self._undraft(*drafted.popitem())
+                    continue
                 out_of_room = True
                 victim = self._last_running()
                 if victim in planned:  # un-plan it: give its tokens back
@@ -774,6 +777,13 @@ class Scheduler:
             ordered = prefilling + decoding if self.prefill_first else decoding + prefilling
             return sorted(ordered, key=lambda r: self._order[r][0])
         return prefilling + decoding if self.prefill_first else decoding + prefilling
+
+    def _undraft(self, request: Request, drafts: list[int]) -> int:
+        """Take back the proposals of ``request``, planned in this step, and the blocks their
+        positions took; returns the step's tokens that frees."""
+        request.num_computed_tokens -= len(drafts)
+        self.kv_cache.trim(request)
+        return len(drafts)
 
     def _last_running(self) -> Request:
         """The running request to preempt first: the newest, or the last by (priority, arrival)."""

@@ -1122,3 +1122,30 @@ def test_prompt_logprobs_are_recorded_once_and_let_go_of_a_row_at_a_time() -> No
     assert list(_record_prompt_logprobs(request, 3, [9.0] * 4, (ids[3:], values[3:] + 1))) == []
     assert request.prompt_logprobs == [None, *chosen]
     assert len(request.prompt_top_logprobs) == 8
+
+
+def test_proposals_of_rows_planned_earlier_give_way_before_a_later_row_is_preempted() -> None:
+    # a's proposals would take the last two free blocks, and b (newer) then needs one for
+    # its next token: a's proposals are taken back (and their blocks) instead of b preempted.
+    kv = full_cache(6)
+    speculative = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=2)
+    scheduler = Scheduler(kv, max_batch_tokens=64, max_requests_per_batch=8, speculative=speculative)
+    a = make_request("a", 8, max_new_tokens=16, prompt=[5, 6, 7, 8] * 2)
+    b = make_request("b", 8, max_new_tokens=16, prompt=[40 + i for i in range(8)])
+    scheduler.add(a)
+    scheduler.add(b)
+    scheduler.update(scheduler.schedule(), StepResult([5, 50]), 1.0)  # (a's last tokens repeat its prompt)
+    assert kv.num_free_blocks == 2
+    output = scheduler.schedule()
+    assert output.preempted == []
+    assert plan(output) == [("a", 8, 1, True), ("b", 8, 1, True)]
+    assert [item.drafts for item in output.scheduled] == [None, None]
+    assert [len(r.block_ids[0]) for r in (a, b)] == [3, 3] and kv.num_free_blocks == 0
+    check_state(scheduler)
+    # With room for both, a speculates.
+    roomy = Scheduler(full_cache(8), max_batch_tokens=64, max_requests_per_batch=8, speculative=speculative)
+    roomy.add(make_request("a", 8, 16, prompt=[5, 6, 7, 8] * 2))
+    roomy.add(make_request("b", 8, 16, prompt=[40 + i for i in range(8)]))
+    roomy.update(roomy.schedule(), StepResult([5, 50]), 1.0)
+    output = roomy.schedule()
+    assert output.preempted == [] and [item.drafts for item in output.scheduled] == [[6, 7, 8, 5], None]
