@@ -13,14 +13,15 @@ The README's table of request parameters is generated from this class
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiocb.core.params import SequenceBias
+from aiocb.core.sequences import SequenceBias
 from aiocb.errors import InvalidRequestError
 
 
@@ -506,14 +507,25 @@ def _ids(name: str, value: Any, *, empty_ok: bool = True, negative_ok: bool = Fa
     if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
         raise InvalidRequestError(f"{name} must be a list of token ids, got {type(value).__name__}", param=name)
     ids = tuple(value)
-    for v in ids:
-        if not _is_int(v):
-            raise InvalidRequestError(f"{name} must hold token ids (ints), got {v!r}", param=name)
-        if v < 0 and not negative_ok:
-            raise InvalidRequestError(f"{name} holds a negative token id ({v})", param=name)
+    if not _plain_ids(ids, negative_ok=negative_ok):  # (then this names the first wrong one)
+        for v in ids:
+            if not _is_int(v):
+                raise InvalidRequestError(f"{name} must hold token ids (ints), got {v!r}", param=name)
+            if v < 0 and not negative_ok:
+                raise InvalidRequestError(f"{name} holds a negative token id ({v})", param=name)
     if not ids and not empty_ok:
         raise InvalidRequestError(f"{name} is empty: no token could be generated", param=name)
     return ids
+
+
+def _plain_ids(ids: Sequence[Any], *, negative_ok: bool = False) -> bool:
+    """Whether ``ids`` are all ``int``s (negative ones only if ``negative_ok``), checked in
+    a few C-level passes: a list of a hundred thousand ids checked one by one would hold
+    the event loop for tens of milliseconds."""
+    return set(map(type, ids)) <= _INT and (negative_ok or not ids or min(ids) >= 0)
+
+
+_INT = frozenset((int,))
 
 
 def _pairs(name: str, value: Any, example: str) -> Iterable[tuple[Any, Any]]:
@@ -568,13 +580,21 @@ def _sequence_bias(value: Any) -> tuple[SequenceBias, ...] | None:
     return tuple(out.items())
 
 
+_LISTS = frozenset((list, tuple))
+
+
 def _bad_words(value: Any) -> tuple[tuple[int, ...], ...] | None:
     if value is None:
         return None
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         raise InvalidRequestError("bad_words_ids must be a list of lists of token ids", param="bad_words_ids")
+    items = list(value)
+    if set(map(type, items)) <= _LISTS:  # (the common form, checked a few C-level passes at a time)
+        plain = tuple(map(tuple, items))
+        if min(map(len, plain), default=1) and _plain_ids(list(itertools.chain.from_iterable(plain))):
+            return plain
     words = []
-    for word in value:
+    for word in items:
         if _is_int(word):
             raise InvalidRequestError(
                 "bad_words_ids must be a list of lists of token ids, e.g. [[42], [7, 9]]", param="bad_words_ids"

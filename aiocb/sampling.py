@@ -10,6 +10,7 @@ anything is queued.
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 import math
 from collections.abc import Iterable, Sequence
@@ -351,8 +352,9 @@ def resolve_params(
 
     biases: list[tuple[int, float]] = []
     sequences: list[tuple[tuple[int, ...], float]] = []
-    for ids, bias in pick("sequence_bias", ()):
-        _checked_ids("sequence_bias", ids, vocab)
+    given_sequences = pick("sequence_bias", ())
+    _checked_ids("sequence_bias", itertools.chain.from_iterable(ids for ids, _ in given_sequences), vocab)
+    for ids, bias in given_sequences:
         if len(ids) == 1:
             biases.append((ids[0], bias))
         else:
@@ -362,8 +364,9 @@ def resolve_params(
         biases.append((token, bias))
     bans: list[int] = list(_checked_ids("suppress_tokens", defaults.suppress_tokens, vocab))
     bad_sequences: list[tuple[int, ...]] = []
-    for word in pick("bad_words_ids", ()):
-        _checked_ids("bad_words_ids", word, vocab)
+    bad_words = pick("bad_words_ids", ())
+    _checked_ids("bad_words_ids", itertools.chain.from_iterable(bad_words), vocab)
+    for word in bad_words:
         if len(word) == 1 and word[0] in eos_set:
             continue  # as transformers: a bad word that is an EOS token stays allowed
         if len(word) == 1:
@@ -467,9 +470,15 @@ def _refuse_nothing_allowed(
 
 def _checked_ids(name: str, value: int | Iterable[int], vocab_size: int) -> frozenset[int]:
     values = [value] if isinstance(value, int) else list(value)
-    for v in values:
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise InvalidRequestError(f"{name} must hold token ids (ints), got {v!r}", param=name)
-        if v >= vocab_size:
-            raise InvalidRequestError(f"{name} {v} is outside the vocabulary [0, {vocab_size})", param=name)
-    return frozenset(v for v in values if v >= 0)
+    # (a few C-level passes first: a long list checked one id at a time holds the loop)
+    if not (set(map(type, values)) <= _INT and max(values, default=-1) < vocab_size):
+        for v in values:
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise InvalidRequestError(f"{name} must hold token ids (ints), got {v!r}", param=name)
+            if v >= vocab_size:
+                raise InvalidRequestError(f"{name} {v} is outside the vocabulary [0, {vocab_size})", param=name)
+    ids = frozenset(values)
+    return ids if min(values, default=0) >= 0 else frozenset(v for v in ids if v >= 0)
+
+
+_INT = frozenset((int,))

@@ -24,6 +24,9 @@ Scenarios, each on a fresh Manager with ``bench/overhead.py``'s near-zero-comput
   ``run_scenario``);
 * ``samples``: one 16-token request with ``--rows`` samples (``n``), sampled, 8 new tokens:
   its samples made, queued and forked from the prompt together;
+* ``bad_words``: one 16-token request with 64 samples, sampled, 8 new tokens, and 2,048
+  two-token bad words (the 4,096 tokens ``aiocb serve`` allows by default), given as
+  keyword arguments: the words checked, resolved and indexed;
 * ``scored``: one 4,000-token prompt scored with ``prompt_logprobs`` and 20 alternatives a
   position, 1 new token: a step scores up to ``--rows`` of its positions, and records them.
 
@@ -56,7 +59,7 @@ import aiocb
 from bench.common import machine_info
 from bench.overhead import tiny_model
 
-SCENARIOS = ("prefix", "pages", "streams", "cancel", "samples", "scored")
+SCENARIOS = ("prefix", "pages", "streams", "cancel", "samples", "bad_words", "scored")
 GC_REPORTED_S = 0.0005
 
 
@@ -193,6 +196,13 @@ def scenarios(rows: int) -> dict[str, Callable[[aiocb.Manager], Awaitable[None]]
     async def samples(manager: aiocb.Manager) -> None:
         await manager.generate(short_prompts[0], max_new_tokens=8, n=rows, do_sample=True, seed=1)
 
+    bad_words = [[(i * 7) % 4000 + 1, (i * 13) % 4000 + 1] for i in range(2048)]
+
+    async def bad_words_(manager: aiocb.Manager) -> None:
+        await manager.generate(
+            short_prompts[0], max_new_tokens=8, n=64, do_sample=True, seed=1, bad_words_ids=bad_words
+        )
+
     async def scored(manager: aiocb.Manager) -> None:
         prompt = [(i * 7) % 4000 + 1 for i in range(4000)]
         await manager.generate(prompt, max_new_tokens=1, prompt_logprobs=True, top_logprobs=20)
@@ -203,6 +213,7 @@ def scenarios(rows: int) -> dict[str, Callable[[aiocb.Manager], Awaitable[None]]
         "streams": streams,
         "cancel": cancel,
         "samples": samples,
+        "bad_words": bad_words_,
         "scored": scored,
     }
 

@@ -66,6 +66,12 @@ def test_values_are_normalised_and_frozen() -> None:
         ({"structural_tag": {"structures": [{"begin": "a", "schema": {}, "end": "b", "x": 1}]}}, r"structures\[0\]"),
         ({"sequence_bias": {(): 1.0}}, "sequence_bias is empty"),
         ({"bad_words_ids": [[]]}, "bad_words_ids is empty"),
+        # (long lists are checked a few C-level passes at a time, and still name what is wrong)
+        ({"bad_words_ids": [[1, 2]] * 5000 + [[3, "4"]]}, "bad_words_ids must hold token ids.*'4'"),
+        ({"bad_words_ids": [[1, 2]] * 5000 + [[3, -4]]}, r"bad_words_ids holds a negative token id \(-4\)"),
+        ({"bad_words_ids": [[1, 2]] * 5000 + [[]]}, "bad_words_ids is empty"),
+        ({"bad_words_ids": [[1, 2]] * 5000 + [7]}, "list of lists"),
+        ({"allowed_token_ids": [*range(100_000), True]}, "allowed_token_ids must hold token ids.*True"),
         ({"stop_token_ids": [-3]}, "stop_token_ids holds a negative token id"),
         ({"timeout": 0}, "timeout must be in"),
     ],

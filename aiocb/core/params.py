@@ -5,8 +5,7 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass, field
 
-#: A sequence of token ids and the bias added to its last token when the history ends with the rest.
-SequenceBias = tuple[tuple[int, ...], float]
+from aiocb.core.sequences import SequenceBias, SequenceIndex
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +75,9 @@ class ResolvedParams:
     structure: tuple[str, str] | None = None
     #: whether any logits control is used (computed): rows without one cost nothing extra
     uses_controls: bool = field(init=False, default=False)
+    #: ``sequence_biases`` and ``bad_sequences`` indexed (made on first use; computed, and
+    #: shared by the copies :meth:`with_seed` makes: a request's samples index them once)
+    sequence_index: SequenceIndex | None = field(init=False, default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         uses = (
@@ -88,6 +90,8 @@ class ResolvedParams:
             or self.allowed_token_ids is not None
         )
         object.__setattr__(self, "uses_controls", uses)
+        if self.sequence_biases or self.bad_sequences:
+            object.__setattr__(self, "sequence_index", SequenceIndex(self.sequence_biases, self.bad_sequences))
 
     def with_seed(self, seed: int) -> ResolvedParams:
         """A copy with another seed: each of ``n`` samples' own stream (a field-by-field

@@ -43,6 +43,7 @@ from aiocb.errors import (
     WouldBlock,
     WrongEventLoopError,
 )
+from aiocb.gil import yield_gil
 from aiocb.outputs import FinishReason, GenerationOutput, RequestStatus
 from aiocb.params import SamplingParams, asks_for_structure
 from aiocb.prompts import Prompt, is_large
@@ -1079,6 +1080,9 @@ class Manager:
             assert requested is not None
             await self._precompile(requested)
         request, samples = self._build(ids, request_id, max_new_tokens, sampling_params, params)
+        index = request.params.sequence_index
+        if index is not None and len(index) > _LARGE_SEQUENCE_INDEX:
+            await asyncio.to_thread(index.build, yield_gil)  # (about 1 ms a thousand sequences)
         turn = LoopTurn()  # (n = 1,024 samples take about 6 ms)
         for sample in samples:
             request.children.append(sample)
@@ -1288,6 +1292,9 @@ class _Build:
 
 
 #: what WouldBlock says
+#: sequence biases and bad words a request may have indexed on the loop (their first step)
+_LARGE_SEQUENCE_INDEX = 1_000
+
 _QUEUE_FULL = "the admission queue is full (max_queue_size / max_queued_tokens)"
 
 _model_frozen = False

@@ -14,7 +14,6 @@ builds the lists, drops ids the model cannot produce.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -131,57 +130,3 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     probs = logits.softmax(dim=-1)
     threshold = min_p[:, None] * probs.amax(dim=-1, keepdim=True)
     return logits.masked_fill(probs < threshold, float("-inf"))
-
-
-def matched_sequence_bias(
-    token_ids: Sequence[int], sequences: Sequence[tuple[tuple[int, ...], float]]
-) -> list[tuple[int, float]]:
-    """The ``(token id, bias)`` pairs that transformers' ``SequenceBiasLogitsProcessor`` adds for one row.
-
-    ``token_ids`` is the row's whole history (prompt, then generated tokens) and
-    ``sequences`` the non-empty biased sequences with their biases. A one-token sequence
-    always biases its token; a longer one biases its last token when the history ends
-    with its other tokens, so that the next token would complete it. As in transformers,
-    a sequence whose prefix (all but its last token) is longer than the history is
-    skipped, and when a sequence is listed twice the last bias wins (transformers keys
-    them in a dict). Several pairs may name one token: their biases add up.
-
-    Bad words are the same with a bias of ``-inf``. transformers'
-    ``NoBadWordsLogitsProcessor`` first drops every bad word that is exactly one EOS token
-    (``[eos]``, for each EOS id), so that a request can always end; a longer bad word that
-    contains or ends with EOS is kept. This helper does not know the EOS ids: the caller
-    removes such ``[eos]`` bad words before calling it.
-    """
-    return SequenceMatcher(sequences).matches(token_ids)
-
-
-class SequenceMatcher:
-    """:func:`matched_sequence_bias` for one request's sequences, indexed once: each step
-    looks its history's last tokens up once per distinct prefix length, rather than
-    comparing every sequence (a list of 800 bad words cost 0.26 ms a row a step so)."""
-
-    __slots__ = ("_by_length",)
-
-    def __init__(self, sequences: Sequence[tuple[tuple[int, ...], float]]) -> None:
-        #: per prefix length, each prefix's ``(place in the list, last token, bias)``s
-        self._by_length: dict[int, dict[tuple[int, ...], list[tuple[int, int, float]]]] = {}
-        for place, (sequence, bias) in enumerate(dict(sequences).items()):
-            prefix = sequence[:-1]
-            self._by_length.setdefault(len(prefix), {}).setdefault(prefix, []).append((place, sequence[-1], bias))
-
-    def matches(self, token_ids: Sequence[int]) -> list[tuple[int, float]]:
-        """The ``(token id, bias)`` pairs for a row whose history is ``token_ids``, in the
-        sequences' order."""
-        found: list[tuple[int, int, float]] = []
-        end = len(token_ids)
-        lengths = 0
-        for length, prefixes in self._by_length.items():
-            if length > end:
-                continue  # (transformers skips a sequence whose prefix is longer than the history)
-            entries = prefixes.get(tuple(token_ids[end - length : end]))
-            if entries:
-                found += entries
-                lengths += 1
-        if lengths > 1:
-            found.sort()
-        return [(token, bias) for _, token, bias in found]

@@ -25,7 +25,6 @@ import torch
 from aiocb.core.params import ResolvedParams
 from aiocb.core.request import Request
 from aiocb.core.scheduler import SchedulerOutput, wants_prompt_logprobs
-from aiocb.runner.logits_controls import SequenceMatcher
 from aiocb.runner.ngram_bans import RepeatedNgrams
 from aiocb.runner.noise import seed_key
 from aiocb.structured import new_bitmask
@@ -186,8 +185,6 @@ class RowState:
     history: array.array[int] | None = None
     #: the same as bytes, for ``no_repeat_ngram_size``
     ngrams: RepeatedNgrams | None = None
-    #: its multi-token sequence biases and bad words, indexed (made on first use)
-    sequences: tuple[SequenceMatcher, SequenceMatcher] | None = None
 
 
 def row_state(request: Request) -> RowState:
@@ -519,14 +516,12 @@ def row_controls(
     penalizes = params.penalizes
     biases: list[tuple[int, float]] | None = None
     bans: list[int] | None = None
-    if params.sequence_biases or params.bad_sequences:
+    if params.sequence_index is not None:
         # (the scheduler plans no step for such a request while its last token is in flight)
-        state = row_state(request)
-        if state.sequences is None:
-            state.sequences = (SequenceMatcher(params.sequence_biases), SequenceMatcher(params.bad_sequences))
+        bias_matcher, bad_matcher = params.sequence_index.matchers()
         known = request.token_ids
-        biases = state.sequences[0].matches(known)
-        bans = [token for token, _ in state.sequences[1].matches(known)]
+        biases = bias_matcher.matches(known)
+        bans = [token for token, _ in bad_matcher.matches(known)]
     if params.no_repeat_ngram_size:
         state = row_state(request)
         if state.ngrams is None:

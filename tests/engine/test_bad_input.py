@@ -55,6 +55,18 @@ BAD_REQUESTS: list[tuple[str, Any, dict[str, Any], str]] = [
     ("logit_bias beyond vocab", [1, 2], {"logit_bias": {VOCAB: 1.0}}, "logit_bias.*outside the vocabulary"),
     ("flat bad_words_ids", [1, 2], {"bad_words_ids": [3, 4]}, "list of lists"),
     ("bad word beyond vocab", [1, 2], {"bad_words_ids": [[VOCAB]]}, "bad_words_ids.*outside the vocabulary"),
+    (
+        "last of many bad words beyond vocab",
+        [1, 2],
+        {"bad_words_ids": [[1, 2]] * 5000 + [[3, VOCAB]]},
+        f"bad_words_ids {VOCAB} is outside the vocabulary",
+    ),
+    (
+        "sequence bias beyond vocab",
+        [1, 2],
+        {"sequence_bias": {(1, 2): 1.0, (3, VOCAB): -1.0}},
+        f"sequence_bias {VOCAB} is outside the vocabulary",
+    ),
     ("empty allowed_token_ids", [1, 2], {"allowed_token_ids": []}, "allowed_token_ids is empty"),
     ("truncate to nothing", [1, 2], {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens must be at least 1"),
     ("truncate below -1", [1, 2], {"truncate_prompt_tokens": -2}, "truncate_prompt_tokens must be >= -1"),

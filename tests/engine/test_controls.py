@@ -9,13 +9,15 @@ preempting schedules, with requests that use no control sharing the batch.
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any
 
 import pytest
 from transformers import GenerationConfig, PreTrainedModel
 
 import aiocb
-from tests.conftest import MODELS, random_prompts, reference_generate
+from aiocb.core import sequences
+from tests.conftest import MODELS, VOCAB, random_prompts, reference_generate
 
 PROMPTS = random_prompts(6, 3, 60, seed=21)
 NEW = 20
@@ -126,6 +128,45 @@ async def test_allowed_token_ids_and_penalties_restrict_outputs(model: PreTraine
     assert set(sampled.generated_tokens) <= set(allowed)
     repeats = len(free.generated_tokens) - len(set(free.generated_tokens))
     assert len(penalized.generated_tokens) - len(set(penalized.generated_tokens)) < repeats
+
+
+@pytest.mark.parametrize("many", [False, True])
+async def test_a_requests_samples_index_its_bad_words_once(
+    qwen3: PreTrainedModel, many: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One index of the sequences for all n samples (each used to build its own: a thousand
+    # bad words cost about a millisecond each time, on the loop); past a thousand, built
+    # on a worker thread before the request is queued.
+    built: list[str] = []
+    matcher = sequences.SequenceMatcher
+
+    class Counted(matcher):  # type: ignore[misc,valid-type]
+        def __init__(self, *args: Any) -> None:
+            built.append(threading.current_thread().name)
+            super().__init__(*args)
+
+    monkeypatch.setattr(sequences, "SequenceMatcher", Counted)
+    plain = reference_generate(qwen3, PROMPTS[0], NEW)
+    words = [[plain[1], plain[2]], [PROMPTS[0][-1], plain[0]]]
+    if many:
+        words += [[VOCAB - 1 - i % 50, i % VOCAB] for i in range(1_500)]
+    controls: dict[str, Any] = {"bad_words_ids": words, "sequence_bias": {(plain[3], plain[4]): -50.0}}
+    params = {"max_new_tokens": NEW, **controls}
+    async with aiocb.Manager(qwen3, GenerationConfig(do_sample=False)) as manager:
+        samples = await manager.generate(PROMPTS[0], n=4, temperature=1.0, seed=3, **params)
+        alone = await manager.generate(PROMPTS[0], **params)
+    loop_thread = threading.current_thread().name
+    assert len(built) == 2 + 2  # (the sequence biases' and the bad words' matchers, per request)
+    assert (built[0] != loop_thread) is many and (built[1] != loop_thread) is many
+    expected = reference_generate(
+        qwen3, PROMPTS[0], NEW, sequence_bias={(plain[3], plain[4]): -50.0}, bad_words_ids=words
+    )
+    assert alone.generated_tokens == expected
+    assert len({tuple(s.generated_tokens) for s in samples}) > 1  # (sampled, each its own stream)
+    for sample in samples:
+        history = [*PROMPTS[0], *sample.generated_tokens]
+        for i in range(len(PROMPTS[0]), len(history) - 1):
+            assert [history[i], history[i + 1]] not in words[:2]
 
 
 @pytest.mark.parametrize("schedule", ["plain", "async_batching"])

@@ -16,13 +16,8 @@ from transformers.generation.logits_process import (
     TemperatureLogitsWarper,
 )
 
-from aiocb.runner.logits_controls import (
-    LogitsControls,
-    SequenceMatcher,
-    apply_controls,
-    apply_min_p,
-    matched_sequence_bias,
-)
+from aiocb.core.sequences import SequenceMatcher, matched_sequence_bias
+from aiocb.runner.logits_controls import LogitsControls, apply_controls, apply_min_p
 
 VOCAB = 40
 INF = float("inf")
