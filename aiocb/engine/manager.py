@@ -471,10 +471,11 @@ class Manager:
             self._pending_build = None  # (collected, or ended: it must not keep the runner)
 
     def _not_started(self, previous: _State, starting: asyncio.Future[None], error: BaseException) -> None:
-        """A start off the loop failed: the manager is as it was, and whoever waits for the
-        start (:meth:`wait_started`, requests) gets ``error``."""
+        """A start off the loop failed: the manager is as it was (stopped, if a stop came
+        meanwhile), and whoever waits for the start (:meth:`wait_started`, requests) gets
+        ``error``."""
         logger.error("Manager.start() failed: %s", error)
-        self._state = previous
+        self._state = _State.STOPPED if self._state is _State.STOPPING else previous
         self._loop = None
         self._task = None
         self._router.results_changed.set()
@@ -560,10 +561,13 @@ class Manager:
             return
         self._check_loop()
         if self._state is _State.STARTING:
-            # Stop the session once it runs; a start that fails leaves nothing to stop.
+            # Stop the session once it runs; a start that fails leaves nothing to stop, and
+            # the manager stopped (not startable by the requests made after this stop).
             with contextlib.suppress(Exception):
                 await self._until_started()
             if self._state not in (_State.RUNNING, _State.STOPPING):
+                if self._state in (_State.CREATED, _State.STOPPED):  # (as before the start)
+                    self._state = _State.STOPPED
                 return
         self._state = _State.STOPPING
         if self._runner is not None:
@@ -640,8 +644,23 @@ class Manager:
 
     async def __aenter__(self) -> Manager:
         self.start()
-        await self.wait_started()
+        try:
+            await self.wait_started()
+        except BaseException:
+            # No __aexit__ follows: a session still starting (the wait was cancelled, by a
+            # timeout say) must end, or it would run on with nobody to stop it; its end
+            # waits for the runner's build (a worker thread's, which nothing interrupts),
+            # so it goes on in a task of its own. (A start that failed left nothing to end.)
+            if self.is_running:
+                self._stopping = asyncio.ensure_future(self._leave(hard_stop=True))
+            raise
         return self
+
+    async def _leave(self, *, hard_stop: bool) -> None:
+        """What ``async with`` does on its way out: stop and, unless persistent, destroy."""
+        await self.stop(hard_stop=hard_stop)
+        if not self.persistent:
+            await self.destroy()
 
     async def __aexit__(
         self,
@@ -650,9 +669,7 @@ class Manager:
         traceback: types.TracebackType | None,
     ) -> None:
         # Leaving because of an error or a cancellation: nobody will read the rest.
-        await self.stop(hard_stop=exc_type is not None)
-        if not self.persistent:
-            await self.destroy()
+        await self._leave(hard_stop=exc_type is not None)
 
     async def _run_steps(self, steps: StepLoop) -> None:
         try:
@@ -744,11 +761,12 @@ class Manager:
         :meth:`add_request_nowait` does, while a long prompt is still tokenized off the
         loop and a request's ``n`` samples made a slice of the loop at a time.
         """
+        start = self._start_now()
         await self._turnstile.enter()
-        request = await self._prepared(input_ids, request_id, max_new_tokens, sampling_params, params)
+        request = await self._prepared(input_ids, request_id, max_new_tokens, sampling_params, params, start)
         if wait:
-            await self._wait_for_room(request)
-        elif not self._has_room(request):
+            await self._wait_for_room(request, start)
+        elif not self._has_room(request, start):
             raise WouldBlock(_QUEUE_FULL)
         return self._submit(request, streaming=streaming, consumer=Consumer.RESULTS)
 
@@ -864,11 +882,12 @@ class Manager:
 
         Cancelling the awaiting task cancels the request.
         """
+        start = self._start_now()
         await self._turnstile.enter()
         if n is not None:
             params["n"] = n
-        request = await self._prepared(input_ids, request_id, max_new_tokens, sampling_params, params)
-        await self._wait_for_room(request)
+        request = await self._prepared(input_ids, request_id, max_new_tokens, sampling_params, params, start)
+        await self._wait_for_room(request, start)
         handles = self._submit_group(request, streaming=False, consumer=Consumer.AWAITER)
         if not request.children:
             return await self._router.final(handles[0])
@@ -1065,9 +1084,11 @@ class Manager:
         max_new_tokens: int | None,
         sampling_params: SamplingParams | None,
         params: dict[str, Any],
+        start: asyncio.Future[None] | None,
     ) -> Request:
         """A request built from a prompt, with its tokenizing and its constraint's
-        compiling done off the loop where they are long."""
+        compiling done off the loop where they are long (for the session whose ``start``
+        was under way when its caller began, if one was: see :meth:`_check_start`)."""
         await self._until_started()
         self._check_accepting()  # (before the first start: the runner whose vocabulary constraints use)
         structured = asks_for_structure(sampling_params, params)
@@ -1079,6 +1100,7 @@ class Manager:
         if structured:
             assert requested is not None
             await self._precompile(requested)
+        self._check_start(start)
         request, samples = self._build(ids, request_id, max_new_tokens, sampling_params, params)
         index = request.params.sequence_index
         if index is not None and len(index) > _LARGE_SEQUENCE_INDEX:
@@ -1160,6 +1182,7 @@ class Manager:
         consumer: Consumer,
         on_finish: Callable[[], object] | None = None,
     ) -> list[Request]:
+        start = self._start_now()
         await self._until_started()
         self._check_accepting()
         requests: list[Request] = []
@@ -1171,6 +1194,7 @@ class Manager:
         for prompt in inputs:
             await turn.give()
             ids = await self._requests.encode(prompt, keep=keep, limit=limit)
+            self._check_start(start)
             requests.append(self._new_request(ids, None, None, sampling_params, {}))
         order = list(range(len(requests)))
         if self.config.allow_block_sharing:
@@ -1179,7 +1203,7 @@ class Manager:
         try:
             for i in order:
                 await turn.give()
-                await self._wait_for_room(requests[i])
+                await self._wait_for_room(requests[i], start)
                 submitted += self._submit_group(
                     requests[i], streaming=streaming, consumer=consumer, on_finish=on_finish
                 )
@@ -1201,15 +1225,30 @@ class Manager:
                 await turn.give()
         return outputs
 
-    async def _wait_for_room(self, request: Request) -> None:
+    async def _wait_for_room(self, request: Request, start: asyncio.Future[None] | None) -> None:
         """Wait for room in the queue; refused first when the manager stopped (or was
-        destroyed) while the request was made, since making it awaits."""
+        destroyed, or its start failed) while the request was made, since making it awaits."""
+        self._check_start(start)
         self._check_accepting()
         await self._admission.wait_for_room(request)
 
-    def _has_room(self, request: Request) -> bool:
+    def _has_room(self, request: Request, start: asyncio.Future[None] | None) -> bool:
+        self._check_start(start)
         self._check_accepting()
         return self._admission.has_room(request)
+
+    def _start_now(self) -> asyncio.Future[None] | None:
+        """The start of the session a request begun now is for (None: no session, as
+        before the first start)."""
+        return self._starting if self.is_running else None
+
+    @staticmethod
+    def _check_start(start: asyncio.Future[None] | None) -> None:
+        """Refuse a request whose caller began while ``start`` was under way, once that
+        start failed: the requests queued for it were aborted, and this one, made while it
+        failed, must not wait in the queue of a start that may never come."""
+        if start is not None and start.done() and not start.cancelled() and start.exception() is not None:
+            raise ManagerClosedError(f"the manager's start failed ({start.exception()!r}): the request was not queued")
 
     def _submit(self, request: Request, *, streaming: bool, consumer: Consumer) -> str:
         self._submit_group(request, streaming=streaming, consumer=consumer)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any, cast
@@ -320,6 +321,10 @@ def _fallback_for(module: torch.nn.Module) -> Callable[..., tuple[torch.Tensor, 
 #: function sees only the config; the attention sees its module, which carries the name
 #: itself. An entry leaves with its config, so a later config at the same id never finds it.
 _ORIGINALS: dict[int, str] = {}
+#: Installed models -> ``[holders, original attention's name]`` (see :func:`install`),
+#: changed under ``_holding``: runners attach on worker threads, and detach on others.
+_HOLDERS: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
+_holding = threading.Lock()
 #: Per device, the 4D stand-in mask of aiocb's own passes (:func:`forward`).
 _NO_MASK: dict[torch.device, torch.Tensor] = {}
 
@@ -364,34 +369,50 @@ def forward(
     return logits
 
 
-def install(model: PreTrainedModel) -> str:
-    """Route the model's attention through the paged function; returns the original name."""
+def install(model: PreTrainedModel) -> None:
+    """Route the model's attention through the paged function, for one more holder: the
+    model keeps it until each :func:`install` has had its :func:`uninstall` (several
+    managers, or a manager and a draft of the same model, may hold one model at once)."""
     AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
     AttentionMaskInterface.register(ATTENTION_NAME, original_mask)
-    original = str(model.config._attn_implementation)
-    if original == ATTENTION_NAME:
-        return original
-    # (each walk over a large model's modules takes a millisecond or so: on a worker
-    # thread, the event loop's thread gets the GIL between them)
-    for module in model.modules():
-        if hasattr(module, "layer_idx"):
-            setattr(module, _FALLBACK_ATTR, original)
-    yield_gil()
-    for config in _configs(model):
-        if id(config) not in _ORIGINALS:
-            weakref.finalize(config, _ORIGINALS.pop, id(config), None)
-        _ORIGINALS[id(config)] = original
-    yield_gil()
-    model.set_attn_implementation(ATTENTION_NAME)
-    return original
-
-
-def uninstall(model: PreTrainedModel, original: str) -> None:
-    """Give the model its original attention implementation back."""
-    if original != ATTENTION_NAME and model.config._attn_implementation == ATTENTION_NAME:
-        model.set_attn_implementation(original)
+    with _holding:
+        holders = _HOLDERS.get(model)
+        if holders is not None:
+            holders[0] += 1
+            return
+        original = str(model.config._attn_implementation)
+        _HOLDERS[model] = [1, original]
+        if original == ATTENTION_NAME:
+            return  # (made with aiocb's attention: nothing to route, nor to give back)
+        # (each walk over a large model's modules takes a millisecond or so: on a worker
+        # thread, the event loop's thread gets the GIL between them)
+        for module in model.modules():
+            if hasattr(module, "layer_idx"):
+                setattr(module, _FALLBACK_ATTR, original)
+        yield_gil()
         for config in _configs(model):
-            _ORIGINALS.pop(id(config), None)
+            if id(config) not in _ORIGINALS:
+                weakref.finalize(config, _ORIGINALS.pop, id(config), None)
+            _ORIGINALS[id(config)] = original
+        yield_gil()
+        model.set_attn_implementation(ATTENTION_NAME)
+
+
+def uninstall(model: PreTrainedModel) -> None:
+    """One holder lets go of the model; the last gives it its original attention back."""
+    with _holding:
+        holders = _HOLDERS.get(model)
+        if holders is None:
+            return
+        holders[0] -= 1
+        if holders[0] > 0:
+            return
+        del _HOLDERS[model]
+        original = holders[1]
+        if original != ATTENTION_NAME and model.config._attn_implementation == ATTENTION_NAME:
+            model.set_attn_implementation(original)
+            for config in _configs(model):
+                _ORIGINALS.pop(id(config), None)
 
 
 def _configs(model: PreTrainedModel) -> list[Any]:

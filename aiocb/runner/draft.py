@@ -114,20 +114,22 @@ class Drafter:
         self.vocab_size = min(vocab_size, spec.vocab_size)
         self._target_vocab_size = vocab_size
         self._transfer = HostToDevice(spec.device)
-        self._original_attention: str | None = None
+        #: whether this holds the model's attention (see :func:`attention.install`)
+        self._attached = False
         #: the draft's CUDA graphs (None: its passes run eagerly), set and captured by the runner
         self.graphs: DecodeGraphs | None = None
 
     def attach(self) -> None:
         """Route the draft's attention through its paged cache (idempotent)."""
-        if self._original_attention is None:
-            self._original_attention = attention.install(self.model)
+        if not self._attached:
+            attention.install(self.model)
+            self._attached = True
 
     def detach(self) -> None:
         """Give the draft back its original attention implementation (idempotent)."""
-        if self._original_attention is not None:
-            attention.uninstall(self.model, self._original_attention)
-            self._original_attention = None
+        if self._attached:
+            attention.uninstall(self.model)
+            self._attached = False
 
     def propose(self, batch: StepBatch, inputs: StepInputs, state: InputBatch) -> torch.Tensor | None:
         """Run the draft over the step (``inputs`` are the target's, their carried tokens

@@ -145,7 +145,8 @@ class ModelRunner:
         self.verify_cost = 1.0
         self.async_batching = self._resolve_async_batching()
         self._last_tokens: torch.Tensor | None = None
-        self._original_attention: str | None = None
+        #: whether this holds the model's attention (see :func:`attention.install`)
+        self._attached = False
         #: whether :meth:`load_kernels` ran (before the first step, on the step thread)
         self._kernels_loaded = False
 
@@ -166,9 +167,10 @@ class ModelRunner:
         within a session). A persistent manager's runner serves several sessions: each
         starts with an empty persistent batch (the last session's rows never departed from
         it, and a copy cut short by the end of its event loop may be half made)."""
-        if self._original_attention is None:
+        if not self._attached:
             self._new_batch()
-            self._original_attention = attention.install(self.model)
+            attention.install(self.model)
+            self._attached = True
         if self.drafter is not None:
             self.drafter.attach()
 
@@ -181,9 +183,9 @@ class ModelRunner:
 
     def detach(self) -> None:
         """Give the model back its original attention implementation (idempotent)."""
-        if self._original_attention is not None:
-            attention.uninstall(self.model, self._original_attention)
-            self._original_attention = None
+        if self._attached:
+            attention.uninstall(self.model)
+            self._attached = False
         if self.drafter is not None:
             self.drafter.detach()
 

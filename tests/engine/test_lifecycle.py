@@ -518,3 +518,26 @@ async def test_start_while_a_stop_is_under_way_is_refused(qwen3: PreTrainedModel
     manager.start()  # (once stopped, a new session)
     assert len((await manager.generate(PROMPTS[1], max_new_tokens=2)).generated_tokens) == 2
     await manager.destroy()
+
+
+async def test_two_managers_on_one_model_each_keep_its_attention_until_the_last_stops() -> None:
+    """A model served by two managers at once keeps aiocb's attention until both let go:
+    the first to stop gave the model its original attention back under the other, which
+    then computed its steps with plain SDPA over no cache (wrong tokens, no error)."""
+    from tests.conftest import tiny_qwen3
+
+    model = tiny_qwen3()
+    original = model.config._attn_implementation
+    expected = reference_generate(model, PROMPTS[0], 10)
+    for first_to_stop in (0, 1):
+        managers = [aiocb.Manager(model), aiocb.Manager(model)]
+        for manager in managers:
+            manager.start()
+            await manager.wait_started()
+        await managers[first_to_stop].stop()
+        other = managers[1 - first_to_stop]
+        assert (await other.generate(PROMPTS[0], max_new_tokens=10)).generated_tokens == expected
+        await other.stop()
+        assert model.config._attn_implementation == original
+        for manager in managers:
+            await manager.destroy()
