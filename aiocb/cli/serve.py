@@ -200,6 +200,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "continuous batching", "ContinuousBatchingConfig fields; unset flags keep the config's defaults"
     )
     for flag, kwargs in config_flags():
+        if flag == "--return-logprobs":  # (refused where the arguments are checked)
+            kwargs = {**kwargs, "help": "refused: a server's requests always say (their logprobs field)"}
         group.add_argument(flag, **kwargs)
 
 

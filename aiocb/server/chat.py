@@ -247,8 +247,13 @@ class ChatCompletion:
         if self.tools is not None:
             assert ctx.tool_parser is not None  # (prepare_chat refuses tools without one)
             hidden = ctx.special_texts if self.hides_special else ()
+            forced = self.tools.choice if self.tools.forced else None
             tools = ctx.tool_parser(
-                self.tools.names, parallel=self.tools.parallel, hidden=hidden, calls_only=self.tools.calls_only
+                self.tools.names,
+                parallel=self.tools.parallel,
+                hidden=hidden,
+                calls_only=self.tools.calls_only,
+                forced=forced,
             )
         return ChoiceOutput(reasoning, tools)
 

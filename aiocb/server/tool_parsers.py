@@ -53,11 +53,14 @@ class ToolCallParser(ABC):
         parallel: bool = True,
         hidden: Collection[str] = (),
         calls_only: bool = False,
+        forced: str | None = None,
     ) -> None:
         self.functions = frozenset(functions)
         self.parallel = parallel
         #: whether the output is calls alone (no content; see the module's docstring)
-        self.calls_only = calls_only
+        self.calls_only = calls_only or forced is not None
+        #: the function ``tool_choice`` names (its call is the output), if it names one
+        self.forced = forced
         #: texts of special tokens that are not content (``</s>``) when they are kept
         self.hidden = tuple(t for t in hidden if t and t != self.start)
         #: whether the marker is such a token too: left out of a call that stays content
@@ -106,7 +109,8 @@ class ToolCallParser(ABC):
 
     def finish(self, *, cut: bool = False) -> list[Fragment]:
         """What is left at the end of the output: an unclosed call is tried as it is
-        (``cut``: the output ended at its length limit, see :func:`_cut_short`)."""
+        (``cut``: the output ended at its length limit, see :func:`_cut_short`); a named
+        function's call cut before its arguments is that function's, with none written."""
         self._buffer += self._hidden_start
         self._hidden_start = ""
         out: list[Fragment] = []
@@ -118,6 +122,9 @@ class ToolCallParser(ABC):
         if self._space and not self.calls and not self.calls_only:
             out.append(Content(self._space))
         self._space = ""
+        if cut and self.forced is not None and not self.calls:  # (as OpenAI's: its name is not the model's)
+            out.append(ToolCall(self.calls, f"call_{uuid.uuid4().hex[:24]}", self.forced, ""))
+            self.calls += 1
         return out
 
     def _content(self, text: str, out: list[Fragment], *, before_call: bool) -> None:

@@ -80,7 +80,12 @@ async def test_no_caller_takes_another_consumers_final_output(qwen3: PreTrainedM
     waited, is refused; two tasks iterating one stream both end."""
     async with aiocb.Manager(qwen3) as manager:
         owner = asyncio.create_task(manager.generate(PROMPTS[2], max_new_tokens=6, n=2, request_id="x"))
-        await asyncio.sleep(0)
+        for _ in range(1_000):  # (until both samples are registered: making them may take turns)
+            await asyncio.sleep(0)
+            with pytest.raises(aiocb.InvalidRequestError) as refused:
+                await manager.get_result("x__child#0")
+            if "no pending request" not in str(refused.value):
+                break
         for sample in ("x", "x__child#0"):
             with pytest.raises(aiocb.InvalidRequestError, match="awaited by the generate"):
                 await manager.get_result(sample)

@@ -478,6 +478,7 @@ async def test_requests_after_a_hopeless_draft_start_paused_and_the_draft_skips_
         assert speculation is not None
         assert speculation.draft_acceptance is not None and speculation.draft_acceptance < 0.3
         before, proposed = len(runs), manager.statistics().draft_tokens
+        speculation.waiting_since_scout = 0  # (the count of waiting requests starts here)
         outputs = await manager.generate_batch(later[:7], max_new_tokens=24)  # (none of 7 scouts)
         assert len(runs) == before and manager.statistics().draft_tokens == proposed  # (the draft slept)
         scout = await manager.generate(later[7], max_new_tokens=24)  # (the eighth scouts)

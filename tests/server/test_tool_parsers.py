@@ -240,6 +240,14 @@ def test_an_output_of_calls_alone_has_no_content_and_its_cut_call_keeps_what_was
         assert calls_of(cut, length=False) == []  # (a stop string ended it)
         ((name, arguments),) = calls_of(call[: call.index("}") + 1])  # (its closing markup cut)
         assert name == "get_weather" and json.loads(arguments) == {"city": "Paris"}
+    # A named function's call cut before its arguments (or its marker) is that function's,
+    # with no arguments written, as OpenAI's; not when a stop string cut it.
+    for text in (call[: call.index("get_we")], call[:1], ""):
+        fragments = _run(ChoiceOutput(None, parser(FUNCTIONS, forced="get_weather")), _cuts(text, rng), cut=True)
+        assert [(f.name, f.arguments) for f in fragments if isinstance(f, ToolCall)] == [("get_weather", "")]
+        assert not any(isinstance(f, Content) for f in fragments)
+    forced = _run(ChoiceOutput(None, parser(FUNCTIONS, forced="get_weather")), [cut], cut=False)
+    assert not any(isinstance(f, ToolCall | Content) for f in forced)
     # Where text beside calls is allowed, a call cut short stays text.
     assert _summary(_run(ChoiceOutput(None, parser(FUNCTIONS)), [cut]))[0] == cut.strip()
     message = MessageBuilder(reasoning=False, calls_only=True)

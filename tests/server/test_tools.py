@@ -296,6 +296,22 @@ async def test_stream_reassembles_to_the_response(
         _check_calls(choice["message"])
 
 
+async def test_a_named_call_cut_before_its_arguments_is_still_that_functions_call(client: httpx.AsyncClient) -> None:
+    """As OpenAI's: the function's name is the request's, not the model's, so a call that
+    ``max_tokens`` cut before its arguments is that function's, with none written (it came
+    back as no call at all: an empty message), streamed and not."""
+    fields = {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "max_tokens": 3, "n": 2}
+    whole = await _chat(client, **fields)
+    for choice in whole["choices"]:
+        assert choice["finish_reason"] == "length"
+        assert choice["message"]["content"] is None
+        assert [call["function"] for call in choice["message"]["tool_calls"]] == [
+            {"name": "get_weather", "arguments": ""}
+        ]
+    streamed = _reassemble(await _stream(client, **fields), 2)
+    assert streamed == [_flat(choice) for choice in whole["choices"]]
+
+
 async def test_auto_without_strict_is_free_text_and_none_hides_the_tools(client: httpx.AsyncClient) -> None:
     free = await _chat(client, max_tokens=24)
     assert free["choices"][0]["message"]["content"] is not None or free["choices"][0]["message"].get("tool_calls")
