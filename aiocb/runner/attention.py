@@ -321,9 +321,11 @@ def _fallback_for(module: torch.nn.Module) -> Callable[..., tuple[torch.Tensor, 
 #: function sees only the config; the attention sees its module, which carries the name
 #: itself. An entry leaves with its config, so a later config at the same id never finds it.
 _ORIGINALS: dict[int, str] = {}
-#: Installed models -> ``[holders, original attention's name]`` (see :func:`install`),
-#: changed under ``_holding``: runners attach on worker threads, and detach on others.
-_HOLDERS: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
+#: Configs routed through aiocb's attention (by id) -> how many holders have them, changed
+#: under ``_holding``: runners attach on worker threads, and detach on others.
+_HOLDS: dict[int, int] = {}
+#: Configs whose records :func:`_forget` drops when they go (watched once each)
+_WATCHED: set[int] = set()
 _holding = threading.Lock()
 #: Per device, the 4D stand-in mask of aiocb's own passes (:func:`forward`).
 _NO_MASK: dict[torch.device, torch.Tensor] = {}
@@ -370,49 +372,67 @@ def forward(
 
 
 def install(model: PreTrainedModel) -> None:
-    """Route the model's attention through the paged function, for one more holder: the
-    model keeps it until each :func:`install` has had its :func:`uninstall` (several
-    managers, or a manager and a draft of the same model, may hold one model at once)."""
+    """Route the model's attention through the paged function, for one more holder.
+
+    The routing lives on the model's configs (its own and its modules'), which other models
+    may share (a model made from another's config object, a draft built from the target's
+    layers): each config keeps aiocb's attention until every :func:`install` of a model
+    that has it has had its :func:`uninstall` (several managers may hold one model, or
+    models that share a config, at once)."""
     AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
     AttentionMaskInterface.register(ATTENTION_NAME, original_mask)
     with _holding:
-        holders = _HOLDERS.get(model)
-        if holders is not None:
-            holders[0] += 1
-            return
-        original = str(model.config._attn_implementation)
-        _HOLDERS[model] = [1, original]
-        if original == ATTENTION_NAME:
-            return  # (made with aiocb's attention: nothing to route, nor to give back)
-        # (each walk over a large model's modules takes a millisecond or so: on a worker
-        # thread, the event loop's thread gets the GIL between them)
+        configs = _configs(model)
+        fresh = [config for config in configs if id(config) not in _HOLDS]
+        for config in configs:
+            _HOLDS[id(config)] = _HOLDS.get(id(config), 0) + 1
+        for config in fresh:
+            if id(config) not in _WATCHED:
+                _WATCHED.add(id(config))
+                weakref.finalize(config, _forget, id(config))
+            _ORIGINALS[id(config)] = str(config._attn_implementation)
+        # What a plain call of the model runs instead (see _fallback_for): each attention
+        # module its config's original. (Each walk over a large model's modules takes a
+        # millisecond or so: on a worker thread, the event loop's thread gets the GIL
+        # between them.)
+        yield_gil()
+        own, fresh_ids = _ORIGINALS[id(model.config)], {id(config) for config in fresh}
         for module in model.modules():
             if hasattr(module, "layer_idx"):
-                setattr(module, _FALLBACK_ATTR, original)
-        yield_gil()
-        for config in _configs(model):
-            if id(config) not in _ORIGINALS:
-                weakref.finalize(config, _ORIGINALS.pop, id(config), None)
-            _ORIGINALS[id(config)] = original
-        yield_gil()
-        model.set_attn_implementation(ATTENTION_NAME)
+                config_id = id(getattr(module, "config", model.config))
+                if config_id in fresh_ids or not hasattr(module, _FALLBACK_ATTR):
+                    fallback = _ORIGINALS.get(config_id, own)
+                    if fallback != ATTENTION_NAME:
+                        setattr(module, _FALLBACK_ATTR, fallback)
+        if any(_ORIGINALS[id(config)] != ATTENTION_NAME for config in fresh):
+            yield_gil()
+            model.set_attn_implementation(ATTENTION_NAME)
 
 
 def uninstall(model: PreTrainedModel) -> None:
-    """One holder lets go of the model; the last gives it its original attention back."""
+    """One holder lets go of the model: each of its configs that no other holder has gets
+    its original attention back."""
     with _holding:
-        holders = _HOLDERS.get(model)
-        if holders is None:
-            return
-        holders[0] -= 1
-        if holders[0] > 0:
-            return
-        del _HOLDERS[model]
-        original = holders[1]
-        if original != ATTENTION_NAME and model.config._attn_implementation == ATTENTION_NAME:
-            model.set_attn_implementation(original)
-            for config in _configs(model):
-                _ORIGINALS.pop(id(config), None)
+        for config in _configs(model):
+            holders = _HOLDS.get(id(config))
+            if holders is None:
+                continue
+            if holders > 1:
+                _HOLDS[id(config)] = holders - 1
+                continue
+            del _HOLDS[id(config)]
+            original = _ORIGINALS.pop(id(config), ATTENTION_NAME)
+            if original != ATTENTION_NAME and config._attn_implementation_internal == ATTENTION_NAME:
+                # (each config its own: a multimodal model's may differ; set_attn_implementation
+                # would give them all one, and reach configs that others still hold)
+                config._attn_implementation_internal = original
+
+
+def _forget(config_id: int) -> None:
+    """A config went: its records go with it (a later config at its id must not find them)."""
+    _ORIGINALS.pop(config_id, None)
+    _HOLDS.pop(config_id, None)
+    _WATCHED.discard(config_id)
 
 
 def _configs(model: PreTrainedModel) -> list[Any]:

@@ -541,3 +541,29 @@ async def test_two_managers_on_one_model_each_keep_its_attention_until_the_last_
         assert model.config._attn_implementation == original
         for manager in managers:
             await manager.destroy()
+
+
+async def test_managers_of_two_models_sharing_a_config_keep_its_attention_until_both_stop() -> None:
+    """transformers keeps the config object a model is made with: a second model made from
+    the first's config shares it, and the attention setting lives on the config. The first
+    manager to stop gave the config its original attention back under the other."""
+    from tests.conftest import tiny_qwen3
+
+    first = tiny_qwen3(seed=0, attn_implementation="eager")
+    torch.manual_seed(1)
+    second = type(first)(first.config).eval()
+    assert second.config is first.config
+    expected = [reference_generate(model, PROMPTS[0], 10) for model in (first, second)]
+    for stopping_first in (0, 1):
+        managers = [aiocb.Manager(first), aiocb.Manager(second)]
+        for manager in managers:
+            manager.start()
+            await manager.wait_started()
+        await managers[stopping_first].stop()
+        other = managers[1 - stopping_first]
+        served = await other.generate(PROMPTS[0], max_new_tokens=10)
+        assert served.generated_tokens == expected[1 - stopping_first]
+        await other.stop()
+        assert first.config._attn_implementation == "eager"
+        for manager in managers:
+            await manager.destroy()
