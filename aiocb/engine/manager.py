@@ -187,8 +187,13 @@ class Manager:
         self._task: asyncio.Task[None] | None = None
         #: a stop begun with block=False, which goes on without its caller
         self._stopping: asyncio.Future[None] | None = None
+        #: the destroy after the stop of a cancelled ``async with`` entry (kept: see _stopping)
+        self._leaving: asyncio.Future[None] | None = None
         #: the outcome of the last start under tensor parallelism (None: none yet)
         self._starting: asyncio.Future[None] | None = None
+        #: sessions begun (started, or failed to start), and the last start's failure
+        self._sessions = 0
+        self._start_failure: BaseException | None = None
         self._runner: ModelRunner | None = None
         #: on one process, the layout and cache plan of the session's runner, known before
         #: the runner is built off the loop (see :meth:`_make_steps`)
@@ -284,8 +289,9 @@ class Manager:
         built on a worker thread, so ``start()`` returns at once: requests are taken from
         then on, checked against the cache plan made here, and wait in the queue until the
         runner is ready. :meth:`wait_started` waits for it and raises what made it fail; the
-        requests made meanwhile are then aborted, naming it, and the manager is as it was
-        before the start (it may be started again). A cache plan that cannot be made (no
+        requests made meanwhile (or before it) are then aborted, or refused if still being
+        made, naming it, and the manager is as it was before the start (it may be started
+        again). A cache plan that cannot be made (no
         cache fits the memory budget) raises here.
 
         Requests made before the first start (on one process) wait in the queue for it, as
@@ -475,6 +481,7 @@ class Manager:
         meanwhile), and whoever waits for the start (:meth:`wait_started`, requests) gets
         ``error``."""
         logger.error("Manager.start() failed: %s", error)
+        self._start_failure = error
         self._state = _State.STOPPED if self._state is _State.STOPPING else previous
         self._loop = None
         self._task = None
@@ -528,6 +535,7 @@ class Manager:
             self._router.results_changed = asyncio.Event()  # (one per event loop)
         self._loop = loop
         self._state = state
+        self._sessions += 1
         self._task = loop.create_task(session, name="aiocb-step-loop")
 
     async def stop(
@@ -643,23 +651,28 @@ class Manager:
         self._state = _State.DESTROYED
 
     async def __aenter__(self) -> Manager:
+        if self._state is _State.STOPPING:  # (a stop under way, as a cancelled entry's: it ends first)
+            await self.stop()
+        joined = self.is_running  # (a persistent manager's session another task began)
         self.start()
         try:
             await self.wait_started()
         except BaseException:
-            # No __aexit__ follows: a session still starting (the wait was cancelled, by a
-            # timeout say) must end, or it would run on with nobody to stop it; its end
-            # waits for the runner's build (a worker thread's, which nothing interrupts),
-            # so it goes on in a task of its own. (A start that failed left nothing to end.)
-            if self.is_running:
-                self._stopping = asyncio.ensure_future(self._leave(hard_stop=True))
+            # No __aexit__ follows: a session this entry began and that still starts (the
+            # wait was cancelled, by a timeout say) must end, or it would run on with nobody
+            # to stop it. The stop begins now; its end waits for the runner's build (a
+            # worker thread's, which nothing interrupts), and the destroy after it goes on
+            # in a task of its own. (A start that failed left nothing to end.)
+            if not joined and self.is_running:
+                await self.stop(block=False, hard_stop=True)
+                if not self.persistent:
+                    self._leaving = asyncio.ensure_future(self._destroy_once_stopped())
             raise
         return self
 
-    async def _leave(self, *, hard_stop: bool) -> None:
-        """What ``async with`` does on its way out: stop and, unless persistent, destroy."""
-        await self.stop(hard_stop=hard_stop)
-        if not self.persistent:
+    async def _destroy_once_stopped(self) -> None:
+        await self.stop()  # (joins the stop under way)
+        if self._state is _State.STOPPED:  # (not started again meanwhile)
             await self.destroy()
 
     async def __aexit__(
@@ -669,7 +682,9 @@ class Manager:
         traceback: types.TracebackType | None,
     ) -> None:
         # Leaving because of an error or a cancellation: nobody will read the rest.
-        await self._leave(hard_stop=exc_type is not None)
+        await self.stop(hard_stop=exc_type is not None)
+        if not self.persistent:
+            await self.destroy()
 
     async def _run_steps(self, steps: StepLoop) -> None:
         try:
@@ -1084,7 +1099,7 @@ class Manager:
         max_new_tokens: int | None,
         sampling_params: SamplingParams | None,
         params: dict[str, Any],
-        start: asyncio.Future[None] | None,
+        start: _Began,
     ) -> Request:
         """A request built from a prompt, with its tokenizing and its constraint's
         compiling done off the loop where they are long (for the session whose ``start``
@@ -1225,30 +1240,33 @@ class Manager:
                 await turn.give()
         return outputs
 
-    async def _wait_for_room(self, request: Request, start: asyncio.Future[None] | None) -> None:
+    async def _wait_for_room(self, request: Request, start: _Began) -> None:
         """Wait for room in the queue; refused first when the manager stopped (or was
         destroyed, or its start failed) while the request was made, since making it awaits."""
         self._check_start(start)
         self._check_accepting()
         await self._admission.wait_for_room(request)
 
-    def _has_room(self, request: Request, start: asyncio.Future[None] | None) -> bool:
+    def _has_room(self, request: Request, start: _Began) -> bool:
         self._check_start(start)
         self._check_accepting()
         return self._admission.has_room(request)
 
-    def _start_now(self) -> asyncio.Future[None] | None:
-        """The start of the session a request begun now is for (None: no session, as
-        before the first start)."""
-        return self._starting if self.is_running else None
+    def _start_now(self) -> _Began:
+        """When a request's caller begins: how many sessions had begun, and whether one runs
+        (see :meth:`_check_start`)."""
+        return self._sessions, self.is_running
 
-    @staticmethod
-    def _check_start(start: asyncio.Future[None] | None) -> None:
-        """Refuse a request whose caller began while ``start`` was under way, once that
-        start failed: the requests queued for it were aborted, and this one, made while it
-        failed, must not wait in the queue of a start that may never come."""
-        if start is not None and start.done() and not start.cancelled() and start.exception() is not None:
-            raise ManagerClosedError(f"the manager's start failed ({start.exception()!r}): the request was not queued")
+    def _check_start(self, began: _Began) -> None:
+        """Refuse a request whose caller began while a start was under way, or before a
+        start that came since, once the manager is back as before its first start because
+        that start failed: the requests queued for it were aborted, and this one, made
+        meanwhile, must not wait in the queue of a start that may never come. (Where a
+        later start runs, the request joins its session.)"""
+        sessions, running = began
+        failure = self._start_failure
+        if self._state is _State.CREATED and (running or sessions != self._sessions) and failure is not None:
+            raise ManagerClosedError(f"the manager's start failed ({failure!r}): the request was not queued")
 
     def _submit(self, request: Request, *, streaming: bool, consumer: Consumer) -> str:
         self._submit_group(request, streaming=streaming, consumer=consumer)
@@ -1333,6 +1351,9 @@ class _Build:
 #: what WouldBlock says
 #: sequence biases and bad words a request may have indexed on the loop (their first step)
 _LARGE_SEQUENCE_INDEX = 1_000
+
+#: when a request's caller began: sessions begun by then, and whether one ran
+_Began = tuple[int, bool]
 
 _QUEUE_FULL = "the admission queue is full (max_queue_size / max_queued_tokens)"
 

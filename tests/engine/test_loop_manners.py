@@ -553,36 +553,49 @@ async def test_a_runner_that_cannot_be_built_fails_the_start_and_what_waits(
     assert output.generated_tokens == reference_generate(qwen3, PROMPTS[0], 4)
 
 
+class FailingCache:
+    """Allocating a runner's KV cache fails (once :attr:`go` is set; :attr:`began` is set
+    when the allocation begins) while :attr:`failing`; else it is allocated."""
+
+    def __init__(self) -> None:
+        self.began, self.go = threading.Event(), threading.Event()
+        self.failing = True
+
+
 @pytest.fixture
-def failing_cache(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
-    """Allocating a runner's KV cache fails, once the second returned event is set; the
-    first is set when the allocation begins."""
+def failing_cache(monkeypatch: pytest.MonkeyPatch) -> FailingCache:
     from aiocb.runner import model_runner
 
-    began, go = threading.Event(), threading.Event()
+    cache, allocate = FailingCache(), model_runner.PagedKVCache
 
     def failing(*args: Any, **kwargs: Any) -> Any:
-        began.set()
-        go.wait(30)
+        if not cache.failing:
+            return allocate(*args, **kwargs)
+        cache.began.set()
+        cache.go.wait(30)
         raise RuntimeError("CUDA out of memory (a stand-in)")
 
     monkeypatch.setattr(model_runner, "PagedKVCache", failing)
-    return began, go
+    return cache
 
 
+@pytest.mark.parametrize("begun", ["during the start", "before the start"])
 async def test_callers_under_way_when_the_start_fails_are_refused_not_left_queued(
-    qwen3: PreTrainedModel, failing_cache: tuple[threading.Event, threading.Event]
+    qwen3: PreTrainedModel, failing_cache: FailingCache, begun: str
 ) -> None:
-    """A burst of calls during ``start()`` passes the turnstile 64 a loop turn: those still
-    on their way when the build fails were queued for a next start that might never come
-    (the manager is as before the start), and hung."""
-    began, go = failing_cache
+    """A burst of calls passes the turnstile 64 a loop turn: those still on their way when
+    the build fails were queued for a next start that might never come (the manager is as
+    before the start), and hung."""
     manager = aiocb.Manager(qwen3)
-    manager.start()
-    await asyncio.to_thread(began.wait, 30)
+    if begun == "during the start":
+        manager.start()
+        await asyncio.to_thread(failing_cache.began.wait, 30)
     calls = [asyncio.ensure_future(manager.generate(PROMPTS[0], max_new_tokens=4)) for _ in range(1_000)]
     await asyncio.sleep(0)  # (the first 64 pass)
-    go.set()
+    if begun == "before the start":
+        manager.start()
+        await asyncio.to_thread(failing_cache.began.wait, 30)
+    failing_cache.go.set()
     time.sleep(0.2)  # noqa: ASYNC251  (the loop held: the build fails before the next ones pass)
     done, pending = await asyncio.wait(calls, timeout=30)
     assert not pending
@@ -594,14 +607,39 @@ async def test_callers_under_way_when_the_start_fails_are_refused_not_left_queue
     await manager.destroy()
 
 
+async def test_callers_under_way_when_the_start_fails_join_a_start_that_follows(
+    qwen3: PreTrainedModel, failing_cache: FailingCache
+) -> None:
+    manager = aiocb.Manager(qwen3)
+    manager.start()
+    await asyncio.to_thread(failing_cache.began.wait, 30)
+    calls = [asyncio.ensure_future(manager.generate(PROMPTS[0], max_new_tokens=4)) for _ in range(1_000)]
+    await asyncio.sleep(0)
+    failing_cache.go.set()
+    time.sleep(0.2)  # noqa: ASYNC251  (as above)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        await manager.wait_started()
+    assert not manager.is_running and not all(call.done() for call in calls)
+    failing_cache.failing = False
+    manager.start()  # (the memory back: a retry)
+    done, pending = await asyncio.wait(calls, timeout=60)
+    assert not pending
+    served = [call.result() for call in done if call.exception() is None]
+    assert served and all(o.generated_tokens == reference_generate(qwen3, PROMPTS[0], 4) for o in served)
+    # (the rest were queued for the failed start, or came while it had failed: refused)
+    refused = (aiocb.RequestAbortedError, aiocb.ManagerClosedError)
+    assert all(isinstance(c.exception(), refused) for c in done if c.exception() is not None)
+    await manager.stop()
+
+
 async def test_a_stop_while_the_start_fails_leaves_the_manager_stopped(
-    qwen3: PreTrainedModel, failing_cache: tuple[threading.Event, threading.Event]
+    qwen3: PreTrainedModel, failing_cache: FailingCache
 ) -> None:
     manager = aiocb.Manager(qwen3)
     manager.start()
     stopping = asyncio.ensure_future(manager.stop())
     await asyncio.sleep(0.05)
-    failing_cache[1].set()
+    failing_cache.go.set()
     await stopping
     assert not manager.is_running
     with pytest.raises(aiocb.ManagerClosedError, match="stopped"):  # (not queued for a start to come)
@@ -627,6 +665,34 @@ async def test_an_async_with_whose_entry_is_cancelled_during_the_build_ends_its_
     assert qwen3.config._attn_implementation == original
     with pytest.raises(aiocb.ManagerClosedError, match="destroyed"):
         await manager.generate(PROMPTS[0], max_new_tokens=4)
+
+
+async def test_an_entry_of_a_persistent_manager_cancelled_during_the_build_ends_only_its_own_session(
+    qwen3: PreTrainedModel, slow_cache: list[str]
+) -> None:
+    """An entry cancelled while it joined a session another task began leaves that session
+    running; one that began its own session stops it, and a retry at once enters a new one
+    (it entered the session being stopped, whose requests were all refused)."""
+    manager = aiocb.Manager(qwen3, persistent_manager=True)
+    expected = reference_generate(qwen3, PROMPTS[0], 4)
+
+    async def enter_and_generate() -> list[int]:
+        async with manager:
+            return (await manager.generate(PROMPTS[0], max_new_tokens=4)).generated_tokens
+
+    first = asyncio.ensure_future(enter_and_generate())
+    await asyncio.sleep(0)  # (it began the session)
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.05), manager:
+            pass
+    assert await first == expected
+    await manager.destroy()
+    manager = aiocb.Manager(qwen3, persistent_manager=True)  # (its runner built anew: slowly)
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.05), manager:
+            pass
+    assert await enter_and_generate() == expected  # (at once)
+    await manager.destroy()
 
 
 def test_a_loop_closed_while_the_runner_is_built_leaves_the_model_as_it_was(
