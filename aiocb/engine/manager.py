@@ -825,13 +825,15 @@ class Manager:
         return [r.request_id for r in requests]
 
     def cancel_request(self, request_id: str) -> bool:
-        """End a queued or running request now; its blocks are free when this returns (or,
-        if the step being planned holds them, once its copy for the device is complete).
+        """End a queued or running request now, with its other samples (``n``; a sample's
+        own id, ``<id>__child#<i>``, ends that sample alone); its blocks are free when this
+        returns (or, if the step being planned holds them, once its copy for the device is
+        complete).
 
         Returns whether a live request was cancelled (unknown or finished ids are ignored).
         """
         self._check_loop()
-        return self._steps is not None and self._router.cancel(request_id)
+        return self._steps is not None and self._router.cancel_with_samples(request_id)
 
     @overload
     async def generate(

@@ -144,6 +144,17 @@ class OutputRouter:
         self.end(handle, FinishReason.CANCELLED, status=RequestStatus.CANCELLED, forget=forget)
         return True
 
+    def cancel_with_samples(self, request_id: str) -> bool:
+        """Cancel a live request and its other samples (``n``: its children, which share
+        none of its consumers); whether any was live."""
+        handle = self._handles.get(request_id)
+        cancelled = self.cancel(request_id)
+        for child in handle.request.children if handle is not None else ():
+            sample = self._handles.get(child.request_id)
+            if sample is not None and sample.request is child:  # (not a later request that took its id)
+                cancelled = self.cancel(child.request_id) or cancelled
+        return cancelled
+
     def cancel_own(self, handle: RequestHandle) -> None:
         """Cancel and forget ``handle``'s request while the handle is still its id's: a
         caller cleaning up touches only what it made, never a later request reusing the id."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from transformers import PreTrainedModel
 
 import aiocb
@@ -128,3 +129,29 @@ async def test_samples_cancelled_while_their_fork_pauses_leave_the_engine_runnin
         assert not manager.is_dead
         stats = manager.statistics()
         assert stats.free_blocks == stats.total_blocks
+
+
+@pytest.mark.parametrize("when", ["queued", "running"])
+async def test_cancel_request_of_a_request_with_samples_ends_every_sample(qwen3: PreTrainedModel, when: str) -> None:
+    """A request's id stands for its ``n`` samples: cancelling it ended its first sample
+    alone, and the others ran on to their length, their blocks held, their results unread."""
+    async with aiocb.Manager(qwen3) as manager:
+        free = manager.statistics().free_blocks
+        rid = await manager.add_request(PROMPTS[0], max_new_tokens=200, n=4, temperature=1.0, seed=1)
+        if when == "running":
+            async for chunk in manager.stream(f"{rid}__child#2"):
+                if len(chunk.generated_tokens) >= 5:
+                    break  # (that sample cancelled alone)
+            assert manager.cancel_request(rid)
+        else:
+            assert manager.cancel_request(rid)
+        ids = [rid, f"{rid}__child#0", f"{rid}__child#1"]
+        results = [await manager.get_result(i, timeout=30) for i in ids]
+        assert all(r is not None and r.status is aiocb.RequestStatus.CANCELLED for r in results), results
+        assert all(len(r.generated_tokens) < 200 for r in results if r is not None)
+        assert manager.statistics().free_blocks == free
+        # A sample's own id ends that sample alone.
+        other = await manager.add_request(PROMPTS[1], max_new_tokens=12, n=2)
+        assert manager.cancel_request(f"{other}__child#0")
+        kept = await manager.get_result(other, timeout=30)
+        assert kept is not None and kept.finish_reason is aiocb.FinishReason.LENGTH
