@@ -526,6 +526,7 @@ def _plain_ids(ids: Sequence[Any], *, negative_ok: bool = False) -> bool:
 
 
 _INT = frozenset((int,))
+_NUMBERS = frozenset((int, float))
 
 
 def _pairs(name: str, value: Any, example: str) -> Iterable[tuple[Any, Any]]:
@@ -551,6 +552,19 @@ _DECIMAL = re.compile(r"-?[0-9]+")
 def _logit_bias(value: Any) -> tuple[tuple[int, float], ...] | None:
     if value is None:
         return None
+    if isinstance(value, Mapping) and value:  # (the common form, checked a few C-level passes at a time)
+        tokens, biases = list(value), list(value.values())
+        if (
+            set(map(type, tokens)) <= _INT
+            and set(map(type, biases)) <= _NUMBERS
+            and min(tokens) >= 0
+            and min(biases) >= -100
+            and max(biases) <= 100
+            and not math.isnan(sum(biases))  # (a NaN escapes min and max)
+        ):
+            given = zip(tokens, map(float, biases), strict=True)
+            # (in order of the ids: a pass over ints in order when they come so, as from a range)
+            return tuple(given if sorted(tokens) == tokens else sorted(given))
     pairs: dict[int, float] = {}
     for token, bias in _pairs("logit_bias", value, "token ids to biases, e.g. {42: -100}"):
         if isinstance(token, str) and _DECIMAL.fullmatch(token):

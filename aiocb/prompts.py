@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from aiocb.errors import InvalidRequestError
@@ -28,8 +28,33 @@ def is_large(prompt: Any) -> bool:
     if isinstance(prompt, str):
         return len(prompt) > LARGE_PROMPT_CHARS
     if is_chat(prompt):
-        return sum(len(str(m.get("content", ""))) for m in prompt) > LARGE_PROMPT_CHARS
+        return _chat_chars(prompt, LARGE_PROMPT_CHARS) > LARGE_PROMPT_CHARS
     return False
+
+
+def _chat_chars(messages: Sequence[Any], limit: int) -> int:
+    """The characters of the strings in chat messages (their keys too: each message costs
+    the template a turn), counted until past ``limit``: the tool calls' arguments and the
+    turns count as much as the contents."""
+    count = 0
+    stack: list[Iterator[Any]] = [iter(messages)]
+    while stack and count <= limit:
+        item = next(stack[-1], _END)
+        if item is _END:
+            stack.pop()
+        elif isinstance(item, str):
+            count += len(item)
+        elif isinstance(item, Mapping):
+            count += sum(len(key) if isinstance(key, str) else 1 for key in item)
+            stack.append(iter(item.values()))
+        elif isinstance(item, Sequence):
+            stack.append(iter(item))
+        else:
+            count += 1
+    return count
+
+
+_END = object()
 
 
 def encode_prompt(

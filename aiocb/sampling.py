@@ -99,15 +99,17 @@ def normalize_prompt(input_ids: Any, limits: RequestLimits) -> list[int]:
         )
     if not input_ids:
         raise InvalidRequestError("input_ids is empty: a prompt needs at least one token", param="input_ids")
-    # The usual prompt, a list of plain ints in range, checked by loops that run in C: a
+    # The usual prompt, a list (or tuple) of plain ints, checked by loops that run in C: a
     # Python loop over a long prompt would hold the event loop for milliseconds.
-    if (
-        type(input_ids) is list
-        and set(map(type, input_ids)) == {int}
-        and min(input_ids) >= 0
-        and max(input_ids) < limits.vocab_size
-    ):
-        return list(input_ids)
+    if type(input_ids) in (list, tuple) and set(map(type, input_ids)) == _INT:
+        low, high = min(input_ids), max(input_ids)
+        if low >= 0 and high < limits.vocab_size:
+            return list(input_ids)
+        token = high if high >= limits.vocab_size else low
+        raise InvalidRequestError(
+            f"input_ids[{input_ids.index(token)}] = {token} is outside the vocabulary [0, {limits.vocab_size})",
+            param="input_ids",
+        )
     # Anything else, token by token, to name the first offending position.
     prompt: list[int] = []
     for position, token in enumerate(input_ids):
@@ -359,9 +361,9 @@ def resolve_params(
             biases.append((ids[0], bias))
         else:
             sequences.append((ids, bias))
-    for token, bias in pick("logit_bias", ()):
-        _checked_ids("logit_bias", [token], vocab)
-        biases.append((token, bias))
+    logit_bias = pick("logit_bias", ())
+    _checked_ids("logit_bias", [token for token, _ in logit_bias], vocab)
+    biases += logit_bias
     bans: list[int] = list(_checked_ids("suppress_tokens", defaults.suppress_tokens, vocab))
     bad_sequences: list[tuple[int, ...]] = []
     bad_words = pick("bad_words_ids", ())
@@ -450,7 +452,10 @@ def _refuse_nothing_allowed(
     Bans that grow as it generates (multi-token bad words, n-grams) are caught at the step
     that leaves nothing: the request fails there (``Scheduler``'s ``_NOTHING_ALLOWED``)."""
     banned = bans | begin_bans | held_stops
-    left = vocab_size - len(banned) if allowed is None else len(set(allowed) - banned)
+    if allowed is None:
+        left = vocab_size - len(banned)
+    else:  # (allowed holds each id once)
+        left = len(allowed) if not banned else len(allowed) - len(banned.intersection(allowed))
     if left > 0:
         return
     by = [

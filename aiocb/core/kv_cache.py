@@ -224,14 +224,15 @@ class KVCacheManager:
         """
         if not self.prefix_caching or request.block_ids:
             return 0
-        pool = self.pools[0]
-        max_blocks = (request.num_tokens - 1) // self.page_size
-        self._extend_hashes(request, max_blocks)
+        pool, page, hashes = self.pools[0], self.page_size, request.block_hashes
+        max_blocks = (request.num_tokens - 1) // page
         hits: list[int] = []
         parent = ROOT_HASH
         for i in range(max_blocks):
-            block_hash = request.block_hashes[i]
-            tokens = request.token_ids[i * self.page_size : (i + 1) * self.page_size]
+            tokens = request.token_ids[i * page : (i + 1) * page]
+            if i == len(hashes):  # (hashed up to the first miss: a long new prompt's blocks as they complete)
+                hashes.append(hash_block(parent, tokens))
+            block_hash = hashes[i]
             block = pool.lookup(block_hash, parent, tokens)
             if block is None:
                 break

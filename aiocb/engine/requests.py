@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
+import threading
 import time
 from collections.abc import Callable, Container, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -42,6 +43,8 @@ from aiocb.tokenizer_process import TokenizerProcessHolder
 _NO_PARAMS = SamplingParams()
 #: ``bad_words`` lists whose token sequences are kept (the cache is emptied when full)
 _BAD_WORDS_KEPT = 256
+#: ``bad_words`` tokenized on the loop when a request is built; more, on a worker thread first
+_BAD_WORDS_ON_THE_LOOP = 16
 #: constraints (their text) up to this many characters compile in the short lane
 _SHORT_CONSTRAINT = 16_384
 
@@ -77,6 +80,7 @@ class RequestFactory:
         self._seeds = random.Random(config.seed)
         self._ids = itertools.count()
         self._grammar_compiler: GrammarCompiler | None = None
+        self._grammar_lock = threading.Lock()
         #: the threads constraints compile on: short ones, long ones (made on first use)
         self._compilers: list[ThreadPoolExecutor | None] = [None, None]
         #: the token sequences of recent requests' ``bad_words`` (tokenized once each)
@@ -193,6 +197,8 @@ class RequestFactory:
         structure = requested.structure()
         if structure is None or self.grammar_tokenizer is None:
             return  # (build refuses a constraint without a tokenizer)
+        if self._grammar_compiler is None:  # (the vocabulary's tables: milliseconds, the import more)
+            await asyncio.to_thread(self._grammars, vocab_size)
         grammars = self._grammars(vocab_size)
         if not grammars.is_cached(structure):
             # Long constraints (a schema with an enum of thousands) can take minutes to
@@ -205,15 +211,17 @@ class RequestFactory:
             await loop.run_in_executor(self._compilers[lane], grammars.compile, structure)
 
     def _grammars(self, vocab_size: int) -> GrammarCompiler:
-        """The compiler of constraints for the model's vocabulary (built on first use)."""
+        """The compiler of constraints for the model's vocabulary (built on first use, on a
+        worker thread by :meth:`precompile`, or here)."""
         assert self.grammar_tokenizer is not None  # (resolve_params refuses a constraint without one)
-        if self._grammar_compiler is None:
-            # (ended as a request that does not say otherwise ends: the GenerationConfig's EOS
-            # tokens, a chat model's <|im_end|> among them, else the model config's)
-            configured = self.defaults.params.eos_token_id
-            ends = self._default_eos if configured is None else eos_ids(configured)
-            self._grammar_compiler = GrammarCompiler(self.grammar_tokenizer, vocab_size, ends)
-        return self._grammar_compiler
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                # (ended as a request that does not say otherwise ends: the GenerationConfig's
+                # EOS tokens, a chat model's <|im_end|> among them, else the model config's)
+                configured = self.defaults.params.eos_token_id
+                ends = self._default_eos if configured is None else eos_ids(configured)
+                self._grammar_compiler = GrammarCompiler(self.grammar_tokenizer, vocab_size, ends)
+            return self._grammar_compiler
 
     def merged(
         self, sampling_params: SamplingParams | None, max_new_tokens: int | None, params: dict[str, Any]
@@ -239,6 +247,27 @@ class RequestFactory:
         self._last_merge = (requested, max_new_tokens, merged)
         return merged
 
+    async def tokenize_bad_words(self, sampling_params: SamplingParams | None, params: dict[str, Any]) -> None:
+        """Tokenize a request's ``bad_words`` on a worker thread when there are many (two
+        encodes a word: some 40 µs each), so that :meth:`build` finds them tokenized."""
+        words = params["bad_words"] if "bad_words" in params else getattr(sampling_params, "bad_words", None)
+        if self.tokenizer is None or not isinstance(words, (list, tuple)) or len(words) <= _BAD_WORDS_ON_THE_LOOP:
+            return
+        if not all(isinstance(word, str) for word in words):
+            return  # (refused by name when the request is built)
+        key = tuple(words)
+        if key not in self._bad_words:
+            try:
+                sequences = await asyncio.to_thread(bad_words_ids, key, self.tokenizer)
+            except InvalidRequestError:
+                return  # (the same refusal when the request is built)
+            self._remember_bad_words(key, sequences)
+
+    def _remember_bad_words(self, words: tuple[str, ...], sequences: list[list[int]]) -> None:
+        if len(self._bad_words) >= _BAD_WORDS_KEPT:
+            self._bad_words.clear()
+        self._bad_words[words] = sequences
+
     def _with_bad_words_ids(self, requested: SamplingParams) -> SamplingParams:
         """``requested`` with its ``bad_words`` as token sequences, after its ``bad_words_ids``."""
         assert requested.bad_words is not None
@@ -250,9 +279,8 @@ class RequestFactory:
         words = tuple(requested.bad_words)
         sequences = self._bad_words.get(words)
         if sequences is None:
-            if len(self._bad_words) >= _BAD_WORDS_KEPT:
-                self._bad_words.clear()
-            sequences = self._bad_words[words] = bad_words_ids(words, self.tokenizer)
+            sequences = bad_words_ids(words, self.tokenizer)
+            self._remember_bad_words(words, sequences)
         return requested.updated(bad_words_ids=[*(requested.bad_words_ids or ()), *sequences])
 
     def _text(self, prompt: list[int], params: ResolvedParams) -> TextTracker | None:

@@ -243,6 +243,27 @@ def test_prefix_hit_stops_at_the_first_differing_page() -> None:
     assert second.block_ids[0] == first.block_ids[0][:1]
 
 
+def test_a_lookup_hashes_a_prompt_only_up_to_its_first_miss() -> None:
+    """A long new prompt's blocks are hashed as they complete, not all at its admission (a
+    100,000-token prompt's held the event loop 8-9 ms in one go)."""
+    kv = full_cache(64)
+    first = make_request(list(range(1, 17)), "first")
+    compute(kv, first, 16)
+    long_prompt = [*range(1, 9), *range(100, 200)]  # (its first two pages are first's)
+    second = make_request(long_prompt, "second")
+    assert kv.match_prefix(second) == 2 * PAGE
+    assert len(second.block_hashes) == 3  # (two hits and the miss)
+    second.num_computed_tokens = 2 * PAGE
+    compute(kv, second, len(long_prompt) - 2 * PAGE)  # (the rest hashed as they complete)
+    assert len(second.block_hashes) == len(long_prompt) // PAGE
+    third = make_request([*long_prompt, 7], "third")
+    assert kv.match_prefix(third) == len(long_prompt)
+    kv.free(first)
+    kv.free(second)
+    kv.free(third)
+    assert_no_leak(kv)
+
+
 def test_a_later_page_alone_is_not_a_hit() -> None:
     kv = full_cache(16)
     first = make_request(list(range(1, 13)), "first")

@@ -17,6 +17,13 @@ GOOD = random_prompts(1, 30, 30, seed=13)[0]
 BAD_REQUESTS: list[tuple[str, Any, dict[str, Any], str]] = [
     ("empty prompt", [], {}, "empty"),
     ("negative id", [1, -2, 3], {}, r"input_ids\[1\] = -2 is outside the vocabulary"),
+    (
+        "id beyond vocab in a tuple",
+        (1, 2, VOCAB + 5, 3),
+        {},
+        rf"input_ids\[2\] = {VOCAB + 5} is outside the vocabulary",
+    ),
+    ("a long prompt's last id beyond vocab", [1] * 50_000 + [VOCAB], {}, rf"input_ids\[50000\] = {VOCAB} is outside"),
     ("id beyond vocab", [1, VOCAB], {}, "outside the vocabulary"),
     ("float id", [1, 2.0, 3], {}, r"input_ids\[1\].*must be ints"),
     ("bool id", [1, 2, True], {}, r"input_ids\[2\] is True \(bool\)"),

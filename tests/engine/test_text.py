@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -238,9 +240,25 @@ async def test_bad_words_are_banned_as_vllm_tokenizes_them(
         assert (spaced in sequences) == (spaced[0] != alone[0] and len(spaced) == len(alone))
     expected = reference_generate(model, prompt, NEW, bad_words_ids=sequences)
     assert expected != greedy, "the words change nothing: the test would not notice them ignored"
+    # Many words are tokenized on a worker thread before the request is built (two encodes
+    # a word on the loop: 300 words held it 11 ms), and ban the same.
+    many = [*words, *(f"zq{i}xv" for i in range(40))]
+    expected_many = reference_generate(model, prompt, NEW, bad_words_ids=bad_words_ids(many, tokenizer))
+    threads: list[str] = []
+
+    def recorded(words: Any, tokenizer: Any) -> list[list[int]]:
+        threads.append(threading.current_thread().name)
+        return bad_words_ids(words, tokenizer)
+
     async with aiocb.Manager(model, tokenizer=tokenizer) as manager:
         output = await manager.generate(PROMPTS[5], max_new_tokens=NEW, bad_words=words)
         both = await manager.generate(PROMPTS[5], max_new_tokens=NEW, bad_words=words[0], bad_words_ids=[[plain[5][5]]])
+        with mock.patch("aiocb.engine.requests.bad_words_ids", recorded):
+            output_many = await manager.generate(PROMPTS[5], max_new_tokens=NEW, bad_words=many)
+            await manager.generate(PROMPTS[5], max_new_tokens=NEW, bad_words=words[::-1])
+    assert output_many.generated_tokens == expected_many
+    loop_thread = threading.current_thread().name
+    assert threads[0] != loop_thread and threads[1:] == [loop_thread]  # (a few words: on the loop)
     assert output.generated_tokens == expected
     assert both.generated_tokens == reference_generate(
         model, prompt, NEW, bad_words_ids=[[plain[5][5]], *bad_words_ids(words[:1], tokenizer)]
@@ -284,3 +302,15 @@ async def test_long_text_and_chat_prompts_are_tokenized_in_the_process(
         assert child is not None and child.poll() is None
         await manager.destroy()
     assert child.poll() is not None  # (the manager's end ends the child)
+
+
+def test_a_chat_is_large_by_all_its_text_not_its_contents_alone() -> None:
+    """Tokenized off the loop when large: a turn's tool call arguments and many short turns
+    count (rendered and tokenized on the loop, they held it 15-30 ms)."""
+    from aiocb.prompts import is_large
+
+    call = {"type": "function", "function": {"name": "run", "arguments": "x = 1\n" * 4000}}
+    assert is_large([{"role": "user", "content": "run it"}, {"role": "assistant", "content": "", "tool_calls": [call]}])
+    assert is_large([{"role": "user", "content": "ok"}] * 1500)
+    assert is_large([{"role": "user", "content": [{"type": "text", "text": "y" * 5000}]}])
+    assert not is_large([{"role": "user", "content": "hello"}] * 10)
