@@ -520,42 +520,22 @@ async def test_start_while_a_stop_is_under_way_is_refused(qwen3: PreTrainedModel
     await manager.destroy()
 
 
-async def test_two_managers_on_one_model_each_keep_its_attention_until_the_last_stops() -> None:
-    """A model served by two managers at once keeps aiocb's attention until both let go:
-    the first to stop gave the model its original attention back under the other, which
-    then computed its steps with plain SDPA over no cache (wrong tokens, no error)."""
-    from tests.conftest import tiny_qwen3
-
-    model = tiny_qwen3()
-    original = model.config._attn_implementation
-    expected = reference_generate(model, PROMPTS[0], 10)
-    for first_to_stop in (0, 1):
-        managers = [aiocb.Manager(model), aiocb.Manager(model)]
-        for manager in managers:
-            manager.start()
-            await manager.wait_started()
-        await managers[first_to_stop].stop()
-        other = managers[1 - first_to_stop]
-        assert (await other.generate(PROMPTS[0], max_new_tokens=10)).generated_tokens == expected
-        await other.stop()
-        assert model.config._attn_implementation == original
-        for manager in managers:
-            await manager.destroy()
-
-
-async def test_managers_of_two_models_sharing_a_config_keep_its_attention_until_both_stop() -> None:
-    """transformers keeps the config object a model is made with: a second model made from
-    the first's config shares it, and the attention setting lives on the config. The first
-    manager to stop gave the config its original attention back under the other."""
+@pytest.mark.parametrize("held", ["one model", "two models of one config"])
+async def test_managers_holding_one_config_keep_its_attention_until_the_last_stops(held: str) -> None:
+    """The attention setting lives on the config, which two managers may hold at once: of
+    one model, or of two (transformers keeps the config object a model is made with, so a
+    model made from another's config shares it). The first to stop gave the config its
+    original attention back under the other, which then computed its steps with plain
+    attention over no cache (wrong tokens, no error)."""
     from tests.conftest import tiny_qwen3
 
     first = tiny_qwen3(seed=0, attn_implementation="eager")
     torch.manual_seed(1)
-    second = type(first)(first.config).eval()
-    assert second.config is first.config
-    expected = [reference_generate(model, PROMPTS[0], 10) for model in (first, second)]
+    models = (first, first) if held == "one model" else (first, type(first)(first.config).eval())
+    assert models[1].config is first.config
+    expected = [reference_generate(model, PROMPTS[0], 10) for model in models]
     for stopping_first in (0, 1):
-        managers = [aiocb.Manager(first), aiocb.Manager(second)]
+        managers = [aiocb.Manager(model) for model in models]
         for manager in managers:
             manager.start()
             await manager.wait_started()

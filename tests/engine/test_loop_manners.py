@@ -579,24 +579,33 @@ def failing_cache(monkeypatch: pytest.MonkeyPatch) -> FailingCache:
     return cache
 
 
-@pytest.mark.parametrize("begun", ["during the start", "before the start"])
-async def test_callers_under_way_when_the_start_fails_are_refused_not_left_queued(
-    qwen3: PreTrainedModel, failing_cache: FailingCache, begun: str
-) -> None:
-    """A burst of calls passes the turnstile 64 a loop turn: those still on their way when
-    the build fails were queued for a next start that might never come (the manager is as
-    before the start), and hung."""
-    manager = aiocb.Manager(qwen3)
-    if begun == "during the start":
+async def _a_burst_as_the_start_fails(
+    manager: aiocb.Manager, failing_cache: FailingCache, *, before_start: bool = False
+) -> list[asyncio.Future[Any]]:
+    """A thousand ``generate`` calls begun during (or just before) a start whose build
+    fails while most of them are still on their way: they pass the turnstile 64 a loop
+    turn, and the loop is held until the build has failed."""
+    if not before_start:
         manager.start()
         await asyncio.to_thread(failing_cache.began.wait, 30)
     calls = [asyncio.ensure_future(manager.generate(PROMPTS[0], max_new_tokens=4)) for _ in range(1_000)]
     await asyncio.sleep(0)  # (the first 64 pass)
-    if begun == "before the start":
+    if before_start:
         manager.start()
         await asyncio.to_thread(failing_cache.began.wait, 30)
     failing_cache.go.set()
     time.sleep(0.2)  # noqa: ASYNC251  (the loop held: the build fails before the next ones pass)
+    return calls
+
+
+@pytest.mark.parametrize("before_start", [False, True], ids=["during the start", "before the start"])
+async def test_callers_under_way_when_the_start_fails_are_refused_not_left_queued(
+    qwen3: PreTrainedModel, failing_cache: FailingCache, before_start: bool
+) -> None:
+    """Those still on their way when the build failed were queued for a next start that
+    might never come (the manager is as before the start), and hung."""
+    manager = aiocb.Manager(qwen3)
+    calls = await _a_burst_as_the_start_fails(manager, failing_cache, before_start=before_start)
     done, pending = await asyncio.wait(calls, timeout=30)
     assert not pending
     errors = [call.exception() for call in done]
@@ -611,12 +620,7 @@ async def test_callers_under_way_when_the_start_fails_join_a_start_that_follows(
     qwen3: PreTrainedModel, failing_cache: FailingCache
 ) -> None:
     manager = aiocb.Manager(qwen3)
-    manager.start()
-    await asyncio.to_thread(failing_cache.began.wait, 30)
-    calls = [asyncio.ensure_future(manager.generate(PROMPTS[0], max_new_tokens=4)) for _ in range(1_000)]
-    await asyncio.sleep(0)
-    failing_cache.go.set()
-    time.sleep(0.2)  # noqa: ASYNC251  (as above)
+    calls = await _a_burst_as_the_start_fails(manager, failing_cache)
     with pytest.raises(RuntimeError, match="out of memory"):
         await manager.wait_started()
     assert not manager.is_running and not all(call.done() for call in calls)
