@@ -149,10 +149,15 @@ class OutputRouter:
         none of its consumers); whether any was live."""
         handle = self._handles.get(request_id)
         cancelled = self.cancel(request_id)
-        for child in handle.request.children if handle is not None else ():
-            sample = self._handles.get(child.request_id)
-            if sample is not None and sample.request is child:  # (not a later request that took its id)
-                cancelled = self.cancel(child.request_id) or cancelled
+        if handle is not None:
+            for child in handle.request.children:
+                sample = self._handles.get(child.request_id)
+                if sample is not None and sample.request is child:  # (not a later request that took its id)
+                    cancelled = self.cancel(child.request_id) or cancelled
+        else:  # (its own result was taken already: its samples by their ids)
+            prefix = f"{request_id}__child#"
+            for sample_id in [i for i in self._handles if i.startswith(prefix)]:
+                cancelled = self.cancel(sample_id) or cancelled
         return cancelled
 
     def cancel_own(self, handle: RequestHandle) -> None:

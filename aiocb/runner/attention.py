@@ -321,9 +321,10 @@ def _fallback_for(module: torch.nn.Module) -> Callable[..., tuple[torch.Tensor, 
 #: function sees only the config; the attention sees its module, which carries the name
 #: itself. An entry leaves with its config, so a later config at the same id never finds it.
 _ORIGINALS: dict[int, str] = {}
-#: Configs routed through aiocb's attention (by id) -> how many holders have them, changed
-#: under ``_holding``: runners attach on worker threads, and detach on others.
-_HOLDS: dict[int, int] = {}
+#: Configs routed through aiocb's attention (by id) -> how many holders have them, and the
+#: setting to give back when the last lets go; changed under ``_holding``: runners attach
+#: on worker threads, and detach on others.
+_HOLDS: dict[int, tuple[int, str]] = {}
 #: Configs whose records :func:`_forget` drops when they go (watched once each)
 _WATCHED: set[int] = set()
 _holding = threading.Lock()
@@ -384,13 +385,18 @@ def install(model: PreTrainedModel) -> None:
     with _holding:
         configs = _configs(model)
         fresh = [config for config in configs if id(config) not in _HOLDS]
-        for config in configs:
-            _HOLDS[id(config)] = _HOLDS.get(id(config), 0) + 1
         for config in fresh:
             if id(config) not in _WATCHED:
                 _WATCHED.add(id(config))
                 weakref.finalize(config, _forget, id(config))
-            _ORIGINALS[id(config)] = str(config._attn_implementation)
+            own = str(config._attn_implementation)
+            _HOLDS[id(config)] = (0, own)
+            # (a config made naming aiocb's attention, as a copy of a held model's: what its
+            # modules defer to, copied with them, else SDPA)
+            _ORIGINALS[id(config)] = own if own != ATTENTION_NAME else _copied_fallback(model, config)
+        for config in configs:
+            holders, own = _HOLDS[id(config)]
+            _HOLDS[id(config)] = (holders + 1, own)
         # What a plain call of the model runs instead (see _fallback_for): each attention
         # module its config's original. (Each walk over a large model's modules takes a
         # millisecond or so: on a worker thread, the event loop's thread gets the GIL
@@ -404,9 +410,13 @@ def install(model: PreTrainedModel) -> None:
                     fallback = _ORIGINALS.get(config_id, own)
                     if fallback != ATTENTION_NAME:
                         setattr(module, _FALLBACK_ATTR, fallback)
-        if any(_ORIGINALS[id(config)] != ATTENTION_NAME for config in fresh):
+        if any(config._attn_implementation_internal != ATTENTION_NAME for config in fresh):
             yield_gil()
             model.set_attn_implementation(ATTENTION_NAME)
+            # (a config the model's own walk misses: another model's, on a layer it shares)
+            for config in fresh:
+                if config._attn_implementation_internal != ATTENTION_NAME:
+                    config._attn_implementation_internal = ATTENTION_NAME
 
 
 def uninstall(model: PreTrainedModel) -> None:
@@ -414,18 +424,28 @@ def uninstall(model: PreTrainedModel) -> None:
     its original attention back."""
     with _holding:
         for config in _configs(model):
-            holders = _HOLDS.get(id(config))
-            if holders is None:
+            held = _HOLDS.get(id(config))
+            if held is None:
                 continue
+            holders, own = held
             if holders > 1:
-                _HOLDS[id(config)] = holders - 1
+                _HOLDS[id(config)] = (holders - 1, own)
                 continue
             del _HOLDS[id(config)]
-            original = _ORIGINALS.pop(id(config), ATTENTION_NAME)
-            if original != ATTENTION_NAME and config._attn_implementation_internal == ATTENTION_NAME:
+            _ORIGINALS.pop(id(config), None)
+            if own != ATTENTION_NAME and config._attn_implementation_internal == ATTENTION_NAME:
                 # (each config its own: a multimodal model's may differ; set_attn_implementation
                 # would give them all one, and reach configs that others still hold)
-                config._attn_implementation_internal = original
+                config._attn_implementation_internal = own
+
+
+def _copied_fallback(model: PreTrainedModel, config: Any) -> str:
+    """The attention the modules of ``model`` that read ``config`` defer to, when they came
+    with it (copied from a model aiocb held), else SDPA."""
+    for module in model.modules():
+        if getattr(module, "config", None) is config and hasattr(module, _FALLBACK_ATTR):
+            return str(getattr(module, _FALLBACK_ATTR))
+    return "sdpa"
 
 
 def _forget(config_id: int) -> None:

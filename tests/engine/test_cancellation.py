@@ -150,6 +150,18 @@ async def test_cancel_request_of_a_request_with_samples_ends_every_sample(qwen3:
         assert all(r is not None and r.status is aiocb.RequestStatus.CANCELLED for r in results), results
         assert all(len(r.generated_tokens) < 200 for r in results if r is not None)
         assert manager.statistics().free_blocks == free
+        # With its first sample ended and its output taken already, its id still ends the
+        # others (seeded: the first stops at its 6th token, the others at their 40th and 55th).
+        stops = list(range(0, 512, 25))
+        rid = await manager.add_request(
+            PROMPTS[2], max_new_tokens=200, n=3, temperature=1.0, seed=39, stop_token_ids=stops
+        )
+        first = await manager.get_result(rid, timeout=30)
+        assert first is not None and first.finish_reason is aiocb.FinishReason.STOP
+        assert manager.cancel_request(rid)
+        assert manager.cancel_request(rid) is False  # (nothing left)
+        results = [await manager.get_result(f"{rid}__child#{i}", timeout=30) for i in (0, 1)]
+        assert all(r is not None and r.status is aiocb.RequestStatus.CANCELLED for r in results), results
         # A sample's own id ends that sample alone.
         other = await manager.add_request(PROMPTS[1], max_new_tokens=12, n=2)
         assert manager.cancel_request(f"{other}__child#0")

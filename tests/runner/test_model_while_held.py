@@ -4,6 +4,7 @@ forward passes get the model's original attention with the masks transformers ma
 
 from __future__ import annotations
 
+import copy
 import gc
 from collections.abc import Callable
 
@@ -12,7 +13,7 @@ import torch
 import transformers as tf
 
 import aiocb
-from aiocb.runner.attention import _ORIGINALS, _configs, install
+from aiocb.runner.attention import _ORIGINALS, _configs, install, uninstall
 from tests.conftest import _TINY
 
 PROMPT = [(7 * i + 3) % 299 + 1 for i in range(40)]
@@ -74,3 +75,36 @@ def test_a_model_dropped_while_installed_leaves_no_record_of_its_attention() -> 
     del model
     gc.collect()
     assert not ids & _ORIGINALS.keys()
+
+
+def test_a_copy_of_a_held_model_defers_to_the_same_attention_as_it() -> None:
+    """A copy made while aiocb holds a model (a draft made with ``copy.deepcopy``) names
+    aiocb's attention in its config: held in turn, a plain call of it defers to what its
+    modules came with, not to aiocb's mask function itself (endless recursion)."""
+    model = MODELS["llama-eager"]()
+    before = plain_runs(model)
+    install(model)
+    twin = copy.deepcopy(model)
+    assert twin.config._attn_implementation == "aiocb_paged"
+    install(twin)
+    assert plain_runs(twin)[0] == before[0] and torch.allclose(plain_runs(twin)[1], before[1], atol=1e-5)
+    uninstall(twin)
+    uninstall(model)
+    assert model.config._attn_implementation == "eager"
+
+
+def test_a_model_sharing_a_layer_is_routed_whichever_holder_comes_first() -> None:
+    """A draft built from the target's layers carries the target's config on them: held
+    first, it routes that config too (the shared layer reads it), and the target held
+    next finds it routed; each config gets its own setting back with its last holder."""
+    target = MODELS["llama-eager"]()
+    torch.manual_seed(2)
+    draft = tf.LlamaForCausalLM(tf.LlamaConfig(**{**_TINY, "head_dim": 16}, attn_implementation="sdpa")).eval()
+    draft.model.layers[0] = target.model.layers[0]
+    install(draft)
+    assert target.config._attn_implementation == "aiocb_paged" == draft.config._attn_implementation
+    install(target)
+    uninstall(draft)
+    assert target.config._attn_implementation == "aiocb_paged" and draft.config._attn_implementation == "sdpa"
+    uninstall(target)
+    assert target.config._attn_implementation == "eager"
