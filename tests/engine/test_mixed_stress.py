@@ -335,7 +335,9 @@ def _check_cancelled(outcome: Outcome) -> None:
     """A cancelled request was cancelled by the test, before it could end."""
     spec, output = outcome.spec, outcome.output
     assert output is not None
-    assert spec.cancel is not None and outcome.sample == spec.cancel_target, f"not cancelled by us: {outcome.name}"
+    # (cancel_request of a request's own id ends its every sample)
+    by_us = outcome.sample == spec.cancel_target or (spec.cancel == "cancel_request" and spec.cancel_target == 0)
+    assert spec.cancel is not None and by_us, f"not cancelled by us: {outcome.name}"
     assert output.status is aiocb.RequestStatus.CANCELLED, outcome.name
     assert output.finish_reason is aiocb.FinishReason.CANCELLED, outcome.name
     assert len(output.generated_tokens) < spec.max_new_tokens, outcome.name
@@ -388,8 +390,11 @@ async def _run_case(model: PreTrainedModel, seed: int, schedule: dict[str, Any])
         if output is not None:
             _check_tokens(outcome)
         if outcome.cancel_answer is not None and output is not None:
-            # cancel_request says whether it cancelled a live request
-            assert outcome.cancel_answer == (output.status is aiocb.RequestStatus.CANCELLED), outcome.name
+            # cancel_request says whether it cancelled a live request (of a request's own id:
+            # any of its samples)
+            samples = [o for o in outcomes if o.spec is outcome.spec] if outcome.sample == 0 else [outcome]
+            cancelled = any(o.output is not None and o.output.status is aiocb.RequestStatus.CANCELLED for o in samples)
+            assert outcome.cancel_answer == cancelled, outcome.name
         if output is None:
             assert outcome.spec.cancel == "task", f"no output: {outcome.name}"
         elif output.status is aiocb.RequestStatus.FINISHED:
