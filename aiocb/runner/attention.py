@@ -389,27 +389,25 @@ def install(model: PreTrainedModel) -> None:
             if id(config) not in _WATCHED:
                 _WATCHED.add(id(config))
                 weakref.finalize(config, _forget, id(config))
-            own = str(config._attn_implementation)
-            _HOLDS[id(config)] = (0, own)
+            setting = str(config._attn_implementation)
+            _HOLDS[id(config)] = (0, setting)
             # (a config made naming aiocb's attention, as a copy of a held model's: what its
             # modules defer to, copied with them, else SDPA)
-            _ORIGINALS[id(config)] = own if own != ATTENTION_NAME else _copied_fallback(model, config)
+            _ORIGINALS[id(config)] = setting if setting != ATTENTION_NAME else _copied_fallback(model, config)
         for config in configs:
-            holders, own = _HOLDS[id(config)]
-            _HOLDS[id(config)] = (holders + 1, own)
+            holders, setting = _HOLDS[id(config)]
+            _HOLDS[id(config)] = (holders + 1, setting)
         # What a plain call of the model runs instead (see _fallback_for): each attention
         # module its config's original. (Each walk over a large model's modules takes a
         # millisecond or so: on a worker thread, the event loop's thread gets the GIL
         # between them.)
         yield_gil()
-        own, fresh_ids = _ORIGINALS[id(model.config)], {id(config) for config in fresh}
+        fresh_ids = {id(config) for config in fresh}
         for module in model.modules():
             if hasattr(module, "layer_idx"):
                 config_id = id(getattr(module, "config", model.config))
                 if config_id in fresh_ids or not hasattr(module, _FALLBACK_ATTR):
-                    fallback = _ORIGINALS.get(config_id, own)
-                    if fallback != ATTENTION_NAME:
-                        setattr(module, _FALLBACK_ATTR, fallback)
+                    setattr(module, _FALLBACK_ATTR, _ORIGINALS.get(config_id, _ORIGINALS[id(model.config)]))
         if any(config._attn_implementation_internal != ATTENTION_NAME for config in fresh):
             yield_gil()
             model.set_attn_implementation(ATTENTION_NAME)
