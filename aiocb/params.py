@@ -16,6 +16,7 @@ import dataclasses
 import itertools
 import json
 import math
+import operator
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -508,14 +509,30 @@ def _ids(name: str, value: Any, *, empty_ok: bool = True, negative_ok: bool = Fa
         raise InvalidRequestError(f"{name} must be a list of token ids, got {type(value).__name__}", param=name)
     ids = tuple(value)
     if not _plain_ids(ids, negative_ok=negative_ok):  # (then this names the first wrong one)
+        plain = []
         for v in ids:
-            if not _is_int(v):
+            token = token_id(v)
+            if token is None:
                 raise InvalidRequestError(f"{name} must hold token ids (ints), got {v!r}", param=name)
-            if v < 0 and not negative_ok:
+            if token < 0 and not negative_ok:
                 raise InvalidRequestError(f"{name} holds a negative token id ({v})", param=name)
+            plain.append(token)
+        ids = tuple(plain)
     if not ids and not empty_ok:
         raise InvalidRequestError(f"{name} is empty: no token could be generated", param=name)
     return ids
+
+
+def token_id(value: Any) -> int | None:
+    """``value`` as a token id: an int, or an integer that is not one (a NumPy integer, a
+    one-element integer tensor: ``list(array)`` makes those); None for anything else, bools
+    included."""
+    if isinstance(value, bool) or str(getattr(value, "dtype", "")) in ("bool", "torch.bool"):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def _plain_ids(ids: Sequence[Any], *, negative_ok: bool = False) -> bool:

@@ -21,7 +21,7 @@ from transformers import GenerationConfig
 
 from aiocb.core.params import ResolvedParams
 from aiocb.errors import InvalidRequestError
-from aiocb.params import STRUCTURE_FIELDS, SamplingParams
+from aiocb.params import STRUCTURE_FIELDS, SamplingParams, token_id
 
 logger = logging.getLogger(__name__)
 
@@ -112,10 +112,11 @@ def normalize_prompt(input_ids: Any, limits: RequestLimits) -> list[int]:
         )
     # Anything else, token by token, to name the first offending position.
     prompt: list[int] = []
-    for position, token in enumerate(input_ids):
-        if isinstance(token, bool) or not isinstance(token, int):
+    for position, given in enumerate(input_ids):
+        token = token_id(given)  # (a NumPy integer too: list(array) makes those)
+        if token is None:
             raise InvalidRequestError(
-                f"input_ids[{position}] is {token!r} ({type(token).__name__}); token ids must be ints",
+                f"input_ids[{position}] is {given!r} ({type(given).__name__}); token ids must be ints",
                 param="input_ids",
             )
         if not 0 <= token < limits.vocab_size:
@@ -123,7 +124,7 @@ def normalize_prompt(input_ids: Any, limits: RequestLimits) -> list[int]:
                 f"input_ids[{position}] = {token} is outside the vocabulary [0, {limits.vocab_size})",
                 param="input_ids",
             )
-        prompt.append(int(token))
+        prompt.append(token)
     return prompt
 
 

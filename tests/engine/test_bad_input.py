@@ -172,3 +172,20 @@ async def test_the_request_keeps_its_own_copy_of_the_prompt(qwen3: PreTrainedMod
     assert output is not None
     assert output.prompt_ids == GOOD
     assert output.generated_tokens == reference_generate(qwen3, GOOD, 3)
+
+
+async def test_numpy_and_tensor_integers_are_token_ids(qwen3: PreTrainedModel) -> None:
+    """``list(array)`` makes NumPy integers, iterating a tensor one-element tensors: taken
+    as the ints they hold (they were refused as prompts and token-id lists), bools not."""
+    import numpy as np
+
+    prompt = random_prompts(1, 12, 12, seed=4)[0]
+    expected = reference_generate(qwen3, prompt, 6)
+    eos = expected[2]
+    async with aiocb.Manager(qwen3) as manager:
+        for given in (list(np.array(prompt)), list(torch.tensor(prompt)), tuple(np.array(prompt, dtype=np.int32))):
+            output = await manager.generate(given, max_new_tokens=6, stop_token_ids=list(np.array([eos])))
+            assert output.generated_tokens == expected[:3] and output.stop_reason == eos
+        for bools in ([np.bool_(True)], [torch.tensor(True)]):
+            with pytest.raises(aiocb.InvalidRequestError, match="input_ids\\[0\\]"):
+                await manager.generate(bools, max_new_tokens=2)
