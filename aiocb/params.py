@@ -256,7 +256,11 @@ class SamplingParams:
         _set(self, "allowed_token_ids", _ids("allowed_token_ids", self.allowed_token_ids, empty_ok=False))
         if self.eos_token_id is not None:
             value = self.eos_token_id
-            _set(self, "eos_token_id", _ids("eos_token_id", [value] if _is_int(value) else value, negative_ok=True))
+            _set(
+                self,
+                "eos_token_id",
+                _ids("eos_token_id", [value] if token_id(value) is not None else value, negative_ok=True),
+            )
         _set(self, "logit_bias", _logit_bias(self.logit_bias))
         _set(self, "sequence_bias", _sequence_bias(self.sequence_bias))
         _set(self, "bad_words_ids", _bad_words(self.bad_words_ids))
@@ -531,7 +535,7 @@ def token_id(value: Any) -> int | None:
         return None
     try:
         return operator.index(value)
-    except TypeError:
+    except Exception:  # (not an integer; a tensor with no data, an __index__ that fails)
         return None
 
 
@@ -584,10 +588,11 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...] | None:
             return tuple(given if sorted(tokens) == tokens else sorted(given))
     pairs: dict[int, float] = {}
     for token, bias in _pairs("logit_bias", value, "token ids to biases, e.g. {42: -100}"):
-        if isinstance(token, str) and _DECIMAL.fullmatch(token):
-            token = int(token)  # JSON object keys are strings
-        if not _is_int(token) or token < 0:
-            raise InvalidRequestError(f"logit_bias keys must be token ids, got {token!r}", param="logit_bias")
+        given = token
+        # (JSON object keys are strings)
+        token = int(token) if isinstance(token, str) and _DECIMAL.fullmatch(token) else token_id(token)
+        if token is None or token < 0:
+            raise InvalidRequestError(f"logit_bias keys must be token ids, got {given!r}", param="logit_bias")
         if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
             raise InvalidRequestError(
                 f"logit_bias[{token}] must be a number in [-100, 100], got {bias!r}", param="logit_bias"
@@ -601,7 +606,7 @@ def _sequence_bias(value: Any) -> tuple[SequenceBias, ...] | None:
         return None
     out: dict[tuple[int, ...], float] = {}  # as transformers: a sequence given twice keeps its last bias
     for sequence, bias in _pairs("sequence_bias", value, "token sequences to biases, e.g. [[[42, 7], -5.0]]"):
-        ids = _ids("sequence_bias", [sequence] if _is_int(sequence) else sequence, empty_ok=False)
+        ids = _ids("sequence_bias", [sequence] if token_id(sequence) is not None else sequence, empty_ok=False)
         assert ids is not None
         if isinstance(bias, bool) or not isinstance(bias, (int, float)) or math.isnan(bias):
             raise InvalidRequestError(
@@ -626,7 +631,7 @@ def _bad_words(value: Any) -> tuple[tuple[int, ...], ...] | None:
             return plain
     words = []
     for word in items:
-        if _is_int(word):
+        if token_id(word) is not None:
             raise InvalidRequestError(
                 "bad_words_ids must be a list of lists of token ids, e.g. [[42], [7, 9]]", param="bad_words_ids"
             )

@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 import aiocb
 from aiocb.params import FIELD_NAMES, parameter_table
@@ -45,6 +46,13 @@ def test_values_are_normalised_and_frozen() -> None:
     assert params.given().keys() >= {"stop", "logit_bias", "temperature"}
 
 
+class _BadIndex:
+    """An object whose ``__index__`` fails other than with TypeError."""
+
+    def __index__(self) -> int:
+        raise ValueError("no index here")
+
+
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
@@ -75,6 +83,8 @@ def test_values_are_normalised_and_frozen() -> None:
         ({"logit_bias": {**dict.fromkeys(range(5000), 1.0), 9: float("nan")}}, r"logit_bias\[9\] must be a number"),
         ({"logit_bias": {**dict.fromkeys(range(5000), 1.0), 7: 100.5}}, r"logit_bias\[7\] must be a number"),
         ({"logit_bias": {**dict.fromkeys(range(5000), 1.0), -3: 1.0}}, "logit_bias keys must be token ids, got -3"),
+        ({"stop_token_ids": [torch.empty((), dtype=torch.long, device="meta")]}, "stop_token_ids must hold token ids"),
+        ({"stop_token_ids": [_BadIndex()]}, "stop_token_ids must hold token ids"),
         ({"stop_token_ids": [-3]}, "stop_token_ids holds a negative token id"),
         ({"timeout": 0}, "timeout must be in"),
     ],
@@ -99,3 +109,22 @@ def test_a_schema_nested_past_pythons_recursion_limit_is_refused_by_name() -> No
         with pytest.raises(aiocb.InvalidRequestError, match="json_schema") as caught:
             aiocb.SamplingParams(json_schema=given)
         assert caught.value.param == "json_schema"
+
+
+def test_numpy_and_tensor_integers_are_taken_as_the_ints_they_hold() -> None:
+    import numpy as np
+
+    params = aiocb.SamplingParams(
+        eos_token_id=np.int64(3),
+        stop_token_ids=list(np.array([4, 5])),
+        logit_bias={np.int32(6): 1.5},
+        sequence_bias={np.int64(7): -1.0},
+        bad_words_ids=[list(torch.tensor([8, 9]))],
+    )
+    assert params.eos_token_id == (3,) and params.stop_token_ids == (4, 5)
+    assert params.logit_bias == ((6, 1.5),) and params.sequence_bias == (((7,), -1.0),)
+    assert params.bad_words_ids == ((8, 9),)
+    fields = (params.eos_token_id, params.stop_token_ids, params.logit_bias, params.bad_words_ids)
+    assert all(type(i) is int for i in (*fields[0], *fields[1], fields[2][0][0], *fields[3][0]))
+    with pytest.raises(aiocb.InvalidRequestError, match="bad_words_ids must be a list of lists"):
+        aiocb.SamplingParams(bad_words_ids=[np.int64(3)])

@@ -69,6 +69,8 @@ class Request:
     stop_reason: int | str | None = None
     #: more samples of this prompt (``n``), forked from this request once it computed the prompt
     children: list[Request] = field(default_factory=list)
+    #: of a sample of another request (``n``): that request's id
+    sample_of: str | None = None
     #: the model runner's own state of the request (opaque here): its token history as a
     #: host tensor, kept up to date a token at a time, when penalties need it
     runner_state: object = None

@@ -186,6 +186,7 @@ class RequestFactory:
             child = Request(
                 child_id, request.prompt_ids, child_params, request.arrival_time, deadline=request.deadline, text=text
             )
+            child.sample_of = request.request_id
             if grammar is not None:
                 assert resolved.structure is not None
                 child.grammar = grammar(resolved.structure, resolved.stop_token_ids)

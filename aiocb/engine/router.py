@@ -154,9 +154,12 @@ class OutputRouter:
                 sample = self._handles.get(child.request_id)
                 if sample is not None and sample.request is child:  # (not a later request that took its id)
                     cancelled = self.cancel(child.request_id) or cancelled
-        else:  # (its own result was taken already: its samples by their ids)
+        else:  # (its own output was taken already: its samples by what they are samples of)
             prefix = f"{request_id}__child#"
-            for sample_id in [i for i in self._handles if i.startswith(prefix)]:
+            samples = [
+                i for i, h in self._handles.items() if i.startswith(prefix) and h.request.sample_of == request_id
+            ]
+            for sample_id in samples:
                 cancelled = self.cancel(sample_id) or cancelled
         return cancelled
 

@@ -342,7 +342,9 @@ def original_mask(**kwargs: Any) -> Any:
     which transformers passes through untouched (a mask is never built for them).
     """
     config = kwargs.get("config")
-    name = _ORIGINALS.get(id(config), "sdpa")
+    # (a config not held names aiocb's attention only when copied from one that was, and
+    # its modules' attention is not known here: the eager mask, which every attention takes)
+    name = _ORIGINALS.get(id(config), "eager")
     function = cast(Callable[..., Any], AttentionMaskInterface._global_mapping.get(name, sdpa_mask))
     return function(**kwargs)
 
@@ -390,10 +392,12 @@ def install(model: PreTrainedModel) -> None:
                 _WATCHED.add(id(config))
                 weakref.finalize(config, _forget, id(config))
             setting = str(config._attn_implementation)
+            if setting == ATTENTION_NAME:
+                # A config made naming aiocb's attention (a copy of a held model's): the
+                # attention its modules came with stands for its own, and is given back.
+                setting = _copied_fallback(model, config) or ATTENTION_NAME
             _HOLDS[id(config)] = (0, setting)
-            # (a config made naming aiocb's attention, as a copy of a held model's: what its
-            # modules defer to, copied with them, else SDPA)
-            _ORIGINALS[id(config)] = setting if setting != ATTENTION_NAME else _copied_fallback(model, config)
+            _ORIGINALS[id(config)] = setting if setting != ATTENTION_NAME else "sdpa"
         for config in configs:
             holders, setting = _HOLDS[id(config)]
             _HOLDS[id(config)] = (holders + 1, setting)
@@ -437,13 +441,13 @@ def uninstall(model: PreTrainedModel) -> None:
                 config._attn_implementation_internal = own
 
 
-def _copied_fallback(model: PreTrainedModel, config: Any) -> str:
+def _copied_fallback(model: PreTrainedModel, config: Any) -> str | None:
     """The attention the modules of ``model`` that read ``config`` defer to, when they came
-    with it (copied from a model aiocb held), else SDPA."""
+    with it (copied from a model aiocb held)."""
     for module in model.modules():
         if getattr(module, "config", None) is config and hasattr(module, _FALLBACK_ATTR):
             return str(getattr(module, _FALLBACK_ATTR))
-    return "sdpa"
+    return None
 
 
 def _forget(config_id: int) -> None:

@@ -167,3 +167,17 @@ async def test_cancel_request_of_a_request_with_samples_ends_every_sample(qwen3:
         assert manager.cancel_request(f"{other}__child#0")
         kept = await manager.get_result(other, timeout=30)
         assert kept is not None and kept.finish_reason is aiocb.FinishReason.LENGTH
+
+
+async def test_cancel_request_ends_only_samples_of_that_request(qwen3: PreTrainedModel) -> None:
+    """An id whose request is gone (its output read) or never was ends no request whose id
+    merely begins with it and ``__child#`` (a caller may name one so)."""
+    async with aiocb.Manager(qwen3) as manager:
+        done = await manager.generate(PROMPTS[0], max_new_tokens=3, request_id="job")
+        assert done.finish_reason is aiocb.FinishReason.LENGTH
+        other = await manager.add_request(PROMPTS[1], max_new_tokens=40, request_id="job__child#x")
+        stranger = await manager.add_request(PROMPTS[2], max_new_tokens=40, request_id="nosuch__child#0")
+        assert manager.cancel_request("job") is False and manager.cancel_request("nosuch") is False
+        for rid in (other, stranger):
+            result = await manager.get_result(rid, timeout=30)
+            assert result is not None and result.finish_reason is aiocb.FinishReason.LENGTH

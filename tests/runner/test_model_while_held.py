@@ -86,9 +86,16 @@ def test_a_copy_of_a_held_model_defers_to_the_same_attention_as_it() -> None:
     install(model)
     twin = copy.deepcopy(model)
     assert twin.config._attn_implementation == "aiocb_paged"
+
+    def same_as_before() -> bool:
+        generated, logits = plain_runs(twin)
+        return generated == before[0] and torch.allclose(logits, before[1], atol=1e-5)
+
+    assert same_as_before()  # (not held: the eager mask, which its eager attention needs)
     install(twin)
-    assert plain_runs(twin)[0] == before[0] and torch.allclose(plain_runs(twin)[1], before[1], atol=1e-5)
+    assert same_as_before()
     uninstall(twin)
+    assert twin.config._attn_implementation == "eager" and same_as_before()  # (what it came with)
     uninstall(model)
     assert model.config._attn_implementation == "eager"
 
