@@ -543,7 +543,12 @@ def _plain_ids(ids: Sequence[Any], *, negative_ok: bool = False) -> bool:
     """Whether ``ids`` are all ``int``s (negative ones only if ``negative_ok``), checked in
     a few C-level passes: a list of a hundred thousand ids checked one by one would hold
     the event loop for tens of milliseconds."""
-    return set(map(type, ids)) <= _INT and (negative_ok or not ids or min(ids) >= 0)
+    return all_ints(ids) and (negative_ok or not ids or min(ids) >= 0)
+
+
+def all_ints(values: Iterable[Any]) -> bool:
+    """Whether every one of ``values`` is an ``int`` (no subclass: no bool), in one C-level pass."""
+    return set(map(type, values)) <= _INT
 
 
 _INT = frozenset((int,))
@@ -576,7 +581,7 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...] | None:
     if isinstance(value, Mapping) and value:  # (the common form, checked a few C-level passes at a time)
         tokens, biases = list(value), list(value.values())
         if (
-            set(map(type, tokens)) <= _INT
+            all_ints(tokens)
             and set(map(type, biases)) <= _NUMBERS
             and min(tokens) >= 0
             and min(biases) >= -100

@@ -21,7 +21,7 @@ from transformers import GenerationConfig
 
 from aiocb.core.params import ResolvedParams
 from aiocb.errors import InvalidRequestError
-from aiocb.params import STRUCTURE_FIELDS, SamplingParams, token_id
+from aiocb.params import STRUCTURE_FIELDS, SamplingParams, all_ints, token_id
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ def normalize_prompt(input_ids: Any, limits: RequestLimits) -> list[int]:
         raise InvalidRequestError("input_ids is empty: a prompt needs at least one token", param="input_ids")
     # The usual prompt, a list (or tuple) of plain ints, checked by loops that run in C: a
     # Python loop over a long prompt would hold the event loop for milliseconds.
-    if type(input_ids) in (list, tuple) and set(map(type, input_ids)) == _INT:
+    if type(input_ids) in (list, tuple) and all_ints(input_ids):
         low, high = min(input_ids), max(input_ids)
         if low >= 0 and high < limits.vocab_size:
             return list(input_ids)
@@ -477,7 +477,7 @@ def _refuse_nothing_allowed(
 def _checked_ids(name: str, value: int | Iterable[int], vocab_size: int) -> frozenset[int]:
     values = [value] if isinstance(value, int) else list(value)
     # (a few C-level passes first: a long list checked one id at a time holds the loop)
-    if not (set(map(type, values)) <= _INT and max(values, default=-1) < vocab_size):
+    if not (all_ints(values) and max(values, default=-1) < vocab_size):
         for v in values:
             if isinstance(v, bool) or not isinstance(v, int):
                 raise InvalidRequestError(f"{name} must hold token ids (ints), got {v!r}", param=name)
@@ -485,6 +485,3 @@ def _checked_ids(name: str, value: int | Iterable[int], vocab_size: int) -> froz
                 raise InvalidRequestError(f"{name} {v} is outside the vocabulary [0, {vocab_size})", param=name)
     ids = frozenset(values)
     return ids if min(values, default=0) >= 0 else frozenset(v for v in ids if v >= 0)
-
-
-_INT = frozenset((int,))

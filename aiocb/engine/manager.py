@@ -291,8 +291,8 @@ class Manager:
         runner is ready. :meth:`wait_started` waits for it and raises what made it fail; the
         requests made meanwhile (or before it) are then aborted, or refused if still being
         made, naming it, and the manager is as it was before the start (it may be started
-        again). A cache plan that cannot be made (no
-        cache fits the memory budget) raises here.
+        again). A cache plan that cannot be made (no cache fits the memory budget) raises
+        here.
 
         Requests made before the first start (on one process) wait in the queue for it, as
         transformers' do; they are checked when made, and the start must come on their
@@ -1352,13 +1352,13 @@ class _Build:
                 self._runner = None
 
 
-#: what WouldBlock says
 #: sequence biases and bad words a request may have indexed on the loop (their first step)
 _LARGE_SEQUENCE_INDEX = 1_000
 
 #: when a request's caller began: sessions begun by then, and whether one ran
 _Began = tuple[int, bool]
 
+#: what WouldBlock says
 _QUEUE_FULL = "the admission queue is full (max_queue_size / max_queued_tokens)"
 
 _model_frozen = False

@@ -150,17 +150,13 @@ class OutputRouter:
         handle = self._handles.get(request_id)
         cancelled = self.cancel(request_id)
         if handle is not None:
-            for child in handle.request.children:
-                sample = self._handles.get(child.request_id)
-                if sample is not None and sample.request is child:  # (not a later request that took its id)
-                    cancelled = self.cancel(child.request_id) or cancelled
+            samples = handle.request.children
         else:  # (its own output was taken already: its samples by what they are samples of)
-            prefix = f"{request_id}__child#"
-            samples = [
-                i for i, h in self._handles.items() if i.startswith(prefix) and h.request.sample_of == request_id
-            ]
-            for sample_id in samples:
-                cancelled = self.cancel(sample_id) or cancelled
+            samples = [other.request for other in self._handles.values() if other.request.sample_of == request_id]
+        for sample in samples:
+            live = self._handles.get(sample.request_id)
+            if live is not None and live.request is sample:  # (not a later request that took its id)
+                cancelled = self.cancel(sample.request_id) or cancelled
         return cancelled
 
     def cancel_own(self, handle: RequestHandle) -> None:
