@@ -20,6 +20,8 @@ from typing import Any
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
+from aiocb.stop_strings import distinct, stop_strings
+
 #: Prompt tokens decoded with the first generated ones, so that a tokenizer that drops a
 #: leading space at the start of a text (SentencePiece) puts it back where it belongs ...
 _CONTEXT_TOKENS = 5
@@ -161,17 +163,20 @@ class StopStringMatcher:
     """Holds back text that may begin a stop string; trims the stop string when it appears.
 
     A stop string counts only where it ends in the text of a token after the first
-    ``min_tokens`` (it may begin earlier, as vLLM's does). The stop string found is dropped
-    from the released text unless ``include``; text after it always is.
+    ``min_tokens`` (it may begin earlier, as vLLM's does). Of those ending in one piece of
+    text, the one that begins first is found (the first given of those that begin there).
+    The stop string found is dropped from the released text unless ``include``; text
+    after it always is.
     """
 
     def __init__(self, stop: Sequence[str], *, min_tokens: int = 0, include: bool = False) -> None:
-        self._stop = tuple(dict.fromkeys(s for s in stop if s))
+        stops = distinct(stop)
+        self._automaton = stop_strings(stops) if stops else None
         self._min_tokens = min_tokens
         self._include = include
         self._held = ""
-        #: how much of the held text is of the first ``min_tokens`` tokens: no stop ends there
-        self._early = 0
+        #: the automaton's state: the held text is its end that may begin a stop string
+        self._node = 0
         #: the stop string that was found, once one was
         self.matched: str | None = None
 
@@ -187,39 +192,28 @@ class StopStringMatcher:
         After a stop string is found (:attr:`matched` is set), returns the text before it
         and ignores everything fed later.
         """
-        if self.matched is not None:
-            return ""
-        if not self._stop:
-            return text
+        automaton = self._automaton
+        if automaton is None or self.matched is not None:
+            return "" if self.matched is not None else text
+        count = num_output_tokens is None or num_output_tokens > self._min_tokens
+        node, begins, which = automaton.scan(self._node, text, len(self._held), count)
         buffer = self._held + text
-        early = len(buffer) if num_output_tokens is not None and num_output_tokens <= self._min_tokens else self._early
-        first: tuple[int, str] | None = None
-        for stop in self._stop:
-            at = buffer.find(stop, max(0, early - len(stop) + 1))  # (the first that ends past the early text)
-            if at >= 0 and (first is None or at < first[0]):
-                first = (at, stop)
-        if first is not None:
-            at, stop = first
-            self.matched = stop
+        if which >= 0:
+            self.matched = stop = automaton.stops[which]
             self._held = ""
-            return buffer[: at + len(stop)] if self._include else buffer[:at]
-        keep = self._longest_stop_prefix_suffix(buffer)
+            return buffer[: begins + len(stop)] if self._include else buffer[:begins]
+        while automaton.depth(node) >= automaton.longest:  # (the longest, found in early text)
+            node = automaton.shorter(node)
+        self._node = node
+        keep = automaton.depth(node)
         self._held = buffer[len(buffer) - keep :] if keep else ""
-        self._early = max(0, keep - (len(buffer) - early))
         return buffer[: len(buffer) - keep]
 
     def flush(self) -> str:
         """Release the held text (the output ended without completing a stop string)."""
         held, self._held = self._held, ""
+        self._node = 0
         return "" if self.matched is not None else held
-
-    def _longest_stop_prefix_suffix(self, buffer: str) -> int:
-        longest = min(len(buffer), max(len(s) for s in self._stop) - 1)
-        for size in range(longest, 0, -1):
-            tail = buffer[-size:]
-            if any(stop.startswith(tail) for stop in self._stop):
-                return size
-        return 0
 
 
 class TextTracker:

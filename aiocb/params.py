@@ -250,8 +250,8 @@ class SamplingParams:
         _check_float(self, "presence_penalty", low=-2.0, high=2.0)
         _check_float(self, "frequency_penalty", low=-2.0, high=2.0)
         _check_float(self, "timeout", low=0.0, low_open=True)
-        _set(self, "stop", _strings(self.stop, "stop"))
-        _set(self, "bad_words", _strings(self.bad_words, "bad_words"))
+        _set(self, "stop", as_strings(self.stop, "stop"))
+        _set(self, "bad_words", as_strings(self.bad_words, "bad_words"))
         _set(self, "stop_token_ids", _ids("stop_token_ids", self.stop_token_ids))
         _set(self, "allowed_token_ids", _ids("allowed_token_ids", self.allowed_token_ids, empty_ok=False))
         if self.eos_token_id is not None:
@@ -469,7 +469,7 @@ def _check_float(
     _set(params, name, float(value))
 
 
-def _strings(value: Any, name: str) -> tuple[str, ...] | None:
+def as_strings(value: Any, name: str) -> tuple[str, ...] | None:
     """``stop`` or ``bad_words`` (``name``) as a tuple of non-empty Unicode strings."""
     if value is None:
         return None

@@ -27,6 +27,10 @@ Scenarios, each on a fresh Manager with ``bench/overhead.py``'s near-zero-comput
 * ``bad_words``: one 16-token request with 64 samples, sampled, 8 new tokens, and 2,048
   two-token bad words (the 4,096 tokens ``aiocb serve`` allows by default), given as
   keyword arguments: the words checked, resolved and indexed;
+* ``stop_strings``: ``--rows`` 16-token requests of 32 new tokens over a byte-level BPE
+  tokenizer of 640 tokens (the model's vocabulary to match), each with the 64 stop strings of
+  1,024 characters that ``aiocb serve`` allows (none is written): every token's text
+  searched for them all;
 * ``scored``: one 4,000-token prompt scored with ``prompt_logprobs`` and 20 alternatives a
   position, 1 new token: a step scores up to ``--rows`` of its positions, and records them.
 
@@ -58,8 +62,11 @@ if __package__ in (None, ""):  # run as `python bench/loop_holds.py`
 import aiocb
 from bench.common import machine_info
 from bench.overhead import tiny_model
+from tests.server.conftest import build_tokenizer
 
-SCENARIOS = ("prefix", "pages", "streams", "cancel", "samples", "bad_words", "scored")
+SCENARIOS = ("prefix", "pages", "streams", "cancel", "samples", "bad_words", "stop_strings", "scored")
+#: The scenarios whose manager has a tokenizer (and a model of its vocabulary).
+TOKENIZED = ("stop_strings",)
 GC_REPORTED_S = 0.0005
 
 
@@ -144,7 +151,8 @@ def _owner(handle: asyncio.Handle) -> str:
 async def run_scenario(
     recorder: HoldRecorder, name: str, rows: int, work: Callable[[aiocb.Manager], Awaitable[None]]
 ) -> str:
-    model = tiny_model(layers=1, vocab=4096, seed=0)
+    tokenizer = build_tokenizer() if name in TOKENIZED else None
+    model = tiny_model(layers=1, vocab=4096 if tokenizer is None else len(tokenizer), seed=0)
     config = aiocb.ContinuousBatchingConfig(
         num_blocks=rows * 40 + 64,
         page_size=16,
@@ -152,7 +160,9 @@ async def run_scenario(
         max_requests_per_batch=rows,
         allow_block_sharing=True,
     )
-    async with aiocb.Manager(model, continuous_batching_config=config, num_requests_hint=rows) as manager:
+    async with aiocb.Manager(
+        model, tokenizer=tokenizer, continuous_batching_config=config, num_requests_hint=rows
+    ) as manager:
         await manager.generate([1, 2, 3], max_new_tokens=2)
         # Fenced by loop turns: the callbacks that begin and end the work are timed whole
         # (the one that turned the recorder off was never recorded).
@@ -207,6 +217,12 @@ def scenarios(rows: int) -> dict[str, Callable[[aiocb.Manager], Awaitable[None]]
             short_prompts[0], max_new_tokens=8, n=64, do_sample=True, seed=1, bad_words_ids=bad_words
         )
 
+    stops = [f"{i:02} never written " * 60 for i in range(64)]
+
+    async def stop_strings(manager: aiocb.Manager) -> None:
+        prompts = [[i % 600 + 1] * 16 for i in range(rows)]
+        await manager.generate_batch(prompts, max_new_tokens=32, ignore_eos=True, stop=stops)
+
     async def scored(manager: aiocb.Manager) -> None:
         prompt = [(i * 7) % 4000 + 1 for i in range(4000)]
         await manager.generate(prompt, max_new_tokens=1, prompt_logprobs=True, top_logprobs=20)
@@ -218,6 +234,7 @@ def scenarios(rows: int) -> dict[str, Callable[[aiocb.Manager], Awaitable[None]]
         "cancel": cancel,
         "samples": samples,
         "bad_words": bad_words_,
+        "stop_strings": stop_strings,
         "scored": scored,
     }
 

@@ -1118,6 +1118,7 @@ class Manager:
             assert requested is not None
             await self._precompile(requested)
         await self._requests.tokenize_bad_words(sampling_params, params)
+        await self._requests.prepare_stops(sampling_params, params)
         self._check_start(start)
         request, samples = self._build(ids, request_id, max_new_tokens, sampling_params, params)
         index = request.params.sequence_index
@@ -1208,6 +1209,7 @@ class Manager:
         sampling_params = self._requests.merged(sampling_params, max_new_tokens, params)
         await self._precompile(sampling_params)
         await self._requests.tokenize_bad_words(sampling_params, {})
+        await self._requests.prepare_stops(sampling_params, {})
         turn = LoopTurn()  # (a long list must not hold the loop in one go)
         keep, limit = sampling_params.truncate_prompt_tokens, self._context()
         for prompt in inputs:

@@ -24,7 +24,7 @@ from aiocb.core.params import ResolvedParams
 from aiocb.core.request import Request
 from aiocb.detokenize import TextTracker
 from aiocb.errors import InvalidRequestError
-from aiocb.params import SamplingParams
+from aiocb.params import SamplingParams, as_strings
 from aiocb.prompts import Prompt, bad_words_ids, encode_prompt, is_large
 from aiocb.runner.step_batch import token_history
 from aiocb.sampling import (
@@ -36,6 +36,7 @@ from aiocb.sampling import (
     resolve_params,
     truncated_prompt,
 )
+from aiocb.stop_strings import prepare_stop_strings
 from aiocb.structured import GrammarCompiler, GrammarState
 from aiocb.tokenizer_process import TokenizerProcessHolder
 
@@ -263,6 +264,18 @@ class RequestFactory:
             except InvalidRequestError:
                 return  # (the same refusal when the request is built)
             self._remember_bad_words(key, sequences)
+
+    async def prepare_stops(self, sampling_params: SamplingParams | None, params: dict[str, Any]) -> None:
+        """Build the automaton of a request's stop strings on a worker thread when they are
+        long (64 of 1,024 characters take some 60 ms), so that :meth:`build` finds it."""
+        stop = params["stop"] if "stop" in params else getattr(sampling_params, "stop", None)
+        if self.tokenizer is None or stop is None:
+            return
+        try:
+            stops = as_strings(stop, "stop")
+        except InvalidRequestError:
+            return  # (the same refusal when the request is built)
+        await prepare_stop_strings(stops)
 
     def _remember_bad_words(self, words: tuple[str, ...], sequences: list[list[int]]) -> None:
         if len(self._bad_words) >= _BAD_WORDS_KEPT:

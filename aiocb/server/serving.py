@@ -27,6 +27,7 @@ from aiocb.server.context import ServerContext
 from aiocb.server.edge import AccessRecord
 from aiocb.server.protocol import APIError, SamplingRequest, bad_request
 from aiocb.server.remote import OutputStream, RemoteManager, RemoteStream, ServedEngine
+from aiocb.stop_strings import prepare_stop_strings
 
 _FINISH_REASONS = {
     FinishReason.STOP: "stop",
@@ -315,6 +316,7 @@ async def choice_deltas(
 ) -> AsyncGenerator[ChoiceDelta]:
     """The deltas of one choice; ``received`` is when the HTTP request arrived (perf_counter)."""
     detokenizer = IncrementalDetokenizer(ctx.tokenizer, spec.prompt_ids, skip_special_tokens=spec.skip_special_tokens)
+    await prepare_stop_strings(spec.stop)
     stopper = StopStringMatcher(spec.stop, min_tokens=spec.min_tokens, include=spec.include_stop_str_in_output)
     metrics = ctx.metrics
     score_only = spec.max_tokens == 0

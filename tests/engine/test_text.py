@@ -109,6 +109,40 @@ async def test_stop_string_spanning_tokens(
     assert stats.free_blocks == stats.total_blocks
 
 
+async def test_many_long_stop_strings_are_prepared_off_the_loop(
+    model: PreTrainedModel, tokenizer: Any, plain: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stop strings of more than ``BUILT_ON_THE_LOOP`` characters in all (the server allows
+    64 of 1,024) have their automaton built on a worker thread, once for a request's samples
+    and for a batch's prompts, and end the output where the one that appears begins."""
+    from aiocb import stop_strings
+
+    built: list[str] = []
+
+    class Recorded(stop_strings.StopStrings):
+        def __init__(self, *args: Any) -> None:
+            built.append(threading.current_thread().name)
+            super().__init__(*args)
+
+    monkeypatch.setattr(stop_strings, "StopStrings", Recorded)
+    tokens = plain[5]
+    text = tokenizer.decode(tokens)
+    start = len(tokenizer.decode(tokens[:3])) - 1
+    stop = text[start : len(tokenizer.decode(tokens[:5])) + 1]
+    unused = [f"{i:03} never written " * 8 for i in range(24)]
+    assert sum(map(len, unused)) > stop_strings.BUILT_ON_THE_LOOP
+    async with aiocb.Manager(model, tokenizer=tokenizer) as manager:
+        samples = await manager.generate(PROMPTS[5], max_new_tokens=NEW, ignore_eos=True, stop=[*unused, stop], n=3)
+        batch = await manager.generate_batch(
+            [PROMPTS[5]] * 2, max_new_tokens=NEW, ignore_eos=True, stop=[stop, *unused]
+        )
+    loop = threading.current_thread().name
+    assert len(built) == 2 and loop not in built, built
+    for result in [*samples, *batch.values()]:
+        assert result.stop_reason == stop and result.text == text[:start]
+        assert result.generated_tokens == tokens[:6]
+
+
 async def test_stop_string_inside_a_multibyte_character(
     model: PreTrainedModel, tokenizer: Any, plain: list[list[int]]
 ) -> None:

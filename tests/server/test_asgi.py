@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from typing import Any
 
 import httpx
@@ -637,10 +638,25 @@ async def test_generation_controls_are_honoured(
             assert expected.generated_tokens != plain.generated_tokens, controls
 
 
-async def test_stop_strings_give_the_library_text(client: httpx.AsyncClient, tokenizer: Any) -> None:
+async def test_stop_strings_give_the_library_text(
+    client: httpx.AsyncClient, tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """One stop-string implementation: for stop strings that span tokens, sit inside a
-    multi-byte character's bytes, or are held back by min_tokens, the server's text equals
-    the library's ``output.text`` (a Manager with the tokenizer, on an identical model)."""
+    multi-byte character's bytes, are held back by min_tokens, or are many and long (their
+    automaton built off the loop), the server's text equals the library's ``output.text``
+    (a Manager with the tokenizer, on an identical model)."""
+    from aiocb import stop_strings
+
+    built_large: list[str] = []  # the threads that built automata of more than BUILT_ON_THE_LOOP characters
+
+    class Recorded(stop_strings.StopStrings):
+        def __init__(self, stops: Any, *args: Any) -> None:
+            if sum(map(len, stops)) > stop_strings.BUILT_ON_THE_LOOP:
+                built_large.append(threading.current_thread().name)
+            super().__init__(stops, *args)
+
+    monkeypatch.setattr(stop_strings, "StopStrings", Recorded)
+    unused = [f"{i:02} not in any output " * 40 for i in range(63)]
     prompts = ["Once upon a time", "Привет, мир", "你好，世界", "Emoji: 😀"]
     library_model = serve_model(tokenizer)  # the same seeded weights as the server's model
     async with aiocb.Manager(library_model, tokenizer=tokenizer) as library:
@@ -653,6 +669,7 @@ async def test_stop_strings_give_the_library_text(client: httpx.AsyncClient, tok
             cases.append((prompt, {"stop": [text[start : start + 4]]}))  # spans tokens 2 and 3
             cases.append((prompt, {"stop": text[start : start + 3], "include_stop_str_in_output": True}))
             cases.append((prompt, {"stop": [text[start : start + 2]], "min_tokens": 6}))
+            cases.append((prompt, {"stop": [*unused[:32], text[start : start + 4], *unused[32:]], "n": 2}))
             wide = [c for c in text if len(c.encode()) > 1 and c != "\ufffd"]
             if wide:
                 cases.append((prompt, {"stop": wide[0]}))
@@ -660,9 +677,15 @@ async def test_stop_strings_give_the_library_text(client: httpx.AsyncClient, tok
         for prompt, params in cases:
             expected = await library.generate(prompt, max_new_tokens=24, ignore_eos=True, **params)
             body = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True, **params}
+            if "n" in params:  # (the library's automaton kept: the server's request builds its own)
+                stop_strings._kept.clear()
             response = await client.post("/v1/completions", json=body)
             assert response.status_code == 200, response.text
-            assert response.json()["choices"][0]["text"] == expected.text, (prompt, params)
+            texts = [e.text for e in expected] if isinstance(expected, list) else [expected.text]
+            assert [c["text"] for c in response.json()["choices"]] == texts, (prompt, params)
+    # Once for each prompt's long stop strings in the library (shared by the samples), once
+    # in the server (shared by the choices), each off the loop.
+    assert len(built_large) == 2 * len(prompts) and threading.current_thread().name not in built_large
 
 
 async def test_usage_reports_cached_prompt_tokens(client: httpx.AsyncClient, tokenizer: Any) -> None:

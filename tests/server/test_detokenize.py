@@ -117,6 +117,79 @@ def test_a_stop_string_may_begin_in_the_first_min_tokens_but_not_end_there() -> 
     assert "".join(released) == "abce"
 
 
+def _by_definition(
+    stop: list[str], pieces: list[str], min_tokens: int, include: bool
+) -> tuple[list[str], str | None, str]:
+    """What a matcher releases for each piece, the stop string found and the text flushed at
+    the end, from the whole text each time: the first piece in which a stop string ends
+    (after the first ``min_tokens``) ends the text where the first of those begins; until
+    then, the longest end of the text that begins a stop string (shorter than the longest)
+    is held back."""
+    stops = list(dict.fromkeys(s for s in stop if s))
+    longest = max(map(len, stops))
+    text, released, out = "", 0, []
+    for number, piece in enumerate(pieces, 1):
+        before, text = len(text), text + piece
+        hits = [
+            (at, i)
+            for i, s in enumerate(stops)
+            for at in range(len(text) - len(s) + 1)
+            if text.startswith(s, at) and at + len(s) > before and number > min_tokens
+        ]
+        if hits:
+            at, i = min(hits)
+            out.append(text[released : at + len(stops[i]) if include else at])
+            return out, stops[i], ""
+        keep = max(
+            k
+            for k in range(min(len(text) - released, longest - 1) + 1)
+            if any(s.startswith(text[len(text) - k :]) for s in stops)
+        )
+        out.append(text[released : len(text) - keep])
+        released = len(text) - keep
+    return out, None, text[released:]
+
+
+def test_stop_strings_are_found_and_held_back_as_defined_on_random_text() -> None:
+    """Random stop strings over small alphabets (so that they overlap, repeat themselves and
+    begin one another), fed random pieces: the matcher releases what the definition says."""
+    rng = random.Random(0)
+    for case in range(3000):
+        alphabet = ["ab", "abc", "aé😀"][case % 3]
+        stop = ["".join(rng.choices(alphabet, k=rng.randint(0, 7))) for _ in range(rng.randint(1, 6))]
+        if not any(stop):
+            continue
+        pieces = ["".join(rng.choices(alphabet, k=rng.randint(0, 5))) for _ in range(rng.randint(1, 10))]
+        min_tokens, include = rng.randint(0, 4), rng.random() < 0.5
+        matcher = StopStringMatcher(stop, min_tokens=min_tokens, include=include)
+        released = []
+        for number, piece in enumerate(pieces, 1):
+            released.append(matcher.feed(piece, number))
+            if matcher.matched is not None:
+                break
+        got = (released, matcher.matched, matcher.flush())
+        assert got == _by_definition(stop, pieces, min_tokens, include), (stop, pieces, min_tokens, include)
+
+
+def test_a_thousand_long_stop_strings_are_matched_across_pieces() -> None:
+    """64 stop strings of 1,024 characters (the server's bounds) that share long beginnings:
+    the one the text completes is found across many pieces, and text that turns away from
+    them all is released."""
+    rng = random.Random(1)
+    shared = "".join(rng.choices("xyz ", k=900))
+    stop = [shared + "".join(rng.choices("xyz ", k=124)) for _ in range(64)]
+    matcher = StopStringMatcher(stop)
+    chosen = stop[37]
+    text = "intro " + chosen + " outro"
+    pieces = [text[i : i + 3] for i in range(0, len(text), 3)]
+    released = "".join(matcher.feed(piece) for piece in pieces)
+    assert matcher.matched == chosen and released == "intro "
+    matcher = StopStringMatcher(stop)
+    turned = "intro " + shared + "!" + " outro"
+    released = "".join(matcher.feed(turned[i : i + 5]) for i in range(0, len(turned), 5))
+    assert matcher.matched is None and released + matcher.flush() == turned
+
+
 @pytest.mark.parametrize("stop", ["Observation:", "fox Observation:", "brown fox Observation:", "x O"])
 def test_config_stop_strings_are_found_across_any_number_of_tokens(tokenizer: Any, stop: str) -> None:
     """A GenerationConfig's stop string spanning several tokens ends the text at the token
