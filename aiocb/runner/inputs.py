@@ -46,10 +46,11 @@ def controls_host_tensors(controls: dict[int, RowControls], num_rows: int) -> di
     bias_rows: list[int] = []
     bias_ids: list[int] = []
     bias_values: list[float] = []
-    ban_rows: list[int] = []
-    ban_ids: list[int] = []
-    allow_rows: list[int] = []
-    allow_ids: list[int] = []
+    # Bans and allowed tokens may be thousands a row (a request's stop tokens before its
+    # min_tokens, allowed_token_ids): gathered in C arrays, a third of a list's cost to make
+    # into a tensor, and added a collection at a time.
+    ban_rows, ban_ids = array.array("q"), array.array("q")
+    allow_rows, allow_ids = array.array("q"), array.array("q")
     history: list[torch.Tensor] = []
     history_lengths: list[int] = []
     num_history = 0
@@ -65,14 +66,14 @@ def controls_host_tensors(controls: dict[int, RowControls], num_rows: int) -> di
                 bias_rows.append(i)
                 bias_ids.append(token)
                 bias_values.append(bias)
-        for bans in (params.bans, c.bans or ()):
-            ban_rows += [i] * len(bans)
-            ban_ids += bans
+        for bans in (params.bans, *c.bans):
+            ban_rows.extend(array.array("q", (i,)) * len(bans))
+            ban_ids.extend(bans)
         allowed = params.allowed_token_ids
         if allowed is not None:
             restrict[i] = True
-            allow_rows += [i] * len(allowed)
-            allow_ids += allowed
+            allow_rows.extend(array.array("q", (i,)) * len(allowed))
+            allow_ids.extend(allowed)
         if c.history is not None:
             penalized.append(i)
             length = c.history_length
@@ -89,12 +90,12 @@ def controls_host_tensors(controls: dict[int, RowControls], num_rows: int) -> di
         host["c_bias_ids"] = torch.tensor(bias_ids, dtype=long)
         host["c_bias_values"] = torch.tensor(bias_values, dtype=torch.float32)
     if ban_rows:
-        host["c_ban_rows"] = torch.tensor(ban_rows, dtype=long)
-        host["c_ban_ids"] = torch.tensor(ban_ids, dtype=long)
+        host["c_ban_rows"] = torch.frombuffer(ban_rows, dtype=long)
+        host["c_ban_ids"] = torch.frombuffer(ban_ids, dtype=long)
     if allow_rows:
         host["c_restrict_rows"] = torch.tensor(restrict, dtype=torch.bool)
-        host["c_allow_rows"] = torch.tensor(allow_rows, dtype=long)
-        host["c_allow_ids"] = torch.tensor(allow_ids, dtype=long)
+        host["c_allow_rows"] = torch.frombuffer(allow_rows, dtype=long)
+        host["c_allow_ids"] = torch.frombuffer(allow_ids, dtype=long)
     if penalized:
         lengths = torch.tensor(history_lengths, dtype=long)
         host["c_history_ids"] = torch.cat(history)

@@ -17,7 +17,7 @@ copy is complete (:meth:`~aiocb.core.scheduler.Scheduler.hold_blocks`).
 from __future__ import annotations
 
 import array
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -46,8 +46,10 @@ class RowControls:
     carry_row: int
     #: ``(token, bias)`` added this step besides the request's own (matched sequence biases)
     biases: list[tuple[int, float]] | None
-    #: tokens banned this step besides the request's own (bad words, min_tokens, first token)
-    bans: list[int] | None
+    #: tokens banned this step besides the request's own: groups of them (bad words matched,
+    #: n-grams, the stop tokens before ``min_tokens``, the first token's bans), the request's
+    #: own collections referenced rather than copied (``stop_token_ids`` may hold thousands)
+    bans: tuple[Collection[int], ...]
 
 
 #: A slot's sampling parameters: temperature (0 when greedy), top-k, top-p, min-p (0 when
@@ -515,24 +517,24 @@ def row_controls(
     params = request.params
     penalizes = params.penalizes
     biases: list[tuple[int, float]] | None = None
-    bans: list[int] | None = None
+    bans: tuple[Collection[int], ...] = ()
     if params.sequence_index is not None:
         # (the scheduler plans no step for such a request while its last token is in flight)
         bias_matcher, bad_matcher = params.sequence_index.matchers()
         known = request.token_ids
         biases = bias_matcher.matches(known)
-        bans = [token for token, _ in bad_matcher.matches(known)]
+        bans = ([token for token, _ in bad_matcher.matches(known)],)
     if params.no_repeat_ngram_size:
         state = row_state(request)
         if state.ngrams is None:
             state.ngrams = RepeatedNgrams()
         repeated = state.ngrams.bans(request.token_ids, params.no_repeat_ngram_size)
         if repeated:
-            bans = [*(bans or ()), *repeated]
+            bans = (*bans, repeated)
     if offset < params.min_tokens and not may_stop:
-        bans = [*(bans or ()), *params.stop_token_ids]
+        bans = (*bans, params.stop_token_ids)
     if offset == 0 and params.begin_bans:
-        bans = [*(bans or ()), *params.begin_bans]
+        bans = (*bans, params.begin_bans)
     return RowControls(
         params,
         token_history(request) if penalizes else None,

@@ -23,7 +23,8 @@ from aiocb.core.scheduler import Scheduler, SchedulerOutput, StepResult
 from aiocb.outputs import FinishReason, RequestStatus
 from aiocb.runner.filter_chain import OFF
 from aiocb.runner.input_batch import InputBatch
-from aiocb.runner.step_batch import BatchWriter, RowState, StepBatch, TableWrites, row_params
+from aiocb.runner.inputs import controls_host_tensors
+from aiocb.runner.step_batch import BatchWriter, RowState, StepBatch, TableWrites, row_controls, row_params
 from tests.fuzzing import fuzz_settings
 
 PAGE = 4
@@ -214,3 +215,18 @@ def test_a_draft_models_gathers_between_steps_keep_the_steps_own() -> None:
     assert some.temperature.tolist() == [0.25]
     state.sampling_params(torch.tensor([1]))  # (a third: the oldest goes)
     assert state.sampling_params(step) is not every
+
+
+def test_a_rows_stop_tokens_before_min_tokens_are_banned_without_a_copy_a_step() -> None:
+    """A request's stop tokens (``aiocb serve`` allows 4,096 of them) are banned at each step
+    before its ``min_tokens`` by reference to its own set: copied into every sample's bans
+    each step, 64 samples held the loop 2.2 ms a step. The host tensors still ban them all,
+    with the first token's bans at the first step only."""
+    stops = frozenset(range(100, 4196))
+    params = ResolvedParams(max_new_tokens=8, temperature=1.0, stop_token_ids=stops, min_tokens=2, begin_bans=(7,))
+    request = Request("r", [1, 2, 3], params, 0.0)
+    first, second, third = (row_controls(request, offset, carries=False) for offset in range(3))
+    assert first.bans == (stops, (7,)) and second.bans == (stops,) and third.bans == ()
+    assert first.bans[0] is stops
+    host = controls_host_tensors({0: first, 1: third}, num_rows=2)
+    assert host["c_ban_ids"].tolist() == [*stops, 7] and host["c_ban_rows"].tolist() == [0] * (len(stops) + 1)
