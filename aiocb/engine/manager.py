@@ -1113,7 +1113,9 @@ class Manager:
         merged = structured or is_large(input_ids)
         requested = self._requests.merged(sampling_params, max_new_tokens, params) if merged else None
         keep = None if requested is None else requested.truncate_prompt_tokens
-        ids = await self._requests.encode(input_ids, keep=keep, limit=self._context())
+        ids = await self._requests.encode(
+            input_ids, keep=keep, limit=self._context(), vocab_size=self._model_spec.vocab_size
+        )
         if structured:
             assert requested is not None
             await self._precompile(requested)
@@ -1214,7 +1216,7 @@ class Manager:
         keep, limit = sampling_params.truncate_prompt_tokens, self._context()
         for prompt in inputs:
             await turn.give()
-            ids = await self._requests.encode(prompt, keep=keep, limit=limit)
+            ids = await self._requests.encode(prompt, keep=keep, limit=limit, vocab_size=self._model_spec.vocab_size)
             self._check_start(start)
             requests.append(self._new_request(ids, None, None, sampling_params, {}))
         order = list(range(len(requests)))

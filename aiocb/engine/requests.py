@@ -24,14 +24,17 @@ from aiocb.core.params import ResolvedParams
 from aiocb.core.request import Request
 from aiocb.detokenize import TextTracker
 from aiocb.errors import InvalidRequestError
+from aiocb.gil import yield_gil
 from aiocb.params import SamplingParams, as_strings
-from aiocb.prompts import Prompt, bad_words_ids, encode_prompt, is_large
+from aiocb.prompts import Prompt, bad_words_ids, encode_prompt, is_chat, is_large
 from aiocb.runner.step_batch import token_history
 from aiocb.sampling import (
     RequestLimits,
     check_truncation,
+    checked_long_prompt,
     config_defaults,
     eos_ids,
+    is_long_id_prompt,
     normalize_prompt,
     resolve_params,
     truncated_prompt,
@@ -95,12 +98,15 @@ class RequestFactory:
         """Token ids of a text or chat prompt, tokenized on the calling thread."""
         return encode_prompt(prompt, self.tokenizer)
 
-    async def encode(self, prompt: Prompt, *, keep: int | None, limit: int | None) -> Any:
+    async def encode(self, prompt: Prompt, *, keep: int | None, limit: int | None, vocab_size: int) -> Any:
         """Token ids of a text or chat prompt; a long one is tokenized on a worker thread,
         a very long one in a child process (:mod:`aiocb.tokenizer_process`) that sends back
         only the last ``keep`` tokens (``truncate_prompt_tokens``, -1: ``limit``) or, past
-        ``limit`` (the model's context) uncut, refuses the prompt by its count."""
+        ``limit`` (the model's context) uncut, refuses the prompt by its count. A long
+        prompt of token ids is checked against the vocabulary on a worker thread."""
         if not is_large(prompt):
+            if not is_chat(prompt) and is_long_id_prompt(prompt):
+                return await asyncio.to_thread(checked_long_prompt, prompt, vocab_size, yield_gil)
             return encode_prompt(prompt, self.tokenizer)
         check_truncation(keep, limit)  # (before a long text is tokenized)
         return await asyncio.to_thread(self._encode_large, prompt, keep, limit)
@@ -132,7 +138,7 @@ class RequestFactory:
         if requested.bad_words:
             requested = self._with_bad_words_ids(requested)
         keep = requested.truncate_prompt_tokens
-        prompt = truncated_prompt(normalize_prompt(input_ids, limits), keep, limits.max_model_len)
+        prompt = truncated_prompt(normalize_prompt(input_ids, limits.vocab_size), keep, limits.max_model_len)
         resolved = resolve_params(
             requested,
             self.defaults,

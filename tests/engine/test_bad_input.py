@@ -25,6 +25,10 @@ BAD_REQUESTS: list[tuple[str, Any, dict[str, Any], str]] = [
     ),
     ("a long prompt's last id beyond vocab", [1] * 50_000 + [VOCAB], {}, rf"input_ids\[50000\] = {VOCAB} is outside"),
     ("id beyond vocab", [1, VOCAB], {}, "outside the vocabulary"),
+    # (past LONG_ID_PROMPT ids: checked on a worker thread, a slice at a time)
+    ("a long prompt's float id", [1] * 30_000 + [2.0], {}, r"input_ids\[30000\] is 2.0 \(float\)"),
+    ("a long tensor's id beyond vocab", torch.tensor([1] * 20_000 + [VOCAB]), {}, rf"input_ids\[20000\] = {VOCAB} "),
+    ("a long 2-d tensor", torch.ones(20_000, 2, dtype=torch.long), {}, "one-dimensional"),
     ("float id", [1, 2.0, 3], {}, r"input_ids\[1\].*must be ints"),
     ("bool id", [1, 2, True], {}, r"input_ids\[2\] is True \(bool\)"),
     ("id beyond vocab, late in a long prompt", [1] * 500 + [VOCAB + 7], {}, r"input_ids\[500\] = \d+ is outside"),
@@ -189,3 +193,34 @@ async def test_numpy_and_tensor_integers_are_token_ids(qwen3: PreTrainedModel) -
         for bools in ([np.bool_(True)], [torch.tensor(True)]):
             with pytest.raises(aiocb.InvalidRequestError, match="input_ids\\[0\\]"):
                 await manager.generate(bools, max_new_tokens=2)
+
+
+async def test_a_long_prompt_of_token_ids_is_checked_off_the_loop(
+    qwen3: PreTrainedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prompt of more than ``LONG_ID_PROMPT`` token ids (a list, a tuple, a tensor) is
+    checked on a worker thread, a slice at a time (100,000 ids in one go held the event
+    loop 6-7 ms), and is the prompt it was: cut by ``truncate_prompt_tokens``, it gives
+    what its last tokens give, through ``generate`` and ``generate_batch``."""
+    import threading
+
+    from aiocb.engine import requests
+    from aiocb.sampling import LONG_ID_PROMPT
+
+    threads: list[str] = []
+    checked = requests.checked_long_prompt
+
+    def recorded(*args: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return checked(*args)
+
+    monkeypatch.setattr(requests, "checked_long_prompt", recorded)
+    prompt = [(i * 7) % (VOCAB - 1) + 1 for i in range(LONG_ID_PROMPT + 5_000)]
+    expected = reference_generate(qwen3, prompt[-8:], 5)
+    async with aiocb.Manager(qwen3) as manager:
+        for given in (prompt, tuple(prompt), torch.tensor(prompt)):
+            output = await manager.generate(given, max_new_tokens=5, truncate_prompt_tokens=8)
+            assert output.prompt_ids == prompt[-8:] and output.generated_tokens == expected
+        batch = await manager.generate_batch([prompt], max_new_tokens=5, truncate_prompt_tokens=8)
+        assert [o.generated_tokens for o in batch.values()] == [expected]
+    assert len(threads) == 4 and threading.current_thread().name not in threads
