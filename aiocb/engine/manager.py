@@ -34,7 +34,7 @@ from aiocb.engine.requests import RequestFactory
 from aiocb.engine.router import OutputRouter
 from aiocb.engine.step_loop import StepLoop
 from aiocb.engine.stream import Consumer, RequestHandle, RequestStream
-from aiocb.engine.turns import LoopTurn
+from aiocb.engine.turns import LoopTurn, release, sorted_in_turns
 from aiocb.errors import (
     EngineDeadError,
     InvalidConfigError,
@@ -939,20 +939,30 @@ class Manager:
             on_finish=bar.update if bar is not None else None,
         )
         order = [r for parent in requests for r in (*parent.children, parent)]
-        handles = [self._router.get(r.request_id) for r in order]
-        if bar is not None and bar.total != len(order):
-            bar.total = len(order)  # (every sample of every prompt)
-            bar.refresh()
+        handles: list[RequestHandle | None] = []
         try:
-            return await self._collect(order, handles)
+            turn = LoopTurn()  # (20,000 lookups held the loop some 10 ms)
+            for request in order:
+                handles.append(self._router.get(request.request_id))
+                await turn.give()
+            if bar is not None and bar.total != len(order):
+                bar.total = len(order)  # (every sample of every prompt)
+                bar.refresh()
+            outputs = await self._collect(order, handles)
         except BaseException:
-            for handle in handles:
-                if handle is not None:
+            for request in order:  # (looked up again: the lookups may not have been made yet)
+                if (handle := self._router.get(request.request_id)) is not None and handle.request is request:
                     self._router.cancel_own(handle)
             raise
         finally:
             if bar is not None:
                 bar.close()
+        # The finished requests are let go of a slice of the loop at a time (20,000 of them
+        # freed as this returned held it some 20 ms): held by ``order`` alone from here.
+        requests.clear()
+        handles.clear()
+        await release(order)
+        return outputs
 
     def stream(self, request_id: str) -> RequestStream:
         """Iterate the outputs of one request: each new output carries every token so far,
@@ -1220,8 +1230,8 @@ class Manager:
             self._check_start(start)
             requests.append(self._new_request(ids, None, None, sampling_params, {}))
         order = list(range(len(requests)))
-        if self.config.allow_block_sharing:
-            order.sort(key=lambda i: requests[i].prompt_ids)
+        if self.config.allow_block_sharing:  # (prompts that share a prefix queued together)
+            order = await sorted_in_turns(order, lambda i: requests[i].prompt_ids, turn)
         submitted: list[RequestHandle] = []
         try:
             for i in order:

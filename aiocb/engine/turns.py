@@ -11,8 +11,13 @@ two.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 #: How long one piece of aiocb's loop-side work may hold the loop (seconds).
 SLICE = 0.00025
@@ -35,6 +40,37 @@ class LoopTurn:
         if time.perf_counter() - self._since >= SLICE:
             await asyncio.sleep(0)
             self._since = time.perf_counter()
+
+
+#: Items sorted in one go by :func:`sorted_in_turns` (about 1 ms of list comparisons).
+_RUN = 1024
+
+
+async def sorted_in_turns(items: Sequence[T], key: Callable[[T], Any], turn: LoopTurn) -> list[T]:
+    """``sorted(items, key=key)``, a slice of the loop at a time: runs of :data:`_RUN` items
+    sorted one by one, then merged an item at a time (in one call, sorting 20,000 prompts
+    by their token ids held the loop some 30 ms). Stable, as ``sorted``."""
+    runs: list[list[T]] = []
+    for start in range(0, len(items), _RUN):
+        runs.append(sorted(items[start : start + _RUN], key=key))
+        await turn.give()
+    if len(runs) < 2:
+        return runs[0] if runs else []
+    merged: list[T] = []
+    for item in heapq.merge(*runs, key=key):  # (equal keys: the earlier run's first, as stable)
+        merged.append(item)
+        await turn.give()
+    return merged
+
+
+async def release(items: list[Any]) -> None:
+    """Empty ``items``, last first, giving the loop back whenever a slice of it is used: an
+    item that is the last hold on much (a choice's logprobs, a finished request) is freed as
+    it is taken out."""
+    turn = LoopTurn()
+    while items:
+        items.pop()
+        await turn.give()
 
 
 #: Consumer work that one loop iteration of a :class:`Waker`'s wake-ups may take (seconds).

@@ -27,6 +27,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from aiocb.engine.turns import release
 from aiocb.server.bodies import JSONBody, encode
 from aiocb.server.chat import ChatCompletion, PreparedChat, prepare_chat
 from aiocb.server.completions import Completion, PreparedCompletion, prepare_completion
@@ -47,7 +48,6 @@ from aiocb.server.protocol import (
 )
 from aiocb.server.reasoning import ReasoningSplitter
 from aiocb.server.remote import RemoteManager, ServedEngine
-from aiocb.server.serving import release
 from aiocb.server.sse import EventStreamResponse, events
 from aiocb.server.tool_parsers import PARSERS, ToolCallParser, detect_parser
 from aiocb.server.tools import template_messages

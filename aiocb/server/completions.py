@@ -13,7 +13,7 @@ from typing import Any
 import orjson
 
 from aiocb.detokenize import IncrementalDetokenizer
-from aiocb.engine.turns import LoopTurn
+from aiocb.engine.turns import LoopTurn, release
 from aiocb.sampling import check_truncation, truncated_prompt
 from aiocb.server import sse
 from aiocb.server.bodies import Chain, array_items
@@ -28,7 +28,6 @@ from aiocb.server.serving import (
     choice_seed,
     engine_params,
     name_response,
-    release,
 )
 
 

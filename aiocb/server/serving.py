@@ -21,7 +21,7 @@ from typing import Any
 
 from aiocb.detokenize import IncrementalDetokenizer, StopStringMatcher
 from aiocb.engine.requests import sample_ids
-from aiocb.engine.turns import LoopTurn
+from aiocb.engine.turns import LoopTurn, release
 from aiocb.outputs import FinishReason, GenerationOutput, RequestStatus
 from aiocb.server.context import ServerContext
 from aiocb.server.edge import AccessRecord
@@ -300,15 +300,6 @@ class Submission:
                     yield chunk
         finally:
             await self.aclose()
-
-
-async def release(items: list[Any]) -> None:
-    """Empty ``items``, last first, giving the loop back whenever a slice of it is used: an
-    item that is the last hold on much (a choice's logprobs) is freed as it is taken out."""
-    turn = LoopTurn()
-    while items:
-        items.pop()
-        await turn.give()
 
 
 async def choice_deltas(

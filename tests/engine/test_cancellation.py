@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import sys
+from typing import Any
 
 import pytest
 from transformers import PreTrainedModel
@@ -103,6 +105,37 @@ async def test_cancelling_generate_batch_cancels_all_its_requests(qwen3: PreTrai
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         stats = manager.statistics()
+        assert stats.running_requests == stats.waiting_requests == 0
+        assert stats.free_blocks == stats.total_blocks
+
+
+async def test_generate_batch_cancelled_while_it_looks_its_requests_up_cancels_them_all(
+    qwen3: PreTrainedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """generate_batch looks its requests up a slice of the loop at a time once they are
+    queued: cancelled then, it cancels them all, those not looked up yet too."""
+    from aiocb.engine.router import OutputRouter
+
+    monkeypatch.setattr("aiocb.engine.turns.SLICE", 0.0)  # give the loop back at every lookup
+    lookups = 0
+    get = OutputRouter.get
+
+    def counted(self: OutputRouter, request_id: str) -> Any:
+        nonlocal lookups
+        if sys._getframe(1).f_code.co_name == "generate_batch":
+            lookups += 1
+            if lookups == 3:
+                task.cancel()
+        return get(self, request_id)
+
+    prompts = random_prompts(20, 5, 20, seed=10)
+    async with aiocb.Manager(qwen3) as manager:
+        monkeypatch.setattr(OutputRouter, "get", counted)
+        task = asyncio.create_task(manager.generate_batch(prompts, max_new_tokens=1000))
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        stats = manager.statistics()
+        assert lookups == 3 + len(prompts)  # (cancelled at the third: the clean-up looks them all up)
         assert stats.running_requests == stats.waiting_requests == 0
         assert stats.free_blocks == stats.total_blocks
 
