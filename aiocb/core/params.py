@@ -105,8 +105,10 @@ class ResolvedParams:
 
     @property
     def greedy(self) -> bool:
-        """Whether the request picks the most likely token at every step."""
-        return self.temperature == 0.0 or self.top_k == 1
+        """Whether the request picks the most likely token at every step (a sampled one
+        with ``top_k`` 1 draws among the most likely when they tie, as transformers' top-k
+        warper keeps them all)."""
+        return self.temperature == 0.0
 
     @property
     def rare_filters(self) -> tuple[float, float, float, float] | None:

@@ -28,7 +28,7 @@ import torch
 from aiocb.runner import native
 from aiocb.runner.argmax import argmax_rows
 from aiocb.runner.logits_controls import apply_min_p
-from aiocb.runner.noise import GUMBEL_BOUND, gumbel, gumbel_argmax, gumbel_at, uniform_noise
+from aiocb.runner.noise import GUMBEL_BOUND, gumbel_argmax, gumbel_at, gumbel_noise
 
 #: How many largest logits a row's draw looks at before falling back to the vocabulary.
 CANDIDATES = 1024
@@ -52,7 +52,7 @@ def draw_full(
         scaled = apply_min_p(scaled, min_p)
     if scaled.device.type == "cpu":
         return gumbel_argmax(scaled, seed, offset)  # (the same pick, without [R, V] noise)
-    noise = gumbel(uniform_noise(seed, offset, scaled.shape[-1]))
+    noise = gumbel_noise(seed, offset, scaled.shape[-1])
     return argmax_rows(scaled + noise)
 
 

@@ -136,7 +136,7 @@ class InputBatch:
             rare=RareFilters.gather(self.filters.index_select(0, slots), drawn),
             all_greedy=not bool(drawn.any()),
             any_greedy=not bool(drawn.all()),
-            any_top_k=bool((drawn_k > 1).any()),
+            any_top_k=bool((drawn_k > 0).any()),
             any_top_p=bool((top_p[drawn] < 1.0).any()),
             any_logprobs=bool((self.logprobs.index_select(0, slots) | (tops > 0)).any()),
             max_top_logprobs=int(tops.max()) if tops.numel() else 0,

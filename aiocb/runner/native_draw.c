@@ -209,7 +209,7 @@ static inline uint32_t mix32(uint32_t x) {
 /* aiocb.runner.noise._row_keys: the two keys of a row's noise, from its seed (32-bit) and
  * its offset (the tokens it generated before) */
 static inline void row_keys(int64_t seed, int64_t offset, uint32_t* key1, uint32_t* key2) {
-    uint32_t first = mix32(mix32((uint32_t)seed) ^ mix32((uint32_t)(offset + 0x9E3779B9LL)));
+    uint32_t first = mix32(mix32((uint32_t)seed) ^ mix32(mix32((uint32_t)(offset + 0x9E3779B9LL))));
     *key1 = first;
     *key2 = mix32(first ^ 0x5BD1E995U);
 }
@@ -217,10 +217,15 @@ static inline void row_keys(int64_t seed, int64_t offset, uint32_t* key1, uint32
 /* the 32-bit noise value of vocabulary id `id` in the row with keys key1, key2 */
 static inline uint32_t noise_bits(uint32_t key1, uint32_t key2, uint32_t id) { return mix32(mix32(id ^ key1) ^ key2); }
 
-/* aiocb.runner.noise: bits_to_uniform, then gumbel (every step exact in float32 but the logs) */
+/* aiocb.runner.noise.gumbel_of_bits: the same float32 operations in the same order (every
+ * one IEEE-rounded but the logs): x = (~bits + 0.5) / 2**32 below 1, E = x * (-log(w) / (1 - w))
+ * with w = 1 - x (the ratio 1 where w is 1), then -log(E) */
 static inline float gumbel_of(uint32_t bits) {
-    float u = ((float)(bits >> 9) + 0.5f) * (1.0f / 8388608.0f);
-    return -logf(-logf(u));
+    float x = ((float)(~bits) + 0.5f) * 0x1p-32f;
+    if (x > 0x1.fffffep-1f) x = 0x1.fffffep-1f;
+    float w = 1.0f - x;
+    float ratio = w == 1.0f ? 1.0f : -logf(w) / (1.0f - w);
+    return -logf(x * ratio);
 }
 
 /* Above the noise of every value whose top 8 bits are b: the noise is increasing in the

@@ -120,7 +120,7 @@ class SamplingTensors:
             seed=tensors["seed"],
             offset=tensors["offset"],
             all_greedy=all(greedy),
-            any_top_k=any(r.top_k > 1 for r, g in zip(rows, greedy, strict=True) if not g),
+            any_top_k=any(r.top_k > 0 for r, g in zip(rows, greedy, strict=True) if not g),
             any_top_p=any(r.top_p < 1.0 for r, g in zip(rows, greedy, strict=True) if not g),
             any_logprobs=any(r.logprobs or r.top_logprobs for r in rows),
             max_top_logprobs=max((r.top_logprobs for r in rows), default=0),
@@ -179,7 +179,7 @@ class Sampled:
 
 
 def _greedy(row: _SamplingRow) -> bool:
-    return row.temperature == 0.0 or row.top_k == 1
+    return row.temperature == 0.0
 
 
 def sample(logits: torch.Tensor, params: SamplingTensors) -> Sampled:
@@ -287,12 +287,6 @@ def _drawn_from(
     top_k = torch.where(drawn, params.top_k, 0) if params.any_top_k else None
     top_p = torch.where(drawn, params.top_p, 1.0) if params.any_top_p else None
     processed = filter_chain(processed, top_k, top_p, params.min_p)  # (min-p is 0, off, for greedy rows)
-    # A row sampled with top-k 1 is drawn greedily; transformers' top-k warper leaves its
-    # largest logits alone (ties included), every other token -inf.
-    top_one = ~drawn & (params.top_k == 1)
-    processed = processed.masked_fill(
-        top_one[:, None] & (processed < processed.amax(dim=-1, keepdim=True)), float("-inf")
-    )
     if rare is not None:
         assert params.rare is not None
         chained, ids = rare

@@ -64,9 +64,7 @@ def row_params(params: ResolvedParams) -> RowParams:
     greedy = params.greedy
     return (
         0.0 if greedy else params.temperature,
-        # (a greedy row keeps top-k 1 only when it was sampled with it: its processed
-        # logprobs are then of a top-1 distribution, as transformers' warper makes it)
-        0 if params.temperature == 0.0 else params.top_k,
+        0 if greedy else params.top_k,
         params.top_p,
         0.0 if greedy else params.min_p,
         seed_key(params.seed),

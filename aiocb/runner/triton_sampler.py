@@ -95,7 +95,7 @@ if HAS_TRITON:
         seed = tl.load(seed_ptr + row).to(tl.uint32)  # (32-bit values in int64)
         # int64 addition, then truncation: (offset + 0x9E3779B9) mod 2**32.
         offset = (tl.load(offset_ptr + row) + 0x9E3779B9).to(tl.uint32)
-        row_key = _mix32(_mix32(seed) ^ _mix32(offset))
+        row_key = _mix32(_mix32(seed) ^ _mix32(_mix32(offset)))
         return row_key, _mix32(row_key ^ 0x5BD1E995)
 
     @triton.jit  # type: ignore[untyped-decorator]
@@ -113,9 +113,12 @@ if HAS_TRITON:
 
     @triton.jit  # type: ignore[untyped-decorator]
     def _gumbel(bits, PRECISE: tl.constexpr):  # type: ignore[no-untyped-def]
-        """noise.bits_to_uniform, then noise.gumbel."""
-        uniform = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # exact: 23 bits, times 2**-23
-        return -_log(-_log(uniform, PRECISE), PRECISE)
+        """noise.gumbel_of_bits: the same float32 operations in the same order."""
+        x = ((bits ^ 0xFFFFFFFF).to(tl.float32) + 0.5) * 2.3283064365386963e-10  # (~bits; times 2**-32: exact)
+        x = tl.minimum(x, 0.99999994039535522)  # (float32's largest below 1)
+        w = 1.0 - x
+        ratio = tl.where(w == 1.0, 1.0, tl.div_rn(-_log(w, PRECISE), 1.0 - w))
+        return -_log(x * ratio, PRECISE)
 
     @triton.jit  # type: ignore[untyped-decorator]
     def _noise_kernel(  # type: ignore[no-untyped-def]

@@ -10,12 +10,11 @@ import torch
 from aiocb.runner import noise
 from aiocb.runner.noise import (
     GUMBEL_BOUND,
-    bits_to_uniform,
-    gumbel,
     gumbel_argmax,
+    gumbel_noise,
+    gumbel_of_bits,
     random_bits,
     random_bits_at,
-    uniform_noise,
 )
 from aiocb.runner.sampler import SamplingTensors, sample
 
@@ -84,17 +83,68 @@ def test_greedy_rows_take_the_argmax_next_to_sampled_rows() -> None:
         assert tokens[i] == argmax[i]
 
 
+def test_top_k_1_draws_among_tied_maxima_as_transformers_warper_keeps_them() -> None:
+    """transformers' top-k warper keeps every logit tied with the k-th: sampled with top-k
+    1, tied maxima are drawn alike (they were taken as greedy: always the first of them);
+    a greedy row (temperature 0) still takes the first."""
+    logits = torch.tensor([[0.5, 2.0, 2.0, 1.0, 2.0]]).expand(3000, -1).contiguous()
+    tokens = _draw(logits, [Row(top_k=1, temperature=0.8, seed=s) for s in range(3000)])
+    counts = torch.bincount(tokens, minlength=5).tolist()
+    assert counts[0] == counts[3] == 0 and all(900 < counts[i] < 1100 for i in (1, 2, 4)), counts
+    assert _draw(logits[:2], [Row(temperature=0.0)] * 2).tolist() == [1, 1]
+
+
 def test_noise_depends_only_on_seed_offset_and_vocab_id() -> None:
     seed = torch.tensor([5, 6, 5])
     offset = torch.tensor([0, 0, 1])
-    noise = uniform_noise(seed, offset, 64)
-    again = uniform_noise(seed.flip(0), offset.flip(0), 64).flip(0)
+    noise = gumbel_noise(seed, offset, 64)
+    again = gumbel_noise(seed.flip(0), offset.flip(0), 64).flip(0)
     assert torch.equal(noise, again)
     assert not torch.equal(noise[0], noise[1]) and not torch.equal(noise[0], noise[2])
-    assert float(noise.min()) > 0.0 and float(noise.max()) < 1.0
-    # Roughly uniform.
-    big = uniform_noise(torch.arange(64), torch.zeros(64, dtype=torch.long), 1024)
-    assert abs(float(big.mean()) - 0.5) < 0.01
+    # Roughly Gumbel: its mean is the Euler-Mascheroni constant, its variance pi**2 / 6.
+    big = gumbel_noise(torch.arange(64), torch.zeros(64, dtype=torch.long), 1024)
+    assert abs(float(big.mean()) - 0.5772) < 0.02 and abs(float(big.var()) - 1.6449) < 0.05
+
+
+def test_samples_with_nearby_seeds_draw_unrelated_noise() -> None:
+    """A request's ``n`` samples have seeds ``seed + i``. Where the row key combined one
+    hash of the seed with one of the offset, symmetrically, samples with seeds in ``[c, c +
+    n)`` (c = 0x9E3779B9) drew sample a's token b with the noise of sample b's token a."""
+    c = 0x9E3779B9
+    for base in (c, 0, 12345):
+        seeds = torch.arange(base, base + 8)
+        offsets = torch.arange(8)
+        swapped = [
+            torch.equal(
+                random_bits(seeds[a : a + 1], offsets[b : b + 1], 64),
+                random_bits(seeds[b : b + 1], offsets[a : a + 1], 64),
+            )
+            for a in range(8)
+            for b in range(8)
+            if a != b
+        ]
+        assert not any(swapped), base
+
+
+def test_the_noise_has_the_gumbel_distributions_upper_tail() -> None:
+    """The share of the 2**32 bit patterns whose noise exceeds t is the Gumbel's P(G > t),
+    out to t = 19 (a 23-bit uniform stopped the noise at 16.6: a token 18 below the top of a
+    151,936-token row was drawn a sixth as often as it should be, one 20 below never)."""
+    import math
+
+    def share_above(t: float) -> float:
+        low, high = 0, (1 << 32) - 1  # (the noise increases with the bits)
+        while low < high:
+            middle = (low + high) // 2
+            if float(gumbel_of_bits(torch.tensor([middle]))) > t:
+                high = middle
+            else:
+                low = middle + 1
+        return ((1 << 32) - low) / 2**32
+
+    for t in (1.0, 5.0, 10.0, 15.0, 17.0, 18.0, 19.0):
+        exact = -math.expm1(-math.exp(-t))
+        assert abs(share_above(t) / exact - 1) < 0.01, t
 
 
 def test_logprobs_are_the_raw_log_softmax() -> None:
@@ -109,15 +159,20 @@ def test_logprobs_are_the_raw_log_softmax() -> None:
     assert torch.allclose(picked.top_logprobs, best.values)
 
 
-def test_extreme_bit_patterns_map_strictly_inside_zero_and_one() -> None:
-    # Every pattern whose top 23 bits are all ones or all zeros, through the real mapping.
-    patterns = torch.tensor([0, 1, 0x1FF, 0x200, 0xFFFFFE00, 0xFFFFFEFF, 0xFFFFFF00, 0xFFFFFFFF, 1 << 31])
-    uniform = bits_to_uniform(patterns)
-    assert uniform.dtype == torch.float32
-    assert bool((uniform > 0.0).all()) and bool((uniform < 1.0).all())
-    assert float(uniform[0]) == 2.0**-24 and float(uniform[7]) == 1.0 - 2.0**-24
-    noise = gumbel(uniform)
+def test_extreme_bit_patterns_give_finite_noise_increasing_in_the_bits() -> None:
+    import math
+
+    patterns = torch.tensor([0, 1, 0x1FF, 0x200, 1 << 31, 0xFFFFFE00, 0xFFFFFF00, 0xFFFFFF80, 0xFFFFFFFE, 0xFFFFFFFF])
+    noise = gumbel_of_bits(patterns)
+    assert noise.dtype == torch.float32
     assert bool(torch.isfinite(noise).all()), noise
+    assert bool((noise[1:] >= noise[:-1]).all()) and noise[-1] > noise[-2], noise
+    assert abs(float(noise[-1]) - 33 * math.log(2)) < 1e-5  # -log(2**-33)
+    assert abs(float(noise[0]) + math.log(24 * math.log(2))) < 1e-3  # x = 1 - 2**-24
+    # The Gumbel quantile of each pattern's x, to float32's precision.
+    x = ((0xFFFFFFFF - patterns).to(torch.float32) + 0.5) * 2**-32
+    exact = -torch.log(-torch.log1p(-x.clamp(max=1 - 2**-24).double()))
+    assert torch.allclose(noise.double(), exact, rtol=0, atol=1e-5)
     # A masked logit stays masked: -inf plus finite noise is -inf, never NaN.
     assert bool(((torch.full_like(noise, float("-inf")) + noise) == float("-inf")).all())
 
@@ -131,7 +186,7 @@ def test_no_draw_escapes_top_k_or_top_p_at_a_large_vocabulary() -> None:
     logits = torch.randn(len(seeds), vocab, generator=torch.Generator().manual_seed(7)) * 3
     rows = [Row(top_k=50, top_p=0.8, seed=seed) for seed in seeds]
     params = SamplingTensors.from_rows(rows, logits.device)
-    assert bool(torch.isfinite(gumbel(uniform_noise(params.seed, params.offset, vocab))).all())
+    assert bool(torch.isfinite(gumbel_noise(params.seed, params.offset, vocab)).all())
     tokens = sample(logits, params).tokens
     # The filters' own definition: the top 50, then the nucleus of their renormalized mass.
     top_logits, top_ids = logits.topk(50, dim=-1)
@@ -147,7 +202,7 @@ def test_noise_at_ids_is_the_rows_noise_there_and_bounded() -> None:
     full = random_bits(seed, offset, 500)
     ids = torch.tensor([[4, 499, 0], [17, 17, 250]])
     assert torch.equal(random_bits_at(seed, offset, ids), full.gather(1, ids))
-    extreme = gumbel(bits_to_uniform(torch.tensor([0xFFFFFFFF, 0])))
+    extreme = gumbel_of_bits(torch.tensor([0xFFFFFFFF, 0]))
     assert float(extreme.max()) < GUMBEL_BOUND < float(extreme.max()) + 0.01
 
 
@@ -165,7 +220,7 @@ def test_blockwise_cpu_draw_is_the_whole_noise_argmax(
     seed = torch.randint(0, 1 << 32, (rows,), generator=generator)
     seed[:2] = torch.tensor([0, (1 << 32) - 1])
     offset = torch.randint(0, 1 << 31, (rows,), generator=generator)
-    reference = (scaled + gumbel(uniform_noise(seed, offset, vocab))).argmax(dim=-1)
+    reference = (scaled + gumbel_noise(seed, offset, vocab)).argmax(dim=-1)
     assert torch.equal(gumbel_argmax(scaled, seed, offset), reference)
 
 
@@ -176,7 +231,7 @@ def test_blockwise_cpu_draw_breaks_ties_and_nans_as_argmax() -> None:
     # first id wins, as torch.argmax's.
     scaled[:, 10] = scaled[:, 250] = 1e30
     scaled[1, 280] = float("nan")  # torch.argmax picks a NaN
-    reference = (scaled + gumbel(uniform_noise(seed, offset, 300))).argmax(dim=-1)
+    reference = (scaled + gumbel_noise(seed, offset, 300)).argmax(dim=-1)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(noise, "BLOCK_ELEMENTS", 128)
         assert torch.equal(gumbel_argmax(scaled, seed, offset), reference)

@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 import aiocb
 from aiocb.runner import sampler, triton_sampler
 from aiocb.runner.draw import draw_full
-from aiocb.runner.noise import gumbel, gumbel_at, random_bits, uniform_noise
+from aiocb.runner.noise import gumbel_at, gumbel_noise, random_bits
 from aiocb.runner.sampler import SamplingTensors, draw_on_device, sample
 from aiocb.runner.triton_sampler import is_available, triton_draw, triton_noise
 from tests.runner.test_draw import tie_inclusive_pick
@@ -89,7 +89,7 @@ def test_noise_is_the_noise_modules() -> None:
     assert torch.equal(bits, random_bits(seed, offset, vocab))
     ids = torch.arange(vocab)[None, :]
     torch.testing.assert_close(noise, gumbel_at(seed, offset, ids), rtol=1e-6, atol=1e-6)
-    assert torch.equal(gumbel(uniform_noise(seed, offset, vocab)), gumbel_at(seed, offset, ids))
+    assert torch.equal(gumbel_noise(seed, offset, vocab), gumbel_at(seed, offset, ids))
 
 
 CASES = {
@@ -304,7 +304,7 @@ def test_the_device_path_matches_the_cpu_sampler() -> None:
     rows = [
         Row(temperature=0.0),
         Row(temperature=0.8, seed=1, offset=3),
-        Row(temperature=1.2, top_k=1, seed=2),  # top-k 1 is greedy
+        Row(temperature=1.2, top_k=1, seed=2),  # top-k 1: the argmax (no tie here)
         Row(temperature=0.7, top_k=50, top_p=0.9, seed=3),
         Row(temperature=1.0, min_p=0.1, seed=4, offset=100),
         Row(temperature=1.5, top_p=0.5, seed=5),
