@@ -11,17 +11,22 @@ character of the stop strings, not 270), since a request may bring 64 stop strin
 1,024 characters: a node's children are numbered consecutively, so that finding the child
 for a character is one ``str.find`` in the string of the nodes' characters.
 
-Building one costs about 1 µs a node: :func:`stop_strings` keeps the last ones built, and
-:func:`prepare_stop_strings` builds a large one on a worker thread, so that a request
-that brings many long stop strings does not hold the event loop.
+Building one costs about 1 µs a node: :func:`stop_strings` keeps the ones used last (and
+finds any still held), and :func:`prepare_stop_strings` builds a large one on a worker
+thread, so that a request that brings many long stop strings does not hold the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import threading
+import time
+import weakref
 from array import array
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from aiocb.gil import yield_gil
 
@@ -29,10 +34,48 @@ from aiocb.gil import yield_gil
 #: 1 µs a character) by :func:`prepare_stop_strings`.
 BUILT_ON_THE_LOOP = 1_000
 #: The automata kept for reuse (requests of one client often bring the same stop strings),
-#: in trie nodes: about 24 bytes each.
+#: in trie nodes (about 24 bytes each) ...
 _KEPT_NODES = 1 << 20
-#: Nodes built between two chances for the event loop's thread to take the GIL.
-_NODES_PER_PAUSE = 2_000
+#: ... each charged this many more for its own objects (some 800 bytes): at most 4,096 are
+#: kept, however small.
+_ENTRY_NODES = 256
+#: How long a build on a worker thread holds the GIL between two chances for the event
+#: loop's thread to take it (seconds).
+_PAUSE_EVERY = 0.0005
+#: Array items converted at once (a fraction of a millisecond).
+_ARRAY_SLICE = 4096
+
+
+class _Pauses:
+    """Calls ``pause`` (when there is one) once :data:`_PAUSE_EVERY` seconds have passed
+    since the last call, at the chances :meth:`maybe` gives it."""
+
+    __slots__ = ("_last", "_pause")
+
+    def __init__(self, pause: Callable[[], None] | None) -> None:
+        self._pause = pause
+        self._last = time.perf_counter()
+
+    def maybe(self) -> None:
+        if self._pause is not None and time.perf_counter() - self._last >= _PAUSE_EVERY:
+            self._pause()
+            self._last = time.perf_counter()
+
+    def array(self, values: list[int]) -> array[int]:
+        """``values`` as an array of C ints, a slice at a time, emptying ``values`` a slice
+        at a time too (65,000 of them made in one go, or freed, held the GIL a millisecond)."""
+        made = array("i")
+        for start in range(0, len(values), _ARRAY_SLICE):
+            made.fromlist(values[start : start + _ARRAY_SLICE])
+            self.maybe()
+        self.free(values)
+        return made
+
+    def free(self, values: list[Any]) -> None:
+        """Empty ``values``, a slice at a time."""
+        while values:
+            del values[-_ARRAY_SLICE:]
+            self.maybe()
 
 
 class StopStrings:
@@ -43,19 +86,22 @@ class StopStrings:
     moves it along a piece of text and finds the stop strings that end in it.
     """
 
-    __slots__ = ("_chars", "_depth", "_end", "_fail", "_first", "_found", "_lengths", "longest", "stops")
+    __slots__ = ("__weakref__", "_chars", "_depth", "_end", "_fail", "_first", "_found", "_lengths", "longest", "stops")
 
     def __init__(self, stops: Sequence[str], pause: Callable[[], None] | None = None) -> None:
+        """Build the automaton; ``pause``, when given (a build on a worker thread), is
+        called every :data:`_PAUSE_EVERY` seconds of it."""
         if not stops or not all(stops) or len(set(stops)) < len(stops):
             raise ValueError("stop strings must be at least one, non-empty and distinct")
         self.stops = tuple(stops)
         self._lengths = tuple(map(len, self.stops))
         #: the length of the longest stop string
         self.longest = max(self._lengths)
-        self._build_trie(pause)
-        self._link(pause)
+        pauses = _Pauses(pause)
+        self._build_trie(pauses)
+        self._link(pauses)
 
-    def _build_trie(self, pause: Callable[[], None] | None) -> None:
+    def _build_trie(self, pauses: _Pauses) -> None:
         """The trie, its nodes numbered so that each node's children are consecutive."""
         stops = self.stops
         ordered = sorted(range(len(stops)), key=stops.__getitem__)  # (a node's stop strings are a run)
@@ -64,7 +110,6 @@ class StopStrings:
         # A node to give children, with the run of ``ordered`` whose strings begin with its
         # text, of length d: [lo, hi).
         todo = [(0, 0, len(ordered), 0)]
-        paused_at = 0
         while todo:
             node, lo, hi, d = todo.pop()
             if len(stops[ordered[lo]]) == d:  # (the shortest sorts first)
@@ -96,16 +141,13 @@ class StopStrings:
                     found.append(-1)
                     lo = run_end
                 end[node] = len(chars)
-            if pause is not None and len(chars) - paused_at >= _NODES_PER_PAUSE:
-                pause()
-                paused_at = len(chars)
+            pauses.maybe()  # (a node with its children, or a chain of them: some 0.1 ms at most)
         self._chars = "".join(chars)
-        self._first = array("i", first)
-        self._end = array("i", end)
-        self._depth = array("i", depth)
-        self._found = array("i", found)
+        pauses.free(chars)
+        self._first, self._end = pauses.array(first), pauses.array(end)
+        self._depth, self._found = pauses.array(depth), pauses.array(found)
 
-    def _link(self, pause: Callable[[], None] | None) -> None:
+    def _link(self, pauses: _Pauses) -> None:
         """The failure links (a node's longest proper end that is a node too), in breadth-
         first order, and with them the stop string that ends at each node."""
         chars, first, end, found = self._chars, self._first, self._end, self._found
@@ -124,8 +166,8 @@ class StopStrings:
                     found[child] = found[fail[child]]
                 queue.append(child)
             linked += 1
-            if pause is not None and linked % _NODES_PER_PAUSE == 0:
-                pause()
+            if not linked & 15:
+                pauses.maybe()
 
     def scan(self, node: int, text: str, offset: int, count: bool) -> tuple[int, int, int]:
         """Feed ``text`` from state ``node``; returns the state after it and, when ``count``,
@@ -168,22 +210,50 @@ class StopStrings:
         return len(self._chars)
 
 
-_kept: dict[tuple[str, ...], StopStrings] = {}
+#: The automata kept for reuse, least recently used first, and what they cost in nodes
+#: (each charged :data:`_ENTRY_NODES` more for its own objects).
+_kept: OrderedDict[tuple[str, ...], StopStrings] = OrderedDict()
+_kept_nodes = 0
+#: Every automaton still held (by a request's matcher, or by a caller between
+#: :func:`prepare_stop_strings` and the requests it makes), found here once the cache has
+#: let it go.
+_live: weakref.WeakValueDictionary[tuple[str, ...], StopStrings] = weakref.WeakValueDictionary()
+#: Guards the two (managers may run on loops in several threads).
+_lock = threading.Lock()
 
 
 def stop_strings(stops: tuple[str, ...]) -> StopStrings:
-    """The automaton of ``stops`` (see :class:`StopStrings`), built now unless kept."""
-    built = _kept.get(stops)
+    """The automaton of ``stops`` (non-empty, distinct: see :func:`distinct`), built now
+    unless kept or still held."""
+    built = _found(stops)
     if built is None:
         built = StopStrings(stops)
         _keep(built)
     return built
 
 
+def _found(stops: tuple[str, ...]) -> StopStrings | None:
+    with _lock:
+        built = _kept.get(stops)
+        if built is not None:
+            _kept.move_to_end(stops)
+            return built
+        return _live.get(stops)
+
+
 def _keep(built: StopStrings) -> None:
-    if sum(kept.nodes for kept in _kept.values()) + built.nodes > _KEPT_NODES:
-        _kept.clear()
-    _kept[built.stops] = built
+    """Keep ``built``, letting the least recently used go, one by one, while the cache is full."""
+    global _kept_nodes
+    cost = built.nodes + _ENTRY_NODES
+    with _lock:
+        _live[built.stops] = built
+        if built.stops in _kept or cost > _KEPT_NODES:
+            return
+        while _kept and _kept_nodes + cost > _KEPT_NODES:
+            _, dropped = _kept.popitem(last=False)
+            _kept_nodes -= dropped.nodes + _ENTRY_NODES
+        _kept[built.stops] = built
+        _kept_nodes += cost
 
 
 def distinct(stops: Sequence[str]) -> tuple[str, ...]:
@@ -193,25 +263,36 @@ def distinct(stops: Sequence[str]) -> tuple[str, ...]:
 
 #: Automata being built off the loop, so that requests that bring the same stop strings
 #: at once (the samples of one, the choices of a server's) wait for one build.
-_building: dict[tuple[str, ...], asyncio.Task[None]] = {}
+_building: dict[tuple[str, ...], asyncio.Task[StopStrings]] = {}
 
 
-async def prepare_stop_strings(stops: Sequence[str] | None) -> None:
-    """Build the automaton of ``stops`` on a worker thread when it is large (past
-    :data:`BUILT_ON_THE_LOOP` characters), so that :func:`stop_strings` finds it."""
+async def prepare_stop_strings(stops: Sequence[str] | None) -> StopStrings | None:
+    """The automaton of ``stops``, built on a worker thread when it is large (past
+    :data:`BUILT_ON_THE_LOOP` characters); None when they are few or none. A caller holds
+    it while it makes the matchers that use it: :func:`stop_strings` then finds it, however
+    many others have filled the cache since."""
     key = distinct(stops or ())
-    if not key or key in _kept or sum(map(len, key)) <= BUILT_ON_THE_LOOP:
-        return
+    if not key or sum(map(len, key)) <= BUILT_ON_THE_LOOP:
+        return None
+    found = _found(key)
+    if found is not None:
+        return found
     loop = asyncio.get_running_loop()
     building = _building.get(key)
     if building is None or building.get_loop() is not loop:  # (another loop's: build again)
         building = _building[key] = loop.create_task(_build(key))
-    await asyncio.shield(building)  # (a caller cancelled leaves the build to the others)
+        building.add_done_callback(functools.partial(_built, key))
+    return await asyncio.shield(building)  # (a caller cancelled leaves the build to the others)
 
 
-async def _build(key: tuple[str, ...]) -> None:
-    try:
-        _keep(await asyncio.to_thread(StopStrings, key, yield_gil))
-    finally:
-        if _building.get(key) is asyncio.current_task():
-            del _building[key]
+async def _build(key: tuple[str, ...]) -> StopStrings:
+    built = await asyncio.to_thread(StopStrings, key, yield_gil)
+    _keep(built)
+    return built
+
+
+def _built(key: tuple[str, ...], task: asyncio.Task[StopStrings]) -> None:
+    if _building.get(key) is task:
+        del _building[key]
+    if not task.cancelled():
+        task.exception()  # (retrieved: every caller may have been cancelled meanwhile)

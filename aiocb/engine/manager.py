@@ -1130,9 +1130,10 @@ class Manager:
             assert requested is not None
             await self._precompile(requested)
         await self._requests.tokenize_bad_words(sampling_params, params)
-        await self._requests.prepare_stops(sampling_params, params)
+        stops = await self._requests.prepare_stops(sampling_params, params)
         self._check_start(start)
         request, samples = self._build(ids, request_id, max_new_tokens, sampling_params, params)
+        del stops  # (held until the request's text tracker holds it)
         index = request.params.sequence_index
         if index is not None and len(index) > _LARGE_SEQUENCE_INDEX:
             await asyncio.to_thread(index.build, yield_gil)  # (about 1 ms a thousand sequences)
@@ -1221,7 +1222,7 @@ class Manager:
         sampling_params = self._requests.merged(sampling_params, max_new_tokens, params)
         await self._precompile(sampling_params)
         await self._requests.tokenize_bad_words(sampling_params, {})
-        await self._requests.prepare_stops(sampling_params, {})
+        stops = await self._requests.prepare_stops(sampling_params, {})  # (held while the requests are made)
         turn = LoopTurn()  # (a long list must not hold the loop in one go)
         keep, limit = sampling_params.truncate_prompt_tokens, self._context()
         for prompt in inputs:
@@ -1229,6 +1230,7 @@ class Manager:
             ids = await self._requests.encode(prompt, keep=keep, limit=limit, vocab_size=self._model_spec.vocab_size)
             self._check_start(start)
             requests.append(self._new_request(ids, None, None, sampling_params, {}))
+        del stops  # (the requests' text trackers hold it now)
         order = list(range(len(requests)))
         if self.config.allow_block_sharing:  # (prompts that share a prefix queued together)
             order = await sorted_in_turns(order, lambda i: requests[i].prompt_ids, turn)

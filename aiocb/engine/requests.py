@@ -271,17 +271,18 @@ class RequestFactory:
                 return  # (the same refusal when the request is built)
             self._remember_bad_words(key, sequences)
 
-    async def prepare_stops(self, sampling_params: SamplingParams | None, params: dict[str, Any]) -> None:
+    async def prepare_stops(self, sampling_params: SamplingParams | None, params: dict[str, Any]) -> object:
         """Build the automaton of a request's stop strings on a worker thread when they are
-        long (64 of 1,024 characters take some 60 ms), so that :meth:`build` finds it."""
+        long (64 of 1,024 characters take some 60 ms); returns it (or None), for the caller
+        to hold until it has built the requests that use it (:meth:`build` then finds it)."""
         stop = params["stop"] if "stop" in params else getattr(sampling_params, "stop", None)
-        if self.tokenizer is None or stop is None:
-            return
+        if self.tokenizer is None or not isinstance(stop, (str, list, tuple)):
+            return None  # (none, or an iterator that only the request's build may consume)
         try:
             stops = as_strings(stop, "stop")
         except InvalidRequestError:
-            return  # (the same refusal when the request is built)
-        await prepare_stop_strings(stops)
+            return None  # (the same refusal when the request is built)
+        return await prepare_stop_strings(stops)
 
     def _remember_bad_words(self, words: tuple[str, ...], sequences: list[list[int]]) -> None:
         if len(self._bad_words) >= _BAD_WORDS_KEPT:

@@ -307,8 +307,9 @@ async def choice_deltas(
 ) -> AsyncGenerator[ChoiceDelta]:
     """The deltas of one choice; ``received`` is when the HTTP request arrived (perf_counter)."""
     detokenizer = IncrementalDetokenizer(ctx.tokenizer, spec.prompt_ids, skip_special_tokens=spec.skip_special_tokens)
-    await prepare_stop_strings(spec.stop)
+    prepared = await prepare_stop_strings(spec.stop)
     stopper = StopStringMatcher(spec.stop, min_tokens=spec.min_tokens, include=spec.include_stop_str_in_output)
+    del prepared  # (held until the matcher holds it)
     metrics = ctx.metrics
     score_only = spec.max_tokens == 0
     seen = 0

@@ -136,8 +136,11 @@ async def test_many_long_stop_strings_are_prepared_off_the_loop(
         batch = await manager.generate_batch(
             [PROMPTS[5]] * 2, max_new_tokens=NEW, ignore_eos=True, stop=[stop, *unused]
         )
+        # (stop strings given as an iterator: the request's own, not used up beforehand)
+        once = await manager.generate(PROMPTS[5], max_new_tokens=NEW, ignore_eos=True, stop=iter([stop, *unused]))
     loop = threading.current_thread().name
     assert len(built) == 2 and loop not in built, built
+    assert once.stop_reason == stop and once.generated_tokens == tokens[:6]
     for result in [*samples, *batch.values()]:
         assert result.stop_reason == stop and result.text == text[:start]
         assert result.generated_tokens == tokens[:6]

@@ -295,3 +295,99 @@ def test_random_ids_after_random_prompts_never_raise(byte_fallback: Any) -> None
         prompt = [rng.randrange(3, vocab) for _ in range(rng.randrange(0, 12))]
         ids = [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 20))]
         _deltas(byte_fallback, prompt, ids)
+
+
+async def test_a_prepared_automaton_is_found_while_held_however_full_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stop strings past ``BUILT_ON_THE_LOOP`` characters are built on a worker thread and
+    held by the caller until its matchers hold them: requests that fill the cache meanwhile
+    (it lets the least recently used go, one by one) do not make the matcher build them
+    again on the loop. Tiny automata count for ``_ENTRY_NODES`` nodes each: a flood of them
+    keeps the cache's size bounded."""
+    from aiocb import stop_strings
+
+    monkeypatch.setattr(stop_strings, "_kept", type(stop_strings._kept)())
+    monkeypatch.setattr(stop_strings, "_kept_nodes", 0)
+    monkeypatch.setattr(stop_strings, "_KEPT_NODES", 20_000)
+    long = [f"{i:03} held while the requests are made " * 6 for i in range(8)]
+    assert sum(map(len, long)) > stop_strings.BUILT_ON_THE_LOOP
+    held = await stop_strings.prepare_stop_strings(long)
+    assert held is not None and await stop_strings.prepare_stop_strings(long) is held
+    recent = stop_strings.stop_strings(("recent",))
+    for i in range(200):  # (tiny ones: each charged _ENTRY_NODES)
+        stop_strings.stop_strings((f"x{i}",))
+        stop_strings.stop_strings(("recent",))  # (used again and again: never the least recent)
+    assert len(stop_strings._kept) <= 20_000 // stop_strings._ENTRY_NODES
+    assert stop_strings._kept_nodes == sum(a.nodes + stop_strings._ENTRY_NODES for a in stop_strings._kept.values())
+    assert tuple(long) not in stop_strings._kept and ("x0",) not in stop_strings._kept
+    assert ("recent",) in stop_strings._kept and stop_strings.stop_strings(("recent",)) is recent
+    assert StopStringMatcher(long)._automaton is held  # (found, not built again)
+
+
+async def test_a_failed_build_whose_callers_all_left_is_not_left_unretrieved(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every caller cancelled (clients gone), then the build fails: its error is retrieved
+    (asyncio reported "Task exception was never retrieved"), the build forgotten."""
+    import asyncio
+    import gc
+    import threading
+
+    from aiocb import stop_strings
+
+    started, callers_gone = asyncio.Event(), threading.Event()
+    loop = asyncio.get_running_loop()
+
+    class Failing(stop_strings.StopStrings):
+        def __init__(self, *args: Any) -> None:
+            loop.call_soon_threadsafe(started.set)
+            callers_gone.wait(10)
+            raise MemoryError("no room for the automaton")
+
+    reported: list[dict[str, Any]] = []
+    loop.set_exception_handler(lambda _, context: reported.append(context))
+    try:
+        monkeypatch.setattr(stop_strings, "StopStrings", Failing)
+
+        async def leave_it() -> None:  # (a function of its own: nothing of the callers lingers)
+            stops = [f"{i} never kept " * 20 for i in range(8)]
+            callers = [asyncio.create_task(stop_strings.prepare_stop_strings(stops)) for _ in range(3)]
+            await started.wait()
+            for caller in callers:
+                caller.cancel()
+            await asyncio.gather(*callers, return_exceptions=True)
+
+        await leave_it()
+        callers_gone.set()
+        for _ in range(50):  # (until the worker thread's failure has come back)
+            if not stop_strings._building:
+                break
+            await asyncio.sleep(0.01)
+        gc.collect()
+        await asyncio.sleep(0)
+    finally:
+        loop.set_exception_handler(None)
+    assert not stop_strings._building and not reported, reported
+
+
+def test_automata_looked_up_from_two_threads_at_once() -> None:
+    """Managers on loops in two threads use one cache: lookups and evictions at once from
+    both neither fail (iterating it while the other inserted did) nor lose its count."""
+    import threading
+
+    from aiocb import stop_strings
+
+    errors: list[BaseException] = []
+
+    def use(tag: str) -> None:
+        try:
+            for i in range(3000):
+                StopStringMatcher([f"{tag}{i}:"]).feed("text")
+        except BaseException as exc:  # (reported below)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=use, args=(tag,)) for tag in "ab"]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    with stop_strings._lock:
+        assert stop_strings._kept_nodes == sum(a.nodes + stop_strings._ENTRY_NODES for a in stop_strings._kept.values())
