@@ -31,6 +31,13 @@ Scenarios, each on a fresh Manager with ``bench/overhead.py``'s near-zero-comput
   tokenizer of 640 tokens (the model's vocabulary to match), each with the 64 stop strings of
   1,024 characters that ``aiocb serve`` allows (none is written): every token's text
   searched for them all;
+* ``long_ids``: one request whose prompt is 100,000 token ids (a model of 131,072 positions),
+  cut to its last 16 (``truncate_prompt_tokens``), 4 new tokens: the ids checked;
+* ``big_batch``: ``generate_batch`` of 20 x ``--rows`` 4-token prompts (20,480 by default),
+  4 new tokens each: the prompts sorted, their requests made, looked up, collected and freed;
+* ``min_tokens``: one request with 64 samples, sampled, of 32 new tokens, all under
+  ``min_tokens`` with the 4,096 stop token ids ``aiocb serve`` allows: the stop tokens banned
+  at every step;
 * ``scored``: one 4,000-token prompt scored with ``prompt_logprobs`` and 20 alternatives a
   position, 1 new token: a step scores up to ``--rows`` of its positions, and records them.
 
@@ -60,11 +67,25 @@ if __package__ in (None, ""):  # run as `python bench/loop_holds.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import aiocb
-from bench.common import machine_info
-from bench.overhead import tiny_model
+from bench.common import build_model, machine_info
+from bench.overhead import TINY_SHAPE
 from tests.server.conftest import build_tokenizer
 
-SCENARIOS = ("prefix", "pages", "streams", "cancel", "samples", "bad_words", "stop_strings", "scored")
+SCENARIOS = (
+    "prefix",
+    "pages",
+    "streams",
+    "cancel",
+    "samples",
+    "bad_words",
+    "stop_strings",
+    "long_ids",
+    "big_batch",
+    "min_tokens",
+    "scored",
+)
+#: The scenarios whose model has more positions than ``TINY_SHAPE``'s.
+CONTEXTS = {"long_ids": 131_072}
 #: The scenarios whose manager has a tokenizer (and a model of its vocabulary).
 TOKENIZED = ("stop_strings",)
 GC_REPORTED_S = 0.0005
@@ -152,7 +173,9 @@ async def run_scenario(
     recorder: HoldRecorder, name: str, rows: int, work: Callable[[aiocb.Manager], Awaitable[None]]
 ) -> str:
     tokenizer = build_tokenizer() if name in TOKENIZED else None
-    model = tiny_model(layers=1, vocab=4096 if tokenizer is None else len(tokenizer), seed=0)
+    vocab = 4096 if tokenizer is None else len(tokenizer)
+    shape = {**TINY_SHAPE, "max_position_embeddings": CONTEXTS.get(name, TINY_SHAPE["max_position_embeddings"])}
+    model = build_model(seed=0, vocab_size=vocab, num_hidden_layers=1, **shape)
     config = aiocb.ContinuousBatchingConfig(
         num_blocks=rows * 40 + 64,
         page_size=16,
@@ -223,6 +246,23 @@ def scenarios(rows: int) -> dict[str, Callable[[aiocb.Manager], Awaitable[None]]
         prompts = [[i % 600 + 1] * 16 for i in range(rows)]
         await manager.generate_batch(prompts, max_new_tokens=32, ignore_eos=True, stop=stops)
 
+    long_prompt = [(i * 7) % 4000 + 1 for i in range(100_000)]
+
+    async def long_ids(manager: aiocb.Manager) -> None:
+        await manager.generate(long_prompt, max_new_tokens=4, truncate_prompt_tokens=16)
+
+    many_prompts = [[(i * 7) % 4000 + 1, (i * 13) % 4000 + 1, 5, 6] for i in range(20 * rows)]
+
+    async def big_batch(manager: aiocb.Manager) -> None:
+        await manager.generate_batch(many_prompts, max_new_tokens=4)
+
+    stop_ids = list(range(1, 4097))
+
+    async def min_tokens(manager: aiocb.Manager) -> None:
+        await manager.generate(
+            [4095] * 16, max_new_tokens=32, min_tokens=32, stop_token_ids=stop_ids, n=64, do_sample=True, seed=1
+        )
+
     async def scored(manager: aiocb.Manager) -> None:
         prompt = [(i * 7) % 4000 + 1 for i in range(4000)]
         await manager.generate(prompt, max_new_tokens=1, prompt_logprobs=True, top_logprobs=20)
@@ -235,6 +275,9 @@ def scenarios(rows: int) -> dict[str, Callable[[aiocb.Manager], Awaitable[None]]
         "samples": samples,
         "bad_words": bad_words_,
         "stop_strings": stop_strings,
+        "long_ids": long_ids,
+        "big_batch": big_batch,
+        "min_tokens": min_tokens,
         "scored": scored,
     }
 
