@@ -84,37 +84,42 @@ def truncated_prompt(prompt: list[int], keep: int | None, max_model_len: int | N
 LONG_ID_PROMPT = 16_384
 
 
-class CheckedPrompt(list[int]):
-    """Token ids already checked against a vocabulary of ``vocab_size`` tokens (by
-    :func:`checked_long_prompt`): :func:`normalize_prompt` takes them as they are."""
+@dataclass(frozen=True, slots=True)
+class CheckedPrompt:
+    """A long prompt's token ids checked against a vocabulary of ``vocab_size`` tokens, and
+    cut to those kept, on a worker thread (:func:`checked_long_prompt`): :func:`normalize_prompt`
+    takes them as they are."""
 
-    __slots__ = ("vocab_size",)
-
-    def __init__(self, vocab_size: int) -> None:
-        super().__init__()
-        self.vocab_size = vocab_size
+    ids: list[int]
+    vocab_size: int
 
 
 def is_long_id_prompt(prompt: Any) -> bool:
-    """Whether ``prompt``, given as token ids, has more than :data:`LONG_ID_PROMPT`."""
-    if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__len__"):
-        return False
-    try:
-        return len(prompt) > LONG_ID_PROMPT and getattr(prompt, "ndim", 1) == 1
-    except TypeError:  # (a 0-dimensional array has no length)
-        return False
+    """Whether ``prompt`` is a list, tuple or one-dimensional array of more than
+    :data:`LONG_ID_PROMPT` token ids (anything else is checked as it always was)."""
+    if type(prompt) in (list, tuple):
+        return len(prompt) > LONG_ID_PROMPT
+    if hasattr(prompt, "tolist") and getattr(prompt, "ndim", 1) == 1:
+        try:
+            return len(prompt) > LONG_ID_PROMPT
+        except TypeError:  # (a 0-dimensional array has no length)
+            return False
+    return False
 
 
-def checked_long_prompt(input_ids: Any, vocab_size: int, pause: Callable[[], None]) -> CheckedPrompt:
+def checked_long_prompt(
+    input_ids: Any, vocab_size: int, keep: int | None, max_model_len: int | None, pause: Callable[[], None]
+) -> CheckedPrompt:
     """:func:`normalize_prompt` of a long prompt (:func:`is_long_id_prompt`), a slice of
     :data:`LONG_ID_PROMPT` ids at a time, calling ``pause`` between slices (for a worker
-    thread: the event loop's thread takes the GIL)."""
-    checked = CheckedPrompt(vocab_size)
+    thread: the event loop's thread takes the GIL), then :func:`truncated_prompt`: the ids
+    not kept are freed here, not on the loop."""
+    ids: list[int] = []
     for start in range(0, len(input_ids), LONG_ID_PROMPT):
         if start:
             pause()
-        checked += normalize_prompt(input_ids[start : start + LONG_ID_PROMPT], vocab_size, offset=start)
-    return checked
+        ids += normalize_prompt(input_ids[start : start + LONG_ID_PROMPT], vocab_size, offset=start)
+    return CheckedPrompt(truncated_prompt(ids, keep, max_model_len), vocab_size)
 
 
 def normalize_prompt(input_ids: Any, vocab_size: int, *, offset: int = 0) -> list[int]:
@@ -122,7 +127,7 @@ def normalize_prompt(input_ids: Any, vocab_size: int, *, offset: int = 0) -> lis
     InvalidRequestError saying what is wrong (positions counted from ``offset``:
     ``input_ids`` is a slice of the prompt there)."""
     if type(input_ids) is CheckedPrompt and input_ids.vocab_size == vocab_size:
-        return list(input_ids)  # (a plain list, as any prompt: a copy costs a fraction of a millisecond)
+        return input_ids.ids  # (a list of its own, made on the worker thread)
     if hasattr(input_ids, "tolist") and not isinstance(input_ids, list):
         if getattr(input_ids, "ndim", 1) != 1:
             raise InvalidRequestError(

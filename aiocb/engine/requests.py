@@ -26,7 +26,7 @@ from aiocb.detokenize import TextTracker
 from aiocb.errors import InvalidRequestError
 from aiocb.gil import yield_gil
 from aiocb.params import SamplingParams, as_strings
-from aiocb.prompts import Prompt, bad_words_ids, encode_prompt, is_chat, is_large
+from aiocb.prompts import Prompt, bad_words_ids, encode_prompt, is_large
 from aiocb.runner.step_batch import token_history
 from aiocb.sampling import (
     RequestLimits,
@@ -51,6 +51,13 @@ _BAD_WORDS_KEPT = 256
 _BAD_WORDS_ON_THE_LOOP = 16
 #: constraints (their text) up to this many characters compile in the short lane
 _SHORT_CONSTRAINT = 16_384
+
+
+def _given(name: str, sampling_params: SamplingParams | None, params: dict[str, Any]) -> Any:
+    """A request's ``name`` as its build will merge it: the keyword's, unless None (a keyword
+    of None leaves the SamplingParams' value)."""
+    value = params.get(name)
+    return getattr(sampling_params, name, None) if value is None else value
 
 
 def sample_ids(request_id: str, n: int) -> list[str]:
@@ -103,10 +110,10 @@ class RequestFactory:
         a very long one in a child process (:mod:`aiocb.tokenizer_process`) that sends back
         only the last ``keep`` tokens (``truncate_prompt_tokens``, -1: ``limit``) or, past
         ``limit`` (the model's context) uncut, refuses the prompt by its count. A long
-        prompt of token ids is checked against the vocabulary on a worker thread."""
+        prompt of token ids is checked against the vocabulary, and cut, on a worker thread."""
         if not is_large(prompt):
-            if not is_chat(prompt) and is_long_id_prompt(prompt):
-                return await asyncio.to_thread(checked_long_prompt, prompt, vocab_size, yield_gil)
+            if is_long_id_prompt(prompt):
+                return await asyncio.to_thread(checked_long_prompt, prompt, vocab_size, keep, limit, yield_gil)
             return encode_prompt(prompt, self.tokenizer)
         check_truncation(keep, limit)  # (before a long text is tokenized)
         return await asyncio.to_thread(self._encode_large, prompt, keep, limit)
@@ -258,7 +265,7 @@ class RequestFactory:
     async def tokenize_bad_words(self, sampling_params: SamplingParams | None, params: dict[str, Any]) -> None:
         """Tokenize a request's ``bad_words`` on a worker thread when there are many (two
         encodes a word: some 40 µs each), so that :meth:`build` finds them tokenized."""
-        words = params["bad_words"] if "bad_words" in params else getattr(sampling_params, "bad_words", None)
+        words = _given("bad_words", sampling_params, params)
         if self.tokenizer is None or not isinstance(words, (list, tuple)) or len(words) <= _BAD_WORDS_ON_THE_LOOP:
             return
         if not all(isinstance(word, str) for word in words):
@@ -275,8 +282,8 @@ class RequestFactory:
         """Build the automaton of a request's stop strings on a worker thread when they are
         long (64 of 1,024 characters take some 60 ms); returns it (or None), for the caller
         to hold until it has built the requests that use it (:meth:`build` then finds it)."""
-        stop = params["stop"] if "stop" in params else getattr(sampling_params, "stop", None)
-        if self.tokenizer is None or not isinstance(stop, (str, list, tuple)):
+        stop = _given("stop", sampling_params, params)
+        if self.tokenizer is None or stop is None or isinstance(stop, Iterator):
             return None  # (none, or an iterator that only the request's build may consume)
         try:
             stops = as_strings(stop, "stop")

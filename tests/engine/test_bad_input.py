@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 from typing import Any
 
 import pytest
@@ -29,6 +30,7 @@ BAD_REQUESTS: list[tuple[str, Any, dict[str, Any], str]] = [
     ("a long prompt's float id", [1] * 30_000 + [2.0], {}, r"input_ids\[30000\] is 2.0 \(float\)"),
     ("a long tensor's id beyond vocab", torch.tensor([1] * 20_000 + [VOCAB]), {}, rf"input_ids\[20000\] = {VOCAB} "),
     ("a long 2-d tensor", torch.ones(20_000, 2, dtype=torch.long), {}, "one-dimensional"),
+    ("a long set", set(range(1, 20_001)), {}, "must be a list of token ids, got set"),
     ("float id", [1, 2.0, 3], {}, r"input_ids\[1\].*must be ints"),
     ("bool id", [1, 2, True], {}, r"input_ids\[2\] is True \(bool\)"),
     ("id beyond vocab, late in a long prompt", [1] * 500 + [VOCAB + 7], {}, r"input_ids\[500\] = \d+ is outside"),
@@ -208,19 +210,23 @@ async def test_a_long_prompt_of_token_ids_is_checked_off_the_loop(
     from aiocb.sampling import LONG_ID_PROMPT
 
     threads: list[str] = []
+    kept: list[int] = []
     checked = requests.checked_long_prompt
 
     def recorded(*args: Any) -> Any:
         threads.append(threading.current_thread().name)
-        return checked(*args)
+        result = checked(*args)
+        kept.append(len(result.ids))  # (cut there too: the ids not kept are freed off the loop)
+        return result
 
     monkeypatch.setattr(requests, "checked_long_prompt", recorded)
     prompt = [(i * 7) % (VOCAB - 1) + 1 for i in range(LONG_ID_PROMPT + 5_000)]
     expected = reference_generate(qwen3, prompt[-8:], 5)
     async with aiocb.Manager(qwen3) as manager:
-        for given in (prompt, tuple(prompt), torch.tensor(prompt)):
+        for given in (prompt, tuple(prompt), torch.tensor(prompt), collections.deque(prompt)):
             output = await manager.generate(given, max_new_tokens=5, truncate_prompt_tokens=8)
             assert output.prompt_ids == prompt[-8:] and output.generated_tokens == expected
         batch = await manager.generate_batch([prompt], max_new_tokens=5, truncate_prompt_tokens=8)
         assert [o.generated_tokens for o in batch.values()] == [expected]
-    assert len(threads) == 4 and threading.current_thread().name not in threads
+    # (a deque, which cannot be sliced, is checked on the loop as it always was)
+    assert len(threads) == 4 and threading.current_thread().name not in threads and kept == [8] * 4

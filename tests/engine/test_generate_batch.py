@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from transformers import PreTrainedModel
 
@@ -109,3 +111,30 @@ async def test_timestamps_of_streamed_and_speculated_tokens(qwen3: PreTrainedMod
             assert chunk.timestamps is not None and len(chunk.timestamps) == len(chunk.generated_tokens) >= seen
             seen = len(chunk.generated_tokens)
         assert seen == 12 and chunk.finished_time is not None and chunk.timestamps[-1] <= chunk.finished_time
+
+
+async def test_prompts_that_share_a_prefix_are_queued_together(
+    qwen3: PreTrainedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With block sharing on, a batch's prompts are queued in the order of their first ids
+    (so that those sharing a prefix compute it once and hit it at once), whatever order
+    they came in; their outputs still come back in the input order."""
+    from aiocb.engine.manager import Manager
+
+    shared = {label: [(label * 37 + i) % 400 + 1 for i in range(48)] for label in (1, 2, 3)}
+    prompts = [shared[1 + i % 3] + [i + 1] for i in range(12)]
+    queued: list[int] = []
+    submit = Manager._submit_group
+
+    def recorded(self: Manager, request: Any, **kwargs: Any) -> Any:
+        queued.append(request.prompt_ids[0])
+        return submit(self, request, **kwargs)
+
+    monkeypatch.setattr(Manager, "_submit_group", recorded)
+    async with aiocb.Manager(
+        qwen3, continuous_batching_config=aiocb.ContinuousBatchingConfig(allow_block_sharing=True)
+    ) as manager:
+        outputs = await manager.generate_batch(prompts, max_new_tokens=2)
+    runs = [first for i, first in enumerate(queued) if i == 0 or queued[i - 1] != first]
+    assert len(runs) == 3, queued  # (each prefix's prompts one after another)
+    assert [o.prompt_ids for o in outputs.values()] == prompts

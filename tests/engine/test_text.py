@@ -138,9 +138,15 @@ async def test_many_long_stop_strings_are_prepared_off_the_loop(
         )
         # (stop strings given as an iterator: the request's own, not used up beforehand)
         once = await manager.generate(PROMPTS[5], max_new_tokens=NEW, ignore_eos=True, stop=iter([stop, *unused]))
+        # (a SamplingParams' stop strings beside a keyword stop=None, which leaves them; a set)
+        given = aiocb.SamplingParams(stop=[*unused[::-1], stop], max_new_tokens=NEW, ignore_eos=True)
+        kept = await manager.generate(PROMPTS[5], sampling_params=given, stop=None)
+        as_set = await manager.generate(PROMPTS[5], max_new_tokens=NEW, ignore_eos=True, stop={stop, *unused})
     loop = threading.current_thread().name
-    assert len(built) == 2 and loop not in built, built
-    assert once.stop_reason == stop and once.generated_tokens == tokens[:6]
+    # (a set is sorted: in the order of an earlier list, it finds that list's automaton)
+    assert len(built) in (3, 4) and loop not in built, built
+    for result in (once, kept, as_set):
+        assert result.stop_reason == stop and result.generated_tokens == tokens[:6]
     for result in [*samples, *batch.values()]:
         assert result.stop_reason == stop and result.text == text[:start]
         assert result.generated_tokens == tokens[:6]
