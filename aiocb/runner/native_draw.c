@@ -431,8 +431,14 @@ static void draw_whole_row(const job* jb, int64_t r) {
         }
     uint32_t key1, key2;
     row_keys(jb->seed[r], jb->offset[r], &key1, &key2);
-    jb->tokens[r] = whole_argmax(x, jb->vocab, temperature, key1, key2, -INFINITY, min_p, top,
-                                 min_p ? jb->log_min_p[r] : 0.0f);
+    float log_min_p = min_p ? jb->log_min_p[r] : 0.0f;
+    /* min-p's cut as a floor too, loosened by its rounding (the exact test follows), so
+     * that the tokens below it skip the hash: with the noise reaching 22.9, most of a
+     * peaked row's vocabulary is otherwise hashed */
+    float floor = min_p && isfinite(top) && isfinite(log_min_p)
+                      ? top + log_min_p - (fabsf(top) + fabsf(log_min_p)) * 1e-6f - 1e-6f
+                      : -INFINITY;
+    jb->tokens[r] = whole_argmax(x, jb->vocab, temperature, key1, key2, floor, min_p, top, log_min_p);
 }
 
 static void run(const job* jb) {

@@ -117,7 +117,8 @@ if HAS_TRITON:
         x = ((bits ^ 0xFFFFFFFF).to(tl.float32) + 0.5) * 2.3283064365386963e-10  # (~bits; times 2**-32: exact)
         x = tl.minimum(x, 0.99999994039535522)  # (float32's largest below 1)
         w = 1.0 - x
-        ratio = tl.where(w == 1.0, 1.0, tl.div_rn(-_log(w, PRECISE), 1.0 - w))
+        whole = w == 1.0  # (no 0 / 0 in the branch not taken: the interpreter evaluates both)
+        ratio = tl.where(whole, 1.0, tl.div_rn(-_log(w, PRECISE), tl.where(whole, 1.0, 1.0 - w)))
         return -_log(x * ratio, PRECISE)
 
     @triton.jit  # type: ignore[untyped-decorator]
@@ -148,8 +149,9 @@ if HAS_TRITON:
         ``(best, cand)``, taking the noise's logarithms only in a block where some token may
         beat ``best`` (``top``: at least the block's largest eligible scaled logit).
 
-        A token's noise ``-log(-log u)`` is at most ``-log(1 - u)`` (as ``-log u >= 1 - u``),
-        so it can beat ``best`` only if ``1 - u < exp(scaled - best)``: the hash and one fast
+        A token's noise ``-log(E)``, with ``E = -log(1 - x)`` (:func:`_gumbel`), is at most
+        ``-log(x)`` (as ``E >= x``), so it can beat ``best`` only if ``x < exp(scaled -
+        best)``: the hash and one fast
         exponential a token instead of two logarithms, and past a row's first blocks few
         blocks hold such a token (the chance that a block beats the best of those before it
         falls as the best grows: about 5 blocks of 75 take logarithms in a row of 151,936
@@ -165,10 +167,10 @@ if HAS_TRITON:
             bits = _bits(ids, row_key, second_key)
             may_win = eligible
             if bar > float("-inf"):  # (before a row's first score every token may win)
-                one_minus_u = (8388607.5 - (bits >> 9).to(tl.float32)) * (1.0 / 8388608.0)  # exact
-                # (capped far above any 1 - u: the exponential stays finite)
+                x = ((bits ^ 0xFFFFFFFF).to(tl.float32) + 0.5) * 2.3283064365386963e-10  # (_gumbel's x)
+                # (capped far above any x: the exponential stays finite)
                 near = logits * (1.0 / temperature) - bar
-                may_win = eligible & (one_minus_u < tl.exp(tl.minimum(near, 20.0)))
+                may_win = eligible & (x < tl.exp(tl.minimum(near, 20.0)))
             if tl.max(may_win.to(tl.int32), 0) > 0:
                 scaled = tl.math.div_rn(logits, temperature)
                 score = tl.where(eligible, scaled + _gumbel(bits, PRECISE), float("-inf"))

@@ -160,6 +160,28 @@ def test_a_late_token_that_beats_the_best_by_a_hair_wins(margin: float) -> None:
 
 
 @needs_kernel
+def test_a_token_far_below_the_top_wins_with_its_tail_noise() -> None:
+    """A token past a row's first block whose noise lies in the tail that 32 bits reach
+    (above 17: 23-bit uniforms stopped at 16.6) wins over a token 17 to 23 above it when its
+    noise says so: the kernel's test for skipping a block bounds the noise with the same bits."""
+    vocab, found = 4_096, []
+    for start in range(0, 400_000, 2_000):  # (rows whose largest noise past the first block is over 17)
+        seeds = torch.arange(start, start + 2_000)
+        noise = gumbel_noise(seeds, torch.zeros_like(seeds), vocab)
+        top, late = noise[:, BLOCK:].max(dim=-1)
+        found += [(int(seeds[r]), int(late[r]) + BLOCK, noise[r]) for r in (top > 17.0).nonzero()[:, 0].tolist()]
+        if len(found) >= 4:
+            break
+    seed, late = torch.tensor([f[0] for f in found]), torch.tensor([f[1] for f in found])
+    logits = torch.full((len(found), vocab), -1e4)
+    logits[:, 0] = 0.0
+    for row, (_, at, row_noise) in enumerate(found):
+        logits[row, at] = row_noise[0] - row_noise[at] + 0.5  # (beats token 0 by 0.5)
+    got, want = _both(logits, torch.ones(len(found)), seed, torch.zeros_like(seed), None, None, None)
+    assert torch.equal(got, want) and torch.equal(want, late), (got, want, late)
+
+
+@needs_kernel
 def test_rows_with_different_filters_in_one_batch() -> None:
     vocab = 700
     # (top_k, top_p, min_p, scale): filters off, each alone, together, top-k of the whole
