@@ -214,6 +214,15 @@ static inline void row_keys(int64_t seed, int64_t offset, uint32_t* key1, uint32
     *key2 = mix32(first ^ 0x5BD1E995U);
 }
 
+/* mix32's inverse (lowbias32 is a bijection: its multipliers' inverses mod 2**32) */
+static inline uint32_t unmix32(uint32_t x) {
+    x ^= x >> 16;
+    x *= 0x43021123U;
+    x ^= (x >> 15) ^ (x >> 30);
+    x *= 0x1D69E2A5U;
+    return x ^ (x >> 16);
+}
+
 /* the 32-bit noise value of vocabulary id `id` in the row with keys key1, key2 */
 static inline uint32_t noise_bits(uint32_t key1, uint32_t key2, uint32_t id) { return mix32(mix32(id ^ key1) ^ key2); }
 
@@ -231,10 +240,17 @@ static inline float gumbel_of(uint32_t bits) {
 /* Above the noise of every value whose top 8 bits are b: the noise is increasing in the
  * bits, so the bucket's largest value bounds it (plus room for the logarithms' rounding). */
 static float noise_ceiling[256];
+/* The noise's tail: the TAIL values of the bits from 2**32 - TAIL up, whose noise is past
+ * body_ceiling (about 16.6); the ids that draw them in a row are found by inverting the
+ * hash (some 0.01 of them in a vocabulary of 151,936), so that a whole-vocabulary draw
+ * need not hash the tokens that only such noise could make win. */
+#define TAIL 256U
+static float body_ceiling;
 static pthread_once_t ceiling_once = PTHREAD_ONCE_INIT;
 
 static void fill_noise_ceiling(void) {
     for (uint32_t b = 0; b < 256; b++) noise_ceiling[b] = gumbel_of((b << 24) | 0xFFFFFFU) + 1e-3f;
+    body_ceiling = gumbel_of(0xFFFFFFFFU - TAIL) + 1e-3f;
 }
 
 typedef struct {
@@ -251,18 +267,19 @@ typedef struct {
  * index on ties, the first NaN if there is one; tokens with x / T below `floor`, or (with
  * `min_p`) more than `log_min_p` below `top`, take no part. A value's logarithms are taken
  * only when its bound (its bucket's noise_ceiling) beats the best score so far: a few
- * dozen a row. */
+ * dozen a row. Tokens that only noise from the tail could make win are not hashed at all:
+ * the tail's ids are looked at after the scan. */
 static int64_t whole_argmax(const float* x, int64_t n, float temperature, uint32_t key1, uint32_t key2, float floor,
                             int min_p, float top, float log_min_p) {
     typedef uint32_t v4u __attribute__((vector_size(16)));
     v4i lane = {0, 1, 2, 3}, first = {(int32_t)key1, (int32_t)key1, (int32_t)key1, (int32_t)key1};
     v4i second = {(int32_t)key2, (int32_t)key2, (int32_t)key2, (int32_t)key2};
     v4f t = {temperature, temperature, temperature, temperature}, lowest = {floor, floor, floor, floor};
-    float best = -INFINITY, most_noise = noise_ceiling[255];
+    float best = -INFINITY, most_noise = body_ceiling;
     int64_t pick = 0, i = 0;
     for (; i + 4 <= n; i += 4) {
         v4f scaled = load4(x + i) / t;
-        /* values too small to win even with the largest noise skip the hash too */
+        /* values too small to win even with the largest noise below the tail skip the hash */
         v4f beat = {best, best, best, best};
         v4i near = ((scaled + most_noise > beat) & (scaled >= lowest)) | (scaled != scaled);
         uint64_t w[2];
@@ -296,6 +313,18 @@ static int64_t whole_argmax(const float* x, int64_t n, float temperature, uint32
         if (score > best) {
             best = score;
             pick = i;
+        }
+    }
+    /* The tail's ids, whatever the scan skipped (the first index still wins a tie). */
+    for (uint32_t b = 0; b < TAIL; b++) {
+        uint32_t bits = 0xFFFFFFFFU - b, id = unmix32(unmix32(bits) ^ key2) ^ key1;
+        if ((int64_t)id >= n) continue;
+        float scaled = x[id] / temperature;
+        if (scaled < floor || (min_p && !(scaled - top >= log_min_p))) continue;
+        float score = scaled + gumbel_of(bits);
+        if (score > best || (score == best && (int64_t)id < pick)) {
+            best = score;
+            pick = id;
         }
     }
     return pick;

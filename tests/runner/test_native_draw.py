@@ -210,6 +210,41 @@ def test_the_whole_vocabulary_draw_picks_what_the_torch_one_picks(
     assert torch.equal(draw(logits, temperature, seeds, offsets, unfiltered, torch.ones(rows), mp), tokens)
 
 
+def test_a_token_far_below_the_top_wins_by_its_tail_noise(kernel: ctypes.CDLL) -> None:
+    """The whole-vocabulary draw hashes no token that only noise from the far tail (past
+    16.6) could make win; such tokens' ids are found by inverting the hash: a token 17 to
+    23 below the top whose noise says it wins, wins (ties too: the first index), and peaked
+    rows (most tokens more than 16.6 below the top) pick what the torch draw picks."""
+    from aiocb.runner.noise import gumbel_noise
+
+    vocab, found = 151_936, []
+    for start in range(0, 40_000, 200):  # (rows with some noise over 17)
+        seeds = torch.arange(start, start + 200)
+        noise = gumbel_noise(seeds, torch.zeros_like(seeds), vocab)
+        top, at = noise.max(dim=-1)
+        found += [(int(seeds[r]), int(at[r]), noise[r]) for r in (top > 17.0).nonzero()[:, 0].tolist()]
+        if len(found) >= 6:
+            break
+    rows = len(found)
+    seeds, offsets = torch.tensor([f[0] for f in found]), torch.zeros(rows, dtype=torch.long)
+    logits = torch.full((rows, vocab), -40.0)
+    for row, (_, at, noise) in enumerate(found):
+        other = (at + 7) % vocab
+        logits[row, other] = 0.0
+        # beats the top by 0.25, ties with it, or loses by 0.25
+        logits[row, at] = noise[other] - noise[at] + (0.25, 0.0, -0.25)[row % 3]
+    temperature = torch.ones(rows)
+    tokens = native.draw_whole(kernel, logits, temperature, None, seeds, offsets)
+    assert torch.equal(tokens, draw_full(logits, seeds, offsets, None, None, None))
+    assert [int(t) == f[1] for t, f in zip(tokens, found, strict=True)] == [
+        row % 3 == 0 or (row % 3 == 1 and f[1] < (f[1] + 7) % vocab) for row, f in enumerate(found)
+    ]
+    peaked = torch.randn(32, vocab, generator=torch.Generator().manual_seed(1)) * 8
+    temperature, seeds, offsets, _, _ = _columns(32, 0, 1.0, seed=1)
+    tokens = native.draw_whole(kernel, peaked, temperature, None, seeds, offsets)
+    assert torch.equal(tokens, draw_full(peaked / temperature[:, None], seeds, offsets, None, None, None))
+
+
 def test_the_whole_vocabulary_draw_ranks_nan_and_masked_logits_as_torch_does(kernel: ctypes.CDLL) -> None:
     rows, vocab = 4, 1000
     logits = torch.randn(rows, vocab)
