@@ -47,7 +47,7 @@ def controls_host_tensors(controls: dict[int, RowControls], num_rows: int) -> di
     bias_ids: list[int] = []
     bias_values: list[float] = []
     # Bans and allowed tokens may be thousands a row (a request's stop tokens before its
-    # min_tokens, allowed_token_ids): gathered in C arrays, a third of a list's cost to make
+    # min_tokens, allowed_token_ids): gathered in C arrays, a quarter of a list's cost to make
     # into a tensor, and added a collection at a time.
     ban_rows, ban_ids = array.array("q"), array.array("q")
     allow_rows, allow_ids = array.array("q"), array.array("q")
