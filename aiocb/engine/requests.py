@@ -26,7 +26,7 @@ from aiocb.detokenize import TextTracker
 from aiocb.errors import InvalidRequestError
 from aiocb.gil import yield_gil
 from aiocb.params import SamplingParams, as_strings
-from aiocb.prompts import Prompt, bad_words_ids, encode_prompt, is_large
+from aiocb.prompts import Prompt, bad_words_ids, encode_prompt, is_chat, is_large
 from aiocb.runner.step_batch import token_history
 from aiocb.sampling import (
     RequestLimits,
@@ -112,7 +112,7 @@ class RequestFactory:
         ``limit`` (the model's context) uncut, refuses the prompt by its count. A long
         prompt of token ids is checked against the vocabulary, and cut, on a worker thread."""
         if not is_large(prompt):
-            if is_long_id_prompt(prompt):
+            if is_long_id_prompt(prompt) and not is_chat(prompt):
                 return await asyncio.to_thread(checked_long_prompt, prompt, vocab_size, keep, limit, yield_gil)
             return encode_prompt(prompt, self.tokenizer)
         check_truncation(keep, limit)  # (before a long text is tokenized)
