@@ -2,7 +2,21 @@
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TypeVar
+
+_T = TypeVar("_T")
+
+#: How long work inside :func:`pausing` holds the GIL between two chances for the event
+#: loop's thread to take it (seconds).
+PAUSE_EVERY = 0.0005
+
+#: when each thread inside :func:`pausing` last let the GIL go (a dictionary by thread id:
+#: looked up several times faster than a ``threading.local``'s attribute)
+_last_pause: dict[int, float] = {}
 
 
 def yield_gil() -> None:
@@ -10,3 +24,32 @@ def yield_gil() -> None:
     has held it for the interpreter's switch interval (5 ms). A sleep of 0.1 ms: one of 0 s
     lets the GIL go, but this thread mostly takes it back before the waiting one wakes."""
     time.sleep(0.0001)
+
+
+@contextmanager
+def pausing() -> Iterator[None]:
+    """Within this block (on a worker thread), :func:`pause` lets the GIL go once this
+    thread has held it for :data:`PAUSE_EVERY` seconds."""
+    thread = threading.get_ident()
+    _last_pause[thread] = time.perf_counter()
+    try:
+        yield
+    finally:
+        del _last_pause[thread]
+
+
+def pause() -> None:
+    """A chance for the event loop's thread to take the GIL, for long work done a slice (or
+    an item) at a time: taken inside :func:`pausing` once it is due; on any other thread
+    (the loop's own, where the same work is short) nothing."""
+    thread = threading.get_ident()
+    last = _last_pause.get(thread)
+    if last is not None and time.perf_counter() - last >= PAUSE_EVERY:
+        yield_gil()
+        _last_pause[thread] = time.perf_counter()
+
+
+def pausing_call(function: Callable[..., _T], *args: object) -> _T:
+    """``function(*args)`` inside :func:`pausing` (for ``asyncio.to_thread``)."""
+    with pausing():
+        return function(*args)

@@ -13,17 +13,20 @@ The README's table of request parameters is generated from this class
 from __future__ import annotations
 
 import dataclasses
+import functools
+import heapq
 import itertools
 import json
 import math
 import operator
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiocb.core.sequences import SequenceBias
 from aiocb.errors import InvalidRequestError
+from aiocb.gil import pause
 
 
 def _doc(text: str, default: str = "") -> dict[str, str]:
@@ -217,68 +220,15 @@ class SamplingParams:
     )
 
     def __post_init__(self) -> None:
-        _check_int(self, "max_new_tokens", minimum=1)
-        _check_int(self, "min_tokens", minimum=0)
-        _check_int(self, "top_k", minimum=0)
-        _check_int(self, "top_logprobs", minimum=0)
-        _check_int(self, "seed", minimum=-(2**63), maximum=2**64 - 1)
-        _check_int(self, "priority", minimum=None)
-        _check_int(self, "n", minimum=1)
-        _check_int(self, "no_repeat_ngram_size", minimum=0)
-        _check_int(self, "truncate_prompt_tokens", minimum=-1)
-        if self.truncate_prompt_tokens == 0:
-            raise InvalidRequestError(
-                "truncate_prompt_tokens must be at least 1 (or -1: the model's context length), got 0",
-                param="truncate_prompt_tokens",
-            )
-        for name in ("do_sample", "include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
-            _check_bool(self, name)
-        for name in ("return_logprobs", "prompt_logprobs", "record_timestamps"):
-            _check_bool(self, name)
-        if self.logprobs_mode not in (None, "raw", "processed"):
-            raise InvalidRequestError(
-                f'logprobs_mode must be "raw" or "processed", got {self.logprobs_mode!r}', param="logprobs_mode"
-            )
-        _check_float(self, "temperature", low=0.0)
-        _check_float(self, "top_p", low=0.0, low_open=True, high=1.0)
-        _check_float(self, "min_p", low=0.0, high=1.0)
-        _check_float(self, "top_h", low=0.0, high=1.0)
-        _check_float(self, "typical_p", low=0.0, low_open=True, high=1.0)
-        _check_float(self, "epsilon_cutoff", low=0.0, high=1.0, high_open=True)
-        _check_float(self, "eta_cutoff", low=0.0, high=1.0, high_open=True)
-        _check_float(self, "repetition_penalty", low=0.0, low_open=True)
-        _check_float(self, "presence_penalty", low=-2.0, high=2.0)
-        _check_float(self, "frequency_penalty", low=-2.0, high=2.0)
-        _check_float(self, "timeout", low=0.0, low_open=True)
-        _set(self, "stop", as_strings(self.stop, "stop"))
-        _set(self, "bad_words", as_strings(self.bad_words, "bad_words"))
-        _set(self, "stop_token_ids", _ids("stop_token_ids", self.stop_token_ids))
-        _set(self, "allowed_token_ids", _ids("allowed_token_ids", self.allowed_token_ids, empty_ok=False))
-        if self.eos_token_id is not None:
-            value = self.eos_token_id
-            _set(
-                self,
-                "eos_token_id",
-                _ids("eos_token_id", [value] if token_id(value) is not None else value, negative_ok=True),
-            )
-        _set(self, "logit_bias", _logit_bias(self.logit_bias))
-        _set(self, "sequence_bias", _sequence_bias(self.sequence_bias))
-        _set(self, "bad_words_ids", _bad_words(self.bad_words_ids))
-        _set(self, "json_schema", _json_schema(self.json_schema))
-        _set(self, "structural_tag", _structural_tag(self.structural_tag))
-        for name in ("regex", "grammar"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value):
-                raise InvalidRequestError(f"{name} must be a non-empty str, got {value!r}", param=name)
-        if self.choice is not None:
-            listed = isinstance(self.choice, Iterable) and not isinstance(self.choice, str | bytes | Mapping)
-            ordered = sorted(self.choice, key=repr) if isinstance(self.choice, set | frozenset) else self.choice
-            choices = tuple(ordered) if listed else ()
-            if not choices or not all(isinstance(c, str) and c for c in choices):
-                raise InvalidRequestError(
-                    f"choice must be a non-empty list of non-empty strings, got {self.choice!r}", param="choice"
-                )
-            _set(self, "choice", choices)
+        self._check(None)
+
+    def _check(self, names: Collection[str] | None) -> None:
+        """Check and normalise the fields ``names`` (None: all; the others are as checked
+        before), in one order whatever was given (the first fault is the one named), then
+        the rule between fields."""
+        for name, check in _CHECKS.items():
+            if (names is None or name in names) and getattr(self, name) is not None:
+                check(self, name)
         given = [name for name in STRUCTURE_FIELDS if getattr(self, name) is not None]
         if len(given) > 1:
             fields = ", ".join(STRUCTURE_FIELDS)
@@ -307,7 +257,14 @@ class SamplingParams:
     def updated(self, **fields: Any) -> SamplingParams:
         """A copy with ``fields`` given (``None`` values are left out); unknown names are refused."""
         check_names(fields)
-        return dataclasses.replace(self, **{k: v for k, v in fields.items() if v is not None})
+        changes = {k: v for k, v in fields.items() if v is not None}
+        # Field by field, only the given ones checked: dataclasses.replace checks every field
+        # again (a logit_bias over the vocabulary, already checked, took 100 ms again).
+        copy = object.__new__(SamplingParams)
+        for name in SamplingParams.__slots__:
+            object.__setattr__(copy, name, changes[name] if name in changes else getattr(self, name))
+        copy._check(changes)
+        return copy
 
 
 FIELD_NAMES: frozenset[str] = frozenset(f.name for f in dataclasses.fields(SamplingParams))
@@ -541,9 +498,15 @@ def token_id(value: Any) -> int | None:
 
 def _plain_ids(ids: Sequence[Any], *, negative_ok: bool = False) -> bool:
     """Whether ``ids`` are all ``int``s (negative ones only if ``negative_ok``), checked in
-    a few C-level passes: a list of a hundred thousand ids checked one by one would hold
-    the event loop for tens of milliseconds."""
-    return all_ints(ids) and (negative_ok or not ids or min(ids) >= 0)
+    a few C-level passes a slice at a time: a list of a hundred thousand ids checked one by
+    one would hold the event loop for tens of milliseconds, and in one pass (on a worker
+    thread) the GIL for a few."""
+    for start in range(0, len(ids), SLICE):
+        part = ids[start : start + SLICE]
+        if not (all_ints(part) and (negative_ok or min(part) >= 0)):
+            return False
+        pause()
+    return True
 
 
 def all_ints(values: Iterable[Any]) -> bool:
@@ -551,8 +514,15 @@ def all_ints(values: Iterable[Any]) -> bool:
     return set(map(type, values)) <= _INT
 
 
+#: Items of a long collection checked at once (some 0.1 ms), with a :func:`~aiocb.gil.pause`
+#: between slices: a request's controls may list the whole vocabulary, and are then checked
+#: on a worker thread (see ``aiocb.engine.requests``).
+SLICE = 8192
+
 _INT = frozenset((int,))
 _NUMBERS = frozenset((int, float))
+_FLOAT = frozenset((float,))
+_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
 
 
 def _pairs(name: str, value: Any, example: str) -> Iterable[tuple[Any, Any]]:
@@ -563,6 +533,7 @@ def _pairs(name: str, value: Any, example: str) -> Iterable[tuple[Any, Any]]:
         raise InvalidRequestError(f"{name} must map {example}, got {type(value).__name__}", param=name)
     pairs = []
     for item in value:
+        pause()
         pair = tuple(item) if isinstance(item, Iterable) and not isinstance(item, (str, bytes, Mapping)) else ()
         if len(pair) != 2:
             raise InvalidRequestError(f"{name} must map {example}, got the item {item!r}", param=name)
@@ -579,20 +550,34 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...] | None:
     if value is None:
         return None
     if isinstance(value, Mapping) and value:  # (the common form, checked a few C-level passes at a time)
-        tokens, biases = list(value), list(value.values())
-        if (
-            all_ints(tokens)
-            and set(map(type, biases)) <= _NUMBERS
-            and min(tokens) >= 0
-            and min(biases) >= -100
-            and max(biases) <= 100
-            and not math.isnan(sum(biases))  # (a NaN escapes min and max)
-        ):
-            given = zip(tokens, map(float, biases), strict=True)
+        # A slice of the items at a time, kept as they are when their biases are floats: a
+        # logit_bias over the vocabulary is then one list of pairs, not three (the
+        # collector's passes over them held the GIL for milliseconds).
+        items = iter(value.items())
+        checked: list[tuple[int, float]] = []
+        ascending, last = True, -1
+        while part := list(itertools.islice(items, SLICE)):
+            tokens, biases = list(map(_FIRST, part)), list(map(_SECOND, part))
+            kinds = set(map(type, biases))
+            if not (
+                all_ints(tokens)
+                and kinds <= _NUMBERS
+                and min(tokens) >= 0
+                and min(biases) >= -100
+                and max(biases) <= 100
+                and not math.isnan(sum(biases))  # (a NaN escapes min and max)
+            ):
+                break
+            checked += part if kinds == _FLOAT else zip(tokens, map(float, biases), strict=True)
             # (in order of the ids: a pass over ints in order when they come so, as from a range)
-            return tuple(given if sorted(tokens) == tokens else sorted(given))
+            ascending = ascending and last < tokens[0] and tokens == sorted(tokens)
+            last = tokens[-1]
+            pause()
+        else:
+            return tuple(checked if ascending else _sorted(checked))
     pairs: dict[int, float] = {}
     for token, bias in _pairs("logit_bias", value, "token ids to biases, e.g. {42: -100}"):
+        pause()
         given = token
         # (JSON object keys are strings)
         token = int(token) if isinstance(token, str) and _DECIMAL.fullmatch(token) else token_id(token)
@@ -606,11 +591,25 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...] | None:
     return tuple(sorted(pairs.items()))
 
 
+def _sorted(pairs: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """``pairs`` sorted by their distinct ids: slices sorted, then merged an item at a time."""
+    runs = []
+    for start in range(0, len(pairs), SLICE):
+        runs.append(sorted(pairs[start : start + SLICE]))
+        pause()
+    merged = []
+    for pair in heapq.merge(*runs):
+        merged.append(pair)
+        pause()
+    return merged
+
+
 def _sequence_bias(value: Any) -> tuple[SequenceBias, ...] | None:
     if value is None:
         return None
     out: dict[tuple[int, ...], float] = {}  # as transformers: a sequence given twice keeps its last bias
     for sequence, bias in _pairs("sequence_bias", value, "token sequences to biases, e.g. [[[42, 7], -5.0]]"):
+        pause()
         ids = _ids("sequence_bias", [sequence] if token_id(sequence) is not None else sequence, empty_ok=False)
         assert ids is not None
         if isinstance(bias, bool) or not isinstance(bias, (int, float)) or math.isnan(bias):
@@ -630,12 +629,21 @@ def _bad_words(value: Any) -> tuple[tuple[int, ...], ...] | None:
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         raise InvalidRequestError("bad_words_ids must be a list of lists of token ids", param="bad_words_ids")
     items = list(value)
-    if set(map(type, items)) <= _LISTS:  # (the common form, checked a few C-level passes at a time)
-        plain = tuple(map(tuple, items))
-        if min(map(len, plain), default=1) and _plain_ids(list(itertools.chain.from_iterable(plain))):
-            return plain
+    plain: list[tuple[int, ...]] = []
+    for start in range(0, len(items), SLICE):  # (the common form, checked a few C-level passes at a time)
+        part = items[start : start + SLICE]
+        if not set(map(type, part)) <= _LISTS:
+            break
+        some = tuple(map(tuple, part))
+        if not (min(map(len, some)) and _plain_ids(list(itertools.chain.from_iterable(some)))):
+            break
+        plain += some
+        pause()
+    else:
+        return tuple(plain)
     words = []
     for word in items:
+        pause()
         if token_id(word) is not None:
             raise InvalidRequestError(
                 "bad_words_ids must be a list of lists of token ids, e.g. [[42], [7, 9]]", param="bad_words_ids"
@@ -644,3 +652,96 @@ def _bad_words(value: Any) -> tuple[tuple[int, ...], ...] | None:
         assert ids is not None
         words.append(ids)
     return tuple(words)
+
+
+def _check_truncation(params: SamplingParams, name: str) -> None:
+    _check_int(params, name, minimum=-1)
+    if getattr(params, name) == 0:
+        raise InvalidRequestError(f"{name} must be at least 1 (or -1: the model's context length), got 0", param=name)
+
+
+def _check_logprobs_mode(params: SamplingParams, name: str) -> None:
+    if getattr(params, name) not in ("raw", "processed"):
+        raise InvalidRequestError(f'{name} must be "raw" or "processed", got {getattr(params, name)!r}', param=name)
+
+
+def _check_text(params: SamplingParams, name: str) -> None:
+    value = getattr(params, name)
+    if not isinstance(value, str) or not value:
+        raise InvalidRequestError(f"{name} must be a non-empty str, got {value!r}", param=name)
+
+
+def _check_choice(params: SamplingParams, name: str) -> None:
+    value: Any = params.choice
+    listed = isinstance(value, Iterable) and not isinstance(value, str | bytes | Mapping)
+    ordered = sorted(value, key=repr) if isinstance(value, set | frozenset) else value
+    choices = tuple(ordered) if listed else ()
+    if not choices or not all(isinstance(c, str) and c for c in choices):
+        raise InvalidRequestError(f"choice must be a non-empty list of non-empty strings, got {value!r}", param=name)
+    _set(params, name, choices)
+
+
+def _check_eos(params: SamplingParams, name: str) -> None:
+    value = params.eos_token_id
+    _set(params, name, _ids(name, [value] if token_id(value) is not None else value, negative_ok=True))
+
+
+def _normalised(make: Callable[[Any], Any]) -> Callable[[SamplingParams, str], None]:
+    """A check that replaces a field's value by ``make(value)`` (which raises when it is wrong)."""
+
+    def check(params: SamplingParams, name: str) -> None:
+        _set(params, name, make(getattr(params, name)))
+
+    return check
+
+
+#: Each field's check (and normalisation), in the order they run; a field that is None
+#: (not given) is not checked.
+_CHECKS: dict[str, Callable[[SamplingParams, str], None]] = {
+    "max_new_tokens": functools.partial(_check_int, minimum=1),
+    "min_tokens": functools.partial(_check_int, minimum=0),
+    "top_k": functools.partial(_check_int, minimum=0),
+    "top_logprobs": functools.partial(_check_int, minimum=0),
+    "seed": functools.partial(_check_int, minimum=-(2**63), maximum=2**64 - 1),
+    "priority": functools.partial(_check_int, minimum=None),
+    "n": functools.partial(_check_int, minimum=1),
+    "no_repeat_ngram_size": functools.partial(_check_int, minimum=0),
+    "truncate_prompt_tokens": _check_truncation,
+    **dict.fromkeys(
+        (
+            "do_sample",
+            "include_stop_str_in_output",
+            "ignore_eos",
+            "skip_special_tokens",
+            "return_logprobs",
+            "prompt_logprobs",
+            "record_timestamps",
+        ),
+        _check_bool,
+    ),
+    "logprobs_mode": _check_logprobs_mode,
+    "temperature": functools.partial(_check_float, low=0.0),
+    "top_p": functools.partial(_check_float, low=0.0, low_open=True, high=1.0),
+    "min_p": functools.partial(_check_float, low=0.0, high=1.0),
+    "top_h": functools.partial(_check_float, low=0.0, high=1.0),
+    "typical_p": functools.partial(_check_float, low=0.0, low_open=True, high=1.0),
+    "epsilon_cutoff": functools.partial(_check_float, low=0.0, high=1.0, high_open=True),
+    "eta_cutoff": functools.partial(_check_float, low=0.0, high=1.0, high_open=True),
+    "repetition_penalty": functools.partial(_check_float, low=0.0, low_open=True),
+    "presence_penalty": functools.partial(_check_float, low=-2.0, high=2.0),
+    "frequency_penalty": functools.partial(_check_float, low=-2.0, high=2.0),
+    "timeout": functools.partial(_check_float, low=0.0, low_open=True),
+    "stop": _normalised(lambda value: as_strings(value, "stop")),
+    "bad_words": _normalised(lambda value: as_strings(value, "bad_words")),
+    "stop_token_ids": _normalised(lambda value: _ids("stop_token_ids", value)),
+    "allowed_token_ids": _normalised(lambda value: _ids("allowed_token_ids", value, empty_ok=False)),
+    "eos_token_id": _check_eos,
+    "logit_bias": _normalised(_logit_bias),
+    "sequence_bias": _normalised(_sequence_bias),
+    "bad_words_ids": _normalised(_bad_words),
+    "json_schema": _normalised(_json_schema),
+    "structural_tag": _normalised(_structural_tag),
+    "regex": _check_text,
+    "grammar": _check_text,
+    "choice": _check_choice,
+}

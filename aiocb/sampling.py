@@ -13,15 +13,18 @@ import copy
 import itertools
 import logging
 import math
+import operator
+from array import array
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from transformers import GenerationConfig
 
-from aiocb.core.params import ResolvedParams
+from aiocb.core.params import ResolvedParams, c_array
 from aiocb.errors import InvalidRequestError
-from aiocb.params import STRUCTURE_FIELDS, SamplingParams, all_ints, token_id
+from aiocb.gil import pause
+from aiocb.params import SLICE, STRUCTURE_FIELDS, SamplingParams, all_ints, token_id
 
 logger = logging.getLogger(__name__)
 
@@ -391,7 +394,7 @@ def resolve_params(
     eos_set = default_eos if eos is None else _checked_ids("eos_token_id", eos, vocab)
     stops = frozenset() if pick("ignore_eos", False) else eos_set
     if request.stop_token_ids:
-        stops = stops | _checked_ids("stop_token_ids", request.stop_token_ids, vocab)
+        stops = _checked_ids("stop_token_ids", request.stop_token_ids, vocab, more=stops)
     stop = pick("stop", ())
     if stop and not has_tokenizer:
         raise InvalidRequestError("stop strings need a tokenizer: create the Manager with tokenizer=...", param="stop")
@@ -400,34 +403,43 @@ def resolve_params(
         given = next(name for name in STRUCTURE_FIELDS if getattr(request, name) is not None)
         raise InvalidRequestError(f"{given} needs a tokenizer: create the Manager with tokenizer=...", param=given)
 
-    biases: list[tuple[int, float]] = []
+    bias_ids, bias_values = array("q"), array("f")
     sequences: list[tuple[tuple[int, ...], float]] = []
     given_sequences = pick("sequence_bias", ())
     _checked_ids("sequence_bias", itertools.chain.from_iterable(ids for ids, _ in given_sequences), vocab)
     for ids, bias in given_sequences:
+        pause()
         if len(ids) == 1:
-            biases.append((ids[0], bias))
+            bias_ids.append(ids[0])
+            bias_values.append(bias)
         else:
             sequences.append((ids, bias))
     logit_bias = pick("logit_bias", ())
-    _checked_ids("logit_bias", [token for token, _ in logit_bias], vocab)
-    biases += logit_bias
+    if logit_bias:
+        largest = logit_bias[-1][0]  # (SamplingParams sorts them by id)
+        if largest >= vocab:
+            raise InvalidRequestError(
+                f"logit_bias {largest} is outside the vocabulary [0, {vocab})", param="logit_bias"
+            )
+        bias_ids += c_array("q", map(_FIRST, logit_bias))
+        bias_values += c_array("f", map(_SECOND, logit_bias))
     bans: list[int] = list(_checked_ids("suppress_tokens", defaults.suppress_tokens, vocab))
     bad_sequences: list[tuple[int, ...]] = []
     bad_words = pick("bad_words_ids", ())
     _checked_ids("bad_words_ids", itertools.chain.from_iterable(bad_words), vocab)
-    for word in bad_words:
-        if len(word) == 1 and word[0] in eos_set:
-            continue  # as transformers: a bad word that is an EOS token stays allowed
-        if len(word) == 1:
-            bans.append(word[0])
-        else:
-            bad_sequences.append(word)
+    for start in range(0, len(bad_words), SLICE):  # (in C passes: a list of 100,000 words took 100 ms)
+        words = bad_words[start : start + SLICE]
+        one = list(map((1).__eq__, map(len, words)))
+        # as transformers: a bad word that is an EOS token stays allowed
+        bans += itertools.filterfalse(eos_set.__contains__, map(_FIRST, itertools.compress(words, one)))
+        bad_sequences += itertools.compress(words, map(operator.not_, one))
+        pause()
     allowed = pick("allowed_token_ids", None)
     if allowed is not None:
-        allowed = tuple(sorted(_checked_ids("allowed_token_ids", allowed, vocab)))
+        allowed = c_array("q", sorted(_checked_ids("allowed_token_ids", allowed, vocab)))
     begin_bans = _checked_ids("begin_suppress_tokens", defaults.begin_suppress_tokens, vocab)
-    _refuse_nothing_allowed(allowed, frozenset(bans), begin_bans, stops if min_tokens > 0 else frozenset(), vocab)
+    distinct_bans = _distinct(bans)
+    _refuse_nothing_allowed(allowed, distinct_bans, begin_bans, stops if min_tokens > 0 else frozenset(), vocab)
 
     total = prompt_len + max_new_tokens
     if limits.max_model_len is not None and total > limits.max_model_len:
@@ -471,10 +483,11 @@ def resolve_params(
         repetition_penalty=pick("repetition_penalty", 1.0),
         presence_penalty=pick("presence_penalty", 0.0),
         frequency_penalty=pick("frequency_penalty", 0.0),
-        biases=tuple(biases),
+        bias_ids=bias_ids,
+        bias_values=bias_values,
         sequence_biases=tuple(sequences),
-        bad_sequences=tuple((word, 0.0) for word in dict.fromkeys(bad_sequences)),
-        bans=tuple(dict.fromkeys(bans)),
+        bad_sequences=tuple(zip(_distinct(bad_sequences), itertools.repeat(0.0))),
+        bans=c_array("q", distinct_bans),
         begin_bans=tuple(begin_bans),
         no_repeat_ngram_size=pick("no_repeat_ngram_size", 0),
         allowed_token_ids=allowed,
@@ -490,7 +503,7 @@ def resolve_params(
 
 def _refuse_nothing_allowed(
     allowed: tuple[int, ...] | None,
-    bans: frozenset[int],
+    bans: tuple[int, ...],
     begin_bans: frozenset[int],
     held_stops: frozenset[int],
     vocab_size: int,
@@ -499,7 +512,13 @@ def _refuse_nothing_allowed(
     pick (transformers' greedy search would give token 0 there, a token it forbade).
     Bans that grow as it generates (multi-token bad words, n-grams) are caught at the step
     that leaves nothing: the request fails there (``Scheduler``'s ``_NOTHING_ALLOWED``)."""
-    banned = bans | begin_bans | held_stops
+    if len(bans) + len(begin_bans) + len(held_stops) < (vocab_size if allowed is None else len(allowed)):
+        return  # (too few to ban them all; no set made: a union of large ones takes milliseconds)
+    banned = set(begin_bans)
+    banned.update(held_stops)
+    for start in range(0, len(bans), SLICE):  # (bans holds each id once)
+        banned.update(bans[start : start + SLICE])
+        pause()
     if allowed is None:
         left = vocab_size - len(banned)
     else:  # (allowed holds each id once)
@@ -521,14 +540,38 @@ def _refuse_nothing_allowed(
     raise InvalidRequestError(f"no token is left to generate: {subject} is banned by {' and '.join(by)}", param=param)
 
 
-def _checked_ids(name: str, value: int | Iterable[int], vocab_size: int) -> frozenset[int]:
-    values = [value] if isinstance(value, int) else list(value)
-    # (a few C-level passes first: a long list checked one id at a time holds the loop)
-    if not (all_ints(values) and max(values, default=-1) < vocab_size):
-        for v in values:
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise InvalidRequestError(f"{name} must hold token ids (ints), got {v!r}", param=name)
-            if v >= vocab_size:
-                raise InvalidRequestError(f"{name} {v} is outside the vocabulary [0, {vocab_size})", param=name)
-    ids = frozenset(values)
-    return ids if min(values, default=0) >= 0 else frozenset(v for v in ids if v >= 0)
+_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
+_Item = TypeVar("_Item")
+
+
+def _checked_ids(
+    name: str, value: int | Iterable[int], vocab_size: int, more: frozenset[int] = frozenset()
+) -> frozenset[int]:
+    """The ids of ``value`` (the negative ones left out: none), each checked to be within
+    the vocabulary, a slice at a time (see :data:`~aiocb.params.SLICE`), with ``more``."""
+    values = iter([value] if isinstance(value, int) else value)
+    ids = set(more)
+    negative = False
+    while part := list(itertools.islice(values, SLICE)):
+        # (a few C-level passes first: a long list checked one id at a time holds the loop)
+        if all_ints(part) and max(part) < vocab_size:
+            negative = negative or min(part) < 0
+        else:
+            for v in part:
+                if isinstance(v, bool) or not isinstance(v, int):
+                    raise InvalidRequestError(f"{name} must hold token ids (ints), got {v!r}", param=name)
+                if v >= vocab_size:
+                    raise InvalidRequestError(f"{name} {v} is outside the vocabulary [0, {vocab_size})", param=name)
+        ids.update(part)
+        pause()
+    return frozenset(v for v in ids if v >= 0) if negative else frozenset(ids)
+
+
+def _distinct(values: Iterable[_Item]) -> tuple[_Item, ...]:
+    """``values`` without repeats, in the order of their first coming, a slice at a time."""
+    kept: dict[_Item, None] = {}
+    values = list(values)
+    for start in range(0, len(values), SLICE):
+        kept.update(dict.fromkeys(values[start : start + SLICE]))
+        pause()
+    return tuple(kept)

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
 import operator
+from array import array
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from aiocb.core.sequences import SequenceBias, SequenceIndex
+from aiocb.gil import pause
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,21 +51,25 @@ class ResolvedParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    #: ``(token, bias)`` added at every step (logit_bias, one-token sequence biases)
-    biases: tuple[tuple[int, float], ...] = ()
+    #: tokens biased at every step (logit_bias, one-token sequence biases; biases of a token
+    #: given twice add up) and their biases, as C arrays: a step gathers a row's whole
+    #: list at once (a logit_bias over the vocabulary, pair by pair, took 20 ms a step)
+    bias_ids: array[int] = field(default_factory=lambda: array("q"))
+    bias_values: array[float] = field(default_factory=lambda: array("f"))
     #: multi-token sequences whose last token is biased when the history ends with the others
     sequence_biases: tuple[SequenceBias, ...] = ()
     #: multi-token bad words, each with a bias of 0 (the matcher's form): their last token is
     #: banned when the history ends with the others
     bad_sequences: tuple[SequenceBias, ...] = ()
-    #: tokens never generated (one-token bad words, the GenerationConfig's suppress_tokens)
-    bans: tuple[int, ...] = ()
+    #: tokens never generated (one-token bad words, the GenerationConfig's suppress_tokens),
+    #: each once; C arrays like the biases, the allowed tokens and the held stops
+    bans: array[int] = field(default_factory=lambda: array("q"))
     #: tokens not generated first (the GenerationConfig's begin_suppress_tokens)
     begin_bans: tuple[int, ...] = ()
     #: no n-gram of this many tokens occurs twice in prompt and output (0: off)
     no_repeat_ngram_size: int = 0
-    #: when set, the only tokens that may be generated
-    allowed_token_ids: tuple[int, ...] | None = None
+    #: when set, the only tokens that may be generated (each once, in order)
+    allowed_token_ids: array[int] | None = None
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
     #: the GenerationConfig's ``stop_strings``, with transformers' rules (when the request
@@ -78,14 +87,17 @@ class ResolvedParams:
     #: ``sequence_biases`` and ``bad_sequences`` indexed (made on first use; computed, and
     #: shared by the copies :meth:`with_seed` makes: a request's samples index them once)
     sequence_index: SequenceIndex | None = field(init=False, default=None, compare=False, repr=False)
+    #: the stop tokens, banned before ``min_tokens`` (computed; empty when it is 0)
+    held_stops: array[int] = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "held_stops", c_array("q", self.stop_token_ids if self.min_tokens > 0 else ()))
         uses = (
             self.min_tokens > 0
             or self.repetition_penalty != 1.0
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
-            or bool(self.biases or self.sequence_biases or self.bad_sequences or self.bans or self.begin_bans)
+            or bool(self.bias_ids or self.sequence_biases or self.bad_sequences or self.bans or self.begin_bans)
             or self.no_repeat_ngram_size > 0
             or self.allowed_token_ids is not None
         )
@@ -142,3 +154,18 @@ _SMALLEST_FLOAT32 = 1.401298464324817e-45
 
 #: every field of a ResolvedParams in one call (slot order)
 _every_field = operator.attrgetter(*ResolvedParams.__slots__)
+
+#: Items put in a C array at once, with a :func:`~aiocb.gil.pause` between slices.
+_SLICE = 8192
+
+
+def c_array(typecode: str, values: Iterable[Any]) -> array[Any]:
+    """``values`` as a C array of ``typecode``, a slice at a time: a step gathers a row's
+    ids from it at once, and a hundred thousand of them made into one in one go would hold
+    the GIL for milliseconds (see :func:`~aiocb.gil.pause`)."""
+    made = array(typecode)
+    items = iter(values)
+    while part := list(itertools.islice(items, _SLICE)):
+        made.fromlist(part)
+        pause()
+    return made

@@ -31,7 +31,7 @@ from aiocb.core.kv_cache import KVCacheManager
 from aiocb.core.request import Request
 from aiocb.core.scheduler import Scheduler
 from aiocb.engine.admission import AdmissionQueue, Turnstile
-from aiocb.engine.requests import RequestFactory
+from aiocb.engine.requests import CheckedRequest, RequestFactory, has_large_controls
 from aiocb.engine.router import OutputRouter
 from aiocb.engine.step_loop import StepLoop
 from aiocb.engine.stream import Consumer, RequestHandle, RequestStream
@@ -44,7 +44,7 @@ from aiocb.errors import (
     WouldBlock,
     WrongEventLoopError,
 )
-from aiocb.gil import yield_gil
+from aiocb.gil import pausing_call, yield_gil
 from aiocb.outputs import FinishReason, GenerationOutput, RequestStatus
 from aiocb.params import SamplingParams, asks_for_structure
 from aiocb.prompts import Prompt, is_large
@@ -809,7 +809,10 @@ class Manager:
     ) -> str:
         """Like :meth:`add_request`, but raise :class:`~aiocb.WouldBlock` instead of waiting.
 
-        A text prompt is tokenized right here, on the event loop's thread.
+        Everything is done right here, on the event loop's thread: a text prompt tokenized,
+        and controls that list many token ids (a ``logit_bias``, ``allowed_token_ids`` or
+        ``bad_words_ids`` over much of the vocabulary: some 0.4 µs an id), which
+        :meth:`add_request` checks on a worker thread.
         """
         prompt = self._requests.encode_now(input_ids)
         request = self._new_request(prompt, request_id, max_new_tokens, sampling_params, params)
@@ -1143,8 +1146,14 @@ class Manager:
             await self._precompile(requested)
         await self._requests.tokenize_bad_words(sampling_params, params)
         stops = await self._requests.prepare_stops(sampling_params, params)
+        checked = None
+        if has_large_controls(sampling_params, params):
+            self._check_accepting()  # (the awaits above may have seen the manager stop)
+            checked = await asyncio.to_thread(
+                pausing_call, self._requests.check, ids, max_new_tokens, sampling_params, params, self._limits()
+            )
         self._check_start(start)
-        request, samples = self._build(ids, request_id, max_new_tokens, sampling_params, params)
+        request, samples = self._build(ids, request_id, max_new_tokens, sampling_params, params, checked)
         del stops  # (held until the request's text tracker holds it)
         index = request.params.sequence_index
         if index is not None and len(index) > _LARGE_SEQUENCE_INDEX:
@@ -1177,8 +1186,9 @@ class Manager:
         max_new_tokens: int | None,
         sampling_params: SamplingParams | None,
         params: dict[str, Any],
+        checked: CheckedRequest | None = None,
     ) -> Request:
-        request, samples = self._build(input_ids, request_id, max_new_tokens, sampling_params, params)
+        request, samples = self._build(input_ids, request_id, max_new_tokens, sampling_params, params, checked)
         request.children.extend(samples)
         return request
 
@@ -1202,18 +1212,24 @@ class Manager:
         max_new_tokens: int | None,
         sampling_params: SamplingParams | None,
         params: dict[str, Any],
+        checked: CheckedRequest | None = None,
     ) -> tuple[Request, Iterator[Request]]:
         """A request checked against what it must fit (on the manager's loop, while it
-        accepts requests), and the maker of its other samples."""
+        accepts requests; ``checked``: already, on a worker thread, unless the limits have
+        changed since), and the maker of its other samples."""
         self._check_loop()
         self._check_accepting()
+        limits = self._limits()
+        if checked is None or checked.limits != limits:
+            checked = self._requests.check(input_ids, max_new_tokens, sampling_params, params, limits)
+        return self._requests.build(checked, request_id, in_use=self._router)
+
+    def _limits(self) -> RequestLimits:
+        """What a request must fit: the model's vocabulary and context, the whole cache."""
         assert self._steps is not None
         spec = self._model_spec
         capacity = self._steps.scheduler.kv_cache.capacity_tokens
-        limits = RequestLimits(spec.vocab_size, spec.max_position_embeddings, capacity)
-        return self._requests.build(
-            input_ids, request_id, max_new_tokens, sampling_params, params, limits=limits, in_use=self._router
-        )
+        return RequestLimits(spec.vocab_size, spec.max_position_embeddings, capacity)
 
     async def _add_many(
         self,
@@ -1231,7 +1247,12 @@ class Manager:
         self._check_accepting()
         requests: list[Request] = []
         # The same parameters for every prompt: merged once, not once per request.
-        sampling_params = self._requests.merged(sampling_params, max_new_tokens, params)
+        large = has_large_controls(sampling_params, params)
+        if large:
+            merge = self._requests.merged
+            sampling_params = await asyncio.to_thread(pausing_call, merge, sampling_params, max_new_tokens, params)
+        else:
+            sampling_params = self._requests.merged(sampling_params, max_new_tokens, params)
         await self._precompile(sampling_params)
         await self._requests.tokenize_bad_words(sampling_params, {})
         stops = await self._requests.prepare_stops(sampling_params, {})  # (held while the requests are made)
@@ -1240,8 +1261,13 @@ class Manager:
         for prompt in inputs:
             await turn.give()
             ids = await self._requests.encode(prompt, keep=keep, limit=limit, vocab_size=self._model_spec.vocab_size)
+            checked = None
+            if large:
+                self._check_accepting()
+                check = self._requests.check
+                checked = await asyncio.to_thread(pausing_call, check, ids, None, sampling_params, {}, self._limits())
             self._check_start(start)
-            requests.append(self._new_request(ids, None, None, sampling_params, {}))
+            requests.append(self._new_request(ids, None, None, sampling_params, {}, checked))
         del stops  # (the requests' text trackers hold it now)
         order = list(range(len(requests)))
         if self.config.allow_block_sharing:  # (prompts that share a prefix queued together)

@@ -13,8 +13,9 @@ import itertools
 import random
 import threading
 import time
-from collections.abc import Callable, Container, Iterator
+from collections.abc import Callable, Container, Iterator, Sized
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from transformers import GenerationConfig, PreTrainedTokenizerBase
@@ -51,6 +52,21 @@ _BAD_WORDS_KEPT = 256
 _BAD_WORDS_ON_THE_LOOP = 16
 #: constraints (their text) up to this many characters compile in the short lane
 _SHORT_CONSTRAINT = 16_384
+#: token ids in a request's controls (the fields below) beyond which it is checked on a
+#: worker thread: about 2 ms of checks on the loop
+LARGE_CONTROLS = 4096
+_ID_CONTROLS = ("logit_bias", "stop_token_ids", "allowed_token_ids", "bad_words_ids", "sequence_bias", "eos_token_id")
+
+
+@dataclass(frozen=True, slots=True)
+class CheckedRequest:
+    """A request's parameters (merged with its keyword arguments, then resolved) and prompt,
+    checked against ``limits``."""
+
+    requested: SamplingParams
+    prompt: list[int]
+    resolved: ResolvedParams
+    limits: RequestLimits
 
 
 def _given(name: str, sampling_params: SamplingParams | None, params: dict[str, Any]) -> Any:
@@ -58,6 +74,19 @@ def _given(name: str, sampling_params: SamplingParams | None, params: dict[str, 
     of None leaves the SamplingParams' value)."""
     value = params.get(name)
     return getattr(sampling_params, name, None) if value is None else value
+
+
+def has_large_controls(sampling_params: SamplingParams | None, params: dict[str, Any]) -> bool:
+    """Whether a request's controls list more token ids than :data:`LARGE_CONTROLS` (a
+    ``logit_bias`` or ``allowed_token_ids`` over much of the vocabulary, say): checking
+    them costs about 0.4 µs an id, so such a request is checked on a worker thread
+    (:meth:`RequestFactory.check` there, a slice at a time with pauses for the loop)."""
+    total = 0
+    for name in _ID_CONTROLS:
+        value = _given(name, sampling_params, params)
+        if isinstance(value, Sized) and not isinstance(value, (str, bytes)):
+            total += len(value)
+    return total > LARGE_CONTROLS
 
 
 def sample_ids(request_id: str, n: int) -> list[str]:
@@ -126,21 +155,17 @@ class RequestFactory:
         if self._processes is not None:
             self._processes.close()
 
-    def build(
+    def check(
         self,
         input_ids: Any,
-        request_id: str | None,
         max_new_tokens: int | None,
         sampling_params: SamplingParams | None,
         params: dict[str, Any],
-        *,
         limits: RequestLimits,
-        in_use: Container[str],
-    ) -> tuple[Request, Iterator[Request]]:
-        """The request, or InvalidRequestError naming the problem, and its other samples
-        (``n``), which the iterator makes (each checked as it is made) for the caller to
-        append to ``children``: a thousand of them take milliseconds, which an ``await``ing
-        caller spreads over several loop turns."""
+    ) -> CheckedRequest:
+        """A request's prompt and parameters checked and resolved, or InvalidRequestError
+        naming the problem: all of building it that needs no id (and may run on a worker
+        thread: see :func:`has_large_controls`)."""
         requested = self.merged(sampling_params, max_new_tokens, params)
         if requested.bad_words:
             requested = self._with_bad_words_ids(requested)
@@ -157,6 +182,16 @@ class RequestFactory:
             has_tokenizer=self.tokenizer is not None,
             can_constrain=self.grammar_tokenizer is not None,
         )
+        return CheckedRequest(requested, prompt, resolved, limits)
+
+    def build(
+        self, checked: CheckedRequest, request_id: str | None, *, in_use: Container[str]
+    ) -> tuple[Request, Iterator[Request]]:
+        """The request made of ``checked``, with its id (or InvalidRequestError naming the
+        problem), and its other samples (``n``), which the iterator makes (each checked as
+        it is made) for the caller to append to ``children``: a thousand of them take
+        milliseconds, which an ``await``ing caller spreads over several loop turns."""
+        requested, prompt, resolved, limits = checked.requested, checked.prompt, checked.resolved, checked.limits
         if request_id is None:
             request_id = self._fresh_id(in_use)
         elif not isinstance(request_id, str) or not request_id:

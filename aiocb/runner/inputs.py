@@ -43,12 +43,10 @@ def controls_host_tensors(controls: dict[int, RowControls], num_rows: int) -> di
     if not controls:
         return host
     long = torch.long
-    bias_rows: list[int] = []
-    bias_ids: list[int] = []
-    bias_values: list[float] = []
-    # Bans and allowed tokens may be thousands a row (a request's stop tokens before its
-    # min_tokens, allowed_token_ids): gathered in C arrays, a quarter of a list's cost to make
-    # into a tensor, and added a collection at a time.
+    # Biases, bans and allowed tokens may be thousands a row (a logit_bias, a request's stop
+    # tokens before its min_tokens, allowed_token_ids): gathered in C arrays, a quarter of a
+    # list's cost to make into a tensor, and added a collection at a time.
+    bias_rows, bias_ids, bias_values = array.array("q"), array.array("q"), array.array("f")
     ban_rows, ban_ids = array.array("q"), array.array("q")
     allow_rows, allow_ids = array.array("q"), array.array("q")
     history: list[torch.Tensor] = []
@@ -61,11 +59,14 @@ def controls_host_tensors(controls: dict[int, RowControls], num_rows: int) -> di
     restrict = [False] * num_rows
     for i, c in controls.items():
         params = c.params
-        for biases in (params.biases, c.biases or ()):
-            for token, bias in biases:
-                bias_rows.append(i)
-                bias_ids.append(token)
-                bias_values.append(bias)
+        if params.bias_ids:
+            bias_rows.extend(array.array("q", (i,)) * len(params.bias_ids))
+            bias_ids.extend(params.bias_ids)
+            bias_values.extend(params.bias_values)
+        for token, bias in c.biases or ():
+            bias_rows.append(i)
+            bias_ids.append(token)
+            bias_values.append(bias)
         for bans in (params.bans, *c.bans):
             ban_rows.extend(array.array("q", (i,)) * len(bans))
             ban_ids.extend(bans)
@@ -86,9 +87,9 @@ def controls_host_tensors(controls: dict[int, RowControls], num_rows: int) -> di
             num_history += length + c.carries
             prompt_lengths.append(c.num_prompt_tokens)
     if bias_rows:
-        host["c_bias_rows"] = torch.tensor(bias_rows, dtype=long)
-        host["c_bias_ids"] = torch.tensor(bias_ids, dtype=long)
-        host["c_bias_values"] = torch.tensor(bias_values, dtype=torch.float32)
+        host["c_bias_rows"] = torch.frombuffer(bias_rows, dtype=long)
+        host["c_bias_ids"] = torch.frombuffer(bias_ids, dtype=long)
+        host["c_bias_values"] = torch.frombuffer(bias_values, dtype=torch.float32)
     if ban_rows:
         host["c_ban_rows"] = torch.frombuffer(ban_rows, dtype=long)
         host["c_ban_ids"] = torch.frombuffer(ban_ids, dtype=long)

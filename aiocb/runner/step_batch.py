@@ -48,7 +48,7 @@ class RowControls:
     biases: list[tuple[int, float]] | None
     #: tokens banned this step besides the request's own: groups of them (bad words matched,
     #: n-grams, the stop tokens before ``min_tokens``, the first token's bans), the request's
-    #: own collections referenced rather than copied (``stop_token_ids`` may hold thousands)
+    #: own collections referenced rather than copied (its stop tokens may be thousands)
     bans: tuple[Collection[int], ...]
 
 
@@ -530,7 +530,7 @@ def row_controls(
         if repeated:
             bans = (*bans, repeated)
     if offset < params.min_tokens and not may_stop:
-        bans = (*bans, params.stop_token_ids)
+        bans = (*bans, params.held_stops)
     if offset == 0 and params.begin_bans:
         bans = (*bans, params.begin_bans)
     return RowControls(
