@@ -21,14 +21,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
-import time
 import weakref
 from array import array
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from aiocb.gil import yield_gil
+from aiocb.gil import pause, pausing_call
 
 #: Stop strings of more characters than this in all are built off the event loop (about
 #: 1 µs a character) by :func:`prepare_stop_strings`.
@@ -39,43 +38,26 @@ _KEPT_NODES = 1 << 20
 #: ... each charged this many more for its own objects (some 800 bytes): at most 4,096 are
 #: kept, however small.
 _ENTRY_NODES = 256
-#: How long a build on a worker thread holds the GIL between two chances for the event
-#: loop's thread to take it (seconds).
-_PAUSE_EVERY = 0.0005
 #: Array items converted at once (a fraction of a millisecond).
 _ARRAY_SLICE = 4096
 
 
-class _Pauses:
-    """Calls ``pause`` (when there is one) once :data:`_PAUSE_EVERY` seconds have passed
-    since the last call, at the chances :meth:`maybe` gives it."""
+def _array(values: list[int]) -> array[int]:
+    """``values`` as an array of C ints, a slice at a time, emptying ``values`` a slice at
+    a time too (65,000 of them made in one go, or freed, held the GIL a millisecond)."""
+    made = array("i")
+    for start in range(0, len(values), _ARRAY_SLICE):
+        made.fromlist(values[start : start + _ARRAY_SLICE])
+        pause()
+    _free(values)
+    return made
 
-    __slots__ = ("_last", "_pause")
 
-    def __init__(self, pause: Callable[[], None] | None) -> None:
-        self._pause = pause
-        self._last = time.perf_counter()
-
-    def maybe(self) -> None:
-        if self._pause is not None and time.perf_counter() - self._last >= _PAUSE_EVERY:
-            self._pause()
-            self._last = time.perf_counter()
-
-    def array(self, values: list[int]) -> array[int]:
-        """``values`` as an array of C ints, a slice at a time, emptying ``values`` a slice
-        at a time too (65,000 of them made in one go, or freed, held the GIL a millisecond)."""
-        made = array("i")
-        for start in range(0, len(values), _ARRAY_SLICE):
-            made.fromlist(values[start : start + _ARRAY_SLICE])
-            self.maybe()
-        self.free(values)
-        return made
-
-    def free(self, values: list[Any]) -> None:
-        """Empty ``values``, a slice at a time."""
-        while values:
-            del values[-_ARRAY_SLICE:]
-            self.maybe()
+def _free(values: list[Any]) -> None:
+    """Empty ``values``, a slice at a time."""
+    while values:
+        del values[-_ARRAY_SLICE:]
+        pause()
 
 
 class StopStrings:
@@ -88,20 +70,19 @@ class StopStrings:
 
     __slots__ = ("__weakref__", "_chars", "_depth", "_end", "_fail", "_first", "_found", "_lengths", "longest", "stops")
 
-    def __init__(self, stops: Sequence[str], pause: Callable[[], None] | None = None) -> None:
-        """Build the automaton; ``pause``, when given (a build on a worker thread), is
-        called every :data:`_PAUSE_EVERY` seconds of it."""
+    def __init__(self, stops: Sequence[str]) -> None:
+        """Build the automaton (on a worker thread inside :func:`~aiocb.gil.pausing`,
+        letting the event loop's thread have the GIL every half millisecond of it)."""
         if not stops or not all(stops) or len(set(stops)) < len(stops):
             raise ValueError("stop strings must be at least one, non-empty and distinct")
         self.stops = tuple(stops)
         self._lengths = tuple(map(len, self.stops))
         #: the length of the longest stop string
         self.longest = max(self._lengths)
-        pauses = _Pauses(pause)
-        self._build_trie(pauses)
-        self._link(pauses)
+        self._build_trie()
+        self._link()
 
-    def _build_trie(self, pauses: _Pauses) -> None:
+    def _build_trie(self) -> None:
         """The trie, its nodes numbered so that each node's children are consecutive."""
         stops = self.stops
         ordered = sorted(range(len(stops)), key=stops.__getitem__)  # (a node's stop strings are a run)
@@ -141,13 +122,13 @@ class StopStrings:
                     found.append(-1)
                     lo = run_end
                 end[node] = len(chars)
-            pauses.maybe()  # (a node with its children, or a chain of them: some 0.1 ms at most)
+            pause()  # (a node with its children, or a chain of them: some 0.1 ms at most)
         self._chars = "".join(chars)
-        pauses.free(chars)
-        self._first, self._end = pauses.array(first), pauses.array(end)
-        self._depth, self._found = pauses.array(depth), pauses.array(found)
+        _free(chars)
+        self._first, self._end = _array(first), _array(end)
+        self._depth, self._found = _array(depth), _array(found)
 
-    def _link(self, pauses: _Pauses) -> None:
+    def _link(self) -> None:
         """The failure links (a node's longest proper end that is a node too), in breadth-
         first order, and with them the stop string that ends at each node."""
         chars, first, end, found = self._chars, self._first, self._end, self._found
@@ -167,7 +148,7 @@ class StopStrings:
                 queue.append(child)
             linked += 1
             if not linked & 15:
-                pauses.maybe()
+                pause()
 
     def scan(self, node: int, text: str, offset: int, count: bool) -> tuple[int, int, int]:
         """Feed ``text`` from state ``node``; returns the state after it and, when ``count``,
@@ -286,7 +267,7 @@ async def prepare_stop_strings(stops: Sequence[str] | None) -> StopStrings | Non
 
 
 async def _build(key: tuple[str, ...]) -> StopStrings:
-    built = await asyncio.to_thread(StopStrings, key, yield_gil)
+    built = await asyncio.to_thread(pausing_call, StopStrings, key)
     _keep(built)
     return built
 
