@@ -29,6 +29,16 @@ _CONTEXT_TOKENS = 5
 #: decoder (Llama 2, Mistral, Gemma) turns a whole run of byte tokens that starts inside a
 #: character into U+FFFD, the new tokens' bytes with it.
 _MAX_CONTEXT_TOKENS = 24
+#: Tokens held without text beyond which what can no longer change is released: more than
+#: the bytes of any character still incomplete (stray continuation bytes, a run of skipped
+#: special tokens), which would otherwise be held, and decoded again, at every new token ...
+_MAX_HELD = 4
+#: ... and beyond which all is, as it decodes (a character left incomplete among skipped tokens).
+_MAX_HELD_AT_ALL = 64
+#: The U+FFFD an incomplete character decodes to at most (a byte-fallback decoder gives one
+#: a byte; a byte-level one, one in all): more at the end of the text are bytes no
+#: character can take.
+_INCOMPLETE = 3
 _REPLACEMENT = "\ufffd"
 
 
@@ -55,7 +65,11 @@ class IncrementalDetokenizer:
     added ids where their bytes are valid UTF-8. Where a byte-fallback tokenizer's (Llama
     2, Mistral, Gemma) run of byte tokens is not, its decoder turns the whole run into
     U+FFFD, bytes already streamed as characters among them; the deltas keep those as
-    they were sent (as vLLM's do) and give U+FFFD for the rest.
+    they were sent (as vLLM's do) and give U+FFFD for the rest. A character that the
+    context leaves incomplete is left out of it: the added tokens that would end it decode
+    as they do alone. Tokens held without text (bytes of a character not yet complete,
+    skipped special tokens) are decoded again with each new one, so at most a few are:
+    bytes that can no longer make a character come out as U+FFFD at once, not at the end.
     """
 
     def __init__(self, tokenizer: Any, context_ids: Sequence[int] = (), *, skip_special_tokens: bool = True) -> None:
@@ -86,23 +100,51 @@ class IncrementalDetokenizer:
                 self._stream = None
                 self._prefix_offset = self._read_offset
                 return self._window_delta()
-            if not text:
-                return ""  # a special token skipped, or a character still incomplete
+            if not text:  # a special token skipped, or a character still incomplete
+                if len(self._ids) - self._read_offset <= _MAX_HELD:
+                    return ""
+                self._stream = None  # (the window method releases what can no longer change)
+                return self._window_delta()
             self._advance()
             self.num_chars += len(text)
             return text
         return self._window_delta()
 
     def _window_delta(self) -> str:
-        """The offsets method: the text the window's new tokens add to its last text."""
+        """The offsets method: the text the window's new tokens add to its last text; when
+        more than :data:`_MAX_HELD` tokens are held, the text of those that can no longer
+        change (:meth:`_release`)."""
         prefix = self._decode(self._prefix_offset, self._read_offset)
         text = self._decode(self._prefix_offset, len(self._ids))
         if len(text) <= len(prefix) or text.endswith(_REPLACEMENT):
-            return ""
+            return "" if len(self._ids) - self._read_offset <= _MAX_HELD else self._release()
         delta = text[len(prefix) :]
         self._advance()
         self.num_chars += len(delta)
         return delta
+
+    def _release(self) -> str:
+        """The text of the held tokens (decoded alone: a byte-fallback decoder turns a run
+        of bytes that is not valid, the window's last text among them, into U+FFFD) up to
+        where it can be cut, the last ones still held: decoded in two parts there it is the
+        same, no character split. Nothing while its end may be a character still incomplete
+        (at most :data:`_INCOMPLETE` U+FFFD), unless more than :data:`_MAX_HELD_AT_ALL` are
+        held: then all, as they decode."""
+        start, end = self._read_offset, len(self._ids)
+        text = self._decode(start, end)
+        if end - start <= _MAX_HELD_AT_ALL:
+            if 0 < len(text) - len(text.rstrip(_REPLACEMENT)) <= _INCOMPLETE:
+                return ""
+            for cut in range(end - _INCOMPLETE, end):
+                head = self._decode(start, cut)
+                if head + self._decode(cut, end) == text:
+                    text, end = head, cut
+                    break
+            else:
+                return ""
+        self._advance(end)
+        self.num_chars += len(text)
+        return text
 
     def add_many(self, token_ids: Iterable[int]) -> str:
         """Append several tokens; returns the text they complete."""
@@ -114,24 +156,35 @@ class IncrementalDetokenizer:
             return ""
         prefix = self._decode(self._prefix_offset, self._read_offset)
         text = self._decode(self._prefix_offset, len(self._ids))
-        self._advance()
+        # The held tokens are spent: a later token starts after them, as with a decode (by
+        # either method: the window too starts again, after the same context).
+        context = self._context(self._ids)
+        self._ids, self._prefix_offset, self._read_offset = context, 0, len(context)
         if self._stream is not None and self._backend is not None:
-            # The held tokens are spent: a later token starts after them, as with a decode.
-            self._stream = self._new_stream(self._backend, self._context(self._ids))
+            self._stream = self._new_stream(self._backend, context)
         delta = text[len(prefix) :] if len(text) > len(prefix) else ""
         self.num_chars += len(delta)
         return delta
 
     def _context(self, ids: Sequence[int]) -> list[int]:
-        """The shortest suffix of ``ids`` of at least :data:`_CONTEXT_TOKENS` tokens whose text
-        starts on a character (has no U+FFFD), of at most :data:`_MAX_CONTEXT_TOKENS`."""
+        """The last tokens of ``ids`` that new ones are decoded after: the shortest suffix of
+        at least :data:`_CONTEXT_TOKENS` tokens, of at most :data:`_MAX_CONTEXT_TOKENS`, whose
+        text starts on a character (it ends the text of a longer suffix: one that starts
+        inside a character decodes its first bytes as U+FFFD); and that ends on one: the
+        tokens of a character ``ids`` leave incomplete are left out (the new tokens that
+        end it then decode as they do alone, rather than changing text already decoded)."""
+        ids = list(ids[-(_MAX_CONTEXT_TOKENS + _MAX_HELD) :])
+        for held in range(min(_MAX_HELD, len(ids))):
+            if not self._decode_ids(ids[: len(ids) - held]).endswith(_REPLACEMENT):
+                del ids[len(ids) - held :]
+                break
         if len(ids) <= _CONTEXT_TOKENS:
-            return list(ids)
+            return ids
+        longest = self._decode_ids(ids[-_MAX_CONTEXT_TOKENS:])
         for size in range(_CONTEXT_TOKENS, min(len(ids), _MAX_CONTEXT_TOKENS) + 1):
-            suffix = list(ids[-size:])
-            if _REPLACEMENT not in self._decode_ids(suffix):
-                return suffix
-        return list(ids[-_CONTEXT_TOKENS:])  # (a prompt with U+FFFD of its own, say)
+            if longest.endswith(self._decode_ids(ids[-size:])):
+                return ids[-size:]
+        return ids[-_CONTEXT_TOKENS:]
 
     def _new_stream(self, backend: Tokenizer, context: list[int]) -> DecodeStream | None:
         """A stream that has decoded ``context`` and will emit only what follows it; None
@@ -141,9 +194,10 @@ class IncrementalDetokenizer:
             return None
         return stream
 
-    def _advance(self) -> None:
+    def _advance(self, end: int | None = None) -> None:
+        """The tokens up to ``end`` (all, by default) have given their text."""
         self._prefix_offset = self._read_offset
-        self._read_offset = len(self._ids)
+        self._read_offset = len(self._ids) if end is None else end
         if self._prefix_offset > 64:  # keep the window small
             del self._ids[: self._prefix_offset]
             self._read_offset -= self._prefix_offset

@@ -84,6 +84,24 @@ async def test_text_deltas_never_split_a_character(
     assert seen[end] == tokenizer.decode(plain[index][:end]).rstrip("\ufffd")
 
 
+async def test_tokens_that_make_no_character_stream_as_they_come(model: PreTrainedModel, tokenizer: Any) -> None:
+    """A request made to generate nothing but a stray continuation byte (a client's
+    allowed_token_ids) streams its U+FFFD as its tokens come, not all at its end; and after a
+    prompt of ids that ends inside a character, the text is what the new tokens decode to alone."""
+    stray = tokenizer.encode("\u0100")[-1]
+    assert tokenizer.decode([stray]) == "\ufffd"
+    ids = tokenizer.encode("Emoji: 😀 then text", add_special_tokens=False)
+    cut = next(k for k in range(1, len(ids)) if tokenizer.decode(ids[:k]).endswith("\ufffd"))
+    async with aiocb.Manager(model, tokenizer=tokenizer) as manager:
+        rid = await manager.add_request([1, 2, 3], max_new_tokens=64, allowed_token_ids=[stray], ignore_eos=True)
+        streamed = [len(chunk.text_delta or "") async for chunk in manager.stream(rid)]
+        resumed = await manager.generate(
+            ids[:cut], max_new_tokens=len(ids) - cut, allowed_token_ids=ids[cut:], ignore_eos=True
+        )
+    assert sum(streamed[:-1]) >= 64 - 8 and sum(streamed) == 64
+    assert resumed.text == tokenizer.decode(resumed.generated_tokens)  # (none lost after the character's end)
+
+
 @pytest.mark.parametrize("include", [False, True])
 async def test_stop_string_spanning_tokens(
     model: PreTrainedModel, tokenizer: Any, plain: list[list[int]], include: bool

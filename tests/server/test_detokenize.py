@@ -288,6 +288,69 @@ def test_a_token_that_rewrites_emitted_text_is_decoded_without_an_error(byte_fal
     assert _deltas(byte_fallback, prompt, generated) == byte_fallback.decode(generated)
 
 
+@pytest.mark.parametrize("fallback", [False, True])
+def test_a_prompt_that_ends_inside_a_character_loses_no_text(
+    tokenizer: Any, byte_fallback: Any, fallback: bool
+) -> None:
+    """A prompt of ids may end inside a character (a client resuming an output cut inside an
+    emoji): the new tokens that end it decode as they do alone, and the text after them is
+    whole (with the character's bytes in the context, its completion shortened the text and
+    the deltas after it lost characters)."""
+    tok = byte_fallback if fallback else tokenizer
+    ids = tok.encode("Hello 世界 and 😀 the end", add_special_tokens=False)
+    cuts = [k for k in range(1, len(ids)) if tok.decode(ids[:k]).endswith("\ufffd")]
+    assert cuts
+    for cut in cuts:
+        for method in (tok, _DecodeOnly(tok)):
+            assert _deltas(method, ids[:cut], ids[cut:]) == tok.decode(ids[cut:]), cut
+
+
+def test_a_replacement_character_in_the_prompt_leaves_the_context_on_a_character(byte_fallback: Any) -> None:
+    """Whether the context starts on a character is told by its text ending a longer
+    suffix's, not by its having no U+FFFD: with one of the prompt's own, the context began
+    inside a character and the new bytes turned into U+FFFD with it."""
+    for prompt in ("Hi ꙮéꙮ", "Hi ꙮ\ufffdꙮ"):
+        ids = byte_fallback.encode(prompt + "ꙮ ok")
+        cut = len(byte_fallback.encode(prompt))
+        assert ids[:cut] == byte_fallback.encode(prompt)
+        assert _deltas(byte_fallback, ids[:cut], ids[cut:]) == "ꙮ ok", prompt
+
+
+class _Counting(_DecodeOnly):
+    """The window method, counting the ids it decodes."""
+
+    decoded = 0
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        self.decoded += len(ids)
+        return super().decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+@pytest.mark.parametrize("fallback", [False, True])
+@pytest.mark.parametrize("run", ["stray bytes", "skipped special tokens"])
+def test_tokens_that_make_no_text_are_not_held_to_the_end(
+    tokenizer: Any, byte_fallback: Any, fallback: bool, run: str
+) -> None:
+    """Held tokens are decoded again with each new one: a request made to generate nothing
+    but stray continuation bytes (allowed_token_ids holds one) or skipped special tokens held
+    them all, its cost growing with the square of its length (8,000 took 3-6 s) and its text
+    coming only at the end. Now the text comes as the tokens do, and each costs the same."""
+    tok = byte_fallback if fallback else tokenizer
+    if run == "stray bytes":
+        token = tok.convert_tokens_to_ids("<0x80>") if fallback else tok.encode("\u0100")[-1]
+        assert tok.decode([token]) == "\ufffd"
+    else:
+        token = tok.all_special_ids[0]
+    for size in (500, 2000):
+        counting = _Counting(tok)
+        for method in (tok, counting):
+            detokenizer = IncrementalDetokenizer(method, tok.encode("Hello", add_special_tokens=False))
+            streamed = "".join(detokenizer.add(token) for _ in range(size))
+            assert streamed + detokenizer.flush() == tok.decode([token] * size, skip_special_tokens=True)
+            assert len(streamed) >= (size - 8 if run == "stray bytes" else 0)
+        assert counting.decoded < 60 * size
+
+
 def test_random_ids_after_random_prompts_never_raise(byte_fallback: Any) -> None:
     rng = random.Random(4)
     vocab = len(byte_fallback)
