@@ -53,6 +53,18 @@ class RareFilters:
         used = on.index_select(0, rows).any(dim=0).tolist()
         return RareFilters(rows, values.index_select(0, rows), (used[0], used[1], used[2], used[3]))
 
+    def select(self, rows: torch.Tensor, num_rows: int) -> RareFilters | None:
+        """Those of the sampled rows ``rows`` (of ``num_rows``, increasing), numbered as
+        ``rows`` numbers them; None when none of them uses one. (On a GPU, the count read
+        is a wait for the device: only batches with rows that use a rarer filter pay it.)"""
+        place = torch.full((num_rows,), -1, dtype=torch.long, device=rows.device)
+        place.index_copy_(0, rows, torch.arange(len(rows), device=rows.device))
+        numbered = place.index_select(0, self.rows)
+        kept = (numbered >= 0).nonzero()[:, 0]
+        if not kept.numel():
+            return None
+        return RareFilters(numbered.index_select(0, kept), self.values.index_select(0, kept), self.used)
+
 
 def candidates(
     scaled: torch.Tensor, top_k: torch.Tensor | None, used: tuple[bool, bool, bool, bool]

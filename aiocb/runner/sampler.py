@@ -133,11 +133,11 @@ class SamplingTensors:
         )
 
     def select(self, rows: torch.Tensor) -> SamplingTensors:
-        """The parameters of ``rows`` (a device index) alone, without logprobs, controls,
-        grammar masks or the rarer filters (the first proposals of a draft model, which the
-        target's own draw then checks: a proposal drawn without those filters is only less
-        likely to be accepted; the batch-wide flags stay the batch's, which may only make
-        the draw take a more general path)."""
+        """The parameters of ``rows`` (a device index, increasing) alone, without logprobs,
+        controls or grammar masks (the first proposals of a draft model, which the target's
+        own draw then checks: a proposal drawn without those is only less likely to be
+        accepted; the batch-wide flags stay the batch's, which may only make the draw take a
+        more general path)."""
         return dataclasses.replace(
             self,
             temperature=self.temperature.index_select(0, rows),
@@ -148,7 +148,7 @@ class SamplingTensors:
             any_logprobs=False,
             max_top_logprobs=0,
             min_p=None if self.min_p is None else self.min_p.index_select(0, rows),
-            rare=None,
+            rare=None if self.rare is None else self.rare.select(rows, len(self.temperature)),
             processed_logprobs=None,
             controls=None,
             history_carry=None,

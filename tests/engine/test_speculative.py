@@ -648,17 +648,23 @@ DRAFT_CASES = [
     ("chunked_prefill", "greedy", "same"),
     ("async_batching", "greedy", "same"),
     ("default", "sampled", "same"),
+    ("default", "rarer filters", "same"),
     ("async_batching", "sampled", "random"),
 ]
+#: Each kind of sampling's parameters.
+_SAMPLING: dict[str, dict[str, Any]] = {
+    "greedy": {"do_sample": False},
+    "sampled": {"temperature": 0.4, "top_k": 50, "seed": 7},
+    # (the draft's first proposal drawn without them was often refused: 85 of 111 taken)
+    "rarer filters": {"temperature": 0.8, "typical_p": 0.9, "epsilon_cutoff": 0.01, "seed": 3},
+}
 
 
 @pytest.mark.parametrize(("config_name", "sampling", "kind"), DRAFT_CASES)
 async def test_draft_model_outputs_equal_no_speculation(
     model: PreTrainedModel, config_name: str, sampling: str, kind: str
 ) -> None:
-    params: dict[str, Any] = (
-        {"do_sample": False} if sampling == "greedy" else {"temperature": 0.4, "top_k": 50, "seed": 7}
-    )
+    params = _SAMPLING[sampling]
     config = CONFIGS[config_name]
     plain = await _plain(model, config_name, sampling, params)
     fast, stats = await _run(model, _draft_config(_draft(model, kind)), config, **params)
@@ -667,7 +673,7 @@ async def test_draft_model_outputs_equal_no_speculation(
         assert b.finish_reason == a.finish_reason
     assert stats.draft_tokens > 0
     if kind == "same":  # (it draws with the target's noise from the target's logits, over its blocks)
-        assert stats.acceptance_rate > 0.95
+        assert stats.acceptance_rate > (0.99 if sampling == "rarer filters" else 0.95)
     else:
         assert stats.acceptance_rate < 0.5
     if config_name == "preemption":
