@@ -327,10 +327,10 @@ class TextTracker:
     def finish(self) -> None:
         """The request ended: release the text still held (an incomplete character, a
         possible stop string's beginning; all of it after a config stop string)."""
-        if self.matched is not None and self._matcher is not None:
+        if self._matcher is not None and self._matcher.matched is not None:
             return
         self._release(self._detokenizer.flush(), None)
-        if self._matcher is not None and self.matched is None:
+        if self._matcher is not None and self._matcher.matched is None:
             self._parts.append(self._matcher.flush())
 
     def _watch(self, piece: str) -> None:
@@ -348,5 +348,5 @@ class TextTracker:
         released = piece if matcher is None else matcher.feed(piece, num_output_tokens)
         if released:
             self._parts.append(released)
-        if matcher is not None:
+        if matcher is not None and matcher.matched is not None:
             self.matched = matcher.matched

@@ -207,6 +207,20 @@ def test_config_stop_strings_are_found_across_any_number_of_tokens(tokenizer: An
     assert tracker.text == tokenizer.decode(ids[: completing + 1])
 
 
+def test_a_config_stop_string_keeps_the_text_a_request_stop_string_held(tokenizer: Any) -> None:
+    """With both kinds of stop strings, a config one found while a request's is still
+    possible ("fox" of "foxes") keeps every token's text, the held text included (it was
+    dropped); a request's found ends the text before it."""
+    ids = tokenizer.encode(" the quick brown fox jumps", add_special_tokens=False)
+    for stop, text, matched in ((["foxes"], " the quick brown fox", "fox"), (["brown"], " the quick ", "brown")):
+        tracker = TextTracker(tokenizer, [], stop=stop, config_stop=["fox"])
+        for n, token in enumerate(ids, 1):
+            if tracker.add(token, n):
+                break
+        tracker.finish()
+        assert (tracker.text, tracker.matched) == (text, matched)
+
+
 def test_no_stop_strings_passes_text_through() -> None:
     matcher = StopStringMatcher(["", ""])
     assert matcher.feed("anything") == "anything"
