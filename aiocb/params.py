@@ -226,9 +226,9 @@ class SamplingParams:
         """Check and normalise the fields ``names`` (None: all; the others are as checked
         before), in one order whatever was given (the first fault is the one named), then
         the rule between fields."""
-        for name, check in _CHECKS.items():
-            if (names is None or name in names) and getattr(self, name) is not None:
-                check(self, name)
+        for name in _CHECKS if names is None else sorted(names, key=_CHECK_ORDER.__getitem__):
+            if getattr(self, name) is not None:
+                _CHECKS[name](self, name)
         given = [name for name in STRUCTURE_FIELDS if getattr(self, name) is not None]
         if len(given) > 1:
             fields = ", ".join(STRUCTURE_FIELDS)
@@ -745,3 +745,4 @@ _CHECKS: dict[str, Callable[[SamplingParams, str], None]] = {
     "grammar": _check_text,
     "choice": _check_choice,
 }
+_CHECK_ORDER = {name: i for i, name in enumerate(_CHECKS)}
