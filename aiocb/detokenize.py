@@ -65,11 +65,13 @@ class IncrementalDetokenizer:
     added ids where their bytes are valid UTF-8. Where a byte-fallback tokenizer's (Llama
     2, Mistral, Gemma) run of byte tokens is not, its decoder turns the whole run into
     U+FFFD, bytes already streamed as characters among them; the deltas keep those as
-    they were sent (as vLLM's do) and give U+FFFD for the rest. A character that the
-    context leaves incomplete is left out of it: the added tokens that would end it decode
-    as they do alone. Tokens held without text (bytes of a character not yet complete,
-    skipped special tokens) are decoded again with each new one, so at most a few are:
-    bytes that can no longer make a character come out as U+FFFD at once, not at the end.
+    they were sent (as vLLM's do). A character that the context leaves incomplete is left
+    out of it: the added tokens that would end it decode as they do alone. Tokens held
+    without text (bytes of a character not yet complete, skipped special tokens) are
+    decoded again with each new one, so at most a few are: bytes that can no longer make a
+    character come out as U+FFFD at once, not at the end (in a byte-fallback run that is
+    not valid, characters the run's later bytes make may then come out as themselves,
+    where the decoder gives the whole run as U+FFFD).
     """
 
     def __init__(self, tokenizer: Any, context_ids: Sequence[int] = (), *, skip_special_tokens: bool = True) -> None:
@@ -124,27 +126,37 @@ class IncrementalDetokenizer:
         return delta
 
     def _release(self) -> str:
-        """The text of the held tokens (decoded alone: a byte-fallback decoder turns a run
-        of bytes that is not valid, the window's last text among them, into U+FFFD) up to
-        where it can be cut, the last ones still held: decoded in two parts there it is the
-        same, no character split. Nothing while its end may be a character still incomplete
-        (at most :data:`_INCOMPLETE` U+FFFD), unless more than :data:`_MAX_HELD_AT_ALL` are
-        held: then all, as they decode."""
+        """The text of the held tokens up to where it can be cut, the last ones still held:
+        decoded in two parts there it is the same, no character split. Nothing while its end
+        may be a character still incomplete (at most :data:`_INCOMPLETE` U+FFFD), unless more
+        than :data:`_MAX_HELD_AT_ALL` are held: then all, as they decode. Tokens released
+        without text are dropped, the window's last text kept as its start (a SentencePiece
+        decoder strips the space of a first word: after skipped special tokens, it did)."""
         start, end = self._read_offset, len(self._ids)
-        text = self._decode(start, end)
+        base = self._prefix_offset
+        prefix = self._decode(base, start)
+        text = self._decode(base, end)
+        if not text.startswith(prefix):
+            # (a byte-fallback decoder turned the window's run of bytes, its last text among
+            # them, into U+FFFD with the held ones: the held tokens are decoded alone)
+            base, prefix, text = start, "", self._decode(start, end)
+        held = text[len(prefix) :]
         if end - start <= _MAX_HELD_AT_ALL:
-            if 0 < len(text) - len(text.rstrip(_REPLACEMENT)) <= _INCOMPLETE:
+            if 0 < len(held) - len(held.rstrip(_REPLACEMENT)) <= _INCOMPLETE:
                 return ""
             for cut in range(end - _INCOMPLETE, end):
-                head = self._decode(start, cut)
-                if head + self._decode(cut, end) == text:
-                    text, end = head, cut
+                head = self._decode(base, cut)
+                if head.startswith(prefix) and head + self._decode(cut, end) == text:
+                    held, end = head[len(prefix) :], cut
                     break
             else:
                 return ""
-        self._advance(end)
-        self.num_chars += len(text)
-        return text
+        if held:
+            self._advance(end)
+            self.num_chars += len(held)
+        else:
+            del self._ids[start:end]
+        return held
 
     def add_many(self, token_ids: Iterable[int]) -> str:
         """Append several tokens; returns the text they complete."""
@@ -169,10 +181,11 @@ class IncrementalDetokenizer:
     def _context(self, ids: Sequence[int]) -> list[int]:
         """The last tokens of ``ids`` that new ones are decoded after: the shortest suffix of
         at least :data:`_CONTEXT_TOKENS` tokens, of at most :data:`_MAX_CONTEXT_TOKENS`, whose
-        text starts on a character (it ends the text of a longer suffix: one that starts
-        inside a character decodes its first bytes as U+FFFD); and that ends on one: the
-        tokens of a character ``ids`` leave incomplete are left out (the new tokens that
-        end it then decode as they do alone, rather than changing text already decoded)."""
+        text starts on a character (has no U+FFFD: one that starts inside a character decodes
+        its first bytes as U+FFFD, and a byte-fallback decoder its whole run of bytes); and
+        that ends on one: the tokens of a character ``ids`` leave incomplete are left out (the
+        new tokens that end it then decode as they do alone, rather than changing text
+        already decoded)."""
         ids = list(ids[-(_MAX_CONTEXT_TOKENS + _MAX_HELD) :])
         for held in range(min(_MAX_HELD, len(ids))):
             if not self._decode_ids(ids[: len(ids) - held]).endswith(_REPLACEMENT):
@@ -180,9 +193,15 @@ class IncrementalDetokenizer:
                 break
         if len(ids) <= _CONTEXT_TOKENS:
             return ids
-        longest = self._decode_ids(ids[-_MAX_CONTEXT_TOKENS:])
-        for size in range(_CONTEXT_TOKENS, min(len(ids), _MAX_CONTEXT_TOKENS) + 1):
-            if longest.endswith(self._decode_ids(ids[-size:])):
+        sizes = range(_CONTEXT_TOKENS, min(len(ids), _MAX_CONTEXT_TOKENS) + 1)
+        texts = [self._decode_ids(ids[-size:]) for size in sizes]
+        for size, text in zip(sizes, texts, strict=True):
+            if _REPLACEMENT not in text:
+                return ids[-size:]
+        # (text with U+FFFD of its own: the shortest whose text ends the longest's, which a
+        # suffix that starts inside a character does not; unless the longest does too)
+        for size, text in zip(sizes, texts, strict=True):
+            if texts[-1].endswith(text):
                 return ids[-size:]
         return ids[-_CONTEXT_TOKENS:]
 

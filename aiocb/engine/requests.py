@@ -9,6 +9,7 @@ the prompt (token ids, or a text or chat messages with a tokenizer), the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import random
 import threading
@@ -26,7 +27,7 @@ from aiocb.core.request import Request
 from aiocb.detokenize import TextTracker
 from aiocb.errors import InvalidRequestError
 from aiocb.gil import yield_gil
-from aiocb.params import SamplingParams, as_strings
+from aiocb.params import SamplingParams, as_strings, token_id
 from aiocb.prompts import Prompt, bad_words_ids, encode_prompt, is_chat, is_large
 from aiocb.runner.step_batch import token_history
 from aiocb.sampling import (
@@ -84,8 +85,9 @@ def has_large_controls(sampling_params: SamplingParams | None, params: dict[str,
     total = 0
     for name in _ID_CONTROLS:
         value = _given(name, sampling_params, params)
-        if isinstance(value, Sized) and not isinstance(value, (str, bytes)):
-            total += len(value)
+        if isinstance(value, Sized) and not isinstance(value, (str, bytes)) and token_id(value) is None:
+            with contextlib.suppress(TypeError):  # (an array without a length: its check refuses it)
+                total += len(value)
     return total > LARGE_CONTROLS
 
 

@@ -9,7 +9,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
+import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 import aiocb
@@ -88,6 +90,17 @@ async def test_a_bad_id_in_large_controls_is_refused_by_name(qwen3: PreTrainedMo
         stats = manager.statistics()
         assert stats.free_blocks == stats.total_blocks
     assert checked_on == [True, False, False, False, True]
+
+
+async def test_an_eos_token_id_given_as_a_zero_dimensional_array_is_one_id(qwen3: PreTrainedModel) -> None:
+    """Counting a request's control ids takes a 0-d tensor or NumPy array (which has no
+    length) as the one id its check takes it for."""
+    async with aiocb.Manager(qwen3, GenerationConfig(do_sample=False)) as manager:
+        plain = await manager.generate(PROMPT, max_new_tokens=4, eos_token_id=3)
+        for value in (torch.tensor(3), np.array(3)):
+            assert (await manager.generate(PROMPT, max_new_tokens=4, eos_token_id=value)).generated_tokens == (
+                plain.generated_tokens
+            )
 
 
 def test_long_controls_are_normalised_as_short_ones() -> None:

@@ -330,6 +330,33 @@ def test_a_replacement_character_in_the_prompt_leaves_the_context_on_a_character
         assert _deltas(byte_fallback, ids[:cut], ids[cut:]) == "ꙮ ok", prompt
 
 
+@pytest.mark.parametrize("prompt", ["Reply: 🐟🚀🌍👍🐟🚀ꙮ", "Reply: ꙮꙮꙮꙮꙮꙮꙮꙮꙮ"])
+def test_a_prompt_ending_in_a_long_run_of_byte_tokens_starts_its_context_on_a_character(
+    byte_fallback: Any, prompt: str
+) -> None:
+    """A run of byte tokens longer than the context's longest window decodes, from inside a
+    character, all to U+FFFD: the context is a suffix with no U+FFFD, not one whose text
+    ends that window's (which every suffix of an all-U+FFFD text does)."""
+    ids = byte_fallback.encode(prompt + "😀 ok")
+    cut = len(byte_fallback.encode(prompt))
+    assert ids[:cut] == byte_fallback.encode(prompt) and cut > 24
+    for method in (byte_fallback, _DecodeOnly(byte_fallback)):
+        assert _deltas(method, ids[:cut], ids[cut:]) == "😀 ok"
+
+
+@pytest.mark.parametrize("skipped", [1, 5, 8])
+def test_skipped_special_tokens_between_words_keep_the_space(byte_fallback: Any, skipped: int) -> None:
+    """Released without text, skipped special tokens leave the window's last text as its
+    start: a window starting with them has the decoder strip the next word's space."""
+    prompt = byte_fallback.encode("Question: what is it?", add_special_tokens=False)
+    hello = byte_fallback.encode("Hello", add_special_tokens=False)
+    there = byte_fallback.encode("Hello there world", add_special_tokens=False)[len(hello) :]
+    generated = hello + [byte_fallback.convert_tokens_to_ids("<s>")] * skipped + there
+    for method in (byte_fallback, _DecodeOnly(byte_fallback)):
+        detokenizer = IncrementalDetokenizer(method, prompt, skip_special_tokens=True)
+        assert "".join(detokenizer.add(t) for t in generated) + detokenizer.flush() == " Hello there world"
+
+
 class _Counting(_DecodeOnly):
     """The window method, counting the ids it decodes."""
 
