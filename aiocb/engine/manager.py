@@ -1149,8 +1149,9 @@ class Manager:
         checked = None
         if has_large_controls(sampling_params, params):
             self._check_accepting()  # (the awaits above may have seen the manager stop)
+            check, limits = self._requests.check, self._limits()
             checked = await asyncio.to_thread(
-                pausing_call, self._requests.check, ids, max_new_tokens, sampling_params, params, self._limits()
+                pausing_call, check, ids, max_new_tokens, sampling_params, params, limits, True
             )
         self._check_start(start)
         request, samples = self._build(ids, request_id, max_new_tokens, sampling_params, params, checked)
@@ -1265,7 +1266,8 @@ class Manager:
             if large:
                 self._check_accepting()
                 check = self._requests.check
-                checked = await asyncio.to_thread(pausing_call, check, ids, None, sampling_params, {}, self._limits())
+                limits = self._limits()
+                checked = await asyncio.to_thread(pausing_call, check, ids, None, sampling_params, {}, limits, True)
             self._check_start(start)
             requests.append(self._new_request(ids, None, None, sampling_params, {}, checked))
         del stops  # (the requests' text trackers hold it now)

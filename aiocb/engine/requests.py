@@ -68,6 +68,9 @@ class CheckedRequest:
     prompt: list[int]
     resolved: ResolvedParams
     limits: RequestLimits
+    #: whether its seed is still to be drawn from the manager's (checked on a worker thread:
+    #: drawn when the request is built, on the loop, in the order requests are)
+    draws_seed: bool = False
 
 
 def _given(name: str, sampling_params: SamplingParams | None, params: dict[str, Any]) -> Any:
@@ -164,15 +167,17 @@ class RequestFactory:
         sampling_params: SamplingParams | None,
         params: dict[str, Any],
         limits: RequestLimits,
+        off_the_loop: bool = False,
     ) -> CheckedRequest:
         """A request's prompt and parameters checked and resolved, or InvalidRequestError
         naming the problem: all of building it that needs no id (and may run on a worker
-        thread: see :func:`has_large_controls`)."""
+        thread, ``off_the_loop``: see :func:`has_large_controls`)."""
         requested = self.merged(sampling_params, max_new_tokens, params)
         if requested.bad_words:
             requested = self._with_bad_words_ids(requested)
         keep = requested.truncate_prompt_tokens
         prompt = truncated_prompt(normalize_prompt(input_ids, limits.vocab_size), keep, limits.max_model_len)
+        draws_seed = off_the_loop and requested.seed is None and self.defaults.params.seed is None
         resolved = resolve_params(
             requested,
             self.defaults,
@@ -180,11 +185,11 @@ class RequestFactory:
             limits,
             default_eos=self._default_eos,
             default_logprobs=self._default_logprobs,
-            default_seed=self._seeds.getrandbits(32),
+            default_seed=0 if draws_seed else self._seeds.getrandbits(32),
             has_tokenizer=self.tokenizer is not None,
             can_constrain=self.grammar_tokenizer is not None,
         )
-        return CheckedRequest(requested, prompt, resolved, limits)
+        return CheckedRequest(requested, prompt, resolved, limits, draws_seed)
 
     def build(
         self, checked: CheckedRequest, request_id: str | None, *, in_use: Container[str]
@@ -194,6 +199,8 @@ class RequestFactory:
         it is made) for the caller to append to ``children``: a thousand of them take
         milliseconds, which an ``await``ing caller spreads over several loop turns."""
         requested, prompt, resolved, limits = checked.requested, checked.prompt, checked.resolved, checked.limits
+        if checked.draws_seed:
+            resolved = resolved.with_seed(self._seeds.getrandbits(32))
         if request_id is None:
             request_id = self._fresh_id(in_use)
         elif not isinstance(request_id, str) or not request_id:
