@@ -14,7 +14,6 @@ import itertools
 import logging
 import math
 import operator
-from array import array
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -403,26 +402,22 @@ def resolve_params(
         given = next(name for name in STRUCTURE_FIELDS if getattr(request, name) is not None)
         raise InvalidRequestError(f"{given} needs a tokenizer: create the Manager with tokenizer=...", param=given)
 
-    bias_ids, bias_values = array("q"), array("f")
+    biased: list[tuple[int, float]] = []  # (one-token sequence biases)
     sequences: list[tuple[tuple[int, ...], float]] = []
     given_sequences = pick("sequence_bias", ())
     _checked_ids("sequence_bias", itertools.chain.from_iterable(ids for ids, _ in given_sequences), vocab)
     for ids, bias in given_sequences:
         pause()
         if len(ids) == 1:
-            bias_ids.append(ids[0])
-            bias_values.append(bias)
+            biased.append((ids[0], bias))
         else:
             sequences.append((ids, bias))
     logit_bias = pick("logit_bias", ())
-    if logit_bias:
-        largest = logit_bias[-1][0]  # (SamplingParams sorts them by id)
-        if largest >= vocab:
-            raise InvalidRequestError(
-                f"logit_bias {largest} is outside the vocabulary [0, {vocab})", param="logit_bias"
-            )
-        bias_ids += c_array("q", map(_FIRST, logit_bias))
-        bias_values += c_array("f", map(_SECOND, logit_bias))
+    if logit_bias and logit_bias[-1][0] >= vocab:  # (SamplingParams sorts them by id)
+        message = f"logit_bias {logit_bias[-1][0]} is outside the vocabulary [0, {vocab})"
+        raise InvalidRequestError(message, param="logit_bias")
+    bias_ids = c_array("q", map(_FIRST, itertools.chain(biased, logit_bias)))
+    bias_values = c_array("f", map(_SECOND, itertools.chain(biased, logit_bias)))
     bans: list[int] = list(_checked_ids("suppress_tokens", defaults.suppress_tokens, vocab))
     bad_sequences: list[tuple[int, ...]] = []
     bad_words = pick("bad_words_ids", ())
