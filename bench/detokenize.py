@@ -28,20 +28,9 @@ if __package__ in (None, ""):  # run as `python bench/detokenize.py`
 
 from aiocb.detokenize import IncrementalDetokenizer
 from bench.common import machine_info
-from tests.server.conftest import build_byte_fallback_tokenizer, build_tokenizer
+from tests.server.conftest import DecodeOnly, build_byte_fallback_tokenizer, build_tokenizer
 
 TEXT = "Héllo wörld, 你好，世界！ Emoji: 😀 🚀 and Привет, мир. "
-
-
-class _DecodeOnly:
-    """A tokenizer with nothing but ``decode``: the detokenizer's window method."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self._tokenizer = tokenizer
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        text: str = self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-        return text
 
 
 def _cases(tokenizer: Any, fallback: bool, size: int) -> dict[str, list[int]]:
@@ -68,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         prompt = tokenizer.encode("Once upon a time", add_special_tokens=False)
         for size in map(int, args.tokens.split(",")):
             for case, ids in _cases(tokenizer, fallback, size).items():
-                for method, wrapped in (("stream", tokenizer), ("window", _DecodeOnly(tokenizer))):
+                for method, wrapped in (("stream", tokenizer), ("window", DecodeOnly(tokenizer))):
                     detokenizer = IncrementalDetokenizer(wrapped, prompt)
                     started = time.perf_counter()
                     streamed = sum(len(detokenizer.add(token)) for token in ids)

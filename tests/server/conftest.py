@@ -105,6 +105,18 @@ def build_byte_fallback_tokenizer(vocab_size: int = 400, *, bos: bool = False) -
     return tokenizer
 
 
+class DecodeOnly:
+    """A tokenizer with nothing but ``decode`` (a slow tokenizer's shape): the incremental
+    detokenizer's window method."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        text: str = self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        return text
+
+
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("tokenizer")

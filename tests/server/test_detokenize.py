@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from aiocb.detokenize import IncrementalDetokenizer, StopStringMatcher, TextTracker
-from tests.server.conftest import build_byte_fallback_tokenizer
+from tests.server.conftest import DecodeOnly, build_byte_fallback_tokenizer
 
 TEXTS = [
     "Héllo wörld, naïve café!",
@@ -227,17 +227,6 @@ def test_no_stop_strings_passes_text_through() -> None:
     assert matcher.held == ""
 
 
-class _DecodeOnly:
-    """A tokenizer with nothing but ``decode``: the detokenizer's window method."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self._tokenizer = tokenizer
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        text: str = self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-        return text
-
-
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
 def test_the_decode_stream_and_the_window_method_give_the_same_deltas(
     tokenizer: Any, skip_special_tokens: bool
@@ -248,7 +237,7 @@ def test_the_decode_stream_and_the_window_method_give_the_same_deltas(
         ids = [rng.choice(specials) if rng.random() < 0.05 else rng.randrange(len(tokenizer)) for _ in range(50)]
         context = [rng.randrange(len(tokenizer)) for _ in range(rng.randint(0, 8))]
         runs = []
-        for tok in (tokenizer, _DecodeOnly(tokenizer)):
+        for tok in (tokenizer, DecodeOnly(tokenizer)):
             detokenizer = IncrementalDetokenizer(tok, context, skip_special_tokens=skip_special_tokens)
             deltas = [detokenizer.add(i) for i in ids[:25]]
             deltas.append(detokenizer.flush())  # mid-way, as after a held character
@@ -261,7 +250,7 @@ def test_the_decode_stream_and_the_window_method_give_the_same_deltas(
 def test_a_fast_tokenizer_decodes_through_the_stream(tokenizer: Any) -> None:
     prompt = tokenizer.encode("Once upon a time", add_special_tokens=False)
     assert IncrementalDetokenizer(tokenizer, prompt)._stream is not None
-    assert IncrementalDetokenizer(_DecodeOnly(tokenizer), prompt)._stream is None
+    assert IncrementalDetokenizer(DecodeOnly(tokenizer), prompt)._stream is None
 
 
 # ---------------------------------------------------------------------- byte-fallback tokenizers
@@ -315,7 +304,7 @@ def test_a_prompt_that_ends_inside_a_character_loses_no_text(
     cuts = [k for k in range(1, len(ids)) if tok.decode(ids[:k]).endswith("\ufffd")]
     assert cuts
     for cut in cuts:
-        for method in (tok, _DecodeOnly(tok)):
+        for method in (tok, DecodeOnly(tok)):
             assert _deltas(method, ids[:cut], ids[cut:]) == tok.decode(ids[cut:]), cut
 
 
@@ -340,7 +329,7 @@ def test_a_prompt_ending_in_a_long_run_of_byte_tokens_starts_its_context_on_a_ch
     ids = byte_fallback.encode(prompt + "😀 ok")
     cut = len(byte_fallback.encode(prompt))
     assert ids[:cut] == byte_fallback.encode(prompt) and cut > 24
-    for method in (byte_fallback, _DecodeOnly(byte_fallback)):
+    for method in (byte_fallback, DecodeOnly(byte_fallback)):
         assert _deltas(method, ids[:cut], ids[cut:]) == "😀 ok"
 
 
@@ -352,12 +341,12 @@ def test_skipped_special_tokens_between_words_keep_the_space(byte_fallback: Any,
     hello = byte_fallback.encode("Hello", add_special_tokens=False)
     there = byte_fallback.encode("Hello there world", add_special_tokens=False)[len(hello) :]
     generated = hello + [byte_fallback.convert_tokens_to_ids("<s>")] * skipped + there
-    for method in (byte_fallback, _DecodeOnly(byte_fallback)):
+    for method in (byte_fallback, DecodeOnly(byte_fallback)):
         detokenizer = IncrementalDetokenizer(method, prompt, skip_special_tokens=True)
         assert "".join(detokenizer.add(t) for t in generated) + detokenizer.flush() == " Hello there world"
 
 
-class _Counting(_DecodeOnly):
+class _Counting(DecodeOnly):
     """The window method, counting the ids it decodes."""
 
     decoded = 0
