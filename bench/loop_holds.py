@@ -35,6 +35,9 @@ Scenarios, each on a fresh Manager with ``bench/overhead.py``'s near-zero-comput
   cut to its last 16 (``truncate_prompt_tokens``), 4 new tokens: the ids checked;
 * ``big_batch``: ``generate_batch`` of 20 x ``--rows`` 4-token prompts (20,480 by default),
   4 new tokens each: the prompts sorted, their requests made, looked up, collected and freed;
+* ``cancel_batch``: ``generate_batch`` of 20 x ``--rows`` 4-token prompts of up to 64 new
+  tokens, cancelled once all are queued: its requests cancelled (the script waits 0.2 s
+  for the steps after);
 * ``min_tokens``: one request with 64 samples, sampled, of 32 new tokens, all under
   ``min_tokens`` with 4,000 stop token ids (``aiocb serve`` allows 4,096): the stop tokens banned
   at every step;
@@ -81,6 +84,7 @@ SCENARIOS = (
     "stop_strings",
     "long_ids",
     "big_batch",
+    "cancel_batch",
     "min_tokens",
     "scored",
 )
@@ -256,6 +260,17 @@ def scenarios(rows: int) -> dict[str, Callable[[aiocb.Manager], Awaitable[None]]
     async def big_batch(manager: aiocb.Manager) -> None:
         await manager.generate_batch(many_prompts, max_new_tokens=4)
 
+    async def cancel_batch(manager: aiocb.Manager) -> None:
+        task = asyncio.ensure_future(manager.generate_batch(many_prompts, max_new_tokens=64))
+        for _ in range(6000):  # (a minute at most)
+            stats = manager.statistics()
+            if stats.waiting_requests + stats.running_requests >= len(many_prompts):
+                break
+            await asyncio.sleep(0.01)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await asyncio.sleep(0.2)
+
     stop_ids = list(range(4000))
 
     async def min_tokens(manager: aiocb.Manager) -> None:
@@ -277,6 +292,7 @@ def scenarios(rows: int) -> dict[str, Callable[[aiocb.Manager], Awaitable[None]]
         "stop_strings": stop_strings,
         "long_ids": long_ids,
         "big_batch": big_batch,
+        "cancel_batch": cancel_batch,
         "min_tokens": min_tokens,
         "scored": scored,
     }

@@ -35,7 +35,7 @@ from aiocb.engine.requests import CheckedRequest, RequestFactory, has_large_cont
 from aiocb.engine.router import OutputRouter
 from aiocb.engine.step_loop import StepLoop
 from aiocb.engine.stream import Consumer, RequestHandle, RequestStream
-from aiocb.engine.turns import LoopTurn, release, sorted_in_turns
+from aiocb.engine.turns import LoopTurn, each_in_turns, release, sorted_in_turns
 from aiocb.errors import (
     EngineDeadError,
     InvalidConfigError,
@@ -965,9 +965,8 @@ class Manager:
                 bar.refresh()
             outputs = await self._collect(order, handles)
         except BaseException:
-            for request in order:  # (looked up again: the lookups may not have been made yet)
-                if (handle := self._router.get(request.request_id)) is not None and handle.request is request:
-                    self._router.cancel_own(handle)
+            # (looked up again: the lookups may not have been made yet)
+            await each_in_turns(order, self._cancel_own_request)
             raise
         finally:
             if bar is not None:
@@ -1288,10 +1287,14 @@ class Manager:
                     requests[i], streaming=streaming, consumer=consumer, on_finish=on_finish
                 )
         except BaseException:
-            for handle in submitted:
-                self._router.cancel_own(handle)
+            await each_in_turns(submitted, self._router.cancel_own)
             raise
         return requests
+
+    def _cancel_own_request(self, request: Request) -> None:
+        """Cancel ``request`` while its id is still its own (a caller cleaning up)."""
+        if (handle := self._router.get(request.request_id)) is not None and handle.request is request:
+            self._router.cancel_own(handle)
 
     async def _collect(self, order: list[Request], handles: list[RequestHandle | None]) -> dict[str, GenerationOutput]:
         """The final outputs of ``order``'s requests (those with a handle), in order. Many

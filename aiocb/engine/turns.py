@@ -14,7 +14,7 @@ import asyncio
 import heapq
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -61,6 +61,22 @@ async def sorted_in_turns(items: Sequence[T], key: Callable[[T], Any], turn: Loo
         merged.append(item)
         await turn.give()
     return merged
+
+
+async def each_in_turns(items: Iterable[T], action: Callable[[T], object]) -> None:
+    """``action`` on each of ``items``, giving the loop back whenever a slice of it is used
+    (cancelling a batch of 20,000 requests in one pass held it 79 ms); interrupted (its
+    caller cancelled again while it cleans up), on the rest at once, then the error."""
+    turn = LoopTurn()
+    rest = iter(items)
+    try:
+        for item in rest:
+            action(item)
+            await turn.give()
+    except BaseException:
+        for item in rest:
+            action(item)
+        raise
 
 
 async def release(items: list[Any]) -> None:

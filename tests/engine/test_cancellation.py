@@ -113,7 +113,8 @@ async def test_generate_batch_cancelled_while_it_looks_its_requests_up_cancels_t
     qwen3: PreTrainedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """generate_batch looks its requests up a slice of the loop at a time once they are
-    queued: cancelled then, it cancels them all, those not looked up yet too."""
+    queued: cancelled then, it cancels them all, those not looked up yet too (a slice at
+    a time as well: the loop is given back at every one here)."""
     from aiocb.engine.router import OutputRouter
 
     monkeypatch.setattr("aiocb.engine.turns.SLICE", 0.0)  # give the loop back at every lookup
@@ -122,7 +123,7 @@ async def test_generate_batch_cancelled_while_it_looks_its_requests_up_cancels_t
 
     def counted(self: OutputRouter, request_id: str) -> Any:
         nonlocal lookups
-        if sys._getframe(1).f_code.co_name == "generate_batch":
+        if sys._getframe(1).f_code.co_name in ("generate_batch", "_cancel_own_request"):
             lookups += 1
             if lookups == 3:
                 task.cancel()
@@ -136,6 +137,38 @@ async def test_generate_batch_cancelled_while_it_looks_its_requests_up_cancels_t
             await task
         stats = manager.statistics()
         assert lookups == 3 + len(prompts)  # (cancelled at the third: the clean-up looks them all up)
+        assert stats.running_requests == stats.waiting_requests == 0
+        assert stats.free_blocks == stats.total_blocks
+
+
+async def test_a_batch_cancelled_again_while_it_cleans_up_still_cancels_every_request(
+    qwen3: PreTrainedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The clean-up of a cancelled generate_batch gives the loop back between requests (one
+    pass over 20,000 held it 79 ms); cancelled again meanwhile, it cancels the rest at once."""
+    from aiocb.engine.manager import Manager
+
+    monkeypatch.setattr("aiocb.engine.turns.SLICE", 0.0)  # give the loop back at every request
+    cancelled = 0
+    cancel_own = Manager._cancel_own_request
+
+    def counted(self: Manager, request: Any) -> None:
+        nonlocal cancelled
+        cancelled += 1
+        if cancelled == 2:
+            task.cancel()  # (again, mid-way through the clean-up)
+        cancel_own(self, request)
+
+    prompts = random_prompts(20, 5, 20, seed=11)
+    async with aiocb.Manager(qwen3) as manager:
+        monkeypatch.setattr(Manager, "_cancel_own_request", counted)
+        task = asyncio.create_task(manager.generate_batch(prompts, max_new_tokens=1000))
+        await _until_steps(manager, 3)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        stats = manager.statistics()
+        assert cancelled == len(prompts)
         assert stats.running_requests == stats.waiting_requests == 0
         assert stats.free_blocks == stats.total_blocks
 
