@@ -187,6 +187,8 @@ class IncrementalDetokenizer:
         new tokens that end it then decode as they do alone, rather than changing text
         already decoded)."""
         ids = list(ids[-(_MAX_CONTEXT_TOKENS + _MAX_HELD) :])
+        if len(ids) > _CONTEXT_TOKENS and _REPLACEMENT not in self._decode_ids(ids[-_CONTEXT_TOKENS:]):
+            return ids[-_CONTEXT_TOKENS:]  # (the usual case, in one decode)
         for held in range(min(_MAX_HELD, len(ids))):
             if not self._decode_ids(ids[: len(ids) - held]).endswith(_REPLACEMENT):
                 del ids[len(ids) - held :]
@@ -194,10 +196,12 @@ class IncrementalDetokenizer:
         if len(ids) <= _CONTEXT_TOKENS:
             return ids
         sizes = range(_CONTEXT_TOKENS, min(len(ids), _MAX_CONTEXT_TOKENS) + 1)
-        texts = [self._decode_ids(ids[-size:]) for size in sizes]
-        for size, text in zip(sizes, texts, strict=True):
+        texts: list[str] = []
+        for size in sizes:
+            text = self._decode_ids(ids[-size:])
             if _REPLACEMENT not in text:
                 return ids[-size:]
+            texts.append(text)
         # (text with U+FFFD of its own: the shortest whose text ends the longest's, which a
         # suffix that starts inside a character does not; unless the longest does too)
         for size, text in zip(sizes, texts, strict=True):
