@@ -33,11 +33,11 @@ _MAX_CONTEXT_TOKENS = 24
 #: the bytes of any character still incomplete (stray continuation bytes, a run of skipped
 #: special tokens), which would otherwise be held, and decoded again, at every new token ...
 _MAX_HELD = 4
-#: ... and beyond which all is, as it decodes (a character left incomplete among skipped tokens).
-_MAX_HELD_AT_ALL = 64
-#: The U+FFFD an incomplete character decodes to at most (a byte-fallback decoder gives one
-#: a byte; a byte-level one, one in all): more at the end of the text are bytes no
-#: character can take.
+#: ... and beyond which all is, as it decodes (bytes no character can take, which decode to
+#: U+FFFD, as a character still incomplete may; a character left incomplete among skipped
+#: tokens).
+_MAX_HELD_AT_ALL = 16
+#: The held tokens a release may keep: the bytes of a character still incomplete, at most.
 _INCOMPLETE = 3
 _REPLACEMENT = "\ufffd"
 
@@ -87,6 +87,8 @@ class IncrementalDetokenizer:
         self._read_offset = len(context)
         #: characters of text emitted so far (not counting the context)
         self.num_chars = 0
+        self._skipped: frozenset[int] | None = None
+        self._bytes: dict[int, int] | None = None
 
     def add(self, token_id: int) -> str:
         """Append one token; returns the text it completes (often all of its own text, maybe "")."""
@@ -119,37 +121,56 @@ class IncrementalDetokenizer:
         prefix = self._decode(self._prefix_offset, self._read_offset)
         text = self._decode(self._prefix_offset, len(self._ids))
         if len(text) <= len(prefix) or text.endswith(_REPLACEMENT):
-            return "" if len(self._ids) - self._read_offset <= _MAX_HELD else self._release()
+            return "" if len(self._ids) - self._read_offset <= _MAX_HELD else self._release(prefix, text)
         delta = text[len(prefix) :]
         self._advance()
         self.num_chars += len(delta)
         return delta
 
-    def _release(self) -> str:
+    def _release(self, prefix: str, text: str) -> str:
         """The text of the held tokens up to where it can be cut, the last ones still held:
-        decoded in two parts there it is the same, no character split. Nothing while its end
-        may be a character still incomplete (at most :data:`_INCOMPLETE` U+FFFD), unless more
-        than :data:`_MAX_HELD_AT_ALL` are held: then all, as they decode. Tokens released
-        without text are dropped, the window's last text kept as its start (a SentencePiece
-        decoder strips the space of a first word: after skipped special tokens, it did)."""
+        decoded in two parts there it is the same, no character split, and the part released
+        does not end in U+FFFD; nothing while there is no such cut, unless more than
+        :data:`_MAX_HELD_AT_ALL` are held: then up to a cut that splits no character, else
+        all, as they decode. Skipped special tokens are dropped, and so are tokens released
+        without text, the window's last text kept as its start (a SentencePiece decoder
+        strips the space of a first word: after skipped special tokens, it did)."""
         start, end = self._read_offset, len(self._ids)
-        base = self._prefix_offset
-        prefix = self._decode(base, start)
-        text = self._decode(base, end)
+        base = self._prefix_offset  # (``prefix`` and ``text``: the window's, from it)
+        if self._skip_special:  # (skipped tokens decode to nothing wherever they are: dropped)
+            skipped = self._skipped_ids()
+            kept = [token for token in self._ids[start:] if token not in skipped]
+            if len(kept) < end - start:
+                self._ids[start:] = kept
+                end = len(self._ids)
+                if end - start <= _MAX_HELD:
+                    return ""
         if not text.startswith(prefix):
             # (a byte-fallback decoder turned the window's run of bytes, its last text among
             # them, into U+FFFD with the held ones: the held tokens are decoded alone)
             base, prefix, text = start, "", self._decode(start, end)
         held = text[len(prefix) :]
-        if end - start <= _MAX_HELD_AT_ALL:
-            if 0 < len(held) - len(held.rstrip(_REPLACEMENT)) <= _INCOMPLETE:
-                return ""
-            for cut in range(end - _INCOMPLETE, end):
-                head = self._decode(base, cut)
-                if head.startswith(prefix) and head + self._decode(cut, end) == text:
-                    held, end = head[len(prefix) :], cut
-                    break
-            else:
+        # The last cut (keeping the fewest held) whose two parts add up to the whole: one
+        # that splits a character decodes differently; one whose first part ends in U+FFFD
+        # may too (a byte-fallback decoder gives a run of bytes that ends inside a
+        # character one U+FFFD a byte, and the run cut there the same) and waits, unless
+        # more than _MAX_HELD_AT_ALL are held.
+        patient = end - start <= _MAX_HELD_AT_ALL
+        byte_of = self._byte_tokens()
+        for cut in range(end - 1, end - _INCOMPLETE - 1, -1):
+            if byte_of:  # (byte fallback: a character starts at any but a continuation byte)
+                byte = byte_of.get(self._ids[cut])
+                if byte is not None and 0x80 <= byte < 0xC0:
+                    continue
+            head = self._decode(base, cut)
+            released = head[len(prefix) :]
+            if head.startswith(prefix) and (
+                byte_of or (not (patient and released.endswith(_REPLACEMENT)) and head + self._decode(cut, end) == text)
+            ):
+                held, end = released, cut
+                break
+        else:
+            if patient:
                 return ""
         if held:
             self._advance(end)
@@ -157,6 +178,32 @@ class IncrementalDetokenizer:
         else:
             del self._ids[start:end]
         return held
+
+    def _byte_tokens(self) -> dict[int, int]:
+        """A byte-fallback tokenizer's byte tokens (``<0xE4>``), by id, and their bytes;
+        empty for any other (found on first use)."""
+        if self._bytes is None:
+            convert = getattr(self._tokenizer, "convert_tokens_to_ids", None)
+            found: dict[int, int] = {}
+            if convert is not None:
+                for byte in range(256):
+                    token = convert(f"<0x{byte:02X}>")
+                    if isinstance(token, int) and token != getattr(self._tokenizer, "unk_token_id", None):
+                        found[token] = byte
+            self._bytes = found if len(found) == 256 else {}
+        return self._bytes
+
+    def _skipped_ids(self) -> frozenset[int]:
+        """The ids a decode that skips special tokens leaves out (found on first use: for
+        a large vocabulary of added tokens, some 0.1 ms)."""
+        if self._skipped is None:
+            backend = self._backend or getattr(self._tokenizer, "backend_tokenizer", None)
+            if isinstance(backend, Tokenizer):
+                added = backend.get_added_tokens_decoder()
+                self._skipped = frozenset(token for token, added_token in added.items() if added_token.special)
+            else:
+                self._skipped = frozenset(getattr(self._tokenizer, "all_special_ids", ()))
+        return self._skipped
 
     def add_many(self, token_ids: Iterable[int]) -> str:
         """Append several tokens; returns the text they complete."""
@@ -187,7 +234,11 @@ class IncrementalDetokenizer:
         new tokens that end it then decode as they do alone, rather than changing text
         already decoded)."""
         ids = list(ids[-(_MAX_CONTEXT_TOKENS + _MAX_HELD) :])
-        if len(ids) > _CONTEXT_TOKENS and _REPLACEMENT not in self._decode_ids(ids[-_CONTEXT_TOKENS:]):
+        if (
+            len(ids) > _CONTEXT_TOKENS
+            and _REPLACEMENT not in (text := self._decode_ids(ids[-_CONTEXT_TOKENS:]))
+            and text
+        ):
             return ids[-_CONTEXT_TOKENS:]  # (the usual case, in one decode)
         for held in range(min(_MAX_HELD, len(ids))):
             if not self._decode_ids(ids[: len(ids) - held]).endswith(_REPLACEMENT):
@@ -199,13 +250,16 @@ class IncrementalDetokenizer:
         texts: list[str] = []
         for size in sizes:
             text = self._decode_ids(ids[-size:])
-            if _REPLACEMENT not in text:
+            if text and _REPLACEMENT not in text:  # (no text: skipped special tokens alone)
                 return ids[-size:]
             texts.append(text)
-        # (text with U+FFFD of its own: the shortest whose text ends the longest's, which a
-        # suffix that starts inside a character does not; unless the longest does too)
+        # Text with U+FFFD of its own: the shortest with text whose tokens before it, in the
+        # longest, decode to the rest of the longest's text (a suffix that starts inside a
+        # character decodes its first bytes, or its whole run of bytes, as U+FFFD instead).
+        longest = texts[-1]
         for size, text in zip(sizes, texts, strict=True):
-            if texts[-1].endswith(text):
+            head = self._decode_ids(ids[-sizes[-1] : -size]) if size < sizes[-1] else ""
+            if text and longest in (head + text, f"{head} {text}"):  # (a first word's space stripped)
                 return ids[-size:]
         return ids[-_CONTEXT_TOKENS:]
 

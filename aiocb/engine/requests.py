@@ -68,9 +68,10 @@ class CheckedRequest:
     prompt: list[int]
     resolved: ResolvedParams
     limits: RequestLimits
-    #: whether its seed is still to be drawn from the manager's (checked on a worker thread:
-    #: drawn when the request is built, on the loop, in the order requests are)
-    draws_seed: bool = False
+    #: whether it was checked on a worker thread: its draw from the manager's seeds is made
+    #: when it is built, on the loop, in the order requests are (its default seed, if it
+    #: takes one)
+    off_the_loop: bool = False
 
 
 def _given(name: str, sampling_params: SamplingParams | None, params: dict[str, Any]) -> Any:
@@ -177,7 +178,6 @@ class RequestFactory:
             requested = self._with_bad_words_ids(requested)
         keep = requested.truncate_prompt_tokens
         prompt = truncated_prompt(normalize_prompt(input_ids, limits.vocab_size), keep, limits.max_model_len)
-        draws_seed = off_the_loop and requested.seed is None and self.defaults.params.seed is None
         resolved = resolve_params(
             requested,
             self.defaults,
@@ -185,11 +185,11 @@ class RequestFactory:
             limits,
             default_eos=self._default_eos,
             default_logprobs=self._default_logprobs,
-            default_seed=0 if draws_seed else self._seeds.getrandbits(32),
+            default_seed=0 if off_the_loop else self._seeds.getrandbits(32),
             has_tokenizer=self.tokenizer is not None,
             can_constrain=self.grammar_tokenizer is not None,
         )
-        return CheckedRequest(requested, prompt, resolved, limits, draws_seed)
+        return CheckedRequest(requested, prompt, resolved, limits, off_the_loop)
 
     def build(
         self, checked: CheckedRequest, request_id: str | None, *, in_use: Container[str]
@@ -199,8 +199,10 @@ class RequestFactory:
         it is made) for the caller to append to ``children``: a thousand of them take
         milliseconds, which an ``await``ing caller spreads over several loop turns."""
         requested, prompt, resolved, limits = checked.requested, checked.prompt, checked.resolved, checked.limits
-        if checked.draws_seed:
-            resolved = resolved.with_seed(self._seeds.getrandbits(32))
+        if checked.off_the_loop:
+            seed = self._seeds.getrandbits(32)  # (drawn for every request, as on the loop)
+            if requested.seed is None and self.defaults.params.seed is None:
+                resolved = resolved.with_seed(seed)
         if request_id is None:
             request_id = self._fresh_id(in_use)
         elif not isinstance(request_id, str) or not request_id:

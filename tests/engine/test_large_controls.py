@@ -18,6 +18,7 @@ import aiocb
 from aiocb import gil
 from aiocb.engine.requests import LARGE_CONTROLS, RequestFactory
 from aiocb.params import SLICE
+from aiocb.sampling import RequestLimits
 from tests.conftest import VOCAB, random_prompts, reference_generate
 
 PROMPT = random_prompts(1, 12, 12, seed=5)[0]
@@ -101,6 +102,25 @@ async def test_an_eos_token_id_given_as_a_zero_dimensional_array_is_one_id(qwen3
             assert (await manager.generate(PROMPT, max_new_tokens=4, eos_token_id=value)).generated_tokens == (
                 plain.generated_tokens
             )
+
+
+@pytest.mark.parametrize("params", [{}, {"seed": 5}])
+def test_a_request_checked_off_the_loop_draws_from_the_managers_seeds_when_built(params: dict[str, Any]) -> None:
+    """Checked on a worker thread, a request draws from the manager's seeds (``seed`` of
+    the config) when it is built on the loop, as one checked there does: the draws follow
+    the order requests are built in, whatever the thread's timing."""
+    limits = RequestLimits(VOCAB, 4096, 100_000)
+    made = []
+    for off_the_loop in (False, True):
+        factory = RequestFactory(GenerationConfig(), aiocb.ContinuousBatchingConfig(seed=3), None, frozenset([0]))
+        state = factory._seeds.getstate()
+        checked = factory.check([1, 2, 3], 4, None, params, limits, off_the_loop)
+        assert (factory._seeds.getstate() == state) is off_the_loop
+        request, _ = factory.build(checked, None, in_use=set())
+        after, _ = factory.build(factory.check([1, 2, 3], 4, None, {}, limits), None, in_use=set())
+        made.append((request.params.seed, after.params.seed))
+    assert made[0] == made[1]
+    assert made[0][0] == params.get("seed", made[0][0])
 
 
 def test_long_controls_are_normalised_as_short_ones() -> None:

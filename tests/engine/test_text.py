@@ -98,7 +98,7 @@ async def test_tokens_that_make_no_character_stream_as_they_come(model: PreTrain
         resumed = await manager.generate(
             ids[:cut], max_new_tokens=len(ids) - cut, allowed_token_ids=ids[cut:], ignore_eos=True
         )
-    assert sum(streamed[:-1]) >= 64 - 8 and sum(streamed) == 64
+    assert sum(streamed[:-1]) >= 64 - 20 and sum(streamed) == 64
     assert resumed.text == tokenizer.decode(resumed.generated_tokens)  # (none lost after the character's end)
 
 

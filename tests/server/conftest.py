@@ -106,15 +106,21 @@ def build_byte_fallback_tokenizer(vocab_size: int = 400, *, bos: bool = False) -
 
 
 class DecodeOnly:
-    """A tokenizer with nothing but ``decode`` (a slow tokenizer's shape): the incremental
+    """A tokenizer without the tokenizers library's backend (a slow tokenizer's shape:
+    ``decode``, and the token lookups the detokenizer asks of one): the incremental
     detokenizer's window method."""
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
+        self.all_special_ids = tokenizer.all_special_ids
+        self.unk_token_id = tokenizer.unk_token_id
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         text: str = self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
         return text
+
+    def convert_tokens_to_ids(self, token: str) -> Any:
+        return self._tokenizer.convert_tokens_to_ids(token)
 
 
 @pytest.fixture(scope="session")

@@ -346,6 +346,41 @@ def test_skipped_special_tokens_between_words_keep_the_space(byte_fallback: Any,
         assert "".join(detokenizer.add(t) for t in generated) + detokenizer.flush() == " Hello there world"
 
 
+@pytest.mark.parametrize(
+    "generated", ["\ufffd😀 ok", "x\ufffd世界 ok", "\ufffdꙮ ok", "\ufffd" * 3 + " ok", "\ufffd" * 8]
+)
+def test_a_generated_replacement_character_is_text_like_any_other(byte_fallback: Any, generated: str) -> None:
+    """U+FFFD written as its three byte tokens ends the text in U+FFFD, as a character
+    still incomplete does: held with the next character's first bytes, a byte-fallback
+    decoder gives the run one U+FFFD a byte, which was taken for bytes no character could
+    take and released (the next character came out as U+FFFD, runs of them tripled)."""
+    prompt = byte_fallback.encode("Answer:", add_special_tokens=False)
+    ids = byte_fallback.encode(generated, add_special_tokens=False)
+    assert byte_fallback.convert_ids_to_tokens(ids).count("<0xEF>") >= 1
+    expected = byte_fallback.decode(prompt + ids)[len(byte_fallback.decode(prompt)) :]
+    for method in (byte_fallback, DecodeOnly(byte_fallback)):
+        assert _deltas(method, prompt, ids) == expected
+
+
+@pytest.mark.parametrize("count", [5, 8])
+def test_a_prompt_ending_in_replacement_characters_starts_its_context_on_one(byte_fallback: Any, count: int) -> None:
+    """No suffix of such a prompt is free of U+FFFD: the context is one whose tokens before
+    it, in the longest, decode to the rest of its text (a suffix starting inside a U+FFFD
+    decodes to one U+FFFD a byte, which the longest's text ends with as well)."""
+    prompt = byte_fallback.encode("Hi " + "\ufffd" * count, add_special_tokens=False)
+    ids = byte_fallback.encode("Hi " + "\ufffd" * count + "ꙮ ok", add_special_tokens=False)
+    assert ids[: len(prompt)] == prompt
+    for method in (byte_fallback, DecodeOnly(byte_fallback)):
+        assert _deltas(method, prompt, ids[len(prompt) :]) == "ꙮ ok"
+
+
+def test_a_prompt_ending_in_skipped_special_tokens_keeps_the_first_words_space(byte_fallback: Any) -> None:
+    prompt = byte_fallback.encode("Question: what is it?", add_special_tokens=False)
+    prompt += [byte_fallback.convert_tokens_to_ids("<s>")] * 8
+    for method in (byte_fallback, DecodeOnly(byte_fallback)):
+        assert _deltas(method, prompt, byte_fallback.encode("Hello there", add_special_tokens=False)) == " Hello there"
+
+
 class _Counting(DecodeOnly):
     """The window method, counting the ids it decodes."""
 
@@ -377,8 +412,8 @@ def test_tokens_that_make_no_text_are_not_held_to_the_end(
             detokenizer = IncrementalDetokenizer(method, tok.encode("Hello", add_special_tokens=False))
             streamed = "".join(detokenizer.add(token) for _ in range(size))
             assert streamed + detokenizer.flush() == tok.decode([token] * size, skip_special_tokens=True)
-            assert len(streamed) >= (size - 8 if run == "stray bytes" else 0)
-        assert counting.decoded < 60 * size
+            assert len(streamed) >= (size - 20 if run == "stray bytes" else 0)
+        assert counting.decoded < 150 * size  # (held to the end: some size * size / 2)
 
 
 def test_random_ids_after_random_prompts_never_raise(byte_fallback: Any) -> None:
