@@ -542,8 +542,9 @@ _Item = TypeVar("_Item")
 def _checked_ids(
     name: str, value: int | Iterable[int], vocab_size: int, more: frozenset[int] = frozenset()
 ) -> frozenset[int]:
-    """The ids of ``value`` (the negative ones left out: none), each checked to be within
-    the vocabulary, a slice at a time (see :data:`~aiocb.params.SLICE`), with ``more``."""
+    """The ids of ``value``, each checked to be within the vocabulary, a slice at a time
+    (see :data:`~aiocb.params.SLICE`), with ``more``; negative ones (a config's way of
+    saying none) left out."""
     values = iter([value] if isinstance(value, int) else value)
     ids = set(more)
     negative = False

@@ -163,8 +163,8 @@ def c_array(typecode: str, values: Iterable[Any]) -> array[Any]:
     """``values`` as a C array of ``typecode`` (never to be changed), a slice at a time: a
     step gathers a row's ids from it at once, and a hundred thousand of them made into one
     in one go would hold the GIL for milliseconds (see :func:`~aiocb.gil.pause`). Empty,
-    one array of its type that every request shares (the collector tracks each array: four
-    a request made a batch of 20,000 a fifth more for it to walk)."""
+    the one array of its type that every request shares (the collector tracks every array:
+    four of a request's own made each queued request a third more objects for it to walk)."""
     made = array(typecode)
     items = iter(values)
     while part := list(itertools.islice(items, _SLICE)):
