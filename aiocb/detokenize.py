@@ -158,14 +158,15 @@ class IncrementalDetokenizer:
         patient = end - start <= _MAX_HELD_AT_ALL
         byte_of = self._byte_tokens()
         for cut in range(end - 1, end - _INCOMPLETE - 1, -1):
-            if byte_of:  # (byte fallback: a character starts at any but a continuation byte)
-                byte = byte_of.get(self._ids[cut])
-                if byte is not None and 0x80 <= byte < 0xC0:
-                    continue
+            # (a byte-fallback byte token: a character starts there unless it continues one)
+            byte = byte_of.get(self._ids[cut]) if byte_of else None
+            if byte is not None and 0x80 <= byte < 0xC0:
+                continue
             head = self._decode(base, cut)
             released = head[len(prefix) :]
             if head.startswith(prefix) and (
-                byte_of or (not (patient and released.endswith(_REPLACEMENT)) and head + self._decode(cut, end) == text)
+                byte is not None
+                or (not (patient and released.endswith(_REPLACEMENT)) and head + self._decode(cut, end) == text)
             ):
                 held, end = released, cut
                 break

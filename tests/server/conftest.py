@@ -112,7 +112,9 @@ class DecodeOnly:
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
-        self.all_special_ids = tokenizer.all_special_ids
+        # (the tokens its decode skips: the backend's special added tokens)
+        added = tokenizer.backend_tokenizer.get_added_tokens_decoder()
+        self.all_special_ids = [i for i, token in added.items() if token.special]
         self.unk_token_id = tokenizer.unk_token_id
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:

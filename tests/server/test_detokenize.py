@@ -298,14 +298,17 @@ def test_a_prompt_that_ends_inside_a_character_loses_no_text(
     """A prompt of ids may end inside a character (a client resuming an output cut inside an
     emoji): the new tokens that end it decode as they do alone, and the text after them is
     whole (with the character's bytes in the context, its completion shortened the text and
-    the deltas after it lost characters)."""
+    the deltas after it lost characters). With byte fallback, the character's last bytes,
+    which no character can take alone, may join the context's run of bytes, which the
+    decoder then gives as U+FFFD whole: their count may differ, the text after them not."""
     tok = byte_fallback if fallback else tokenizer
     ids = tok.encode("Hello 世界 and 😀 the end", add_special_tokens=False)
     cuts = [k for k in range(1, len(ids)) if tok.decode(ids[:k]).endswith("\ufffd")]
     assert cuts
     for cut in cuts:
         for method in (tok, DecodeOnly(tok)):
-            assert _deltas(method, ids[:cut], ids[cut:]) == tok.decode(ids[cut:]), cut
+            got, alone = _deltas(method, ids[:cut], ids[cut:]), tok.decode(ids[cut:])
+            assert (got.lstrip("\ufffd"), got[0]) == (alone.lstrip("\ufffd"), alone[0]) if fallback else got == alone
 
 
 def test_a_replacement_character_in_the_prompt_leaves_the_context_on_a_character(byte_fallback: Any) -> None:
