@@ -128,11 +128,12 @@ class IncrementalDetokenizer:
         return delta
 
     def _release(self, prefix: str, text: str) -> str:
-        """The text of the held tokens up to where it can be cut, the last ones still held:
-        decoded in two parts there it is the same, no character split, and the part released
-        does not end in U+FFFD; nothing while there is no such cut, unless more than
-        :data:`_MAX_HELD_AT_ALL` are held: then up to a cut that splits no character, else
-        all, as they decode. Skipped special tokens are dropped, and so are tokens released
+        """The text of the held tokens up to where it can be cut, the last ones still held: at
+        a byte-fallback byte token that starts a character, or where, decoded in two parts,
+        it is the same (no character split) and the part released does not end in U+FFFD;
+        nothing while there is no such cut, unless more than :data:`_MAX_HELD_AT_ALL` are
+        held: then up to a cut that splits no character, else all, as they decode. Skipped
+        special tokens are dropped, and so are tokens released
         without text, the window's last text kept as its start (a SentencePiece decoder
         strips the space of a first word: after skipped special tokens, it did)."""
         start, end = self._read_offset, len(self._ids)
@@ -150,10 +151,11 @@ class IncrementalDetokenizer:
             # them, into U+FFFD with the held ones: the held tokens are decoded alone)
             base, prefix, text = start, "", self._decode(start, end)
         held = text[len(prefix) :]
-        # The last cut (keeping the fewest held) whose two parts add up to the whole: one
-        # that splits a character decodes differently; one whose first part ends in U+FFFD
-        # may too (a byte-fallback decoder gives a run of bytes that ends inside a
-        # character one U+FFFD a byte, and the run cut there the same) and waits, unless
+        # The last cut (keeping the fewest held) where a character starts: told by its byte
+        # for a byte token; for another, by the two parts adding up to the whole (one that
+        # splits a character decodes differently) and the first not ending in U+FFFD,
+        # which may split one too (a byte-fallback decoder gives a run of bytes that ends
+        # inside a character one U+FFFD a byte, and the run cut there the same), unless
         # more than _MAX_HELD_AT_ALL are held.
         patient = end - start <= _MAX_HELD_AT_ALL
         byte_of = self._byte_tokens()
