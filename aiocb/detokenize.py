@@ -14,6 +14,8 @@ string is found, the text before it is released and the stop string itself is dr
 
 from __future__ import annotations
 
+import contextlib
+import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -57,6 +59,38 @@ def _stream_backend(tokenizer: Any) -> Tokenizer | None:
     return backend
 
 
+#: :func:`_vocabulary_facts` of each tokenizer, with the vocabulary size they were found at
+_FACTS: weakref.WeakKeyDictionary[Any, tuple[int, dict[int, int], frozenset[int]]] = weakref.WeakKeyDictionary()
+
+
+def _vocabulary_facts(tokenizer: Any) -> tuple[dict[int, int], frozenset[int]]:
+    """A tokenizer's byte tokens (``<0xE4>``) by id with their bytes (a byte-fallback one's;
+    empty for any other), and the ids a decode that skips special tokens leaves out. Found
+    once a tokenizer (256 lookups and the added tokens: some 0.2 ms; found for every request
+    they held the loop in slices of milliseconds), again if its vocabulary grows."""
+    size = len(tokenizer) if hasattr(tokenizer, "__len__") else -1
+    known = _FACTS.get(tokenizer)
+    if known is not None and known[0] == size:
+        return known[1], known[2]
+    convert = getattr(tokenizer, "convert_tokens_to_ids", None)
+    found: dict[int, int] = {}
+    if convert is not None:
+        for byte in range(256):
+            token = convert(f"<0x{byte:02X}>")
+            if isinstance(token, int) and token != getattr(tokenizer, "unk_token_id", None):
+                found[token] = byte
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if isinstance(backend, Tokenizer):
+        added = backend.get_added_tokens_decoder()
+        skipped = frozenset(token for token, added_token in added.items() if added_token.special)
+    else:
+        skipped = frozenset(getattr(tokenizer, "all_special_ids", ()))
+    facts = (found if len(found) == 256 else {}, skipped)
+    with contextlib.suppress(TypeError):  # (a tokenizer that takes no weak reference: found each time)
+        _FACTS[tokenizer] = (size, *facts)
+    return facts
+
+
 class IncrementalDetokenizer:
     """Text deltas for token ids added one by one.
 
@@ -87,8 +121,6 @@ class IncrementalDetokenizer:
         self._read_offset = len(context)
         #: characters of text emitted so far (not counting the context)
         self.num_chars = 0
-        self._skipped: frozenset[int] | None = None
-        self._bytes: dict[int, int] | None = None
 
     def add(self, token_id: int) -> str:
         """Append one token; returns the text it completes (often all of its own text, maybe "")."""
@@ -184,29 +216,12 @@ class IncrementalDetokenizer:
 
     def _byte_tokens(self) -> dict[int, int]:
         """A byte-fallback tokenizer's byte tokens (``<0xE4>``), by id, and their bytes;
-        empty for any other (found on first use)."""
-        if self._bytes is None:
-            convert = getattr(self._tokenizer, "convert_tokens_to_ids", None)
-            found: dict[int, int] = {}
-            if convert is not None:
-                for byte in range(256):
-                    token = convert(f"<0x{byte:02X}>")
-                    if isinstance(token, int) and token != getattr(self._tokenizer, "unk_token_id", None):
-                        found[token] = byte
-            self._bytes = found if len(found) == 256 else {}
-        return self._bytes
+        empty for any other."""
+        return _vocabulary_facts(self._tokenizer)[0]
 
     def _skipped_ids(self) -> frozenset[int]:
-        """The ids a decode that skips special tokens leaves out (found on first use: for
-        a large vocabulary of added tokens, some 0.1 ms)."""
-        if self._skipped is None:
-            backend = self._backend or getattr(self._tokenizer, "backend_tokenizer", None)
-            if isinstance(backend, Tokenizer):
-                added = backend.get_added_tokens_decoder()
-                self._skipped = frozenset(token for token, added_token in added.items() if added_token.special)
-            else:
-                self._skipped = frozenset(getattr(self._tokenizer, "all_special_ids", ()))
-        return self._skipped
+        """The ids a decode that skips special tokens leaves out."""
+        return _vocabulary_facts(self._tokenizer)[1]
 
     def add_many(self, token_ids: Iterable[int]) -> str:
         """Append several tokens; returns the text they complete."""

@@ -14,7 +14,7 @@ import itertools
 import logging
 import math
 import operator
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -109,13 +109,11 @@ def is_long_id_prompt(prompt: Any) -> bool:
     return False
 
 
-def checked_long_prompt(
-    input_ids: Any, vocab_size: int, keep: int | None, max_model_len: int | None, pause: Callable[[], None]
-) -> CheckedPrompt:
+def checked_long_prompt(input_ids: Any, vocab_size: int, keep: int | None, max_model_len: int | None) -> CheckedPrompt:
     """:func:`normalize_prompt` of a long prompt (:func:`is_long_id_prompt`), a slice of
-    :data:`LONG_ID_PROMPT` ids at a time, calling ``pause`` between slices (for a worker
-    thread: the event loop's thread takes the GIL), then :func:`truncated_prompt`: the ids
-    not kept are freed here, not on the loop."""
+    :data:`LONG_ID_PROMPT` ids at a time with a :func:`~aiocb.gil.pause` between slices (on
+    a worker thread inside :func:`~aiocb.gil.pausing`), then :func:`truncated_prompt`: the
+    ids not kept are freed here, not on the loop."""
     ids: list[int] = []
     for start in range(0, len(input_ids), LONG_ID_PROMPT):
         if start:

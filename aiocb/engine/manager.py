@@ -1147,11 +1147,7 @@ class Manager:
         stops = await self._requests.prepare_stops(sampling_params, params)
         checked = None
         if has_large_controls(sampling_params, params):
-            self._check_accepting()  # (the awaits above may have seen the manager stop)
-            check, limits = self._requests.check, self._limits()
-            checked = await asyncio.to_thread(
-                pausing_call, check, ids, max_new_tokens, sampling_params, params, limits, True
-            )
+            checked = await self._checked_off_the_loop(ids, max_new_tokens, sampling_params, params)
         self._check_start(start)
         request, samples = self._build(ids, request_id, max_new_tokens, sampling_params, params, checked)
         del stops  # (held until the request's text tracker holds it)
@@ -1224,6 +1220,16 @@ class Manager:
             checked = self._requests.check(input_ids, max_new_tokens, sampling_params, params, limits)
         return self._requests.build(checked, request_id, in_use=self._router)
 
+    async def _checked_off_the_loop(
+        self, ids: Any, max_new_tokens: int | None, sampling_params: SamplingParams | None, params: dict[str, Any]
+    ) -> CheckedRequest:
+        """A request with large controls (:func:`~aiocb.engine.requests.has_large_controls`)
+        checked on a worker thread, a slice at a time with pauses for the loop."""
+        self._check_accepting()  # (the awaits before may have seen the manager stop)
+        limits = self._limits()
+        check = self._requests.check
+        return await asyncio.to_thread(pausing_call, check, ids, max_new_tokens, sampling_params, params, limits, True)
+
     def _limits(self) -> RequestLimits:
         """What a request must fit: the model's vocabulary and context, the whole cache."""
         assert self._steps is not None
@@ -1261,12 +1267,7 @@ class Manager:
         for prompt in inputs:
             await turn.give()
             ids = await self._requests.encode(prompt, keep=keep, limit=limit, vocab_size=self._model_spec.vocab_size)
-            checked = None
-            if large:
-                self._check_accepting()
-                check = self._requests.check
-                limits = self._limits()
-                checked = await asyncio.to_thread(pausing_call, check, ids, None, sampling_params, {}, limits, True)
+            checked = await self._checked_off_the_loop(ids, None, sampling_params, {}) if large else None
             self._check_start(start)
             requests.append(self._new_request(ids, None, None, sampling_params, {}, checked))
         del stops  # (the requests' text trackers hold it now)

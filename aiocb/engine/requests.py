@@ -26,7 +26,7 @@ from aiocb.core.params import ResolvedParams
 from aiocb.core.request import Request
 from aiocb.detokenize import TextTracker
 from aiocb.errors import InvalidRequestError
-from aiocb.gil import yield_gil
+from aiocb.gil import pausing_call
 from aiocb.params import SamplingParams, as_strings, token_id
 from aiocb.prompts import Prompt, bad_words_ids, encode_prompt, is_chat, is_large
 from aiocb.runner.step_batch import token_history
@@ -148,7 +148,7 @@ class RequestFactory:
         prompt of token ids is checked against the vocabulary, and cut, on a worker thread."""
         if not is_large(prompt):
             if is_long_id_prompt(prompt) and not is_chat(prompt):
-                return await asyncio.to_thread(checked_long_prompt, prompt, vocab_size, keep, limit, yield_gil)
+                return await asyncio.to_thread(pausing_call, checked_long_prompt, prompt, vocab_size, keep, limit)
             return encode_prompt(prompt, self.tokenizer)
         check_truncation(keep, limit)  # (before a long text is tokenized)
         return await asyncio.to_thread(self._encode_large, prompt, keep, limit)
