@@ -131,8 +131,8 @@ class IncrementalDetokenizer:
             except Exception:  # (the library's own error type is not exported)
                 # "Invalid prefix encountered": the new token changed text already emitted
                 # (a byte-fallback decoder turned a run of bytes into U+FFFD, say). The
-                # window method takes over for good, from the tokens after the last text,
-                # which it never looks back past.
+                # window method takes over, from the tokens after the last text, which it
+                # never looks back past, until the held tokens give text.
                 self._stream = None
                 self._prefix_offset = self._read_offset
                 return self._window_delta()
@@ -157,6 +157,9 @@ class IncrementalDetokenizer:
         delta = text[len(prefix) :]
         self._advance()
         self.num_chars += len(delta)
+        if self._backend is not None and self._stream is None:
+            # (nothing held: the decode stream, some 5x cheaper a token, takes over again)
+            self._stream = self._new_stream(self._backend, self._context(self._ids))
         return delta
 
     def _release(self, prefix: str, text: str) -> str:
