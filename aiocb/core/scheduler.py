@@ -293,6 +293,9 @@ class Scheduler:
             self.kv_cache.drop_host_copy(request)
         if request.text is not None:
             request.text.finish()
+            if request.text.matched is not None and reason in (FinishReason.LENGTH, FinishReason.STOP):
+                # (one completed by the text held to the end: the characters of its last bytes)
+                reason, request.stop_reason = FinishReason.STOP, request.text.matched
         if reason is FinishReason.ERROR and error is None and request.error is not None:
             status, error = RequestStatus.FAILED, request.error  # (the request's own failure: _stop_reason)
         request.status = status

@@ -182,6 +182,25 @@ async def test_stop_string_inside_a_multibyte_character(
     assert output.generated_tokens == plain[index][: end + 1]
 
 
+async def test_a_stop_string_completed_by_the_text_held_to_the_end(
+    model: PreTrainedModel, tokenizer: Any, plain: list[list[int]]
+) -> None:
+    """A request cut off by max_new_tokens inside a character ends with that character's
+    bytes as U+FFFD: a stop string that text completes ends it as a stop, as the server says."""
+    index, (_, end) = next((i, found) for i, t in enumerate(plain) if (found := _split_character(tokenizer, t)))
+    text = tokenizer.decode(plain[index][:end])
+    stop = next(text[-size:] for size in range(1, len(text)) if text.count(text[-size:]) == 1)
+    assert stop.endswith("\ufffd")
+    async with aiocb.Manager(model, tokenizer=tokenizer) as manager:
+        output = await manager.generate(PROMPTS[index], max_new_tokens=end, ignore_eos=True, stop=stop)
+        kept = await manager.generate(
+            PROMPTS[index], max_new_tokens=end, ignore_eos=True, stop=stop, include_stop_str_in_output=True
+        )
+    assert (output.finish_reason, output.stop_reason) == ("stop", stop)
+    assert output.text == text[: -len(stop)] and kept.text == text
+    assert output.generated_tokens == plain[index][:end]
+
+
 async def test_min_tokens_holds_back_stop_strings(
     model: PreTrainedModel, tokenizer: Any, plain: list[list[int]]
 ) -> None:
