@@ -13,6 +13,9 @@ from aiocb.outputs import FinishReason, GenerationOutput, RequestStatus, defer_g
 class TextState(Protocol):
     """A request's generated text (``aiocb.detokenize.TextTracker``), when a tokenizer is given."""
 
+    #: the stop string found, once one was
+    matched: str | None
+
     @property
     def text(self) -> str: ...
 
