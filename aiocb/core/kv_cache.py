@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from aiocb.core.block_pool import ROOT_HASH, BlockPool, hash_block
-from aiocb.core.request import Request
+from aiocb.core.request import NONE_YET, Request
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,7 +171,7 @@ class KVCacheManager:
         """Return every block of ``request``; hashed full blocks stay findable."""
         for pool, blocks in zip(self.pools, request.block_ids, strict=False):
             pool.free(blocks)
-        request.block_ids = []
+        request.block_ids = NONE_YET
         request.num_registered_blocks = 0
 
     def offload(self, request: Request) -> list[list[tuple[int, int]]] | None:
@@ -207,7 +207,7 @@ class KVCacheManager:
             copies.append(list(zip(host_blocks, request.block_ids[g], strict=False)))
             pool.free(host_blocks)
             self.num_restored_blocks += len(host_blocks)
-        request.host_block_ids = []
+        request.host_block_ids = NONE_YET
         return copies
 
     def drop_host_copy(self, request: Request) -> None:
@@ -215,7 +215,7 @@ class KVCacheManager:
         for pool, blocks in zip(self.host_pools, request.host_block_ids, strict=False):
             if pool is not None:
                 pool.free(blocks)
-        request.host_block_ids = []
+        request.host_block_ids = NONE_YET
 
     def match_prefix(self, request: Request) -> int:
         """Attach cached blocks holding a prefix of ``request``; returns the tokens covered.
@@ -224,8 +224,11 @@ class KVCacheManager:
         """
         if not self.prefix_caching or request.block_ids:
             return 0
-        pool, page, hashes = self.pools[0], self.page_size, request.block_hashes
+        page = self.page_size
         max_blocks = (request.num_tokens - 1) // page
+        if max_blocks and not request.block_hashes:
+            request.block_hashes = []
+        pool, hashes = self.pools[0], request.block_hashes
         hits: list[int] = []
         parent = ROOT_HASH
         for i in range(max_blocks):
@@ -290,6 +293,8 @@ class KVCacheManager:
         return count
 
     def _extend_hashes(self, request: Request, num_blocks: int) -> None:
+        if not request.block_hashes:
+            request.block_hashes = []
         hashes = request.block_hashes
         page = self.page_size
         for i in range(len(hashes), num_blocks):

@@ -583,7 +583,7 @@ class Scheduler:
                     token = tokens[row]
                     token_ids = request.token_ids
                     token_ids.append(token)
-                    if logprobs is not None:
+                    if logprobs is not None and params.return_logprobs:  # (another row's, else)
                         request.logprobs.append(float(logprobs[row]))
                     if tops is not None and params.top_logprobs:
                         request.top_logprobs.append(dict(tops[row][: params.top_logprobs]))
@@ -698,7 +698,7 @@ class Scheduler:
             at = draft_row + j if j < k else row  # (the last position is the row's own sample)
             token = int(tokens[at])
             request.token_ids.append(token)
-            if logprobs is not None:
+            if logprobs is not None and params.return_logprobs:
                 request.logprobs.append(float(logprobs[at]))
             if tops is not None and params.top_logprobs:
                 request.top_logprobs.append(dict(tops[at][: params.top_logprobs]))

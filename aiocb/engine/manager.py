@@ -1156,6 +1156,8 @@ class Manager:
             await asyncio.to_thread(index.build, yield_gil)  # (about 1 ms a thousand sequences)
         turn = LoopTurn()  # (n = 1,024 samples take about 6 ms)
         for sample in samples:
+            if not request.children:
+                request.children = []
             request.children.append(sample)
             await turn.give()
         return request
@@ -1185,7 +1187,9 @@ class Manager:
         checked: CheckedRequest | None = None,
     ) -> Request:
         request, samples = self._build(input_ids, request_id, max_new_tokens, sampling_params, params, checked)
-        request.children.extend(samples)
+        children = list(samples)
+        if children:
+            request.children = children
         return request
 
     @property

@@ -186,7 +186,7 @@ def test_free_returns_every_block(hybrid: bool) -> None:
     assert 0.0 < kv.free_fraction < 1.0
     for request in requests:
         kv.free(request)
-        assert request.block_ids == []
+        assert not request.block_ids
         assert request.num_registered_blocks == 0
     assert_no_leak(kv)
     assert kv.free_fraction == 1.0
