@@ -7,9 +7,13 @@ model may do with them is ``tool_choice``:
 - ``auto`` (the default with tools): the model may call them; the server's tool-call
   parser finds the calls in its output. Tools marked ``strict`` are enforced: the output
   follows a structural tag (xgrammar) in the parser's format, so a call's arguments
-  always validate; without ``strict`` the output is free.
+  always validate; without ``strict`` the output is free (while some tool is strict, the
+  other tools' calls take any JSON object as arguments).
 - ``required`` and a named function: enforced the same way, with at least one call (or
   exactly the named one), and nothing but calls: no text before, between or after them.
+
+A function without ``parameters`` takes none (OpenAI's empty parameter list): where it
+is enforced, its arguments are ``{}``.
 
 Assistant messages' ``tool_calls`` arrive with ``arguments`` as JSON text; templates
 expect objects, so they are parsed before rendering.
@@ -30,6 +34,10 @@ _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 #: Tool-call JSON may hold at most this many whitespace characters in a row: a weak model
 #: could otherwise pad its arguments without end.
 _MAX_WHITESPACE = 1
+#: The arguments of a function without ``parameters``, enforced: none.
+_NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+#: The arguments of a call that is not enforced: any object (a call's arguments always are).
+_ANY_OBJECT = {"type": "object"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,10 +217,19 @@ def structural_tag(
     if isinstance(model_format, dict):
         tag = _single_call_tag(request, model_format)
     else:
+        # Each function with the schema its arguments follow, and no "strict": xgrammar reads
+        # a missing schema, or "strict": false, as any JSON value (a call the parser drops).
+        tools = [
+            {
+                "type": "function",
+                "function": {"name": function["name"], "parameters": _arguments_schema(request, function)},
+            }
+            for function in (tool["function"] for tool in request.tools)
+        ]
         try:
             built = xgrammar.get_model_structural_tag(
                 model_format,
-                tools=list(request.tools),
+                tools=tools,
                 tool_choice=request.xgrammar_tool_choice(),
                 reasoning=reasoning,
                 max_whitespace_cnt=_MAX_WHITESPACE,
@@ -262,6 +279,15 @@ def _calls_only(node: Any, separator: str) -> Any:
     return {key: _calls_only(value, separator) for key, value in node.items()}
 
 
+def _arguments_schema(request: ToolRequest, function: Mapping[str, Any]) -> dict[str, Any]:
+    """The schema a call of ``function`` has its arguments follow: its parameters where
+    they are enforced (``required``, a named function, a strict tool), else any object."""
+    if request.choice == "auto" and not function.get("strict"):
+        return _ANY_OBJECT
+    parameters: dict[str, Any] | None = function.get("parameters")
+    return _NO_PARAMETERS if parameters is None else parameters
+
+
 def _single_call_tag(request: ToolRequest, fmt: dict[str, str]) -> dict[str, Any]:
     """A triggered-tags structural tag with one tag per function: ``begin + name + name_end``,
     the arguments under the function's schema (any JSON object unless strict or enforced),
@@ -270,8 +296,7 @@ def _single_call_tag(request: ToolRequest, fmt: dict[str, str]) -> dict[str, Any
     tags = []
     for tool in tools:
         function = tool["function"]
-        constrained = (request.choice != "auto" or _strict(tool)) and function.get("parameters") is not None
-        schema = function["parameters"] if constrained else {"type": "object"}
+        schema = _arguments_schema(request, function)
         tags.append(
             {
                 "type": "tag",

@@ -203,6 +203,50 @@ def test_calls_alone_may_follow_a_reasoning_models_thinking(parser: type[ToolCal
     assert not takes("auto", "<think>Adding.</think>\n\n" + call + " Done.")
 
 
+def _call_text(parser: type[ToolCallParser], name: str, arguments: str) -> str:
+    """One call of ``name`` in ``parser``'s format, its arguments the JSON text given."""
+    return {
+        "hermes": f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>',
+        "llama3_json": f'{{"name": "{name}", "parameters": {arguments}}}',
+        "mistral": f'[TOOL_CALLS][{{"name": "{name}", "arguments": {arguments}}}]',
+    }[parser.name]
+
+
+@pytest.mark.parametrize("parser", list(PARSERS.values()), ids=list(PARSERS))
+def test_enforced_arguments_are_an_object_of_the_functions_parameters(parser: type[ToolCallParser]) -> None:
+    """Where a call is enforced, its arguments follow the function's parameters, ``strict``
+    false or not (``required``, a named function), and a function without parameters
+    takes none; in ``auto``, a tool not marked strict beside one that is takes any object,
+    whatever its schema holds (which the grammar need not take)."""
+    xgrammar = pytest.importorskip("xgrammar")
+    compiler = xgrammar.GrammarCompiler(xgrammar.TokenizerInfo(["a"]))
+
+    def takes(body: dict[str, Any], call: str) -> bool:
+        request = parse_tools(body)
+        assert request is not None
+        tag = structural_tag(request, parser.xgrammar_format, "disabled", parser.separator)
+        matcher = xgrammar.GrammarMatcher(compiler.compile_structural_tag(json.dumps(tag)))
+        return bool(matcher.accept_string(call) and matcher.is_completed())
+
+    bare = [{"type": "function", "function": {"name": "ping"}}]
+    for choice in ("required", {"type": "function", "function": {"name": "ping"}}):
+        body = {"tools": bare, "tool_choice": choice, "parallel_tool_calls": False}
+        assert takes(body, _call_text(parser, "ping", "{}"))
+        for arguments in ("2", '"x"', "[]", '{"x": 1}'):
+            assert not takes(body, _call_text(parser, "ping", arguments)), arguments
+    loose = {"tools": _tools(strict=False), "tool_choice": "required", "parallel_tool_calls": False}
+    assert takes(loose, _call_text(parser, "get_weather", '{"city": "Oslo", "days": 2}'))
+    assert not takes(loose, _call_text(parser, "get_weather", '{"city": "Rome", "days": 2}'))
+    assert not takes(loose, _call_text(parser, "get_weather", "7"))
+    mixed = _tools()
+    mixed[0]["function"]["strict"] = True
+    mixed[1]["function"]["parameters"] = {**ADD, "not": {"required": ["a"]}}  # (no grammar takes "not")
+    body = {"tools": mixed, "tool_choice": "auto", "parallel_tool_calls": False}
+    assert takes(body, _call_text(parser, "add", '{"anything": [1, 2]}'))
+    assert not takes(body, _call_text(parser, "add", "7"))
+    assert not takes(body, _call_text(parser, "get_weather", '{"city": "Rome", "days": 2}'))
+
+
 async def test_required_parallel_calls_come_with_no_content(client: httpx.AsyncClient) -> None:
     """Sampled hot, with room for several calls: every choice is calls (the last maybe cut
     short by max_tokens, its arguments as far as they were written), never text."""
