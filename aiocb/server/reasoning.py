@@ -42,13 +42,13 @@ def after_thinking(field: str, value: Any, *, opened: bool) -> dict[str, Any]:
 
 def thinking_first(answer: dict[str, Any], *, opened: bool) -> dict[str, Any]:
     """A structural tag's format: a free ``<think>`` block (the one the prompt ``opened``,
-    else one the output may open), up to two newlines, then ``answer``."""
-    thinking: dict[str, Any] = {"type": "tag", "begin": "" if opened else OPEN, "content": {"type": "any_text"}}
-    thinking["end"] = CLOSE
+    else one the output may open) and up to two newlines after it, then ``answer``
+    (without a block, the answer comes first: the newlines are the block's)."""
+    thinking = {"type": "tag", "begin": "" if opened else OPEN, "content": {"type": "any_text"}, "end": CLOSE}
+    block: dict[str, Any] = {"type": "sequence", "elements": [thinking, {"type": "regex", "pattern": "\\n{0,2}"}]}
     if not opened:
-        thinking = {"type": "optional", "content": thinking}
-    gap = {"type": "regex", "pattern": "\\n{0,2}"}
-    return {"type": "sequence", "elements": [thinking, gap, answer]}
+        block = {"type": "optional", "content": block}
+    return {"type": "sequence", "elements": [block, answer]}
 
 
 class ReasoningSplitter:

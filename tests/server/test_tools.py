@@ -528,7 +528,31 @@ async def test_an_output_constraint_holds_for_the_answer_after_the_thinking(
     if "response_format" in constraint:
         assert isinstance(json.loads(message["content"])["ok"], bool), message
     else:
-        assert message["content"].lstrip("\n") in ("yes", "no"), message
+        assert message["content"] in ("yes", "no"), message
+
+
+@pytest.mark.parametrize("constraint", [{"choice": ["yes", "no"]}, {"grammar": 'root ::= "(" [0-9] ")"'}])
+async def test_an_answer_without_a_thinking_block_is_the_constraints_from_its_first_token(
+    manager: aiocb.Manager, tokenizer: Any, constraint: dict[str, Any]
+) -> None:
+    """The newlines a reasoning model writes after its block belong to the block: an
+    answer that comes without one starts as the constraint does (pushed towards a newline)."""
+    newline, start = (str(tokenizer.convert_tokens_to_ids(t)) for t in ("\u010a", "<think>"))
+    fields = {
+        "tools": None,
+        "max_tokens": 8,
+        "structured_outputs": constraint,
+        "logit_bias": {newline: 30, start: -100},
+    }
+    async with await _client(manager, tokenizer, reasoning_parser="qwen3") as http:
+        message = (await _chat(http, **fields))["choices"][0]["message"]
+    assert message["reasoning_content"] is None, message
+    if "choice" in constraint:
+        assert message["content"] in ("yes", "no"), message
+    else:
+        assert len(message["content"]) == 3 and message["content"][0] == "(" and message["content"][1].isdigit(), (
+            message
+        )
 
 
 @pytest.mark.parametrize(
