@@ -244,9 +244,9 @@ class ChatCompletion:
         ctx = self.ctx
         reasoning = ReasoningSplitter(starts_inside=self.opens_thinking) if ctx.reasoning else None
         tools = None
+        hidden = ctx.special_texts if self.hides_special else ()
         if self.tools is not None:
             assert ctx.tool_parser is not None  # (prepare_chat refuses tools without one)
-            hidden = ctx.special_texts if self.hides_special else ()
             forced = self.tools.choice if self.tools.forced else None
             tools = ctx.tool_parser(
                 self.tools.names,
@@ -255,7 +255,7 @@ class ChatCompletion:
                 calls_only=self.tools.calls_only,
                 forced=forced,
             )
-        return ChoiceOutput(reasoning, tools)
+        return ChoiceOutput(reasoning, tools, hidden)
 
     @property
     def _calls_only(self) -> bool:

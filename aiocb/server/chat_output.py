@@ -9,19 +9,27 @@ two always agree.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
-from aiocb.server.fragments import Content, Fragment, Reasoning, ToolCall
+from aiocb.server.fragments import Content, Fragment, HiddenTexts, Reasoning, ToolCall
 from aiocb.server.reasoning import ReasoningSplitter
 from aiocb.server.tool_parsers import ToolCallParser
 
 
 class ChoiceOutput:
-    """One choice's text, parsed as it comes."""
+    """One choice's text, parsed as it comes.
 
-    def __init__(self, reasoning: ReasoningSplitter | None, tools: ToolCallParser | None) -> None:
+    ``hidden`` are the texts of special tokens kept for the tool-call parser that the client
+    asked to skip: the parser leaves them out of the content, and they are left out of the
+    reasoning here (a tool call's marker too: there it marks no call)."""
+
+    def __init__(
+        self, reasoning: ReasoningSplitter | None, tools: ToolCallParser | None, hidden: Collection[str] = ()
+    ) -> None:
         self._reasoning = reasoning
         self._tools = tools
+        self._hidden = HiddenTexts(hidden) if reasoning is not None and hidden else None
 
     @property
     def calls(self) -> int:
@@ -33,12 +41,28 @@ class ChoiceOutput:
         if not text:
             return []
         split: list[Fragment] = self._reasoning.feed(text) if self._reasoning is not None else [Content(text)]
-        return _merged(self._parse_tools(split, finish=False))
+        return _merged(self._parse_tools(self._hide(split, finish=False), finish=False))
 
     def finish(self, *, cut: bool = False) -> list[Fragment]:
         """What is left at the end of the output (``cut``: it ended at its length limit)."""
         split = self._reasoning.finish() if self._reasoning is not None else []
-        return _merged(self._parse_tools(split, finish=True, cut=cut))
+        return _merged(self._parse_tools(self._hide(split, finish=True), finish=True, cut=cut))
+
+    def _hide(self, fragments: list[Fragment], *, finish: bool) -> list[Fragment]:
+        """The reasoning without hidden texts (what was held of it released where it ends)."""
+        hidden = self._hidden
+        if hidden is None:
+            return fragments
+        out: list[Fragment] = []
+        for fragment in fragments:
+            text = hidden.feed(fragment.text) if isinstance(fragment, Reasoning) else hidden.finish()
+            if text:
+                out.append(Reasoning(text))
+            if not isinstance(fragment, Reasoning):
+                out.append(fragment)
+        if finish and (rest := hidden.finish()):
+            out.append(Reasoning(rest))
+        return out
 
     def _parse_tools(self, fragments: list[Fragment], *, finish: bool, cut: bool = False) -> list[Fragment]:
         if self._tools is None:

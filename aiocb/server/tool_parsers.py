@@ -28,7 +28,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Collection
 from typing import Any, ClassVar
 
-from aiocb.server.fragments import Content, Fragment, ToolCall, partial_suffix
+from aiocb.server.fragments import Content, Fragment, HiddenTexts, ToolCall, partial_suffix
 
 
 class ToolCallParser(ABC):
@@ -62,7 +62,7 @@ class ToolCallParser(ABC):
         #: the function ``tool_choice`` names (its call is the output), if it names one
         self.forced = forced
         #: texts of special tokens that are not content (``</s>``) when they are kept
-        self.hidden = tuple(t for t in hidden if t and t != self.start)
+        self._hidden = HiddenTexts([t for t in hidden if t != self.start])
         #: whether the marker is such a token too: left out of a call that stays content
         self._hides_start = self.start in hidden
         self.calls = 0
@@ -72,19 +72,10 @@ class ToolCallParser(ABC):
         self._space = ""
         #: ... and before what may be a call, held until that is decided (content if not)
         self._before_call = ""
-        #: the end of the text so far when it may begin a hidden special token's text
-        self._hidden_start = ""
 
     def feed(self, text: str) -> list[Fragment]:
         """The fragments ``text`` completes."""
-        if self.hidden:
-            # (a piece may end inside a hidden token's text: held back until it is known)
-            text = self._hidden_start + text
-            for hidden in self.hidden:
-                text = text.replace(hidden, "")
-            keep = max(partial_suffix(text, hidden) for hidden in self.hidden)
-            text, self._hidden_start = text[: len(text) - keep], text[len(text) - keep :]
-        self._buffer += text
+        self._buffer += self._hidden.feed(text)
         out: list[Fragment] = []
         while True:
             if self._in_call:
@@ -111,8 +102,7 @@ class ToolCallParser(ABC):
         """What is left at the end of the output: an unclosed call is tried as it is
         (``cut``: the output ended at its length limit, see :func:`_cut_short`); a named
         function's call cut before its arguments is that function's, with none written."""
-        self._buffer += self._hidden_start
-        self._hidden_start = ""
+        self._buffer += self._hidden.finish()
         out: list[Fragment] = []
         if self._in_call:
             out += self._calls(self._buffer, cut=cut)

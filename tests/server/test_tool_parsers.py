@@ -136,6 +136,14 @@ def test_mistral_both_formats_and_hidden_special_tokens() -> None:
     assert _summary(_run(ChoiceOutput(None, parser), ["[TOOL_CALLS]", "[{oops}]"])) == ("[{oops}]", "", [])
     kept = MistralParser(FUNCTIONS, hidden=["</s>"])  # (the client kept special tokens)
     assert _summary(_run(ChoiceOutput(None, kept), ["[TOOL_CALLS][{oops}]"]))[0] == "[TOOL_CALLS][{oops}]"
+    # The reasoning, which the parser never sees, loses them too, however it comes.
+    hidden = ["</s>", "[TOOL_CALLS]"]
+    for pieces in (["Hm</s>.</think>Sure."], ["Hm</", "s>.</", "think>Sure.</s>"], ["Hm </", "think>Sure."]):
+        output = ChoiceOutput(ReasoningSplitter(starts_inside=True), MistralParser(FUNCTIONS, hidden=hidden), hidden)
+        thought = "".join(pieces).split("</think>")[0].replace("</s>", "")
+        assert _summary(_run(output, pieces)) == ("Sure.", thought, [])
+    output = ChoiceOutput(ReasoningSplitter(starts_inside=True), MistralParser(FUNCTIONS, hidden=hidden), hidden)
+    assert _summary(_run(output, ["Hm [TOOL_CALLS]</", "s"])) == ("", "Hm </s", [])  # (cut short: all reasoning)
 
 
 def test_parallel_tool_calls_false_keeps_the_first_call() -> None:

@@ -497,6 +497,22 @@ async def test_special_tokens_in_the_content_are_the_same_with_tools_offered(
     assert plain == offered == ("" if skip else special * 3)
 
 
+@pytest.mark.parametrize("skip", [True, False], ids=["skipped", "kept"])
+async def test_special_tokens_in_the_reasoning_are_the_same_with_tools_offered(
+    manager: aiocb.Manager, tokenizer: Any, skip: bool
+) -> None:
+    """The same holds for the reasoning, which the tool-call parser never sees."""
+    bias = {str(tokenizer.convert_tokens_to_ids("<|im_end|>")): 100}
+    fields = {"max_tokens": 3, "ignore_eos": True, "logit_bias": bias, "skip_special_tokens": skip}
+    fields["chat_template_kwargs"] = {"think": True}  # (the output starts inside the block)
+    async with await _client(manager, tokenizer, tool_call_parser="mistral", reasoning_parser="qwen3") as http:
+        plain = (await _chat(http, **fields, tools=None))["choices"][0]["message"]
+        offered = (await _chat(http, **fields, tool_choice="auto"))["choices"][0]["message"]
+        streamed = _reassemble(await _stream(http, **fields, tool_choice="auto"), 1)
+    assert plain["reasoning_content"] == offered["reasoning_content"] == (None if skip else "<|im_end|>" * 3)
+    assert streamed == [_flat({"message": offered, "finish_reason": "length"})]
+
+
 @pytest.mark.parametrize("opened", [True, False], ids=["opened-by-the-template", "opened-by-the-output"])
 @pytest.mark.parametrize(
     "constraint",
