@@ -29,7 +29,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from aiocb.engine.turns import release
 from aiocb.server.bodies import JSONBody, encode
-from aiocb.server.chat import ChatCompletion, PreparedChat, prepare_chat
+from aiocb.server.chat import ChatCompletion, PreparedChat, constrain_answer, prepare_chat
 from aiocb.server.completions import Completion, PreparedCompletion, prepare_completion
 from aiocb.server.context import ServerContext
 from aiocb.server.edge import OPEN_PATHS, EdgeMiddleware, access_record
@@ -196,6 +196,7 @@ class _Api:
         prepared: PreparedChat | None = None
         try:
             prepared = await self.ctx.prepare(await self._body(request), partial(prepare_chat, self.ctx))
+            prepared = await constrain_answer(prepared)
             chat = ChatCompletion(self.ctx, prepared, received, access_record(request.scope))
             await chat.submit()
         except Exception as exc:

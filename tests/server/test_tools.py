@@ -6,6 +6,7 @@ refusals."""
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -17,7 +18,8 @@ pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
 
 import aiocb  # noqa: E402
-from aiocb.server import build_app  # noqa: E402
+from aiocb.server import build_app, chat  # noqa: E402
+from aiocb.server.reasoning import after_thinking  # noqa: E402
 from aiocb.server.tool_parsers import PARSERS, ToolCallParser  # noqa: E402
 from aiocb.server.tools import parse_tools, structural_tag  # noqa: E402
 from tests.server.conftest import MODEL_NAME, build_tokenizer, serve_config, serve_model  # noqa: E402
@@ -545,6 +547,32 @@ async def test_an_output_constraint_holds_for_the_answer_after_the_thinking(
         assert isinstance(json.loads(message["content"])["ok"], bool), message
     else:
         assert message["content"] in ("yes", "no"), message
+
+
+async def test_the_answers_constraint_is_built_off_the_loop(
+    manager: aiocb.Manager, tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A small body's JSON schema after the thinking is checked and made a grammar on a
+    worker thread (sixty properties took 84 ms), as the body's other work is not."""
+    threads: list[int] = []
+
+    def recorded(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        threads.append(threading.get_ident())
+        return after_thinking(*args, **kwargs)
+
+    monkeypatch.setattr(chat, "after_thinking", recorded)
+
+    def constrained(schema: dict[str, Any]) -> dict[str, Any]:
+        response_format = {"type": "json_schema", "json_schema": {"schema": schema}}
+        return _body(tools=None, max_tokens=24, response_format=response_format)
+
+    async with await _client(manager, tokenizer, reasoning_parser="qwen3") as http:
+        answered = await http.post("/v1/chat/completions", json=constrained(FLAG))
+        refused = await http.post("/v1/chat/completions", json=constrained({"type": "nonsense"}))
+    assert len(threads) == 2 and threading.get_ident() not in threads
+    assert answered.status_code == 200, answered.text
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["param"] == "response_format.json_schema.schema", refused.text
 
 
 @pytest.mark.parametrize("constraint", [{"choice": ["yes", "no"]}, {"grammar": 'root ::= "(" [0-9] ")"'}])
