@@ -100,6 +100,14 @@ async def scenario_main(model: Any, out: Path) -> dict[str, Any]:
         result["async_batching"] = await _generate(pipelined)
     result["steps"] += pipelined.statistics().steps
 
+    # Prompt lookup: the steps that verify proposals run on every rank too (eagerly, no graph).
+    lookup = aiocb.SpeculativeConfig(prompt_lookup_min=1, disable_by_batch_size=None)
+    async with aiocb.Manager(model, continuous_batching_config=_config(), speculative_config=lookup) as speculating:
+        result["prompt_lookup"] = await _generate(speculating)
+    stats = speculating.statistics()
+    result["steps"] += stats.steps
+    result["draft_tokens"] = stats.draft_tokens
+
     # A persistent manager keeps its cache between sessions; another manager in between
     # replaces the followers' cache, which the persistent one takes back when it restarts.
     kept = aiocb.Manager(model, continuous_batching_config=_config(), persistent_manager=True)

@@ -46,6 +46,7 @@ def test_two_ranks_match_one_process_and_follow_every_control(
     assert driver["finished_during_stop"] == expected[1], "a graceful stop finishes what runs"
     assert driver["after_restart"] == expected
     assert driver["async_batching"] == expected
+    assert driver["prompt_lookup"] == expected and driver["draft_tokens"] > 0, driver["draft_tokens"]
     assert driver["persistent"] == [expected] * 3
     assert driver["cancel_returned"] is True
     assert driver["hard_stop_error"] == "RequestAbortedError"
@@ -56,10 +57,10 @@ def test_two_ranks_match_one_process_and_follow_every_control(
     assert report["steps"] == driver["steps"], "every step rank 0 ran reached the follower"
     assert [driver["cancelled_id"], "cancelled"] in report["cancelled"]
     assert any(reason == "aborted" for _, reason in report["cancelled"]), "the hard stop's abort"
-    assert report["stops"] == 5, "stop() and four `async with` exits"
+    assert report["stops"] == 6, "stop() and five `async with` exits"
     assert report["hard_stops"] == 1
-    assert report["inits"] == 6, "a cache per non-persistent session, the persistent one's twice"
-    assert report["sessions"] == 6
+    assert report["inits"] == 7, "a cache per non-persistent session, the persistent one's twice"
+    assert report["sessions"] == 7
     assert report["heartbeats"] >= 1, "idle for longer than cpu_group_timeout, kept alive by heartbeats"
     assert report["plan"]["num_blocks"] == [128]
 
