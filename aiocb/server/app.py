@@ -196,7 +196,7 @@ class _Api:
         prepared: PreparedChat | None = None
         try:
             prepared = await self.ctx.prepare(await self._body(request), partial(prepare_chat, self.ctx))
-            prepared = await constrain_answer(prepared)
+            prepared = await constrain_answer(self.ctx, prepared)
             chat = ChatCompletion(self.ctx, prepared, received, access_record(request.scope))
             await chat.submit()
         except Exception as exc:

@@ -3,7 +3,6 @@ output back as an assistant message (content, ``reasoning_content``, ``tool_call
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import functools
 import time
@@ -113,16 +112,17 @@ def prepare_chat(ctx: ServerContext, body: bytes) -> PreparedChat:
     return PreparedChat(request, ids, tools, constraint, opens_thinking, answer)
 
 
-async def constrain_answer(prepared: PreparedChat) -> PreparedChat:
+async def constrain_answer(ctx: ServerContext, prepared: PreparedChat) -> PreparedChat:
     """``prepared`` with its :attr:`~PreparedChat.answer` constraint after a free
-    ``<think>`` block, made on a worker thread: a JSON schema's grammar, checked, takes
-    tens of milliseconds for a body of a kilobyte or two (sixty properties, 84 ms)."""
+    ``<think>`` block, made off the loop (:meth:`ServerContext.building`): a JSON schema's
+    grammar, checked, takes tens of milliseconds for a body of a kilobyte or two (sixty
+    properties, 84 ms)."""
     if prepared.answer is None:
         return prepared
     name, value = prepared.answer
     build = functools.partial(after_thinking, name, value, opened=prepared.opens_thinking)
     try:
-        tag = await asyncio.to_thread(build)
+        tag = await ctx.building(build)
     except InvalidRequestError as exc:
         raise error_from_exception(exc, prepared.request.sampling.body_params()) from None
     return dataclasses.replace(prepared, constraint={name: None, "structural_tag": tag}, answer=None)

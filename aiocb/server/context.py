@@ -94,6 +94,8 @@ class ServerContext:
         self.draining = False
         self._token_texts: dict[int, str] = {}
         self._executor: ThreadPoolExecutor | None = None
+        #: where output constraints are built (:meth:`building`)
+        self._builder: ThreadPoolExecutor | None = None
         #: where long prompts are tokenized
         self._processes = TokenizerProcessHolder(tokenizer)
         self._template_variables = _template_variables(getattr(tokenizer, "chat_template", None))
@@ -120,11 +122,21 @@ class ServerContext:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aiocb-tokenizer")
         return await asyncio.get_running_loop().run_in_executor(self._executor, partial(work, *args))
 
+    async def building(self, work: Callable[[], T]) -> T:
+        """``work()``, an output constraint's building (a JSON schema made a grammar: tens of
+        milliseconds for a small one, seconds for an enum of thousands), on a thread of its
+        own, one at a time: never ahead of a body's tokenizing, nor holding the threads
+        that other work of the process shares."""
+        if self._builder is None:
+            self._builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aiocb-constraints")
+        return await asyncio.get_running_loop().run_in_executor(self._builder, work)
+
     def close(self) -> None:
-        """Let the tokenizer thread and process go (at shutdown)."""
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
-            self._executor = None
+        """Let the tokenizer and constraint threads and the tokenizer process go (at shutdown)."""
+        for executor in (self._executor, self._builder):
+            if executor is not None:
+                executor.shutdown(wait=False, cancel_futures=True)
+        self._executor = self._builder = None
         self._processes.close()
 
     def check_model(self, model: str | None) -> None:
