@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import re
 from collections.abc import Collection
 from dataclasses import dataclass
 
@@ -43,26 +45,61 @@ def partial_suffix(text: str, marker: str) -> int:
 
 class HiddenTexts:
     """Removes the texts of special tokens kept in a stream of text that the client asked
-    to skip (a parser needed them): text that may begin one is held until it is known."""
+    to skip (a parser needed them): text that may begin one is held until it is known.
 
-    __slots__ = ("_held", "texts")
+    A tokenizer may have hundreds of special tokens (Mistral's 768 control tokens): they are
+    found in one pass of a regular expression, and only in text that holds a character
+    one begins with (searched for each, they took 0.64 ms a token)."""
+
+    __slots__ = ("_held", "_known")
 
     def __init__(self, texts: Collection[str]) -> None:
-        self.texts = tuple(t for t in texts if t)
+        self._known = _hidden_texts(tuple(sorted({t for t in texts if t}, key=lambda t: (-len(t), t))))
         self._held = ""
 
     def feed(self, text: str) -> str:
         """``text`` without the hidden texts, less an end that may begin one (held)."""
-        if not self.texts:
+        known = self._known
+        if known is None:
             return text
-        text = self._held + text
-        for hidden in self.texts:
-            text = text.replace(hidden, "")
-        keep = max(partial_suffix(text, hidden) for hidden in self.texts)
-        self._held = text[len(text) - keep :]
-        return text[: len(text) - keep]
+        if self._held:
+            text, self._held = self._held + text, ""
+        elif known.starts.isdisjoint(text):
+            return text
+        text = known.pattern.sub("", text)
+        for size in range(min(len(text), known.longest - 1), 0, -1):
+            if text[-size:] in known.prefixes:
+                self._held = text[-size:]
+                return text[:-size]
+        return text
 
     def finish(self) -> str:
         """The text held at the end (it began no hidden text)."""
         held, self._held = self._held, ""
         return held
+
+
+@dataclass(frozen=True, slots=True)
+class _Known:
+    """What :class:`HiddenTexts` finds its texts with."""
+
+    pattern: re.Pattern[str]
+    #: the characters they begin with
+    starts: frozenset[str]
+    #: the beginnings of each (not whole)
+    prefixes: frozenset[str]
+    longest: int
+
+
+@functools.lru_cache(maxsize=16)
+def _hidden_texts(texts: tuple[str, ...]) -> _Known | None:
+    """The finder of ``texts`` (longest first: the longest found where several begin), made
+    once a set of texts (a server's): 768 of them take about a millisecond."""
+    if not texts:
+        return None
+    return _Known(
+        pattern=re.compile("|".join(map(re.escape, texts))),
+        starts=frozenset(text[0] for text in texts),
+        prefixes=frozenset(text[:size] for text in texts for size in range(1, len(text))),
+        longest=len(texts[0]),
+    )

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 
 from aiocb.server.chat_output import ChoiceOutput, MessageBuilder, delta
-from aiocb.server.fragments import Content, Fragment, Reasoning, ToolCall
+from aiocb.server.fragments import Content, Fragment, HiddenTexts, Reasoning, ToolCall
 from aiocb.server.reasoning import ReasoningSplitter, prompt_opens_thinking
 from aiocb.server.tool_parsers import (
     HermesParser,
@@ -144,6 +145,20 @@ def test_mistral_both_formats_and_hidden_special_tokens() -> None:
         assert _summary(_run(output, pieces)) == ("Sure.", thought, [])
     output = ChoiceOutput(ReasoningSplitter(starts_inside=True), MistralParser(FUNCTIONS, hidden=hidden), hidden)
     assert _summary(_run(output, ["Hm [TOOL_CALLS]</", "s"])) == ("", "Hm </s", [])  # (cut short: all reasoning)
+
+
+def test_hidden_texts_are_left_out_however_the_text_comes() -> None:
+    """Hundreds of special tokens (Mistral's control tokens), some the beginning of others:
+    each is left out wherever it is split, the longest where several begin, and text that
+    only looked like one's beginning comes out as it was."""
+    texts = ["</s>", "[INST]", "[INST_END]", *(f"[control_{i}]" for i in range(768))]
+    words = ["a", " [", "[INST", "</", "s", ">", "b [cont", "rol_7]", "c", "[control_767]", "[INST_END]", "<x>"]
+    rng = random.Random(0)
+    for _ in range(200):
+        text = "".join(rng.choice(words) for _ in range(rng.randint(1, 12)))
+        expected = re.sub("|".join(re.escape(t) for t in sorted(texts, key=len, reverse=True)), "", text)
+        hidden = HiddenTexts(texts)
+        assert "".join(hidden.feed(piece) for piece in _cuts(text, rng)) + hidden.finish() == expected, text
 
 
 def test_parallel_tool_calls_false_keeps_the_first_call() -> None:
