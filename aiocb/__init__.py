@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from aiocb.config import ContinuousBatchingConfig
+from aiocb.config import ContinuousBatchingConfig, WorkloadHints
 from aiocb.errors import (
     AiocbError,
     DistributedError,
@@ -58,6 +58,7 @@ __all__ = [
     "RequestStream",
     "SamplingParams",
     "SpeculativeConfig",
+    "WorkloadHints",
     "WouldBlock",
     "WrongEventLoopError",
     "__version__",

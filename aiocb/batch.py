@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from aiocb.config import ContinuousBatchingConfig, as_config
+from aiocb.config import ContinuousBatchingConfig, WorkloadHints, as_config
 from aiocb.engine.manager import Manager
 from aiocb.errors import InvalidRequestError
 from aiocb.outputs import GenerationOutput
@@ -74,10 +74,6 @@ def generate_batch(
     layout = tensor_parallel_layout(model)
     if in_loop and (layout is None or not layout.is_driver):  # rank 0 tells its followers first
         raise _in_a_loop()
-    # (the Manager is given what was given: a persistent manager reused without a config keeps its own)
-    resolved = as_config(
-        continuous_batching_config, generation_config if generation_config is not None else model.generation_config
-    )
 
     if warmup is not True:
         raise InvalidRequestError(
@@ -104,10 +100,11 @@ def generate_batch(
                 generation_config,
                 continuous_batching_config,
                 tokenizer=tokenizer,
-                # (as transformers sizes its batches: every sample of every prompt)
-                num_requests_hint=len(inputs) * _samples_per_prompt(model, generation_config, sampling_params, params),
                 speculative_config=speculative_config,
                 persistent_manager=persistent_manager,
+                workload_hints=_workload_hints(
+                    model, inputs, generation_config, max_new_tokens, sampling_params, params
+                ),
             )
             async with manager:
                 return await manager.generate_batch(
@@ -118,6 +115,10 @@ def generate_batch(
 
     if layout is None:
         return run()
+    # (the Manager is given what was given: a persistent manager reused without a config keeps its own)
+    resolved = as_config(
+        continuous_batching_config, generation_config if generation_config is not None else model.generation_config
+    )
     fingerprint = _fingerprint(
         inputs,
         generation_config,
@@ -142,6 +143,37 @@ def generate_batch(
         raise
     return_to_followers(layout, timeout, outputs, None, fingerprint)
     return outputs
+
+
+def _workload_hints(
+    model: PreTrainedModel,
+    inputs: Sequence[Any],
+    generation_config: GenerationConfig | None,
+    max_new_tokens: int | None,
+    sampling_params: SamplingParams | None,
+    params: Mapping[str, Any],
+) -> WorkloadHints:
+    """The batch's requests as transformers counts them (every sample of every prompt), its
+    longest prompt where every prompt is token ids (a text's length is known once it is
+    tokenized), and the most tokens a request generates where it says (a value a request
+    refuses says nothing: the request says why)."""
+    num_requests = len(inputs) * _samples_per_prompt(model, generation_config, sampling_params, params)
+    longest = 0
+    for prompt in inputs:
+        if isinstance(prompt, torch.Tensor):
+            length = prompt.shape[-1] if prompt.dim() else 0
+        elif isinstance(prompt, str) or not isinstance(prompt, Sequence) or (prompt and isinstance(prompt[0], Mapping)):
+            return WorkloadHints(num_requests=num_requests)  # (text, or chat messages)
+        else:
+            length = len(prompt)
+        longest = max(longest, length)
+    if max_new_tokens is None and sampling_params is not None:
+        max_new_tokens = sampling_params.max_new_tokens
+    if max_new_tokens is None:
+        max_new_tokens = merged_generation_config(model, generation_config).max_new_tokens
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
+        return WorkloadHints(num_requests=num_requests)
+    return WorkloadHints(longest, max_new_tokens, num_requests)
 
 
 def _samples_per_prompt(

@@ -8,6 +8,7 @@ wrote it rather than deep inside the step loop.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import inspect
@@ -55,9 +56,11 @@ class ContinuousBatchingConfig:
         max_memory_percent: share of free device memory (host memory on CPU) the cache and
             batch buffers may use; 0.9 on accelerators, 0.6 on CPU by default.
         max_requests_per_batch: requests per forward pass; by default the number of
-            prompts submitted (``generate_batch``) or 1024, capped by ``max_batch_tokens``.
-        max_blocks_per_request: width of the decode fast path's block table; 32 when
-            None; 0 disables the fast path.
+            prompts submitted (``generate_batch``, or the manager's :class:`WorkloadHints`)
+            or 1024, capped by ``max_batch_tokens``.
+        max_blocks_per_request: width of the decode fast path's block table; when None,
+            enough for the longest request where :class:`WorkloadHints` say
+            (``generate_batch`` gives them), else 32; 0 disables the fast path.
         allow_block_sharing: prefix caching across requests (full-attention models only).
         use_async_batching: overlap scheduling of step N+1 with step N on the device
             (on a CPU too); on by default when CUDA graphs are on.
@@ -239,6 +242,37 @@ class ContinuousBatchingConfig:
             return self.safety_margin
         return DEFAULT_SAFETY_MARGIN[self.scheduler_type]
 
+    @property
+    def cuda_graph_booleans(self) -> tuple[bool, bool]:
+        """``use_cuda_graph`` as ``(varlen, decode)``, as transformers' config gives it:
+        ``(False, False)`` while it is None (the manager decides: see
+        ``Manager.continuous_batching_config``)."""
+        graphs = self.use_cuda_graph
+        if graphs is None:
+            return False, False
+        if isinstance(graphs, bool):
+            return graphs, graphs
+        return graphs
+
+    @property
+    def fallback_max_blocks_per_request(self) -> int:
+        """``max_blocks_per_request`` when neither it nor the workload's hints say."""
+        return DEFAULT_MAX_BLOCKS_PER_REQUEST
+
+    def sized_for(self, hints: WorkloadHints | None) -> ContinuousBatchingConfig:
+        """This config, or where ``max_blocks_per_request`` is None and ``hints`` give the
+        longest request, a copy whose block table holds it: an even number of pages, one
+        more than its tokens need (as transformers sizes it)."""
+        if self.max_blocks_per_request is not None or hints is None:
+            return self
+        longest = hints.max_prompt_length + hints.max_generated_length
+        if longest <= 0:
+            return self
+        blocks = -(-longest // self.page_size) + 1
+        sized = copy.copy(self)  # (not replace(): no checks or deprecation warnings again)
+        sized.max_blocks_per_request = blocks + blocks % 2
+        return sized
+
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> ContinuousBatchingConfig:
         """Build a config from a mapping, rejecting unknown field names by name."""
@@ -247,6 +281,34 @@ class ContinuousBatchingConfig:
     def replace(self, **changes: Any) -> ContinuousBatchingConfig:
         """A copy with some fields changed (validated like a new config)."""
         return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadHints:
+    """What a manager may size itself by before its requests come (transformers'
+    ``WorkloadHints``, whose own a manager takes too): the longest prompt and the most
+    tokens a request generates (``max_blocks_per_request``, when the config leaves it None),
+    and how many requests come at once (``max_requests_per_batch``). 0: not known.
+    ``generate_batch`` gives them from its prompts."""
+
+    max_prompt_length: int = 0
+    max_generated_length: int = 0
+    num_requests: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_prompt_length", "max_generated_length", "num_requests"):
+            _check_int(getattr(self, name), f"WorkloadHints.{name}", minimum=0)
+
+    @classmethod
+    def of(cls, value: Any) -> WorkloadHints | None:
+        """``value`` as aiocb's hints: None, aiocb's, or transformers' (its three fields
+        read); anything else is refused with :class:`InvalidConfigError` naming its type."""
+        if value is None or isinstance(value, WorkloadHints):
+            return value
+        if dataclasses.is_dataclass(value) and type(value).__name__ == "WorkloadHints":
+            fields: Any = value  # (transformers' class, not imported: its fields are aiocb's)
+            return cls(fields.max_prompt_length, fields.max_generated_length, fields.num_requests)
+        raise InvalidConfigError(f"workload_hints must be a WorkloadHints, got {type(value).__name__}")
 
 
 def _is_transformers_config(value: Any) -> bool:

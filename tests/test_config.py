@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import inspect
 import logging
@@ -69,6 +70,15 @@ def test_shared_defaults_equal_transformers_own() -> None:
     assert len(shared) >= 20  # the names are transformers' names
     for name in shared:
         assert getattr(ContinuousBatchingConfig(), name) == seed_defaults[name], name
+
+
+@pytest.mark.parametrize("graphs", [None, True, False, (False, True), (True, False)])
+def test_the_seeds_derived_properties_say_what_transformers_own_say(graphs: Any) -> None:
+    from transformers import ContinuousBatchingConfig as SeedConfig
+
+    ours, theirs = ContinuousBatchingConfig(use_cuda_graph=graphs), SeedConfig(use_cuda_graph=graphs)
+    assert ours.cuda_graph_booleans == theirs.cuda_graph_booleans
+    assert ours.fallback_max_blocks_per_request == theirs.fallback_max_blocks_per_request == 32
 
 
 def test_block_size_is_the_deprecated_name_of_page_size() -> None:
@@ -344,8 +354,12 @@ async def test_transformers_own_config_is_taken_field_by_field(caplog: pytest.Lo
         async with aiocb.Manager(model, carrier) as manager:
             output = await manager.generate(prompt)
             assert manager.statistics().total_blocks == 40
-    assert "through GenerationConfig is deprecated" in caplog.text
+    assert caplog.text.count("through GenerationConfig is deprecated") == 1
     assert output.generated_tokens == reference_generate(model, prompt, 3)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="aiocb.config"):
+        await asyncio.to_thread(aiocb.generate_batch, model, [prompt], carrier)
+    assert caplog.text.count("through GenerationConfig is deprecated") == 1  # (once a call, not twice)
     with pytest.raises(InvalidConfigError, match=r"must be an aiocb\.ContinuousBatchingConfig .* got dict"):
         aiocb.Manager(model, continuous_batching_config={"page_size": 16})  # type: ignore[arg-type]
 

@@ -28,6 +28,7 @@ EXPECTED_PUBLIC_NAMES = [
     "RequestStream",
     "SamplingParams",
     "SpeculativeConfig",
+    "WorkloadHints",
     "WouldBlock",
     "WrongEventLoopError",
     "__version__",

@@ -26,7 +26,7 @@ from typing import Any, Literal, overload
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from aiocb.collector import freeze_alive_objects
-from aiocb.config import DEFAULT_MAX_BLOCKS_PER_REQUEST, ContinuousBatchingConfig, as_config
+from aiocb.config import ContinuousBatchingConfig, WorkloadHints, as_config
 from aiocb.core.kv_cache import KVCacheManager
 from aiocb.core.request import Request
 from aiocb.core.scheduler import Scheduler
@@ -129,8 +129,10 @@ class Manager:
     too, with transformers' deprecation warning).
     With ``tokenizer`` prompts may be texts or chat messages and outputs carry text;
     ``grammar_tokenizer`` gives the vocabulary that output constraints are compiled against
-    when prompts stay token ids (``tokenizer``'s, when given). ``num_requests_hint`` (how
-    many requests are expected at once) helps size the batch. ``speculative_config`` makes
+    when prompts stay token ids (``tokenizer``'s, when given). ``workload_hints``
+    (:class:`~aiocb.WorkloadHints`, or transformers' own) say the longest request and how
+    many come at once, to size the decode block table and the batch by;
+    ``num_requests_hint`` says the latter alone (and wins). ``speculative_config`` makes
     requests speculate (:class:`~aiocb.SpeculativeConfig`).
 
     Leaving the ``async with`` block normally stops the manager gracefully (requests still
@@ -168,6 +170,7 @@ class Manager:
         persistent_manager: bool = False,
         num_requests_hint: int | None = None,
         speculative_config: SpeculativeConfig | None = None,
+        workload_hints: WorkloadHints | None = None,
     ) -> None:
         if getattr(self, "_initialized", False):
             # A cached persistent manager, returned by __new__: it keeps its configuration.
@@ -193,6 +196,11 @@ class Manager:
         self.speculative_config = speculative_config
         #: its draft model (``method="draft"``), loaded here rather than on the event loop
         self._draft_model = load_draft_model(speculative_config, model)
+        hints = WorkloadHints.of(workload_hints)
+        #: what the runner is built with: :attr:`config` sized by the hints
+        self._runner_config = self.config.sized_for(hints)
+        if num_requests_hint is None and hints is not None and hints.num_requests:
+            num_requests_hint = hints.num_requests
         self._num_requests_hint = num_requests_hint
         self._state = _State.CREATED
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -271,13 +279,13 @@ class Manager:
         if layout is None:
             return self.config
         spec, plan = layout
-        resolved = copy.copy(self.config)  # (not replace(): no checks or deprecation warnings again)
+        resolved = copy.copy(self._runner_config)  # (not replace(): no checks or deprecation warnings again)
         resolved.num_blocks = max(plan.num_blocks)
         resolved.max_batch_tokens = plan.max_batch_tokens
         resolved.max_requests_per_batch = plan.max_requests_per_batch
         resolved.max_memory_percent = memory_percent(self.config, spec.device)
         if resolved.max_blocks_per_request is None:
-            resolved.max_blocks_per_request = DEFAULT_MAX_BLOCKS_PER_REQUEST
+            resolved.max_blocks_per_request = resolved.fallback_max_blocks_per_request
         if runner is not None:
             resolved.use_cuda_graph = (False, runner.graphs is not None)
             resolved.use_async_batching = runner.async_batching
@@ -375,7 +383,7 @@ class Manager:
         process, with the plan its session's requests were checked against."""
         return build_runner(
             self.model,
-            self.config,
+            self._runner_config,
             num_requests_hint=self._num_requests_hint,
             keep_cache=self.persistent,
             draft_model=self._draft_model,
@@ -399,7 +407,7 @@ class Manager:
         else:
             layout = runner_plan(
                 self.model,
-                self.config,
+                self._runner_config,
                 num_requests_hint=self._num_requests_hint,
                 draft_model=self._draft_model,
                 speculative=self.speculative_config,

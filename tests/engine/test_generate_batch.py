@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
+import torch
 from transformers import PreTrainedModel
 
 import aiocb
@@ -51,12 +53,12 @@ def test_batches_are_sized_and_counted_by_samples(
     and a finished request on the progress bar."""
     from transformers import GenerationConfig
 
-    hints: list[object] = []
+    hints: list[int] = []
     init = aiocb.Manager.__init__
 
-    def spy(self: aiocb.Manager, *args: object, **kwargs: object) -> None:
-        hints.append(kwargs.get("num_requests_hint"))
-        init(self, *args, **kwargs)  # type: ignore[arg-type]
+    def spy(self: aiocb.Manager, *args: object, **kwargs: Any) -> None:
+        hints.append(kwargs["workload_hints"].num_requests)
+        init(self, *args, **kwargs)
 
     monkeypatch.setattr(aiocb.Manager, "__init__", spy)
 
@@ -69,6 +71,52 @@ def test_batches_are_sized_and_counted_by_samples(
     )  # fmt: skip
     assert len(outputs) == 6 and hints == [6]
     assert "6/6" in capsys.readouterr().err
+
+
+def test_the_decode_block_table_is_sized_by_the_batchs_longest_request(qwen3: PreTrainedModel) -> None:
+    """As transformers sizes it from ``generate_batch``'s prompts and ``max_new_tokens``:
+    an even number of pages, one more than the longest request needs (610 tokens in pages
+    of 16: 39, so 40); where the prompts are text, or the config says, not."""
+    config = aiocb.ContinuousBatchingConfig(page_size=16, num_blocks=128)
+
+    def width(prompts: list[Any], config: aiocb.ContinuousBatchingConfig, **params: Any) -> int | None:
+        aiocb.generate_batch(qwen3, prompts, continuous_batching_config=config, persistent_manager=True, **params)
+        manager = aiocb.Manager(qwen3, persistent_manager=True)
+        try:
+            return manager.continuous_batching_config.max_blocks_per_request
+        finally:
+            asyncio.run(manager.destroy())
+
+    prompts = random_prompts(2, 100, 600, seed=1)
+    assert width(prompts, config, max_new_tokens=10) == 40
+    assert width([torch.tensor(p) for p in prompts], config, max_new_tokens=10) == 40
+    assert width(prompts, config, sampling_params=aiocb.SamplingParams(max_new_tokens=30)) == 42  # (630 tokens)
+    assert width(prompts, config.replace(max_blocks_per_request=7), max_new_tokens=10) == 7
+
+
+async def test_a_manager_is_sized_by_its_workload_hints(qwen3: PreTrainedModel) -> None:
+    """aiocb's ``WorkloadHints`` or transformers': the block table holds the longest request,
+    the batch as many requests as come at once; ``num_requests_hint`` says the latter too."""
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    config = aiocb.ContinuousBatchingConfig(page_size=16, num_blocks=64)
+    for hints in (aiocb.WorkloadHints(100, 20, 3), WorkloadHints(100, 20, 3)):
+        async with aiocb.Manager(qwen3, continuous_batching_config=config, workload_hints=hints) as manager:
+            resolved = manager.continuous_batching_config
+        assert (resolved.max_blocks_per_request, resolved.max_requests_per_batch) == (10, 3)  # (120 tokens: 8 + 1)
+    async with aiocb.Manager(
+        qwen3,
+        continuous_batching_config=config,
+        workload_hints=aiocb.WorkloadHints(num_requests=3),
+        num_requests_hint=5,
+    ) as manager:
+        resolved = manager.continuous_batching_config
+    assert (resolved.max_blocks_per_request, resolved.max_requests_per_batch) == (32, 5)
+    assert manager.config.max_blocks_per_request is None  # (the config given is left as it was)
+    with pytest.raises(aiocb.InvalidConfigError, match="workload_hints must be a WorkloadHints, got int"):
+        aiocb.Manager(qwen3, workload_hints=3)  # type: ignore[arg-type]
+    with pytest.raises(aiocb.InvalidConfigError, match=r"WorkloadHints\.num_requests must be >= 0"):
+        aiocb.WorkloadHints(num_requests=-1)
 
 
 def test_transformers_own_arguments(qwen3: PreTrainedModel, capsys: pytest.CaptureFixture[str]) -> None:
