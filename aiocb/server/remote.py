@@ -10,10 +10,10 @@ The two sides speak over a Unix socket, in length-prefixed pickled frames (both 
 this package in processes of one user; the socket lives in a private directory):
 
 - worker to engine: ``("add", keys, input_ids, max_new_tokens, params)`` queues a request
-  (``add_request_nowait``; with many samples or an output constraint
-  ``add_request(wait=False)``, which compiles the constraint off the loop and makes the
-  samples and their streams a slice of the loop at a time) with ``len(keys)`` samples,
-  one key each;
+  (``add_request_nowait``; with many samples, an output constraint, large controls or a
+  long prompt ``add_request(wait=False)``, which compiles the constraint and checks the
+  ids off the loop and makes the samples and their streams a slice of the loop at a
+  time) with ``len(keys)`` samples, one key each;
   ``("cancel", key)`` cancels one; ``("statistics",)`` asks for the statistics now;
 - engine to worker: ``("hello", EngineInfo)`` once, then ``("batch", [(key, event), ...])``
   with everything that happened to that worker's requests in one turn of the engine's
@@ -21,9 +21,11 @@ this package in processes of one user; the socket lives in a private directory):
   and ``("stats", ManagerStatistics, is_dead)`` a few times a second, and in answer to
   ``("statistics",)``, ``("statistics", ManagerStatistics, is_dead)``.
 
-An event is ``("added",)``, ``("refused", error)``, ``("output", tuple(OutputDelta))`` or
-``("failed", error)``. :class:`EngineService` is the engine's side; :class:`RemoteManager`
-is the worker's, with the part of the :class:`~aiocb.Manager` interface the app uses.
+An event is ``("added",)``, ``("refused", error)``, ``("output", tuple(OutputDelta))``,
+``("prompt", values, alternatives)`` (a long prompt's scores, a slice a frame, ahead of the
+output that completes them) or ``("failed", error)``. :class:`EngineService` is the
+engine's side; :class:`RemoteManager` is the worker's, with the part of the
+:class:`~aiocb.Manager` interface the app uses.
 A worker whose connection drops has its requests cancelled; an engine that goes away
 fails every open stream of every worker with :class:`~aiocb.EngineDeadError`.
 """
@@ -44,7 +46,7 @@ from typing import Any, NamedTuple
 
 from aiocb.config import ContinuousBatchingConfig
 from aiocb.engine.manager import Manager, ManagerStatistics
-from aiocb.engine.requests import sample_ids
+from aiocb.engine.requests import has_large_controls, sample_ids
 from aiocb.engine.stream import RequestStream
 from aiocb.engine.turns import LoopTurn, Waker
 from aiocb.errors import (
@@ -57,6 +59,7 @@ from aiocb.errors import (
 )
 from aiocb.outputs import FinishReason, GenerationOutput, RequestStatus
 from aiocb.params import asks_for_structure
+from aiocb.sampling import is_long_id_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +77,9 @@ ENGINE_SILENCE_S = 10.0
 MAX_UNREAD_BYTES = 256 * 2**20
 #: Requests with at least this many samples are added a slice of the engine's loop at a time.
 _SLICED_SAMPLES = 16
+#: Prompt log-probabilities (a position's, and each of its alternatives) sent in one frame
+#: at most: about a millisecond of the engine's loop to pickle, and of a worker's to read.
+PROMPT_ENTRIES_PER_FRAME = 16_384
 #: The errors a refusal or a failure is sent as; anything else becomes EngineDeadError.
 _ERRORS: dict[str, type[AiocbError]] = {
     cls.__name__: cls
@@ -221,7 +227,13 @@ class _WorkerConnection:
         kind = message[0]
         if kind == "add":
             _, keys, input_ids, max_new_tokens, params = message
-            if len(keys) < _SLICED_SAMPLES and not asks_for_structure(params.get("sampling_params"), params):
+            sampling_params = params.get("sampling_params")
+            if (
+                len(keys) < _SLICED_SAMPLES
+                and not asks_for_structure(sampling_params, params)
+                and not has_large_controls(sampling_params, params)
+                and not is_long_id_prompt(input_ids)
+            ):
                 self._add(keys, input_ids, max_new_tokens, params)
             else:
                 self._adding.update(keys)
@@ -269,10 +281,12 @@ class _WorkerConnection:
     async def _add_awaited(
         self, keys: list[int], input_ids: list[int], max_new_tokens: int | None, params: dict[str, Any]
     ) -> None:
-        """:meth:`_add` for a request with many samples or an output constraint: its
-        constraint compiles off the loop (a large one takes seconds), and a thousand
-        samples, their streams and pumps (tens of milliseconds to make) are made a slice
-        of the loop at a time."""
+        """:meth:`_add` for a request with many samples, an output constraint, controls
+        over thousands of ids or a prompt of tens of thousands: its constraint compiles,
+        and the ids are checked, off the loop (a large constraint takes seconds, 4,096
+        ids of each control 4-5 ms, a 200,000-id prompt 8 ms), and a thousand samples,
+        their streams and pumps (tens of milliseconds to make) are made a slice of the
+        loop at a time."""
         ids: list[str] = []
         started = 0  # (the samples whose pumps run: they own their requests)
         try:
@@ -311,14 +325,17 @@ class _WorkerConnection:
             async with stream:
                 async for output in stream:
                     prompt = output.prompt_logprobs if not prompt_sent else None
-                    prompt_sent = prompt_sent or prompt is not None
+                    prompt_top = output.prompt_top_logprobs if prompt is not None else None
+                    if prompt is not None:
+                        prompt_sent = True
+                        prompt, prompt_top = await self._send_prompt_head(key, prompt, prompt_top)
                     new_tokens = output.tokens_since(tokens)
                     delta = OutputDelta(
                         new_tokens,
                         None if output.logprobs is None else output.logprobs[logprobs:],
                         None if output.top_logprobs is None else output.top_logprobs[logprobs:],
                         prompt,
-                        output.prompt_top_logprobs if prompt is not None else None,
+                        prompt_top,
                         output.status.value,
                         None if output.finish_reason is None else output.finish_reason.value,
                         output.error,
@@ -339,6 +356,23 @@ class _WorkerConnection:
         finally:
             if self._pumps.get(key) is asyncio.current_task():
                 del self._pumps[key]
+
+    async def _send_prompt_head(
+        self, key: int, values: list[float | None], tops: list[dict[int, float] | None] | None
+    ) -> tuple[list[float | None], list[dict[int, float] | None] | None]:
+        """Send a long prompt's scores but their last slice as ``("prompt", ...)`` events, a
+        frame each (one echoed 40,000-token prompt with 20 alternatives a position was a
+        9.8 MB frame whose pickling held this loop 57 ms); returns the last slice, which the
+        output delta carries."""
+        width = 1 + max((len(top) for top in (tops or [])[:2] if top), default=0)
+        per_frame = max(1, PROMPT_ENTRIES_PER_FRAME // width)
+        sent = 0
+        while len(values) - sent > per_frame:
+            end = sent + per_frame
+            self._queue(key, ("prompt", values[sent:end], None if tops is None else tops[sent:end]))
+            sent = end
+            await asyncio.sleep(0)  # (the flush already due runs first: this slice leaves alone)
+        return values[sent:], None if tops is None else tops[sent:]
 
     def _queue(self, key: int, event: tuple[Any, ...]) -> None:
         if self._closed:
@@ -388,6 +422,9 @@ class _StreamState:
     #: set once the engine said whether it queued the request
     added: asyncio.Future[None] | None = None
     error: AiocbError | None = None
+    #: a long prompt's scores sent ahead of the output that completes them
+    prompt_head: list[float | None] = dataclasses.field(default_factory=list)
+    prompt_top_head: list[dict[int, float] | None] = dataclasses.field(default_factory=list)
 
 
 class RemoteManager:
@@ -498,6 +535,8 @@ class RemoteManager:
         for key, state in list(self._streams.items()):
             self._cancel(key)
             state.error = RequestAbortedError(f"its {timeout} s drain ran out")
+            if state.added is not None and not state.added.done():  # (the engine still adding it)
+                state.added.set_exception(state.error)
             self._notify(state)
 
     async def close(self) -> None:
@@ -623,11 +662,26 @@ class RemoteManager:
             if state.added is not None and not state.added.done():
                 state.added.set_exception(error_from_wire(event[1]))
             return
+        if kind == "prompt":
+            state.prompt_head += event[1]
+            if event[2] is not None:
+                state.prompt_top_head += event[2]
+            return
         if kind == "failed":
             state.error = error_from_wire(event[1])
             self._forget(key)
         else:
-            _apply(state.output, OutputDelta(*event[1]))
+            delta = OutputDelta(*event[1])
+            if delta.prompt_logprobs is not None and state.prompt_head:
+                head, top_head = state.prompt_head, state.prompt_top_head
+                state.prompt_head, state.prompt_top_head = [], []
+                delta = delta._replace(
+                    prompt_logprobs=head + delta.prompt_logprobs,
+                    prompt_top_logprobs=None
+                    if delta.prompt_top_logprobs is None
+                    else top_head + delta.prompt_top_logprobs,
+                )
+            _apply(state.output, delta)
             if state.output.is_finished():
                 self._forget(key)
         self._notify(state)

@@ -26,6 +26,7 @@ from aiocb.server.remote import (
     OutputDelta,
     RemoteManager,
     RemoteStream,
+    _WorkerConnection,
     encode_frame,
     read_frame,
 )
@@ -147,6 +148,76 @@ async def test_a_worker_drain_aborts_what_outlasts_it(manager: aiocb.Manager, re
         await asyncio.wait_for(_last(long), 10)
     stats = await wait_until_idle(manager)
     assert stats.free_blocks == stats.total_blocks
+
+
+async def test_a_drain_that_runs_out_refuses_a_request_the_engine_is_still_adding(
+    manager: aiocb.Manager, remote: RemoteManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request whose add has not been answered yet (its constraint compiling, say) when
+    the drain runs out is refused as the others are aborted, not left waiting for ever."""
+    add_request = manager.add_request
+
+    async def slow(*args: Any, **kwargs: Any) -> str:
+        await asyncio.sleep(0.5)
+        return await add_request(*args, **kwargs)
+
+    monkeypatch.setattr(manager, "add_request", slow)
+    adding = asyncio.create_task(remote.open_streams(PROMPTS[0], 4, 16))  # (samples: the awaited add)
+    await asyncio.sleep(0.05)
+    await remote.stop(timeout=0.05)
+    with pytest.raises(aiocb.RequestAbortedError, match="drain ran out"):
+        await asyncio.wait_for(adding, 5)
+    await asyncio.sleep(0.6)  # (the engine adds it, finds it cancelled, and ends it)
+    stats = await wait_until_idle(manager)
+    assert stats.free_blocks == stats.total_blocks
+
+
+async def test_large_checks_run_off_the_engines_loop(
+    manager: aiocb.Manager, remote: RemoteManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Controls over thousands of ids and a prompt of tens of thousands are checked as the
+    manager's awaited add checks them (on a worker thread), not on the engine's loop; the
+    answers are the manager's."""
+    nowait: list[int] = []
+    add_request_nowait = manager.add_request_nowait
+
+    def spied(input_ids: Any, *args: Any, **kwargs: Any) -> str:
+        nowait.append(len(input_ids))
+        return add_request_nowait(input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(manager, "add_request_nowait", spied)
+    allowed = [token for token in range(1, 101) for _ in range(50)]  # (5,000 ids)
+    added = await manager.add_request(PROMPTS[0], max_new_tokens=4, allowed_token_ids=allowed)
+    local, _ = await _last(manager.stream(added))
+    far, _ = await _last(await remote.open_stream(PROMPTS[0], 4, allowed_token_ids=allowed))
+    assert far.generated_tokens == local.generated_tokens and set(far.generated_tokens) <= set(allowed)
+    with pytest.raises(aiocb.InvalidRequestError, match="context"):
+        await remote.open_stream([5] * 20_000, 2)
+    await remote.open_stream(PROMPTS[1], 2)  # (an ordinary request: the quick way)
+    assert nowait == [len(PROMPTS[1])]
+
+
+async def test_a_long_prompts_scores_come_a_slice_a_frame(
+    manager: aiocb.Manager, remote: RemoteManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An echoed prompt's scores leave the engine in frames of a bounded size (one frame of
+    a 40,000-token prompt's held its loop 57 ms), and arrive whole, as the manager's."""
+    monkeypatch.setattr(remote_module, "PROMPT_ENTRIES_PER_FRAME", 8)
+    kinds: list[str] = []
+    queue = _WorkerConnection._queue
+
+    def spied(self: _WorkerConnection, key: int, event: tuple[Any, ...]) -> None:
+        kinds.append(event[0])
+        queue(self, key, event)
+
+    monkeypatch.setattr(_WorkerConnection, "_queue", spied)
+    params = {"prompt_logprobs": True, "top_logprobs": 3, "return_logprobs": True}
+    prompt = PROMPTS[1]
+    local, _ = await _last(manager.stream(manager.add_request_nowait(prompt, max_new_tokens=3, **params)))
+    far, _ = await _last(await remote.open_stream(prompt, 3, **params))
+    assert kinds.count("prompt") == math.ceil(len(prompt) / 2) - 1  # (2 positions of 4 entries a frame)
+    assert far.prompt_logprobs == local.prompt_logprobs and far.prompt_top_logprobs == local.prompt_top_logprobs
+    assert far.generated_tokens == local.generated_tokens and far.logprobs == local.logprobs
 
 
 async def test_a_worker_refuses_what_comes_after_its_drain_began(manager: aiocb.Manager, remote: RemoteManager) -> None:
