@@ -259,13 +259,16 @@ class ContinuousBatchingConfig:
         """``max_blocks_per_request`` when neither it nor the workload's hints say."""
         return DEFAULT_MAX_BLOCKS_PER_REQUEST
 
-    def sized_for(self, hints: WorkloadHints | None) -> ContinuousBatchingConfig:
+    def sized_for(self, hints: WorkloadHints | None, context: int | None = None) -> ContinuousBatchingConfig:
         """This config, or where ``max_blocks_per_request`` is None and ``hints`` give the
-        longest request, a copy whose block table holds it: an even number of pages, one
-        more than its tokens need (as transformers sizes it)."""
+        longest request, a copy whose block table holds it (at most the model's
+        ``context``): an even number of pages, one more than its tokens need (as
+        transformers sizes it)."""
         if self.max_blocks_per_request is not None or hints is None:
             return self
         longest = hints.max_prompt_length + hints.max_generated_length
+        if context is not None:
+            longest = min(longest, context)
         if longest <= 0:
             return self
         blocks = -(-longest // self.page_size) + 1

@@ -198,7 +198,8 @@ class Manager:
         self._draft_model = load_draft_model(speculative_config, model)
         hints = WorkloadHints.of(workload_hints)
         #: what the runner is built with: :attr:`config` sized by the hints
-        self._runner_config = self.config.sized_for(hints)
+        context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+        self._runner_config = self.config.sized_for(hints, context if isinstance(context, int) else None)
         if num_requests_hint is None and hints is not None and hints.num_requests:
             num_requests_hint = hints.num_requests
         self._num_requests_hint = num_requests_hint

@@ -104,6 +104,9 @@ async def test_a_manager_is_sized_by_its_workload_hints(qwen3: PreTrainedModel) 
         async with aiocb.Manager(qwen3, continuous_batching_config=config, workload_hints=hints) as manager:
             resolved = manager.continuous_batching_config
         assert (resolved.max_blocks_per_request, resolved.max_requests_per_batch) == (10, 3)  # (120 tokens: 8 + 1)
+    longer = aiocb.WorkloadHints(9000, 9000)  # (no request is longer than the model's 2,048 positions)
+    async with aiocb.Manager(qwen3, continuous_batching_config=config, workload_hints=longer) as manager:
+        assert manager.continuous_batching_config.max_blocks_per_request == 130  # (128 pages, one more, even)
     async with aiocb.Manager(
         qwen3,
         continuous_batching_config=config,
