@@ -48,6 +48,11 @@ def replica_problems(args: argparse.Namespace) -> list[str]:
             problems.append(f"--{name.replace('_', '-')} is uvicorn's and does not apply to --replicas")
     if args.port == 0:
         problems.append("--port 0 does not apply to --replicas: Ray Serve's proxy needs a fixed port")
+    if hasattr(args, "limit_send_timeout"):  # (given: limits' flags default to absent)
+        problems.append(
+            "--send-timeout does not apply to --replicas: Ray Serve's proxy writes to the client, and takes what a "
+            "client leaves unread without making the replica wait"
+        )
     if args.autoscaling_config is not None and args.replicas != "auto":
         problems.append("--autoscaling-config goes with --replicas auto, not a fixed count")
     return problems
@@ -82,6 +87,7 @@ def serve_with_replicas(args: argparse.Namespace, config: ContinuousBatchingConf
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    deployed = False  # (an app this command did not deploy is never deleted by it)
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         client = serve.context._get_global_client()
@@ -93,8 +99,16 @@ def serve_with_replicas(args: argparse.Namespace, config: ContinuousBatchingConf
                 file=sys.stderr,
             )
             return 2
+        if not local and APP_NAME in serve.status().applications:
+            print(
+                f"aiocb serve: an app named {APP_NAME!r} already runs on this cluster (another aiocb serve "
+                f"--replicas?); stop it, or run `serve.delete({APP_NAME!r})`, first",
+                file=sys.stderr,
+            )
+            return 2
         # Built again now that Ray runs, so that the replicas' default resources see the cluster's GPUs.
         app = make_app()
+        deployed = True  # (from here on: a deploy that fails half-way is cleaned up)
         serve.run(app, name=APP_NAME, route_prefix="/")
         logger.info(
             "serving %s on http://%s:%d with %s replicas on Ray Serve",
@@ -108,7 +122,7 @@ def serve_with_replicas(args: argparse.Namespace, config: ContinuousBatchingConf
     finally:
         if local:
             serve.shutdown()
-        else:
+        elif deployed:
             serve.delete(APP_NAME)
         ray.shutdown()
     return 0

@@ -37,6 +37,8 @@ AUTOSCALING_DEFAULTS: dict[str, Any] = {
 PROBE_ROOM = 16
 #: Requests the ingress takes at once (it only forwards them).
 INGRESS_MAX_ONGOING_REQUESTS = 8192
+#: Seconds a replica's destructor gets once Ray Serve's drain ended (the engine stopped).
+_DESTRUCTOR_S = 2.0
 
 Routing = Literal["prefix_affinity", "power_of_two"]
 
@@ -78,8 +80,9 @@ def build_app(
             replicas).
         max_ongoing_requests: requests one replica takes at once (more wait in the
             ingress's router); default: the server's ``max_concurrent_requests`` plus
-            :data:`PROBE_ROOM`. Below that the replica's 429s and probes would wait in
-            the router: refused.
+            :data:`PROBE_ROOM` (with no such bound, 0, as many as an ingress replica takes:
+            8,192). Below that the replica's 429s and probes would wait in the router:
+            refused.
         max_imbalance: ongoing requests a prefix's replica may have beyond the least
             loaded one's and still get the requests that share the prefix (prefix-affinity
             routing only, as is the ``x-aiocb-replica`` request header).
@@ -98,9 +101,10 @@ def build_app(
         if options.served_model_name is None:  # (clients name it as given, as with one process)
             options = dataclasses.replace(options, served_model_name=source)
         source = os.path.abspath(source)  # the replicas' working directory is not this one
-    least = options.limits.max_concurrent_requests + PROBE_ROOM
-    if max_ongoing_requests is None:
-        max_ongoing_requests = least
+    bound = options.limits.max_concurrent_requests
+    least = bound + PROBE_ROOM
+    if max_ongoing_requests is None:  # (no bound, 0: as many as an ingress replica takes)
+        max_ongoing_requests = least if bound else INGRESS_MAX_ONGOING_REQUESTS
     deployment_options = _scaling(num_replicas, autoscaling_config)
     actor_options = _actor_options(ray_actor_options)
     deployment_options |= _placement(source, options, tensor_parallel_size, actor_options)
@@ -127,8 +131,11 @@ def build_app(
     elif max_imbalance != MAX_IMBALANCE:
         raise InvalidConfigError("max_imbalance is prefix-affinity routing's; routing='power_of_two' has none")
     follower_resources = _resources(actor_options) if tensor_parallel_size > 1 else None
-    # The drain, then (tensor parallelism) releasing the followers and waiting for them.
-    shutdown_s = options.shutdown_timeout + 5.0 + (2 * CLOSE_TIMEOUT_S if tensor_parallel_size > 1 else 0.0)
+    # Ray Serve drains a replica itself: it waits for the running requests, for up to this,
+    # before it calls the replica's destructor (which stops the engine and, under tensor
+    # parallelism, releases the followers), and kills it when this runs out. So running
+    # requests get shutdown_timeout; the rest is the destructor's.
+    shutdown_s = options.shutdown_timeout + _DESTRUCTOR_S + (2 * CLOSE_TIMEOUT_S if tensor_parallel_size > 1 else 0.0)
     engine = serve.deployment(
         name="AiocbEngine",
         max_ongoing_requests=max_ongoing_requests,

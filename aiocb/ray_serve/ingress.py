@@ -27,9 +27,9 @@ from starlette.types import Receive, Scope, Send
 
 from aiocb.ray_serve.forwarding import ForwardedRequest, ResponseStart
 from aiocb.ray_serve.replica import REPLICA_HEADER
-from aiocb.ray_serve.routing import prefix_hashes, prompt_text
+from aiocb.ray_serve.routing import MAX_BLOCKS, prefix_hashes, prompt_text
 from aiocb.server.app import api_key_refusal, receive_body
-from aiocb.server.limits import ServerLimits
+from aiocb.server.limits import ServerLimits, parse_json
 from aiocb.server.protocol import APIError
 from aiocb.server.sse import DONE
 
@@ -57,11 +57,11 @@ class Ingress:
         # (as the replicas would, but before an unauthenticated client can send its body)
         refusal = None if self._key is None else api_key_refusal(path, request.headers, self._key)
         if refusal is not None:
-            return _error(refusal)
+            return self._error(refusal)
         try:
             body = await self._body(request)
         except APIError as exc:
-            return _error(exc)
+            return self._error(exc)
         prefix = await self._prefix(path, body) if request.method == "POST" else ()
         client = request.client
         forwarded = ForwardedRequest(
@@ -83,12 +83,22 @@ class Ingress:
         except (RayError, RayServeException, StopAsyncIteration) as exc:
             stream.cancel()
             logger.warning("a replica failed before its response started: %s", exc)
-            return _error(_replica_failed(exc))
+            return self._error(_replica_failed(exc))
         if not isinstance(start, ResponseStart):
             stream.cancel()
-            return _error(APIError(500, f"a replica sent {type(start).__name__} before its response started"))
+            return self._error(APIError(500, f"a replica sent {type(start).__name__} before its response started"))
         response = _ForwardedResponse(stream, _is_event_stream(start), start)
         return response
+
+    def _error(self, error: APIError) -> JSONResponse:
+        """``error`` as one process's server answers it: a 429 or 503 says when to retry; a
+        body refused unread leaves the connection unusable."""
+        headers = {}
+        if error.status in (429, 503):
+            headers["Retry-After"] = str(self.limits.retry_after)
+        elif error.status == 413:
+            headers["Connection"] = "close"
+        return JSONResponse(error.to_dict(), status_code=error.status, headers=headers or None)
 
     async def _body(self, request: Request) -> bytes:
         """The body, refused as one process's server refuses it: too large by its
@@ -100,9 +110,10 @@ class Ingress:
 
     async def _prefix(self, path: str, body: bytes) -> tuple[int, ...]:
         """The prompt's prefix hashes (none for a body that is not JSON: the replica says why)."""
+        depth = self.limits.max_json_depth
         if len(body) > _INLINE_PARSE_BYTES:
-            return await asyncio.to_thread(_hash_body, path, body, self.block_chars)
-        return _hash_body(path, body, self.block_chars)
+            return await asyncio.to_thread(_hash_body, path, body, self.block_chars, depth)
+        return _hash_body(path, body, self.block_chars, depth)
 
 
 def _app_path(scope: Mapping[str, Any]) -> str:
@@ -115,10 +126,14 @@ def _app_path(scope: Mapping[str, Any]) -> str:
     return path
 
 
-def _hash_body(path: str, body: bytes, block_chars: int) -> tuple[int, ...]:
+def _hash_body(path: str, body: bytes, block_chars: int, max_depth: int) -> tuple[int, ...]:
+    """The prefix hashes of ``body``'s prompt: a large body (on a worker thread) parsed a
+    piece at a time, letting the loop's thread have the GIL between (parsed whole, 7 MB
+    held it 44-92 ms)."""
     try:
-        text = prompt_text(path, orjson.loads(body))
-    except (orjson.JSONDecodeError, RecursionError, TypeError, ValueError):
+        parsed = orjson.loads(body) if len(body) <= _INLINE_PARSE_BYTES else parse_json(body, max_depth)
+        text = prompt_text(path, parsed, block_chars * MAX_BLOCKS)
+    except (orjson.JSONDecodeError, APIError, RecursionError, TypeError, ValueError):
         return ()  # not a prompt to route by: the replica answers the request as it is
     return prefix_hashes(text, block_chars) if text else ()
 
@@ -163,9 +178,3 @@ def _replica_failed(exc: BaseException) -> APIError:
     lines = str(exc).strip().splitlines()
     reason = f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")
     return APIError(503, f"the replica serving this request failed: {reason}", type="service_unavailable")
-
-
-def _error(error: APIError) -> JSONResponse:
-    # (a body refused unread leaves the connection unusable, as one process's server says)
-    headers = {"Connection": "close"} if error.status == 413 else None
-    return JSONResponse(error.to_dict(), status_code=error.status, headers=headers)

@@ -13,6 +13,12 @@ from aiocb.server.reasoning import ReasoningSplitter
 from aiocb.server.tool_parsers import PARSERS
 from aiocb.speculative import SpeculativeConfig
 
+_DEFAULT_LIMITS = ServerLimits()
+#: Why a replica has no send timeout (its responses go to the ingress, then the proxy).
+_SEND_TIMEOUT_REFUSED = (
+    "does not apply to replicas: Ray Serve's proxy writes to the client, and takes what a client leaves unread "
+    "without making the replica wait"
+)
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
@@ -29,7 +35,9 @@ class ReplicaOptions:
         trust_remote_code: allow custom model code.
         torch_threads: torch's intra-op threads in each replica (default: torch's choice).
         api_key: require ``Authorization: Bearer KEY`` on the API routes.
-        shutdown_timeout: seconds running requests get when a replica shuts down.
+        shutdown_timeout: seconds running requests get when a replica shuts down (Ray
+            Serve's drain, its ``graceful_shutdown_timeout_s``: a request still running
+            then ends with the replica, its stream with an error event).
         limits: what one request may cost (:class:`~aiocb.server.limits.ServerLimits`).
         continuous_batching_config: each replica's engine configuration.
         speculative_config: speculative decoding (a draft model given by path).
@@ -74,6 +82,8 @@ class ReplicaOptions:
             raise InvalidConfigError(f"shutdown_timeout must be 0 or more, got {self.shutdown_timeout}")
         if not isinstance(self.limits, ServerLimits):
             raise InvalidConfigError(f"limits must be a ServerLimits, got {type(self.limits).__name__}")
+        if self.limits.send_timeout != _DEFAULT_LIMITS.send_timeout:
+            raise InvalidConfigError(f"limits.send_timeout {_SEND_TIMEOUT_REFUSED}")
         # (aiocb's or transformers' own, as a Manager takes it)
         object.__setattr__(self, "continuous_batching_config", as_config(self.continuous_batching_config))
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):

@@ -135,7 +135,8 @@ class EngineReplica:
             self.group.check()
 
     async def __del__(self) -> None:
-        """Drain: running requests get ``shutdown_timeout`` seconds, then the engine stops."""
+        """Ray Serve's drain has ended (it waits for running requests, ``shutdown_timeout``
+        seconds at most, before calling this): the engine stops, the followers are released."""
         if not hasattr(self, "app"):  # the constructor failed: Ray still calls this
             if getattr(self, "group", None) is not None:
                 await asyncio.to_thread(self.group.close)  # type: ignore[union-attr]

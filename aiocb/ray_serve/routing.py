@@ -47,13 +47,15 @@ MAX_ENTRIES = 200_000
 AFFINITY_ATTEMPTS = 3
 
 
-def prompt_text(path: str, body: Any) -> str | None:
-    """The text a request's prompt begins with, for prefix hashing (None: no prompt).
+def prompt_text(path: str, body: Any, limit: int = BLOCK_CHARS * MAX_BLOCKS) -> str | None:
+    """The text a request's prompt begins with, for prefix hashing (None: no prompt), up to
+    about ``limit`` characters (what :func:`prefix_hashes` reads of it: a body of
+    megabytes is not made text whole, which held the ingress's loop for a third of a second).
 
     ``/v1/completions``: the prompt (the first of a list of prompts; token ids as text).
     ``/v1/chat/completions``: the messages, each as its role and content (a message with
-    structured content as its canonical JSON), which is how the chat template lays out
-    the prompt's beginning.
+    structured content as the canonical JSON of its beginning), which is how the chat
+    template lays out the prompt's beginning.
     """
     if not isinstance(body, Mapping):
         return None
@@ -61,22 +63,64 @@ def prompt_text(path: str, body: Any) -> str | None:
         messages = body.get("messages")
         if not isinstance(messages, Sequence) or isinstance(messages, str):
             return None
-        return "".join(_message_text(m) for m in messages)
+        texts: list[str] = []
+        size = 0
+        for message in messages:
+            if size >= limit:
+                break
+            texts.append(_message_text(message, limit - size))
+            size += len(texts[-1])
+        return "".join(texts)
     if path.endswith("/completions"):
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            return prompt
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return ",".join(map(str, prompt))
+            return prompt[:limit]
+        if isinstance(prompt, list):
+            head = prompt[: limit // 2 + 1]  # (an id and its comma: two characters or more)
+            if all(isinstance(t, int) for t in head):
+                return ",".join(map(str, head))
     return None
 
 
-def _message_text(message: Any) -> str:
+def _message_text(message: Any, limit: int) -> str:
     if isinstance(message, Mapping) and isinstance(message.get("content"), str) and len(message) == 2:
-        return f"\x1e{message.get('role')}\x1f{message['content']}"
-    return "\x1e" + json.dumps(message, sort_keys=True, separators=(",", ":"), default=str)
+        return f"\x1e{message.get('role')}\x1f{message['content'][:limit]}"
+    head = _head(message, [limit])
+    return "\x1e" + json.dumps(head, sort_keys=True, separators=(",", ":"), default=str)
+
+
+#: Keys of an object beyond which :func:`_head` takes them as they come, unsorted.
+_SORTED_KEYS = 64
+
+
+def _head(value: Any, budget: list[int]) -> Any:
+    """``value`` cut to its first characters and items, about ``budget[0]`` of them (spent
+    as it goes): what its canonical JSON begins with, made without walking the rest."""
+    if isinstance(value, str):
+        cut = value[: max(budget[0], 0)]
+        budget[0] -= len(cut)
+        return cut
+    if isinstance(value, Mapping):
+        keys = sorted(value, key=str) if len(value) <= _SORTED_KEYS else list(value)
+        head: dict[str, Any] = {}
+        for key in keys:
+            if budget[0] <= 0:
+                break
+            budget[0] -= len(str(key)) + 1
+            head[str(key)] = _head(value[key], budget)
+        return head
+    if isinstance(value, list | tuple):
+        items = []
+        for item in value:
+            if budget[0] <= 0:
+                break
+            budget[0] -= 1
+            items.append(_head(item, budget))
+        return items
+    budget[0] -= 8
+    return value
 
 
 def prefix_hashes(text: str, block_chars: int = BLOCK_CHARS, max_blocks: int = MAX_BLOCKS) -> tuple[int, ...]:

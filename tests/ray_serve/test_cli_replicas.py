@@ -46,6 +46,7 @@ def test_replica_counts_are_parsed() -> None:
         (("--replicas", "2", "--loop", "asyncio"), "--loop is uvicorn's"),
         (("--replicas", "2", "--max-connections", "10"), "--max-connections is uvicorn's"),
         (("--replicas", "2", "--port", "0"), "--port 0"),
+        (("--replicas", "2", "--send-timeout", "5"), "--send-timeout does not apply to --replicas"),
         (("--replicas", "2", "--autoscaling-config", "{}"), "--autoscaling-config goes with --replicas auto"),
         (("--replicas", "auto", "--autoscaling-config", '{"max_replicas": 0}'), "autoscaling_config"),
         (("--replicas", "2", "--routing", "power_of_two", "--log-level", "nope"), None),
@@ -113,7 +114,8 @@ def test_two_replicas_from_the_command_line(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_replicas_on_a_running_cluster_leave_it_running(tmp_path: Path) -> None:
     """``--ray-address``: the app runs on a cluster started apart (``ray start --head``), and
-    stopping the command deletes the app, not the cluster or its Serve instance."""
+    stopping the command deletes the app, not the cluster or its Serve instance; an app of
+    its name that it did not deploy is neither replaced nor deleted."""
     ray_cli = str(Path(sys.executable).parent / "ray")
     gcs_port, http_port = free_port(), free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
@@ -142,5 +144,13 @@ def test_replicas_on_a_running_cluster_leave_it_running(tmp_path: Path) -> None:
         apps = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
         assert apps.returncode == 0, apps.stderr[-2000:]
         assert apps.stdout.strip().splitlines()[-1] == "[]", "the app was deleted; the cluster still answers"
+        other = probe.replace("print(sorted(serve.status().applications))", "")
+        other += "serve.run(serve.deployment(lambda request: 'theirs').bind(), name='aiocb', route_prefix='/other')"
+        deployed = subprocess.run([sys.executable, "-c", other], env=env, capture_output=True, text=True, timeout=120)
+        assert deployed.returncode == 0, deployed.stderr[-2000:]
+        refused = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+        assert refused.returncode == 2 and "an app named 'aiocb' already runs" in refused.stderr, refused.stderr[-2000:]
+        apps = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+        assert apps.stdout.strip().splitlines()[-1] == "['aiocb']", "theirs is left running"
     finally:
         subprocess.run([ray_cli, "stop", "--force"], env=env, capture_output=True, timeout=120)

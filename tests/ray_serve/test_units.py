@@ -56,6 +56,25 @@ def test_prompt_text_reads_completions_and_chat_prompts() -> None:
     assert prompt_text("/v1/completions", ["not", "an", "object"]) is None
 
 
+def test_prompt_text_reads_no_more_of_a_prompt_than_is_hashed() -> None:
+    """A body of megabytes is made text only as far as its hashed blocks go (made whole,
+    2.7 million ids held the ingress's loop a third of a second): a longer prompt with the
+    same beginning hashes the same."""
+    limit = BLOCK_CHARS * 256
+    for path, key, long, short in (
+        ("/v1/completions", "prompt", "x" * 3_000_000, "x" * 100_000),
+        ("/v1/completions", "prompt", [7] * 3_000_000, [7] * 100_000),
+        ("/v1/chat/completions", "messages", [{"role": "user", "content": [{"type": "text", "text": "a"}] * 300_000}],
+         [{"role": "user", "content": [{"type": "text", "text": "a"}] * 20_000}]),
+        ("/v1/chat/completions", "messages", [{"role": "u", "content": "x", "name": str(i)} for i in range(200_000)],
+         [{"role": "u", "content": "x", "name": str(i)} for i in range(10_000)]),
+    ):  # fmt: skip
+        text = prompt_text(path, {key: long})
+        assert text is not None and len(text) < 2 * limit, (path, len(text or ""))
+        assert prefix_hashes(text) == prefix_hashes(prompt_text(path, {key: short}) or "")
+        assert len(prefix_hashes(text)) == 256
+
+
 # ------------------------------------------------------------------ the router's policy
 
 
@@ -243,6 +262,7 @@ async def test_closing_the_forwarded_response_cancels_the_request_and_frees_its_
         ({"tool_call_parser": "xml"}, "tool_call_parser"),
         ({"reasoning_parser": "nope"}, "reasoning_parser"),
         ({"limits": {"max_request_bytes": 1}}, "limits must be a ServerLimits"),
+        ({"limits": ServerLimits(send_timeout=5)}, "limits.send_timeout does not apply to replicas"),
         ({"continuous_batching_config": {}}, "continuous_batching_config"),
         ({"torch_threads": 0}, "torch_threads"),
     ],
@@ -284,6 +304,8 @@ def test_build_app_defaults() -> None:
         build_app(None, max_ongoing_requests=64)
     small = build_app(None, max_ongoing_requests=64, limits=ServerLimits(max_concurrent_requests=48))
     assert small._bound_deployment.init_args[0]._bound_deployment.max_ongoing_requests == 64
+    unbounded = build_app(None, limits=ServerLimits(max_concurrent_requests=0))  # (0: no bound, not 16)
+    assert unbounded._bound_deployment.init_args[0]._bound_deployment.max_ongoing_requests == 8192
     router = engine._deployment_config.request_router_config
     assert router.request_router_class.endswith("PrefixAffinityRouter")
     scaled = build_app(None, num_replicas="auto")._bound_deployment.init_args[0]._bound_deployment
@@ -337,10 +359,11 @@ async def test_a_replica_lost_mid_stream_ends_the_event_stream_with_an_error_and
 
 async def test_the_ingress_refuses_bodies_as_one_process_s_server_does() -> None:
     """Too large by its Content-Length before it is read (the size named, the connection
-    closed), too slow (408 naming the flag), or the client gone (499)."""
+    closed), too slow (408 naming the flag), or the client gone (499); the ingress's own
+    503 (a replica lost before its response began) says when to retry, as the replicas' do."""
     from starlette.requests import Request
 
-    from aiocb.ray_serve.ingress import Ingress, _error
+    from aiocb.ray_serve.ingress import Ingress
     from aiocb.server.protocol import APIError
 
     class Handle:
@@ -363,7 +386,9 @@ async def test_the_ingress_refuses_bodies_as_one_process_s_server_does() -> None
     with pytest.raises(APIError) as caught:
         await ingress._body(request([(b"content-length", b"5000")], never_read))
     assert caught.value.status == 413 and "(5000 bytes)" in caught.value.message
-    assert _error(caught.value).headers["connection"] == "close"
+    assert ingress._error(caught.value).headers["connection"] == "close"
+    unavailable = ingress._error(APIError(503, "the replica serving this request failed", type="service_unavailable"))
+    assert unavailable.headers["retry-after"] == str(limits.retry_after)
     sent = [{"type": "http.request", "body": b"{}", "more_body": False}]
     assert await ingress._body(request([(b"content-length", b"\xb2")], sent)) == b"{}"
     with pytest.raises(APIError) as caught:
