@@ -258,6 +258,29 @@ def test_bodies_are_written_as_a_json_response_renders_them(monkeypatch: pytest.
         asyncio.run(encode({"a": [float("nan")] * 300}))
 
 
+def test_a_short_array_of_small_then_large_elements_writes_each_as_its_size_says(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A completion's choices: some stopped at their first token, the next ones long with
+    their alternatives. None of the long ones is written in a batch sized by the short ones
+    (which wrote ten of them in one call: 113 ms of the loop)."""
+    calls: list[int] = []
+    dumps = bodies._dumps
+
+    def counted(value: Any) -> str:
+        text = dumps(value)
+        calls.append(len(text))
+        return text
+
+    monkeypatch.setattr(bodies, "_dumps", counted)
+    short = {"text": "a", "logprobs": {"tokens": ["a"], "top_logprobs": [{"a": -0.1}]}}
+    long = {"text": "b" * 1000, "logprobs": {"tokens": ["b"] * 1000, "top_logprobs": [{"b": -0.1, "c": -2.0}] * 1000}}
+    choices = [short] * 18 + [long] * 10
+    written = b"".join(asyncio.run(encode({"choices": choices})))
+    assert json.loads(written) == {"choices": choices}
+    assert max(calls) < 2 * len(dumps(long["logprobs"]["top_logprobs"])), "two long choices written in one call"
+
+
 def random_json(rng: random.Random, depth: int = 0) -> Any:
     """A value with the scalars, keys and nesting JSON bodies have (commas and brackets
     inside strings included)."""
