@@ -212,13 +212,17 @@ class ServerContext:
             return bytes(_BYTE_LEVEL_DECODER[char] for char in piece)
         return None
 
-    def encode(self, text: str, *, add_special_tokens: bool, param: str, where: str | None = None) -> list[int]:
-        """Token ids of ``text``; a 400 naming ``param`` when it is not text the tokenizer takes."""
+    def encode(self, text: str, *, add_special_tokens: bool, param: str) -> list[int]:
+        """All of ``text``'s token ids, however many (``/tokenize``): a long text's from the
+        tokenizer process, whose answer becomes a list a slice at a time (thread-safe; a
+        400 naming ``param`` when the text is not Unicode)."""
         try:
-            ids: list[int] = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        except (TypeError, UnicodeError) as exc:
-            raise _untokenizable(where or param, param, exc) from None
-        return ids
+            tokenized = encode_kept(
+                text, self.tokenizer, self._processes, add_special_tokens=add_special_tokens, keep=None, limit=None
+            )
+        except (TypeError, ValueError) as exc:  # (UnicodeError is a ValueError)
+            raise _untokenizable(param, param, exc) from None
+        return tokenized.ids
 
     def encode_prompt(
         self, text: str, *, add_special_tokens: bool, param: str, where: str | None = None, keep: int | None = None

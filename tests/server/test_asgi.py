@@ -578,6 +578,30 @@ async def test_metrics_count_a_prompt_once_and_only_the_tokens_clients_get(clien
     assert grew("aiocb_e2e_request_latency_seconds_count") == 3
 
 
+async def test_a_long_texts_ids_come_from_the_tokenizer_process_whole(
+    client: httpx.AsyncClient, tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``/tokenize`` counts a text however long: its ids come from the tokenizer process,
+    made a list a slice at a time, and are written a slice of the loop at a time."""
+    from aiocb import tokenizer_process
+
+    answered: list[int] = []
+    encode = tokenizer_process.TokenizerProcess.encode
+
+    def spied(self: Any, text: str, **kwargs: Any) -> Any:
+        tokenized = encode(self, text, **kwargs)
+        answered.append(len(tokenized.ids))
+        return tokenized
+
+    monkeypatch.setattr(tokenizer_process.TokenizerProcess, "encode", spied)
+    monkeypatch.setattr(tokenizer_process, "_LIST_SLICE", 1000)
+    text = "Héllo wörld 🚀, " * 3000  # (more characters than the context's tokens could hold)
+    answer = (await client.post("/tokenize", json={"prompt": text, "add_special_tokens": False})).json()
+    expected = tokenizer.encode(text, add_special_tokens=False)
+    assert answer["tokens"] == expected and answer["count"] == len(expected) > 2048
+    assert answered[-1] == len(expected)  # (after the probes that check the process tokenizes alike)
+
+
 async def test_speculation_metrics(model: PreTrainedModel, tokenizer: Any) -> None:
     speculative = aiocb.SpeculativeConfig(prompt_lookup_min=1, disable_by_batch_size=None)
     async with aiocb.Manager(model, continuous_batching_config=serve_config(), speculative_config=speculative) as m:
