@@ -181,7 +181,7 @@ def _schema_problem(kind: str, text: str) -> str | None:
 
 
 def _problem_of(schema: Any) -> str | None:
-    ignored = _unenforced_keyword(schema)
+    ignored = _left_out(schema) or _unenforced_keyword(schema)
     if ignored is not None:
         return f"{ignored}, which constrained decoding cannot enforce; leave it out (and check the output yourself)"
     return _slow_pattern(schema)
@@ -288,6 +288,109 @@ def _schemas(
 _NEVER_ENFORCED = frozenset({"not"})
 
 
+def _left_out(schema: Any) -> str | None:
+    """``'KEYWORD' at PATH (why)`` for the first keyword of ``schema`` (parsed) in a form
+    xgrammar's grammar is known to leave out, though the grammar it builds is written
+    differently without it (so :func:`_unenforced_keyword` cannot tell); None if none is.
+    Each was seen letting through outputs the schema forbids."""
+    nodes = list(_schemas(schema))
+    for path, node in nodes:
+        for key in _NEVER_ENFORCED.intersection(node):
+            return f"{key!r} at /{'/'.join(str(step) for step in path)}"
+    for path, node in nodes:
+        where = f"at /{'/'.join(str(step) for step in path)}"
+        types = _types(node)
+        multiple = node.get("multipleOf")
+        if multiple is not None and (types is None or "number" in types or not _is_integer(multiple)):
+            return f"'multipleOf' {where} (enforced only for integers, by an integer)"
+        all_of = node.get("allOf")
+        if isinstance(all_of, list) and len(all_of) > 1:
+            return f"'allOf' {where} (of more than one schema, the grammar takes any value)"
+        one_of = node.get("oneOf")
+        if isinstance(one_of, list) and len(one_of) > 1 and not _disjoint(one_of, schema):
+            return f"'oneOf' {where} (its schemas may overlap: the grammar takes any of them, not exactly one)"
+        required, properties = node.get("required"), node.get("properties")
+        if isinstance(required, list):
+            undefined = [name for name in required if not isinstance(properties, dict) or name not in properties]
+            if undefined:
+                return f"'required' {where} (its {undefined[0]!r}, which 'properties' does not define)"
+        bounded = [key for key in ("minLength", "maxLength") if key in node]
+        if bounded and ("pattern" in node or "format" in node):
+            return f"{bounded[0]!r} {where} (beside a 'pattern' or 'format')"
+    return None
+
+
+def _types(node: dict[str, Any]) -> frozenset[str] | None:
+    """The JSON types a schema's ``type`` allows (None: it does not say)."""
+    kind = node.get("type")
+    if isinstance(kind, str):
+        return frozenset({kind})
+    if isinstance(kind, list) and all(isinstance(k, str) for k in kind):
+        return frozenset(kind)
+    return None
+
+
+def _is_integer(value: Any) -> bool:
+    return isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+
+
+def _disjoint(branches: list[Any], root: Any) -> bool:
+    """Whether no instance can match two of ``branches`` (a ``oneOf``'s), as far as it is
+    easily shown: their types differ, or a property each requires takes values (``const``,
+    ``enum``) that no two share, as in a discriminated union (local ``$ref`` followed)."""
+    resolved = [_resolved(branch, root) for branch in branches]
+    if not all(isinstance(branch, dict) for branch in resolved):
+        return False
+    # (an integer is a number too)
+    types = [
+        None if kinds is None else kinds | {"number"} if "integer" in kinds else kinds
+        for kinds in map(_types, resolved)
+    ]
+    if _pairwise_disjoint(types):
+        return True
+    shared = set.intersection(*(set(branch.get("required") or ()) for branch in resolved))
+    return any(
+        _pairwise_disjoint(
+            [_values(_resolved((branch.get("properties") or {}).get(name), root)) for branch in resolved]
+        )
+        for name in shared
+    )
+
+
+def _pairwise_disjoint(sets: list[frozenset[str] | None]) -> bool:
+    """Whether every set is known (not None) and no two share a member."""
+    known = [s for s in sets if s is not None]
+    return len(known) == len(sets) and all(not (a & b) for i, a in enumerate(known) for b in known[i + 1 :])
+
+
+def _values(node: Any) -> frozenset[str] | None:
+    """The values a schema allows, as canonical JSON, when it lists them (``const``, ``enum``)."""
+    if not isinstance(node, dict):
+        return None
+    if "const" in node:
+        return frozenset({json.dumps(node["const"], sort_keys=True)})
+    if isinstance(node.get("enum"), list):
+        return frozenset(json.dumps(value, sort_keys=True) for value in node["enum"])
+    return None
+
+
+def _resolved(node: Any, root: Any) -> Any:
+    """``node``, or the schema its local ``$ref`` (``#/$defs/Name``) points to, followed a
+    few times at most (anything else: ``node`` itself)."""
+    for _ in range(8):
+        ref = node.get("$ref") if isinstance(node, dict) else None
+        if not isinstance(ref, str) or not ref.startswith("#/"):
+            return node
+        target = root
+        for step in ref[2:].split("/"):
+            step = step.replace("~1", "/").replace("~0", "~")
+            if not isinstance(target, dict) or step not in target:
+                return node
+            target = target[step]
+        node = target
+    return node
+
+
 def _unenforced_keyword(schema: Any) -> str | None:
     """``'KEYWORD' at PATH`` for the first constraining keyword of ``schema`` (parsed) that
     the grammar xgrammar builds leaves out (the grammar is the same without it); None if
@@ -303,9 +406,6 @@ def _unenforced_keyword(schema: Any) -> str | None:
         except Exception:  # (compiling reports it)
             return None
 
-    for path, key in found:
-        if key in _NEVER_ENFORCED:
-            return f"{key!r} at /{'/'.join(str(step) for step in path)}"
     whole = build(schema)
     if whole is None:
         return None

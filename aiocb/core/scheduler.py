@@ -750,6 +750,8 @@ class Scheduler:
             request.stop_reason = matched
             return FinishReason.STOP
         if completed:  # (its grammar allows nothing more: min_tokens then gives way)
+            if token in params.stop_token_ids:
+                request.stop_reason = token
             return FinishReason.STOP
         if num_output >= params.max_new_tokens:
             return FinishReason.LENGTH

@@ -376,6 +376,13 @@ async def test_a_long_constraint_compiles_in_a_lane_of_its_own(
         ),
         # (xgrammar writes this one's root rule otherwise than without it, but ignores it all the same)
         ("not", {"type": "string", "not": {"const": "a"}}),
+        # Forms of keywords it is known to leave out, whose grammar is written otherwise too:
+        ("multipleOf", {"type": "array", "items": {"type": "number", "multipleOf": 0.5}}),
+        ("multipleOf", {"type": "integer", "multipleOf": 2.5}),
+        ("allOf", {"allOf": [{"type": "integer"}, {"minimum": 5, "maximum": 9}]}),
+        ("oneOf", {"oneOf": [{"type": "integer", "maximum": 50}, {"type": "integer", "minimum": 10}]}),
+        ("required", {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "zz"]}),
+        ("maxLength", {"type": "string", "pattern": "[a-z]+", "maxLength": 3}),
     ],
 )
 async def test_a_schema_keyword_the_grammar_cannot_enforce_is_refused_by_name(
@@ -392,6 +399,46 @@ async def test_a_schema_keyword_the_grammar_cannot_enforce_is_refused_by_name(
         named = {"type": "object", "properties": {keyword: small}, "required": [keyword], "additionalProperties": False}
         output = await manager.generate("x", json_schema=named, max_new_tokens=40)
         assert isinstance(json.loads(output.text or "")[keyword], int)
+
+
+async def test_a_grammar_complete_under_min_tokens_ends_with_its_end_token_as_the_stop_reason(
+    bundled: tuple[Any, Any],
+) -> None:
+    model, tokenizer = bundled
+    async with aiocb.Manager(model, tokenizer=tokenizer) as manager:
+        plain = await manager.generate("x", choice=["yes", "no"], max_new_tokens=8, temperature=0)
+        held = await manager.generate("x", choice=["yes", "no"], max_new_tokens=8, temperature=0, min_tokens=8)
+    assert held.generated_tokens == plain.generated_tokens
+    assert held.stop_reason == plain.stop_reason == plain.generated_tokens[-1]
+
+
+async def test_unions_whose_schemas_cannot_overlap_are_served(bundled: tuple[Any, Any]) -> None:
+    """A ``oneOf`` is enforced as any of its schemas: exactly one, where no two can match
+    the same value (a pydantic discriminated union, schemas of different types), and so is
+    an ``allOf`` of one schema."""
+    from typing import Annotated, Literal
+
+    import pydantic
+
+    class Cat(pydantic.BaseModel):
+        kind: Literal["cat"]
+        lives: int = pydantic.Field(ge=0, le=9)
+
+    class Dog(pydantic.BaseModel):
+        kind: Literal["dog"]
+        good: bool
+
+    class Pet(pydantic.BaseModel):
+        pet: Annotated[Cat | Dog, pydantic.Field(discriminator="kind")]
+
+    model, tokenizer = bundled
+    typed = {"oneOf": [{"type": "integer", "minimum": 0, "maximum": 9}, {"type": "string", "maxLength": 3}]}
+    async with aiocb.Manager(model, tokenizer=tokenizer) as manager:
+        for schema in (Pet.model_json_schema(), typed, {"allOf": [typed]}):
+            outputs = await manager.generate_batch(["x"] * 4, json_schema=schema, max_new_tokens=NEW, seed=3)
+            for output in outputs.values():
+                if output.finish_reason is aiocb.FinishReason.STOP:
+                    jsonschema.validate(json.loads(output.text or ""), schema)
 
 
 @pytest.mark.parametrize(
