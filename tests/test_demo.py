@@ -54,6 +54,12 @@ def test_demo_output_is_plain_when_stdout_is_not_a_terminal(capsys: pytest.Captu
     assert _summary(out)["requests"] == 2
 
 
+def test_more_new_tokens_than_the_context_holds_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--plain", "--requests", "2", "--max-new-tokens", "3000"]) == 2
+    error = capsys.readouterr().err
+    assert "--max-new-tokens 3000 does not fit the model's context of 1024 tokens" in error, error
+
+
 def test_live_view_redraws_slots_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("NO_COLOR", raising=False)
     out = io.StringIO()

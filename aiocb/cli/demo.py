@@ -186,6 +186,16 @@ async def _demo(args: argparse.Namespace, out: TextIO, *, live: bool) -> int:
     except FileNotFoundError as exc:
         print(f"aiocb demo: {exc}", file=sys.stderr)
         return 1
+    jobs = _jobs(args)
+    prompt_tokens = max(len(tokenizer.encode(job.prompt)) for job in jobs)
+    context = model.config.max_position_embeddings
+    if prompt_tokens + args.max_new_tokens > context:
+        print(
+            f"aiocb demo: --max-new-tokens {args.max_new_tokens} does not fit the model's context of {context} "
+            f"tokens after the longest prompt ({prompt_tokens} tokens): at most {context - prompt_tokens}",
+            file=sys.stderr,
+        )
+        return 2
     name = Path(str(model.name_or_path)).name
     params = sum(p.numel() for p in model.parameters())
     out.write(
@@ -195,12 +205,10 @@ async def _demo(args: argparse.Namespace, out: TextIO, *, live: bool) -> int:
     )
     out.flush()
 
-    jobs = _jobs(args)
     # The cache only has to hold the requests in flight (twice over, for the scheduler's
     # safety margin); left to itself it would take a share of all free memory.
     page = 64
-    longest = max(len(tokenizer.encode(job.prompt)) for job in jobs) + args.max_new_tokens
-    longest = min(longest, model.config.max_position_embeddings)
+    longest = prompt_tokens + args.max_new_tokens
     config = aiocb.ContinuousBatchingConfig(
         page_size=page, num_blocks=2 * args.concurrency * (math.ceil(longest / page) + 1), seed=args.seed
     )

@@ -43,6 +43,10 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 #: The name the bundled model is served under when no MODEL is given.
 _DEFAULT_MODEL_NAME = "pycode-tiny"
 SHUTDOWN_MARGIN_S = 5.0
+#: The exit status of a server whose drain a second SIGINT cut short (0: drained).
+FORCED_EXIT = 1
+#: The most intra-op threads ``--torch-threads`` may ask torch for (100,000 crashed it).
+MAX_TORCH_THREADS = 1024
 #: Defaults of the flags that configure uvicorn (which --replicas does not run).
 UVICORN_DEFAULTS: dict[str, Any] = {
     "loop": "auto",
@@ -278,7 +282,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return serve_with_workers(args, config)
     try:
         manager, tokenizer = load_manager(args, config)
-    except ModelLoadError as exc:
+    except (ModelLoadError, InvalidConfigError) as exc:  # (the latter: a draft model that would not load)
         print(f"aiocb serve: {exc}", file=sys.stderr)
         return 2
     name = served_model_name(args)
@@ -292,9 +296,10 @@ def run_serve(args: argparse.Namespace) -> int:
         **chat_parsers(args),
     )
     loop = event_loop_name(args)
-    logger.info("serving %s on http://%s:%d (event loop: %s)", name, args.host, args.port, loop)
-    DrainingServer(uvicorn_config(app, args, loop), app, args.shutdown_timeout).run()
-    return 0
+    logger.info("serving %s (event loop: %s)", name, loop)
+    server = DrainingServer(uvicorn_config(app, args, loop), app, args.shutdown_timeout)
+    server.run()
+    return FORCED_EXIT if server.force_exit else 0
 
 
 def flag_problems(args: argparse.Namespace) -> list[str]:
@@ -310,7 +315,8 @@ def flag_problems(args: argparse.Namespace) -> list[str]:
         ("--max-header-bytes", args.max_header_bytes, args.max_header_bytes >= 1024, "1024 or more"),
     ]
     if args.torch_threads is not None:
-        checks.append(("--torch-threads", args.torch_threads, args.torch_threads >= 1, "1 or more"))
+        fine = 1 <= args.torch_threads <= MAX_TORCH_THREADS
+        checks.append(("--torch-threads", args.torch_threads, fine, f"1 to {MAX_TORCH_THREADS}"))
     for flag, value, fine, wanted in checks:
         if not fine or (isinstance(value, float) and not math.isfinite(value)):
             problems.append(f"{flag} must be {wanted}, got {value}")
@@ -320,13 +326,27 @@ def flag_problems(args: argparse.Namespace) -> list[str]:
             "always say (the logprobs field, false when left out)"
         )
     if args.device != "auto":
-        import torch
-
-        try:
-            torch.device(args.device)
-        except (RuntimeError, ValueError):
-            problems.append(f"--device must be auto, cpu, cuda or cuda:N (a torch device), got {args.device!r}")
+        problems += _device_problems(args.device)
     return problems
+
+
+def _device_problems(name: str) -> list[str]:
+    """Why ``--device NAME`` cannot run here (empty: it can)."""
+    import torch
+
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        return [f"--device must be auto, cpu, cuda or cuda:N, got {name!r}"]
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            return [f"--device {name}: this machine has no CUDA device (torch {torch.__version__})"]
+        if device.index is not None and device.index >= count:
+            return [f"--device {name}: this machine has {count} CUDA device(s), numbered from 0"]
+    return []
 
 
 class ModelLoadError(Exception):
@@ -414,7 +434,8 @@ def uvicorn_config(app: Any, args: argparse.Namespace, loop: str) -> Any:
         http=http_protocol(args.header_timeout, args.max_header_bytes),
         log_level=args.log_level,
         access_log=False,  # aiocb.access logs each request with its id, tokens and latency
-        limit_concurrency=args.max_connections,
+        # (uvicorn counts the connection asking among the open ones: N + 1 serves N)
+        limit_concurrency=args.max_connections + 1,
         timeout_keep_alive=args.timeout_keep_alive,
         h11_max_incomplete_event_size=args.max_header_bytes,
         # The drain aborts what is left at --shutdown-timeout; the margin lets those
@@ -437,7 +458,17 @@ def load_model(args: argparse.Namespace) -> tuple[Any, Any]:
         )
     except (OSError, ValueError, RuntimeError, ImportError) as exc:
         what = args.model if args.model is not None else "the bundled model"
-        raise ModelLoadError(f"cannot load {what} (or its tokenizer) on {args.device}: {exc}") from exc
+        if args.model is not None and args.model.startswith(("/", ".", "~")) and not os.path.exists(args.model):
+            raise ModelLoadError(f"cannot load {what}: no such directory") from exc
+        device = args.device if args.device != "auto" else "cuda" if _cuda_available() else "cpu"
+        raise ModelLoadError(f"cannot load {what} (or its tokenizer) on {device}: {exc}") from exc
+
+
+def _cuda_available() -> bool:
+    """Whether torch sees a CUDA device (what ``--device auto`` picks then)."""
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def load_pretrained(

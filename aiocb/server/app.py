@@ -138,11 +138,24 @@ def build_app(
 
 
 def resolve_tool_parser(name: str | None, chat_template: Any) -> type[ToolCallParser] | None:
-    """The tool-call parser ``name`` stands for (``"auto"``: detected from ``chat_template``)."""
+    """The tool-call parser ``name`` stands for (``"auto"``: detected from ``chat_template``,
+    or from a tokenizer's named templates, the one transformers renders tools with first)."""
     if name is None:
         return None
     if name == "auto":
-        return detect_parser(chat_template if isinstance(chat_template, str) else None)
+        templates = [chat_template]
+        if isinstance(chat_template, dict):
+            templates = [chat_template.get("tool_use"), chat_template.get("default"), *chat_template.values()]
+        for template in templates:
+            detected = detect_parser(template) if isinstance(template, str) else None
+            if detected is not None:
+                return detected
+        logger.info(
+            "no tool-call format found in the chat template: requests with tools are refused "
+            "(--tool-call-parser names one: %s)",
+            ", ".join(PARSERS),
+        )
+        return None
     parser = PARSERS.get(name)
     if parser is None:
         raise ValueError(f"unknown tool-call parser {name!r}; known: auto, {', '.join(PARSERS)}")

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import importlib.util
 import json
+import logging
 import signal
 import socket
 import types
@@ -30,6 +31,8 @@ from starlette.applications import Starlette
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from aiocb.server.app import begin_drain
+
+logger = logging.getLogger(__name__)
 
 
 class _HeaderBounds:
@@ -148,9 +151,15 @@ class DrainingServer(uvicorn.Server):
         self._drain: asyncio.Task[None] | None = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        """Remember the loop (for the signal handler), then start as uvicorn does."""
+        """Remember the loop (for the signal handler), start as uvicorn does, then say
+        where it listens (the port it was given, or with port 0 the one it took)."""
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
+        for server in self.servers:
+            for bound in server.sockets:
+                address = bound.getsockname()
+                if isinstance(address, tuple):
+                    logger.info("listening on http://%s:%d", address[0], address[1])
 
     def handle_exit(self, sig: int, frame: types.FrameType | None) -> None:
         """The signal handler: begin the drain and uvicorn's shutdown; a second ``SIGINT`` forces it.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import signal
@@ -14,9 +15,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 import aiocb
 from aiocb.cli.serve import (
+    FORCED_EXIT,
     add_serve_arguments,
     chat_parsers,
     config_flags,
@@ -24,6 +27,7 @@ from aiocb.cli.serve import (
     limits_from_args,
     load_model,
     run_serve,
+    uvicorn_config,
 )
 from aiocb.server.limits import ServerLimits
 
@@ -190,8 +194,10 @@ def test_limit_flags() -> None:
         ("--shutdown-timeout", "-1"),
         ("--shutdown-timeout", "nan"),
         ("--torch-threads", "-1"),
+        ("--torch-threads", "100000"),
         ("--api-workers", "-2"),
         ("--device", "bogus"),
+        ("--device", "meta"),  # (a torch device, on which no model runs)
         ("--return-logprobs", None),  # (a server's requests always say)
     ],
 )
@@ -202,13 +208,33 @@ def test_server_flags_out_of_range_are_refused_by_name(
     assert flag in capsys.readouterr().err
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
+def test_cuda_on_a_machine_without_it_is_refused_before_anything_loads(capsys: pytest.CaptureFixture[str]) -> None:
+    for device in ("cuda", "cuda:1"):
+        assert run_serve(parse("--device", device)) == 2
+        assert f"--device {device}: this machine has no CUDA device" in capsys.readouterr().err
+
+
+def test_max_connections_serves_that_many() -> None:
+    """uvicorn counts the connection asking among the open ones: it is given one more."""
+    assert uvicorn_config(None, parse("--max-connections", "1"), "asyncio").limit_concurrency == 2  # type: ignore[arg-type]
+
+
+def test_a_draft_model_that_does_not_load_is_a_clean_error(capsys: pytest.CaptureFixture[str]) -> None:
+    args = parse("--port", str(_free_port()), "--speculative-config", '{"method": "draft", "draft_model": "/nowhere"}')
+    args.model = None  # (the bundled model loads; its draft does not)
+    assert run_serve(args) == 2
+    error = capsys.readouterr().err
+    assert "\naiocb serve: draft_model '/nowhere' could not be loaded" in f"\n{error}", error
+
+
 def test_a_model_that_does_not_load_is_a_clean_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     for flags in ([], ["--api-workers", "1"]):
         args = parse(*flags, "--port", str(_free_port()))
         args.model = str(tmp_path / "nothing here")
         assert run_serve(args) == 2
         error = capsys.readouterr().err
-        assert error.startswith("aiocb serve: cannot load") and "nothing here" in error
+        assert error.startswith("aiocb serve: cannot load") and "nothing here: no such directory" in error
 
 
 def test_api_workers_on_a_port_in_use_fail_before_the_model_loads(capsys: pytest.CaptureFixture[str]) -> None:
@@ -265,8 +291,37 @@ def test_sigterm_drains(tmp_path: Path) -> None:
             process.wait()
     output = (tmp_path / "server.log").read_text()
     assert "draining" in output
+    assert f"listening on http://127.0.0.1:{port}" in output
     assert f'"POST /v1/completions" 200 request_id={request_id}' in output
     assert "completion_tokens=200" in output
+
+
+def test_a_drain_cut_short_exits_with_a_status_that_says_so(tmp_path: Path) -> None:
+    """SIGTERM drains; a SIGINT then forces the exit, which a supervisor must tell from a
+    drained server's 0."""
+    port = _free_port()
+    command = [sys.executable, "-m", "aiocb.cli.serve", "--port", str(port), "--shutdown-timeout", "60"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    with (tmp_path / "server.log").open("w") as log:
+        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(url, process, tmp_path / "server.log")
+        body = {"prompt": "def main():", "max_tokens": 800, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as stream:
+            lines = stream.iter_lines()
+            assert next(lines).startswith("data: {")
+            process.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+            process.send_signal(signal.SIGINT)
+            with contextlib.suppress(httpx.HTTPError):
+                for _ in lines:
+                    pass
+        assert process.wait(timeout=60) == FORCED_EXIT
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
 
 
 def _wait_ready(url: str, process: subprocess.Popen[str], log: Path) -> None:

@@ -222,6 +222,17 @@ def test_stream_deltas_reassemble_to_the_message() -> None:
     assert only_calls.message()["reasoning_content"] is None
 
 
+def test_auto_detects_the_parser_of_a_tokenizers_named_tool_use_template() -> None:
+    """transformers renders a request's tools with a tokenizer's ``tool_use`` template."""
+    from aiocb.server.app import resolve_tool_parser
+
+    named = {"default": "{{ messages }}", "tool_use": "{{ '<tool_call>' }}"}
+    assert resolve_tool_parser("auto", named) is HermesParser
+    assert resolve_tool_parser("auto", {"default": "[TOOL_CALLS] {{ tools }}"}) is MistralParser
+    assert resolve_tool_parser("auto", {"default": "{{ messages }}"}) is None
+    assert resolve_tool_parser("auto", None) is None
+
+
 def test_detect_parser() -> None:
     assert detect_parser("{{ '<tool_call>' }}") is HermesParser
     assert detect_parser("[TOOL_CALLS] {{ tools }}") is MistralParser
