@@ -10,13 +10,14 @@ consumer is told, with an error where it must raise one.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections import deque
 from collections.abc import Callable, Sequence
 
 from aiocb.core.request import Request
 from aiocb.engine.step_loop import StepLoop
 from aiocb.engine.stream import Consumer, RequestHandle, fresh_error
-from aiocb.engine.turns import Waker
+from aiocb.engine.turns import Waker, each_in_turns
 from aiocb.errors import EngineDeadError, InvalidRequestError, RequestAbortedError
 from aiocb.outputs import FinishReason, GenerationOutput, RequestStatus
 
@@ -128,6 +129,7 @@ class OutputRouter:
             handle.error = raises
         if forget:
             self._handles.pop(request.request_id, None)
+            handle.notify()  # (another task waiting on it: it finds the request ended)
         elif queue:
             self.deliver(handle)
         else:
@@ -168,11 +170,21 @@ class OutputRouter:
 
     def abort_all(self, reason: str) -> None:
         """End every live request as aborted; awaiters and streams raise RequestAbortedError."""
-        error = RequestAbortedError(reason)
+        abort = functools.partial(self._abort, error=RequestAbortedError(reason))
         for handle in list(self._handles.values()):
-            if not handle.request.is_finished:
-                raises = error if handle.consumer is not Consumer.RESULTS else None
-                self.end(handle, FinishReason.ABORTED, status=RequestStatus.FAILED, error=reason, raises=raises)
+            abort(handle)
+
+    async def abort_all_in_turns(self, reason: str) -> None:
+        """:meth:`abort_all`, giving the loop back whenever a slice of it is used (a hard stop
+        with 4,096 requests live held it 18 ms in one pass)."""
+        abort = functools.partial(self._abort, error=RequestAbortedError(reason))
+        await each_in_turns(list(self._handles.values()), abort)
+
+    def _abort(self, handle: RequestHandle, *, error: RequestAbortedError) -> None:
+        if not handle.request.is_finished:
+            raises = error if handle.consumer is not Consumer.RESULTS else None
+            reason = str(error)
+            self.end(handle, FinishReason.ABORTED, status=RequestStatus.FAILED, error=reason, raises=raises)
 
     def fail_all(self, error: EngineDeadError, cause: BaseException) -> None:
         """The engine died: every consumer, of a finished request too, raises ``error``

@@ -191,3 +191,22 @@ async def test_a_request_made_while_the_manager_is_destroyed_is_refused(qwen3: P
     await manager.destroy()
     with pytest.raises(aiocb.ManagerClosedError):
         await asyncio.wait_for(making, 10)
+
+
+async def test_room_given_to_a_caller_that_then_fails_to_queue_goes_to_the_next(qwen3: PreTrainedModel) -> None:
+    """Two callers waiting for room with one request id: the second is refused when its turn
+    comes (the id is taken, its request finished but unread), and the room it was given goes
+    on to the caller after it, with no step left to hand it on (the engine idle)."""
+    prompts = random_prompts(4, 4, 4, seed=4)
+    config = aiocb.ContinuousBatchingConfig(page_size=16, num_blocks=64, max_queue_size=1)
+    async with aiocb.Manager(qwen3, continuous_batching_config=config) as manager:
+        await manager.add_request(prompts[0], max_new_tokens=1)  # (the queue is full)
+        first = asyncio.create_task(manager.add_request(prompts[1], request_id="x", max_new_tokens=1))
+        same = asyncio.create_task(manager.add_request(prompts[2], request_id="x", max_new_tokens=1))
+        other = asyncio.create_task(manager.add_request(prompts[3], max_new_tokens=1))
+        assert await asyncio.wait_for(first, 10) == "x"
+        with pytest.raises(aiocb.InvalidRequestError, match="already in use"):
+            await asyncio.wait_for(same, 10)
+        rid = await asyncio.wait_for(other, 10)
+        output = await asyncio.wait_for(manager.get_result(rid), 10)
+        assert output is not None and output.generated_tokens == reference_generate(qwen3, prompts[3], 1)

@@ -247,3 +247,34 @@ async def test_cancel_request_ends_only_samples_of_that_request(qwen3: PreTraine
         for rid in (other, stranger):
             result = await manager.get_result(rid, timeout=30)
             assert result is not None and result.finish_reason is aiocb.FinishReason.LENGTH
+
+
+async def test_a_stream_closed_by_another_task_wakes_the_task_reading_it(qwen3: PreTrainedModel) -> None:
+    """A client-disconnect handler closing the stream a reader waits on, a second reader of
+    one stream cancelled, a stream that took the request a get_result waits on closed: each
+    waiting task wakes (with the cancelled output, or an error naming the stream) rather
+    than waiting for ever; no block stays taken."""
+    prompt = random_prompts(1, 6, 6, seed=9)[0]
+    async with aiocb.Manager(qwen3) as manager:
+        rid = await manager.add_request(prompt, max_new_tokens=10_000 // 10, ignore_eos=True)
+        stream = manager.stream(rid)
+
+        async def read() -> list[aiocb.GenerationOutput]:
+            return [output async for output in stream]
+
+        reader = asyncio.create_task(read())
+        await asyncio.sleep(0.05)
+        await stream.aclose()
+        outputs = await asyncio.wait_for(reader, 5)
+        assert not outputs or outputs[-1].finish_reason is aiocb.FinishReason.CANCELLED
+
+        rid = await manager.add_request(prompt, max_new_tokens=1000, ignore_eos=True)
+        waiting = asyncio.create_task(manager.get_result(rid))
+        await asyncio.sleep(0.05)
+        claimed = manager.stream(rid)
+        await claimed.aclose()
+        with pytest.raises(aiocb.InvalidRequestError, match="consumed by a stream"):
+            await asyncio.wait_for(waiting, 5)
+        await asyncio.sleep(0.05)
+        stats = manager.statistics()
+        assert stats.free_blocks == stats.total_blocks

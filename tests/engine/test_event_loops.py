@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 
 import anyio
@@ -71,3 +72,23 @@ def test_use_from_another_loop_raises_instead_of_hanging(qwen3: PreTrainedModel)
         asyncio.run_coroutine_threadsafe(manager.destroy(), loop).result(10)
         thread.join(10)
         loop.close()
+
+
+def test_an_anyio_cancel_scope_around_a_manager_still_destroys_it(qwen3: PreTrainedModel) -> None:
+    """anyio cancels again at every await of the exit's stop: the destroy still follows it."""
+    from aiocb.engine.manager import _State
+
+    async def run() -> object:
+        manager = aiocb.Manager(qwen3)
+        with anyio.move_on_after(0.3):
+            async with manager, anyio.create_task_group() as group:
+                for seed in range(4):
+                    prompt = random_prompts(1, 6, 6, seed=seed)[0]
+                    group.start_soon(functools.partial(manager.generate, prompt, max_new_tokens=1000))
+        for _ in range(200):
+            if manager._state is _State.DESTROYED:
+                break
+            await anyio.sleep(0.01)
+        return manager._state
+
+    assert anyio.run(run, backend="asyncio") is _State.DESTROYED

@@ -547,3 +547,32 @@ async def test_managers_holding_one_config_keep_its_attention_until_the_last_sto
         assert first.config._attn_implementation == "eager"
         for manager in managers:
             await manager.destroy()
+
+
+@pytest.mark.parametrize("ending", ["stop", "destroy"])
+async def test_a_batch_made_while_the_manager_stops_is_refused_naming_the_stop(
+    qwen3: PreTrainedModel, monkeypatch: pytest.MonkeyPatch, ending: str
+) -> None:
+    """Controls over thousands of ids are merged off the loop; a stop or destroy that lands
+    meanwhile refuses the batch as a stopped manager does (the session's layout is gone)."""
+    from aiocb.engine.requests import RequestFactory
+
+    merged = RequestFactory.merged
+    merging = threading.Event()
+
+    def slow(self: RequestFactory, *args: object, **kwargs: object) -> object:
+        merging.set()
+        threading.Event().wait(0.3)
+        return merged(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(RequestFactory, "merged", slow)
+    allowed = [token for token in range(1, 101) for _ in range(50)]  # (5,000 ids: merged on a worker thread)
+    manager = aiocb.Manager(qwen3)
+    async with manager:
+        batch = asyncio.create_task(
+            manager.generate_batch(random_prompts(3, 4, 6), max_new_tokens=2, allowed_token_ids=allowed)
+        )
+        await asyncio.to_thread(merging.wait, 10)
+        await (manager.stop() if ending == "stop" else manager.destroy())
+        with pytest.raises(aiocb.ManagerClosedError):
+            await batch

@@ -814,3 +814,29 @@ def test_a_start_after_a_build_abandoned_with_its_loop_waits_for_that_build(monk
         assert model.config._attn_implementation == original
     finally:
         asyncio.run(manager.destroy())
+
+
+async def test_a_hard_stop_ends_its_requests_a_slice_of_the_loop_at_a_time(
+    qwen3: PreTrainedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # (4,096 live requests ended in one pass held the loop 18 ms)
+    from aiocb.engine.router import OutputRouter
+
+    monkeypatch.setattr("aiocb.engine.turns.SLICE", 0.0)  # give the loop back after every request
+    other = LoopTurns()
+    ended_at: list[int] = []
+    end = OutputRouter.end
+
+    def recorded_end(self: OutputRouter, *args: Any, **kwargs: Any) -> None:
+        ended_at.append(other.turns)
+        end(self, *args, **kwargs)
+
+    async with aiocb.Manager(qwen3) as manager:
+        for prompt in random_prompts(40, 4, 8, seed=2):
+            manager.add_request_nowait(prompt, max_new_tokens=1000, ignore_eos=True)
+        await asyncio.sleep(0.05)
+        monkeypatch.setattr(OutputRouter, "end", recorded_end)
+        async with other:
+            await manager.stop(hard_stop=True)
+    assert len(ended_at) == 40
+    assert other.gave_back(ended_at) >= 35, "the loop was not given back between requests"
