@@ -341,20 +341,31 @@ def _disjoint(branches: list[Any], root: Any) -> bool:
     resolved = [_resolved(branch, root) for branch in branches]
     if not all(isinstance(branch, dict) for branch in resolved):
         return False
-    # (an integer is a number too)
-    types = [
-        None if kinds is None else kinds | {"number"} if "integer" in kinds else kinds
-        for kinds in map(_types, resolved)
-    ]
-    if _pairwise_disjoint(types):
+    return all(_apart(a, b, root) for i, a in enumerate(resolved) for b in resolved[i + 1 :])
+
+
+def _apart(a: dict[str, Any], b: dict[str, Any], root: Any) -> bool:
+    """Whether no instance matches both schemas, as far as it is easily shown: their types
+    differ (an integer is a number too), their own values (``const``, ``enum``) do, a
+    property both require takes values that differ, or one requires a property the other
+    cannot have (not among its ``properties``, where no others are allowed: xgrammar's strict
+    mode leaves them out unless ``additionalProperties`` or ``patternProperties`` say)."""
+    kinds = [_types(a), _types(b)]
+    widened = [k | {"number"} if k is not None and "integer" in k else k for k in kinds]
+    if _pairwise_disjoint(widened) or _pairwise_disjoint([_values(a), _values(b)]):
         return True
-    shared = set.intersection(*(set(branch.get("required") or ()) for branch in resolved))
-    return any(
-        _pairwise_disjoint(
-            [_values(_resolved((branch.get("properties") or {}).get(name), root)) for branch in resolved]
-        )
-        for name in shared
-    )
+    named = [a.get("properties") or {}, b.get("properties") or {}]
+    for name in set(a.get("required") or ()) & set(b.get("required") or ()):
+        if _pairwise_disjoint([_values(_resolved(properties.get(name), root)) for properties in named]):
+            return True
+    return _excludes(a, b) or _excludes(b, a)
+
+
+def _excludes(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether ``a`` requires a property that ``b`` cannot have."""
+    closed = b.get("additionalProperties", False) is False and not b.get("patternProperties")
+    defined = b.get("properties") or {}
+    return closed and isinstance(defined, dict) and any(name not in defined for name in a.get("required") or ())
 
 
 def _pairwise_disjoint(sets: list[frozenset[str] | None]) -> bool:

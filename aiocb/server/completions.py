@@ -16,7 +16,7 @@ from aiocb.detokenize import IncrementalDetokenizer
 from aiocb.engine.turns import LoopTurn, release
 from aiocb.sampling import check_truncation, truncated_prompt
 from aiocb.server import sse
-from aiocb.server.bodies import Chain, array_items
+from aiocb.server.bodies import Chain, Uneven, array_items
 from aiocb.server.context import INLINE_BODY_BYTES, ServerContext, finite
 from aiocb.server.edge import AccessRecord
 from aiocb.server.limits import parse_json
@@ -214,7 +214,7 @@ class Completion:
         finally:
             await self.submission.aclose()
         # (a comprehension's variables go with it: nothing here holds a choice after the release)
-        body_choices = [await self._body_choice(index, choice, turn) for index, choice in enumerate(choices)]
+        body_choices = Uneven([await self._body_choice(index, choice, turn) for index, choice in enumerate(choices)])
         completion_tokens = sum(c.num_generated for c in choices)
         await release(choices)  # (what the body was made of: freed a slice of the loop at a time)
         return {**self._header(), "choices": body_choices, "usage": self._usage(completion_tokens)}

@@ -431,10 +431,22 @@ async def test_unions_whose_schemas_cannot_overlap_are_served(bundled: tuple[Any
     class Pet(pydantic.BaseModel):
         pet: Annotated[Cat | Dog, pydantic.Field(discriminator="kind")]
 
+    class Bird(pydantic.BaseModel):
+        kind: Literal["bird"] = "bird"  # (a tag with a default: not required)
+        wings: int = pydantic.Field(ge=0, le=4)
+
+    class Fish(pydantic.BaseModel):
+        kind: Literal["fish"] = "fish"
+        fins: int = pydantic.Field(ge=0, le=9)
+
+    class Tagged(pydantic.BaseModel):
+        pet: Annotated[Bird | Fish, pydantic.Field(discriminator="kind")]
+
     model, tokenizer = bundled
     typed = {"oneOf": [{"type": "integer", "minimum": 0, "maximum": 9}, {"type": "string", "maxLength": 3}]}
+    units = {"oneOf": [{"const": "celsius", "description": "C"}, {"const": "fahrenheit"}, {"enum": ["kelvin", 0]}]}
     async with aiocb.Manager(model, tokenizer=tokenizer) as manager:
-        for schema in (Pet.model_json_schema(), typed, {"allOf": [typed]}):
+        for schema in (Pet.model_json_schema(), Tagged.model_json_schema(), typed, units, {"allOf": [typed]}):
             outputs = await manager.generate_batch(["x"] * 4, json_schema=schema, max_new_tokens=NEW, seed=3)
             for output in outputs.values():
                 if output.finish_reason is aiocb.FinishReason.STOP:

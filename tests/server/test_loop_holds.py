@@ -27,7 +27,7 @@ from starlette.responses import JSONResponse
 
 import aiocb
 from aiocb.server import bodies, build_app, chat, completions, limits, serving
-from aiocb.server.bodies import Chain, Lazy, encode
+from aiocb.server.bodies import Chain, Lazy, Uneven, encode
 from aiocb.server.limits import ServerLimits, parse_json
 from aiocb.server.protocol import APIError
 from tests.conftest import LoopTurns
@@ -258,12 +258,12 @@ def test_bodies_are_written_as_a_json_response_renders_them(monkeypatch: pytest.
         asyncio.run(encode({"a": [float("nan")] * 300}))
 
 
-def test_a_short_array_of_small_then_large_elements_writes_each_as_its_size_says(
+def test_an_uneven_array_of_small_then_large_elements_writes_each_as_its_size_says(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A completion's choices: some stopped at their first token, the next ones long with
-    their alternatives. None of the long ones is written in a batch sized by the short ones
-    (which wrote ten of them in one call: 113 ms of the loop)."""
+    """A completion's choices (:class:`Uneven`): some stopped at their first token, the next
+    ones long with their alternatives. None of the long ones is written in a batch sized by
+    the short ones (which wrote ten of them in one call: 113 ms of the loop)."""
     calls: list[int] = []
     dumps = bodies._dumps
 
@@ -276,7 +276,7 @@ def test_a_short_array_of_small_then_large_elements_writes_each_as_its_size_says
     short = {"text": "a", "logprobs": {"tokens": ["a"], "top_logprobs": [{"a": -0.1}]}}
     long = {"text": "b" * 1000, "logprobs": {"tokens": ["b"] * 1000, "top_logprobs": [{"b": -0.1, "c": -2.0}] * 1000}}
     choices = [short] * 18 + [long] * 10
-    written = b"".join(asyncio.run(encode({"choices": choices})))
+    written = b"".join(asyncio.run(encode({"choices": Uneven(choices)})))
     assert json.loads(written) == {"choices": choices}
     assert max(calls) < 2 * len(dumps(long["logprobs"]["top_logprobs"])), "two long choices written in one call"
 
