@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -261,16 +262,28 @@ def test_without_a_model_the_bundled_one_is_loaded() -> None:
     assert len(tokenizer) == model.config.vocab_size == 4096
 
 
-def test_sigterm_drains(tmp_path: Path) -> None:
-    """The bundled model by default; SIGTERM lets a running stream finish, then exits 0."""
+@contextlib.contextmanager
+def _serving(log: Path, *flags: str) -> Iterator[tuple[subprocess.Popen[str], str, int]]:
+    """``aiocb serve`` (the bundled model) in a process of its own, ready: the process, its
+    URL and port; killed on the way out if it has not exited."""
     port = _free_port()
-    command = [sys.executable, "-m", "aiocb.cli.serve", "--port", str(port), "--shutdown-timeout", "30"]
+    command = [sys.executable, "-m", "aiocb.cli.serve", "--port", str(port), *flags]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
-    with (tmp_path / "server.log").open("w") as log:
-        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    with log.open("w") as out:
+        process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_ready(url, process, tmp_path / "server.log")
+        _wait_ready(url, process, log)
+        yield process, url, port
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_sigterm_drains(tmp_path: Path) -> None:
+    """The bundled model by default; SIGTERM lets a running stream finish, then exits 0."""
+    with _serving(tmp_path / "server.log", "--shutdown-timeout", "30") as (process, url, port):
         assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "pycode-tiny"
         body = {"prompt": "def main():", "max_tokens": 200, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as stream:
@@ -285,10 +298,6 @@ def test_sigterm_drains(tmp_path: Path) -> None:
         with pytest.raises(httpx.TransportError):  # no longer accepting connections
             httpx.get(f"{url}/health", timeout=2)
         assert process.wait(timeout=60) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
     output = (tmp_path / "server.log").read_text()
     assert "draining" in output
     assert f"listening on http://127.0.0.1:{port}" in output
@@ -299,14 +308,7 @@ def test_sigterm_drains(tmp_path: Path) -> None:
 def test_a_drain_cut_short_exits_with_a_status_that_says_so(tmp_path: Path) -> None:
     """SIGTERM drains; a SIGINT then forces the exit, which a supervisor must tell from a
     drained server's 0."""
-    port = _free_port()
-    command = [sys.executable, "-m", "aiocb.cli.serve", "--port", str(port), "--shutdown-timeout", "60"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
-    with (tmp_path / "server.log").open("w") as log:
-        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_ready(url, process, tmp_path / "server.log")
+    with _serving(tmp_path / "server.log", "--shutdown-timeout", "60") as (process, url, _):
         body = {"prompt": "def main():", "max_tokens": 800, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as stream:
             lines = stream.iter_lines()
@@ -318,10 +320,6 @@ def test_a_drain_cut_short_exits_with_a_status_that_says_so(tmp_path: Path) -> N
                 for _ in lines:
                     pass
         assert process.wait(timeout=60) == FORCED_EXIT
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
 
 
 def _wait_ready(url: str, process: subprocess.Popen[str], log: Path) -> None:
