@@ -335,9 +335,8 @@ def _is_integer(value: Any) -> bool:
 
 
 def _disjoint(branches: list[Any], root: Any) -> bool:
-    """Whether no instance can match two of ``branches`` (a ``oneOf``'s), as far as it is
-    easily shown: their types differ, or a property each requires takes values (``const``,
-    ``enum``) that no two share, as in a discriminated union (local ``$ref`` followed)."""
+    """Whether no instance can match two of ``branches`` (a ``oneOf``'s), as :func:`_apart`
+    shows it for each two (local ``$ref`` followed)."""
     resolved = [_resolved(branch, root) for branch in branches]
     if not all(isinstance(branch, dict) for branch in resolved):
         return False
@@ -349,11 +348,14 @@ def _apart(a: dict[str, Any], b: dict[str, Any], root: Any) -> bool:
     differ (an integer is a number too), their own values (``const``, ``enum``) do, a
     property both require takes values that differ, or one requires a property the other
     cannot have (not among its ``properties``, where no others are allowed: xgrammar's strict
-    mode leaves them out unless ``additionalProperties`` or ``patternProperties`` say)."""
+    mode leaves them out unless ``additionalProperties`` or ``patternProperties`` say). The
+    last two only where one takes objects alone: ``required`` says nothing of any other value."""
     kinds = [_types(a), _types(b)]
     widened = [k | {"number"} if k is not None and "integer" in k else k for k in kinds]
     if _pairwise_disjoint(widened) or _pairwise_disjoint([_values(a), _values(b)]):
         return True
+    if _OBJECTS not in kinds:
+        return False
     named = [a.get("properties") or {}, b.get("properties") or {}]
     for name in set(a.get("required") or ()) & set(b.get("required") or ()):
         if _pairwise_disjoint([_values(_resolved(properties.get(name), root)) for properties in named]):
@@ -361,8 +363,12 @@ def _apart(a: dict[str, Any], b: dict[str, Any], root: Any) -> bool:
     return _excludes(a, b) or _excludes(b, a)
 
 
+#: The ``type`` of a schema of objects alone.
+_OBJECTS = frozenset({"object"})
+
+
 def _excludes(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """Whether ``a`` requires a property that ``b`` cannot have."""
+    """Whether ``a`` requires a property that ``b`` cannot have (of an object)."""
     closed = b.get("additionalProperties", False) is False and not b.get("patternProperties")
     defined = b.get("properties") or {}
     return closed and isinstance(defined, dict) and any(name not in defined for name in a.get("required") or ())
