@@ -119,7 +119,10 @@ class ServerMetrics:
             registry=self.registry,
         ).labels(*self._values)
         self.generation_tokens = Counter(
-            "aiocb_generation_tokens", "Generated tokens returned to clients.", labels, registry=self.registry
+            "aiocb_generation_tokens",
+            "Generated tokens of the responses' choices, as they come (none past a stop string).",
+            labels,
+            registry=self.registry,
         ).labels(*self._values)
         self._finished = Counter(
             "aiocb_request_success",
