@@ -216,13 +216,7 @@ class ServerContext:
         """All of ``text``'s token ids, however many (``/tokenize``): a long text's from the
         tokenizer process, whose answer becomes a list a slice at a time (thread-safe; a
         400 naming ``param`` when the text is not Unicode)."""
-        try:
-            tokenized = encode_kept(
-                text, self.tokenizer, self._processes, add_special_tokens=add_special_tokens, keep=None, limit=None
-            )
-        except (TypeError, ValueError) as exc:  # (UnicodeError is a ValueError)
-            raise _untokenizable(param, param, exc) from None
-        return tokenized.ids
+        return self._encoded(text, add_special_tokens, param, None, keep=None, limit=None).ids
 
     def encode_prompt(
         self, text: str, *, add_special_tokens: bool, param: str, where: str | None = None, keep: int | None = None
@@ -236,17 +230,24 @@ class ServerContext:
         large bodies).
         """
         limit = self.max_model_len
-        try:
-            tokenized = encode_kept(
-                text, self.tokenizer, self._processes, add_special_tokens=add_special_tokens, keep=keep, limit=limit
-            )
-        except (TypeError, ValueError) as exc:  # (UnicodeError is a ValueError)
-            raise _untokenizable(where or param, param, exc) from None
+        tokenized = self._encoded(text, add_special_tokens, param, where, keep=keep, limit=limit)
         if keep is None and limit is not None and tokenized.total > limit:
             raise bad_request(
                 f"{where or param} has {tokenized.total} tokens, more than the model's context of {limit}", param
             )
         return tokenized
+
+    def _encoded(
+        self, text: str, add_special_tokens: bool, param: str, where: str | None, *, keep: int | None, limit: int | None
+    ) -> Tokenized:
+        """:func:`encode_kept` with this server's tokenizer and its process; a 400 naming
+        ``where`` (or ``param``) when the text is not one the tokenizer takes."""
+        try:
+            return encode_kept(
+                text, self.tokenizer, self._processes, add_special_tokens=add_special_tokens, keep=keep, limit=limit
+            )
+        except (TypeError, ValueError) as exc:  # (UnicodeError is a ValueError)
+            raise _untokenizable(where or param, param, exc) from None
 
     def with_bad_words(self, sampling: SamplingRequest) -> SamplingRequest:
         """``sampling`` with its ``bad_words`` as token sequences (``bad_words_ids``), made

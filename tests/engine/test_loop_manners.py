@@ -164,14 +164,7 @@ async def test_a_request_with_many_samples_is_forked_a_slice_at_a_time(
     # n = 1,024 samples take milliseconds to make: an awaited add spreads them out.
     monkeypatch.setattr("aiocb.engine.turns.SLICE", 0.0)  # give the loop back after every sample
     other = LoopTurns()
-    forked_at: list[int] = []
-    with_seed = ResolvedParams.with_seed
-
-    def recorded_with_seed(self: ResolvedParams, seed: int) -> ResolvedParams:
-        forked_at.append(other.turns)
-        return with_seed(self, seed)
-
-    monkeypatch.setattr(ResolvedParams, "with_seed", recorded_with_seed)
+    forked_at = _turns_at_calls(monkeypatch, ResolvedParams, "with_seed", other)
     async with aiocb.Manager(qwen3) as manager, other:
         samples = await manager.generate(PROMPTS[0], max_new_tokens=2, n=40, do_sample=True, seed=5)
     assert len(samples) == 40 and len(forked_at) == 39
@@ -824,19 +817,25 @@ async def test_a_hard_stop_ends_its_requests_a_slice_of_the_loop_at_a_time(
 
     monkeypatch.setattr("aiocb.engine.turns.SLICE", 0.0)  # give the loop back after every request
     other = LoopTurns()
-    ended_at: list[int] = []
-    end = OutputRouter.end
-
-    def recorded_end(self: OutputRouter, *args: Any, **kwargs: Any) -> None:
-        ended_at.append(other.turns)
-        end(self, *args, **kwargs)
-
     async with aiocb.Manager(qwen3) as manager:
         for prompt in random_prompts(40, 4, 8, seed=2):
             manager.add_request_nowait(prompt, max_new_tokens=1000, ignore_eos=True)
         await asyncio.sleep(0.05)
-        monkeypatch.setattr(OutputRouter, "end", recorded_end)
+        ended_at = _turns_at_calls(monkeypatch, OutputRouter, "end", other)
         async with other:
             await manager.stop(hard_stop=True)
     assert len(ended_at) == 40
     assert other.gave_back(ended_at) >= 35, "the loop was not given back between requests"
+
+
+def _turns_at_calls(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str, turns: LoopTurns) -> list[int]:
+    """The count of ``turns`` at each call of ``owner.name`` from now on (the call goes on as before)."""
+    marks: list[int] = []
+    original = getattr(owner, name)
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        marks.append(turns.turns)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, recorded)
+    return marks
