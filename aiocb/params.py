@@ -94,7 +94,13 @@ class SamplingParams:
     )
     seed: int | None = field(
         default=None,
-        metadata=_doc("the request's own random stream (an int in [-2**63, 2**64)): same seed, same samples", "random"),
+        metadata=_doc(
+            (
+                "the request's own random stream (an int in [-2**63, 2**64)): same seed, same samples;"
+                " with `n`, sample i draws from `seed + i`'s (as vLLM's do)"
+            ),
+            "random",
+        ),
     )
     repetition_penalty: float | None = field(
         default=None,

@@ -121,12 +121,15 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     Meant for the logits after temperature, top-k and top-p, as in transformers: a token
     whose probability is below ``min_p * (the row's top probability)`` becomes -inf.
     ``min_p [S]`` (float32) is 0 for rows without it, whose logits come out bitwise
-    unchanged since no probability is below 0.
+    unchanged (``log(0)`` is -inf, which every difference passes).
 
-    transformers also forces the top token back in; with ``min_p`` in ``[0, 1]`` (which the
-    caller validates) that is a no-op, as the rounded product ``min_p * top`` never exceeds
-    ``top``, so the most likely token is kept without it.
+    The test is the ratio's log, ``logit - top logit < log(min_p)``: the form the draw
+    kernels use (they never make the probabilities), so that a row drawn here and one
+    drawn by a kernel keep the same tokens, and processed log-probabilities never call a
+    drawn token impossible. transformers compares the softmax's probabilities, whose
+    rounding differs from it only for a token within a float32 step of the cutoff. Its
+    forcing the top token back in is a no-op here: with ``min_p`` in ``[0, 1]`` (which the
+    caller validates) the top token's difference, 0, passes.
     """
-    probs = logits.softmax(dim=-1)
-    threshold = min_p[:, None] * probs.amax(dim=-1, keepdim=True)
-    return logits.masked_fill(probs < threshold, float("-inf"))
+    below = logits - logits.amax(dim=-1, keepdim=True) < min_p.log()[:, None]
+    return logits.masked_fill(below, float("-inf"))

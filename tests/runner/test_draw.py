@@ -195,3 +195,24 @@ def test_the_nucleus_stops_where_the_mass_before_a_token_reaches_top_p() -> None
         else:
             picks = draw_full(logits, seeds, offset, None, top_p, None)
         assert set(picks.tolist()) == {0, 1}, way
+
+
+@pytest.mark.parametrize("min_p", [0.05, 0.1, 0.2, 0.37])
+def test_a_token_at_the_min_p_cutoff_is_kept_alike_by_every_path(min_p: float) -> None:
+    """A token a float32 step either side of ``log(min_p)`` below the top: the candidates'
+    draw, the full draw and :func:`apply_min_p` (processed log-probabilities) agree on it."""
+    from aiocb.runner.logits_controls import apply_min_p
+
+    rows, vocab = 400, 64
+    cutoff = torch.tensor(min_p).log()
+    seeds, offset, ones = torch.arange(rows), torch.zeros(rows, dtype=torch.long), torch.ones(rows)
+    top_k, top_p, min_ps = torch.full((rows,), 10), torch.ones(rows), torch.full((rows,), min_p)
+    for edge in (torch.nextafter(cutoff, torch.tensor(-1.0)), cutoff, torch.nextafter(cutoff, torch.tensor(0.0))):
+        logits = -30.0 - 0.01 * torch.arange(vocab, dtype=torch.float32)
+        logits[0], logits[1] = 0.0, edge
+        kept = bool(apply_min_p(logits[None, :], torch.tensor([min_p]))[0, 1].isfinite())
+        assert kept == bool(edge >= cutoff)
+        grid = logits.expand(rows, vocab).contiguous()
+        drawn = draw(grid, ones, seeds, offset, top_k, top_p, min_ps)
+        assert bool((drawn == 1).any()) == kept, "the candidates' draw"
+        assert bool((draw_full(grid, seeds, offset, top_k, top_p, min_ps) == 1).any()) == kept, "the full draw"
