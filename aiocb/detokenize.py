@@ -1,8 +1,9 @@
 """Text from a growing list of token ids, and stop strings found in it.
 
 :class:`IncrementalDetokenizer` turns each new token into the text it adds. A token that
-ends inside a multi-byte character (byte-level BPE splits UTF-8 freely) adds nothing until
-the character is complete, so a delta never carries half a character or a stray U+FFFD.
+ends inside a multi-byte character (byte-level BPE splits UTF-8 freely) adds the
+characters before it, and that one once it is complete, so a delta never carries half a
+character or a stray U+FFFD.
 With a fast (``tokenizers``) tokenizer it is the library's own ``DecodeStream``, one call
 into Rust per token; with any other tokenizer it decodes a small window of recent tokens
 (the same "offsets" method), so the cost of a token never grows with the output.
@@ -105,7 +106,9 @@ class IncrementalDetokenizer:
     decoded again with each new one, so at most a few are: bytes that can no longer make a
     character come out as U+FFFD at once, not at the end (in a byte-fallback run that is
     not valid, characters the run's later bytes make may then come out as themselves,
-    where the decoder gives the whole run as U+FFFD).
+    where the decoder gives the whole run as U+FFFD). A held token's text before its
+    incomplete last character (byte-level BPE: ``"a"`` and the first byte of ``"ñ"``) is
+    released with it, not with the token that completes the character.
     """
 
     def __init__(self, tokenizer: Any, context_ids: Sequence[int] = (), *, skip_special_tokens: bool = True) -> None:
@@ -119,11 +122,39 @@ class IncrementalDetokenizer:
         self._ids: list[int] = context
         self._prefix_offset = 0
         self._read_offset = len(context)
+        #: the text of held tokens released ahead of them (see :meth:`add`)
+        self._ahead = ""
         #: characters of text emitted so far (not counting the context)
         self.num_chars = 0
 
     def add(self, token_id: int) -> str:
         """Append one token; returns the text it completes (often all of its own text, maybe "")."""
+        text = self._less_ahead(self._add(token_id))
+        if self._read_offset < len(self._ids) and not self._byte_tokens():
+            # Tokens held: the characters they complete before the incomplete last one are
+            # released ahead of them (a stop string in them then ends in the token that
+            # gave them). A byte-level decoder decodes UTF-8, invalid bytes as U+FFFD: the
+            # characters before an incomplete one never change. A byte-fallback decoder's
+            # may (a run of bytes that is not valid becomes U+FFFD, all of it).
+            held = self._decode(self._prefix_offset, len(self._ids)).rstrip(_REPLACEMENT)
+            prefix = self._decode(self._prefix_offset, self._read_offset)
+            if held.startswith(prefix) and len(held) > len(prefix) + len(self._ahead):
+                early = held[len(prefix) + len(self._ahead) :]
+                self._ahead += early
+                self.num_chars += len(early)
+                text += early
+        return text
+
+    def _less_ahead(self, text: str) -> str:
+        """``text``, released for held tokens, less what was released ahead of them."""
+        if not self._ahead:
+            return text
+        ahead, self._ahead = self._ahead, self._ahead[len(text) :]
+        self.num_chars -= min(len(text), len(ahead))  # (counted once, when released ahead)
+        return text[len(ahead) :]
+
+    def _add(self, token_id: int) -> str:
+        """:meth:`add` without the text released ahead."""
         self._ids.append(token_id)
         if self._stream is not None:
             try:
@@ -232,6 +263,10 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """The text of tokens still held (an incomplete character at the very end), as it decodes."""
+        return self._less_ahead(self._flush())
+
+    def _flush(self) -> str:
+        """:meth:`flush` without the text released ahead."""
         if self._read_offset == len(self._ids):
             return ""
         prefix = self._decode(self._prefix_offset, self._read_offset)
@@ -412,11 +447,18 @@ class TextTracker:
             self._parts[:] = ["".join(self._parts)]
         return self._parts[0] if self._parts else ""
 
-    def add(self, token_id: int, num_output_tokens: int) -> str | None:
-        """Add the ``num_output_tokens``-th generated token; returns the stop string it completes, if any."""
+    def add(self, token_id: int, num_output_tokens: int, *, last: bool = False) -> str | None:
+        """Add the ``num_output_tokens``-th generated token; returns the stop string it
+        completes, if any. ``last``: the token ends the output (a stop token whose text is
+        kept), which a stop string in its text does not take from it: the text held and
+        its own are released whole."""
         if self.matched is not None:
             return None
         piece = self._detokenizer.add(token_id)
+        if last:
+            piece += self._detokenizer.flush()
+            self._parts.append(piece if self._matcher is None else self._matcher.flush() + piece)
+            return None
         self._release(piece, num_output_tokens)
         if self._config_stop and self.matched is None:
             self._watch(piece if self._special_text is None else self._special_text.add(token_id))

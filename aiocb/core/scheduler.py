@@ -738,7 +738,7 @@ class Scheduler:
         stops = num_output > params.min_tokens and token in params.stop_token_ids
         # The text of a stop token is left out, as a stop string is (unless kept).
         keeps_text = not stops or params.include_stop_str_in_output
-        matched = request.text.add(token, num_output) if request.text is not None and keeps_text else None
+        matched = request.text.add(token, num_output, last=stops) if request.text is not None and keeps_text else None
         completed = request.grammar is not None and request.grammar.accept(token)
         if completed and request.grammar is not None and request.grammar.rejected:
             request.error = _CONSTRAINT_CONFLICT

@@ -365,12 +365,15 @@ def _add_tokens(
 ) -> None:
     logprobs = output.logprobs
     top = output.top_logprobs
-    # The text of the stop token that ended the output is left out, as a stop string is.
-    last = len(output.generated_tokens) - 1 if _ended_by_token(output) and not include_stop_str else -1
+    # The text of the stop token that ended the output is left out, as a stop string is;
+    # or kept whole, with the text held, a stop string in it not ending the output first.
+    last = len(output.generated_tokens) - 1 if _ended_by_token(output) else -1
     for position, token_id in enumerate(new, start=start):
         delta.text_offsets.append(detokenizer.num_chars)
         if position != last:
             delta.text += stopper.feed(detokenizer.add(token_id), position + 1)
+        elif include_stop_str:
+            delta.text += stopper.flush() + detokenizer.add(token_id) + detokenizer.flush()
         delta.token_ids.append(token_id)
         if logprobs is not None and position < len(logprobs):
             delta.logprobs.append(logprobs[position])

@@ -918,7 +918,7 @@ class _NoText:
     text = ""
     matched = None
 
-    def add(self, token_id: int, num_output_tokens: int) -> str | None:
+    def add(self, token_id: int, num_output_tokens: int, *, last: bool = False) -> str | None:
         return None
 
     def finish(self) -> None:

@@ -201,6 +201,34 @@ async def test_a_stop_string_completed_by_the_text_held_to_the_end(
     assert output.generated_tokens == plain[index][:end]
 
 
+async def test_a_stop_string_before_a_tokens_incomplete_character_ends_in_that_token(
+    model: PreTrainedModel, tokenizer: Any, plain: list[list[int]]
+) -> None:
+    """A token whose text ends inside a character (byte-level BPE) gives the characters
+    before it at once: a stop string among them ends the request at that token, which is
+    also where ``min_tokens`` counts it."""
+    index, end = next(
+        (i, e)
+        for i, tokens in enumerate(plain)
+        for e in range(1, NEW - 1)
+        if (text := tokenizer.decode(tokens[: e + 1])).endswith("\ufffd")
+        and len(text.rstrip("\ufffd")) > len(tokenizer.decode(tokens[:e]).rstrip("\ufffd"))
+    )
+    tokens, text = plain[index], tokenizer.decode(plain[index])
+    complete = tokenizer.decode(tokens[: end + 1]).rstrip("\ufffd")
+    stop = next(complete[-size:] for size in range(1, len(complete)) if text.count(complete[-size:]) == 1)
+    async with aiocb.Manager(model, tokenizer=tokenizer) as manager:
+        stopped = await manager.generate(PROMPTS[index], max_new_tokens=NEW, ignore_eos=True, stop=stop)
+        counted = await manager.generate(PROMPTS[index], max_new_tokens=NEW, ignore_eos=True, stop=stop, min_tokens=end)
+        held = await manager.generate(
+            PROMPTS[index], max_new_tokens=NEW, ignore_eos=True, stop=stop, min_tokens=end + 1
+        )
+    for output in (stopped, counted):
+        assert output.generated_tokens == tokens[: end + 1]
+        assert (output.stop_reason, output.text) == (stop, complete[: -len(stop)])
+    assert held.finish_reason == "length" and held.generated_tokens == tokens and held.text == text
+
+
 async def test_min_tokens_holds_back_stop_strings(
     model: PreTrainedModel, tokenizer: Any, plain: list[list[int]]
 ) -> None:
@@ -295,6 +323,28 @@ async def test_the_stop_token_that_ended_a_request_is_left_out_of_its_text(
     assert output.generated_tokens == tokens[: at + 1]
     assert output.stop_reason == tokens[at]
     assert output.text == tokenizer.decode(tokens[: at + 1] if keep else tokens[:at])
+
+
+async def test_a_stop_string_within_the_kept_text_of_the_stop_token_does_not_end_it_first(
+    model: PreTrainedModel, tokenizer: Any, plain: list[list[int]]
+) -> None:
+    """The stop token ended the request: its text is kept whole, and it is the stop reason,
+    though a stop string ends inside that text."""
+    tokens = plain[5]
+
+    def fits(i: int) -> bool:
+        piece = tokenizer.decode(tokens[i : i + 1])
+        return len(piece) > 1 and tokens[i] not in tokens[:i] and piece[:-1] not in tokenizer.decode(tokens[:i])
+
+    at = next(i for i in range(2, NEW) if fits(i))
+    stop = tokenizer.decode(tokens[at : at + 1])[:-1]
+    async with aiocb.Manager(model, tokenizer=tokenizer) as manager:
+        output = await manager.generate(
+            PROMPTS[5], max_new_tokens=NEW, stop_token_ids=[tokens[at]], stop=stop, include_stop_str_in_output=True
+        )
+    assert output.generated_tokens == tokens[: at + 1]
+    assert (output.finish_reason, output.stop_reason) == ("stop", tokens[at])
+    assert output.text == tokenizer.decode(tokens[: at + 1])
 
 
 async def test_bad_words_are_banned_as_vllm_tokenizes_them(

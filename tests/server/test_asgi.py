@@ -133,6 +133,47 @@ async def test_stop_strings_are_trimmed_and_free_the_request(
     assert stats.free_blocks == stats.total_blocks
 
 
+async def test_a_kept_stop_tokens_text_is_whole_though_a_stop_string_ends_in_it(
+    model: PreTrainedModel, tokenizer: Any
+) -> None:
+    ids = tokenizer.encode(PROMPT)
+    async with aiocb.Manager(model, continuous_batching_config=serve_config()) as manager:
+        reference = (await greedy(manager, ids, 30)).generated_tokens
+
+        def fits(i: int) -> bool:
+            piece = tokenizer.decode(reference[i : i + 1])
+            return (
+                len(piece) > 1
+                and reference[i] not in reference[:i]
+                and piece[:-1] not in tokenizer.decode(reference[:i])
+            )
+
+        at = next(i for i in range(2, 30) if fits(i))
+        stop = tokenizer.decode(reference[at : at + 1])[:-1]
+        app = build_app(manager, tokenizer, MODEL_NAME)
+        body = {
+            "prompt": PROMPT,
+            "max_tokens": 30,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stop_token_ids": [reference[at]],
+            "stop": [stop],
+            "include_stop_str_in_output": True,
+        }
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+            data = (await http.post("/v1/completions", json=body)).json()
+            streamed = (await http.post("/v1/completions", json={**body, "stream": True})).text
+    (choice,) = data["choices"]
+    assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == (
+        tokenizer.decode(reference[: at + 1]),
+        "stop",
+        reference[at],
+    )
+    chunks = [e["choices"][0] for e in sse_events(streamed) if e != "[DONE]" and e["choices"]]
+    assert "".join(c["text"] for c in chunks) == choice["text"]
+    assert chunks[-1]["stop_reason"] == reference[at]
+
+
 async def test_stop_token_ids_and_ignore_eos(model: PreTrainedModel, tokenizer: Any) -> None:
     ids = tokenizer.encode(PROMPT)
     async with aiocb.Manager(model, continuous_batching_config=serve_config()) as plain:
