@@ -81,8 +81,6 @@ def typecheck(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Run the CPU benchmarks (pass a script name to run one)."""
+    """Run a CPU benchmark: the script and its arguments (default ``bench/throughput.py``)."""
     _install(session, "test")
-    scripts = session.posargs or ["bench/throughput.py"]
-    for script in scripts:
-        session.run("python", script)
+    session.run("python", *(session.posargs or ["bench/throughput.py"]))

@@ -1187,7 +1187,7 @@ def report(results: dict[str, Any]) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="tiny model on the CPU (plumbing check)")
     parser.add_argument("--skip-tests", action="store_true", help="leave out the pytest phase")
     parser.add_argument("--phases", help="comma-separated phases to run (all by default)")

@@ -94,7 +94,7 @@ def run_transformers(prompts: list[list[int]], new: int) -> dict[str, Any]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--prefix", type=int, default=1000)

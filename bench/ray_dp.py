@@ -112,7 +112,7 @@ async def prefix_hits(concurrency: int = 16) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--threads", type=int, default=2, help="torch threads in all (split between replicas)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()

@@ -507,7 +507,7 @@ def table(report: Report) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--clients", type=int, default=500, help="concurrent streaming clients (default 500)")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per request (default 32)")
     parser.add_argument("--prompt-words", type=int, default=48, help="longest prompt, in words (default 48)")

@@ -1006,7 +1006,7 @@ def server_command(args: argparse.Namespace, port: int, env: dict[str, str]) -> 
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--minutes", type=float, default=30.0, help="minutes of traffic (default 30)")
     parser.add_argument("--concurrency", type=int, default=32, help="concurrent clients (default 32)")
     parser.add_argument("--model", default=None, help="model to serve (default: the bundled pycode-tiny)")

@@ -45,6 +45,19 @@ async def main() -> None:
         again = await manager.generate("def __init__(", sampling_params=controlled)
         print(f"--- no 'self': {first.text!r} (same again: {first.text == again.text})")
 
+    # A queue of background work (eight requests a step, here), then an urgent request (a
+    # lower priority runs first): admitted before the ones still queued, it is answered
+    # while they wait.
+    config = aiocb.ContinuousBatchingConfig(max_requests_per_batch=8)
+    async with Manager(model, tokenizer=tokenizer, continuous_batching_config=config) as manager:
+        background = [
+            asyncio.ensure_future(manager.generate(f"# task {i}\n", max_new_tokens=32, priority=1)) for i in range(64)
+        ]
+        await asyncio.sleep(0)  # (the background requests are queued first)
+        await manager.generate("def main():", max_new_tokens=8, priority=-1)
+        print(f"--- urgent request answered with {sum(t.done() for t in background)} of 64 background ones done")
+        await asyncio.gather(*background)
+
 
 if __name__ == "__main__":
     asyncio.run(main())

@@ -4,6 +4,7 @@ Starts a local Ray instance, runs ``aiocb.ray_serve.build_app`` with two replica
 Ray Serve's HTTP proxy, then sends chat requests of three "tenants" (each with its own long
 system prompt) through the official ``openai`` client: every tenant's requests land on
 one replica, which computes the system prompt once and reads it from its cache after.
+Needs `pip install 'aiocb[ray]' openai`.
 """
 
 from __future__ import annotations

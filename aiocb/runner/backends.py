@@ -79,7 +79,7 @@ def _paged_backend(
     device: torch.device, config: ContinuousBatchingConfig, page_size: int, dtype: torch.dtype, head_dim: int
 ) -> str:
     if config.max_blocks_per_request == 0:
-        return Backend.REFERENCE  # the seed's switch for the in-place (decode fast path) kernels
+        return Backend.REFERENCE  # transformers' switch for the in-place (decode fast path) kernels
     forced = os.environ.get("AIOCB_ATTENTION_BACKEND")
     if forced:
         return forced  # unchecked, so backends are typed str: an unknown name fails at the first forward
