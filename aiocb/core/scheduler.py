@@ -370,8 +370,10 @@ class Scheduler:
         # While a request waits that could be admitted, running prompts' chunks take at
         # most half the step's tokens: one long prompt must not hold back the short ones
         # queued behind it for its whole prefill (vLLM's long_prefill_token_threshold does
-        # the like). The step's size is the same: the other half admits them.
-        prefill_room = budget // 2 if self._admission_waits(budget // 2) else budget
+        # the like). The step's size is the same: the other half admits them. (At least
+        # one token: the admission foreseen may not come, its prefix hits taking the free
+        # blocks it was counted on, and a step must not plan nothing.)
+        prefill_room = max(budget // 2, 1) if self._admission_waits(budget // 2) else budget
         # Most rows of most steps only decode: a short loop plans those, and the general one
         # below the rest (or everything, when a decoding row needs more than its next token).
         rest = None

@@ -1151,3 +1151,32 @@ def test_proposals_of_rows_planned_earlier_give_way_before_a_later_row_is_preemp
     roomy.update(roomy.schedule(), StepResult([5, 50]), 1.0)
     output = roomy.schedule()
     assert output.preempted == [] and [item.drafts for item in output.scheduled] == [[6, 7, 8, 5], None]
+
+
+def test_a_running_prefill_goes_on_when_the_admission_foreseen_does_not_come() -> None:
+    """A one-token budget: the waiting request seems to fit (its prefix hits, cached free
+    blocks, counted as room), so the running prompt's chunk takes half the budget; the hits
+    then take those blocks and it is not admitted: the running prompt still gets its token
+    (with none, every step was empty)."""
+    kv = KVCacheManager([CacheGroup((0,), 3)], 2, enable_prefix_caching=True)
+    scheduler = Scheduler(kv, max_batch_tokens=1, max_requests_per_batch=4, safety_margin=0.0)
+
+    def step() -> SchedulerOutput:
+        out = scheduler.schedule()
+        scheduler.update(out, StepResult([7] * out.num_sampled), 0.0)
+        return out
+
+    scheduler.add(Request("F", [1, 2, 3, 4, 5], ResolvedParams(max_new_tokens=1), 0.0))
+    while scheduler.has_work:
+        step()
+    running = Request("A", [11, 12, 13, 14, 15], ResolvedParams(max_new_tokens=1), 0.0)
+    scheduler.add(running)
+    step()
+    scheduler.add(Request("W", [1, 2, 3, 4, 9], ResolvedParams(max_new_tokens=1), 0.0))
+    for computed in range(2, 5):
+        out = step()
+        assert [(row.request.request_id, row.num_tokens) for row in out.scheduled] == [("A", 1)]
+        assert running.num_computed_tokens == computed
+    while scheduler.has_work:
+        assert not step().is_empty
+    assert kv.num_free_blocks == 3
