@@ -22,7 +22,7 @@ from aiocb.server.context import ServerContext, finite
 from aiocb.server.edge import AccessRecord
 from aiocb.server.limits import parse_json
 from aiocb.server.protocol import ChatCompletionRequest, bad_request, error_from_exception, parse_chat_request
-from aiocb.server.reasoning import ReasoningSplitter, after_thinking, prompt_opens_thinking
+from aiocb.server.reasoning import REASONING_FIELDS, ReasoningSplitter, after_thinking, prompt_opens_thinking
 from aiocb.server.serving import (
     ChoiceDelta,
     ChoiceSpec,
@@ -86,10 +86,15 @@ def prepare_chat(ctx: ServerContext, body: bytes) -> PreparedChat:
     check_truncation(keep, ctx.max_model_len)
     if keep is None:  # (else cut once tokenized; the body's size bounds the work)
         ctx.check_prompt_chars(text, "messages")
-    continued = (
-        request.messages[-1].get("content") if request.chat_template_kwargs.get("continue_final_message") else None
+    # The message continued (``continue_final_message``): its content, or the field named
+    # (one of transformers' reasoning fields: the prompt then ends inside the thinking).
+    continues = request.chat_template_kwargs.get("continue_final_message")
+    field = continues if isinstance(continues, str) else "content"
+    continued = request.messages[-1].get(field) if continues else None
+    opens_thinking = ctx.reasoning and (
+        (bool(continues) and field in REASONING_FIELDS)
+        or prompt_opens_thinking(text, continued if isinstance(continued, str) else None)
     )
-    opens_thinking = ctx.reasoning and prompt_opens_thinking(text, continued if isinstance(continued, str) else None)
     constraint: dict[str, Any] = {}
     if tools is not None and tools.enforced:
         assert parser is not None
@@ -157,7 +162,7 @@ class ChatCompletion:
                     logprobs=request.logprobs,
                     top_logprobs=request.top_logprobs,
                     prompt_logprobs=False,
-                    score_only=max_tokens == 0,
+                    score_only=False,  # (a chat asks for a token at least)
                 )
                 | prepared.constraint,
                 stop=sampling.stop,

@@ -351,8 +351,8 @@ class ServerContext:
 
 
 #: ``apply_chat_template``'s own arguments that a request may not set through
-#: ``chat_template_kwargs`` (``documents`` and ``continue_final_message`` it may: they are
-#: what a template reads).
+#: ``chat_template_kwargs`` (``documents`` and ``continue_final_message`` it may: what a
+#: template reads, and how the call renders the last message).
 _TEMPLATE_CALL_ARGUMENTS = frozenset(
     {
         "conversation",
@@ -378,9 +378,10 @@ _OWN_FIELDS = {"tools": "give tools as 'tools'", "add_generation_prompt": "give 
 
 
 def _template_variables(template: Any) -> frozenset[str] | None:
-    """The variables a chat template reads, and ``documents`` and ``continue_final_message``
-    (which the template call takes); None when that cannot be told (no template, several
-    named ones, a template transformers' Jinja setup does not parse)."""
+    """The variables a chat template reads (``documents`` among them where it reads them),
+    and ``continue_final_message`` (which the template call takes); None when that cannot
+    be told (no template, several named ones, a template transformers' Jinja setup does
+    not parse)."""
     if not isinstance(template, str):
         return None
     try:
@@ -391,7 +392,7 @@ def _template_variables(template: Any) -> frozenset[str] | None:
         variables = jinja2.meta.find_undeclared_variables(environment.parse(template))
     except Exception:  # (a private helper of transformers: any failure means "cannot tell")
         return None
-    return frozenset(variables) | {"documents", "continue_final_message"}
+    return frozenset(variables) | {"continue_final_message"}
 
 
 def finite(logprob: float) -> float:

@@ -227,7 +227,7 @@ def parse_completion_request(body: Any) -> CompletionRequest:
     _refuse_unsupported(body)
     return CompletionRequest(
         prompts=prompts,
-        sampling=_sampling(body, max_tokens_keys=("max_tokens",)),
+        sampling=_sampling(body, max_tokens_keys=("max_tokens",), least_max_tokens=0),
         logprobs=logprobs,
         echo=_bool(body, "echo", False),
     )
@@ -246,7 +246,7 @@ def parse_chat_request(body: Any) -> ChatCompletionRequest:
     _refuse_unsupported(body)
     return ChatCompletionRequest(
         messages=messages,
-        sampling=_sampling(body, max_tokens_keys=("max_completion_tokens", "max_tokens")),
+        sampling=_sampling(body, max_tokens_keys=("max_completion_tokens", "max_tokens"), least_max_tokens=1),
         logprobs=logprobs,
         top_logprobs=top_logprobs or 0,
         add_generation_prompt=_bool(body, "add_generation_prompt", True),
@@ -288,12 +288,14 @@ def parse_detokenize_request(body: Any) -> DetokenizeRequest:
 # --------------------------------------------------------------------------- fields
 
 
-def _sampling(body: Mapping[str, Any], *, max_tokens_keys: tuple[str, ...]) -> SamplingRequest:
+def _sampling(body: Mapping[str, Any], *, max_tokens_keys: tuple[str, ...], least_max_tokens: int) -> SamplingRequest:
+    """The sampling fields of a body; ``least_max_tokens``: 0 where no new token scores the
+    prompt (completions), 1 where nothing would (chat, as vLLM's)."""
     max_tokens_field = _max_tokens_field(body, max_tokens_keys)
     top_k = _opt_int(body, "top_k", minimum=-1)
     stream = _bool(body, "stream", False)
     constraint, constraint_field = _structure(body)
-    max_tokens = _opt_int(body, max_tokens_field, minimum=0)
+    max_tokens = _opt_int(body, max_tokens_field, minimum=least_max_tokens)
     min_tokens = _opt_int(body, "min_tokens", minimum=0) or 0
     if max_tokens is not None and min_tokens > max_tokens:  # (0 scores the prompt: the engine sees 1)
         raise bad_request(f"min_tokens ({min_tokens}) is more than {max_tokens_field} ({max_tokens})", "min_tokens")

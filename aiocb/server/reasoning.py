@@ -17,12 +17,14 @@ from aiocb.structured import answer_format
 
 OPEN = "<think>"
 CLOSE = "</think>"
+#: the message fields a template renders as a ``<think>`` block (transformers' names)
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
 def prompt_opens_thinking(prompt: str, continued: str | None = None) -> bool:
     """Whether the rendered prompt ends inside a ``<think>`` block: the template opened it
-    (the prompt ends with it), or ``continued``, the assistant message the prompt ends with
-    (``continue_final_message``), did. A ``<think>`` anywhere else, in a user's message
+    (the prompt ends with it), or ``continued``, the assistant message's content the prompt
+    ends with (``continue_final_message``), did. A ``<think>`` anywhere else, in a user's message
     say, opens nothing."""
     if prompt.rstrip().endswith(OPEN):
         return True

@@ -54,8 +54,9 @@ async def test_chat_template_kwargs_cannot_replace_the_template_or_do_nothing(
         error = assert_error(await client.post(CHAT, json=chat(chat_template_kwargs={key: value})), 400)
         assert error["param"] == "chat_template_kwargs" and repr(key) in error["message"]
     # The test template reads no variable of its own: any other key would change nothing.
-    error = assert_error(await client.post(CHAT, json=chat(chat_template_kwargs={"enable_thinking": False})), 400)
-    assert "does not use" in error["message"] and "'enable_thinking'" in error["message"]
+    for key, value in (("enable_thinking", False), ("documents", [{"title": "t", "text": "x"}])):
+        error = assert_error(await client.post(CHAT, json=chat(chat_template_kwargs={key: value})), 400)
+        assert "does not use" in error["message"] and repr(key) in error["message"]
     await still_serves(client, manager)
 
     thinking = copy.deepcopy(tokenizer)

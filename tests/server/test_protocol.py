@@ -173,6 +173,16 @@ def test_max_tokens_beside_max_completion_tokens_is_refused() -> None:
     assert parse_chat_request(body).sampling.max_tokens == 4
 
 
+def test_a_chat_asks_for_one_new_token_at_least() -> None:
+    """As vLLM's: a chat has no prompt to score (completions' ``max_tokens: 0`` with echo)."""
+    messages = [{"role": "user", "content": "x"}]
+    for field in ("max_tokens", "max_completion_tokens"):
+        with pytest.raises(APIError, match=field) as caught:
+            parse_chat_request({"messages": messages, field: 0})
+        assert (caught.value.status, caught.value.param) == (400, field)
+    assert parse_completion_request({"prompt": "x", "max_tokens": 0}).sampling.max_tokens == 0
+
+
 @pytest.mark.parametrize("key", ["\u00b2", "--5", "\u0663", "-5", "+5", " 5", "5\n", "1_0", ""])
 def test_logit_bias_keys_are_ascii_decimal_token_ids(key: str) -> None:
     with pytest.raises(APIError, match="logit_bias") as caught:

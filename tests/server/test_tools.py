@@ -5,6 +5,7 @@ refusals."""
 
 from __future__ import annotations
 
+import copy
 import json
 import threading
 from collections.abc import AsyncIterator
@@ -478,6 +479,35 @@ async def test_reasoning_content(manager: aiocb.Manager, tokenizer: Any) -> None
     async with await _client(manager, tokenizer) as http:  # no parser: the thoughts stay in the content
         message = (await _chat(http, **fields))["choices"][0]["message"]
         assert "reasoning_content" not in message
+
+
+async def test_continuing_an_assistant_messages_reasoning_goes_on_inside_the_thinking(
+    manager: aiocb.Manager, tokenizer: Any
+) -> None:
+    """``continue_final_message`` naming a reasoning field: the prompt ends inside the
+    ``<think>`` block the template renders, so the output up to ``</think>`` is reasoning."""
+    reasoning = copy.deepcopy(tokenizer)
+    reasoning.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.reasoning_content %}<think>\n"
+        "{{ m.reasoning_content }}\n</think>\n\n{% endif %}{{ m.content }}<|im_end|>\n{% endfor %}"
+    )
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "reasoning_content": "Let me", "content": ""}]
+    end_think = str(tokenizer.convert_tokens_to_ids("</think>"))
+    fields = {
+        "tools": None,
+        "messages": messages,
+        "add_generation_prompt": False,
+        "chat_template_kwargs": {"continue_final_message": "reasoning_content"},
+        "max_tokens": 12,
+        "min_tokens": 6,
+        "logit_bias": {end_think: 8},
+    }
+    async with await _client(manager, reasoning, reasoning_parser="qwen3") as http:
+        keys = ("messages", "add_generation_prompt", "chat_template_kwargs")
+        prompt = (await http.post("/tokenize", json={key: fields[key] for key in keys})).json()
+        assert tokenizer.decode(prompt["tokens"]).endswith("<think>\nLet me")
+        message = (await _chat(http, **fields))["choices"][0]["message"]
+    assert message["reasoning_content"] and "</think>" not in message["reasoning_content"], message
 
 
 @pytest.mark.parametrize("parser", ["hermes", "mistral"])
