@@ -23,7 +23,11 @@ Rank 0 talks to the others over a CPU (gloo) process group. ``cpu_group_timeout`
 the :class:`~aiocb.ContinuousBatchingConfig`) bounds every wait on another rank: when a
 rank dies or hangs, the others fail with :class:`~aiocb.DistributedError` (on rank 0,
 every pending request gets :class:`~aiocb.EngineDeadError` caused by it) instead of
-waiting forever. Restart every rank after that.
+waiting forever. Restart every rank after that. The model's own collectives wait as long
+as the process group's timeout: initialise it with the same
+(``dist.init_process_group(backend, timeout=datetime.timedelta(seconds=...))``), or a
+follower left inside one when rank 0's forward pass failed midway waits for the backend's
+default (30 minutes with gloo) or for rank 0 to exit.
 """
 
 from __future__ import annotations

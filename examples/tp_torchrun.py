@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import os
 import tempfile
 import time
@@ -65,7 +66,7 @@ async def serve(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="a model folder or hub id (default: a tiny random Llama)")
     args = parser.parse_args()
 
@@ -73,7 +74,10 @@ def main() -> None:
     config = aiocb.ContinuousBatchingConfig(cpu_group_timeout=60.0)
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    # The model's own collectives wait as long as the group's timeout: cpu_group_timeout's,
+    # so that a rank left inside one (rank 0's forward failed midway) fails in that time too.
+    timeout = datetime.timedelta(seconds=60.0)
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timeout)
     rank, world_size = dist.get_rank(), dist.get_world_size()
 
     path = args.model or tiny_model_dir()

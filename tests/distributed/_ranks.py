@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import datetime
 import gc
 import json
 import logging
@@ -175,6 +176,35 @@ async def scenario_kill_driver(model: Any, out: Path) -> dict[str, Any]:
     (out / "rank0.json").write_text(json.dumps({"killed_at": time.time()}))
     os.kill(os.getpid(), signal.SIGKILL)
     return {}
+
+
+async def scenario_driver_forward_fails(model: Any, out: Path) -> dict[str, Any]:
+    """Rank 0's forward pass fails midway, the follower inside the model's collective, and
+    rank 0 stays alive: the follower fails within the process group's timeout."""
+    result: dict[str, Any] = {}
+    failing = False
+
+    def fail(*_: Any) -> None:
+        if failing:
+            raise RuntimeError("rank 0's forward failed")
+
+    model.register_forward_pre_hook(fail)
+    manager = aiocb.Manager(model, continuous_batching_config=_config(cpu_group_timeout=30.0))
+    manager.start()
+    await manager.wait_started()
+    task = asyncio.create_task(manager.generate(PROMPTS[0], max_new_tokens=1500))
+    await _until_steps(manager, 3)
+    failing = True
+    try:
+        outcome: Any = await asyncio.wait_for(task, 60)
+    except Exception as exc:
+        outcome = exc
+    result["failed_at"] = time.time()
+    result["errors"] = [_describe(outcome)]
+    await manager.destroy()
+    await asyncio.sleep(GROUP_TIMEOUT_S["driver_forward_fails"] + 8.0)  # (alive: the group stays up)
+    result["exiting_at"] = time.time()
+    return result
 
 
 async def _refused(manager: aiocb.Manager) -> str:
@@ -372,7 +402,10 @@ SCENARIOS: dict[str, Scenario] = {
     "generate_batch_alone": scenario_generate_batch_alone,
     "shutdown_mid_session": scenario_shutdown_mid_session,
     "late_follower": scenario_late_follower,
+    "driver_forward_fails": scenario_driver_forward_fails,
 }
+#: The process group's timeout (the model's collectives'), where a scenario sets it.
+GROUP_TIMEOUT_S = {"driver_forward_fails": 4.0}
 #: Seconds the follower waits before run_follower(), as if it were still loading.
 FOLLOWER_LATE_S = {"late_follower": 2.0}
 
@@ -399,7 +432,7 @@ def every_rank_generate_batch(model: Any, rank: int) -> dict[str, Any]:
 
 def main() -> None:
     scenario, model_dir, out_dir = sys.argv[1], sys.argv[2], Path(sys.argv[3])
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S.get(scenario, 1800.0)))
     rank = dist.get_rank()
     logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
     model = aiocb.distributed.load_model(model_dir, tp_size=2)
@@ -421,6 +454,7 @@ def main() -> None:
             record |= {"report": dataclasses.asdict(report), "error": None}
         except Exception as exc:
             record |= {"report": None, "error": {"type": type(exc).__name__, "message": str(exc)}}
+        record["ended_at"] = time.time()
         (out_dir / f"rank{rank}.json").write_text(json.dumps(record))
     dist.destroy_process_group()
 

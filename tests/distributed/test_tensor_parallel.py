@@ -186,6 +186,22 @@ def test_a_hung_follower_fails_rank_0_within_the_timeout(llama_dir: Path, tmp_pa
     assert "cpu_group_timeout=4.0" in error["cause_message"], error
 
 
+def test_a_follower_left_in_the_models_collective_fails_within_the_groups_timeout(
+    llama_dir: Path, tmp_path: Path
+) -> None:
+    """Rank 0's forward pass failed midway and rank 0 lives on: the follower, inside the
+    model's all-reduce, fails within the process group's timeout (4 s), as the README
+    advises setting it, and long before rank 0 exits."""
+    ranks = launch("driver_forward_fails", llama_dir, tmp_path)
+    driver, follower = ranks.driver, ranks.follower
+    assert driver is not None and follower is not None, logs_of(tmp_path)
+    [error] = driver["errors"]
+    assert error["type"] == "EngineDeadError" and "rank 0's forward failed" in error["cause_message"], error
+    assert follower["error"]["type"] == "DistributedError", follower
+    assert follower["ended_at"] - driver["failed_at"] < 4.0 + 4.0, "within the group's timeout, with slack"
+    assert follower["ended_at"] < driver["exiting_at"]
+
+
 @pytest.mark.slow
 def test_a_dead_rank_0_fails_the_follower_with_a_clear_error(llama_dir: Path, tmp_path: Path) -> None:
     follower = launch("kill_driver", llama_dir, tmp_path).follower
