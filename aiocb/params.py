@@ -20,6 +20,7 @@ import json
 import math
 import operator
 import re
+import reprlib
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -548,8 +549,9 @@ def _pairs(name: str, value: Any, example: str) -> Iterable[tuple[Any, Any]]:
 
 
 #: A token id as a JSON object key: ASCII digits only (``str.isdigit`` is also true of
-#: superscripts, which ``int`` refuses, and of other scripts' digits, which ``int`` reads).
-_DECIMAL = re.compile(r"-?[0-9]+")
+#: superscripts, which ``int`` refuses, and of other scripts' digits, which ``int`` reads),
+#: at most 19 (no vocabulary is larger; past 4,300 ``int`` refuses the string).
+_DECIMAL = re.compile(r"-?[0-9]{1,19}")
 
 
 def _logit_bias(value: Any) -> tuple[tuple[int, float], ...] | None:
@@ -588,7 +590,9 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...] | None:
         # (JSON object keys are strings)
         token = int(token) if isinstance(token, str) and _DECIMAL.fullmatch(token) else token_id(token)
         if token is None or token < 0:
-            raise InvalidRequestError(f"logit_bias keys must be token ids, got {given!r}", param="logit_bias")
+            raise InvalidRequestError(
+                f"logit_bias keys must be token ids, got {reprlib.repr(given)}", param="logit_bias"
+            )
         if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
             raise InvalidRequestError(
                 f"logit_bias[{token}] must be a number in [-100, 100], got {bias!r}", param="logit_bias"

@@ -183,7 +183,7 @@ def test_a_chat_asks_for_one_new_token_at_least() -> None:
     assert parse_completion_request({"prompt": "x", "max_tokens": 0}).sampling.max_tokens == 0
 
 
-@pytest.mark.parametrize("key", ["\u00b2", "--5", "\u0663", "-5", "+5", " 5", "5\n", "1_0", ""])
+@pytest.mark.parametrize("key", ["\u00b2", "--5", "\u0663", "-5", "+5", " 5", "5\n", "1_0", "", "9" * 5000])
 def test_logit_bias_keys_are_ascii_decimal_token_ids(key: str) -> None:
     with pytest.raises(APIError, match="logit_bias") as caught:
         parse_completion_request({"prompt": "x", "logit_bias": {key: 1}})
