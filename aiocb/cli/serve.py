@@ -426,16 +426,22 @@ def uvicorn_config(app: Any, args: argparse.Namespace, loop: str) -> Any:
 
     from aiocb.server.connections import http_protocol
 
+    limits = limits_from_args(args)
+    protocol = http_protocol(
+        args.header_timeout,
+        args.max_header_bytes,
+        max_connections=args.max_connections,
+        send_timeout=limits.send_timeout,
+        retry_after=limits.retry_after,
+    )
     return uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
         loop=loop,
-        http=http_protocol(args.header_timeout, args.max_header_bytes),
+        http=protocol,
         log_level=args.log_level,
         access_log=False,  # aiocb.access logs each request with its id, tokens and latency
-        # (uvicorn counts the connection asking among the open ones: N + 1 serves N)
-        limit_concurrency=args.max_connections + 1,
         timeout_keep_alive=args.timeout_keep_alive,
         h11_max_incomplete_event_size=args.max_header_bytes,
         # The drain aborts what is left at --shutdown-timeout; the margin lets those

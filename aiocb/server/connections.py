@@ -1,4 +1,5 @@
-"""uvicorn, bounded and draining: deadlines and a size bound on request headers, a drain on exit signals.
+"""uvicorn, bounded and draining: deadlines and a size bound on request headers, a bound
+on connections, a drain on exit signals.
 
 uvicorn closes a keep-alive connection that stays idle, but a connection that sends its
 headers a byte at a time (or nothing at all after connecting) is kept for ever: a few
@@ -6,7 +7,12 @@ thousand such clients hold every file descriptor. The protocols here give each r
 headers ``header_timeout`` seconds from the first byte (or from the connection, for its
 first request), and at most ``max_header_bytes`` bytes; past either the connection is
 closed, with a 431 for headers too large. The body has a deadline of its own, enforced by
-the app (``--body-timeout``).
+the app (``--body-timeout``). A connection closed with bytes its client does not take
+(one that stopped reading: its response cut at ``--send-timeout``) is dropped after
+``send_timeout`` more seconds, not kept while the client keeps it open. Past
+``max_connections`` open connections (or requests), a request gets a 503 naming
+``--max-connections``, with ``Retry-After``; the probes (``/health``, ``/ready``,
+``/metrics``) are still served.
 
 :class:`DrainingServer` is uvicorn's server that, on the first ``SIGTERM`` or ``SIGINT``,
 also drains the app (:func:`~aiocb.server.app.begin_drain`) while uvicorn stops accepting
@@ -28,11 +34,70 @@ from typing import Any
 
 import uvicorn
 from starlette.applications import Starlette
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from aiocb.server.app import begin_drain
+from aiocb.server.edge import OPEN_PATHS
+from aiocb.server.protocol import APIError
 
 logger = logging.getLogger(__name__)
+
+
+class _ConnectionBound:
+    """The app, except that past ``bound`` open connections or requests a request other
+    than a probe gets a 503 naming ``--max-connections`` (uvicorn's own is plain text, and
+    refuses probes too: an orchestrator would take a flooded server for a dead one)."""
+
+    def __init__(self, app: ASGIApp, connections: set[Any], tasks: set[Any], bound: int, retry_after: int) -> None:
+        self.app = app
+        self.connections = connections
+        self.tasks = tasks
+        self.bound = bound
+        self.retry_after = retry_after
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # (this connection and this request count among the open ones)
+        crowded = len(self.connections) > self.bound or len(self.tasks) > self.bound
+        if crowded and scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            error = APIError(
+                503,
+                f"the server holds its limit of {self.bound} connections (--max-connections, per API "
+                "worker); retry later",
+                type="service_unavailable",
+                code="too_many_connections",
+            )
+            headers = {"Retry-After": str(self.retry_after), "Connection": "close"}
+            await JSONResponse(error.to_dict(), status_code=503, headers=headers)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+class _LingeringClose:
+    """A transport whose :meth:`close` leaves the client ``linger`` seconds to take the
+    bytes still buffered, then aborts: closed, a transport waits for them to drain, as long
+    as the client keeps the connection open without reading."""
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop, linger: float) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._linger = linger
+        self._timer: asyncio.TimerHandle | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+    def close(self) -> None:
+        self._transport.close()
+        if self._timer is None and self._transport.get_write_buffer_size():
+            self._timer = self._loop.call_later(self._linger, self._transport.abort)
+
+    def forget(self) -> None:
+        """The connection is gone: no abort to come."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
 
 class _HeaderBounds:
@@ -40,15 +105,28 @@ class _HeaderBounds:
 
     header_timeout: float = 30.0
     max_header_bytes: int = 16384
+    max_connections: int | None = None
+    send_timeout: float | None = None
+    retry_after: int = 1
     _header_timer: asyncio.TimerHandle | None = None
     _header_bytes: int = 0
     _header_tail = b""
     # provided by the uvicorn protocol
+    app: ASGIApp
+    connections: set[Any]
+    tasks: set[Any]
     cycle: Any
     loop: asyncio.AbstractEventLoop
     transport: asyncio.Transport
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.max_connections is not None:
+            self.app = _ConnectionBound(self.app, self.connections, self.tasks, self.max_connections, self.retry_after)
+
     def connection_made(self, transport: asyncio.Transport) -> None:
+        if self.send_timeout is not None:
+            transport = _LingeringClose(transport, self.loop, self.send_timeout)  # type: ignore[assignment]
         super().connection_made(transport)  # type: ignore[misc]
         self._arm()
 
@@ -56,9 +134,12 @@ class _HeaderBounds:
         before = self.cycle
         # Bytes after a whole request are the next request's, also while the response is
         # still going (pipelining): the parser keeps such headers until they end, unbounded.
+        # The body of a request answered before it was read (a 401, a 429) is not headers,
+        # though the connection is on the clock as it waits for the next request.
         waiting = before is None or before.response_complete or not before.more_body
+        headers = before is None or not before.more_body
         end = -1
-        if waiting:
+        if waiting and headers:
             # The bytes of this chunk that belong to the headers: up to the blank line
             # that ends them (which may straddle two chunks), or all of it.
             seen = self._header_tail + data
@@ -75,10 +156,12 @@ class _HeaderBounds:
             # for the response in progress to end)
             self._disarm()
         elif waiting:
-            self._arm()  # part of the next request's headers: they are now on the clock
+            self._arm()  # part of the next request's headers (or of a refused body): on the clock
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if isinstance(self.transport, _LingeringClose):
+            self.transport.forget()
         super().connection_lost(exc)  # type: ignore[misc]
 
     def _arm(self) -> None:
@@ -116,27 +199,56 @@ class _HeaderBounds:
         self.transport.close()
 
 
-def http_protocol(header_timeout: float, max_header_bytes: int) -> type[asyncio.Protocol]:
-    """uvicorn's fastest HTTP protocol here (httptools when installed, else h11), with bounded headers."""
+def http_protocol(header_timeout: float, max_header_bytes: int, **bounds: Any) -> type[asyncio.Protocol]:
+    """uvicorn's fastest HTTP protocol here (httptools when installed, else h11), bounded
+    (``bounds``: see :func:`h11_protocol`)."""
     if importlib.util.find_spec("httptools") is not None:
-        return httptools_protocol(header_timeout, max_header_bytes)
-    return h11_protocol(header_timeout, max_header_bytes)
+        return httptools_protocol(header_timeout, max_header_bytes, **bounds)
+    return h11_protocol(header_timeout, max_header_bytes, **bounds)
 
 
-def h11_protocol(header_timeout: float, max_header_bytes: int = 16384) -> type[asyncio.Protocol]:
-    """uvicorn's h11 protocol with bounded headers."""
-    return _bounded(H11Protocol, header_timeout, max_header_bytes)
+def h11_protocol(
+    header_timeout: float,
+    max_header_bytes: int = 16384,
+    *,
+    max_connections: int | None = None,
+    send_timeout: float | None = None,
+    retry_after: int = 1,
+) -> type[asyncio.Protocol]:
+    """uvicorn's h11 protocol with bounded headers; with ``max_connections``, a 503 (with
+    ``Retry-After: retry_after``) past that many connections; with ``send_timeout``, a
+    connection closed with bytes left unread dropped that long after."""
+    attributes = {
+        "max_connections": max_connections,
+        "send_timeout": send_timeout,
+        "retry_after": retry_after,
+    }
+    return _bounded(H11Protocol, header_timeout, max_header_bytes, attributes)
 
 
-def httptools_protocol(header_timeout: float, max_header_bytes: int = 16384) -> type[asyncio.Protocol]:
-    """uvicorn's httptools protocol with bounded headers (needs httptools)."""
+def httptools_protocol(
+    header_timeout: float,
+    max_header_bytes: int = 16384,
+    *,
+    max_connections: int | None = None,
+    send_timeout: float | None = None,
+    retry_after: int = 1,
+) -> type[asyncio.Protocol]:
+    """uvicorn's httptools protocol (needs httptools), bounded as :func:`h11_protocol`'s."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-    return _bounded(HttpToolsProtocol, header_timeout, max_header_bytes)
+    attributes = {
+        "max_connections": max_connections,
+        "send_timeout": send_timeout,
+        "retry_after": retry_after,
+    }
+    return _bounded(HttpToolsProtocol, header_timeout, max_header_bytes, attributes)
 
 
-def _bounded(base: type[asyncio.Protocol], header_timeout: float, max_header_bytes: int) -> type[asyncio.Protocol]:
-    attributes = {"header_timeout": header_timeout, "max_header_bytes": max_header_bytes}
+def _bounded(
+    base: type[asyncio.Protocol], header_timeout: float, max_header_bytes: int, attributes: dict[str, Any]
+) -> type[asyncio.Protocol]:
+    attributes = {"header_timeout": header_timeout, "max_header_bytes": max_header_bytes, **attributes}
     return type(f"Bounded{base.__name__}", (_HeaderBounds, base), attributes)
 
 

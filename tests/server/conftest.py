@@ -185,10 +185,20 @@ class LiveServer:
 
     manager: aiocb.Manager
     port: int
+    #: uvicorn's open connections (its protocols)
+    connections: set[Any]
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    async def until_connections(self, done: Callable[[int], bool], within_s: float = 10.0) -> None:
+        """Wait until ``done(the number of open connections)``, for ``within_s`` at most."""
+        for _ in range(int(within_s / 0.01)):
+            if done(len(self.connections)):
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"{len(self.connections)} connections still open after {within_s} s")
 
 
 @asynccontextmanager
@@ -200,17 +210,27 @@ async def live_server(
     limits: ServerLimits | None = None,
     header_timeout: float = 30.0,
     max_header_bytes: int = 16384,
-    protocol: Callable[[float, int], type[asyncio.Protocol]] = h11_protocol,
+    max_connections: int | None = None,
+    protocol: Callable[..., type[asyncio.Protocol]] = h11_protocol,
 ) -> AsyncIterator[LiveServer]:
-    """uvicorn on 127.0.0.1 with a free port, as a task of the running loop; stopped on exit."""
+    """uvicorn on 127.0.0.1 with a free port, as a task of the running loop, with the
+    protocol ``aiocb serve`` gives it; stopped on exit."""
     import uvicorn
 
+    limits = limits or ServerLimits()
     app = build_app(manager, tokenizer, MODEL_NAME, api_key=api_key, limits=limits)
+    http = protocol(
+        header_timeout,
+        max_header_bytes,
+        max_connections=max_connections,
+        send_timeout=limits.send_timeout,
+        retry_after=limits.retry_after,
+    )
     config = uvicorn.Config(
         app,
         host="127.0.0.1",
         port=0,
-        http=protocol(header_timeout, max_header_bytes),
+        http=http,
         lifespan="on",
         log_config=None,
         log_level="warning",
@@ -226,7 +246,7 @@ async def live_server(
                     raise RuntimeError("uvicorn exited before it started")
                 await asyncio.sleep(0.01)
         port = server.servers[0].sockets[0].getsockname()[1]
-        yield LiveServer(manager, port)
+        yield LiveServer(manager, port, server.server_state.connections)
     finally:
         server.should_exit = True
         await asyncio.wait_for(task, 30)

@@ -242,7 +242,7 @@ async def test_headers_too_slow_to_arrive_close_the_connection(manager: aiocb.Ma
 
 @pytest.mark.parametrize("protocol", [h11_protocol, httptools_protocol], ids=["h11", "httptools"])
 async def test_headers_too_large_are_431(
-    manager: aiocb.Manager, tokenizer: Any, protocol: Callable[[float, int], type[asyncio.Protocol]]
+    manager: aiocb.Manager, tokenizer: Any, protocol: Callable[..., type[asyncio.Protocol]]
 ) -> None:
     async with live_server(manager, tokenizer, max_header_bytes=2048, protocol=protocol) as server:
         http = httpx.AsyncClient(base_url=server.url)
@@ -258,7 +258,7 @@ async def test_headers_too_large_are_431(
 
 @pytest.mark.parametrize("protocol", [h11_protocol, httptools_protocol], ids=["h11", "httptools"])
 async def test_a_pipelined_request_s_headers_are_bounded_while_a_response_streams(
-    manager: aiocb.Manager, tokenizer: Any, protocol: Callable[[float, int], type[asyncio.Protocol]]
+    manager: aiocb.Manager, tokenizer: Any, protocol: Callable[..., type[asyncio.Protocol]]
 ) -> None:
     """HTTP/1.1 pipelining: the next request's headers come while the first one's response
     is still streaming. A short one is answered after it; one past the bound closes the
@@ -301,6 +301,58 @@ async def test_a_pipelined_request_s_headers_are_bounded_while_a_response_stream
                 each.close()
 
 
+@pytest.mark.parametrize("protocol", [h11_protocol, httptools_protocol], ids=["h11", "httptools"])
+async def test_requests_past_the_connection_bound_are_503_naming_it_but_probes_are_served(
+    manager: aiocb.Manager, tokenizer: Any, protocol: Callable[..., type[asyncio.Protocol]]
+) -> None:
+    limits = ServerLimits(retry_after=3)
+    async with live_server(manager, tokenizer, max_connections=2, limits=limits, protocol=protocol) as server:
+        idle = [await asyncio.open_connection("127.0.0.1", server.port) for _ in range(2)]
+        await server.until_connections(lambda n: n == 2)
+        async with httpx.AsyncClient(base_url=server.url) as http:
+            refused = await http.get("/v1/models")
+            assert refused.status_code == 503
+            assert "--max-connections" in refused.json()["error"]["message"]
+            assert refused.headers["retry-after"] == "3"
+            for probe in ("/health", "/metrics"):
+                assert (await http.get(probe)).status_code == 200
+        for _, writer in idle:
+            writer.close()
+        await server.until_connections(lambda n: n == 0)
+        async with httpx.AsyncClient(base_url=server.url) as http:
+            assert (await http.get("/v1/models")).status_code == 200
+
+
+@pytest.mark.parametrize("protocol", [h11_protocol, httptools_protocol], ids=["h11", "httptools"])
+async def test_the_body_of_a_request_refused_before_it_came_is_not_taken_for_headers(
+    manager: aiocb.Manager, tokenizer: Any, protocol: Callable[..., type[asyncio.Protocol]]
+) -> None:
+    """A 401 answered before a large body arrived: the body that follows is read past (not
+    counted against --max-header-bytes, which gave a 431 after the 401), and the connection
+    serves its next request."""
+    data = json.dumps({"prompt": "x" * 20_000, "max_tokens": 1}).encode()
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head += b"Content-Length: %d\r\n\r\n" % len(data)
+    async with live_server(manager, tokenizer, api_key="key", max_header_bytes=2048, protocol=protocol) as server:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        try:
+            writer.write(head)
+            assert (await asyncio.wait_for(reader.readline(), 5)).startswith(b"HTTP/1.1 401")
+            for start in range(0, len(data), 4096):
+                writer.write(data[start : start + 4096])
+                await writer.drain()
+            writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            answered = b""
+            async with asyncio.timeout(10):
+                while b'{"status"' not in answered:
+                    chunk = await reader.read(1 << 16)
+                    assert chunk, answered
+                    answered += chunk
+            assert b"HTTP/1.1 431" not in answered and b"HTTP/1.1 200" in answered, answered
+        finally:
+            writer.close()
+
+
 async def test_a_client_that_stops_reading_is_dropped_and_its_request_cancelled(
     manager: aiocb.Manager, tokenizer: Any
 ) -> None:
@@ -335,6 +387,9 @@ async def test_a_client_that_stops_reading_is_dropped_and_its_request_cancelled(
             await wait_until_idle(manager)
             stats = manager.statistics()
             assert stats.free_blocks == stats.total_blocks
+            # The connection, closed with the response's bytes left unread, is dropped a
+            # send timeout later (it was kept for as long as the client kept it open).
+            await server.until_connections(lambda n: n == 0)
         finally:
             writer.close()
 
