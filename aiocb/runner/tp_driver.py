@@ -56,8 +56,13 @@ class Driver:
     """Rank 0's end of the control channel: one thread sends every message and runs every
     forward pass, in order, and sends heartbeats when there is nothing else to send."""
 
-    def __init__(self, channel: ControlChannel) -> None:
+    def __init__(self, channel: ControlChannel, *, after_shutdown: bool = False) -> None:
         self.channel = channel
+        #: whether shutdown() released the followers before this driver (their not answering
+        #: may then mean they never called run_follower() again: said in the error)
+        self.after_shutdown = after_shutdown
+        #: whether shutdown() released the followers through this driver
+        self.released = False
         #: events for the followers, carried by the next message (appended from any thread)
         self.events: deque[Event] = deque()
         #: why the group is unusable (a rank failed, or a step failed half-way); None while healthy
@@ -94,12 +99,19 @@ class Driver:
         except FutureTimeoutError:
             self._fail(
                 DistributedError(
-                    f"tensor-parallel {_followers(self.channel.layout)} stopped responding (hung or died): {what} "
-                    f"did not complete within cpu_group_timeout={timeout} s; restart every rank"
+                    f"tensor-parallel {_followers(self.channel.layout)} stopped responding (hung or died)"
+                    f"{self._since_shutdown()}: {what} did not complete within cpu_group_timeout={timeout} s; "
+                    "restart every rank"
                 )
             )
             assert self.failure is not None
             raise self.failure from None
+
+    def _since_shutdown(self) -> str:
+        """What an error about followers not answering adds when shutdown() released them."""
+        if not self.after_shutdown:
+            return ""
+        return " (aiocb.distributed.shutdown() released them before: did they call run_follower() again?)"
 
     def owns(self, runner: ModelRunner) -> bool:
         """Whether ``runner``'s manager holds the session."""
@@ -134,8 +146,8 @@ class Driver:
             self.channel.broadcast((kind, *payload, events))
         except Exception as exc:
             raise DistributedError(
-                f"tensor-parallel {_followers(self.channel.layout)} stopped responding (died or hung): rank 0 "
-                f"could not send it {kind!r} ({exc})"
+                f"tensor-parallel {_followers(self.channel.layout)} stopped responding (died or hung)"
+                f"{self._since_shutdown()}: rank 0 could not send it {kind!r} ({exc})"
             ) from exc
 
     def close(self, timeout: float | None = None) -> None:
@@ -161,7 +173,7 @@ class Driver:
     def _release_followers(self) -> None:
         """The shutdown job: closed at once, so that no job after it sends to the followers."""
         self.send("shutdown")
-        self.closed = True
+        self.closed = self.released = True
 
     def retire(self) -> None:
         """End the driver thread without a word to the followers (they no longer listen)."""
@@ -257,7 +269,8 @@ def driver_for(layout: TensorParallelLayout, timeout: float | None) -> Driver:
     key = (id(dist.group.WORLD), layout.ranks)
     driver = _DRIVERS.get(key)
     if driver is None or driver.closed:
-        driver = _DRIVERS[key] = Driver(control_channel(layout, timeout))
+        released = driver is not None and driver.released
+        driver = _DRIVERS[key] = Driver(control_channel(layout, timeout), after_shutdown=released)
     return driver
 
 

@@ -207,6 +207,15 @@ async def scenario_driver_forward_fails(model: Any, out: Path) -> dict[str, Any]
     return result
 
 
+async def scenario_restart_after_shutdown(model: Any, out: Path) -> dict[str, Any]:
+    """A manager started after shutdown() while the follower, released, does not follow again."""
+    config = _config(cpu_group_timeout=2.0)
+    async with aiocb.Manager(model, continuous_batching_config=config) as manager:
+        first = await _generate(manager)
+    aiocb.distributed.shutdown()
+    return {"first": first, "after_shutdown": await _refused(aiocb.Manager(model, continuous_batching_config=config))}
+
+
 async def _refused(manager: aiocb.Manager) -> str:
     """Start ``manager``, expecting its refusal: the error's name and message."""
     try:
@@ -403,7 +412,10 @@ SCENARIOS: dict[str, Scenario] = {
     "shutdown_mid_session": scenario_shutdown_mid_session,
     "late_follower": scenario_late_follower,
     "driver_forward_fails": scenario_driver_forward_fails,
+    "restart_after_shutdown": scenario_restart_after_shutdown,
 }
+#: Seconds the follower stays after run_follower() returned, as if it did other work.
+FOLLOWER_STAYS_S = {"restart_after_shutdown": 8.0}
 #: The process group's timeout (the model's collectives'), where a scenario sets it.
 GROUP_TIMEOUT_S = {"driver_forward_fails": 4.0}
 #: Seconds the follower waits before run_follower(), as if it were still loading.
@@ -455,6 +467,7 @@ def main() -> None:
         except Exception as exc:
             record |= {"report": None, "error": {"type": type(exc).__name__, "message": str(exc)}}
         record["ended_at"] = time.time()
+        time.sleep(FOLLOWER_STAYS_S.get(scenario, 0.0))
         (out_dir / f"rank{rank}.json").write_text(json.dumps(record))
     dist.destroy_process_group()
 

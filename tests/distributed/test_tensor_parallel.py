@@ -202,6 +202,15 @@ def test_a_follower_left_in_the_models_collective_fails_within_the_groups_timeou
     assert follower["ended_at"] < driver["exiting_at"]
 
 
+def test_a_manager_after_shutdown_names_the_release_when_the_follower_does_not_follow_again(
+    llama_dir: Path, tmp_path: Path
+) -> None:
+    driver, follower = _both_ran("restart_after_shutdown", llama_dir, tmp_path)
+    assert follower["error"] is None and follower["report"] is not None
+    assert driver["after_shutdown"].startswith("DistributedError"), driver
+    assert "shutdown() released them before" in driver["after_shutdown"], driver
+
+
 @pytest.mark.slow
 def test_a_dead_rank_0_fails_the_follower_with_a_clear_error(llama_dir: Path, tmp_path: Path) -> None:
     follower = launch("kill_driver", llama_dir, tmp_path).follower
