@@ -1,9 +1,9 @@
 """Text from a growing list of token ids, and stop strings found in it.
 
 :class:`IncrementalDetokenizer` turns each new token into the text it adds. A token that
-ends inside a multi-byte character (byte-level BPE splits UTF-8 freely) adds the
-characters before it, and that one once it is complete, so a delta never carries half a
-character or a stray U+FFFD.
+ends inside a multi-byte character (byte-level BPE splits UTF-8 freely) adds nothing until
+the character is complete (or, where stop strings are looked for, the characters before
+it at once), so a delta never carries half a character or a stray U+FFFD.
 With a fast (``tokenizers``) tokenizer it is the library's own ``DecodeStream``, one call
 into Rust per token; with any other tokenizer it decodes a small window of recent tokens
 (the same "offsets" method), so the cost of a token never grows with the output.
@@ -106,14 +106,24 @@ class IncrementalDetokenizer:
     decoded again with each new one, so at most a few are: bytes that can no longer make a
     character come out as U+FFFD at once, not at the end (in a byte-fallback run that is
     not valid, characters the run's later bytes make may then come out as themselves,
-    where the decoder gives the whole run as U+FFFD). A held token's text before its
-    incomplete last character (byte-level BPE: ``"a"`` and the first byte of ``"ñ"``) is
-    released with it, not with the token that completes the character.
+    where the decoder gives the whole run as U+FFFD). With ``release_ahead`` (for stop
+    strings: they then end in the token whose text ends them), a held token's text before
+    its incomplete last character (byte-level BPE: ``"a"`` and the first byte of ``"ñ"``)
+    is released with it, not with the token that completes the character; it costs a
+    decode per held token.
     """
 
-    def __init__(self, tokenizer: Any, context_ids: Sequence[int] = (), *, skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        context_ids: Sequence[int] = (),
+        *,
+        skip_special_tokens: bool = True,
+        release_ahead: bool = False,
+    ) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
+        self._release_ahead = release_ahead
         self._backend = _stream_backend(tokenizer)
         context = self._context(context_ids)
         self._stream = self._new_stream(self._backend, context) if self._backend else None
@@ -124,26 +134,47 @@ class IncrementalDetokenizer:
         self._read_offset = len(context)
         #: the text of held tokens released ahead of them (see :meth:`add`)
         self._ahead = ""
+        self._ahead_ok = False
+        #: the ids a decode skips, when releasing ahead is possible (None: not looked up yet)
+        self._ahead_skipped: frozenset[int] | None = None
+        self._prefix_cache: tuple[tuple[int, ...], str] | None = None
         #: characters of text emitted so far (not counting the context)
         self.num_chars = 0
 
     def add(self, token_id: int) -> str:
         """Append one token; returns the text it completes (often all of its own text, maybe "")."""
         text = self._less_ahead(self._add(token_id))
-        if self._read_offset < len(self._ids) and not self._byte_tokens():
+        if self._release_ahead and self._read_offset < len(self._ids) and self._releases_ahead(token_id):
             # Tokens held: the characters they complete before the incomplete last one are
             # released ahead of them (a stop string in them then ends in the token that
             # gave them). A byte-level decoder decodes UTF-8, invalid bytes as U+FFFD: the
             # characters before an incomplete one never change. A byte-fallback decoder's
             # may (a run of bytes that is not valid becomes U+FFFD, all of it).
             held = self._decode(self._prefix_offset, len(self._ids)).rstrip(_REPLACEMENT)
-            prefix = self._decode(self._prefix_offset, self._read_offset)
+            prefix = self._prefix_text()
             if held.startswith(prefix) and len(held) > len(prefix) + len(self._ahead):
                 early = held[len(prefix) + len(self._ahead) :]
                 self._ahead += early
                 self.num_chars += len(early)
                 text += early
         return text
+
+    def _releases_ahead(self, token_id: int) -> bool:
+        """Whether the held tokens, ``token_id`` the last, may have characters to release
+        ahead: not after a skipped special token (no text), nor with a byte-fallback
+        tokenizer (both found once, at the first held token)."""
+        if self._ahead_skipped is None:
+            self._ahead_skipped = frozenset() if self._byte_tokens() else self._skipped_ids()
+            self._ahead_ok = not self._byte_tokens()
+        return self._ahead_ok and not (self._skip_special and token_id in self._ahead_skipped)
+
+    def _prefix_text(self) -> str:
+        """The text of the window's last tokens with text (the held ones' context), decoded
+        once while they stay the same."""
+        key = tuple(self._ids[self._prefix_offset : self._read_offset])
+        if self._prefix_cache is None or self._prefix_cache[0] != key:
+            self._prefix_cache = (key, self._decode_ids(list(key)))
+        return self._prefix_cache[1]
 
     def _less_ahead(self, text: str) -> str:
         """``text``, released for held tokens, less what was released ahead of them."""
@@ -425,7 +456,9 @@ class TextTracker:
         min_tokens: int = 0,
         config_stop: Sequence[str] = (),
     ) -> None:
-        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=skip_special_tokens)
+        self._detokenizer = IncrementalDetokenizer(
+            tokenizer, prompt_ids, skip_special_tokens=skip_special_tokens, release_ahead=bool(stop)
+        )
         self._matcher = StopStringMatcher(stop, min_tokens=min_tokens, include=include_stop_str) if stop else None
         self._config_stop = tuple(dict.fromkeys(s for s in config_stop if s))
         #: the text with special tokens, where the released text skips them

@@ -306,7 +306,9 @@ async def choice_deltas(
     ctx: ServerContext, spec: ChoiceSpec, stream: OutputStream, received: float
 ) -> AsyncGenerator[ChoiceDelta]:
     """The deltas of one choice; ``received`` is when the HTTP request arrived (perf_counter)."""
-    detokenizer = IncrementalDetokenizer(ctx.tokenizer, spec.prompt_ids, skip_special_tokens=spec.skip_special_tokens)
+    detokenizer = IncrementalDetokenizer(
+        ctx.tokenizer, spec.prompt_ids, skip_special_tokens=spec.skip_special_tokens, release_ahead=bool(spec.stop)
+    )
     prepared = await prepare_stop_strings(spec.stop)
     stopper = StopStringMatcher(spec.stop, min_tokens=spec.min_tokens, include=spec.include_stop_str_in_output)
     del prepared  # (held until the matcher holds it)

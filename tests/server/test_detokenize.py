@@ -20,10 +20,11 @@ TEXTS = [
 ]
 
 
+@pytest.mark.parametrize("ahead", [False, True], ids=["", "ahead"])
 @pytest.mark.parametrize("text", TEXTS)
-def test_deltas_add_up_to_the_text_and_never_split_a_character(tokenizer: Any, text: str) -> None:
+def test_deltas_add_up_to_the_text_and_never_split_a_character(tokenizer: Any, text: str, ahead: bool) -> None:
     ids = tokenizer.encode(text, add_special_tokens=False)
-    detokenizer = IncrementalDetokenizer(tokenizer)
+    detokenizer = IncrementalDetokenizer(tokenizer, release_ahead=ahead)
     deltas = [detokenizer.add(i) for i in ids]
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) + detokenizer.flush() == text
@@ -44,12 +45,13 @@ def test_context_tokens_are_not_repeated(tokenizer: Any) -> None:
     assert text == " there lived an old fisherman 🐟"
 
 
-def test_random_ids_match_a_full_decode(tokenizer: Any) -> None:
+@pytest.mark.parametrize("ahead", [False, True], ids=["", "ahead"])
+def test_random_ids_match_a_full_decode(tokenizer: Any, ahead: bool) -> None:
     # Random ids make invalid UTF-8 too: deltas still add up to what decode() gives.
     rng = random.Random(0)
     for _ in range(20):
         ids = [rng.randrange(3, len(tokenizer)) for _ in range(rng.randint(1, 60))]
-        detokenizer = IncrementalDetokenizer(tokenizer)
+        detokenizer = IncrementalDetokenizer(tokenizer, release_ahead=ahead)
         text = "".join(detokenizer.add(i) for i in ids) + detokenizer.flush()
         assert text == tokenizer.decode(ids)
 
@@ -227,9 +229,10 @@ def test_no_stop_strings_passes_text_through() -> None:
     assert matcher.held == ""
 
 
+@pytest.mark.parametrize("ahead", [False, True], ids=["", "ahead"])
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
 def test_the_decode_stream_and_the_window_method_give_the_same_deltas(
-    tokenizer: Any, skip_special_tokens: bool
+    tokenizer: Any, skip_special_tokens: bool, ahead: bool
 ) -> None:
     rng = random.Random(1)
     specials = tokenizer.all_special_ids
@@ -238,7 +241,9 @@ def test_the_decode_stream_and_the_window_method_give_the_same_deltas(
         context = [rng.randrange(len(tokenizer)) for _ in range(rng.randint(0, 8))]
         runs = []
         for tok in (tokenizer, DecodeOnly(tokenizer)):
-            detokenizer = IncrementalDetokenizer(tok, context, skip_special_tokens=skip_special_tokens)
+            detokenizer = IncrementalDetokenizer(
+                tok, context, skip_special_tokens=skip_special_tokens, release_ahead=ahead
+            )
             deltas = [detokenizer.add(i) for i in ids[:25]]
             deltas.append(detokenizer.flush())  # mid-way, as after a held character
             deltas += [detokenizer.add(i) for i in ids[25:]]
