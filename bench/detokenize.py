@@ -10,9 +10,11 @@ library's decode stream and through the window method (a tokenizer with only ``d
   take it; a client's ``allowed_token_ids`` can ask for nothing else);
 * ``skipped specials``: a special token, skipped from the text.
 
-It also reports how many characters came before the end (``flush``).
+It also reports how many characters came before the end (``flush``). ``--ahead`` measures
+the detokenizer as it runs where stop strings are looked for (``release_ahead``: the
+characters of a held token before its incomplete one released at once).
 
-    python bench/detokenize.py [--tokens 2000,8000]
+    python bench/detokenize.py [--tokens 2000,8000] [--ahead]
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ def _cases(tokenizer: Any, fallback: bool, size: int) -> dict[str, list[int]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", default="2000,8000", help="comma-separated output lengths")
+    parser.add_argument("--ahead", action="store_true", help="release_ahead, as with stop strings")
     args = parser.parse_args(argv)
     print(machine_info().describe())
     print("| tokenizer | method | case | tokens | µs per token | characters before the end |")
@@ -58,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         for size in map(int, args.tokens.split(",")):
             for case, ids in _cases(tokenizer, fallback, size).items():
                 for method, wrapped in (("stream", tokenizer), ("window", DecodeOnly(tokenizer))):
-                    detokenizer = IncrementalDetokenizer(wrapped, prompt)
+                    detokenizer = IncrementalDetokenizer(wrapped, prompt, release_ahead=args.ahead)
                     started = time.perf_counter()
                     streamed = sum(len(detokenizer.add(token)) for token in ids)
                     elapsed = time.perf_counter() - started
