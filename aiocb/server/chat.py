@@ -55,7 +55,7 @@ class PreparedChat:
 def prepare_chat(ctx: ServerContext, body: bytes) -> PreparedChat:
     """Parse, check, render and tokenize a chat body (thread-safe: runs off the loop when large)."""
     parsed = parse_json(body, ctx.limits.max_json_depth)
-    request = parse_chat_request(parsed)
+    request = parse_chat_request(parsed, ctx.defaults)
     tools = parse_tools(parsed)
     ctx.check_model(request.sampling.model)
     ctx.limits.check_stop(request.sampling.stop)
@@ -168,7 +168,7 @@ class ChatCompletion:
                 stop=sampling.stop,
                 # A format whose markers are special tokens ([TOOL_CALLS]) needs them in the text.
                 skip_special_tokens=sampling.skip_special_tokens and not keep_special,
-                min_tokens=sampling.min_tokens,
+                min_tokens=sampling.min_tokens or 0,
                 include_stop_str_in_output=sampling.include_stop_str_in_output,
             )
             for j in range(sampling.n)

@@ -87,7 +87,7 @@ def completion_specs(request: CompletionRequest, prompts: list[Prompt]) -> list[
                     params=params,
                     stop=sampling.stop,
                     skip_special_tokens=sampling.skip_special_tokens,
-                    min_tokens=sampling.min_tokens,
+                    min_tokens=sampling.min_tokens or 0,
                     include_stop_str_in_output=sampling.include_stop_str_in_output,
                 )
             )
@@ -97,7 +97,7 @@ def completion_specs(request: CompletionRequest, prompts: list[Prompt]) -> list[
 def parse_completion(ctx: ServerContext, body: bytes) -> CompletionRequest:
     """Parse and check a completions body, its prompts' sizes included (thread-safe: runs
     off the loop when large)."""
-    request = parse_completion_request(parse_json(body, ctx.limits.max_json_depth))
+    request = parse_completion_request(parse_json(body, ctx.limits.max_json_depth), ctx.defaults)
     ctx.check_model(request.sampling.model)
     ctx.limits.check_stop(request.sampling.stop)
     ctx.limits.check_token_ids(request.sampling)

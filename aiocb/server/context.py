@@ -13,10 +13,11 @@ from typing import Any, TypeVar
 
 from aiocb.errors import InvalidRequestError
 from aiocb.prompts import bad_words_ids
+from aiocb.sampling import eos_ids
 from aiocb.server.fragments import HiddenTexts
 from aiocb.server.limits import ServerLimits
 from aiocb.server.metrics import ServerMetrics
-from aiocb.server.protocol import APIError, SamplingRequest, bad_request
+from aiocb.server.protocol import APIError, SamplingRequest, ServedDefaults, bad_request
 from aiocb.server.remote import ServedEngine
 from aiocb.server.tool_parsers import ToolCallParser
 from aiocb.tokenizer_process import Tokenized, TokenizerProcessHolder, encode_kept
@@ -96,6 +97,8 @@ class ServerContext:
             # all but its marker), made now: Mistral's 768 control tokens take 9 ms.
             HiddenTexts(self.special_texts)
             HiddenTexts([text for text in self.special_texts if text != tool_parser.start])
+        #: what a request that leaves a sampling field out gets
+        self.defaults = served_defaults(manager.generation_config, text_config, tokenizer)
         #: set when the server begins to shut down: ``/ready`` answers 503 from then on
         self.draining = False
         self._token_texts: dict[int, str] = {}
@@ -343,10 +346,13 @@ class ServerContext:
         return self.manager.statistics().total_blocks * self.manager.config.page_size
 
     def default_max_tokens(self, prompt_len: int) -> int:
-        """``max_tokens`` when a chat request does not say: what the context and the cache leave."""
+        """``max_tokens`` when a chat request does not say: what the context and the cache
+        leave, at most the model's generation config's ``max_new_tokens`` (where it sets it)."""
         room = self.cache_capacity_tokens() - prompt_len
         if self.max_model_len is not None:
             room = min(room, self.max_model_len - prompt_len)
+        if self.defaults.max_new_tokens is not None:
+            room = min(room, self.defaults.max_new_tokens)
         return max(room, 1)
 
 
@@ -375,6 +381,30 @@ _TEMPLATE_CALL_ARGUMENTS = frozenset(
 
 #: Template call arguments that a chat body gives as fields of its own.
 _OWN_FIELDS = {"tools": "give tools as 'tools'", "add_generation_prompt": "give it as 'add_generation_prompt'"}
+
+
+#: The fields of a model's generation config that fill a request's left-out ones (vLLM's
+#: server takes the same; the others apply in the engine, as with ``model.generate``).
+_SERVED_FIELDS = ("temperature", "top_p", "top_k", "max_new_tokens")
+
+
+def served_defaults(generation_config: Any, model_config: Any, tokenizer: Any) -> ServedDefaults:
+    """What a request that leaves a sampling field out gets from the served model's
+    ``generation_config``: the fields of :data:`_SERVED_FIELDS` it sets (differing from
+    transformers' defaults; as vLLM's server), else OpenAI's; and the EOS ids with the
+    tokenizer's EOS, where the model's (its generation config's, else its config's) lack it
+    (a fine-tune whose tokenizer ends turns with a token its generation config never named)."""
+    given = generation_config.to_diff_dict() if generation_config is not None else {}
+    fields: dict[str, Any] = {name: given[name] for name in _SERVED_FIELDS if given.get(name) is not None}
+    if "top_k" in fields:
+        fields["top_k"] = max(int(fields["top_k"]), 0)
+    model_eos = eos_ids(getattr(generation_config, "eos_token_id", None)) or eos_ids(
+        getattr(model_config, "eos_token_id", None)
+    )
+    tokenizer_eos = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(tokenizer_eos, int) and tokenizer_eos >= 0 and tokenizer_eos not in model_eos:
+        fields["eos_token_ids"] = tuple(sorted(model_eos | {tokenizer_eos}))
+    return ServedDefaults(**fields)
 
 
 def _template_variables(template: Any) -> frozenset[str] | None:

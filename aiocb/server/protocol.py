@@ -127,6 +127,21 @@ def _renamed(param: str, params: Mapping[str, str]) -> str:
 
 
 @dataclass(frozen=True, slots=True)
+class ServedDefaults:
+    """What a request that leaves a field out gets, from the served model's generation
+    config (as vLLM's server: the sampling fields it sets; else OpenAI's defaults)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    #: 0: off
+    top_k: int = 0
+    #: what caps a chat's ``max_tokens`` when the request gives none (None: nothing)
+    max_new_tokens: int | None = None
+    #: the EOS ids to stop at where the tokenizer's EOS is not among the model's (None: the model's)
+    eos_token_ids: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class SamplingRequest:
     """The sampling and streaming fields shared by completions and chat completions."""
 
@@ -144,8 +159,9 @@ class SamplingRequest:
     skip_special_tokens: bool
     stream: bool
     include_usage: bool
-    #: no stop token or stop string before this many tokens
-    min_tokens: int = 0
+    #: no stop token or stop string before this many tokens (None: not given, the model's
+    #: generation config says)
+    min_tokens: int | None = None
     include_stop_str_in_output: bool = False
     #: vLLM's: the prompt is cut to its last this many tokens (-1: the model's context), None: not
     truncate_prompt_tokens: int | None = None
@@ -159,6 +175,8 @@ class SamplingRequest:
     constraint_field: str | None = None
     #: vLLM's: the response's id is made from it (None: from the X-Request-Id header, or fresh)
     request_id: str | None = None
+    #: the EOS ids to stop at (None: the model's)
+    eos_token_ids: tuple[int, ...] | None = None
 
     def body_params(self) -> dict[str, str]:
         """The body's names of the engine's parameters that this request renames."""
@@ -216,8 +234,8 @@ class DetokenizeRequest:
 # --------------------------------------------------------------------------- bodies
 
 
-def parse_completion_request(body: Any) -> CompletionRequest:
-    """Validate a completions body."""
+def parse_completion_request(body: Any, defaults: ServedDefaults = ServedDefaults()) -> CompletionRequest:
+    """Validate a completions body; ``defaults`` fill the sampling fields it leaves out."""
     body = _object(body)
     if "prompt" not in body or body["prompt"] is None:
         raise bad_request("'prompt' is required", "prompt")
@@ -227,14 +245,14 @@ def parse_completion_request(body: Any) -> CompletionRequest:
     _refuse_unsupported(body)
     return CompletionRequest(
         prompts=prompts,
-        sampling=_sampling(body, max_tokens_keys=("max_tokens",), least_max_tokens=0),
+        sampling=_sampling(body, defaults, max_tokens_keys=("max_tokens",), least_max_tokens=0),
         logprobs=logprobs,
         echo=_bool(body, "echo", False),
     )
 
 
-def parse_chat_request(body: Any) -> ChatCompletionRequest:
-    """Validate a chat completions body."""
+def parse_chat_request(body: Any, defaults: ServedDefaults = ServedDefaults()) -> ChatCompletionRequest:
+    """Validate a chat completions body; ``defaults`` fill the sampling fields it leaves out."""
     body = _object(body)
     messages = _messages(body.get("messages"))
     logprobs = _bool(body, "logprobs", False)
@@ -246,7 +264,7 @@ def parse_chat_request(body: Any) -> ChatCompletionRequest:
     _refuse_unsupported(body)
     return ChatCompletionRequest(
         messages=messages,
-        sampling=_sampling(body, max_tokens_keys=("max_completion_tokens", "max_tokens"), least_max_tokens=1),
+        sampling=_sampling(body, defaults, max_tokens_keys=("max_completion_tokens", "max_tokens"), least_max_tokens=1),
         logprobs=logprobs,
         top_logprobs=top_logprobs or 0,
         add_generation_prompt=_bool(body, "add_generation_prompt", True),
@@ -288,7 +306,9 @@ def parse_detokenize_request(body: Any) -> DetokenizeRequest:
 # --------------------------------------------------------------------------- fields
 
 
-def _sampling(body: Mapping[str, Any], *, max_tokens_keys: tuple[str, ...], least_max_tokens: int) -> SamplingRequest:
+def _sampling(
+    body: Mapping[str, Any], defaults: ServedDefaults, *, max_tokens_keys: tuple[str, ...], least_max_tokens: int
+) -> SamplingRequest:
     """The sampling fields of a body; ``least_max_tokens``: 0 where no new token scores the
     prompt (completions), 1 where nothing would (chat, as vLLM's)."""
     max_tokens_field = _max_tokens_field(body, max_tokens_keys)
@@ -296,15 +316,16 @@ def _sampling(body: Mapping[str, Any], *, max_tokens_keys: tuple[str, ...], leas
     stream = _bool(body, "stream", False)
     constraint, constraint_field = _structure(body)
     max_tokens = _opt_int(body, max_tokens_field, minimum=least_max_tokens)
-    min_tokens = _opt_int(body, "min_tokens", minimum=0) or 0
-    if max_tokens is not None and min_tokens > max_tokens:  # (0 scores the prompt: the engine sees 1)
+    min_tokens = _opt_int(body, "min_tokens", minimum=0)
+    # (max_tokens 0 scores the prompt: the engine sees 1)
+    if max_tokens is not None and min_tokens is not None and min_tokens > max_tokens:
         raise bad_request(f"min_tokens ({min_tokens}) is more than {max_tokens_field} ({max_tokens})", "min_tokens")
     return SamplingRequest(
         model=_opt_str(body, "model"),
         max_tokens=max_tokens,
-        temperature=_float(body, "temperature", 1.0, minimum=0.0, maximum=2.0),
-        top_p=_float(body, "top_p", 1.0, minimum=0.0, maximum=1.0, exclusive_minimum=True),
-        top_k=max(top_k or 0, 0),  # -1 (vLLM) and 0 both mean "off"
+        temperature=_float(body, "temperature", defaults.temperature, minimum=0.0, maximum=2.0),
+        top_p=_float(body, "top_p", defaults.top_p, minimum=0.0, maximum=1.0, exclusive_minimum=True),
+        top_k=defaults.top_k if top_k is None else max(top_k, 0),  # -1 (vLLM) and 0 both mean "off"
         seed=_opt_int(body, "seed", minimum=-(2**63), maximum=2**63 - 1),
         n=_opt_int(body, "n", minimum=1, maximum=MAX_N) or 1,
         stop=_stop(body.get("stop")),
@@ -321,6 +342,7 @@ def _sampling(body: Mapping[str, Any], *, max_tokens_keys: tuple[str, ...], leas
         controls={**_controls(body), **constraint},
         max_tokens_field=max_tokens_field,
         constraint_field=constraint_field,
+        eos_token_ids=defaults.eos_token_ids,
     )
 
 

@@ -44,6 +44,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from transformers import GenerationConfig
+
 from aiocb.config import ContinuousBatchingConfig
 from aiocb.engine.manager import Manager, ManagerStatistics
 from aiocb.engine.requests import has_large_controls, sample_ids
@@ -94,6 +96,8 @@ class EngineInfo:
     config: ContinuousBatchingConfig
     statistics: ManagerStatistics
     is_dead: bool
+    #: the requests' defaults (:attr:`aiocb.Manager.generation_config`)
+    generation_config: GenerationConfig
 
 
 class OutputDelta(NamedTuple):
@@ -220,7 +224,7 @@ class _WorkerConnection:
 
     def send_hello(self) -> None:
         manager = self.manager
-        info = EngineInfo(manager.config, manager.statistics(), manager.is_dead)
+        info = EngineInfo(manager.config, manager.statistics(), manager.is_dead, manager.generation_config)
         self.writer.write(encode_frame(("hello", info)))
 
     def handle(self, message: tuple[Any, ...]) -> None:
@@ -266,8 +270,7 @@ class _WorkerConnection:
 
     def _add(self, keys: list[int], input_ids: list[int], max_new_tokens: int | None, params: dict[str, Any]) -> None:
         try:
-            if len(keys) > 1:
-                params = {**params, "n": len(keys)}
+            params = {**params, "n": len(keys)}  # (a model's generation config may give num_return_sequences)
             request_id = self.manager.add_request_nowait(input_ids, max_new_tokens=max_new_tokens, **params)
             streams = [self.manager.stream(rid) for rid in sample_ids(request_id, len(keys))]
         except Exception as exc:
@@ -443,6 +446,7 @@ class RemoteManager:
         model_config: Any,
     ) -> None:
         self.config = info.config
+        self.generation_config = info.generation_config
         self.model = _ModelConfigOnly(model_config)
         self._reader = reader
         self._writer = writer

@@ -124,9 +124,11 @@ def engine_params(
         params["seed"] = seed
     if sampling.ignore_eos or score_only:
         params["eos_token_id"] = []
+    elif sampling.eos_token_ids is not None:
+        params["eos_token_id"] = list(sampling.eos_token_ids)
     if sampling.stop_token_ids:
         params["stop_token_ids"] = list(sampling.stop_token_ids)
-    if sampling.min_tokens:
+    if sampling.min_tokens is not None:  # (an explicit 0 too: it overrides the model's min_new_tokens)
         params["min_tokens"] = sampling.min_tokens
     params.update(sampling.controls)
     return params
@@ -150,7 +152,8 @@ async def submit_choices(manager: ServedEngine, specs: Sequence[ChoiceSpec]) -> 
         for group in _by_prompt(specs):
             await turn.give()
             first = group[0]
-            params = {**first.params, "n": len(group)} if len(group) > 1 else first.params
+            # (n always: a model's generation config may give num_return_sequences)
+            params = {**first.params, "n": len(group)}
             # (a constraint compiled off the loop, many samples made a slice at a time)
             rid = await manager.add_request(
                 first.prompt_ids, max_new_tokens=max(first.max_tokens, 1), wait=False, **params

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import threading
@@ -172,6 +173,49 @@ async def test_a_kept_stop_tokens_text_is_whole_though_a_stop_string_ends_in_it(
     chunks = [e["choices"][0] for e in sse_events(streamed) if e != "[DONE]" and e["choices"]]
     assert "".join(c["text"] for c in chunks) == choice["text"]
     assert chunks[-1]["stop_reason"] == reference[at]
+
+
+async def test_a_models_generation_config_gives_what_a_request_leaves_out(
+    model: PreTrainedModel, tokenizer: Any
+) -> None:
+    """As vLLM's server: the sampling fields the model's generation config sets fill a
+    request's left-out ones, its max_new_tokens caps a chat's default length; and its
+    num_return_sequences and min_new_tokens never outdo what the request says, nor its
+    EOS ids the tokenizer's."""
+    shipped = copy.deepcopy(model)
+    shipped.generation_config = GenerationConfig(
+        do_sample=True,
+        temperature=0.6,
+        top_p=0.95,
+        top_k=20,
+        max_new_tokens=7,
+        num_return_sequences=3,
+        min_new_tokens=6,
+        eos_token_id=5,
+        pad_token_id=0,
+    )
+    assert tokenizer.eos_token_id not in (5, None)
+    async with aiocb.Manager(shipped, continuous_batching_config=serve_config()) as manager:
+        app = build_app(manager, tokenizer, MODEL_NAME)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+            base = {"prompt": PROMPT, "max_tokens": 12, "ignore_eos": True, "seed": 3}
+            left_out = (await http.post("/v1/completions", json=base)).json()["choices"][0]["text"]
+            shipped_values = {**base, "temperature": 0.6, "top_p": 0.95, "top_k": 20}
+            given = (await http.post("/v1/completions", json=shipped_values)).json()["choices"][0]["text"]
+            plain = {**base, "temperature": 1.0, "top_p": 1.0, "top_k": -1}
+            openai_defaults = (await http.post("/v1/completions", json=plain)).json()["choices"][0]["text"]
+            chat = {"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True, "min_tokens": 0}
+            capped = (await http.post("/v1/chat/completions", json=chat)).json()
+            before = manager.statistics().tokens_generated
+            one = (await http.post("/v1/completions", json={**base, "n": 1, "max_tokens": 4})).json()
+            generated = manager.statistics().tokens_generated - before
+            eos = {str(tokenizer.eos_token_id): 100}
+            body = {"prompt": PROMPT, "max_tokens": 8, "min_tokens": 0, "logit_bias": eos}
+            ended = (await http.post("/v1/completions", json=body)).json()
+    assert left_out == given != openai_defaults
+    assert capped["usage"]["completion_tokens"] == 7
+    assert len(one["choices"]) == 1 and generated == 4, "one sample computed, not the config's three"
+    assert (ended["usage"]["completion_tokens"], ended["choices"][0]["finish_reason"]) == (1, "stop")
 
 
 async def test_stop_token_ids_and_ignore_eos(model: PreTrainedModel, tokenizer: Any) -> None:

@@ -36,6 +36,11 @@ from tests.server.conftest import MODEL_NAME, wait_until_idle, wait_until_runnin
 PROMPTS = random_prompts(4, 6, 30, seed=5)
 
 
+def _info(manager: aiocb.Manager) -> EngineInfo:
+    """What a fake engine says when a worker connects."""
+    return EngineInfo(manager.config, manager.statistics(), False, manager.generation_config)
+
+
 @pytest.fixture
 async def service(manager: aiocb.Manager, tmp_path: Path) -> AsyncIterator[tuple[EngineService, str]]:
     engine = EngineService(manager)
@@ -239,7 +244,7 @@ async def test_a_silent_engine_is_taken_for_hung(
     cancelled: list[int] = []
 
     async def fake_engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        writer.write(encode_frame(("hello", EngineInfo(manager.config, manager.statistics(), False))))
+        writer.write(encode_frame(("hello", _info(manager))))
         _, keys, *_ = await read_frame(reader)
         writer.write(encode_frame(("batch", [(key, ("added",)) for key in keys])))
         cancelled.append((await read_frame(reader))[1])  # (silent meanwhile: the worker gives up)
@@ -428,7 +433,7 @@ async def test_one_frame_of_outputs_wakes_its_consumers_a_few_at_a_time(manager:
 
     async def fake_engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            writer.write(encode_frame(("hello", EngineInfo(manager.config, manager.statistics(), False))))
+            writer.write(encode_frame(("hello", _info(manager))))
             keys: list[int] = []
             while len(keys) < count:
                 _, added, *_ = await read_frame(reader)
