@@ -116,8 +116,9 @@ def plan_cache(
     else:
         max_requests = min(num_requests_hint or DEFAULT_MAX_REQUESTS_PER_BATCH, DEFAULT_MAX_REQUESTS_PER_BATCH)
     max_requests = max(1, min(max_requests, max_batch_tokens))
-    if config.num_blocks is not None:  # (no more requests than its tokens: the clamp below, made first)
-        max_requests = min(max_requests, config.num_blocks * page)
+    if config.num_blocks is not None:
+        # (no more requests than blocks, each writing one of its own: the clamp below, made first)
+        max_requests = min(max_requests, config.num_blocks)
 
     # fp32 logits of every sampled row, plus the sampler's noise and sort buffers (and the
     # float32 log-softmax of scored prompt positions, taken that many rows at a time), and
@@ -155,7 +156,7 @@ def plan_cache(
             f"({percent:.0%} of {free / 2**30:.2f} GiB free) is taken by the step buffers; "
             "lower max_batch_tokens or max_requests_per_batch, or raise max_memory_percent"
         )
-    max_requests = min(max_requests, max(num_blocks) * page)
+    max_requests = min(max_requests, min(num_blocks))
     host_blocks = _host_blocks(spec, groups, page, num_blocks, config)
     logger.info(
         "KV cache: %s blocks of %d tokens per group, max_batch_tokens=%d, max_requests_per_batch=%d, "
@@ -202,23 +203,21 @@ def _fill_budget(
     remaining: int,
     extra_bytes_per_block: int = 0,
 ) -> list[int]:
-    """Sliding groups get a full ring per concurrent request; full groups the rest."""
-    sliding_bytes = 0
-    blocks: list[int] = []
-    for window, layers in groups:
-        if window is None:
-            blocks.append(0)
-            continue
-        want = ring_size(window, page) * max_requests
-        blocks.append(want)
-        sliding_bytes += want * spec.bytes_per_block(page, len(layers))
+    """Blocks per group filling ``remaining`` bytes. A sliding group needs at most a ring
+    per concurrent request; a full group's need grows with the contexts. Every group gets
+    the same count of blocks where that leaves the sliding groups less than their rings (as
+    transformers' whole-model blocks: then fewer requests hold a window's ring at once),
+    and a full group the bytes a sliding group's rings leave beside that."""
+    per_block = [
+        spec.bytes_per_block(page, len(layers)) + (extra_bytes_per_block if window is None else 0)
+        for window, layers in groups
+    ]
+    even = max(remaining, 0) // sum(per_block)
+    blocks = [even if window is None else min(ring_size(window, page) * max_requests, even) for window, _ in groups]
     full = [i for i, (window, _) in enumerate(groups) if window is None]
-    if not full:
-        if sliding_bytes > remaining:  # scale the rings down to what fits
-            scale = max(remaining, 0) / sliding_bytes
-            blocks = [int(b * scale) for b in blocks]
-        return blocks
-    full_bytes_per_block = sum(spec.bytes_per_block(page, len(groups[i][1])) for i in full) + extra_bytes_per_block
-    for i in full:
-        blocks[i] = (remaining - sliding_bytes) // full_bytes_per_block
+    if full:
+        left = remaining - sum(n * b for n, b, (window, _) in zip(blocks, per_block, groups, strict=True) if window)
+        per_full_block = sum(per_block[i] for i in full)
+        for i in full:
+            blocks[i] = left // per_full_block
     return blocks

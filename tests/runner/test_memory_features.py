@@ -192,6 +192,24 @@ def test_sliding_window_and_hybrid_models_match_generate(factory: object, config
         assert sliding.num_blocks == 4 * DEFAULT_MAX_REQUESTS_PER_BATCH
 
 
+def test_a_hybrid_models_rings_share_a_small_budget_with_its_full_layers() -> None:
+    """A sliding group is given a ring per concurrent request only where that leaves its
+    full groups as many blocks: else every group gets the same (as transformers' blocks of
+    the whole model), and the plan stands (the rings once took the whole budget, and more:
+    no room left for the full layers, a MemoryError at start for Gemma 2 and 3)."""
+    from aiocb.runner.memory import plan_cache
+    from aiocb.runner.model_spec import model_spec
+
+    spec = model_spec(_gemma3())
+    config = aiocb.ContinuousBatchingConfig(page_size=16, max_batch_tokens=256)
+    windows = [window for window, _ in spec.group_layers()]
+    tight = plan_cache(spec, config, free_bytes=2**24)
+    assert tight.num_blocks[0] == tight.num_blocks[1] > 0
+    roomy = plan_cache(spec, config, free_bytes=2**26)
+    rings = 4 * roomy.max_requests_per_batch  # (ceil(39 / 16) + 1 blocks a window)
+    assert roomy.num_blocks[windows.index(40)] == rings < roomy.num_blocks[windows.index(None)]
+
+
 @pytest.mark.parametrize("chunk_bytes", [None, 1 << 12], ids=["one_batch", "row_batches"])
 async def test_decode_over_a_shared_prefix_reads_it_once(
     qwen3: PreTrainedModel, monkeypatch: pytest.MonkeyPatch, chunk_bytes: int | None
@@ -292,11 +310,12 @@ async def test_a_given_num_blocks_must_fit_the_memory_budget(qwen3: PreTrainedMo
     assert plan_cache(spec, given, free_bytes=free).num_blocks == [fitted]
     with pytest.raises(MemoryError, match=r"num_blocks=.*max_memory_percent"):
         plan_cache(spec, aiocb.ContinuousBatchingConfig(num_blocks=fitted + 64, **sizes), free_bytes=free)
-    # A small cache holds fewer requests than the default count: the step buffers are
-    # reckoned for those (the logits of 32 rows of a 151,936-token vocabulary, not 1,024).
+    # A small cache holds fewer requests than the default count (each writes a block of its
+    # own): the step buffers are reckoned for those (the logits of 2 rows of a 151,936-token
+    # vocabulary, not 1,024).
     small = aiocb.ContinuousBatchingConfig(num_blocks=2, page_size=16, max_batch_tokens=256, max_memory_percent=0.6)
     wide = dataclasses.replace(spec, vocab_size=151_936)
-    assert plan_cache(wide, small, free_bytes=free).max_requests_per_batch == 32
+    assert plan_cache(wide, small, free_bytes=free).max_requests_per_batch == 2
     tiny = aiocb.ContinuousBatchingConfig(num_blocks=10**6, max_memory_percent=1e-6)
     with pytest.raises(MemoryError, match="num_blocks=1000000"):
         async with aiocb.Manager(qwen3, continuous_batching_config=tiny) as manager:
