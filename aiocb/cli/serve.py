@@ -169,14 +169,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="how the ingress picks a replica (default prefix_affinity; power_of_two: Ray Serve's default)",
     )
-    connections = parser.add_argument_group("connections", "bounds that uvicorn enforces per connection")
+    connections = parser.add_argument_group("connections", "bounds on connections and on each one's headers")
     connections.add_argument(
         "--max-connections",
         type=int,
         default=UVICORN_DEFAULTS["max_connections"],
         help=(
-            "open connections (and tasks) at most, per API worker; beyond them uvicorn answers a plain 503 "
-            "(default 4096)"
+            "open connections (and requests) at most, per API worker; beyond them a request gets a 503 naming "
+            "this flag, with Retry-After (/health, /ready and /metrics are still served; default 4096)"
         ),
     )
     connections.add_argument(

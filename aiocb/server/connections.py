@@ -32,6 +32,7 @@ import types
 from collections.abc import AsyncIterator
 from typing import Any
 
+import h11
 import uvicorn
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse
@@ -84,17 +85,20 @@ class _LingeringClose:
         self._loop = loop
         self._linger = linger
         self._timer: asyncio.TimerHandle | None = None
+        self._gone = False
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._transport, name)
 
     def close(self) -> None:
         self._transport.close()
-        if self._timer is None and self._transport.get_write_buffer_size():
+        if self._timer is None and not self._gone and self._transport.get_write_buffer_size():
             self._timer = self._loop.call_later(self._linger, self._transport.abort)
 
     def forget(self) -> None:
-        """The connection is gone: no abort to come."""
+        """The connection is gone: no abort to come (uvloop's transport, closed again as
+        uvicorn's protocol lets go of it, may still count bytes it will never send)."""
+        self._gone = True
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -160,9 +164,10 @@ class _HeaderBounds:
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
-        if isinstance(self.transport, _LingeringClose):
-            self.transport.forget()
+        lingering = self.transport if isinstance(self.transport, _LingeringClose) else None
         super().connection_lost(exc)  # type: ignore[misc]
+        if lingering is not None:  # (after: uvicorn's protocol closes its transport again)
+            lingering.forget()
 
     def _arm(self) -> None:
         if self._header_timer is None:
@@ -207,6 +212,34 @@ def http_protocol(header_timeout: float, max_header_bytes: int, **bounds: Any) -
     return h11_protocol(header_timeout, max_header_bytes, **bounds)
 
 
+class _H11BodyEnd:
+    """h11's protocol: a body read past after its response was sent (a refusal) ends, for
+    the header bound, when h11 has it all (uvicorn leaves the request's ``more_body`` set,
+    and the bytes after it, the next request's headers, went uncounted)."""
+
+    cycle: Any
+    conn: Any
+
+    def handle_events(self) -> None:
+        super().handle_events()  # type: ignore[misc]
+        cycle = self.cycle
+        ended = cycle is not None and cycle.response_complete and self.conn.their_state is not h11.SEND_BODY
+        if ended and cycle.more_body:
+            cycle.more_body = False
+
+
+class _HttpToolsBodyEnd:
+    """httptools' protocol: as :class:`_H11BodyEnd`, at the parser's end of the message."""
+
+    cycle: Any
+
+    def on_message_complete(self) -> None:
+        cycle = self.cycle
+        if cycle is not None and cycle.response_complete:
+            cycle.more_body = False
+        super().on_message_complete()  # type: ignore[misc]
+
+
 def h11_protocol(
     header_timeout: float,
     max_header_bytes: int = 16384,
@@ -223,7 +256,7 @@ def h11_protocol(
         "send_timeout": send_timeout,
         "retry_after": retry_after,
     }
-    return _bounded(H11Protocol, header_timeout, max_header_bytes, attributes)
+    return _bounded((_H11BodyEnd, H11Protocol), header_timeout, max_header_bytes, attributes)
 
 
 def httptools_protocol(
@@ -242,14 +275,14 @@ def httptools_protocol(
         "send_timeout": send_timeout,
         "retry_after": retry_after,
     }
-    return _bounded(HttpToolsProtocol, header_timeout, max_header_bytes, attributes)
+    return _bounded((_HttpToolsBodyEnd, HttpToolsProtocol), header_timeout, max_header_bytes, attributes)
 
 
 def _bounded(
-    base: type[asyncio.Protocol], header_timeout: float, max_header_bytes: int, attributes: dict[str, Any]
+    bases: tuple[type, type[asyncio.Protocol]], header_timeout: float, max_header_bytes: int, attributes: dict[str, Any]
 ) -> type[asyncio.Protocol]:
     attributes = {"header_timeout": header_timeout, "max_header_bytes": max_header_bytes, **attributes}
-    return type(f"Bounded{base.__name__}", (_HeaderBounds, base), attributes)
+    return type(f"Bounded{bases[-1].__name__}", (_HeaderBounds, *bases), attributes)
 
 
 class DrainingServer(uvicorn.Server):

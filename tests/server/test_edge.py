@@ -329,7 +329,7 @@ async def test_the_body_of_a_request_refused_before_it_came_is_not_taken_for_hea
 ) -> None:
     """A 401 answered before a large body arrived: the body that follows is read past (not
     counted against --max-header-bytes, which gave a 431 after the 401), and the connection
-    serves its next request."""
+    serves its next request, whose headers are bounded as any are."""
     data = json.dumps({"prompt": "x" * 20_000, "max_tokens": 1}).encode()
     head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
     head += b"Content-Length: %d\r\n\r\n" % len(data)
@@ -349,6 +349,19 @@ async def test_the_body_of_a_request_refused_before_it_came_is_not_taken_for_hea
                     assert chunk, answered
                     answered += chunk
             assert b"HTTP/1.1 431" not in answered and b"HTTP/1.1 200" in answered, answered
+            # The headers after a refused body are bounded as any are.
+            writer.write(head)
+            assert (await asyncio.wait_for(reader.readline(), 5)).startswith(b"HTTP/1.1 401")
+            await asyncio.wait_for(reader.readuntil(b"}}"), 5)
+            writer.write(data)
+            writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 1024)
+            with contextlib.suppress(ConnectionError):
+                for _ in range(4):  # (8 KiB of headers in all: within h11's own bound, past ours)
+                    await asyncio.sleep(0.05)
+                    writer.write(b"a" * 1024)
+                    await writer.drain()
+            # Closed at once (it waited for the headers' end, up to --header-timeout's 30 s).
+            await server.until_connections(lambda n: n == 0, within_s=5)
         finally:
             writer.close()
 
