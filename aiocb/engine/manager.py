@@ -270,7 +270,8 @@ class Manager:
     def continuous_batching_config(self) -> ContinuousBatchingConfig:
         """:attr:`config` with what this manager chose filled in, as transformers' manager
         shows it, once its cache is planned (at the first request or start; before,
-        :attr:`config`): ``num_blocks`` (its largest cache group's), ``max_batch_tokens``,
+        :attr:`config`): ``num_blocks`` (blocks of the whole model costing what its cache
+        groups' blocks cost: given back, it fits the same memory), ``max_batch_tokens``,
         ``max_requests_per_batch``, ``max_memory_percent``, ``max_blocks_per_request`` (the
         block tables' width in the decode graphs and the in-place kernels), and once the
         runner is built (:meth:`wait_started`) ``use_cuda_graph`` (``(varlen, decode)``) and
@@ -281,7 +282,9 @@ class Manager:
             return self.config
         spec, plan = layout
         resolved = copy.copy(self._runner_config)  # (not replace(): no checks or deprecation warnings again)
-        resolved.num_blocks = max(plan.num_blocks)
+        # (a num_blocks given is every group's: a hybrid model's sliding groups hold fewer)
+        per_block = [spec.bytes_per_block(plan.page_size, len(layers)) for _, layers in spec.group_layers()]
+        resolved.num_blocks = sum(n * b for n, b in zip(plan.num_blocks, per_block, strict=True)) // sum(per_block)
         resolved.max_batch_tokens = plan.max_batch_tokens
         resolved.max_requests_per_batch = plan.max_requests_per_batch
         resolved.max_memory_percent = memory_percent(self.config, spec.device)

@@ -175,7 +175,11 @@ def _host_blocks(
 ) -> list[int]:
     """Host blocks per group for CPU offloading, shared out like the device cache."""
     space = config.cpu_offload_space
+    per_block = [spec.bytes_per_block(page, len(layers)) for _, layers in groups]
+    device_bytes = sum(n * b for n, b in zip(num_blocks, per_block, strict=True))
     available = host_memory_bytes()
+    if spec.device.type == "cpu":  # (the cache itself is about to take that much of it)
+        available = max(available - device_bytes, 0)
     limit = int(available * config.cpu_offload_space_safety_threshold)
     if space is None:
         host_bytes = limit
@@ -190,8 +194,6 @@ def _host_blocks(
             host_bytes = limit
     if host_bytes <= 0:
         return [0] * len(groups)
-    per_block = [spec.bytes_per_block(page, len(layers)) for _, layers in groups]
-    device_bytes = sum(n * b for n, b in zip(num_blocks, per_block, strict=True))
     return [int(host_bytes * n * b / device_bytes) // b for n, b in zip(num_blocks, per_block, strict=True)]
 
 

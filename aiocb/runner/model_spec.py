@@ -8,6 +8,7 @@ import torch
 from transformers import PreTrainedModel
 
 from aiocb.core.kv_cache import CacheGroup
+from aiocb.errors import InvalidConfigError
 from aiocb.runner.tp_layout import shard_heads
 
 
@@ -63,6 +64,14 @@ def model_spec(model: PreTrainedModel) -> ModelSpec:
     num_heads = int(config.num_attention_heads)
     num_kv_heads = int(getattr(config, "num_key_value_heads", None) or num_heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // num_heads)
+    if getattr(config, "kv_lora_rank", None) or getattr(config, "v_head_dim", None) not in (None, head_dim):
+        # (DeepSeek-V2/V3's config gives head_dim as the rotary part alone: a cache of that
+        # width would take keys of another, and fail at the first step)
+        raise InvalidConfigError(
+            f"{type(model).__name__}'s attention has keys and values of other widths than head_dim={head_dim} "
+            "(multi-head latent attention: kv_lora_rank, qk_nope_head_dim + qk_rope_head_dim, v_head_dim), "
+            "which aiocb's paged cache does not hold"
+        )
     tp_size, num_heads, num_kv_heads = shard_heads(model, num_heads, num_kv_heads)
     param = next(model.parameters())
     return ModelSpec(

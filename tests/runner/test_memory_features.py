@@ -109,11 +109,12 @@ async def test_a_host_pool_larger_than_the_safety_threshold_is_clamped_to_it(
 ) -> None:
     prompts = random_prompts(12, 40, 100, seed=25)
     six_blocks = 6 * (2 * 2 * 16 * 2 * 16 * 4)  # (as above: room for 6 blocks)
-    # A host whose available memory's half is those six blocks, and a pool asked of 1,000 GiB
-    # (the device's cache, on this CPU, still planned from what is really free).
+    # A host whose available memory's half, beside the device cache's 24 blocks (on a CPU,
+    # host memory too), is those six blocks, and a pool asked of 1,000 GiB (the device's
+    # cache, on this CPU, still planned from what is really free).
     available = memory.free_memory_bytes(torch.device("cpu"))
     monkeypatch.setattr(memory, "free_memory_bytes", lambda device: available)
-    monkeypatch.setattr(memory, "host_memory_bytes", lambda: 2 * six_blocks)
+    monkeypatch.setattr(memory, "host_memory_bytes", lambda: 2 * six_blocks + 24 * six_blocks // 6)
     config = aiocb.ContinuousBatchingConfig(
         page_size=16, num_blocks=24, cpu_offload_space=1000.0, cpu_offload_space_safety_threshold=0.5, safety_margin=0.0
     )
@@ -192,6 +193,29 @@ def test_sliding_window_and_hybrid_models_match_generate(factory: object, config
         assert sliding.num_blocks == 4 * DEFAULT_MAX_REQUESTS_PER_BATCH
 
 
+def test_multi_head_latent_attention_is_refused_naming_it() -> None:
+    """DeepSeek-V2/V3's keys and values are wider than the head_dim its config gives: a
+    cache of that width failed at the first step (an index_copy_ shape error)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    config = DeepseekV3Config(
+        **{**_TINY, "num_hidden_layers": 2},
+        moe_intermediate_size=16,
+        kv_lora_rank=16,
+        q_lora_rank=None,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+    )
+    with pytest.raises(aiocb.InvalidConfigError, match="kv_lora_rank"):
+        aiocb.generate_batch(DeepseekV3ForCausalLM(config).eval(), [[1, 2, 3]], max_new_tokens=2)
+
+
 def test_a_hybrid_models_rings_share_a_small_budget_with_its_full_layers() -> None:
     """A sliding group is given a ring per concurrent request only where that leaves its
     full groups as many blocks: else every group gets the same (as transformers' blocks of
@@ -208,6 +232,39 @@ def test_a_hybrid_models_rings_share_a_small_budget_with_its_full_layers() -> No
     roomy = plan_cache(spec, config, free_bytes=2**26)
     rings = 4 * roomy.max_requests_per_batch  # (ceil(39 / 16) + 1 blocks a window)
     assert roomy.num_blocks[windows.index(40)] == rings < roomy.num_blocks[windows.index(None)]
+
+
+def test_an_unbounded_host_pool_on_a_cpu_leaves_out_what_the_cache_takes(
+    qwen3: PreTrainedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a CPU the device cache is host memory too: the offload pool (cpu_offload_space
+    None: the safety threshold's share of what is available) counts it taken."""
+    from aiocb.runner import memory
+    from aiocb.runner.model_spec import model_spec
+
+    spec, available = model_spec(qwen3), 2**30
+    monkeypatch.setattr(memory, "host_memory_bytes", lambda: available)
+    config = aiocb.ContinuousBatchingConfig(cpu_offload_space=None, max_memory_percent=0.5, max_batch_tokens=256)
+    plan = memory.plan_cache(spec, config, free_bytes=available)
+    per_block = spec.bytes_per_block(config.page_size, spec.num_layers)
+    device, host = plan.num_blocks[0] * per_block, plan.num_host_blocks[0] * per_block
+    assert host <= (available - device) * config.cpu_offload_space_safety_threshold
+    assert host > 0
+
+
+async def test_a_hybrid_managers_chosen_num_blocks_fits_given_back() -> None:
+    """The num_blocks a manager reports is whole-model blocks costing what its groups' do
+    (it reported the full group's, which given back to every group took far more memory)."""
+    model = _gemma3()
+    config = aiocb.ContinuousBatchingConfig(page_size=16, max_batch_tokens=256, max_memory_percent=0.05)
+    async with aiocb.Manager(model, continuous_batching_config=config) as manager:
+        chosen = manager.continuous_batching_config
+        planned = manager.statistics().total_blocks
+    assert chosen.num_blocks is not None and chosen.num_blocks < planned
+    # (a little more room: the host's free memory moves between the two plans)
+    given_back = dataclasses.replace(chosen, max_memory_percent=0.06)
+    async with aiocb.Manager(model, continuous_batching_config=given_back) as again:
+        assert (await again.generate([1, 2, 3], max_new_tokens=2)).generated_tokens
 
 
 @pytest.mark.parametrize("chunk_bytes", [None, 1 << 12], ids=["one_batch", "row_batches"])
