@@ -589,10 +589,10 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...] | None:
         given = token
         # (JSON object keys are strings)
         token = int(token) if isinstance(token, str) and _DECIMAL.fullmatch(token) else token_id(token)
-        if token is None or token < 0:
-            raise InvalidRequestError(
-                f"logit_bias keys must be token ids, got {reprlib.repr(given)}", param="logit_bias"
-            )
+        if token is None or not 0 <= token < 2**63:  # (no vocabulary is larger)
+            bits = 0 if token is None else abs(token).bit_length()  # (one of 4,300 digits or more has no repr)
+            shown = f"an integer of {bits} bits" if bits > 63 else reprlib.repr(given)
+            raise InvalidRequestError(f"logit_bias keys must be token ids, got {shown}", param="logit_bias")
         if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
             raise InvalidRequestError(
                 f"logit_bias[{token}] must be a number in [-100, 100], got {bias!r}", param="logit_bias"
