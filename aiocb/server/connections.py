@@ -206,7 +206,7 @@ class _HeaderBounds:
 
 def http_protocol(header_timeout: float, max_header_bytes: int, **bounds: Any) -> type[asyncio.Protocol]:
     """uvicorn's fastest HTTP protocol here (httptools when installed, else h11), bounded
-    (``bounds``: see :func:`h11_protocol`)."""
+    (``bounds``: see :func:`_bounded`)."""
     if importlib.util.find_spec("httptools") is not None:
         return httptools_protocol(header_timeout, max_header_bytes, **bounds)
     return h11_protocol(header_timeout, max_header_bytes, **bounds)
@@ -240,48 +240,37 @@ class _HttpToolsBodyEnd:
         super().on_message_complete()  # type: ignore[misc]
 
 
-def h11_protocol(
-    header_timeout: float,
-    max_header_bytes: int = 16384,
-    *,
-    max_connections: int | None = None,
-    send_timeout: float | None = None,
-    retry_after: int = 1,
-) -> type[asyncio.Protocol]:
-    """uvicorn's h11 protocol with bounded headers; with ``max_connections``, a 503 (with
-    ``Retry-After: retry_after``) past that many connections; with ``send_timeout``, a
-    connection closed with bytes left unread dropped that long after."""
-    attributes = {
-        "max_connections": max_connections,
-        "send_timeout": send_timeout,
-        "retry_after": retry_after,
-    }
-    return _bounded((_H11BodyEnd, H11Protocol), header_timeout, max_header_bytes, attributes)
+def h11_protocol(header_timeout: float, max_header_bytes: int = 16384, **bounds: Any) -> type[asyncio.Protocol]:
+    """uvicorn's h11 protocol with bounded headers (and ``bounds``: see :func:`_bounded`)."""
+    return _bounded((_H11BodyEnd, H11Protocol), header_timeout, max_header_bytes, **bounds)
 
 
-def httptools_protocol(
-    header_timeout: float,
-    max_header_bytes: int = 16384,
-    *,
-    max_connections: int | None = None,
-    send_timeout: float | None = None,
-    retry_after: int = 1,
-) -> type[asyncio.Protocol]:
+def httptools_protocol(header_timeout: float, max_header_bytes: int = 16384, **bounds: Any) -> type[asyncio.Protocol]:
     """uvicorn's httptools protocol (needs httptools), bounded as :func:`h11_protocol`'s."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+    return _bounded((_HttpToolsBodyEnd, HttpToolsProtocol), header_timeout, max_header_bytes, **bounds)
+
+
+def _bounded(
+    bases: tuple[type, type[asyncio.Protocol]],
+    header_timeout: float,
+    max_header_bytes: int,
+    *,
+    max_connections: int | None = None,
+    send_timeout: float | None = None,
+    retry_after: int = 1,
+) -> type[asyncio.Protocol]:
+    """The protocol of ``bases`` with bounded headers; with ``max_connections``, a 503 (with
+    ``Retry-After: retry_after``) past that many connections; with ``send_timeout``, a
+    connection closed with bytes left unread dropped that long after."""
     attributes = {
+        "header_timeout": header_timeout,
+        "max_header_bytes": max_header_bytes,
         "max_connections": max_connections,
         "send_timeout": send_timeout,
         "retry_after": retry_after,
     }
-    return _bounded((_HttpToolsBodyEnd, HttpToolsProtocol), header_timeout, max_header_bytes, attributes)
-
-
-def _bounded(
-    bases: tuple[type, type[asyncio.Protocol]], header_timeout: float, max_header_bytes: int, attributes: dict[str, Any]
-) -> type[asyncio.Protocol]:
-    attributes = {"header_timeout": header_timeout, "max_header_bytes": max_header_bytes, **attributes}
     return type(f"Bounded{bases[-1].__name__}", (_HeaderBounds, *bases), attributes)
 
 

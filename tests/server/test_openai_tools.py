@@ -106,7 +106,14 @@ def _validate(call: Any) -> tuple[str, dict[str, Any]]:
 
 def test_required_and_named_tools(client: Any) -> None:
     reply = client.chat.completions.create(
-        model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="required", n=4, temperature=1.0, seed=1
+        model=MODEL,
+        messages=MESSAGES,
+        tools=TOOLS,
+        tool_choice="required",
+        n=4,
+        temperature=1.0,
+        seed=1,
+        max_tokens=256,
     )
     for choice in reply.choices:
         assert choice.finish_reason == "tool_calls"
@@ -115,7 +122,7 @@ def test_required_and_named_tools(client: Any) -> None:
             _validate(call)
     named = {"type": "function", "function": {"name": "to_fahrenheit"}}
     reply = client.chat.completions.create(
-        model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=named, n=4, temperature=1.0, seed=2
+        model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=named, n=4, temperature=1.0, seed=2, max_tokens=256
     )
     for choice in reply.choices:
         (call,) = choice.message.tool_calls
@@ -131,6 +138,7 @@ def test_streamed_tool_calls_reassemble_to_the_response(client: Any) -> None:
         "temperature": 1.0,
         "seed": 5,
         "n": 2,
+        "max_tokens": 256,  # (the bundled model's generation config caps a chat's default at 64)
     }
     whole = client.chat.completions.create(**fields)
     calls: dict[tuple[int, int], dict[str, str]] = {}
@@ -154,7 +162,13 @@ def test_streamed_tool_calls_reassemble_to_the_response(client: Any) -> None:
 
 def test_a_tool_result_turn_and_the_next_call(client: Any) -> None:
     first = client.chat.completions.create(
-        model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, seed=3
+        model=MODEL,
+        messages=MESSAGES,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        seed=3,
+        max_tokens=256,
     )
     message = first.choices[0].message
     (call,) = message.tool_calls
@@ -164,7 +178,13 @@ def test_a_tool_result_turn_and_the_next_call(client: Any) -> None:
         {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"celsius": 12})},
     ]
     second = client.chat.completions.create(
-        model=MODEL, messages=messages, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, seed=4
+        model=MODEL,
+        messages=messages,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        seed=4,
+        max_tokens=256,
     )
     (next_call,) = second.choices[0].message.tool_calls
     _validate(next_call)
