@@ -571,6 +571,7 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...] | None:
                 all_ints(tokens)
                 and kinds <= _NUMBERS
                 and min(tokens) >= 0
+                and max(tokens) < 2**63  # (no vocabulary is larger: the slow path names one that is)
                 and min(biases) >= -100
                 and max(biases) <= 100
                 and not math.isnan(sum(biases))  # (a NaN escapes min and max)

@@ -68,6 +68,7 @@ class _BadIndex:
         ({"logit_bias": {"a": 1}}, "logit_bias keys must be token ids"),
         ({"logit_bias": {"\u00b2": 1}}, "logit_bias keys must be token ids"),
         ({"logit_bias": {-(10**5000): 1}}, "logit_bias keys must be token ids, got an integer of 16610 bits"),
+        ({"logit_bias": {10**5000: 1}}, "logit_bias keys must be token ids, got an integer of 16610 bits"),
         (
             {"structural_tag": {"type": "structural_tag", "format": {}, "triggers": []}},
             r"unknown key\(s\) \['triggers'\]",

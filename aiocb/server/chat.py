@@ -150,7 +150,9 @@ class ChatCompletion:
         self.hides_special = keep_special and sampling.skip_special_tokens
         max_tokens = sampling.max_tokens
         if max_tokens is None:
-            max_tokens = ctx.default_max_tokens(len(self.prompt_ids))
+            # (the model's cap gives way to the request's own min_tokens, not refused naming
+            # a length the client never gave)
+            max_tokens = max(ctx.default_max_tokens(len(self.prompt_ids)), sampling.min_tokens or 0)
         specs = [
             ChoiceSpec(
                 index=j,

@@ -206,6 +206,7 @@ async def test_a_models_generation_config_gives_what_a_request_leaves_out(
             openai_defaults = (await http.post("/v1/completions", json=plain)).json()["choices"][0]["text"]
             chat = {"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True, "min_tokens": 0}
             capped = (await http.post("/v1/chat/completions", json=chat)).json()
+            longer = (await http.post("/v1/chat/completions", json={**chat, "min_tokens": 10})).json()
             before = manager.statistics().tokens_generated
             one = (await http.post("/v1/completions", json={**base, "n": 1, "max_tokens": 4})).json()
             generated = manager.statistics().tokens_generated - before
@@ -214,6 +215,7 @@ async def test_a_models_generation_config_gives_what_a_request_leaves_out(
             ended = (await http.post("/v1/completions", json=body)).json()
     assert left_out == given != openai_defaults
     assert capped["usage"]["completion_tokens"] == 7
+    assert longer["usage"]["completion_tokens"] == 10, "the cap gives way to the request's min_tokens"
     assert len(one["choices"]) == 1 and generated == 4, "one sample computed, not the config's three"
     assert (ended["usage"]["completion_tokens"], ended["choices"][0]["finish_reason"]) == (1, "stop")
 
