@@ -552,6 +552,8 @@ def _pairs(name: str, value: Any, example: str) -> Iterable[tuple[Any, Any]]:
 #: superscripts, which ``int`` refuses, and of other scripts' digits, which ``int`` reads),
 #: at most 19 (no vocabulary is larger; past 4,300 ``int`` refuses the string).
 _DECIMAL = re.compile(r"-?[0-9]{1,19}")
+#: Past the largest token id any vocabulary has: an id from here on is refused as none.
+_NO_TOKEN_ID = 2**63
 
 
 def _logit_bias(value: Any) -> tuple[tuple[int, float], ...] | None:
@@ -571,7 +573,7 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...] | None:
                 all_ints(tokens)
                 and kinds <= _NUMBERS
                 and min(tokens) >= 0
-                and max(tokens) < 2**63  # (no vocabulary is larger: the slow path names one that is)
+                and max(tokens) < _NO_TOKEN_ID  # (the slow path names one that is not)
                 and min(biases) >= -100
                 and max(biases) <= 100
                 and not math.isnan(sum(biases))  # (a NaN escapes min and max)
@@ -590,9 +592,9 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...] | None:
         given = token
         # (JSON object keys are strings)
         token = int(token) if isinstance(token, str) and _DECIMAL.fullmatch(token) else token_id(token)
-        if token is None or not 0 <= token < 2**63:  # (no vocabulary is larger)
-            bits = 0 if token is None else abs(token).bit_length()  # (one of 4,300 digits or more has no repr)
-            shown = f"an integer of {bits} bits" if bits > 63 else reprlib.repr(given)
+        if token is None or not 0 <= token < _NO_TOKEN_ID:
+            bits = 0 if token is None else abs(token).bit_length()  # (4,300 digits or more have no repr)
+            shown = f"an integer of {bits} bits" if bits >= _NO_TOKEN_ID.bit_length() else reprlib.repr(given)
             raise InvalidRequestError(f"logit_bias keys must be token ids, got {shown}", param="logit_bias")
         if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
             raise InvalidRequestError(

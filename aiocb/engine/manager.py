@@ -283,7 +283,7 @@ class Manager:
         spec, plan = layout
         resolved = copy.copy(self._runner_config)  # (not replace(): no checks or deprecation warnings again)
         # (a num_blocks given is every group's: a hybrid model's sliding groups hold fewer)
-        per_block = [spec.bytes_per_block(plan.page_size, len(layers)) for _, layers in spec.group_layers()]
+        per_block = spec.group_block_bytes(plan.page_size)
         resolved.num_blocks = sum(n * b for n, b in zip(plan.num_blocks, per_block, strict=True)) // sum(per_block)
         resolved.max_batch_tokens = plan.max_batch_tokens
         resolved.max_requests_per_batch = plan.max_requests_per_batch

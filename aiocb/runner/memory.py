@@ -133,13 +133,14 @@ def plan_cache(
     remaining = budget - max_batch_tokens * per_token - logits_bytes
 
     groups = spec.group_layers()
+    # (a block of each group, a full group's with its extra bytes)
+    costs = [
+        block + (extra_bytes_per_block if window is None else 0)
+        for block, (window, _) in zip(spec.group_block_bytes(page), groups, strict=True)
+    ]
     if config.num_blocks is not None:
         num_blocks = [config.num_blocks] * len(groups)
-        needed = sum(
-            config.num_blocks
-            * (spec.bytes_per_block(page, len(layers)) + (extra_bytes_per_block if window is None else 0))
-            for window, layers in groups
-        )
+        needed = config.num_blocks * sum(costs)
         if needed > remaining:  # (as transformers checks a given size's footprint)
             raise MemoryError(
                 f"num_blocks={config.num_blocks} needs {needed / 2**20:,.1f} MiB of KV cache, more than the "
@@ -149,7 +150,7 @@ def plan_cache(
                 "or those, or raise max_memory_percent"
             )
     else:
-        num_blocks = _fill_budget(spec, groups, page, max_requests, remaining, extra_bytes_per_block)
+        num_blocks = _fill_budget(groups, costs, page, max_requests, remaining)
     if min(num_blocks) < 1:
         raise MemoryError(
             f"no room for the KV cache: {budget / 2**30:.2f} GiB budget "
@@ -157,7 +158,7 @@ def plan_cache(
             "lower max_batch_tokens or max_requests_per_batch, or raise max_memory_percent"
         )
     max_requests = min(max_requests, min(num_blocks))
-    host_blocks = _host_blocks(spec, groups, page, num_blocks, config)
+    host_blocks = _host_blocks(spec, page, num_blocks, config)
     logger.info(
         "KV cache: %s blocks of %d tokens per group, max_batch_tokens=%d, max_requests_per_batch=%d, "
         "host offload blocks %s",
@@ -166,16 +167,10 @@ def plan_cache(
     return CachePlan(page, num_blocks, max_batch_tokens, max_requests, budget, host_blocks)
 
 
-def _host_blocks(
-    spec: ModelSpec,
-    groups: list[tuple[int | None, tuple[int, ...]]],
-    page: int,
-    num_blocks: list[int],
-    config: ContinuousBatchingConfig,
-) -> list[int]:
+def _host_blocks(spec: ModelSpec, page: int, num_blocks: list[int], config: ContinuousBatchingConfig) -> list[int]:
     """Host blocks per group for CPU offloading, shared out like the device cache."""
     space = config.cpu_offload_space
-    per_block = [spec.bytes_per_block(page, len(layers)) for _, layers in groups]
+    per_block = spec.group_block_bytes(page)
     device_bytes = sum(n * b for n, b in zip(num_blocks, per_block, strict=True))
     available = host_memory_bytes()
     if spec.device.type == "cpu":  # (the cache itself is about to take that much of it)
@@ -193,27 +188,23 @@ def _host_blocks(
             )  # fmt: skip
             host_bytes = limit
     if host_bytes <= 0:
-        return [0] * len(groups)
+        return [0] * len(num_blocks)
     return [int(host_bytes * n * b / device_bytes) // b for n, b in zip(num_blocks, per_block, strict=True)]
 
 
 def _fill_budget(
-    spec: ModelSpec,
     groups: list[tuple[int | None, tuple[int, ...]]],
+    per_block: list[int],
     page: int,
     max_requests: int,
     remaining: int,
-    extra_bytes_per_block: int = 0,
 ) -> list[int]:
     """Blocks per group filling ``remaining`` bytes. A sliding group needs at most a ring
     per concurrent request; a full group's need grows with the contexts. Every group gets
     the same count of blocks where that leaves the sliding groups less than their rings (as
     transformers' whole-model blocks: then fewer requests hold a window's ring at once),
-    and a full group the bytes a sliding group's rings leave beside that."""
-    per_block = [
-        spec.bytes_per_block(page, len(layers)) + (extra_bytes_per_block if window is None else 0)
-        for window, layers in groups
-    ]
+    and a full group the bytes a sliding group's rings leave beside that. ``per_block``: a
+    block's bytes in each group."""
     even = max(remaining, 0) // sum(per_block)
     blocks = [even if window is None else min(ring_size(window, page) * max_requests, even) for window, _ in groups]
     full = [i for i, (window, _) in enumerate(groups) if window is None]

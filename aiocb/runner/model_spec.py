@@ -56,6 +56,10 @@ class ModelSpec:
         """Bytes of K and V for one block of ``num_layers`` layers."""
         return 2 * num_layers * page_size * self.num_kv_heads * self.head_dim * self.dtype_bytes
 
+    def group_block_bytes(self, page_size: int) -> list[int]:
+        """Bytes of one block of each cache group, in :meth:`group_layers` order."""
+        return [self.bytes_per_block(page_size, len(layers)) for _, layers in self.group_layers()]
+
 
 def model_spec(model: PreTrainedModel) -> ModelSpec:
     """Read a model's attention layout from its (text) config."""
