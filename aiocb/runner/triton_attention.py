@@ -81,6 +81,7 @@ if HAS_TRITON:
         m_i,
         l_i,
         acc,
+        kv_lo,
         kv_end,
         table_row,
         k_head,
@@ -107,6 +108,11 @@ if HAS_TRITON:
         """One BLOCK_N tile of keys: scores, mask, online-softmax update of (m_i, l_i, acc)."""
         key_pos = start_n + offs_n
         key_valid = key_pos < kv_end
+        if USE_WINDOW:
+            # Keys before the tile's first window start are never read: in a ring their
+            # slots may hold a newer page not written that far (its values unset, and a
+            # masked score's zero weight times a NaN value is NaN).
+            key_valid = key_valid & (key_pos >= kv_lo)
         in_page = key_pos % PAGE_SIZE
         if TILE_IN_PAGE:
             # BLOCK_N divides the page and tiles start aligned: the whole tile is in one
@@ -272,11 +278,12 @@ if HAS_TRITON:
         # tiles stay aligned to pages when BLOCK_N divides the page size.
         last_token = tl.minimum(q_len, (q_tile + 1) * BLOCK_Q)
         kv_end = context_start + last_token
+        kv_lo = 0
         kv_begin = 0
         if USE_WINDOW:
             first_pos = context_start + q_tile * BLOCK_Q
-            kv_begin = tl.maximum(first_pos - window + 1, 0)
-            kv_begin = (kv_begin // BLOCK_N) * BLOCK_N
+            kv_lo = tl.maximum(first_pos - window + 1, 0)
+            kv_begin = (kv_lo // BLOCK_N) * BLOCK_N
         # Keys this program walks: the whole range, or one partition of it. Partitions are
         # sized from this row's own range (not the step's longest), so a short row is not
         # left to one program while others idle, in whole BLOCK_N tiles from the (aligned)
@@ -308,7 +315,7 @@ if HAS_TRITON:
             start_n = loop_begin
             while start_n < loop_end:
                 m_i, l_i, acc = _attend_tile(
-                    start_n, q, q_pos, m_i, l_i, acc, kv_end, table_row, k_head, v_head,
+                    start_n, q, q_pos, m_i, l_i, acc, kv_lo, kv_end, table_row, k_head, v_head,
                     stride_kb, stride_kp, stride_vb, stride_vp, scale, softcap, window, ring_blocks,
                     offs_n, offs_d, d_valid, PAGE_SIZE, USE_SOFTCAP, USE_WINDOW, USE_RING, DOT_PRECISION, INTERPRETED,
                     TILE_IN_PAGE,
@@ -317,7 +324,7 @@ if HAS_TRITON:
         else:
             for start_n in range(loop_begin, loop_end, BLOCK_N):
                 m_i, l_i, acc = _attend_tile(
-                    start_n, q, q_pos, m_i, l_i, acc, kv_end, table_row, k_head, v_head,
+                    start_n, q, q_pos, m_i, l_i, acc, kv_lo, kv_end, table_row, k_head, v_head,
                     stride_kb, stride_kp, stride_vb, stride_vp, scale, softcap, window, ring_blocks,
                     offs_n, offs_d, d_valid, PAGE_SIZE, USE_SOFTCAP, USE_WINDOW, USE_RING, DOT_PRECISION, INTERPRETED,
                     TILE_IN_PAGE,

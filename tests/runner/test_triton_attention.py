@@ -218,6 +218,19 @@ def test_sliding_window_ring_block_table() -> None:
 
 
 @needs_kernel
+def test_ring_slots_before_the_window_are_never_read() -> None:
+    # Window 20 over pages of 8, a ring of 4: at position 99 the first ring column holds
+    # page 12 (positions 96..103), written only to 99. Tiles start aligned down from the
+    # window's start, so its unwritten slots sit in the first tile: read, a NaN there
+    # would poison the row even with a zero weight.
+    case = make_case([(100, 1)], num_heads=4, num_kv_heads=2, head_dim=32, page=8, ring=4)
+    column_0 = int(case.block_table[0, 0])
+    case.key_cache[column_0, 4:] = float("nan")
+    case.value_cache[column_0, 4:] = float("nan")
+    check(case, window=20, ring=4)
+
+
+@needs_kernel
 @pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")])
 def test_half_precision(dtype: torch.dtype) -> None:
     check(make_case(MIXED, dtype=dtype, seed=4), softcap=None, atol=2e-2, rtol=2e-2)
