@@ -737,23 +737,22 @@ class Scheduler:
         """Why ``request``, just given ``token``, ends now (None: it goes on)."""
         params = request.params
         num_output = len(request.token_ids) - len(request.prompt_ids)
-        stops = num_output > params.min_tokens and token in params.stop_token_ids
-        # The text of a stop token is left out, as a stop string is (unless kept).
-        keeps_text = not stops or params.include_stop_str_in_output
-        matched = request.text.add(token, num_output, last=stops) if request.text is not None and keeps_text else None
         completed = request.grammar is not None and request.grammar.accept(token)
         if completed and request.grammar is not None and request.grammar.rejected:
             request.error = _CONSTRAINT_CONFLICT
             return FinishReason.ERROR
+        # (a grammar that allows nothing more lets its end token through under min_tokens)
+        stops = token in params.stop_token_ids and (num_output > params.min_tokens or completed)
+        # The text of a stop token is left out, as a stop string is (unless kept).
+        keeps_text = not stops or params.include_stop_str_in_output
+        matched = request.text.add(token, num_output, last=stops) if request.text is not None and keeps_text else None
         if stops:
             request.stop_reason = token
             return FinishReason.STOP
         if matched is not None:
             request.stop_reason = matched
             return FinishReason.STOP
-        if completed:  # (its grammar allows nothing more: min_tokens then gives way)
-            if token in params.stop_token_ids:
-                request.stop_reason = token
+        if completed:
             return FinishReason.STOP
         if num_output >= params.max_new_tokens:
             return FinishReason.LENGTH

@@ -406,10 +406,13 @@ async def test_a_grammar_complete_under_min_tokens_ends_with_its_end_token_as_th
 ) -> None:
     model, tokenizer = bundled
     async with aiocb.Manager(model, tokenizer=tokenizer) as manager:
-        plain = await manager.generate("x", choice=["yes", "no"], max_new_tokens=8, temperature=0)
-        held = await manager.generate("x", choice=["yes", "no"], max_new_tokens=8, temperature=0, min_tokens=8)
+        params = {"choice": ["yes", "no"], "max_new_tokens": 8, "temperature": 0, "skip_special_tokens": False}
+        plain = await manager.generate("x", **params)
+        held = await manager.generate("x", **params, min_tokens=8)
     assert held.generated_tokens == plain.generated_tokens
     assert held.stop_reason == plain.stop_reason == plain.generated_tokens[-1]
+    # Its text is left out as any stop token's (special tokens kept, so it would show).
+    assert held.text == plain.text in ("yes", "no")
 
 
 async def test_unions_whose_schemas_cannot_overlap_are_served(bundled: tuple[Any, Any]) -> None:
