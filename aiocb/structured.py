@@ -14,7 +14,6 @@ being sampled (the next mask depends on it), and it ends when its grammar is com
 
 from __future__ import annotations
 
-import copy
 import functools
 import json
 import re
@@ -334,13 +333,38 @@ def _is_integer(value: Any) -> bool:
     return isinstance(value, int) or (isinstance(value, float) and value.is_integer())
 
 
+#: The most schemas of a ``oneOf`` compared two by two (:func:`_apart`), where no one trait
+#: keeps them all apart: the pairs grow as their square (1,000 took seconds, holding the GIL).
+MOST_ONE_OF_PAIRS_COMPARED = 64
+
+
 def _disjoint(branches: list[Any], root: Any) -> bool:
     """Whether no instance can match two of ``branches`` (a ``oneOf``'s), as :func:`_apart`
-    shows it for each two (local ``$ref`` followed)."""
+    shows it for each two (local ``$ref`` followed): at once where one trait (their types,
+    their own values, the values of a property all of them require) keeps every two apart,
+    else two by two for at most :data:`MOST_ONE_OF_PAIRS_COMPARED` schemas."""
     resolved = [_resolved(branch, root) for branch in branches]
     if not all(isinstance(branch, dict) for branch in resolved):
         return False
+    kinds = [_types(branch) for branch in resolved]
+    widened = [k | {"number"} if k is not None and "integer" in k else k for k in kinds]
+    if _all_apart(widened) or _all_apart([_values(branch) for branch in resolved]):
+        return True
+    if all(kind == _OBJECTS for kind in kinds):
+        common = set.intersection(*(set(branch.get("required") or ()) for branch in resolved))
+        for name in sorted(common):
+            named = [branch.get("properties") or {} for branch in resolved]
+            if _all_apart([_values(_resolved(properties.get(name), root)) for properties in named]):
+                return True
+    if len(resolved) > MOST_ONE_OF_PAIRS_COMPARED:
+        return False
     return all(_apart(a, b, root) for i, a in enumerate(resolved) for b in resolved[i + 1 :])
+
+
+def _all_apart(sets: list[frozenset[str] | None]) -> bool:
+    """:func:`_pairwise_disjoint` in one pass: every set known, none sharing a member."""
+    known = [s for s in sets if s is not None]
+    return len(known) == len(sets) and sum(map(len, known)) == len(frozenset().union(*known))
 
 
 def _apart(a: dict[str, Any], b: dict[str, Any], root: Any) -> bool:
@@ -416,23 +440,31 @@ def _unenforced_keyword(schema: Any) -> str | None:
     if not found:
         return None
     grammar = _xgrammar().Grammar.from_json_schema
+    # Each keyword is tried in the schema that holds it (with the root's definitions, which
+    # its references may name), not in the whole: a schema of hundreds of checked keywords
+    # was built anew for each (seconds). Schemas alike are built once.
+    built: dict[str, str | None] = {}
 
     def build(value: Any) -> str | None:
-        try:
-            return str(grammar(json.dumps(value), any_whitespace=False))
-        except Exception:  # (compiling reports it)
-            return None
+        text = json.dumps(value)
+        if text not in built:
+            try:
+                built[text] = str(grammar(text, any_whitespace=False))
+            except Exception:  # (compiling reports it)
+                built[text] = None
+        return built[text]
 
-    whole = build(schema)
-    if whole is None:
+    if build(schema) is None:
         return None
+    definitions = {key: schema[key] for key in ("$defs", "definitions") if isinstance(schema, dict) and key in schema}
     for path, key in found:
-        without = copy.deepcopy(schema)
-        node = without
+        holder = schema
         for step in path:
-            node = node[step]
-        del node[key]
-        if build(without) == whole:
+            holder = holder[step]
+        if path:
+            holder = {**definitions, **holder}
+        without = {name: value for name, value in holder.items() if name != key}
+        if build(without) == build(holder):
             return f"{key!r} at /{'/'.join(str(step) for step in path)}"
     return None
 

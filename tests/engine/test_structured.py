@@ -370,6 +370,15 @@ async def test_a_long_constraint_compiles_in_a_lane_of_its_own(
     ("keyword", "schema"),
     [
         ("uniqueItems", {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}),
+        # (deeper, where it is tried in the schema that holds it, whose reference names the root's)
+        (
+            "uniqueItems",
+            {
+                "$defs": {"Tag": {"type": "string", "maxLength": 4}},
+                "type": "object",
+                "properties": {"tags": {"type": "array", "items": {"$ref": "#/$defs/Tag"}, "uniqueItems": True}},
+            },
+        ),
         (
             "not",
             {"type": "object", "properties": {"a": {"type": "integer"}}, "not": {"required": ["a"]}},
@@ -454,6 +463,50 @@ async def test_unions_whose_schemas_cannot_overlap_are_served(bundled: tuple[Any
             for output in outputs.values():
                 if output.finish_reason is aiocb.FinishReason.STOP:
                     jsonschema.validate(json.loads(output.text or ""), schema)
+
+
+async def test_wide_schemas_are_checked_without_work_growing_as_their_square(
+    bundled: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Hundreds of checked keywords, or a ``oneOf`` of a thousand values, under the short
+    constraints' size: each checked keyword was once tried by building the whole schema's
+    grammar anew, and a ``oneOf``'s schemas were compared two by two (seconds, holding up
+    every short constraint). A ``oneOf`` too wide to compare is refused, not compared."""
+    import xgrammar
+
+    from aiocb import structured
+
+    builds: list[str] = []
+    build = xgrammar.Grammar.from_json_schema
+
+    def counted(schema: str, **kwargs: Any) -> Any:
+        builds.append(schema)
+        return build(schema, **kwargs)
+
+    monkeypatch.setattr(xgrammar.Grammar, "from_json_schema", staticmethod(counted))
+    pairs: list[int] = []
+    apart = structured._apart
+    monkeypatch.setattr(structured, "_apart", lambda *args: pairs.append(1) or apart(*args))
+    model, tokenizer = bundled
+    stepped = {f"p{i}": {"type": "integer", "multipleOf": 3} for i in range(300)}
+    wide = {"type": "object", "properties": stepped}
+    units = {"oneOf": [{"const": i} for i in range(1000)]}
+    closed = [
+        {"type": "object", "properties": {f"k{i}": {"type": "integer"}}, "required": [f"k{i}"]}
+        for i in range(structured.MOST_ONE_OF_PAIRS_COMPARED + 1)
+    ]
+    async with aiocb.Manager(model, tokenizer=tokenizer) as manager:
+        assert len(json.dumps(wide)) < 16_384 and len(json.dumps(units)) < 16_384  # (short ones)
+        await manager.generate("x", json_schema=wide, max_new_tokens=2)
+        assert len(builds) <= 3  # the whole, and the property schema with and without the keyword
+        output = await manager.generate("x", json_schema=units, max_new_tokens=NEW, temperature=0)
+        if output.finish_reason is aiocb.FinishReason.STOP:
+            jsonschema.validate(json.loads(output.text or ""), units)
+        assert not pairs  # (their values are all apart: no two compared)
+        await manager.generate("x", json_schema={"oneOf": closed[:-1]}, max_new_tokens=2)
+        assert len(pairs) == len(closed[:-1]) * (len(closed) - 2) // 2
+        with pytest.raises(aiocb.InvalidRequestError, match="'oneOf' at /"):
+            await manager.generate("x", json_schema={"oneOf": closed}, max_new_tokens=2)
 
 
 @pytest.mark.parametrize(
