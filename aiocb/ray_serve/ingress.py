@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Iterable, Mapping
 from typing import Any, cast
 
 import orjson
@@ -29,6 +29,7 @@ from aiocb.ray_serve.forwarding import ForwardedRequest, ResponseStart
 from aiocb.ray_serve.replica import REPLICA_HEADER
 from aiocb.ray_serve.routing import MAX_BLOCKS, prefix_hashes, prompt_text
 from aiocb.server.app import api_key_refusal, receive_body
+from aiocb.server.edge import PROXIED_REQUEST_ID_HEADER
 from aiocb.server.limits import ServerLimits, parse_json
 from aiocb.server.protocol import APIError
 from aiocb.server.sse import DONE
@@ -68,7 +69,7 @@ class Ingress:
             method=request.method,
             path=path,
             query_string=request.scope.get("query_string", b""),
-            headers=tuple(request.scope["headers"]),
+            headers=_proxied_id(request.scope["headers"]),
             body=body,
             client=(client.host, client.port) if client else None,
             prefix=prefix,
@@ -114,6 +115,21 @@ class Ingress:
         if len(body) > _INLINE_PARSE_BYTES:
             return await asyncio.to_thread(_hash_body, path, body, self.block_chars, depth)
         return _hash_body(path, body, self.block_chars, depth)
+
+
+def _proxied_id(headers: Iterable[tuple[bytes, bytes]]) -> tuple[tuple[bytes, bytes], ...]:
+    """``headers`` with ``X-Request-Id`` moved to :data:`PROXIED_REQUEST_ID_HEADER`: Ray Serve's
+    proxy sets one on every request that lacks it, and the replica must not take it for the
+    client's, which would name the request before a body's ``request_id``."""
+    proxied = PROXIED_REQUEST_ID_HEADER.encode()
+    kept = []
+    for name, value in headers:
+        lowered = name.lower()
+        if lowered == b"x-request-id":
+            kept.append((proxied, value))
+        elif lowered != proxied:  # (a client's own is not the proxy's)
+            kept.append((name, value))
+    return tuple(kept)
 
 
 def _app_path(scope: Mapping[str, Any]) -> str:

@@ -56,10 +56,19 @@ def access_record(scope: Scope) -> AccessRecord:
     return record if isinstance(record, AccessRecord) else AccessRecord("")
 
 
-def _record(header: str | None) -> AccessRecord:
-    """The record of a request with this ``X-Request-Id``: the client's id when sane, else fresh."""
+#: The header the Ray Serve ingress moves a request's ``X-Request-Id`` to: the proxy in front
+#: of it gives every request one (the client's, or one it makes), so it names a request only
+#: where its body's ``request_id`` does not.
+PROXIED_REQUEST_ID_HEADER = "x-aiocb-proxied-request-id"
+
+
+def _record(header: str | None, proxied: str | None) -> AccessRecord:
+    """The record of a request with this ``X-Request-Id``: the client's id when sane, else
+    the one a proxy gave it (:data:`PROXIED_REQUEST_ID_HEADER`), else fresh."""
     if header is not None and sane_request_id(header):  # (1 to 128 visible ASCII characters)
         return AccessRecord(header, from_client=True)
+    if proxied is not None and sane_request_id(proxied):
+        return AccessRecord(proxied)
     return AccessRecord(uuid.uuid4().hex)
 
 
@@ -85,7 +94,7 @@ class EdgeMiddleware:
             return
         started = time.perf_counter()
         headers = Headers(scope=scope)
-        record = _record(headers.get("x-request-id"))
+        record = _record(headers.get("x-request-id"), headers.get(PROXIED_REQUEST_ID_HEADER))
         scope[_SCOPE_KEY] = record
         task = asyncio.current_task()
         assert task is not None

@@ -213,6 +213,51 @@ async def test_run_asgi_gives_the_same_response_as_the_app_over_http(model: PreT
         assert events[-1] == "data: [DONE]" and len(events) >= 3
 
 
+async def test_a_body_s_request_id_names_the_request_though_the_proxy_gave_it_an_id(
+    model: PreTrainedModel, tokenizer: Any
+) -> None:
+    """Ray Serve's proxy gives every request an X-Request-Id (the client's, or one it makes):
+    the ingress moves it aside, so that a body's ``request_id`` names the request on the
+    replica as it does in one process, and the proxy's id names one without."""
+    from starlette.requests import Request
+
+    from aiocb.ray_serve.ingress import Ingress
+
+    sent: list[ForwardedRequest] = []
+
+    class Stream:
+        async def __anext__(self) -> Any:
+            raise StopAsyncIteration
+
+        def cancel(self) -> None:
+            pass
+
+    class Handle:
+        def options(self, **_: Any) -> Handle:
+            return self
+
+        @property
+        def forward(self) -> Any:
+            return SimpleNamespace(remote=lambda forwarded: sent.append(forwarded) or Stream())
+
+    ingress = Ingress(Handle(), ServerLimits(), BLOCK_CHARS)  # type: ignore[arg-type]
+    completion = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 2, "temperature": 0}
+    for body in ({**completion, "request_id": "mine-42"}, completion):
+        raw = json.dumps(body).encode()
+
+        async def receive(raw: bytes = raw) -> dict[str, Any]:
+            return {"type": "http.request", "body": raw, "more_body": False}
+
+        headers = [(b"content-length", str(len(raw)).encode()), (b"x-request-id", b"proxy-7")]
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": headers}
+        await ingress(Request(scope, receive))
+    async with aiocb.Manager(model, continuous_batching_config=serve_config()) as manager:
+        app = build_server(manager, tokenizer, MODEL_NAME)
+        named = [await _collect(run_asgi(app, forwarded)) for forwarded in sent]
+    assert [json.loads(body)["id"] for _, body in named] == ["cmpl-mine-42", "cmpl-proxy-7"]
+    assert [dict(start.headers)[b"x-request-id"] for start, _ in named] == [b"mine-42", b"proxy-7"]
+
+
 @pytest.mark.parametrize("stream", [True, False])
 async def test_closing_the_forwarded_response_cancels_the_request_and_frees_its_blocks(
     model: PreTrainedModel, tokenizer: Any, stream: bool
