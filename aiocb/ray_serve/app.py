@@ -47,7 +47,7 @@ def build_app(
     model: str | os.PathLike[str] | None = None,
     *,
     num_replicas: int | Literal["auto"] | None = None,
-    autoscaling_config: Mapping[str, Any] | None = None,
+    autoscaling_config: Mapping[str, Any] | AutoscalingConfig | None = None,
     ray_actor_options: Mapping[str, Any] | None = None,
     tensor_parallel_size: int = 1,
     routing: Routing = "prefix_affinity",
@@ -66,8 +66,9 @@ def build_app(
     Args:
         num_replicas: a fixed count (default 1), or ``"auto"`` for autoscaling with
             :data:`AUTOSCALING_DEFAULTS`.
-        autoscaling_config: Ray Serve autoscaling by ongoing requests per replica; keys
-            left out take :data:`AUTOSCALING_DEFAULTS`. Not with a fixed ``num_replicas``.
+        autoscaling_config: Ray Serve autoscaling by ongoing requests per replica (a dict,
+            or Ray Serve's ``AutoscalingConfig``); keys left out take
+            :data:`AUTOSCALING_DEFAULTS`. Not with a fixed ``num_replicas``.
         ray_actor_options: each replica's resources (default ``{"num_cpus": 1}``, plus
             ``"num_gpus": 1`` when the Ray cluster has GPUs, or, before Ray is initialised,
             when this machine has). Under tensor parallelism each rank's bundle holds the
@@ -154,9 +155,17 @@ def build_app(
     return application
 
 
-def _scaling(num_replicas: int | str | None, autoscaling: Mapping[str, Any] | None) -> dict[str, Any]:
+def _scaling(
+    num_replicas: int | str | None, autoscaling: Mapping[str, Any] | AutoscalingConfig | None
+) -> dict[str, Any]:
     if num_replicas not in (None, "auto") and autoscaling is not None:
         raise InvalidConfigError("autoscaling_config goes with num_replicas='auto' (or none), not a fixed count")
+    if isinstance(autoscaling, AutoscalingConfig):  # (Ray's own: its fields as given)
+        autoscaling = autoscaling.model_dump(exclude_unset=True)
+    if autoscaling is not None and not isinstance(autoscaling, Mapping):
+        raise InvalidConfigError(
+            f"autoscaling_config must be a dict or Ray Serve's AutoscalingConfig, got {type(autoscaling).__name__}"
+        )
     if num_replicas == "auto" or autoscaling is not None:
         merged = {**AUTOSCALING_DEFAULTS, **(autoscaling or {})}
         try:

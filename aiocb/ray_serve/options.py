@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from aiocb.cli.serve import DTYPES
+from aiocb.cli.serve import DTYPES, MAX_TORCH_THREADS
 from aiocb.config import ContinuousBatchingConfig, as_config
 from aiocb.errors import InvalidConfigError
 from aiocb.server.limits import ServerLimits
@@ -76,8 +76,8 @@ class ReplicaOptions:
             )
         if self.log_level not in _LOG_LEVELS:
             raise InvalidConfigError(f"log_level must be one of {', '.join(_LOG_LEVELS)}, got {self.log_level!r}")
-        if self.torch_threads is not None and self.torch_threads < 1:
-            raise InvalidConfigError(f"torch_threads must be at least 1, got {self.torch_threads}")
+        if self.torch_threads is not None and not 1 <= self.torch_threads <= MAX_TORCH_THREADS:
+            raise InvalidConfigError(f"torch_threads must be 1 to {MAX_TORCH_THREADS}, got {self.torch_threads}")
         if self.shutdown_timeout < 0:
             raise InvalidConfigError(f"shutdown_timeout must be 0 or more, got {self.shutdown_timeout}")
         if not isinstance(self.limits, ServerLimits):
@@ -86,6 +86,11 @@ class ReplicaOptions:
             raise InvalidConfigError(f"limits.send_timeout {_SEND_TIMEOUT_REFUSED}")
         # (aiocb's or transformers' own, as a Manager takes it)
         object.__setattr__(self, "continuous_batching_config", as_config(self.continuous_batching_config))
+        if self.continuous_batching_config.return_logprobs:
+            raise InvalidConfigError(
+                "continuous_batching_config.return_logprobs is the library's default for requests that do not "
+                "say; a server's requests always say (the logprobs field, false when left out)"
+            )
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
             raise InvalidConfigError(
                 f"speculative_config must be an aiocb.SpeculativeConfig, got {type(self.speculative_config).__name__}"

@@ -310,6 +310,10 @@ async def test_closing_the_forwarded_response_cancels_the_request_and_frees_its_
         ({"limits": ServerLimits(send_timeout=5)}, "limits.send_timeout does not apply to replicas"),
         ({"continuous_batching_config": {}}, "continuous_batching_config"),
         ({"torch_threads": 0}, "torch_threads"),
+        ({"torch_threads": 100_000}, "torch_threads must be 1 to 1024"),
+        ({"autoscaling_config": [("max_replicas", 8)]}, "autoscaling_config must be a dict"),
+        # (as `aiocb serve` refuses --return-logprobs: a server's requests always say)
+        ({"continuous_batching_config": aiocb.ContinuousBatchingConfig(return_logprobs=True)}, "return_logprobs"),
     ],
 )
 def test_build_app_refuses_bad_options_by_name(kwargs: dict[str, Any], message: str) -> None:
@@ -358,6 +362,11 @@ def test_build_app_defaults() -> None:
     tuned = build_app(None, num_replicas="auto", autoscaling_config={"max_replicas": 8})
     config = tuned._bound_deployment.init_args[0]._bound_deployment._deployment_config.autoscaling_config
     assert (config.max_replicas, config.target_ongoing_requests) == (8, 64), "the other keys keep aiocb's defaults"
+    from ray.serve.config import AutoscalingConfig
+
+    ray_own = build_app(None, num_replicas="auto", autoscaling_config=AutoscalingConfig(max_replicas=6))
+    config = ray_own._bound_deployment.init_args[0]._bound_deployment._deployment_config.autoscaling_config
+    assert (config.max_replicas, config.target_ongoing_requests) == (6, 64)
 
 
 async def test_a_burst_of_new_prefixes_spreads_over_the_replicas_before_any_is_routed() -> None:
