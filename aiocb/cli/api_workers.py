@@ -46,6 +46,7 @@ from aiocb.cli.serve import (
 )
 from aiocb.collector import freeze_alive_objects
 from aiocb.config import ContinuousBatchingConfig
+from aiocb.errors import InvalidConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ def serve_with_workers(args: argparse.Namespace, config: ContinuousBatchingConfi
         return 2
     try:
         manager, _ = load_manager(args, config)
-    except ModelLoadError as exc:
+    except (ModelLoadError, InvalidConfigError) as exc:  # (the latter: a draft model that would not load)
         listener.close()
         print(f"aiocb serve: {exc}", file=sys.stderr)
         return 2

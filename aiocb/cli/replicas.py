@@ -17,7 +17,7 @@ import sys
 import threading
 from typing import Any
 
-from aiocb.cli.serve import UVICORN_DEFAULTS, chat_parsers, served_model_name
+from aiocb.cli.serve import UVICORN_DEFAULTS, chat_parsers, missing_local_path, served_model_name
 from aiocb.config import ContinuousBatchingConfig
 from aiocb.server.limits import ServerLimits
 
@@ -55,6 +55,8 @@ def replica_problems(args: argparse.Namespace) -> list[str]:
         )
     if args.autoscaling_config is not None and args.replicas != "auto":
         problems.append("--autoscaling-config goes with --replicas auto, not a fixed count")
+    if args.ray_address is None and missing_local_path(args.model):  # (a cluster's nodes may have it)
+        problems.append(f"cannot load {args.model}: no such directory")
     return problems
 
 
@@ -109,7 +111,13 @@ def serve_with_replicas(args: argparse.Namespace, config: ContinuousBatchingConf
         # Built again now that Ray runs, so that the replicas' default resources see the cluster's GPUs.
         app = make_app()
         deployed = True  # (from here on: a deploy that fails half-way is cleaned up)
-        serve.run(app, name=APP_NAME, route_prefix="/")
+        try:
+            serve.run(app, name=APP_NAME, route_prefix="/")
+        except RuntimeError as exc:  # (Ray Serve's: the replicas' own errors are in the log above)
+            print(
+                f"aiocb serve: the replicas did not start ({exc}); their errors are in the log above", file=sys.stderr
+            )
+            return 2
         logger.info(
             "serving %s on http://%s:%d with %s replicas on Ray Serve",
             served_model_name(args),

@@ -325,7 +325,8 @@ def flag_problems(args: argparse.Namespace) -> list[str]:
             "--return-logprobs is the library's default for requests that do not say; a server's requests "
             "always say (the logprobs field, false when left out)"
         )
-    if args.device != "auto":
+    # (replicas on a cluster run where its GPUs are, not on this machine)
+    if args.device != "auto" and (args.replicas is None or args.ray_address is None):
         problems += _device_problems(args.device)
     return problems
 
@@ -464,10 +465,15 @@ def load_model(args: argparse.Namespace) -> tuple[Any, Any]:
         )
     except (OSError, ValueError, RuntimeError, ImportError) as exc:
         what = args.model if args.model is not None else "the bundled model"
-        if args.model is not None and args.model.startswith(("/", ".", "~")) and not os.path.exists(args.model):
+        if missing_local_path(args.model):
             raise ModelLoadError(f"cannot load {what}: no such directory") from exc
         device = args.device if args.device != "auto" else "cuda" if _cuda_available() else "cpu"
         raise ModelLoadError(f"cannot load {what} (or its tokenizer) on {device}: {exc}") from exc
+
+
+def missing_local_path(model: str | None) -> bool:
+    """Whether ``model`` is written as a local path (not a hub id) that does not exist."""
+    return model is not None and model.startswith(("/", ".", "~")) and not os.path.exists(os.path.expanduser(model))
 
 
 def _cuda_available() -> bool:

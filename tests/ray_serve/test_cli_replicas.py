@@ -51,6 +51,8 @@ def test_replica_counts_are_parsed() -> None:
         (("--replicas", "auto", "--autoscaling-config", '{"max_replicas": 0}'), "autoscaling_config"),
         (("--replicas", "2", "--routing", "power_of_two", "--log-level", "nope"), None),
         (("--replicas", "2", "--tensor-parallel-size", "2"), "model path"),
+        (("/no/such/model", "--replicas", "2"), "cannot load /no/such/model: no such directory"),
+        (("--replicas", "2", "--device", "cuda:99"), "--device cuda:99: this machine has"),
     ],
 )
 def test_flags_that_do_not_fit_replicas_are_refused_before_ray_starts(
@@ -62,6 +64,16 @@ def test_flags_that_do_not_fit_replicas_are_refused_before_ray_starts(
         return
     assert run_serve(parse(*argv)) == 2
     assert message in capsys.readouterr().err
+
+
+def test_replicas_on_a_cluster_are_not_checked_against_this_machine() -> None:
+    """Its nodes have the GPUs and the model path, which this machine may lack (a replica
+    checks its device where it runs)."""
+    from aiocb.cli.replicas import replica_problems
+    from aiocb.cli.serve import flag_problems
+
+    args = parse("/on/the/nodes", "--replicas", "2", "--ray-address", "ray://head:10001", "--device", "cuda:99")
+    assert flag_problems(args) + replica_problems(args) == []
 
 
 def _wait_ready(url: str, process: subprocess.Popen[str], log: Path) -> None:

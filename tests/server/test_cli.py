@@ -226,11 +226,13 @@ def test_the_connection_bounds_reach_the_protocol() -> None:
 
 
 def test_a_draft_model_that_does_not_load_is_a_clean_error(capsys: pytest.CaptureFixture[str]) -> None:
-    args = parse("--port", str(_free_port()), "--speculative-config", '{"method": "draft", "draft_model": "/nowhere"}')
-    args.model = None  # (the bundled model loads; its draft does not)
-    assert run_serve(args) == 2
-    error = capsys.readouterr().err
-    assert "\naiocb serve: draft_model '/nowhere' could not be loaded" in f"\n{error}", error
+    for flags in ([], ["--api-workers", "1"]):
+        draft = '{"method": "draft", "draft_model": "/nowhere"}'
+        args = parse(*flags, "--port", str(_free_port()), "--speculative-config", draft)
+        args.model = None  # (the bundled model loads; its draft does not)
+        assert run_serve(args) == 2
+        error = capsys.readouterr().err
+        assert "\naiocb serve: draft_model '/nowhere' could not be loaded" in f"\n{error}", error
 
 
 def test_a_model_that_does_not_load_is_a_clean_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
