@@ -11,6 +11,7 @@ The replica then runs the :class:`~aiocb.Manager` as rank 0 and the actors run
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
 import socket
 from typing import Any
@@ -137,7 +138,11 @@ def join_and_load(model: str, options: ReplicaOptions, rank: int, size: int, add
     if options.torch_threads:
         torch.set_num_threads(options.torch_threads)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=size)
+        # The model's own collectives wait as long as the group's timeout: a follower left in
+        # one when rank 0's forward failed midway waits for cpu_group_timeout, not gloo's 30 min.
+        timeout = options.continuous_batching_config.cpu_group_timeout
+        bound = None if timeout is None else datetime.timedelta(seconds=timeout)  # (None: the backend's own)
+        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=size, timeout=bound)
     dtype: Any = options.dtype if options.dtype == "auto" else getattr(torch, options.dtype)
     return aiocb.distributed.load_model(model, tp_size=size, dtype=dtype, trust_remote_code=options.trust_remote_code)
 

@@ -331,6 +331,37 @@ def test_replica_options_take_transformers_own_config() -> None:
     assert (options.continuous_batching_config.page_size, options.continuous_batching_config.num_blocks) == (16, 40)
 
 
+def test_a_tensor_parallel_rank_s_group_waits_as_long_as_cpu_group_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model's own all-reduces wait as long as the process group's timeout: a follower
+    left in one when rank 0's forward failed midway would wait gloo's 30 minutes."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from aiocb.ray_serve.options import ReplicaOptions
+    from aiocb.ray_serve.tensor_parallel import join_and_load
+
+    joined: list[dict[str, Any]] = []
+
+    class Joined(Exception):
+        pass
+
+    def init_process_group(backend: str, **kwargs: Any) -> None:
+        joined.append(kwargs)
+        raise Joined
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    for timeout in (42.0, None):
+        options = ReplicaOptions(
+            device="cpu", continuous_batching_config=aiocb.ContinuousBatchingConfig(cpu_group_timeout=timeout)
+        )
+        with pytest.raises(Joined):
+            join_and_load("unused", options, 0, 2, "127.0.0.1", 1)
+    assert joined[0]["timeout"] == datetime.timedelta(seconds=42)
+    assert joined[1]["timeout"] is None  # (the backend's own)
+
+
 def test_build_app_checks_tensor_parallelism_against_the_model_config(model_dir: Any) -> None:
     with pytest.raises(InvalidConfigError, match="num_key_value_heads"):
         build_app(model_dir, tensor_parallel_size=3)
