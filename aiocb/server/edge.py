@@ -174,7 +174,7 @@ class EdgeMiddleware:
             return APIError(
                 429,
                 f"the server is handling its limit of {bound} concurrent requests "
-                "(--max-concurrent-requests, per API worker); retry later",
+                "(--max-concurrent-requests, per API worker or replica); retry later",
                 type="rate_limit_exceeded",
                 code="too_many_concurrent_requests",
             )
