@@ -32,6 +32,14 @@ def ring_size(sliding_window: int, page_size: int) -> int:
     return -(-(sliding_window - 1) // page_size) + 1
 
 
+def ring_safe_tokens(sliding_window: int, page_size: int) -> int:
+    """The most new tokens a row of a sliding-window group may bring in one step for its
+    queries to find every key they need in the ring once the step has written: each new
+    token overwrites the key ``ring_size * page_size`` positions before it, which the row's
+    first query must not need, and a row writes only its last ``window - 1`` new tokens."""
+    return min(sliding_window - 1, ring_size(sliding_window, page_size) * page_size - sliding_window + 1)
+
+
 class KVCacheManager:
     """Allocates, shares and frees the KV blocks of every request."""
 

@@ -89,6 +89,8 @@ def paged_attention_forward(
             metadata.max_seq_len,
             scale,
             softcap,
+            group.window,
+            None if group.window is None else ring_size(group.window, metadata.cache.page_size),
         )
     return out[None], None
 

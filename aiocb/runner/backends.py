@@ -8,10 +8,13 @@
 * ``flash``: flash-attn's varlen kernel with a block table (CUDA, when importable and
   ``auto_switch_to_flash`` is on).
 
-Sliding-window groups keep a ring of blocks per request that a chunk may overwrite
-while reading it, so on GPUs they always use ``reference`` (as transformers turns its
-decode fast path off for any sliding layer); ``cpu`` reads sliding layers' multi-token
-rows as ``reference`` does, so it takes them too.
+Sliding-window groups keep a ring of blocks per request, which a long chunk overwrites
+while its first queries still need what it held. ``triton`` reads them in place in steps
+whose rows bring few enough tokens (:func:`~aiocb.core.kv_cache.ring_safe_tokens`:
+decode steps and verified proposals), a step with longer rows attending them as
+``reference`` does; ``flash`` cannot read a ring, so with it they use ``reference``
+(transformers turns its decode fast path off for any sliding layer); ``cpu`` reads
+sliding layers' multi-token rows as ``reference`` does.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ class Backend(enum.StrEnum):
 FLASH_PAGE_MULTIPLE = 256
 
 #: ``kernel(query, key_cache, value_cache, block_table, query_start, seq_lens,
-#: max_query_len, max_seq_len, scale, softcap) -> [T, Hq, D]``
+#: max_query_len, max_seq_len, scale, softcap, window, ring_blocks) -> [T, Hq, D]``
 PagedKernel = Callable[..., torch.Tensor]
 
 _logged: set[tuple[str, ...]] = set()
@@ -67,7 +70,8 @@ def select_backends(
     """The attention backend of each cache group (a cache of ``dtype``, heads of
     ``head_dim``); logs the choice once per distinct result."""
     paged = _paged_backend(device, config, page_size, dtype, head_dim)
-    chosen = [paged if window is None or paged == Backend.CPU else Backend.REFERENCE for window in windows]
+    ring_readers = (Backend.CPU, Backend.TRITON)
+    chosen = [paged if window is None or paged in ring_readers else Backend.REFERENCE for window in windows]
     key = (device.type, *chosen)
     if key not in _logged:
         _logged.add(key)
@@ -129,6 +133,8 @@ def _triton_kernel(
     max_seq_len: int,
     scale: float,
     softcap: float | None,
+    window: int | None,
+    ring_blocks: int | None,
 ) -> torch.Tensor:
     from aiocb.runner.triton_attention import triton_paged_attention
 
@@ -142,6 +148,8 @@ def _triton_kernel(
         max_query_len,
         scale,
         softcap,
+        window,
+        ring_blocks=ring_blocks,
         max_seq_len=max_seq_len,  # (bounds the decode split: a host int, no device sync)
     )
 
@@ -157,8 +165,12 @@ def _flash_kernel(
     max_seq_len: int,
     scale: float,
     softcap: float | None,
+    window: int | None,
+    ring_blocks: int | None,
 ) -> torch.Tensor:
     from flash_attn import flash_attn_varlen_func
+
+    assert window is None and ring_blocks is None  # (select_backends: sliding groups are reference's with flash)
 
     cu_seqlens_k = torch.nn.functional.pad(seq_lens.cumsum(0, dtype=torch.int32), (1, 0))
     return flash_attn_varlen_func(  # type: ignore[no-any-return]

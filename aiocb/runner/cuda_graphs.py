@@ -152,7 +152,15 @@ class DecodeGraphs:
             batch.is_decode
             and batch.num_rows <= self.buckets[-1]
             and all(group.block_table.shape[1] <= self.max_blocks for group in inputs.attention.groups)
+            and self._backends_kept(inputs)
         )
+
+    def _backends_kept(self, inputs: StepInputs) -> bool:
+        """Whether the step's groups attend through the backends the graphs were captured
+        with (a step whose rows are too long for a sliding group's ring reads it otherwise)."""
+        # (a draft model's graphs run over the target's inputs: the groups its own cache has)
+        groups = inputs.attention.groups[: len(self._slots)]
+        return all(group.backend == backend for group, backend in zip(groups, self._backends, strict=False))
 
     def width_for(self, batch: StepBatch, inputs: StepInputs) -> int:
         """The query width of the graph that runs a step verifying proposals (every row its
@@ -171,7 +179,7 @@ class DecodeGraphs:
         width = self.widths[bisect.bisect_left(self.widths, longest)]
         if any(group.block_table.shape[1] > self.max_blocks for group in metadata.groups):
             return 0
-        return width
+        return width if self._backends_kept(inputs) else 0
 
     @property
     def captured(self) -> bool:

@@ -22,7 +22,7 @@ from typing import TypeVar, cast
 
 import torch
 
-from aiocb.core.kv_cache import ring_size
+from aiocb.core.kv_cache import ring_safe_tokens, ring_size
 from aiocb.runner.backends import Backend
 from aiocb.runner.input_batch import InputBatch
 from aiocb.runner.paged_cache import PagedKVCache
@@ -405,19 +405,23 @@ def prepare_inputs(
     apart = [i for i in prefill if batch.num_tokens[i] > _IN_PLACE_MOST_QUERIES] if in_place else prefill
 
     groups = []
+    longest = max(batch.num_tokens)
     for g, window in enumerate(cache.group_windows):
         table, table_lengths = state.table(g, slots)
+        backend = backends[g]
+        if backend == Backend.TRITON and window is not None and longest > ring_safe_tokens(window, cache.page_size):
+            backend = Backend.REFERENCE  # (its long rows overwrite keys their first queries read: read first)
         group = GroupAttention(
             window=window,
-            backend=backends[g],
+            backend=backend,
             slot_mapping=step.write_slots(g, table),
             block_table=table.to(torch.int32),
         )
-        if backends[g] == Backend.REFERENCE:
+        if backend == Backend.REFERENCE:
             if batch.num_single_token_rows:
                 step.reference_decode(group, g, table, table_lengths, decode_index)
             step.reference_prefill(group, g, table, prefill, firsts)
-        elif backends[g] == Backend.CPU:
+        elif backend == Backend.CPU:
             if batch.num_single_token_rows:
                 group.decode_keys = step.decode_keys(g, decode_index)
             if window is not None or not in_place:
@@ -603,24 +607,27 @@ _MIN_SHARED_TOKENS = 256
 #: On CPU, single-token rows are attended in batches whose gathered keys and values take
 #: about this many bytes: such a batch is read back from the processor's cache, where one
 #: batch of every row would go out to main memory (measured about 1.5x faster in a step's
-#: attention on the development machine). On GPUs one batch of every row is best.
+#: attention on the development machine).
 _CPU_DECODE_CHUNK_BYTES = 4 << 20
+#: Elsewhere (a GPU) the batches are as large as this bound lets them be: their gathered
+#: keys and values are memory the cache plan does not reserve (a window of 4,096 over 1,024
+#: rows of a Mistral-7B layer would gather 16 GiB at once).
+_DEVICE_DECODE_CHUNK_BYTES = 256 << 20
 
 
-def _decode_chunk_slots(cache: PagedKVCache) -> int | None:
+def _decode_chunk_slots(cache: PagedKVCache) -> int:
     """How many key slots (padding included) one batch of single-token rows may gather."""
-    if cache.device.type != "cpu":
-        return None
-    return max(1, _CPU_DECODE_CHUNK_BYTES // (2 * cache.slot_nbytes))
+    budget = _CPU_DECODE_CHUNK_BYTES if cache.device.type == "cpu" else _DEVICE_DECODE_CHUNK_BYTES
+    return max(1, budget // (2 * cache.slot_nbytes))
 
 
-def _decode_chunks(lengths: torch.Tensor, max_slots: int | None) -> list[torch.Tensor | None]:
+def _decode_chunks(lengths: torch.Tensor, max_slots: int) -> list[torch.Tensor | None]:
     """Split single-token rows with ``lengths`` keys into batches of at most ``max_slots``
     gathered keys: rows by increasing length (so each batch pads little), as many as fit.
 
     Returns each batch's row indices, or ``[None]``: every row in one batch, in order.
     """
-    if max_slots is None or int(lengths.max()) * len(lengths) <= max_slots:
+    if int(lengths.max()) * len(lengths) <= max_slots:
         return [None]
     sizes, order = torch.sort(lengths, stable=True)
     count = len(sizes)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from aiocb.runner.inputs import _decode_chunks
+from aiocb.runner.inputs import _decode_chunk_slots, _decode_chunks
 from aiocb.runner.memory import CachePlan
 from aiocb.runner.model_spec import model_spec
 from aiocb.runner.paged_cache import PagedKVCache
@@ -15,8 +17,15 @@ from tests.conftest import tiny_qwen3
 from tests.fuzzing import fuzz_settings
 
 
-def test_one_batch_in_order_without_a_budget() -> None:
-    assert _decode_chunks(torch.tensor([5, 1, 3]), None) == [None]
+def test_a_gpu_s_batches_are_bounded_too() -> None:
+    """Their gathered keys are memory the cache plan does not reserve: a sliding window of
+    4,096 over 1,024 rows of a Mistral-7B layer (8 KV heads of 128 in bf16) would gather
+    16 GiB in one batch."""
+    layer = SimpleNamespace(device=torch.device("cuda"), slot_nbytes=8 * 128 * 2)
+    slots = _decode_chunk_slots(layer)  # type: ignore[arg-type]
+    assert 2 * slots * layer.slot_nbytes == 256 << 20
+    chunks = _decode_chunks(torch.full((1024,), 4096), slots)
+    assert len(chunks) == 64 and all(chunk is not None and len(chunk) == 16 for chunk in chunks)
 
 
 def test_one_batch_in_order_when_every_row_fits() -> None:

@@ -12,7 +12,7 @@ import torch
 from transformers import PreTrainedModel
 
 import aiocb
-from aiocb.runner import attention
+from aiocb.runner import attention, backends
 from aiocb.runner.backends import Backend, select_backends
 from aiocb.runner.compile import compile_configs
 from aiocb.runner.cuda_graphs import DecodeGraphs, batch_buckets
@@ -35,7 +35,45 @@ def test_triton_backend_matches_generate_through_the_whole_model(
     assert [o.generated_tokens for o in outputs.values()] == [reference_generate(qwen3, p, 6) for p in PROMPTS]
 
 
-def test_backend_selection() -> None:
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "decode-graphs"])
+def test_sliding_window_layers_read_their_rings_in_place_through_triton(
+    graphs: bool, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> None:
+    """A hybrid model's sliding layers attend through the Triton kernel where its rows
+    bring few enough tokens for the ring to hold every key their queries need (decode
+    steps, in CUDA graphs too, and short chunks), and as ``reference`` reads them in steps
+    with longer rows: greedy outputs equal ``model.generate``'s."""
+    pytest.importorskip("triton")
+    from aiocb.core.kv_cache import ring_safe_tokens
+    from aiocb.runner import triton_attention
+
+    monkeypatch.setenv("AIOCB_ATTENTION_BACKEND", Backend.TRITON)
+    captured: list[int] = request.getfixturevalue("graphs_on_cpu") if graphs else []
+    windowed: list[int] = []  # each windowed kernel call's longest row
+    kernel = triton_attention.triton_paged_attention
+
+    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if args[9] is not None:  # (its sliding_window)
+            windowed.append(args[6])
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(triton_attention, "triton_paged_attention", counted)
+    window, page = 12, 4
+    model = tiny_qwen3(use_sliding_window=True, sliding_window=window, max_window_layers=1)
+    assert model.config.layer_types == ["full_attention", "sliding_attention"]
+    prompts = random_prompts(5, 3, 40, seed=21)
+    config = aiocb.ContinuousBatchingConfig(
+        page_size=page, max_batch_tokens=24, decode_compile_config={"disable": True}
+    )
+    outputs = aiocb.generate_batch(model, prompts, max_new_tokens=12, continuous_batching_config=config)
+    assert [o.generated_tokens for o in outputs.values()] == [reference_generate(model, p, 12) for p in prompts]
+    safe = ring_safe_tokens(window, page)
+    assert safe == 5 and windowed.count(1) >= 11 and all(longest <= safe for longest in windowed)
+    assert any(longest > 1 for longest in windowed)  # (a prompt's short last chunk, in place)
+    assert bool(captured) == graphs
+
+
+def test_backend_selection(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu, default = torch.device("cpu"), aiocb.ContinuousBatchingConfig()
     assert select_backends(cpu, default, [None], 256, dtype=torch.bfloat16, head_dim=64) == [Backend.REFERENCE]
     assert select_backends(cpu, default, [None, 64], 256, dtype=torch.float32, head_dim=8192) == [
@@ -56,8 +94,16 @@ def test_backend_selection() -> None:
         dtype=torch.float16,
         head_dim=64,
     )
-    # Sliding-window groups always use the reference backend.
-    assert chosen[1] == Backend.REFERENCE
+    # Sliding-window groups use Triton's kernel (it reads their rings) where Triton runs.
+    from aiocb.runner import triton_attention
+
+    assert chosen == [Backend.TRITON] * 2 if triton_attention.is_available(cuda) else [Backend.REFERENCE] * 2
+    with monkeypatch.context() as patched:  # (flash-attn cannot read a ring)
+        patched.setattr(backends, "_flash_available", lambda: True)
+        assert select_backends(cuda, default, [None, 64], 256, dtype=torch.float16, head_dim=64) == [
+            Backend.FLASH,
+            Backend.REFERENCE,
+        ]
 
 
 def test_batch_buckets_bound_padding_waste() -> None:
