@@ -422,7 +422,8 @@ def event_loop_name(args: argparse.Namespace) -> str:
 
 
 def uvicorn_config(app: Any, args: argparse.Namespace, loop: str) -> Any:
-    """uvicorn's configuration of the HTTP side, from the flags."""
+    """uvicorn's configuration of the HTTP side, from the flags (``app``: the server's, whose
+    metrics count the refusals of the connections' protocol)."""
     import uvicorn
 
     from aiocb.server.connections import http_protocol
@@ -433,7 +434,7 @@ def uvicorn_config(app: Any, args: argparse.Namespace, loop: str) -> Any:
         args.max_header_bytes,
         max_connections=args.max_connections,
         send_timeout=limits.send_timeout,
-        retry_after=limits.retry_after,
+        metrics=None if app is None else app.state.aiocb.metrics,
     )
     return uvicorn.Config(
         app,

@@ -111,6 +111,8 @@ class Request:
     host_block_ids: list[list[int]] = NONE_YET
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    #: tokens it had computed when a preemption threw its KV away (until it is readmitted)
+    num_lost_tokens: int = 0
     #: when the request was first admitted into a step (its queue time ends)
     scheduled_time: float | None = None
     first_token_time: float | None = None

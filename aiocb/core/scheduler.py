@@ -148,7 +148,8 @@ class SchedulerStats:
     num_preemptions: int = 0
     num_computed_tokens: int = 0
     num_generated_tokens: int = 0
-    #: computed tokens whose KV a preemption threw away (they will be computed again)
+    #: computed tokens whose KV a preemption threw away, computed again on readmission
+    #: (those the prefix cache gave back are not)
     num_recomputed_tokens: int = 0
     #: decode inputs planned while their token was still being sampled (async batching)
     num_carried_tokens: int = 0
@@ -908,12 +909,16 @@ class Scheduler:
                     self.kv_cache.free(request)  # let go of prefix hits until it can run
                     request.num_computed_tokens = 0
                 break
-            if matched:  # (counted once admitted: a counter never goes back)
-                self.kv_cache.num_prefix_hit_tokens += request.num_computed_tokens
-                if request.scheduled_time is None:
-                    # Its prompt's (a request readmitted after a preemption finds its own
-                    # generated tokens' blocks too: not prompt tokens served from the cache).
-                    request.num_cached_tokens = min(request.num_computed_tokens, request.num_prompt_tokens)
+            # (counted once admitted: a counter never goes back) What a preemption threw
+            # away and the cache gives back is neither a hit nor computed again.
+            lost, request.num_lost_tokens = request.num_lost_tokens, 0
+            found = request.num_computed_tokens if matched else 0
+            self.kv_cache.num_prefix_hit_tokens += max(0, found - lost)
+            self.stats.num_recomputed_tokens += max(0, lost - found)
+            if matched and request.scheduled_time is None:
+                # Its prompt's (a request readmitted after a preemption finds its own
+                # generated tokens' blocks too: not prompt tokens served from the cache).
+                request.num_cached_tokens = min(request.num_computed_tokens, request.num_prompt_tokens)
             if offloaded:
                 _extend(output.swap_in, self.kv_cache.restore(request))
             self._dequeue(request)
@@ -966,7 +971,7 @@ class Scheduler:
             _extend(output.swap_out, copies)
         else:
             self.kv_cache.free(request)
-            self.stats.num_recomputed_tokens += request.num_computed_tokens  # work thrown away
+            request.num_lost_tokens += request.num_computed_tokens  # (counted when it is readmitted)
             request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.PENDING

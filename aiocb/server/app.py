@@ -200,7 +200,8 @@ class _Api:
             said = {} if prepared is None else prepared.request.sampling.body_params()
             return self.error(exc, {**COMPLETION_PARAMS, **said})
         if prepared.request.sampling.stream:
-            return EventStreamResponse(events(completion.chunks(), self.ctx.metrics), self.ctx.metrics)
+            stream = events(completion.chunks(), self.ctx.metrics, access_record(request.scope))
+            return EventStreamResponse(stream, self.ctx.metrics)
         return await self._respond(request, completion.response())
 
     async def chat_completions(self, request: Request) -> Response:
@@ -222,7 +223,8 @@ class _Api:
                     said["structural_tag"] = prepared.request.sampling.constraint_field  # (around the thinking)
             return self.error(exc, {**CHAT_PARAMS, **said})
         if prepared.request.sampling.stream:
-            return EventStreamResponse(events(chat.chunks(), self.ctx.metrics), self.ctx.metrics)
+            stream = events(chat.chunks(), self.ctx.metrics, access_record(request.scope))
+            return EventStreamResponse(stream, self.ctx.metrics)
         return await self._respond(request, chat.response())
 
     async def _body(self, request: Request) -> bytes:

@@ -35,43 +35,33 @@ from typing import Any
 import h11
 import uvicorn
 from starlette.applications import Starlette
-from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from aiocb.server.app import begin_drain
-from aiocb.server.edge import OPEN_PATHS
-from aiocb.server.protocol import APIError
+from aiocb.server.edge import CROWDED_KEY, refused_before_the_app
+from aiocb.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
 
 class _ConnectionBound:
-    """The app, except that past ``bound`` open connections or requests a request other
-    than a probe gets a 503 naming ``--max-connections`` (uvicorn's own is plain text, and
-    refuses probes too: an orchestrator would take a flooded server for a dead one)."""
+    """The app, told past ``bound`` open connections or requests that the server holds too
+    many (:data:`~aiocb.server.edge.CROWDED_KEY` in the scope): its edge answers a request
+    other than a probe with a 503 naming ``--max-connections``, counted and logged as its
+    other refusals (uvicorn's own is plain text, and refuses probes too: an orchestrator
+    would take a flooded server for a dead one)."""
 
-    def __init__(self, app: ASGIApp, connections: set[Any], tasks: set[Any], bound: int, retry_after: int) -> None:
+    def __init__(self, app: ASGIApp, connections: set[Any], tasks: set[Any], bound: int) -> None:
         self.app = app
         self.connections = connections
         self.tasks = tasks
         self.bound = bound
-        self.retry_after = retry_after
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # (this connection and this request count among the open ones)
-        crowded = len(self.connections) > self.bound or len(self.tasks) > self.bound
-        if crowded and scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            error = APIError(
-                503,
-                f"the server holds its limit of {self.bound} connections (--max-connections, per API "
-                "worker); retry later",
-                type="service_unavailable",
-                code="too_many_connections",
-            )
-            headers = {"Retry-After": str(self.retry_after), "Connection": "close"}
-            await JSONResponse(error.to_dict(), status_code=503, headers=headers)(scope, receive, send)
-            return
+        if len(self.connections) > self.bound or len(self.tasks) > self.bound:
+            scope = {**scope, CROWDED_KEY: self.bound}
         await self.app(scope, receive, send)
 
 
@@ -111,7 +101,7 @@ class _HeaderBounds:
     max_header_bytes: int = 16384
     max_connections: int | None = None
     send_timeout: float | None = None
-    retry_after: int = 1
+    metrics: ServerMetrics | None = None
     _header_timer: asyncio.TimerHandle | None = None
     _header_bytes: int = 0
     _header_tail = b""
@@ -126,7 +116,7 @@ class _HeaderBounds:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if self.max_connections is not None:
-            self.app = _ConnectionBound(self.app, self.connections, self.tasks, self.max_connections, self.retry_after)
+            self.app = _ConnectionBound(self.app, self.connections, self.tasks, self.max_connections)
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         if self.send_timeout is not None:
@@ -202,6 +192,8 @@ class _HeaderBounds:
         )
         self.transport.write(head.encode() + body)
         self.transport.close()
+        peer = self.transport.get_extra_info("peername")
+        refused_before_the_app(self.metrics, 431, f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else "-")
 
 
 def http_protocol(header_timeout: float, max_header_bytes: int, **bounds: Any) -> type[asyncio.Protocol]:
@@ -259,17 +251,18 @@ def _bounded(
     *,
     max_connections: int | None = None,
     send_timeout: float | None = None,
-    retry_after: int = 1,
+    metrics: ServerMetrics | None = None,
 ) -> type[asyncio.Protocol]:
-    """The protocol of ``bases`` with bounded headers; with ``max_connections``, a 503 (with
-    ``Retry-After: retry_after``) past that many connections; with ``send_timeout``, a
-    connection closed with bytes left unread dropped that long after."""
+    """The protocol of ``bases`` with bounded headers (a 431 past them, counted in
+    ``metrics``); with ``max_connections``, a 503 from the app's edge past that many
+    connections; with ``send_timeout``, a connection closed with bytes left unread dropped
+    that long after."""
     attributes = {
         "header_timeout": header_timeout,
         "max_header_bytes": max_header_bytes,
         "max_connections": max_connections,
         "send_timeout": send_timeout,
-        "retry_after": retry_after,
+        "metrics": metrics,
     }
     return type(f"Bounded{bases[-1].__name__}", (_HeaderBounds, *bases), attributes)
 

@@ -6,12 +6,15 @@ request it
 - gives the request an id, the client's ``X-Request-Id`` when it is a sane one, else a
   fresh one, and puts it on the response's ``X-Request-Id`` header;
 - refuses, before the app runs, a body whose ``Content-Length`` is over the limit (413,
-  with the body unread) and an API request beyond ``max_concurrent_requests`` (429 with
-  ``Retry-After``); probes (``/health``, ``/ready``) and ``/metrics`` are never refused;
+  with the body unread), a request on a server past ``--max-connections`` (503, which the
+  connection's protocol marks in the scope: :data:`CROWDED_KEY`) and an API request
+  beyond ``max_concurrent_requests`` (429 with ``Retry-After``); probes (``/health``,
+  ``/ready``) and ``/metrics`` are never refused;
 - writes one access-log line when the response ends: status, tokens and latency;
 - drops a client that stops reading: a response that waits more than ``send_timeout``
   seconds for the client to take its bytes has its request cancelled (a stream's
-  generation with it) and the connection closed, so that it holds no slot or memory.
+  generation with it) and the connection closed, so that it holds no slot or memory
+  (logged and counted as 499, a client gone).
 """
 
 from __future__ import annotations
@@ -28,10 +31,14 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from aiocb.server.limits import ServerLimits
-from aiocb.server.metrics import ServerMetrics
+from aiocb.server.metrics import CLIENT_GONE, ServerMetrics
 from aiocb.server.protocol import APIError, sane_request_id
 
 access_logger = logging.getLogger("aiocb.access")
+
+#: The scope key under which a connection's protocol gives ``--max-connections`` when the
+#: server holds more connections (or requests) than that: the request is answered 503.
+CROWDED_KEY = "aiocb.crowded"
 
 #: Paths that stay open whatever the load (and without an API key): probes and scrapers.
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
@@ -70,6 +77,14 @@ def _record(header: str | None, proxied: str | None) -> AccessRecord:
     if proxied is not None and sane_request_id(proxied):
         return AccessRecord(proxied)
     return AccessRecord(uuid.uuid4().hex)
+
+
+def refused_before_the_app(metrics: ServerMetrics | None, status: int, peer: str) -> None:
+    """Count and log a response a connection's protocol gave before any request reached the
+    app (a 431: headers too large, never parsed)."""
+    if metrics is not None:
+        metrics.observe_error(status)
+    access_logger.info('%s "- -" %d request_id=- prompt_tokens=0 completion_tokens=0 latency_ms=0.0', peer, status)
 
 
 class EdgeMiddleware:
@@ -119,7 +134,7 @@ class EdgeMiddleware:
 
         gated = scope["path"] not in OPEN_PATHS
         try:
-            refusal = self._refusal(headers) if gated else None
+            refusal = self._refusal(scope, headers) if gated else None
             if refusal is not None:
                 self.metrics.observe_error(refusal.status)
                 response = JSONResponse(refusal.to_dict(), status_code=refusal.status, headers=self._headers(refusal))
@@ -135,6 +150,8 @@ class EdgeMiddleware:
                 # (the response was begun and is left unfinished: the server closes the connection)
                 self._stalled.discard(task)
                 task.uncancel()
+                record.status = CLIENT_GONE
+                self.metrics.observe_client_gone()
                 access_logger.warning(
                     "request_id=%s: the client took no bytes for %s s (--send-timeout); request cancelled",
                     record.request_id,
@@ -165,10 +182,19 @@ class EdgeMiddleware:
                 task.cancel()
         self._look = loop.call_later(self._look_every, self._cancel_stalled)
 
-    def _refusal(self, headers: Headers) -> APIError | None:
+    def _refusal(self, scope: Scope, headers: Headers) -> APIError | None:
         too_large = self.limits.declared_too_large(headers.get("content-length"))
         if too_large is not None:
             return too_large
+        connections = scope.get(CROWDED_KEY)
+        if connections is not None:
+            return APIError(
+                503,
+                f"the server holds its limit of {connections} connections (--max-connections, per API "
+                "worker); retry later",
+                type="service_unavailable",
+                code="too_many_connections",
+            )
         bound = self.limits.max_concurrent_requests
         if bound and self.in_flight >= bound:
             return APIError(
@@ -183,6 +209,8 @@ class EdgeMiddleware:
     def _headers(self, error: APIError) -> dict[str, str]:
         if error.status == 413:
             return {"Connection": "close"}  # the body was not read: the connection cannot go on
+        if error.code == "too_many_connections":  # (this one among them)
+            return {"Retry-After": str(self.limits.retry_after), "Connection": "close"}
         return {"Retry-After": str(self.limits.retry_after)}
 
     def _log(self, scope: Scope, record: AccessRecord, seconds: float) -> None:

@@ -17,10 +17,10 @@ from prometheus_client.registry import Collector
 
 from aiocb.server.remote import RemoteManager, ServedEngine
 
-#: Latency buckets in seconds, from sub-millisecond (loopback, tiny models) to a minute.
 #: Status of a response to a client that has gone (nginx's "client closed request").
 CLIENT_GONE = 499
 
+#: Latency buckets in seconds, from sub-millisecond (loopback, tiny models) to a minute.
 _TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 60.0)
 _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 _E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
@@ -53,7 +53,9 @@ class _ManagerCollector(Collector):
         yield gauge("aiocb_kv_cache_usage_perc", "Share of KV cache blocks in use (0 to 1).", stats.cache_usage)
         yield gauge("aiocb_kv_cache_free_blocks", "Free KV cache blocks.", stats.free_blocks)
         yield gauge("aiocb_kv_cache_total_blocks", "KV cache blocks in all.", stats.total_blocks)
-        yield gauge("aiocb_engine_running", "1 while the step loop runs.", 1.0 if stats.is_running else 0.0)
+        # (the manager's own word: an API worker's statistics may be a copy from before a hang)
+        running = self._manager.is_running
+        yield gauge("aiocb_engine_running", "1 while the step loop runs.", 1.0 if running else 0.0)
         yield counter("aiocb_engine_steps", "Forward steps run.", stats.steps)
         yield counter("aiocb_engine_computed_tokens", "Tokens run through the model.", stats.tokens_computed)
         yield counter("aiocb_engine_generated_tokens", "Tokens sampled by the engine.", stats.tokens_generated)
@@ -114,7 +116,7 @@ class ServerMetrics:
         ).labels(*self._values)
         self.prompt_tokens = Counter(
             "aiocb_prompt_tokens",
-            "Prompt tokens of finished requests (a prompt once, whatever its choices).",
+            "Prompt tokens of the requests queued (a prompt once, whatever its choices).",
             labels,
             registry=self.registry,
         ).labels(*self._values)

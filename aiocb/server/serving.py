@@ -244,6 +244,7 @@ class Submission:
         self._streams = await submit_choices(self.ctx.manager, self.specs)
         prompts = {id(spec.prompt_ids): len(spec.prompt_ids) for spec in self.specs}
         self.record.prompt_tokens = sum(prompts.values())
+        self.ctx.metrics.prompt_tokens.inc(self.record.prompt_tokens)  # (a prompt once, whatever its choices)
 
     async def deltas(self) -> AsyncGenerator[ChoiceDelta]:
         """The deltas of all choices as they come (see :func:`choice_deltas`)."""
@@ -252,17 +253,10 @@ class Submission:
             for spec, stream in zip(self.specs, self._streams, strict=True)
         ]
         record = self.record
-        # A prompt's tokens count once, when its first choice finishes (n choices share it).
-        counted: set[int] = set()
         async with aclosing(merge_deltas(iterators)) as merged:
             async for delta in merged:
                 record.completion_tokens += len(delta.token_ids)
                 self._cached[delta.index] = delta.num_cached_tokens
-                if delta.finish_reason is not None:
-                    prompt = self.specs[delta.index].prompt_ids
-                    if id(prompt) not in counted:
-                        counted.add(id(prompt))
-                        self.ctx.metrics.prompt_tokens.inc(len(prompt))
                 yield delta
 
     def usage(self, completion_tokens: int) -> dict[str, Any]:

@@ -11,7 +11,8 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from aiocb.server.metrics import ServerMetrics
+from aiocb.server.edge import AccessRecord, access_record
+from aiocb.server.metrics import CLIENT_GONE, ServerMetrics
 from aiocb.server.protocol import error_from_exception
 
 logger = logging.getLogger(__name__)
@@ -40,8 +41,11 @@ def event(value: Any) -> bytes:
     return b"data: " + dumps(value) + b"\n\n"
 
 
-async def events(chunks: AsyncIterator[dict[str, Any]], metrics: ServerMetrics) -> AsyncIterator[bytes]:
-    """The chunks as events, ended by ``[DONE]``; an error mid-stream becomes an error event."""
+async def events(
+    chunks: AsyncIterator[dict[str, Any]], metrics: ServerMetrics, record: AccessRecord
+) -> AsyncIterator[bytes]:
+    """The chunks as events, ended by ``[DONE]``; an error mid-stream becomes an error event
+    (its status counted, and the access log's: the response began 200)."""
     try:
         async for chunk in chunks:
             yield event(chunk)
@@ -50,6 +54,7 @@ async def events(chunks: AsyncIterator[dict[str, Any]], metrics: ServerMetrics) 
         if error.status >= 500 and error.status != 503:  # (503: the server stopping, not a fault)
             logger.error("a streamed request failed", exc_info=exc)
         metrics.observe_error(error.status)
+        record.status = error.status
         yield event(error.to_dict())
     finally:
         aclose = getattr(chunks, "aclose", None)
@@ -91,6 +96,7 @@ class EventStreamResponse(StreamingResponse):
         finally:
             if self._client_gone:
                 self._metrics.observe_client_gone()
+                access_record(scope).status = CLIENT_GONE
             aclose = getattr(self._iterator, "aclose", None)
             if aclose is not None:
                 await aclose()

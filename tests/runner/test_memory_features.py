@@ -64,7 +64,27 @@ async def test_prefix_sharing_under_preemption(qwen3: PreTrainedModel) -> None:
     config = aiocb.ContinuousBatchingConfig(page_size=16, num_blocks=48, max_batch_tokens=256)
     outputs, stats, _ = await _generate(qwen3, prompts, config)
     assert outputs == [reference_generate(qwen3, p, NEW) for p in prompts]
-    assert stats.preemptions > 0 and stats.prefix_hit_tokens > 0
+    assert stats.preemptions > 0 and stats.prefix_hit_tokens > 0 and stats.recomputed_tokens > 0
+    # Every token computed once, but those the cache served (a readmitted request's own
+    # blocks given back are neither hits nor computed again), plus those computed again.
+    prefill = sum(len(p) for p in prompts)
+    assert stats.tokens_computed == prefill + 32 * (NEW - 1) - stats.prefix_hit_tokens + stats.recomputed_tokens
+
+
+@pytest.mark.parametrize("sharing", [True, False])
+async def test_a_readmitted_request_s_own_blocks_are_neither_hits_nor_recomputed(
+    qwen3: PreTrainedModel, sharing: bool
+) -> None:
+    """Prompts that share nothing, preempted and recomputed: the cache gives a readmitted
+    request back the full blocks it had computed (prefix caching on), which are not prompt
+    tokens the cache served, and not computed again."""
+    prompts = random_prompts(12, 40, 100, seed=25)
+    config = aiocb.ContinuousBatchingConfig(page_size=16, num_blocks=24, safety_margin=0.0, allow_block_sharing=sharing)
+    outputs, stats, _ = await _generate(qwen3, prompts, config)
+    assert outputs == [reference_generate(qwen3, p, NEW) for p in prompts]
+    assert stats.preemptions > 0 and stats.prefix_hit_tokens == 0
+    prefill = sum(len(p) for p in prompts)
+    assert stats.recomputed_tokens == stats.tokens_computed - prefill - len(prompts) * (NEW - 1) > 0
 
 
 async def test_prefix_sharing_off(qwen3: PreTrainedModel) -> None:

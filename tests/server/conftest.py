@@ -224,7 +224,7 @@ async def live_server(
         max_header_bytes,
         max_connections=max_connections,
         send_timeout=limits.send_timeout,
-        retry_after=limits.retry_after,
+        metrics=app.state.aiocb.metrics,
     )
     config = uvicorn.Config(
         app,

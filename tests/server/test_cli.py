@@ -218,11 +218,11 @@ def test_cuda_on_a_machine_without_it_is_refused_before_anything_loads(capsys: p
 
 def test_the_connection_bounds_reach_the_protocol() -> None:
     """--max-connections is the protocol's bound (uvicorn's own answers plain text and
-    refuses probes); --send-timeout and --retry-after reach it too."""
-    args = parse("--max-connections", "1", "--send-timeout", "7", "--retry-after", "4")
+    refuses probes); --send-timeout reaches it too."""
+    args = parse("--max-connections", "1", "--send-timeout", "7")
     config = uvicorn_config(None, args, "asyncio")
     assert config.limit_concurrency is None
-    assert (config.http.max_connections, config.http.send_timeout, config.http.retry_after) == (1, 7.0, 4)
+    assert (config.http.max_connections, config.http.send_timeout) == (1, 7.0)
 
 
 def test_a_draft_model_that_does_not_load_is_a_clean_error(capsys: pytest.CaptureFixture[str]) -> None:

@@ -254,6 +254,10 @@ async def test_headers_too_large_are_431(
                 assert refused.status_code == 431
                 assert "--max-header-bytes" in refused.json()["error"]["message"]
             assert (await http.get("/health")).status_code == 200, "the server goes on"
+            # (answered by the connection, before any request reached the app: counted all the same)
+            assert (
+                'aiocb_http_errors_total{model_name="tiny-qwen3",status="431"} 2.0' in (await http.get("/metrics")).text
+            )
 
 
 @pytest.mark.parametrize("protocol", [h11_protocol, httptools_protocol], ids=["h11", "httptools"])
@@ -310,12 +314,16 @@ async def test_requests_past_the_connection_bound_are_503_naming_it_but_probes_a
         idle = [await asyncio.open_connection("127.0.0.1", server.port) for _ in range(2)]
         await server.until_connections(lambda n: n == 2)
         async with httpx.AsyncClient(base_url=server.url) as http:
-            refused = await http.get("/v1/models")
+            refused = await http.get("/v1/models", headers={"x-request-id": "crowd-1"})
             assert refused.status_code == 503
             assert "--max-connections" in refused.json()["error"]["message"]
-            assert refused.headers["retry-after"] == "3"
+            assert refused.headers["retry-after"] == "3" and refused.headers["connection"] == "close"
+            assert refused.headers["x-request-id"] == "crowd-1"  # (as any other refusal: counted, logged)
             for probe in ("/health", "/metrics"):
                 assert (await http.get(probe)).status_code == 200
+            assert (
+                'aiocb_http_errors_total{model_name="tiny-qwen3",status="503"} 1.0' in (await http.get("/metrics")).text
+            )
         for _, writer in idle:
             writer.close()
         await server.until_connections(lambda n: n == 0)
@@ -367,10 +375,11 @@ async def test_the_body_of_a_request_refused_before_it_came_is_not_taken_for_hea
 
 
 async def test_a_client_that_stops_reading_is_dropped_and_its_request_cancelled(
-    manager: aiocb.Manager, tokenizer: Any
+    manager: aiocb.Manager, tokenizer: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Its stream fills the socket's buffers, then a send waits: past --send-timeout the
     request is cancelled (its slot and the engine's rows freed) and the connection closed."""
+    caplog.set_level(logging.INFO, logger="aiocb.access")
     limits = ServerLimits(send_timeout=0.5, max_concurrent_requests=1)
     body = {"prompt": "hi", "max_tokens": 1000, "n": 8, "ignore_eos": True, "stream": True, "logprobs": 5}
     data = json.dumps(body).encode()
@@ -403,8 +412,15 @@ async def test_a_client_that_stops_reading_is_dropped_and_its_request_cancelled(
             # The connection, closed with the response's bytes left unread, is dropped a
             # send timeout later (it was kept for as long as the client kept it open).
             await server.until_connections(lambda n: n == 0)
+            async with httpx.AsyncClient(base_url=server.url) as http:
+                metrics = (await http.get("/metrics")).text
         finally:
             writer.close()
+    # Counted and logged as a client gone (its response began 200), its prompt counted too.
+    assert 'aiocb_http_errors_total{model_name="tiny-qwen3",status="499"} 1.0' in metrics
+    assert 'aiocb_prompt_tokens_total{model_name="tiny-qwen3"} 3.0' in metrics  # ("hi", then "x")
+    logged = [r.getMessage() for r in caplog.records if r.name == "aiocb.access" and "completions" in r.getMessage()]
+    assert [line.split('" ')[1].split()[0] for line in logged].count("499") == 1, logged
 
 
 async def test_a_stream_the_client_left_is_counted_under_asgi_2_4(manager: aiocb.Manager, tokenizer: Any) -> None:
@@ -511,7 +527,8 @@ async def test_every_response_carries_a_request_id(
 # --------------------------------------------------------------------------- readiness and draining
 
 
-async def test_ready_and_health(model: PreTrainedModel, tokenizer: Any) -> None:
+async def test_ready_and_health(model: PreTrainedModel, tokenizer: Any, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="aiocb.access")
     manager = aiocb.Manager(model, continuous_batching_config=serve_config())
     app = build_app(manager, tokenizer, MODEL_NAME)
     async with (
@@ -537,6 +554,9 @@ async def test_ready_and_health(model: PreTrainedModel, tokenizer: Any) -> None:
         assert "aborted" in error["message"]  # the drain's timeout cut it short: retryable, not a fault
         assert error["type"] == "service_unavailable"
         assert events[-1] == "[DONE]"
+        # (its response began 200; the access log says how it ended)
+        lines = [r.getMessage() for r in caplog.records if r.name == "aiocb.access"]
+        assert any('completions" 503' in line and "completion_tokens=0 " not in line for line in lines), lines
         assert not manager.is_running
         assert_error(await http.get("/health"), 503)
         assert_error(await http.get("/ready"), 503)

@@ -267,6 +267,8 @@ async def test_a_silent_engine_is_taken_for_hung(
             for path_ in ("/health", "/ready"):
                 answer = await http.get(path_)
                 assert answer.status_code == 503 and "has not answered" in answer.json()["error"]["message"]
+            # (its statistics are a copy from before it fell silent: the gauge says what /health says)
+            assert 'aiocb_engine_running{model_name="tiny-qwen3"} 0.0' in (await http.get("/metrics")).text
             with pytest.raises(aiocb.ManagerClosedError, match="has not answered"):
                 await worker.open_stream([1, 2, 3], 4)
             speak.set()
