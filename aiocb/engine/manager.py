@@ -27,7 +27,7 @@ from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerB
 
 from aiocb.collector import freeze_alive_objects
 from aiocb.config import ContinuousBatchingConfig, WorkloadHints, as_config
-from aiocb.core.kv_cache import KVCacheManager
+from aiocb.core.kv_cache import KVCacheManager, ring_safe_tokens
 from aiocb.core.request import Request
 from aiocb.core.scheduler import Scheduler
 from aiocb.engine.admission import AdmissionQueue, Turnstile
@@ -110,6 +110,27 @@ def _prefix_key(prompt: list[int]) -> bytes:
     first ids' bytes, compared by ``memcmp`` (lists of ids compared one id at a time: 4,096
     prompts behind a 2,000-token system prompt took a second to sort)."""
     return array.array("i", prompt[:_PREFIX_KEY_IDS]).tobytes()
+
+
+def _check_speculation_fits_rings(config: SpeculativeConfig, spec: ModelSpec, page_size: int) -> None:
+    """InvalidConfigError unless speculation suits the model's sliding-window layers: a
+    row verifying ``k`` proposals writes ``k + 1`` positions into each sliding layer's ring
+    of blocks, and a rejected one must not have overwritten a key still in the window of
+    the positions that follow (:func:`~aiocb.core.kv_cache.ring_safe_tokens`)."""
+    windows = sorted({window for window in spec.layer_windows if window is not None})
+    if not windows:
+        return
+    if config.method == "draft":  # (its cache mirrors the target's full-attention blocks)
+        raise InvalidConfigError(
+            "a draft model does not support targets with sliding-window layers yet; prompt lookup (method='ngram') does"
+        )
+    most = min(ring_safe_tokens(window, page_size) for window in windows) - 1
+    if config.num_speculative_tokens is not None and config.num_speculative_tokens > most:
+        raise InvalidConfigError(
+            f"num_speculative_tokens={config.num_speculative_tokens} is more than the {most} this model's "
+            f"sliding windows ({', '.join(map(str, windows))} tokens) take at page_size={page_size}: a rejected "
+            "proposal written into a window's ring of blocks would overwrite a key still in the window"
+        )
 
 
 class Manager:
@@ -538,9 +559,8 @@ class Manager:
         kv_cache = KVCacheManager(groups, plan.page_size, enable_prefix_caching=self.config.allow_block_sharing)
         if self.config.allow_block_sharing and not kv_cache.prefix_caching:
             logger.info("prefix caching is off: the model has sliding-window layers, which keep no full prefix")
-        if self.speculative_config is not None and any(w is not None for w in spec.layer_windows):
-            # (a rejected position written into a sliding ring could overwrite a key still in the window)
-            raise InvalidConfigError("speculative decoding does not support models with sliding-window layers yet")
+        if self.speculative_config is not None:
+            _check_speculation_fits_rings(self.speculative_config, spec, plan.page_size)
         return Scheduler(
             kv_cache,
             max_batch_tokens=plan.max_batch_tokens,

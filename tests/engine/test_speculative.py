@@ -619,10 +619,50 @@ def test_bad_configs_are_refused(fields: dict[str, Any], message: str) -> None:
         aiocb.SpeculativeConfig.from_dict({"lookahead": 3})
 
 
-async def test_sliding_window_models_are_refused() -> None:
+@pytest.mark.parametrize(
+    ("layers", "config_name"),
+    [("sliding", "default"), ("hybrid", "preemption"), ("hybrid", "async_batching"), ("sliding", "chunked_prefill")],
+)
+@pytest.mark.parametrize("sampling", ["greedy", "sampled"])
+async def test_prompt_lookup_on_sliding_window_models_equals_no_speculation(
+    layers: str, config_name: str, sampling: str
+) -> None:
+    """A row verifying proposals writes them into its sliding layers' rings of blocks: one
+    rejected must not have overwritten a key still in the window (the ring holds a page
+    more than the window, and k + 1 tokens fit in it)."""
+    window_layers = 1 if layers == "hybrid" else 0  # (layers from this one on slide)
+    model = MODELS["qwen3"](use_sliding_window=True, sliding_window=32, max_window_layers=window_layers)
+    params: dict[str, Any] = (
+        {"do_sample": False} if sampling == "greedy" else {"temperature": 0.4, "top_k": 50, "seed": 7}
+    )
+    config = aiocb.ContinuousBatchingConfig(**{"page_size": 16, **CONFIGS[config_name]})
+    # (at pages of 16 a window of 32 keeps a ring of 3 blocks: 17 tokens a row may write)
+    speculative = aiocb.SpeculativeConfig(num_speculative_tokens=16, prompt_lookup_min=1, disable_by_batch_size=None)
+    runs = []
+    for spec in (None, speculative):
+        async with aiocb.Manager(model, continuous_batching_config=config, speculative_config=spec) as manager:
+            outputs = await manager.generate_batch(PROMPTS, max_new_tokens=NEW, **params)
+            stats = manager.statistics()
+        assert stats.free_blocks == stats.total_blocks, "blocks leaked"
+        runs.append([o.generated_tokens for o in outputs.values()])
+    assert runs[1] == runs[0]
+    assert stats.draft_tokens > stats.accepted_draft_tokens, "some proposals were rejected"
+    if sampling == "greedy":
+        assert stats.accepted_draft_tokens > 0, "some proposals were accepted"
+    if config_name == "preemption":
+        assert stats.preemptions > 0
+
+
+async def test_speculation_a_sliding_window_model_cannot_take_is_refused() -> None:
     sliding = MODELS["qwen3"](use_sliding_window=True, sliding_window=32, max_window_layers=0)
-    manager = aiocb.Manager(sliding, speculative_config=aiocb.SpeculativeConfig())
-    with pytest.raises(aiocb.InvalidConfigError, match="sliding-window"):
+    config = aiocb.ContinuousBatchingConfig(page_size=16)
+    too_many = aiocb.SpeculativeConfig(num_speculative_tokens=17)
+    manager = aiocb.Manager(sliding, continuous_batching_config=config, speculative_config=too_many)
+    with pytest.raises(aiocb.InvalidConfigError, match="num_speculative_tokens=17 is more than the 16"):
+        manager.start()
+    drafted = _draft_config(_draft(MODELS["qwen3"](), "other"))
+    manager = aiocb.Manager(sliding, continuous_batching_config=config, speculative_config=drafted)
+    with pytest.raises(aiocb.InvalidConfigError, match="a draft model does not support targets with sliding-window"):
         manager.start()
 
 

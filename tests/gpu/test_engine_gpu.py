@@ -48,10 +48,18 @@ def _prompts(count: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(1, 4096) for _ in range(rng.randint(8, 300))] for _ in range(count)]
 
 
-def _run(model: PreTrainedModel, prompts: list[list[int]], new: int, **config: Any) -> list[list[int]]:
+def _run(
+    model: PreTrainedModel,
+    prompts: list[list[int]],
+    new: int,
+    speculative_config: aiocb.SpeculativeConfig | None = None,
+    **config: Any,
+) -> list[list[int]]:
     async def main() -> list[list[int]]:
         cb = aiocb.ContinuousBatchingConfig(max_memory_percent=0.3, **config)
-        async with aiocb.Manager(model, continuous_batching_config=cb) as manager:
+        async with aiocb.Manager(
+            model, continuous_batching_config=cb, speculative_config=speculative_config
+        ) as manager:
             outputs = await manager.generate_batch(prompts, max_new_tokens=new)
             stats = manager.statistics()
             assert stats.free_blocks == stats.total_blocks
@@ -153,6 +161,14 @@ def test_sliding_layers_read_in_place_equal_their_reference_reading(monkeypatch:
     monkeypatch.setattr(triton_attention, "triton_paged_attention", counted)
     in_place = _run(model, prompts, 48, page_size=32, decode_compile_config={"disable": True})
     assert 1 in windowed
+    # Prompt lookup's verified rows (up to 9 tokens) read the rings in place too, in graphs of their own.
+    speculative = aiocb.SpeculativeConfig(num_speculative_tokens=8, prompt_lookup_min=1, disable_by_batch_size=None)
+    verified = _run(
+        model, prompts, 48, page_size=32, decode_compile_config={"disable": True}, speculative_config=speculative
+    )
+    same = sum(a == b for a, b in zip(in_place, verified, strict=True))
+    print(f"sliding layers with prompt lookup vs without: {same}/{len(prompts)} identical")
+    assert same >= 0.95 * len(prompts)
     monkeypatch.setenv("AIOCB_ATTENTION_BACKEND", "reference")
     gathered = _run(model, prompts, 48, page_size=32, use_cuda_graph=False)
     same = sum(a == b for a, b in zip(in_place, gathered, strict=True))

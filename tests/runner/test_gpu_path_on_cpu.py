@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import copy
 import logging
@@ -71,6 +72,29 @@ def test_sliding_window_layers_read_their_rings_in_place_through_triton(
     assert safe == 5 and windowed.count(1) >= 11 and all(longest <= safe for longest in windowed)
     assert any(longest > 1 for longest in windowed)  # (a prompt's short last chunk, in place)
     assert bool(captured) == graphs
+
+
+def test_prompt_lookup_over_sliding_rings_in_graphs(graphs_on_cpu: list[int]) -> None:
+    """Rows verifying proposals read the sliding layers' rings in place too, replaying the
+    graphs of their widths: greedy outputs are those of no speculation."""
+    model = tiny_qwen3(use_sliding_window=True, sliding_window=12, max_window_layers=1)
+    prompts = [p * 3 for p in random_prompts(4, 6, 14, seed=8)]  # (copies, for prompt lookup to find)
+    # (few rows and widths: each graph is captured as an eager pass through Triton's interpreter)
+    config = aiocb.ContinuousBatchingConfig(
+        page_size=4, max_requests_per_batch=4, decode_compile_config={"disable": True}
+    )
+    speculative = aiocb.SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, disable_by_batch_size=None)
+
+    async def main() -> tuple[list[list[int]], aiocb.ManagerStatistics, int]:
+        async with aiocb.Manager(model, continuous_batching_config=config, speculative_config=speculative) as manager:
+            outputs = await manager.generate_batch(prompts, max_new_tokens=16)
+            graphs = manager._runner.graphs  # type: ignore[union-attr]
+            assert graphs is not None
+            return [o.generated_tokens for o in outputs.values()], manager.statistics(), graphs.wide_replays
+
+    tokens, stats, wide_replays = asyncio.run(main())
+    assert tokens == [reference_generate(model, p, 16) for p in prompts]
+    assert stats.accepted_draft_tokens > 0 and wide_replays > 0
 
 
 def test_backend_selection(monkeypatch: pytest.MonkeyPatch) -> None:
