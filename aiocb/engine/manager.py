@@ -830,6 +830,7 @@ class Manager:
         :meth:`add_request_nowait` does, while a long prompt is still tokenized off the
         loop and a request's ``n`` samples made a slice of the loop at a time.
         """
+        self._check_loop()  # (before the turnstile, whose waiters the manager's loop releases)
         start = self._start_now()
         await self._turnstile.enter()
         request = await self._prepared(input_ids, request_id, max_new_tokens, sampling_params, params, start)
@@ -956,6 +957,7 @@ class Manager:
 
         Cancelling the awaiting task cancels the request.
         """
+        self._check_loop()  # (before the turnstile, whose waiters the manager's loop releases)
         start = self._start_now()
         await self._turnstile.enter()
         if n is not None:
@@ -1293,6 +1295,7 @@ class Manager:
         consumer: Consumer,
         on_finish: Callable[[], object] | None = None,
     ) -> list[Request]:
+        self._check_loop()
         start = self._start_now()
         await self._until_started()
         self._check_accepting()

@@ -74,6 +74,39 @@ def test_use_from_another_loop_raises_instead_of_hanging(qwen3: PreTrainedModel)
         loop.close()
 
 
+def test_a_call_from_another_loop_never_waits_in_the_turnstile(qwen3: PreTrainedModel) -> None:
+    """While the manager's loop has callers of a burst waiting in its turnstile, a call
+    from another loop raises at once: queued there, it was released from the manager's
+    thread, which does not wake its own loop (it hung until something else did)."""
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+    manager = aiocb.Manager(qwen3)
+
+    async def own() -> None:
+        manager.start()
+        manager._turnstile._waiters.append(loop.create_future())  # (a burst's caller, waiting)
+        ready.set()
+        while manager.is_running:  # noqa: ASYNC110 (polls a property from another thread's loop)
+            await asyncio.sleep(0.01)
+
+    thread = threading.Thread(target=loop.run_until_complete, args=(own(),))
+    thread.start()
+    ready.wait(10)
+    try:
+
+        async def foreign() -> None:
+            for call in (manager.generate(PROMPT), manager.add_request(PROMPT), manager.generate_batch([PROMPT])):
+                with pytest.raises(aiocb.WrongEventLoopError, match="another event loop"):
+                    await asyncio.wait_for(call, 5)
+
+        asyncio.run(foreign())
+        assert len(manager._turnstile._waiters) == 1
+    finally:
+        asyncio.run_coroutine_threadsafe(manager.destroy(), loop).result(10)
+        thread.join(10)
+        loop.close()
+
+
 def test_an_anyio_cancel_scope_around_a_manager_still_destroys_it(qwen3: PreTrainedModel) -> None:
     """anyio cancels again at every await of the exit's stop: the destroy still follows it."""
     from aiocb.engine.manager import _State
