@@ -448,7 +448,7 @@ class Manager:
         """A deadline of a request queued before the steps run (before the start, or while
         the runner is built) came: end those it ends."""
         if self._steps is not None and self._steps.runner is None and self._state is not _State.DEAD:
-            self._steps.expire_deadlines()
+            self._steps.expire_some()  # (a timer's callback: the queue before the start, at once)
             now = asyncio.get_running_loop().time()
             self._deadline_timers = [timer for timer in self._deadline_timers if timer.when() > now]
 

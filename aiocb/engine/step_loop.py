@@ -122,7 +122,7 @@ class StepLoop:
             await asyncio.wrap_future(warming)
             self.scheduler.verify_cost = runner.verify_cost  # (measured by the warm-up)
             while True:
-                self.expire_deadlines()
+                await self.expire_deadlines()
                 if not self.scheduler.has_work and in_flight is None:
                     if self._draining:
                         idle = True
@@ -268,10 +268,18 @@ class StepLoop:
         assert self._waiter is not None
         return await asyncio.get_running_loop().run_in_executor(self._waiter, runner.collect, pending)
 
-    def expire_deadlines(self) -> None:
-        """End the requests whose deadline has passed (the loop does before each plan)."""
+    async def expire_deadlines(self) -> None:
+        """End the requests whose deadline has passed (the loop does before each plan),
+        giving the loop back every slice (4,000 at once held it 2.7 ms)."""
+        turn = LoopTurn()
+        while self.expire_some(CHUNK):
+            await turn.give()
+
+    def expire_some(self, most: int | None = None) -> bool:
+        """End up to ``most`` (None: all) of the requests whose deadline has passed; whether
+        more are left."""
         if not self._deadlines:
-            return
+            return False
         scheduler = self.scheduler
         live = len(scheduler.running) + len(scheduler.waiting) + scheduler.num_held_children
         if len(self._deadlines) > 2 * live + 64:
@@ -289,12 +297,15 @@ class StepLoop:
         now = time.perf_counter()
         expired: list[Request] = []
         while self._deadlines and self._deadlines[0][0] <= now:
+            if most is not None and len(expired) == most:
+                break
             _, _, request = heapq.heappop(self._deadlines)
             if not request.is_finished:
                 self.scheduler.finish(request, FinishReason.TIMEOUT, now)
                 expired.append(request)
         if expired:
             self._on_step([], expired)
+        return bool(self._deadlines) and self._deadlines[0][0] <= now
 
 
 def _start_openmp_team() -> None:

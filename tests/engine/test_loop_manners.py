@@ -832,6 +832,36 @@ async def test_a_hard_stop_ends_its_requests_a_slice_of_the_loop_at_a_time(
     assert other.gave_back(ended_at) >= 35, "the loop was not given back between requests"
 
 
+async def test_deadlines_that_pass_together_end_their_requests_a_slice_of_the_loop_at_a_time(
+    qwen3: PreTrainedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # (4,000 requests whose timeouts passed together, ended in one pass, held the loop 2.7 ms)
+    from aiocb.engine.router import OutputRouter
+
+    monkeypatch.setattr("aiocb.engine.turns.SLICE", 0.0)  # give the loop back after every chunk
+    other = LoopTurns()
+    expired_at: list[int] = []
+    on_step = OutputRouter.on_step
+
+    def recorded(router: OutputRouter, updated: list[Any], finished: list[Any]) -> None:
+        if not updated and finished:  # (a pass over expired deadlines)
+            expired_at.append(other.turns)
+        on_step(router, updated, finished)
+
+    monkeypatch.setattr(OutputRouter, "on_step", recorded)
+    config = aiocb.ContinuousBatchingConfig(max_requests_per_batch=2)
+    async with aiocb.Manager(qwen3, continuous_batching_config=config) as manager:
+        ids = [
+            manager.add_request_nowait(prompt, max_new_tokens=1000, ignore_eos=True, timeout=0.3)
+            for prompt in random_prompts(100, 4, 8, seed=3)
+        ]
+        time.sleep(0.4)  # noqa: ASYNC251 (the loop held while every deadline passes: one pass finds them all)
+        async with other:
+            outputs = [await manager.get_result(rid) for rid in ids]
+    assert all(output.finish_reason is aiocb.FinishReason.TIMEOUT for output in outputs)
+    assert len(expired_at) >= 3 and other.gave_back(expired_at) == len(expired_at) - 1
+
+
 def _turns_at_calls(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str, turns: LoopTurns) -> list[int]:
     """The count of ``turns`` at each call of ``owner.name`` from now on (the call goes on as before)."""
     marks: list[int] = []
