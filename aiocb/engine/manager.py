@@ -236,6 +236,8 @@ class Manager:
         #: sessions begun (started, or failed to start), and the last start's failure
         self._sessions = 0
         self._start_failure: BaseException | None = None
+        #: the state whose refusals of requests were logged (one line, not one per caller)
+        self._refusals_logged: _State | None = None
         self._runner: ModelRunner | None = None
         #: on one process, the layout and cache plan of the session's runner, known before
         #: the runner is built off the loop (see :meth:`_make_steps`)
@@ -368,6 +370,7 @@ class Manager:
                 raise self._wrong_loop()
             logger.warning("Manager.start(): the manager is already running")
             return
+        self._refusals_logged = None
         if driver_layout(self.model, self._draft_model) is not None:
             self._starting = loop.create_future()
             self._bind(loop, _State.STARTING, self._start_then_run(self._state, self._starting))
@@ -1152,7 +1155,9 @@ class Manager:
             _State.STOPPED: "the manager is stopped and accepts no new requests; call start() again",
             _State.DESTROYED: "the manager was destroyed",
         }[self._state]
-        logger.warning("request refused: %s", message)
+        if self._refusals_logged is not self._state:  # (a stop with 1,000 callers under way: one line)
+            self._refusals_logged = self._state
+            logger.warning("request refused: %s (others refused so are not logged)", message)
         raise ManagerClosedError(message)
 
     def _results_may_come(self) -> bool:
