@@ -14,6 +14,7 @@ being sampled (the next mask depends on it), and it ends when its grammar is com
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import re
@@ -283,8 +284,9 @@ def _schemas(
 
 
 #: Checked keywords xgrammar never enforces, whatever their form: a grammar built with one
-#: may still be written differently (``not`` changes how the root rule is inlined).
-_NEVER_ENFORCED = frozenset({"not"})
+#: may still be written differently (``not`` changes how the root rule is inlined; a
+#: ``contains`` without ``items`` leaves only ``[]``, which it forbids).
+_NEVER_ENFORCED = frozenset({"not", "contains", "minContains", "maxContains"})
 
 
 def _left_out(schema: Any) -> str | None:
@@ -442,7 +444,10 @@ def _unenforced_keyword(schema: Any) -> str | None:
     grammar = _xgrammar().Grammar.from_json_schema
     # Each keyword is tried in the schema that holds it (with the root's definitions, which
     # its references may name), not in the whole: a schema of hundreds of checked keywords
-    # was built anew for each (seconds). Schemas alike are built once.
+    # was built anew for each (seconds). Schemas alike are built once. In the whole where
+    # the holder alone says nothing: below a `$ref` (xgrammar drops its siblings, which the
+    # holder alone would enforce), or where it does not build alone (a reference it cannot
+    # follow from there).
     built: dict[str, str | None] = {}
 
     def build(value: Any) -> str | None:
@@ -458,13 +463,22 @@ def _unenforced_keyword(schema: Any) -> str | None:
         return None
     definitions = {key: schema[key] for key in ("$defs", "definitions") if isinstance(schema, dict) and key in schema}
     for path, key in found:
-        holder = schema
+        holder, referenced = schema, False
         for step in path:
+            referenced = referenced or "$ref" in holder
             holder = holder[step]
-        if path:
-            holder = {**definitions, **holder}
-        without = {name: value for name, value in holder.items() if name != key}
-        if build(without) == build(holder):
+        alone = {**definitions, **holder} if path and not referenced else None
+        kept = None if alone is None else build(alone)
+        if alone is not None and kept is not None:
+            ignored = build({name: value for name, value in alone.items() if name != key}) == kept
+        else:
+            without = copy.deepcopy(schema)
+            node = without
+            for step in path:
+                node = node[step]
+            del node[key]
+            ignored = build(without) == build(schema)
+        if ignored:
             return f"{key!r} at /{'/'.join(str(step) for step in path)}"
     return None
 

@@ -160,7 +160,8 @@ class _ForwardedResponse(StreamingResponse):
 
     def __init__(self, stream: DeploymentResponseGenerator[Any], event_stream: bool, start: ResponseStart) -> None:
         super().__init__(_rest(stream, event_stream), status_code=start.status)
-        # Ray Serve's proxy sets its own x-request-id (the one the replica echoes).
+        # Ray Serve's proxy puts its own x-request-id on the response (the client's, or the
+        # one it made); the replica's (a body's request_id may have named it) would be a second.
         self.raw_headers = [(k, v) for k, v in start.headers if k.lower() != b"x-request-id"]
         self.stream = stream
 

@@ -19,6 +19,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from aiocb.config import MAX_CPU_GROUP_TIMEOUT
 from aiocb.errors import DistributedError, InvalidConfigError
 from aiocb.ray_serve.options import ReplicaOptions
 
@@ -140,8 +141,8 @@ def join_and_load(model: str, options: ReplicaOptions, rank: int, size: int, add
     if not dist.is_initialized():
         # The model's own collectives wait as long as the group's timeout: a follower left in
         # one when rank 0's forward failed midway waits for cpu_group_timeout, not gloo's 30 min.
-        timeout = options.continuous_batching_config.cpu_group_timeout
-        bound = None if timeout is None else datetime.timedelta(seconds=timeout)  # (None: the backend's own)
+        timeout = options.continuous_batching_config.cpu_group_timeout  # (None: for ever, as the config says)
+        bound = datetime.timedelta(seconds=MAX_CPU_GROUP_TIMEOUT if timeout is None else timeout)
         dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=size, timeout=bound)
     dtype: Any = options.dtype if options.dtype == "auto" else getattr(torch, options.dtype)
     return aiocb.distributed.load_model(model, tp_size=size, dtype=dtype, trust_remote_code=options.trust_remote_code)

@@ -385,8 +385,18 @@ async def test_a_long_constraint_compiles_in_a_lane_of_its_own(
         ),
         # (xgrammar writes this one's root rule otherwise than without it, but ignores it all the same)
         ("not", {"type": "string", "not": {"const": "a"}}),
+        ("contains", {"type": "array", "contains": {"const": 1}}),  # (its grammar takes [] alone)
         # Forms of keywords it is known to leave out, whose grammar is written otherwise too:
         ("multipleOf", {"type": "array", "items": {"type": "number", "multipleOf": 0.5}}),
+        # (beside a $ref, which xgrammar follows alone: enforced in its holder alone, not here)
+        (
+            "multipleOf",
+            {
+                "$defs": {"D": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}},
+                "$ref": "#/$defs/D",
+                "properties": {"a": {"type": "integer", "multipleOf": 3}},
+            },
+        ),
         ("multipleOf", {"type": "integer", "multipleOf": 2.5}),
         ("allOf", {"allOf": [{"type": "integer"}, {"minimum": 5, "maximum": 9}]}),
         ("oneOf", {"oneOf": [{"type": "integer", "maximum": 50}, {"type": "integer", "minimum": 10}]}),
@@ -463,6 +473,31 @@ async def test_unions_whose_schemas_cannot_overlap_are_served(bundled: tuple[Any
             for output in outputs.values():
                 if output.finish_reason is aiocb.FinishReason.STOP:
                     jsonschema.validate(json.loads(output.text or ""), schema)
+
+
+async def test_a_keyword_enforced_in_the_whole_is_served_where_its_schema_cannot_be_built_alone(
+    bundled: tuple[Any, Any],
+) -> None:
+    """Its schema's reference reaches outside it (``#/properties/a``): tried in the whole."""
+    model, tokenizer = bundled
+    referenced = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "integer", "minimum": 0, "maximum": 9},
+            "b": {
+                "type": "object",
+                "properties": {"m": {"$ref": "#/properties/a"}},
+                "required": ["m"],
+                "unevaluatedProperties": True,  # (what xgrammar's strict mode would leave out)
+            },
+        },
+        "required": ["a", "b"],
+        "additionalProperties": False,
+    }
+    async with aiocb.Manager(model, tokenizer=tokenizer) as manager:
+        output = await manager.generate("x", json_schema=referenced, max_new_tokens=NEW, temperature=0)
+    if output.finish_reason is aiocb.FinishReason.STOP:
+        jsonschema.validate(json.loads(output.text or ""), referenced)
 
 
 async def test_wide_schemas_are_checked_without_work_growing_as_their_square(

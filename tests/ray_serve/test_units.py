@@ -338,6 +338,7 @@ def test_a_tensor_parallel_rank_s_group_waits_as_long_as_cpu_group_timeout(monke
 
     import torch.distributed as dist
 
+    from aiocb.config import MAX_CPU_GROUP_TIMEOUT
     from aiocb.ray_serve.options import ReplicaOptions
     from aiocb.ray_serve.tensor_parallel import join_and_load
 
@@ -359,7 +360,7 @@ def test_a_tensor_parallel_rank_s_group_waits_as_long_as_cpu_group_timeout(monke
         with pytest.raises(Joined):
             join_and_load("unused", options, 0, 2, "127.0.0.1", 1)
     assert joined[0]["timeout"] == datetime.timedelta(seconds=42)
-    assert joined[1]["timeout"] is None  # (the backend's own)
+    assert joined[1]["timeout"] == datetime.timedelta(seconds=MAX_CPU_GROUP_TIMEOUT)  # (None: for ever)
 
 
 def test_build_app_checks_tensor_parallelism_against_the_model_config(model_dir: Any) -> None:
