@@ -32,12 +32,19 @@ def ring_size(sliding_window: int, page_size: int) -> int:
     return -(-(sliding_window - 1) // page_size) + 1
 
 
+def kept_positions(sliding_window: int) -> int:
+    """How many of a row's last positions a sliding-window group writes in a step: the
+    ``window - 1`` a later query may see (at least its last, which its own query reads)."""
+    return max(sliding_window - 1, 1)
+
+
 def ring_safe_tokens(sliding_window: int, page_size: int) -> int:
     """The most new tokens a row of a sliding-window group may bring in one step for its
     queries to find every key they need in the ring once the step has written: each new
     token overwrites the key ``ring_size * page_size`` positions before it, which the row's
-    first query must not need, and a row writes only its last ``window - 1`` new tokens."""
-    return min(sliding_window - 1, ring_size(sliding_window, page_size) * page_size - sliding_window + 1)
+    first query must not need, and a row writes only its last :func:`kept_positions`."""
+    ring = ring_size(sliding_window, page_size) * page_size
+    return min(kept_positions(sliding_window), ring - sliding_window + 1)
 
 
 class KVCacheManager:

@@ -22,7 +22,7 @@ from typing import TypeVar, cast
 
 import torch
 
-from aiocb.core.kv_cache import ring_safe_tokens, ring_size
+from aiocb.core.kv_cache import kept_positions, ring_safe_tokens, ring_size
 from aiocb.runner.backends import Backend
 from aiocb.runner.input_batch import InputBatch
 from aiocb.runner.paged_cache import PagedKVCache
@@ -485,10 +485,11 @@ class _Step:
         token_tables = table if self.single else table[self.row_of_token]
         slot_mapping = _slots(token_tables, self.positions, page, ring)
         if window is not None:
-            # Sliding layers keep only a chunk's last window-1 positions; earlier ones
-            # would land on ring slots that later tokens of the same chunk overwrite.
+            # Sliding layers keep only a chunk's last window-1 positions (later queries see
+            # no others; with a window of 1, its last, which its own query reads); earlier
+            # ones would land on ring slots that later tokens of the same chunk overwrite.
             seq_lens = self.seq_lens if self.single else self.seq_lens[self.row_of_token]
-            written = self.positions >= seq_lens - (window - 1)
+            written = self.positions >= seq_lens - kept_positions(window)
             slot_mapping = torch.where(written, slot_mapping, cache.trash_block(g) * page)
         return slot_mapping
 

@@ -23,7 +23,7 @@ import aiocb
 from aiocb.config import DEFAULT_MAX_REQUESTS_PER_BATCH
 from aiocb.core.kv_cache import CacheGroup
 from aiocb.runner import inputs, memory
-from tests.conftest import _TINY, random_prompts, reference_generate
+from tests.conftest import _TINY, random_prompts, reference_generate, tiny_qwen3
 
 NEW = 16
 
@@ -319,6 +319,26 @@ async def test_decode_over_a_shared_prefix_reads_it_once(
         assert max(batch_rows) == len(prompts), "every row in one batch"
     else:
         assert max(batch_rows) < len(prompts), "rows in several batches, each reading the shared blocks"
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference", "triton"])
+def test_a_window_of_one_attends_each_token_to_itself(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its ring keeps a step's last key, which its own query reads (it kept none: the key
+    read was garbage). Against greedy decoding by whole forward passes: transformers' cached
+    ``generate`` keeps ``window - 1`` keys too, none here, and differs from its own forward."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    monkeypatch.setenv("AIOCB_ATTENTION_BACKEND", backend)
+    model = tiny_qwen3(use_sliding_window=True, sliding_window=1, max_window_layers=1)
+    prompts = random_prompts(3, 5, 20, seed=3)
+    config = aiocb.ContinuousBatchingConfig(page_size=4, max_batch_tokens=16)
+    outputs = aiocb.generate_batch(model, prompts, max_new_tokens=8, continuous_batching_config=config)
+    for prompt, output in zip(prompts, outputs.values(), strict=True):
+        sequence = list(prompt)
+        with torch.no_grad():
+            for _ in range(8):
+                sequence.append(int(model(torch.tensor([sequence])).logits[0, -1].argmax()))
+        assert output.generated_tokens == sequence[len(prompt) :]
 
 
 def test_prefix_caching_is_off_for_sliding_models_with_a_log_line(caplog: pytest.LogCaptureFixture) -> None:
