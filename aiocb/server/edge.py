@@ -150,8 +150,9 @@ class EdgeMiddleware:
                 # (the response was begun and is left unfinished: the server closes the connection)
                 self._stalled.discard(task)
                 task.uncancel()
-                record.status = CLIENT_GONE
-                self.metrics.observe_client_gone()
+                if record.status != CLIENT_GONE:  # (its stream may have seen the client go meanwhile)
+                    record.status = CLIENT_GONE
+                    self.metrics.observe_client_gone()
                 access_logger.warning(
                     "request_id=%s: the client took no bytes for %s s (--send-timeout); request cancelled",
                     record.request_id,
