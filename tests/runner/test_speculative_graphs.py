@@ -158,7 +158,7 @@ def test_wide_graphs_run_steps_whose_block_tables_fit_theirs() -> None:
         batch = SimpleNamespace(num_rows=rows, num_sampled=rows, num_drafts=drafts, prompt_targets={})
         for name, value in changes.items():
             setattr(batch, name, value)
-        group = SimpleNamespace(block_table=torch.zeros(rows, blocks))
+        group = SimpleNamespace(block_table=torch.zeros(rows, blocks), backend=runner.backends[0])
         metadata = SimpleNamespace(
             groups=[group], num_tokens=sum(tokens), max_query_len=max(tokens), max_seq_len=longest_context
         )
