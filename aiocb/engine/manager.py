@@ -120,9 +120,11 @@ def _check_speculation_fits_rings(config: SpeculativeConfig, spec: ModelSpec, pa
     windows = sorted({window for window in spec.layer_windows if window is not None})
     if not windows:
         return
-    if config.method == "draft":  # (its cache mirrors the target's full-attention blocks)
+    if config.method == "draft" and None not in spec.layer_windows:
+        # (its cache mirrors the blocks of the target's full-attention layers, which keep every position)
         raise InvalidConfigError(
-            "a draft model does not support targets with sliding-window layers yet; prompt lookup (method='ngram') does"
+            "a draft model needs a target with full-attention layers, not sliding-window ones alone; prompt "
+            "lookup (method='ngram') takes it"
         )
     most = min(ring_safe_tokens(window, page_size) for window in windows) - 1
     if config.num_speculative_tokens is not None and config.num_speculative_tokens > most:

@@ -662,8 +662,35 @@ async def test_speculation_a_sliding_window_model_cannot_take_is_refused() -> No
         manager.start()
     drafted = _draft_config(_draft(MODELS["qwen3"](), "other"))
     manager = aiocb.Manager(sliding, continuous_batching_config=config, speculative_config=drafted)
-    with pytest.raises(aiocb.InvalidConfigError, match="a draft model does not support targets with sliding-window"):
+    with pytest.raises(aiocb.InvalidConfigError, match="a draft model needs a target with full-attention layers"):
         manager.start()
+
+
+@pytest.mark.parametrize(
+    ("config_name", "sampling"),
+    [("default", "greedy"), ("default", "sampled"), ("preemption", "greedy"), ("async_batching", "greedy")],
+)
+async def test_a_draft_model_over_a_hybrid_target_equals_no_speculation(config_name: str, sampling: str) -> None:
+    """The draft's cache mirrors the blocks of the target's full-attention layers; the
+    target's sliding layers verify the proposals in their rings."""
+    target = MODELS["qwen3"](use_sliding_window=True, sliding_window=32, max_window_layers=1)
+    draft = MODELS["qwen3"]()  # (the same weights, every layer attending in full: mostly the same proposals)
+    config = aiocb.ContinuousBatchingConfig(**{"page_size": 16, **CONFIGS[config_name]})
+    speculative = _draft_config(draft, num_speculative_tokens=4)
+    params: dict[str, Any] = (
+        {"do_sample": False} if sampling == "greedy" else {"temperature": 0.4, "top_k": 50, "seed": 7}
+    )
+    runs = []
+    for spec in (None, speculative):
+        async with aiocb.Manager(target, continuous_batching_config=config, speculative_config=spec) as manager:
+            outputs = await manager.generate_batch(PROMPTS, max_new_tokens=NEW, **params)
+            stats = manager.statistics()
+        assert stats.free_blocks == stats.total_blocks, "blocks leaked"
+        runs.append([o.generated_tokens for o in outputs.values()])
+    assert runs[1] == runs[0]
+    assert stats.draft_tokens > stats.accepted_draft_tokens > 0
+    if config_name == "preemption":
+        assert stats.preemptions > 0
 
 
 # ---------------------------------------------------------------- a draft model

@@ -169,6 +169,16 @@ def test_sliding_layers_read_in_place_equal_their_reference_reading(monkeypatch:
     same = sum(a == b for a, b in zip(in_place, verified, strict=True))
     print(f"sliding layers with prompt lookup vs without: {same}/{len(prompts)} identical")
     assert same >= 0.95 * len(prompts)
+    # A draft model (the same weights, every layer in full) mirrors the full-attention layers' blocks.
+    drafted = aiocb.SpeculativeConfig(
+        method="draft", draft_model=_model(torch.float32), num_speculative_tokens=4, disable_by_batch_size=None
+    )
+    verified = _run(
+        model, prompts, 48, page_size=32, decode_compile_config={"disable": True}, speculative_config=drafted
+    )
+    same = sum(a == b for a, b in zip(in_place, verified, strict=True))
+    print(f"sliding layers with a draft model vs without: {same}/{len(prompts)} identical")
+    assert same >= 0.95 * len(prompts)
     monkeypatch.setenv("AIOCB_ATTENTION_BACKEND", "reference")
     gathered = _run(model, prompts, 48, page_size=32, use_cuda_graph=False)
     same = sum(a == b for a, b in zip(in_place, gathered, strict=True))
