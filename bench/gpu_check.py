@@ -244,6 +244,7 @@ TEST_NOTES = (
     "triton paged verification",
     "draft model on the device",
     "prompt lookup under graphs",
+    "sliding layers",
     "verify_cost",
     "FAILED ",
     "ERROR ",
