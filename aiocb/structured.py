@@ -364,7 +364,8 @@ def _disjoint(branches: list[Any], root: Any) -> bool:
 
 
 def _all_apart(sets: list[frozenset[str] | None]) -> bool:
-    """:func:`_pairwise_disjoint` in one pass: every set known, none sharing a member."""
+    """Whether every set is known (not None) and no two share a member (in one pass: their
+    sizes add up to their union's)."""
     known = [s for s in sets if s is not None]
     return len(known) == len(sets) and sum(map(len, known)) == len(frozenset().union(*known))
 
@@ -378,13 +379,13 @@ def _apart(a: dict[str, Any], b: dict[str, Any], root: Any) -> bool:
     last two only where one takes objects alone: ``required`` says nothing of any other value."""
     kinds = [_types(a), _types(b)]
     widened = [k | {"number"} if k is not None and "integer" in k else k for k in kinds]
-    if _pairwise_disjoint(widened) or _pairwise_disjoint([_values(a), _values(b)]):
+    if _all_apart(widened) or _all_apart([_values(a), _values(b)]):
         return True
     if _OBJECTS not in kinds:
         return False
     named = [a.get("properties") or {}, b.get("properties") or {}]
     for name in set(a.get("required") or ()) & set(b.get("required") or ()):
-        if _pairwise_disjoint([_values(_resolved(properties.get(name), root)) for properties in named]):
+        if _all_apart([_values(_resolved(properties.get(name), root)) for properties in named]):
             return True
     return _excludes(a, b) or _excludes(b, a)
 
@@ -398,12 +399,6 @@ def _excludes(a: dict[str, Any], b: dict[str, Any]) -> bool:
     closed = b.get("additionalProperties", False) is False and not b.get("patternProperties")
     defined = b.get("properties") or {}
     return closed and isinstance(defined, dict) and any(name not in defined for name in a.get("required") or ())
-
-
-def _pairwise_disjoint(sets: list[frozenset[str] | None]) -> bool:
-    """Whether every set is known (not None) and no two share a member."""
-    known = [s for s in sets if s is not None]
-    return len(known) == len(sets) and all(not (a & b) for i, a in enumerate(known) for b in known[i + 1 :])
 
 
 def _values(node: Any) -> frozenset[str] | None:
