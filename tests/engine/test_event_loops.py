@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import threading
+from collections.abc import Iterator
 
 import anyio
 import pytest
@@ -43,13 +45,17 @@ def test_runs_under_anyio_asyncio_backend(qwen3: PreTrainedModel) -> None:
     assert anyio.run(_generate, qwen3, backend="asyncio") == expected
 
 
-def test_use_from_another_loop_raises_instead_of_hanging(qwen3: PreTrainedModel) -> None:
+@contextlib.contextmanager
+def _running_on_another_thread(manager: aiocb.Manager, burst: bool = False) -> Iterator[None]:
+    """``manager`` started on an event loop of its own thread (with ``burst``, a caller of a
+    burst waiting in its turnstile); destroyed there on exit."""
     loop = asyncio.new_event_loop()
     ready = threading.Event()
-    manager = aiocb.Manager(qwen3)
 
     async def own() -> None:
         manager.start()
+        if burst:
+            manager._turnstile._waiters.append(loop.create_future())
         ready.set()
         while manager.is_running:  # noqa: ASYNC110 (polls a property from another thread's loop)
             await asyncio.sleep(0.01)
@@ -58,53 +64,42 @@ def test_use_from_another_loop_raises_instead_of_hanging(qwen3: PreTrainedModel)
     thread.start()
     ready.wait(10)
     try:
-
-        async def foreign() -> None:
-            with pytest.raises(aiocb.WrongEventLoopError, match="another event loop"):
-                await manager.add_request(PROMPT)
-            with pytest.raises(aiocb.WrongEventLoopError):
-                await manager.generate(PROMPT)
-            with pytest.raises(aiocb.WrongEventLoopError):
-                await manager.stop()
-
-        asyncio.run(foreign())
+        yield
     finally:
         asyncio.run_coroutine_threadsafe(manager.destroy(), loop).result(10)
         thread.join(10)
         loop.close()
+
+
+def test_use_from_another_loop_raises_instead_of_hanging(qwen3: PreTrainedModel) -> None:
+    manager = aiocb.Manager(qwen3)
+
+    async def foreign() -> None:
+        with pytest.raises(aiocb.WrongEventLoopError, match="another event loop"):
+            await manager.add_request(PROMPT)
+        with pytest.raises(aiocb.WrongEventLoopError):
+            await manager.generate(PROMPT)
+        with pytest.raises(aiocb.WrongEventLoopError):
+            await manager.stop()
+
+    with _running_on_another_thread(manager):
+        asyncio.run(foreign())
 
 
 def test_a_call_from_another_loop_never_waits_in_the_turnstile(qwen3: PreTrainedModel) -> None:
     """While the manager's loop has callers of a burst waiting in its turnstile, a call
     from another loop raises at once: queued there, it was released from the manager's
     thread, which does not wake its own loop (it hung until something else did)."""
-    loop = asyncio.new_event_loop()
-    ready = threading.Event()
     manager = aiocb.Manager(qwen3)
 
-    async def own() -> None:
-        manager.start()
-        manager._turnstile._waiters.append(loop.create_future())  # (a burst's caller, waiting)
-        ready.set()
-        while manager.is_running:  # noqa: ASYNC110 (polls a property from another thread's loop)
-            await asyncio.sleep(0.01)
+    async def foreign() -> None:
+        for call in (manager.generate(PROMPT), manager.add_request(PROMPT), manager.generate_batch([PROMPT])):
+            with pytest.raises(aiocb.WrongEventLoopError, match="another event loop"):
+                await asyncio.wait_for(call, 5)
 
-    thread = threading.Thread(target=loop.run_until_complete, args=(own(),))
-    thread.start()
-    ready.wait(10)
-    try:
-
-        async def foreign() -> None:
-            for call in (manager.generate(PROMPT), manager.add_request(PROMPT), manager.generate_batch([PROMPT])):
-                with pytest.raises(aiocb.WrongEventLoopError, match="another event loop"):
-                    await asyncio.wait_for(call, 5)
-
+    with _running_on_another_thread(manager, burst=True):
         asyncio.run(foreign())
         assert len(manager._turnstile._waiters) == 1
-    finally:
-        asyncio.run_coroutine_threadsafe(manager.destroy(), loop).result(10)
-        thread.join(10)
-        loop.close()
 
 
 def test_an_anyio_cancel_scope_around_a_manager_still_destroys_it(qwen3: PreTrainedModel) -> None:

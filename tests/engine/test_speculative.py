@@ -638,6 +638,22 @@ async def test_prompt_lookup_on_sliding_window_models_equals_no_speculation(
     config = aiocb.ContinuousBatchingConfig(**{"page_size": 16, **CONFIGS[config_name]})
     # (at pages of 16 a window of 32 keeps a ring of 3 blocks: 17 tokens a row may write)
     speculative = aiocb.SpeculativeConfig(num_speculative_tokens=16, prompt_lookup_min=1, disable_by_batch_size=None)
+    stats = await _equal_without(model, config, speculative, params)
+    assert stats.draft_tokens > stats.accepted_draft_tokens, "some proposals were rejected"
+    if sampling == "greedy":
+        assert stats.accepted_draft_tokens > 0, "some proposals were accepted"
+    if config_name == "preemption":
+        assert stats.preemptions > 0
+
+
+async def _equal_without(
+    model: PreTrainedModel,
+    config: aiocb.ContinuousBatchingConfig,
+    speculative: aiocb.SpeculativeConfig,
+    params: dict[str, Any],
+) -> aiocb.ManagerStatistics:
+    """PROMPTS' outputs without and with ``speculative``, asserted equal (no block leaked):
+    the speculative run's statistics."""
     runs = []
     for spec in (None, speculative):
         async with aiocb.Manager(model, continuous_batching_config=config, speculative_config=spec) as manager:
@@ -646,11 +662,7 @@ async def test_prompt_lookup_on_sliding_window_models_equals_no_speculation(
         assert stats.free_blocks == stats.total_blocks, "blocks leaked"
         runs.append([o.generated_tokens for o in outputs.values()])
     assert runs[1] == runs[0]
-    assert stats.draft_tokens > stats.accepted_draft_tokens, "some proposals were rejected"
-    if sampling == "greedy":
-        assert stats.accepted_draft_tokens > 0, "some proposals were accepted"
-    if config_name == "preemption":
-        assert stats.preemptions > 0
+    return stats
 
 
 async def test_speculation_a_sliding_window_model_cannot_take_is_refused() -> None:
@@ -680,14 +692,7 @@ async def test_a_draft_model_over_a_hybrid_target_equals_no_speculation(config_n
     params: dict[str, Any] = (
         {"do_sample": False} if sampling == "greedy" else {"temperature": 0.4, "top_k": 50, "seed": 7}
     )
-    runs = []
-    for spec in (None, speculative):
-        async with aiocb.Manager(target, continuous_batching_config=config, speculative_config=spec) as manager:
-            outputs = await manager.generate_batch(PROMPTS, max_new_tokens=NEW, **params)
-            stats = manager.statistics()
-        assert stats.free_blocks == stats.total_blocks, "blocks leaked"
-        runs.append([o.generated_tokens for o in outputs.values()])
-    assert runs[1] == runs[0]
+    stats = await _equal_without(target, config, speculative, params)
     assert stats.draft_tokens > stats.accepted_draft_tokens > 0
     if config_name == "preemption":
         assert stats.preemptions > 0
