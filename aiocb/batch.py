@@ -14,10 +14,10 @@ from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerB
 
 from aiocb.config import ContinuousBatchingConfig, WorkloadHints, as_config
 from aiocb.engine.manager import Manager
-from aiocb.errors import InvalidRequestError
+from aiocb.errors import InvalidConfigError, InvalidRequestError
 from aiocb.outputs import GenerationOutput
 from aiocb.params import SamplingParams
-from aiocb.prompts import Prompt
+from aiocb.prompts import Prompt, check_prompt_list
 from aiocb.runner.distributed import follow_call, return_to_followers, tensor_parallel_layout
 from aiocb.sampling import merged_generation_config
 from aiocb.speculative import SpeculativeConfig
@@ -85,13 +85,18 @@ def generate_batch(
         if progress and not progress_bar:
             raise InvalidRequestError("progress=True and progress_bar=False contradict each other", param="progress")
         progress = progress_bar  # (transformers' name for it)
-    if record_timestamps:
-        params["record_timestamps"] = True
+    if record_timestamps is not False:  # (checked as any request parameter)
+        params["record_timestamps"] = record_timestamps
+    check_prompt_list(inputs)
+    _check_types(generation_config, sampling_params)  # (before the hints read them)
+    if len(inputs) == 0:  # (nothing to run: what would have run it is checked all the same)
+        as_config(continuous_batching_config, generation_config or model.generation_config)
+        (sampling_params or SamplingParams()).updated(max_new_tokens=max_new_tokens, **params)
 
     def run() -> dict[str, GenerationOutput]:
         if in_loop:
             raise _in_a_loop()
-        if not inputs:
+        if len(inputs) == 0:
             return {}
 
         async def generate() -> dict[str, GenerationOutput]:
@@ -143,6 +148,18 @@ def generate_batch(
         raise
     return_to_followers(layout, timeout, outputs, None, fingerprint)
     return outputs
+
+
+def _check_types(generation_config: GenerationConfig | None, sampling_params: SamplingParams | None) -> None:
+    if generation_config is not None and not isinstance(generation_config, GenerationConfig):
+        raise InvalidConfigError(
+            f"generation_config must be a transformers GenerationConfig, got {type(generation_config).__name__}"
+        )
+    if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
+        raise InvalidRequestError(
+            f"sampling_params must be an aiocb.SamplingParams, got {type(sampling_params).__name__}",
+            param="sampling_params",
+        )
 
 
 def _workload_hints(

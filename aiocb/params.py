@@ -62,7 +62,8 @@ class SamplingParams:
     do_sample: bool | None = field(
         default=None,
         metadata=_doc(
-            "sample instead of greedy; when not given, passing `temperature`, `top_k` or `top_p` samples",
+            "sample instead of greedy; when not given, passing `temperature`, `top_k`, `top_p` or another "
+            "sampling filter (`min_p`, `typical_p`, `epsilon_cutoff`, `eta_cutoff`, `top_h`) samples",
             "GenerationConfig",
         ),
     )
@@ -470,7 +471,14 @@ def _is_unicode(text: str) -> bool:
     return True
 
 
-def _ids(name: str, value: Any, *, empty_ok: bool = True, negative_ok: bool = False) -> tuple[int, ...] | None:
+def _ids(
+    name: str,
+    value: Any,
+    *,
+    empty_ok: bool = True,
+    negative_ok: bool = False,
+    empty: str = "no token could be generated",
+) -> tuple[int, ...] | None:
     if value is None:
         return None
     if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
@@ -487,7 +495,7 @@ def _ids(name: str, value: Any, *, empty_ok: bool = True, negative_ok: bool = Fa
             plain.append(token)
         ids = tuple(plain)
     if not ids and not empty_ok:
-        raise InvalidRequestError(f"{name} is empty: no token could be generated", param=name)
+        raise InvalidRequestError(f"{name} is empty: {empty}", param=name)
     return ids
 
 
@@ -617,17 +625,27 @@ def _sorted(pairs: list[tuple[int, float]]) -> list[tuple[int, float]]:
     return merged
 
 
+#: float32's largest finite value: a bias past it is infinite on the device.
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
 def _sequence_bias(value: Any) -> tuple[SequenceBias, ...] | None:
     if value is None:
         return None
     out: dict[tuple[int, ...], float] = {}  # as transformers: a sequence given twice keeps its last bias
     for sequence, bias in _pairs("sequence_bias", value, "token sequences to biases, e.g. [[[42, 7], -5.0]]"):
         pause()
-        ids = _ids("sequence_bias", [sequence] if token_id(sequence) is not None else sequence, empty_ok=False)
+        one = [sequence] if token_id(sequence) is not None else sequence
+        ids = _ids("sequence_bias", one, empty_ok=False, empty="one of its sequences holds no token")
         assert ids is not None
         if isinstance(bias, bool) or not isinstance(bias, (int, float)) or math.isnan(bias):
             raise InvalidRequestError(
                 f"sequence_bias of {list(ids)} must be a number, got {bias!r}", param="sequence_bias"
+            )
+        if bias > _FLOAT32_MAX:  # (-inf bans a sequence; +inf, or a bias past float32's range, makes NaNs)
+            raise InvalidRequestError(
+                f"sequence_bias of {list(ids)} must be at most float32's largest ({_FLOAT32_MAX:.4g}), got {bias}",
+                param="sequence_bias",
             )
         out[ids] = float(bias)
     return tuple(out.items())
@@ -661,7 +679,7 @@ def _bad_words(value: Any) -> tuple[tuple[int, ...], ...] | None:
             raise InvalidRequestError(
                 "bad_words_ids must be a list of lists of token ids, e.g. [[42], [7, 9]]", param="bad_words_ids"
             )
-        ids = _ids("bad_words_ids", word, empty_ok=False)
+        ids = _ids("bad_words_ids", word, empty_ok=False, empty="one of its sequences holds no token")
         assert ids is not None
         words.append(ids)
     return tuple(words)
@@ -740,7 +758,8 @@ _CHECKS: dict[str, Callable[[SamplingParams, str], None]] = {
     "typical_p": functools.partial(_check_float, low=0.0, low_open=True, high=1.0),
     "epsilon_cutoff": functools.partial(_check_float, low=0.0, high=1.0, high_open=True),
     "eta_cutoff": functools.partial(_check_float, low=0.0, high=1.0, high_open=True),
-    "repetition_penalty": functools.partial(_check_float, low=0.0, low_open=True),
+    # (logits divided or multiplied by more stay finite in float32, as far as 1e8 of them)
+    "repetition_penalty": functools.partial(_check_float, low=1e-30, high=1e30),
     "presence_penalty": functools.partial(_check_float, low=-2.0, high=2.0),
     "frequency_penalty": functools.partial(_check_float, low=-2.0, high=2.0),
     "timeout": functools.partial(_check_float, low=0.0, low_open=True),

@@ -23,6 +23,23 @@ def is_chat(prompt: Any) -> bool:
     return isinstance(prompt[0], Mapping)
 
 
+def check_prompt_list(inputs: Any) -> None:
+    """InvalidRequestError unless ``inputs`` holds prompts, not one prompt (a text, a chat,
+    token ids: taken for a list of prompts, a text would be one request per character)."""
+    one = "one prompt: pass a list of prompts ([prompt])"
+    if inputs is None:
+        raise InvalidRequestError("inputs is None: pass a list of prompts", param="inputs")
+    if isinstance(inputs, (str, bytes)):
+        raise InvalidRequestError(f"inputs is a text, {one}", param="inputs")
+    if isinstance(inputs, Mapping) or is_chat(inputs):
+        raise InvalidRequestError(f"inputs is a chat conversation, {one}", param="inputs")
+    ndim = getattr(inputs, "ndim", None)  # (a tensor or an array: its rows are the prompts)
+    if (isinstance(ndim, int) and ndim < 2) or (isinstance(inputs, Sequence) and inputs and isinstance(inputs[0], int)):
+        raise InvalidRequestError(f"inputs are token ids, {one}", param="inputs")
+    if not isinstance(inputs, Sequence) and not isinstance(ndim, int):
+        raise InvalidRequestError(f"inputs must be a list of prompts, got {type(inputs).__name__}", param="inputs")
+
+
 def is_large(prompt: Any) -> bool:
     """Whether tokenizing ``prompt`` may hold the event loop for more than about a millisecond."""
     if isinstance(prompt, str):

@@ -220,6 +220,20 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "prompt_lookup_num_tokens": (),
     "use_mtp": (False,),
     "speculation_type": (),
+    # (what generate returns besides tokens: aiocb's outputs carry logprobs instead)
+    "output_scores": (False,),
+    "output_logits": (False,),
+    "output_attentions": (False,),
+    "output_hidden_states": (False,),
+    "return_dict_in_generate": (False,),
+}
+#: Of those, the ones that ask generate for more than tokens.
+_OUTPUT_FIELDS = {
+    "output_scores",
+    "output_logits",
+    "output_attentions",
+    "output_hidden_states",
+    "return_dict_in_generate",
 }
 
 
@@ -238,6 +252,8 @@ def config_defaults(
         stop_strings = None
     if unsupported:
         message = f"the GenerationConfig sets fields aiocb does not support: {', '.join(unsupported)}"
+        if _OUTPUT_FIELDS.intersection(unsupported):
+            message += " (outputs carry log-probabilities instead: return_logprobs, top_logprobs, logprobs_mode)"
         if not drop_unsupported:
             raise InvalidRequestError(f"{message}; unset them, or pass drop_unsupported_processors=True to drop them")
         logger.warning("%s; they are dropped (drop_unsupported_processors=True)", message)
@@ -363,8 +379,9 @@ def resolve_params(
         )
     do_sample = request.do_sample
     if do_sample is None:
-        explicit = request.temperature is not None or request.top_k is not None or request.top_p is not None
-        do_sample = explicit or bool(config.do_sample)
+        # (a filter of the draw asks for one: on a greedy request it would go unused)
+        filters = ("temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h")
+        do_sample = any(getattr(request, name) is not None for name in filters) or bool(config.do_sample)
     temperature = pick("temperature", _DEFAULT_TEMPERATURE)
     if do_sample and 0.0 < temperature < MIN_TEMPERATURE:
         # (logits / temperature would run far past where float32 tells tokens apart, or

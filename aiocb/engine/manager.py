@@ -15,6 +15,7 @@ import contextlib
 import copy
 import enum
 import logging
+import math
 import threading
 import time
 import traceback
@@ -47,7 +48,7 @@ from aiocb.errors import (
 from aiocb.gil import pausing_call, yield_gil
 from aiocb.outputs import FinishReason, GenerationOutput, RequestStatus
 from aiocb.params import SamplingParams, asks_for_structure
-from aiocb.prompts import Prompt, is_large
+from aiocb.prompts import Prompt, check_prompt_list, is_large
 from aiocb.runner.distributed import build_runner, driver_layout, tensor_parallel_layout
 from aiocb.runner.memory import CachePlan, memory_percent, scored_rows
 from aiocb.runner.model_runner import ModelRunner, runner_plan
@@ -110,6 +111,36 @@ def _prefix_key(prompt: list[int]) -> bytes:
     first ids' bytes, compared by ``memcmp`` (lists of ids compared one id at a time: 4,096
     prompts behind a 2,000-token system prompt took a second to sort)."""
     return array.array("i", prompt[:_PREFIX_KEY_IDS]).tobytes()
+
+
+def _check_manager_arguments(
+    generation_config: object,
+    tokenizer: object,
+    grammar_tokenizer: object,
+    num_requests_hint: object,
+    speculative_config: object,
+) -> None:
+    """InvalidConfigError naming the first of the manager's arguments of the wrong kind
+    (found when made, not at a request's or the start's first use of it)."""
+    if generation_config is not None and not isinstance(generation_config, GenerationConfig):
+        raise InvalidConfigError(
+            f"generation_config must be a transformers GenerationConfig, got {type(generation_config).__name__} "
+            "(a ContinuousBatchingConfig goes third, or as continuous_batching_config=)"
+        )
+    for name, value in (("tokenizer", tokenizer), ("grammar_tokenizer", grammar_tokenizer)):
+        if value is not None and not all(callable(getattr(value, m, None)) for m in ("encode", "decode")):
+            raise InvalidConfigError(
+                f"{name} must be a tokenizer (AutoTokenizer.from_pretrained(...)), got {type(value).__name__}"
+            )
+    if num_requests_hint is not None and (
+        not isinstance(num_requests_hint, int) or isinstance(num_requests_hint, bool) or num_requests_hint < 1
+    ):
+        raise InvalidConfigError(f"num_requests_hint must be an int of at least 1, got {num_requests_hint!r}")
+    if speculative_config is not None and not isinstance(speculative_config, SpeculativeConfig):
+        raise InvalidConfigError(
+            f"speculative_config must be an aiocb.SpeculativeConfig, got {type(speculative_config).__name__} "
+            "(SpeculativeConfig.from_dict() takes a dict of its fields)"
+        )
 
 
 def _check_speculation_fits_rings(config: SpeculativeConfig, spec: ModelSpec, page_size: int) -> None:
@@ -201,6 +232,7 @@ class Manager:
                 generation_config, continuous_batching_config, speculative_config, tokenizer, grammar_tokenizer
             )
             return
+        _check_manager_arguments(generation_config, tokenizer, grammar_tokenizer, num_requests_hint, speculative_config)
         self._initialized = True
         self.model = model
         self.generation_config = merged_generation_config(model, generation_config)
@@ -991,6 +1023,7 @@ class Manager:
 
         With ``n`` > 1, each request's children (``<id>__child#<i>``) come before it, as in
         transformers."""
+        check_prompt_list(inputs)
         bar = _progress_bar(len(inputs)) if progress else None
         requests = await self._add_many(
             inputs,
@@ -1047,6 +1080,10 @@ class Manager:
         took its final output.
         """
         self._check_loop()
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or math.isnan(timeout)
+        ):
+            raise InvalidRequestError(f"timeout must be a number of seconds or None, got {timeout!r}", param="timeout")
         try:
             async with asyncio.timeout(timeout):
                 if request_id is None:
@@ -1303,6 +1340,7 @@ class Manager:
         on_finish: Callable[[], object] | None = None,
     ) -> list[Request]:
         self._check_loop()
+        check_prompt_list(inputs)
         start = self._start_now()
         await self._until_started()
         self._check_accepting()

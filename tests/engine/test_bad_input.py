@@ -230,3 +230,133 @@ async def test_a_long_prompt_of_token_ids_is_checked_off_the_loop(
         assert [o.generated_tokens for o in batch.values()] == [expected]
     # (a deque, which cannot be sliced, is checked on the loop as it always was)
     assert len(threads) == 4 and threading.current_thread().name not in threads and kept == [8] * 4
+
+
+# ---------------------------------------------------------------- lists of prompts, and the call's other arguments
+
+
+@pytest.fixture(scope="module")
+def bundled() -> tuple[Any, Any]:
+    from aiocb.default_model import load_default_model
+
+    return load_default_model()
+
+
+ONE_PROMPT = [
+    ("hello", "inputs is a text, one prompt"),
+    ([{"role": "user", "content": "hi"}], "inputs is a chat conversation, one prompt"),
+    (GOOD, "inputs are token ids, one prompt"),
+    (torch.tensor(GOOD), "inputs are token ids, one prompt"),
+    (None, "inputs is None"),
+    (7, "inputs must be a list of prompts, got int"),
+]
+
+
+@pytest.mark.parametrize(("inputs", "message"), ONE_PROMPT)
+async def test_one_prompt_given_for_a_list_of_them_is_refused(
+    bundled: tuple[Any, Any], inputs: Any, message: str
+) -> None:
+    """Taken for a list, a text was one request per character."""
+    model, tokenizer = bundled
+    async with aiocb.Manager(model, tokenizer=tokenizer) as manager:
+        for call in (manager.generate_batch(inputs), manager.add_requests(inputs)):
+            with pytest.raises(aiocb.InvalidRequestError, match=message) as caught:
+                await call
+            assert caught.value.param == "inputs"
+        stats = manager.statistics()
+        assert stats.waiting_requests == stats.running_requests == 0
+        rows = await manager.generate_batch(torch.tensor([GOOD, GOOD]), max_new_tokens=2)  # (a tensor's rows)
+    assert len(rows) == 2
+
+
+@pytest.mark.parametrize(("inputs", "message"), ONE_PROMPT)
+def test_one_prompt_given_to_the_blocking_call_is_refused(bundled: tuple[Any, Any], inputs: Any, message: str) -> None:
+    model, tokenizer = bundled
+    with pytest.raises(aiocb.InvalidRequestError, match=message):
+        aiocb.generate_batch(model, inputs, tokenizer=tokenizer)
+
+
+def test_the_blocking_call_checks_what_it_is_given_with_no_prompts_too(qwen3: PreTrainedModel) -> None:
+    with pytest.raises(aiocb.InvalidRequestError, match="unknown"):
+        aiocb.generate_batch(qwen3, [], bogus=1)
+    with pytest.raises(aiocb.InvalidRequestError, match="temperature"):
+        aiocb.generate_batch(qwen3, [], temperature="hot")
+    with pytest.raises(aiocb.InvalidConfigError, match="continuous_batching_config must be"):
+        aiocb.generate_batch(qwen3, [], continuous_batching_config="x")  # type: ignore[arg-type]
+    for inputs in ([], [GOOD]):
+        with pytest.raises(aiocb.InvalidRequestError, match=r"sampling_params must be an aiocb\.SamplingParams"):
+            aiocb.generate_batch(qwen3, inputs, sampling_params={"temperature": 0.5})  # type: ignore[arg-type]
+        with pytest.raises(aiocb.InvalidConfigError, match="generation_config must be a transformers"):
+            aiocb.generate_batch(qwen3, inputs, {"max_new_tokens": 3})  # type: ignore[arg-type]
+        with pytest.raises(aiocb.InvalidRequestError, match="record_timestamps"):
+            aiocb.generate_batch(qwen3, inputs, record_timestamps="no")  # type: ignore[arg-type]
+    assert aiocb.generate_batch(qwen3, []) == {}
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"generation_config": {"max_new_tokens": 3}}, "generation_config must be a transformers GenerationConfig"),
+        ({"generation_config": aiocb.ContinuousBatchingConfig()}, "a ContinuousBatchingConfig goes third"),
+        ({"tokenizer": "some/path"}, "tokenizer must be a tokenizer"),
+        ({"grammar_tokenizer": 5}, "grammar_tokenizer must be a tokenizer"),
+        ({"num_requests_hint": "5"}, "num_requests_hint must be an int of at least 1"),
+        ({"num_requests_hint": -5}, "num_requests_hint must be an int of at least 1"),
+        ({"speculative_config": {"method": "ngram"}}, "speculative_config must be an aiocb.SpeculativeConfig"),
+    ],
+)
+def test_a_manager_s_arguments_of_the_wrong_kind_are_refused_when_it_is_made(
+    qwen3: PreTrainedModel, arguments: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(aiocb.InvalidConfigError, match=message):
+        aiocb.Manager(qwen3, **arguments)
+
+
+async def test_a_sampling_filter_asks_for_sampling(qwen3: PreTrainedModel) -> None:
+    """As ``temperature``, ``top_k`` and ``top_p`` do: on a greedy request it went unused."""
+    async with aiocb.Manager(qwen3) as manager:
+        for name, value in (("typical_p", 0.05), ("min_p", 0.9), ("epsilon_cutoff", 0.5), ("top_h", 0.05)):
+            given = await manager.generate(GOOD, max_new_tokens=6, seed=3, **{name: value})
+            sampled = await manager.generate(GOOD, max_new_tokens=6, seed=3, do_sample=True, **{name: value})
+            assert given.generated_tokens == sampled.generated_tokens, name
+        # (a filter that keeps few tokens at temperature 1 draws otherwise than the argmax somewhere)
+        kept = await manager.generate(GOOD, max_new_tokens=24, seed=3, epsilon_cutoff=1e-4)
+    assert kept.generated_tokens != reference_generate(qwen3, GOOD, 24)
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"sequence_bias": {(5,): float("inf")}}, "sequence_bias of \\[5\\] must be at most float32's largest"),
+        ({"sequence_bias": {(5, 6): 1e300}}, "sequence_bias of \\[5, 6\\] must be at most"),
+        ({"repetition_penalty": 1e-300}, "repetition_penalty must be in \\[1e-30, 1e\\+30\\]"),
+        ({"repetition_penalty": 1e300}, "repetition_penalty must be in"),
+        ({"bad_words_ids": [[5, 6], []]}, "bad_words_ids is empty: one of its sequences holds no token"),
+        ({"sequence_bias": {(): 1.0}}, "sequence_bias is empty: one of its sequences holds no token"),
+    ],
+)
+async def test_values_that_would_make_nans_or_mislead_are_refused(
+    qwen3: PreTrainedModel, params: dict[str, Any], message: str
+) -> None:
+    async with aiocb.Manager(qwen3) as manager:
+        with pytest.raises(aiocb.InvalidRequestError, match=message):
+            await manager.generate(GOOD, max_new_tokens=2, **params)
+        banned = await manager.generate(GOOD, max_new_tokens=4, sequence_bias={(5,): float("-inf")})
+        assert 5 not in banned.generated_tokens  # (-inf still bans)
+        with pytest.raises(aiocb.InvalidRequestError, match="timeout must be a number of seconds"):
+            await manager.get_result("nobody", timeout="1")  # type: ignore[arg-type]
+
+
+async def test_a_generation_config_asking_for_more_than_tokens_is_told_what_outputs_carry(
+    qwen3: PreTrainedModel, caplog: pytest.LogCaptureFixture
+) -> None:
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(output_scores=True, return_dict_in_generate=True, max_new_tokens=3)
+    with caplog.at_level("WARNING", logger="aiocb"):
+        async with aiocb.Manager(qwen3, config) as manager:
+            await manager.generate(GOOD)
+    assert "output_scores, return_dict_in_generate" in caplog.text and "return_logprobs" in caplog.text
+    strict = aiocb.ContinuousBatchingConfig(drop_unsupported_processors=False)
+    with pytest.raises(aiocb.InvalidRequestError, match="output_scores"):
+        aiocb.Manager(qwen3, config, strict)
