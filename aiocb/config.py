@@ -26,6 +26,7 @@ SchedulerType = Literal["fifo", "prefill_first"]
 
 #: ``max_batch_tokens`` when it is not given; memory sizing may lower it, never below the floor.
 DEFAULT_MAX_BATCH_TOKENS = 8192
+_DEFAULT_PAGE_SIZE = 256
 MIN_AUTO_MAX_BATCH_TOKENS = 256
 #: ``max_requests_per_batch`` when neither the config nor the workload says otherwise.
 DEFAULT_MAX_REQUESTS_PER_BATCH = 1024
@@ -110,7 +111,7 @@ class ContinuousBatchingConfig:
         max_cached_graphs: deprecated in transformers; accepted and ignored, with a warning.
     """
 
-    page_size: int = 256
+    page_size: int = _DEFAULT_PAGE_SIZE
     num_blocks: int | None = None
     max_batch_tokens: int | None = None
     max_memory_percent: float | None = None
@@ -151,7 +152,15 @@ class ContinuousBatchingConfig:
                 if value is not None or name in required:
                     check(value, name)
         if self.block_size is not None:
-            logger.warning("ContinuousBatchingConfig.block_size is deprecated: use page_size")
+            if self.page_size not in (_DEFAULT_PAGE_SIZE, self.block_size):
+                raise InvalidConfigError(
+                    f"page_size={self.page_size} and block_size={self.block_size} (its deprecated name) disagree: "
+                    "give page_size alone"
+                )
+            logger.warning(
+                "ContinuousBatchingConfig.block_size is deprecated: use page_size (block_size=%d taken as page_size)",
+                self.block_size,
+            )
             self.page_size, self.block_size = self.block_size, None
         if self.use_default_compile_configs is not None:
             # (as transformers maps it since deprecating it)

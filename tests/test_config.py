@@ -87,6 +87,9 @@ def test_block_size_is_the_deprecated_name_of_page_size() -> None:
     assert config.block_size is None
     with pytest.raises(ValueError, match="page_size"):
         ContinuousBatchingConfig(block_size=2)
+    with pytest.raises(ValueError, match=r"page_size=64 and block_size=32 \(its deprecated name\) disagree"):
+        ContinuousBatchingConfig(page_size=64, block_size=32)
+    assert ContinuousBatchingConfig(page_size=32, block_size=32).page_size == 32
 
 
 def test_the_config_is_exported() -> None:
