@@ -243,6 +243,7 @@ class ContinuousBatchingConfig:
                     f"{name} has {', '.join(map(repr, unknown))}, which torch.compile does not take; "
                     f"it takes {', '.join(sorted(_compile_arguments()))}"
                 )
+            _check_compile_values(name, value or {})
 
     @property
     def resolved_safety_margin(self) -> float:
@@ -326,6 +327,25 @@ class WorkloadHints:
 def _is_transformers_config(value: Any) -> bool:
     """Whether ``value`` is transformers' ``ContinuousBatchingConfig`` (a dataclass of that name)."""
     return dataclasses.is_dataclass(value) and type(value).__name__ == "ContinuousBatchingConfig"
+
+
+def _check_compile_values(name: str, arguments: dict[str, Any]) -> None:
+    """The ``mode`` and named ``backend`` of ``torch.compile`` arguments, checked now (else
+    the start fails on them, in torch's words)."""
+    mode = arguments.get("mode")
+    if mode is not None:
+        from torch._inductor import list_mode_options
+
+        modes = list_mode_options()
+        if mode not in modes:
+            raise InvalidConfigError(f"{name}'s mode must be one of {', '.join(modes)}, got {mode!r}")
+    backend = arguments.get("backend")
+    if isinstance(backend, str):
+        from torch._dynamo import list_backends
+
+        known = list_backends(exclude_tags=())
+        if backend not in known:
+            raise InvalidConfigError(f"{name}'s backend must be one of {', '.join(known)}, got {backend!r}")
 
 
 @functools.cache

@@ -92,6 +92,14 @@ def test_block_size_is_the_deprecated_name_of_page_size() -> None:
     assert ContinuousBatchingConfig(page_size=32, block_size=32).page_size == 32
 
 
+def test_a_compile_mode_or_backend_torch_lacks_is_refused_when_the_config_is_made() -> None:
+    with pytest.raises(ValueError, match="decode_compile_config's mode must be one of default"):
+        ContinuousBatchingConfig(decode_compile_config={"mode": "bogus"})
+    with pytest.raises(ValueError, match="varlen_compile_config's backend must be one of"):
+        ContinuousBatchingConfig(varlen_compile_config={"backend": "nonexistent"})
+    ContinuousBatchingConfig(decode_compile_config={"mode": "max-autotune-no-cudagraphs", "backend": "inductor"})
+
+
 def test_the_config_is_exported() -> None:
     assert aiocb.ContinuousBatchingConfig is ContinuousBatchingConfig
 
