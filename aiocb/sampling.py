@@ -471,6 +471,12 @@ def resolve_params(
             param="max_new_tokens",
         )
     return_logprobs = request.return_logprobs
+    if return_logprobs is False and request.top_logprobs:
+        raise InvalidRequestError(
+            f"top_logprobs={request.top_logprobs} asks for log-probabilities, which return_logprobs=False refuses: "
+            "give one of them",
+            param="top_logprobs",
+        )
     seed = pick("seed", None)
     return ResolvedParams(
         max_new_tokens=max_new_tokens,

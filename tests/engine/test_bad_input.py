@@ -333,6 +333,7 @@ async def test_a_sampling_filter_asks_for_sampling(qwen3: PreTrainedModel) -> No
         ({"repetition_penalty": 1e300}, "repetition_penalty must be in"),
         ({"bad_words_ids": [[5, 6], []]}, "bad_words_ids is empty: one of its sequences holds no token"),
         ({"sequence_bias": {(): 1.0}}, "sequence_bias is empty: one of its sequences holds no token"),
+        ({"top_logprobs": 2, "return_logprobs": False}, "top_logprobs=2 asks for log-probabilities"),
     ],
 )
 async def test_values_that_would_make_nans_or_mislead_are_refused(
