@@ -118,7 +118,8 @@ class SpeculativeConfig:
         size = self.disable_by_batch_size
         if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
             raise InvalidConfigError(f"disable_by_batch_size must be an int >= 1 or None, got {size!r}")
-        if not isinstance(self.min_acceptance, (int, float)) or not 0.0 <= self.min_acceptance <= 1.0:
+        acceptance = self.min_acceptance
+        if isinstance(acceptance, bool) or not isinstance(acceptance, (int, float)) or not 0.0 <= acceptance <= 1.0:
             raise InvalidConfigError(f"min_acceptance must be in [0, 1], got {self.min_acceptance!r}")
 
     @classmethod

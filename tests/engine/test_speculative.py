@@ -610,6 +610,7 @@ def test_the_default_proposal_length_depends_on_the_method() -> None:
         ({"prompt_lookup_min": 5, "prompt_lookup_max": 3}, "prompt_lookup_min"),
         ({"disable_by_batch_size": 0}, "disable_by_batch_size"),
         ({"min_acceptance": 2.0}, "min_acceptance"),
+        ({"min_acceptance": True}, "min_acceptance"),
     ],
 )
 def test_bad_configs_are_refused(fields: dict[str, Any], message: str) -> None:
