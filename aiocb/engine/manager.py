@@ -147,16 +147,11 @@ def _check_speculation_fits_rings(config: SpeculativeConfig, spec: ModelSpec, pa
     """InvalidConfigError unless speculation suits the model's sliding-window layers: a
     row verifying ``k`` proposals writes ``k + 1`` positions into each sliding layer's ring
     of blocks, and a rejected one must not have overwritten a key still in the window of
-    the positions that follow (:func:`~aiocb.core.kv_cache.ring_safe_tokens`)."""
+    the positions that follow (:func:`~aiocb.core.kv_cache.ring_safe_tokens`). (A draft
+    model over a target whose layers all slide is refused where the runner is planned.)"""
     windows = sorted({window for window in spec.layer_windows if window is not None})
     if not windows:
         return
-    if config.method == "draft" and None not in spec.layer_windows:
-        # (its cache mirrors the blocks of the target's full-attention layers, which keep every position)
-        raise InvalidConfigError(
-            "a draft model needs a target with full-attention layers, not sliding-window ones alone; prompt "
-            "lookup (method='ngram') takes it"
-        )
     most = min(ring_safe_tokens(window, page_size) for window in windows) - 1
     if config.num_speculative_tokens is not None and config.num_speculative_tokens > most:
         raise InvalidConfigError(

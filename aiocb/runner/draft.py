@@ -76,16 +76,16 @@ def draft_spec(draft: PreTrainedModel) -> ModelSpec:
 def refuse_other_kernels(
     spec: ModelSpec, plan: CachePlan, config: ContinuousBatchingConfig, backends: list[str]
 ) -> None:
-    """InvalidConfigError unless a draft model of ``spec`` attends through the target's
-    ``backends``: the draft's first pass of a step attends through the target's attention
-    metadata, which is built for the target's kernels, so the draft's cache (its dtype, its
-    head size) must take the same ones."""
-    own = select_backends(spec.device, config, [None] * len(backends), plan.page_size,
-                          dtype=spec.dtype, head_dim=spec.head_dim)  # fmt: skip
-    if own != backends:
+    """InvalidConfigError unless a draft model of ``spec`` attends through the kernel of the
+    target's full-attention layers (``backends[0]``: their group comes first), whose blocks
+    its cache mirrors: the draft's first pass of a step attends through the target's
+    attention metadata, built for the target's kernels, so the draft's cache (its dtype,
+    its head size) must take the same."""
+    own = select_backends(spec.device, config, [None], plan.page_size, dtype=spec.dtype, head_dim=spec.head_dim)[0]
+    if own != backends[0]:
         raise InvalidConfigError(
-            f"draft_model ({spec.dtype}, heads of {spec.head_dim}) cannot use the target's attention "
-            f"kernels ({', '.join(backends)}; it would need {', '.join(own)}): give a draft model in the "
+            f"draft_model ({spec.dtype}, heads of {spec.head_dim}) cannot use the attention kernel of the "
+            f"target's full-attention layers ({backends[0]}; it would need {own}): give a draft model in the "
             "target's dtype"
         )
 

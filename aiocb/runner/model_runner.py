@@ -18,6 +18,7 @@ from transformers import PreTrainedModel
 from aiocb.collector import freeze_alive_objects
 from aiocb.config import DEFAULT_MAX_BLOCKS_PER_REQUEST, ContinuousBatchingConfig
 from aiocb.core.scheduler import PromptTops, StepResult
+from aiocb.errors import InvalidConfigError
 from aiocb.runner import attention, native
 from aiocb.runner.backends import Backend, select_backends
 from aiocb.runner.compile import compile_configs, compiled
@@ -86,6 +87,11 @@ def runner_plan(
     plan = _plan(spec, drafted, config, num_requests_hint, speculative)
     if drafted is not None:
         windows = [window for window, _ in spec.group_layers()]
+        if windows[0] is not None:  # (its cache mirrors the blocks of the full-attention layers)
+            raise InvalidConfigError(
+                "a draft model needs a target with full-attention layers, not sliding-window ones alone; prompt "
+                "lookup (method='ngram') takes it"
+            )
         backends = select_backends(
             spec.device, config, windows, plan.page_size, dtype=spec.dtype, head_dim=spec.head_dim
         )

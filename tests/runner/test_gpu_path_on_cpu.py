@@ -130,6 +130,33 @@ def test_backend_selection(monkeypatch: pytest.MonkeyPatch) -> None:
         ]
 
 
+def test_a_draft_model_needs_the_kernel_of_the_target_s_full_attention_layers_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its cache mirrors their blocks: a hybrid target's sliding layers, which flash-attn
+    cannot read (their rings), attend otherwise without refusing it."""
+    import dataclasses
+
+    from aiocb.runner.draft import draft_spec, refuse_other_kernels
+    from aiocb.runner.memory import CachePlan
+    from aiocb.runner.model_spec import model_spec
+
+    monkeypatch.setattr(backends, "_flash_available", lambda: True)  # (a CUDA machine with flash-attn)
+    cuda, config = torch.device("cuda"), aiocb.ContinuousBatchingConfig()
+    hybrid = tiny_qwen3(use_sliding_window=True, sliding_window=32, max_window_layers=1)
+    target = dataclasses.replace(model_spec(hybrid), device=cuda)
+    windows = [window for window, _ in target.group_layers()]
+    chosen = select_backends(cuda, config, windows, 256, dtype=target.dtype, head_dim=target.head_dim)
+    assert chosen == [Backend.FLASH, Backend.REFERENCE]
+    plan = CachePlan(256, [10, 10], 256, 8, 0, [0, 0])
+    refuse_other_kernels(dataclasses.replace(draft_spec(tiny_qwen3()), device=cuda), plan, config, chosen)
+    # On a CPU a draft in bf16 cannot take the fp32 target's C kernels.
+    on_cpu = select_backends(torch.device("cpu"), config, windows, 256, dtype=target.dtype, head_dim=target.head_dim)
+    bf16 = dataclasses.replace(draft_spec(tiny_qwen3()), dtype=torch.bfloat16)
+    with pytest.raises(aiocb.InvalidConfigError, match="attention kernel of the target's full-attention layers"):
+        refuse_other_kernels(bf16, plan, config, on_cpu)
+
+
 def test_batch_buckets_bound_padding_waste() -> None:
     buckets = batch_buckets(1024)
     assert buckets[:5] == [1, 2, 4, 8, 16] and buckets[-1] == 1024
