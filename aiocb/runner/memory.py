@@ -158,7 +158,7 @@ def plan_cache(
             "lower max_batch_tokens or max_requests_per_batch, or raise max_memory_percent"
         )
     max_requests = min(max_requests, min(num_blocks))
-    host_blocks = _host_blocks(spec, page, num_blocks, config)
+    host_blocks = _host_blocks(spec, num_blocks, costs, config)
     logger.info(
         "KV cache: %s blocks of %d tokens per group, max_batch_tokens=%d, max_requests_per_batch=%d, "
         "host offload blocks %s",
@@ -167,10 +167,13 @@ def plan_cache(
     return CachePlan(page, num_blocks, max_batch_tokens, max_requests, budget, host_blocks)
 
 
-def _host_blocks(spec: ModelSpec, page: int, num_blocks: list[int], config: ContinuousBatchingConfig) -> list[int]:
-    """Host blocks per group for CPU offloading, shared out like the device cache."""
+def _host_blocks(
+    spec: ModelSpec, num_blocks: list[int], per_block: list[int], config: ContinuousBatchingConfig
+) -> list[int]:
+    """Host blocks per group for CPU offloading, shared out like the device cache (a block
+    of each group costing ``per_block``: a draft model's cache, which mirrors the full
+    groups' blocks, offloads with them)."""
     space = config.cpu_offload_space
-    per_block = spec.group_block_bytes(page)
     device_bytes = sum(n * b for n, b in zip(num_blocks, per_block, strict=True))
     available = host_memory_bytes()
     if spec.device.type == "cpu":  # (the cache itself is about to take that much of it)

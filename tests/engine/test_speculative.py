@@ -782,6 +782,11 @@ def test_draft_model_cache_mirrors_the_target_blocks(model: PreTrainedModel) -> 
     shared = plan_cache(spec, auto, free_bytes=2**30, extra_bytes_per_block=extra)
     own = spec.bytes_per_block(auto.page_size, spec.num_layers)
     assert shared.num_blocks[0] == pytest.approx(alone.num_blocks[0] * own / (own + extra), rel=0.01)
+    # The host pool of CPU offloading holds both caches' blocks within cpu_offload_space.
+    space = 0.001  # GiB
+    offloading = auto.replace(cpu_offload_space=space)
+    host = plan_cache(spec, offloading, free_bytes=2**30, extra_bytes_per_block=extra).num_host_blocks[0]
+    assert host * (own + extra) <= space * 2**30 < (host + 1) * (own + extra)
 
 
 def test_the_draft_models_cache_starts_at_zero(model: PreTrainedModel, monkeypatch: pytest.MonkeyPatch) -> None:
