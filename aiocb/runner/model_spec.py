@@ -94,10 +94,20 @@ def model_spec(model: PreTrainedModel) -> ModelSpec:
     )
 
 
+#: The kinds of layer (a config's ``layer_types``) whose attention the paged cache keeps.
+_ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention"})
+
+
 def _layer_windows(config: object, num_layers: int) -> tuple[int | None, ...]:
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
     if layer_types:
+        other = sorted(set(layer_types) - _ATTENTION_LAYERS)
+        if other:  # (Llama 4's chunked attention read as full attention would see past its chunk)
+            raise InvalidConfigError(
+                f"the model has {', '.join(other)} layers, which aiocb's paged attention does not support "
+                f"(it takes {', '.join(sorted(_ATTENTION_LAYERS))})"
+            )
         return tuple(window if t == "sliding_attention" and window else None for t in layer_types)
     if window and getattr(config, "use_sliding_window", True):
         return (int(window),) * num_layers  # Mistral: every layer slides

@@ -236,6 +236,20 @@ def test_multi_head_latent_attention_is_refused_naming_it() -> None:
         aiocb.generate_batch(DeepseekV3ForCausalLM(config).eval(), [[1, 2, 3]], max_new_tokens=2)
 
 
+def test_layers_of_a_kind_the_paged_cache_does_not_keep_are_refused_naming_it() -> None:
+    """Llama 4's chunked attention, read as full attention, would see past its chunk."""
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    config = Llama4TextConfig(
+        **{**_TINY, "num_hidden_layers": 4},
+        intermediate_size_mlp=64,
+        attention_chunk_size=8,
+        num_local_experts=2,
+    )
+    with pytest.raises(aiocb.InvalidConfigError, match="the model has chunked_attention layers"):
+        aiocb.generate_batch(Llama4ForCausalLM(config).eval(), [[1, 2, 3]], max_new_tokens=2)
+
+
 def test_a_hybrid_models_rings_share_a_small_budget_with_its_full_layers() -> None:
     """A sliding group is given a ring per concurrent request only where that leaves its
     full groups as many blocks: else every group gets the same (as transformers' blocks of
