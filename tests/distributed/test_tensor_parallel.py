@@ -186,6 +186,7 @@ def test_a_hung_follower_fails_rank_0_within_the_timeout(llama_dir: Path, tmp_pa
     assert "cpu_group_timeout=4.0" in error["cause_message"], error
 
 
+@pytest.mark.slow  # (17 s of the default session, waiting out a group timeout)
 def test_a_follower_left_in_the_models_collective_fails_within_the_groups_timeout(
     llama_dir: Path, tmp_path: Path
 ) -> None:
@@ -202,6 +203,7 @@ def test_a_follower_left_in_the_models_collective_fails_within_the_groups_timeou
     assert follower["ended_at"] < driver["exiting_at"]
 
 
+@pytest.mark.slow  # (12 s of the default session, waiting out a release)
 def test_a_manager_after_shutdown_names_the_release_when_the_follower_does_not_follow_again(
     llama_dir: Path, tmp_path: Path
 ) -> None:

@@ -84,7 +84,9 @@ class Spec:
 
     @property
     def sampled(self) -> bool:
-        return float(self.params.get("temperature", 0.0)) > 0.0
+        if "temperature" in self.params:
+            return float(self.params["temperature"]) > 0.0
+        return "min_p" in self.params  # (a sampling filter asks for sampling, at the default temperature)
 
     @property
     def deterministic(self) -> bool:

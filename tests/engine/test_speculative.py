@@ -624,7 +624,7 @@ def test_bad_configs_are_refused(fields: dict[str, Any], message: str) -> None:
     ("layers", "config_name"),
     [("sliding", "default"), ("hybrid", "preemption"), ("hybrid", "async_batching"), ("sliding", "chunked_prefill")],
 )
-@pytest.mark.parametrize("sampling", ["greedy", "sampled"])
+@pytest.mark.parametrize("sampling", ["greedy", pytest.param("sampled", marks=pytest.mark.slow)])
 async def test_prompt_lookup_on_sliding_window_models_equals_no_speculation(
     layers: str, config_name: str, sampling: str
 ) -> None:
@@ -681,7 +681,13 @@ async def test_speculation_a_sliding_window_model_cannot_take_is_refused() -> No
 
 @pytest.mark.parametrize(
     ("config_name", "sampling"),
-    [("default", "greedy"), ("default", "sampled"), ("preemption", "greedy"), ("async_batching", "greedy")],
+    [
+        ("default", "greedy"),
+        *(  # (6 s each: in nox -s slow)
+            pytest.param(name, sampling, marks=pytest.mark.slow)
+            for name, sampling in [("default", "sampled"), ("preemption", "greedy"), ("async_batching", "greedy")]
+        ),
+    ],
 )
 async def test_a_draft_model_over_a_hybrid_target_equals_no_speculation(config_name: str, sampling: str) -> None:
     """The draft's cache mirrors the blocks of the target's full-attention layers; the

@@ -83,7 +83,8 @@ async def _serve(
     return [o.generated_tokens for o in outputs.values()], runner, stats
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft"])
+# (the draft one: 22 s of the default session; its outputs are checked eagerly there too)
+@pytest.mark.parametrize("method", ["ngram", pytest.param("draft", marks=pytest.mark.slow)])
 async def test_steps_with_proposals_replay_graphs_and_equal_no_speculation(
     graphs_on_cpu: list[int], checked_replays: list[int], method: str
 ) -> None:
@@ -125,6 +126,7 @@ async def test_steps_with_proposals_replay_graphs_and_equal_no_speculation(
     assert runner.verify_cost >= 1.0
 
 
+@pytest.mark.slow  # (35 s of the default session; sampled speculation is checked eagerly there)
 async def test_sampled_rows_under_graphs_equal_no_speculation(
     graphs_on_cpu: list[int], checked_replays: list[int]
 ) -> None:

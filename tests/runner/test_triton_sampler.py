@@ -278,7 +278,7 @@ def test_ties_are_kept_whole() -> None:
 
 
 @needs_kernel
-@pytest.mark.parametrize("vocab", [1000, 40_000])
+@pytest.mark.parametrize("vocab", [1000, pytest.param(40_000, marks=pytest.mark.slow)])  # (the larger: 11 s)
 def test_top_k_rows_draw_from_their_largest_logits_when_those_hold_the_top_k_set(vocab: int) -> None:
     """A top-k row whose top-k set, ties included, lies within the kernel's lanes draws from
     them alone, and picks what the passes over its vocabulary pick (the same kernel with a
