@@ -198,6 +198,14 @@ class ConfigDefaults:
     stop_strings: tuple[str, ...] = ()
 
 
+#: GenerationConfig fields that ask ``generate`` for more than tokens.
+_OUTPUT_FIELDS = (
+    "output_scores",
+    "output_logits",
+    "output_attentions",
+    "output_hidden_states",
+    "return_dict_in_generate",
+)
 #: GenerationConfig fields aiocb cannot honour, with the values that mean "off".
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "num_beams": (1,),
@@ -221,19 +229,7 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "use_mtp": (False,),
     "speculation_type": (),
     # (what generate returns besides tokens: aiocb's outputs carry logprobs instead)
-    "output_scores": (False,),
-    "output_logits": (False,),
-    "output_attentions": (False,),
-    "output_hidden_states": (False,),
-    "return_dict_in_generate": (False,),
-}
-#: Of those, the ones that ask generate for more than tokens.
-_OUTPUT_FIELDS = {
-    "output_scores",
-    "output_logits",
-    "output_attentions",
-    "output_hidden_states",
-    "return_dict_in_generate",
+    **dict.fromkeys(_OUTPUT_FIELDS, (False,)),
 }
 
 
@@ -252,7 +248,7 @@ def config_defaults(
         stop_strings = None
     if unsupported:
         message = f"the GenerationConfig sets fields aiocb does not support: {', '.join(unsupported)}"
-        if _OUTPUT_FIELDS.intersection(unsupported):
+        if set(_OUTPUT_FIELDS).intersection(unsupported):
             message += " (outputs carry log-probabilities instead: return_logprobs, top_logprobs, logprobs_mode)"
         if not drop_unsupported:
             raise InvalidRequestError(f"{message}; unset them, or pass drop_unsupported_processors=True to drop them")
