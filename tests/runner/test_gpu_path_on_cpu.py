@@ -42,8 +42,10 @@ def test_sliding_window_layers_read_their_rings_in_place_through_triton(
 ) -> None:
     """A hybrid model's sliding layers attend through the Triton kernel where its rows
     bring few enough tokens for the ring to hold every key their queries need (decode
-    steps, in CUDA graphs too, and short chunks), and as ``reference`` reads them in steps
-    with longer rows: greedy outputs equal ``model.generate``'s."""
+    steps, in CUDA graphs too, and short chunks where the schedule makes them: rows of
+    several tokens in place are test_prompt_lookup_over_sliding_rings_in_graphs'), and as
+    ``reference`` reads them in steps with longer rows: greedy outputs equal
+    ``model.generate``'s."""
     pytest.importorskip("triton")
     from aiocb.core.kv_cache import ring_safe_tokens
     from aiocb.runner import triton_attention
@@ -70,7 +72,6 @@ def test_sliding_window_layers_read_their_rings_in_place_through_triton(
     assert [o.generated_tokens for o in outputs.values()] == [reference_generate(model, p, 12) for p in prompts]
     safe = ring_safe_tokens(window, page)
     assert safe == 5 and windowed.count(1) >= 11 and all(longest <= safe for longest in windowed)
-    assert any(longest > 1 for longest in windowed)  # (a prompt's short last chunk, in place)
     assert bool(captured) == graphs
 
 
