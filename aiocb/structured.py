@@ -354,8 +354,8 @@ def _disjoint(branches: list[Any], root: Any) -> bool:
         return True
     if all(kind == _OBJECTS for kind in kinds):
         common = set.intersection(*(set(branch.get("required") or ()) for branch in resolved))
+        named = [branch.get("properties") or {} for branch in resolved]
         for name in sorted(common):
-            named = [branch.get("properties") or {} for branch in resolved]
             if _all_apart([_values(_resolved(properties.get(name), root)) for properties in named]):
                 return True
     if len(resolved) > MOST_ONE_OF_PAIRS_COMPARED:

@@ -436,7 +436,7 @@ def prepare_inputs(
         num_tokens=num_tokens,
         query_start=torch.cat((first_token, torch.tensor([num_tokens]))).to(torch.int32),
         seq_lens=seq_lens.to(torch.int32),
-        max_query_len=max(batch.num_tokens),
+        max_query_len=longest,
         max_seq_len=int(seq_lens.max()),
         decode_token_index=first_token.index_select(0, decode_index) if batch.num_single_token_rows else None,
     )
