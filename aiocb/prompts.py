@@ -98,7 +98,9 @@ def encode_prompt(
     try:
         tokenized = encode_kept(text, tokenizer, processes, add_special_tokens=special, keep=keep, limit=limit)
     except (TypeError, ValueError) as exc:  # (UnicodeError is a ValueError)
-        raise InvalidRequestError(f"the prompt cannot be tokenized (is it valid Unicode text?): {exc}") from None
+        raise InvalidRequestError(
+            f"the prompt cannot be tokenized (is it valid Unicode text?): {exc}", param="input_ids"
+        ) from None
     if keep is None and limit is not None and tokenized.total > limit:
         raise InvalidRequestError(
             f"the prompt has {tokenized.total} tokens, more than the model's context length of {limit}",
@@ -115,19 +117,22 @@ def prompt_text(prompt: Any, tokenizer: Any) -> str | None:
     if tokenizer is None:
         kind = "a text" if isinstance(prompt, str) else "chat messages"
         raise InvalidRequestError(
-            f"the prompt is {kind}, which needs a tokenizer: create the Manager with tokenizer=..., or pass token ids"
+            f"the prompt is {kind}, which needs a tokenizer: create the Manager with tokenizer=..., or pass token ids",
+            param="input_ids",
         )
     if isinstance(prompt, str):
         return prompt
     if not getattr(tokenizer, "chat_template", None):
-        raise InvalidRequestError("the tokenizer has no chat template, so chat messages cannot be rendered")
+        raise InvalidRequestError(
+            "the tokenizer has no chat template, so chat messages cannot be rendered", param="input_ids"
+        )
     for i, message in enumerate(prompt):
         if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
-            raise InvalidRequestError(f"messages[{i}] must be a mapping with a string 'role'")
+            raise InvalidRequestError(f"messages[{i}] must be a mapping with a string 'role'", param="input_ids")
     try:
         text: str = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=False)
     except Exception as exc:  # jinja2 errors, raise_exception() in templates
-        raise InvalidRequestError(f"the chat template failed on these messages: {exc}") from exc
+        raise InvalidRequestError(f"the chat template failed on these messages: {exc}", param="input_ids") from exc
     return text
 
 

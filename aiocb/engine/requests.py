@@ -206,13 +206,16 @@ class RequestFactory:
         if request_id is None:
             request_id = self._fresh_id(in_use)
         elif not isinstance(request_id, str) or not request_id:
-            raise InvalidRequestError(f"request_id must be a non-empty str, got {request_id!r}")
+            raise InvalidRequestError(f"request_id must be a non-empty str, got {request_id!r}", param="request_id")
         elif request_id in in_use:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use by a live request")
+            raise InvalidRequestError(
+                f"request id {request_id!r} is already in use by a live request", param="request_id"
+            )
         n = requested.n if requested.n is not None else (self.defaults.params.n or 1)
         if self._max_queue_size and n > self._max_queue_size:
             raise InvalidRequestError(
-                f"n ({n}) is more samples than the admission queue holds (max_queue_size {self._max_queue_size})"
+                f"n ({n}) is more samples than the admission queue holds (max_queue_size {self._max_queue_size})",
+                param="n",
             )
         timeout = requested.timeout if requested.timeout is not None else self.defaults.params.timeout
         now = time.perf_counter()
@@ -238,7 +241,8 @@ class RequestFactory:
         for i, child_id in enumerate(sample_ids(request.request_id, n)[1:], 1):
             if child_id in in_use:
                 raise InvalidRequestError(
-                    f"request id {child_id!r} (a sample of {request.request_id!r}) is already in use"
+                    f"request id {child_id!r} (a sample of {request.request_id!r}) is already in use",
+                    param="request_id",
                 )
             # Each sample draws from its own stream: the request's seed plus its index.
             child_params = resolved.with_seed(resolved.seed + i)
@@ -290,7 +294,8 @@ class RequestFactory:
         """A request's :class:`SamplingParams` with its keyword arguments (which take precedence)."""
         if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
             raise InvalidRequestError(
-                f"sampling_params must be an aiocb.SamplingParams, got {type(sampling_params).__name__}"
+                f"sampling_params must be an aiocb.SamplingParams, got {type(sampling_params).__name__}",
+                param="sampling_params",
             )
         requested = sampling_params or _NO_PARAMS
         if params:

@@ -100,8 +100,9 @@ async def test_bad_request_is_refused_and_harms_nobody(
     async with aiocb.Manager(qwen3) as manager:
         healthy = asyncio.create_task(manager.generate(GOOD, max_new_tokens=10))
         await asyncio.sleep(0)
-        with pytest.raises(aiocb.InvalidRequestError, match=message):
+        with pytest.raises(aiocb.InvalidRequestError, match=message) as caught:
             await manager.add_request(prompt, **params)
+        assert caught.value.param, "the refusal names no parameter (the server could not name the body's field)"
         with pytest.raises(ValueError, match=message):
             await manager.generate(prompt, **params)
         with pytest.raises(aiocb.InvalidRequestError, match=message):
@@ -144,10 +145,11 @@ async def test_a_prompt_that_cannot_fit_the_cache_is_refused(qwen3: PreTrainedMo
 async def test_duplicate_live_request_id_is_refused(qwen3: PreTrainedModel) -> None:
     async with aiocb.Manager(qwen3) as manager:
         await manager.add_request(GOOD, request_id="mine", max_new_tokens=50)
-        with pytest.raises(aiocb.InvalidRequestError, match="already in use"):
+        with pytest.raises(aiocb.InvalidRequestError, match="already in use") as in_use:
             await manager.add_request(GOOD, request_id="mine")
-        with pytest.raises(aiocb.InvalidRequestError, match="request_id"):
+        with pytest.raises(aiocb.InvalidRequestError, match="request_id") as empty:
             await manager.add_request(GOOD, request_id="")
+        assert in_use.value.param == empty.value.param == "request_id"
         first = await manager.get_result("mine")
         assert first is not None and len(first.generated_tokens) == 50
         # Once delivered, the id is free again.
