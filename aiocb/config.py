@@ -92,8 +92,8 @@ class ContinuousBatchingConfig:
         cpu_offload_space_safety_threshold: share of available host memory the offload
             pool may take: a larger ``cpu_offload_space`` is clamped to it (with a
             warning), and None sizes the pool from it (0: no offloading).
-        cpu_group_timeout: seconds a tensor-parallel collective may wait, at most a year
-            (None = forever).
+        cpu_group_timeout: seconds a tensor-parallel collective may wait, and rank 0 a whole
+            step (its own forward included), at most a year (None = forever).
         per_request_processors: accepted for compatibility; per-request sampling
             parameters always apply in aiocb.
         max_queue_size: waiting requests admitted before ``add_request`` waits (0 = no bound).

@@ -706,10 +706,12 @@ class Manager:
         if self._queued_before_start:
             self._check_loop()
             self._drop_queue_before_start("destroy() before start()")
-        if self._runner is not None:
-            self._runner.detach()
-            self._runner.close()
-            self._runner = None
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            runner.detach()
+            if not runner.closes_remotely:
+                runner.close()
+                runner = None
         self._layout = None
         if self._steps is not None:
             self._final_statistics = self.statistics()
@@ -728,6 +730,11 @@ class Manager:
         if getattr(self.model, _CACHED_MANAGER_ATTR, None) is self:
             delattr(self.model, _CACHED_MANAGER_ATTR)
         self._state = _State.DESTROYED
+        if runner is not None:
+            # A round trip to the other tensor-parallel ranks (up to cpu_group_timeout when
+            # one hangs): on a worker thread, once this manager is destroyed (nothing can
+            # start it meanwhile); it ends even if this call is cancelled.
+            await asyncio.shield(asyncio.to_thread(runner.close))
 
     async def __aenter__(self) -> Manager:
         if self._state is _State.STOPPING:  # (a stop under way, as a cancelled entry's: it ends first)

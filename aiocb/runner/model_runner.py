@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from transformers import PreTrainedModel
@@ -194,6 +194,10 @@ class ModelRunner:
             self._attached = False
         if self.drafter is not None:
             self.drafter.detach()
+
+    #: whether :meth:`close` waits for other processes (tensor parallelism): the manager
+    #: then calls it on a worker thread, off the event loop
+    closes_remotely: ClassVar[bool] = False
 
     def close(self) -> None:
         """Free what outlives the last session, when the manager is destroyed: nothing

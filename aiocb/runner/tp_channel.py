@@ -3,7 +3,7 @@
 Rank 0 tells them over a dedicated CPU (gloo) group, with ``broadcast_object_list``.
 Every message is ``(kind, *payload, events)``:
 
-* ``("init", config, num_requests_hint, keep_cache, plan, events)``: build a runner (a
+* ``("init", config, num_requests_hint, speculative, keep_cache, plan, events)``: build a runner (a
   new cache). With ``plan`` None every rank then gathers its own cache plan and all take
   the element-wise minimum, so block ids mean the same everywhere; a plan is given when
   a kept runner (a persistent manager's) takes the followers back from another one;
@@ -38,6 +38,7 @@ from aiocb.config import MAX_CPU_GROUP_TIMEOUT, ContinuousBatchingConfig
 from aiocb.runner.memory import CachePlan, plan_cache
 from aiocb.runner.model_spec import model_spec
 from aiocb.runner.tp_layout import TensorParallelLayout
+from aiocb.speculative import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -121,11 +122,16 @@ def _timedelta(timeout: float | None) -> timedelta:
 
 
 def own_plan(
-    model: PreTrainedModel, config: ContinuousBatchingConfig, num_requests_hint: int | None
+    model: PreTrainedModel,
+    config: ContinuousBatchingConfig,
+    num_requests_hint: int | None,
+    speculative: SpeculativeConfig | None,
 ) -> CachePlan | str:
-    """This rank's cache plan for ``model``, or why none fits (the message of its :class:`MemoryError`)."""
+    """This rank's cache plan for ``model``, or why none fits (the message of its
+    :class:`MemoryError`); with ``speculative``, the logits' room counts the rows of the
+    steps that verify proposals, as on one process."""
     try:
-        return plan_cache(model_spec(model), config, num_requests_hint=num_requests_hint)
+        return plan_cache(model_spec(model), config, num_requests_hint=num_requests_hint, speculative=speculative)
     except MemoryError as exc:
         return str(exc)
 

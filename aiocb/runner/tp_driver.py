@@ -11,6 +11,7 @@ heartbeat after a quarter of it without traffic, so an idle server does not time
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 import pickle
@@ -68,8 +69,8 @@ class Driver:
         #: why the group is unusable (a rank failed, or a step failed half-way); None while healthy
         self.failure: DistributedError | None = None
         self.closed = False
-        #: the runner whose cache the followers hold (only the driver thread changes it,
-        #: while the group is usable)
+        #: the runner whose cache the followers hold (the driver thread changes it while the
+        #: group is usable, or a runner ending its session, which has no job queued)
         self.current: ModelRunner | None = None
         #: the runner whose manager's session is starting or running: the followers hold one
         #: runner at a time, so no other may start one (weak: an abandoned session's runner
@@ -100,12 +101,25 @@ class Driver:
             self._fail(
                 DistributedError(
                     f"tensor-parallel {_followers(self.channel.layout)} stopped responding (hung or died)"
-                    f"{self._since_shutdown()}: {what} did not complete within cpu_group_timeout={timeout} s; "
-                    "restart every rank"
+                    f"{self._since_shutdown()}: {what} did not complete within cpu_group_timeout={timeout} s "
+                    "(rank 0's own share of it counts too: raise cpu_group_timeout if this rank's steps are that "
+                    "slow); restart every rank"
                 )
             )
             assert self.failure is not None
             raise self.failure from None
+
+    def post(self, what: str, job: Callable[[], None]) -> None:
+        """Queue ``job`` on the driver thread without waiting for it: for messages whose
+        answer nobody needs, sent from the event loop (ending a session must not hold the
+        loop for up to ``cpu_group_timeout`` when a follower hangs). A failure is logged,
+        and the next :meth:`call` raises it; jobs run in order, so a later call's job runs
+        after this one."""
+        if not self.usable:
+            return
+        future: Future[None] = Future()
+        future.add_done_callback(functools.partial(_log_failure, what))
+        self._jobs.put((job, future))
 
     def _since_shutdown(self) -> str:
         """What an error about followers not answering adds when shutdown() released them."""
@@ -245,6 +259,12 @@ class Driver:
         return True
 
 
+def _log_failure(what: str, future: Future[None]) -> None:
+    """A posted job's failure, which nobody waits to hear: logged (the driver keeps it)."""
+    if not future.cancelled() and future.exception() is not None:
+        logger.warning("tensor-parallel %s failed: %s", what, future.exception())
+
+
 def _released() -> DistributedError:
     return DistributedError(
         "aiocb.distributed.shutdown() released the follower ranks; they must call run_follower() again"
@@ -332,12 +352,13 @@ class DriverRunner(ModelRunner):
         *,
         num_requests_hint: int | None = None,
         keep_cache: bool = False,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         driver = driver_for(layout, config.cpu_group_timeout)
-        own = own_plan(model, config, num_requests_hint)
+        own = own_plan(model, config, num_requests_hint, speculative)
 
         def start() -> CachePlan | str:
-            driver.send("init", config, num_requests_hint, keep_cache, None)
+            driver.send("init", config, num_requests_hint, speculative, keep_cache, None)
             driver.channel.set_timeout(config.cpu_group_timeout)
             agreed = driver.channel.agree_on_plan(own)
             driver.current = None if isinstance(agreed, str) else self
@@ -354,6 +375,7 @@ class DriverRunner(ModelRunner):
             raise MemoryError(plan)
         self._driver = driver
         self._num_requests_hint = num_requests_hint
+        self._speculative = speculative
         self._keep_cache = keep_cache
         self.layout = layout
         super().__init__(model, config, num_requests_hint=num_requests_hint, plan=plan)
@@ -371,7 +393,9 @@ class DriverRunner(ModelRunner):
 
         def attach() -> None:
             if self._driver.current is not self:  # another manager's cache replaced this one's
-                self._driver.send("init", self.config, self._num_requests_hint, self._keep_cache, self.plan)
+                self._driver.send(
+                    "init", self.config, self._num_requests_hint, self._speculative, self._keep_cache, self.plan
+                )
                 self._driver.channel.set_timeout(self.config.cpu_group_timeout)
                 self._driver.current = self
                 if self.graphs is not None:
@@ -390,24 +414,27 @@ class DriverRunner(ModelRunner):
 
     def detach(self) -> None:
         """End the session on every rank; only on this one when the group has failed, or
-        when this runner's session is not the one running (it was refused)."""
-        if self._driver.usable and self._driver.owns(self):
-
-            def detach() -> None:
-                self._driver.send("detach")
-                if not self._keep_cache:
-                    self._driver.current = None  # the followers drop their cache too
-
-            try:
-                self._driver.call("ending a session", detach)
-            except DistributedError as exc:
-                logger.warning("%s", exc)
-        self._driver.disown(self)
+        when this runner's session is not the one running (it was refused). The message is
+        queued, not waited for: this runs on the event loop (a stop, an engine's death), and
+        a hung follower would hold it for ``cpu_group_timeout``; the next session's start
+        and :meth:`close` wait for the driver thread, after it."""
+        driver = self._driver
+        if driver.usable and driver.owns(self):
+            if not self._keep_cache:
+                # The followers drop their cache too. Let go of this runner now, not in the
+                # queued job: a manager that drops it must free it by reference counting
+                # (none of its jobs is queued: its session has ended).
+                driver.current = None
+            driver.post("ending a session", functools.partial(driver.send, "detach"))
+        driver.disown(self)
         ModelRunner.detach(self)
+
+    closes_remotely = True
 
     def close(self) -> None:
         """Make the followers free this runner's cache if they hold it (a persistent
-        manager's, kept between sessions), and wait until they have."""
+        manager's, kept between sessions), and wait until they have (a round trip: the
+        manager calls this on a worker thread)."""
         driver = self._driver
 
         def release() -> None:
@@ -521,4 +548,6 @@ def build_runner(
             draft_model=draft_model,
             speculative=speculative,
         )
-    return DriverRunner(model, config, layout, num_requests_hint=num_requests_hint, keep_cache=keep_cache)
+    return DriverRunner(
+        model, config, layout, num_requests_hint=num_requests_hint, keep_cache=keep_cache, speculative=speculative
+    )

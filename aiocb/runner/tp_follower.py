@@ -15,6 +15,7 @@ from aiocb.runner.model_runner import ModelRunner, PendingStep
 from aiocb.runner.step_batch import StepBatch
 from aiocb.runner.tp_channel import ControlChannel, Event, control_channel, is_comm_failure, own_plan
 from aiocb.runner.tp_layout import tensor_parallel_layout
+from aiocb.speculative import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -162,12 +163,18 @@ class _Follower:
                 self.runner.detach()
 
     def _on_init(
-        self, config: ContinuousBatchingConfig, hint: int | None, keep_cache: bool, plan: CachePlan | None
+        self,
+        config: ContinuousBatchingConfig,
+        hint: int | None,
+        speculative: SpeculativeConfig | None,
+        keep_cache: bool,
+        plan: CachePlan | None,
     ) -> None:
         self._drop()  # free the old cache before sizing the new one
         self.keep_cache = keep_cache
         self.channel.set_timeout(config.cpu_group_timeout)
-        agreed = plan if plan is not None else self.channel.agree_on_plan(own_plan(self.model, config, hint))
+        own = None if plan is not None else own_plan(self.model, config, hint, speculative)
+        agreed = plan if own is None else self.channel.agree_on_plan(own)
         if isinstance(agreed, str):
             logger.error("no cache this time: %s", agreed)
             return

@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 import weakref
 from collections.abc import Awaitable, Callable
@@ -144,13 +145,42 @@ async def scenario_kill_follower(model: Any, out: Path) -> dict[str, Any]:
     return result
 
 
+async def _while_hung(pid: int, seconds: float, call: Callable[[], Awaitable[None]]) -> tuple[float, float]:
+    """Await ``call()`` while process ``pid`` is stopped for ``seconds`` (a timer thread
+    continues it, whatever the event loop does): how long the call took, and the longest
+    the loop was held meanwhile."""
+    done = asyncio.Event()
+    stalls = asyncio.create_task(_longest_stall(done))
+    await asyncio.sleep(0)  # (the ticker runs)
+    os.kill(pid, signal.SIGSTOP)
+    timer = threading.Timer(seconds, os.kill, (pid, signal.SIGCONT))
+    timer.start()
+    began = time.monotonic()
+    await call()
+    took = time.monotonic() - began
+    done.set()
+    longest = await stalls
+    await asyncio.to_thread(timer.join)
+    return took, longest
+
+
 async def scenario_hang_follower(model: Any, out: Path) -> dict[str, Any]:
-    """SIGSTOP the follower mid-generation: rank 0 fails within cpu_group_timeout, then kills it."""
+    """The follower stopped for 1.5 s while a session ends and while a persistent manager is
+    destroyed (the event loop stays free); then SIGSTOPped mid-generation: rank 0 fails
+    within cpu_group_timeout, then kills it."""
     result: dict[str, Any] = {}
+    ended = aiocb.Manager(model, continuous_batching_config=_config(cpu_group_timeout=4.0))
+    ended.start()
+    await _generate(ended)  # (the follower runs run_follower, so it wrote its pid)
+    follower = int((out / "pid1").read_text())
+    result["stop_s"], result["stop_stall_s"] = await _while_hung(follower, 1.5, ended.stop)
+    kept = aiocb.Manager(model, continuous_batching_config=_config(cpu_group_timeout=4.0), persistent_manager=True)
+    kept.start()
+    result["kept"] = await _generate(kept)
+    result["destroy_s"], result["destroy_stall_s"] = await _while_hung(follower, 1.5, kept.destroy)
     manager = aiocb.Manager(model, continuous_batching_config=_config(cpu_group_timeout=4.0))
     manager.start()
     await manager.wait_started()
-    follower = int((out / "pid1").read_text())
     task = asyncio.create_task(manager.generate(PROMPTS[0], max_new_tokens=1500))
     await _until_steps(manager, 5)
     os.kill(follower, signal.SIGSTOP)

@@ -175,9 +175,17 @@ def test_a_killed_follower_fails_rank_0_with_a_clear_error(llama_dir: Path, tmp_
     assert driver["after_death"] == "EngineDeadError"
 
 
-def test_a_hung_follower_fails_rank_0_within_the_timeout(llama_dir: Path, tmp_path: Path) -> None:
+def test_a_hung_follower_fails_rank_0_within_the_timeout(
+    llama_model: PreTrainedModel, llama_dir: Path, tmp_path: Path
+) -> None:
     driver = launch("hang_follower", llama_dir, tmp_path).driver
     assert driver is not None, logs_of(tmp_path)
+    # Before: the follower stopped for 1.5 s while a session ended, and while a persistent
+    # manager was destroyed (each a message to it; the destroy waits until it freed its cache).
+    assert driver["stop_s"] < 0.5 and driver["stop_stall_s"] < 0.5, "stop() waited for the follower on the loop"
+    assert driver["destroy_stall_s"] < 0.5, "destroy() waited for the follower on the event loop"
+    assert driver["destroy_s"] > 1.0, "destroy() returned before the follower had freed its cache"
+    assert driver["kept"] == [reference_generate(llama_model, p, MAX_NEW_TOKENS) for p in PROMPTS]
     assert driver["seconds_to_fail"] < 4.0 + 4.0, "within cpu_group_timeout (4 s), with slack"
     [error] = driver["errors"]
     assert error["type"] == "EngineDeadError", error

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
@@ -15,8 +16,11 @@ from transformers import PreTrainedModel
 
 import aiocb
 import aiocb.distributed
+from aiocb.runner import memory, tp_channel, tp_driver
 from aiocb.runner.memory import CachePlan
+from aiocb.runner.model_runner import runner_plan
 from aiocb.runner.tp_channel import _minimum_plan
+from aiocb.runner.tp_follower import _Follower
 from aiocb.runner.tp_layout import shard_heads
 from tests.conftest import tiny_llama
 
@@ -179,3 +183,26 @@ def test_shutdown_puts_what_aiocb_froze_back_in_the_collectors_view() -> None:
     assert run.returncode == 0, run.stderr
     frozen, without_group, after = json.loads(run.stdout.strip().splitlines()[-1])
     assert frozen > 100_000 and without_group == frozen and after == 0
+
+
+def test_every_rank_plans_room_for_the_rows_of_verified_proposals(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0's plan (the one it offers the others) and a follower's, from the "init" message
+    rank 0 sends, both count the rows a step verifying proposals samples, as one process's
+    plan does: a cache that leaves no room for those logits would fail its first wide step."""
+    monkeypatch.setattr(memory, "host_memory_bytes", lambda: 2**30)  # (the same free memory for every plan)
+    model = tiny_llama()
+    config = aiocb.ContinuousBatchingConfig(page_size=16, max_requests_per_batch=256)
+    lookup = aiocb.SpeculativeConfig(method="ngram", num_speculative_tokens=8)
+    one_process = runner_plan(model, config, speculative=lookup)[1]
+    assert one_process != runner_plan(model, config)[1], "(the verified rows take room: the check means something)"
+
+    offered: list[CachePlan | str] = []
+    monkeypatch.setattr(tp_driver, "driver_layout", lambda model, draft=None: object())
+    monkeypatch.setattr(tp_driver, "DriverRunner", lambda *args, speculative, **kwargs: offered.append(
+        tp_channel.own_plan(model, config, kwargs["num_requests_hint"], speculative)
+    ))  # fmt: skip
+    tp_driver.build_runner(model, config, num_requests_hint=None, speculative=lookup)
+    channel = SimpleNamespace(layout=None, set_timeout=lambda timeout: None, agree_on_plan=offered.append)
+    follower = _Follower(model, channel)  # type: ignore[arg-type]
+    follower._on_init(config, None, lookup, False, None)
+    assert offered == [one_process, one_process]

@@ -372,7 +372,7 @@ def test_rank_zero_drops_its_graphs_when_the_followers_build_a_new_cache(
     )
     driving = DriverRunner.__new__(DriverRunner)
     driving.__dict__.update(runner.__dict__)
-    driving.__dict__.update(_driver=driver, _num_requests_hint=None, _keep_cache=True)
+    driving.__dict__.update(_driver=driver, _num_requests_hint=None, _speculative=None, _keep_cache=True)
     driving.graphs = _graphs(runner, lambda ids, *rest: torch.zeros(ids.shape[1], 3), max_rows=4)
     driving.graphs.capture_all()
     try:
