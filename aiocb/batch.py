@@ -44,7 +44,9 @@ def generate_batch(
 ) -> dict[str, GenerationOutput]:
     """Generate for every prompt and block until all are done.
 
-    Returns ``{request_id: output}`` in input order, with ids ``req_0``, ``req_1``, ...
+    Returns ``{request_id: output}`` in input order, with ids ``req_<k>`` from the manager's
+    counter (``req_0``, ``req_1``, ... for a new manager; a ``persistent_manager`` keeps
+    counting); with ``n`` > 1 each prompt's samples (``<id>__child#<i>``) come before it.
     ``sampling_params`` and the request parameters given as keywords (``temperature``,
     ``seed``, ``stop``, ...) apply to every prompt. With a ``tokenizer``, prompts may be
     texts or chat messages and outputs carry ``text``. ``speculative_config`` makes requests

@@ -195,7 +195,7 @@ class SamplingParams:
         default=None,
         metadata=_doc(
             "samples of the prompt, computed once; `generate` returns a list, children are `<id>__child#<i>`",
-            "1",
+            "1 (or the GenerationConfig's `num_return_sequences`)",
         ),
     )
     priority: int | None = field(

@@ -117,7 +117,8 @@ def prompt_text(prompt: Any, tokenizer: Any) -> str | None:
     if tokenizer is None:
         kind = "a text" if isinstance(prompt, str) else "chat messages"
         raise InvalidRequestError(
-            f"the prompt is {kind}, which needs a tokenizer: create the Manager with tokenizer=..., or pass token ids",
+            f"the prompt is {kind}, which needs a tokenizer: pass tokenizer=... (to aiocb.Manager or "
+            "aiocb.generate_batch), or pass token ids",
             param="input_ids",
         )
     if isinstance(prompt, str):

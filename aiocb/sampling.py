@@ -407,11 +407,15 @@ def resolve_params(
         stops = _checked_ids("stop_token_ids", request.stop_token_ids, vocab, more=stops)
     stop = pick("stop", ())
     if stop and not has_tokenizer:
-        raise InvalidRequestError("stop strings need a tokenizer: create the Manager with tokenizer=...", param="stop")
+        raise InvalidRequestError(
+            "stop strings need a tokenizer: pass tokenizer=... (to aiocb.Manager or aiocb.generate_batch)", param="stop"
+        )
     structure = request.structure()
     if structure is not None and not can_constrain:
         given = next(name for name in STRUCTURE_FIELDS if getattr(request, name) is not None)
-        raise InvalidRequestError(f"{given} needs a tokenizer: create the Manager with tokenizer=...", param=given)
+        raise InvalidRequestError(
+            f"{given} needs a tokenizer: pass tokenizer=... (to aiocb.Manager or aiocb.generate_batch)", param=given
+        )
 
     biased: list[tuple[int, float]] = []  # (one-token sequence biases)
     sequences: list[tuple[tuple[int, ...], float]] = []

@@ -991,8 +991,11 @@ class Manager:
         **params: Any,
     ) -> GenerationOutput | list[GenerationOutput]:
         """Run one request to its end and return its final :class:`~aiocb.GenerationOutput`;
-        with ``n`` > 1 (here or in ``sampling_params``), the list of the ``n`` samples'
-        outputs (the request's, then its children's), whose prompt is computed once.
+        with ``n`` > 1, the list of the ``n`` samples' outputs (the request's, then its
+        children's), whose prompt is computed once. ``n`` is this call's, else
+        ``sampling_params``'s, else the manager's GenerationConfig's ``num_return_sequences``:
+        a manager whose config sets that above 1 returns lists where the types, which see
+        only this call's arguments, say one output.
 
         Cancelling the awaiting task cancels the request.
         """

@@ -352,7 +352,8 @@ class RequestFactory:
         assert requested.bad_words is not None
         if self.tokenizer is None:
             raise InvalidRequestError(
-                "bad_words need a tokenizer: create the Manager with tokenizer=..., or give bad_words_ids",
+                "bad_words need a tokenizer: pass tokenizer=... (to aiocb.Manager or aiocb.generate_batch), "
+                "or give bad_words_ids",
                 param="bad_words",
             )
         words = tuple(requested.bad_words)
