@@ -320,6 +320,15 @@ def _rare_filters(gen: GenerationConfig, unsupported: list[str]) -> list[float |
     return rare
 
 
+def config_min_tokens(min_new_tokens: int | None, min_length: int | None, prompt_len: int) -> int:
+    """The ``min_tokens`` of a request that gives none, from its GenerationConfig's
+    ``min_new_tokens``, else its ``min_length`` less the prompt (as ``generate``: a
+    ``min_new_tokens`` wins over ``min_length``)."""
+    if min_new_tokens is not None:
+        return min_new_tokens
+    return max(min_length - prompt_len, 0) if min_length else 0
+
+
 def resolve_params(
     request: SamplingParams,
     defaults: ConfigDefaults,
@@ -363,10 +372,9 @@ def resolve_params(
         else:  # as generate: 20 new tokens, within the model's context
             room = _DEFAULT_MAX_NEW_TOKENS if limits.max_model_len is None else limits.max_model_len - prompt_len
             max_new_tokens = max(1, min(_DEFAULT_MAX_NEW_TOKENS, room))
-    min_tokens = pick("min_tokens", 0)
-    if defaults.min_length and request.min_tokens is None and config.min_tokens is None:
-        # (as generate: a min_new_tokens anywhere wins over min_length)
-        min_tokens = max(min_tokens, defaults.min_length - prompt_len)
+    min_tokens = request.min_tokens
+    if min_tokens is None:
+        min_tokens = config_min_tokens(config.min_tokens, defaults.min_length, prompt_len)
     if request.min_tokens is not None and request.min_tokens > max_new_tokens:
         raise InvalidRequestError(
             f"min_tokens ({request.min_tokens}) is more than max_new_tokens ({max_new_tokens}): the request "

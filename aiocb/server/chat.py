@@ -170,7 +170,7 @@ class ChatCompletion:
                 stop=sampling.stop,
                 # A format whose markers are special tokens ([TOOL_CALLS]) needs them in the text.
                 skip_special_tokens=sampling.skip_special_tokens and not keep_special,
-                min_tokens=sampling.min_tokens or 0,
+                min_tokens=ctx.min_tokens(sampling, len(self.prompt_ids)),
                 include_stop_str_in_output=sampling.include_stop_str_in_output,
             )
             for j in range(sampling.n)

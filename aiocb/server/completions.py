@@ -63,7 +63,7 @@ _Join = Callable[[list[Any], list[Any], LoopTurn], Awaitable[Any]]
 _JOB_SIZE = 4096
 
 
-def completion_specs(request: CompletionRequest, prompts: list[Prompt]) -> list[ChoiceSpec]:
+def completion_specs(ctx: ServerContext, request: CompletionRequest, prompts: list[Prompt]) -> list[ChoiceSpec]:
     """What each choice asks of the engine."""
     sampling = request.sampling
     max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if sampling.max_tokens is None else sampling.max_tokens
@@ -87,7 +87,7 @@ def completion_specs(request: CompletionRequest, prompts: list[Prompt]) -> list[
                     params=params,
                     stop=sampling.stop,
                     skip_special_tokens=sampling.skip_special_tokens,
-                    min_tokens=sampling.min_tokens or 0,
+                    min_tokens=ctx.min_tokens(sampling, len(prompt.ids)),
                     include_stop_str_in_output=sampling.include_stop_str_in_output,
                 )
             )
@@ -125,7 +125,11 @@ async def prepare_completion(ctx: ServerContext, body: bytes) -> PreparedComplet
         ctx.limits.check_echo_logprobs(sum(len(p.ids) for p in prompts), request.logprobs, request.sampling.n)
     choices = len(prompts) * request.sampling.n
     inline = choices <= _INLINE_CHOICES
-    specs = completion_specs(request, prompts) if inline else await ctx.in_thread(completion_specs, request, prompts)
+    specs = (
+        completion_specs(ctx, request, prompts)
+        if inline
+        else await ctx.in_thread(completion_specs, ctx, request, prompts)
+    )
     return PreparedCompletion(request, prompts, specs)
 
 

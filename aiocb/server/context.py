@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 from aiocb.errors import InvalidRequestError
 from aiocb.prompts import bad_words_ids
-from aiocb.sampling import eos_ids
+from aiocb.sampling import config_min_tokens, eos_ids
 from aiocb.server.fragments import HiddenTexts
 from aiocb.server.limits import ServerLimits
 from aiocb.server.metrics import ServerMetrics
@@ -345,6 +345,13 @@ class ServerContext:
         """Tokens the whole KV cache holds (an estimate, for default ``max_tokens``)."""
         return self.manager.statistics().total_blocks * self.manager.config.page_size
 
+    def min_tokens(self, sampling: SamplingRequest, prompt_len: int) -> int:
+        """A choice's ``min_tokens``: the request's, else what the engine takes from the
+        model's generation config (before which no stop string may end the text either)."""
+        if sampling.min_tokens is not None:
+            return sampling.min_tokens
+        return config_min_tokens(self.defaults.min_new_tokens, self.defaults.min_length, prompt_len)
+
     def default_max_tokens(self, prompt_len: int) -> int:
         """``max_tokens`` when a chat request does not say: what the context and the cache
         leave, at most the model's generation config's ``max_new_tokens`` (where it sets it)."""
@@ -404,6 +411,8 @@ def served_defaults(generation_config: Any, model_config: Any, tokenizer: Any) -
     tokenizer_eos = getattr(tokenizer, "eos_token_id", None)
     if isinstance(tokenizer_eos, int) and tokenizer_eos >= 0 and tokenizer_eos not in model_eos:
         fields["eos_token_ids"] = tuple(sorted(model_eos | {tokenizer_eos}))
+    fields["min_new_tokens"] = getattr(generation_config, "min_new_tokens", None)
+    fields["min_length"] = getattr(generation_config, "min_length", None)
     return ServedDefaults(**fields)
 
 

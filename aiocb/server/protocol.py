@@ -137,6 +137,10 @@ class ServedDefaults:
     top_k: int = 0
     #: what caps a chat's ``max_tokens`` when the request gives none (None: nothing)
     max_new_tokens: int | None = None
+    #: what makes a request's ``min_tokens`` when it gives none (as the engine resolves it:
+    #: the server's stop strings wait for it too)
+    min_new_tokens: int | None = None
+    min_length: int | None = None
     #: the EOS ids to stop at where the tokenizer's EOS is not among the model's (None: the model's)
     eos_token_ids: tuple[int, ...] | None = None
 

@@ -213,6 +213,20 @@ async def test_a_models_generation_config_gives_what_a_request_leaves_out(
             eos = {str(tokenizer.eos_token_id): 100}
             body = {"prompt": PROMPT, "max_tokens": 8, "min_tokens": 0, "logit_bias": eos}
             ended = (await http.post("/v1/completions", json=body)).json()
+            # A stop string in the first tokens waits for the config's min_new_tokens as EOS does.
+            greedy = {**base, "temperature": 0, "n": 1}
+            text = (await http.post("/v1/completions", json=greedy)).json()["choices"][0]["text"]
+            stop = {**greedy, "stop": text[1:3]}
+            waited = (await http.post("/v1/completions", json=stop)).json()["choices"][0]["text"]
+            asked = (await http.post("/v1/completions", json={**stop, "min_tokens": 6})).json()["choices"][0]["text"]
+            early = (await http.post("/v1/completions", json={**stop, "min_tokens": 0})).json()["choices"][0]["text"]
+            chat_greedy = {"messages": chat["messages"], "ignore_eos": True, "temperature": 0, "max_tokens": 12}
+            reply = (await http.post("/v1/chat/completions", json=chat_greedy)).json()["choices"][0]["message"]
+            chat_stop = {**chat_greedy, "stop": reply["content"][1:3]}
+            chat_waited = (await http.post("/v1/chat/completions", json=chat_stop)).json()
+            chat_early = (await http.post("/v1/chat/completions", json={**chat_stop, "min_tokens": 0})).json()
+    assert waited == asked != early == text[:1]
+    assert chat_waited["choices"][0]["message"] == reply != chat_early["choices"][0]["message"]
     assert left_out == given != openai_defaults
     assert capped["usage"]["completion_tokens"] == 7
     assert longer["usage"]["completion_tokens"] == 10, "the cap gives way to the request's min_tokens"
