@@ -123,10 +123,11 @@ class MessageBuilder:
                 self._calls.append(fragment)
 
     def message(self) -> dict[str, Any]:
-        """The assistant message: ``content`` is null when the answer is tool calls only."""
+        """The assistant message: ``content`` is null when the answer is tool calls only, or
+        reasoning only (as vLLM's: a text that never left the thinking)."""
         content = "".join(self._content)
-        calls_only = self._calls_only or bool(self._calls)
-        message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls_only else None}
+        no_content = self._calls_only or bool(self._calls) or (self._reasoning and bool(self._thoughts))
+        message: dict[str, Any] = {"role": "assistant", "content": content if content or not no_content else None}
         if self._reasoning:
             message["reasoning_content"] = "".join(self._thoughts) if self._thoughts else None
         if self._calls:

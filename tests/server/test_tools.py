@@ -471,6 +471,10 @@ async def test_reasoning_content(manager: aiocb.Manager, tokenizer: Any) -> None
         # (the block ends at the first </think>: one the model writes later is content, as
         # vLLM's parser leaves it)
         assert all("</think>" not in m["reasoning_content"] for m in messages)
+        # A text that never leaves the thinking has no content (null, as vLLM's; the stream sends none).
+        unfinished = await _chat(http, **{**fields, "logit_bias": {end_think: -100}})
+        assert [c["message"]["content"] for c in unfinished["choices"]] == [None] * 3, unfinished
+        assert all(c["message"]["reasoning_content"] for c in unfinished["choices"])
         # Thinking off (the template does not open the block): all content when no <think> comes.
         plain = await _chat(http, **{**fields, "chat_template_kwargs": {}, "logit_bias": {}})
         for choice in plain["choices"]:
