@@ -35,6 +35,7 @@ def replica_problems(args: argparse.Namespace) -> list[str]:
             ("--ray-address", args.ray_address),
             ("--autoscaling-config", args.autoscaling_config),
             ("--routing", args.routing),
+            ("--ingress-replicas", args.ingress_replicas),
         ):
             if value is not None:
                 problems.append(f"{flag} needs --replicas")
@@ -75,6 +76,7 @@ def serve_with_replicas(args: argparse.Namespace, config: ContinuousBatchingConf
         autoscaling_config=args.autoscaling_config,
         tensor_parallel_size=args.tensor_parallel_size,
         routing=args.routing or "prefix_affinity",
+        num_ingress_replicas=args.ingress_replicas or 1,
         **server_options(args, config, limits),
     )
     try:

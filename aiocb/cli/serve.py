@@ -164,6 +164,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="ranks per replica, placed together with a Ray placement group (default 1)",
     )
     replicas.add_argument(
+        "--ingress-replicas",
+        type=_ingress_count,
+        default=None,
+        metavar="N",
+        help="replicas of the ingress that forwards requests to the engine replicas, each with its own prefix "
+        "table (default 1)",
+    )
+    replicas.add_argument(
         "--routing",
         choices=("prefix_affinity", "power_of_two"),
         default=None,
@@ -364,6 +372,17 @@ def _replica_count(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected a count or 'auto', got {text!r}") from None
     if count < 1:
         raise argparse.ArgumentTypeError(f"expected at least 1 replica, got {count}")
+    return count
+
+
+def _ingress_count(text: str) -> int:
+    """``--ingress-replicas``: a count of at least 1."""
+    try:
+        count = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a count, got {text!r}") from None
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"expected at least 1 ingress replica, got {count}")
     return count
 
 

@@ -40,6 +40,8 @@ def test_replica_counts_are_parsed() -> None:
     [
         (("--ray-address", "auto"), "--ray-address needs --replicas"),
         (("--routing", "power_of_two"), "--routing needs --replicas"),
+        (("--ingress-replicas", "2"), "--ingress-replicas needs --replicas"),
+        (("--replicas", "2", "--ingress-replicas", "0"), None),
         (("--autoscaling-config", "{}"), "--autoscaling-config needs --replicas"),
         (("--tensor-parallel-size", "2"), "--tensor-parallel-size needs --replicas"),
         (("--replicas", "2", "--api-workers", "2"), "--api-workers does not apply"),
@@ -64,6 +66,27 @@ def test_flags_that_do_not_fit_replicas_are_refused_before_ray_starts(
         return
     assert run_serve(parse(*argv)) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_replica_flags_reach_the_app(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The app is built once before Ray starts, every option checked: the flags are its arguments."""
+    import aiocb.ray_serve
+    from aiocb.errors import InvalidConfigError
+
+    built: list[dict[str, object]] = []
+
+    def build_app(model: str, **options: object) -> None:
+        built.append(options)
+        raise InvalidConfigError("checked")  # (the command ends there, before Ray starts)
+
+    monkeypatch.setattr(aiocb.ray_serve, "build_app", build_app)
+    assert run_serve(parse("--replicas", "3", "--ingress-replicas", "2", "--routing", "power_of_two")) == 2
+    assert run_serve(parse("--replicas", "auto")) == 2
+    assert [(b["num_replicas"], b["num_ingress_replicas"], b["routing"]) for b in built] == [
+        (3, 2, "power_of_two"),
+        ("auto", 1, "prefix_affinity"),
+    ]
+    assert "aiocb serve: checked" in capsys.readouterr().err
 
 
 def test_replicas_on_a_cluster_are_not_checked_against_this_machine() -> None:
