@@ -46,18 +46,10 @@ _REPLACEMENT = "\ufffd"
 
 
 def _stream_backend(tokenizer: Any) -> Tokenizer | None:
-    """The ``tokenizers.Tokenizer`` behind ``tokenizer`` when decoding through it alone gives
-    what ``tokenizer.decode`` gives (no Python post-processing of the text), else None."""
+    """The ``tokenizers.Tokenizer`` behind ``tokenizer`` (whose decode is
+    ``tokenizer.decode``'s without the clean-up of tokenization spaces), else None."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if not isinstance(backend, Tokenizer):
-        return None
-    if getattr(tokenizer, "clean_up_tokenization_spaces", False):
-        bpe = type(backend.model).__name__ == "BPE"  # transformers skips the clean-up for BPE
-        if not bpe or getattr(
-            tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False
-        ):
-            return None
-    return backend
+    return backend if isinstance(backend, Tokenizer) else None
 
 
 #: :func:`_vocabulary_facts` of each tokenizer, with the vocabulary size they were found at
@@ -97,7 +89,9 @@ class IncrementalDetokenizer:
 
     ``context_ids`` (the prompt) are decoded with the first tokens but never emitted. The
     concatenated deltas, with :meth:`flush` at the end, equal ``tokenizer.decode`` of the
-    added ids where their bytes are valid UTF-8. Where a byte-fallback tokenizer's (Llama
+    added ids where their bytes are valid UTF-8, without its clean-up of tokenization
+    spaces (``clean_up_tokenization_spaces``: a stream cannot take back the space before a
+    ``"."`` that comes later; nor does vLLM's text clean up). Where a byte-fallback tokenizer's (Llama
     2, Mistral, Gemma) run of byte tokens is not, its decoder turns the whole run into
     U+FFFD, bytes already streamed as characters among them; the deltas keep those as
     they were sent (as vLLM's do). A character that the context leaves incomplete is left
@@ -216,7 +210,7 @@ class IncrementalDetokenizer:
         text = self._decode(self._prefix_offset, len(self._ids))
         if len(text) <= len(prefix) or text.endswith(_REPLACEMENT):
             return "" if len(self._ids) - self._read_offset <= _MAX_HELD else self._release(prefix, text)
-        delta = text[len(prefix) :]
+        delta = text[len(prefix) :] if text.startswith(prefix) else self._decode(self._read_offset, len(self._ids))
         self._advance()
         self.num_chars += len(delta)
         if self._backend is not None and self._stream is None:
@@ -302,12 +296,17 @@ class IncrementalDetokenizer:
             return ""
         prefix = self._decode(self._prefix_offset, self._read_offset)
         text = self._decode(self._prefix_offset, len(self._ids))
+        held = "" if text.startswith(prefix) else self._decode(self._read_offset, len(self._ids))
         # The held tokens are spent: a later token starts after them, as with a decode (by
         # either method: the window too starts again, after the same context).
         context = self._context(self._ids)
         self._ids, self._prefix_offset, self._read_offset = context, 0, len(context)
         if self._stream is not None and self._backend is not None:
             self._stream = self._new_stream(self._backend, context)
+        if not text.startswith(prefix):
+            # (a byte-fallback decoder turned the window's run of bytes, its last text among
+            # them, into U+FFFD with the held ones: they are decoded alone, as in _release)
+            prefix, text = "", held
         delta = text[len(prefix) :] if len(text) > len(prefix) else ""
         self.num_chars += len(delta)
         return delta
@@ -327,7 +326,7 @@ class IncrementalDetokenizer:
             and text
         ):
             return ids[-_CONTEXT_TOKENS:]  # (the usual case, in one decode)
-        for held in range(min(_MAX_HELD, len(ids))):
+        for held in range(min(_MAX_HELD, len(ids) + 1)):  # (all of them: a context of one incomplete character)
             if not self._decode_ids(ids[: len(ids) - held]).endswith(_REPLACEMENT):
                 del ids[len(ids) - held :]
                 break
@@ -373,7 +372,12 @@ class IncrementalDetokenizer:
     def _decode_ids(self, ids: list[int]) -> str:
         if self._backend is not None:  # (what tokenizer.decode gives, without its Python layers)
             return self._backend.decode(ids, skip_special_tokens=self._skip_special)
-        text: str = self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
+        if getattr(self._tokenizer, "clean_up_tokenization_spaces", False):
+            text: str = self._tokenizer.decode(
+                ids, skip_special_tokens=self._skip_special, clean_up_tokenization_spaces=False
+            )
+        else:
+            text = self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
         return text
 
 

@@ -116,9 +116,10 @@ class DecodeOnly:
         added = tokenizer.backend_tokenizer.get_added_tokens_decoder()
         self.all_special_ids = [i for i, token in added.items() if token.special]
         self.unk_token_id = tokenizer.unk_token_id
+        self.clean_up_tokenization_spaces = tokenizer.clean_up_tokenization_spaces
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        text: str = self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+    def decode(self, ids: list[int], skip_special_tokens: bool = False, **options: Any) -> str:
+        text: str = self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens, **options)
         return text
 
     def convert_tokens_to_ids(self, token: str) -> Any:

@@ -316,6 +316,69 @@ def test_a_prompt_that_ends_inside_a_character_loses_no_text(
             assert (got.lstrip("\ufffd"), got[0]) == (alone.lstrip("\ufffd"), alone[0]) if fallback else got == alone
 
 
+def test_a_prompt_of_one_incomplete_character_loses_no_text(tokenizer: Any) -> None:
+    """A prompt that is nothing but a character's first bytes: the context is left empty,
+    and the new tokens decode as they do alone (as after a longer prompt ending so)."""
+    ids = tokenizer.encode("Hi 😀 ok", add_special_tokens=False)
+    cut = next(k for k in range(1, len(ids)) if tokenizer.decode(ids[:k]).endswith("\ufffd"))
+    alone = tokenizer.decode(ids[cut:])
+    for method in (tokenizer, DecodeOnly(tokenizer)):
+        assert _deltas(method, ids[cut - 1 : cut], ids[cut:]) == _deltas(method, ids[:cut], ids[cut:]) == alone
+
+
+@pytest.mark.parametrize(
+    ("text", "held", "expected"),
+    [
+        ("👍🏽", 1, "👍\ufffd"),  # (cut after the first byte of the skin tone's four)
+        ("你好", 2, "你\ufffd\ufffd"),  # (after two of 好's three)
+    ],
+)
+def test_an_output_cut_inside_a_character_ends_in_a_replacement_a_byte_held(
+    byte_fallback: Any, text: str, held: int, expected: str
+) -> None:
+    """The decoder gives a run of bytes that is not valid UTF-8 as U+FFFD whole, the
+    character already sent among it: that one is kept as sent, the held bytes each give one
+    U+FFFD (the text took one for each of the run's bytes), by either method and in the
+    final text."""
+    cut = text[:-1].encode() + text[-1].encode()[:held]
+    generated = [byte_fallback.convert_tokens_to_ids(f"<0x{b:02X}>") for b in cut]
+    prompt = byte_fallback.encode("Reply:", add_special_tokens=False)
+    for method in (byte_fallback, DecodeOnly(byte_fallback)):
+        assert _deltas(method, prompt, generated) == expected
+    tracker = TextTracker(byte_fallback, prompt)
+    for count, token in enumerate(generated, 1):
+        tracker.add(token, count)
+    tracker.finish()
+    assert tracker.text == expected
+
+
+def test_a_stray_byte_after_a_character_gives_the_same_text_by_either_method(byte_fallback: Any) -> None:
+    """A continuation byte after a complete character: the decode stream and the window
+    method both keep the character as sent, the stray byte one U+FFFD, the words after it."""
+    byte = {b: byte_fallback.convert_tokens_to_ids(f"<0x{b:02X}>") for b in "你".encode() + b"\xa5"}
+    generated = [*byte.values(), *byte_fallback.encode(" ok", add_special_tokens=False)]
+    prompt = byte_fallback.encode("Reply:", add_special_tokens=False)
+    assert _deltas(byte_fallback, prompt, generated) == _deltas(DecodeOnly(byte_fallback), prompt, generated)
+    assert _deltas(byte_fallback, prompt, generated).startswith("你\ufffd")
+
+
+def test_a_tokenizer_that_cleans_up_spaces_loses_no_text() -> None:
+    """``clean_up_tokenization_spaces`` (" '" to "'", " ." to "."), which transformers applies
+    to every tokenizer but BPE ones, shortens text across the context and the new tokens:
+    the deltas are the text without it (as vLLM's), never missing the new tokens' characters."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["[UNK]", "she", "said", "it", "'", "hello", "there", "."]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", clean_up_tokenization_spaces=True)
+    prompt, generated = tok.encode("she said it '"), tok.encode("hello there .")
+    assert tok.decode(prompt + generated) == "she said it'hello there."  # (cleaned up)
+    for method in (tok, DecodeOnly(tok)):
+        assert _deltas(method, prompt, generated) == " hello there ."
+
+
 def test_a_replacement_character_in_the_prompt_leaves_the_context_on_a_character(byte_fallback: Any) -> None:
     """Whether the context starts on a character is told by its text ending a longer
     suffix's, not by its having no U+FFFD: with one of the prompt's own, the context began
