@@ -2,10 +2,29 @@
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
 from aiocb.runner.memory import CachePlan
 from aiocb.runner.model_spec import ModelSpec
+
+#: Alignment of a zeroed host cache's start (torch's own CPU allocator aligns to 64 bytes).
+_ALIGNMENT = 64
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed tensor. In host memory, of pages the kernel zeroes when first touched
+    (``calloc``'s, which numpy's zeros takes): ``torch.zeros`` writes every byte, which for
+    a draft model's cache of gigabytes took 10 s of a manager's start, and committed all of
+    its memory at once, where most of it is never written."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    memory = np.zeros(nbytes + _ALIGNMENT, dtype=np.uint8)
+    start = -memory.ctypes.data % _ALIGNMENT
+    return torch.from_numpy(memory[start : start + nbytes]).view(dtype).view(shape)
 
 
 class PagedKVCache:
@@ -46,7 +65,7 @@ class PagedKVCache:
                 spec.num_kv_heads,
                 spec.head_dim,
             )
-            allocate = torch.zeros if zeroed else torch.empty
+            allocate = zeros if zeroed else torch.empty
             k = allocate(shape, dtype=spec.dtype, device=spec.device)
             v = allocate(shape, dtype=spec.dtype, device=spec.device)
             null = self.null_block(self.layer_group[layer])

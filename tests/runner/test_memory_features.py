@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import random
 
+import psutil
 import pytest
 import torch
 from transformers import (
@@ -23,6 +24,7 @@ import aiocb
 from aiocb.config import DEFAULT_MAX_REQUESTS_PER_BATCH
 from aiocb.core.kv_cache import CacheGroup
 from aiocb.runner import inputs, memory
+from aiocb.runner.paged_cache import zeros
 from tests.conftest import _TINY, random_prompts, reference_generate, tiny_qwen3
 
 NEW = 16
@@ -431,3 +433,20 @@ async def test_a_given_num_blocks_must_fit_the_memory_budget(qwen3: PreTrainedMo
     with pytest.raises(MemoryError, match="num_blocks=1000000"):
         async with aiocb.Manager(qwen3, continuous_batching_config=tiny) as manager:
             await manager.generate([1, 2, 3], max_new_tokens=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_zeroed_host_cache_is_made_without_writing_it(dtype: torch.dtype) -> None:
+    """A draft model's cache starts at zero (its rows may be read where the draft never
+    wrote): in host memory, of pages zeroed when first touched, not written at once (a
+    default-sized draft cache took 10 s of a manager's start, all of its memory committed)."""
+    process = psutil.Process()
+    before = process.memory_info().rss
+    cache = zeros((2**28 // 4, 2, 2), dtype, torch.device("cpu"))  # (1 GiB of float32)
+    grown = process.memory_info().rss - before
+    assert grown < 64 * 2**20, f"{grown / 2**20:.0f} MiB written at once"
+    assert cache.dtype == dtype and cache.shape == (2**28 // 4, 2, 2) and cache.is_contiguous()
+    assert cache.data_ptr() % 64 == 0
+    assert not cache[:: 2**16].any() and not cache[-1].any()
+    cache[7] = 1.5  # (writable, as the cache it is)
+    assert cache[7].sum().item() == 6.0 and not cache[6].any()
