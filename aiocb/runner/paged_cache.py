@@ -3,28 +3,25 @@
 from __future__ import annotations
 
 import math
+import mmap
 
-import numpy as np
 import torch
 
 from aiocb.runner.memory import CachePlan
 from aiocb.runner.model_spec import ModelSpec
 
-#: Alignment of a zeroed host cache's start (torch's own CPU allocator aligns to 64 bytes).
-_ALIGNMENT = 64
-
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed tensor. In host memory, of pages the kernel zeroes when first touched
-    (``calloc``'s, which numpy's zeros takes): ``torch.zeros`` writes every byte, which for
-    a draft model's cache of gigabytes took 10 s of a manager's start, and committed all of
-    its memory at once, where most of it is never written."""
+    """A zeroed tensor. In host memory, an anonymous mapping, whose pages the kernel zeroes
+    when first touched: ``torch.zeros`` writes every byte, which for a draft model's cache
+    of gigabytes took 10 s of a manager's start, and committed all of its memory at once,
+    where most of it is never written (the tensor keeps the mapping)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    memory = np.zeros(nbytes + _ALIGNMENT, dtype=np.uint8)
-    start = -memory.ctypes.data % _ALIGNMENT
-    return torch.from_numpy(memory[start : start + nbytes]).view(dtype).view(shape)
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
 
 
 class PagedKVCache:
