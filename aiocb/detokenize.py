@@ -91,10 +91,10 @@ class IncrementalDetokenizer:
     concatenated deltas, with :meth:`flush` at the end, equal ``tokenizer.decode`` of the
     added ids where their bytes are valid UTF-8, without its clean-up of tokenization
     spaces (``clean_up_tokenization_spaces``: a stream cannot take back the space before a
-    ``"."`` that comes later; nor does vLLM's text clean up). Where a byte-fallback tokenizer's (Llama
-    2, Mistral, Gemma) run of byte tokens is not, its decoder turns the whole run into
-    U+FFFD, bytes already streamed as characters among them; the deltas keep those as
-    they were sent (as vLLM's do). A character that the context leaves incomplete is left
+    ``"."`` that comes later; nor does vLLM's text clean up). Where a byte-fallback
+    tokenizer's (Llama 2, Mistral, Gemma) run of byte tokens is not, its decoder turns the
+    whole run into U+FFFD, bytes already streamed as characters among them; the deltas
+    keep those as they were sent (as vLLM's do), and held bytes give one U+FFFD each. A character that the context leaves incomplete is left
     out of it: the added tokens that would end it decode as they do alone. Tokens held
     without text (bytes of a character not yet complete, skipped special tokens) are
     decoded again with each new one, so at most a few are: bytes that can no longer make a
