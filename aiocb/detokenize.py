@@ -94,8 +94,9 @@ class IncrementalDetokenizer:
     ``"."`` that comes later; nor does vLLM's text clean up). Where a byte-fallback
     tokenizer's (Llama 2, Mistral, Gemma) run of byte tokens is not, its decoder turns the
     whole run into U+FFFD, bytes already streamed as characters among them; the deltas
-    keep those as they were sent (as vLLM's do), and held bytes give one U+FFFD each. A character that the context leaves incomplete is left
-    out of it: the added tokens that would end it decode as they do alone. Tokens held
+    keep those as they were sent (as vLLM's do), and held bytes give one U+FFFD each. A
+    character that the context leaves incomplete is left out of it: the added tokens that
+    would end it decode as they do alone. Tokens held
     without text (bytes of a character not yet complete, skipped special tokens) are
     decoded again with each new one, so at most a few are: bytes that can no longer make a
     character come out as U+FFFD at once, not at the end (in a byte-fallback run that is

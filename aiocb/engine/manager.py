@@ -52,7 +52,7 @@ from aiocb.prompts import Prompt, check_prompt_list, is_large
 from aiocb.runner.distributed import build_runner, driver_layout, tensor_parallel_layout
 from aiocb.runner.memory import CachePlan, memory_percent, scored_rows
 from aiocb.runner.model_runner import ModelRunner, runner_plan
-from aiocb.runner.model_spec import ModelSpec
+from aiocb.runner.model_spec import ModelSpec, context_length
 from aiocb.sampling import RequestLimits, eos_ids, is_long_id_prompt, merged_generation_config
 from aiocb.speculative import SpeculativeConfig, draft_share, load_draft_model
 
@@ -248,8 +248,7 @@ class Manager:
         self._draft_model = load_draft_model(speculative_config, model)
         hints = WorkloadHints.of(workload_hints)
         #: what the runner is built with: :attr:`config` sized by the hints
-        context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-        self._runner_config = self.config.sized_for(hints, context if isinstance(context, int) else None)
+        self._runner_config = self.config.sized_for(hints, context_length(model.config.get_text_config()))
         if num_requests_hint is None and hints is not None and hints.num_requests:
             num_requests_hint = hints.num_requests
         self._num_requests_hint = num_requests_hint

@@ -31,6 +31,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from aiocb.core.kv_cache import ring_size
+from aiocb.errors import InvalidConfigError
 from aiocb.gil import yield_gil
 from aiocb.runner import native
 from aiocb.runner.backends import Backend, paged_kernel
@@ -63,11 +64,16 @@ def paged_attention_forward(
     (:func:`original_mask`).
     """
     metadata: AttentionMetadata | None = kwargs.pop(METADATA_KWARG, None)
+    probe: _Probe | None = getattr(_local, "probe", None)
     if metadata is None:
+        if probe is not None:  # (in aiocb's own pass: its layers dropped the keyword arguments)
+            probe.unpassed.add(type(module).__name__)
         fallback = _fallback_for(module)
         output, _ = fallback(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
         return output, None
     layer: int = module.layer_idx  # type: ignore[assignment]
+    if probe is not None:
+        probe.take(module, key, metadata.cache)
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
     softcap = kwargs.get("softcap")
     q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
@@ -359,21 +365,80 @@ def forward(
     metadata: AttentionMetadata,
 ) -> torch.Tensor:
     """One forward pass of an installed model over a step (``input_ids [1, T]``): the
-    logits ``[len(logits_indices), V]`` of the kept positions."""
+    logits ``[len(logits_indices), V]`` of the kept positions. A model's first pass is
+    watched (:class:`_Probe`): a model whose attention does not reach the paged cache as
+    it must is refused, naming it, rather than run over no cache."""
     device = input_ids.device
     stand_in = _NO_MASK.get(device)
     if stand_in is None:
         stand_in = _NO_MASK[device] = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)
-    output = model(
-        input_ids=input_ids,
-        position_ids=position_ids,
-        attention_mask=stand_in,
-        use_cache=False,
-        logits_to_keep=logits_indices,
-        **{METADATA_KWARG: metadata},
-    )
+    arguments = {"attention_mask": stand_in, "use_cache": False, "logits_to_keep": logits_indices}
+    if model in _PROBED:
+        output = model(input_ids=input_ids, position_ids=position_ids, **arguments, **{METADATA_KWARG: metadata})
+    else:
+        probe = _local.probe = _Probe()
+        try:
+            output = model(input_ids=input_ids, position_ids=position_ids, **arguments, **{METADATA_KWARG: metadata})
+        finally:
+            _local.probe = None
+        probe.check(model, len(metadata.cache.layer_group))
+        _PROBED.add(model)
     logits: torch.Tensor = output.logits[0]
     return logits
+
+
+#: Models (or their compiled forms) whose first pass the probe found right
+_PROBED: weakref.WeakSet[Any] = weakref.WeakSet()
+#: The probe of the pass under way on this thread (None: no pass is watched)
+_local = threading.local()
+
+
+class _Probe:
+    """What aiocb's attention saw of a model's first pass: transformers' AttentionInterface
+    alone does not make a model's attention reach the paged cache. Each attention layer
+    must call it exactly once a pass (DiffLlama calls it twice, the second call's values
+    overwriting the first's in the cache), with aiocb's metadata (StableLM's and Nemotron's
+    decoder layers drop the keyword arguments that carry it: their attention would run the
+    model's own, over no cache and no causal mask), and keys of the cache's heads and width
+    (JetMoE's are not its config's ``num_key_value_heads``)."""
+
+    def __init__(self) -> None:
+        self.calls: dict[int, int] = {}
+        #: attention modules called without aiocb's metadata
+        self.unpassed: set[str] = set()
+
+    def take(self, module: torch.nn.Module, key: torch.Tensor, cache: PagedKVCache) -> None:
+        """A call of the paged attention with aiocb's metadata (refused at once where its
+        keys could not be written to the cache)."""
+        layer: int = module.layer_idx  # type: ignore[assignment]
+        self.calls[layer] = self.calls.get(layer, 0) + 1
+        if (key.shape[1], key.shape[-1]) != (cache.num_kv_heads, cache.head_dim):
+            raise InvalidConfigError(
+                f"{type(module).__name__} gives keys of {key.shape[1]} heads of {key.shape[-1]} (layer {layer}), where "
+                f"its config says {cache.num_kv_heads} of {cache.head_dim}, as aiocb's paged cache holds them: "
+                "the model is not supported"
+            )
+
+    def check(self, model: Any, num_layers: int) -> None:
+        """Refuse ``model`` unless each of its ``num_layers`` layers attended once, as aiocb's."""
+        name = type(getattr(model, "_orig_mod", model)).__name__
+        problems: list[str] = []
+        if self.unpassed:
+            problems.append(
+                f"its attention ({', '.join(sorted(self.unpassed))}) was called without the keyword arguments "
+                "aiocb passes the model (its layers drop them)"
+            )
+        twice = sorted(layer for layer, count in self.calls.items() if count > 1)
+        if twice:
+            problems.append(f"layer {twice[0]} called attention {self.calls[twice[0]]} times in one pass")
+        missing = sorted(set(range(num_layers)) - set(self.calls))
+        if missing and not self.unpassed:
+            problems.append(f"{len(missing)} of its {num_layers} layers never called aiocb's attention")
+        if problems:
+            raise InvalidConfigError(
+                f"{name}'s attention does not work through aiocb's paged cache: {'; '.join(problems)}. "
+                "The model is not supported"
+            )
 
 
 def install(model: PreTrainedModel) -> None:

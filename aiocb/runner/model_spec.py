@@ -62,12 +62,34 @@ class ModelSpec:
 
 
 def model_spec(model: PreTrainedModel) -> ModelSpec:
-    """Read a model's attention layout from its (text) config."""
+    """Read a model's attention layout from its (text) config; refuse, naming it, a model
+    whose attention aiocb cannot route through its paged cache."""
+    name = type(model).__name__
+    if not type(model)._can_set_attn_implementation():
+        # (its attention modules do not look the function up in transformers'
+        # AttentionInterface: they would run their own, over no cache and no causal mask)
+        raise InvalidConfigError(
+            f"{name}'s attention does not go through transformers' AttentionInterface, which aiocb's paged "
+            "attention plugs into: the model is not supported"
+        )
+    if any(isinstance(getattr(module, "sinks", None), torch.Tensor) for module in model.modules()):
+        raise InvalidConfigError(
+            f"{name}'s attention has sinks (a learned logit per head in the softmax, gpt-oss's), which aiocb's "
+            "paged attention does not take: the model is not supported"
+        )
     config = model.config.get_text_config()
-    num_layers = int(config.num_hidden_layers)
-    num_heads = int(config.num_attention_heads)
-    num_kv_heads = int(getattr(config, "num_key_value_heads", None) or num_heads)
-    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // num_heads)
+    try:
+        num_layers = int(config.num_hidden_layers)
+        num_heads = int(config.num_attention_heads)
+        num_kv_heads = int(getattr(config, "num_key_value_heads", None) or num_heads)
+        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // num_heads)
+    except (AttributeError, TypeError) as exc:  # (a state-space model's config; per-layer head sizes)
+        raise InvalidConfigError(
+            f"{name} has no attention layout aiocb's paged cache can hold (its config: {exc}): the model is not "
+            "supported"
+        ) from None
+    if num_layers < 1:
+        raise InvalidConfigError(f"{name} has no layers (num_hidden_layers={num_layers}): nothing to cache")
     if getattr(config, "kv_lora_rank", None) or getattr(config, "v_head_dim", None) not in (None, head_dim):
         # (DeepSeek-V2/V3's config gives head_dim as the rotary part alone: a cache of that
         # width would take keys of another, and fail at the first step)
@@ -86,12 +108,32 @@ def model_spec(model: PreTrainedModel) -> ModelSpec:
         hidden_size=int(config.hidden_size),
         intermediate_size=int(getattr(config, "intermediate_size", None) or 4 * config.hidden_size),
         vocab_size=int(config.vocab_size),
-        max_position_embeddings=getattr(config, "max_position_embeddings", None),
+        max_position_embeddings=context_length(config),
         layer_windows=_layer_windows(config, num_layers),
         dtype=param.dtype,
         device=param.device,
         tp_size=tp_size,
     )
+
+
+def context_length(config: object) -> int | None:
+    """The longest sequence of a model's requests: its ``max_position_embeddings``, or a
+    longrope scaling's ``original_max_position_embeddings`` where that is shorter (Phi-3's
+    long-context models): transformers picks the long frequencies by the longest position
+    of a forward pass, and one request past that length would switch every other request
+    of aiocb's shared passes to them."""
+    length = getattr(config, "max_position_embeddings", None)
+    length = int(length) if isinstance(length, int) else None
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    # (a dict of them per layer type, as Gemma 3's, or one)
+    for params in rope.values() if all(isinstance(v, dict) for v in rope.values()) and rope else [rope]:
+        if params.get("rope_type") == "longrope":
+            original = params.get("original_max_position_embeddings") or getattr(
+                config, "original_max_position_embeddings", None
+            )
+            if isinstance(original, int) and (length is None or original < length):
+                length = original
+    return length
 
 
 #: The kinds of layer (a config's ``layer_types``) whose attention the paged cache keeps.

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 from aiocb.errors import InvalidRequestError
 from aiocb.prompts import bad_words_ids
+from aiocb.runner.model_spec import context_length
 from aiocb.sampling import config_min_tokens, eos_ids
 from aiocb.server.fragments import HiddenTexts
 from aiocb.server.limits import ServerLimits
@@ -84,7 +85,7 @@ class ServerContext:
         self.reasoning = reasoning
         self.created = int(time.time())
         text_config = manager.model.config.get_text_config()
-        self.max_model_len: int | None = getattr(text_config, "max_position_embeddings", None)
+        self.max_model_len: int | None = context_length(text_config)
         self.vocab_size: int = text_config.vocab_size
         longest_token = max((len(piece) for piece in tokenizer.get_vocab()), default=1)
         self.max_prompt_chars: int | None = (

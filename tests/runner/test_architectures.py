@@ -1,0 +1,117 @@
+"""Architectures whose attention aiocb cannot route through its paged cache are refused,
+naming them, never run over no cache; and one whose rotary frequencies depend on the
+longest position of a pass keeps its requests short enough for them not to switch."""
+
+from __future__ import annotations
+
+import inspect
+import re
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+import aiocb
+from tests.conftest import random_prompts, reference_generate, tiny_llama
+
+#: Tiny sizes under every name the configs below give them.
+_SIZES: dict[str, object] = {
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "n_embd": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "n_layer": 2,
+    "num_attention_heads": 4,
+    "n_head": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 256,
+    "n_positions": 256,
+    "rotary_dim": 8,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "pad_token_id": 0,
+    "eos_token_id": None,
+    "bos_token_id": None,
+}
+
+
+def tiny(model_type: str, **overrides: object) -> PreTrainedModel:
+    """A 2-layer model of ``model_type`` with seeded random weights."""
+    config_class = type(AutoConfig.for_model(model_type))
+    accepted = set(inspect.signature(config_class.__init__).parameters)
+    config = config_class(**{**{k: v for k, v in _SIZES.items() if k in accepted}, **overrides})
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+async def _generate(model: PreTrainedModel, prompts: list[list[int]], **config: Any) -> list[list[int]]:
+    batching = aiocb.ContinuousBatchingConfig(page_size=16, **config)
+    async with aiocb.Manager(model, continuous_batching_config=batching) as manager:
+        outputs = await manager.generate_batch(prompts, max_new_tokens=8)
+    return [output.generated_tokens for output in outputs.values()]
+
+
+@pytest.mark.parametrize(
+    ("model_type", "message"),
+    [
+        ("gptj", "GPTJForCausalLM's attention does not go through transformers' AttentionInterface"),
+        ("bloom", "BloomForCausalLM's attention does not go through"),
+        ("gpt_oss", "GptOssForCausalLM's attention has sinks"),
+        ("mamba", "MambaForCausalLM has no attention layout"),
+        ("llama", r"LlamaForCausalLM has no layers \(num_hidden_layers=0\)"),
+    ],
+)
+async def test_a_model_whose_attention_cannot_use_the_paged_cache_is_refused_at_start(
+    model_type: str, message: str
+) -> None:
+    model = tiny(model_type, num_hidden_layers=0) if model_type == "llama" else tiny(model_type)
+    with pytest.raises(aiocb.InvalidConfigError, match=message):
+        await _generate(model, [[5, 6, 7]])
+
+
+@pytest.mark.parametrize(
+    ("model_type", "message"),
+    [
+        # (its decoder layers call attention without the keyword arguments that carry aiocb's metadata)
+        ("stablelm", "StableLmForCausalLM's attention .* was called without the keyword arguments"),
+        ("nemotron", "NemotronForCausalLM's attention .* was called without the keyword arguments"),
+        ("diffllama", "DiffLlamaForCausalLM's attention .* layer 0 called attention 2 times in one pass"),
+        ("jetmoe", r"JetMoeAttention gives keys of 4 heads of 128 \(layer 0\), where its config says 2 of 128"),
+    ],
+)
+async def test_a_model_whose_first_pass_misses_the_paged_cache_is_refused_naming_why(
+    model_type: str, message: str
+) -> None:
+    """Their attention goes through the interface, but not as aiocb's cache needs it: the
+    first pass finds it (each of these ran over no cache, or wrote one layer's keys twice,
+    giving other tokens than ``model.generate`` or a shape error deep in torch)."""
+    model = tiny(model_type)
+    with pytest.raises(aiocb.EngineDeadError) as caught:
+        await _generate(model, [[5, 6, 7]])
+    assert isinstance(caught.value.cause, aiocb.InvalidConfigError)
+    assert re.search(message, str(caught.value.cause)), str(caught.value.cause)
+
+
+def test_a_longrope_model_s_requests_stay_within_its_original_context() -> None:
+    """transformers picks longrope's long frequencies when a pass's longest position passes
+    ``original_max_position_embeddings``: in aiocb's shared passes one long request would
+    switch its neighbours'. Requests are kept to that length (refused past it, naming it);
+    within it, each equals ``model.generate`` whatever shares its passes."""
+    long_factor = [1.0 + i for i in range(8)]
+    rope = {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "original_max_position_embeddings": 32,
+        "short_factor": [1.0] * 8,
+        "long_factor": long_factor,
+    }
+    model = tiny_llama(max_position_embeddings=128, rope_parameters=rope)
+    prompts = random_prompts(4, 3, 24, seed=5)
+    expected = [reference_generate(model, p, 8) for p in prompts]
+    outputs = aiocb.generate_batch(model, prompts, max_new_tokens=8)
+    assert [o.generated_tokens for o in outputs.values()] == expected
+    with pytest.raises(aiocb.InvalidRequestError, match="beyond the model's context length of 32"):
+        aiocb.generate_batch(model, [[5] * 30], max_new_tokens=8)
