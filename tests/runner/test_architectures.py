@@ -32,6 +32,7 @@ _SIZES: dict[str, object] = {
     "rotary_dim": 8,
     "num_local_experts": 4,
     "num_experts_per_tok": 2,
+    "initializer_range": 0.3,  # (weights spread enough that greedy outputs differ from token to token)
     "pad_token_id": 0,
     "eos_token_id": None,
     "bos_token_id": None,
@@ -115,3 +116,24 @@ def test_a_longrope_model_s_requests_stay_within_its_original_context() -> None:
     assert [o.generated_tokens for o in outputs.values()] == expected
     with pytest.raises(aiocb.InvalidRequestError, match="beyond the model's context length of 32"):
         aiocb.generate_batch(model, [[5] * 30], max_new_tokens=8)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "overrides"),
+    [
+        ("gpt2", {}),  # (learned absolute positions, Conv1D projections)
+        ("gpt_neox", {"rotary_pct": 0.25}),  # (partial rotary, parallel residual)
+        ("phi3", {}),  # (fused qkv)
+        ("mixtral", {"sliding_window": 8}),  # (MoE, sliding)
+        ("qwen2", {"attention_bias": True}),
+        ("opt", {}),
+        ("cohere", {}),
+        ("granite", {}),
+    ],
+)
+async def test_other_architectures_match_generate(model_type: str, overrides: dict[str, object]) -> None:
+    """Greedy outputs equal ``model.generate``'s, with chunked prefill and preemption."""
+    model = tiny(model_type, **overrides)
+    prompts = random_prompts(4, 3, 40, seed=7)
+    expected = [reference_generate(model, p, 8) for p in prompts]
+    assert await _generate(model, prompts, num_blocks=8, max_batch_tokens=32) == expected
