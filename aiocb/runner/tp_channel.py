@@ -3,10 +3,11 @@
 Rank 0 tells them over a dedicated CPU (gloo) group, with ``broadcast_object_list``.
 Every message is ``(kind, *payload, events)``:
 
-* ``("init", config, num_requests_hint, speculative, keep_cache, plan, events)``: build a runner (a
-  new cache). With ``plan`` None every rank then gathers its own cache plan and all take
-  the element-wise minimum, so block ids mean the same everywhere; a plan is given when
-  a kept runner (a persistent manager's) takes the followers back from another one;
+* ``("init", config, num_requests_hint, speculative, keep_cache, plan, events)``: build a
+  runner (a new cache). With ``plan`` None every rank then gathers its own cache plan
+  (``speculative``: for the rows of steps that verify proposals) and all take the
+  element-wise minimum, so block ids mean the same everywhere; a plan is given when a
+  kept runner (a persistent manager's) takes the followers back from another one;
 * ``("attach", events)`` / ``("detach", events)``: a manager session starts / ends;
 * ``("release", events)``: free the cache kept between sessions (its persistent manager
   was destroyed); every rank then joins a gather, so that rank 0 knows it is freed;
