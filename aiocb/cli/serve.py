@@ -364,25 +364,22 @@ class ModelLoadError(Exception):
 
 def _replica_count(text: str) -> int | str:
     """``--replicas``: a count of at least 1, or ``auto``."""
-    if text == "auto":
-        return text
-    try:
-        count = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a count or 'auto', got {text!r}") from None
-    if count < 1:
-        raise argparse.ArgumentTypeError(f"expected at least 1 replica, got {count}")
-    return count
+    return text if text == "auto" else _count(text, "replica", "a count or 'auto'")
 
 
 def _ingress_count(text: str) -> int:
     """``--ingress-replicas``: a count of at least 1."""
+    return _count(text, "ingress replica", "a count")
+
+
+def _count(text: str, what: str, expected: str) -> int:
+    """A count of at least one ``what`` (argparse reports the error, saying it ``expected``)."""
     try:
         count = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a count, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
     if count < 1:
-        raise argparse.ArgumentTypeError(f"expected at least 1 ingress replica, got {count}")
+        raise argparse.ArgumentTypeError(f"expected at least 1 {what}, got {count}")
     return count
 
 
