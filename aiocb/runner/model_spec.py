@@ -65,7 +65,8 @@ def model_spec(model: PreTrainedModel) -> ModelSpec:
     """Read a model's attention layout from its (text) config; refuse, naming it, a model
     whose attention aiocb cannot route through its paged cache."""
     name = type(model).__name__
-    if not type(model)._can_set_attn_implementation():
+    can_route = getattr(type(model), "_can_set_attn_implementation", None)  # (transformers' own check)
+    if can_route is not None and not can_route():
         # (its attention modules do not look the function up in transformers'
         # AttentionInterface: they would run their own, over no cache and no causal mask)
         raise InvalidConfigError(
