@@ -379,12 +379,22 @@ def forward(
         probe = _local.probe = _Probe()
         try:
             output = model(input_ids=input_ids, position_ids=position_ids, **arguments, **{METADATA_KWARG: metadata})
+        except Exception as exc:
+            if probe.calls or probe.unpassed:
+                raise
+            # (no layer reached aiocb's attention: the model's own failed on aiocb's inputs)
+            raise probe.outside(model, f"its first pass failed: {exc!r}") from exc
         finally:
             _local.probe = None
         probe.check(model, len(metadata.cache.layer_group))
         _PROBED.add(model)
     logits: torch.Tensor = output.logits[0]
     return logits
+
+
+def _name(model: Any) -> str:
+    """A model's class name (a compiled model's, its original's)."""
+    return type(getattr(model, "_orig_mod", model)).__name__
 
 
 #: Models (or their compiled forms) whose first pass the probe found right
@@ -400,7 +410,9 @@ class _Probe:
     overwriting the first's in the cache), with aiocb's metadata (StableLM's and Nemotron's
     decoder layers drop the keyword arguments that carry it: their attention would run the
     model's own, over no cache and no causal mask), and keys of the cache's heads and width
-    (JetMoE's are not its config's ``num_key_value_heads``)."""
+    (JetMoE's are not its config's ``num_key_value_heads``). A model none of whose layers
+    calls it at all does not look it up in the interface (GPT-J, Falcon, Bloom, MPT): its
+    own attention runs, over no cache and no causal mask, or fails on aiocb's inputs."""
 
     def __init__(self) -> None:
         self.calls: dict[int, int] = {}
@@ -419,9 +431,18 @@ class _Probe:
                 "the model is not supported"
             )
 
+    def outside(self, model: Any, why: str) -> InvalidConfigError:
+        """The refusal of a model none of whose layers called aiocb's attention."""
+        return InvalidConfigError(
+            f"{_name(model)}'s attention does not go through transformers' AttentionInterface, which aiocb's paged "
+            f"attention plugs into ({why}): the model is not supported"
+        )
+
     def check(self, model: Any, num_layers: int) -> None:
         """Refuse ``model`` unless each of its ``num_layers`` layers attended once, as aiocb's."""
-        name = type(getattr(model, "_orig_mod", model)).__name__
+        if not self.calls and not self.unpassed:  # (GPT-J, Falcon, MPT: their own attention ran)
+            raise self.outside(model, f"none of its {num_layers} layers called it")
+        name = _name(model)
         problems: list[str] = []
         if self.unpassed:
             problems.append(

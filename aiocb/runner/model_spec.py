@@ -65,14 +65,8 @@ def model_spec(model: PreTrainedModel) -> ModelSpec:
     """Read a model's attention layout from its (text) config; refuse, naming it, a model
     whose attention aiocb cannot route through its paged cache."""
     name = type(model).__name__
-    can_route = getattr(type(model), "_can_set_attn_implementation", None)  # (transformers' own check)
-    if can_route is not None and not can_route():
-        # (its attention modules do not look the function up in transformers'
-        # AttentionInterface: they would run their own, over no cache and no causal mask)
-        raise InvalidConfigError(
-            f"{name}'s attention does not go through transformers' AttentionInterface, which aiocb's paged "
-            "attention plugs into: the model is not supported"
-        )
+    # (whether its attention goes through transformers' AttentionInterface at all is found
+    # by its first pass: see attention._Probe)
     if any(isinstance(getattr(module, "sinks", None), torch.Tensor) for module in model.modules()):
         raise InvalidConfigError(
             f"{name}'s attention has sinks (a learned logit per head in the softmax, gpt-oss's), which aiocb's "

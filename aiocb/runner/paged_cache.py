@@ -21,7 +21,10 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
+    # (private: a forked child writes its own copies of the pages, not the parent's)
+    private = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+    memory = mmap.mmap(-1, nbytes, flags=private) if private else mmap.mmap(-1, nbytes)
+    return torch.frombuffer(memory, dtype=dtype).view(shape)
 
 
 class PagedKVCache:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import dataclasses
 import logging
+import os
 import random
 
 import psutil
@@ -450,3 +452,9 @@ def test_a_zeroed_host_cache_is_made_without_writing_it(dtype: torch.dtype) -> N
     assert not cache[:: 2**16].any() and not cache[-1].any()
     cache[7] = 1.5  # (writable, as the cache it is)
     assert cache[7].sum().item() == 6.0 and not cache[6].any()
+    child = os.fork()
+    if child == 0:  # (a forked child writes its own copy of the page, never the parent's)
+        ctypes.memset(cache[0].data_ptr(), 0x7F, 4)
+        os._exit(0)
+    assert os.waitpid(child, 0)[1] == 0
+    assert not cache[0].any()
