@@ -16,7 +16,7 @@ from aiocb.config import ContinuousBatchingConfig, WorkloadHints, as_config
 from aiocb.engine.manager import Manager
 from aiocb.errors import InvalidConfigError, InvalidRequestError
 from aiocb.outputs import GenerationOutput
-from aiocb.params import SamplingParams
+from aiocb.params import SamplingParams, check_sampling_params
 from aiocb.prompts import Prompt, check_prompt_list
 from aiocb.runner.distributed import follow_call, return_to_followers, tensor_parallel_layout
 from aiocb.sampling import merged_generation_config
@@ -157,11 +157,7 @@ def _check_types(generation_config: GenerationConfig | None, sampling_params: Sa
         raise InvalidConfigError(
             f"generation_config must be a transformers GenerationConfig, got {type(generation_config).__name__}"
         )
-    if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
-        raise InvalidRequestError(
-            f"sampling_params must be an aiocb.SamplingParams, got {type(sampling_params).__name__}",
-            param="sampling_params",
-        )
+    check_sampling_params(sampling_params)
 
 
 def _workload_hints(

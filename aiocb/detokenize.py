@@ -297,17 +297,16 @@ class IncrementalDetokenizer:
             return ""
         prefix = self._decode(self._prefix_offset, self._read_offset)
         text = self._decode(self._prefix_offset, len(self._ids))
-        held = "" if text.startswith(prefix) else self._decode(self._read_offset, len(self._ids))
+        if not text.startswith(prefix):
+            # (a byte-fallback decoder turned the window's run of bytes, its last text among
+            # them, into U+FFFD with the held ones: they are decoded alone, as in _release)
+            prefix, text = "", self._decode(self._read_offset, len(self._ids))
         # The held tokens are spent: a later token starts after them, as with a decode (by
         # either method: the window too starts again, after the same context).
         context = self._context(self._ids)
         self._ids, self._prefix_offset, self._read_offset = context, 0, len(context)
         if self._stream is not None and self._backend is not None:
             self._stream = self._new_stream(self._backend, context)
-        if not text.startswith(prefix):
-            # (a byte-fallback decoder turned the window's run of bytes, its last text among
-            # them, into U+FFFD with the held ones: they are decoded alone, as in _release)
-            prefix, text = "", held
         delta = text[len(prefix) :] if len(text) > len(prefix) else ""
         self.num_chars += len(delta)
         return delta

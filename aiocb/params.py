@@ -278,6 +278,14 @@ class SamplingParams:
 FIELD_NAMES: frozenset[str] = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
+def check_sampling_params(value: object) -> None:
+    """InvalidRequestError unless ``value`` is a :class:`SamplingParams` or None."""
+    if value is not None and not isinstance(value, SamplingParams):
+        raise InvalidRequestError(
+            f"sampling_params must be an aiocb.SamplingParams, got {type(value).__name__}", param="sampling_params"
+        )
+
+
 def check_names(fields: Mapping[str, Any]) -> None:
     """Refuse names that are not :class:`SamplingParams` fields, naming them."""
     unknown = sorted(set(fields) - FIELD_NAMES)

@@ -27,7 +27,7 @@ from aiocb.core.request import Request
 from aiocb.detokenize import TextTracker
 from aiocb.errors import InvalidRequestError
 from aiocb.gil import pausing_call
-from aiocb.params import SamplingParams, as_strings, token_id
+from aiocb.params import SamplingParams, as_strings, check_sampling_params, token_id
 from aiocb.prompts import Prompt, bad_words_ids, encode_prompt, is_chat, is_large
 from aiocb.runner.step_batch import token_history
 from aiocb.sampling import (
@@ -292,11 +292,7 @@ class RequestFactory:
         self, sampling_params: SamplingParams | None, max_new_tokens: int | None, params: dict[str, Any]
     ) -> SamplingParams:
         """A request's :class:`SamplingParams` with its keyword arguments (which take precedence)."""
-        if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
-            raise InvalidRequestError(
-                f"sampling_params must be an aiocb.SamplingParams, got {type(sampling_params).__name__}",
-                param="sampling_params",
-            )
+        check_sampling_params(sampling_params)
         requested = sampling_params or _NO_PARAMS
         if params:
             return requested.updated(max_new_tokens=max_new_tokens, **params)

@@ -372,20 +372,24 @@ def forward(
     stand_in = _NO_MASK.get(device)
     if stand_in is None:
         stand_in = _NO_MASK[device] = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)
-    arguments = {"attention_mask": stand_in, "use_cache": False, "logits_to_keep": logits_indices}
-    if model in _PROBED:
-        output = model(input_ids=input_ids, position_ids=position_ids, **arguments, **{METADATA_KWARG: metadata})
-    else:
-        probe = _local.probe = _Probe()
-        try:
-            output = model(input_ids=input_ids, position_ids=position_ids, **arguments, **{METADATA_KWARG: metadata})
-        except Exception as exc:
-            if probe.calls or probe.unpassed:
-                raise
-            # (no layer reached aiocb's attention: the model's own failed on aiocb's inputs)
-            raise probe.outside(model, f"its first pass failed: {exc!r}") from exc
-        finally:
-            _local.probe = None
+    probe = _local.probe = None if model in _PROBED else _Probe()
+    try:
+        output = model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=stand_in,
+            use_cache=False,
+            logits_to_keep=logits_indices,
+            **{METADATA_KWARG: metadata},
+        )
+    except Exception as exc:
+        if probe is None or probe.calls or probe.unpassed:
+            raise
+        # (no layer reached aiocb's attention: the model's own failed on aiocb's inputs)
+        raise probe.outside(model, f"its first pass failed: {exc!r}") from exc
+    finally:
+        _local.probe = None
+    if probe is not None:
         probe.check(model, len(metadata.cache.layer_group))
         _PROBED.add(model)
     logits: torch.Tensor = output.logits[0]

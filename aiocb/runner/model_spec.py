@@ -120,8 +120,8 @@ def context_length(config: object) -> int | None:
     length = getattr(config, "max_position_embeddings", None)
     length = int(length) if isinstance(length, int) else None
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    # (a dict of them per layer type, as Gemma 3's, or one)
-    for params in rope.values() if all(isinstance(v, dict) for v in rope.values()) and rope else [rope]:
+    per_layer_type = bool(rope) and all(isinstance(v, dict) for v in rope.values())  # (as Gemma 3's)
+    for params in rope.values() if per_layer_type else [rope]:
         if params.get("rope_type") == "longrope":
             original = params.get("original_max_position_embeddings") or getattr(
                 config, "original_max_position_embeddings", None
