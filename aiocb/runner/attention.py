@@ -76,10 +76,11 @@ def paged_attention_forward(
         probe.take(module, key, metadata.cache)
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
     softcap = kwargs.get("softcap")
+    sinks = _sinks(module, kwargs.get("s_aux"), query.shape[1])
     q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
     group = metadata.groups[metadata.cache.layer_group[layer]]
     if group.backend in (Backend.REFERENCE, Backend.CPU):
-        out = reference_paged_attention(layer, q, k, v, metadata, scale, softcap)
+        out = reference_paged_attention(layer, q, k, v, metadata, scale, softcap, sinks)
     else:
         key_cache, value_cache = metadata.cache.flat(layer)
         key_cache.index_copy_(0, group.slot_mapping, k)
@@ -97,8 +98,23 @@ def paged_attention_forward(
             softcap,
             group.window,
             None if group.window is None else ring_size(group.window, metadata.cache.page_size),
+            sinks,
         )
     return out[None], None
+
+
+def _sinks(module: torch.nn.Module, sinks: object, num_heads: int) -> torch.Tensor | None:
+    """A layer's attention sinks (gpt-oss's ``s_aux``: a learned logit per query head that
+    joins each softmax's denominator and weighs no value), as float32 ``[Hq]``; None without."""
+    if sinks is None:
+        return None
+    if not isinstance(sinks, torch.Tensor) or sinks.shape != (num_heads,):
+        shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        raise InvalidConfigError(
+            f"{type(module).__name__} passes attention sinks (s_aux) of shape {shape}, where aiocb's paged "
+            f"attention takes one per query head of the layer ({num_heads}): the model is not supported"
+        )
+    return sinks.detach().float()
 
 
 def reference_paged_attention(
@@ -109,9 +125,11 @@ def reference_paged_attention(
     metadata: AttentionMetadata,
     scale: float,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The portable backend, and the ``cpu`` one, whose rows the C kernels attend where its
-    metadata says so: ``query [T, Hq, D]``, ``key/value [T, Hkv, D]`` -> ``[T, Hq, D]``."""
+    metadata says so: ``query [T, Hq, D]``, ``key/value [T, Hkv, D]`` -> ``[T, Hq, D]``;
+    ``sinks`` (float32 ``[Hq]``, see :func:`_sinks`) join each softmax's denominator."""
     cache = metadata.cache
     group = metadata.groups[cache.layer_group[layer]]
     key_cache, value_cache = cache.flat(layer)
@@ -132,16 +150,16 @@ def reference_paged_attention(
     elif group.prefill_keys is not None:
         # (contiguous, as the kernel writes it: its multi-token rows now, single-token ones below)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-        _attend_prefill_in_place(query, key_cache, value_cache, group, cache.page_size, scale, softcap, out)
+        _attend_prefill_in_place(query, key_cache, value_cache, group, cache.page_size, scale, softcap, sinks, out)
     else:
         out = torch.empty_like(query)
     if metadata.decode_token_index is not None:
         # In a decode-only step the rows are the step's tokens, in order.
         q = query if decode_only else query.index_select(0, metadata.decode_token_index)
         if group.decode_keys is None:
-            decoded = _attend_decode(layer, q, group, cache, scale, softcap)
+            decoded = _attend_decode(layer, q, group, cache, scale, softcap, sinks)
         else:
-            decoded = _attend_decode_in_place(q, key_cache, value_cache, group, cache, scale, softcap)
+            decoded = _attend_decode_in_place(q, key_cache, value_cache, group, cache, scale, softcap, sinks)
         if decode_only:
             return decoded
         out.index_copy_(0, metadata.decode_token_index, decoded)
@@ -158,7 +176,7 @@ def reference_paged_attention(
             k, v = cache.gather(layer, read_slots)
         k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
         q = query[first : first + length].transpose(0, 1)[None]
-        attended = _attend(q, k, v, prefill_mask, scale, softcap, causal=prefill_mask is None)
+        attended = _attend(q, k, v, prefill_mask, scale, softcap, sinks, causal=prefill_mask is None)
         out[first : first + length] = attended[0].transpose(0, 1)
     return out
 
@@ -170,6 +188,7 @@ def _attend_decode(
     cache: PagedKVCache,
     scale: float,
     softcap: float | None,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     """Single-token rows ``q [Bd, Hq, D]``, batch by batch, each row over its own keys
     (after the blocks every row shares, when they share a prefix)."""
@@ -185,10 +204,10 @@ def _attend_decode(
         shape = (rows.shape[0], chunk.width, *keys.shape[1:])
         k, v = keys.view(shape).transpose(1, 2), values.view(shape).transpose(1, 2)
         if shared is not None:
-            attended = _attend_shared_prefix(rows, *shared, k, v, chunk.valid, scale, softcap)
+            attended = _attend_shared_prefix(rows, *shared, k, v, chunk.valid, scale, softcap, sinks)
         else:
             mask = None if chunk.valid is None else chunk.valid[:, None, None, :]
-            attended = _attend(rows[:, :, None, :], k, v, mask, scale, softcap)[:, :, 0, :]
+            attended = _attend(rows[:, :, None, :], k, v, mask, scale, softcap, sinks)[:, :, 0, :]
         if chunk.rows is None:
             return attended
         decoded.index_copy_(0, chunk.rows, attended)
@@ -203,6 +222,7 @@ def _attend_decode_in_place(
     cache: PagedKVCache,
     scale: float,
     softcap: float | None,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     """Single-token rows ``q [Bd, Hq, D]`` through the C kernel, which reads their keys in
     the cache (``[slots, Hkv, D]``) through the group's block table."""
@@ -213,7 +233,7 @@ def _attend_decode_in_place(
     ring = ring_size(group.window, page) if group.window is not None else None
     return native.decode_attention(
         library, q, key_cache, value_cache, group.block_table, keys.table_rows, keys.first, keys.count,
-        page, ring, scale, softcap,
+        page, ring, scale, softcap, sinks=sinks,
     )  # fmt: skip
 
 
@@ -225,6 +245,7 @@ def _attend_prefill_in_place(
     page: int,
     scale: float,
     softcap: float | None,
+    sinks: torch.Tensor | None,
     out: torch.Tensor,
 ) -> None:
     """The step's multi-token rows of ``query [T, Hq, D]`` through the C kernel, into their
@@ -233,7 +254,7 @@ def _attend_prefill_in_place(
     assert keys is not None
     native.prefill_attention(
         _library(), query, key_cache, value_cache, group.block_table, keys.table_rows, keys.token, keys.start,
-        keys.length, page, scale, softcap, out,
+        keys.length, page, scale, softcap, out, sinks=sinks,
     )  # fmt: skip
 
 
@@ -253,12 +274,13 @@ def _attend_shared_prefix(
     valid: torch.Tensor | None,
     scale: float,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention over a prefix all rows share plus each row's own keys.
 
     ``q [B, Hq, D]``; ``shared_k/v [S, Hkv, D]`` read once for every row (no per-row copy
     of the prefix); ``k/v [B, Hkv, L, D]`` each row's keys after it, ``valid [B, L]`` (None:
-    all). One softmax spans both parts. Returns ``[B, Hq, D]``.
+    all). One softmax spans both parts (and the head's sink, when given). Returns ``[B, Hq, D]``.
     """
     rows, heads, dim = q.shape
     kv_heads = shared_k.shape[1]
@@ -276,9 +298,15 @@ def _attend_shared_prefix(
         own_scores = own_scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     own_scores = own_scores.permute(1, 0, 2, 3).reshape(kv_heads, rows * group, -1)
     peak = torch.maximum(shared_scores.amax(-1, keepdim=True), own_scores.amax(-1, keepdim=True))
+    sink = None
+    if sinks is not None:  # (in the layout of the scores' rows: KV head, row, head of its group)
+        sink = sinks.view(kv_heads, 1, group).expand(kv_heads, rows, group).reshape(kv_heads, rows * group, 1)
+        peak = torch.maximum(peak, sink)
     shared_weights = shared_scores.sub_(peak).exp_()
     own_weights = own_scores.sub_(peak).exp_()
     total = shared_weights.sum(-1, keepdim=True) + own_weights.sum(-1, keepdim=True)
+    if sink is not None:
+        total += (sink - peak).exp_()
     mixed = torch.bmm(shared_weights, shared_v.float().transpose(0, 1))  # [Hkv, B * G, D]
     own_mixed = torch.matmul(own_weights.view(kv_heads, rows, group, -1), v.float().transpose(0, 1))
     mixed += own_mixed.view(kv_heads, rows * group, dim)
@@ -293,26 +321,46 @@ def _attend(
     mask: torch.Tensor | None,
     scale: float,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,
     *,
     causal: bool = False,
 ) -> torch.Tensor:
-    """``q [B, Hq, Lq, D]`` over ``k/v [B, Hkv, Lk, D]`` with grouped heads; mask is boolean."""
-    if not softcap:
+    """``q [B, Hq, Lq, D]`` over ``k/v [B, Hkv, Lk, D]`` with grouped heads; mask is boolean
+    (``[.., Lq or 1, Lk]``); ``sinks [Hq]`` join each softmax's denominator, weighing no value."""
+    if not softcap and sinks is None:
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
         )
-    groups = q.shape[1] // k.shape[1]
+    batch, heads, lq, _ = q.shape
+    lk = k.shape[-2]
+    groups = heads // k.shape[1]
     k = k.repeat_interleave(groups, dim=1)
     v = v.repeat_interleave(groups, dim=1)
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
     if causal:
-        lq, lk = scores.shape[-2:]
         mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    probs = scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, v)
+    out = torch.empty((batch, heads, lq, v.shape[-1]), dtype=q.dtype, device=q.device)
+    # The scores are written out whole: a long chunk's queries go a slice at a time, so that
+    # they stay within _MOST_SCORES floats.
+    step = max(1, _MOST_SCORES // (batch * heads * lk))
+    for start in range(0, lq, step):
+        stop = min(lq, start + step)
+        scores = torch.matmul(q[:, :, start:stop], k.transpose(-1, -2)) * scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        if mask is not None:
+            scores = scores.masked_fill(~(mask if mask.shape[-2] == 1 else mask[..., start:stop, :]), float("-inf"))
+        if sinks is not None:
+            sink = sinks.to(scores.dtype).view(1, heads, 1, 1).expand(batch, heads, stop - start, 1)
+            scores = torch.cat((scores, sink), dim=-1)
+        probs = scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype)
+        if sinks is not None:
+            probs = probs[..., :-1]
+        out[:, :, start:stop] = torch.matmul(probs, v)
+    return out
+
+
+#: The most attention scores (floats) :func:`_attend` writes out at once (64 MiB of float32)
+_MOST_SCORES = 1 << 24
 
 
 def _fallback_for(module: torch.nn.Module) -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]]:

@@ -28,6 +28,7 @@ from collections.abc import Callable
 import torch
 
 from aiocb.config import ContinuousBatchingConfig
+from aiocb.errors import InvalidConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ class Backend(enum.StrEnum):
 FLASH_PAGE_MULTIPLE = 256
 
 #: ``kernel(query, key_cache, value_cache, block_table, query_start, seq_lens,
-#: max_query_len, max_seq_len, scale, softcap, window, ring_blocks) -> [T, Hq, D]``
+#: max_query_len, max_seq_len, scale, softcap, window, ring_blocks, sinks) -> [T, Hq, D]``
 PagedKernel = Callable[..., torch.Tensor]
 
 _logged: set[tuple[str, ...]] = set()
@@ -66,10 +67,12 @@ def select_backends(
     *,
     dtype: torch.dtype,
     head_dim: int,
+    sinks: bool = False,
 ) -> list[str]:
     """The attention backend of each cache group (a cache of ``dtype``, heads of
-    ``head_dim``); logs the choice once per distinct result."""
-    paged = _paged_backend(device, config, page_size, dtype, head_dim)
+    ``head_dim``; ``sinks``: the model's attention has sinks, which flash-attn does not
+    take); logs the choice once per distinct result."""
+    paged = _paged_backend(device, config, page_size, dtype, head_dim, sinks)
     ring_readers = (Backend.CPU, Backend.TRITON)
     chosen = [paged if window is None or paged in ring_readers else Backend.REFERENCE for window in windows]
     key = (device.type, *chosen)
@@ -80,7 +83,12 @@ def select_backends(
 
 
 def _paged_backend(
-    device: torch.device, config: ContinuousBatchingConfig, page_size: int, dtype: torch.dtype, head_dim: int
+    device: torch.device,
+    config: ContinuousBatchingConfig,
+    page_size: int,
+    dtype: torch.dtype,
+    head_dim: int,
+    sinks: bool,
 ) -> str:
     if config.max_blocks_per_request == 0:
         return Backend.REFERENCE  # transformers' switch for the in-place (decode fast path) kernels
@@ -91,7 +99,7 @@ def _paged_backend(
         return Backend.CPU if cpu_kernel_fits(dtype, head_dim) else Backend.REFERENCE
     if device.type != "cuda":
         return Backend.REFERENCE
-    if config.auto_switch_to_flash and page_size % FLASH_PAGE_MULTIPLE == 0 and _flash_available():
+    if config.auto_switch_to_flash and page_size % FLASH_PAGE_MULTIPLE == 0 and not sinks and _flash_available():
         return Backend.FLASH
     from aiocb.runner import triton_attention
 
@@ -135,6 +143,7 @@ def _triton_kernel(
     softcap: float | None,
     window: int | None,
     ring_blocks: int | None,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     from aiocb.runner.triton_attention import triton_paged_attention
 
@@ -151,6 +160,7 @@ def _triton_kernel(
         window,
         ring_blocks=ring_blocks,
         max_seq_len=max_seq_len,  # (bounds the decode split: a host int, no device sync)
+        sinks=sinks,
     )
 
 
@@ -167,10 +177,16 @@ def _flash_kernel(
     softcap: float | None,
     window: int | None,
     ring_blocks: int | None,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     from flash_attn import flash_attn_varlen_func
 
     assert window is None and ring_blocks is None  # (select_backends: sliding groups are reference's with flash)
+    if sinks is not None:  # (select_backends never picks flash for them: AIOCB_ATTENTION_BACKEND named it)
+        raise InvalidConfigError(
+            "flash-attn's kernel takes no attention sinks (the model's s_aux): AIOCB_ATTENTION_BACKEND=flash cannot "
+            "run this model; leave it unset"
+        )
 
     cu_seqlens_k = torch.nn.functional.pad(seq_lens.cumsum(0, dtype=torch.int32), (1, 0))
     return flash_attn_varlen_func(  # type: ignore[no-any-return]

@@ -34,7 +34,7 @@ from transformers import PreTrainedModel
 from aiocb.config import ContinuousBatchingConfig
 from aiocb.errors import InvalidConfigError
 from aiocb.runner import attention
-from aiocb.runner.backends import select_backends
+from aiocb.runner.backends import Backend, select_backends
 from aiocb.runner.cuda_graphs import DecodeGraphs
 from aiocb.runner.input_batch import InputBatch
 from aiocb.runner.inputs import HostToDevice, StepInputs, prepare_inputs
@@ -81,12 +81,21 @@ def refuse_other_kernels(
     its cache mirrors: the draft's first pass of a step attends through the target's
     attention metadata, built for the target's kernels, so the draft's cache (its dtype,
     its head size) must take the same."""
-    own = select_backends(spec.device, config, [None], plan.page_size, dtype=spec.dtype, head_dim=spec.head_dim)[0]
+    # (flash-attn, where the target's sinks turned it down, is not the draft's to want)
+    sinks = spec.sinks or backends[0] != Backend.FLASH
+    own = select_backends(
+        spec.device, config, [None], plan.page_size, dtype=spec.dtype, head_dim=spec.head_dim, sinks=sinks
+    )[0]
     if own != backends[0]:
+        flash_refused = spec.sinks and backends[0] == Backend.FLASH
+        why = (
+            "its attention has sinks, which flash-attn does not take"
+            if flash_refused
+            else "give a draft model in the target's dtype"
+        )
         raise InvalidConfigError(
             f"draft_model ({spec.dtype}, heads of {spec.head_dim}) cannot use the attention kernel of the "
-            f"target's full-attention layers ({backends[0]}; it would need {own}): give a draft model in the "
-            "target's dtype"
+            f"target's full-attention layers ({backends[0]}; it would need {own}): {why}"
         )
 
 

@@ -93,7 +93,7 @@ def runner_plan(
                 "lookup (method='ngram') takes it"
             )
         backends = select_backends(
-            spec.device, config, windows, plan.page_size, dtype=spec.dtype, head_dim=spec.head_dim
+            spec.device, config, windows, plan.page_size, dtype=spec.dtype, head_dim=spec.head_dim, sinks=spec.sinks
         )
         refuse_other_kernels(drafted, plan, config, backends)
     return spec, plan
@@ -126,6 +126,7 @@ class ModelRunner:
             self.plan.page_size,
             dtype=self.spec.dtype,
             head_dim=self.spec.head_dim,
+            sinks=self.spec.sinks,
         )
         #: speculative decoding's draft model, run inside each step (None: no draft model)
         self.drafter = None

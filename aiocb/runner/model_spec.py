@@ -33,6 +33,8 @@ class ModelSpec:
     device: torch.device
     #: tensor-parallel ranks the attention heads are split over
     tp_size: int = 1
+    #: whether the attention has sinks (gpt-oss's learned logit per head in each softmax)
+    sinks: bool = False
 
     @property
     def dtype_bytes(self) -> int:
@@ -67,11 +69,6 @@ def model_spec(model: PreTrainedModel) -> ModelSpec:
     name = type(model).__name__
     # (whether its attention goes through transformers' AttentionInterface at all is found
     # by its first pass: see attention._Probe)
-    if any(isinstance(getattr(module, "sinks", None), torch.Tensor) for module in model.modules()):
-        raise InvalidConfigError(
-            f"{name}'s attention has sinks (a learned logit per head in the softmax, gpt-oss's), which aiocb's "
-            "paged attention does not take: the model is not supported"
-        )
     config = model.config.get_text_config()
     try:
         num_layers = int(config.num_hidden_layers)
@@ -108,6 +105,7 @@ def model_spec(model: PreTrainedModel) -> ModelSpec:
         dtype=param.dtype,
         device=param.device,
         tp_size=tp_size,
+        sinks=any(isinstance(getattr(module, "sinks", None), torch.Tensor) for module in model.modules()),
     )
 
 

@@ -112,7 +112,7 @@ def _build() -> ctypes.CDLL:
         *[ctypes.c_void_p] * 3,  # table rows, first, count
         *[ctypes.c_int64] * 6,  # rows, heads, kv heads, dim, page, ring
         *[ctypes.c_float] * 2,  # scale, softcap
-        ctypes.c_void_p,  # out
+        *[ctypes.c_void_p] * 2,  # sinks, out
         ctypes.c_int,  # threads
     ]
     library.aiocb_prefill_attention.restype = None
@@ -124,7 +124,7 @@ def _build() -> ctypes.CDLL:
         *[ctypes.c_void_p] * 4,  # table rows, first token, start, length
         *[ctypes.c_int64] * 5,  # rows, heads, kv heads, dim, page
         *[ctypes.c_float] * 2,  # scale, softcap
-        ctypes.c_void_p,  # out
+        *[ctypes.c_void_p] * 2,  # sinks, out
         ctypes.c_int,  # threads
     ]
     return library
@@ -273,6 +273,8 @@ def decode_attention(
     ring: int | None,
     scale: float,
     softcap: float | None = None,
+    *,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of single-token rows ``query [R, Hq, D]`` over the paged cache in place.
 
@@ -280,9 +282,11 @@ def decode_attention(
     ``r`` attends over positions ``first[r] .. first[r] + count[r] - 1`` (``count >= 1``),
     whose blocks are in row ``table_rows[r]`` (None: row ``r``) of the int32 block table
     ``table``, modulo ``ring`` blocks where the layer keeps a sliding window's ring. Scores
-    are scaled by ``scale`` and capped with tanh at ``softcap`` when given. Returns ``[R, Hq, D]``.
+    are scaled by ``scale`` and capped with tanh at ``softcap`` when given; ``sinks [Hq]``
+    (float32), when given, join each head's softmax denominator. Returns ``[R, Hq, D]``.
     """
     _check_attention(query, key_cache, value_cache)
+    sinks = _check_sinks(sinks, query.shape[1])
     rows, heads, dim = query.shape
     kv_heads = key_cache.shape[1]
     query = query.contiguous()
@@ -308,6 +312,7 @@ def decode_attention(
         ring or 0,
         scale,
         softcap or 0.0,
+        None if sinks is None else sinks.data_ptr(),
         out.data_ptr(),
         torch.get_num_threads(),
     )
@@ -328,6 +333,8 @@ def prefill_attention(
     scale: float,
     softcap: float | None,
     out: torch.Tensor,
+    *,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Causal attention of multi-token rows over the paged cache in place, into ``out``.
 
@@ -337,10 +344,12 @@ def prefill_attention(
     each attending over the keys at positions ``0 ..`` its own, which ``key_cache`` /
     ``value_cache`` (a layer's ``[slots, Hkv, D]``, without a sliding window) already hold,
     in row ``table_rows[r]`` (None: row ``r``) of the int32 block table ``table``. Scores are
-    scaled by ``scale`` and capped with tanh at ``softcap`` when given. Writes those
-    tokens' rows of ``out``; the others are left as they are.
+    scaled by ``scale`` and capped with tanh at ``softcap`` when given; ``sinks [Hq]``
+    (float32), when given, join each head's softmax denominator. Writes those tokens' rows
+    of ``out``; the others are left as they are.
     """
     _check_attention(query, key_cache, value_cache)
+    sinks = _check_sinks(sinks, query.shape[1])
     if not (out.is_contiguous() and out.shape == query.shape and out.dtype == query.dtype):
         raise ValueError("the C prefill attention writes a contiguous output shaped as the query")
     rows, (_, heads, dim) = len(length), query.shape
@@ -369,9 +378,19 @@ def prefill_attention(
         page,
         scale,
         softcap or 0.0,
+        None if sinks is None else sinks.data_ptr(),
         out.data_ptr(),
         torch.get_num_threads(),
     )
+
+
+def _check_sinks(sinks: torch.Tensor | None, heads: int) -> torch.Tensor | None:
+    """The sinks as the kernels read them: ``heads`` contiguous float32 values on the CPU."""
+    if sinks is None:
+        return None
+    if sinks.shape != (heads,):
+        raise ValueError(f"the C attention kernels take one sink per query head ({heads}), not {tuple(sinks.shape)}")
+    return sinks.detach().to("cpu", torch.float32).contiguous()
 
 
 def _check_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:

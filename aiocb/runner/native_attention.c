@@ -59,6 +59,7 @@ typedef struct {
     int64_t unit_heads, parts; /* heads per unit, units per row */
     int64_t tile;              /* keys per tile */
     int64_t keys;              /* the rows' keys in all */
+    const float* sinks;        /* [heads]: a logit per head in each softmax's denominator; NULL: none */
 } job;
 
 INLINE vf load(const float* p) {
@@ -296,7 +297,8 @@ static WIDE void attend_unit(const job* jb, int64_t unit) {
     }
     float* target = jb->out + (row * jb->heads + head0) * dim;
     for (int64_t h = 0; h < heads; h++) {
-        const float inverse = 1.0f / total[h];
+        /* (a sink far above every score makes the sum infinite, the output the zero it tends to) */
+        const float inverse = 1.0f / (jb->sinks ? total[h] + expf(jb->sinks[head0 + h] - peak[h]) : total[h]);
         for (int64_t i = 0; i < dim; i++) target[h * dim + i] = acc[h * dim + i] * inverse;
     }
 }
@@ -320,11 +322,13 @@ static void attend_part(void* arg, int index, int count) {
 /* out[r] = softmax(query[r] . keys) . values for every row r of query [rows, heads, dim]
  * (float32), its keys the cache's positions first[r] .. first[r] + count[r] - 1 (count >= 1)
  * through block-table row table_row[r] (NULL: row r) of `table`; scores are multiplied by
- * `scale`, then capped with tanh at `softcap` when it is positive. dim <= LANES. */
+ * `scale`, then capped with tanh at `softcap` when it is positive; `sinks` [heads] (NULL:
+ * none) join each head's softmax denominator, weighing no value. dim <= LANES. */
 void aiocb_decode_attention(const float* query, const float* key, const float* value, const int32_t* table,
                             int64_t table_stride, const int64_t* table_row, const int64_t* first,
                             const int64_t* count, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim,
-                            int64_t page, int64_t ring, float scale, float softcap, float* out, int threads) {
+                            int64_t page, int64_t ring, float scale, float softcap, const float* sinks, float* out,
+                            int threads) {
     int64_t unit_heads = LANES / dim < MOST_UNIT_HEADS ? LANES / dim : MOST_UNIT_HEADS;
     if (unit_heads > heads) unit_heads = heads;
     int64_t tile = TILE_BYTES / (int64_t)sizeof(float) / (kv_heads * dim);
@@ -333,7 +337,7 @@ void aiocb_decode_attention(const float* query, const float* key, const float* v
     for (int64_t r = 0; r < rows; r++) keys += count[r];
     job jb = {query, key,  value,   table, table_stride, table_row,  first,
               count, rows, heads,   kv_heads, dim,       page,       ring,
-              scale, softcap, out,  unit_heads, (heads + unit_heads - 1) / unit_heads, tile, keys};
+              scale, softcap, out,  unit_heads, (heads + unit_heads - 1) / unit_heads, tile, keys, sinks};
     /* a thread per Mi multiply-adds at most: waking one costs about what that many do */
     const int64_t worth = keys * heads * dim / (1 << 20);
     aiocb_parallel(attend_part, &jb, threads < worth ? threads : worth > 0 ? (int)worth : 1);
@@ -351,7 +355,7 @@ void aiocb_decode_attention(const float* query, const float* key, const float* v
 enum { MOST_QUERIES = 32 };
 
 typedef struct {
-    job base; /* the cache, the table, the shapes, scale, softcap, out (no ring) */
+    job base; /* the cache, the table, the shapes, scale, softcap, out, sinks (no ring) */
     const int64_t* token;
     const int64_t* start;
     const int64_t* length;
@@ -418,7 +422,7 @@ static WIDE void prefill_unit(const prefill_job* pj, int64_t row, int64_t q0, in
     for (int64_t i = 0; i < nq; i++)
         for (int64_t h = 0; h < heads; h++) {
             const int64_t s = i * heads + h;
-            const float inverse = 1.0f / total[s];
+            const float inverse = 1.0f / (jb->sinks ? total[s] + expf(jb->sinks[head0 + h] - peak[s]) : total[s]);
             float* target = jb->out + ((token0 + i) * jb->heads + head0 + h) * dim;
             for (int64_t d = 0; d < dim; d++) target[d] = acc[s * dim + d] * inverse;
         }
@@ -453,14 +457,14 @@ static void prefill_part(void* arg, int index, int count) {
  * tokens and heads `token_stride` and `head_stride` floats apart, each head contiguous), at
  * positions start[r] .., each over the keys at positions 0 .. its own through block-table
  * row table_row[r] (NULL: row r) of `table` (layers without a sliding window); scores are
- * multiplied by `scale`, then capped with tanh at `softcap` when it is positive. Writes
- * those tokens' rows of out [tokens, heads, dim]. dim <= LANES. */
+ * multiplied by `scale`, then capped with tanh at `softcap` when it is positive; `sinks`
+ * as for single-token rows. Writes those tokens' rows of out [tokens, heads, dim]. dim <= LANES. */
 void aiocb_prefill_attention(const float* query, int64_t token_stride, int64_t head_stride, const float* key,
                              const float* value, const int32_t* table, int64_t table_stride,
                              const int64_t* table_row, const int64_t* token,
                              const int64_t* start, const int64_t* length, int64_t rows, int64_t heads,
-                             int64_t kv_heads, int64_t dim, int64_t page, float scale, float softcap, float* out,
-                             int threads) {
+                             int64_t kv_heads, int64_t dim, int64_t page, float scale, float softcap,
+                             const float* sinks, float* out, int threads) {
     const int64_t per_kv = heads / kv_heads;
     int64_t unit_heads = per_kv < MOST_UNIT_HEADS ? per_kv : MOST_UNIT_HEADS;
     if (unit_heads > LANES / dim) unit_heads = LANES / dim;
@@ -470,7 +474,7 @@ void aiocb_prefill_attention(const float* query, int64_t token_stride, int64_t h
     int64_t tile = TILE_BYTES / (int64_t)sizeof(float) / (kv_heads * dim);
     tile = tile < 8 ? 8 : tile > MOST_TILE ? MOST_TILE : tile;
     prefill_job pj = {{query, key, value, table, table_stride, table_row, NULL, NULL, rows, heads, kv_heads, dim, page,
-                       0, scale, softcap, out, unit_heads, (heads + unit_heads - 1) / unit_heads, tile, 0},
+                       0, scale, softcap, out, unit_heads, (heads + unit_heads - 1) / unit_heads, tile, 0, sinks},
                       token, start, length, token_stride, head_stride, queries, 0};
     for (int64_t row = 0; row < rows; row++)
         for (int64_t q0 = 0; q0 < length[row]; q0 += queries) pj.cost += prefill_cost(&pj, row, q0);

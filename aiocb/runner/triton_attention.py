@@ -189,6 +189,7 @@ if HAS_TRITON:
         block_table_ptr,
         query_start_ptr,
         seq_lens_ptr,
+        sinks_ptr,
         scale,
         softcap,
         window,
@@ -222,6 +223,7 @@ if HAS_TRITON:
         USE_SOFTCAP: tl.constexpr,
         USE_WINDOW: tl.constexpr,
         USE_RING: tl.constexpr,
+        USE_SINKS: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         INTERPRETED: tl.constexpr,
         TILE_IN_PAGE: tl.constexpr,
@@ -235,7 +237,8 @@ if HAS_TRITON:
         ``q_tile * num_splits + split``; the
         program covers one partition of the tile's keys and writes its normalised partial
         output to ``part_ptr`` and its log2-domain log-sum-exp to ``lse_ptr`` (``-inf`` for a
-        partition with no visible key), for :func:`_merge_splits_kernel`.
+        partition with no visible key), for :func:`_merge_splits_kernel`, which adds the
+        heads' sinks (``USE_SINKS``) to the merged denominators; unsplit, the program adds them.
         """
         row = tl.program_id(2)
         kv_head = tl.program_id(1)
@@ -334,6 +337,11 @@ if HAS_TRITON:
         # of the tile are not stored but must not divide by zero either. Split, a partition
         # may hold no key a row can see (empty, before the window, after a prefill token's
         # causal limit): its partial is 0 with weight 2^-inf = 0 in the merge.
+        if USE_SINKS and not SPLIT:
+            # A head's sink joins the denominator and weighs no value (in the log2 domain,
+            # as the running max; padding rows, whose max is still -1e30, add nothing).
+            sink = tl.load(sinks_ptr + head, mask=row_valid, other=0.0) * 1.4426950408889634
+            l_i = l_i + tl.where(row_valid, tl.exp2(sink - m_i), 0.0)
         seen = l_i > 0.0
         l_safe = tl.where(seen, l_i, 1.0)
         acc = acc / l_safe[:, None]
@@ -355,6 +363,7 @@ if HAS_TRITON:
         lse_ptr,
         out_ptr,
         query_start_ptr,
+        sinks_ptr,
         num_splits,
         stride_pt,
         stride_ph,
@@ -366,12 +375,14 @@ if HAS_TRITON:
         HEAD_DIM: tl.constexpr,
         HEAD_DIM_PAD: tl.constexpr,
         SPLITS_PAD: tl.constexpr,
+        USE_SINKS: tl.constexpr,
     ):
         """Exact merge of one query token's (grid: token of the row, query head, row) partials.
 
         With ``o_s`` each partition's output normalised by its own sum ``l_s`` and
         ``lse_s = m_s + log2(l_s)``, the full softmax weighs ``o_s`` by ``l_s 2^m_s``, i.e. by
         ``2^lse_s`` relative to any common shift; shifting by the largest keeps it in range.
+        A head's sink (``USE_SINKS``) joins the denominator as one more such term, with no value.
         """
         t = tl.program_id(0)
         head = tl.program_id(1)
@@ -392,7 +403,10 @@ if HAS_TRITON:
         weight = tl.exp2(lse - peak)
         part_ptrs = part_ptr + token * stride_pt + head * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :]
         parts = tl.load(part_ptrs, mask=s_valid[:, None] & d_valid[None, :], other=0.0)
-        merged = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
+        total = tl.sum(weight, 0)
+        if USE_SINKS:
+            total += tl.exp2(tl.load(sinks_ptr + head) * 1.4426950408889634 - peak)
+        merged = tl.sum(parts * weight[:, None], 0) / total
         out_ptrs = out_ptr + token * stride_ot + head * stride_oh + offs_d
         tl.store(out_ptrs, merged.to(out_ptr.dtype.element_ty), mask=d_valid)
 
@@ -501,6 +515,7 @@ def triton_paged_attention(
     ring_blocks: int | None = None,
     max_seq_len: int | None = None,
     num_sms: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of a step's flat queries over the cache, ``-> [T, Hq, D]``.
 
@@ -511,7 +526,9 @@ def triton_paged_attention(
     through ``block_table [B, max_blocks]`` (int32). Each query attends to its row's keys
     at positions ``<= its own`` (and ``> its own - sliding_window`` when given), with
     query head ``h`` reading KV head ``h // (Hq // Hkv)``. ``softcap`` applies
-    ``tanh(s / c) * c`` to the scaled logits before masking. Accumulation is fp32.
+    ``tanh(s / c) * c`` to the scaled logits before masking. ``sinks [Hq]`` (gpt-oss's),
+    when given, join each head's softmax denominator as one more logit that weighs no
+    value. Accumulation is fp32.
 
     ``max_query_len`` (a host int, ``>= max q_len``) sizes the grid, so the launch needs
     no device-to-host sync. ``ring_blocks`` is for sliding-window cache groups whose
@@ -545,6 +562,10 @@ def triton_paged_attention(
         raise ValueError(f"query {query.dtype} and caches {key_cache.dtype}/{value_cache.dtype} differ")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError("sliding_window must be >= 1")
+    if sinks is not None:
+        if sinks.shape != (num_heads,):
+            raise ValueError(f"sinks must hold one value per query head ({num_heads}), not {tuple(sinks.shape)}")
+        sinks = sinks.to(query.device, torch.float32).contiguous()
     group = num_heads // num_kv_heads
 
     # The kernel indexes the head dim with unit stride.
@@ -582,7 +603,7 @@ def triton_paged_attention(
             config = replace(config, block_n=min(config.block_n, 16))
     return _launch(
         query, key_cache, value_cache, block_table, query_start, seq_lens, max_query_len, scale,
-        softcap, sliding_window, ring_blocks, out, config,
+        softcap, sliding_window, ring_blocks, out, config, sinks,
     )  # fmt: skip
 
 
@@ -600,16 +621,17 @@ def _launch(
     ring_blocks: int | None,
     out: torch.Tensor,
     config: _Config,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch with explicit tiles and splits (tests use it to force small, multi-tile and
     split shapes; any ``num_splits`` works for any step, prefill chunks included)."""
     split = config.num_splits > 1
     partials, lse = _launch_partitions(
         query, key_cache, value_cache, block_table, query_start, seq_lens, max_query_len, scale,
-        softcap, sliding_window, ring_blocks, out, config,
+        softcap, sliding_window, ring_blocks, out, config, sinks,
     )  # fmt: skip
     if split:
-        _merge_partitions(partials, lse, out, query_start, block_table.shape[0], max_query_len)
+        _merge_partitions(partials, lse, out, query_start, block_table.shape[0], max_query_len, sinks)
     return out
 
 
@@ -638,6 +660,7 @@ def _launch_partitions(
     ring_blocks: int | None,
     out: torch.Tensor,
     config: _Config,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The attention kernel alone. Unsplit it writes ``out``; split it returns the partial
     outputs ``[T, Hq, S, D]`` (fp32, each normalised by its own softmax sum) and their
@@ -673,6 +696,7 @@ def _launch_partitions(
         block_table,
         query_start,
         seq_lens,
+        out if sinks is None else sinks,  # (never read without sinks: the pointer needs some tensor)
         float(scale),
         float(softcap) if softcap else 1.0,
         int(sliding_window) if sliding_window is not None else 0,
@@ -706,6 +730,7 @@ def _launch_partitions(
         USE_SOFTCAP=bool(softcap),
         USE_WINDOW=sliding_window is not None,
         USE_RING=ring_blocks is not None,
+        USE_SINKS=sinks is not None,
         # fp32 inputs would otherwise go through TF32 tensor cores on the GPU (~1e-3 error).
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         INTERPRETED=interpreted(_paged_attention_kernel),
@@ -724,6 +749,7 @@ def _merge_partitions(
     query_start: torch.Tensor,
     num_rows: int,
     max_query_len: int,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Merge :func:`_launch_partitions`' split results into ``out`` (only the rows' tokens)."""
     num_tokens, num_heads, num_splits, head_dim = partials.shape
@@ -734,6 +760,7 @@ def _merge_partitions(
         lse,
         out,
         query_start,
+        out if sinks is None else sinks,
         num_splits,
         partials.stride(0),
         partials.stride(1),
@@ -747,5 +774,6 @@ def _merge_partitions(
         # (one variant for every count up to MAX_SPLITS: a constexpr per count would be
         # compiled mid-serving the first time a step split that many ways)
         SPLITS_PAD=max(MAX_SPLITS, _next_pow2(num_splits)),
+        USE_SINKS=sinks is not None,
         num_warps=4 if head_dim > 64 else 2,
     )

@@ -1,6 +1,7 @@
 """Architectures whose attention aiocb cannot route through its paged cache are refused,
-naming them, never run over no cache; and one whose rotary frequencies depend on the
-longest position of a pass keeps its requests short enough for them not to switch."""
+naming them, never run over no cache; one whose rotary frequencies depend on the longest
+position of a pass keeps its requests short enough for them not to switch; gpt-oss's
+attention sinks are honoured by every attention backend."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 import aiocb
+from aiocb.runner import attention
 from tests.conftest import random_prompts, reference_generate, tiny_llama
 
 #: Tiny sizes under every name the configs below give them.
@@ -58,7 +60,6 @@ async def _generate(model: PreTrainedModel, prompts: list[list[int]], **config: 
 @pytest.mark.parametrize(
     ("model_type", "message"),
     [
-        ("gpt_oss", "GptOssForCausalLM's attention has sinks"),
         ("mamba", "MambaForCausalLM has no attention layout"),
         ("llama", r"LlamaForCausalLM has no layers \(num_hidden_layers=0\)"),
     ],
@@ -138,6 +139,63 @@ async def test_other_architectures_match_generate(model_type: str, overrides: di
     prompts = random_prompts(4, 3, 40, seed=7)
     expected = [reference_generate(model, p, 8) for p in prompts]
     assert await _generate(model, prompts, num_blocks=8, max_batch_tokens=32) == expected
+
+
+def tiny_gpt_oss(**overrides: object) -> PreTrainedModel:
+    """A 2-layer gpt-oss (a sliding-window layer of 8, a full one), its attention sinks drawn
+    wide enough that greedy outputs change when they are left out."""
+    model = tiny("gpt_oss", sliding_window=8, **overrides)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(getattr(module, "sinks", None), torch.Tensor):
+                module.sinks.normal_(0.0, 2.0, generator=torch.Generator().manual_seed(module.layer_idx))
+    return model
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference", "triton", "triton-graphs"])
+async def test_gpt_oss_attention_sinks_match_generate(
+    backend: str, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> None:
+    """Greedy outputs equal ``model.generate``'s, with chunked prefill and preemption, in
+    each backend: the C kernels, torch ops (a chunk's scores a slice of queries at a time),
+    the Triton kernel (interpreted on the CPU), and it in decode graphs."""
+    captured: list[int] | None = None
+    if backend == "triton-graphs":
+        captured = request.getfixturevalue("graphs_on_cpu")
+    else:
+        if backend == "triton":
+            pytest.importorskip("triton")
+        monkeypatch.setenv("AIOCB_ATTENTION_BACKEND", backend)
+    if backend == "reference":  # (a chunk's queries a few at a time, as a long chunk's go)
+        monkeypatch.setattr(attention, "_MOST_SCORES", 1024)
+    model = tiny_gpt_oss()
+    prompts = random_prompts(4, 3, 40, seed=7)
+    expected = [reference_generate(model, p, 8) for p in prompts]
+    # (decode graphs on the CPU run an eager stand-in of the model: compiling it would only take time)
+    eager = {"decode_compile_config": {"disable": True}} if backend == "triton-graphs" else {}
+    assert await _generate(model, prompts, num_blocks=8, max_batch_tokens=32, **eager) == expected
+    assert captured is None or captured, "decode steps replayed graphs"
+
+
+async def test_gpt_oss_rows_sharing_a_long_prefix_count_each_head_s_sink_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reference backend reads a prefix every decode row shares once for all of them:
+    one softmax spans the prefix, each row's own keys and its head's sink."""
+    monkeypatch.setenv("AIOCB_ATTENTION_BACKEND", "reference")
+    shared_calls: list[int] = []
+    attend = attention._attend_shared_prefix
+
+    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
+        shared_calls.append(1)
+        return attend(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "_attend_shared_prefix", counted)
+    # (full-attention layers alone: a sliding layer's blocks are never shared)
+    model = tiny_gpt_oss(layer_types=["full_attention"] * 2, max_position_embeddings=512)
+    prefix = random_prompts(1, 300, 300, seed=3)[0]
+    prompts = [prefix + tail for tail in random_prompts(3, 2, 9, seed=4)]
+    expected = [reference_generate(model, p, 8) for p in prompts]
+    assert await _generate(model, prompts) == expected
+    assert shared_calls
 
 
 async def test_a_model_class_without_source_is_served() -> None:

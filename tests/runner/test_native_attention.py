@@ -57,8 +57,9 @@ def _expected(
     ring: int | None,
     scale: float,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Row by row over gathered keys, in float64."""
+    """Row by row over gathered keys, in float64 (``sinks``: a logit per head in each softmax)."""
     rows, heads, _ = query.shape
     group = heads // key_cache.shape[1]
     out = []
@@ -72,8 +73,19 @@ def _expected(
         scores = torch.einsum("hd,nhd->hn", query[r].double(), k) * scale
         if softcap:
             scores = torch.tanh(scores / softcap) * softcap
-        out.append(torch.einsum("hn,nhd->hd", scores.softmax(-1), v))
+        out.append(torch.einsum("hn,nhd->hd", _softmax(scores, sinks), v))
     return torch.stack(out).float()
+
+
+def _softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """``scores [H, n]``'s softmax, its denominators joined by each head's sink (as gpt-oss's)."""
+    if sinks is None:
+        return scores.softmax(-1)
+    return torch.cat((scores, sinks.double()[:, None]), -1).softmax(-1)[:, :-1]
+
+
+#: (softcap, whether the heads have sinks) of the scores the kernels take
+SCORING = [(None, False), (5.0, False), (None, True)]
 
 
 @pytest.mark.parametrize(
@@ -87,9 +99,9 @@ def _expected(
         (40, 8, 128, 16),  # more query floats than a unit holds: a row in two units
     ],
 )
-@pytest.mark.parametrize("softcap", [None, 5.0])
+@pytest.mark.parametrize(("softcap", "with_sinks"), SCORING)
 def test_decode_attention_equals_attention_over_gathered_keys(
-    kernel: ctypes.CDLL, heads: int, kv_heads: int, dim: int, page: int, softcap: float | None
+    kernel: ctypes.CDLL, heads: int, kv_heads: int, dim: int, page: int, softcap: float | None, with_sinks: bool
 ) -> None:
     generator = torch.Generator().manual_seed(heads * dim)
     rows, blocks_per_row = 9, 40
@@ -99,9 +111,10 @@ def test_decode_attention_equals_attention_over_gathered_keys(
     count = torch.tensor([1, 2, 7, 63, 64, 65, 150, 301, blocks_per_row * page]).clamp_max(blocks_per_row * page)
     first = torch.zeros(rows, dtype=torch.long)
     query = torch.randn(rows, heads, dim, generator=generator) * 2
+    sinks = torch.randn(heads, generator=generator) * 3 if with_sinks else None
     cache = (key_cache, value_cache, table, None, first, count, page, None, dim**-0.5, softcap)
-    out = native.decode_attention(kernel, query, *cache)
-    torch.testing.assert_close(out, _expected(query, *cache), rtol=1e-5, atol=1e-5)
+    out = native.decode_attention(kernel, query, *cache, sinks=sinks)
+    torch.testing.assert_close(out, _expected(query, *cache, sinks), rtol=1e-5, atol=1e-5)
 
 
 def test_rows_read_other_table_rows_and_a_sliding_windows_ring(kernel: ctypes.CDLL) -> None:
@@ -119,6 +132,9 @@ def test_rows_read_other_table_rows_and_a_sliding_windows_ring(kernel: ctypes.CD
     cache = (key_cache, value_cache, table, table_rows, first, count, page, ring, 0.3, None)
     out = native.decode_attention(kernel, query, *cache)
     torch.testing.assert_close(out, _expected(query, *cache), rtol=1e-5, atol=1e-5)
+    sinks = torch.tensor([0.5, -2.0, 4.0, 1.0])  # (gpt-oss's sliding layers have them)
+    out = native.decode_attention(kernel, query, *cache, sinks=sinks)
+    torch.testing.assert_close(out, _expected(query, *cache, sinks), rtol=1e-5, atol=1e-5)
 
 
 def test_large_scores_stay_finite_and_a_nan_row_spoils_only_itself(kernel: ctypes.CDLL) -> None:
@@ -135,6 +151,11 @@ def test_large_scores_stay_finite_and_a_nan_row_spoils_only_itself(kernel: ctype
     rest = torch.tensor([0, 2, 3])
     assert out[rest].isfinite().all()
     torch.testing.assert_close(out[rest], expected[rest], rtol=1e-4, atol=1e-4)
+    # sinks far above and below the scores: the weights of the values tend to 0 and to the softmax's
+    sinks = torch.tensor([1e6, -1e6, 0.0, 1e6])
+    out = native.decode_attention(kernel, query, *cache, sinks=sinks)
+    assert out[rest].isfinite().all()
+    torch.testing.assert_close(out[rest], _expected(query, *cache, sinks)[rest], rtol=1e-4, atol=1e-4)
 
 
 def _assert_same_on_any_threads(kernel: ctypes.CDLL, attend: Callable[[], torch.Tensor]) -> None:
@@ -184,6 +205,7 @@ def _expected_prefill(
     page: int,
     scale: float,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> dict[int, torch.Tensor]:
     """Each multi-token row's output tokens, query by query over gathered keys, in float64."""
     group = query.shape[1] // key_cache.shape[1]
@@ -199,7 +221,7 @@ def _expected_prefill(
             scores = torch.einsum("hd,nhd->hn", q, k) * scale
             if softcap:
                 scores = torch.tanh(scores / softcap) * softcap
-            out[int(token[r]) + i] = torch.einsum("hn,nhd->hd", scores.softmax(-1), v).float()
+            out[int(token[r]) + i] = torch.einsum("hn,nhd->hd", _softmax(scores, sinks), v).float()
     return out
 
 
@@ -215,9 +237,9 @@ def _expected_prefill(
         (80, 1, 8, 8),  # a KV head's group wider than a unit: split
     ],
 )
-@pytest.mark.parametrize("softcap", [None, 5.0])
+@pytest.mark.parametrize(("softcap", "with_sinks"), SCORING)
 def test_prefill_attention_equals_causal_attention_over_gathered_keys(
-    kernel: ctypes.CDLL, heads: int, kv_heads: int, dim: int, page: int, softcap: float | None
+    kernel: ctypes.CDLL, heads: int, kv_heads: int, dim: int, page: int, softcap: float | None, with_sinks: bool
 ) -> None:
     """Prompt chunks and proposed tokens among a step's single-token rows: fresh prompts of
     every length around a tile of queries and of keys, chunks after cached keys, rows read
@@ -235,9 +257,10 @@ def test_prefill_attention_equals_causal_attention_over_gathered_keys(
     # (head-major, as the model hands queries over: the kernel reads the transposed view)
     query = (torch.randn(heads, tokens, dim, generator=generator) * 2).transpose(0, 1)
     out = torch.full(query.shape, 7.0)
+    sinks = torch.randn(heads, generator=generator) * 3 if with_sinks else None
     cache = (key_cache, value_cache, table, table_rows, token, start, length, page, dim**-0.5, softcap)
-    native.prefill_attention(kernel, query, *cache, out)
-    expected = _expected_prefill(query, *cache)
+    native.prefill_attention(kernel, query, *cache, out, sinks=sinks)
+    expected = _expected_prefill(query, *cache, sinks)
     for index in range(tokens):
         if index in expected:
             torch.testing.assert_close(out[index], expected[index], rtol=1e-5, atol=1e-5)
@@ -279,6 +302,8 @@ def test_decode_attention_refuses_what_it_cannot_read(kernel: ctypes.CDLL) -> No
         native.prefill_attention(kernel, query.double(), key_cache, value_cache, *prefill, query.double())
     with pytest.raises(ValueError, match="contiguous output shaped as the query"):
         native.prefill_attention(kernel, query, key_cache, value_cache, *prefill, torch.empty(2, 4, 4))
+    with pytest.raises(ValueError, match=r"one sink per query head \(4\), not \(2,\)"):
+        native.prefill_attention(kernel, query, key_cache, value_cache, *prefill, query, sinks=torch.zeros(2))
 
 
 async def test_a_cpu_float32_model_attends_with_the_kernel(

@@ -115,9 +115,15 @@ def make_case(
 
 
 def reference(
-    case: Case, scale: float, softcap: float | None = None, window: int | None = None, acc: torch.dtype = torch.float64
+    case: Case,
+    scale: float,
+    softcap: float | None = None,
+    window: int | None = None,
+    acc: torch.dtype = torch.float64,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Row by row: explicit bottom-right causal (and window) mask over the row's keys."""
+    """Row by row: explicit bottom-right causal (and window) mask over the row's keys; each
+    head's sink, when given, one more logit in its softmax, weighing no value (as gpt-oss's)."""
     query = case.query.to(acc)
     out = torch.zeros_like(query)
     group = query.shape[1] // case.keys[0].shape[1] if case.keys else 1
@@ -138,7 +144,12 @@ def reference(
         if window is not None:
             mask &= k_pos > q_pos - window
         scores = scores.masked_fill(~mask, float("-inf"))
-        out[first : first + q_len] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+        if sinks is None:
+            probs = scores.softmax(-1)
+        else:
+            sink = sinks.to(acc).view(-1, 1, 1).expand(-1, q_len, 1)
+            probs = torch.cat((scores, sink), -1).softmax(-1)[..., :-1]
+        out[first : first + q_len] = torch.einsum("hqk,khd->qhd", probs, v)
         first += q_len
     return out
 
@@ -150,15 +161,17 @@ def run_kernel(
     window: int | None = None,
     ring: int | None = None,
     config: _Config | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if config is None:
         return triton_paged_attention(
             case.query, case.key_cache, case.value_cache, case.block_table, case.query_start, case.seq_lens,
-            case.max_query_len, scale, softcap=softcap, sliding_window=window, ring_blocks=ring,
+            case.max_query_len, scale, softcap=softcap, sliding_window=window, ring_blocks=ring, sinks=sinks,
         )  # fmt: skip
     return _launch(
         case.query, case.key_cache, case.value_cache, case.block_table, case.query_start, case.seq_lens,
         case.max_query_len, scale, softcap, window, ring, torch.empty_like(case.query), config,
+        None if sinks is None else sinks.float(),
     )  # fmt: skip
 
 
@@ -169,14 +182,15 @@ def check(
     window: int | None = None,
     ring: int | None = None,
     config: _Config | None = None,
+    sinks: torch.Tensor | None = None,
     atol: float = 1e-5,
     rtol: float = 1e-5,
 ) -> None:
     scale = case.query.shape[-1] ** -0.5
-    got = run_kernel(case, scale, softcap, window, ring, config)
+    got = run_kernel(case, scale, softcap, window, ring, config, sinks)
     assert got.dtype == case.query.dtype
     assert got.shape == case.query.shape
-    want = reference(case, scale, softcap, window)
+    want = reference(case, scale, softcap, window, sinks=sinks)
     torch.testing.assert_close(got.to(want.dtype), want, atol=atol, rtol=rtol)
 
 
@@ -196,6 +210,19 @@ def test_softcap() -> None:
     case = make_case(MIXED, seed=1)
     case.query *= 4  # large logits, so the cap matters
     check(case, softcap=5.0)
+
+
+@needs_kernel
+def test_sinks() -> None:
+    """gpt-oss's attention sinks, in full and sliding-window (ring) layers, with a softcap
+    and without; one sink far above every score (its head's output tends to zero)."""
+    case = make_case(MIXED, num_heads=4, num_kv_heads=2, seed=21)
+    sinks = torch.tensor([1.5, -3.0, 0.0, 60.0])
+    check(case, sinks=sinks)
+    check(case, sinks=sinks, softcap=5.0)
+    window = 12
+    ring = -(-(window - 1) // PAGE) + 1
+    check(make_case(MIXED, ring=ring, seed=22), window=window, ring=ring, sinks=sinks)
 
 
 @needs_kernel
@@ -393,6 +420,14 @@ def test_split_softcap_and_half_precision() -> None:
 
 
 @needs_kernel
+def test_split_sinks() -> None:
+    """The merge adds each head's sink to the partitions' joint denominator, once."""
+    sinks = torch.tensor([2.0, -1.0, 0.5, 40.0])
+    check(make_case(SPLIT_ROWS, num_heads=4, num_kv_heads=2, seed=23), config=split_config(3), sinks=sinks)
+    check(make_case([(53, 20), (37, 1), (0, 0)], num_heads=4, seed=24), config=split_config(2), sinks=sinks)
+
+
+@needs_kernel
 def test_split_kernel_handles_prefill_chunks() -> None:
     # The launcher splits decode-only steps, but the kernel splits any query tile: a causal
     # partition may then be invisible to a tile's early tokens.
@@ -444,10 +479,16 @@ def merges(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     merge = triton_attention._merge_partitions
 
     def counting_merge(
-        parts: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, query_start: torch.Tensor, rows: int, max_q: int
+        parts: torch.Tensor,
+        lse: torch.Tensor,
+        out: torch.Tensor,
+        query_start: torch.Tensor,
+        rows: int,
+        max_q: int,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         counts.append(parts.shape[2])
-        merge(parts, lse, out, query_start, rows, max_q)
+        merge(parts, lse, out, query_start, rows, max_q, sinks)
 
     monkeypatch.setattr(triton_attention, "_merge_partitions", counting_merge)
     return counts
