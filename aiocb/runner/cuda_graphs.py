@@ -134,17 +134,24 @@ class DecodeGraphs:
         tokens = max(bucket * width for bucket, width in self.keys)
         groups = len(cache.group_windows)
         long, int32 = torch.long, torch.int32
-        self._input_ids = torch.zeros(tokens, dtype=long, device=device)
-        self._positions = torch.zeros(tokens, dtype=long, device=device)
-        self._slots = [torch.zeros(tokens, dtype=long, device=device) for _ in range(groups)]
-        self._tables = [torch.zeros(rows, max_blocks_per_request, dtype=int32, device=device) for _ in range(groups)]
-        self._query_start = torch.arange(rows + 1, dtype=int32, device=device)
-        self._seq_lens = torch.ones(rows, dtype=int32, device=device)
-        #: a decode graph's rows each keep their one token's logits; a wide graph's keep the
-        #: ones its step asks for (every replay writes them)
-        self._decode_logits = torch.arange(rows, dtype=long, device=device)
-        self._logits_indices = torch.zeros(tokens, dtype=long, device=device)
-        self._pad_rows = torch.arange(rows + 1, dtype=int32, device=device)
+        # Inference tensors, as the eager steps' inputs are (every step runs in inference
+        # mode): a compiled decode model guards on the kind, and would compile again for
+        # the graphs' inputs were they of the other. (So the methods that write them run in
+        # inference mode whoever calls them.)
+        with torch.inference_mode():
+            self._input_ids = torch.zeros(tokens, dtype=long, device=device)
+            self._positions = torch.zeros(tokens, dtype=long, device=device)
+            self._slots = [torch.zeros(tokens, dtype=long, device=device) for _ in range(groups)]
+            self._tables = [
+                torch.zeros(rows, max_blocks_per_request, dtype=int32, device=device) for _ in range(groups)
+            ]
+            self._query_start = torch.arange(rows + 1, dtype=int32, device=device)
+            self._seq_lens = torch.ones(rows, dtype=int32, device=device)
+            #: a decode graph's rows each keep their one token's logits; a wide graph's keep
+            #: the ones its step asks for (every replay writes them)
+            self._decode_logits = torch.arange(rows, dtype=long, device=device)
+            self._logits_indices = torch.zeros(tokens, dtype=long, device=device)
+            self._pad_rows = torch.arange(rows + 1, dtype=int32, device=device)
 
     def eligible(self, batch: StepBatch, inputs: StepInputs) -> bool:
         """Whether the step (with its inputs made) is a decode step a graph can run."""
@@ -186,6 +193,7 @@ class DecodeGraphs:
         """Whether every graph is captured."""
         return len(self._graphs) == len(self.keys)
 
+    @torch.inference_mode()
     def run(self, inputs: StepInputs, num_rows: int) -> torch.Tensor:
         """Logits ``[num_rows, V]`` of a decode step, replaying its bucket's graph (the first
         call captures every graph first)."""
@@ -197,6 +205,7 @@ class DecodeGraphs:
         graph.replay()
         return logits[:num_rows]
 
+    @torch.inference_mode()
     def run_wide(
         self, inputs: StepInputs, num_rows: int, width: int, logits_indices: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -216,6 +225,7 @@ class DecodeGraphs:
         self.wide_replays += 1
         return logits[: wanted.shape[0]]
 
+    @torch.inference_mode()
     def capture_all(self) -> None:
         """Capture every missing graph, in :attr:`keys`' order."""
         missing = [key for key in self.keys if key not in self._graphs]
@@ -303,6 +313,7 @@ class DecodeGraphs:
             decode_token_index=None,
         )
 
+    @torch.inference_mode()
     def verify_cost(self, eager: Forward, repeats: int = 5) -> float:
         """How many times as long a step that verifies proposals takes as a decode step of a
         few rows replayed from its graph (medians of ``repeats`` timed runs, on padding

@@ -263,6 +263,9 @@ def _serve(model: PreTrainedModel, config: aiocb.ContinuousBatchingConfig, round
             assert runner.graphs.captured and manager.statistics().steps == 0
             # Captured without autograd: no graph of saved activations held in the pool.
             assert not any(out.requires_grad for _, out in runner.graphs._graphs.values())
+            # Inputs of the kind the eager steps' are (inference tensors): a compiled decode
+            # model that saw both would compile a second variant of each of its frames.
+            assert runner.graphs._input_ids.is_inference() and runner.graphs._positions.is_inference()
             for prompts in rounds:
                 outputs = await manager.generate_batch(prompts, max_new_tokens=5)
                 seen.append(([o.generated_tokens for o in outputs.values()], runner.graphs.captures))
