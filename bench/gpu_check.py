@@ -245,6 +245,7 @@ TEST_NOTES = (
     "draft model on the device",
     "prompt lookup under graphs",
     "sliding layers",
+    "gpt-oss sinks",
     "verify_cost",
     "FAILED ",
     "ERROR ",
