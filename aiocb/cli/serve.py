@@ -37,6 +37,9 @@ from aiocb.server.reasoning import ReasoningSplitter
 from aiocb.server.tool_parsers import PARSERS
 from aiocb.speculative import SpeculativeConfig
 
+if typing.TYPE_CHECKING:
+    import torch
+
 logger = logging.getLogger(__name__)
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -339,15 +342,24 @@ def flag_problems(args: argparse.Namespace) -> list[str]:
     return problems
 
 
-def _device_problems(name: str) -> list[str]:
-    """Why ``--device NAME`` cannot run here (empty: it can)."""
+def device_of(name: str) -> torch.device | None:
+    """The device ``name`` names where aiocb runs (``cpu``, ``cuda``, ``cuda:N``); None for
+    any other name (``auto`` is the caller's to read)."""
     import torch
 
     try:
         device = torch.device(name)
-    except (RuntimeError, ValueError):
-        device = None
-    if device is None or device.type not in ("cpu", "cuda"):
+    except (RuntimeError, ValueError, TypeError):
+        return None
+    return device if device.type in ("cpu", "cuda") else None
+
+
+def _device_problems(name: str) -> list[str]:
+    """Why ``--device NAME`` cannot run here (empty: it can)."""
+    import torch
+
+    device = device_of(name)
+    if device is None:
         return [f"--device must be auto, cpu, cuda or cuda:N, got {name!r}"]
     if device.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0

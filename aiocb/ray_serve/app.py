@@ -14,7 +14,7 @@ from ray.serve.deployment import Application
 
 from aiocb.errors import InvalidConfigError
 from aiocb.ray_serve.ingress import Ingress
-from aiocb.ray_serve.options import ReplicaOptions
+from aiocb.ray_serve.options import ReplicaOptions, check_count, check_seconds
 from aiocb.ray_serve.replica import EngineReplica
 from aiocb.ray_serve.routing import BLOCK_CHARS, MAX_ENTRIES, MAX_IMBALANCE, PrefixAffinityRouter
 from aiocb.ray_serve.tensor_parallel import CLOSE_TIMEOUT_S
@@ -71,8 +71,9 @@ def build_app(
             :data:`AUTOSCALING_DEFAULTS`. Not with a fixed ``num_replicas``.
         ray_actor_options: each replica's resources (default ``{"num_cpus": 1}``, plus
             ``"num_gpus": 1`` when the Ray cluster has GPUs, or, before Ray is initialised,
-            when this machine has). Under tensor parallelism each rank's bundle holds the
-            CPUs, GPUs and custom ``resources`` given here.
+            when this machine has). Under tensor parallelism each rank's bundle holds what
+            they reserve (CPUs, GPUs, ``memory``, ``accelerator_type``, custom
+            ``resources``), and each rank's actor gets them and their ``runtime_env``.
         tensor_parallel_size: ranks per replica. Above 1 each replica gets a placement
             group of one bundle per rank (packed on one node where possible): the replica
             is rank 0, the other ranks are Ray actors.
@@ -96,7 +97,7 @@ def build_app(
     Raises:
         InvalidConfigError: naming the first option that is wrong.
     """
-    options = ReplicaOptions.from_kwargs(server_options)
+    options = _local_paths(ReplicaOptions.from_kwargs(server_options))
     source = None if model is None else os.fspath(model)
     if source is not None and os.path.exists(source):
         if options.served_model_name is None:  # (clients name it as given, as with one process)
@@ -109,19 +110,17 @@ def build_app(
     deployment_options = _scaling(num_replicas, autoscaling_config)
     actor_options = _actor_options(ray_actor_options)
     deployment_options |= _placement(source, options, tensor_parallel_size, actor_options)
-    for name, value in (("max_ongoing_requests", max_ongoing_requests), ("num_ingress_replicas", num_ingress_replicas)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise InvalidConfigError(f"{name} must be an int >= 1, got {value!r}")
+    check_count("max_ongoing_requests", max_ongoing_requests, least=1)
+    check_count("num_ingress_replicas", num_ingress_replicas, least=1)
+    check_count("max_imbalance", max_imbalance, least=0)
+    check_seconds("health_check_period_s", health_check_period_s)
+    check_seconds("health_check_timeout_s", health_check_timeout_s)
     if max_ongoing_requests < least:
         raise InvalidConfigError(
             f"max_ongoing_requests ({max_ongoing_requests}) must be at least the server's max_concurrent_requests "
             f"({options.limits.max_concurrent_requests}) plus {PROBE_ROOM}: a replica that takes fewer never "
             "answers 429, and its probes wait behind its requests"
         )
-    if max_imbalance < 0:
-        raise InvalidConfigError(f"max_imbalance must be 0 or more, got {max_imbalance}")
-    if health_check_period_s <= 0 or health_check_timeout_s <= 0:
-        raise InvalidConfigError("health_check_period_s and health_check_timeout_s must be positive")
     if routing == "prefix_affinity":
         deployment_options["request_router_config"] = {  # a RequestRouterConfig's fields
             "request_router_class": f"{PrefixAffinityRouter.__module__}.{PrefixAffinityRouter.__name__}",
@@ -131,7 +130,7 @@ def build_app(
         raise InvalidConfigError(f"routing must be 'prefix_affinity' or 'power_of_two', got {routing!r}")
     elif max_imbalance != MAX_IMBALANCE:
         raise InvalidConfigError("max_imbalance is prefix-affinity routing's; routing='power_of_two' has none")
-    follower_resources = _resources(actor_options) if tensor_parallel_size > 1 else None
+    follower_options = _rank_options(actor_options) if tensor_parallel_size > 1 else None
     # Ray Serve drains a replica itself: it waits for the running requests, for up to this,
     # before it calls the replica's destructor (which stops the engine and, under tensor
     # parallelism, releases the followers), and kills it when this runs out. So running
@@ -144,7 +143,7 @@ def build_app(
         health_check_timeout_s=health_check_timeout_s,
         graceful_shutdown_timeout_s=shutdown_s,
         **deployment_options,
-    )(EngineReplica).bind(source, options, tensor_parallel_size, follower_resources)
+    )(EngineReplica).bind(source, options, tensor_parallel_size, follower_options)
     ingress = serve.deployment(
         name="AiocbIngress",
         num_replicas=num_ingress_replicas,
@@ -199,11 +198,50 @@ def _local_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def _resources(actor_options: Mapping[str, Any]) -> dict[str, float]:
-    """One rank's bundle: the CPUs, GPUs and custom resources of ``actor_options``."""
-    bundle = {"CPU": float(actor_options.get("num_cpus", 1)), "GPU": float(actor_options.get("num_gpus", 0))}
-    bundle |= {name: float(amount) for name, amount in (actor_options.get("resources") or {}).items()}
-    return {name: amount for name, amount in bundle.items() if amount > 0}
+def _local_paths(options: ReplicaOptions) -> ReplicaOptions:
+    """``options`` with a tokenizer or draft model given by a path here made absolute: the
+    replicas' working directory is not this one (a relative path there would be read as
+    a hub id)."""
+    if options.tokenizer is not None and os.path.exists(options.tokenizer):
+        options = dataclasses.replace(options, tokenizer=os.path.abspath(options.tokenizer))
+    speculative = options.speculative_config
+    if speculative is not None and isinstance(speculative.draft_model, str) and os.path.exists(speculative.draft_model):
+        absolute = dataclasses.replace(speculative, draft_model=os.path.abspath(speculative.draft_model))
+        options = dataclasses.replace(options, speculative_config=absolute)
+    return options
+
+
+#: The ``ray_actor_options`` that reserve resources, and the one that sets up a process:
+#: every tensor-parallel rank's actor gets them
+_RANK_OPTIONS = ("num_cpus", "num_gpus", "memory", "accelerator_type", "resources", "runtime_env")
+
+
+def _rank_options(actor_options: Mapping[str, Any]) -> dict[str, Any]:
+    """One tensor-parallel rank's actor options: those of the replica's that reserve
+    resources or set up its process (a CPU, as a Serve replica, when none is said)."""
+    options = {key: actor_options[key] for key in _RANK_OPTIONS if actor_options.get(key) is not None}
+    options.setdefault("num_cpus", 1)
+    return options
+
+
+def _bundle(rank_options: Mapping[str, Any]) -> dict[str, float]:
+    """One rank's placement-group bundle: what its actor (the replica's, for rank 0) asks
+    Ray for, as Ray counts it (``accelerator_type`` a sliver of a resource of that name)."""
+    bundle = {
+        "CPU": float(rank_options["num_cpus"]),
+        "GPU": float(rank_options.get("num_gpus", 0)),
+        "memory": float(rank_options.get("memory", 0)),
+    }
+    if rank_options.get("accelerator_type"):
+        bundle[f"accelerator_type:{rank_options['accelerator_type']}"] = 0.001
+    bundle |= {name: float(amount) for name, amount in (rank_options.get("resources") or {}).items()}
+    bundle = {name: amount for name, amount in bundle.items() if amount > 0}
+    if not bundle:
+        raise InvalidConfigError(
+            "ray_actor_options reserve nothing (num_cpus=0, no GPUs, memory or resources): under tensor "
+            "parallelism each rank's placement-group bundle must hold some resource"
+        )
+    return bundle
 
 
 def _placement(model: str | None, options: ReplicaOptions, size: int, actor_options: dict[str, Any]) -> dict[str, Any]:
@@ -224,7 +262,7 @@ def _placement(model: str | None, options: ReplicaOptions, size: int, actor_opti
         import aiocb.distributed
 
         aiocb.distributed.validate_tp(model, size, trust_remote_code=options.trust_remote_code)
-    bundle = _resources(actor_options)
+    bundle = _bundle(_rank_options(actor_options))
     return {
         "ray_actor_options": actor_options,
         "placement_group_bundles": [dict(bundle) for _ in range(size)],

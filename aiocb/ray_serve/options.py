@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
-from aiocb.cli.serve import DTYPES, MAX_TORCH_THREADS
+from aiocb.cli.serve import DTYPES, MAX_TORCH_THREADS, device_of
 from aiocb.config import ContinuousBatchingConfig, as_config
 from aiocb.errors import InvalidConfigError
 from aiocb.server.limits import ServerLimits
@@ -31,7 +32,7 @@ class ReplicaOptions:
         served_model_name: the model id clients send (default: the model path, or
             ``pycode-tiny`` for the bundled model).
         dtype: ``auto`` (the checkpoint's), ``float32``, ``float16`` or ``bfloat16``.
-        device: ``auto`` (cuda when the replica has a GPU), ``cpu``, ``cuda``, ...
+        device: ``auto`` (cuda when the replica has a GPU), ``cpu``, ``cuda`` or ``cuda:N``.
         trust_remote_code: allow custom model code.
         torch_threads: torch's intra-op threads in each replica (default: torch's choice).
         api_key: require ``Authorization: Bearer KEY`` on the API routes.
@@ -76,10 +77,15 @@ class ReplicaOptions:
             )
         if self.log_level not in _LOG_LEVELS:
             raise InvalidConfigError(f"log_level must be one of {', '.join(_LOG_LEVELS)}, got {self.log_level!r}")
-        if self.torch_threads is not None and not 1 <= self.torch_threads <= MAX_TORCH_THREADS:
-            raise InvalidConfigError(f"torch_threads must be 1 to {MAX_TORCH_THREADS}, got {self.torch_threads}")
-        if self.shutdown_timeout < 0:
-            raise InvalidConfigError(f"shutdown_timeout must be 0 or more, got {self.shutdown_timeout}")
+        if self.device != "auto" and (not isinstance(self.device, str) or device_of(self.device) is None):
+            raise InvalidConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        threads = self.torch_threads
+        if threads is not None and (not _is_int(threads) or not 1 <= threads <= MAX_TORCH_THREADS):
+            raise InvalidConfigError(f"torch_threads must be an int from 1 to {MAX_TORCH_THREADS}, got {threads!r}")
+        check_seconds("shutdown_timeout", self.shutdown_timeout, zero=True)
+        for name in ("trust_remote_code", "access_log"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.limits, ServerLimits):
             raise InvalidConfigError(f"limits must be a ServerLimits, got {type(self.limits).__name__}")
         if self.limits.send_timeout != _DEFAULT_LIMITS.send_timeout:
@@ -106,3 +112,22 @@ class ReplicaOptions:
                 f"build_app() got unknown server options: {', '.join(unknown)}; known: {', '.join(sorted(known))}"
             )
         return cls(**options)  # type: ignore[arg-type]
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_seconds(name: str, value: object, *, zero: bool = False) -> None:
+    """Refuse, naming it, an option of seconds that is not a finite number above 0 (or
+    ``zero``: 0 or more)."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not number or value < 0 or (value == 0 and not zero):  # type: ignore[operator]
+        least = "0 or more" if zero else "above 0"
+        raise InvalidConfigError(f"{name} must be a finite number of seconds, {least}, got {value!r}")
+
+
+def check_count(name: str, value: object, *, least: int) -> None:
+    """Refuse, naming it, an option that is not an int of at least ``least``."""
+    if not _is_int(value) or value < least:  # type: ignore[operator]
+        raise InvalidConfigError(f"{name} must be an int >= {least}, got {value!r}")

@@ -39,7 +39,7 @@ class EngineReplica:
         model: str | None,
         options: ReplicaOptions,
         tensor_parallel_size: int = 1,
-        follower_resources: dict[str, float] | None = None,
+        rank_options: dict[str, Any] | None = None,
     ) -> None:
         import aiocb
         from aiocb.cli.serve import load_pretrained, model_name
@@ -53,7 +53,7 @@ class EngineReplica:
         if tensor_parallel_size > 1:
             if model is None:
                 raise ValueError("tensor parallelism needs a model path; the bundled model is too small to shard")
-            self.group = TensorParallelGroup(model, options, tensor_parallel_size, follower_resources, self.replica_id)
+            self.group = TensorParallelGroup(model, options, tensor_parallel_size, rank_options, self.replica_id)
             loaded, tokenizer = await self._load_with_followers(self.group)
         else:
             loaded, tokenizer = await asyncio.to_thread(

@@ -37,7 +37,7 @@ class TensorParallelGroup:
         model: str,
         options: ReplicaOptions,
         size: int,
-        follower_resources: dict[str, float] | None = None,
+        rank_options: dict[str, Any] | None = None,
         replica_id: str = "",
     ) -> None:
         placement_group = ray.util.get_current_placement_group()
@@ -50,15 +50,12 @@ class TensorParallelGroup:
         self.size = size
         self.address = ray.util.get_node_ip_address()
         self.port = _free_port(self.address)
-        resources = dict(follower_resources or {"CPU": 1.0})
         actor: Any = ray.remote(TensorParallelRank)
         self.actors: list[Any] = [
             actor.options(
+                **(rank_options or {"num_cpus": 1}),
                 name=follower_name(replica_id, rank),
                 namespace=FOLLOWER_NAMESPACE,
-                num_cpus=resources.get("CPU", 0.0),
-                num_gpus=resources.get("GPU", 0.0),
-                resources={k: v for k, v in resources.items() if k not in ("CPU", "GPU")},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=placement_group, placement_group_bundle_index=rank
                 ),

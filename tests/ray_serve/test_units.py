@@ -310,7 +310,18 @@ async def test_closing_the_forwarded_response_cancels_the_request_and_frees_its_
         ({"limits": ServerLimits(send_timeout=5)}, "limits.send_timeout does not apply to replicas"),
         ({"continuous_batching_config": {}}, "continuous_batching_config"),
         ({"torch_threads": 0}, "torch_threads"),
-        ({"torch_threads": 100_000}, "torch_threads must be 1 to 1024"),
+        ({"torch_threads": 100_000}, "torch_threads must be an int from 1 to 1024"),
+        # (each of these reached the replicas, or Ray's own checks, before: every replica failed on it)
+        ({"torch_threads": 1.5}, r"torch_threads must be an int from 1 to 1024, got 1\.5"),
+        ({"device": "tpu"}, "device must be auto, cpu, cuda or cuda:N, got 'tpu'"),
+        ({"shutdown_timeout": "10"}, "shutdown_timeout must be a finite number of seconds, 0 or more, got '10'"),
+        ({"shutdown_timeout": float("nan")}, "shutdown_timeout must be a finite number"),
+        ({"health_check_period_s": "x"}, "health_check_period_s must be a finite number of seconds, above 0"),
+        ({"health_check_timeout_s": float("nan")}, "health_check_timeout_s must be a finite number"),
+        ({"max_imbalance": "3"}, "max_imbalance must be an int >= 0, got '3'"),
+        ({"max_imbalance": 1.5}, "max_imbalance must be an int >= 0"),
+        ({"access_log": "no"}, "access_log must be True or False, got 'no'"),
+        ({"trust_remote_code": 1}, "trust_remote_code must be True or False"),
         ({"autoscaling_config": [("max_replicas", 8)]}, "autoscaling_config must be a dict"),
         # (as `aiocb serve` refuses --return-logprobs: a server's requests always say)
         ({"continuous_batching_config": aiocb.ContinuousBatchingConfig(return_logprobs=True)}, "return_logprobs"),
@@ -371,6 +382,15 @@ def test_build_app_checks_tensor_parallelism_against_the_model_config(model_dir:
     bundles = build_app(model_dir, tensor_parallel_size=2, ray_actor_options={"num_cpus": 2, "resources": {"fast": 1}})
     engine = bundles._bound_deployment.init_args[0]._bound_deployment
     assert engine._replica_config.placement_group_bundles == [{"CPU": 2.0, "fast": 1.0}] * 2
+    # Each bundle holds all the replica's actor asks Ray for (else rank 0's bundle cannot
+    # take it, and the replica is never scheduled); each follower asks for as much.
+    given = {"num_cpus": 1, "memory": 1 << 28, "accelerator_type": "H100", "runtime_env": {"env_vars": {"A": "1"}}}
+    engine = build_app(model_dir, tensor_parallel_size=2, ray_actor_options=given)._bound_deployment.init_args[0]
+    bundle = {"CPU": 1.0, "memory": float(1 << 28), "accelerator_type:H100": 0.001}
+    assert engine._bound_deployment._replica_config.placement_group_bundles == [bundle] * 2
+    assert engine._bound_deployment.init_args[3] == given
+    with pytest.raises(InvalidConfigError, match="each rank's placement-group bundle must hold some resource"):
+        build_app(model_dir, tensor_parallel_size=2, ray_actor_options={"num_cpus": 0})
 
 
 def test_build_app_defaults() -> None:
@@ -426,6 +446,15 @@ def test_a_model_given_by_a_relative_path_is_served_under_that_name(
     assert options.served_model_name == model_dir.name
     named = build_app(model_dir.name, served_model_name="mine")._bound_deployment.init_args[0]._bound_deployment
     assert named.init_args[1].served_model_name == "mine"
+    # (a tokenizer and a draft model given by relative paths, likewise: else read as hub ids)
+    drafted = aiocb.SpeculativeConfig(method="draft", draft_model=model_dir.name, num_speculative_tokens=2)
+    app = build_app(model_dir.name, tokenizer=model_dir.name, speculative_config=drafted)
+    options = app._bound_deployment.init_args[0]._bound_deployment.init_args[1]
+    assert options.tokenizer == options.speculative_config.draft_model == str(model_dir.resolve())
+    assert (
+        build_app(None, tokenizer="org/tok")._bound_deployment.init_args[0]._bound_deployment.init_args[1].tokenizer
+        == "org/tok"
+    )
 
 
 async def test_a_replica_lost_mid_stream_ends_the_event_stream_with_an_error_and_done() -> None:
