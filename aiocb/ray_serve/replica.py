@@ -31,6 +31,10 @@ REPLICA_HEADER = "x-aiocb-replica"
 _LAST_ANSWERS_S = 0.5
 
 
+class ReplicaLeavingError(RuntimeError):
+    """A request came to a replica whose engine is dead (it is about to exit)."""
+
+
 class EngineReplica:
     """The replica deployment's class (``build_app`` makes it a Ray Serve deployment)."""
 
@@ -122,7 +126,12 @@ class EngineReplica:
         return loading.result()
 
     async def forward(self, request: ForwardedRequest) -> AsyncIterator[ResponseStart | bytes]:
-        """Serve one HTTP request: its :class:`ResponseStart`, then its body's chunks."""
+        """Serve one HTTP request: its :class:`ResponseStart`, then its body's chunks. Once the
+        engine is dead (the replica exits in a moment) a request fails before its response
+        starts, which the ingress answers as it does a lost replica's: a 503 that says when
+        to retry, where the replica's server would say 500 (its engine failed)."""
+        if self.manager.is_dead:
+            raise ReplicaLeavingError(f"aiocb replica {self.replica_id}: its engine is dead, and the replica exits")
         async with contextlib.aclosing(run_asgi(self.app, request, self._header)) as parts:
             async for part in parts:
                 yield part

@@ -541,3 +541,20 @@ async def test_the_ingress_refuses_a_client_without_the_api_key_before_reading_i
     headers = [(b"content-length", b"5000"), (b"authorization", b"Bearer sesame")]
     response = await ingress(Request({**scope, "headers": headers}, receive))
     assert response.status_code == 413
+
+
+async def test_a_replica_whose_engine_died_fails_requests_before_their_response_starts() -> None:
+    """In the moment before it exits, a replica whose engine is dead fails new requests
+    before their response starts: the ingress answers them 503 (retry), as a lost replica's,
+    not with its server's 500."""
+    from types import SimpleNamespace
+
+    from aiocb.ray_serve.forwarding import ForwardedRequest
+    from aiocb.ray_serve.replica import EngineReplica, ReplicaLeavingError
+
+    replica = SimpleNamespace(manager=SimpleNamespace(is_dead=True), replica_id="r1")
+    request = ForwardedRequest(
+        method="GET", path="/health", query_string=b"", headers=(), body=b"", client=None, prefix=(), replica=None
+    )
+    with pytest.raises(ReplicaLeavingError, match="replica r1: its engine is dead"):
+        await EngineReplica.forward(replica, request).__anext__()  # type: ignore[arg-type]
