@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
                 library.aiocb_decode_attention(
                     query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), table.data_ptr(),
                     table.stride(0), None, first.data_ptr(), count.data_ptr(),
-                    args.rows, HEADS, KV_HEADS, DIM, PAGE, 0, DIM**-0.5, 0.0, query.data_ptr(), threads,
+                    args.rows, HEADS, KV_HEADS, DIM, PAGE, 0, DIM**-0.5, 0.0, None, query.data_ptr(), threads,
                 )  # fmt: skip
         return (time.perf_counter() - start) * 1e3 / (args.calls * args.layers)
 

@@ -110,11 +110,12 @@ def build_app(
     deployment_options = _scaling(num_replicas, autoscaling_config)
     actor_options = _actor_options(ray_actor_options)
     deployment_options |= _placement(source, options, tensor_parallel_size, actor_options)
-    check_count("max_ongoing_requests", max_ongoing_requests, least=1)
-    check_count("num_ingress_replicas", num_ingress_replicas, least=1)
-    check_count("max_imbalance", max_imbalance, least=0)
-    check_seconds("health_check_period_s", health_check_period_s)
-    check_seconds("health_check_timeout_s", health_check_timeout_s)
+    # (as Python's numbers: Ray's configs and the router's keyword arguments are serialised)
+    max_ongoing_requests = check_count("max_ongoing_requests", max_ongoing_requests, least=1)
+    num_ingress_replicas = check_count("num_ingress_replicas", num_ingress_replicas, least=1)
+    max_imbalance = check_count("max_imbalance", max_imbalance, least=0)
+    health_check_period_s = check_seconds("health_check_period_s", health_check_period_s)
+    health_check_timeout_s = check_seconds("health_check_timeout_s", health_check_timeout_s)
     if max_ongoing_requests < least:
         raise InvalidConfigError(
             f"max_ongoing_requests ({max_ongoing_requests}) must be at least the server's max_concurrent_requests "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from dataclasses import dataclass
 
 from aiocb.cli.serve import DTYPES, MAX_TORCH_THREADS, device_of
@@ -80,12 +81,19 @@ class ReplicaOptions:
         if self.device != "auto" and (not isinstance(self.device, str) or device_of(self.device) is None):
             raise InvalidConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         threads = self.torch_threads
-        if threads is not None and (not _is_int(threads) or not 1 <= threads <= MAX_TORCH_THREADS):
-            raise InvalidConfigError(f"torch_threads must be an int from 1 to {MAX_TORCH_THREADS}, got {threads!r}")
-        check_seconds("shutdown_timeout", self.shutdown_timeout, zero=True)
+        if threads is not None:
+            count = _integer(threads)
+            if count is None or not 1 <= count <= MAX_TORCH_THREADS:
+                raise InvalidConfigError(f"torch_threads must be an int from 1 to {MAX_TORCH_THREADS}, got {threads!r}")
+            object.__setattr__(self, "torch_threads", count)  # (a NumPy int, say: as Python's)
+        object.__setattr__(
+            self, "shutdown_timeout", check_seconds("shutdown_timeout", self.shutdown_timeout, zero=True)
+        )
         for name in ("trust_remote_code", "access_log"):
-            if not isinstance(getattr(self, name), bool):
-                raise InvalidConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if not isinstance(value, (bool, _NUMPY_BOOL)):
+                raise InvalidConfigError(f"{name} must be True or False, got {value!r}")
+            object.__setattr__(self, name, bool(value))
         if not isinstance(self.limits, ServerLimits):
             raise InvalidConfigError(f"limits must be a ServerLimits, got {type(self.limits).__name__}")
         if self.limits.send_timeout != _DEFAULT_LIMITS.send_timeout:
@@ -114,20 +122,38 @@ class ReplicaOptions:
         return cls(**options)  # type: ignore[arg-type]
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+#: NumPy's boolean scalar type, where NumPy is installed (a truth value, as ``bool`` is)
+_NUMPY_BOOL: tuple[type, ...] = ()
+try:
+    import numpy
+
+    _NUMPY_BOOL = (numpy.bool_,)
+except ImportError:  # pragma: no cover - (torch brings NumPy with it)
+    pass
 
 
-def check_seconds(name: str, value: object, *, zero: bool = False) -> None:
-    """Refuse, naming it, an option of seconds that is not a finite number above 0 (or
+def _integer(value: object) -> int | None:
+    """``value`` as an int where it is an integer (Python's or NumPy's), not a truth value."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, (bool, *_NUMPY_BOOL)):
+        return int(value)
+    return None
+
+
+def check_seconds(name: str, value: object, *, zero: bool = False) -> float:
+    """``value`` as a float; refused, naming it, unless a finite number above 0 (or
     ``zero``: 0 or more)."""
-    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not number or value < 0 or (value == 0 and not zero):  # type: ignore[operator]
+    seconds = math.nan
+    if isinstance(value, numbers.Real) and not isinstance(value, (bool, *_NUMPY_BOOL)):
+        seconds = float(value)
+    if not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not zero):
         least = "0 or more" if zero else "above 0"
         raise InvalidConfigError(f"{name} must be a finite number of seconds, {least}, got {value!r}")
+    return seconds
 
 
-def check_count(name: str, value: object, *, least: int) -> None:
-    """Refuse, naming it, an option that is not an int of at least ``least``."""
-    if not _is_int(value) or value < least:  # type: ignore[operator]
+def check_count(name: str, value: object, *, least: int) -> int:
+    """``value`` as an int; refused, naming it, unless an integer of at least ``least``."""
+    count = _integer(value)
+    if count is None or count < least:
         raise InvalidConfigError(f"{name} must be an int >= {least}, got {value!r}")
+    return count

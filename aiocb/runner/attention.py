@@ -349,9 +349,9 @@ def _attend(
             scores = torch.tanh(scores / softcap) * softcap
         if mask is not None:
             scores = scores.masked_fill(~(mask if mask.shape[-2] == 1 else mask[..., start:stop, :]), float("-inf"))
-        if sinks is not None:
-            sink = sinks.to(scores.dtype).view(1, heads, 1, 1).expand(batch, heads, stop - start, 1)
-            scores = torch.cat((scores, sink), dim=-1)
+        if sinks is not None:  # (in float32, as transformers' eager attention keeps float32 sinks)
+            sink = sinks.view(1, heads, 1, 1).expand(batch, heads, stop - start, 1)
+            scores = torch.cat((scores.float(), sink), dim=-1)
         probs = scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype)
         if sinks is not None:
             probs = probs[..., :-1]

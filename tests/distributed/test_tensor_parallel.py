@@ -228,3 +228,14 @@ def test_a_dead_rank_0_fails_the_follower_with_a_clear_error(llama_dir: Path, tm
     assert follower["report"] is None
     assert follower["error"]["type"] == "DistributedError"
     assert "rank 0" in follower["error"]["message"]
+
+
+def test_attention_sinks_are_sharded_with_their_heads(tmp_path: Path) -> None:
+    """Granite-SWA's TP plan shards its attention sinks over the ranks as it does the query
+    heads: each rank's sinks are its own heads', and greedy outputs equal one process's."""
+    from tests.runner.test_architectures import tiny_with_sinks
+
+    model = tiny_with_sinks("granite_swa")
+    model.save_pretrained(tmp_path / "model")
+    driver, _ = _both_ran("generate_batch", tmp_path / "model", tmp_path)
+    assert driver["first"]["tokens"] == [reference_generate(model, p, MAX_NEW_TOKENS) for p in PROMPTS]

@@ -332,6 +332,26 @@ def test_build_app_refuses_bad_options_by_name(kwargs: dict[str, Any], message: 
         build_app(None, **kwargs)
 
 
+def test_build_app_takes_numpy_numbers_as_python_s() -> None:
+    import numpy as np
+
+    app = build_app(
+        None,
+        torch_threads=np.int64(2),
+        shutdown_timeout=np.float32(5),
+        access_log=np.bool_(False),
+        health_check_period_s=np.int64(7),
+        max_imbalance=np.int64(3),
+    )
+    engine = app._bound_deployment.init_args[0]._bound_deployment
+    options = engine.init_args[1]
+    assert (options.torch_threads, options.shutdown_timeout, options.access_log) == (2, 5.0, False)
+    assert type(options.torch_threads) is int and type(options.access_log) is bool
+    assert engine._deployment_config.health_check_period_s == 7.0
+    kwargs = engine._deployment_config.request_router_config.request_router_kwargs
+    assert kwargs["max_imbalance"] == 3 and type(kwargs["max_imbalance"]) is int
+
+
 def test_replica_options_take_transformers_own_config() -> None:
     from transformers import ContinuousBatchingConfig as TransformersConfig
 

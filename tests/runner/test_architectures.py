@@ -144,7 +144,13 @@ async def test_other_architectures_match_generate(model_type: str, overrides: di
 def tiny_gpt_oss(**overrides: object) -> PreTrainedModel:
     """A 2-layer gpt-oss (a sliding-window layer of 8, a full one), its attention sinks drawn
     wide enough that greedy outputs change when they are left out."""
-    model = tiny("gpt_oss", sliding_window=8, **overrides)
+    return tiny_with_sinks("gpt_oss", sliding_window=8, **overrides)
+
+
+def tiny_with_sinks(model_type: str, **overrides: object) -> PreTrainedModel:
+    """A 2-layer model of ``model_type``, whose attention has sinks, drawn wide enough that
+    greedy outputs change when they are left out."""
+    model = tiny(model_type, **overrides)
     with torch.no_grad():
         for module in model.modules():
             if isinstance(getattr(module, "sinks", None), torch.Tensor):
@@ -175,6 +181,15 @@ async def test_gpt_oss_attention_sinks_match_generate(
     eager = {"decode_compile_config": {"disable": True}} if backend == "triton-graphs" else {}
     assert await _generate(model, prompts, num_blocks=8, max_batch_tokens=32, **eager) == expected
     assert captured is None or captured, "decode steps replayed graphs"
+
+
+@pytest.mark.parametrize("model_type", ["granite_swa", "flint"])
+async def test_other_models_with_attention_sinks_match_generate(model_type: str) -> None:
+    """Granite-SWA's sinks (and a sliding layer), Flint's (kept in float32)."""
+    model = tiny_with_sinks(model_type)
+    prompts = random_prompts(4, 3, 40, seed=9)
+    expected = [reference_generate(model, p, 8) for p in prompts]
+    assert await _generate(model, prompts, num_blocks=8, max_batch_tokens=32) == expected
 
 
 async def test_gpt_oss_rows_sharing_a_long_prefix_count_each_head_s_sink_once(monkeypatch: pytest.MonkeyPatch) -> None:
