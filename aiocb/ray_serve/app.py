@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -110,6 +111,7 @@ def build_app(
     deployment_options = _scaling(num_replicas, autoscaling_config)
     actor_options = _actor_options(ray_actor_options)
     deployment_options |= _placement(source, options, tensor_parallel_size, actor_options)
+    _check_device(options.device, actor_options)
     # (as Python's numbers: Ray's configs and the router's keyword arguments are serialised)
     max_ongoing_requests = check_count("max_ongoing_requests", max_ongoing_requests, least=1)
     num_ingress_replicas = check_count("num_ingress_replicas", num_ingress_replicas, least=1)
@@ -191,6 +193,25 @@ def _actor_options(given: Mapping[str, Any] | None) -> dict[str, Any]:
     if gpus > 0:
         options["num_gpus"] = 1
     return options
+
+
+def _check_device(device: str, actor_options: Mapping[str, Any]) -> None:
+    """Refuse a CUDA device the replicas would not have: a replica sees the GPUs Ray gives
+    it alone, numbered from 0 (one for a fraction of one)."""
+    if not device.startswith("cuda"):
+        return
+    given = actor_options.get("num_gpus") or 0
+    if not isinstance(given, (int, float)) or given <= 0:
+        raise InvalidConfigError(
+            f"device={device!r}, but ray_actor_options give each replica no GPU: add 'num_gpus': 1 (or a fraction, "
+            "to share one)"
+        )
+    index = int(device.partition(":")[2] or 0)
+    if index >= max(1, math.ceil(given)):
+        raise InvalidConfigError(
+            f"device={device!r}, but each replica sees only the {math.ceil(given)} GPU(s) Ray gives it "
+            f"(num_gpus={given}), numbered from 0"
+        )
 
 
 def _local_gpus() -> int:

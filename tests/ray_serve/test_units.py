@@ -322,6 +322,10 @@ async def test_closing_the_forwarded_response_cancels_the_request_and_frees_its_
         ({"max_imbalance": 1.5}, "max_imbalance must be an int >= 0"),
         ({"access_log": "no"}, "access_log must be True or False, got 'no'"),
         ({"trust_remote_code": 1}, "trust_remote_code must be True or False"),
+        # (each replica sees the GPUs Ray gives it alone, numbered from 0)
+        ({"device": "cuda", "ray_actor_options": {"num_cpus": 1}}, r"device='cuda', but ray_actor_options give each"),
+        ({"device": "cuda:1", "ray_actor_options": {"num_gpus": 1}}, r"sees only the 1 GPU\(s\) Ray gives it"),
+        ({"device": "cuda:1", "ray_actor_options": {"num_gpus": 0.5}}, r"sees only the 1 GPU\(s\)"),
         ({"autoscaling_config": [("max_replicas", 8)]}, "autoscaling_config must be a dict"),
         # (as `aiocb serve` refuses --return-logprobs: a server's requests always say)
         ({"continuous_batching_config": aiocb.ContinuousBatchingConfig(return_logprobs=True)}, "return_logprobs"),
@@ -330,6 +334,12 @@ async def test_closing_the_forwarded_response_cancels_the_request_and_frees_its_
 def test_build_app_refuses_bad_options_by_name(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(InvalidConfigError, match=message):
         build_app(None, **kwargs)
+
+
+def test_build_app_takes_a_cuda_device_the_replicas_have() -> None:
+    for device, gpus in (("cuda", 0.25), ("cuda:0", 1), ("cuda:1", 2)):
+        app = build_app(None, device=device, ray_actor_options={"num_gpus": gpus})
+        assert app._bound_deployment.init_args[0]._bound_deployment.init_args[1].device == device
 
 
 def test_build_app_takes_numpy_numbers_as_python_s() -> None:
