@@ -32,6 +32,8 @@ from typing import Any
 
 from aiocb.config import ContinuousBatchingConfig
 from aiocb.errors import InvalidConfigError
+from aiocb.server.harmony import REASONING_PARSER as HARMONY_REASONING
+from aiocb.server.harmony import TOOL_CALL_PARSER as HARMONY_TOOL_CALLS
 from aiocb.server.limits import ServerLimits
 from aiocb.server.reasoning import ReasoningSplitter
 from aiocb.server.tool_parsers import PARSERS
@@ -126,16 +128,17 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--tool-call-parser",
-        choices=("auto", "none", *PARSERS),
+        choices=("auto", "none", *PARSERS, HARMONY_TOOL_CALLS),
         default="auto",
         help="the format of tool calls in chat outputs (default auto: the one the chat template writes; "
-        "none: requests with tools are refused)",
+        f"none: requests with tools are refused; {HARMONY_TOOL_CALLS}: gpt-oss's harmony, found without it)",
     )
     parser.add_argument(
         "--reasoning-parser",
-        choices=ReasoningSplitter.names,
+        choices=(*ReasoningSplitter.names, HARMONY_REASONING),
         default=None,
-        help="split <think>...</think> into reasoning_content (default: reasoning stays in the content)",
+        help="split <think>...</think> into reasoning_content (default: reasoning stays in the content; "
+        f"{HARMONY_REASONING}: gpt-oss's harmony, whose channels are always read)",
     )
     replicas = parser.add_argument_group("replicas", "data-parallel replicas on Ray Serve (the 'ray' extra)")
     replicas.add_argument(

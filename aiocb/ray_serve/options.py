@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from aiocb.cli.serve import DTYPES, MAX_TORCH_THREADS, device_of
 from aiocb.config import ContinuousBatchingConfig, as_config
 from aiocb.errors import InvalidConfigError
+from aiocb.server.harmony import REASONING_PARSER, TOOL_CALL_PARSER
 from aiocb.server.limits import ServerLimits
 from aiocb.server.reasoning import ReasoningSplitter
 from aiocb.server.tool_parsers import PARSERS
@@ -68,13 +69,15 @@ class ReplicaOptions:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise InvalidConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.tool_call_parser not in (None, "auto", *PARSERS):
+        tool_parsers = (*PARSERS, TOOL_CALL_PARSER)
+        if self.tool_call_parser not in (None, "auto", *tool_parsers):
             raise InvalidConfigError(
-                f"unknown tool_call_parser {self.tool_call_parser!r}; known: auto, {', '.join(PARSERS)}"
+                f"unknown tool_call_parser {self.tool_call_parser!r}; known: auto, {', '.join(tool_parsers)}"
             )
-        if self.reasoning_parser is not None and self.reasoning_parser not in ReasoningSplitter.names:
+        reasoning_parsers = (*ReasoningSplitter.names, REASONING_PARSER)
+        if self.reasoning_parser is not None and self.reasoning_parser not in reasoning_parsers:
             raise InvalidConfigError(
-                f"unknown reasoning_parser {self.reasoning_parser!r}; known: {', '.join(ReasoningSplitter.names)}"
+                f"unknown reasoning_parser {self.reasoning_parser!r}; known: {', '.join(reasoning_parsers)}"
             )
         if self.log_level not in _LOG_LEVELS:
             raise InvalidConfigError(f"log_level must be one of {', '.join(_LOG_LEVELS)}, got {self.log_level!r}")

@@ -33,6 +33,7 @@ from aiocb.server.chat import ChatCompletion, PreparedChat, constrain_answer, pr
 from aiocb.server.completions import Completion, PreparedCompletion, prepare_completion
 from aiocb.server.context import ServerContext
 from aiocb.server.edge import OPEN_PATHS, EdgeMiddleware, access_record
+from aiocb.server.harmony import REASONING_PARSER, TOOL_CALL_PARSER, is_harmony_template
 from aiocb.server.limits import ServerLimits, parse_json, read_body
 from aiocb.server.metrics import CLIENT_GONE, ServerMetrics
 from aiocb.server.protocol import (
@@ -81,19 +82,27 @@ def build_app(
     (``hermes``, ``llama3_json``, ``mistral``; ``"auto"``: the one the chat template
     writes; None: requests with tools are refused). ``reasoning_parser`` (``qwen3`` or
     ``deepseek_r1``, both the ``<think>`` format) splits reasoning into
-    ``reasoning_content``; None leaves it in the content. ``replica`` labels every
-    ``/metrics`` series (one of several replicas of the model behind one route).
+    ``reasoning_content``; None leaves it in the content. A model whose chat template
+    writes gpt-oss's harmony format has its outputs' channels read as what they are
+    (:mod:`aiocb.server.harmony`; the parsers' names for it, ``openai_gptoss`` and
+    ``openai``, may be given), with tool calls unless ``tool_call_parser`` is None.
+    ``replica`` labels every ``/metrics`` series (one of several replicas of the model
+    behind one route).
     """
     limits = limits or ServerLimits()
     metrics = ServerMetrics(manager, model_name, replica)
+    template = getattr(tokenizer, "chat_template", None)
+    harmony = _harmony(template, tool_call_parser, reasoning_parser)
     ctx = ServerContext(
         manager,
         tokenizer,
         model_name,
         metrics,
         limits,
-        tool_parser=resolve_tool_parser(tool_call_parser, getattr(tokenizer, "chat_template", None)),
-        reasoning=_reasoning(reasoning_parser),
+        tool_parser=None if harmony else resolve_tool_parser(tool_call_parser, template),
+        reasoning=not harmony and _reasoning(reasoning_parser),
+        harmony=harmony,
+        harmony_calls=harmony and tool_call_parser is not None,
     )
     api = _Api(ctx)
 
@@ -160,6 +169,29 @@ def resolve_tool_parser(name: str | None, chat_template: Any) -> type[ToolCallPa
     if parser is None:
         raise ValueError(f"unknown tool-call parser {name!r}; known: auto, {', '.join(PARSERS)}")
     return parser
+
+
+def _harmony(chat_template: Any, tool_call_parser: str | None, reasoning_parser: str | None) -> bool:
+    """Whether chat outputs are harmony (the chat template writes it); parsers of another
+    format for it, or its parsers for another, are refused."""
+    if not is_harmony_template(chat_template):
+        for given, name in ((reasoning_parser, REASONING_PARSER), (tool_call_parser, TOOL_CALL_PARSER)):
+            if given == name:
+                raise ValueError(
+                    f"the {name!r} parser reads gpt-oss's harmony format, which this model's chat template does "
+                    "not write"
+                )
+        return False
+    for given, name, kind in (
+        (reasoning_parser, REASONING_PARSER, "reasoning"),
+        (tool_call_parser, TOOL_CALL_PARSER, "tool-call"),
+    ):
+        if given not in (None, "auto", name):
+            raise ValueError(
+                f"this model's chat template writes gpt-oss's harmony format, whose {kind} parser is {name!r} (used "
+                f"without being named), not {given!r}"
+            )
+    return True
 
 
 def _reasoning(name: str | None) -> bool:

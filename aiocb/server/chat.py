@@ -20,6 +20,7 @@ from aiocb.server.chat_output import ChoiceOutput, MessageBuilder
 from aiocb.server.chat_output import delta as message_delta
 from aiocb.server.context import ServerContext, finite
 from aiocb.server.edge import AccessRecord
+from aiocb.server.harmony import HarmonyOutput
 from aiocb.server.limits import parse_json
 from aiocb.server.protocol import ChatCompletionRequest, bad_request, error_from_exception, parse_chat_request
 from aiocb.server.reasoning import REASONING_FIELDS, ReasoningSplitter, after_thinking, prompt_opens_thinking
@@ -65,11 +66,13 @@ def prepare_chat(ctx: ServerContext, body: bytes) -> PreparedChat:
     if tools is not None and tools.choice == "none":
         tools = None  # (the model is not shown tools it may not call)
     parser = ctx.tool_parser
-    if tools is not None and parser is None:
+    if tools is not None and parser is None and not ctx.harmony_calls:
         raise bad_request(
             "this server has no tool-call parser for its model's chat template; start it with --tool-call-parser",
             "tools",
         )
+    if ctx.harmony:
+        _refuse_constraints_of_harmony(request, tools)
     if request.chat_template_kwargs.get("continue_final_message") and request.add_generation_prompt:
         raise bad_request(
             "chat_template_kwargs.continue_final_message continues the last message, which add_generation_prompt "
@@ -96,7 +99,7 @@ def prepare_chat(ctx: ServerContext, body: bytes) -> PreparedChat:
         or prompt_opens_thinking(text, continued if isinstance(continued, str) else None)
     )
     constraint: dict[str, Any] = {}
-    if tools is not None and tools.enforced:
+    if tools is not None and tools.enforced and not ctx.harmony:
         assert parser is not None
         given = [name for name in STRUCTURE_FIELDS if name in request.sampling.controls]
         if given:
@@ -115,6 +118,26 @@ def prepare_chat(ctx: ServerContext, body: bytes) -> PreparedChat:
             (name,) = given
             answer = (name, request.sampling.controls[name])
     return PreparedChat(request, ids, tools, constraint, opens_thinking, answer)
+
+
+def _refuse_constraints_of_harmony(request: ChatCompletionRequest, tools: ToolRequest | None) -> None:
+    """Refuse the output constraints a harmony output cannot take: a grammar over the whole
+    output would hold for its channels' headers and its reasoning too."""
+    given = [name for name in STRUCTURE_FIELDS if name in request.sampling.controls]
+    if given:
+        field = request.sampling.body_params().get(given[0], given[0])  # (the body's name: response_format)
+        raise bad_request(
+            f"{field} constrains the whole output, which for gpt-oss's harmony format holds its reasoning and "
+            "its messages' headers too: aiocb does not constrain harmony outputs",
+            field,
+        )
+    if tools is not None and tools.enforced:
+        what = f"tool_choice {tools.choice!r}" if tools.calls_only else "a strict function"
+        raise bad_request(
+            f"{what} enforces calls with a grammar, which aiocb does not do for gpt-oss's harmony format: offer "
+            "functions without strict, with tool_choice 'auto'",
+            "tool_choice" if tools.calls_only else "tools",
+        )
 
 
 async def constrain_answer(ctx: ServerContext, prepared: PreparedChat) -> PreparedChat:
@@ -145,7 +168,10 @@ class ChatCompletion:
         self.tools = prepared.tools
         self.opens_thinking = prepared.opens_thinking
         sampling = request.sampling
-        keep_special = self.tools is not None and ctx.tool_parser is not None and ctx.tool_parser.needs_special_tokens
+        # (harmony's markers are special tokens too)
+        keep_special = ctx.harmony or (
+            self.tools is not None and ctx.tool_parser is not None and ctx.tool_parser.needs_special_tokens
+        )
         #: whether the text keeps special tokens the client asked to skip (the parser drops them)
         self.hides_special = keep_special and sampling.skip_special_tokens
         max_tokens = sampling.max_tokens
@@ -186,7 +212,8 @@ class ChatCompletion:
         """Run every choice to its end; the whole response body."""
         n = self.request.sampling.n
         outputs = [self._output() for _ in range(n)]
-        messages = [MessageBuilder(reasoning=self.ctx.reasoning, calls_only=self._calls_only) for _ in range(n)]
+        reasoning = self.ctx.reasoning or self.ctx.harmony
+        messages = [MessageBuilder(reasoning=reasoning, calls_only=self._calls_only) for _ in range(n)]
         #: each choice's tokens with their logprobs, made into entries as the body is written
         scored: list[list[_Scored]] = [[] for _ in range(n)]
         finish: list[str | None] = [None] * n
@@ -264,12 +291,14 @@ class ChatCompletion:
         if self.request.sampling.include_usage:
             yield {**self._header(), "choices": [], "usage": self._usage(sum(generated))}
 
-    def _output(self) -> ChoiceOutput:
+    def _output(self) -> ChoiceOutput | HarmonyOutput:
         """A parser of one choice's text: reasoning split off, tool calls found."""
         ctx = self.ctx
+        hidden = ctx.special_texts if self.hides_special else ()
+        if ctx.harmony:
+            return HarmonyOutput(None if self.tools is None else self.tools.names, hidden)
         reasoning = ReasoningSplitter(starts_inside=self.opens_thinking) if ctx.reasoning else None
         tools = None
-        hidden = ctx.special_texts if self.hides_special else ()
         if self.tools is not None:
             assert ctx.tool_parser is not None  # (prepare_chat refuses tools without one)
             forced = self.tools.choice if self.tools.forced else None
@@ -287,7 +316,7 @@ class ChatCompletion:
         """Whether the answer is tool calls alone (its ``content`` null)."""
         return self.tools is not None and self.tools.calls_only
 
-    def _finish_reason(self, reason: str, output: ChoiceOutput) -> str:
+    def _finish_reason(self, reason: str, output: ChoiceOutput | HarmonyOutput) -> str:
         """``tool_calls`` when the model stopped after calling tools it chose to call."""
         chose = self.tools is not None and not self.tools.forced
         return "tool_calls" if reason == "stop" and output.calls and chose else reason

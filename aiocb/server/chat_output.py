@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
-from aiocb.server.fragments import Content, Fragment, HiddenTexts, Reasoning, ToolCall
+from aiocb.server.fragments import Content, Fragment, HiddenTexts, Reasoning, ToolCall, merged
 from aiocb.server.reasoning import ReasoningSplitter
 from aiocb.server.tool_parsers import ToolCallParser
 
@@ -41,12 +41,12 @@ class ChoiceOutput:
         if not text:
             return []
         split: list[Fragment] = self._reasoning.feed(text) if self._reasoning is not None else [Content(text)]
-        return _merged(self._parse_tools(self._hide(split, finish=False), finish=False))
+        return merged(self._parse_tools(self._hide(split, finish=False), finish=False))
 
     def finish(self, *, cut: bool = False) -> list[Fragment]:
         """What is left at the end of the output (``cut``: it ended at its length limit)."""
         split = self._reasoning.finish() if self._reasoning is not None else []
-        return _merged(self._parse_tools(self._hide(split, finish=True), finish=True, cut=cut))
+        return merged(self._parse_tools(self._hide(split, finish=True), finish=True, cut=cut))
 
     def _hide(self, fragments: list[Fragment], *, finish: bool) -> list[Fragment]:
         """The reasoning without hidden texts (what was held of it released where it ends)."""
@@ -73,19 +73,6 @@ class ChoiceOutput:
         if finish:
             out += self._tools.finish(cut=cut)
         return out
-
-
-def _merged(fragments: list[Fragment]) -> list[Fragment]:
-    out: list[Fragment] = []
-    for fragment in fragments:
-        last = out[-1] if out else None
-        if isinstance(fragment, Content) and isinstance(last, Content):
-            out[-1] = Content(last.text + fragment.text)
-        elif isinstance(fragment, Reasoning) and isinstance(last, Reasoning):
-            out[-1] = Reasoning(last.text + fragment.text)
-        else:
-            out.append(fragment)
-    return out
 
 
 def delta(fragment: Fragment) -> dict[str, Any]:

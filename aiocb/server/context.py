@@ -16,6 +16,7 @@ from aiocb.prompts import bad_words_ids
 from aiocb.runner.model_spec import context_length
 from aiocb.sampling import config_min_tokens, eos_ids
 from aiocb.server.fragments import HiddenTexts
+from aiocb.server.harmony import MARKERS as HARMONY_MARKERS
 from aiocb.server.limits import ServerLimits
 from aiocb.server.metrics import ServerMetrics
 from aiocb.server.protocol import APIError, SamplingRequest, ServedDefaults, bad_request
@@ -73,6 +74,8 @@ class ServerContext:
         *,
         tool_parser: type[ToolCallParser] | None = None,
         reasoning: bool = False,
+        harmony: bool = False,
+        harmony_calls: bool = False,
     ) -> None:
         self.manager = manager
         self.tokenizer = tokenizer
@@ -83,6 +86,10 @@ class ServerContext:
         self.tool_parser = tool_parser
         #: whether ``<think>`` blocks become ``reasoning_content``
         self.reasoning = reasoning
+        #: whether chat outputs are gpt-oss's harmony format (:mod:`aiocb.server.harmony`) ...
+        self.harmony = harmony
+        #: ... whose calls of the functions a request offers are tool calls (else tools are refused)
+        self.harmony_calls = harmony_calls
         self.created = int(time.time())
         text_config = manager.model.config.get_text_config()
         self.max_model_len: int | None = context_length(text_config)
@@ -93,6 +100,8 @@ class ServerContext:
         )
         #: the texts of the tokens a decode that skips special tokens leaves out
         self.special_texts: tuple[str, ...] = _special_texts(tokenizer)
+        if harmony:  # (as for such a parser: the texts a harmony output's choices hide)
+            HiddenTexts([text for text in self.special_texts if text not in HARMONY_MARKERS])
         if tool_parser is not None and tool_parser.needs_special_tokens:
             # The finders of the texts its choices hide (in the reasoning; in the content,
             # all but its marker), made now: Mistral's 768 control tokens take 9 ms.

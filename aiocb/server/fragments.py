@@ -35,6 +35,20 @@ class ToolCall:
 Fragment = Content | Reasoning | ToolCall
 
 
+def merged(fragments: list[Fragment]) -> list[Fragment]:
+    """``fragments`` with neighbours of one kind (content, reasoning) joined."""
+    out: list[Fragment] = []
+    for fragment in fragments:
+        last = out[-1] if out else None
+        if isinstance(fragment, Content) and isinstance(last, Content):
+            out[-1] = Content(last.text + fragment.text)
+        elif isinstance(fragment, Reasoning) and isinstance(last, Reasoning):
+            out[-1] = Reasoning(last.text + fragment.text)
+        else:
+            out.append(fragment)
+    return out
+
+
 def partial_suffix(text: str, marker: str) -> int:
     """How many characters at the end of ``text`` could be the start of ``marker``."""
     for size in range(min(len(text), len(marker) - 1), 0, -1):

@@ -1,0 +1,232 @@
+"""gpt-oss's harmony format through the chat endpoint: the analysis channel as
+``reasoning_content``, the final channel as content, a message to ``functions.NAME`` as a
+tool call, streamed and not, with no marker reaching the client; and what is refused.
+
+The model is a scripted GPT-2: its attention and MLP write nothing, so each position's
+hidden state is its position embedding (one-hot), which the head maps to the token the
+script puts next; its outputs are a harmony model's, token for token.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedModel
+
+import aiocb
+from aiocb.server import build_app
+from aiocb.server.harmony import MARKERS, HarmonyOutput
+from tests.server.conftest import build_tokenizer, serve_config
+
+MODEL_NAME = "tiny-gpt-oss"
+#: gpt-oss's chat template, reduced to what the tests need
+HARMONY_TEMPLATE = (
+    "{%- if tools %}<|start|>developer<|message|># Tools\n{%- for tool in tools %}\n{{ tool.function.name }}"
+    "{%- endfor %}<|end|>{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' %}<|start|>assistant<|channel|>final<|message|>{{ message.content }}<|end|>"
+    "{%- else %}<|start|>{{ message.role }}<|message|>{{ message.content }}<|end|>{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|start|>assistant{%- endif %}"
+)
+#: the most positions of the scripted model
+POSITIONS = 256
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "the weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+CALL = (
+    "<|channel|>analysis<|message|>The user asks for the weather.<|end|><|start|>assistant<|channel|>commentary "
+    'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>'
+)
+ANSWER = (
+    "<|channel|>analysis<|message|>A greeting.<|end|><|start|>assistant<|channel|>final<|message|>It is sunny."
+    "<|return|>"
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": list(MARKERS)})
+    tokenizer.chat_template = HARMONY_TEMPLATE
+    return tokenizer
+
+
+def scripted_model(tokenizer: Any, prompt: list[int], script: str) -> PreTrainedModel:
+    """A GPT-2 that answers ``prompt`` with ``script`` (greedily), then stops: the script's
+    last token (``<|return|>`` or ``<|call|>``) is an EOS of its generation config, as gpt-oss's are."""
+    script_ids = tokenizer(script, add_special_tokens=False).input_ids
+    assert len(prompt) + len(script_ids) <= POSITIONS
+    config = GPT2Config(
+        vocab_size=len(tokenizer),
+        n_positions=POSITIONS,
+        n_embd=POSITIONS,
+        n_layer=1,
+        n_head=4,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = GPT2LMHeadModel(config).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.zero_()
+        model.transformer.ln_f.weight.fill_(1.0)
+        model.transformer.wpe.weight.copy_(torch.eye(POSITIONS))
+        for k, token in enumerate(script_ids):
+            model.lm_head.weight[token, len(prompt) - 1 + k] = 10.0
+    model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids(["<|return|>", "<|call|>"])
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def prompt_of(tokenizer: Any, tools: list[dict[str, Any]] | None = None) -> list[int]:
+    text = tokenizer.apply_chat_template(QUESTION, tools=tools, tokenize=False, add_generation_prompt=True)
+    ids: list[int] = tokenizer(text, add_special_tokens=False).input_ids
+    return ids
+
+
+@asynccontextmanager
+async def serving(tokenizer: Any, script: str, tools: bool, **app: Any) -> AsyncIterator[httpx.AsyncClient]:
+    model = scripted_model(tokenizer, prompt_of(tokenizer, [WEATHER] if tools else None), script)
+    async with aiocb.Manager(model, continuous_batching_config=serve_config()) as manager:
+        served = build_app(manager, tokenizer, MODEL_NAME, **app)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=served), base_url="http://test") as http:
+            yield http
+
+
+def _body(offer: bool, **fields: Any) -> dict[str, Any]:
+    """A chat body (``offer``: with the weather function among its tools)."""
+    tools = {"tools": [WEATHER]} if offer else {}
+    return {"model": MODEL_NAME, "messages": QUESTION, "max_tokens": 100, **tools, **fields}
+
+
+async def _streamed(client: httpx.AsyncClient, body: dict[str, Any]) -> tuple[dict[str, Any], str | None, str]:
+    """The message a stream's deltas make, its finish reason, and every delta's text."""
+    message: dict[str, Any] = {"content": "", "reasoning_content": "", "tool_calls": []}
+    finish, seen = None, ""
+    async with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choice = json.loads(line.removeprefix("data: "))["choices"][0]
+            delta = choice["delta"]
+            seen += json.dumps(delta)
+            message["content"] += delta.get("content") or ""
+            message["reasoning_content"] += delta.get("reasoning_content") or ""
+            message["tool_calls"] += [call["function"] for call in delta.get("tool_calls") or []]
+            finish = choice["finish_reason"] or finish
+    return message, finish, seen
+
+
+async def test_a_call_after_reasoning_is_a_tool_call(tokenizer: Any) -> None:
+    async with serving(tokenizer, CALL, tools=True) as client:
+        response = await client.post("/v1/chat/completions", json=_body(True))
+        assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]
+        streamed, finish, seen = await _streamed(client, _body(True))
+    message = choice["message"]
+    assert choice["finish_reason"] == finish == "tool_calls"
+    assert message["reasoning_content"] == streamed["reasoning_content"] == "The user asks for the weather."
+    assert not message["content"] and not streamed["content"]
+    call = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert [c["function"] for c in message["tool_calls"]] == streamed["tool_calls"] == [call]
+    assert not any(marker in response.text + seen for marker in MARKERS), "no marker reaches the client"
+
+
+async def test_a_final_message_is_the_content(tokenizer: Any) -> None:
+    async with serving(tokenizer, ANSWER, tools=False) as client:
+        response = await client.post("/v1/chat/completions", json=_body(False))
+        assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]
+        streamed, finish, seen = await _streamed(client, _body(False))
+    assert choice["finish_reason"] == finish == "stop"
+    assert choice["message"]["content"] == streamed["content"] == "It is sunny."
+    assert choice["message"]["reasoning_content"] == streamed["reasoning_content"] == "A greeting."
+    assert "tool_calls" not in choice["message"] and not streamed["tool_calls"]
+    assert not any(marker in response.text + seen for marker in MARKERS)
+
+
+async def test_a_call_of_a_function_not_offered_stays_content(tokenizer: Any) -> None:
+    """As other formats' calls of unknown functions: the client sees what the model wrote."""
+    async with serving(tokenizer, CALL.replace("get_weather", "get_time"), tools=True) as client:
+        response = await client.post("/v1/chat/completions", json=_body(True))
+    message = response.json()["choices"][0]["message"]
+    assert message["content"] == '{"city": "Paris"}' and "tool_calls" not in message
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "message"),
+    [
+        ({"response_format": {"type": "json_object"}}, "response_format", "constrains the whole output"),
+        ({"tool_choice": "required"}, "tool_choice", "tool_choice 'required' enforces calls with a grammar"),
+        (
+            {"tools": [{**WEATHER, "function": {**WEATHER["function"], "strict": True}}]},
+            "tools",
+            "a strict function enforces calls",
+        ),
+    ],
+)
+async def test_constraints_a_harmony_output_cannot_take_are_refused(
+    tokenizer: Any, fields: dict[str, Any], param: str, message: str
+) -> None:
+    async with serving(tokenizer, CALL, tools=True) as client:
+        response = await client.post("/v1/chat/completions", json=_body(True, **fields))
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == param and message in error["message"]
+
+
+async def test_without_a_tool_call_parser_tools_are_refused(tokenizer: Any) -> None:
+    async with serving(tokenizer, CALL, tools=True, tool_call_parser=None) as client:
+        response = await client.post("/v1/chat/completions", json=_body(True))
+    assert response.status_code == 400 and response.json()["error"]["param"] == "tools"
+
+
+async def test_parsers_of_another_format_are_refused(tokenizer: Any) -> None:
+    model = scripted_model(tokenizer, prompt_of(tokenizer), ANSWER)
+    async with aiocb.Manager(model, continuous_batching_config=serve_config()) as manager:
+        with pytest.raises(ValueError, match=r"harmony format, whose reasoning parser is 'openai_gptoss'.*not 'qwen3'"):
+            build_app(manager, tokenizer, MODEL_NAME, reasoning_parser="qwen3")
+        with pytest.raises(ValueError, match=r"whose tool-call parser is 'openai'.*not 'hermes'"):
+            build_app(manager, tokenizer, MODEL_NAME, tool_call_parser="hermes")
+        build_app(manager, tokenizer, MODEL_NAME, reasoning_parser="openai_gptoss", tool_call_parser="openai")
+        other = build_tokenizer()
+        with pytest.raises(ValueError, match="'openai_gptoss' parser reads gpt-oss's harmony format"):
+            build_app(manager, other, MODEL_NAME, reasoning_parser="openai_gptoss")
+
+
+@pytest.mark.parametrize("step", [1, 2, 5, 1000])
+def test_the_parser_reads_any_split_of_the_text(step: int) -> None:
+    """Markers split across deltas; a recipient before the channel; built-in tools' calls
+    as reasoning; messages of one kind a line apart; a call cut at the length limit."""
+    text = (
+        "<|channel|>analysis<|message|>Search first.<|end|><|start|>assistant<|channel|>analysis "
+        'to=browser.search<|message|>{"q": "paris"}<|call|><|start|>assistant<|channel|>commentary<|message|>'
+        "Checking.<|end|><|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>"
+        '{"city": "Paris"}<|call|><|start|>assistant to=functions.get_weather<|channel|>commentary json'
+        '<|message|>{"city": "Li'
+    )
+    output = HarmonyOutput(["get_weather"], hidden=["<|endoftext|>", *MARKERS])
+    fragments = [f for i in range(0, len(text), step) for f in output.feed(text[i : i + step])]
+    fragments += output.finish(cut=True)
+    reasoning = "".join(getattr(f, "text", "") for f in fragments if type(f).__name__ == "Reasoning")
+    content = "".join(getattr(f, "text", "") for f in fragments if type(f).__name__ == "Content")
+    calls = [(getattr(f, "name", ""), getattr(f, "arguments", "")) for f in fragments if type(f).__name__ == "ToolCall"]
+    assert reasoning == 'Search first.\n{"q": "paris"}'
+    assert content == "Checking."
+    assert calls == [("get_weather", '{"city": "Paris"}'), ("get_weather", '{"city": "Li')]
+    assert output.calls == 2
