@@ -204,6 +204,19 @@ def _json_end(text: str, start: int) -> int | None:
     return int(end)
 
 
+def _inside_string(text: str, start: int, at: int) -> bool:
+    """Whether position ``at`` of ``text`` is inside a JSON string that begins after ``start``."""
+    inside = escaped = False
+    for char in text[start:at]:
+        if escaped:
+            escaped = False
+        elif char == "\\":
+            escaped = inside
+        elif char == '"':
+            inside = not inside
+    return inside
+
+
 class HermesParser(ToolCallParser):
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (Hermes, Qwen)."""
 
@@ -213,7 +226,11 @@ class HermesParser(ToolCallParser):
     xgrammar_format = "qwen_3"
 
     def _call_end(self, text: str) -> int | None:
+        # (a closing tag inside one of the call's JSON strings is an argument's text, which
+        # an enforced call's grammar allows: the call ends at the first one outside them)
         at = text.find(self.end)
+        while at >= 0 and _inside_string(text, len(self.start), at):
+            at = text.find(self.end, at + 1)
         return None if at < 0 else at + len(self.end)
 
     def parse(self, body: str) -> list[tuple[str, str]] | None:

@@ -101,6 +101,17 @@ def test_what_is_not_a_call_keeps_the_space_before_it(parser: type[ToolCallParse
     assert _parse_every_way(parser, text) == (text, "", [])
 
 
+def test_a_hermes_closing_tag_inside_an_argument_is_the_argument_s_text() -> None:
+    """An enforced call's grammar lets a string argument hold the closing tag: the call
+    ends at the first one outside its strings (it ended at the first, and the call was lost)."""
+    arguments = {"q": 'a "quoted" </tool_call> and \\ then </tool_call>'}
+    text = f"<tool_call>\n{json.dumps({'name': 'add', 'arguments': arguments})}\n</tool_call>\nafter"
+    content, _, calls = _parse_every_way(HermesParser, text)
+    assert calls == [("add", arguments)] and content.strip() == "after"
+    forced = ChoiceOutput(None, HermesParser(FUNCTIONS, forced="add"))
+    assert _summary(_run(forced, [text.removesuffix("\nafter")]))[2] == [("add", arguments)]
+
+
 def test_hermes_arguments_as_json_text() -> None:
     text = '<tool_call>{"name": "add", "arguments": "{\\"a\\": 5}"}</tool_call>'
     assert _parse_every_way(HermesParser, text)[2] == [("add", {"a": 5})]
