@@ -23,24 +23,26 @@ pytestmark = [
 ]
 
 
+#: The test models' sizes (Qwen3's; gpt-oss's too, with its experts)
+_SIZES: dict[str, Any] = {
+    "vocab_size": 4096,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "max_position_embeddings": 4096,
+    "initializer_range": 0.3,
+    "bos_token_id": None,
+    "eos_token_id": None,
+    "pad_token_id": 0,
+}
+
+
 def _model(dtype: torch.dtype, **overrides: Any) -> PreTrainedModel:
     torch.manual_seed(0)
-    config = Qwen3Config(
-        **overrides,
-        vocab_size=4096,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=64,
-        max_position_embeddings=4096,
-        initializer_range=0.3,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
-    return Qwen3ForCausalLM(config).to("cuda", dtype).eval()
+    return Qwen3ForCausalLM(Qwen3Config(**{**_SIZES, **overrides})).to("cuda", dtype).eval()
 
 
 def _prompts(count: int, seed: int = 0) -> list[list[int]]:
@@ -192,23 +194,7 @@ def test_gpt_oss_sinks_in_the_triton_kernel_equal_their_reference_reading(monkey
     from transformers import GptOssConfig, GptOssForCausalLM
 
     torch.manual_seed(0)
-    config = GptOssConfig(
-        vocab_size=4096,
-        hidden_size=256,
-        intermediate_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=64,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        sliding_window=64,
-        max_position_embeddings=4096,
-        initializer_range=0.3,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
+    config = GptOssConfig(**_SIZES, num_local_experts=4, num_experts_per_tok=2, sliding_window=64)
     model = GptOssForCausalLM(config).to("cuda", torch.float32).eval()
     with torch.no_grad():
         for layer in model.model.layers:

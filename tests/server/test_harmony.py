@@ -132,32 +132,36 @@ async def _streamed(client: httpx.AsyncClient, body: dict[str, Any]) -> tuple[di
     return message, finish, seen
 
 
-async def test_a_call_after_reasoning_is_a_tool_call(tokenizer: Any) -> None:
-    async with serving(tokenizer, CALL, tools=True) as client:
-        response = await client.post("/v1/chat/completions", json=_body(True))
+async def _both_ways(
+    tokenizer: Any, script: str, offer: bool
+) -> tuple[dict[str, Any], dict[str, Any], str | None, str]:
+    """The response's choice, the stream's message and finish reason, and both bodies'
+    text, of one chat request answered with ``script``."""
+    async with serving(tokenizer, script, tools=offer) as client:
+        response = await client.post("/v1/chat/completions", json=_body(offer))
         assert response.status_code == 200, response.text
-        choice = response.json()["choices"][0]
-        streamed, finish, seen = await _streamed(client, _body(True))
+        streamed, finish, seen = await _streamed(client, _body(offer))
+    return response.json()["choices"][0], streamed, finish, response.text + seen
+
+
+async def test_a_call_after_reasoning_is_a_tool_call(tokenizer: Any) -> None:
+    choice, streamed, finish, seen = await _both_ways(tokenizer, CALL, offer=True)
     message = choice["message"]
     assert choice["finish_reason"] == finish == "tool_calls"
     assert message["reasoning_content"] == streamed["reasoning_content"] == "The user asks for the weather."
     assert not message["content"] and not streamed["content"]
     call = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
     assert [c["function"] for c in message["tool_calls"]] == streamed["tool_calls"] == [call]
-    assert not any(marker in response.text + seen for marker in MARKERS), "no marker reaches the client"
+    assert not any(marker in seen for marker in MARKERS), "no marker reaches the client"
 
 
 async def test_a_final_message_is_the_content(tokenizer: Any) -> None:
-    async with serving(tokenizer, ANSWER, tools=False) as client:
-        response = await client.post("/v1/chat/completions", json=_body(False))
-        assert response.status_code == 200, response.text
-        choice = response.json()["choices"][0]
-        streamed, finish, seen = await _streamed(client, _body(False))
+    choice, streamed, finish, seen = await _both_ways(tokenizer, ANSWER, offer=False)
     assert choice["finish_reason"] == finish == "stop"
     assert choice["message"]["content"] == streamed["content"] == "It is sunny."
     assert choice["message"]["reasoning_content"] == streamed["reasoning_content"] == "A greeting."
     assert "tool_calls" not in choice["message"] and not streamed["tool_calls"]
-    assert not any(marker in response.text + seen for marker in MARKERS)
+    assert not any(marker in seen for marker in MARKERS)
 
 
 async def test_a_call_of_a_function_not_offered_stays_content(tokenizer: Any) -> None:
