@@ -63,9 +63,13 @@ def serve_with_workers(args: argparse.Namespace, config: ContinuousBatchingConfi
     except (OSError, OverflowError) as exc:
         print(f"aiocb serve: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 2
+    from aiocb.server.app import chat_parsers_of
+
     try:
-        manager, _ = load_manager(args, config)
-    except (ModelLoadError, InvalidConfigError) as exc:  # (the latter: a draft model that would not load)
+        manager, tokenizer = load_manager(args, config)
+        # (the workers' apps read the chat outputs: a parser of another format fails here, once)
+        chat_parsers_of(tokenizer, **chat_parsers(args))
+    except (ModelLoadError, InvalidConfigError, ValueError) as exc:  # (a draft model that would not load; a parser)
         listener.close()
         print(f"aiocb serve: {exc}", file=sys.stderr)
         return 2

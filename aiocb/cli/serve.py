@@ -300,15 +300,19 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"aiocb serve: {exc}", file=sys.stderr)
         return 2
     name = served_model_name(args)
-    app = build_app(
-        manager,
-        tokenizer,
-        name,
-        api_key=args.api_key,
-        shutdown_timeout=args.shutdown_timeout,
-        limits=limits,
-        **chat_parsers(args),
-    )
+    try:
+        app = build_app(
+            manager,
+            tokenizer,
+            name,
+            api_key=args.api_key,
+            shutdown_timeout=args.shutdown_timeout,
+            limits=limits,
+            **chat_parsers(args),
+        )
+    except ValueError as exc:  # (a parser of another format than the chat template's)
+        print(f"aiocb serve: {exc}", file=sys.stderr)
+        return 2
     loop = event_loop_name(args)
     logger.info("serving %s (event loop: %s)", name, loop)
     server = DrainingServer(uvicorn_config(app, args, loop), app, args.shutdown_timeout)

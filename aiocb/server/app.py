@@ -90,17 +90,16 @@ def build_app(
     behind one route).
     """
     limits = limits or ServerLimits()
+    tool_parser, reasoning, harmony = chat_parsers_of(tokenizer, tool_call_parser, reasoning_parser)
     metrics = ServerMetrics(manager, model_name, replica)
-    template = getattr(tokenizer, "chat_template", None)
-    harmony = _harmony(template, tool_call_parser, reasoning_parser)
     ctx = ServerContext(
         manager,
         tokenizer,
         model_name,
         metrics,
         limits,
-        tool_parser=None if harmony else resolve_tool_parser(tool_call_parser, template),
-        reasoning=not harmony and _reasoning(reasoning_parser),
+        tool_parser=tool_parser,
+        reasoning=reasoning,
         harmony=harmony,
         harmony_calls=harmony and tool_call_parser is not None,
     )
@@ -169,6 +168,21 @@ def resolve_tool_parser(name: str | None, chat_template: Any) -> type[ToolCallPa
     if parser is None:
         raise ValueError(f"unknown tool-call parser {name!r}; known: auto, {', '.join(PARSERS)}")
     return parser
+
+
+def chat_parsers_of(
+    tokenizer: Any, tool_call_parser: str | None, reasoning_parser: str | None
+) -> tuple[type[ToolCallParser] | None, bool, bool]:
+    """What a server of ``tokenizer``'s chat template reads chat outputs with: the tool-call
+    parser, whether ``<think>`` blocks are reasoning, and whether outputs are harmony.
+
+    Raises:
+        ValueError: naming a parser that is unknown, or of another format than the template's.
+    """
+    template = getattr(tokenizer, "chat_template", None)
+    if _harmony(template, tool_call_parser, reasoning_parser):
+        return None, False, True
+    return resolve_tool_parser(tool_call_parser, template), _reasoning(reasoning_parser), False
 
 
 def _harmony(chat_template: Any, tool_call_parser: str | None, reasoning_parser: str | None) -> bool:

@@ -296,7 +296,12 @@ class ChatCompletion:
         ctx = self.ctx
         hidden = ctx.special_texts if self.hides_special else ()
         if ctx.harmony:
-            return HarmonyOutput(None if self.tools is None else self.tools.names, hidden)
+            # (a continued message's body goes on: its field says which kind)
+            continued = self.request.chat_template_kwargs.get("continue_final_message")
+            inside = None
+            if continued:
+                inside = "reasoning" if isinstance(continued, str) and continued in REASONING_FIELDS else "content"
+            return HarmonyOutput(None if self.tools is None else self.tools.names, hidden, inside)
         reasoning = ReasoningSplitter(starts_inside=self.opens_thinking) if ctx.reasoning else None
         tools = None
         if self.tools is not None:

@@ -48,20 +48,27 @@ class HarmonyOutput:
 
     ``functions`` are those the request offered (None: no tools: every message is content
     or reasoning); ``hidden`` the texts of special tokens the client asked to skip, left
-    out of the text (the markers are always)."""
+    out of the text (the markers are always); ``inside`` the kind of message the prompt
+    ends inside ("content" or "reasoning": a continued message's body; None: the output
+    begins with a header). A header the output ends in (cut by its length limit or a
+    stop string) is left out; text that is no harmony at all is content."""
 
-    def __init__(self, functions: Collection[str] | None, hidden: Collection[str] = ()) -> None:
+    def __init__(
+        self, functions: Collection[str] | None, hidden: Collection[str] = (), inside: str | None = None
+    ) -> None:
         self._functions = None if functions is None else frozenset(functions)
         self._hidden = HiddenTexts([text for text in hidden if text not in MARKERS])
         self.calls = 0
         self._buffer = ""
-        #: reading a header (the output begins in the first one)
-        self._in_header = True
+        #: reading a header (the output begins in one, unless it continues a message)
+        self._in_header = inside is None
+        #: whether a message began (the output is harmony)
+        self._started = inside is not None
         #: the message being read: "reasoning", "content" or a function's name (a call)
-        self._kind = "content"
+        self._kind = inside or "content"
         self._arguments: list[str] = []
-        #: the kind of text ("reasoning" or "content") the last message with some gave
-        self._last = ""
+        #: the kinds of text ("reasoning", "content") messages gave so far
+        self._wrote: set[str] = set()
         #: what goes before the message's first text: a line break after a message of its kind
         self._opening = ""
 
@@ -72,19 +79,17 @@ class HarmonyOutput:
         while self._buffer:
             if self._in_header:
                 at = self._buffer.find(MESSAGE)
-                if at < 0:
-                    if len(self._buffer) > _MOST_HEADER:  # (no harmony: the text is the answer)
-                        self._in_header, self._kind = False, "content"
-                        continue
+                if at < 0 and len(self._buffer) <= _MOST_HEADER:
                     break
-                self._kind = self._header_kind(self._buffer[:at])
-                self._opening = "\n" if self._kind == self._last else ""
+                if at < 0 or at > _MOST_HEADER:  # (no header: the text is content, whatever its split)
+                    self._begin("content")
+                    continue
+                self._begin(self._header_kind(self._lead(self._buffer[:at], out)))
                 self._buffer = self._buffer[at + len(MESSAGE) :]
-                self._in_header = False
                 continue
             end, marker = min(((self._buffer.find(m), m) for m in _ENDS if m in self._buffer), default=(-1, ""))
             if end < 0:
-                keep = max(partial_suffix(self._buffer, m) for m in _ENDS)
+                keep = max(partial_suffix(self._buffer, m) for m in MARKERS)
                 self._body(self._buffer[: len(self._buffer) - keep], out)
                 self._buffer = self._buffer[len(self._buffer) - keep :]
                 break
@@ -99,18 +104,32 @@ class HarmonyOutput:
         """What is left at the end of the output (``cut``: it ended at its length limit)."""
         self._buffer += self._hidden.finish()
         out: list[Fragment] = []
-        if self._in_header:
-            # (a header never finished: a model that wrote no harmony; markers left out)
-            rest = self._buffer
-            for marker in MARKERS:
-                rest = rest.replace(marker, "")
-            if rest.strip():
-                out.append(Content(rest))
-        else:
+        if not self._in_header:
             self._body(self._buffer, out)
             self._close(out, cut=cut)
+        elif not self._started and not _opens_header(self._buffer):  # (no harmony at all)
+            self._begin("content")
+            self._body(self._buffer, out)
         self._buffer = ""
         return merged(out)
+
+    def _begin(self, kind: str) -> None:
+        """A message's body begins."""
+        self._in_header, self._started, self._kind = False, True, kind
+        self._opening = "\n" if kind in self._wrote else ""
+
+    def _lead(self, header: str, out: list[Fragment]) -> str:
+        """``header`` less text before the output's first header that is no part of one
+        (neither a role nor a recipient): that is content."""
+        if self._started:
+            return header
+        first = min((at for at in (header.find(START), header.find(CHANNEL)) if at >= 0), default=len(header))
+        lead = header[:first]
+        if "to=" in lead or lead.strip() in ("", "assistant"):
+            return header
+        self._begin("content")
+        self._body(lead, out)
+        return header[first:]
 
     def _header_kind(self, header: str) -> str:
         """What a message of ``header`` is (see the module's docstring)."""
@@ -126,12 +145,15 @@ class HarmonyOutput:
         return "reasoning" if channel and channel[0] == "analysis" else "content"
 
     def _body(self, text: str, out: list[Fragment]) -> None:
+        for marker in MARKERS:  # (text that is no harmony, or a stray marker in a body)
+            text = text.replace(marker, "")
         if not text:
             return
         if self._kind not in ("reasoning", "content"):
             self._arguments.append(text)
             return
-        text, self._opening, self._last = self._opening + text, "", self._kind
+        text, self._opening = self._opening + text, ""
+        self._wrote.add(self._kind)
         out.append(Reasoning(text) if self._kind == "reasoning" else Content(text))
 
     def _close(self, out: list[Fragment], *, cut: bool) -> None:
@@ -151,3 +173,9 @@ class HarmonyOutput:
             return
         out.append(ToolCall(self.calls, f"call_{uuid.uuid4().hex[:24]}", name, arguments))
         self.calls += 1
+
+
+def _opens_header(text: str) -> bool:
+    """Whether ``text`` (an output's unfinished start) begins a header, or may."""
+    stripped = text.lstrip()
+    return stripped.startswith(("to=", START, CHANNEL)) or START.startswith(stripped) or CHANNEL.startswith(stripped)

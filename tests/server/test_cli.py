@@ -235,6 +235,15 @@ def test_a_draft_model_that_does_not_load_is_a_clean_error(capsys: pytest.Captur
         assert "\naiocb serve: draft_model '/nowhere' could not be loaded" in f"\n{error}", error
 
 
+def test_a_parser_of_another_format_than_the_template_s_is_a_clean_error(capsys: pytest.CaptureFixture[str]) -> None:
+    for flags in ([], ["--api-workers", "1"]):
+        args = parse(*flags, "--port", str(_free_port()), "--reasoning-parser", "openai_gptoss")
+        args.model = None  # (the bundled model, whose template is no harmony)
+        assert run_serve(args) == 2
+        error = capsys.readouterr().err
+        assert "\naiocb serve: the 'openai_gptoss' parser reads gpt-oss's harmony format" in f"\n{error}", error
+
+
 def test_a_model_that_does_not_load_is_a_clean_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     for flags in ([], ["--api-workers", "1"]):
         args = parse(*flags, "--port", str(_free_port()))

@@ -21,6 +21,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedModel
 
 import aiocb
 from aiocb.server import build_app
+from aiocb.server.fragments import Content, Reasoning
 from aiocb.server.harmony import MARKERS, HarmonyOutput
 from tests.server.conftest import build_tokenizer, serve_config
 
@@ -92,15 +93,23 @@ def scripted_model(tokenizer: Any, prompt: list[int], script: str) -> PreTrained
     return model
 
 
-def prompt_of(tokenizer: Any, tools: list[dict[str, Any]] | None = None) -> list[int]:
-    text = tokenizer.apply_chat_template(QUESTION, tools=tools, tokenize=False, add_generation_prompt=True)
+def prompt_of(
+    tokenizer: Any, tools: list[dict[str, Any]] | None = None, messages: list[dict[str, Any]] = QUESTION
+) -> list[int]:
+    """The prompt the server makes of ``messages`` (a last assistant message: continued)."""
+    continued = messages[-1]["role"] == "assistant"
+    text = tokenizer.apply_chat_template(
+        messages, tools=tools, tokenize=False, add_generation_prompt=not continued, continue_final_message=continued
+    )
     ids: list[int] = tokenizer(text, add_special_tokens=False).input_ids
     return ids
 
 
 @asynccontextmanager
-async def serving(tokenizer: Any, script: str, tools: bool, **app: Any) -> AsyncIterator[httpx.AsyncClient]:
-    model = scripted_model(tokenizer, prompt_of(tokenizer, [WEATHER] if tools else None), script)
+async def serving(
+    tokenizer: Any, script: str, tools: bool, messages: list[dict[str, Any]] = QUESTION, **app: Any
+) -> AsyncIterator[httpx.AsyncClient]:
+    model = scripted_model(tokenizer, prompt_of(tokenizer, [WEATHER] if tools else None, messages), script)
     async with aiocb.Manager(model, continuous_batching_config=serve_config()) as manager:
         served = build_app(manager, tokenizer, MODEL_NAME, **app)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=served), base_url="http://test") as http:
@@ -162,6 +171,30 @@ async def test_a_final_message_is_the_content(tokenizer: Any) -> None:
     assert choice["message"]["reasoning_content"] == streamed["reasoning_content"] == "A greeting."
     assert "tool_calls" not in choice["message"] and not streamed["tool_calls"]
     assert not any(marker in seen for marker in MARKERS)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_output_cut_in_a_header_leaves_the_header_out(tokenizer: Any, stream: bool) -> None:
+    """max_tokens ends the output inside the second message's header: none of it is content."""
+    cut = len(tokenizer("<|channel|>analysis<|message|>A greeting.<|end|><|start|>assistant<|channel|>fi").input_ids)
+    async with serving(tokenizer, ANSWER, tools=False) as client:
+        if stream:
+            message, finish, _ = await _streamed(client, _body(False, max_tokens=cut))
+        else:
+            choice = (await client.post("/v1/chat/completions", json=_body(False, max_tokens=cut))).json()["choices"][0]
+            message, finish = choice["message"], choice["finish_reason"]
+    assert finish == "length"
+    assert message["reasoning_content"] == "A greeting." and not message["content"]
+
+
+async def test_a_continued_final_message_goes_on_as_content(tokenizer: Any) -> None:
+    messages = [*QUESTION, {"role": "assistant", "content": "It is"}]
+    async with serving(tokenizer, " sunny.<|return|>", tools=False, messages=messages) as client:
+        body = _body(False, messages=messages, add_generation_prompt=False)
+        body["chat_template_kwargs"] = {"continue_final_message": True}
+        response = await client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["content"] == " sunny."
 
 
 async def test_a_call_of_a_function_not_offered_stays_content(tokenizer: Any) -> None:
@@ -234,3 +267,41 @@ def test_the_parser_reads_any_split_of_the_text(step: int) -> None:
     assert content == "Checking."
     assert calls == [("get_weather", '{"city": "Paris"}'), ("get_weather", '{"city": "Li')]
     assert output.calls == 2
+
+
+def _parsed(text: str, step: int, **options: Any) -> tuple[str, str]:
+    """(reasoning, content) of ``text`` fed ``step`` characters at a time."""
+    output = HarmonyOutput(None, **options)
+    fragments = [f for i in range(0, len(text), step) for f in output.feed(text[i : i + step])] + output.finish()
+    reasoning = "".join(f.text for f in fragments if isinstance(f, Reasoning))
+    return reasoning, "".join(f.text for f in fragments if isinstance(f, Content))
+
+
+@pytest.mark.parametrize("step", [1, 7, 1000])
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        # messages of each kind interleaved: a line between two of one kind
+        (
+            "<|channel|>analysis<|message|>A.<|end|><|start|>assistant<|channel|>commentary<|message|>Checking."
+            "<|end|><|start|>assistant<|channel|>analysis<|message|>B.<|end|><|start|>assistant<|channel|>final"
+            "<|message|>Done.<|return|>",
+            ("A.\nB.", "Checking.\nDone."),
+        ),
+        # an output that ends in a header (a stop string matched it): left out
+        ("<|channel|>analysis<|message|>A.<|end|><|start|>assistant<|channel|>fin", ("A.", "")),
+        ("<|chan", ("", "")),
+        # no harmony at all, however long and however split: content, markers left out
+        ("x" * 300 + "<|channel|>final<|message|>tail<|return|>", ("", "x" * 300 + "finaltail")),
+        ("Just text.", ("", "Just text.")),
+        # text before the first header that is no part of one: content
+        ("Hello there<|channel|>final<|message|>Hi<|return|>", ("", "Hello there\nHi")),
+    ],
+)
+def test_the_parser_s_edges(step: int, text: str, expected: tuple[str, str]) -> None:
+    assert _parsed(text, step) == expected
+
+
+def test_a_continued_reasoning_goes_on_as_reasoning() -> None:
+    text = " more.<|end|><|start|>assistant<|channel|>final<|message|>Done.<|return|>"
+    assert _parsed(text, 3, inside="reasoning") == (" more.", "Done.")
