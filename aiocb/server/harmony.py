@@ -64,8 +64,10 @@ class HarmonyOutput:
         self._in_header = inside is None
         #: whether a message began (the output is harmony)
         self._started = inside is not None
-        #: the message being read: "reasoning", "content" or a function's name (a call)
+        #: the message being read: "reasoning", "content" or "call" ...
         self._kind = inside or "content"
+        #: ... of this function, with these arguments so far
+        self._function = ""
         self._arguments: list[str] = []
         #: the kinds of text ("reasoning", "content") messages gave so far
         self._wrote: set[str] = set()
@@ -84,7 +86,7 @@ class HarmonyOutput:
                 if at < 0 or at > _MOST_HEADER:  # (no header: the text is content, whatever its split)
                     self._begin("content")
                     continue
-                self._begin(self._header_kind(self._lead(self._buffer[:at], out)))
+                self._begin(*self._header_kind(self._lead(self._buffer[:at], out)))
                 self._buffer = self._buffer[at + len(MESSAGE) :]
                 continue
             end, marker = min(((self._buffer.find(m), m) for m in _ENDS if m in self._buffer), default=(-1, ""))
@@ -113,9 +115,9 @@ class HarmonyOutput:
         self._buffer = ""
         return merged(out)
 
-    def _begin(self, kind: str) -> None:
-        """A message's body begins."""
-        self._in_header, self._started, self._kind = False, True, kind
+    def _begin(self, kind: str, function: str = "") -> None:
+        """A message's body begins (a call's: of ``function``)."""
+        self._in_header, self._started, self._kind, self._function = False, True, kind, function
         self._opening = "\n" if kind in self._wrote else ""
 
     def _lead(self, header: str, out: list[Fragment]) -> str:
@@ -131,25 +133,25 @@ class HarmonyOutput:
         self._body(lead, out)
         return header[first:]
 
-    def _header_kind(self, header: str) -> str:
-        """What a message of ``header`` is (see the module's docstring)."""
+    def _header_kind(self, header: str) -> tuple[str, str]:
+        """What a message of ``header`` is, and the function it calls (see the module's docstring)."""
         recipient = _RECIPIENT.search(header)
         if recipient is not None:
             name = recipient.group(1)
             if name.startswith(_FUNCTIONS) and self._functions is not None:
-                return name[len(_FUNCTIONS) :]  # (offered or not: see _close)
+                return "call", name[len(_FUNCTIONS) :]  # (offered or not: see _close)
             if not name.startswith(_FUNCTIONS):
-                return "reasoning"  # (a built-in tool's call: part of the chain of thought)
-            return "content"
+                return "reasoning", ""  # (a built-in tool's call: part of the chain of thought)
+            return "content", ""
         channel = header.partition(CHANNEL)[2].split(maxsplit=1)
-        return "reasoning" if channel and channel[0] == "analysis" else "content"
+        return ("reasoning" if channel and channel[0] == "analysis" else "content"), ""
 
     def _body(self, text: str, out: list[Fragment]) -> None:
         for marker in MARKERS:  # (text that is no harmony, or a stray marker in a body)
             text = text.replace(marker, "")
         if not text:
             return
-        if self._kind not in ("reasoning", "content"):
+        if self._kind == "call":
             self._arguments.append(text)
             return
         text, self._opening = self._opening + text, ""
@@ -159,11 +161,11 @@ class HarmonyOutput:
     def _close(self, out: list[Fragment], *, cut: bool) -> None:
         """The message read ends: a call's, its call (or, to a function not offered, its
         body as content; cut at its length limit before any argument, nothing)."""
-        if self._kind in ("reasoning", "content"):
+        if self._kind != "call":
             return
-        name, arguments = self._kind, "".join(self._arguments).strip()
+        name, arguments = self._function, "".join(self._arguments).strip()
         self._arguments = []
-        self._kind = "content"
+        self._kind, self._function = "content", ""
         assert self._functions is not None
         if name not in self._functions:
             if arguments:

@@ -21,7 +21,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedModel
 
 import aiocb
 from aiocb.server import build_app
-from aiocb.server.fragments import Content, Reasoning
+from aiocb.server.fragments import Content, Reasoning, ToolCall
 from aiocb.server.harmony import MARKERS, HarmonyOutput
 from tests.server.conftest import build_tokenizer, serve_config
 
@@ -300,6 +300,13 @@ def _parsed(text: str, step: int, **options: Any) -> tuple[str, str]:
 )
 def test_the_parser_s_edges(step: int, text: str, expected: tuple[str, str]) -> None:
     assert _parsed(text, step) == expected
+
+
+def test_a_function_named_as_a_kind_of_text_is_called() -> None:
+    output = HarmonyOutput(["content"])
+    text = '<|channel|>commentary to=functions.content json<|message|>{"a": 1}<|call|>'
+    fragments = output.feed(text) + output.finish()
+    assert [(f.name, f.arguments) for f in fragments if isinstance(f, ToolCall)] == [("content", '{"a": 1}')]
 
 
 def test_a_continued_reasoning_goes_on_as_reasoning() -> None:
