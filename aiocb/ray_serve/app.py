@@ -112,6 +112,7 @@ def build_app(
     actor_options = _actor_options(ray_actor_options)
     deployment_options |= _placement(source, options, tensor_parallel_size, actor_options)
     _check_device(options.device, actor_options)
+    _check_chat_parsers(source, options)
     # (as Python's numbers: Ray's configs and the router's keyword arguments are serialised)
     max_ongoing_requests = check_count("max_ongoing_requests", max_ongoing_requests, least=1)
     num_ingress_replicas = check_count("num_ingress_replicas", num_ingress_replicas, least=1)
@@ -193,6 +194,28 @@ def _actor_options(given: Mapping[str, Any] | None) -> dict[str, Any]:
     if gpus > 0:
         options["num_gpus"] = 1
     return options
+
+
+def _check_chat_parsers(model: str | None, options: ReplicaOptions) -> None:
+    """Refuse parsers of another format than the chat template's here, where the tokenizer
+    is on this machine (the bundled model's, or a local directory's), rather than in every
+    replica as it builds its app."""
+    from aiocb.default_model import DEFAULT_MODEL_PATH
+    from aiocb.server.app import chat_parsers_of
+
+    source = options.tokenizer or model or str(DEFAULT_MODEL_PATH)
+    if not os.path.isdir(source):
+        return  # (a hub id: the replicas load it, and refuse there)
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=options.trust_remote_code)
+    except Exception as exc:  # (every replica would fail to load it)
+        raise InvalidConfigError(f"the tokenizer in {source} does not load: {exc}") from None
+    try:
+        chat_parsers_of(tokenizer, options.tool_call_parser, options.reasoning_parser)
+    except ValueError as exc:
+        raise InvalidConfigError(str(exc)) from None
 
 
 def _check_device(device: str, actor_options: Mapping[str, Any]) -> None:

@@ -322,6 +322,8 @@ async def test_closing_the_forwarded_response_cancels_the_request_and_frees_its_
         ({"max_imbalance": 1.5}, "max_imbalance must be an int >= 0"),
         ({"access_log": "no"}, "access_log must be True or False, got 'no'"),
         ({"trust_remote_code": 1}, "trust_remote_code must be True or False"),
+        # (the bundled model's template is no harmony: checked here, not by every replica)
+        ({"reasoning_parser": "openai_gptoss"}, "'openai_gptoss' parser reads gpt-oss's harmony format"),
         # (each replica sees the GPUs Ray gives it alone, numbered from 0)
         ({"device": "cuda", "ray_actor_options": {"num_cpus": 1}}, r"device='cuda', but ray_actor_options give each"),
         ({"device": "cuda:1", "ray_actor_options": {"num_gpus": 1}}, r"sees only the 1 GPU\(s\) Ray gives it"),
@@ -334,6 +336,12 @@ async def test_closing_the_forwarded_response_cancels_the_request_and_frees_its_
 def test_build_app_refuses_bad_options_by_name(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(InvalidConfigError, match=message):
         build_app(None, **kwargs)
+
+
+def test_build_app_refuses_a_local_model_whose_tokenizer_does_not_load(tmp_path: Any) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(InvalidConfigError, match=f"the tokenizer in {tmp_path} does not load"):
+        build_app(tmp_path)
 
 
 def test_build_app_takes_a_cuda_device_the_replicas_have() -> None:
