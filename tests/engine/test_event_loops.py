@@ -50,23 +50,22 @@ def _running_on_another_thread(manager: aiocb.Manager, burst: bool = False) -> I
     """``manager`` started on an event loop of its own thread (with ``burst``, a caller of a
     burst waiting in its turnstile); destroyed there on exit."""
     loop = asyncio.new_event_loop()
-    ready = threading.Event()
 
     async def own() -> None:
         manager.start()
         if burst:
             manager._turnstile._waiters.append(loop.create_future())
-        ready.set()
-        while manager.is_running:  # noqa: ASYNC110 (polls a property from another thread's loop)
-            await asyncio.sleep(0.01)
 
-    thread = threading.Thread(target=loop.run_until_complete, args=(own(),))
+    # (the loop runs until the destroy has ended: one that ran until the manager stopped
+    # ended midway through the destroy, whose stop comes first, and the destroy never did)
+    thread = threading.Thread(target=loop.run_forever)
     thread.start()
-    ready.wait(10)
     try:
+        asyncio.run_coroutine_threadsafe(own(), loop).result(10)
         yield
     finally:
         asyncio.run_coroutine_threadsafe(manager.destroy(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         loop.close()
 
