@@ -733,7 +733,11 @@ class Manager:
             # A round trip to the other tensor-parallel ranks (up to cpu_group_timeout when
             # one hangs): on a worker thread, once this manager is destroyed (nothing can
             # start it meanwhile); it ends even if this call is cancelled.
-            await asyncio.shield(asyncio.to_thread(runner.close))
+            # (handed over in a box the worker empties: the pool's work item would hold a
+            # bound method, and the runner with its cache, until the thread moved on)
+            box = [runner]
+            del runner
+            await asyncio.shield(asyncio.to_thread(_close_runner_in, box))
 
     async def __aenter__(self) -> Manager:
         if self._state is _State.STOPPING:  # (a stop under way, as a cancelled entry's: it ends first)
@@ -1548,6 +1552,11 @@ def _freeze_the_first_managers_model() -> None:
     if not _model_frozen:
         _model_frozen = True
         freeze_alive_objects()
+
+
+def _close_runner_in(box: list[ModelRunner]) -> None:
+    """Close the runner ``box`` holds, leaving no reference to it behind (see :meth:`Manager.destroy`)."""
+    box.pop().close()
 
 
 def _release_tracebacks(error: BaseException) -> None:
