@@ -20,7 +20,7 @@ from aiocb.server.chat_output import ChoiceOutput, MessageBuilder
 from aiocb.server.chat_output import delta as message_delta
 from aiocb.server.context import ServerContext, finite
 from aiocb.server.edge import AccessRecord
-from aiocb.server.harmony import HarmonyOutput
+from aiocb.server.harmony import HarmonyOutput, harmony_constraint
 from aiocb.server.limits import parse_json
 from aiocb.server.protocol import ChatCompletionRequest, bad_request, error_from_exception, parse_chat_request
 from aiocb.server.reasoning import REASONING_FIELDS, ReasoningSplitter, after_thinking, prompt_opens_thinking
@@ -48,8 +48,8 @@ class PreparedChat:
     #: whether the prompt ends inside a ``<think>`` block that the template opened
     opens_thinking: bool = False
     #: the output constraint (a ``SamplingParams`` field and its value) that holds for the
-    #: answer after the thinking, with a reasoning parser: made into :attr:`constraint` by
-    #: :func:`constrain_answer`
+    #: answer after the thinking, with a reasoning parser, or for a harmony output's final
+    #: message: made into :attr:`constraint` by :func:`constrain_answer`
     answer: tuple[str, Any] | None = None
 
 
@@ -71,8 +71,20 @@ def prepare_chat(ctx: ServerContext, body: bytes) -> PreparedChat:
             "this server has no tool-call parser for its model's chat template; start it with --tool-call-parser",
             "tools",
         )
-    if ctx.harmony:
-        _refuse_constraints_of_harmony(request, tools)
+    given = [name for name in STRUCTURE_FIELDS if name in request.sampling.controls]
+    # (a harmony output's final message takes the constraint, which calls alone leave out)
+    if tools is not None and tools.enforced and given and (tools.calls_only or not ctx.harmony):
+        message = (
+            f"the tools' tool_choice {tools.choice!r} constrains the output; it cannot be combined with "
+            f"another output constraint (response_format or structured outputs: {given[0]})"
+        )
+        raise bad_request(message, "tool_choice")
+    if ctx.harmony and tools is not None and tools.calls_only and harmony_inside(request) == "content":
+        raise bad_request(
+            f"tool_choice {tools.choice!r} asks for a call, which cannot follow the final message that "
+            "chat_template_kwargs.continue_final_message continues",
+            "tool_choice",
+        )
     if request.chat_template_kwargs.get("continue_final_message") and request.add_generation_prompt:
         raise bad_request(
             "chat_template_kwargs.continue_final_message continues the last message, which add_generation_prompt "
@@ -101,59 +113,49 @@ def prepare_chat(ctx: ServerContext, body: bytes) -> PreparedChat:
     constraint: dict[str, Any] = {}
     if tools is not None and tools.enforced and not ctx.harmony:
         assert parser is not None
-        given = [name for name in STRUCTURE_FIELDS if name in request.sampling.controls]
-        if given:
-            message = (
-                f"the tools' tool_choice {tools.choice!r} constrains the output; it cannot be combined with "
-                f"another output constraint (response_format or structured outputs: {given[0]})"
-            )
-            raise bad_request(message, "tool_choice")
         mode = "disabled" if not ctx.reasoning else "enabled" if opens_thinking else "auto"
         constraint["structural_tag"] = structural_tag(tools, parser.xgrammar_format, mode, parser.separator)
     ids = ctx.encode_prompt(text, add_special_tokens=False, param="messages", keep=keep).ids
     answer = None
-    if ctx.reasoning and not constraint:
-        given = [name for name in STRUCTURE_FIELDS if name in request.sampling.controls]
-        if given:  # (the constraint holds for the answer, after the thinking)
-            (name,) = given
-            answer = (name, request.sampling.controls[name])
+    if (ctx.reasoning or ctx.harmony) and not constraint and given:
+        # (the constraint holds for the answer: after the thinking, or harmony's final message)
+        (name,) = given
+        answer = (name, request.sampling.controls[name])
     return PreparedChat(request, ids, tools, constraint, opens_thinking, answer)
 
 
-def _refuse_constraints_of_harmony(request: ChatCompletionRequest, tools: ToolRequest | None) -> None:
-    """Refuse the output constraints a harmony output cannot take: a grammar over the whole
-    output would hold for its channels' headers and its reasoning too."""
-    given = [name for name in STRUCTURE_FIELDS if name in request.sampling.controls]
-    if given:
-        field = request.sampling.body_params().get(given[0], given[0])  # (the body's name: response_format)
-        raise bad_request(
-            f"{field} constrains the whole output, which for gpt-oss's harmony format holds its reasoning and "
-            "its messages' headers too: aiocb does not constrain harmony outputs",
-            field,
-        )
-    if tools is not None and tools.enforced:
-        what = f"tool_choice {tools.choice!r}" if tools.calls_only else "a strict function"
-        raise bad_request(
-            f"{what} enforces calls with a grammar, which aiocb does not do for gpt-oss's harmony format: offer "
-            "functions without strict, with tool_choice 'auto'",
-            "tool_choice" if tools.calls_only else "tools",
-        )
+def harmony_inside(request: ChatCompletionRequest) -> str | None:
+    """The kind of harmony message the prompt ends inside ("content", "reasoning"): a
+    message continued (``continue_final_message``), whose field says which; None if none."""
+    continued = request.chat_template_kwargs.get("continue_final_message")
+    if not continued:
+        return None
+    return "reasoning" if isinstance(continued, str) and continued in REASONING_FIELDS else "content"
 
 
 async def constrain_answer(ctx: ServerContext, prepared: PreparedChat) -> PreparedChat:
     """``prepared`` with its :attr:`~PreparedChat.answer` constraint after a free
-    ``<think>`` block, made off the loop (:meth:`ServerContext.building`): a JSON schema's
-    grammar, checked, takes tens of milliseconds for a body of a kilobyte or two (sixty
-    properties, 84 ms)."""
-    if prepared.answer is None:
+    ``<think>`` block (for harmony: in the final message, with its enforced tools' calls;
+    :func:`~aiocb.server.harmony.harmony_constraint`), made off the loop
+    (:meth:`ServerContext.building`): a JSON schema's grammar, checked, takes tens of
+    milliseconds for a body of a kilobyte or two (sixty properties, 84 ms)."""
+    build: functools.partial[dict[str, Any]]
+    if ctx.harmony:
+        enforced = prepared.tools is not None and prepared.tools.enforced
+        if prepared.answer is None and not enforced:
+            return prepared
+        inside = harmony_inside(prepared.request)
+        build = functools.partial(harmony_constraint, prepared.answer, prepared.tools, inside)
+    elif prepared.answer is None:
         return prepared
-    name, value = prepared.answer
-    build = functools.partial(after_thinking, name, value, opened=prepared.opens_thinking)
+    else:
+        build = functools.partial(after_thinking, *prepared.answer, opened=prepared.opens_thinking)
     try:
         tag = await ctx.building(build)
     except InvalidRequestError as exc:
         raise error_from_exception(exc, prepared.request.sampling.body_params()) from None
-    return dataclasses.replace(prepared, constraint={name: None, "structural_tag": tag}, answer=None)
+    replaced = {} if prepared.answer is None else {prepared.answer[0]: None}
+    return dataclasses.replace(prepared, constraint={**replaced, "structural_tag": tag}, answer=None)
 
 
 class ChatCompletion:
@@ -295,13 +297,9 @@ class ChatCompletion:
         """A parser of one choice's text: reasoning split off, tool calls found."""
         ctx = self.ctx
         hidden = ctx.special_texts if self.hides_special else ()
-        if ctx.harmony:
-            # (a continued message's body goes on: its field says which kind)
-            continued = self.request.chat_template_kwargs.get("continue_final_message")
-            inside = None
-            if continued:
-                inside = "reasoning" if isinstance(continued, str) and continued in REASONING_FIELDS else "content"
-            return HarmonyOutput(None if self.tools is None else self.tools.names, hidden, inside)
+        if ctx.harmony:  # (a continued message's body goes on)
+            functions = None if self.tools is None else self.tools.names
+            return HarmonyOutput(functions, hidden, harmony_inside(self.request))
         reasoning = ReasoningSplitter(starts_inside=self.opens_thinking) if ctx.reasoning else None
         tools = None
         if self.tools is not None:

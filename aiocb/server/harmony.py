@@ -10,7 +10,8 @@ built-in tool (``to=browser.search``, ``to=python``), which the server cannot ru
 and ``commentary`` (a preamble to calls) are content; a message to ``functions.NAME`` is a
 call of a function the request offered (else its body stays content, as other formats'
 calls of unknown functions do). The markers never reach the client: the output is decoded
-with special tokens kept, and the parser takes them out.
+with special tokens kept, and the parser takes them out. Output constraints and enforced
+tools hold for the final message and the calls alone (:func:`harmony_constraint`).
 """
 
 from __future__ import annotations
@@ -18,8 +19,12 @@ from __future__ import annotations
 import re
 import uuid
 from collections.abc import Collection
+from typing import Any
 
+from aiocb.params import SamplingParams
 from aiocb.server.fragments import Content, Fragment, HiddenTexts, Reasoning, ToolCall, merged, partial_suffix
+from aiocb.server.tools import ToolRequest, arguments_format
+from aiocb.structured import answer_format
 
 #: the name ``--reasoning-parser`` and ``--tool-call-parser`` take for it (vLLM's names)
 REASONING_PARSER = "openai_gptoss"
@@ -34,6 +39,69 @@ MARKERS = (START, CHANNEL, MESSAGE, CONSTRAIN, *_ENDS[:3])
 _MOST_HEADER = 256
 _RECIPIENT = re.compile(r"to=([^\s<]+)")
 _FUNCTIONS = "functions."
+
+
+#: what goes between two messages of an output (the prompt ends with the first's)
+_SEPARATOR = START + "assistant"
+#: the headers a call of function NAME is written with: gpt-oss's own, and the template's
+#: (the recipient in the role), with and without ``<|constrain|>``
+_CALL_HEADERS = (
+    CHANNEL + "commentary to=functions.{} " + CONSTRAIN + "json" + MESSAGE,
+    " to=functions.{}" + CHANNEL + "commentary " + CONSTRAIN + "json" + MESSAGE,
+    " to=functions.{}" + CHANNEL + "commentary json" + MESSAGE,
+)
+
+
+def harmony_constraint(answer: tuple[str, Any] | None, tools: ToolRequest | None, inside: str | None) -> dict[str, Any]:
+    """The structural tag that holds a harmony output to its request's constraints: the
+    final message's body to ``answer`` (a :class:`~aiocb.SamplingParams` field and its
+    value: ``response_format``, structured outputs; None: any text) and the calls to what
+    ``tools`` enforces (a strict function's arguments to its schema; ``required`` or a named
+    function: a call and no final message), while the reasoning (``analysis`` messages) and
+    the preambles to calls stay free, as vLLM's reasoning parser leaves them.
+
+    ``inside`` is the kind of message the prompt ends inside (see :class:`HarmonyOutput`):
+    a continued final message's body is the answer; a continued analysis goes on to its
+    ``<|end|>`` first. A message ends with the model's own end token (``<|return|>``,
+    ``<|call|>``), which ends a complete grammar, so it is not in the tags; an analysis
+    ends with ``<|end|>``, which is text to the grammar. InvalidRequestError naming what
+    is wrong with ``answer``."""
+    body: dict[str, Any] = {"type": "any_text"}
+    if answer is not None:
+        structure = SamplingParams(**{answer[0]: answer[1]}).structure()
+        assert structure is not None
+        body = answer_format(structure)
+    if inside == "content":  # (a final message goes on: no call can follow it)
+        return {"type": "structural_tag", "format": body}
+    last: list[dict[str, Any]] = []  # (the message that ends the output)
+    if tools is None or not tools.calls_only:
+        last.append(_last(CHANNEL + "final" + MESSAGE, body))
+    messages = [_tag(CHANNEL + "analysis" + MESSAGE, {"type": "any_text"}, "<|end|>")]
+    if tools is not None:
+        offered = [t["function"] for t in tools.tools]
+        for function in offered if not tools.forced else [f for f in offered if f["name"] == tools.choice]:
+            arguments = arguments_format(tools, function)
+            last += [_last(header.format(function["name"]), arguments) for header in _CALL_HEADERS]
+        if not tools.calls_only:  # (a preamble is content, which calls alone leave out)
+            messages.append(_tag(CHANNEL + "commentary" + MESSAGE, {"type": "any_text"}, "<|end|>"))
+    ending: dict[str, Any] = {"type": "or", "elements": last}
+    before = {"type": "tags_with_separator", "tags": messages, "separator": _SEPARATOR, "at_least_one": True}
+    after_messages = {"type": "sequence", "elements": [before, {"type": "const_string", "value": _SEPARATOR}, ending]}
+    output: dict[str, Any] = {"type": "or", "elements": [ending, after_messages]}
+    if inside == "reasoning":
+        continued = _tag("", {"type": "any_text"}, "<|end|>")
+        output = {"type": "sequence", "elements": [continued, {"type": "const_string", "value": _SEPARATOR}, output]}
+    return {"type": "structural_tag", "format": output}
+
+
+def _tag(begin: str, content: dict[str, Any], end: str) -> dict[str, Any]:
+    return {"type": "tag", "begin": begin, "content": content, "end": end}
+
+
+def _last(header: str, body: dict[str, Any]) -> dict[str, Any]:
+    """The output's last message: its end is the model's end token (a tag of no end could
+    not take any text, which xgrammar refuses)."""
+    return {"type": "sequence", "elements": [{"type": "const_string", "value": header}, body]}
 
 
 def is_harmony_template(chat_template: object) -> bool:

@@ -288,6 +288,13 @@ def _arguments_schema(request: ToolRequest, function: Mapping[str, Any]) -> dict
     return _NO_PARAMETERS if parameters is None else parameters
 
 
+def arguments_format(request: ToolRequest, function: Mapping[str, Any]) -> dict[str, Any]:
+    """A structural tag's format for the arguments of a call of ``function`` (its
+    ``function`` object): JSON under the schema they follow (see :class:`ToolRequest`)."""
+    schema = _arguments_schema(request, function)
+    return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": _MAX_WHITESPACE}
+
+
 def _single_call_tag(request: ToolRequest, fmt: dict[str, str]) -> dict[str, Any]:
     """A triggered-tags structural tag with one tag per function: ``begin + name + name_end``,
     the arguments under the function's schema (any JSON object unless strict or enforced),
@@ -296,12 +303,11 @@ def _single_call_tag(request: ToolRequest, fmt: dict[str, str]) -> dict[str, Any
     tags = []
     for tool in tools:
         function = tool["function"]
-        schema = _arguments_schema(request, function)
         tags.append(
             {
                 "type": "tag",
                 "begin": fmt["begin"] + function["name"] + fmt["name_end"],
-                "content": {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": _MAX_WHITESPACE},
+                "content": arguments_format(request, function),
                 "end": fmt["end"],
             }
         )

@@ -17,12 +17,15 @@ from typing import Any
 import httpx
 import pytest
 import torch
+import xgrammar
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedModel
 
 import aiocb
 from aiocb.server import build_app
 from aiocb.server.fragments import Content, Reasoning, ToolCall
-from aiocb.server.harmony import MARKERS, HarmonyOutput
+from aiocb.server.harmony import MARKERS, HarmonyOutput, harmony_constraint
+from aiocb.server.tools import ToolRequest
+from aiocb.structured import GrammarCompiler
 from tests.server.conftest import build_tokenizer, serve_config
 
 MODEL_NAME = "tiny-gpt-oss"
@@ -64,11 +67,14 @@ def tokenizer() -> Any:
     return tokenizer
 
 
-def scripted_model(tokenizer: Any, prompt: list[int], script: str) -> PreTrainedModel:
+def scripted_model(tokenizer: Any, prompt: list[int], script: str, fallback: str = "") -> PreTrainedModel:
     """A GPT-2 that answers ``prompt`` with ``script`` (greedily), then stops: the script's
-    last token (``<|return|>`` or ``<|call|>``) is an EOS of its generation config, as gpt-oss's are."""
+    last token (``<|return|>`` or ``<|call|>``) is an EOS of its generation config, as gpt-oss's are.
+    Where a constraint forbids the script's token, its second choice is ``fallback``'s token
+    at that position: a constrained output follows the fallback where they part."""
     script_ids = tokenizer(script, add_special_tokens=False).input_ids
-    assert len(prompt) + len(script_ids) <= POSITIONS
+    fallback_ids = tokenizer(fallback, add_special_tokens=False).input_ids
+    assert len(prompt) + max(len(script_ids), len(fallback_ids)) <= POSITIONS
     config = GPT2Config(
         vocab_size=len(tokenizer),
         n_positions=POSITIONS,
@@ -86,6 +92,8 @@ def scripted_model(tokenizer: Any, prompt: list[int], script: str) -> PreTrained
             parameter.zero_()
         model.transformer.ln_f.weight.fill_(1.0)
         model.transformer.wpe.weight.copy_(torch.eye(POSITIONS))
+        for k, token in enumerate(fallback_ids):
+            model.lm_head.weight[token, len(prompt) - 1 + k] = 5.0
         for k, token in enumerate(script_ids):
             model.lm_head.weight[token, len(prompt) - 1 + k] = 10.0
     model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids(["<|return|>", "<|call|>"])
@@ -107,10 +115,16 @@ def prompt_of(
 
 @asynccontextmanager
 async def serving(
-    tokenizer: Any, script: str, tools: bool, messages: list[dict[str, Any]] = QUESTION, **app: Any
+    tokenizer: Any,
+    script: str,
+    tools: bool,
+    messages: list[dict[str, Any]] = QUESTION,
+    fallback: str = "",
+    **app: Any,
 ) -> AsyncIterator[httpx.AsyncClient]:
-    model = scripted_model(tokenizer, prompt_of(tokenizer, [WEATHER] if tools else None, messages), script)
-    async with aiocb.Manager(model, continuous_batching_config=serve_config()) as manager:
+    prompt = prompt_of(tokenizer, [WEATHER] if tools else None, messages)
+    model = scripted_model(tokenizer, prompt, script, fallback)
+    async with aiocb.Manager(model, continuous_batching_config=serve_config(), tokenizer=tokenizer) as manager:
         served = build_app(manager, tokenizer, MODEL_NAME, **app)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=served), base_url="http://test") as http:
             yield http
@@ -205,26 +219,94 @@ async def test_a_call_of_a_function_not_offered_stays_content(tokenizer: Any) ->
     assert message["content"] == '{"city": "Paris"}' and "tool_calls" not in message
 
 
+#: the first message of ANSWER, and the next one's header up to its channel
+GREETING = "<|channel|>analysis<|message|>A greeting.<|end|><|start|>assistant<|channel|>"
+SKY = {"type": "object", "properties": {"sky": {"type": "string"}}, "required": ["sky"]}
+JSON_ANSWER = GREETING + 'final<|message|>{"sky": "sunny"}<|return|>'
+#: an answer in words that no JSON can begin with (a longer one could go on inside a string)
+WORDS = GREETING + "final<|message|>It<|return|>"
+CALL_AFTER_GREETING = (
+    GREETING + 'commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>'
+)
+STRICT_WEATHER = {**WEATHER, "function": {**WEATHER["function"], "strict": True}}
+
+
 @pytest.mark.parametrize(
-    ("fields", "param", "message"),
+    "fields",
     [
-        ({"response_format": {"type": "json_object"}}, "response_format", "constrains the whole output"),
-        ({"tool_choice": "required"}, "tool_choice", "tool_choice 'required' enforces calls with a grammar"),
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "sky", "schema": SKY}}},
+        {"response_format": {"type": "json_object"}},
+        {"structured_outputs": {"json": SKY}},
+    ],
+)
+async def test_an_output_constraint_holds_the_final_message_and_leaves_the_reasoning_free(
+    tokenizer: Any, fields: dict[str, Any]
+) -> None:
+    """The model would answer in words; constrained, its final message is JSON, after the
+    same free analysis (a grammar over the whole output would have refused its headers)."""
+    async with serving(tokenizer, WORDS, tools=False, fallback=JSON_ANSWER) as client:
+        free = await client.post("/v1/chat/completions", json=_body(False))
+        response = await client.post("/v1/chat/completions", json=_body(False, **fields))
+        assert response.status_code == 200, response.text
+        streamed, finish, seen = await _streamed(client, _body(False, **fields))
+    assert free.json()["choices"][0]["message"]["content"] == "It"
+    choice = response.json()["choices"][0]
+    assert choice["finish_reason"] == finish == "stop"
+    assert choice["message"]["content"] == streamed["content"] == '{"sky": "sunny"}'
+    assert choice["message"]["reasoning_content"] == streamed["reasoning_content"] == "A greeting."
+    assert not any(marker in seen for marker in MARKERS)
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+async def test_tool_choice_makes_the_model_call_after_its_reasoning(tokenizer: Any, tool_choice: Any) -> None:
+    async with serving(tokenizer, ANSWER, tools=True, fallback=CALL_AFTER_GREETING) as client:
+        free = await client.post("/v1/chat/completions", json=_body(True))
+        response = await client.post("/v1/chat/completions", json=_body(True, tool_choice=tool_choice))
+        assert response.status_code == 200, response.text
+        streamed, finish, seen = await _streamed(client, _body(True, tool_choice=tool_choice))
+    assert free.json()["choices"][0]["message"]["content"] == "It is sunny."
+    choice = response.json()["choices"][0]
+    message = choice["message"]
+    assert choice["finish_reason"] == finish == ("tool_calls" if tool_choice == "required" else "stop")
+    assert message["content"] is None and not streamed["content"]
+    assert message["reasoning_content"] == streamed["reasoning_content"] == "A greeting."
+    call = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert [c["function"] for c in message["tool_calls"]] == streamed["tool_calls"] == [call]
+    assert not any(marker in seen for marker in MARKERS)
+
+
+async def test_a_strict_function_s_arguments_follow_its_schema(tokenizer: Any) -> None:
+    wrong = CALL.replace('{"city": "Paris"}', "{}")  # (the city left out, which the schema requires)
+    async with serving(tokenizer, wrong, tools=True, fallback=CALL) as client:
+        free = await client.post("/v1/chat/completions", json=_body(True))
+        response = await client.post("/v1/chat/completions", json=_body(True, tools=[STRICT_WEATHER]))
+    assert free.json()["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"] == "{}"
+    choice = response.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "cannot be combined"),
         (
-            {"tools": [{**WEATHER, "function": {**WEATHER["function"], "strict": True}}]},
-            "tools",
-            "a strict function enforces calls",
+            {
+                "tool_choice": "required",
+                "messages": [*QUESTION, {"role": "assistant", "content": "It is"}],
+                "add_generation_prompt": False,
+                "chat_template_kwargs": {"continue_final_message": True},
+            },
+            "cannot follow the final message",
         ),
     ],
 )
-async def test_constraints_a_harmony_output_cannot_take_are_refused(
-    tokenizer: Any, fields: dict[str, Any], param: str, message: str
-) -> None:
+async def test_constraints_that_contradict_are_refused(tokenizer: Any, fields: dict[str, Any], message: str) -> None:
     async with serving(tokenizer, CALL, tools=True) as client:
         response = await client.post("/v1/chat/completions", json=_body(True, **fields))
     assert response.status_code == 400
     error = response.json()["error"]
-    assert error["param"] == param and message in error["message"]
+    assert error["param"] == "tool_choice" and message in error["message"], error
 
 
 async def test_without_a_tool_call_parser_tools_are_refused(tokenizer: Any) -> None:
@@ -312,3 +394,99 @@ def test_a_function_named_as_a_kind_of_text_is_called() -> None:
 def test_a_continued_reasoning_goes_on_as_reasoning() -> None:
     text = " more.<|end|><|start|>assistant<|channel|>final<|message|>Done.<|return|>"
     assert _parsed(text, 3, inside="reasoning") == (" more.", "Done.")
+
+
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+CALL_FORMS = [
+    '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>',
+    ' to=functions.get_weather<|channel|>commentary <|constrain|>json<|message|>{"city": "Paris"}<|call|>',
+    ' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>',
+]
+THINK = "<|channel|>analysis<|message|>Maybe {not json} <|start|> stray.<|end|><|start|>assistant"
+PREAMBLE = "<|channel|>commentary<|message|>Let me look.<|end|><|start|>assistant"
+
+
+def _tools(choice: str = "auto", forced: bool = False, strict: bool = False) -> ToolRequest:
+    weather = STRICT_WEATHER if strict else WEATHER
+    return ToolRequest(tools=(weather, TIME), choice=choice, forced=forced, parallel=True)
+
+
+@pytest.mark.parametrize(
+    ("answer", "tools", "inside", "accepted", "refused"),
+    [
+        (  # a JSON answer after any reasoning; calls of any function still possible
+            ("json_schema", json.dumps(SKY)),
+            _tools(),
+            None,
+            [
+                '<|channel|>final<|message|>{"sky": "x"}<|return|>',
+                THINK + THINK + GREETING + 'final<|message|>{"sky": "x"}<|return|>',
+            ]
+            + [THINK + PREAMBLE + form for form in CALL_FORMS]
+            + [THINK + '<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>{"any": 1}<|call|>'],
+            [
+                THINK + "<|channel|>final<|message|>It is.<|return|>",
+                THINK + '<|channel|>final<|message|>{"sky": "x"',
+                THINK,
+            ],
+        ),
+        (  # required: a call, after reasoning but no preamble, and no final message
+            None,
+            _tools("required"),
+            None,
+            [THINK + form for form in CALL_FORMS] + [CALL_FORMS[0]],
+            [ANSWER, THINK + PREAMBLE + CALL_FORMS[0], THINK + CALL_FORMS[0].replace('"city"', '"town"')],
+        ),
+        (  # a named function: that one alone
+            None,
+            _tools("get_time", forced=True),
+            None,
+            [THINK + "<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>{}<|call|>"],
+            [THINK + CALL_FORMS[0]],
+        ),
+        (  # a strict function under auto: its arguments, and words are still an answer
+            None,
+            _tools(strict=True),
+            None,
+            [ANSWER, THINK + "<|channel|>final<|message|>Anything <|end|> at all<|return|>", THINK + CALL_FORMS[1]],
+            [THINK + CALL_FORMS[0].replace('"Paris"', "7")],
+        ),
+        (  # a continued analysis goes on to its end first
+            ("regex", "yes|no"),
+            None,
+            "reasoning",
+            [" on.<|end|><|start|>assistant<|channel|>final<|message|>no<|return|>"],
+            [
+                "<|channel|>final<|message|>no<|return|>",
+                " on.<|end|><|start|>assistant<|channel|>final<|message|>maybe",
+            ],
+        ),
+        (  # a continued final message is the answer itself
+            ("regex", "yes|no"),
+            _tools(),
+            "content",
+            ["yes<|return|>"],
+            ["<|channel|>final<|message|>yes<|return|>", "maybe<|return|>"],
+        ),
+    ],
+)
+def test_the_constraint_of_a_harmony_output(
+    tokenizer: Any,
+    answer: tuple[str, str] | None,
+    tools: ToolRequest | None,
+    inside: str | None,
+    accepted: list[str],
+    refused: list[str],
+) -> None:
+    """What the structural tag lets through, the model's end token included (it ends a
+    complete output), and what it stops: a whole output is accepted only if complete."""
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), tokenizer.convert_tokens_to_ids(["<|return|>", "<|call|>"]))
+    grammar = compiler.compile(("structural_tag", json.dumps(harmony_constraint(answer, tools, inside))))
+
+    def takes(text: str) -> bool:
+        matcher = xgrammar.GrammarMatcher(grammar)
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        return all(matcher.accept_token(token) for token in ids) and matcher.is_terminated()
+
+    assert [text for text in accepted if not takes(text)] == []
+    assert [text for text in refused if takes(text)] == []
