@@ -413,7 +413,8 @@ def _one_api_worker(model_dir: Path, tmp_path: Path) -> tuple[subprocess.Popen[s
     """``aiocb serve --api-workers 1`` started and ready: the engine process, its log, the port."""
     port = _free_port()
     command = [sys.executable, "-m", "aiocb.cli.serve", str(model_dir), "--port", str(port), "--api-workers", "1"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    # (its working directory goes in the test's: a killed engine cannot remove it)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "TMPDIR": str(tmp_path)}
     log = tmp_path / "server.log"
     with log.open("w") as out:
         process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
