@@ -13,8 +13,10 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 
-#: The parent hash of a request's first block.
+#: The parent hash of a request's first block ...
 ROOT_HASH = b"aiocb-root"
+#: ... and of a request's whose keys all take a longrope model's long frequencies
+LONG_ROPE_ROOT_HASH = b"aiocb-root-long-rope"
 
 
 def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from aiocb.core.block_pool import ROOT_HASH, BlockPool, hash_block
+from aiocb.core.block_pool import LONG_ROPE_ROOT_HASH, ROOT_HASH, BlockPool, hash_block
 from aiocb.core.request import NONE_YET, Request
 
 
@@ -50,7 +50,14 @@ def ring_safe_tokens(sliding_window: int, page_size: int) -> int:
 class KVCacheManager:
     """Allocates, shares and frees the KV blocks of every request."""
 
-    def __init__(self, groups: list[CacheGroup], page_size: int, *, enable_prefix_caching: bool) -> None:
+    def __init__(
+        self,
+        groups: list[CacheGroup],
+        page_size: int,
+        *,
+        enable_prefix_caching: bool,
+        long_rope_from: int | None = None,
+    ) -> None:
         if not groups:
             raise ValueError("a KV cache needs at least one cache group")
         self.groups = groups
@@ -63,6 +70,11 @@ class KVCacheManager:
         self.prefix_caching = enable_prefix_caching and len(groups) == 1 and groups[0].sliding_window is None
         #: prompt tokens admitted requests found in the prefix cache (counted by the scheduler)
         self.num_prefix_hit_tokens = 0
+        #: a longrope model's original length: a request whose prompt is longer has every
+        #: token's keys made with the long frequencies, so its blocks hash apart from those
+        #: of shorter prompts, whose first positions have the short ones' (see
+        #: :mod:`aiocb.runner.long_rope`)
+        self.long_rope_from = long_rope_from
         #: one cache group, of full attention: a request's blocks are one list, one block per
         #: ``page_size`` tokens (the scheduler checks a decode step's room itself then)
         self.single_full = len(groups) == 1 and groups[0].sliding_window is None
@@ -245,7 +257,7 @@ class KVCacheManager:
             request.block_hashes = []
         pool, hashes = self.pools[0], request.block_hashes
         hits: list[int] = []
-        parent = ROOT_HASH
+        parent = self._root(request)
         for i in range(max_blocks):
             tokens = request.token_ids[i * page : (i + 1) * page]
             if i == len(hashes):  # (hashed up to the first miss: a long new prompt's blocks as they complete)
@@ -282,7 +294,7 @@ class KVCacheManager:
         pool = self.pools[0]
         for i in range(request.num_registered_blocks, num_full):
             block = request.block_ids[0][i]
-            parent = request.block_hashes[i - 1] if i else ROOT_HASH
+            parent = request.block_hashes[i - 1] if i else self._root(request)
             tokens = request.token_ids[i * self.page_size : (i + 1) * self.page_size]
             self.draft_blocks.discard(block)  # (new content: the draft's is unknown until marked)
             pool.register(block, request.block_hashes[i], parent, tokens)
@@ -313,5 +325,11 @@ class KVCacheManager:
         hashes = request.block_hashes
         page = self.page_size
         for i in range(len(hashes), num_blocks):
-            parent = hashes[i - 1] if i else ROOT_HASH
+            parent = hashes[i - 1] if i else self._root(request)
             hashes.append(hash_block(parent, request.token_ids[i * page : (i + 1) * page]))
+
+    def _root(self, request: Request) -> bytes:
+        """The parent hash of ``request``'s first block."""
+        if self.long_rope_from is not None and request.num_prompt_tokens > self.long_rope_from:
+            return LONG_ROPE_ROOT_HASH
+        return ROOT_HASH

@@ -587,7 +587,12 @@ class Manager:
 
     def _scheduler(self, spec: ModelSpec, plan: CachePlan) -> Scheduler:
         groups = spec.cache_groups(plan.num_blocks, plan.num_host_blocks)
-        kv_cache = KVCacheManager(groups, plan.page_size, enable_prefix_caching=self.config.allow_block_sharing)
+        kv_cache = KVCacheManager(
+            groups,
+            plan.page_size,
+            enable_prefix_caching=self.config.allow_block_sharing,
+            long_rope_from=spec.long_rope_from,
+        )
         if self.config.allow_block_sharing and not kv_cache.prefix_caching:
             logger.info("prefix caching is off: the model has sliding-window layers, which keep no full prefix")
         if self.speculative_config is not None:

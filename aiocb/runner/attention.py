@@ -33,7 +33,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from aiocb.core.kv_cache import ring_size
 from aiocb.errors import InvalidConfigError
 from aiocb.gil import yield_gil
-from aiocb.runner import native
+from aiocb.runner import long_rope, native
 from aiocb.runner.backends import Backend, paged_kernel
 from aiocb.runner.inputs import AttentionMetadata, GroupAttention
 from aiocb.runner.paged_cache import PagedKVCache
@@ -422,14 +422,15 @@ def forward(
         stand_in = _NO_MASK[device] = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)
     probe = _local.probe = None if model in _PROBED else _Probe()
     try:
-        output = model(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            attention_mask=stand_in,
-            use_cache=False,
-            logits_to_keep=logits_indices,
-            **{METADATA_KWARG: metadata},
-        )
+        with long_rope.step(metadata.long_rope):
+            output = model(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                attention_mask=stand_in,
+                use_cache=False,
+                logits_to_keep=logits_indices,
+                **{METADATA_KWARG: metadata},
+            )
     except Exception as exc:
         if probe is None or probe.calls or probe.unpassed:
             raise

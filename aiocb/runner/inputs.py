@@ -215,6 +215,9 @@ class AttentionMetadata:
     max_seq_len: int
     #: ``[Bd]`` flat token index of each single-token row
     decode_token_index: torch.Tensor | None
+    #: ``[T]`` bool: the tokens that take a longrope model's long frequencies whatever
+    #: their positions (:attr:`StepBatch.long_rope_rows`'); None when there are none
+    long_rope: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -440,6 +443,10 @@ def prepare_inputs(
         max_seq_len=int(seq_lens.max()),
         decode_token_index=first_token.index_select(0, decode_index) if batch.num_single_token_rows else None,
     )
+    if batch.long_rope_rows:
+        long_rows = torch.zeros(len(batch.num_tokens), dtype=torch.bool)
+        long_rows[_longs(batch.long_rope_rows)] = True
+        attention.long_rope = torch.repeat_interleave(long_rows, q_lens, output_size=num_tokens)
     carry_index = carry_rows = None
     if batch.carry_rows:
         carry_index = last_token[_longs(batch.carry_rows)]

@@ -19,7 +19,7 @@ from aiocb.collector import freeze_alive_objects
 from aiocb.config import DEFAULT_MAX_BLOCKS_PER_REQUEST, ContinuousBatchingConfig
 from aiocb.core.scheduler import PromptTops, StepResult
 from aiocb.errors import InvalidConfigError
-from aiocb.runner import attention, native
+from aiocb.runner import attention, long_rope, native
 from aiocb.runner.backends import Backend, select_backends
 from aiocb.runner.compile import compile_configs, compiled
 from aiocb.runner.cuda_graphs import DecodeGraphs, query_widths
@@ -177,6 +177,13 @@ class ModelRunner:
         if not self._attached:
             self._new_batch()
             attention.install(self.model)
+            if self.spec.long_rope_from is not None:
+                try:
+                    long_rope.install(self.model, self.spec.long_rope_from)
+                except BaseException:
+                    long_rope.uninstall(self.model)
+                    attention.uninstall(self.model)
+                    raise
             self._attached = True
         if self.drafter is not None:
             self.drafter.attach()
@@ -184,7 +191,7 @@ class ModelRunner:
     def _new_batch(self) -> None:
         groups = range(len(self.cache.group_windows))
         #: the event loop's side of the persistent batch (it copies plans out) ...
-        self.writer = BatchWriter(len(groups), self.spec.vocab_size)
+        self.writer = BatchWriter(len(groups), self.spec.vocab_size, self.spec.long_rope_from)
         #: ... and the worker's (every slot's tables and sampling parameters)
         self.input_batch = InputBatch([self.cache.null_block(g) for g in groups])
 
@@ -192,6 +199,7 @@ class ModelRunner:
         """Give the model back its original attention implementation (idempotent)."""
         if self._attached:
             attention.uninstall(self.model)
+            long_rope.uninstall(self.model)
             self._attached = False
         if self.drafter is not None:
             self.drafter.detach()
@@ -377,7 +385,8 @@ class ModelRunner:
 
     def _logits(self, batch: StepBatch, inputs: StepInputs) -> torch.Tensor:
         graphs = self.graphs
-        if graphs is not None:
+        # (a graph's tokens take the long frequencies by their positions alone)
+        if graphs is not None and inputs.attention.long_rope is None:
             if graphs.eligible(batch, inputs):
                 return graphs.run(inputs, batch.num_rows)
             width = graphs.width_for(batch, inputs)

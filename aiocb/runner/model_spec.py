@@ -9,6 +9,7 @@ from transformers import PreTrainedModel
 
 from aiocb.core.kv_cache import CacheGroup
 from aiocb.errors import InvalidConfigError
+from aiocb.runner.long_rope import long_rope_length
 from aiocb.runner.tp_layout import shard_heads
 
 
@@ -35,6 +36,9 @@ class ModelSpec:
     tp_size: int = 1
     #: whether the attention has sinks (gpt-oss's learned logit per head in each softmax)
     sinks: bool = False
+    #: a longrope model's original length, past which its long frequencies apply
+    #: (:mod:`aiocb.runner.long_rope`); None for other models
+    long_rope_from: int | None = None
 
     @property
     def dtype_bytes(self) -> int:
@@ -106,20 +110,22 @@ def model_spec(model: PreTrainedModel) -> ModelSpec:
         device=param.device,
         tp_size=tp_size,
         sinks=any(isinstance(getattr(module, "sinks", None), torch.Tensor) for module in model.modules()),
+        long_rope_from=long_rope_length(config),
     )
 
 
 def context_length(config: object) -> int | None:
-    """The longest sequence of a model's requests: its ``max_position_embeddings``, or a
-    longrope scaling's ``original_max_position_embeddings`` where that is shorter (Phi-3's
-    long-context models): transformers picks the long frequencies by the longest position
-    of a forward pass, and one request past that length would switch every other request
-    of aiocb's shared passes to them."""
+    """The longest sequence of a model's requests: its ``max_position_embeddings``, or, for
+    a longrope scaling per layer type, its ``original_max_position_embeddings`` where that
+    is shorter: transformers picks the long frequencies by the longest position of a
+    forward pass, and one request past that length would switch every other request of
+    aiocb's shared passes to them (a single longrope scaling, Phi-3's, is chosen per
+    request instead: :mod:`aiocb.runner.long_rope`)."""
     length = getattr(config, "max_position_embeddings", None)
     length = int(length) if isinstance(length, int) else None
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     per_layer_type = bool(rope) and all(isinstance(v, dict) for v in rope.values())  # (as Gemma 3's)
-    for params in rope.values() if per_layer_type else [rope]:
+    for params in rope.values() if per_layer_type else []:
         if params.get("rope_type") == "longrope":
             original = params.get("original_max_position_embeddings") or getattr(
                 config, "original_max_position_embeddings", None

@@ -143,6 +143,10 @@ class StepBatch:
     catch_up_starts: list[int] = field(default_factory=list)
     catch_up_counts: list[int] = field(default_factory=list)
     catch_up_ids: list[int] = field(default_factory=list)
+    #: rows whose tokens all take a longrope model's long frequencies, whatever their
+    #: positions: those of a prompt longer than its original length, with positions within
+    #: it (see :mod:`aiocb.runner.long_rope`)
+    long_rope_rows: list[int] = field(default_factory=list)
     #: rows whose tokens (prompt chunks) the draft model's pass over the step leaves out
     draft_skip_rows: list[int] = field(default_factory=list)
 
@@ -218,9 +222,11 @@ class BatchWriter:
     as the caller likes), then :meth:`finish`. :meth:`snapshot` does all three.
     """
 
-    def __init__(self, num_groups: int, vocab_size: int) -> None:
+    def __init__(self, num_groups: int, vocab_size: int, long_rope_from: int | None = None) -> None:
         self.num_groups = num_groups
         self.vocab_size = vocab_size
+        #: a longrope model's original length (see :attr:`StepBatch.long_rope_rows`)
+        self.long_rope_from = long_rope_from
         self._free: list[int] = []
         self._next_slot = 0
         self._steps = 0
@@ -275,6 +281,7 @@ class BatchWriter:
         slots, starts, counts, token_ids = parts.slots, parts.starts, parts.num_tokens, parts.token_ids
         sampled, offsets = parts.sampled, parts.offsets
         one_group = self.num_groups == 1
+        long_from = self.long_rope_from
         for row in range(len(slots), min(stop, len(scheduled))):
             item = scheduled[row]
             request = item.request
@@ -304,6 +311,8 @@ class BatchWriter:
             start, num = item.start, item.num_tokens
             starts.append(start)
             counts.append(num)
+            if long_from is not None and start < long_from < request.num_prompt_tokens:
+                parts.long_rope_rows.append(row)
             drafts = item.drafts
             if drafts is not None:
                 token_ids.append(request.token_ids[start])
@@ -388,6 +397,7 @@ class BatchWriter:
             drafting=output.drafting,
             draft_rows=parts.draft_rows,
             draft_counts=parts.draft_counts,
+            long_rope_rows=parts.long_rope_rows,
             draft_skip_rows=_draft_skip_rows(output),
             **catch_up,
         )
@@ -454,6 +464,7 @@ class _Parts:
     bitmask: torch.Tensor | None = None
     draft_rows: list[int] = field(default_factory=list)
     draft_counts: list[int] = field(default_factory=list)
+    long_rope_rows: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.tables = [TableWrites() for _ in range(self.num_groups)]

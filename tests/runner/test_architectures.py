@@ -1,7 +1,6 @@
 """Architectures whose attention aiocb cannot route through its paged cache are refused,
-naming them, never run over no cache; one whose rotary frequencies depend on the longest
-position of a pass keeps its requests short enough for them not to switch; gpt-oss's
-attention sinks are honoured by every attention backend."""
+naming them, never run over no cache; gpt-oss's attention sinks are honoured by every
+attention backend (longrope models: ``test_long_rope.py``)."""
 
 from __future__ import annotations
 
@@ -96,28 +95,6 @@ async def test_a_model_whose_first_pass_misses_the_paged_cache_is_refused_naming
         await _generate(model, [[5, 6, 7]])
     assert isinstance(caught.value.cause, aiocb.InvalidConfigError)
     assert re.search(message, str(caught.value.cause)), str(caught.value.cause)
-
-
-def test_a_longrope_model_s_requests_stay_within_its_original_context() -> None:
-    """transformers picks longrope's long frequencies when a pass's longest position passes
-    ``original_max_position_embeddings``: in aiocb's shared passes one long request would
-    switch its neighbours'. Requests are kept to that length (refused past it, naming it);
-    within it, each equals ``model.generate`` whatever shares its passes."""
-    long_factor = [1.0 + i for i in range(8)]
-    rope = {
-        "rope_type": "longrope",
-        "rope_theta": 10000.0,
-        "original_max_position_embeddings": 32,
-        "short_factor": [1.0] * 8,
-        "long_factor": long_factor,
-    }
-    model = tiny_llama(max_position_embeddings=128, rope_parameters=rope)
-    prompts = random_prompts(4, 3, 24, seed=5)
-    expected = [reference_generate(model, p, 8) for p in prompts]
-    outputs = aiocb.generate_batch(model, prompts, max_new_tokens=8)
-    assert [o.generated_tokens for o in outputs.values()] == expected
-    with pytest.raises(aiocb.InvalidRequestError, match="beyond the model's context length of 32"):
-        aiocb.generate_batch(model, [[5] * 30], max_new_tokens=8)
 
 
 @pytest.mark.parametrize(
