@@ -43,13 +43,21 @@ _FUNCTIONS = "functions."
 
 #: what goes between two messages of an output (the prompt ends with the first's)
 _SEPARATOR = START + "assistant"
-#: the headers a call of function NAME is written with: gpt-oss's own, and the template's
-#: (the recipient in the role), with and without ``<|constrain|>``
-_CALL_HEADERS = (
-    CHANNEL + "commentary to=functions.{} " + CONSTRAIN + "json" + MESSAGE,
-    " to=functions.{}" + CHANNEL + "commentary " + CONSTRAIN + "json" + MESSAGE,
-    " to=functions.{}" + CHANNEL + "commentary json" + MESSAGE,
-)
+_CHANNEL, _MESSAGE = re.escape(CHANNEL), re.escape(MESSAGE)
+#: a header's content type, where it has one (`` <|constrain|>json``, `` json``, `` code``)
+_CONTENT_TYPE = f"(( ?{re.escape(CONSTRAIN)}| )[a-z]+)?"
+#: the built-in tools a header may name (gpt-oss's browser, python and container)
+_BUILT_IN = r"(browser\.[a-z_]+|python|container\.[a-z_]+)"
+#: the texts that end a message's body for the parser (see :class:`HarmonyOutput`), which
+#: the body of the output's last message may not hold
+_LAST_BODY_EXCLUDES = ["<|end|>", START]
+
+
+def _recipient_header(recipient: str) -> str:
+    """A regular expression of the headers of a message to ``recipient`` (a regular
+    expression): in either channel, the recipient after the channel or in the role."""
+    channel = f"{_CHANNEL}(commentary|analysis)"
+    return f"({channel} to={recipient}| to={recipient}{channel}){_CONTENT_TYPE}{_MESSAGE}"
 
 
 def harmony_constraint(answer: tuple[str, Any] | None, tools: ToolRequest | None, inside: str | None) -> dict[str, Any]:
@@ -57,39 +65,45 @@ def harmony_constraint(answer: tuple[str, Any] | None, tools: ToolRequest | None
     final message's body to ``answer`` (a :class:`~aiocb.SamplingParams` field and its
     value: ``response_format``, structured outputs; None: any text) and the calls to what
     ``tools`` enforces (a strict function's arguments to its schema; ``required`` or a named
-    function: a call and no final message), while the reasoning (``analysis`` messages) and
-    the preambles to calls stay free, as vLLM's reasoning parser leaves them.
+    function: a call and no final message), while the reasoning (``analysis`` messages),
+    the preambles to calls and the calls of built-in tools (reasoning too) stay free, as
+    vLLM's reasoning parser leaves them. Preambles and built-in tools' calls are left out
+    where the answer is calls alone.
 
     ``inside`` is the kind of message the prompt ends inside (see :class:`HarmonyOutput`):
     a continued final message's body is the answer; a continued analysis goes on to its
-    ``<|end|>`` first. A message ends with the model's own end token (``<|return|>``,
-    ``<|call|>``), which ends a complete grammar, so it is not in the tags; an analysis
-    ends with ``<|end|>``, which is text to the grammar. InvalidRequestError naming what
-    is wrong with ``answer``."""
-    body: dict[str, Any] = {"type": "any_text"}
+    ``<|end|>`` first. The output's last message ends with the model's own end token
+    (``<|return|>``, ``<|call|>``), which ends a complete grammar, so it is not in the
+    format; a message before it ends with ``<|end|>``, which is text to the grammar, and
+    holds no ``<|start|>`` (which would end it for the parser). InvalidRequestError naming
+    what is wrong with ``answer``."""
+    body: dict[str, Any] = {"type": "any_text", "excludes": _LAST_BODY_EXCLUDES}
     if answer is not None:
         structure = SamplingParams(**{answer[0]: answer[1]}).structure()
         assert structure is not None
         body = answer_format(structure)
     if inside == "content":  # (a final message goes on: no call can follow it)
         return {"type": "structural_tag", "format": body}
+    calls_only = tools is not None and tools.calls_only
     last: list[dict[str, Any]] = []  # (the message that ends the output)
-    if tools is None or not tools.calls_only:
-        last.append(_last(CHANNEL + "final" + MESSAGE, body))
-    messages = [_tag(CHANNEL + "analysis" + MESSAGE, {"type": "any_text"}, "<|end|>")]
+    free = {"type": "any_text", "excludes": [START]}
+    messages = [_tag(CHANNEL + "analysis" + MESSAGE, free, "<|end|>")]
+    if not calls_only:
+        last.append(_last(f"{_CHANNEL}final{_CONTENT_TYPE}{_MESSAGE}", body))
+        last.append(_last(_recipient_header(_BUILT_IN), {"type": "any_text", "excludes": _LAST_BODY_EXCLUDES}))
+        # (a preamble is content, which calls alone leave out)
+        messages.append(_tag(CHANNEL + "commentary" + MESSAGE, free, "<|end|>"))
     if tools is not None:
         offered = [t["function"] for t in tools.tools]
         for function in offered if not tools.forced else [f for f in offered if f["name"] == tools.choice]:
-            arguments = arguments_format(tools, function)
-            last += [_last(header.format(function["name"]), arguments) for header in _CALL_HEADERS]
-        if not tools.calls_only:  # (a preamble is content, which calls alone leave out)
-            messages.append(_tag(CHANNEL + "commentary" + MESSAGE, {"type": "any_text"}, "<|end|>"))
+            header = _recipient_header(re.escape("functions." + function["name"]))
+            last.append(_last(header, arguments_format(tools, function)))
     ending: dict[str, Any] = {"type": "or", "elements": last}
     before = {"type": "tags_with_separator", "tags": messages, "separator": _SEPARATOR, "at_least_one": True}
     after_messages = {"type": "sequence", "elements": [before, {"type": "const_string", "value": _SEPARATOR}, ending]}
     output: dict[str, Any] = {"type": "or", "elements": [ending, after_messages]}
     if inside == "reasoning":
-        continued = _tag("", {"type": "any_text"}, "<|end|>")
+        continued = _tag("", free, "<|end|>")
         output = {"type": "sequence", "elements": [continued, {"type": "const_string", "value": _SEPARATOR}, output]}
     return {"type": "structural_tag", "format": output}
 
@@ -99,9 +113,9 @@ def _tag(begin: str, content: dict[str, Any], end: str) -> dict[str, Any]:
 
 
 def _last(header: str, body: dict[str, Any]) -> dict[str, Any]:
-    """The output's last message: its end is the model's end token (a tag of no end could
-    not take any text, which xgrammar refuses)."""
-    return {"type": "sequence", "elements": [{"type": "const_string", "value": header}, body]}
+    """The output's last message, its header a regular expression: its end is the model's
+    end token (a tag of no end could not take any text, which xgrammar refuses)."""
+    return {"type": "sequence", "elements": [{"type": "regex", "pattern": header}, body]}
 
 
 def is_harmony_template(chat_template: object) -> bool:

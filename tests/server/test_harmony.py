@@ -402,7 +402,10 @@ CALL_FORMS = [
     ' to=functions.get_weather<|channel|>commentary <|constrain|>json<|message|>{"city": "Paris"}<|call|>',
     ' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>',
 ]
-THINK = "<|channel|>analysis<|message|>Maybe {not json} <|start|> stray.<|end|><|start|>assistant"
+THINK = "<|channel|>analysis<|message|>Maybe {not json} <|constrain|> stray.<|end|><|start|>assistant"
+#: a message that the parser ends at the <|start|> the model wrote for its <|end|>
+UNENDED = "<|channel|>analysis<|message|>Hmm.<|start|>assistant"
+BROWSE = '<|channel|>analysis to=browser.search code<|message|>{"query": "weather"}<|call|>'
 PREAMBLE = "<|channel|>commentary<|message|>Let me look.<|end|><|start|>assistant"
 
 
@@ -428,6 +431,30 @@ def _tools(choice: str = "auto", forced: bool = False, strict: bool = False) -> 
                 THINK + "<|channel|>final<|message|>It is.<|return|>",
                 THINK + '<|channel|>final<|message|>{"sky": "x"',
                 THINK,
+                UNENDED
+                + '<|channel|>final<|message|>It is.<|end|><|start|>assistant<|channel|>final<|message|>{"sky": "x"}'
+                "<|return|>",
+            ],
+        ),
+        (  # the headers gpt-oss writes: content types, calls in either channel, built-in tools
+            ("json_schema", json.dumps(SKY)),
+            _tools(strict=True),
+            None,
+            [
+                THINK + '<|channel|>final <|constrain|>json<|message|>{"sky": "x"}<|return|>',
+                THINK + '<|channel|>final json<|message|>{"sky": "x"}<|return|>',
+                THINK
+                + '<|channel|>analysis to=functions.get_weather <|constrain|>json<|message|>{"city": "P"}<|call|>',
+                THINK + '<|channel|>commentary to=functions.get_weather json<|message|>{"city": "P"}<|call|>',
+                THINK
+                + '<|channel|>commentary to=functions.get_weather<|constrain|>json<|message|>{"city": "P"}<|call|>',
+                THINK + BROWSE,
+                " to=python<|channel|>analysis code<|message|>print(1)<|call|>",
+            ],
+            [
+                THINK + '<|channel|>final<|message|>Hi<|end|><|start|>assistant<|channel|>final<|message|>{"sky": "x"}'
+                "<|return|>",
+                UNENDED + '<|channel|>commentary to=functions.get_weather json<|message|>{"town": 7}<|call|>',
             ],
         ),
         (  # required: a call, after reasoning but no preamble, and no final message
@@ -435,7 +462,13 @@ def _tools(choice: str = "auto", forced: bool = False, strict: bool = False) -> 
             _tools("required"),
             None,
             [THINK + form for form in CALL_FORMS] + [CALL_FORMS[0]],
-            [ANSWER, THINK + PREAMBLE + CALL_FORMS[0], THINK + CALL_FORMS[0].replace('"city"', '"town"')],
+            [
+                ANSWER,
+                THINK + PREAMBLE + CALL_FORMS[0],
+                THINK + CALL_FORMS[0].replace('"city"', '"town"'),
+                THINK + BROWSE,
+                UNENDED + CALL_FORMS[0].replace('"city"', '"town"'),
+            ],
         ),
         (  # a named function: that one alone
             None,
@@ -448,8 +481,11 @@ def _tools(choice: str = "auto", forced: bool = False, strict: bool = False) -> 
             None,
             _tools(strict=True),
             None,
-            [ANSWER, THINK + "<|channel|>final<|message|>Anything <|end|> at all<|return|>", THINK + CALL_FORMS[1]],
-            [THINK + CALL_FORMS[0].replace('"Paris"', "7")],
+            [ANSWER, THINK + "<|channel|>final<|message|>Anything at all<|return|>", THINK + CALL_FORMS[1]],
+            [
+                THINK + CALL_FORMS[0].replace('"Paris"', "7"),
+                THINK + "<|channel|>final<|message|>Hi <|end|> there<|return|>",
+            ],
         ),
         (  # a continued analysis goes on to its end first
             ("regex", "yes|no"),
