@@ -18,7 +18,9 @@ from aiocb.server.connections import local_server
 
 async def main() -> None:
     model, tokenizer = load_default_model()
-    app = build_app(Manager(model), tokenizer, model_name=DEFAULT_MODEL_PATH.name)
+    # (the tokenizer's vocabulary is what response_format and enforced tools compile against)
+    manager = Manager(model, grammar_tokenizer=tokenizer)
+    app = build_app(manager, tokenizer, model_name=DEFAULT_MODEL_PATH.name)
     async with local_server(app) as url, AsyncOpenAI(base_url=f"{url}/v1", api_key="unused") as client:
         reply = await client.completions.create(
             model=DEFAULT_MODEL_PATH.name, prompt="def merge_sort(items):\n", max_tokens=48, temperature=0

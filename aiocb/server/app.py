@@ -77,6 +77,9 @@ def build_app(
     ``shutdown_timeout`` seconds are aborted). With ``api_key`` every route but
     ``/health``, ``/ready`` and ``/metrics`` needs ``Authorization: Bearer <api_key>``.
     ``limits`` bound what one request may cost (:class:`ServerLimits`' defaults when None).
+    Output constraints and enforced tools compile against the vocabulary of the manager's
+    ``grammar_tokenizer`` (or ``tokenizer``): build it with ``tokenizer``'s, as ``aiocb
+    serve`` does.
 
     ``tool_call_parser`` names the format chat outputs' tool calls are found in
     (``hermes``, ``llama3_json``, ``mistral``; ``"auto"``: the one the chat template
