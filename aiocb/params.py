@@ -194,7 +194,8 @@ class SamplingParams:
     n: int | None = field(
         default=None,
         metadata=_doc(
-            "samples of the prompt, computed once; `generate` returns a list, children are `<id>__child#<i>`",
+            "samples of the prompt, computed once; `generate` returns a list; the first sample keeps `<id>`, "
+            "the others are `<id>__child#<i>`",
             "1 (or the GenerationConfig's `num_return_sequences`)",
         ),
     )

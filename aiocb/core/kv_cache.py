@@ -50,14 +50,7 @@ def ring_safe_tokens(sliding_window: int, page_size: int) -> int:
 class KVCacheManager:
     """Allocates, shares and frees the KV blocks of every request."""
 
-    def __init__(
-        self,
-        groups: list[CacheGroup],
-        page_size: int,
-        *,
-        enable_prefix_caching: bool,
-        long_rope_from: int | None = None,
-    ) -> None:
+    def __init__(self, groups: list[CacheGroup], page_size: int, *, enable_prefix_caching: bool) -> None:
         if not groups:
             raise ValueError("a KV cache needs at least one cache group")
         self.groups = groups
@@ -70,11 +63,6 @@ class KVCacheManager:
         self.prefix_caching = enable_prefix_caching and len(groups) == 1 and groups[0].sliding_window is None
         #: prompt tokens admitted requests found in the prefix cache (counted by the scheduler)
         self.num_prefix_hit_tokens = 0
-        #: a longrope model's original length: a request whose prompt is longer has every
-        #: token's keys made with the long frequencies, so its blocks hash apart from those
-        #: of shorter prompts, whose first positions have the short ones' (see
-        #: :mod:`aiocb.runner.long_rope`)
-        self.long_rope_from = long_rope_from
         #: one cache group, of full attention: a request's blocks are one list, one block per
         #: ``page_size`` tokens (the scheduler checks a decode step's room itself then)
         self.single_full = len(groups) == 1 and groups[0].sliding_window is None
@@ -328,8 +316,9 @@ class KVCacheManager:
             parent = hashes[i - 1] if i else self._root(request)
             hashes.append(hash_block(parent, request.token_ids[i * page : (i + 1) * page]))
 
-    def _root(self, request: Request) -> bytes:
-        """The parent hash of ``request``'s first block."""
-        if self.long_rope_from is not None and request.num_prompt_tokens > self.long_rope_from:
-            return LONG_ROPE_ROOT_HASH
-        return ROOT_HASH
+    @staticmethod
+    def _root(request: Request) -> bytes:
+        """The parent hash of ``request``'s first block: a request whose every token takes
+        a longrope model's long setting holds other keys than another request's of the same
+        tokens (see :mod:`aiocb.runner.long_rope`)."""
+        return LONG_ROPE_ROOT_HASH if request.long_rope else ROOT_HASH

@@ -123,6 +123,10 @@ class Request:
     #: whether a step in flight verifies a proposal (its next input is not known before)
     proposer: object = None
     speculating: bool = False
+    #: whether every token of it takes a longrope model's long setting (its prompt, or
+    #: for some models its sequence, passed the original length: see
+    #: :mod:`aiocb.runner.long_rope`)
+    long_rope: bool = False
 
     def __post_init__(self) -> None:
         if not self.token_ids:

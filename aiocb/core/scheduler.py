@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from aiocb.core.kv_cache import KVCacheManager
-from aiocb.core.request import Request
+from aiocb.core.request import NONE_YET, Request
 from aiocb.core.speculation import SpeculationPlanner
 from aiocb.outputs import FinishReason, RequestStatus
 from aiocb.speculative import SpeculativeConfig
@@ -174,8 +174,17 @@ class Scheduler:
         speculative: SpeculativeConfig | None = None,
         max_scored_tokens: int | None = None,
         draft_share: float = 0.0,
+        long_rope_from: int | None = None,
+        long_rope_recomputes: bool = False,
     ) -> None:
         self.kv_cache = kv_cache
+        #: a longrope model's original length: a request whose prompt passes it is long
+        #: (:attr:`Request.long_rope`) ...
+        self.long_rope_from = long_rope_from
+        #: ... and, where the model's ``generate`` computes a sequence again once it passes
+        #: that length (Phi-3's), the position at which a request that is not long yet is
+        #: computed again, all long (see :mod:`aiocb.runner.long_rope`); None: never
+        self.long_rope_switch = long_rope_from if long_rope_recomputes else None
         self._verify_cost = 1.0
         #: speculative decoding's planning (None: requests do not speculate)
         self.speculation = (
@@ -242,9 +251,12 @@ class Scheduler:
     def add(self, request: Request, children: Sequence[Request] = ()) -> None:
         """Queue a new request behind the others (of its priority); ``children`` are more
         samples of its prompt, forked from it once it has computed the prompt."""
+        long_from = self.long_rope_from
         for r in (request, *children):
             r.status = RequestStatus.PENDING
             self._order[r] = (r.params.priority, next(self._arrivals))
+            if long_from is not None and r.num_prompt_tokens > long_from:
+                r.long_rope = True
         if request.params.priority and not self.prioritized:
             self.prioritized = True
             self._heap = [(*self._order[r], r) for r in self.waiting]
@@ -363,6 +375,7 @@ class Scheduler:
         running, forks, kv = self.running, self._forks, self.kv_cache
         single_full, page = kv.single_full, kv.page_size
         max_rows = self.max_requests_per_batch
+        switch = self.long_rope_switch
         speculation = self.speculation
         if speculation is not None and not speculation.start_step(len(running)):
             speculation = None  # (not at this batch size)
@@ -405,10 +418,16 @@ class Scheduler:
                 num_new = self._within_scored_budget(request, computed, num_new)
             if num_new <= 0 or (request.num_pending_tokens and self._waits_for_token(request)):
                 continue
+            most_drafts = budget - 1
+            if switch is not None and not request.long_rope:
+                if computed + num_new > switch:  # (its keys so far have the short setting)
+                    self._restart_long(request)
+                    continue
+                most_drafts = min(most_drafts, switch - computed - 1)  # (nor may proposals pass it)
             drafts = None
             decoding = request.status is RequestStatus.DECODING and not request.num_pending_tokens
-            if speculation is not None and num_new == 1 and decoding:
-                drafts = speculation.propose(request, budget - 1)
+            if speculation is not None and num_new == 1 and decoding and most_drafts > 0:
+                drafts = speculation.propose(request, most_drafts)
                 if drafts:
                     num_new += len(drafts)
             # (the common decode step, whose last block has room, needs no allocate call)
@@ -640,6 +659,7 @@ class Scheduler:
         single_full, page = kv.single_full, kv.page_size
         registering = kv.prefix_caching
         decoding = RequestStatus.DECODING
+        switch = self.long_rope_switch
         others: list[Request] = []
         for looked, request in enumerate(list(running), 1):
             if looked % chunk == 0:
@@ -656,7 +676,9 @@ class Scheduler:
                 continue
             blocks = request.block_ids
             fits = single_full and blocks and computed < len(blocks[0]) * page
-            if num_new > 1 or not (fits or kv.allocate(request, 1)):
+            if num_new > 1 or (switch is not None and computed >= switch and not request.long_rope):
+                break  # (the general loop computes a request again past the switch)
+            if not (fits or kv.allocate(request, 1)):
                 break
             planned[request] = computed
             request.num_computed_tokens = computed + 1
@@ -886,6 +908,15 @@ class Scheduler:
             if request.num_pending_tokens:
                 break  # preempted while its token was in flight: resume once it has landed
             offloaded = bool(request.host_block_ids)
+            switch = self.long_rope_switch
+            if switch is not None and not request.long_rope and request.num_tokens > switch:
+                # (computed from its start past the switch: all long; a copy offloaded
+                # before it has the short setting)
+                _make_long(request)
+                if offloaded:
+                    self.kv_cache.drop_host_copy(request)
+                    request.num_lost_tokens += request.num_computed_tokens
+                    request.num_computed_tokens, offloaded = 0, False
             matched = not request.block_ids and not offloaded and not request.params.prompt_logprobs
             if matched:
                 # (a request scoring its prompt must compute every prompt position)
@@ -979,6 +1010,20 @@ class Scheduler:
         self.waiting.move_to_end(request, last=False)
         self.stats.num_preemptions += 1
 
+    def _restart_long(self, request: Request) -> None:
+        """Put ``request``, whose next pass passes the longrope switch, at the front of the
+        queue to be computed again from its start, all long (its blocks, of the short
+        setting, go back: the prefix cache keeps them for short requests)."""
+        del self.running[request]
+        self._departed.append(request)
+        self.kv_cache.free(request)
+        request.num_lost_tokens += request.num_computed_tokens  # (counted when it is readmitted)
+        request.num_computed_tokens = 0
+        _make_long(request)
+        request.status = RequestStatus.PENDING
+        self._enqueue(request)
+        self.waiting.move_to_end(request, last=False)
+
     def _enqueue(self, request: Request) -> None:
         self.waiting[request] = None
         self.num_waiting_tokens += request.num_prompt_tokens
@@ -991,6 +1036,13 @@ class Scheduler:
     def _dequeue(self, request: Request) -> None:
         del self.waiting[request]
         self.num_waiting_tokens -= request.num_prompt_tokens
+
+
+def _make_long(request: Request) -> None:
+    """Make every token of ``request`` take the long setting from now on: its blocks'
+    hashes, from the other root, are made again (see :mod:`aiocb.runner.long_rope`)."""
+    request.long_rope = True
+    request.block_hashes = NONE_YET
 
 
 def wants_prompt_logprobs(request: Request, start: int) -> bool:

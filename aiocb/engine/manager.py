@@ -587,12 +587,7 @@ class Manager:
 
     def _scheduler(self, spec: ModelSpec, plan: CachePlan) -> Scheduler:
         groups = spec.cache_groups(plan.num_blocks, plan.num_host_blocks)
-        kv_cache = KVCacheManager(
-            groups,
-            plan.page_size,
-            enable_prefix_caching=self.config.allow_block_sharing,
-            long_rope_from=spec.long_rope_from,
-        )
+        kv_cache = KVCacheManager(groups, plan.page_size, enable_prefix_caching=self.config.allow_block_sharing)
         if self.config.allow_block_sharing and not kv_cache.prefix_caching:
             logger.info("prefix caching is off: the model has sliding-window layers, which keep no full prefix")
         if self.speculative_config is not None:
@@ -607,6 +602,8 @@ class Manager:
             speculative=self.speculative_config,
             max_scored_tokens=scored_rows(plan.max_requests_per_batch),
             draft_share=0.0 if self._draft_model is None else draft_share(self._draft_model, self.model),
+            long_rope_from=spec.long_rope_from,
+            long_rope_recomputes=spec.long_rope_recomputes,
         )
 
     def _bind(self, loop: asyncio.AbstractEventLoop, state: _State, session: Coroutine[Any, Any, None]) -> None:

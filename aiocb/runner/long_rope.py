@@ -1,41 +1,45 @@
 """LongRoPE (Phi-3's long-context models) picked per request, not per forward pass.
 
-A longrope rotary embedding has two sets of frequencies: the short ones for sequences of
-at most ``original_max_position_embeddings`` tokens, the long ones past that. transformers
-picks one set for a whole forward pass, by its longest position: in ``model.generate`` a
-prompt longer than the original length is prefilled with the long frequencies, every
-token of it; a shorter one with the short frequencies, and each token generated after the
-sequence passes that length with the long ones (the cache keeps what came before). One
-request's pass is its own there; aiocb's passes pack many requests, so that choice would
-depend on the other requests of the step.
+A longrope rotary embedding has two settings: the short one for sequences of at most
+``original_max_position_embeddings`` tokens, the long one past that (other frequencies, or
+for PhiMoE another scale). transformers picks one for a whole forward pass, by its longest
+position: in ``model.generate`` a prompt longer than the original length is prefilled with
+the long setting, every token of it; a shorter one with the short setting, and once the
+sequence passes the length the tokens after it take the long one. Phi-3 and PhiMoE go
+further: at that point their ``generate`` drops the cache and computes the whole sequence
+again with the long setting (:func:`recomputes_at_length`). One request's pass is its own
+there; aiocb's passes pack many requests, so that choice would hang on the step's other
+requests.
 
 Installed on a model (:func:`install`), the rotary embedding chooses token by token what
-``generate`` would have chosen for that token's own request: the long frequencies for a
-token at position ``p`` when ``p + 1`` passes the original length, or when its request's
-prompt does (aiocb's steps say which tokens those are: :attr:`AttentionMetadata.long_rope`).
-The cache hashes such requests' blocks apart from the others' (see
-:class:`~aiocb.core.kv_cache.KVCacheManager`), since the same prefix holds other keys there.
-A plain call of the model while a manager holds it (``model.generate``) runs the original
-embedding.
+``generate`` chose for that token in its own request: the long setting for a token at
+position ``p`` when ``p + 1`` passes the original length, or when its request is long
+(its prompt passes the length, or, for Phi-3 and PhiMoE, its sequence did: the scheduler
+computes it again then); aiocb's steps mark those tokens
+(:attr:`~aiocb.runner.inputs.AttentionMetadata.long_rope`). Each setting comes from the
+module's own forward, so whatever it computes is what transformers computes. The cache
+hashes long requests' blocks apart from the others' (the same prefix holds other keys).
+A plain call of the model while a manager holds it (``model.generate``) runs the module
+as transformers made it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import threading
 import types
 from collections.abc import Iterator
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from aiocb.errors import InvalidConfigError
-
-#: the attribute that holds a rotary module's long frequencies while installed
-_LONG = "_aiocb_long_inv_freq"
-#: the tokens of the forward pass under way that take the long frequencies whatever their
+#: attributes a rotary module holds while installed: how many runners hold it, and the
+#: instance forward it had before (an accelerate hook's), if any
+_HOLDERS = "_aiocb_long_rope_holders"
+_SAVED_FORWARD = "_aiocb_saved_forward"
+#: the tokens of the forward pass under way that take the long setting whatever their
 #: position (None: none; unset: no aiocb pass is under way, the original embedding runs)
 _local = threading.local()
 _UNSET = object()
@@ -51,47 +55,56 @@ def long_rope_length(config: Any) -> int | None:
     return original if isinstance(original, int) else None
 
 
+def recomputes_at_length(model: nn.Module) -> bool:
+    """Whether ``model.generate`` computes a sequence again once it passes the original
+    length (Phi-3's and PhiMoE's ``prepare_inputs_for_generation`` drop the cache there, so
+    that every token's keys have the long setting)."""
+    prepare = getattr(type(model), "prepare_inputs_for_generation", None)
+    if prepare is None or not hasattr(getattr(model, "config", None), "original_max_position_embeddings"):
+        return False
+    try:
+        source = inspect.getsource(prepare)
+    except (OSError, TypeError):
+        return False
+    return "original_max_position_embeddings" in source and "past_key_values = None" in source
+
+
 def _rotary_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if getattr(m, "rope_type", None) == "longrope"]
 
 
 def install(model: nn.Module, original: int) -> None:
-    """Make each longrope rotary embedding of ``model`` choose its frequencies per token
-    (idempotent). Each is checked against its original on the positions of a short and a
-    long pass first: one that computes anything else is refused, naming it."""
+    """Make each longrope rotary embedding of ``model`` choose its setting per token, for
+    one more holder (each :func:`install` wants its :func:`uninstall`)."""
     for module in _rotary_modules(model):
-        if hasattr(module, _LONG):
-            continue
-        inv_freq = getattr(module, "inv_freq", None)
-        short = getattr(module, "original_inv_freq", None)
-        if not isinstance(inv_freq, torch.Tensor) or not isinstance(short, torch.Tensor):
-            raise InvalidConfigError(
-                f"{type(module).__name__} is a longrope rotary embedding without transformers' frequency buffers "
-                "(inv_freq, original_inv_freq): aiocb cannot choose its frequencies per request"
-            )
-        long, _ = ROPE_INIT_FUNCTIONS["longrope"](module.config, inv_freq.device, seq_len=original + 1)
-        # (as transformers does: copied into the frequencies' buffer, of its dtype)
-        setattr(module, _LONG, long.to(device=inv_freq.device, dtype=inv_freq.dtype))
-        try:
-            _check(module, original)
-        except BaseException:
-            delattr(module, _LONG)
-            raise
-        module.forward = types.MethodType(_per_token_forward(original, module.forward), module)
+        holders = getattr(module, _HOLDERS, 0)
+        if not holders:
+            saved = module.__dict__.get("forward")  # (an instance's own: an accelerate hook's)
+            setattr(module, _SAVED_FORWARD, saved)
+            module.forward = types.MethodType(_per_token_forward(original, module.forward), module)
+        setattr(module, _HOLDERS, holders + 1)
 
 
 def uninstall(model: nn.Module) -> None:
-    """Give each rotary embedding of ``model`` its original forward back (idempotent)."""
+    """One holder fewer: the last gives each rotary embedding its forward back."""
     for module in _rotary_modules(model):
-        if hasattr(module, _LONG):
-            del module.forward  # (the instance's attribute: the class's method again)
-            delattr(module, _LONG)
+        holders = getattr(module, _HOLDERS, 0)
+        if holders > 1:
+            setattr(module, _HOLDERS, holders - 1)
+        elif holders == 1:
+            saved = getattr(module, _SAVED_FORWARD)
+            if saved is None:
+                del module.forward  # (the class's method again)
+            else:
+                module.forward = saved
+            delattr(module, _SAVED_FORWARD)
+            delattr(module, _HOLDERS)
 
 
 @contextlib.contextmanager
 def step(long_tokens: torch.Tensor | None) -> Iterator[None]:
     """Within: an aiocb forward pass, whose tokens ``long_tokens`` (``[T]`` bool; None:
-    none) take the long frequencies whatever their position."""
+    none) take the long setting whatever their position."""
     previous = getattr(_local, "tokens", _UNSET)
     _local.tokens = long_tokens
     try:
@@ -101,48 +114,23 @@ def step(long_tokens: torch.Tensor | None) -> Iterator[None]:
 
 
 def _per_token_forward(original: int, plain: Any) -> Any:
-    def forward(self: nn.Module, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self: nn.Module, x: torch.Tensor, position_ids: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         forced = getattr(_local, "tokens", _UNSET)
         if forced is _UNSET:  # (a plain call of the model)
-            result: tuple[torch.Tensor, torch.Tensor] = plain(x, position_ids)
+            result: tuple[torch.Tensor, torch.Tensor] = plain(x, position_ids, *args, **kwargs)
             return result
         long = position_ids + 1 > original
         if isinstance(forced, torch.Tensor):
             long = long | forced.view_as(position_ids)
-        with torch.no_grad():
-            short_freq = cast(torch.Tensor, self.original_inv_freq).to(device=x.device, dtype=torch.float)
-            long_freq = getattr(self, _LONG).to(device=x.device, dtype=torch.float)
-            # (each token's frequencies times its position: the same products transformers'
-            # forward makes with the set it picked)
-            freqs = position_ids[..., None].float() * torch.where(long[..., None], long_freq, short_freq)
-            emb = torch.cat((freqs, freqs), dim=-1)
-            scaling = cast(float, self.attention_scaling)
-            cos = emb.cos() * scaling
-            sin = emb.sin() * scaling
-        return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
+        # The module's own pass with its longest position within the length (the tokens
+        # past it, clamped, are not taken from it) and past it (one position more, dropped
+        # after): each position's embedding depends on its position and the setting alone.
+        short_cos, short_sin = plain(x, position_ids.clamp(max=original - 1), *args, **kwargs)
+        past = position_ids.new_full((*position_ids.shape[:-1], 1), original)
+        long_cos, long_sin = plain(x, torch.cat((position_ids, past), dim=-1), *args, **kwargs)
+        keep = long[..., None]
+        return torch.where(keep, long_cos[..., :-1, :], short_cos), torch.where(keep, long_sin[..., :-1, :], short_sin)
 
     return forward
-
-
-def _check(module: nn.Module, original: int) -> None:
-    """Refuse ``module`` unless the per-token forward equals its own on a short pass and a
-    long one (its buffer of frequencies left as it was)."""
-    inv_freq: torch.Tensor = module.inv_freq  # type: ignore[assignment]
-    saved = inv_freq.clone()
-    forward = _per_token_forward(original, module.forward)
-    x = torch.zeros(1, dtype=inv_freq.dtype, device=inv_freq.device)
-    try:
-        for length in (original, original + 2):  # (the longer pass: every token long)
-            positions = torch.arange(length, device=inv_freq.device)[None]
-            forced = torch.full((length,), length > original, device=inv_freq.device)
-            with torch.no_grad():
-                expected = module(x, positions)
-                with step(forced):
-                    got = forward(module, x, positions)
-            if not all(torch.equal(a, b) for a, b in zip(expected, got, strict=True)):
-                raise InvalidConfigError(
-                    f"{type(module).__name__} computes its longrope embedding otherwise than transformers' rotary "
-                    "embeddings do: aiocb cannot choose its frequencies per request"
-                )
-    finally:
-        inv_freq.copy_(saved)

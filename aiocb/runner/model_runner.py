@@ -178,12 +178,7 @@ class ModelRunner:
             self._new_batch()
             attention.install(self.model)
             if self.spec.long_rope_from is not None:
-                try:
-                    long_rope.install(self.model, self.spec.long_rope_from)
-                except BaseException:
-                    long_rope.uninstall(self.model)
-                    attention.uninstall(self.model)
-                    raise
+                long_rope.install(self.model, self.spec.long_rope_from)
             self._attached = True
         if self.drafter is not None:
             self.drafter.attach()

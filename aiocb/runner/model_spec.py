@@ -9,7 +9,7 @@ from transformers import PreTrainedModel
 
 from aiocb.core.kv_cache import CacheGroup
 from aiocb.errors import InvalidConfigError
-from aiocb.runner.long_rope import long_rope_length
+from aiocb.runner.long_rope import long_rope_length, recomputes_at_length
 from aiocb.runner.tp_layout import shard_heads
 
 
@@ -36,9 +36,12 @@ class ModelSpec:
     tp_size: int = 1
     #: whether the attention has sinks (gpt-oss's learned logit per head in each softmax)
     sinks: bool = False
-    #: a longrope model's original length, past which its long frequencies apply
-    #: (:mod:`aiocb.runner.long_rope`); None for other models
+    #: a longrope model's original length, past which its long setting applies
+    #: (:mod:`aiocb.runner.long_rope`); None for other models ...
     long_rope_from: int | None = None
+    #: ... and whether a request whose sequence passes it is computed again, all long
+    #: (Phi-3's and PhiMoE's ``generate`` do so)
+    long_rope_recomputes: bool = False
 
     @property
     def dtype_bytes(self) -> int:
@@ -111,6 +114,7 @@ def model_spec(model: PreTrainedModel) -> ModelSpec:
         tp_size=tp_size,
         sinks=any(isinstance(getattr(module, "sinks", None), torch.Tensor) for module in model.modules()),
         long_rope_from=long_rope_length(config),
+        long_rope_recomputes=long_rope_length(config) is not None and recomputes_at_length(model),
     )
 
 

@@ -143,9 +143,9 @@ class StepBatch:
     catch_up_starts: list[int] = field(default_factory=list)
     catch_up_counts: list[int] = field(default_factory=list)
     catch_up_ids: list[int] = field(default_factory=list)
-    #: rows whose tokens all take a longrope model's long frequencies, whatever their
-    #: positions: those of a prompt longer than its original length, with positions within
-    #: it (see :mod:`aiocb.runner.long_rope`)
+    #: rows whose tokens all take a longrope model's long setting, whatever their
+    #: positions: those of a long request (:attr:`~aiocb.core.request.Request.long_rope`)
+    #: with positions within the original length (see :mod:`aiocb.runner.long_rope`)
     long_rope_rows: list[int] = field(default_factory=list)
     #: rows whose tokens (prompt chunks) the draft model's pass over the step leaves out
     draft_skip_rows: list[int] = field(default_factory=list)
@@ -311,7 +311,7 @@ class BatchWriter:
             start, num = item.start, item.num_tokens
             starts.append(start)
             counts.append(num)
-            if long_from is not None and start < long_from < request.num_prompt_tokens:
+            if long_from is not None and start < long_from and request.long_rope:
                 parts.long_rope_rows.append(row)
             drafts = item.drafts
             if drafts is not None:

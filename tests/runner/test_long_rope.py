@@ -1,16 +1,26 @@
 """A longrope model (Phi-3's long-context ones) runs to its full context: each token takes
-the frequencies ``model.generate`` gives it in its own request (the long ones for every
-token of a prompt past the original length, and for each token generated past it), whatever
-shares its passes: chunked prefill, preemption, prefix hits, decode graphs; a plain call of
-the model while a manager holds it keeps transformers' own choice."""
+the setting ``model.generate`` gives it in its own request (the long one for every token
+of a prompt past the original length, and for each token generated past it; Phi-3 and
+PhiMoE compute a sequence again, all long, once it passes the length), whatever shares its
+passes: chunked prefill, preemption, offloading, prefix hits, speculation, decode graphs;
+a plain call of the model while a manager holds it (or two managers) keeps transformers'
+own choice."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
 import torch
-from transformers import PreTrainedModel
+from transformers import (
+    Phi3Config,
+    Phi3ForCausalLM,
+    PhimoeConfig,
+    PhimoeForCausalLM,
+    PreTrainedModel,
+)
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 import aiocb
 from aiocb.runner.backends import Backend
@@ -35,9 +45,39 @@ PROMPTS = [
 NEW = 16
 
 
+#: a tiny model's sizes, with the longrope scaling
+_SIZES = {
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 4 * ORIGINAL,
+    "original_max_position_embeddings": ORIGINAL,
+    "initializer_range": 0.3,
+    "bos_token_id": None,
+    "eos_token_id": None,
+    "pad_token_id": 0,
+}
+
+
 @pytest.fixture(scope="module")
 def model() -> PreTrainedModel:
     return tiny_llama(max_position_embeddings=4 * ORIGINAL, rope_parameters=ROPE)
+
+
+def tiny_phi3() -> PreTrainedModel:
+    torch.manual_seed(0)
+    return Phi3ForCausalLM(Phi3Config(**_SIZES, rope_parameters=ROPE)).eval()
+
+
+def tiny_phimoe() -> PreTrainedModel:
+    """PhiMoE's longrope switches its scale alone (its frequencies are the short ones)."""
+    torch.manual_seed(0)
+    rope = {**ROPE, "short_mscale": 1.0, "long_mscale": 1.5}
+    config = PhimoeConfig(**_SIZES, rope_parameters=rope, num_local_experts=4, num_experts_per_tok=2)
+    return PhimoeForCausalLM(config).eval()
 
 
 async def _generate(
@@ -99,7 +139,7 @@ async def test_decode_graphs_take_the_long_frequencies_by_position(
     """Graphs replay decode steps (every token's choice follows from its position); steps
     with tokens of a long prompt within the original length run eagerly."""
     prompts = [PROMPTS[1], PROMPTS[-1][:40]]  # (30 tokens, crossing the length as it generates; 40)
-    config = {"max_batch_tokens": 24, "decode_compile_config": {"disable": True}}
+    config = {"max_batch_tokens": 24, "max_requests_per_batch": 2, "decode_compile_config": {"disable": True}}
     outputs = await _generate(model, prompts, max_new_tokens=6, **config)
     assert outputs == [reference_generate(model, p, 6) for p in prompts]
     assert graphs_on_cpu, "decode steps replayed graphs"
@@ -114,13 +154,83 @@ async def test_the_model_called_while_held_keeps_its_own_choice(model: PreTraine
     assert held[0, len(prompt) :].tolist() == expected
 
 
-def test_a_rotary_embedding_computed_otherwise_is_refused(model: PreTrainedModel) -> None:
-    class Scaled(type(model.model.rotary_emb)):  # type: ignore[misc]
+async def test_a_rotary_embedding_of_its_own_is_run_as_it_is() -> None:
+    """Each setting is the module's own forward's: one that computes otherwise than
+    transformers' (here, twice its embedding) is followed too."""
+
+    class Doubled(LlamaRotaryEmbedding):
         def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             cos, sin = super().forward(x, position_ids)
             return 2 * cos, 2 * sin
 
-    odd = tiny_llama(max_position_embeddings=4 * ORIGINAL, rope_parameters=ROPE)
-    odd.model.rotary_emb.__class__ = Scaled
-    with pytest.raises(aiocb.InvalidConfigError, match="computes its longrope embedding otherwise"):
-        aiocb.generate_batch(odd, [[5, 6, 7]], max_new_tokens=2)
+    model = tiny_llama(max_position_embeddings=4 * ORIGINAL, rope_parameters=ROPE)
+    model.model.rotary_emb.__class__ = Doubled
+    prompts = [PROMPTS[1], PROMPTS[-1]]
+    assert await _generate(model, prompts) == [reference_generate(model, p, NEW) for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def phi3() -> PreTrainedModel:
+    return tiny_phi3()
+
+
+@pytest.mark.parametrize(
+    ("config", "speculative"),
+    [
+        ({}, None),
+        ({"max_batch_tokens": 24}, None),
+        ({"num_blocks": 10, "max_batch_tokens": 40}, None),  # (preempted, and computed again)
+        ({"num_blocks": 10, "max_batch_tokens": 40, "cpu_offload_space": 0.01}, None),  # (offloaded)
+        ({}, {"num_speculative_tokens": 4, "prompt_lookup_min": 1}),
+        ({}, {"method": "draft", "num_speculative_tokens": 3}),  # (a copy of it: every proposal taken)
+    ],
+    ids=["together", "chunked", "preempted", "offloaded", "prompt-lookup", "draft"],
+)
+async def test_phi3_computes_a_sequence_again_once_it_passes_the_length(
+    phi3: PreTrainedModel, config: dict[str, Any], speculative: dict[str, Any] | None
+) -> None:
+    """Phi-3's ``generate`` drops its cache when the sequence passes the original length and
+    computes it again all long: the requests that cross it here equal that (proposals stop
+    short of it: a pass past it with short keys cached would score them otherwise)."""
+    prompts = [*PROMPTS, (PROMPTS[0][:7] * 4)[:28]]  # (and a copy-heavy one, proposed for at once)
+    expected = [reference_generate(phi3, prompt, NEW) for prompt in prompts]
+    batching = aiocb.ContinuousBatchingConfig(page_size=16, **config)
+    draft = {"draft_model": copy.deepcopy(phi3)} if speculative and speculative.get("method") == "draft" else {}
+    spec = None if speculative is None else aiocb.SpeculativeConfig(**speculative, **draft)
+    async with aiocb.Manager(phi3, continuous_batching_config=batching, speculative_config=spec) as manager:
+        outputs = await manager.generate_batch(prompts, max_new_tokens=NEW)
+        again = manager.statistics().recomputed_tokens
+    assert [output.generated_tokens for output in outputs.values()] == expected
+    assert again > 0, "the crossing requests were computed again"
+
+
+async def test_phi3_s_crossed_sequences_share_blocks_with_long_prompts_only(phi3: PreTrainedModel) -> None:
+    """A request computed again past the length holds long keys: a long prompt of its
+    tokens finds its blocks; a short request's blocks stay short."""
+    short = PROMPTS[1]  # (30 tokens: crosses the length as it generates)
+    async with aiocb.Manager(phi3, continuous_batching_config=aiocb.ContinuousBatchingConfig(page_size=16)) as manager:
+        first = await manager.generate_batch([short], max_new_tokens=NEW)
+        sequence = [*short, *next(iter(first.values())).generated_tokens]
+        hits = manager.statistics().prefix_hit_tokens
+        second = await manager.generate_batch([sequence], max_new_tokens=4)
+        assert manager.statistics().prefix_hit_tokens - hits == 16 * ((len(sequence) - 1) // 16)
+    assert next(iter(second.values())).generated_tokens == reference_generate(phi3, sequence, 4)
+
+
+async def test_phimoe_s_scale_is_chosen_per_request() -> None:
+    model = tiny_phimoe()
+    prompts = [PROMPTS[0], PROMPTS[-1]]
+    assert await _generate(model, prompts) == [reference_generate(model, p, NEW) for p in prompts]
+
+
+async def test_two_managers_hold_the_model_until_the_last_lets_go(model: PreTrainedModel) -> None:
+    rotary = model.model.rotary_emb
+    batching = aiocb.ContinuousBatchingConfig(page_size=16)
+    async with aiocb.Manager(model, continuous_batching_config=batching) as first:
+        async with aiocb.Manager(model, continuous_batching_config=batching):
+            pass
+        outputs = await first.generate_batch(PROMPTS[-2:], max_new_tokens=NEW)
+        assert [o.generated_tokens for o in outputs.values()] == [
+            reference_generate(model, p, NEW) for p in PROMPTS[-2:]
+        ]
+    assert "forward" not in vars(rotary), "the rotary embedding has its own forward back"
