@@ -208,6 +208,32 @@ def test_gpt_oss_sinks_in_the_triton_kernel_equal_their_reference_reading(monkey
     assert same >= 0.95 * len(prompts)
 
 
+def test_longrope_in_decode_graphs_equals_its_eager_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Phi-3's longrope chosen per request (aiocb.runner.long_rope) in decode graphs, prompts
+    on either side of the original length and crossing it, against eager steps through the
+    reference backend (the decode model uncompiled: the phase's time is the other tests')."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(0)
+    rope = {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "original_max_position_embeddings": 256,
+        "short_factor": [1.0] * 16,
+        "long_factor": [1.0 + i / 4 for i in range(16)],
+    }
+    sizes = {**_SIZES, "head_dim": 32}  # (Phi-3's: hidden_size over its heads)
+    config = Phi3Config(**sizes, rope_parameters=rope, original_max_position_embeddings=256)
+    model = Phi3ForCausalLM(config).to("cuda", torch.float32).eval()
+    prompts = _prompts(24, seed=7)
+    graphed = _run(model, prompts, 48, page_size=32, decode_compile_config={"disable": True})
+    monkeypatch.setenv("AIOCB_ATTENTION_BACKEND", "reference")
+    eager = _run(model, prompts, 48, page_size=32, use_cuda_graph=False)
+    same = sum(a == b for a, b in zip(graphed, eager, strict=True))
+    print(f"longrope in graphs vs eager: {same}/{len(prompts)} identical")
+    assert same >= 0.95 * len(prompts)
+
+
 def test_graphs_and_async_batching_are_on_by_default_on_cuda() -> None:
     model = _model(torch.bfloat16)
 
