@@ -29,15 +29,19 @@ import contextlib
 import inspect
 import threading
 import types
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-#: attributes a rotary module holds while installed: how many runners hold it, and the
-#: instance forward it had before (an accelerate hook's), if any
-_HOLDERS = "_aiocb_long_rope_holders"
+#: how many runners hold each installed rotary module (not an attribute of it: a copy of a
+#: held model, which carries the installed forward, is held by none)
+_HOLDERS: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
+#: attributes a rotary module holds while installed: the original length, and the instance
+#: forward it had before (an accelerate hook's), if any
+_ORIGINAL = "_aiocb_long_rope_from"
 _SAVED_FORWARD = "_aiocb_saved_forward"
 #: the tokens of the forward pass under way that take the long setting whatever their
 #: position (None: none; unset: no aiocb pass is under way, the original embedding runs)
@@ -49,7 +53,7 @@ def long_rope_length(config: Any) -> int | None:
     """The original length of a config's longrope scaling (``original_max_position_embeddings``),
     where its rotary embedding is one longrope for every layer; None otherwise."""
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    if not isinstance(rope, dict) or rope.get("rope_type") != "longrope":
+    if not isinstance(rope, dict) or rope.get("rope_type", rope.get("type")) != "longrope":
         return None
     original = rope.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings", None)
     return original if isinstance(original, int) else None
@@ -69,36 +73,39 @@ def recomputes_at_length(model: nn.Module) -> bool:
     return "original_max_position_embeddings" in source and "past_key_values = None" in source
 
 
-def _rotary_modules(model: nn.Module) -> list[nn.Module]:
+def rotary_modules(model: nn.Module) -> list[nn.Module]:
+    """The longrope rotary embeddings of ``model`` (those transformers' ``rope_type`` names so)."""
     return [m for m in model.modules() if getattr(m, "rope_type", None) == "longrope"]
 
 
 def install(model: nn.Module, original: int) -> None:
     """Make each longrope rotary embedding of ``model`` choose its setting per token, for
     one more holder (each :func:`install` wants its :func:`uninstall`)."""
-    for module in _rotary_modules(model):
-        holders = getattr(module, _HOLDERS, 0)
+    for module in rotary_modules(model):
+        holders = _HOLDERS.get(module, 0)
         if not holders:
-            saved = module.__dict__.get("forward")  # (an instance's own: an accelerate hook's)
-            setattr(module, _SAVED_FORWARD, saved)
-            module.forward = types.MethodType(_per_token_forward(original, module.forward), module)
-        setattr(module, _HOLDERS, holders + 1)
+            current = module.__dict__.get("forward")  # (an instance's own: an accelerate hook's)
+            if getattr(current, "__func__", None) is not _per_token_forward:  # (a held model's copy has it)
+                setattr(module, _SAVED_FORWARD, current)
+            setattr(module, _ORIGINAL, original)
+            module.forward = types.MethodType(_per_token_forward, module)
+        _HOLDERS[module] = holders + 1
 
 
 def uninstall(model: nn.Module) -> None:
     """One holder fewer: the last gives each rotary embedding its forward back."""
-    for module in _rotary_modules(model):
-        holders = getattr(module, _HOLDERS, 0)
+    for module in rotary_modules(model):
+        holders = _HOLDERS.get(module, 0)
         if holders > 1:
-            setattr(module, _HOLDERS, holders - 1)
+            _HOLDERS[module] = holders - 1
         elif holders == 1:
-            saved = getattr(module, _SAVED_FORWARD)
+            del _HOLDERS[module]
+            saved = module.__dict__.pop(_SAVED_FORWARD, None)
+            module.__dict__.pop(_ORIGINAL, None)
             if saved is None:
                 del module.forward  # (the class's method again)
             else:
                 module.forward = saved
-            delattr(module, _SAVED_FORWARD)
-            delattr(module, _HOLDERS)
 
 
 @contextlib.contextmanager
@@ -113,24 +120,26 @@ def step(long_tokens: torch.Tensor | None) -> Iterator[None]:
         _local.tokens = previous
 
 
-def _per_token_forward(original: int, plain: Any) -> Any:
-    def forward(
-        self: nn.Module, x: torch.Tensor, position_ids: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        forced = getattr(_local, "tokens", _UNSET)
-        if forced is _UNSET:  # (a plain call of the model)
-            result: tuple[torch.Tensor, torch.Tensor] = plain(x, position_ids, *args, **kwargs)
-            return result
-        long = position_ids + 1 > original
-        if isinstance(forced, torch.Tensor):
-            long = long | forced.view_as(position_ids)
-        # The module's own pass with its longest position within the length (the tokens
-        # past it, clamped, are not taken from it) and past it (one position more, dropped
-        # after): each position's embedding depends on its position and the setting alone.
-        short_cos, short_sin = plain(x, position_ids.clamp(max=original - 1), *args, **kwargs)
-        past = position_ids.new_full((*position_ids.shape[:-1], 1), original)
-        long_cos, long_sin = plain(x, torch.cat((position_ids, past), dim=-1), *args, **kwargs)
-        keep = long[..., None]
-        return torch.where(keep, long_cos[..., :-1, :], short_cos), torch.where(keep, long_sin[..., :-1, :], short_sin)
-
-    return forward
+def _per_token_forward(
+    self: nn.Module, x: torch.Tensor, position_ids: torch.Tensor, *args: Any, **kwargs: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """An installed rotary module's forward (looked up on the module itself at each call: a
+    copy of it runs on its own buffers)."""
+    saved = self.__dict__.get(_SAVED_FORWARD)
+    plain = saved if saved is not None else types.MethodType(type(self).forward, self)
+    forced = getattr(_local, "tokens", _UNSET)
+    if forced is _UNSET:  # (a plain call of the model)
+        result: tuple[torch.Tensor, torch.Tensor] = plain(x, position_ids, *args, **kwargs)
+        return result
+    original: int = self.__dict__[_ORIGINAL]
+    long = position_ids + 1 > original
+    if isinstance(forced, torch.Tensor):
+        long = long | forced.view_as(position_ids)
+    # The module's own pass with its longest position within the length (the tokens past
+    # it, clamped, are not taken from it) and past it (one position more, dropped after):
+    # each position's embedding depends on its position and the setting alone.
+    short_cos, short_sin = plain(x, position_ids.clamp(max=original - 1), *args, **kwargs)
+    past = position_ids.new_full((*position_ids.shape[:-1], 1), original)
+    long_cos, long_sin = plain(x, torch.cat((position_ids, past), dim=-1), *args, **kwargs)
+    keep = long[..., None]
+    return torch.where(keep, long_cos[..., :-1, :], short_cos), torch.where(keep, long_sin[..., :-1, :], short_sin)

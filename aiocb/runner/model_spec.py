@@ -9,7 +9,7 @@ from transformers import PreTrainedModel
 
 from aiocb.core.kv_cache import CacheGroup
 from aiocb.errors import InvalidConfigError
-from aiocb.runner.long_rope import long_rope_length, recomputes_at_length
+from aiocb.runner.long_rope import long_rope_length, recomputes_at_length, rotary_modules
 from aiocb.runner.tp_layout import shard_heads
 
 
@@ -77,6 +77,12 @@ def model_spec(model: PreTrainedModel) -> ModelSpec:
     # (whether its attention goes through transformers' AttentionInterface at all is found
     # by its first pass: see attention._Probe)
     config = model.config.get_text_config()
+    long_rope_from = long_rope_length(config)
+    if long_rope_from is not None and not rotary_modules(model):
+        raise InvalidConfigError(
+            f"{type(model).__name__}'s config has a longrope scaling, but none of its modules is a rotary "
+            "embedding transformers names longrope (rope_type): aiocb cannot choose its setting per request"
+        )
     try:
         num_layers = int(config.num_hidden_layers)
         num_heads = int(config.num_attention_heads)
@@ -113,8 +119,8 @@ def model_spec(model: PreTrainedModel) -> ModelSpec:
         device=param.device,
         tp_size=tp_size,
         sinks=any(isinstance(getattr(module, "sinks", None), torch.Tensor) for module in model.modules()),
-        long_rope_from=long_rope_length(config),
-        long_rope_recomputes=long_rope_length(config) is not None and recomputes_at_length(model),
+        long_rope_from=long_rope_from,
+        long_rope_recomputes=long_rope_from is not None and recomputes_at_length(model),
     )
 
 

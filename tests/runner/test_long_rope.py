@@ -234,3 +234,27 @@ async def test_two_managers_hold_the_model_until_the_last_lets_go(model: PreTrai
             reference_generate(model, p, NEW) for p in PROMPTS[-2:]
         ]
     assert "forward" not in vars(rotary), "the rotary embedding has its own forward back"
+
+
+async def test_a_copy_of_the_held_model_is_a_model_of_its_own() -> None:
+    """A copy made while a manager holds the model (a draft made of it, say) runs on its
+    own weights and buffers, and is left as transformers made it once its own manager ends."""
+    model = tiny_llama(max_position_embeddings=4 * ORIGINAL, rope_parameters=ROPE)
+    prompt = PROMPTS[0]  # (short, crossing the length as it generates)
+    async with aiocb.Manager(model, continuous_batching_config=aiocb.ContinuousBatchingConfig(page_size=16)):
+        twin = copy.deepcopy(model)
+    assert "forward" not in vars(model.model.rotary_emb)
+    with torch.no_grad():
+        # (another model now: were the copy to run on the original's buffers, nothing would change)
+        twin.model.rotary_emb.original_inv_freq.mul_(2.0)
+    expected = reference_generate(twin, prompt, NEW)
+    assert expected != reference_generate(model, prompt, NEW)
+    assert await _generate(twin, [prompt]) == [expected]
+    assert "forward" not in vars(twin.model.rotary_emb), "the copy is left as transformers made it"
+
+
+async def test_a_longrope_config_without_a_rotary_module_named_so_is_refused() -> None:
+    model = tiny_llama(max_position_embeddings=4 * ORIGINAL, rope_parameters=ROPE)
+    model.model.rotary_emb.rope_type = "custom"  # (as a model's own rotary class would be)
+    with pytest.raises(aiocb.InvalidConfigError, match="none of its modules is a rotary embedding"):
+        await _generate(model, [[5, 6, 7]])
