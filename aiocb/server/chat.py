@@ -51,6 +51,9 @@ class PreparedChat:
     #: answer after the thinking, with a reasoning parser, or for a harmony output's final
     #: message: made into :attr:`constraint` by :func:`constrain_answer`
     answer: tuple[str, Any] | None = None
+    #: the kinds of harmony message whose bodies the constraint holds to JSON ("call",
+    #: "content"; see :class:`~aiocb.server.harmony.HarmonyOutput`)
+    json_kinds: frozenset[str] = frozenset()
 
 
 def prepare_chat(ctx: ServerContext, body: bytes) -> PreparedChat:
@@ -155,7 +158,13 @@ async def constrain_answer(ctx: ServerContext, prepared: PreparedChat) -> Prepar
     except InvalidRequestError as exc:
         raise error_from_exception(exc, prepared.request.sampling.body_params()) from None
     replaced = {} if prepared.answer is None else {prepared.answer[0]: None}
-    return dataclasses.replace(prepared, constraint={**replaced, "structural_tag": tag}, answer=None)
+    json_kinds: frozenset[str] = frozenset()
+    if ctx.harmony:  # (every call's arguments are JSON under it; the answer, where it is JSON)
+        json_kinds = frozenset(
+            {"call"} | ({"content"} if prepared.answer and prepared.answer[0] == "json_schema" else set())
+        )
+    constraint = {**replaced, "structural_tag": tag}
+    return dataclasses.replace(prepared, constraint=constraint, answer=None, json_kinds=json_kinds)
 
 
 class ChatCompletion:
@@ -169,6 +178,7 @@ class ChatCompletion:
         self.prompt_ids = prepared.prompt_ids
         self.tools = prepared.tools
         self.opens_thinking = prepared.opens_thinking
+        self.json_kinds = prepared.json_kinds
         sampling = request.sampling
         # (harmony's markers are special tokens too)
         keep_special = ctx.harmony or (
@@ -299,7 +309,7 @@ class ChatCompletion:
         hidden = ctx.special_texts if self.hides_special else ()
         if ctx.harmony:  # (a continued message's body goes on)
             functions = None if self.tools is None else self.tools.names
-            return HarmonyOutput(functions, hidden, harmony_inside(self.request))
+            return HarmonyOutput(functions, hidden, harmony_inside(self.request), self.json_kinds)
         reasoning = ReasoningSplitter(starts_inside=self.opens_thinking) if ctx.reasoning else None
         tools = None
         if self.tools is not None:

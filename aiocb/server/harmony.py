@@ -44,13 +44,16 @@ _FUNCTIONS = "functions."
 #: what goes between two messages of an output (the prompt ends with the first's)
 _SEPARATOR = START + "assistant"
 _CHANNEL, _MESSAGE = re.escape(CHANNEL), re.escape(MESSAGE)
-#: a header's content type, where it has one (`` <|constrain|>json``, `` json``, `` code``)
-_CONTENT_TYPE = f"(( ?{re.escape(CONSTRAIN)}| )[a-z]+)?"
+#: a header's content type, where it has one (`` <|constrain|>json``, `` json``, `` code``;
+#: bounded, as every part of a header is: a header of more than :data:`_MOST_HEADER`
+#: characters is content to the parser)
+_CONTENT_TYPE = f"(( ?{re.escape(CONSTRAIN)}| )[a-z]{{1,16}})?"
 #: the built-in tools a header may name (gpt-oss's browser, python and container)
-_BUILT_IN = r"(browser\.[a-z_]+|python|container\.[a-z_]+)"
-#: the texts that end a message's body for the parser (see :class:`HarmonyOutput`), which
-#: the body of the output's last message may not hold
-_LAST_BODY_EXCLUDES = ["<|end|>", START]
+_BUILT_IN = r"(browser\.[a-z_]{1,32}|python|container\.[a-z_]{1,32})"
+#: the texts that end a message's body for the parser (see :class:`HarmonyOutput`): a free
+#: body holds none of them but the ``<|end|>`` that ends it (the output's last one, none)
+_FREE_BODY_EXCLUDES = [START, "<|return|>", "<|call|>"]
+_LAST_BODY_EXCLUDES = ["<|end|>", *_FREE_BODY_EXCLUDES]
 
 
 def _recipient_header(recipient: str) -> str:
@@ -68,7 +71,7 @@ def harmony_constraint(answer: tuple[str, Any] | None, tools: ToolRequest | None
     function: a call and no final message), while the reasoning (``analysis`` messages),
     the preambles to calls and the calls of built-in tools (reasoning too) stay free, as
     vLLM's reasoning parser leaves them. Preambles and built-in tools' calls are left out
-    where the answer is calls alone.
+    where the answer is calls alone, preambles where ``answer`` holds the content.
 
     ``inside`` is the kind of message the prompt ends inside (see :class:`HarmonyOutput`):
     a continued final message's body is the answer; a continued analysis goes on to its
@@ -86,12 +89,14 @@ def harmony_constraint(answer: tuple[str, Any] | None, tools: ToolRequest | None
         return {"type": "structural_tag", "format": body}
     calls_only = tools is not None and tools.calls_only
     last: list[dict[str, Any]] = []  # (the message that ends the output)
-    free = {"type": "any_text", "excludes": [START]}
+    free = {"type": "any_text", "excludes": _FREE_BODY_EXCLUDES}
     messages = [_tag(CHANNEL + "analysis" + MESSAGE, free, "<|end|>")]
     if not calls_only:
         last.append(_last(f"{_CHANNEL}final{_CONTENT_TYPE}{_MESSAGE}", body))
         last.append(_last(_recipient_header(_BUILT_IN), {"type": "any_text", "excludes": _LAST_BODY_EXCLUDES}))
-        # (a preamble is content, which calls alone leave out)
+    if not calls_only and answer is None:
+        # (a preamble is content: calls alone leave it out, and an answer's constraint
+        # holds for all the content)
         messages.append(_tag(CHANNEL + "commentary" + MESSAGE, free, "<|end|>"))
     if tools is not None:
         offered = [t["function"] for t in tools.tools]
@@ -136,9 +141,21 @@ class HarmonyOutput:
     stop string) is left out; text that is no harmony at all is content."""
 
     def __init__(
-        self, functions: Collection[str] | None, hidden: Collection[str] = (), inside: str | None = None
+        self,
+        functions: Collection[str] | None,
+        hidden: Collection[str] = (),
+        inside: str | None = None,
+        json_kinds: Collection[str] = (),
     ) -> None:
         self._functions = None if functions is None else frozenset(functions)
+        #: the kinds of message ("call", "content") whose bodies a grammar holds to JSON: a
+        #: marker's text inside one of its strings is the string's, not the body's end
+        self._json_kinds = frozenset(json_kinds)
+        #: reading such a body: how much of the buffer its JSON state has taken in, and
+        #: whether that ends inside a string (after a backslash)
+        self._json = False
+        self._scanned = 0
+        self._in_string = self._escaped = False
         self._hidden = HiddenTexts([text for text in hidden if text not in MARKERS])
         self.calls = 0
         self._buffer = ""
@@ -155,6 +172,7 @@ class HarmonyOutput:
         self._wrote: set[str] = set()
         #: what goes before the message's first text: a line break after a message of its kind
         self._opening = ""
+        self._json = inside is not None and inside in self._json_kinds
 
     def feed(self, text: str) -> list[Fragment]:
         """The fragments ``text`` completes."""
@@ -167,14 +185,20 @@ class HarmonyOutput:
                     break
                 if at < 0 or at > _MOST_HEADER:  # (no header: the text is content, whatever its split)
                     self._begin("content")
+                    if self._buffer.startswith(START):  # (its own start would end it again at once)
+                        self._buffer = self._buffer[len(START) :]
                     continue
                 self._begin(*self._header_kind(self._lead(self._buffer[:at], out)))
                 self._buffer = self._buffer[at + len(MESSAGE) :]
                 continue
-            end, marker = min(((self._buffer.find(m), m) for m in _ENDS if m in self._buffer), default=(-1, ""))
+            if self._json:
+                end, marker = self._end_outside_strings()
+            else:
+                end, marker = min(((self._buffer.find(m), m) for m in _ENDS if m in self._buffer), default=(-1, ""))
             if end < 0:
                 keep = max(partial_suffix(self._buffer, m) for m in MARKERS)
                 self._body(self._buffer[: len(self._buffer) - keep], out)
+                self._scanned -= len(self._buffer) - keep
                 self._buffer = self._buffer[len(self._buffer) - keep :]
                 break
             self._body(self._buffer[:end], out)
@@ -201,6 +225,34 @@ class HarmonyOutput:
         """A message's body begins (a call's: of ``function``)."""
         self._in_header, self._started, self._kind, self._function = False, True, kind, function
         self._opening = "\n" if kind in self._wrote else ""
+        self._json = kind in self._json_kinds
+        self._scanned, self._in_string, self._escaped = 0, False, False
+
+    def _end_outside_strings(self) -> tuple[int, str]:
+        """Where the JSON body in the buffer ends: the first end marker outside its strings
+        (-1 if none yet; the buffer's JSON state is kept up to where it was read)."""
+        buffer, i = self._buffer, self._scanned
+        while i < len(buffer):
+            char = buffer[i]
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif char == "\\":
+                    self._escaped = True
+                elif char == '"':
+                    self._in_string = False
+            elif char == '"':
+                self._in_string = True
+            elif char == "<":
+                for marker in _ENDS:
+                    if buffer.startswith(marker, i):
+                        self._scanned = i
+                        return i, marker
+                if any(marker.startswith(buffer[i:]) for marker in _ENDS):
+                    break  # (a marker's start: read on once more has come)
+            i += 1
+        self._scanned = i
+        return -1, ""
 
     def _lead(self, header: str, out: list[Fragment]) -> str:
         """``header`` less text before the output's first header that is no part of one
@@ -229,8 +281,9 @@ class HarmonyOutput:
         return ("reasoning" if channel and channel[0] == "analysis" else "content"), ""
 
     def _body(self, text: str, out: list[Fragment]) -> None:
-        for marker in MARKERS:  # (text that is no harmony, or a stray marker in a body)
-            text = text.replace(marker, "")
+        if not self._json:  # (text that is no harmony, or a stray marker in a body; not a JSON string's)
+            for marker in MARKERS:
+                text = text.replace(marker, "")
         if not text:
             return
         if self._kind == "call":

@@ -10,6 +10,7 @@ script puts next; its outputs are a harmony model's, token for token.
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -257,6 +258,16 @@ async def test_an_output_constraint_holds_the_final_message_and_leaves_the_reaso
     assert not any(marker in seen for marker in MARKERS)
 
 
+async def test_a_marker_inside_the_json_answer_is_the_answer_s(tokenizer: Any) -> None:
+    """The constraint lets a JSON string hold a marker token; the content keeps it whole."""
+    answer = GREETING + 'final<|message|>{"sky": "a<|end|>b"}<|return|>'
+    body = _body(False, response_format={"type": "json_schema", "json_schema": {"name": "sky", "schema": SKY}})
+    async with serving(tokenizer, WORDS, tools=False, fallback=answer) as client:
+        response = await client.post("/v1/chat/completions", json=body)
+        streamed, _, _ = await _streamed(client, body)
+    assert response.json()["choices"][0]["message"]["content"] == streamed["content"] == '{"sky": "a<|end|>b"}'
+
+
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 async def test_tool_choice_makes_the_model_call_after_its_reasoning(tokenizer: Any, tool_choice: Any) -> None:
     async with serving(tokenizer, ANSWER, tools=True, fallback=CALL_AFTER_GREETING) as client:
@@ -396,6 +407,37 @@ def test_a_continued_reasoning_goes_on_as_reasoning() -> None:
     assert _parsed(text, 3, inside="reasoning") == (" more.", "Done.")
 
 
+def test_a_header_too_long_to_be_one_is_content_read_at_once() -> None:
+    """(The parser used to read such a text's own <|start|> as the end of it, again and again.)"""
+    output, fragments = HarmonyOutput(None), []
+    worker = threading.Thread(
+        target=lambda: fragments.extend(output.feed("<|start|>assistant to=" + "x" * 300)), daemon=True
+    )
+    worker.start()
+    worker.join(timeout=10)
+    assert not worker.is_alive(), "the parser did not return"
+    assert merged_text(fragments + output.finish()) == "assistant to=" + "x" * 300
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_markers_in_json_strings_the_grammar_holds_are_text(step: int) -> None:
+    """A call's arguments and a JSON answer are JSON under the constraint: an end marker's
+    text inside one of their strings is the string's (the parser ended the body there)."""
+    text = (
+        '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "a<|end|>\\"<|start|>b"}'
+        '<|call|><|start|>assistant<|channel|>final<|message|>{"sky": "<|return|>x"}<|return|>'
+    )
+    output = HarmonyOutput(["get_weather"], json_kinds={"call", "content"})
+    fragments = [f for at in range(0, len(text), step) for f in output.feed(text[at : at + step])] + output.finish()
+    calls = [(f.name, f.arguments) for f in fragments if isinstance(f, ToolCall)]
+    assert calls == [("get_weather", '{"city": "a<|end|>\\"<|start|>b"}')]
+    assert merged_text(fragments) == '{"sky": "<|return|>x"}'
+
+
+def merged_text(fragments: list[Any]) -> str:
+    return "".join(f.text for f in fragments if isinstance(f, Content))
+
+
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
 CALL_FORMS = [
     '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>',
@@ -425,12 +467,13 @@ def _tools(choice: str = "auto", forced: bool = False, strict: bool = False) -> 
                 '<|channel|>final<|message|>{"sky": "x"}<|return|>',
                 THINK + THINK + GREETING + 'final<|message|>{"sky": "x"}<|return|>',
             ]
-            + [THINK + PREAMBLE + form for form in CALL_FORMS]
+            + [THINK + form for form in CALL_FORMS]
             + [THINK + '<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>{"any": 1}<|call|>'],
             [
                 THINK + "<|channel|>final<|message|>It is.<|return|>",
                 THINK + '<|channel|>final<|message|>{"sky": "x"',
                 THINK,
+                THINK + PREAMBLE + CALL_FORMS[0],  # (a preamble is content, which the answer's constraint holds)
                 UNENDED
                 + '<|channel|>final<|message|>It is.<|end|><|start|>assistant<|channel|>final<|message|>{"sky": "x"}'
                 "<|return|>",
@@ -452,6 +495,7 @@ def _tools(choice: str = "auto", forced: bool = False, strict: bool = False) -> 
                 " to=python<|channel|>analysis code<|message|>print(1)<|call|>",
             ],
             [
+                THINK + f'<|channel|>final {"json" * 5}<|message|>{{"sky": "x"}}<|return|>',  # (headers are bounded)
                 THINK + '<|channel|>final<|message|>Hi<|end|><|start|>assistant<|channel|>final<|message|>{"sky": "x"}'
                 "<|return|>",
                 UNENDED + '<|channel|>commentary to=functions.get_weather json<|message|>{"town": 7}<|call|>',
@@ -481,7 +525,11 @@ def _tools(choice: str = "auto", forced: bool = False, strict: bool = False) -> 
             None,
             _tools(strict=True),
             None,
-            [ANSWER, THINK + "<|channel|>final<|message|>Anything at all<|return|>", THINK + CALL_FORMS[1]],
+            [
+                ANSWER,
+                THINK + "<|channel|>final<|message|>Anything at all<|return|>",
+                THINK + PREAMBLE + CALL_FORMS[1],
+            ],
             [
                 THINK + CALL_FORMS[0].replace('"Paris"', "7"),
                 THINK + "<|channel|>final<|message|>Hi <|end|> there<|return|>",
