@@ -151,9 +151,8 @@ class HarmonyOutput:
         #: the kinds of message ("call", "content") whose bodies a grammar holds to JSON: a
         #: marker's text inside one of its strings is the string's, not the body's end
         self._json_kinds = frozenset(json_kinds)
-        #: reading such a body: how much of the buffer its JSON state has taken in, and
-        #: whether that ends inside a string (after a backslash)
-        self._json = False
+        #: reading such a body (set below and by :meth:`_begin`): how much of the buffer its
+        #: JSON state has taken in, and whether that ends inside a string (after a backslash)
         self._scanned = 0
         self._in_string = self._escaped = False
         self._hidden = HiddenTexts([text for text in hidden if text not in MARKERS])
@@ -172,7 +171,7 @@ class HarmonyOutput:
         self._wrote: set[str] = set()
         #: what goes before the message's first text: a line break after a message of its kind
         self._opening = ""
-        self._json = inside is not None and inside in self._json_kinds
+        self._json: bool = inside is not None and inside in self._json_kinds
 
     def feed(self, text: str) -> list[Fragment]:
         """The fragments ``text`` completes."""

@@ -199,13 +199,7 @@ def test_gpt_oss_sinks_in_the_triton_kernel_equal_their_reference_reading(monkey
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.sinks.normal_(0.0, 2.0)
-    prompts = _prompts(24, seed=6)
-    in_place = _run(model, prompts, 24, page_size=32, decode_compile_config={"disable": True})
-    monkeypatch.setenv("AIOCB_ATTENTION_BACKEND", "reference")
-    gathered = _run(model, prompts, 24, page_size=32, use_cuda_graph=False)
-    same = sum(a == b for a, b in zip(in_place, gathered, strict=True))
-    print(f"gpt-oss sinks in place vs gathered: {same}/{len(prompts)} identical")
-    assert same >= 0.95 * len(prompts)
+    _graphs_against_reference(model, _prompts(24, seed=6), 24, "gpt-oss sinks", monkeypatch)
 
 
 def test_longrope_in_decode_graphs_equals_its_eager_reference(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -225,12 +219,19 @@ def test_longrope_in_decode_graphs_equals_its_eager_reference(monkeypatch: pytes
     sizes = {**_SIZES, "head_dim": 32}  # (Phi-3's: hidden_size over its heads)
     config = Phi3Config(**sizes, rope_parameters=rope, original_max_position_embeddings=256)
     model = Phi3ForCausalLM(config).to("cuda", torch.float32).eval()
-    prompts = _prompts(24, seed=7)
-    graphed = _run(model, prompts, 48, page_size=32, decode_compile_config={"disable": True})
+    _graphs_against_reference(model, _prompts(24, seed=7), 48, "longrope", monkeypatch)
+
+
+def _graphs_against_reference(
+    model: PreTrainedModel, prompts: list[list[int]], new: int, what: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``model``'s outputs in decode graphs (the Triton kernel; the decode model uncompiled)
+    against eager steps through the reference backend's gathers: 95% identical at least."""
+    graphed = _run(model, prompts, new, page_size=32, decode_compile_config={"disable": True})
     monkeypatch.setenv("AIOCB_ATTENTION_BACKEND", "reference")
-    eager = _run(model, prompts, 48, page_size=32, use_cuda_graph=False)
+    eager = _run(model, prompts, new, page_size=32, use_cuda_graph=False)
     same = sum(a == b for a, b in zip(graphed, eager, strict=True))
-    print(f"longrope in graphs vs eager: {same}/{len(prompts)} identical")
+    print(f"{what} in graphs vs eager reference: {same}/{len(prompts)} identical")
     assert same >= 0.95 * len(prompts)
 
 
