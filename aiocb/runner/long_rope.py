@@ -39,6 +39,8 @@ from torch import nn
 #: how many runners hold each installed rotary module (not an attribute of it: a copy of a
 #: held model, which carries the installed forward, is held by none)
 _HOLDERS: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
+#: held while they change (runners attach and detach on their own threads)
+_holding = threading.Lock()
 #: attributes a rotary module holds while installed: the original length, and the instance
 #: forward it had before (an accelerate hook's), if any
 _ORIGINAL = "_aiocb_long_rope_from"
@@ -81,6 +83,11 @@ def rotary_modules(model: nn.Module) -> list[nn.Module]:
 def install(model: nn.Module, original: int) -> None:
     """Make each longrope rotary embedding of ``model`` choose its setting per token, for
     one more holder (each :func:`install` wants its :func:`uninstall`)."""
+    with _holding:
+        _install(model, original)
+
+
+def _install(model: nn.Module, original: int) -> None:
     for module in rotary_modules(model):
         holders = _HOLDERS.get(module, 0)
         if not holders:
@@ -94,6 +101,11 @@ def install(model: nn.Module, original: int) -> None:
 
 def uninstall(model: nn.Module) -> None:
     """One holder fewer: the last gives each rotary embedding its forward back."""
+    with _holding:
+        _uninstall(model)
+
+
+def _uninstall(model: nn.Module) -> None:
     for module in rotary_modules(model):
         holders = _HOLDERS.get(module, 0)
         if holders > 1:
