@@ -901,6 +901,7 @@ class Scheduler:
         several of those, and more the more prompt blocks it looks up and registers)."""
         work = 0
         page = self.kv_cache.page_size
+        switch = self.long_rope_switch
         while self.waiting and budget > 0 and len(planned) < self.max_requests_per_batch:
             if self.running and self.kv_cache.free_fraction < self.safety_margin:
                 break  # keep the rest of the cache for the requests already running
@@ -908,7 +909,6 @@ class Scheduler:
             if request.num_pending_tokens:
                 break  # preempted while its token was in flight: resume once it has landed
             offloaded = bool(request.host_block_ids)
-            switch = self.long_rope_switch
             if switch is not None and not request.long_rope and request.num_tokens > switch:
                 # (computed from its start past the switch: all long; a copy offloaded
                 # before it has the short setting)
@@ -995,31 +995,29 @@ class Scheduler:
     def _preempt(self, request: Request, output: SchedulerOutput) -> None:
         """Take the request's blocks and put it at the front of the queue: its KV goes to
         host memory when CPU offloading has room, otherwise it is computed again later."""
-        del self.running[request]
-        self._departed.append(request)
         copies = self.kv_cache.offload(request)
         if copies is not None:
             _extend(output.swap_out, copies)
-        else:
-            self.kv_cache.free(request)
-            request.num_lost_tokens += request.num_computed_tokens  # (counted when it is readmitted)
-            request.num_computed_tokens = 0
+        self._requeue_first(request, computed_again=copies is None)
         request.num_preemptions += 1
-        request.status = RequestStatus.PENDING
-        self._enqueue(request)
-        self.waiting.move_to_end(request, last=False)
         self.stats.num_preemptions += 1
 
     def _restart_long(self, request: Request) -> None:
         """Put ``request``, whose next pass passes the longrope switch, at the front of the
         queue to be computed again from its start, all long (its blocks, of the short
         setting, go back: the prefix cache keeps them for short requests)."""
+        self._requeue_first(request, computed_again=True)
+        _make_long(request)
+
+    def _requeue_first(self, request: Request, *, computed_again: bool) -> None:
+        """Move a running request to the front of the queue (``computed_again``: its blocks
+        go back, and it is computed again from its start once readmitted)."""
         del self.running[request]
         self._departed.append(request)
-        self.kv_cache.free(request)
-        request.num_lost_tokens += request.num_computed_tokens  # (counted when it is readmitted)
-        request.num_computed_tokens = 0
-        _make_long(request)
+        if computed_again:
+            self.kv_cache.free(request)
+            request.num_lost_tokens += request.num_computed_tokens  # (counted when it is readmitted)
+            request.num_computed_tokens = 0
         request.status = RequestStatus.PENDING
         self._enqueue(request)
         self.waiting.move_to_end(request, last=False)
