@@ -71,7 +71,8 @@ def harmony_constraint(answer: tuple[str, Any] | None, tools: ToolRequest | None
     function: a call and no final message), while the reasoning (``analysis`` messages),
     the preambles to calls and the calls of built-in tools (reasoning too) stay free, as
     vLLM's reasoning parser leaves them. Preambles and built-in tools' calls are left out
-    where the answer is calls alone, preambles where ``answer`` holds the content.
+    where the answer is calls alone or ``answer`` holds the content (a built-in tool's call
+    ends the output, which the server cannot go on with: an answer must come instead).
 
     ``inside`` is the kind of message the prompt ends inside (see :class:`HarmonyOutput`):
     a continued final message's body is the answer; a continued analysis goes on to its
@@ -93,8 +94,8 @@ def harmony_constraint(answer: tuple[str, Any] | None, tools: ToolRequest | None
     messages = [_tag(CHANNEL + "analysis" + MESSAGE, free, "<|end|>")]
     if not calls_only:
         last.append(_last(f"{_CHANNEL}final{_CONTENT_TYPE}{_MESSAGE}", body))
-        last.append(_last(_recipient_header(_BUILT_IN), {"type": "any_text", "excludes": _LAST_BODY_EXCLUDES}))
     if not calls_only and answer is None:
+        last.append(_last(_recipient_header(_BUILT_IN), {"type": "any_text", "excludes": _LAST_BODY_EXCLUDES}))
         # (a preamble is content: calls alone leave it out, and an answer's constraint
         # holds for all the content)
         messages.append(_tag(CHANNEL + "commentary" + MESSAGE, free, "<|end|>"))

@@ -479,7 +479,7 @@ def _tools(choice: str = "auto", forced: bool = False, strict: bool = False) -> 
                 "<|return|>",
             ],
         ),
-        (  # the headers gpt-oss writes: content types, calls in either channel, built-in tools
+        (  # the headers gpt-oss writes: content types, calls in either channel; no built-in tool
             ("json_schema", json.dumps(SKY)),
             _tools(strict=True),
             None,
@@ -491,10 +491,10 @@ def _tools(choice: str = "auto", forced: bool = False, strict: bool = False) -> 
                 THINK + '<|channel|>commentary to=functions.get_weather json<|message|>{"city": "P"}<|call|>',
                 THINK
                 + '<|channel|>commentary to=functions.get_weather<|constrain|>json<|message|>{"city": "P"}<|call|>',
-                THINK + BROWSE,
-                " to=python<|channel|>analysis code<|message|>print(1)<|call|>",
             ],
             [
+                THINK + BROWSE,  # (an answer must come: the server cannot run a built-in tool)
+                " to=python<|channel|>analysis code<|message|>print(1)<|call|>",
                 THINK + f'<|channel|>final {"json" * 5}<|message|>{{"sky": "x"}}<|return|>',  # (headers are bounded)
                 THINK + '<|channel|>final<|message|>Hi<|end|><|start|>assistant<|channel|>final<|message|>{"sky": "x"}'
                 "<|return|>",
@@ -529,6 +529,8 @@ def _tools(choice: str = "auto", forced: bool = False, strict: bool = False) -> 
                 ANSWER,
                 THINK + "<|channel|>final<|message|>Anything at all<|return|>",
                 THINK + PREAMBLE + CALL_FORMS[1],
+                THINK + BROWSE,
+                " to=python<|channel|>analysis code<|message|>print(1)<|call|>",
             ],
             [
                 THINK + CALL_FORMS[0].replace('"Paris"', "7"),
