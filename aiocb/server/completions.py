@@ -20,7 +20,12 @@ from aiocb.server.bodies import Chain, Uneven, array_items
 from aiocb.server.context import INLINE_BODY_BYTES, ServerContext, finite
 from aiocb.server.edge import AccessRecord
 from aiocb.server.limits import parse_json
-from aiocb.server.protocol import DEFAULT_COMPLETION_MAX_TOKENS, CompletionRequest, parse_completion_request
+from aiocb.server.protocol import (
+    DEFAULT_COMPLETION_MAX_TOKENS,
+    CompletionRequest,
+    bad_request,
+    parse_completion_request,
+)
 from aiocb.server.serving import (
     ChoiceDelta,
     ChoiceSpec,
@@ -70,6 +75,8 @@ def completion_specs(ctx: ServerContext, request: CompletionRequest, prompts: li
     want_logprobs = request.logprobs is not None
     specs: list[ChoiceSpec] = []
     for p, prompt in enumerate(prompts):
+        if max_tokens == 0:
+            _check_scored_length(ctx, len(prompt.ids), f"prompt[{p}]" if len(prompts) > 1 else "prompt")
         for j in range(sampling.n):
             params = engine_params(
                 sampling,
@@ -92,6 +99,18 @@ def completion_specs(ctx: ServerContext, request: CompletionRequest, prompts: li
                 )
             )
     return specs
+
+
+def _check_scored_length(ctx: ServerContext, length: int, where: str) -> None:
+    """Refuse a prompt that ``max_tokens`` 0 cannot score: the engine samples a token after
+    every prompt (which the choice leaves out), so the prompt must leave it a position."""
+    limit = ctx.max_model_len
+    if limit is not None and length >= limit:
+        raise bad_request(
+            f"{where} ({length} tokens) fills the model's context length of {limit}: max_tokens 0 scores "
+            f"prompts of at most {limit - 1} tokens",
+            "prompt",
+        )
 
 
 def parse_completion(ctx: ServerContext, body: bytes) -> CompletionRequest:

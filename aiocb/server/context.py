@@ -364,8 +364,22 @@ class ServerContext:
 
     def default_max_tokens(self, prompt_len: int) -> int:
         """``max_tokens`` when a chat request does not say: what the context and the cache
-        leave, at most the model's generation config's ``max_new_tokens`` (where it sets it)."""
-        room = self.cache_capacity_tokens() - prompt_len
+        leave, at most the model's generation config's ``max_new_tokens`` (where it sets it).
+        A 400 naming ``messages`` when they leave no room for a reply."""
+        capacity = self.cache_capacity_tokens()
+        if self.max_model_len is not None and prompt_len >= self.max_model_len:
+            raise bad_request(
+                f"the conversation ({prompt_len} tokens) leaves no room for a reply in the model's context "
+                f"length of {self.max_model_len}",
+                "messages",
+            )
+        if prompt_len >= capacity:
+            raise bad_request(
+                f"the conversation ({prompt_len} tokens) leaves no room for a reply in the KV cache "
+                f"({capacity} tokens)",
+                "messages",
+            )
+        room = capacity - prompt_len
         if self.max_model_len is not None:
             room = min(room, self.max_model_len - prompt_len)
         if self.defaults.max_new_tokens is not None:

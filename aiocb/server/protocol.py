@@ -333,7 +333,7 @@ def _sampling(
         seed=_opt_int(body, "seed", minimum=-(2**63), maximum=2**63 - 1),
         n=_opt_int(body, "n", minimum=1, maximum=MAX_N) or 1,
         stop=_stop(body.get("stop")),
-        stop_token_ids=tuple(_token_ids(body.get("stop_token_ids") or [], "stop_token_ids")),
+        stop_token_ids=tuple(_stop_token_ids(body.get("stop_token_ids"))),
         ignore_eos=_bool(body, "ignore_eos", False),
         skip_special_tokens=_bool(body, "skip_special_tokens", True),
         stream=stream,
@@ -688,6 +688,10 @@ def _token_ids(value: Any, param: str) -> list[int]:
         if min(ids) < 0:
             raise bad_request(f"'{param}' holds a negative token id", param)
     return value
+
+
+def _stop_token_ids(value: Any) -> list[int]:
+    return [] if value is None else _token_ids(value, "stop_token_ids")
 
 
 def _stop(value: Any) -> tuple[str, ...]:

@@ -150,6 +150,54 @@ async def test_parameters_that_would_do_nothing_are_refused(client: httpx.AsyncC
     await still_serves(client, manager)
 
 
+async def test_empty_stop_token_ids_of_another_type_are_refused(
+    client: httpx.AsyncClient, manager: aiocb.Manager
+) -> None:
+    for value in (0, False, "", {}):
+        error = assert_error(await client.post(COMPLETIONS, json=body(stop_token_ids=value)), 400, "stop_token_ids")
+        assert "list of token ids" in error["message"]
+    for value in ([], None):
+        assert (await client.post(COMPLETIONS, json=body(stop_token_ids=value))).status_code == 200
+    await still_serves(client, manager)
+
+
+async def test_a_prompt_that_fills_the_context_is_refused_naming_what_the_client_sent(
+    client: httpx.AsyncClient, manager: aiocb.Manager, tokenizer: Any
+) -> None:
+    ctx: ServerContext = client._transport.app.state.aiocb  # type: ignore[attr-defined]
+    assert ctx.max_model_len is not None
+    full = ctx.max_model_len
+
+    # A conversation that fills the context, with no length given: no length is blamed.
+    async def rendered(content: str) -> int:
+        counted = await client.post("/tokenize", json={"messages": [{"role": "user", "content": content}]})
+        return int(counted.json()["count"])
+
+    words = full - await rendered("")
+    while await rendered("a " * words) > full:
+        words -= 1
+    content = "a " * words
+    assert await rendered(content) == full
+    error = assert_error(
+        await client.post(CHAT, json=chat(messages=[{"role": "user", "content": content}], max_tokens=None)),
+        400,
+        "messages",
+    )
+    assert f"leaves no room for a reply in the model's context length of {full}" in error["message"]
+    assert "max_completion_tokens" not in error["message"]
+    # Scoring alone (max_tokens 0) takes prompts a token short of the context, and says so.
+    scored = body(prompt=[5] * (full - 1), max_tokens=0, echo=True, logprobs=0)
+    response = await client.post(COMPLETIONS, json=scored)
+    assert response.status_code == 200, response.text
+    assert len(response.json()["choices"][0]["logprobs"]["tokens"]) == full - 1
+    for prompt in ([5] * full, [[5, 6], [5] * full]):
+        error = assert_error(await client.post(COMPLETIONS, json={**scored, "prompt": prompt}), 400, "prompt")
+        where = "prompt[1]" if len(prompt) == 2 else "prompt"
+        assert error["message"].startswith(f"{where} ({full} tokens) fills the model's context length of {full}")
+        assert "max_tokens (1)" not in error["message"]
+    await still_serves(client, manager)
+
+
 async def test_chat_messages_bring_only_fields_the_template_takes(client: httpx.AsyncClient) -> None:
     extra = {"role": "user", "content": "Hello", "colour": "blue"}
     error = assert_error(await client.post(CHAT, json=chat(messages=[extra])), 400, "messages[0].colour")
