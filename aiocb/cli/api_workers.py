@@ -41,6 +41,7 @@ from aiocb.cli.serve import (
     event_loop_name,
     limits_from_args,
     load_manager,
+    load_tokenizer,
     served_model_name,
     uvicorn_config,
 )
@@ -172,7 +173,7 @@ def _wait_for_exit(workers: list[subprocess.Popen[bytes]], timeout: float) -> No
 
 
 async def _worker(args: argparse.Namespace, engine_socket: str, listener: socket.socket) -> int:
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     from aiocb.server import build_app
     from aiocb.server.connections import DrainingServer
@@ -183,7 +184,7 @@ async def _worker(args: argparse.Namespace, engine_socket: str, listener: socket
         from aiocb.default_model import DEFAULT_MODEL_PATH
 
         source = str(DEFAULT_MODEL_PATH)
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or source, trust_remote_code=args.trust_remote_code)
+    tokenizer = load_tokenizer(args.tokenizer or source, args.trust_remote_code, args.chat_template)
     model_config = AutoConfig.from_pretrained(source, trust_remote_code=args.trust_remote_code)
     engine = await RemoteManager.connect(engine_socket, model_config)
     app = build_app(

@@ -142,6 +142,7 @@ def server_options(args: argparse.Namespace, config: ContinuousBatchingConfig, l
     """``build_app``'s server options, from the flags."""
     return {
         "tokenizer": args.tokenizer,
+        "chat_template": args.chat_template,
         "served_model_name": args.served_model_name,
         "dtype": args.dtype,
         "device": args.device,

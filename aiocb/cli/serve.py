@@ -79,6 +79,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="the model id clients send (default: MODEL, or pycode-tiny without one)",
     )
+    parser.add_argument(
+        "--chat-template",
+        default=None,
+        help="the chat template to render chats with instead of the tokenizer's: a file, or the Jinja text itself",
+    )
     parser.add_argument("--dtype", choices=DTYPES, default="auto", help="weights dtype (default: the checkpoint's)")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
     parser.add_argument("--trust-remote-code", action="store_true", help="allow custom model code from the hub")
@@ -268,6 +273,12 @@ def run_serve(args: argparse.Namespace) -> int:
     except (InvalidConfigError, ValueError) as exc:
         print(f"aiocb serve: {exc}", file=sys.stderr)
         return 2
+    if args.chat_template is not None:
+        try:  # (read here: replicas and API workers get the text, which a remote node can use)
+            args.chat_template = read_chat_template(args.chat_template)
+        except ValueError as exc:
+            print(f"aiocb serve: {exc}", file=sys.stderr)
+            return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if not args.access_log:
         logging.getLogger("aiocb.access").setLevel(logging.WARNING)
@@ -347,6 +358,41 @@ def flag_problems(args: argparse.Namespace) -> list[str]:
     if args.device != "auto" and (args.replicas is None or args.ray_address is None):
         problems += _device_problems(args.device)
     return problems
+
+
+def read_chat_template(value: str) -> str:
+    """``--chat-template``'s template: the text of the file ``value`` names, else ``value``
+    itself where it reads as a template (it holds a brace or a line break, vLLM's rule);
+    ValueError naming what is wrong, a template that does not compile included."""
+    path = os.path.expanduser(value)
+    if os.path.isfile(path):
+        try:
+            with open(path, encoding="utf-8") as file:
+                text = file.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--chat-template {value}: cannot be read: {exc}") from None
+    elif "{" in value or "}" in value or "\n" in value:
+        text = value
+    else:
+        raise ValueError(f"--chat-template {value!r}: no such file (nor a Jinja template)")
+    problem = chat_template_problem(text)
+    if problem is not None:
+        raise ValueError(f"--chat-template {value if text is not value else 'text'}: {problem}")
+    return text
+
+
+def chat_template_problem(text: str) -> str | None:
+    """Why the chat template ``text`` cannot render chats (None: it compiles, as transformers
+    compiles it)."""
+    if not text.strip():
+        return "the template is empty"
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        _compile_jinja_template(text)
+    except Exception as exc:  # (jinja2's syntax errors; a private helper of transformers)
+        return f"not a Jinja template transformers can compile: {exc}"
+    return None
 
 
 def device_of(name: str) -> torch.device | None:
@@ -498,6 +544,7 @@ def load_model(args: argparse.Namespace) -> tuple[Any, Any]:
             device=args.device,
             trust_remote_code=args.trust_remote_code,
             torch_threads=args.torch_threads,
+            chat_template=args.chat_template,
         )
     except (OSError, ValueError, RuntimeError, ImportError) as exc:
         what = args.model if args.model is not None else "the bundled model"
@@ -527,11 +574,13 @@ def load_pretrained(
     device: str = "auto",
     trust_remote_code: bool = False,
     torch_threads: int | None = None,
+    chat_template: str | None = None,
 ) -> tuple[Any, Any]:
     """``AutoModelForCausalLM`` (in eval mode on ``device``; ``auto``: cuda when available) and
-    ``AutoTokenizer`` from ``model`` (None: the bundled pycode-tiny) or ``tokenizer``."""
+    ``AutoTokenizer`` from ``model`` (None: the bundled pycode-tiny) or ``tokenizer``, with
+    ``chat_template`` (its text) in place of its own where given."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     if torch_threads:
         torch.set_num_threads(torch_threads)
@@ -543,9 +592,20 @@ def load_pretrained(
         from aiocb.default_model import DEFAULT_MODEL_PATH
 
         source = str(DEFAULT_MODEL_PATH)
-    loaded_tokenizer = AutoTokenizer.from_pretrained(tokenizer or source, trust_remote_code=trust_remote_code)
+    loaded_tokenizer = load_tokenizer(tokenizer or source, trust_remote_code, chat_template)
     loaded: Any = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, trust_remote_code=trust_remote_code)
     return loaded.to(device).eval(), loaded_tokenizer
+
+
+def load_tokenizer(source: str, trust_remote_code: bool, chat_template: str | None) -> Any:
+    """``AutoTokenizer`` from ``source``, with ``chat_template`` (its text) in place of its own
+    where given."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return tokenizer
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -7,7 +7,7 @@ import math
 import numbers
 from dataclasses import dataclass
 
-from aiocb.cli.serve import DTYPES, MAX_TORCH_THREADS, device_of
+from aiocb.cli.serve import DTYPES, MAX_TORCH_THREADS, chat_template_problem, device_of
 from aiocb.config import ContinuousBatchingConfig, as_config
 from aiocb.errors import InvalidConfigError
 from aiocb.server.harmony import REASONING_PARSER, TOOL_CALL_PARSER
@@ -31,6 +31,8 @@ class ReplicaOptions:
 
     Attributes:
         tokenizer: tokenizer path or hub id (default: the model's).
+        chat_template: the chat template (its Jinja text, which replicas on other nodes
+            need no file for) to render chats with instead of the tokenizer's.
         served_model_name: the model id clients send (default: the model path, or
             ``pycode-tiny`` for the bundled model).
         dtype: ``auto`` (the checkpoint's), ``float32``, ``float16`` or ``bfloat16``.
@@ -51,6 +53,7 @@ class ReplicaOptions:
     """
 
     tokenizer: str | None = None
+    chat_template: str | None = None
     served_model_name: str | None = None
     dtype: str = "auto"
     device: str = "auto"
@@ -67,6 +70,12 @@ class ReplicaOptions:
     log_level: str = "info"
 
     def __post_init__(self) -> None:
+        if self.chat_template is not None:
+            if not isinstance(self.chat_template, str):
+                raise InvalidConfigError(f"chat_template must be the template's text, got {self.chat_template!r}")
+            problem = chat_template_problem(self.chat_template)
+            if problem is not None:
+                raise InvalidConfigError(f"chat_template: {problem}")
         if self.dtype not in DTYPES:
             raise InvalidConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         tool_parsers = (*PARSERS, TOOL_CALL_PARSER)

@@ -68,6 +68,7 @@ class EngineReplica:
                 device=options.device,
                 trust_remote_code=options.trust_remote_code,
                 torch_threads=options.torch_threads,
+                chat_template=options.chat_template,
             )
         self.manager = aiocb.Manager(
             loaded,

@@ -70,12 +70,11 @@ class TensorParallelGroup:
 
     def load_driver(self) -> tuple[Any, Any]:
         """Join the group as rank 0 and load this rank's shard and the tokenizer (blocks)."""
-        from transformers import AutoTokenizer
+        from aiocb.cli.serve import load_tokenizer
 
         model = join_and_load(self.model, self.options, 0, self.size, self.address, self.port)
-        tokenizer = AutoTokenizer.from_pretrained(
-            self.options.tokenizer or self.model, trust_remote_code=self.options.trust_remote_code
-        )
+        options = self.options
+        tokenizer = load_tokenizer(options.tokenizer or self.model, options.trust_remote_code, options.chat_template)
         return model, tokenizer
 
     def check(self) -> None:

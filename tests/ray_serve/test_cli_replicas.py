@@ -12,8 +12,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from transformers import AutoTokenizer
 
 from aiocb.cli.serve import add_serve_arguments, run_serve
+from aiocb.default_model import DEFAULT_MODEL_PATH
 from aiocb.ray_serve import REPLICA_HEADER
 from tests.distributed.launch import free_port
 
@@ -81,10 +83,10 @@ def test_the_replica_flags_reach_the_app(monkeypatch: pytest.MonkeyPatch, capsys
 
     monkeypatch.setattr(aiocb.ray_serve, "build_app", build_app)
     assert run_serve(parse("--replicas", "3", "--ingress-replicas", "2", "--routing", "power_of_two")) == 2
-    assert run_serve(parse("--replicas", "auto")) == 2
-    assert [(b["num_replicas"], b["num_ingress_replicas"], b["routing"]) for b in built] == [
-        (3, 2, "power_of_two"),
-        ("auto", 1, "prefix_affinity"),
+    assert run_serve(parse("--replicas", "auto", "--chat-template", "{{ messages }}")) == 2
+    assert [(b["num_replicas"], b["num_ingress_replicas"], b["routing"], b["chat_template"]) for b in built] == [
+        (3, 2, "power_of_two", None),
+        ("auto", 1, "prefix_affinity", "{{ messages }}"),
     ]
     assert "aiocb serve: checked" in capsys.readouterr().err
 
@@ -118,6 +120,9 @@ def test_two_replicas_from_the_command_line(tmp_path: Path) -> None:
     port = free_port()
     command = [sys.executable, "-m", "aiocb.cli.serve", "--replicas", "2", "--port", str(port)]
     command += ["--torch-threads", "1", "--page-size", "16", "--num-blocks", "256", "--shutdown-timeout", "5"]
+    template = tmp_path / "chat.jinja"  # (read here: the replicas get its text)
+    template.write_text("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
+    command += ["--chat-template", str(template)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     log = tmp_path / "serve.log"
     with log.open("w") as out:
@@ -134,6 +139,16 @@ def test_two_replicas_from_the_command_line(tmp_path: Path) -> None:
             if len(seen) == 2:
                 break
         assert len(seen) == 2, "both replicas answered"
+        tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL_PATH)
+        chat = {"messages": [{"role": "user", "content": "Hello"}]}
+        replicas_rendered = set()
+        for _ in range(40):
+            response = httpx.post(f"{url}/tokenize", json=chat, timeout=60)
+            assert response.json()["tokens"] == tokenizer.encode("user: Hello\n", add_special_tokens=False)
+            replicas_rendered.add(response.headers[REPLICA_HEADER])
+            if len(replicas_rendered) == 2:
+                break
+        assert len(replicas_rendered) == 2, "both replicas rendered with the template"
     finally:
         process.send_signal(signal.SIGINT)
         try:

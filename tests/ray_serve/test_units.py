@@ -322,6 +322,9 @@ async def test_closing_the_forwarded_response_cancels_the_request_and_frees_its_
         ({"max_imbalance": 1.5}, "max_imbalance must be an int >= 0"),
         ({"access_log": "no"}, "access_log must be True or False, got 'no'"),
         ({"trust_remote_code": 1}, "trust_remote_code must be True or False"),
+        ({"chat_template": 5}, "chat_template must be the template's text, got 5"),
+        ({"chat_template": "{% if %}"}, "chat_template: not a Jinja template transformers can compile"),
+        ({"chat_template": " "}, "chat_template: the template is empty"),
         # (the bundled model's template is no harmony: checked here, not by every replica)
         ({"reasoning_parser": "openai_gptoss"}, "'openai_gptoss' parser reads gpt-oss's harmony format"),
         # (each replica sees the GPUs Ray gives it alone, numbered from 0)

@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -136,6 +137,13 @@ def test_bad_values_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     capsys.readouterr()
     assert run_serve(parse("--page-size", "2")) == 2  # validated before anything loads
     assert "page_size" in capsys.readouterr().err
+    for template, message in (
+        ("missing.jinja", "--chat-template 'missing.jinja': no such file (nor a Jinja template)"),
+        ("{% if %}", "--chat-template text: not a Jinja template transformers can compile"),
+        ("{{ unclosed", "--chat-template text: not a Jinja template"),
+    ):
+        assert run_serve(parse("--chat-template", template)) == 2
+        assert message in capsys.readouterr().err
 
 
 def _free_port() -> int:
@@ -145,10 +153,20 @@ def _free_port() -> int:
         return port
 
 
-def test_serve_runs_a_model_directory(model_dir: Path) -> None:
+#: a chat template of the server's own (``--chat-template``), plain to tell from the tokenizer's
+TEMPLATE = (
+    "{% for m in messages %}<{{ m.role }}> {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<bot>{% endif %}"
+)
+HELLO = [{"role": "user", "content": "Hello"}]
+
+
+def test_serve_runs_a_model_directory(model_dir: Path, tmp_path: Path, tokenizer: Any) -> None:
     port = _free_port()
+    template = tmp_path / "chat.jinja"
+    template.write_text(TEMPLATE)
     command = [sys.executable, "-m", "aiocb.cli.serve", str(model_dir), "--port", str(port)]
     command += ["--served-model-name", "tiny", "--api-key", "k", "--page-size", "16", "--num-blocks", "128"]
+    command += ["--chat-template", str(template)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -167,6 +185,8 @@ def test_serve_runs_a_model_directory(model_dir: Path) -> None:
         response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, headers=headers, timeout=60)
         assert response.status_code == 200, response.text
         assert response.json()["usage"]["completion_tokens"] == 4
+        rendered = httpx.post(f"http://127.0.0.1:{port}/tokenize", json={"messages": HELLO}, headers=headers)
+        assert rendered.json()["tokens"] == tokenizer("<user> Hello\n<bot>", add_special_tokens=False).input_ids
     finally:
         process.send_signal(signal.SIGINT)
         output, _ = process.communicate(timeout=60)
@@ -363,11 +383,12 @@ def _metric(text: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
-def test_api_workers_serve_together_and_drain(model_dir: Path, tmp_path: Path) -> None:
+def test_api_workers_serve_together_and_drain(model_dir: Path, tmp_path: Path, tokenizer: Any) -> None:
     """Two HTTP processes over one engine: the same answers, metrics summed, SIGTERM drains."""
     port = _free_port()
     command = [sys.executable, "-m", "aiocb.cli.serve", str(model_dir), "--port", str(port), "--api-workers", "2"]
     command += ["--served-model-name", "tiny", "--page-size", "16", "--num-blocks", "128", "--shutdown-timeout", "30"]
+    command += ["--chat-template", TEMPLATE]  # (the text itself: the workers render with it)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
     log = tmp_path / "server.log"
     with log.open("w") as out:
@@ -386,6 +407,9 @@ def test_api_workers_serve_together_and_drain(model_dir: Path, tmp_path: Path) -
         assert len(_access_log_pids(log)) == 2, "both workers served requests"
         assert {a.status_code for a in answers} == {200}
         assert len({a.json()["choices"][0]["text"] for a in answers}) == 1, "greedy: one answer"
+        expected = tokenizer("<user> Hello\n<bot>", add_special_tokens=False).input_ids
+        for _ in range(4):  # (fresh connections: either worker)
+            assert httpx.post(f"{url}/tokenize", json={"messages": HELLO}).json()["tokens"] == expected
         refused = httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": 10**6}, timeout=60)
         assert refused.status_code == 400 and "context length" in refused.json()["error"]["message"]
         metrics = httpx.get(f"{url}/metrics", timeout=10).text
