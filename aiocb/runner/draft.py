@@ -33,7 +33,7 @@ from transformers import PreTrainedModel
 
 from aiocb.config import ContinuousBatchingConfig
 from aiocb.errors import InvalidConfigError
-from aiocb.runner import attention
+from aiocb.runner import attention, long_rope
 from aiocb.runner.backends import Backend, select_backends
 from aiocb.runner.cuda_graphs import DecodeGraphs
 from aiocb.runner.input_batch import InputBatch
@@ -129,15 +129,21 @@ class Drafter:
         self.graphs: DecodeGraphs | None = None
 
     def attach(self) -> None:
-        """Route the draft's attention through its paged cache (idempotent)."""
+        """Route the draft's attention through its paged cache, and a longrope draft's rotary
+        embeddings to the setting of each token (idempotent). The tokens the target's steps
+        mark long are long to the draft too: a copy of the target proposes its tokens."""
         if not self._attached:
             attention.install(self.model)
+            if self.spec.long_rope_from is not None:
+                long_rope.install(self.model, self.spec.long_rope_from)
             self._attached = True
 
     def detach(self) -> None:
-        """Give the draft back its original attention implementation (idempotent)."""
+        """Give the draft back its original attention and rotary embeddings (idempotent)."""
         if self._attached:
             attention.uninstall(self.model)
+            if self.spec.long_rope_from is not None:
+                long_rope.uninstall(self.model)
             self._attached = False
 
     def propose(self, batch: StepBatch, inputs: StepInputs, state: InputBatch) -> torch.Tensor | None:
@@ -152,7 +158,12 @@ class Drafter:
         logits: torch.Tensor | None
         if batch.draft_skip_rows:
             logits = self._first_pass_without(batch, inputs, state, rows)
-        elif graphs is not None and plan is not None and (width := graphs.width_for(batch, inputs)):
+        elif (
+            graphs is not None
+            and plan is not None
+            and inputs.attention.long_rope is None  # (as the target's steps: graphs take no marks)
+            and (width := graphs.width_for(batch, inputs))
+        ):
             own = replace(inputs, input_ids=self._ids(inputs.input_ids))
             logits = graphs.run_wide(own, batch.num_rows, width, plan.first_index)
         else:
@@ -208,6 +219,7 @@ class Drafter:
             num_tokens=counts,
             sampled=[],
             offsets=[],
+            long_rope_rows=[place[r] for r in batch.long_rope_rows if r in place],
         )
         own = prepare_inputs(step, self.cache, self._transfer, self.backends, state)
         row_kept = torch.ones(batch.num_rows, dtype=torch.bool)
@@ -231,6 +243,7 @@ class Drafter:
             num_tokens=batch.catch_up_counts,
             sampled=[],
             offsets=[],
+            long_rope_rows=batch.catch_up_long_rows,
         )
         inputs = prepare_inputs(step, self.cache, self._transfer, self.backends, state)
         attention.forward(
@@ -316,10 +329,12 @@ def _draft_pass(
     num_tokens: list[int],
     sampled: list[int],
     offsets: list[int],
+    long_rope_rows: list[int] | None = None,
 ) -> StepBatch:
     """A pass of the draft alone over some of ``batch``'s slots: no slot joins, block-table
     changes, carried tokens, logits controls or prompt scores (the step's own pass made
-    those)."""
+    those); ``long_rope_rows``: its rows whose tokens all take the long setting (a decode
+    pass has none: its positions are past the original length where its request is long)."""
     return StepBatch(
         token_ids=token_ids,
         slots=slots,
@@ -336,4 +351,5 @@ def _draft_pass(
         prompt_targets={},
         num_slots=num_slots,
         num_single_token_rows=num_tokens.count(1),
+        long_rope_rows=long_rope_rows or [],
     )

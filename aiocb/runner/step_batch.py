@@ -143,6 +143,9 @@ class StepBatch:
     catch_up_starts: list[int] = field(default_factory=list)
     catch_up_counts: list[int] = field(default_factory=list)
     catch_up_ids: list[int] = field(default_factory=list)
+    #: the catch-up rows (their indices among them) whose tokens all take a longrope
+    #: model's long setting (as :attr:`long_rope_rows`)
+    catch_up_long_rows: list[int] = field(default_factory=list)
     #: rows whose tokens all take a longrope model's long setting, whatever their
     #: positions: those of a long request (:attr:`~aiocb.core.request.Request.long_rope`)
     #: with positions within the original length (see :mod:`aiocb.runner.long_rope`)
@@ -366,7 +369,7 @@ class BatchWriter:
         assert output is not None and parts is not None
         assert len(parts.slots) == len(output.scheduled), "rows were left out of the copy"
         self._output = self._parts = None
-        catch_up = _catch_up(output)  # (before the slots of requests that ended are let go)
+        catch_up = _catch_up(output, self.long_rope_from)  # (before the slots of requests that ended are let go)
         departed, self._departed = self._departed, []
         for request in departed:
             state = request.runner_state
@@ -478,8 +481,9 @@ def _draft_skip_rows(output: SchedulerOutput) -> list[int]:
     return [row for row, item in enumerate(output.scheduled) if item.request in skip]
 
 
-def _catch_up(output: SchedulerOutput) -> dict[str, list[int]]:
-    """:class:`StepBatch`'s catch-up columns (none without catch-up rows)."""
+def _catch_up(output: SchedulerOutput, long_from: int | None) -> dict[str, list[int]]:
+    """:class:`StepBatch`'s catch-up columns (none without catch-up rows); ``long_from``: a
+    longrope model's original length."""
     if not output.catch_up:
         return {}
     columns: dict[str, list[int]] = {
@@ -487,10 +491,13 @@ def _catch_up(output: SchedulerOutput) -> dict[str, list[int]]:
         "catch_up_starts": [],
         "catch_up_counts": [],
         "catch_up_ids": [],
+        "catch_up_long_rows": [],
     }
-    for request, (first, tokens) in output.catch_up.items():
+    for row, (request, (first, tokens)) in enumerate(output.catch_up.items()):
         state = request.runner_state
         assert isinstance(state, RowState) and state.slot >= 0  # (the request is a row of the step)
+        if long_from is not None and first < long_from and request.long_rope:
+            columns["catch_up_long_rows"].append(row)
         columns["catch_up_slots"].append(state.slot)
         columns["catch_up_starts"].append(first)
         columns["catch_up_counts"].append(len(tokens))

@@ -8,6 +8,7 @@ own choice."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 from typing import Any
 
@@ -199,9 +200,30 @@ async def test_phi3_computes_a_sequence_again_once_it_passes_the_length(
     spec = None if speculative is None else aiocb.SpeculativeConfig(**speculative, **draft)
     async with aiocb.Manager(phi3, continuous_batching_config=batching, speculative_config=spec) as manager:
         outputs = await manager.generate_batch(prompts, max_new_tokens=NEW)
-        again = manager.statistics().recomputed_tokens
+        stats = manager.statistics()
     assert [output.generated_tokens for output in outputs.values()] == expected
-    assert again > 0, "the crossing requests were computed again"
+    assert stats.recomputed_tokens > 0, "the crossing requests were computed again"
+    if draft:  # (the copy's rotary embeddings choose as the target's, token by token)
+        assert stats.draft_tokens > 50 and stats.accepted_draft_tokens == stats.draft_tokens
+
+
+async def test_a_longrope_draft_catches_up_with_each_token_s_setting(phi3: PreTrainedModel) -> None:
+    """A draft that slept through long prompts (the batch too large to speculate) computes
+    their tokens later with the long setting, as the target did: a copy of the target
+    still proposes its tokens."""
+    lengths = [NEW + 4 * i for i in range(len(PROMPTS))]  # (the batch shrinks: speculation starts)
+    expected = [reference_generate(phi3, prompt, n) for prompt, n in zip(PROMPTS, lengths, strict=True)]
+    spec = aiocb.SpeculativeConfig(
+        method="draft", num_speculative_tokens=3, draft_model=copy.deepcopy(phi3), disable_by_batch_size=3
+    )
+    batching = aiocb.ContinuousBatchingConfig(page_size=16, max_batch_tokens=24)
+    async with aiocb.Manager(phi3, continuous_batching_config=batching, speculative_config=spec) as manager:
+        outputs = await asyncio.gather(
+            *(manager.generate(prompt, max_new_tokens=n) for prompt, n in zip(PROMPTS, lengths, strict=True))
+        )
+        stats = manager.statistics()
+    assert [output.generated_tokens for output in outputs] == expected
+    assert stats.draft_tokens > 5 and stats.accepted_draft_tokens == stats.draft_tokens
 
 
 async def test_phi3_s_crossed_sequences_share_blocks_with_long_prompts_only(phi3: PreTrainedModel) -> None:
