@@ -39,7 +39,9 @@ from aiocb.cli.serve import (
     ModelLoadError,
     chat_parsers,
     event_loop_name,
+    failure_text,
     limits_from_args,
+    listen,
     load_manager,
     load_tokenizer,
     served_model_name,
@@ -59,10 +61,9 @@ _WATCH_INTERVAL_S = 0.2
 
 def serve_with_workers(args: argparse.Namespace, config: ContinuousBatchingConfig) -> int:
     """Run the engine process of ``aiocb serve --api-workers N`` until a signal; the exit status."""
-    try:  # (before the model loads: a port in use is found in a moment, not after it)
-        listener = socket.create_server((args.host, args.port), backlog=4096)
-    except (OSError, OverflowError) as exc:
-        print(f"aiocb serve: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+    listener = listen(args)
+    if isinstance(listener, str):
+        print(f"aiocb serve: {listener}", file=sys.stderr)
         return 2
     from aiocb.server.app import chat_parsers_of
 
@@ -98,8 +99,12 @@ async def _engine(args: argparse.Namespace, manager: Any, listener: socket.socke
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    manager.start()
-    await manager.wait_started()  # (a runner that cannot be built ends the server here)
+    try:
+        manager.start()  # (the cache is planned here: it may not fit)
+        await manager.wait_started()
+    except Exception as exc:  # (a runner that cannot be built ends the server here)
+        print(f"aiocb serve: the engine did not start: {failure_text(exc)}", file=sys.stderr)
+        return 2
     service = EngineService(manager)
     engine_socket = str(workdir / "engine.sock")
     await service.start(engine_socket)

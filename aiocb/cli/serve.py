@@ -24,6 +24,7 @@ import json
 import logging
 import math
 import os
+import socket
 import sys
 import types
 import typing
@@ -296,8 +297,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
         return serve_with_replicas(args, config, limits)
     try:
-        from aiocb.server import build_app
-        from aiocb.server.connections import DrainingServer
+        import aiocb.server.connections  # noqa: F401  (the 'serve' extra's packages)
     except ImportError as exc:
         print(f"aiocb serve needs the 'serve' extra (pip install 'aiocb[serve]'): {exc}", file=sys.stderr)
         return 2
@@ -305,6 +305,21 @@ def run_serve(args: argparse.Namespace) -> int:
         from aiocb.cli.api_workers import serve_with_workers
 
         return serve_with_workers(args, config)
+    listener = listen(args)
+    if isinstance(listener, str):
+        print(f"aiocb serve: {listener}", file=sys.stderr)
+        return 2
+    with listener:
+        return _serve_on(listener, args, config, limits)
+
+
+def _serve_on(
+    listener: socket.socket, args: argparse.Namespace, config: ContinuousBatchingConfig, limits: ServerLimits
+) -> int:
+    """Load the model and serve it on ``listener`` until interrupted; the exit status."""
+    from aiocb.server import build_app
+    from aiocb.server.connections import DrainingServer
+
     try:
         manager, tokenizer = load_manager(args, config)
     except (ModelLoadError, InvalidConfigError) as exc:  # (the latter: a draft model that would not load)
@@ -326,9 +341,26 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     loop = event_loop_name(args)
     logger.info("serving %s (event loop: %s)", name, loop)
-    server = DrainingServer(uvicorn_config(app, args, loop), app, args.shutdown_timeout)
-    server.run()
+    server = DrainingServer(uvicorn_config(app, args, loop), app, args.shutdown_timeout, start_engine=True)
+    server.run(sockets=[listener])
+    if server.start_error is not None:
+        print(f"aiocb serve: the engine did not start: {failure_text(server.start_error)}", file=sys.stderr)
+        return 2
     return FORCED_EXIT if server.force_exit else 0
+
+
+def listen(args: argparse.Namespace) -> socket.socket | str:
+    """The listening socket of ``--host`` and ``--port`` (bound before the model loads: a port
+    in use is found in a moment, not after it), or why there is none."""
+    try:
+        return socket.create_server((args.host, args.port), backlog=4096)
+    except (OSError, OverflowError) as exc:
+        return f"cannot listen on {args.host}:{args.port}: {exc}"
+
+
+def failure_text(exc: BaseException) -> str:
+    """An exception's message for one line of the command's output (its type where it has none)."""
+    return str(exc) or type(exc).__name__
 
 
 def flag_problems(args: argparse.Namespace) -> list[str]:
@@ -546,12 +578,12 @@ def load_model(args: argparse.Namespace) -> tuple[Any, Any]:
             torch_threads=args.torch_threads,
             chat_template=args.chat_template,
         )
-    except (OSError, ValueError, RuntimeError, ImportError) as exc:
+    except Exception as exc:  # (transformers' config checks raise their own kinds, as torch's do)
         what = args.model if args.model is not None else "the bundled model"
         if missing_local_path(args.model):
             raise ModelLoadError(f"cannot load {what}: no such directory") from exc
         device = args.device if args.device != "auto" else "cuda" if _cuda_available() else "cpu"
-        raise ModelLoadError(f"cannot load {what} (or its tokenizer) on {device}: {exc}") from exc
+        raise ModelLoadError(f"cannot load {what} (or its tokenizer) on {device}: {failure_text(exc)}") from exc
 
 
 def missing_local_path(model: str | None) -> bool:

@@ -270,12 +270,39 @@ def _bounded(
 class DrainingServer(uvicorn.Server):
     """uvicorn's server, draining the app on the first exit signal."""
 
-    def __init__(self, config: uvicorn.Config, app: Starlette, shutdown_timeout: float) -> None:
+    def __init__(
+        self, config: uvicorn.Config, app: Starlette, shutdown_timeout: float, *, start_engine: bool = False
+    ) -> None:
         super().__init__(config)
         self._app = app
         self._shutdown_timeout = shutdown_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain: asyncio.Task[None] | None = None
+        #: whether :meth:`serve` starts the app's engine before uvicorn starts (else the
+        #: app's lifespan does, and uvicorn reports an engine that fails to start with the
+        #: lifespan's traceback)
+        self._start_engine = start_engine
+        #: what made the engine fail to start (:meth:`serve` then returned at once)
+        self.start_error: Exception | None = None
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        """Serve as uvicorn does; with ``start_engine``, the app's engine started first (and
+        stopped after), or :attr:`start_error` set and nothing served."""
+        if not self._start_engine:
+            await super().serve(sockets)
+            return
+        manager = self._app.state.aiocb.manager
+        try:
+            manager.start()  # (the cache is planned here: it may not fit)
+            await manager.wait_started()
+        except Exception as exc:
+            self.start_error = exc
+            return
+        try:
+            await super().serve(sockets)
+        finally:
+            if manager.is_running:  # (a signal's drain stops it; uvicorn may end otherwise)
+                await manager.stop(timeout=self._shutdown_timeout)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         """Remember the loop (for the signal handler), start as uvicorn does, then say

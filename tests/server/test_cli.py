@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -273,13 +275,46 @@ def test_a_model_that_does_not_load_is_a_clean_error(tmp_path: Path, capsys: pyt
         assert error.startswith("aiocb serve: cannot load") and "nothing here: no such directory" in error
 
 
-def test_api_workers_on_a_port_in_use_fail_before_the_model_loads(capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_config_that_transformers_refuses_is_a_clean_error(
+    model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """transformers' config checks raise their own exceptions (not ValueError): still a
+    line naming the problem, not a traceback."""
+    broken = tmp_path / "broken"
+    shutil.copytree(model_dir, broken)
+    config = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**config, "hidden_size": "abc"}))
+    for flags in ([], ["--api-workers", "1"]):
+        args = parse(*flags, "--port", str(_free_port()))
+        args.model = str(broken)
+        assert run_serve(args) == 2
+        error = capsys.readouterr().err
+        assert (
+            error.startswith(f"aiocb serve: cannot load {broken} (or its tokenizer) on cpu:") and "hidden_size" in error
+        )
+        assert "Traceback" not in error
+
+
+def test_an_engine_that_does_not_start_is_a_clean_error(capsys: pytest.CaptureFixture[str]) -> None:
+    for flags in ([], ["--api-workers", "1"]):
+        args = parse(*flags, "--port", str(_free_port()), "--max-batch-tokens", "99999999999")
+        args.model = None  # (the bundled model loads; its cache plan fails at start)
+        assert run_serve(args) == 2
+        error = capsys.readouterr().err
+        assert "aiocb serve: the engine did not start: no room for the KV cache" in error, error
+        assert "Traceback" not in error
+
+
+@pytest.mark.parametrize("workers", ["0", "1"])
+def test_a_port_in_use_fails_before_the_model_loads(workers: str, capsys: pytest.CaptureFixture[str]) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        assert run_serve(parse("--api-workers", "1", "--host", "127.0.0.1", "--port", str(port))) == 2
+        started = time.perf_counter()
+        assert run_serve(parse("--api-workers", workers, "--host", "127.0.0.1", "--port", str(port))) == 2
     assert "cannot listen" in capsys.readouterr().err
+    assert time.perf_counter() - started < 0.5, "refused before the model loaded"
 
 
 def test_bad_limits_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
