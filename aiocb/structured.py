@@ -92,11 +92,11 @@ class GrammarCompiler:
         try:
             if kind == "json_schema":
                 # No free whitespace: a weak model could otherwise pad its JSON without end.
-                compiled = self._compiler.compile_json_schema(text, any_whitespace=False)
+                compiled = self._compiler.compile_grammar(json_schema_grammar(text, any_whitespace=False))
             elif kind == "regex":
                 compiled = self._compiler.compile_regex(text)
             elif kind == "structural_tag":
-                compiled = self._compiler.compile_structural_tag(text)
+                compiled = self._compiler.compile_structural_tag(_mended_json_elements(text))
             else:
                 compiled = self._compiler.compile_grammar(text)
         except Exception as error:  # (xgrammar raises RuntimeError and others on bad input)
@@ -602,10 +602,58 @@ def answer_format(structure: tuple[str, str]) -> dict[str, Any]:
         format_: dict[str, Any] = json.loads(current_structural_tag(text))["format"]
         return format_
     try:
-        grammar = _xgrammar().Grammar.from_json_schema(text, any_whitespace=False)
+        grammar = json_schema_grammar(text, any_whitespace=False)
     except Exception as error:  # (xgrammar raises RuntimeError and others on bad input)
         raise InvalidRequestError(f"{kind} cannot be compiled: {error}", param=kind) from None
     return {"type": "grammar", "grammar": str(grammar)}
+
+
+#: The rule xgrammar (0.2.8 and 0.2.9) writes for the characters of a JSON string with a
+#: length bound (``minLength``, ``maxLength``): ``[^"\\\r\n]``, which takes raw control
+#: characters, which no JSON text holds (``json.loads`` refuses them), where its strings
+#: without a bound take none; :data:`_MENDED_CHARACTERS` is the rule mended.
+_BOUNDED_CHARACTERS = re.compile(r'^(\w+_characters ::= \(\(\[\^)\\"\\\\\\r\\n(\]\)\))$', re.MULTILINE)
+_MENDED_CHARACTERS = r'\1\\0-\\x1f\\"\\\\\2'
+#: The keys of a structural tag's ``json_schema`` format that :func:`json_schema_grammar`
+#: takes (one with other keys, or another ``style``, is left to xgrammar as it is)
+_GRAMMAR_OPTIONS = frozenset({"type", "json_schema", "style", "max_whitespace_cnt", "any_order"})
+
+
+def json_schema_grammar(schema: Any, **options: Any) -> Any:
+    """xgrammar's grammar of a JSON schema (``schema``: its text, or parsed; ``options``:
+    ``Grammar.from_json_schema``'s), its length-bounded strings' characters mended (see
+    :data:`_BOUNDED_CHARACTERS`): the grammar, or the mended grammar's EBNF text."""
+    text = schema if isinstance(schema, str) else json.dumps(schema)
+    grammar = _xgrammar().Grammar.from_json_schema(text, **options)
+    ebnf = str(grammar)
+    mended = _BOUNDED_CHARACTERS.sub(_MENDED_CHARACTERS, ebnf)
+    return grammar if mended == ebnf else mended
+
+
+def _mended_json_elements(text: str) -> str:
+    """A structural tag (its text) whose ``json_schema`` formats with length-bounded strings
+    are ``grammar`` ones, their characters mended (see :data:`_BOUNDED_CHARACTERS`)."""
+
+    def mend(node: Any) -> Any:
+        if isinstance(node, list):
+            return [mend(item) for item in node]
+        if not isinstance(node, dict):
+            return node
+        if (
+            node.get("type") == "json_schema"
+            and node.keys() <= _GRAMMAR_OPTIONS
+            and node.get("style", "json") == "json"
+        ):
+            options = {key: node[key] for key in ("max_whitespace_cnt", "any_order") if key in node}
+            grammar = json_schema_grammar(node["json_schema"], **options)
+            if isinstance(grammar, str):
+                return {"type": "grammar", "grammar": grammar}
+            return node
+        return {key: mend(value) for key, value in node.items()}
+
+    tag = json.loads(text)
+    mended = mend(tag)
+    return text if mended == tag else json.dumps(mended)
 
 
 def current_structural_tag(text: str) -> str:

@@ -11,12 +11,13 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("xgrammar")
+xgrammar = pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
 pydantic = pytest.importorskip("pydantic")
 
 import aiocb  # noqa: E402
 from aiocb.default_model import load_default_model  # noqa: E402
+from aiocb.structured import answer_format  # noqa: E402
 
 NEW = 120
 
@@ -160,6 +161,48 @@ async def test_structural_tags_in_both_forms(bundled: tuple[Any, Any]) -> None:
             jsonschema.validate(json.loads(span), schema)
             tagged += 1
     assert tagged > 0, "code opens parentheses: some spans should be there to check"
+
+
+async def test_length_bounded_strings_hold_no_raw_control_character(bundled: tuple[Any, Any]) -> None:
+    """xgrammar's rule for a string with ``maxLength`` or ``minLength`` takes raw control
+    characters, which JSON forbids: the grammar is mended, in every constraint that holds
+    a schema (a json_schema, a structural tag's, and the tool calls' and answers' that the
+    server builds of them), so outputs still parse (here with the control characters'
+    tokens favoured)."""
+    model, tokenizer = bundled
+    controls = [i for i in range(len(tokenizer)) if any(ord(c) < 32 for c in tokenizer.decode([i]))]
+    assert len(controls) > 8
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "string", "maxLength": 6}, "b": {"type": "string", "minLength": 2}},
+        "required": ["a", "b"],
+    }
+    tag = {
+        "type": "structural_tag",
+        "format": {
+            "type": "tag",
+            "begin": "x = ",
+            "content": {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1},
+            "end": ";",
+        },
+    }
+    favoured = {"logit_bias": dict.fromkeys(controls, 8.0), "temperature": 1.0}
+    specs: list[dict[str, Any]] = []
+    for i in range(4):
+        base = {"prompt": PROMPTS[i], "seed": 7 + i, **favoured}
+        specs += [{**base, "json_schema": schema}, {**base, "structural_tag": tag}]
+    outputs = await _run(model, tokenizer, specs)
+    for whole, tagged in zip(outputs[0::2], outputs[1::2], strict=True):
+        assert whole.finish_reason is aiocb.FinishReason.STOP, whole.text
+        jsonschema.validate(json.loads(whole.text or ""), schema)
+        match = re.fullmatch(r"x = (.*);", tagged.text or "", re.DOTALL)
+        assert match is not None, tagged.text
+        jsonschema.validate(json.loads(match.group(1)), schema)
+    # (a harmony answer's format is the schema's grammar)
+    answer = answer_format(("json_schema", json.dumps(schema)))
+    info = xgrammar.TokenizerInfo.from_huggingface(tokenizer)
+    matcher = xgrammar.GrammarMatcher(xgrammar.GrammarCompiler(info).compile_grammar(answer["grammar"]))
+    assert matcher.accept_string('{"a": "ok", ') and not matcher.accept_string('"b": "\x01')
 
 
 async def test_a_complete_grammar_ends_with_the_requests_own_end_tokens(bundled: tuple[Any, Any]) -> None:
@@ -533,7 +576,8 @@ async def test_wide_schemas_are_checked_without_work_growing_as_their_square(
     async with aiocb.Manager(model, tokenizer=tokenizer) as manager:
         assert len(json.dumps(wide)) < 16_384 and len(json.dumps(units)) < 16_384  # (short ones)
         await manager.generate("x", json_schema=wide, max_new_tokens=2)
-        assert len(builds) <= 3  # the whole, and the property schema with and without the keyword
+        # the whole (checked, then compiled), and the property schema with and without the keyword
+        assert len(builds) <= 4
         output = await manager.generate("x", json_schema=units, max_new_tokens=NEW, temperature=0)
         if output.finish_reason is aiocb.FinishReason.STOP:
             jsonschema.validate(json.loads(output.text or ""), units)
