@@ -278,42 +278,59 @@ class DrainingServer(uvicorn.Server):
         self._shutdown_timeout = shutdown_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain: asyncio.Task[None] | None = None
-        #: whether :meth:`serve` starts the app's engine before uvicorn starts (else the
+        #: whether :meth:`startup` starts the app's engine before uvicorn's startup (else the
         #: app's lifespan does, and uvicorn reports an engine that fails to start with the
-        #: lifespan's traceback)
+        #: lifespan's traceback); :meth:`shutdown` then stops it
         self._start_engine = start_engine
-        #: what made the engine fail to start (:meth:`serve` then returned at once)
+        #: what made the engine fail to start (nothing was served then)
         self.start_error: Exception | None = None
 
-    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
-        """Serve as uvicorn does; with ``start_engine``, the app's engine started first (and
-        stopped after), or :attr:`start_error` set and nothing served."""
-        if not self._start_engine:
-            await super().serve(sockets)
-            return
-        manager = self._app.state.aiocb.manager
-        try:
-            manager.start()  # (the cache is planned here: it may not fit)
-            await manager.wait_started()
-        except Exception as exc:
-            self.start_error = exc
-            return
-        try:
-            await super().serve(sockets)
-        finally:
-            if manager.is_running:  # (a signal's drain stops it; uvicorn may end otherwise)
-                await manager.stop(timeout=self._shutdown_timeout)
-
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        """Remember the loop (for the signal handler), start as uvicorn does, then say
-        where it listens (the port it was given, or with port 0 the one it took)."""
+        """Remember the loop (for the signal handler), start the engine (``start_engine``),
+        start as uvicorn does, then say where it listens (the port it was given, or with
+        port 0 the one it took)."""
         self._loop = asyncio.get_running_loop()
+        if self._start_engine and not await self._engine_started():
+            self.should_exit = True  # (uvicorn's serve returns: nothing started, nothing to shut)
+            return
         await super().startup(sockets)
         for server in self.servers:
             for bound in server.sockets:
                 address = bound.getsockname()
                 if isinstance(address, tuple):
                     logger.info("listening on http://%s:%d", address[0], address[1])
+
+    async def _engine_started(self) -> bool:
+        """Start the app's engine: whether it runs; if not, :attr:`start_error` says why
+        (None: a signal came while it started, and its drain stopped it)."""
+        manager = self._app.state.aiocb.manager
+        try:
+            manager.start()  # (the cache is planned here: it may not fit)
+            await manager.wait_started()
+        except Exception as exc:
+            if not self.should_exit:
+                self.start_error = exc
+            await self._stopped(manager)
+            return False
+        if self.should_exit:
+            await self._stopped(manager)
+            return False
+        return True
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """Shut down as uvicorn does, then stop the engine this server started (a signal's
+        drain stops it; uvicorn may end otherwise)."""
+        await super().shutdown(sockets)
+        if self._start_engine:
+            await self._stopped(self._app.state.aiocb.manager)
+
+    async def _stopped(self, manager: Any) -> None:
+        """Wait for the drain a signal began, then stop ``manager`` if it still runs."""
+        if self._drain is not None:
+            with contextlib.suppress(Exception):
+                await self._drain
+        if manager.is_running:
+            await manager.stop(timeout=self._shutdown_timeout)
 
     def handle_exit(self, sig: int, frame: types.FrameType | None) -> None:
         """The signal handler: begin the drain and uvicorn's shutdown; a second ``SIGINT`` forces it.
