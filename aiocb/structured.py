@@ -641,6 +641,7 @@ def _mended_json_elements(text: str) -> str:
             return node
         if (
             node.get("type") == "json_schema"
+            and "json_schema" in node  # (else xgrammar says what is missing)
             and node.keys() <= _GRAMMAR_OPTIONS
             and node.get("style", "json") == "json"
         ):

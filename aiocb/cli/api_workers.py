@@ -61,10 +61,14 @@ _WATCH_INTERVAL_S = 0.2
 
 def serve_with_workers(args: argparse.Namespace, config: ContinuousBatchingConfig) -> int:
     """Run the engine process of ``aiocb serve --api-workers N`` until a signal; the exit status."""
-    listener = listen(args)
-    if isinstance(listener, str):
-        print(f"aiocb serve: {listener}", file=sys.stderr)
+    listeners = listen(args)
+    if isinstance(listeners, str):
+        print(f"aiocb serve: {listeners}", file=sys.stderr)
         return 2
+    # (the workers share one socket: the one of the host's first address)
+    listener = listeners[0]
+    for other in listeners[1:]:
+        other.close()
     from aiocb.server.app import chat_parsers_of
 
     try:

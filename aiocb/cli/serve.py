@@ -305,18 +305,21 @@ def run_serve(args: argparse.Namespace) -> int:
         from aiocb.cli.api_workers import serve_with_workers
 
         return serve_with_workers(args, config)
-    listener = listen(args)
-    if isinstance(listener, str):
-        print(f"aiocb serve: {listener}", file=sys.stderr)
+    listeners = listen(args)
+    if isinstance(listeners, str):
+        print(f"aiocb serve: {listeners}", file=sys.stderr)
         return 2
-    with listener:
-        return _serve_on(listener, args, config, limits)
+    try:
+        return _serve_on(listeners, args, config, limits)
+    finally:
+        for listener in listeners:
+            listener.close()
 
 
 def _serve_on(
-    listener: socket.socket, args: argparse.Namespace, config: ContinuousBatchingConfig, limits: ServerLimits
+    listeners: list[socket.socket], args: argparse.Namespace, config: ContinuousBatchingConfig, limits: ServerLimits
 ) -> int:
-    """Load the model and serve it on ``listener`` until interrupted; the exit status."""
+    """Load the model and serve it on ``listeners`` until interrupted; the exit status."""
     from aiocb.server import build_app
     from aiocb.server.connections import DrainingServer
 
@@ -342,20 +345,31 @@ def _serve_on(
     loop = event_loop_name(args)
     logger.info("serving %s (event loop: %s)", name, loop)
     server = DrainingServer(uvicorn_config(app, args, loop), app, args.shutdown_timeout, start_engine=True)
-    server.run(sockets=[listener])
+    server.run(sockets=listeners)
     if server.start_error is not None:
         print(f"aiocb serve: the engine did not start: {failure_text(server.start_error)}", file=sys.stderr)
         return 2
     return FORCED_EXIT if server.force_exit else 0
 
 
-def listen(args: argparse.Namespace) -> socket.socket | str:
-    """The listening socket of ``--host`` and ``--port`` (bound before the model loads: a port
-    in use is found in a moment, not after it), or why there is none."""
+def listen(args: argparse.Namespace) -> list[socket.socket] | str:
+    """The listening sockets of ``--host`` and ``--port``, one for each address the host
+    has (IPv4, IPv6, both for ``localhost``, as uvicorn binds them), bound before the model
+    loads (a port in use is found in a moment, not after it); or why there are none. With
+    ``--port 0`` they share the port the first one took."""
+    sockets: list[socket.socket] = []
     try:
-        return socket.create_server((args.host, args.port), backlog=4096)
+        addresses = socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        port = args.port
+        for family, _, _, _, address in dict.fromkeys(addresses):  # (in order, each once)
+            bound = socket.create_server((address[0], port, *address[2:]), family=family, backlog=4096)
+            sockets.append(bound)
+            port = bound.getsockname()[1]
     except (OSError, OverflowError) as exc:
+        for bound in sockets:
+            bound.close()
         return f"cannot listen on {args.host}:{args.port}: {exc}"
+    return sockets
 
 
 def failure_text(exc: BaseException) -> str:
@@ -405,6 +419,8 @@ def read_chat_template(value: str) -> str:
             raise ValueError(f"--chat-template {value}: cannot be read: {exc}") from None
     elif "{" in value or "}" in value or "\n" in value:
         text = value
+    elif os.path.isdir(path):
+        raise ValueError(f"--chat-template {value}: a directory, not a template file")
     else:
         raise ValueError(f"--chat-template {value!r}: no such file (nor a Jinja template)")
     problem = chat_template_problem(text)

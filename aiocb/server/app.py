@@ -114,12 +114,13 @@ def build_app(
         if started_here:
             manager.start()
             await manager.wait_started()  # (its runner and cache built; under tensor parallelism, the ranks reached)
+        stops = started_here or ctx.stops_engine
         ctx.draining = False
         try:
             yield
         finally:
             ctx.draining = True
-            if started_here and manager.is_running:
+            if stops and manager.is_running:
                 await manager.stop(timeout=shutdown_timeout)
             ctx.close()
 

@@ -280,7 +280,7 @@ class DrainingServer(uvicorn.Server):
         self._drain: asyncio.Task[None] | None = None
         #: whether :meth:`startup` starts the app's engine before uvicorn's startup (else the
         #: app's lifespan does, and uvicorn reports an engine that fails to start with the
-        #: lifespan's traceback); :meth:`shutdown` then stops it
+        #: lifespan's traceback); the lifespan's end still stops it, as one it started
         self._start_engine = start_engine
         #: what made the engine fail to start (nothing was served then)
         self.start_error: Exception | None = None
@@ -290,10 +290,17 @@ class DrainingServer(uvicorn.Server):
         start as uvicorn does, then say where it listens (the port it was given, or with
         port 0 the one it took)."""
         self._loop = asyncio.get_running_loop()
-        if self._start_engine and not await self._engine_started():
-            self.should_exit = True  # (uvicorn's serve returns: nothing started, nothing to shut)
-            return
-        await super().startup(sockets)
+        if self._start_engine:
+            if not await self._engine_started():
+                self.should_exit = True  # (uvicorn's serve returns: nothing started, nothing to shut)
+                return
+            self._app.state.aiocb.stops_engine = True
+        try:
+            await super().startup(sockets)
+        except BaseException:  # (uvicorn exits when its startup fails: the engine stops first)
+            if self._start_engine:
+                await self._stopped(self._app.state.aiocb.manager)
+            raise
         for server in self.servers:
             for bound in server.sockets:
                 address = bound.getsockname()
@@ -316,13 +323,6 @@ class DrainingServer(uvicorn.Server):
             await self._stopped(manager)
             return False
         return True
-
-    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        """Shut down as uvicorn does, then stop the engine this server started (a signal's
-        drain stops it; uvicorn may end otherwise)."""
-        await super().shutdown(sockets)
-        if self._start_engine:
-            await self._stopped(self._app.state.aiocb.manager)
 
     async def _stopped(self, manager: Any) -> None:
         """Wait for the drain a signal began, then stop ``manager`` if it still runs."""

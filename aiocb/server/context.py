@@ -111,6 +111,9 @@ class ServerContext:
         self.defaults = served_defaults(manager.generation_config, text_config, tokenizer)
         #: set when the server begins to shut down: ``/ready`` answers 503 from then on
         self.draining = False
+        #: whether the app's lifespan stops the manager at its end though it found it running
+        #: (the server that runs the app started it first: see ``DrainingServer``)
+        self.stops_engine = False
         self._token_texts: dict[int, str] = {}
         self._executor: ThreadPoolExecutor | None = None
         #: where output constraints are built (:meth:`building`)

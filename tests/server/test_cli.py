@@ -29,6 +29,7 @@ from aiocb.cli.serve import (
     config_flags,
     config_from_args,
     limits_from_args,
+    listen,
     load_model,
     run_serve,
     uvicorn_config,
@@ -303,6 +304,28 @@ def test_an_engine_that_does_not_start_is_a_clean_error(capsys: pytest.CaptureFi
         error = capsys.readouterr().err
         assert "aiocb serve: the engine did not start: no room for the KV cache" in error, error
         assert "Traceback" not in error
+
+
+def test_every_address_of_the_host_is_listened_on() -> None:
+    """IPv4 and IPv6 hosts alike (a hostname with both: a socket each, on one port)."""
+    sockets = listen(parse("--host", "127.0.0.1", "--port", "0"))
+    assert not isinstance(sockets, str) and [s.family for s in sockets] == [socket.AF_INET]
+    for s in sockets:
+        s.close()
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 on this machine")
+    try:
+        with socket.create_server(("::1", 0), family=socket.AF_INET6):
+            pass
+    except OSError:
+        pytest.skip("no IPv6 loopback on this machine")
+    for host in ("::1", "localhost"):
+        sockets = listen(parse("--host", host, "--port", "0"))
+        assert not isinstance(sockets, str), sockets
+        expected = {info[0] for info in socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)}
+        assert {s.family for s in sockets} == expected and len({s.getsockname()[1] for s in sockets}) == 1
+        for s in sockets:
+            s.close()
 
 
 @pytest.mark.parametrize("workers", ["0", "1"])
