@@ -99,6 +99,9 @@ class ContinuousBatchingConfig:
         max_queue_size: waiting requests admitted before ``add_request`` waits (0 = no bound).
         max_queued_tokens: (aiocb) waiting prompt tokens before ``add_request`` waits
             (0 = no bound).
+        max_model_len: (aiocb, vLLM's name) the longest sequence, prompt and generated
+            tokens, a request may reach; None: the model's context length (more than it is
+            refused when the manager is built).
         drop_unsupported_processors: a ``GenerationConfig`` field that changes outputs and
             that aiocb cannot honour (beam search, ``encoder_no_repeat_ngram_size``,
             ``guidance_scale``, ...) is dropped with one warning naming it; with False it
@@ -136,6 +139,7 @@ class ContinuousBatchingConfig:
     per_request_processors: bool = False
     max_queue_size: int = 0
     max_queued_tokens: int = 0
+    max_model_len: int | None = None
     drop_unsupported_processors: bool = True
     disable_nccl_graph_mixing: bool = True
     block_size: int | None = None
@@ -179,6 +183,7 @@ class ContinuousBatchingConfig:
         _check_optional_int(self.max_batch_tokens, "max_batch_tokens", minimum=1)
         _check_optional_int(self.max_requests_per_batch, "max_requests_per_batch", minimum=1)
         _check_optional_int(self.max_blocks_per_request, "max_blocks_per_request", minimum=0)
+        _check_optional_int(self.max_model_len, "max_model_len", minimum=1)
         _check_int(self.q_padding_interval_size, "q_padding_interval_size", minimum=0)
         _check_int(self.kv_padding_interval_size, "kv_padding_interval_size", minimum=0)
         padded = [n for n in ("q_padding_interval_size", "kv_padding_interval_size") if getattr(self, n)]

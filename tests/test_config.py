@@ -54,8 +54,8 @@ def test_defaults_follow_the_seed() -> None:
     for name, default in SEED_DEFAULTS.items():
         assert values[name] == default, name
         assert type(values[name]) is type(default), name
-    assert set(values) == {*SEED_DEFAULTS, "max_queued_tokens"}  # the one field aiocb adds
-    assert config.max_queued_tokens == 0
+    assert set(values) == {*SEED_DEFAULTS, "max_queued_tokens", "max_model_len"}  # the fields aiocb adds
+    assert config.max_queued_tokens == 0 and config.max_model_len is None
 
 
 def test_shared_defaults_equal_transformers_own() -> None:

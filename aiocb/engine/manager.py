@@ -52,7 +52,7 @@ from aiocb.prompts import Prompt, check_prompt_list, is_large
 from aiocb.runner.distributed import build_runner, driver_layout, tensor_parallel_layout
 from aiocb.runner.memory import CachePlan, memory_percent, scored_rows
 from aiocb.runner.model_runner import ModelRunner, runner_plan
-from aiocb.runner.model_spec import ModelSpec, context_length
+from aiocb.runner.model_spec import ModelSpec, served_context
 from aiocb.sampling import RequestLimits, eos_ids, is_long_id_prompt, merged_generation_config
 from aiocb.speculative import SpeculativeConfig, draft_share, load_draft_model
 
@@ -233,6 +233,9 @@ class Manager:
         self.generation_config = merged_generation_config(model, generation_config)
         carrier = generation_config if generation_config is not None else model.generation_config
         self.config = as_config(continuous_batching_config, carrier)
+        #: the longest sequence a request may reach: the model's context length, or the
+        #: config's ``max_model_len``
+        self.max_model_len = served_context(model.config.get_text_config(), self.config.max_model_len)
         #: with a tokenizer, prompts may be text or chat messages and outputs carry text
         self.tokenizer = tokenizer
         model_eos = eos_ids(getattr(model.config.get_text_config(), "eos_token_id", None))
@@ -248,7 +251,7 @@ class Manager:
         self._draft_model = load_draft_model(speculative_config, model)
         hints = WorkloadHints.of(workload_hints)
         #: what the runner is built with: :attr:`config` sized by the hints
-        self._runner_config = self.config.sized_for(hints, context_length(model.config.get_text_config()))
+        self._runner_config = self.config.sized_for(hints, self.max_model_len)
         if num_requests_hint is None and hints is not None and hints.num_requests:
             num_requests_hint = hints.num_requests
         self._num_requests_hint = num_requests_hint
@@ -598,7 +601,7 @@ class Manager:
             max_requests_per_batch=plan.max_requests_per_batch,
             scheduler_type=self.config.scheduler_type,
             safety_margin=self.config.resolved_safety_margin,
-            max_model_len=spec.max_position_embeddings,
+            max_model_len=self.max_model_len,
             speculative=self.speculative_config,
             max_scored_tokens=scored_rows(plan.max_requests_per_batch),
             draft_share=0.0 if self._draft_model is None else draft_share(self._draft_model, self.model),
@@ -1235,7 +1238,7 @@ class Manager:
         requested = self._requests.merged(sampling_params, max_new_tokens, params) if merged else None
         keep = None if requested is None else requested.truncate_prompt_tokens
         ids = await self._requests.encode(
-            input_ids, keep=keep, limit=self._context(), vocab_size=self._model_spec.vocab_size
+            input_ids, keep=keep, limit=self.max_model_len, vocab_size=self._model_spec.vocab_size
         )
         if structured:
             assert requested is not None
@@ -1298,10 +1301,6 @@ class Manager:
         assert self._layout is not None
         return self._layout[0]
 
-    def _context(self) -> int | None:
-        """The model's context length."""
-        return self._model_spec.max_position_embeddings
-
     def _build(
         self,
         input_ids: Any,
@@ -1336,7 +1335,7 @@ class Manager:
         assert self._steps is not None
         spec = self._model_spec
         capacity = self._steps.scheduler.kv_cache.capacity_tokens
-        return RequestLimits(spec.vocab_size, spec.max_position_embeddings, capacity)
+        return RequestLimits(spec.vocab_size, self.max_model_len, capacity)
 
     async def _add_many(
         self,
@@ -1367,7 +1366,7 @@ class Manager:
         stops = await self._requests.prepare_stops(sampling_params, {})  # (held while the requests are made)
         turn = LoopTurn()  # (a long list must not hold the loop in one go)
         self._check_accepting()  # (stopped while they were prepared: the session's layout is gone)
-        keep, limit = sampling_params.truncate_prompt_tokens, self._context()
+        keep, limit = sampling_params.truncate_prompt_tokens, self.max_model_len
         for prompt in inputs:
             await turn.give()
             self._check_accepting()

@@ -124,6 +124,18 @@ def model_spec(model: PreTrainedModel) -> ModelSpec:
     )
 
 
+def served_context(config: object, max_model_len: int | None) -> int | None:
+    """The longest sequence a model's requests may reach: its :func:`context_length`, or
+    ``max_model_len`` (a :class:`~aiocb.ContinuousBatchingConfig` field) where given, which
+    may not be more (InvalidConfigError)."""
+    context = context_length(config)
+    if max_model_len is None:
+        return context
+    if context is not None and max_model_len > context:
+        raise InvalidConfigError(f"max_model_len={max_model_len} is more than the model's context length ({context})")
+    return max_model_len
+
+
 def context_length(config: object) -> int | None:
     """The longest sequence of a model's requests: its ``max_position_embeddings``, or, for
     a longrope scaling per layer type, its ``original_max_position_embeddings`` where that

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 from aiocb.errors import InvalidRequestError
 from aiocb.prompts import bad_words_ids
-from aiocb.runner.model_spec import context_length
+from aiocb.runner.model_spec import served_context
 from aiocb.sampling import config_min_tokens, eos_ids
 from aiocb.server.fragments import HiddenTexts
 from aiocb.server.harmony import MARKERS as HARMONY_MARKERS
@@ -92,7 +92,9 @@ class ServerContext:
         self.harmony_calls = harmony_calls
         self.created = int(time.time())
         text_config = manager.model.config.get_text_config()
-        self.max_model_len: int | None = context_length(text_config)
+        #: the longest sequence a request may reach (the model's context, or the engine
+        #: config's ``max_model_len``)
+        self.max_model_len: int | None = served_context(text_config, manager.config.max_model_len)
         self.vocab_size: int = text_config.vocab_size
         longest_token = max((len(piece) for piece in tokenizer.get_vocab()), default=1)
         self.max_prompt_chars: int | None = (

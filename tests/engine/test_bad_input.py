@@ -142,6 +142,24 @@ async def test_a_prompt_that_cannot_fit_the_cache_is_refused(qwen3: PreTrainedMo
         assert len(output.generated_tokens) == 24
 
 
+async def test_max_model_len_bounds_every_request_below_the_model_s_context(qwen3: PreTrainedModel) -> None:
+    config = aiocb.ContinuousBatchingConfig(page_size=16, max_model_len=48)
+    prompt = random_prompts(1, 40, 40)[0]
+    async with aiocb.Manager(qwen3, continuous_batching_config=config) as manager:
+        assert manager.max_model_len == 48 < (qwen3.config.max_position_embeddings or 0)
+        with pytest.raises(aiocb.InvalidRequestError, match="is 49 tokens, beyond the model's context length of 48"):
+            await manager.add_request(prompt, max_new_tokens=9)
+        with pytest.raises(aiocb.InvalidRequestError, match=r"truncate_prompt_tokens \(49\) is more than"):
+            await manager.add_request(prompt, max_new_tokens=1, truncate_prompt_tokens=49)
+        output = await manager.generate(prompt, max_new_tokens=8, ignore_eos=True)
+        assert output.generated_tokens == reference_generate(qwen3, prompt, 8)
+        assert manager.continuous_batching_config.max_model_len == 48
+    with pytest.raises(aiocb.InvalidConfigError, match=r"max_model_len=99999 is more than the model's context length"):
+        aiocb.Manager(qwen3, continuous_batching_config=aiocb.ContinuousBatchingConfig(max_model_len=99999))
+    with pytest.raises(aiocb.InvalidConfigError, match="max_model_len"):
+        aiocb.ContinuousBatchingConfig(max_model_len=0)
+
+
 async def test_duplicate_live_request_id_is_refused(qwen3: PreTrainedModel) -> None:
     async with aiocb.Manager(qwen3) as manager:
         await manager.add_request(GOOD, request_id="mine", max_new_tokens=50)

@@ -20,7 +20,7 @@ from aiocb.server import build_app
 from aiocb.server.context import ServerContext
 from aiocb.server.limits import ServerLimits
 from aiocb.tokenizer_process import Tokenized
-from tests.server.conftest import MODEL_NAME, wait_until_idle
+from tests.server.conftest import MODEL_NAME, serve_config, wait_until_idle
 from tests.server.test_asgi import assert_error
 
 COMPLETIONS = "/v1/completions"
@@ -196,6 +196,32 @@ async def test_a_prompt_that_fills_the_context_is_refused_naming_what_the_client
         assert error["message"].startswith(f"{where} ({full} tokens) fills the model's context length of {full}")
         assert "max_tokens (1)" not in error["message"]
     await still_serves(client, manager)
+
+
+async def test_max_model_len_bounds_the_served_lengths(model: Any, tokenizer: Any) -> None:
+    async with aiocb.Manager(model, continuous_batching_config=serve_config(max_model_len=64)) as manager:
+        app = build_app(manager, tokenizer, MODEL_NAME)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+            card = (await client.get(f"/v1/models/{MODEL_NAME}")).json()
+            assert card["max_model_len"] == 64
+            hello = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hello"}], "ignore_eos": True}
+            prompt = (await client.post("/tokenize", json={"messages": hello["messages"]})).json()["count"]
+            reply = (await client.post(CHAT, json=hello)).json()  # (no length: up to the bound)
+            assert reply["usage"] == {
+                "prompt_tokens": prompt,
+                "completion_tokens": 64 - prompt,
+                "total_tokens": 64,
+                **{
+                    k: v
+                    for k, v in reply["usage"].items()
+                    if k not in ("prompt_tokens", "completion_tokens", "total_tokens")
+                },
+            }
+            error = assert_error(
+                await client.post(COMPLETIONS, json=body(prompt=[5] * 60, max_tokens=5)), 400, "max_tokens"
+            )
+            assert "context length of 64" in error["message"]
+            await still_serves(client, manager)
 
 
 async def test_chat_messages_bring_only_fields_the_template_takes(client: httpx.AsyncClient) -> None:
