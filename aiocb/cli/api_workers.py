@@ -65,10 +65,12 @@ def serve_with_workers(args: argparse.Namespace, config: ContinuousBatchingConfi
     if isinstance(listeners, str):
         print(f"aiocb serve: {listeners}", file=sys.stderr)
         return 2
-    # (the workers share one socket: the one of the host's first address)
-    listener = listeners[0]
-    for other in listeners[1:]:
-        other.close()
+    # (the workers share one socket: of the host's IPv4 address where it has one, as
+    # ``localhost``'s ::1 may come first)
+    listener = next((s for s in listeners if s.family == socket.AF_INET), listeners[0])
+    for other in listeners:
+        if other is not listener:
+            other.close()
     from aiocb.server.app import chat_parsers_of
 
     try:

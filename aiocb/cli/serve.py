@@ -362,7 +362,11 @@ def listen(args: argparse.Namespace) -> list[socket.socket] | str:
         addresses = socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         port = args.port
         for family, _, _, _, address in dict.fromkeys(addresses):  # (in order, each once)
-            bound = socket.create_server((address[0], port, *address[2:]), family=family, backlog=4096)
+            # (IPv6's any address takes IPv4 clients too, as uvicorn's bind of it does)
+            both = family == socket.AF_INET6 and address[0] == "::" and socket.has_dualstack_ipv6()
+            bound = socket.create_server(
+                (address[0], port, *address[2:]), family=family, backlog=4096, dualstack_ipv6=both
+            )
             sockets.append(bound)
             port = bound.getsockname()[1]
     except (OSError, OverflowError) as exc:

@@ -305,7 +305,8 @@ class DrainingServer(uvicorn.Server):
             for bound in server.sockets:
                 address = bound.getsockname()
                 if isinstance(address, tuple):
-                    logger.info("listening on http://%s:%d", address[0], address[1])
+                    host = f"[{address[0]}]" if ":" in address[0] else address[0]  # (an IPv6 address)
+                    logger.info("listening on http://%s:%d", host, address[1])
 
     async def _engine_started(self) -> bool:
         """Start the app's engine: whether it runs; if not, :attr:`start_error` says why
@@ -323,6 +324,15 @@ class DrainingServer(uvicorn.Server):
             await self._stopped(manager)
             return False
         return True
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """Shut down as uvicorn does. A forced exit (a second ``SIGINT``) skips the app's
+        lifespan, whose end stops the engine: an engine this server started then ends here,
+        its requests aborted, before the loop is torn down around its step thread."""
+        await super().shutdown(sockets)
+        manager = self._app.state.aiocb.manager
+        if self._start_engine and manager.is_running:
+            await manager.stop(hard_stop=True)
 
     async def _stopped(self, manager: Any) -> None:
         """Wait for the drain a signal began, then stop ``manager`` if it still runs."""

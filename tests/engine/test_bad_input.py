@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import PreTrainedModel
+from transformers import GenerationConfig, PreTrainedModel
 
 import aiocb
 from tests.conftest import VOCAB, random_prompts, reference_generate
@@ -154,6 +154,11 @@ async def test_max_model_len_bounds_every_request_below_the_model_s_context(qwen
         output = await manager.generate(prompt, max_new_tokens=8, ignore_eos=True)
         assert output.generated_tokens == reference_generate(qwen3, prompt, 8)
         assert manager.continuous_batching_config.max_model_len == 48
+    # A GenerationConfig's max_length past the bound: a request's default length stops at it.
+    longer = GenerationConfig(max_length=100, eos_token_id=None)
+    async with aiocb.Manager(qwen3, longer, continuous_batching_config=config) as manager:
+        output = await manager.generate(prompt)
+        assert output.generated_tokens == reference_generate(qwen3, prompt, 8)
     with pytest.raises(aiocb.InvalidConfigError, match=r"max_model_len=99999 is more than the model's context length"):
         aiocb.Manager(qwen3, continuous_batching_config=aiocb.ContinuousBatchingConfig(max_model_len=99999))
     with pytest.raises(aiocb.InvalidConfigError, match="max_model_len"):

@@ -319,6 +319,10 @@ def test_every_address_of_the_host_is_listened_on() -> None:
             pass
     except OSError:
         pytest.skip("no IPv6 loopback on this machine")
+    if socket.has_dualstack_ipv6():  # (IPv6's any address takes IPv4 clients too)
+        (any_address,) = listen(parse("--host", "::", "--port", "0"))  # type: ignore[misc]
+        assert any_address.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY) == 0
+        any_address.close()
     for host in ("::1", "localhost"):
         sockets = listen(parse("--host", host, "--port", "0"))
         assert not isinstance(sockets, str), sockets
