@@ -418,18 +418,18 @@ def read_chat_template(value: str) -> str:
     if os.path.isfile(path):
         try:
             with open(path, encoding="utf-8") as file:
-                text = file.read()
+                text, where = file.read(), value
         except (OSError, UnicodeDecodeError) as exc:
             raise ValueError(f"--chat-template {value}: cannot be read: {exc}") from None
     elif "{" in value or "}" in value or "\n" in value:
-        text = value
+        text, where = value, "text"
     elif os.path.isdir(path):
         raise ValueError(f"--chat-template {value}: a directory, not a template file")
     else:
         raise ValueError(f"--chat-template {value!r}: no such file (nor a Jinja template)")
     problem = chat_template_problem(text)
     if problem is not None:
-        raise ValueError(f"--chat-template {value if text is not value else 'text'}: {problem}")
+        raise ValueError(f"--chat-template {where}: {problem}")
     return text
 
 
