@@ -51,7 +51,7 @@ from aiocb.server.reasoning import ReasoningSplitter
 from aiocb.server.remote import RemoteManager, ServedEngine
 from aiocb.server.sse import EventStreamResponse, events
 from aiocb.server.tool_parsers import PARSERS, ToolCallParser, detect_parser
-from aiocb.server.tools import template_messages
+from aiocb.server.tools import parse_tools, template_messages
 
 logger = logging.getLogger(__name__)
 
@@ -357,7 +357,8 @@ class _Api:
         return JSONBody(pieces)
 
     def _tokenize(self, body: bytes) -> dict[str, Any]:
-        parsed: TokenizeRequest = parse_tokenize_request(parse_json(body, self.ctx.limits.max_json_depth))
+        fields = parse_json(body, self.ctx.limits.max_json_depth)
+        parsed: TokenizeRequest = parse_tokenize_request(fields)
         self.ctx.check_model(parsed.model)
         if parsed.prompt is not None:
             text = parsed.prompt
@@ -365,8 +366,12 @@ class _Api:
         else:
             assert parsed.messages is not None
             messages = template_messages(parsed.messages)
+            tools = parse_tools(fields)  # (rendered as a chat with them renders them)
             text = self.ctx.render_chat(
-                messages, add_generation_prompt=parsed.add_generation_prompt, kwargs=parsed.chat_template_kwargs
+                messages,
+                add_generation_prompt=parsed.add_generation_prompt,
+                kwargs=parsed.chat_template_kwargs,
+                tools=None if tools is None else list(tools.tools),
             )
             self.ctx.check_prompt_chars(text, "messages", "the rendered conversation")
         param = "prompt" if parsed.prompt is not None else "messages"
@@ -387,10 +392,14 @@ class _Api:
         vocab = len(self.ctx.tokenizer)
         if parsed.tokens and max(parsed.tokens) >= vocab:
             raise bad_request(f"'tokens' holds ids outside the vocabulary [0, {vocab})", "tokens")
-        bound = self.ctx.max_model_len
+        # As many ids as /tokenize gives for the longest text it takes (a character is at
+        # most 4 UTF-8 bytes, and a byte at most a token): what one gives, the other takes.
+        bound = None if self.ctx.max_prompt_chars is None else 4 * self.ctx.max_prompt_chars
         if bound is not None and len(parsed.tokens) > bound:
             raise bad_request(
-                f"'tokens' has {len(parsed.tokens)} ids, more than the model's context of {bound}", "tokens"
+                f"'tokens' has {len(parsed.tokens)} ids, more than /tokenize gives for the longest text it takes "
+                f"({bound})",
+                "tokens",
             )
         return _json_bytes({"prompt": self.ctx.decode(parsed.tokens)})
 

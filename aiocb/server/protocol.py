@@ -287,8 +287,9 @@ def parse_tokenize_request(body: Any) -> TokenizeRequest:
         raise bad_request("'prompt' must be a string", "prompt")
     _refuse_unknown(body, TOKENIZE_FIELDS)
     kwargs = _template_kwargs(body)
-    if kwargs and messages is None:
-        raise bad_request("'chat_template_kwargs' is for 'messages'", "chat_template_kwargs")
+    for name in ("chat_template_kwargs", "tools"):
+        if body.get(name) and messages is None:
+            raise bad_request(f"'{name}' is for 'messages'", name)
     return TokenizeRequest(
         model=_opt_str(body, "model"),
         prompt=prompt,
@@ -573,7 +574,7 @@ CHAT_FIELDS = (
 
 
 TOKENIZE_FIELDS = frozenset(
-    {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "chat_template_kwargs"}
+    {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "chat_template_kwargs", "tools"}
 )
 DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
 

@@ -368,6 +368,19 @@ async def test_auto_without_strict_is_free_text_and_none_hides_the_tools(client:
     assert "tool_calls" not in hidden["choices"][0]["message"]
 
 
+async def test_tokenize_counts_a_chat_with_its_tools(client: httpx.AsyncClient) -> None:
+    """``/tokenize`` renders tools as a chat completion does: the same prompt tokens."""
+    body = _body(max_tokens=1)
+    counted = await client.post("/tokenize", json={"messages": body["messages"], "tools": body["tools"]})
+    without = await client.post("/tokenize", json={"messages": body["messages"]})
+    assert counted.json()["count"] == (await _chat(client, max_tokens=1))["usage"]["prompt_tokens"]
+    assert counted.json()["count"] > without.json()["count"]
+    refused = await client.post("/tokenize", json={"prompt": "hi", "tools": body["tools"]})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "tools"
+    bad = await client.post("/tokenize", json={"messages": body["messages"], "tools": {"x": 1}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools"
+
+
 async def test_a_tool_result_turn_renders_through_the_template(client: httpx.AsyncClient, tokenizer: Any) -> None:
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
     messages = [
