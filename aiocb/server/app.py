@@ -317,7 +317,7 @@ class _Api:
             return JSONResponse({"status": "ok"})
         silence = manager.silence() if isinstance(manager, RemoteManager) else None
         state = silence or f"the engine is {'dead' if manager.is_dead else 'stopped'}"
-        return self.error(APIError(503, state, type="service_unavailable"))
+        return self._unavailable(state)
 
     async def ready(self, request: Request) -> Response:
         """``GET /ready`` (readiness): 200 while the model is loaded, the engine alive and the
@@ -334,7 +334,14 @@ class _Api:
             reason = "the engine is not running"
         else:
             return JSONResponse({"status": "ready"})
-        return self.error(APIError(503, reason, type="service_unavailable"))
+        return self._unavailable(reason)
+
+    def _unavailable(self, reason: str) -> ErrorResponse:
+        """A probe's 503: an answer, not an error of the server's (not counted in
+        ``aiocb_http_errors_total``: a probe that polls a pod while it starts would be)."""
+        error = APIError(503, reason, type="service_unavailable")
+        headers = {"Retry-After": str(self.ctx.limits.retry_after)}
+        return ErrorResponse(error.to_dict(), status_code=503, headers=headers)
 
     async def metrics(self, request: Request) -> Response:
         """``GET /metrics`` in Prometheus' text format."""

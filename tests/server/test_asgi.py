@@ -654,6 +654,19 @@ async def test_metrics(client: httpx.AsyncClient) -> None:
     assert [(s.labels["status"], s.value) for s in errors] == [("404", 1.0)]
 
 
+async def test_probes_answered_503_are_not_counted_as_errors(model: PreTrainedModel, tokenizer: Any) -> None:
+    manager = aiocb.Manager(model, continuous_batching_config=serve_config())  # (never started)
+    app = build_app(manager, tokenizer, MODEL_NAME)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        for path in ("/health", "/ready"):
+            response = await client.get(path)
+            assert response.status_code == 503 and response.headers["Retry-After"] == "1"
+            assert "the engine is" in response.json()["error"]["message"]
+        assert "aiocb_http_errors_total{" not in (await client.get("/metrics")).text
+        assert (await client.get("/nowhere")).status_code == 404
+        assert 'status="404"' in (await client.get("/metrics")).text
+
+
 async def test_metrics_count_a_prompt_once_and_only_the_tokens_clients_get(client: httpx.AsyncClient) -> None:
     """``n`` choices share one prompt: its tokens count once (latencies once per choice); a
     choice cut short by a stop string counts the tokens it returned, not those after."""
