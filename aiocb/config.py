@@ -276,12 +276,17 @@ class ContinuousBatchingConfig:
 
     def sized_for(self, hints: WorkloadHints | None, context: int | None = None) -> ContinuousBatchingConfig:
         """This config, or where ``max_blocks_per_request`` is None and ``hints`` give the
-        longest request, a copy whose block table holds it (at most the model's
-        ``context``): an even number of pages, one more than its tokens need (as
-        transformers sizes it)."""
-        if self.max_blocks_per_request is not None or hints is None:
+        longest request (else ``max_model_len`` bounds it), a copy whose block table holds
+        it (at most the model's ``context``): an even number of pages, one more than its
+        tokens need (as transformers sizes it)."""
+        if self.max_blocks_per_request is not None:
             return self
-        longest = hints.max_prompt_length + hints.max_generated_length
+        if hints is not None:
+            longest = hints.max_prompt_length + hints.max_generated_length
+        elif self.max_model_len is not None:  # (every request fits the decode graphs' tables)
+            longest = self.max_model_len
+        else:
+            return self
         if context is not None:
             longest = min(longest, context)
         if longest <= 0:

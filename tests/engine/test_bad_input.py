@@ -154,6 +154,8 @@ async def test_max_model_len_bounds_every_request_below_the_model_s_context(qwen
         output = await manager.generate(prompt, max_new_tokens=8, ignore_eos=True)
         assert output.generated_tokens == reference_generate(qwen3, prompt, 8)
         assert manager.continuous_batching_config.max_model_len == 48
+        # (the decode graphs' block tables hold the longest request: 3 pages of 16, and one)
+        assert manager.continuous_batching_config.max_blocks_per_request == 4
     # A GenerationConfig's max_length past the bound: a request's default length stops at it.
     longer = GenerationConfig(max_length=100, eos_token_id=None)
     async with aiocb.Manager(qwen3, longer, continuous_batching_config=config) as manager:
