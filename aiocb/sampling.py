@@ -369,11 +369,10 @@ def resolve_params(
                     param="input_ids",
                 )
             max_new_tokens = defaults.max_length - prompt_len
-            if limits.max_model_len is not None:  # (a config's max_length past the served context: up to it)
-                max_new_tokens = max(1, min(max_new_tokens, limits.max_model_len - prompt_len))
-        else:  # as generate: 20 new tokens, within the model's context
-            room = _DEFAULT_MAX_NEW_TOKENS if limits.max_model_len is None else limits.max_model_len - prompt_len
-            max_new_tokens = max(1, min(_DEFAULT_MAX_NEW_TOKENS, room))
+        else:  # as generate: 20 new tokens
+            max_new_tokens = _DEFAULT_MAX_NEW_TOKENS
+        if limits.max_model_len is not None:  # (within the served context: a config's max_length may pass it)
+            max_new_tokens = max(1, min(max_new_tokens, limits.max_model_len - prompt_len))
     min_tokens = request.min_tokens
     if min_tokens is None:
         min_tokens = config_min_tokens(config.min_tokens, defaults.min_length, prompt_len)

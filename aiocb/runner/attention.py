@@ -515,6 +515,22 @@ class _Probe:
             )
 
 
+def hold(model: PreTrainedModel, long_rope_from: int | None) -> None:
+    """Ready ``model`` for aiocb's passes, for one more holder: its attention routed
+    (:func:`install`) and, for a longrope model (``long_rope_from``: its original length),
+    its rotary embeddings choosing each token's setting (:mod:`aiocb.runner.long_rope`)."""
+    install(model)
+    if long_rope_from is not None:
+        long_rope.install(model, long_rope_from)
+
+
+def let_go(model: PreTrainedModel, long_rope_from: int | None) -> None:
+    """One holder of ``model`` (see :func:`hold`) lets go."""
+    uninstall(model)
+    if long_rope_from is not None:
+        long_rope.uninstall(model)
+
+
 def install(model: PreTrainedModel) -> None:
     """Route the model's attention through the paged function, for one more holder.
 

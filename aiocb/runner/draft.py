@@ -33,7 +33,7 @@ from transformers import PreTrainedModel
 
 from aiocb.config import ContinuousBatchingConfig
 from aiocb.errors import InvalidConfigError
-from aiocb.runner import attention, long_rope
+from aiocb.runner import attention
 from aiocb.runner.backends import Backend, select_backends
 from aiocb.runner.cuda_graphs import DecodeGraphs
 from aiocb.runner.input_batch import InputBatch
@@ -133,17 +133,13 @@ class Drafter:
         embeddings to the setting of each token (idempotent). The tokens the target's steps
         mark long are long to the draft too: a copy of the target proposes its tokens."""
         if not self._attached:
-            attention.install(self.model)
-            if self.spec.long_rope_from is not None:
-                long_rope.install(self.model, self.spec.long_rope_from)
+            attention.hold(self.model, self.spec.long_rope_from)
             self._attached = True
 
     def detach(self) -> None:
         """Give the draft back its original attention and rotary embeddings (idempotent)."""
         if self._attached:
-            attention.uninstall(self.model)
-            if self.spec.long_rope_from is not None:
-                long_rope.uninstall(self.model)
+            attention.let_go(self.model, self.spec.long_rope_from)
             self._attached = False
 
     def propose(self, batch: StepBatch, inputs: StepInputs, state: InputBatch) -> torch.Tensor | None:

@@ -19,7 +19,7 @@ from aiocb.collector import freeze_alive_objects
 from aiocb.config import DEFAULT_MAX_BLOCKS_PER_REQUEST, ContinuousBatchingConfig
 from aiocb.core.scheduler import PromptTops, StepResult
 from aiocb.errors import InvalidConfigError
-from aiocb.runner import attention, long_rope, native
+from aiocb.runner import attention, native
 from aiocb.runner.backends import Backend, select_backends
 from aiocb.runner.compile import compile_configs, compiled
 from aiocb.runner.cuda_graphs import DecodeGraphs, query_widths
@@ -176,9 +176,7 @@ class ModelRunner:
         it, and a copy cut short by the end of its event loop may be half made)."""
         if not self._attached:
             self._new_batch()
-            attention.install(self.model)
-            if self.spec.long_rope_from is not None:
-                long_rope.install(self.model, self.spec.long_rope_from)
+            attention.hold(self.model, self.spec.long_rope_from)
             self._attached = True
         if self.drafter is not None:
             self.drafter.attach()
@@ -193,8 +191,7 @@ class ModelRunner:
     def detach(self) -> None:
         """Give the model back its original attention implementation (idempotent)."""
         if self._attached:
-            attention.uninstall(self.model)
-            long_rope.uninstall(self.model)
+            attention.let_go(self.model, self.spec.long_rope_from)
             self._attached = False
         if self.drafter is not None:
             self.drafter.detach()
