@@ -314,43 +314,52 @@ async def choice_deltas(
     seen = 0
     first = True
     last_time = received
-    async with stream:
-        async for output in stream:
-            now = time.perf_counter()
-            delta = ChoiceDelta(spec.index)
-            if first:
-                delta.prompt_logprobs = output.prompt_logprobs
-                delta.prompt_top_logprobs = output.prompt_top_logprobs
-            new = [] if score_only else output.tokens_since(seen)
-            _add_tokens(delta, output, new, seen, detokenizer, stopper, spec.include_stop_str_in_output)
-            returned = len(delta.token_ids)  # (tokens past a stop string are not)
-            if returned:
-                metrics.generation_tokens.inc(returned)
-                if seen == 0:
-                    metrics.time_to_first_token.observe(now - received)
-                else:
-                    metrics.observe_inter_token(returned, now - last_time)
-                last_time = now
-            seen += returned
-            delta.num_generated = seen
-            delta.num_cached_tokens = output.num_cached_tokens
-            first = False
-            if stopper.matched is not None:
-                delta.finish_reason = "stop"
-                delta.stop_reason = stopper.matched
-            elif output.is_finished():
-                _check_failed(output, ctx.manager.is_dead)
-                delta.text += stopper.feed(detokenizer.flush())
-                delta.text += stopper.flush()
-                delta.finish_reason = "stop" if stopper.matched is not None else _finish_reason(output, score_only)
-                delta.stop_reason = stopper.matched or _stop_token(spec, output)
-            if delta.finish_reason is not None:
-                metrics.e2e_latency.observe(now - received)
-                metrics.observe_finished(delta.finish_reason)
-                yield delta
-                return  # leaving `async with stream` cancels a request cut short by a stop string
-            if not delta.is_empty:
-                yield delta
+    counted = False
+    try:
+        async with stream:
+            async for output in stream:
+                now = time.perf_counter()
+                delta = ChoiceDelta(spec.index)
+                if first:
+                    delta.prompt_logprobs = output.prompt_logprobs
+                    delta.prompt_top_logprobs = output.prompt_top_logprobs
+                new = [] if score_only else output.tokens_since(seen)
+                _add_tokens(delta, output, new, seen, detokenizer, stopper, spec.include_stop_str_in_output)
+                returned = len(delta.token_ids)  # (tokens past a stop string are not)
+                if returned:
+                    metrics.generation_tokens.inc(returned)
+                    if seen == 0:
+                        metrics.time_to_first_token.observe(now - received)
+                    else:
+                        metrics.observe_inter_token(returned, now - last_time)
+                    last_time = now
+                seen += returned
+                delta.num_generated = seen
+                delta.num_cached_tokens = output.num_cached_tokens
+                first = False
+                if stopper.matched is not None:
+                    delta.finish_reason = "stop"
+                    delta.stop_reason = stopper.matched
+                elif output.is_finished():
+                    _check_failed(output, ctx.manager.is_dead)
+                    delta.text += stopper.feed(detokenizer.flush())
+                    delta.text += stopper.flush()
+                    delta.finish_reason = "stop" if stopper.matched is not None else _finish_reason(output, score_only)
+                    delta.stop_reason = stopper.matched or _stop_token(spec, output)
+                if delta.finish_reason is not None:
+                    metrics.e2e_latency.observe(now - received)
+                    metrics.observe_finished(delta.finish_reason)
+                    counted = True
+                    yield delta
+                    return  # leaving `async with stream` cancels a request cut short by a stop string
+                if not delta.is_empty:
+                    yield delta
+    except (GeneratorExit, asyncio.CancelledError):
+        # Closed or cancelled before it finished (its client gone, a sibling choice failed,
+        # the server stopping): counted as finished for "abort", as vLLM counts it.
+        if not counted:
+            metrics.observe_finished("abort")
+        raise
 
 
 def _add_tokens(

@@ -652,6 +652,8 @@ async def test_metrics(client: httpx.AsyncClient) -> None:
     assert not math.isnan(value["aiocb_e2e_request_latency_seconds_sum"])
     errors = [s for s in families["aiocb_http_errors"].samples if s.name.endswith("_total")]
     assert [(s.labels["status"], s.value) for s in errors] == [("404", 1.0)]
+    finished = [s for s in families["aiocb_request_success"].samples if s.name.endswith("_total")]
+    assert [(s.labels["finished_reason"], s.value) for s in finished] == [("length", 1.0)]
 
 
 async def test_probes_answered_503_are_not_counted_as_errors(model: PreTrainedModel, tokenizer: Any) -> None:

@@ -419,6 +419,12 @@ async def test_a_client_that_stops_reading_is_dropped_and_its_request_cancelled(
     # Counted and logged as a client gone (its response began 200), its prompt counted too.
     assert 'aiocb_http_errors_total{model_name="tiny-qwen3",status="499"} 1.0' in metrics
     assert 'aiocb_prompt_tokens_total{model_name="tiny-qwen3"} 3.0' in metrics  # ("hi", then "x")
+    # Its 8 choices finished for "abort" (the other request's one for "length").
+    finished = [line for line in metrics.splitlines() if line.startswith("aiocb_request_success_total")]
+    assert finished == [
+        'aiocb_request_success_total{finished_reason="abort",model_name="tiny-qwen3"} 8.0',
+        'aiocb_request_success_total{finished_reason="length",model_name="tiny-qwen3"} 1.0',
+    ]
     logged = [r.getMessage() for r in caplog.records if r.name == "aiocb.access" and "completions" in r.getMessage()]
     assert [line.split('" ')[1].split()[0] for line in logged].count("499") == 1, logged
 
@@ -462,6 +468,7 @@ async def test_a_stream_the_client_left_is_counted_under_asgi_2_4(manager: aiocb
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
         metrics = (await http.get("/metrics")).text
     assert 'aiocb_http_errors_total{model_name="tiny-qwen3",status="499"} 1.0' in metrics
+    assert 'aiocb_request_success_total{finished_reason="abort",model_name="tiny-qwen3"} 1.0' in metrics
     stats = await wait_until_idle(manager)
     assert stats.free_blocks == stats.total_blocks
 
