@@ -6,6 +6,7 @@ import dataclasses
 import math
 import os
 from collections.abc import Mapping
+from types import SimpleNamespace
 from typing import Any, Literal
 
 import ray
@@ -204,14 +205,20 @@ def _check_chat_parsers(model: str | None, options: ReplicaOptions) -> None:
     from aiocb.server.app import chat_parsers_of
 
     source = options.tokenizer or model or str(DEFAULT_MODEL_PATH)
-    if not os.path.isdir(source):
-        return  # (a hub id: the replicas load it, and refuse there)
-    from transformers import AutoTokenizer
+    tokenizer: Any
+    if os.path.isdir(source):
+        from transformers import AutoTokenizer
 
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=options.trust_remote_code)
-    except Exception as exc:  # (every replica would fail to load it)
-        raise InvalidConfigError(f"the tokenizer in {source} does not load: {exc}") from None
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=options.trust_remote_code)
+        except Exception as exc:  # (every replica would fail to load it)
+            raise InvalidConfigError(f"the tokenizer in {source} does not load: {exc}") from None
+    elif options.chat_template is None:
+        return  # (a hub id: the replicas load it, and refuse there)
+    else:
+        tokenizer = SimpleNamespace()
+    if options.chat_template is not None:  # (the replicas' template, in place of the tokenizer's)
+        tokenizer.chat_template = options.chat_template
     try:
         chat_parsers_of(tokenizer, options.tool_call_parser, options.reasoning_parser)
     except ValueError as exc:
