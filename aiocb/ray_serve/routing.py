@@ -85,8 +85,11 @@ def prompt_text(path: str, body: Any, limit: int = BLOCK_CHARS * MAX_BLOCKS) -> 
 
 
 def _message_text(message: Any, limit: int) -> str:
-    if isinstance(message, Mapping) and isinstance(message.get("content"), str) and len(message) == 2:
-        return f"\x1e{message.get('role')}\x1f{message['content'][:limit]}"
+    if isinstance(message, Mapping) and len(message) == 2:
+        role, content = message.get("role"), message.get("content")
+        if isinstance(role, str) and isinstance(content, str):  # (anything else walked by its head)
+            role = role[:limit]
+            return f"\x1e{role}\x1f{content[: limit - len(role)]}"
     head = _head(message, [limit])
     return "\x1e" + json.dumps(head, sort_keys=True, separators=(",", ":"), default=str)
 

@@ -68,11 +68,19 @@ def test_prompt_text_reads_no_more_of_a_prompt_than_is_hashed() -> None:
          [{"role": "user", "content": [{"type": "text", "text": "a"}] * 20_000}]),
         ("/v1/chat/completions", "messages", [{"role": "u", "content": "x", "name": str(i)} for i in range(200_000)],
          [{"role": "u", "content": "x", "name": str(i)} for i in range(10_000)]),
+        # (a long role is not written out whole either)
+        ("/v1/chat/completions", "messages", [{"role": "r" * 3_000_000, "content": "x"}],
+         [{"role": "r" * 100_000, "content": "x"}]),
     ):  # fmt: skip
         text = prompt_text(path, {key: long})
         assert text is not None and len(text) < 2 * limit, (path, len(text or ""))
         assert prefix_hashes(text) == prefix_hashes(prompt_text(path, {key: short}) or "")
         assert len(prefix_hashes(text)) == 256
+    # Nor is one that is no string (an id list of megabytes, written whole, held the loop 180 ms).
+    text = prompt_text("/v1/chat/completions", {"messages": [{"role": list(range(3_000_000)), "content": "x"}]})
+    assert text is not None and len(text) < 2 * limit
+    short = prompt_text("/v1/chat/completions", {"messages": [{"role": list(range(100_000)), "content": "x"}]})
+    assert prefix_hashes(text) == prefix_hashes(short or "")
 
 
 # ------------------------------------------------------------------ the router's policy
@@ -339,6 +347,18 @@ async def test_closing_the_forwarded_response_cancels_the_request_and_frees_its_
 def test_build_app_refuses_bad_options_by_name(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(InvalidConfigError, match=message):
         build_app(None, **kwargs)
+
+
+def test_build_app_checks_the_parsers_against_the_chat_template_given() -> None:
+    """The replicas read chat outputs by ``chat_template`` where it is given: so is the
+    startup check, for a local tokenizer and a hub id alike."""
+    harmony = "<|start|>{{ messages[0].content }}<|end|><|start|>assistant<|channel|>final<|message|>"
+    for model in (None, "some-org/some-model"):
+        build_app(model, chat_template=harmony, reasoning_parser="openai_gptoss", tool_call_parser="openai")
+        with pytest.raises(InvalidConfigError, match="harmony format, whose tool-call parser is 'openai'"):
+            build_app(model, chat_template=harmony, tool_call_parser="hermes")
+    with pytest.raises(InvalidConfigError, match="'openai_gptoss' parser reads gpt-oss's harmony format"):
+        build_app("some-org/some-model", chat_template="{{ messages }}", reasoning_parser="openai_gptoss")
 
 
 def test_build_app_refuses_a_local_model_whose_tokenizer_does_not_load(tmp_path: Any) -> None:
