@@ -17,7 +17,7 @@ import sys
 import threading
 from typing import Any
 
-from aiocb.cli.serve import UVICORN_DEFAULTS, chat_parsers, missing_local_path, served_model_name
+from aiocb.cli.serve import UVICORN_DEFAULTS, chat_parsers, listen, missing_local_path, served_model_name
 from aiocb.config import ContinuousBatchingConfig
 from aiocb.server.limits import ServerLimits
 
@@ -85,6 +85,13 @@ def serve_with_replicas(args: argparse.Namespace, config: ContinuousBatchingConf
         print(f"aiocb serve: {exc}", file=sys.stderr)
         return 2
     local = args.ray_address is None
+    if local:  # (a port in use is found now, not once Ray has started)
+        bound = listen(args)
+        if isinstance(bound, str):
+            print(f"aiocb serve: {bound}", file=sys.stderr)
+            return 2
+        for sock in bound:
+            sock.close()
     # "local": a new instance, never a cluster found through RAY_ADDRESS or `ray start`,
     # whose Serve apps shutting down would take with it.
     ray.init(address="local" if local else args.ray_address, log_to_driver=True)
@@ -93,7 +100,12 @@ def serve_with_replicas(args: argparse.Namespace, config: ContinuousBatchingConf
         signal.signal(sig, lambda *_: stop.set())
     deployed = False  # (an app this command did not deploy is never deleted by it)
     try:
-        serve.start(http_options={"host": args.host, "port": args.port})
+        try:
+            serve.start(http_options={"host": args.host, "port": args.port})
+        except RuntimeError as exc:  # (its proxy's bind failing, taken since the check above)
+            reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+            print(f"aiocb serve: Ray Serve's proxy did not start on {args.host}:{args.port}: {reason}", file=sys.stderr)
+            return 2
         client = serve.context._get_global_client()
         proxy = None if client is None else client.http_config  # Serve already running keeps its own
         if proxy is not None and (proxy.host, proxy.port) != (args.host, args.port):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -89,6 +90,43 @@ def test_the_replica_flags_reach_the_app(monkeypatch: pytest.MonkeyPatch, capsys
         ("auto", 1, "prefix_affinity", "{{ messages }}"),
     ]
     assert "aiocb serve: checked" in capsys.readouterr().err
+
+
+def test_a_port_in_use_is_refused_in_one_line_before_ray_starts(capsys: pytest.CaptureFixture[str]) -> None:
+    import ray
+
+    port = free_port()
+    with socket.create_server(("127.0.0.1", port)):
+        assert run_serve(parse("--replicas", "1", "--port", str(port))) == 2
+    assert not ray.is_initialized()
+    err = capsys.readouterr().err
+    assert err.startswith(f"aiocb serve: cannot listen on 127.0.0.1:{port}: ") and err.count("\n") == 1, err
+
+
+def test_a_proxy_that_cannot_bind_ends_the_command_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The port taken between the check and Ray Serve's proxy binding it: Ray's error, told in one line."""
+    import ray
+    from ray import serve
+
+    import aiocb.cli.replicas
+
+    stopped: list[str] = []
+
+    def start(**_: object) -> None:
+        raise RuntimeError("Traceback (most recent call last):\n  ...\nFailed to bind to address '127.0.0.1:1'.")
+
+    monkeypatch.setattr(aiocb.cli.replicas, "listen", lambda args: [])
+    monkeypatch.setattr(ray, "init", lambda **_: None)
+    monkeypatch.setattr(ray, "shutdown", lambda: stopped.append("ray"))
+    monkeypatch.setattr(serve, "start", start)
+    monkeypatch.setattr(serve, "shutdown", lambda: stopped.append("serve"))
+    assert run_serve(parse("--replicas", "1", "--port", "1")) == 2
+    assert capsys.readouterr().err == (
+        "aiocb serve: Ray Serve's proxy did not start on 127.0.0.1:1: Failed to bind to address '127.0.0.1:1'.\n"
+    )
+    assert stopped == ["serve", "ray"]
 
 
 def test_replicas_on_a_cluster_are_not_checked_against_this_machine() -> None:
