@@ -59,6 +59,36 @@ async def test_turnstile_lets_a_fixed_number_through_per_iteration() -> None:
     assert passed_at == sorted(passed_at), "first come, first served"
 
 
+async def test_turnstile_lets_no_more_through_once_an_iteration_s_budget_is_spent() -> None:
+    """Callers let through run their synchronous work in the iteration they pass in: once
+    those have held it ``budget`` seconds, the rest wait for a later one, in order (64
+    requests with a stop string at once held the loop 13 ms)."""
+    turnstile = Turnstile(per_iteration=64, budget=0.001)
+    iteration = 0
+    passed_at: list[tuple[int, int]] = []
+
+    async def ticker() -> None:
+        nonlocal iteration
+        while len(passed_at) < 40:
+            await asyncio.sleep(0)
+            iteration += 1
+
+    async def caller(index: int) -> None:
+        await turnstile.enter()
+        passed_at.append((iteration, index))
+        spin = time.perf_counter() + 0.0003  # (its work: 0.3 ms)
+        while time.perf_counter() < spin:
+            pass
+
+    tick = asyncio.create_task(ticker())
+    await asyncio.gather(*(caller(i) for i in range(40)))
+    await tick
+    iterations = [i for i, _ in passed_at]
+    assert max(iterations.count(i) for i in iterations) <= 4, "past 1 ms: 0.3 ms each, 4 at most"
+    assert [index for _, index in passed_at] == list(range(40)), "first come, first served"
+    assert iterations == sorted(iterations)
+
+
 async def test_a_cancelled_waiter_hands_its_place_on() -> None:
     turnstile = Turnstile(per_iteration=1)
     await turnstile.enter()
