@@ -18,6 +18,7 @@ import heapq
 import itertools
 import json
 import math
+import numbers
 import operator
 import re
 import reprlib
@@ -408,11 +409,23 @@ def _check_int(params: SamplingParams, name: str, *, minimum: int | None, maximu
     if value is None:
         return
     if not _is_int(value):
-        raise InvalidRequestError(f"{name} must be an int, got {value!r}", param=name)
+        number = token_id(value)  # (a NumPy integer, a one-element integer tensor: the int it holds)
+        if number is None:
+            raise InvalidRequestError(f"{name} must be an int, got {value!r}", param=name)
+        value = number
+        _set(params, name, value)
     if minimum is not None and value < minimum:
-        raise InvalidRequestError(f"{name} must be >= {minimum}, got {value}", param=name)
+        raise InvalidRequestError(f"{name} must be >= {minimum}, got {_shown(value)}", param=name)
     if maximum is not None and value > maximum:
-        raise InvalidRequestError(f"{name} must be <= {maximum}, got {value}", param=name)
+        raise InvalidRequestError(f"{name} must be <= {maximum}, got {_shown(value)}", param=name)
+
+
+def _shown(value: Any) -> str:
+    """``value`` for a message: its repr, or an int's size where it is too long for one
+    (4,300 digits or more have none)."""
+    if isinstance(value, int) and value.bit_length() > 13_000:  # (some 3,900 digits)
+        return f"an integer of {value.bit_length()} bits"
+    return reprlib.repr(value)
 
 
 def _check_bool(params: SamplingParams, name: str) -> None:
@@ -433,8 +446,15 @@ def _check_float(
     value = getattr(params, name)
     if value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise InvalidRequestError(f"{name} must be a finite number, got {value!r}", param=name)
+    # (a NumPy float is a real number too; a bool, NumPy's included, is none)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidRequestError(f"{name} must be a number (an int or a float), got {value!r}", param=name)
+    try:
+        value = float(value)
+    except OverflowError:  # (an int past float's range)
+        value = math.inf
+    if not math.isfinite(value):
+        raise InvalidRequestError(f"{name} must be a finite number, got {_shown(getattr(params, name))}", param=name)
     above = high is not None and (value >= high if high_open else value > high)
     if (value <= low if low_open else value < low) or above:
         bracket = "(" if low_open else "["
@@ -449,7 +469,7 @@ def as_strings(value: Any, name: str) -> tuple[str, ...] | None:
         return None
     if isinstance(value, str):
         value = [value]
-    if isinstance(value, (bytes, Mapping)) or not isinstance(value, Iterable):
+    if isinstance(value, Mapping) or not _listed(value):
         raise InvalidRequestError(
             f"{name} must be a string or a list of strings, got {type(value).__name__}", param=name
         )
@@ -480,6 +500,12 @@ def _is_unicode(text: str) -> bool:
     return True
 
 
+def _listed(value: Any) -> bool:
+    """Whether ``value`` is a collection to take items from: an iterable, but not a string,
+    bytes, or a 0-d tensor or array (iterable by its type, refusing when iterated)."""
+    return isinstance(value, Iterable) and not isinstance(value, str | bytes) and getattr(value, "ndim", None) != 0
+
+
 def _ids(
     name: str,
     value: Any,
@@ -490,7 +516,7 @@ def _ids(
 ) -> tuple[int, ...] | None:
     if value is None:
         return None
-    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
+    if isinstance(value, Mapping) or not _listed(value):
         raise InvalidRequestError(f"{name} must be a list of token ids, got {type(value).__name__}", param=name)
     ids = tuple(value)
     if not _plain_ids(ids, negative_ok=negative_ok):  # (then this names the first wrong one)
@@ -553,12 +579,12 @@ def _pairs(name: str, value: Any, example: str) -> Iterable[tuple[Any, Any]]:
     """``value``'s (key, value) pairs: a mapping's items, or an iterable of pairs."""
     if isinstance(value, Mapping):
         return value.items()
-    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+    if not _listed(value):
         raise InvalidRequestError(f"{name} must map {example}, got {type(value).__name__}", param=name)
     pairs = []
     for item in value:
         pause()
-        pair = tuple(item) if isinstance(item, Iterable) and not isinstance(item, (str, bytes, Mapping)) else ()
+        pair = tuple(item) if _listed(item) and not isinstance(item, Mapping) else ()
         if len(pair) != 2:
             raise InvalidRequestError(f"{name} must map {example}, got the item {item!r}", param=name)
         pairs.append(pair)
@@ -610,8 +636,7 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...] | None:
         # (JSON object keys are strings)
         token = int(token) if isinstance(token, str) and _DECIMAL.fullmatch(token) else token_id(token)
         if token is None or not 0 <= token < _NO_TOKEN_ID:
-            bits = 0 if token is None else abs(token).bit_length()  # (4,300 digits or more have no repr)
-            shown = f"an integer of {bits} bits" if bits >= _NO_TOKEN_ID.bit_length() else reprlib.repr(given)
+            shown = _shown(given if token is None else token)
             raise InvalidRequestError(f"logit_bias keys must be token ids, got {shown}", param="logit_bias")
         if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
             raise InvalidRequestError(
@@ -666,7 +691,7 @@ _LISTS = frozenset((list, tuple))
 def _bad_words(value: Any) -> tuple[tuple[int, ...], ...] | None:
     if value is None:
         return None
-    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+    if not _listed(value):
         raise InvalidRequestError("bad_words_ids must be a list of lists of token ids", param="bad_words_ids")
     items = list(value)
     plain: list[tuple[int, ...]] = []
@@ -713,7 +738,7 @@ def _check_text(params: SamplingParams, name: str) -> None:
 
 def _check_choice(params: SamplingParams, name: str) -> None:
     value: Any = params.choice
-    listed = isinstance(value, Iterable) and not isinstance(value, str | bytes | Mapping)
+    listed = _listed(value) and not isinstance(value, Mapping)
     ordered = sorted(value, key=repr) if isinstance(value, set | frozenset) else value
     choices = tuple(ordered) if listed else ()
     if not choices or not all(isinstance(c, str) and c for c in choices):

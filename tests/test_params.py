@@ -6,6 +6,7 @@ import dataclasses
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -58,7 +59,18 @@ class _BadIndex:
     [
         ({"max_new_tokens": 0}, "max_new_tokens must be >= 1"),
         ({"top_k": 2.0}, "top_k must be an int"),
-        ({"temperature": "hot"}, "temperature must be a finite number"),
+        ({"temperature": "hot"}, r"temperature must be a number \(an int or a float\), got 'hot'"),
+        ({"temperature": torch.tensor(0.5)}, "temperature must be a number"),
+        ({"temperature": float("inf")}, "temperature must be a finite number, got inf"),
+        ({"temperature": 10**400}, "temperature must be a finite number, got 1000"),
+        ({"seed": 10**5000}, "seed must be <= 18446744073709551615, got an integer of 16610 bits"),
+        # (a 0-d tensor or array is iterable by its type, and refuses when iterated)
+        ({"allowed_token_ids": torch.tensor(5)}, "allowed_token_ids must be a list of token ids, got Tensor"),
+        ({"stop_token_ids": np.array(5)}, "stop_token_ids must be a list of token ids, got ndarray"),
+        ({"bad_words_ids": torch.tensor(5)}, "bad_words_ids must be a list of lists"),
+        ({"bad_words_ids": [np.array(5)]}, "bad_words_ids must be a list of lists"),
+        ({"logit_bias": np.array(5)}, "logit_bias must map token ids to biases"),
+        ({"sequence_bias": [(torch.tensor(5), 1.0), torch.tensor(2)]}, "sequence_bias must map .* got the item"),
         ({"top_p": 0.0}, r"top_p must be in \(0.0, 1.0\]"),
         ({"repetition_penalty": -1.0}, "repetition_penalty"),
         ({"presence_penalty": 2.5}, "presence_penalty"),
@@ -114,8 +126,6 @@ def test_a_schema_nested_past_pythons_recursion_limit_is_refused_by_name() -> No
 
 
 def test_numpy_and_tensor_integers_are_taken_as_the_ints_they_hold() -> None:
-    import numpy as np
-
     params = aiocb.SamplingParams(
         eos_token_id=np.int64(3),
         stop_token_ids=list(np.array([4, 5])),
@@ -128,5 +138,11 @@ def test_numpy_and_tensor_integers_are_taken_as_the_ints_they_hold() -> None:
     assert params.bad_words_ids == ((8, 9),)
     fields = (params.eos_token_id, params.stop_token_ids, params.logit_bias, params.bad_words_ids)
     assert all(type(i) is int for i in (*fields[0], *fields[1], fields[2][0][0], *fields[3][0]))
+    # So are numbers: an integer field's NumPy or tensor integer, a float field's NumPy float.
+    numbers = aiocb.SamplingParams(max_new_tokens=np.int32(7), top_k=torch.tensor(3), temperature=np.float32(0.5))
+    assert (numbers.max_new_tokens, numbers.top_k, numbers.temperature) == (7, 3, 0.5)
+    assert (type(numbers.max_new_tokens), type(numbers.top_k), type(numbers.temperature)) == (int, int, float)
+    with pytest.raises(aiocb.InvalidRequestError, match=r"top_k must be an int, got np\.float32"):
+        aiocb.SamplingParams(top_k=np.float32(3))
     with pytest.raises(aiocb.InvalidRequestError, match="bad_words_ids must be a list of lists"):
         aiocb.SamplingParams(bad_words_ids=[np.int64(3)])
