@@ -36,11 +36,14 @@ class Turnstile:
         self._waiters: deque[asyncio.Future[None]] = deque()
         #: callers released for this iteration and found past its budget: first in the next
         self._deferred: list[asyncio.Future[None]] = []
+        #: callers released whose tasks have not resumed yet (no newcomer goes before them)
+        self._released = 0
         self._reset_pending = False
 
     async def enter(self) -> None:
         """Pass now if this iteration still has room, else wait for a later one (FIFO)."""
-        if not self._waiters and not self._deferred and self._passed < self.per_iteration and self._in_budget():
+        waiting = self._waiters or self._deferred or self._released
+        if not waiting and self._passed < self.per_iteration and self._in_budget():
             self._passed += 1
             self._schedule_reset()
             return
@@ -52,8 +55,10 @@ class Turnstile:
                 await waiter
             except asyncio.CancelledError:
                 if waiter.done() and not waiter.cancelled():
+                    self._released -= 1
                     self._release()  # it was let through: hand its place on
                 raise
+            self._released -= 1
             if self._in_budget():
                 return
             # (those released before it took the iteration's budget: it goes first in the next)
@@ -90,6 +95,7 @@ class Turnstile:
             if not waiter.done():
                 waiter.set_result(None)
                 self._passed += 1
+                self._released += 1
         if self._passed or self._waiters:
             self._schedule_reset()
 
