@@ -286,6 +286,8 @@ class Manager:
         self._admission = AdmissionQueue(self.config.max_queue_size, self.config.max_queued_tokens)
         self._router = OutputRouter(on_room=self._admission.release)
         self._turnstile = Turnstile()
+        #: the ``async with`` blocks inside the manager now: the last one out stops it
+        self._blocks = 0
         if persistent_manager:
             setattr(model, _CACHED_MANAGER_ATTR, self)
 
@@ -747,8 +749,12 @@ class Manager:
     async def __aenter__(self) -> Manager:
         if self._state is _State.STOPPING:  # (a stop under way, as a cancelled entry's: it ends first)
             await self.stop()
-        joined = self.is_running  # (a persistent manager's session another task began)
-        self.start()
+        # (a session another block began, a nested one's or another task's, or start()'s)
+        joined = self.is_running
+        if joined:
+            self._check_loop()
+        else:
+            self.start()
         try:
             await self.wait_started()
         except BaseException:
@@ -762,6 +768,7 @@ class Manager:
                 if not self.persistent:
                     self._leaving = asyncio.ensure_future(self._destroy_once_stopped())
             raise
+        self._blocks += 1
         return self
 
     async def _destroy_once_stopped(self) -> None:
@@ -775,6 +782,9 @@ class Manager:
         exc: BaseException | None,
         traceback: types.TracebackType | None,
     ) -> None:
+        self._blocks -= 1
+        if self._blocks:
+            return  # (a block nested in another, or another task's: the last one out stops it)
         # Leaving because of an error or a cancellation: nobody will read the rest.
         try:
             await self.stop(hard_stop=exc_type is not None)
@@ -1167,6 +1177,7 @@ class Manager:
         self._router.results_changed = asyncio.Event()
         self._admission.forget()
         self._turnstile = Turnstile()
+        self._blocks = 0  # (that loop's blocks never leave)
         if self._state is _State.CREATED:
             logger.warning("the event loop requests were queued on was closed before the manager started")
             self._drop_queue_before_start("the event loop it was queued on closed before the start")

@@ -295,6 +295,40 @@ async def test_async_with_stops_and_destroys(qwen3: PreTrainedModel) -> None:
     assert qwen3.config._attn_implementation == "sdpa"
 
 
+async def test_the_last_async_with_block_out_stops_the_manager(
+    qwen3: PreTrainedModel, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A block nested in another (a helper's ``async with manager``), or another task's,
+    leaves the manager running for the blocks still in it, even leaving by an error: the
+    last one out stops and destroys it."""
+    manager = aiocb.Manager(qwen3)
+    async with manager:
+        async with manager:
+            await manager.generate(PROMPTS[0], max_new_tokens=2)
+        running: asyncio.Task[aiocb.GenerationOutput] | None = None
+
+        async def failing_block() -> None:
+            nonlocal running
+            async with manager:
+                running = asyncio.create_task(manager.generate(PROMPTS[1], max_new_tokens=6))
+                raise KeyError("the inner block's")
+
+        with pytest.raises(KeyError):
+            await failing_block()
+        assert manager.is_running and running is not None
+
+        async def other_task() -> list[int]:
+            async with manager:
+                return (await manager.generate(PROMPTS[2], max_new_tokens=4)).generated_tokens
+
+        assert await other_task() == reference_generate(qwen3, PROMPTS[2], 4)
+        assert (await running).generated_tokens == reference_generate(qwen3, PROMPTS[1], 6)
+    assert not manager.is_running
+    with pytest.raises(aiocb.ManagerClosedError):
+        manager.start()
+    assert "already running" not in caplog.text
+
+
 async def test_async_with_hard_stops_when_the_body_raises(qwen3: PreTrainedModel) -> None:
     pending: asyncio.Task[aiocb.GenerationOutput] | None = None
 
