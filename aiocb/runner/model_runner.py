@@ -397,23 +397,20 @@ class ModelRunner:
             varlen, wanted = wanted
         else:
             varlen = bool(wanted)
-        if varlen and self.device.type == "cuda":  # (asked for by name: said where it is not done)
+        paged = all(b in (Backend.TRITON, Backend.FLASH) for b in self.backends)
+        if self.device.type != "cuda" or not paged:
+            if wanted or varlen:  # (asked for by name: said where it is not done)
+                logger.warning(
+                    "use_cuda_graph is ignored: graphs need CUDA and in-place paged attention "
+                    "(device %s, backends %s)", self.device, self.backends,
+                )  # fmt: skip
+            return False
+        if varlen:
             logger.warning(
                 "use_cuda_graph asks for graphs of mixed and prefill steps, which aiocb does not capture "
                 "(only decode steps can replay graphs)"
             )
-        paged = all(b in (Backend.TRITON, Backend.FLASH) for b in self.backends)
-        if wanted is None:
-            wanted = self.device.type == "cuda" and paged
-        if not wanted:
-            return False
-        if self.device.type != "cuda" or not paged:
-            logger.warning(
-                "use_cuda_graph is ignored: decode graphs need CUDA and in-place paged attention "
-                "(device %s, backends %s)", self.device, self.backends,
-            )  # fmt: skip
-            return False
-        return True
+        return wanted is None or wanted
 
     def _graphs(
         self, model: Any, cache: PagedKVCache, speculative: SpeculativeConfig | None, *, draft: bool = False

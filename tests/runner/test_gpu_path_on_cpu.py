@@ -179,11 +179,18 @@ def test_compile_levels_and_explicit_configs() -> None:
     assert varlen == {"mode": "default", "dynamic": True} and decode == explicit
 
 
-def test_cuda_graphs_are_refused_without_cuda(qwen3: PreTrainedModel, caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize("asked", [True, (True, False), (False, True), (True, True)])
+def test_cuda_graphs_are_refused_without_cuda(
+    qwen3: PreTrainedModel, caplog: pytest.LogCaptureFixture, asked: bool | tuple[bool, bool]
+) -> None:
+    """Graphs of any steps asked for by name (mixed ones alone too) are said not to be made."""
     with caplog.at_level(logging.WARNING, logger="aiocb"):
-        runner = ModelRunner(qwen3, aiocb.ContinuousBatchingConfig(use_cuda_graph=True, num_blocks=64))
+        runner = ModelRunner(qwen3, aiocb.ContinuousBatchingConfig(use_cuda_graph=asked, num_blocks=64))
     assert runner.graphs is None
-    assert any("use_cuda_graph is ignored" in r.message for r in caplog.records)
+    assert [r.message for r in caplog.records if "use_cuda_graph" in r.message] == [
+        "use_cuda_graph is ignored: graphs need CUDA and in-place paged attention (device cpu, backends "
+        f"{runner.backends})"
+    ]
     assert not runner.async_batching
 
 
