@@ -943,7 +943,8 @@ class Manager:
         """End a queued or running request now, with its other samples (``n``; a sample's
         own id, ``<id>__child#<i>``, ends that sample alone); its blocks are free when this
         returns (or, if the step being planned holds them, once its copy for the device is
-        complete).
+        complete). Past its first 64 samples the others end a slice of the loop at a time,
+        in the loop turns that follow (each takes some 10 µs).
 
         Returns whether a live request was cancelled (unknown or finished ids are ignored).
         """

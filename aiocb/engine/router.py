@@ -13,6 +13,7 @@ import asyncio
 import functools
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from aiocb.core.request import Request
 from aiocb.engine.step_loop import StepLoop
@@ -20,6 +21,18 @@ from aiocb.engine.stream import Consumer, RequestHandle, fresh_error
 from aiocb.engine.turns import Waker, each_in_turns
 from aiocb.errors import EngineDeadError, InvalidRequestError, RequestAbortedError
 from aiocb.outputs import FinishReason, GenerationOutput, RequestStatus
+
+#: Samples of a request that :meth:`OutputRouter.cancel_with_samples` ends at once (the
+#: rest in a task of their own, a slice of the loop at a time).
+SAMPLES_AT_ONCE = 64
+
+
+@dataclass(slots=True)
+class _Family:
+    """A request's samples (its children), and how many of their handles live."""
+
+    children: list[Request]
+    live: int
 
 
 class OutputRouter:
@@ -31,7 +44,12 @@ class OutputRouter:
         #: the running session's step loop (None between sessions)
         self.steps: StepLoop | None = None
         self._handles: dict[str, RequestHandle] = {}
+        #: the samples (``n``: children) of a request by its id, with how many of their
+        #: handles live: found when its own handle has gone (its output taken)
+        self._families: dict[str, _Family] = {}
         self._results: deque[RequestHandle] = deque()
+        #: tasks ending the samples of a request past the first SAMPLES_AT_ONCE
+        self._cancelling: set[asyncio.Task[None]] = set()
         self.results_changed = asyncio.Event()
         self._waker = Waker()
 
@@ -59,8 +77,23 @@ class OutputRouter:
             RequestHandle(r, streaming=streaming, consumer=consumer, waker=waker, on_finish=on_finish) for r in requests
         ]
         for handle in handles:
-            self._handles[handle.request.request_id] = handle
+            request = handle.request
+            self._handles[request.request_id] = handle
+            if request.children:  # (registered with it: it comes first in its group)
+                self._families[request.request_id] = _Family(request.children, len(request.children))
         return handles
+
+    def _forget(self, request_id: str) -> None:
+        """Drop the handle of ``request_id`` (if any): nobody reads its request any more."""
+        handle = self._handles.pop(request_id, None)
+        parent = None if handle is None else handle.request.sample_of
+        if parent is None:
+            return
+        family = self._families.get(parent)
+        if family is not None:
+            family.live -= 1
+            if not family.live:
+                del self._families[parent]
 
     # ------------------------------------------------------------------ from the step loop
 
@@ -128,7 +161,7 @@ class OutputRouter:
         if raises is not None:
             handle.error = raises
         if forget:
-            self._handles.pop(request.request_id, None)
+            self._forget(request.request_id)
             handle.notify()  # (another task waiting on it: it finds the request ended)
         elif queue:
             self.deliver(handle)
@@ -141,25 +174,42 @@ class OutputRouter:
         handle = self._handles.get(request_id)
         if handle is None or handle.request.is_finished:
             if forget:
-                self._handles.pop(request_id, None)
+                self._forget(request_id)
             return False
         self.end(handle, FinishReason.CANCELLED, status=RequestStatus.CANCELLED, forget=forget)
         return True
 
     def cancel_with_samples(self, request_id: str) -> bool:
         """Cancel a live request and its other samples (``n``: its children, which share
-        none of its consumers); whether any was live."""
+        none of its consumers); whether any was live.
+
+        The first :data:`SAMPLES_AT_ONCE` samples end now, the rest a slice of the loop at
+        a time in a task of their own (each takes some 10 µs: 4,096 held the loop 34 ms).
+        """
         handle = self._handles.get(request_id)
         cancelled = self.cancel(request_id)
         if handle is not None:
             samples = handle.request.children
-        else:  # (its own output was taken already: its samples by what they are samples of)
-            samples = [other.request for other in self._handles.values() if other.request.sample_of == request_id]
-        for sample in samples:
-            live = self._handles.get(sample.request_id)
-            if live is not None and live.request is sample:  # (not a later request that took its id)
-                cancelled = self.cancel(sample.request_id) or cancelled
+        else:  # (its own output was taken already: its samples, if any live)
+            family = self._families.get(request_id)
+            samples = [] if family is None else family.children
+        for sample in samples[:SAMPLES_AT_ONCE]:
+            cancelled = self._cancel_sample(sample) or cancelled
+        rest = samples[SAMPLES_AT_ONCE:]
+        if any(map(self._is_live, rest)):  # (the first one looked at, as a rule)
+            task = asyncio.get_running_loop().create_task(each_in_turns(rest, self._cancel_sample))
+            self._cancelling.add(task)  # (held until done: the loop keeps only a weak reference)
+            task.add_done_callback(self._cancelling.discard)
+            return True
         return cancelled
+
+    def _is_live(self, sample: Request) -> bool:
+        """Whether ``sample`` still runs under its id (not a later request that took it)."""
+        live = self._handles.get(sample.request_id)
+        return live is not None and live.request is sample and not sample.is_finished
+
+    def _cancel_sample(self, sample: Request) -> bool:
+        return self._is_live(sample) and self.cancel(sample.request_id)
 
     def cancel_own(self, handle: RequestHandle) -> None:
         """Cancel and forget ``handle``'s request while the handle is still its id's: a
@@ -200,7 +250,7 @@ class OutputRouter:
         """The request's output now; forgets the handle once the final output is out."""
         output = handle.take()
         if handle.final_delivered:
-            self._handles.pop(handle.request.request_id, None)
+            self._forget(handle.request.request_id)
         return output
 
     def claim_for_stream(self, request_id: str) -> RequestHandle:
@@ -245,7 +295,7 @@ class OutputRouter:
                 raise InvalidRequestError(f"request {request_id!r} ended and its final output went to another caller")
             await handle.wait()
         if handle.error is not None:
-            self._handles.pop(request_id, None)
+            self._forget(request_id)
             raise fresh_error(handle.error)
         self._drop_from_results(handle)
         return self.take(handle)
@@ -259,7 +309,7 @@ class OutputRouter:
             self.cancel_own(handle)
             raise
         if self._handles.get(handle.request.request_id) is handle:
-            del self._handles[handle.request.request_id]
+            self._forget(handle.request.request_id)
         if handle.error is not None:
             raise fresh_error(handle.error)
         return handle.take()

@@ -10,6 +10,7 @@ import pytest
 from transformers import PreTrainedModel
 
 import aiocb
+from aiocb.engine.requests import sample_ids
 from tests.conftest import random_prompts, reference_generate
 
 PROMPTS = random_prompts(4, 30, 80, seed=9)
@@ -233,6 +234,27 @@ async def test_cancel_request_of_a_request_with_samples_ends_every_sample(qwen3:
         assert manager.cancel_request(f"{other}__child#0")
         kept = await manager.get_result(other, timeout=30)
         assert kept is not None and kept.finish_reason is aiocb.FinishReason.LENGTH
+
+
+async def test_cancel_request_ends_many_samples_a_slice_of_the_loop_at_a_time(qwen3: PreTrainedModel) -> None:
+    """The first 64 samples end as it returns, the others in the loop turns that follow (a
+    request of 4,096 samples ended in one pass held the loop 34 ms); all of them end, their
+    blocks free, and nothing is kept of the request once its outputs are read."""
+    from aiocb.engine.router import SAMPLES_AT_ONCE
+
+    async with aiocb.Manager(qwen3) as manager:
+        free = manager.statistics().free_blocks
+        n = 3 * SAMPLES_AT_ONCE
+        rid = await manager.add_request(PROMPTS[0], max_new_tokens=500, n=n, temperature=1.0, seed=3, ignore_eos=True)
+        ids = sample_ids(rid, n)
+        await asyncio.sleep(0.05)
+        assert manager.cancel_request(rid)
+        handles = [manager._router.get(i) for i in ids]
+        assert sum(h is not None and h.request.is_finished for h in handles) == 1 + SAMPLES_AT_ONCE
+        results = [await manager.get_result(i, timeout=30) for i in ids]
+        assert all(r is not None and r.status is aiocb.RequestStatus.CANCELLED for r in results)
+        assert manager.statistics().free_blocks == free
+        assert not manager._router._families, "the request's samples are let go of"
 
 
 async def test_cancel_request_ends_only_samples_of_that_request(qwen3: PreTrainedModel) -> None:
