@@ -1379,13 +1379,18 @@ class Manager:
         turn = LoopTurn()  # (a long list must not hold the loop in one go)
         self._check_accepting()  # (stopped while they were prepared: the session's layout is gone)
         keep, limit = sampling_params.truncate_prompt_tokens, self.max_model_len
-        for prompt in inputs:
+        for index, prompt in enumerate(inputs):
             await turn.give()
             self._check_accepting()
-            ids = await self._requests.encode(prompt, keep=keep, limit=limit, vocab_size=self._model_spec.vocab_size)
-            checked = await self._checked_off_the_loop(ids, None, sampling_params, {}) if large else None
-            self._check_start(start)
-            requests.append(self._new_request(ids, None, None, sampling_params, {}, checked))
+            try:
+                ids = await self._requests.encode(
+                    prompt, keep=keep, limit=limit, vocab_size=self._model_spec.vocab_size
+                )
+                checked = await self._checked_off_the_loop(ids, None, sampling_params, {}) if large else None
+                self._check_start(start)
+                requests.append(self._new_request(ids, None, None, sampling_params, {}, checked))
+            except InvalidRequestError as exc:  # (which of thousands of prompts it was)
+                raise type(exc)(f"inputs[{index}]: {exc}", param=exc.param) from None
         del stops  # (the requests' text trackers hold it now)
         order = list(range(len(requests)))
         if self.config.allow_block_sharing:  # (prompts that share a prefix queued together)

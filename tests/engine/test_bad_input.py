@@ -183,8 +183,14 @@ async def test_duplicate_live_request_id_is_refused(qwen3: PreTrainedModel) -> N
 
 async def test_one_bad_prompt_in_a_batch_queues_none_of_it(qwen3: PreTrainedModel) -> None:
     async with aiocb.Manager(qwen3) as manager:
-        with pytest.raises(aiocb.InvalidRequestError, match="empty"):
+        with pytest.raises(aiocb.InvalidRequestError, match=r"^inputs\[1\]: .*empty"):
             await manager.add_requests([GOOD, []])
+        # (which of a thousand prompts it was, and where in it)
+        with pytest.raises(
+            aiocb.InvalidRequestError, match=rf"^inputs\[500\]: input_ids\[2\] = {VOCAB} is outside"
+        ) as caught:
+            await manager.generate_batch([GOOD] * 500 + [[1, 2, VOCAB]] + [GOOD] * 499)
+        assert caught.value.param == "input_ids"
         assert manager.statistics().waiting_requests == 0
         assert await manager.get_result(timeout=0.05) is None
 
