@@ -303,6 +303,8 @@ class StepLoop:
             if not request.is_finished:
                 self.scheduler.finish(request, FinishReason.TIMEOUT, now)
                 expired.append(request)
+                if self.runner is not None:
+                    self.runner.notify("cancel", request.request_id, FinishReason.TIMEOUT.value)
         if expired:
             self._on_step([], expired)
         return bool(self._deadlines) and self._deadlines[0][0] <= now

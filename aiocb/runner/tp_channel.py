@@ -7,7 +7,9 @@ Every message is ``(kind, *payload, events)``:
   runner (a new cache). With ``plan`` None every rank then gathers its own cache plan
   (``speculative``: for the rows of steps that verify proposals) and all take the
   element-wise minimum, so block ids mean the same everywhere; a plan is given when a
-  kept runner (a persistent manager's) takes the followers back from another one;
+  kept runner (a persistent manager's) takes the followers back from another one. Each
+  follower then builds its runner and joins a gather of why it could not (None: it did),
+  so that rank 0 fails the start naming the rank and its reason;
 * ``("attach", events)`` / ``("detach", events)``: a manager session starts / ends;
 * ``("release", events)``: free the cache kept between sessions (its persistent manager
   was destroyed); every rank then joins a gather, so that rank 0 knows it is freed;
@@ -21,7 +23,7 @@ Every message is ``(kind, *payload, events)``:
 * ``("shutdown", events)``: :func:`~aiocb.runner.tp_follower.follow` returns.
 
 ``events`` are what happened on rank 0 since the last message: ``("cancel", request id,
-reason)`` and ``("stop", hard)``. Followers hold no request state, so they only count
+reason)`` (cancelled, aborted or timed out) and ``("stop", hard)``. Followers hold no request state, so they only count
 them (:class:`~aiocb.runner.tp_follower.FollowerReport`).
 """
 

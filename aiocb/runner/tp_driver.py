@@ -378,7 +378,13 @@ class DriverRunner(ModelRunner):
         self._speculative = speculative
         self._keep_cache = keep_cache
         self.layout = layout
-        super().__init__(model, config, num_requests_hint=num_requests_hint, plan=plan)
+        try:
+            super().__init__(model, config, num_requests_hint=num_requests_hint, plan=plan)
+        except BaseException as exc:
+            # (the followers built theirs meanwhile: they hear of it, and free them)
+            self._confirm_built(exc)
+            raise
+        self._confirm_built(None)
         logger.info("tensor parallelism over ranks %s: rank 0 drives, the others follow", list(layout.ranks))
         mixing = os.environ.get("NCCL_GRAPH_MIXING_SUPPORT")
         if self.device.type == "cuda" and config.disable_nccl_graph_mixing and mixing != "0":
@@ -387,16 +393,53 @@ class DriverRunner(ModelRunner):
                 "init_process_group() / from_pretrained(), or set it in the launch environment"
             )
 
+    def _confirm_built(self, failed: BaseException | None) -> None:
+        """Hear from every follower whether it built its runner (each joins a gather once it
+        has tried); when one did not, or this rank did not (``failed``), make those that did
+        free theirs, and raise (``failed`` is its caller's to raise)."""
+        driver = self._driver
+        try:
+            problems = driver.call("building every rank's runner", self._followers_problems)
+            if failed is None and not problems:
+                return
+            driver.call("freeing the followers' caches", self._release_followers)
+        except BaseException:
+            driver.current = None
+            driver.disown(self)
+            raise
+        driver.disown(self)
+        if problems and failed is None:
+            raise DistributedError(problems)
+
+    def _followers_problems(self) -> str:
+        """Driver thread, after an ``init``: why followers could not build their runners ("": none)."""
+        answers = self._driver.channel.gather(None)[1:]
+        return "; ".join(
+            f"tensor-parallel rank {rank} could not build its runner: {answer}"
+            for rank, answer in zip(self.layout.followers, answers, strict=True)
+            if answer is not None
+        )
+
+    def _release_followers(self) -> None:
+        """Driver thread: the followers free their caches (a round trip)."""
+        self._driver.current = None
+        self._driver.send("release")
+        self._driver.channel.gather()
+
     def attach(self) -> None:
         """Start a session on every rank; refused while another manager's session runs."""
         self._driver.claim(self)
 
-        def attach() -> None:
+        def attach() -> str:
             if self._driver.current is not self:  # another manager's cache replaced this one's
                 self._driver.send(
                     "init", self.config, self._num_requests_hint, self._speculative, self._keep_cache, self.plan
                 )
                 self._driver.channel.set_timeout(self.config.cpu_group_timeout)
+                problems = self._followers_problems()
+                if problems:
+                    self._release_followers()
+                    return problems  # (raised by the caller: the group is still in step)
                 self._driver.current = self
                 if self.graphs is not None:
                     # The followers' new runners capture their decode graphs at the first
@@ -405,12 +448,16 @@ class DriverRunner(ModelRunner):
                     self.graphs.release()
             self._driver.send("attach")
             ModelRunner.attach(self)
+            return ""
 
         try:
-            self._driver.call("starting a session", attach)
+            problems = self._driver.call("starting a session", attach)
         except BaseException:
             self._driver.disown(self)
             raise
+        if problems:
+            self._driver.disown(self)
+            raise DistributedError(problems)
 
     def detach(self) -> None:
         """End the session on every rank; only on this one when the group has failed, or

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,10 +33,17 @@ class FollowerReport:
     #: ``stop()`` and ``stop(hard_stop=True)`` calls on rank 0
     stops: int
     hard_stops: int
-    #: ``(request id, finish reason)`` of each request cancelled or aborted on rank 0
+    #: ``(request id, finish reason)`` of the last :data:`KEPT_CANCELLATIONS` requests
+    #: cancelled, aborted or timed out on rank 0
     cancelled: tuple[tuple[str, str], ...]
     #: the cache plan of the last runner
     plan: CachePlan | None
+    #: requests cancelled, aborted or timed out on rank 0, all told
+    cancellations: int = 0
+
+
+#: Cancellations a follower keeps the ids of (a long-running server's are countless).
+KEPT_CANCELLATIONS = 1000
 
 
 @dataclass(slots=True)
@@ -46,13 +54,15 @@ class _Counters:
     sessions: int = 0
     stops: int = 0
     hard_stops: int = 0
-    cancelled: list[tuple[str, str]] = field(default_factory=list)
+    cancelled: deque[tuple[str, str]] = field(default_factory=lambda: deque(maxlen=KEPT_CANCELLATIONS))
+    cancellations: int = 0
     plan: CachePlan | None = None
 
     def record(self, events: list[Event]) -> None:
         for event in events:
             if event[0] == "cancel":
                 self.cancelled.append((str(event[1]), str(event[2])))
+                self.cancellations += 1
                 logger.debug("rank 0 cancelled request %s (%s)", event[1], event[2])
             elif event[0] == "stop":
                 if event[1]:
@@ -71,6 +81,7 @@ class _Counters:
             self.hard_stops,
             tuple(self.cancelled),
             self.plan,
+            self.cancellations,
         )
 
 
@@ -180,7 +191,13 @@ class _Follower:
             return
         # (a new runner captures its decode graphs at the first decode step, as rank 0's does:
         # rank 0 builds a new runner, or drops its graphs, whenever it sends "init")
-        self.runner = ModelRunner(self.model, config, num_requests_hint=hint, plan=agreed)
+        try:
+            self.runner = ModelRunner(self.model, config, num_requests_hint=hint, plan=agreed)
+        except Exception as exc:  # (its cache did not fit, say): rank 0 hears why, and the ranks go on
+            logger.exception("tensor-parallel rank %d could not build its runner", self.layout.rank)
+            self.channel.gather(f"{type(exc).__name__}: {exc}")
+            return
+        self.channel.gather(None)  # (rank 0 learns that every rank built one)
         self.counters.inits += 1
         self.counters.plan = agreed
 

@@ -69,6 +69,10 @@ async def scenario_main(model: Any, out: Path) -> dict[str, Any]:
     await _until_steps(manager, manager.statistics().steps + 3)
     result["cancelled_id"] = victim
     result["cancel_returned"] = manager.cancel_request(victim)
+    # A request past its deadline ends on rank 0: the follower hears of that too.
+    result["timed_out_id"] = await manager.add_request(PROMPTS[1], max_new_tokens=1000, timeout=0.2)
+    timed_out = await manager.get_result(result["timed_out_id"], timeout=30)
+    result["timed_out_reason"] = None if timed_out is None else str(timed_out.finish_reason)
 
     # Idle for longer than cpu_group_timeout: heartbeats keep the follower waiting.
     await asyncio.sleep(4.0)
@@ -397,6 +401,43 @@ async def scenario_release(model: Any, out: Path) -> dict[str, Any]:
     return result
 
 
+def _fail_cache_builds(which: set[int], rank: int) -> None:
+    """Make this rank's ``which`` KV cache builds (counted from 1) fail, as an out-of-memory would."""
+    from aiocb.runner import model_runner
+
+    real = model_runner.PagedKVCache
+    builds = 0
+
+    def flaky(*args: Any, **kwargs: Any) -> Any:
+        nonlocal builds
+        builds += 1
+        if builds in which:
+            raise RuntimeError(f"rank {rank}'s cache build {builds} failed")
+        return real(*args, **kwargs)
+
+    model_runner.PagedKVCache = flaky  # type: ignore[misc]
+
+
+async def scenario_failed_builds(model: Any, out: Path) -> dict[str, Any]:
+    """Rank 0's first runner fails to build, then the follower's second: each start fails
+    at once naming it, and the next manager runs, the group in step throughout."""
+    _fail_cache_builds({1}, 0)
+    result: dict[str, Any] = {}
+    for name in ("rank0_failed", "follower_failed"):
+        began = time.monotonic()
+        manager = aiocb.Manager(model, continuous_batching_config=_config(cpu_group_timeout=30.0))
+        manager.start()
+        try:
+            await manager.wait_started()
+            result[name] = None
+        except Exception as exc:
+            result[name] = _describe(exc) | {"seconds": time.monotonic() - began}
+        await manager.destroy()
+    async with aiocb.Manager(model, continuous_batching_config=_config()) as manager:
+        result["after"] = await _generate(manager)
+    return result
+
+
 async def _start_a_manager(model: Any) -> str | None:
     """On a follower: the error a Manager gives at start."""
     try:
@@ -443,6 +484,11 @@ SCENARIOS: dict[str, Scenario] = {
     "late_follower": scenario_late_follower,
     "driver_forward_fails": scenario_driver_forward_fails,
     "restart_after_shutdown": scenario_restart_after_shutdown,
+    "failed_builds": scenario_failed_builds,
+}
+#: What a follower does before run_follower() in a scenario.
+FOLLOWER_SETUP: dict[str, Callable[[int], None]] = {
+    "failed_builds": lambda rank: _fail_cache_builds({2}, rank),
 }
 #: Seconds the follower stays after run_follower() returned, as if it did other work.
 FOLLOWER_STAYS_S = {"restart_after_shutdown": 8.0}
@@ -491,6 +537,7 @@ def main() -> None:
         record: dict[str, Any] = {"manager_here": asyncio.run(_start_a_manager(model))}
         record["runners_freed_at"] = _watch_runners()
         time.sleep(FOLLOWER_LATE_S.get(scenario, 0.0))
+        FOLLOWER_SETUP.get(scenario, lambda _: None)(rank)
         try:
             report = aiocb.distributed.run_follower(model, _config(cpu_group_timeout=10.0))
             record |= {"report": dataclasses.asdict(report), "error": None}

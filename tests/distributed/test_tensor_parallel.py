@@ -56,6 +56,9 @@ def test_two_ranks_match_one_process_and_follow_every_control(
     report = follower["report"]
     assert report["steps"] == driver["steps"], "every step rank 0 ran reached the follower"
     assert [driver["cancelled_id"], "cancelled"] in report["cancelled"]
+    assert driver["timed_out_reason"] == "timeout"
+    assert [driver["timed_out_id"], "timeout"] in report["cancelled"]
+    assert report["cancellations"] == len(report["cancelled"])
     assert any(reason == "aborted" for _, reason in report["cancelled"]), "the hard stop's abort"
     assert report["stops"] == 6, "stop() and five `async with` exits"
     assert report["hard_stops"] == 1
@@ -127,6 +130,26 @@ def test_start_leaves_the_event_loop_free_while_it_reaches_a_late_follower(
     assert driver["greedy"] == driver["restarted"] == driver["again"] == expected
     assert driver["stopped_while_starting"] is True
     assert driver["abandoned_running"] is False, "and the next manager ran: the ranks were left free"
+
+
+def test_a_runner_that_fails_to_build_on_any_rank_fails_the_start_at_once(
+    llama_model: PreTrainedModel, llama_dir: Path, tmp_path: Path
+) -> None:
+    """Rank 0's own build failing leaves the ranks free for the next manager (its half-built
+    runner held them); a follower's failing is told to rank 0, which fails the start with
+    its reason at once (not at cpu_group_timeout, 30 s here), and the ranks go on in step."""
+    driver, follower = _both_ran("failed_builds", llama_dir, tmp_path)
+    first, second = driver["rank0_failed"], driver["follower_failed"]
+    assert first["type"] == "RuntimeError" and first["message"] == "rank 0's cache build 1 failed", first
+    assert second["type"] == "DistributedError", second
+    assert second["message"] == (
+        "tensor-parallel rank 1 could not build its runner: RuntimeError: rank 1's cache build 2 failed"
+    ), second
+    assert second["seconds"] < 10.0
+    assert driver["after"] == [reference_generate(llama_model, p, MAX_NEW_TOKENS) for p in PROMPTS]
+    assert follower["error"] is None, logs_of(tmp_path)
+    assert follower["report"]["inits"] == 2, "rank 0's first manager's, and the last one's"
+    assert follower["report"]["sessions"] == 1
 
 
 @pytest.fixture(scope="module")

@@ -202,7 +202,22 @@ def test_every_rank_plans_room_for_the_rows_of_verified_proposals(monkeypatch: p
         tp_channel.own_plan(model, config, kwargs["num_requests_hint"], speculative)
     ))  # fmt: skip
     tp_driver.build_runner(model, config, num_requests_hint=None, speculative=lookup)
-    channel = SimpleNamespace(layout=None, set_timeout=lambda timeout: None, agree_on_plan=offered.append)
+    channel = SimpleNamespace(
+        layout=None, set_timeout=lambda timeout: None, agree_on_plan=offered.append, gather=lambda answer: [answer]
+    )
     follower = _Follower(model, channel)  # type: ignore[arg-type]
     follower._on_init(config, None, lookup, False, None)
     assert offered == [one_process, one_process]
+
+
+def test_a_follower_keeps_the_ids_of_its_last_thousand_cancellations_only() -> None:
+    """A long-running server's cancellations are countless: a follower counts them all and
+    keeps the last ids (it kept every one, for as long as it ran)."""
+    from aiocb.runner.tp_follower import KEPT_CANCELLATIONS, _Counters
+
+    counters = _Counters()
+    counters.record([("cancel", f"r{i}", "cancelled") for i in range(KEPT_CANCELLATIONS + 500)])
+    report = counters.report()
+    assert report.cancellations == KEPT_CANCELLATIONS + 500
+    assert len(report.cancelled) == KEPT_CANCELLATIONS
+    assert report.cancelled[-1] == (f"r{KEPT_CANCELLATIONS + 499}", "cancelled")
