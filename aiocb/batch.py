@@ -6,9 +6,11 @@ import asyncio
 import dataclasses
 import hashlib
 import logging
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
@@ -76,29 +78,52 @@ def generate_batch(
     layout = tensor_parallel_layout(model)
     if in_loop and (layout is None or not layout.is_driver):  # rank 0 tells its followers first
         raise _in_a_loop()
-
-    if warmup is not True:
-        raise InvalidRequestError(
-            f"warmup={warmup!r}: aiocb always captures its CUDA graphs before the first step (none lands in a "
-            "request's time); leave warmup out",
-            param="warmup",
+    # (a one-shot iterable read once: the same for the fingerprint, the checks and the run)
+    params = {name: tuple(value) if isinstance(value, Iterator) else value for name, value in params.items()}
+    fingerprint = "" if layout is None else _fingerprint(
+        inputs,
+        generation_config,
+        continuous_batching_config,
+        tokenizer is not None,
+        max_new_tokens,
+        sampling_params,
+        speculative_config,
+        record_timestamps,
+        persistent_manager,
+        warmup,
+        params,
+    )  # fmt: skip
+    if layout is not None and not layout.is_driver:
+        # A follower checks nothing itself: rank 0 checks the same arguments and sends what it
+        # raised (a follower refusing on its own would leave the ranks' calls out of step).
+        followed: dict[str, GenerationOutput] = follow_call(
+            model, _config_or_default(model, continuous_batching_config, generation_config), fingerprint
         )
-    if progress_bar is not None:
-        if progress and not progress_bar:
-            raise InvalidRequestError("progress=True and progress_bar=False contradict each other", param="progress")
-        progress = progress_bar  # (transformers' name for it)
-    if record_timestamps is not False:  # (checked as any request parameter)
-        params["record_timestamps"] = record_timestamps
-    check_prompt_list(inputs)
-    _check_types(generation_config, sampling_params)  # (before the hints read them)
-    if len(inputs) == 0:  # (nothing to run: what would have run it is checked all the same)
-        as_config(continuous_batching_config, generation_config or model.generation_config)
-        (sampling_params or SamplingParams()).updated(max_new_tokens=max_new_tokens, **params)
+        return followed
 
     def run() -> dict[str, GenerationOutput]:
+        nonlocal progress
         if in_loop:
             raise _in_a_loop()
-        if len(inputs) == 0:
+        if warmup is not True:
+            raise InvalidRequestError(
+                f"warmup={warmup!r}: aiocb always captures its CUDA graphs before the first step (none lands in a "
+                "request's time); leave warmup out",
+                param="warmup",
+            )
+        if progress_bar is not None:
+            if progress and not progress_bar:
+                raise InvalidRequestError(
+                    "progress=True and progress_bar=False contradict each other", param="progress"
+                )
+            progress = progress_bar  # (transformers' name for it)
+        if record_timestamps is not False:  # (checked as any request parameter)
+            params["record_timestamps"] = record_timestamps
+        check_prompt_list(inputs)
+        _check_types(generation_config, sampling_params)  # (before the hints read them)
+        if len(inputs) == 0:  # (nothing to run: what would have run it is checked all the same)
+            as_config(continuous_batching_config, generation_config or model.generation_config)
+            (sampling_params or SamplingParams()).updated(max_new_tokens=max_new_tokens, **params)
             return {}
 
         async def generate() -> dict[str, GenerationOutput]:
@@ -122,24 +147,7 @@ def generate_batch(
 
     if layout is None:
         return run()
-    # (the Manager is given what was given: a persistent manager reused without a config keeps its own)
-    resolved = as_config(
-        continuous_batching_config, generation_config if generation_config is not None else model.generation_config
-    )
-    fingerprint = _fingerprint(
-        inputs,
-        generation_config,
-        continuous_batching_config,
-        tokenizer is not None,
-        max_new_tokens,
-        sampling_params,
-        speculative_config,
-        params,
-    )
-    if not layout.is_driver:
-        followed: dict[str, GenerationOutput] = follow_call(model, resolved, fingerprint)
-        return followed
-    timeout = resolved.cpu_group_timeout
+    timeout = _config_or_default(model, continuous_batching_config, generation_config).cpu_group_timeout
     try:
         outputs = run()
     except BaseException as exc:
@@ -150,6 +158,20 @@ def generate_batch(
         raise
     return_to_followers(layout, timeout, outputs, None, fingerprint)
     return outputs
+
+
+def _config_or_default(
+    model: PreTrainedModel,
+    continuous_batching_config: ContinuousBatchingConfig | None,
+    generation_config: GenerationConfig | None,
+) -> ContinuousBatchingConfig:
+    """The config a call runs with (for its ``cpu_group_timeout``), or the default one where
+    what was given is refused (the refusal is the call's to raise, on rank 0)."""
+    carrier = generation_config if isinstance(generation_config, GenerationConfig) else model.generation_config
+    try:
+        return as_config(continuous_batching_config, carrier)
+    except InvalidRequestError:
+        return ContinuousBatchingConfig()
 
 
 def _check_types(generation_config: GenerationConfig | None, sampling_params: SamplingParams | None) -> None:
@@ -244,4 +266,17 @@ def _canonical(value: Any) -> Any:
         return ("set", tuple(sorted(repr(_canonical(v)) for v in value)))
     if isinstance(value, list | tuple):
         return tuple(_canonical(v) for v in value)
-    return value
+    if isinstance(value, np.ndarray | np.generic) and value.dtype != object:
+        # (by their bytes, as tensors: a long array's repr leaves out its middle)
+        array = np.ascontiguousarray(value)
+        return ("array", str(array.dtype), array.shape, hashlib.sha256(array.tobytes()).hexdigest())
+    if isinstance(value, np.ndarray):  # (of objects: by what they are)
+        return ("array", value.shape, _canonical(value.tolist()))
+    if isinstance(value, str | bytes | int | float | complex | bool | None):
+        return value
+    # (another object's repr may name its address, which differs between processes)
+    return _ADDRESS.sub("", repr(value))
+
+
+#: An object's address in a default repr (``<Foo object at 0x7f...>``).
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")

@@ -513,6 +513,10 @@ def every_rank_generate_batch(model: Any, rank: int) -> dict[str, Any]:
     call("first", PROMPTS, max_new_tokens=MAX_NEW_TOKENS)
     call("refused", PROMPTS, max_new_tokens=MAX_NEW_TOKENS, temperature=-1.0)
     call("diverged", PROMPTS if rank == 0 else PROMPTS[:2], max_new_tokens=MAX_NEW_TOKENS)
+    # An argument refused on one follower alone: the follower still follows rank 0's call.
+    call("refused_here", PROMPTS, max_new_tokens=MAX_NEW_TOKENS, **({} if rank == 0 else {"warmup": False}))
+    # A one-shot iterable, whose repr differs between processes: read once, the same everywhere.
+    call("generator", PROMPTS, max_new_tokens=MAX_NEW_TOKENS, allowed_token_ids=(t for t in range(0, 512, 2)))
     call("empty", [], max_new_tokens=MAX_NEW_TOKENS)
     call("again", PROMPTS[1:], max_new_tokens=MAX_NEW_TOKENS)
     return record

@@ -81,6 +81,10 @@ def test_generate_batch_on_every_rank_runs_once_and_returns_rank_0_s_outputs_eve
     assert follower["refused"] == driver["refused"], "rank 0's exception is raised on every rank"
     assert driver["diverged"]["tokens"] == expected, "rank 0 runs its own arguments"
     assert follower["diverged"]["error"].startswith("InvalidRequestError: generate_batch() on tensor-parallel rank 1")
+    assert driver["refused_here"]["tokens"] == expected
+    assert follower["refused_here"]["error"].startswith("InvalidRequestError: generate_batch() on tensor-parallel rank")
+    assert all(t % 2 == 0 for tokens in driver["generator"]["tokens"] for t in tokens), driver["generator"]
+    assert follower["generator"] == driver["generator"], "the same arguments: no divergence seen"
     assert driver["empty"] == follower["empty"] == {"ids": [], "tokens": []}
     assert driver["again"]["tokens"] == expected[1:]
     assert follower["again"] == driver["again"], "the ranks are still in step after a refusal and a divergence"

@@ -139,11 +139,13 @@ def test_sharded_plans_agree_on_the_smallest_sizes() -> None:
 
 
 def test_generate_batch_s_argument_fingerprint_is_the_same_in_every_process() -> None:
-    """Sets of strings iterate in another order under another hash seed: the digest must not."""
+    """Sets of strings iterate in another order under another hash seed, and an object's
+    default repr names its address: the digest must not change with either."""
     code = (
-        "import aiocb; from aiocb.batch import _fingerprint; "
-        "print(_fingerprint([[1, 2], 'text'], None, aiocb.ContinuousBatchingConfig(), False, 4, "
-        "aiocb.SamplingParams(stop={'alpha', 'beta', 'gamma', 'delta'}), None, {'stop': {'x', 'y', 'z'}, 'seed': 1}))"
+        "import aiocb, numpy; from aiocb.batch import _fingerprint; "
+        "print(_fingerprint([[1, 2], 'text', numpy.arange(2000)], None, aiocb.ContinuousBatchingConfig(), False, 4, "
+        "aiocb.SamplingParams(stop={'alpha', 'beta', 'gamma', 'delta'}), None, {'stop': {'x', 'y', 'z'}, 'seed': 1}, "
+        "object()))"
     )
     # (the three interpreters start together: importing torch and transformers is most of it)
     runs = [
@@ -154,6 +156,21 @@ def test_generate_batch_s_argument_fingerprint_is_the_same_in_every_process() ->
     ]
     digests = {run.communicate(timeout=300)[0].strip() for run in runs}
     assert len(digests) == 1 and len(next(iter(digests))) == 64, digests
+
+
+def test_generate_batch_s_argument_fingerprint_tells_long_arrays_apart() -> None:
+    """A NumPy array of more than 1,000 items prints with its middle left out: arrays are
+    told apart by their bytes, as tensors are."""
+    import numpy as np
+
+    from aiocb.batch import _fingerprint
+
+    one, other = np.arange(2000), np.arange(2000)
+    other[1000] = -1
+    assert repr(one) == repr(other)
+    assert _fingerprint([one]) != _fingerprint([other])
+    assert _fingerprint([one]) == _fingerprint([np.arange(2000)])
+    assert _fingerprint([one]) != _fingerprint([one.astype(np.int32)])
 
 
 _THAW = """
