@@ -89,6 +89,7 @@ def plan_cache(
     free_bytes: int | None = None,
     extra_bytes_per_block: int = 0,
     speculative: SpeculativeConfig | None = None,
+    host_share: int = 1,
 ) -> CachePlan:
     """Decide ``max_batch_tokens``, ``max_requests_per_batch`` and blocks per cache group.
 
@@ -99,10 +100,15 @@ def plan_cache(
     attention group costs ``extra_bytes_per_block`` more (a draft model's cache, which
     mirrors the target's blocks). With ``speculative``, a step that verifies proposals
     samples ``k + 1`` rows per speculating request: the logits' room counts them.
+    ``host_share`` processes plan on this machine's host memory at once (tensor-parallel
+    ranks): each takes its share of it, for a cache in host memory (on CPU) and for the
+    offloading pool.
     """
     page = config.page_size
     percent = memory_percent(config, spec.device)
     free = free_memory_bytes(spec.device) if free_bytes is None else free_bytes
+    if spec.device.type == "cpu":
+        free //= host_share
     budget = int(free * percent)
 
     per_token = activation_bytes_per_token(spec)
@@ -158,7 +164,7 @@ def plan_cache(
             "lower max_batch_tokens or max_requests_per_batch, or raise max_memory_percent"
         )
     max_requests = min(max_requests, min(num_blocks))
-    host_blocks = _host_blocks(spec, num_blocks, costs, config)
+    host_blocks = _host_blocks(spec, num_blocks, costs, config, host_share)
     logger.info(
         "KV cache: %s blocks of %d tokens per group, max_batch_tokens=%d, max_requests_per_batch=%d, "
         "host offload blocks %s",
@@ -168,14 +174,18 @@ def plan_cache(
 
 
 def _host_blocks(
-    spec: ModelSpec, num_blocks: list[int], per_block: list[int], config: ContinuousBatchingConfig
+    spec: ModelSpec,
+    num_blocks: list[int],
+    per_block: list[int],
+    config: ContinuousBatchingConfig,
+    host_share: int = 1,
 ) -> list[int]:
     """Host blocks per group for CPU offloading, shared out like the device cache (a block
     of each group costing ``per_block``: a draft model's cache, which mirrors the full
-    groups' blocks, offloads with them)."""
+    groups' blocks, offloads with them), from this process's share of the host memory."""
     space = config.cpu_offload_space
     device_bytes = sum(n * b for n, b in zip(num_blocks, per_block, strict=True))
-    available = host_memory_bytes()
+    available = host_memory_bytes() // host_share
     if spec.device.type == "cpu":  # (the cache itself is about to take that much of it)
         available = max(available - device_bytes, 0)
     limit = int(available * config.cpu_offload_space_safety_threshold)

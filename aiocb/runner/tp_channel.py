@@ -30,6 +30,7 @@ them (:class:`~aiocb.runner.tp_follower.FollowerReport`).
 from __future__ import annotations
 
 import logging
+import socket
 from datetime import timedelta
 from typing import Any
 
@@ -66,6 +67,8 @@ class ControlChannel:
         self.group: Any = dist.new_group(
             ranks=list(layout.ranks), backend="gloo", timeout=_timedelta(timeout), use_local_synchronization=use_local
         )
+        #: this group's ranks on this machine (this one included): they share its host memory
+        self.ranks_on_host = self.gather(socket.gethostname()).count(socket.gethostname())
 
     @property
     def heartbeat_interval(self) -> float:
@@ -129,12 +132,20 @@ def own_plan(
     config: ContinuousBatchingConfig,
     num_requests_hint: int | None,
     speculative: SpeculativeConfig | None,
+    ranks_on_host: int = 1,
 ) -> CachePlan | str:
     """This rank's cache plan for ``model``, or why none fits (the message of its
     :class:`MemoryError`); with ``speculative``, the logits' room counts the rows of the
-    steps that verify proposals, as on one process."""
+    steps that verify proposals, as on one process. ``ranks_on_host`` ranks share this
+    machine's memory: each plans with its share of it."""
     try:
-        return plan_cache(model_spec(model), config, num_requests_hint=num_requests_hint, speculative=speculative)
+        return plan_cache(
+            model_spec(model),
+            config,
+            num_requests_hint=num_requests_hint,
+            speculative=speculative,
+            host_share=ranks_on_host,
+        )
     except MemoryError as exc:
         return str(exc)
 

@@ -355,7 +355,7 @@ class DriverRunner(ModelRunner):
         speculative: SpeculativeConfig | None = None,
     ) -> None:
         driver = driver_for(layout, config.cpu_group_timeout)
-        own = own_plan(model, config, num_requests_hint, speculative)
+        own = own_plan(model, config, num_requests_hint, speculative, driver.channel.ranks_on_host)
 
         def start() -> CachePlan | str:
             driver.send("init", config, num_requests_hint, speculative, keep_cache, None)

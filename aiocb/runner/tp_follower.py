@@ -184,7 +184,7 @@ class _Follower:
         self._drop()  # free the old cache before sizing the new one
         self.keep_cache = keep_cache
         self.channel.set_timeout(config.cpu_group_timeout)
-        own = None if plan is not None else own_plan(self.model, config, hint, speculative)
+        own = None if plan is not None else own_plan(self.model, config, hint, speculative, self.channel.ranks_on_host)
         agreed = plan if own is None else self.channel.agree_on_plan(own)
         if isinstance(agreed, str):
             logger.error("no cache this time: %s", agreed)

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 import aiocb
 import aiocb.distributed
+from aiocb.runner import tp_channel
 from aiocb.runner.model_runner import ModelRunner
 
 #: Prompts of the parity checks (vocabulary of the tiny test models: 512).
@@ -62,6 +63,7 @@ async def scenario_main(model: Any, out: Path) -> dict[str, Any]:
     manager.start()
     await manager.wait_started()
     result["kv_heads_per_shard"] = manager._runner.spec.num_kv_heads  # type: ignore[union-attr]
+    result["ranks_on_host"] = [channel.ranks_on_host for channel in tp_channel._CHANNELS.values()]
     result["greedy"] = await _generate(manager)
 
     # Cancel a running request: its rows leave the batch, the follower hears of it.

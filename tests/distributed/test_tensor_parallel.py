@@ -41,6 +41,7 @@ def test_two_ranks_match_one_process_and_follow_every_control(
 
     assert driver["before_start"].startswith("ManagerClosedError: the manager is not started: under tensor parallelism")
     assert driver["kv_heads_per_shard"] == 1, "2 KV heads over 2 ranks: the cache holds one per rank"
+    assert driver["ranks_on_host"] == [2], "both ranks on this machine share its host memory"
     assert driver["greedy"] == expected
     assert driver["after_idle"] == expected
     assert driver["finished_during_stop"] == expected[1], "a graceful stop finishes what runs"

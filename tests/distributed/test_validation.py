@@ -220,7 +220,11 @@ def test_every_rank_plans_room_for_the_rows_of_verified_proposals(monkeypatch: p
     ))  # fmt: skip
     tp_driver.build_runner(model, config, num_requests_hint=None, speculative=lookup)
     channel = SimpleNamespace(
-        layout=None, set_timeout=lambda timeout: None, agree_on_plan=offered.append, gather=lambda answer: [answer]
+        layout=None,
+        set_timeout=lambda timeout: None,
+        agree_on_plan=offered.append,
+        gather=lambda answer: [answer],
+        ranks_on_host=1,
     )
     follower = _Follower(model, channel)  # type: ignore[arg-type]
     follower._on_init(config, None, lookup, False, None)

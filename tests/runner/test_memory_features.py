@@ -290,6 +290,28 @@ def test_an_unbounded_host_pool_on_a_cpu_leaves_out_what_the_cache_takes(
     assert host > 0
 
 
+def test_processes_sharing_the_host_plan_with_their_share_of_its_memory(
+    qwen3: PreTrainedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tensor-parallel ranks on one machine: each plans a CPU cache and an offload pool
+    from its share of the host memory (each planned 60% and 80% of all of it)."""
+    from aiocb.runner.model_spec import model_spec
+
+    spec, available = model_spec(qwen3), 2**30
+    monkeypatch.setattr(memory, "host_memory_bytes", lambda: available)
+    config = aiocb.ContinuousBatchingConfig(cpu_offload_space=None, max_memory_percent=0.5, max_batch_tokens=256)
+    alone = memory.plan_cache(spec, config, free_bytes=available)
+    shared = memory.plan_cache(spec, config, free_bytes=available, host_share=2)
+    per_block = spec.bytes_per_block(config.page_size, spec.num_layers)
+    for plan in (alone, shared):  # (each process's cache and pool within its share)
+        share = available // (2 if plan is shared else 1)
+        assert plan.num_blocks[0] * per_block <= share * config.max_memory_percent
+        room = (share - plan.num_blocks[0] * per_block) * config.cpu_offload_space_safety_threshold
+        assert plan.num_host_blocks[0] * per_block <= room
+    assert 0 < shared.num_blocks[0] < 0.6 * alone.num_blocks[0]
+    assert 0 < shared.num_host_blocks[0] < 0.6 * alone.num_host_blocks[0]
+
+
 async def test_a_hybrid_managers_chosen_num_blocks_fits_given_back() -> None:
     """The num_blocks a manager reports is whole-model blocks costing what its groups' do
     (it reported the full group's, which given back to every group took far more memory)."""
