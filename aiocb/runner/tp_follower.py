@@ -259,9 +259,11 @@ def _receive(channel: ControlChannel) -> Any:
         if "timed out" in str(exc).lower():
             raise DistributedError(
                 f"rank 0 (the driver, global rank {channel.layout.ranks[0]}) sent nothing for "
-                f"cpu_group_timeout={timeout} s, not even a heartbeat: it hung or died"
+                f"cpu_group_timeout={timeout} s, not even a heartbeat: it hung or died, or a step failed "
+                "there (its log says why)"
             ) from exc
         raise DistributedError(
-            f"rank 0 (the driver, global rank {channel.layout.ranks[0]}) stopped responding: it died or "
-            f"closed its process group without aiocb.distributed.shutdown() ({exc})"
+            f"rank 0 (the driver, global rank {channel.layout.ranks[0]}) stopped responding: it died, a step "
+            f"failed there (its log says why), or it closed its process group without "
+            f"aiocb.distributed.shutdown() ({exc})"
         ) from exc
