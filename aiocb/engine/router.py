@@ -29,9 +29,9 @@ SAMPLES_AT_ONCE = 64
 
 @dataclass(slots=True)
 class _Family:
-    """A request's samples (its children), and how many of their handles live."""
+    """The ids of a request's samples (its children), and how many of their handles live."""
 
-    children: list[Request]
+    children: list[str]
     live: int
 
 
@@ -44,7 +44,7 @@ class OutputRouter:
         #: the running session's step loop (None between sessions)
         self.steps: StepLoop | None = None
         self._handles: dict[str, RequestHandle] = {}
-        #: the samples (``n``: children) of a request by its id, with how many of their
+        #: the samples' ids (``n``: children) of a request by its id, with how many of their
         #: handles live: found when its own handle has gone (its output taken)
         self._families: dict[str, _Family] = {}
         self._results: deque[RequestHandle] = deque()
@@ -80,7 +80,8 @@ class OutputRouter:
             request = handle.request
             self._handles[request.request_id] = handle
             if request.children:  # (registered with it: it comes first in its group)
-                self._families[request.request_id] = _Family(request.children, len(request.children))
+                children = [child.request_id for child in request.children]
+                self._families[request.request_id] = _Family(children, len(children))
         return handles
 
     def _forget(self, request_id: str) -> None:
@@ -189,27 +190,31 @@ class OutputRouter:
         handle = self._handles.get(request_id)
         cancelled = self.cancel(request_id)
         if handle is not None:
-            samples = handle.request.children
+            samples = [child.request_id for child in handle.request.children]
         else:  # (its own output was taken already: its samples, if any live)
             family = self._families.get(request_id)
             samples = [] if family is None else family.children
+        is_live = functools.partial(self._is_sample_of, request_id)
         for sample in samples[:SAMPLES_AT_ONCE]:
-            cancelled = self._cancel_sample(sample) or cancelled
+            cancelled = (is_live(sample) and self.cancel(sample)) or cancelled
         rest = samples[SAMPLES_AT_ONCE:]
-        if any(map(self._is_live, rest)):  # (the first one looked at, as a rule)
-            task = asyncio.get_running_loop().create_task(each_in_turns(rest, self._cancel_sample))
+        if any(map(is_live, rest)):  # (the first one looked at, as a rule)
+            end = functools.partial(self._cancel_sample_of, request_id)
+            task = asyncio.get_running_loop().create_task(each_in_turns(rest, end))
             self._cancelling.add(task)  # (held until done: the loop keeps only a weak reference)
             task.add_done_callback(self._cancelling.discard)
             return True
         return cancelled
 
-    def _is_live(self, sample: Request) -> bool:
-        """Whether ``sample`` still runs under its id (not a later request that took it)."""
-        live = self._handles.get(sample.request_id)
-        return live is not None and live.request is sample and not sample.is_finished
+    def _is_sample_of(self, request_id: str, sample_id: str) -> bool:
+        """Whether ``sample_id`` names a live sample of ``request_id`` (not a later request
+        that took its id)."""
+        live = self._handles.get(sample_id)
+        return live is not None and live.request.sample_of == request_id and not live.request.is_finished
 
-    def _cancel_sample(self, sample: Request) -> bool:
-        return self._is_live(sample) and self.cancel(sample.request_id)
+    def _cancel_sample_of(self, request_id: str, sample_id: str) -> None:
+        if self._is_sample_of(request_id, sample_id):
+            self.cancel(sample_id)
 
     def cancel_own(self, handle: RequestHandle) -> None:
         """Cancel and forget ``handle``'s request while the handle is still its id's: a
