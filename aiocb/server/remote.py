@@ -305,7 +305,7 @@ class _WorkerConnection:
             turn = LoopTurn()
             for key, rid in zip(keys, ids, strict=True):
                 if key in self._cancelled:
-                    self.manager.cancel_request(rid)
+                    await self._abandon(rid)
                 else:
                     stream = self.manager.stream(rid)
                     self._queue(key, ("added",))
@@ -314,11 +314,17 @@ class _WorkerConnection:
                 await turn.give()
         except asyncio.CancelledError:
             for rid in ids[started:]:  # (the connection closed)
-                self.manager.cancel_request(rid)
+                await self._abandon(rid)
             raise
         finally:
             self._adding.difference_update(keys)
             self._cancelled.difference_update(keys)
+
+    async def _abandon(self, request_id: str) -> None:
+        """End one sample this connection added but will not stream, that sample alone, and
+        let go of it: its output would wait in the engine's shared results, which nobody
+        here reads (a cancel_request() kept it there, and ended its siblings too)."""
+        await self.manager.stream(request_id).aclose()
 
     async def _pump(self, key: int, stream: RequestStream) -> None:
         tokens = 0

@@ -175,6 +175,7 @@ async def test_a_drain_that_runs_out_refuses_a_request_the_engine_is_still_addin
     await asyncio.sleep(0.6)  # (the engine adds it, finds it cancelled, and ends it)
     stats = await wait_until_idle(manager)
     assert stats.free_blocks == stats.total_blocks
+    assert not manager._router._handles and not manager._router._results
 
 
 async def test_large_checks_run_off_the_engines_loop(
@@ -422,6 +423,32 @@ async def test_samples_cancelled_while_being_added_end_in_the_engine(
     assert (stats.running_requests, stats.waiting_requests) == (0, 0)
     assert stats.free_blocks == stats.total_blocks
     assert not remote._streams
+    # Nothing of them waits in the engine's shared results, which nobody there reads.
+    assert not manager._router._handles and not manager._router._results
+
+
+async def test_a_request_cancelled_while_the_engine_adds_it_leaves_nothing_there(
+    manager: aiocb.Manager, remote: RemoteManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cancelled while the engine awaits its add (many samples, or a constraint compiling),
+    each of its samples ends and is let go of: they waited in the engine's shared results,
+    which nobody there reads."""
+    add_request = manager.add_request
+
+    async def slow(*args: Any, **kwargs: Any) -> str:
+        await asyncio.sleep(0.2)
+        return await add_request(*args, **kwargs)
+
+    monkeypatch.setattr(manager, "add_request", slow)
+    opening = asyncio.create_task(remote.open_streams(PROMPTS[0], 8, 16))
+    await asyncio.sleep(0.05)
+    opening.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await opening
+    await asyncio.sleep(0.4)  # (the engine adds it, finds it cancelled, and ends it)
+    stats = await wait_until_idle(manager)
+    assert stats.free_blocks == stats.total_blocks
+    assert not manager._router._handles and not manager._router._results
 
 
 async def test_one_frame_of_outputs_wakes_its_consumers_a_few_at_a_time(manager: aiocb.Manager, tmp_path: Path) -> None:
