@@ -512,8 +512,9 @@ class RemoteManager:
     async def fresh_statistics(self) -> ManagerStatistics:
         """The engine's statistics as of now: taken after this call asked for them, so never
         older than what any earlier call got, in any worker (the last sent if the engine
-        does not answer within ``FRESH_STATISTICS_TIMEOUT_S``, or is gone)."""
-        if self._lost is None:
+        does not answer within ``FRESH_STATISTICS_TIMEOUT_S``, or is gone, or taken for hung:
+        a scrape of a hung engine asks it nothing, or the questions would pile up)."""
+        if self._lost is None and self.silence() is None:
             answered = self._loop.create_future()
             self._asking.append(answered)
             self._writer.write(encode_frame(("statistics",)))

@@ -270,6 +270,7 @@ async def test_a_silent_engine_is_taken_for_hung(
                 assert answer.status_code == 503 and "has not answered" in answer.json()["error"]["message"]
             # (its statistics are a copy from before it fell silent: the gauge says what /health says)
             assert 'aiocb_engine_running{model_name="tiny-qwen3"} 0.0' in (await http.get("/metrics")).text
+            assert not worker._asking, "a scrape asks a hung engine nothing (the questions piled up)"
             with pytest.raises(aiocb.ManagerClosedError, match="has not answered"):
                 await worker.open_stream([1, 2, 3], 4)
             speak.set()
