@@ -29,9 +29,10 @@ SAMPLES_AT_ONCE = 64
 
 @dataclass(slots=True)
 class _Family:
-    """The ids of a request's samples (its children), and how many of their handles live."""
+    """The ids of a request's samples (its children, in order), and how many of their
+    handles live."""
 
-    children: list[str]
+    children: dict[str, None]
     live: int
 
 
@@ -80,7 +81,7 @@ class OutputRouter:
             request = handle.request
             self._handles[request.request_id] = handle
             if request.children:  # (registered with it: it comes first in its group)
-                children = [child.request_id for child in request.children]
+                children = dict.fromkeys(child.request_id for child in request.children)
                 self._families[request.request_id] = _Family(children, len(children))
         return handles
 
@@ -91,7 +92,8 @@ class OutputRouter:
         if parent is None:
             return
         family = self._families.get(parent)
-        if family is not None:
+        # (not a family that a later request with its parent's id made: that one's own samples)
+        if family is not None and request_id in family.children:
             family.live -= 1
             if not family.live:
                 del self._families[parent]
@@ -193,7 +195,7 @@ class OutputRouter:
             samples = [child.request_id for child in handle.request.children]
         else:  # (its own output was taken already: its samples, if any live)
             family = self._families.get(request_id)
-            samples = [] if family is None else family.children
+            samples = [] if family is None else list(family.children)
         is_live = functools.partial(self._is_sample_of, request_id)
         for sample in samples[:SAMPLES_AT_ONCE]:
             cancelled = (is_live(sample) and self.cancel(sample)) or cancelled

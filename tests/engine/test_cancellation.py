@@ -257,6 +257,27 @@ async def test_cancel_request_ends_many_samples_a_slice_of_the_loop_at_a_time(qw
         assert not manager._router._families, "the request's samples are let go of"
 
 
+async def test_cancel_request_finds_the_samples_of_a_request_that_reused_an_id(qwen3: PreTrainedModel) -> None:
+    """A request taking the id of one whose samples still run: once its own output is taken,
+    its id ends its own samples (the earlier ones ending did not make it forget them)."""
+    long = {"max_new_tokens": 500, "temperature": 1.0, "seed": 2, "ignore_eos": True}
+    async with aiocb.Manager(qwen3) as manager:
+        await manager.add_request(PROMPTS[0], request_id="A", n=3, **long)
+        await manager.stream("A").aclose()  # (the first sample alone: its output is gone)
+        assert manager.cancel_request("A__child#0")
+        await manager.get_result("A__child#0", timeout=30)
+        await manager.add_request(PROMPTS[1], request_id="A", n=2, **long)  # (A__child#1 still runs)
+        assert manager.cancel_request("A__child#1")
+        await manager.get_result("A__child#1", timeout=30)  # (the earlier request's last sample let go of)
+        await manager.stream("A").aclose()
+        assert manager.cancel_request("A"), "the later request's sample, A__child#0, still ran"
+        ended = await manager.get_result("A__child#0", timeout=30)
+        assert ended is not None and ended.finish_reason is aiocb.FinishReason.CANCELLED
+        stats = manager.statistics()
+        assert stats.free_blocks == stats.total_blocks
+        assert not manager._router._families
+
+
 async def test_cancel_request_ends_only_samples_of_that_request(qwen3: PreTrainedModel) -> None:
     """An id whose request is gone (its output read) or never was ends no request whose id
     merely begins with it and ``__child#`` (a caller may name one so)."""
