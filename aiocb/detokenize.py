@@ -438,13 +438,25 @@ class StopStringMatcher:
         return "" if self.matched is not None else held
 
 
+def _prompt_tail(tokenizer: Any, prompt_ids: Sequence[int], stops: tuple[str, ...]) -> str:
+    """The end of the prompt's text (special tokens written) that a stop string completed
+    by a generated token could begin in: its longest's length less one character."""
+    keep = max(map(len, stops), default=1) - 1
+    if not keep or not prompt_ids:
+        return ""
+    # (a token is a character or more, but for pieces of one: a few more are decoded)
+    text = tokenizer.decode(list(prompt_ids[-(keep + 4) :]), skip_special_tokens=False)
+    return str(text)[-keep:]
+
+
 class TextTracker:
     """A request's generated text as its tokens arrive, and the stop string that ended it
     (see :class:`StopStringMatcher` for ``stop``, ``min_tokens`` and ``include_stop_str``).
 
     ``config_stop`` are stop strings with transformers' rules (a ``GenerationConfig``'s
     ``stop_strings``): found in the text with special tokens (a chat model's
-    ``"<|im_end|>"``), from the first token on, and the text of every token kept.
+    ``"<|im_end|>"``), from the first token on, and the text of every token kept; one may
+    begin in the prompt, as long as it ends in a generated token.
     """
 
     __slots__ = ("_config_stop", "_detokenizer", "_matcher", "_parts", "_seen", "_special_text", "matched")
@@ -471,8 +483,8 @@ class TextTracker:
             if self._config_stop and skip_special_tokens
             else None
         )
-        #: the end of that text a config stop string could begin in
-        self._seen = ""
+        #: the end of that text a config stop string could begin in (the prompt's at first)
+        self._seen = _prompt_tail(tokenizer, prompt_ids, self._config_stop)
         self._parts: list[str] = []
         #: the stop string found, once one was
         self.matched: str | None = None
@@ -513,7 +525,10 @@ class TextTracker:
     def _watch(self, piece: str) -> None:
         """Look for a config stop string in the text with special tokens, ``piece`` new."""
         seen = self._seen + piece
-        found = [(at, stop) for stop in self._config_stop if (at := seen.find(stop)) >= 0]
+        before = len(self._seen)  # (a match ends in the new piece: one before it was seen then, or is the prompt's)
+        found = [
+            (at, stop) for stop in self._config_stop if (at := seen.find(stop, max(0, before - len(stop) + 1))) >= 0
+        ]
         if found:
             self.matched = min(found)[1]
         else:

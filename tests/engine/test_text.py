@@ -292,6 +292,24 @@ async def test_a_generation_configs_stop_strings_end_where_generate_ends(
             assert own.generated_tokens == [im_end] * NEW and own.text == ""
 
 
+async def test_a_generation_configs_stop_string_may_begin_in_the_prompt() -> None:
+    """As transformers' StopStringCriteria: a stop string that begins in the prompt ends the
+    output at the token that completes it; one wholly in the prompt ends nothing."""
+    from aiocb.default_model import load_default_model
+
+    model, tokenizer = load_default_model()
+    prompt = "if __name__ == "
+    ids = tokenizer(prompt)["input_ids"]
+    for stop, stops_at_once in (("= __", True), ("if _", False)):
+        config = GenerationConfig(stop_strings=[stop], do_sample=False, max_new_tokens=6)
+        expected = model.generate(torch.tensor([ids]), generation_config=config, tokenizer=tokenizer)[0, len(ids) :]
+        assert (len(expected) == 1) is stops_at_once, (stop, expected)
+        async with aiocb.Manager(model, config, tokenizer=tokenizer) as manager:
+            output = await manager.generate(prompt)
+        assert output.generated_tokens == expected.tolist(), stop
+        assert (output.stop_reason == stop) is stops_at_once
+
+
 async def test_chat_messages_use_the_template(model: PreTrainedModel, tokenizer: Any) -> None:
     messages = [{"role": "user", "content": "Question: What is the capital of France?"}]
     rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
