@@ -370,12 +370,13 @@ def test_rank_zero_drops_its_graphs_when_the_followers_build_a_new_cache(
         current=None,
         call=lambda what, job: job(),
         send=lambda kind, *payload: sent.append(kind),
-        channel=SimpleNamespace(set_timeout=lambda timeout: None),
+        channel=SimpleNamespace(set_timeout=lambda timeout: None, gather=lambda answer: [answer, None]),
         claim=lambda runner: None,
     )
     driving = DriverRunner.__new__(DriverRunner)
     driving.__dict__.update(runner.__dict__)
     driving.__dict__.update(_driver=driver, _num_requests_hint=None, _speculative=None, _keep_cache=True)
+    driving.layout = SimpleNamespace(followers=(1,))  # (each follower says it built its runner)
     driving.graphs = _graphs(runner, lambda ids, *rest: torch.zeros(ids.shape[1], 3), max_rows=4)
     driving.graphs.capture_all()
     try:
