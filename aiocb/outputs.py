@@ -56,10 +56,11 @@ class GenerationOutput(_DeferredTokens):
     every token at every step; :meth:`tokens_since` reads the new ones alone.
 
     ``logprobs[i]`` is the log-probability of ``generated_tokens[i]`` under the model's raw
-    distribution (a log-softmax of its logits, before temperature, top-k or top-p),
-    present when logprobs were requested; ``top_logprobs[i]`` maps the most likely tokens
-    at that step to theirs. With ``prompt_logprobs``, ``prompt_logprobs[j]`` is the
-    log-probability of prompt token ``j`` given the ones before it (None for the first),
+    distribution (a log-softmax of its logits, before temperature, top-k or top-p; after
+    them with ``logprobs_mode="processed"``), present when logprobs were requested;
+    ``top_logprobs[i]`` maps the most likely tokens at that step to theirs. With
+    ``prompt_logprobs``, ``prompt_logprobs[j]`` is the log-probability of prompt token
+    ``j`` given the ones before it (None for the first),
     set once the prompt is computed. With a tokenizer, ``text`` is the generated text so
     far and ``text_delta`` what it gained since the previous output of the same consumer;
     a character split across tokens appears once it is complete, and a possible stop

@@ -100,7 +100,7 @@ class SamplingParams:
         metadata=_doc(
             (
                 "the request's own random stream (an int in [-2**63, 2**64)): same seed, same samples;"
-                " with `n`, sample i draws from `seed + i`'s (as vLLM's do)"
+                " with `n`, sample i (from 0: `<id>`, then `<id>__child#<i-1>`) draws from `seed + i`'s (as vLLM's do)"
             ),
             "random",
         ),
@@ -196,7 +196,7 @@ class SamplingParams:
         default=None,
         metadata=_doc(
             "samples of the prompt, computed once; `generate` returns a list; the first sample keeps `<id>`, "
-            "the others are `<id>__child#<i>`",
+            "the others are `<id>__child#0`, `<id>__child#1`, ...",
             "1 (or the GenerationConfig's `num_return_sequences`)",
         ),
     )
