@@ -267,6 +267,10 @@ def _bounded(
     return type(f"Bounded{bases[-1].__name__}", (_HeaderBounds, *bases), attributes)
 
 
+#: How long a forced exit waits for the app's lifespan to end (seconds).
+_FORCED_LIFESPAN_END_S = 2.0
+
+
 class DrainingServer(uvicorn.Server):
     """uvicorn's server, draining the app on the first exit signal."""
 
@@ -333,6 +337,12 @@ class DrainingServer(uvicorn.Server):
         manager = self._app.state.aiocb.manager
         if self._start_engine and manager.is_running:
             await manager.stop(hard_stop=True)
+        if self.force_exit:
+            # uvicorn skips the lifespan's end on a forced exit (an app's may hang): left
+            # waiting, it is cancelled as the loop ends, which it logs as a traceback at
+            # ERROR. This one's is quick once the engine has stopped: it gets a moment.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.lifespan.shutdown(), _FORCED_LIFESPAN_END_S)
 
     async def _stopped(self, manager: Any) -> None:
         """Wait for the drain a signal began, then stop ``manager`` if it still runs."""

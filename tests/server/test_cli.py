@@ -417,6 +417,9 @@ def test_a_drain_cut_short_exits_with_a_status_that_says_so(tmp_path: Path) -> N
                 for _ in lines:
                     pass
         assert process.wait(timeout=60) == FORCED_EXIT
+    log = (tmp_path / "server.log").read_text()
+    assert "Traceback" not in log and "ERROR" not in log, "the app's lifespan ended, not cancelled"
+    assert "Application shutdown complete." in log
 
 
 def _wait_ready(url: str, process: subprocess.Popen[str], log: Path) -> None:
