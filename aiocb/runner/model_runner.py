@@ -384,8 +384,9 @@ class ModelRunner:
             width = graphs.width_for(batch, inputs)
             if width:
                 return graphs.run_wide(inputs, batch.num_rows, width)
-        decode_only = batch.num_single_token_rows == batch.num_rows
-        model = self._decode_model if decode_only else self._varlen_model
+        # (the decode model only for steps shaped as its graphs, one sampled token a row: a
+        # compiled one keeps that shape among its guards, and another recompiles it mid-serving)
+        model = self._decode_model if batch.is_decode else self._varlen_model
         return attention.forward(
             model, inputs.input_ids[None], inputs.position_ids[None], inputs.logits_indices, inputs.attention
         )

@@ -430,6 +430,35 @@ def test_runners_without_decode_graphs_keep_the_eager_decode_model(qwen3: PreTra
     assert runner.graphs is None and runner._decode_model is qwen3 and runner._varlen_model is qwen3
 
 
+async def test_only_steps_shaped_as_the_graphs_run_on_the_decode_model(
+    qwen3: PreTrainedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step of one-token rows that samples none of them (a prompt fed a token a step)
+    runs on the varlen model: a compiled decode model guards on one sampled token a row,
+    and another shape recompiled it mid-serving."""
+    from aiocb.runner import attention
+
+    seen: list[tuple[str, int, int]] = []
+    forward = attention.forward
+
+    def recorded(model: Any, input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        kind = "decode" if model == "decode" else "varlen"
+        logits_indices = args[1]
+        seen.append((kind, input_ids.shape[1], len(logits_indices)))
+        return forward(qwen3, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(attention, "forward", recorded)
+    config = aiocb.ContinuousBatchingConfig(page_size=16, num_blocks=64, max_batch_tokens=1, max_requests_per_batch=1)
+    prompt = random_prompts(1, 3, 3, seed=4)[0]
+    async with aiocb.Manager(qwen3, continuous_batching_config=config) as manager:
+        runner = manager._runner
+        assert runner is not None
+        runner._decode_model, runner._varlen_model = "decode", "varlen"
+        output = await manager.generate(prompt, max_new_tokens=3)
+    assert output.generated_tokens == reference_generate(qwen3, prompt, 3)
+    assert seen == [("varlen", 1, 0), ("varlen", 1, 0), ("decode", 1, 1), ("decode", 1, 1), ("decode", 1, 1)]
+
+
 def test_a_session_cancelled_during_its_warm_up_ends_after_it(
     qwen3: PreTrainedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
