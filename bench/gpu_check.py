@@ -771,14 +771,39 @@ def bench_aiocb(
         rec.put("alive_after_destroy", _alive_tensors(model))
 
 
+def _end_group(pgid: int, within_s: float = 30.0) -> None:
+    """Kill process group ``pgid`` and wait (at most ``within_s``) until none of it runs."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+    deadline = time.monotonic() + within_s
+    while _group_runs(pgid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def _group_runs(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` is still there, other than as a zombie (an
+    orphan's, which a container's first process may never reap, holds no memory)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                return True
+    return False
+
+
 def _alive_tensors(model: Any, top: int = 8) -> list[str]:
     """The largest device tensors still reachable that are not the model's own, each with
     the types of the objects that refer to it (what kept memory from coming back)."""
     own = {id(t) for t in model.parameters()} | {id(t) for t in model.buffers()}
+    # (plain tensors only: the compiler's caches keep fake tensors, of the parameters' sizes,
+    # which hold no memory)
     alive = [
         o
         for o in gc.get_objects()
-        if isinstance(o, torch.Tensor) and o.device.type == "cuda" and id(o) not in own and o.numel() > 2**16
+        if type(o) in (torch.Tensor, torch.nn.Parameter)
+        and o.device.type == "cuda"
+        and id(o) not in own
+        and o.numel() > 2**16
     ]
     alive.sort(key=lambda t: t.numel() * t.element_size(), reverse=True)
     chosen = alive[:top]
@@ -1126,9 +1151,9 @@ def launch_phase(name: str, limit: float, phases: Path, out: Path, dry: bool) ->
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout=30)
             status = "timeout"
-        # (whatever the phase left running, e.g. compile workers, goes with it)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(process.pid, signal.SIGKILL)
+        # (whatever the phase left running, e.g. compile workers or pytest, goes with it,
+        # before the next phase plans its memory against what they held)
+        _end_group(process.pid)
     row: dict[str, Any] = json.loads(result.read_text(errors="replace")) if result.exists() else {}
     if status == "timeout" and row.get("done"):
         status = "ok (killed in its teardown)"
