@@ -7,9 +7,12 @@ delivery) held the loop.
 
     python bench/loop_lag.py [--rows 1024] [--repeats 3] [--torch-threads N]
     python bench/loop_lag.py --samples 1024    # one sampled request with that many samples
+    python bench/loop_lag.py --burst           # a generate task per prompt
 
 With ``--samples`` the batch is one request with ``n`` samples instead: the heartbeat
-then also sees the request's samples being made and queued (``await add_request``).
+then also sees the request's samples being made and queued (``await add_request``). With
+``--burst`` each prompt is its own ``manager.generate`` task, all gathered at once (an
+agent's fan-out): the heartbeat also sees their admission.
 
 On a machine with few cores, torch's own threads (one per core by default) and the
 event loop's thread compete for them: ``--torch-threads`` (the cores less one) leaves the
@@ -34,7 +37,7 @@ import aiocb
 from bench.loop_watch import Heartbeat
 
 
-async def _run(model: Qwen3ForCausalLM, rows: int, samples: int) -> str:
+async def _run(model: Qwen3ForCausalLM, rows: int, samples: int, burst: bool) -> str:
     rows = max(rows, samples)
     config = aiocb.ContinuousBatchingConfig(
         max_requests_per_batch=rows, num_blocks=rows * 4 + 8, page_size=16, max_batch_tokens=max(rows * 16, 2048)
@@ -45,10 +48,12 @@ async def _run(model: Qwen3ForCausalLM, rows: int, samples: int) -> str:
             started = time.perf_counter()
             if samples:
                 await manager.generate([7] * 16, max_new_tokens=32, n=samples, do_sample=True, seed=1)
+            elif burst:
+                await asyncio.gather(*(manager.generate([i % 200 + 1] * 16, max_new_tokens=32) for i in range(rows)))
             else:
                 await manager.generate_batch([[i % 200 + 1] * 16 for i in range(rows)], max_new_tokens=32)
             wall = time.perf_counter() - started
-    what = f"one request, n {samples}" if samples else f"rows {rows}"
+    what = f"one request, n {samples}" if samples else f"rows {rows}{' (a task each)' if burst else ''}"
     return f"{what}: wall {wall:.2f} s; {beat.summary()}"
 
 
@@ -59,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--samples", type=int, default=0, help="one request with this many samples (0: --rows requests)"
     )
+    parser.add_argument("--burst", action="store_true", help="a manager.generate task per prompt, gathered")
     parser.add_argument("--torch-threads", type=int, default=0, help="torch's intra-op threads (0: its default)")
     args = parser.parse_args(argv)
     if args.torch_threads:
@@ -76,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     model = Qwen3ForCausalLM(config).eval()
     for _ in range(args.repeats):
-        print(asyncio.run(_run(model, args.rows, args.samples)))
+        print(asyncio.run(_run(model, args.rows, args.samples, args.burst)))
     return 0
 
 
