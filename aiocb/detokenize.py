@@ -444,8 +444,9 @@ def _prompt_tail(tokenizer: Any, prompt_ids: Sequence[int], stops: tuple[str, ..
     keep = max(map(len, stops), default=1) - 1
     if not keep or not prompt_ids:
         return ""
-    # (a token is a character or more, but for pieces of one: a few more are decoded)
-    text = tokenizer.decode(list(prompt_ids[-(keep + 4) :]), skip_special_tokens=False)
+    # (a character may take up to four byte-level tokens: enough are decoded for ``keep``
+    # whole ones after a first one cut)
+    text = tokenizer.decode(list(prompt_ids[-(4 * keep + 4) :]), skip_special_tokens=False)
     return str(text)[-keep:]
 
 

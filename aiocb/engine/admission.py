@@ -55,8 +55,10 @@ class Turnstile:
                 await waiter
             except asyncio.CancelledError:
                 if waiter.done() and not waiter.cancelled():
+                    # It was let through: its place goes on in the next iteration, after
+                    # those deferred from this one (they came first).
                     self._released -= 1
-                    self._release()  # it was let through: hand its place on
+                    self._schedule_reset()
                 raise
             self._released -= 1
             if self._in_budget():

@@ -11,6 +11,7 @@ heartbeat after a quarter of it without traffic, so an idle server does not time
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import logging
 import os
@@ -356,35 +357,47 @@ class DriverRunner(ModelRunner):
     ) -> None:
         driver = driver_for(layout, config.cpu_group_timeout)
         own = own_plan(model, config, num_requests_hint, speculative, driver.channel.ranks_on_host)
+        self._driver = driver
+        self.layout = layout
 
-        def start() -> CachePlan | str:
+        def start() -> tuple[CachePlan | str, str]:
             driver.send("init", config, num_requests_hint, speculative, keep_cache, None)
             driver.channel.set_timeout(config.cpu_group_timeout)
             agreed = driver.channel.agree_on_plan(own)
-            driver.current = None if isinstance(agreed, str) else self
-            return agreed
+            if isinstance(agreed, str):
+                driver.current = None
+                return agreed, ""
+            # Each follower builds its runner, then says whether it could: heard here, in the
+            # same job (a heartbeat sent meanwhile would meet the followers in that gather),
+            # before this rank builds its own.
+            problems = self._followers_problems()
+            if problems:
+                self._release_followers()
+                return agreed, problems
+            driver.current = self
+            return agreed, ""
 
         driver.claim(self)  # before "init", which replaces the followers' cache
         try:
-            plan = driver.call("agreeing on the cache size", start)
+            plan, problems = driver.call("agreeing on the cache size", start)
         except BaseException:
             driver.disown(self)
             raise
-        if isinstance(plan, str):
+        if isinstance(plan, str) or problems:
             driver.disown(self)
-            raise MemoryError(plan)
-        self._driver = driver
+            raise MemoryError(plan) if isinstance(plan, str) else DistributedError(problems)
         self._num_requests_hint = num_requests_hint
         self._speculative = speculative
         self._keep_cache = keep_cache
-        self.layout = layout
         try:
             super().__init__(model, config, num_requests_hint=num_requests_hint, plan=plan)
-        except BaseException as exc:
-            # (the followers built theirs meanwhile: they hear of it, and free them)
-            self._confirm_built(exc)
+        except BaseException:
+            # (the followers built theirs: they free them, and the ranks stay free)
+            with contextlib.suppress(DistributedError):
+                driver.call("freeing the followers' caches", self._release_followers)
+            driver.current = None
+            driver.disown(self)
             raise
-        self._confirm_built(None)
         logger.info("tensor parallelism over ranks %s: rank 0 drives, the others follow", list(layout.ranks))
         mixing = os.environ.get("NCCL_GRAPH_MIXING_SUPPORT")
         if self.device.type == "cuda" and config.disable_nccl_graph_mixing and mixing != "0":
@@ -392,24 +405,6 @@ class DriverRunner(ModelRunner):
                 "NCCL_GRAPH_MIXING_SUPPORT is not 0: build the ContinuousBatchingConfig before "
                 "init_process_group() / from_pretrained(), or set it in the launch environment"
             )
-
-    def _confirm_built(self, failed: BaseException | None) -> None:
-        """Hear from every follower whether it built its runner (each joins a gather once it
-        has tried); when one did not, or this rank did not (``failed``), make those that did
-        free theirs, and raise (``failed`` is its caller's to raise)."""
-        driver = self._driver
-        try:
-            problems = driver.call("building every rank's runner", self._followers_problems)
-            if failed is None and not problems:
-                return
-            driver.call("freeing the followers' caches", self._release_followers)
-        except BaseException:
-            driver.current = None
-            driver.disown(self)
-            raise
-        driver.disown(self)
-        if problems and failed is None:
-            raise DistributedError(problems)
 
     def _followers_problems(self) -> str:
         """Driver thread, after an ``init``: why followers could not build their runners ("": none)."""
@@ -428,6 +423,11 @@ class DriverRunner(ModelRunner):
 
     def attach(self) -> None:
         """Start a session on every rank; refused while another manager's session runs."""
+        if self._driver.closed and not self._driver.released:
+            # Retired at the end of a generate_batch() every rank made (its followers left
+            # with its outputs): a kept runner's next session goes through the next driver,
+            # which sends the followers its cache again.
+            self._driver = driver_for(self.layout, self.config.cpu_group_timeout)
         self._driver.claim(self)
 
         def attach() -> str:

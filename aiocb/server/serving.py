@@ -22,6 +22,7 @@ from typing import Any
 from aiocb.detokenize import IncrementalDetokenizer, StopStringMatcher
 from aiocb.engine.requests import sample_ids
 from aiocb.engine.turns import LoopTurn, release
+from aiocb.errors import RequestAbortedError
 from aiocb.outputs import FinishReason, GenerationOutput, RequestStatus
 from aiocb.server.context import ServerContext
 from aiocb.server.edge import AccessRecord
@@ -354,9 +355,9 @@ async def choice_deltas(
                     return  # leaving `async with stream` cancels a request cut short by a stop string
                 if not delta.is_empty:
                     yield delta
-    except (GeneratorExit, asyncio.CancelledError):
-        # Closed or cancelled before it finished (its client gone, a sibling choice failed,
-        # the server stopping): counted as finished for "abort", as vLLM counts it.
+    except (GeneratorExit, asyncio.CancelledError, RequestAbortedError):
+        # Closed, cancelled or aborted before it finished (its client gone, a sibling choice
+        # failed, the server stopping): counted as finished for "abort", as vLLM counts it.
         if not counted:
             metrics.observe_finished("abort")
         raise

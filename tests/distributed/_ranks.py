@@ -403,8 +403,9 @@ async def scenario_release(model: Any, out: Path) -> dict[str, Any]:
     return result
 
 
-def _fail_cache_builds(which: set[int], rank: int) -> None:
-    """Make this rank's ``which`` KV cache builds (counted from 1) fail, as an out-of-memory would."""
+def _fail_cache_builds(which: set[int], rank: int, slow: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+    """Make this rank's ``which`` KV cache builds (counted from 1) fail, as an out-of-memory
+    would, and its ``slow`` ones take a second."""
     from aiocb.runner import model_runner
 
     real = model_runner.PagedKVCache
@@ -415,6 +416,8 @@ def _fail_cache_builds(which: set[int], rank: int) -> None:
         builds += 1
         if builds in which:
             raise RuntimeError(f"rank {rank}'s cache build {builds} failed")
+        if builds in slow:
+            time.sleep(1.0)
         return real(*args, **kwargs)
 
     model_runner.PagedKVCache = flaky  # type: ignore[misc]
@@ -422,12 +425,13 @@ def _fail_cache_builds(which: set[int], rank: int) -> None:
 
 async def scenario_failed_builds(model: Any, out: Path) -> dict[str, Any]:
     """Rank 0's first runner fails to build, then the follower's second: each start fails
-    at once naming it, and the next manager runs, the group in step throughout."""
-    _fail_cache_builds({1}, 0)
+    at once naming it, and the next managers run, the group in step throughout; rank 0's
+    next build takes longer than a heartbeat's interval (nothing is sent meanwhile)."""
+    _fail_cache_builds({1}, 0, slow={2})
     result: dict[str, Any] = {}
     for name in ("rank0_failed", "follower_failed"):
         began = time.monotonic()
-        manager = aiocb.Manager(model, continuous_batching_config=_config(cpu_group_timeout=30.0))
+        manager = aiocb.Manager(model, continuous_batching_config=_config(cpu_group_timeout=2.0))
         manager.start()
         try:
             await manager.wait_started()
@@ -435,6 +439,8 @@ async def scenario_failed_builds(model: Any, out: Path) -> dict[str, Any]:
         except Exception as exc:
             result[name] = _describe(exc) | {"seconds": time.monotonic() - began}
         await manager.destroy()
+    async with aiocb.Manager(model, continuous_batching_config=_config(cpu_group_timeout=2.0)) as manager:
+        result["slow_build"] = await _generate(manager)
     async with aiocb.Manager(model, continuous_batching_config=_config()) as manager:
         result["after"] = await _generate(manager)
     return result
@@ -519,6 +525,9 @@ def every_rank_generate_batch(model: Any, rank: int) -> dict[str, Any]:
     call("refused_here", PROMPTS, max_new_tokens=MAX_NEW_TOKENS, **({} if rank == 0 else {"warmup": False}))
     # A one-shot iterable, whose repr differs between processes: read once, the same everywhere.
     call("generator", PROMPTS, max_new_tokens=MAX_NEW_TOKENS, allowed_token_ids=(t for t in range(0, 512, 2)))
+    # A persistent manager kept between calls that every rank makes: its cache sent again.
+    call("persistent", PROMPTS, max_new_tokens=MAX_NEW_TOKENS, persistent_manager=True)
+    call("persistent_again", PROMPTS, max_new_tokens=MAX_NEW_TOKENS, persistent_manager=True)
     call("empty", [], max_new_tokens=MAX_NEW_TOKENS)
     call("again", PROMPTS[1:], max_new_tokens=MAX_NEW_TOKENS)
     return record

@@ -89,6 +89,33 @@ async def test_turnstile_lets_no_more_through_once_an_iteration_s_budget_is_spen
     assert iterations == sorted(iterations)
 
 
+async def test_a_released_caller_cancelled_before_it_resumes_keeps_the_order() -> None:
+    """Its place goes on in the next iteration, after the callers deferred from this one:
+    a later arrival never passes before them."""
+    turnstile = Turnstile(per_iteration=64, budget=0.001)
+    order: list[int] = []
+    late: list[asyncio.Task[None]] = []
+
+    async def caller(index: int) -> None:
+        await turnstile.enter()
+        order.append(index)
+        if index == 0:  # (later arrivals, in the next loop turn)
+            late.extend(asyncio.create_task(caller(i)) for i in (10, 11, 12))
+        if index in (0, 1):  # (these take their iteration's budget)
+            spin = time.perf_counter() + 0.002
+            while time.perf_counter() < spin:
+                pass
+
+    tasks = [asyncio.create_task(caller(i)) for i in range(10)]
+    while not (turnstile._released and not tasks[2].done()):  # noqa: ASYNC110 (its state is the point)
+        await asyncio.sleep(0)
+    tasks[2].cancel()  # (let through, not resumed yet)
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await asyncio.gather(*late)
+    assert order == [0, 1, *range(3, 10), 10, 11, 12]
+    assert turnstile._released == 0
+
+
 async def test_a_cancelled_waiter_hands_its_place_on() -> None:
     turnstile = Turnstile(per_iteration=1)
     await turnstile.enter()

@@ -292,6 +292,17 @@ async def test_a_generation_configs_stop_strings_end_where_generate_ends(
             assert own.generated_tokens == [im_end] * NEW and own.text == ""
 
 
+def test_the_prompts_end_a_stop_string_may_begin_in_is_whole_characters(tokenizer: Any) -> None:
+    """A byte-level tokenizer writes a character in up to four tokens: the prompt's end is
+    decoded far enough back to hold as many whole characters as a stop string may need."""
+    from aiocb.detokenize import _prompt_tail
+
+    prompt = tokenizer.encode("日本語日本語")
+    assert len(prompt) > 2 * len("日本語日本語")  # (several tokens a character)
+    assert _prompt_tail(tokenizer, prompt, ("日本語(",)) == "日本語"
+    assert _prompt_tail(tokenizer, prompt, ("(",)) == ""
+
+
 async def test_a_generation_configs_stop_string_may_begin_in_the_prompt() -> None:
     """As transformers' StopStringCriteria: a stop string that begins in the prompt ends the
     output at the token that completes it; one wholly in the prompt ends nothing."""

@@ -367,6 +367,7 @@ def test_rank_zero_drops_its_graphs_when_the_followers_build_a_new_cache(
     runner = ModelRunner(qwen3, aiocb.ContinuousBatchingConfig(page_size=16, num_blocks=16))
     sent: list[str] = []
     driver = SimpleNamespace(
+        closed=False,
         current=None,
         call=lambda what, job: job(),
         send=lambda kind, *payload: sent.append(kind),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import math
@@ -654,6 +655,27 @@ async def test_metrics(client: httpx.AsyncClient) -> None:
     assert [(s.labels["status"], s.value) for s in errors] == [("404", 1.0)]
     finished = [s for s in families["aiocb_request_success"].samples if s.name.endswith("_total")]
     assert [(s.labels["finished_reason"], s.value) for s in finished] == [("length", 1.0)]
+
+
+async def test_choices_a_hard_stop_aborts_are_counted_as_aborted(
+    manager: aiocb.Manager, client: httpx.AsyncClient
+) -> None:
+    body = {"prompt": PROMPT, "max_tokens": 500, "ignore_eos": True, "stream": True, "n": 2}
+
+    async def stream() -> list[str]:
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            return [line async for line in response.aiter_lines() if line]
+
+    streaming = asyncio.create_task(stream())
+    while manager.statistics().steps < 3:  # noqa: ASYNC110 (polling the statistics is the point)
+        await asyncio.sleep(0.01)
+    await manager.stop(hard_stop=True)
+    lines = await streaming
+    assert "stop(hard_stop=True) aborted the request" in lines[-2]
+    manager.start()
+    text = (await client.get("/metrics")).text
+    finished = [line for line in text.splitlines() if line.startswith("aiocb_request_success_total")]
+    assert finished == ['aiocb_request_success_total{finished_reason="abort",model_name="tiny-qwen3"} 2.0']
 
 
 async def test_probes_answered_503_are_not_counted_as_errors(model: PreTrainedModel, tokenizer: Any) -> None:
