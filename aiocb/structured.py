@@ -642,7 +642,9 @@ def _mended_json_elements(text: str) -> str:
         if (
             node.get("type") == "json_schema"
             and "json_schema" in node  # (else xgrammar says what is missing)
-            and node.keys() <= _GRAMMAR_OPTIONS
+            # (an empty ``excludes``, which xgrammar's own tags for tools write, excludes nothing)
+            and node.keys() - {"excludes"} <= _GRAMMAR_OPTIONS
+            and not node.get("excludes")
             and node.get("style", "json") == "json"
         ):
             options = {key: node[key] for key in ("max_whitespace_cnt", "any_order") if key in node}

@@ -203,6 +203,18 @@ async def test_length_bounded_strings_hold_no_raw_control_character(bundled: tup
     info = xgrammar.TokenizerInfo.from_huggingface(tokenizer)
     matcher = xgrammar.GrammarMatcher(xgrammar.GrammarCompiler(info).compile_grammar(answer["grammar"]))
     assert matcher.accept_string('{"a": "ok", ') and not matcher.accept_string('"b": "\x01')
+    # (nor a tool call's arguments, in the tag xgrammar writes for a model's tool calls:
+    # its json_schema formats say ``"excludes": []``)
+    from aiocb.server.tools import parse_tools, structural_tag
+    from aiocb.structured import _mended_json_elements
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+    request = parse_tools({"tools": tools, "tool_choice": "required", "parallel_tool_calls": False})
+    assert request is not None
+    calls = _mended_json_elements(json.dumps(structural_tag(request, "qwen_3", "disabled", "\n")))
+    matcher = xgrammar.GrammarMatcher(xgrammar.GrammarCompiler(info).compile_structural_tag(calls))
+    assert matcher.accept_string('<tool_call>\n{"name": "f", "arguments": {"a": "ok", ')
+    assert not matcher.accept_string('"b": "\x1b')
 
 
 async def test_a_complete_grammar_ends_with_the_requests_own_end_tokens(bundled: tuple[Any, Any]) -> None:
