@@ -143,6 +143,12 @@ def _tool(tool: Any, index: int) -> dict[str, Any]:
     parameters = function.get("parameters")
     if parameters is not None and not isinstance(parameters, dict):
         raise bad_request(f"{where}.parameters must be a JSON schema object", f"{where}.parameters")
+    if parameters is not None and parameters.get("type", "object") != "object":
+        # (arguments are an object: OpenAI refuses another root type too)
+        raise bad_request(
+            f'{where}.parameters must be a JSON schema of "type": "object", got "type": {parameters["type"]!r}',
+            f"{where}.parameters",
+        )
     strict = function.get("strict")
     if strict is not None and not isinstance(strict, bool):
         raise bad_request(f"{where}.strict must be true or false", f"{where}.strict")
@@ -285,7 +291,10 @@ def _arguments_schema(request: ToolRequest, function: Mapping[str, Any]) -> dict
     if request.choice == "auto" and not function.get("strict"):
         return _ANY_OBJECT
     parameters: dict[str, Any] | None = function.get("parameters")
-    return _NO_PARAMETERS if parameters is None else parameters
+    if parameters is None:
+        return _NO_PARAMETERS
+    # (a schema that says no type, as ``{}``, is of an object's arguments all the same)
+    return parameters if "type" in parameters else {**parameters, "type": "object"}
 
 
 def arguments_format(request: ToolRequest, function: Mapping[str, Any]) -> dict[str, Any]:

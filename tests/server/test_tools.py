@@ -151,6 +151,25 @@ async def test_required_and_named_tool_choice_give_valid_calls(client: httpx.Asy
             assert len(_check_calls(choice["message"])) >= 1
 
 
+def test_parameters_that_say_no_type_are_an_objects() -> None:
+    """``"parameters": {}`` (any arguments): the call's arguments are still an object, which
+    the parsers take (any JSON value, a number say, made the call vanish)."""
+    xgrammar = pytest.importorskip("xgrammar")
+    compiler = xgrammar.GrammarCompiler(xgrammar.TokenizerInfo(["a"]))
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    request = parse_tools({"tools": tools, "tool_choice": "required", "parallel_tool_calls": False})
+    assert request is not None
+    compiled = compiler.compile_structural_tag(json.dumps(structural_tag(request, "qwen_3", "disabled", "\n")))
+
+    def takes(arguments: str) -> bool:
+        matcher = xgrammar.GrammarMatcher(compiled)
+        text = f'<tool_call>\n{{"name": "f", "arguments": {arguments}}}\n</tool_call>'
+        return bool(matcher.accept_string(text) and matcher.is_completed())
+
+    assert takes('{"x": [1, 2]}') and takes("{}")
+    assert not takes("1e-3") and not takes('"text"') and not takes("[1]")
+
+
 @pytest.mark.parametrize("parser", list(PARSERS.values()), ids=list(PARSERS))
 @pytest.mark.parametrize("choice", ["required", "named"])
 @pytest.mark.parametrize("parallel", [True, False])
@@ -423,6 +442,10 @@ NAMED = {"type": "function", "function": {"name": "add"}}
         ({"tools": [*_tools(), *_tools()]}, "tools[2].function.name"),
         (
             {"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]},
+            "tools[0].function.parameters",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]},
             "tools[0].function.parameters",
         ),
         ({"tools": [{"type": "function", "function": {"name": "f", "bogus": 1}}]}, "tools[0].function.bogus"),
