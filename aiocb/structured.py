@@ -289,6 +289,33 @@ def _schemas(
 _NEVER_ENFORCED = frozenset({"not", "contains", "minContains", "maxContains"})
 
 
+#: What a schema with a ``$ref`` may hold beside it: annotations, and the definitions it
+#: may name (xgrammar's grammar follows the reference alone, leaving out any constraint).
+_BESIDE_A_REF = frozenset(
+    {"$ref", "$defs", "definitions", "$schema", "$comment", "title", "description", "default", "examples"}
+    | {"deprecated", "readOnly", "writeOnly"}
+)
+
+
+def _pointed(root: Any, ref: Any) -> Any:
+    """What the reference ``ref`` (``#`` or ``#/a/b``, a JSON pointer into ``root``) names;
+    None for one that names nothing in it, or that is not of that form."""
+    if ref == "#":
+        return root
+    if not isinstance(ref, str) or not ref.startswith("#/"):
+        return None
+    target = root
+    for step in ref[2:].split("/"):
+        step = step.replace("~1", "/").replace("~0", "~")
+        if isinstance(target, dict) and step in target:
+            target = target[step]
+        elif isinstance(target, list) and step.isdigit() and int(step) < len(target):
+            target = target[int(step)]
+        else:
+            return None
+    return target
+
+
 def _left_out(schema: Any) -> str | None:
     """``'KEYWORD' at PATH (why)`` for the first keyword of ``schema`` (parsed) in a form
     xgrammar's grammar is known to leave out, though the grammar it builds is written
@@ -300,6 +327,14 @@ def _left_out(schema: Any) -> str | None:
             return f"{key!r} at /{'/'.join(str(step) for step in path)}"
     for path, node in nodes:
         where = f"at /{'/'.join(str(step) for step in path)}"
+        ref = node.get("$ref")
+        if ref is not None and _pointed(schema, ref) is None:
+            local = isinstance(ref, str) and ref.startswith("#/")
+            why = "it names nothing in the schema" if local else "only one within the schema, '#/...', is followed"
+            return f"'$ref' {where} ({ref!r}: {why})"
+        beside = sorted(set(node) - _BESIDE_A_REF) if ref is not None else []
+        if beside:
+            return f"{beside[0]!r} {where} (beside a '$ref', which the grammar follows alone)"
         types = _types(node)
         multiple = node.get("multipleOf")
         if multiple is not None and (types is None or "number" in types or not _is_integer(multiple)):
