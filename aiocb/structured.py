@@ -100,7 +100,7 @@ class GrammarCompiler:
             else:
                 compiled = self._compiler.compile_grammar(text)
         except Exception as error:  # (xgrammar raises RuntimeError and others on bad input)
-            raise InvalidRequestError(f"{kind} cannot be compiled: {error}", param=kind) from None
+            raise InvalidRequestError(f"{kind} cannot be compiled: {_xgrammar_text(error)}", param=kind) from None
         with self._lock:
             if structure not in self._compiled:
                 self._compiled[structure] = compiled
@@ -639,8 +639,17 @@ def answer_format(structure: tuple[str, str]) -> dict[str, Any]:
     try:
         grammar = json_schema_grammar(text, any_whitespace=False)
     except Exception as error:  # (xgrammar raises RuntimeError and others on bad input)
-        raise InvalidRequestError(f"{kind} cannot be compiled: {error}", param=kind) from None
+        raise InvalidRequestError(f"{kind} cannot be compiled: {_xgrammar_text(error)}", param=kind) from None
     return {"type": "grammar", "grammar": str(grammar)}
+
+
+#: The time and source position xgrammar's C++ errors begin with (``[08:20:44] /x/y.cc:4944: ``).
+_SOURCE_POSITION = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")
+
+
+def _xgrammar_text(error: Exception) -> str:
+    """An xgrammar error's message without the time and source file its C++ code gives it."""
+    return _SOURCE_POSITION.sub("", str(error).strip(), count=1) or type(error).__name__
 
 
 #: The rule xgrammar (0.2.8 and 0.2.9) writes for the characters of a JSON string with a
