@@ -30,6 +30,7 @@ them (:class:`~aiocb.runner.tp_follower.FollowerReport`).
 from __future__ import annotations
 
 import logging
+import os
 import socket
 from datetime import timedelta
 from typing import Any
@@ -67,8 +68,8 @@ class ControlChannel:
         self.group: Any = dist.new_group(
             ranks=list(layout.ranks), backend="gloo", timeout=_timedelta(timeout), use_local_synchronization=use_local
         )
-        #: this group's ranks on this machine (this one included): they share its host memory
-        self.ranks_on_host = self.gather(socket.gethostname()).count(socket.gethostname())
+        #: the processes on this machine that share its host memory (this one included)
+        self.ranks_on_host = ranks_sharing_host(self.gather(socket.gethostname()), socket.gethostname())
 
     @property
     def heartbeat_interval(self) -> float:
@@ -125,6 +126,14 @@ def _minimum_plan(plans: list[CachePlan]) -> CachePlan:
 
 def _timedelta(timeout: float | None) -> timedelta:
     return _FOREVER if timeout is None else timedelta(seconds=timeout)
+
+
+def ranks_sharing_host(hostnames: list[str], here: str) -> int:
+    """How many processes plan on this machine's host memory: this group's ranks on it
+    (``hostnames``: each rank's), or torchrun's count of its processes on this node
+    (``LOCAL_WORLD_SIZE``), where that is more (other groups' ranks, data-parallel ones)."""
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return max(hostnames.count(here), int(local) if local.isdigit() else 1)
 
 
 def own_plan(

@@ -242,3 +242,14 @@ def test_a_follower_keeps_the_ids_of_its_last_thousand_cancellations_only() -> N
     assert report.cancellations == KEPT_CANCELLATIONS + 500
     assert len(report.cancelled) == KEPT_CANCELLATIONS
     assert report.cancelled[-1] == (f"r{KEPT_CANCELLATIONS + 499}", "cancelled")
+
+
+def test_the_processes_sharing_a_host_count_other_groups_on_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two tensor-parallel groups of two on one node (torchrun's LOCAL_WORLD_SIZE 4): each
+    rank plans with a quarter of the host's memory, not half."""
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert tp_channel.ranks_sharing_host(["a", "a", "b"], "a") == 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert tp_channel.ranks_sharing_host(["a", "a"], "a") == 4
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "bogus")
+    assert tp_channel.ranks_sharing_host(["a", "b"], "b") == 1
