@@ -312,6 +312,26 @@ def test_processes_sharing_the_host_plan_with_their_share_of_its_memory(
     assert 0 < shared.num_host_blocks[0] < 0.6 * alone.num_host_blocks[0]
 
 
+def test_the_plan_on_cuda_keeps_room_for_the_decode_graphs(qwen3: PreTrainedModel) -> None:
+    """Captured decode graphs keep their pool (the largest bucket's activations and logits)
+    and their logits' output buffer allocated beside the step buffers: a CUDA plan leaves
+    them room, unless decode graphs are turned off."""
+    from aiocb.runner.model_spec import model_spec
+
+    spec = dataclasses.replace(model_spec(qwen3), device=torch.device("cuda"))
+    sizes = {"max_batch_tokens": 256, "max_requests_per_batch": 64, "cpu_offload_space": 0}
+    free = 2**30
+    plans = {
+        graphs: memory.plan_cache(spec, aiocb.ContinuousBatchingConfig(use_cuda_graph=graphs, **sizes), free_bytes=free)
+        for graphs in (None, (True, False), False, (True, True))
+    }
+    per_block = sum(spec.group_block_bytes(plans[None].page_size))
+    held = 64 * (memory.activation_bytes_per_token(spec) + 2 * spec.vocab_size * spec.dtype_bytes)
+    assert plans[None].num_blocks == plans[(True, True)].num_blocks
+    assert plans[False].num_blocks == plans[(True, False)].num_blocks
+    assert plans[False].num_blocks[0] - plans[None].num_blocks[0] == pytest.approx(held / per_block, abs=1)
+
+
 async def test_a_hybrid_managers_chosen_num_blocks_fits_given_back() -> None:
     """The num_blocks a manager reports is whole-model blocks costing what its groups' do
     (it reported the full group's, which given back to every group took far more memory)."""
