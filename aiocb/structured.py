@@ -452,14 +452,9 @@ def _resolved(node: Any, root: Any) -> Any:
     few times at most (anything else: ``node`` itself)."""
     for _ in range(8):
         ref = node.get("$ref") if isinstance(node, dict) else None
-        if not isinstance(ref, str) or not ref.startswith("#/"):
+        target = _pointed(root, ref) if isinstance(ref, str) and ref.startswith("#/") else None
+        if target is None:
             return node
-        target = root
-        for step in ref[2:].split("/"):
-            step = step.replace("~1", "/").replace("~0", "~")
-            if not isinstance(target, dict) or step not in target:
-                return node
-            target = target[step]
         node = target
     return node
 

@@ -136,7 +136,8 @@ def plan_cache(
         verified = speculating * (speculative.num_speculative_tokens + 1)
         sampled = max(max_requests, min(verified, max_batch_tokens))
     logits_bytes = (3 * sampled * 4 + scored_rows(max_requests) * spec.dtype_bytes) * spec.vocab_size
-    remaining = budget - max_batch_tokens * per_token - logits_bytes - _graphs_bytes(spec, config, max_requests)
+    graphs_bytes = _graphs_bytes(spec, config, max_requests, per_token)
+    remaining = budget - max_batch_tokens * per_token - logits_bytes - graphs_bytes
 
     groups = spec.group_layers()
     # (a block of each group, a full group's with its extra bytes)
@@ -173,15 +174,15 @@ def plan_cache(
     return CachePlan(page, num_blocks, max_batch_tokens, max_requests, budget, host_blocks)
 
 
-def _graphs_bytes(spec: ModelSpec, config: ContinuousBatchingConfig, max_requests: int) -> int:
+def _graphs_bytes(spec: ModelSpec, config: ContinuousBatchingConfig, max_requests: int, per_token: int) -> int:
     """What decode CUDA graphs keep allocated beside the step buffers (0 where none are
-    captured): their private pool, which holds the largest bucket's activations and logits,
-    and the buffer their logits are copied out to."""
+    captured): their private pool, which holds the largest bucket's activations
+    (``per_token`` a row) and logits, and the buffer their logits are copied out to."""
     wanted = config.use_cuda_graph
     decode = wanted[1] if isinstance(wanted, tuple) else wanted
     if spec.device.type != "cuda" or decode is False:
         return 0
-    return max_requests * (activation_bytes_per_token(spec) + 2 * spec.vocab_size * spec.dtype_bytes)
+    return max_requests * (per_token + 2 * spec.vocab_size * spec.dtype_bytes)
 
 
 def _host_blocks(

@@ -361,21 +361,7 @@ class DriverRunner(ModelRunner):
         self.layout = layout
 
         def start() -> tuple[CachePlan | str, str]:
-            driver.send("init", config, num_requests_hint, speculative, keep_cache, None)
-            driver.channel.set_timeout(config.cpu_group_timeout)
-            agreed = driver.channel.agree_on_plan(own)
-            if isinstance(agreed, str):
-                driver.current = None
-                return agreed, ""
-            # Each follower builds its runner, then says whether it could: heard here, in the
-            # same job (a heartbeat sent meanwhile would meet the followers in that gather),
-            # before this rank builds its own.
-            problems = self._followers_problems()
-            if problems:
-                self._release_followers()
-                return agreed, problems
-            driver.current = self
-            return agreed, ""
+            return self._init_followers(config, num_requests_hint, speculative, keep_cache, None, own)
 
         driver.claim(self)  # before "init", which replaces the followers' cache
         try:
@@ -406,14 +392,39 @@ class DriverRunner(ModelRunner):
                 "init_process_group() / from_pretrained(), or set it in the launch environment"
             )
 
-    def _followers_problems(self) -> str:
-        """Driver thread, after an ``init``: why followers could not build their runners ("": none)."""
-        answers = self._driver.channel.gather(None)[1:]
-        return "; ".join(
+    def _init_followers(
+        self,
+        config: ContinuousBatchingConfig,
+        hint: int | None,
+        speculative: SpeculativeConfig | None,
+        keep_cache: bool,
+        plan: CachePlan | None,
+        own: CachePlan | str | None,
+    ) -> tuple[CachePlan | str, str]:
+        """Driver thread: send ``init`` (with ``plan``, or to agree on one from ``own``); the
+        plan, or why none fits, and why followers could not build their runners ("": they
+        did, and hold this runner's cache; else those that did free theirs)."""
+        driver = self._driver
+        driver.send("init", config, hint, speculative, keep_cache, plan)
+        driver.channel.set_timeout(config.cpu_group_timeout)
+        agreed = plan if plan is not None else driver.channel.agree_on_plan(own)  # type: ignore[arg-type]
+        if isinstance(agreed, str):
+            driver.current = None
+            return agreed, ""
+        # Each follower builds its runner, then says whether it could: heard in this same job
+        # (a heartbeat sent meanwhile would meet the followers in that gather), before this
+        # rank builds its own.
+        answers = driver.channel.gather(None)[1:]
+        problems = "; ".join(
             f"tensor-parallel rank {rank} could not build its runner: {answer}"
             for rank, answer in zip(self.layout.followers, answers, strict=True)
             if answer is not None
         )
+        if problems:
+            self._release_followers()
+        else:
+            driver.current = self
+        return agreed, problems
 
     def _release_followers(self) -> None:
         """Driver thread: the followers free their caches (a round trip)."""
@@ -432,15 +443,11 @@ class DriverRunner(ModelRunner):
 
         def attach() -> str:
             if self._driver.current is not self:  # another manager's cache replaced this one's
-                self._driver.send(
-                    "init", self.config, self._num_requests_hint, self._speculative, self._keep_cache, self.plan
+                _, problems = self._init_followers(
+                    self.config, self._num_requests_hint, self._speculative, self._keep_cache, self.plan, None
                 )
-                self._driver.channel.set_timeout(self.config.cpu_group_timeout)
-                problems = self._followers_problems()
                 if problems:
-                    self._release_followers()
                     return problems  # (raised by the caller: the group is still in step)
-                self._driver.current = self
                 if self.graphs is not None:
                     # The followers' new runners capture their decode graphs at the first
                     # decode step, running collectives in every warm-up pass: this rank

@@ -339,9 +339,7 @@ class _Api:
     def _unavailable(self, reason: str) -> ErrorResponse:
         """A probe's 503: an answer, not an error of the server's (not counted in
         ``aiocb_http_errors_total``: a probe that polls a pod while it starts would be)."""
-        error = APIError(503, reason, type="service_unavailable")
-        headers = {"Retry-After": str(self.ctx.limits.retry_after)}
-        return ErrorResponse(error.to_dict(), status_code=503, headers=headers)
+        return self.error(APIError(503, reason, type="service_unavailable"), counted=False)
 
     async def metrics(self, request: Request) -> Response:
         """``GET /metrics`` in Prometheus' text format."""
@@ -432,13 +430,17 @@ class _Api:
 
     # ------------------------------------------------------------------ errors
 
-    def error(self, exc: BaseException, params: Mapping[str, str] | None = None) -> ErrorResponse:
+    def error(
+        self, exc: BaseException, params: Mapping[str, str] | None = None, *, counted: bool = True
+    ) -> ErrorResponse:
         """The OpenAI-shaped response for ``exc`` (logged when it is the server's fault);
-        ``params`` renames the engine's parameter names to the endpoint's fields."""
+        ``params`` renames the engine's parameter names to the endpoint's fields; with
+        ``counted`` False it is not counted in ``aiocb_http_errors_total``."""
         error = error_from_exception(exc, params)
         if error.status >= 500 and error.status != 503:
             logger.error("request failed: %s", error.message, exc_info=exc if not isinstance(exc, APIError) else None)
-        self.ctx.metrics.observe_error(error.status)
+        if counted:
+            self.ctx.metrics.observe_error(error.status)
         headers = {"Retry-After": str(self.ctx.limits.retry_after)} if error.status in (429, 503) else None
         return ErrorResponse(error.to_dict(), status_code=error.status, headers=headers)
 
