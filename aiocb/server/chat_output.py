@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
-from aiocb.server.fragments import Content, Fragment, HiddenTexts, Reasoning, ToolCall, merged
+from aiocb.server.fragments import Content, Fragment, HiddenTexts, Reasoning, ToolArguments, ToolCall, merged
 from aiocb.server.reasoning import ReasoningSplitter
 from aiocb.server.tool_parsers import ToolCallParser
 
@@ -76,16 +76,19 @@ class ChoiceOutput:
 
 
 def delta(fragment: Fragment) -> dict[str, Any]:
-    """A stream chunk's ``delta`` for one fragment (OpenAI's shape; a call comes whole)."""
+    """A stream chunk's ``delta`` for one fragment, in OpenAI's shape: a call's first delta
+    has its id and name, the next ones more of its arguments (by the call's index)."""
     if isinstance(fragment, Content):
         return {"content": fragment.text}
     if isinstance(fragment, Reasoning):
         return {"reasoning_content": fragment.text}
-    return {"tool_calls": [_call(fragment) | {"index": fragment.index}]}
+    if isinstance(fragment, ToolArguments):
+        return {"tool_calls": [{"index": fragment.index, "function": {"arguments": fragment.text}}]}
+    return {"tool_calls": [{"index": fragment.index} | _call(fragment.id, fragment.name, fragment.arguments)]}
 
 
-def _call(call: ToolCall) -> dict[str, Any]:
-    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+def _call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 class MessageBuilder:
@@ -97,7 +100,8 @@ class MessageBuilder:
         self._calls_only = calls_only
         self._content: list[str] = []
         self._thoughts: list[str] = []
-        self._calls: list[ToolCall] = []
+        #: each call's id, name and arguments' pieces, by index
+        self._calls: dict[int, tuple[str, str, list[str]]] = {}
 
     def add(self, fragments: list[Fragment]) -> None:
         """Take more of the choice's fragments."""
@@ -106,8 +110,10 @@ class MessageBuilder:
                 self._content.append(fragment.text)
             elif isinstance(fragment, Reasoning):
                 self._thoughts.append(fragment.text)
+            elif isinstance(fragment, ToolCall):
+                self._calls[fragment.index] = (fragment.id, fragment.name, [fragment.arguments])
             else:
-                self._calls.append(fragment)
+                self._calls[fragment.index][2].append(fragment.text)
 
     def message(self) -> dict[str, Any]:
         """The assistant message: ``content`` is null when the answer is tool calls only, or
@@ -118,5 +124,5 @@ class MessageBuilder:
         if self._reasoning:
             message["reasoning_content"] = "".join(self._thoughts) if self._thoughts else None
         if self._calls:
-            message["tool_calls"] = [_call(call) for call in self._calls]
+            message["tool_calls"] = [_call(i, name, "".join(pieces)) for i, name, pieces in self._calls.values()]
         return message

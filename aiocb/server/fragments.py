@@ -24,7 +24,8 @@ class Reasoning:
 
 @dataclass(frozen=True, slots=True)
 class ToolCall:
-    """One complete call: ``arguments`` is JSON text."""
+    """A call begins: its function's name and the first of its ``arguments`` (JSON text,
+    :class:`ToolArguments` may carry on with more of it)."""
 
     index: int
     id: str
@@ -32,11 +33,19 @@ class ToolCall:
     arguments: str
 
 
-Fragment = Content | Reasoning | ToolCall
+@dataclass(frozen=True, slots=True)
+class ToolArguments:
+    """More of the arguments of the call ``index``, as the model writes them."""
+
+    index: int
+    text: str
+
+
+Fragment = Content | Reasoning | ToolCall | ToolArguments
 
 
 def merged(fragments: list[Fragment]) -> list[Fragment]:
-    """``fragments`` with neighbours of one kind (content, reasoning) joined."""
+    """``fragments`` with neighbours of one kind (content, reasoning, one call's arguments) joined."""
     out: list[Fragment] = []
     for fragment in fragments:
         last = out[-1] if out else None
@@ -44,6 +53,10 @@ def merged(fragments: list[Fragment]) -> list[Fragment]:
             out[-1] = Content(last.text + fragment.text)
         elif isinstance(fragment, Reasoning) and isinstance(last, Reasoning):
             out[-1] = Reasoning(last.text + fragment.text)
+        elif isinstance(fragment, ToolArguments) and isinstance(last, ToolCall) and last.index == fragment.index:
+            out[-1] = ToolCall(last.index, last.id, last.name, last.arguments + fragment.text)
+        elif isinstance(fragment, ToolArguments) and isinstance(last, ToolArguments) and last.index == fragment.index:
+            out[-1] = ToolArguments(last.index, last.text + fragment.text)
         else:
             out.append(fragment)
     return out

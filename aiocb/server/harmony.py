@@ -22,7 +22,16 @@ from collections.abc import Collection
 from typing import Any
 
 from aiocb.params import SamplingParams
-from aiocb.server.fragments import Content, Fragment, HiddenTexts, Reasoning, ToolCall, merged, partial_suffix
+from aiocb.server.fragments import (
+    Content,
+    Fragment,
+    HiddenTexts,
+    Reasoning,
+    ToolArguments,
+    ToolCall,
+    merged,
+    partial_suffix,
+)
 from aiocb.server.tools import ToolRequest, arguments_format
 from aiocb.structured import answer_format
 
@@ -168,6 +177,10 @@ class HarmonyOutput:
         #: ... of this function, with these arguments so far
         self._function = ""
         self._arguments: list[str] = []
+        #: a call to a function offered: its index once its first argument's text came (its
+        #: arguments stream from there), and whitespace at their end, held until more follows
+        self._call: int | None = None
+        self._held_space = ""
         #: the kinds of text ("reasoning", "content") messages gave so far
         self._wrote: set[str] = set()
         #: what goes before the message's first text: a line break after a message of its kind
@@ -287,28 +300,52 @@ class HarmonyOutput:
         if not text:
             return
         if self._kind == "call":
-            self._arguments.append(text)
+            self._call_text(text, out)
             return
         text, self._opening = self._opening + text, ""
         self._wrote.add(self._kind)
         out.append(Reasoning(text) if self._kind == "reasoning" else Content(text))
 
+    def _call_text(self, text: str, out: list[Fragment]) -> None:
+        """More of a call's body: to a function offered, its arguments, streamed from their
+        first text that is not whitespace (the call begins there; whitespace around them is
+        left out); to another, gathered for :meth:`_close`."""
+        assert self._functions is not None
+        if self._function not in self._functions:
+            self._arguments.append(text)
+            return
+        text = self._held_space + text
+        arguments = text.rstrip()
+        self._held_space = text[len(arguments) :]
+        if self._call is not None:
+            if arguments:
+                out.append(ToolArguments(self._call, arguments))
+            return
+        arguments = arguments.lstrip()
+        if not arguments:
+            self._held_space = ""
+            return
+        self._call = self.calls
+        out.append(ToolCall(self.calls, f"call_{uuid.uuid4().hex[:24]}", self._function, arguments))
+        self.calls += 1
+
     def _close(self, out: list[Fragment], *, cut: bool) -> None:
-        """The message read ends: a call's, its call (or, to a function not offered, its
-        body as content; cut at its length limit before any argument, nothing)."""
+        """The message read ends: a call's (its arguments streamed as they came), or one to
+        a function not offered, whose body is content; one with no arguments is a call of
+        none, or nothing when it was cut at its length limit."""
         if self._kind != "call":
             return
         name, arguments = self._function, "".join(self._arguments).strip()
-        self._arguments = []
+        began, self._call, self._held_space, self._arguments = self._call is not None, None, "", []
         self._kind, self._function = "content", ""
         assert self._functions is not None
         if name not in self._functions:
             if arguments:
                 out.append(Content(arguments))
             return
-        if cut and not arguments:
+        if began or cut:
             return
-        out.append(ToolCall(self.calls, f"call_{uuid.uuid4().hex[:24]}", name, arguments))
+        out.append(ToolCall(self.calls, f"call_{uuid.uuid4().hex[:24]}", name, ""))
         self.calls += 1
 
 

@@ -3,13 +3,19 @@
 Each parser reads one choice's text incrementally (:meth:`ToolCallParser.feed`, then
 :meth:`ToolCallParser.finish`) and returns :class:`Content` and :class:`ToolCall`
 fragments. Text that may still become a call is held back until it is decided, so a
-stream never shows the start of a call as content. A call that does not parse, or names
-a function the request did not offer, stays content: the client sees what the model
-wrote rather than a call it cannot make. An output of calls alone (``tool_choice``
-required or a named function, which its grammar enforces) has no content: a call cut
-short at the end by ``max_tokens`` is a call with the arguments written so far, as
-OpenAI returns one, or nothing where even its name was cut; one a stop string cut is
-dropped.
+stream never shows the start of a call as content. A call is decided by its head: once
+the model has written the name of a function the request offered and the opening brace
+of its arguments, it is a call, and its arguments stream as the model writes them (as
+OpenAI's do: a client may show them growing), in a stream and in a whole response alike;
+they are the model's text, JSON when the model wrote them whole. A call cut short (by
+``max_tokens`` or a stop string) keeps the arguments written so far. A call whose head
+is not written that way (its arguments given as a string, or before its name) is decided
+when it ends: one that does not parse, or names a function the request did not offer,
+stays content, so the client sees what the model wrote rather than a call it cannot
+make. An output of calls alone (``tool_choice`` required or a named function, which its
+grammar enforces) has no content: a call cut at its length limit before its arguments'
+brace is that function's with the arguments so far, or nothing where even its name was
+cut.
 
 Formats:
 
@@ -28,7 +34,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Collection
 from typing import Any, ClassVar
 
-from aiocb.server.fragments import Content, Fragment, HiddenTexts, ToolCall, partial_suffix
+from aiocb.server.fragments import Content, Fragment, HiddenTexts, ToolArguments, ToolCall, partial_suffix
 
 
 class ToolCallParser(ABC):
@@ -45,6 +51,8 @@ class ToolCallParser(ABC):
     separator: ClassVar[str] = "\n"
     #: whether the marker is a special token, so the text must keep special tokens
     needs_special_tokens: ClassVar[bool] = False
+    #: the marker that ends a call, where the format has one
+    end: ClassVar[str] = ""
 
     def __init__(
         self,
@@ -72,6 +80,8 @@ class ToolCallParser(ABC):
         self._space = ""
         #: ... and before what may be a call, held until that is decided (content if not)
         self._before_call = ""
+        #: the call being read, once its head decided it (streaming its arguments)
+        self._open: _OpenCall | None = None
 
     def feed(self, text: str) -> list[Fragment]:
         """The fragments ``text`` completes."""
@@ -81,6 +91,7 @@ class ToolCallParser(ABC):
             if self._in_call:
                 end = self._call_end(self._buffer)
                 if end is None:
+                    out += self._stream(self._buffer)
                     break
                 body, self._buffer = self._buffer[:end], self._buffer[end:]
                 self._in_call = False
@@ -124,9 +135,56 @@ class ToolCallParser(ABC):
         if stripped and not self.calls_only:
             out.append(Content(stripped))
 
+    def _stream(self, text: str) -> list[Fragment]:
+        """The call that ``text`` (the buffer, from the call's marker) begins, once its head
+        decides it, and then its arguments as far as ``text`` holds them (not the call's end
+        marker, nor what may begin it: arguments cut short there end before it)."""
+        if self.end:
+            text = text.removesuffix(self.end)
+            text = text[: len(text) - partial_suffix(text, self.end)]
+        out: list[Fragment] = []
+        while True:
+            call = self._open
+            if call is None:
+                head = self._head(text, 0) if self.parallel or not self.calls else None
+                if head is None or head[0] not in self.functions:
+                    return out
+                self._before_call = ""
+                call = self._open = _OpenCall(self.calls, head[1])
+                out.append(ToolCall(self.calls, f"call_{uuid.uuid4().hex[:24]}", head[0], ""))
+                self.calls += 1
+            arguments = call.read(text)
+            if arguments:
+                out.append(ToolArguments(call.index, arguments))
+            if call.end is None or not self.parallel:
+                return out
+            # (a format that writes several calls after one marker: the next one's head)
+            head = self._head(text, call.end)
+            if head is None or head[0] not in self.functions:
+                return out
+            call = self._open = _OpenCall(self.calls, head[1])
+            out.append(ToolCall(self.calls, f"call_{uuid.uuid4().hex[:24]}", head[0], ""))
+            self.calls += 1
+
+    def _head(self, text: str, at: int) -> tuple[str, int] | None:
+        """The name of the call whose head is at ``at`` of a call's text (at 0: the first
+        call's, at the end of a call's arguments: the next one's, where the format writes
+        several after one marker) and where its arguments' brace is; None if not (yet) one."""
+        if at:
+            return None
+        head = self._first_head.match(text)
+        return None if head is None else _head_name(head)
+
+    #: the first call's head (its name in group 1, quoted as a JSON string ...)
+    _first_head: ClassVar[re.Pattern[str]]
+
     def _calls(self, body: str, *, cut: bool = False) -> list[Fragment]:
         """The calls in one call's text (``cut``: the output's last, cut short by its length
         limit), or that text as content when it is not calls."""
+        streamed = self._stream(body)
+        if self._open is not None:
+            self._open = None
+            return streamed
         parsed = self.parse(body)
         if parsed is None and cut and self.calls_only:
             parsed = _cut_short(body)
@@ -143,7 +201,7 @@ class ToolCallParser(ABC):
         if not self.parallel:
             parsed = parsed[: max(0, 1 - self.calls)]
         calls: list[Fragment] = []
-        for name, arguments in parsed:
+        for name, arguments in parsed:  # (a call decided as it ends comes whole)
             calls.append(ToolCall(self.calls, f"call_{uuid.uuid4().hex[:24]}", name, arguments))
             self.calls += 1
         return calls
@@ -155,6 +213,61 @@ class ToolCallParser(ABC):
     @abstractmethod
     def parse(self, body: str) -> list[tuple[str, str]] | None:
         """``(name, arguments JSON)`` of each call in one call's text; None if it is not one."""
+
+
+class _OpenCall:
+    """A call decided by its head: its index, and its arguments' text as it is read."""
+
+    __slots__ = ("_depth", "_escaped", "_in_string", "_read", "end", "index")
+
+    def __init__(self, index: int, start: int) -> None:
+        self.index = index
+        #: where the arguments end in the call's text (past their closing brace), once read
+        self.end: int | None = None
+        self._read = start
+        self._depth = 0
+        self._in_string = self._escaped = False
+
+    def read(self, text: str) -> str:
+        """The arguments' text that ``text`` (the call's, from its marker) adds."""
+        start = self._read
+        if self.end is not None:
+            return ""
+        depth, in_string, escaped = self._depth, self._in_string, self._escaped
+        for i in range(start, len(text)):
+            char = text[i]
+            if in_string:
+                if escaped:
+                    escaped = False
+                elif char == "\\":
+                    escaped = True
+                elif char == '"':
+                    in_string = False
+            elif char == '"':
+                in_string = True
+            elif char in "{[":
+                depth += 1
+            elif char in "}]":
+                depth -= 1
+                if depth == 0:
+                    self.end = self._read = i + 1
+                    return text[start : i + 1]
+        self._depth, self._in_string, self._escaped, self._read = depth, in_string, escaped, len(text)
+        return text[start:]
+
+
+#: a call's JSON object up to its arguments' brace: its name (a JSON string, group 1) first
+_OBJECT_HEAD = r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*\{'
+
+
+def _head_name(head: re.Match[str]) -> tuple[str, int] | None:
+    """A head's function name (its first group, a JSON string) and where its arguments'
+    brace is."""
+    try:
+        name = json.loads(head.group(1))
+    except ValueError:  # (an invalid escape: no call to make of it)
+        return None
+    return name, head.end() - 1
 
 
 def _arguments(value: Any) -> str | None:
@@ -224,6 +337,7 @@ class HermesParser(ToolCallParser):
     start = "<tool_call>"
     end = "</tool_call>"
     xgrammar_format = "qwen_3"
+    _first_head = re.compile(r"<tool_call>\s*" + _OBJECT_HEAD.replace("|parameters", ""))
 
     def _call_end(self, text: str) -> int | None:
         # (a closing tag inside one of the call's JSON strings is an argument's text, which
@@ -250,6 +364,7 @@ class Llama3JsonParser(ToolCallParser):
     start = '{"name":'
     xgrammar_format = "llama"
     separator = "; "
+    _first_head = re.compile(_OBJECT_HEAD)
 
     def _call_end(self, text: str) -> int | None:
         end = _json_end(text, 0)
@@ -285,6 +400,22 @@ class MistralParser(ToolCallParser):
         "trigger": start,
     }
     needs_special_tokens = True
+    _first_head = re.compile(
+        r"\[TOOL_CALLS\]\s*(?:\[\s*" + _OBJECT_HEAD.replace("|parameters", "") + r"|([^\s\[{][^\[{]*?)\s*\[ARGS\]\s*\{)"
+    )
+    #: a call after another in the list form: the list's next object
+    _next_head = re.compile(r"\s*\}\s*,\s*" + _OBJECT_HEAD.replace("|parameters", ""))
+
+    def _head(self, text: str, at: int) -> tuple[str, int] | None:
+        if not at:
+            head = self._first_head.match(text)
+            if head is None:
+                return None
+            if head.group(2) is not None:  # (name[ARGS]{...})
+                return head.group(2).strip(), head.end() - 1
+            return _head_name(head)
+        head = self._next_head.match(text, at)
+        return None if head is None else _head_name(head)
 
     def _call_end(self, text: str) -> int | None:
         body = len(self.start)

@@ -23,7 +23,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedModel
 
 import aiocb
 from aiocb.server import build_app
-from aiocb.server.fragments import Content, Reasoning, ToolCall
+from aiocb.server.chat_output import MessageBuilder
+from aiocb.server.fragments import Content, Fragment, Reasoning, ToolArguments, ToolCall
 from aiocb.server.harmony import MARKERS, HarmonyOutput, harmony_constraint
 from aiocb.server.tools import ToolRequest
 from aiocb.structured import GrammarCompiler
@@ -137,6 +138,13 @@ def _body(offer: bool, **fields: Any) -> dict[str, Any]:
     return {"model": MODEL_NAME, "messages": QUESTION, "max_tokens": 100, **tools, **fields}
 
 
+def _calls(fragments: list[Fragment]) -> list[tuple[str, str]]:
+    """Each call's name and arguments, its fragments gathered as a response's message is."""
+    message = MessageBuilder(reasoning=True)
+    message.add(fragments)
+    return [(c["function"]["name"], c["function"]["arguments"]) for c in message.message().get("tool_calls", [])]
+
+
 async def _streamed(client: httpx.AsyncClient, body: dict[str, Any]) -> tuple[dict[str, Any], str | None, str]:
     """The message a stream's deltas make, its finish reason, and every delta's text."""
     message: dict[str, Any] = {"content": "", "reasoning_content": "", "tool_calls": []}
@@ -151,7 +159,12 @@ async def _streamed(client: httpx.AsyncClient, body: dict[str, Any]) -> tuple[di
             seen += json.dumps(delta)
             message["content"] += delta.get("content") or ""
             message["reasoning_content"] += delta.get("reasoning_content") or ""
-            message["tool_calls"] += [call["function"] for call in delta.get("tool_calls") or []]
+            for call in delta.get("tool_calls") or []:  # (a call's first delta names it, the next add arguments)
+                if "id" in call:
+                    assert call["index"] == len(message["tool_calls"])
+                    message["tool_calls"].append(dict(call["function"]))
+                else:
+                    message["tool_calls"][call["index"]]["arguments"] += call["function"]["arguments"]
             finish = choice["finish_reason"] or finish
     return message, finish, seen
 
@@ -355,7 +368,7 @@ def test_the_parser_reads_any_split_of_the_text(step: int) -> None:
     fragments += output.finish(cut=True)
     reasoning = "".join(getattr(f, "text", "") for f in fragments if type(f).__name__ == "Reasoning")
     content = "".join(getattr(f, "text", "") for f in fragments if type(f).__name__ == "Content")
-    calls = [(getattr(f, "name", ""), getattr(f, "arguments", "")) for f in fragments if type(f).__name__ == "ToolCall"]
+    calls = _calls(fragments)
     assert reasoning == 'Search first.\n{"q": "paris"}'
     assert content == "Checking."
     assert calls == [("get_weather", '{"city": "Paris"}'), ("get_weather", '{"city": "Li')]
@@ -399,7 +412,7 @@ def test_a_function_named_as_a_kind_of_text_is_called() -> None:
     output = HarmonyOutput(["content"])
     text = '<|channel|>commentary to=functions.content json<|message|>{"a": 1}<|call|>'
     fragments = output.feed(text) + output.finish()
-    assert [(f.name, f.arguments) for f in fragments if isinstance(f, ToolCall)] == [("content", '{"a": 1}')]
+    assert _calls(fragments) == [("content", '{"a": 1}')]
 
 
 def test_a_continued_reasoning_goes_on_as_reasoning() -> None:
@@ -429,8 +442,7 @@ def test_markers_in_json_strings_the_grammar_holds_are_text(step: int) -> None:
     )
     output = HarmonyOutput(["get_weather"], json_kinds={"call", "content"})
     fragments = [f for at in range(0, len(text), step) for f in output.feed(text[at : at + step])] + output.finish()
-    calls = [(f.name, f.arguments) for f in fragments if isinstance(f, ToolCall)]
-    assert calls == [("get_weather", '{"city": "a<|end|>\\"<|start|>b"}')]
+    assert _calls(fragments) == [("get_weather", '{"city": "a<|end|>\\"<|start|>b"}')]
     assert merged_text(fragments) == '{"sky": "<|return|>x"}'
 
 
@@ -576,3 +588,20 @@ def test_the_constraint_of_a_harmony_output(
 
     assert [text for text in accepted if not takes(text)] == []
     assert [text for text in refused if takes(text)] == []
+
+
+def test_a_call_s_arguments_stream_without_the_whitespace_around_them() -> None:
+    """A call to an offered function begins with its arguments' first text that is not
+    whitespace and streams from there; whitespace at their end is held, then left out."""
+    head = "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+    output = HarmonyOutput(["get_weather"])
+    assert output.feed(head + "  \n") == []
+    (call,) = output.feed('{"city":')
+    assert isinstance(call, ToolCall) and (call.name, call.arguments) == ("get_weather", '{"city":')
+    assert output.feed(" ") == []
+    assert output.feed('"Paris"} \n') == [ToolArguments(0, ' "Paris"}')]
+    assert output.feed(" <|call|>") == [] and output.finish() == []
+    # No arguments: a call of none, or nothing where the output was cut before them.
+    for cut, calls in ((False, [("get_weather", "")]), (True, [])):
+        empty = HarmonyOutput(["get_weather"])
+        assert _calls(empty.feed(head + " ") + empty.finish(cut=cut)) == calls

@@ -142,13 +142,18 @@ def test_streamed_tool_calls_reassemble_to_the_response(client: Any) -> None:
     }
     whole = client.chat.completions.create(**fields)
     calls: dict[tuple[int, int], dict[str, str]] = {}
+    pieces: dict[tuple[int, int], int] = {}
     finish: dict[int, str] = {}
     for chunk in client.chat.completions.create(stream=True, **fields):
         for choice in chunk.choices:
             for call in choice.delta.tool_calls or []:
-                entry = calls.setdefault((choice.index, call.index), {"name": "", "arguments": ""})
+                key = (choice.index, call.index)
+                # A call's first delta has its id, type and name; the next, more of its arguments.
+                assert (call.id is not None) == (call.function.name is not None) == (key not in calls)
+                entry = calls.setdefault(key, {"name": "", "arguments": ""})
                 entry["name"] += call.function.name or ""
                 entry["arguments"] += call.function.arguments or ""
+                pieces[key] = pieces.get(key, 0) + bool(call.function.arguments)
             if choice.finish_reason:
                 finish[choice.index] = choice.finish_reason
     expected = {
@@ -158,6 +163,35 @@ def test_streamed_tool_calls_reassemble_to_the_response(client: Any) -> None:
     }
     assert calls == expected
     assert finish == {choice.index: choice.finish_reason for choice in whole.choices}
+    # The arguments stream as the model writes them, not whole at the call's end.
+    assert all(count > 1 for count in pieces.values()), pieces
+
+
+def test_the_client_s_stream_helper_sees_arguments_grow(client: Any) -> None:
+    """openai's ``chat.completions.stream`` helper: argument delta events as they are
+    written, and a final completion equal to the response's."""
+    fields: dict[str, Any] = {
+        "model": MODEL,
+        "messages": MESSAGES,
+        "tools": TOOLS,
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "temperature": 1.0,
+        "seed": 7,
+        "max_tokens": 256,
+    }
+    whole = client.chat.completions.create(**fields)
+    growth: list[str] = []
+    with client.chat.completions.stream(**fields) as stream:
+        for event in stream:
+            if event.type == "tool_calls.function.arguments.delta":
+                assert event.name == "get_weather" and event.index == 0
+                growth.append(event.arguments_delta)
+        final = stream.get_final_completion()
+    (call,) = final.choices[0].message.tool_calls
+    ((expected),) = whole.choices[0].message.tool_calls
+    assert (call.function.name, call.function.arguments) == (expected.function.name, expected.function.arguments)
+    assert len(growth) > 1 and "".join(growth) == call.function.arguments
+    assert _validate(call)[0] == "get_weather"
 
 
 def test_a_tool_result_turn_and_the_next_call(client: Any) -> None:

@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 import random
 import re
+from unittest.mock import ANY
 
 import pytest
 
 from aiocb.server.chat_output import ChoiceOutput, MessageBuilder, delta
-from aiocb.server.fragments import Content, Fragment, HiddenTexts, Reasoning, ToolCall
+from aiocb.server.fragments import Content, Fragment, HiddenTexts, Reasoning, ToolArguments, ToolCall
 from aiocb.server.reasoning import ReasoningSplitter, prompt_opens_thinking
 from aiocb.server.tool_parsers import (
     HermesParser,
@@ -40,12 +41,18 @@ def _cuts(text: str, rng: random.Random) -> list[str]:
     return pieces
 
 
+def _calls(fragments: list[Fragment]) -> list[tuple[str, str]]:
+    """Each call's name and arguments, its fragments gathered as a response's message is."""
+    message = MessageBuilder(reasoning=False)
+    message.add(fragments)
+    return [(c["function"]["name"], c["function"]["arguments"]) for c in message.message().get("tool_calls", [])]
+
+
 def _summary(fragments: list[Fragment]) -> tuple[str, str, list[tuple[str, dict[str, object]]]]:
     """(content, reasoning, calls) with call ids left out (they are fresh per parse)."""
     content = "".join(f.text for f in fragments if isinstance(f, Content))
     reasoning = "".join(f.text for f in fragments if isinstance(f, Reasoning))
-    calls = [(f.name, json.loads(f.arguments)) for f in fragments if isinstance(f, ToolCall)]
-    return content, reasoning, calls
+    return content, reasoning, [(name, json.loads(arguments)) for name, arguments in _calls(fragments)]
 
 
 def _parse_every_way(
@@ -224,8 +231,13 @@ def test_stream_deltas_reassemble_to_the_message() -> None:
     message = builder.message()
     deltas = [delta(f) for f in fragments]
     assert "".join(d.get("content", "") for d in deltas) == message["content"] == "Hi."
-    calls = [c for d in deltas for c in d.get("tool_calls", [])]
-    assert [{k: v for k, v in c.items() if k != "index"} for c in calls] == message["tool_calls"]
+    calls: list[dict[str, object]] = []
+    for part in [c for d in deltas for c in d.get("tool_calls", [])]:  # (as a client gathers them)
+        if "id" in part:
+            calls.append({k: v for k, v in part.items() if k != "index"} | {"function": dict(part["function"])})
+        else:
+            calls[part["index"]]["function"]["arguments"] += part["function"]["arguments"]
+    assert calls == message["tool_calls"]
     assert message["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 1}'}
     only_calls = MessageBuilder(reasoning=True)
     only_calls.add([f for f in fragments if isinstance(f, ToolCall)])
@@ -265,9 +277,9 @@ def test_an_output_of_calls_alone_has_no_content_and_its_cut_call_keeps_what_was
     parser: type[ToolCallParser],
 ) -> None:
     """``tool_choice`` required or a named function: the last call cut short by
-    ``max_tokens`` is a call with the arguments written so far (whole, when only its closing
-    markup was cut); cut before them, nothing; cut by a stop string, nothing; never the
-    call's text as content."""
+    ``max_tokens`` or a stop string is a call with the arguments written so far (whole, when
+    only its closing markup was cut); cut before its name, nothing; never the call's text
+    as content."""
     call = ONE_CALL[parser]
     cut = call[: call.index("Paris")]  # (inside the arguments)
     rng = random.Random(3)
@@ -275,26 +287,79 @@ def test_an_output_of_calls_alone_has_no_content_and_its_cut_call_keeps_what_was
     def calls_of(text: str, *, length: bool = True) -> list[tuple[str, str]]:
         fragments = _run(ChoiceOutput(None, parser(FUNCTIONS, calls_only=True)), _cuts(text, rng), cut=length)
         assert not any(isinstance(f, Content) for f in fragments)
-        return [(f.name, f.arguments) for f in fragments if isinstance(f, ToolCall)]
+        return _calls(fragments)
 
     for _ in range(5):
         first, second = calls_of(call + parser.separator + cut)
         assert first[0] == "get_weather" and json.loads(first[1]) == {"city": "Paris"}
         assert second == ("get_weather", '{"city": "')
         assert calls_of(call[: call.index("get_we")]) == []  # (its name cut short)
-        assert calls_of(cut, length=False) == []  # (a stop string ended it)
+        assert calls_of(cut, length=False) == [("get_weather", '{"city": "')]  # (a stop string ended it)
         ((name, arguments),) = calls_of(call[: call.index("}") + 1])  # (its closing markup cut)
         assert name == "get_weather" and json.loads(arguments) == {"city": "Paris"}
     # A named function's call cut before its arguments (or its marker) is that function's,
     # with no arguments written, as OpenAI's; not when a stop string cut it.
     for text in (call[: call.index("get_we")], call[:1], ""):
         fragments = _run(ChoiceOutput(None, parser(FUNCTIONS, forced="get_weather")), _cuts(text, rng), cut=True)
-        assert [(f.name, f.arguments) for f in fragments if isinstance(f, ToolCall)] == [("get_weather", "")]
+        assert _calls(fragments) == [("get_weather", "")]
         assert not any(isinstance(f, Content) for f in fragments)
-    forced = _run(ChoiceOutput(None, parser(FUNCTIONS, forced="get_weather")), [cut], cut=False)
+    forced = _run(ChoiceOutput(None, parser(FUNCTIONS, forced="get_weather")), [call[:5]], cut=False)
     assert not any(isinstance(f, ToolCall | Content) for f in forced)
-    # Where text beside calls is allowed, a call cut short stays text.
-    assert _summary(_run(ChoiceOutput(None, parser(FUNCTIONS)), [cut]))[0] == cut.strip()
+    # Where text beside calls is allowed, a call cut short is a call too, once its head was written.
+    assert _run(ChoiceOutput(None, parser(FUNCTIONS)), [cut]) == [ToolCall(0, ANY, "get_weather", '{"city": "')]
     message = MessageBuilder(reasoning=False, calls_only=True)
     message.add(_run(ChoiceOutput(None, parser(FUNCTIONS, calls_only=True)), [call[:5]]))
     assert message.message() == {"role": "assistant", "content": None}
+
+
+@pytest.mark.parametrize("parser", list(ONE_CALL))
+def test_a_call_s_arguments_stream_as_they_are_written(parser: type[ToolCallParser]) -> None:
+    """Once the head (an offered function's name, then its arguments' brace) is written, the
+    call begins and its arguments come with each piece of text, before the call's end."""
+    call = ONE_CALL[parser]
+    output = ChoiceOutput(None, parser(FUNCTIONS))
+    head_end = call.index('{"city"') + 1
+    assert output.feed(call[: head_end - 1]) == []  # (no brace yet: not decided)
+    (head,) = output.feed(call[head_end - 1 : head_end])
+    assert isinstance(head, ToolCall) and (head.index, head.name, head.arguments) == (0, "get_weather", "{")
+    grown = [output.feed(char) for char in '"city": "Par']
+    assert grown == [[ToolArguments(0, char)] for char in '"city": "Par']
+    rest = output.feed(call[call.index("Par") + 3 :]) + output.finish()
+    assert _calls([head, *(f for pieces in grown for f in pieces), *rest]) == [("get_weather", '{"city": "Paris"}')]
+
+
+def test_mistral_s_list_streams_each_call_and_stops_at_the_first_without_parallel() -> None:
+    text = (
+        '[TOOL_CALLS][{"name": "add", "arguments": {"a": [1, {"b": "}]"}]}}, {"name": "get_weather", "arguments": {}}]'
+    )
+    output = ChoiceOutput(None, MistralParser(FUNCTIONS))
+    fragments = [f for char in text for f in output.feed(char)] + output.finish()
+    heads = [f for f in fragments if isinstance(f, ToolCall)]
+    assert [(h.index, h.name) for h in heads] == [(0, "add"), (1, "get_weather")]
+    assert _calls(fragments) == [("add", '{"a": [1, {"b": "}]"}]}'), ("get_weather", "{}")]
+    single = ChoiceOutput(None, MistralParser(FUNCTIONS, parallel=False))
+    assert _calls(single.feed(text) + single.finish()) == [("add", '{"a": [1, {"b": "}]"}]}')]
+
+
+@pytest.mark.parametrize(
+    ("text", "calls"),
+    [
+        # what follows a decided call's arguments inside it is no part of them
+        ('<tool_call>{"name": "add", "arguments": {"a": 1}, oops</tool_call>', [("add", '{"a": 1}')]),
+        # a closing tag before the arguments end: the call keeps what was written
+        ('<tool_call>{"name": "add", "arguments": {"a": </tool_call>', [("add", '{"a": ')]),
+        # a head written otherwise is decided at the call's end, as a whole call
+        ('<tool_call>{"arguments": {"a": 2}, "name": "add"}</tool_call>', [("add", '{"a": 2}')]),
+        ('<tool_call>{"name": "add", "arguments": "{\\"a\\": 3}"}</tool_call>', [("add", '{"a": 3}')]),
+        # no second call where calls are not parallel
+        ('<tool_call>{"name": "add", "arguments": {}}</tool_call><tool_call>{"name": "add", "arguments": {}}', []),
+    ],
+)
+def test_hermes_calls_decided_by_their_head_or_at_their_end(text: str, calls: list[tuple[str, str]]) -> None:
+    rng = random.Random(5)
+    parallel = bool(calls)
+    for pieces in ([text], list(text), _cuts(text, rng)):
+        output = ChoiceOutput(None, HermesParser(FUNCTIONS, parallel=parallel))
+        fragments = _run(output, pieces)
+        assert _calls(fragments) == (calls or [("add", "{}")])
+        assert not any(isinstance(f, Content) for f in fragments)
