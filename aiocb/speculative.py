@@ -76,7 +76,8 @@ class SpeculativeConfig:
     #: costs only its verification), 4 for ``"draft"`` (each proposed token is also a pass
     #: of the draft model)
     num_speculative_tokens: int | None = None
-    #: the shortest and longest suffix of the request that is looked up
+    #: the shortest and longest suffix of the request that is looked up (at most
+    #: :data:`MOST_LOOKUP_LENGTH`: each length is indexed at every position of a request)
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     #: no speculation while more than this many requests run, decoding or computing their
@@ -115,6 +116,11 @@ class SpeculativeConfig:
             raise InvalidConfigError(
                 f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max ({self.prompt_lookup_max})"
             )
+        if self.prompt_lookup_max > MOST_LOOKUP_LENGTH:
+            raise InvalidConfigError(
+                f"prompt_lookup_max must be <= {MOST_LOOKUP_LENGTH} (every length up to it is indexed at each "
+                f"position of every request, in host memory and time), got {self.prompt_lookup_max}"
+            )
         size = self.disable_by_batch_size
         if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
             raise InvalidConfigError(f"disable_by_batch_size must be an int >= 1 or None, got {size!r}")
@@ -133,6 +139,10 @@ class SpeculativeConfig:
 
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(SpeculativeConfig)}
+#: the longest suffix prompt lookup may look up: an index of a 32,768-token request holds
+#: an n-gram per position and length (about 150 bytes each: at 16, 70 MiB), and vLLM's
+#: and transformers' defaults are 5 and less
+MOST_LOOKUP_LENGTH = 16
 
 
 def load_draft_model(config: SpeculativeConfig | None, target: PreTrainedModel) -> PreTrainedModel | None:
@@ -395,13 +405,14 @@ class NgramProposer(Acceptance):
 
     For each ``n`` the index maps an n-gram to the position just after its latest
     occurrence; adding a token looks the new suffix up before recording it, so a
-    proposal always comes from an *earlier* occurrence. Indexing costs about a microsecond
-    per token per ``n``; the caller bounds how many tokens a step indexes in all
-    (:meth:`propose`'s ``budget``), so a long prompt is caught up over several steps and
-    proposes nothing until then.
+    proposal always comes from an *earlier* occurrence. Indexing a token costs about
+    0.12 microseconds per token of its n-grams (``n`` for each length ``n`` looked up: the
+    n-gram is made and hashed); the caller bounds how many such tokens a step indexes in
+    all (:meth:`propose`'s ``budget``), so a long prompt is caught up over several steps
+    and proposes nothing until then.
     """
 
-    __slots__ = ("_index", "_indexed", "_next")
+    __slots__ = ("_index", "_index_cost", "_indexed", "_next")
 
     def __init__(self, config: SpeculativeConfig, verify_cost: float = 1.0) -> None:
         super().__init__(config, verify_cost=verify_cost)
@@ -411,11 +422,14 @@ class NgramProposer(Acceptance):
         ]
         #: per n, where the continuation of the current suffix starts (-1: not seen before)
         self._next = [-1] * len(self._index)
+        #: what indexing a token costs: the tokens of its n-grams
+        self._index_cost = sum(range(config.prompt_lookup_min, config.prompt_lookup_max + 1))
 
     def propose(self, tokens: list[int], k: int, budget: int) -> tuple[list[int], int]:
         """Up to ``k`` tokens that may follow ``tokens`` (empty: nothing to propose), indexing
-        at most ``budget`` new tokens first; and how many it indexed."""
-        indexed = self._catch_up(tokens, budget)
+        n-grams of at most ``budget`` tokens in all first (a token's at least, while any is
+        left); and how many that took."""
+        indexed = self._catch_up(tokens, -(-budget // self._index_cost)) * self._index_cost
         if self._indexed < len(tokens):
             return [], indexed  # (still catching up: not a failed proposal)
         if not self.ready():

@@ -346,7 +346,8 @@ def test_a_proposer_narrows_after_failures_backs_off_then_widens_after_a_whole_a
     config = aiocb.SpeculativeConfig(num_speculative_tokens=4, min_acceptance=0.5, backoff_steps=3)
     proposer = NgramProposer(config)
     tokens = [7, 8, 1, 2, 3, 4, 5, 6, 7, 8]  # (its suffix 7, 8 occurred before: 1, 2, 3, ... follows)
-    assert proposer.propose(tokens, 8, budget=100) == ([1, 2, 3, 4], len(tokens))  # (k, not the room)
+    # (k, not the room; a token costs its n-grams' tokens: 2 + 3 + 4)
+    assert proposer.propose(tokens, 8, budget=100) == ([1, 2, 3, 4], 9 * len(tokens))
     proposer.record(4, 0)  # a failed proposal: one token fewer (acceptance 1.0 -> 0.7)
     assert proposer.propose(tokens, 8, budget=100)[0] == [1, 2, 3]
     proposer.record(3, 1)  # 0.59: one fewer again
@@ -599,6 +600,21 @@ def test_the_default_proposal_length_depends_on_the_method() -> None:
     assert aiocb.SpeculativeConfig.from_dict({"num_speculative_tokens": 5}).num_speculative_tokens == 5
 
 
+def test_prompt_lookup_indexes_a_bounded_number_of_n_gram_tokens_a_step() -> None:
+    """A step's budget counts the tokens of the n-grams indexed: with lengths 1 to 16 a
+    token costs 136 (counted by tokens, a step with long lengths indexed for seconds)."""
+    from aiocb.speculative import NgramProposer
+
+    proposer = NgramProposer(aiocb.SpeculativeConfig(prompt_lookup_min=1, prompt_lookup_max=16))
+    tokens = list(range(1000)) * 2
+    assert proposer.propose(tokens, 8, budget=9 * 1024) == ([], 68 * 136)  # (catching up)
+    assert proposer.propose(tokens, 8, budget=1) == ([], 136)  # (a token at least, while any is left)
+    assert proposer.propose(tokens, 8, budget=0) == ([], 0)
+    while not proposer.propose(tokens, 8, budget=9 * 1024)[0]:
+        pass
+    assert proposer.propose([*tokens, 0], 8, budget=9 * 1024)[0] == list(range(1, 9))
+
+
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
@@ -608,6 +624,7 @@ def test_the_default_proposal_length_depends_on_the_method() -> None:
         ({"method": "eagle"}, "speculative method"),
         ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"prompt_lookup_min": 5, "prompt_lookup_max": 3}, "prompt_lookup_min"),
+        ({"prompt_lookup_max": 17}, "prompt_lookup_max must be <= 16"),
         ({"disable_by_batch_size": 0}, "disable_by_batch_size"),
         ({"min_acceptance": 2.0}, "min_acceptance"),
         ({"min_acceptance": True}, "min_acceptance"),
