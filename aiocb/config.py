@@ -340,8 +340,24 @@ def _is_transformers_config(value: Any) -> bool:
 
 
 def _check_compile_values(name: str, arguments: dict[str, Any]) -> None:
-    """The ``mode`` and named ``backend`` of ``torch.compile`` arguments, checked now (else
-    the start fails on them, in torch's words)."""
+    """``torch.compile`` arguments' values, checked now (else the start, or the first step,
+    fails on them in torch's words, or in words that blame the model)."""
+    for key, kinds, what in (
+        ("fullgraph", (bool,), "a bool"),
+        ("dynamic", (bool, type(None)), "a bool or None"),
+        ("disable", (bool,), "a bool"),
+        ("options", (dict, type(None)), "a dict or None"),
+    ):
+        if key in arguments and not isinstance(arguments[key], kinds):
+            raise InvalidConfigError(f"{name}'s {key} must be {what}, got {arguments[key]!r}")
+    if arguments.get("fullgraph"):
+        raise InvalidConfigError(
+            f"{name}'s fullgraph must be false: aiocb's paged attention runs outside the compiled graph "
+            "(its per-step metadata is Python), so a model's forward pass is never one whole graph"
+        )
+    backend = arguments.get("backend")
+    if backend is not None and not isinstance(backend, str) and not callable(backend):
+        raise InvalidConfigError(f"{name}'s backend must be a backend's name or a callable, got {backend!r}")
     mode = arguments.get("mode")
     if mode is not None:
         from torch._inductor import list_mode_options
@@ -349,7 +365,6 @@ def _check_compile_values(name: str, arguments: dict[str, Any]) -> None:
         modes = list_mode_options()
         if mode not in modes:
             raise InvalidConfigError(f"{name}'s mode must be one of {', '.join(modes)}, got {mode!r}")
-    backend = arguments.get("backend")
     if isinstance(backend, str):
         from torch._dynamo import list_backends
 

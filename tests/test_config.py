@@ -100,6 +100,40 @@ def test_a_compile_mode_or_backend_torch_lacks_is_refused_when_the_config_is_mad
     ContinuousBatchingConfig(decode_compile_config={"mode": "max-autotune-no-cudagraphs", "backend": "inductor"})
 
 
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"fullgraph": True}, "fullgraph must be false: aiocb's paged attention runs outside the compiled graph"),
+        ({"fullgraph": "no"}, "fullgraph must be a bool, got 'no'"),
+        ({"dynamic": "yes"}, "dynamic must be a bool or None, got 'yes'"),
+        ({"disable": 1}, "disable must be a bool, got 1"),
+        ({"options": 5}, "options must be a dict or None, got 5"),
+        ({"backend": 5}, "backend must be a backend's name or a callable, got 5"),
+    ],
+)
+def test_compile_arguments_of_the_wrong_kind_are_refused_naming_them(arguments: dict[str, Any], message: str) -> None:
+    """Each failed only once the model ran (fullgraph killed the engine at its first step,
+    blaming the model), or as the engine started, in torch's words."""
+    for name in ("varlen_compile_config", "decode_compile_config"):
+        with pytest.raises(InvalidConfigError, match=f"{name}'s {message}"):
+            ContinuousBatchingConfig(**{name: arguments})
+
+
+async def test_a_compile_backend_s_failure_is_reported_in_its_own_words() -> None:
+    """torch.compile failing at the first step is not the model's failure (it was blamed:
+    "the model is not supported")."""
+    from tests.conftest import tiny_llama
+
+    def broken(graph: Any, inputs: Any) -> Any:
+        raise RuntimeError("this backend fails")
+
+    config = ContinuousBatchingConfig(page_size=16, num_blocks=16, varlen_compile_config={"backend": broken})
+    async with aiocb.Manager(tiny_llama(), continuous_batching_config=config) as manager:
+        with pytest.raises(aiocb.EngineDeadError, match="BackendCompilerFailed") as failed:
+            await manager.generate([1, 2, 3], max_new_tokens=2)
+    assert "not supported" not in str(failed.value)
+
+
 def test_the_config_is_exported() -> None:
     assert aiocb.ContinuousBatchingConfig is ContinuousBatchingConfig
 
@@ -331,10 +365,10 @@ def test_use_default_compile_configs_sets_the_compile_level_as_transformers_does
 def test_a_transformers_compile_config_is_taken_as_its_torch_compile_arguments() -> None:
     from transformers import CompileConfig
 
-    config = ContinuousBatchingConfig(decode_compile_config=CompileConfig(mode="max-autotune", fullgraph=True))
+    config = ContinuousBatchingConfig(decode_compile_config=CompileConfig(mode="max-autotune", dynamic=False))
     assert config.decode_compile_config == {
-        "fullgraph": True,
-        "dynamic": None,
+        "fullgraph": False,
+        "dynamic": False,
         "backend": "inductor",
         "mode": "max-autotune",
         "options": None,

@@ -60,6 +60,29 @@ def test_more_new_tokens_than_the_context_holds_are_refused(capsys: pytest.Captu
     assert "--max-new-tokens 3000 does not fit the model's context of 1024 tokens" in error, error
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--device", "mps"], "aiocb demo: --device must be cpu, cuda or cuda:N, got 'mps'"),
+        (["--device", "meta"], "aiocb demo: --device must be cpu, cuda or cuda:N, got 'meta'"),
+        (["--device", "auto"], "aiocb demo: --device must be cpu, cuda or cuda:N, got 'auto'"),
+        (["--seed", str(2**64)], f"argument --seed: must be in [-2**63, 2**64), got {2**64}"),
+    ],
+)
+def test_a_bad_device_or_seed_is_one_line_naming_it(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each ran into a traceback: a device torch knows but aiocb does not run on, a seed
+    out of range."""
+    try:
+        status = main(["demo", "--plain", "--requests", "1", *argv])
+    except SystemExit as exit:  # (argparse's own refusal)
+        status = exit.code
+    assert status == 2
+    error = capsys.readouterr().err
+    assert message in error and "Traceback" not in error, error
+
+
 def test_live_view_redraws_slots_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("NO_COLOR", raising=False)
     out = io.StringIO()

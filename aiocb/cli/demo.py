@@ -33,6 +33,7 @@ import torch
 
 import aiocb
 from aiocb import Manager
+from aiocb.cli.serve import device_problems
 from aiocb.default_model import load_default_model
 
 #: Openings of Python code for the model to continue.
@@ -73,6 +74,14 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _seed(text: str) -> int:
+    """``--seed``: a request's seed, an int in [-2**63, 2**64)."""
+    value = int(text)
+    if not -(2**63) <= value < 2**64:
+        raise argparse.ArgumentTypeError(f"must be in [-2**63, 2**64), got {value}")
+    return value
+
+
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the flags of ``aiocb demo`` to ``parser``."""
     parser.add_argument("--requests", type=_positive_int, default=24, help="requests to generate (default 24)")
@@ -87,7 +96,7 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
         "and this, so that requests end at different times",
     )
     parser.add_argument("--device", default="cpu", help="torch device to run on: cpu (default), cuda, cuda:1, ...")
-    parser.add_argument("--seed", type=int, default=0, help="seeds the prompt order and the sampling (default 0)")
+    parser.add_argument("--seed", type=_seed, default=0, help="seeds the prompt order and the sampling (default 0)")
     parser.add_argument(
         "--plain",
         action="store_true",
@@ -173,13 +182,11 @@ def _jobs(args: argparse.Namespace) -> list[_Job]:
 
 
 async def _demo(args: argparse.Namespace, out: TextIO, *, live: bool) -> int:
-    try:
-        device = torch.device(args.device)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError("CUDA is not available on this machine")
-    except RuntimeError as exc:
-        print(f"aiocb demo: bad --device {args.device!r}: {exc}", file=sys.stderr)
+    problems = device_problems(args.device, choices="cpu, cuda or cuda:N")
+    if problems:
+        print(f"aiocb demo: {problems[0]}", file=sys.stderr)
         return 2
+    device = torch.device(args.device)
     loading = time.perf_counter()
     try:
         model, tokenizer = load_default_model(device, path=args.model)

@@ -406,7 +406,7 @@ def flag_problems(args: argparse.Namespace) -> list[str]:
         )
     # (replicas on a cluster run where its GPUs are, not on this machine)
     if args.device != "auto" and (args.replicas is None or args.ray_address is None):
-        problems += _device_problems(args.device)
+        problems += device_problems(args.device)
     return problems
 
 
@@ -459,13 +459,13 @@ def device_of(name: str) -> torch.device | None:
     return device if device.type in ("cpu", "cuda") else None
 
 
-def _device_problems(name: str) -> list[str]:
-    """Why ``--device NAME`` cannot run here (empty: it can)."""
+def device_problems(name: str, choices: str = "auto, cpu, cuda or cuda:N") -> list[str]:
+    """Why ``--device NAME`` cannot run here (empty: it can); ``choices`` say what it may be."""
     import torch
 
     device = device_of(name)
     if device is None:
-        return [f"--device must be auto, cpu, cuda or cuda:N, got {name!r}"]
+        return [f"--device must be {choices}, got {name!r}"]
     if device.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:

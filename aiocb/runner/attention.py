@@ -432,7 +432,7 @@ def forward(
                 **{METADATA_KWARG: metadata},
             )
     except Exception as exc:
-        if probe is None or probe.calls or probe.unpassed:
+        if probe is None or probe.calls or probe.unpassed or _compiling_failed(exc):
             raise
         # (no layer reached aiocb's attention: the model's own failed on aiocb's inputs)
         raise probe.outside(model, f"its first pass failed: {exc!r}") from exc
@@ -443,6 +443,13 @@ def forward(
         _PROBED.add(model)
     logits: torch.Tensor = output.logits[0]
     return logits
+
+
+def _compiling_failed(exc: Exception) -> bool:
+    """Whether ``exc`` is torch.compile's own failure (not the model's: it comes in its words)."""
+    from torch._dynamo.exc import TorchDynamoException
+
+    return isinstance(exc, TorchDynamoException)
 
 
 def _name(model: Any) -> str:
