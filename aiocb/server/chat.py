@@ -309,7 +309,8 @@ class ChatCompletion:
         hidden = ctx.special_texts if self.hides_special else ()
         if ctx.harmony:  # (a continued message's body goes on)
             functions = None if self.tools is None else self.tools.names
-            return HarmonyOutput(functions, hidden, harmony_inside(self.request), self.json_kinds)
+            forced = self.tools.choice if self.tools is not None and self.tools.forced else None
+            return HarmonyOutput(functions, hidden, harmony_inside(self.request), self.json_kinds, forced)
         reasoning = ReasoningSplitter(starts_inside=self.opens_thinking) if ctx.reasoning else None
         tools = None
         if self.tools is not None:

@@ -156,8 +156,12 @@ class HarmonyOutput:
         hidden: Collection[str] = (),
         inside: str | None = None,
         json_kinds: Collection[str] = (),
+        forced: str | None = None,
     ) -> None:
         self._functions = None if functions is None else frozenset(functions)
+        #: the function ``tool_choice`` names, if it names one: an output cut at its length
+        #: limit before its call's arguments is that call, with none written (as OpenAI's)
+        self._forced = forced
         #: the kinds of message ("call", "content") whose bodies a grammar holds to JSON: a
         #: marker's text inside one of its strings is the string's, not the body's end
         self._json_kinds = frozenset(json_kinds)
@@ -232,6 +236,9 @@ class HarmonyOutput:
             self._begin("content")
             self._body(self._buffer, out)
         self._buffer = ""
+        if cut and self._forced is not None and not self.calls:
+            out.append(ToolCall(self.calls, f"call_{uuid.uuid4().hex[:24]}", self._forced, ""))
+            self.calls += 1
         return merged(out)
 
     def _begin(self, kind: str, function: str = "") -> None:

@@ -425,7 +425,8 @@ class MistralParser(ToolCallParser):
             return _json_end(text, offset)
         marker = rest.find(self.args)
         brace = rest.find("{")
-        if marker >= 0:
+        # (a marker after the brace is a later call's: this one is name{...})
+        if marker >= 0 and (brace < 0 or marker < brace):
             return _json_end(text, offset + marker + len(self.args))
         if brace > 0:
             return _json_end(text, offset + brace)

@@ -605,3 +605,19 @@ def test_a_call_s_arguments_stream_without_the_whitespace_around_them() -> None:
     for cut, calls in ((False, [("get_weather", "")]), (True, [])):
         empty = HarmonyOutput(["get_weather"])
         assert _calls(empty.feed(head + " ") + empty.finish(cut=cut)) == calls
+
+
+def test_a_named_function_s_call_cut_before_its_arguments_is_that_call() -> None:
+    """As the other formats' (and OpenAI's): ``max_tokens`` ending the output in the call's
+    header, or before its first argument, gives the named function's call with none."""
+    head = (
+        "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>commentary "
+        "to=functions.get_weather <|constrain|>json<|message|>"
+    )
+    for text in (head, head + " ", head[:-20], "<|chan", ""):
+        output = HarmonyOutput(["get_weather"], forced="get_weather")
+        assert _calls(output.feed(text) + output.finish(cut=True)) == [("get_weather", "")], text
+        stopped = HarmonyOutput(["get_weather"], forced="get_weather")
+        assert _calls(stopped.feed(text) + stopped.finish()) == ([("get_weather", "")] if text.startswith(head) else [])
+    whole = HarmonyOutput(["get_weather"], forced="get_weather")
+    assert _calls(whole.feed(head + '{"city": "Pa') + whole.finish(cut=True)) == [("get_weather", '{"city": "Pa')]

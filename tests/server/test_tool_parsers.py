@@ -363,3 +363,10 @@ def test_hermes_calls_decided_by_their_head_or_at_their_end(text: str, calls: li
         fragments = _run(output, pieces)
         assert _calls(fragments) == (calls or [("add", "{}")])
         assert not any(isinstance(f, Content) for f in fragments)
+
+
+def test_mistral_s_brace_form_before_an_args_form_call_is_read_however_split() -> None:
+    """The ``[ARGS]`` of a later call is not this one's (read whole, the first call's end was
+    looked for after it, and both calls were content)."""
+    text = '[TOOL_CALLS]get_weather{"city": "Paris"}[TOOL_CALLS]add[ARGS]{"a": 1}'
+    assert _parse_every_way(MistralParser, text) == ("", "", [("get_weather", {"city": "Paris"}), ("add", {"a": 1})])
