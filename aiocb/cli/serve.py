@@ -399,6 +399,8 @@ def flag_problems(args: argparse.Namespace) -> list[str]:
     for flag, value, fine, wanted in checks:
         if not fine or (isinstance(value, float) and not math.isfinite(value)):
             problems.append(f"{flag} must be {wanted}, got {value}")
+    if args.api_key is not None and not args.api_key.strip():
+        problems.append("--api-key (or $AIOCB_API_KEY) is empty: give a key, or leave both unset for no key")
     if getattr(args, "cb_return_logprobs", False):
         problems.append(
             "--return-logprobs is the library's default for requests that do not say; a server's requests "

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from aiocb.cli.serve import DTYPES, MAX_TORCH_THREADS, chat_template_problem, device_of
 from aiocb.config import ContinuousBatchingConfig, as_config
 from aiocb.errors import InvalidConfigError
+from aiocb.server.app import check_api_key
 from aiocb.server.harmony import REASONING_PARSER, TOOL_CALL_PARSER
 from aiocb.server.limits import ServerLimits
 from aiocb.server.reasoning import ReasoningSplitter
@@ -76,6 +77,7 @@ class ReplicaOptions:
             problem = chat_template_problem(self.chat_template)
             if problem is not None:
                 raise InvalidConfigError(f"chat_template: {problem}")
+        check_api_key(self.api_key)
         if self.dtype not in DTYPES:
             raise InvalidConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         tool_parsers = (*PARSERS, TOOL_CALL_PARSER)

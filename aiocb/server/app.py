@@ -28,6 +28,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from aiocb.engine.turns import release, release_slices
+from aiocb.errors import InvalidConfigError
 from aiocb.server.bodies import JSONBody, encode
 from aiocb.server.chat import ChatCompletion, PreparedChat, constrain_answer, prepare_chat
 from aiocb.server.completions import Completion, PreparedCompletion, prepare_completion
@@ -56,6 +57,14 @@ from aiocb.server.tools import parse_tools, template_messages
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+def check_api_key(api_key: object, name: str = "api_key") -> None:
+    """A key requests must give, or None for none: an empty one is refused (taken as none,
+    an empty ``$AIOCB_API_KEY`` would leave the server open without a word)."""
+    if api_key is not None and (not isinstance(api_key, str) or not api_key.strip()):
+        given = "an empty string" if isinstance(api_key, str) else type(api_key).__name__
+        raise InvalidConfigError(f"{name} must be a key that is not empty, or None for no key; got {given}")
 
 
 def build_app(
@@ -92,6 +101,7 @@ def build_app(
     ``replica`` labels every ``/metrics`` series (one of several replicas of the model
     behind one route).
     """
+    check_api_key(api_key)
     limits = limits or ServerLimits()
     tool_parser, reasoning, harmony = chat_parsers_of(tokenizer, tool_call_parser, reasoning_parser)
     metrics = ServerMetrics(manager, model_name, replica)

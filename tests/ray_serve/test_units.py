@@ -333,6 +333,8 @@ async def test_closing_the_forwarded_response_cancels_the_request_and_frees_its_
         ({"chat_template": 5}, "chat_template must be the template's text, got 5"),
         ({"chat_template": "{% if %}"}, "chat_template: not a Jinja template transformers can compile"),
         ({"chat_template": " "}, "chat_template: the template is empty"),
+        ({"api_key": ""}, "api_key must be a key that is not empty, or None for no key; got an empty string"),
+        ({"api_key": 5}, "api_key must be a key that is not empty, or None for no key; got int"),
         # (the bundled model's template is no harmony: checked here, not by every replica)
         ({"reasoning_parser": "openai_gptoss"}, "'openai_gptoss' parser reads gpt-oss's harmony format"),
         # (each replica sees the GPUs Ray gives it alone, numbered from 0)
@@ -573,6 +575,13 @@ async def test_the_ingress_refuses_bodies_as_one_process_s_server_does() -> None
     with pytest.raises(APIError) as caught:
         await ingress._body(request([], []))
     assert caught.value.status == 499 and caught.value.type == "client_closed_request"
+
+
+@pytest.mark.parametrize("key", ["", "  "])
+def test_an_empty_api_key_is_refused_not_taken_as_none(key: str) -> None:
+    """An empty ``$AIOCB_API_KEY`` left a server open without a word."""
+    with pytest.raises(InvalidConfigError, match="api_key must be a key that is not empty"):
+        build_server(None, None, "m", api_key=key)  # type: ignore[arg-type]
 
 
 async def test_the_ingress_refuses_a_client_without_the_api_key_before_reading_its_body() -> None:

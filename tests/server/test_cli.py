@@ -223,6 +223,7 @@ def test_limit_flags() -> None:
         ("--device", "bogus"),
         ("--device", "meta"),  # (a torch device, on which no model runs)
         ("--return-logprobs", None),  # (a server's requests always say)
+        ("--api-key", " "),  # (taken as no key, the server was open)
     ],
 )
 def test_server_flags_out_of_range_are_refused_by_name(
