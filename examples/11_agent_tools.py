@@ -3,8 +3,9 @@
 Starts the OpenAI-compatible server for the bundled model on a free local port (in-process:
 HTTP and generation share this event loop), then runs several agents at once. Each one
 asks, gets tool calls whose arguments follow the tools' JSON schemas, runs the tools,
-sends the results back as `tool` messages and takes the model's next turn. Last, a
-pydantic-typed extraction through `client.beta.chat.completions.parse`.
+sends the results back as `tool` messages and takes the model's next turn. Then a call
+streamed, its arguments arriving as the model writes them (`client.chat.completions.stream`),
+and last a pydantic-typed extraction through `client.beta.chat.completions.parse`.
 
 Needs `pip install 'aiocb[serve,structured]' openai pydantic`. The bundled model is tiny and
 writes code-like text, so its *choices* are arbitrary; what it cannot do is produce a call
@@ -114,6 +115,21 @@ async def main() -> None:
         transcripts = await asyncio.gather(*(agent(client, q, seed=i) for i, q in enumerate(questions)))
         for transcript in transcripts:
             print("\n".join(transcript), end="\n\n")
+
+        # Streamed, a call's arguments grow as the model writes them (an agent's UI may show them).
+        pieces: list[str] = []
+        async with client.chat.completions.stream(
+            model=MODEL,
+            messages=[{"role": "user", "content": "What is the weather in Kyoto?"}],
+            tools=TOOLS,  # type: ignore[arg-type]
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            max_tokens=64,
+            seed=3,
+        ) as stream:
+            async for event in stream:
+                if event.type == "tool_calls.function.arguments.delta":
+                    pieces.append(event.arguments_delta)
+        print(f"streamed get_weather arguments, in {len(pieces)} pieces: {' | '.join(pieces)}")
 
         request = {"role": "user", "content": "Report: Lima, 21 degrees, sunny."}
         completion = await client.beta.chat.completions.parse(
