@@ -80,8 +80,9 @@ MAX_UNREAD_BYTES = 256 * 2**20
 #: Requests with at least this many samples are added a slice of the engine's loop at a time.
 _SLICED_SAMPLES = 16
 #: Prompt log-probabilities (a position's, and each of its alternatives) sent in one frame
-#: at most: about a millisecond of the engine's loop to pickle, and of a worker's to read.
-PROMPT_ENTRIES_PER_FRAME = 16_384
+#: at most: about 0.7 ms of a worker's loop to read (16,384 took 1.2-2.3 ms), and less of
+#: the engine's to pickle.
+PROMPT_ENTRIES_PER_FRAME = 8_192
 #: The errors a refusal or a failure is sent as; anything else becomes EngineDeadError.
 _ERRORS: dict[str, type[AiocbError]] = {
     cls.__name__: cls
@@ -125,6 +126,28 @@ class OutputDelta(NamedTuple):
     finished_time: float | None
     stop_reason: int | str | None
     num_cached_tokens: int
+
+
+#: where an OutputDelta's tuple holds the prompt's scores (their alternatives follow)
+_PROMPT_LOGPROBS = OutputDelta._fields.index("prompt_logprobs")
+assert OutputDelta._fields[_PROMPT_LOGPROBS + 1] == "prompt_top_logprobs"
+
+
+def _width(tops: list[dict[int, float] | None] | None) -> int:
+    """Entries a prompt position's scores make: its own and its alternatives' (the first
+    position has none)."""
+    return 1 + max((len(top) for top in (tops or [])[:2] if top), default=0)
+
+
+def _prompt_entries(event: tuple[Any, ...]) -> int:
+    """The prompt scores an outgoing event carries (at least 1: each event weighs)."""
+    if event[0] == "prompt":
+        values, tops = event[1], event[2]
+    elif event[0] == "output":
+        values, tops = event[1][_PROMPT_LOGPROBS], event[1][_PROMPT_LOGPROBS + 1]
+    else:
+        return 1
+    return max(1, len(values or ()) * _width(tops))
 
 
 def encode_frame(message: object) -> bytes:
@@ -373,8 +396,7 @@ class _WorkerConnection:
         frame each (one echoed 40,000-token prompt with 20 alternatives a position was a
         9.8 MB frame whose pickling held this loop 57 ms); returns the last slice, which the
         output delta carries."""
-        width = 1 + max((len(top) for top in (tops or [])[:2] if top), default=0)
-        per_frame = max(1, PROMPT_ENTRIES_PER_FRAME // width)
+        per_frame = max(1, PROMPT_ENTRIES_PER_FRAME // _width(tops))
         sent = 0
         while len(values) - sent > per_frame:
             end = sent + per_frame
@@ -394,11 +416,23 @@ class _WorkerConnection:
             self._loop.call_soon(self._flush)
 
     def _flush(self) -> None:
+        """Send the events queued in this turn of the loop, in frames of at most
+        ``PROMPT_ENTRIES_PER_FRAME`` prompt scores (several pumps' slices in one frame held
+        the worker's loop 5 ms as it read them)."""
         self._flush_scheduled = False
         if self._closed or not self._outbox:
             return
         batch, self._outbox = self._outbox, []
-        self.writer.write(encode_frame(("batch", batch)))
+        frame: list[tuple[int, tuple[Any, ...]]] = []
+        entries = 0
+        for item in batch:
+            weight = _prompt_entries(item[1])
+            if frame and entries + weight > PROMPT_ENTRIES_PER_FRAME:
+                self.writer.write(encode_frame(("batch", frame)))
+                frame, entries = [], 0
+            frame.append(item)
+            entries += weight
+        self.writer.write(encode_frame(("batch", frame)))
         unread = self.writer.transport.get_write_buffer_size()
         if unread > MAX_UNREAD_BYTES:
             logger.error("an API worker left %d bytes unread; dropping it and cancelling its requests", unread)
@@ -615,12 +649,13 @@ class RemoteManager:
 
     async def _receive(self) -> None:
         reason = "the engine closed the connection"
+        turn = LoopTurn()  # (a frame may carry hundreds of outputs; frames read back to back count too)
         try:
             while True:
                 message = await read_frame(self._reader)
                 self._heard = self._loop.time()
+                await turn.give()
                 if message[0] == "batch":
-                    turn = LoopTurn()  # (a frame may carry hundreds of outputs)
                     for key, event in message[1]:
                         self._dispatch(key, event)
                         await turn.give()

@@ -226,6 +226,31 @@ async def test_a_long_prompts_scores_come_a_slice_a_frame(
     assert far.generated_tokens == local.generated_tokens and far.logprobs == local.logprobs
 
 
+async def test_slices_queued_together_leave_in_frames_of_a_bounded_size(
+    manager: aiocb.Manager, remote: RemoteManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Several streams' prompt slices queued in one turn of the loop went out as one frame
+    (a worker read such frames for up to 5 ms): each frame holds one slice's worth."""
+    monkeypatch.setattr(remote_module, "PROMPT_ENTRIES_PER_FRAME", 8)
+    frames: list[int] = []  # (each batch's events that carry a slice of a prompt's scores)
+    encode = remote_module.encode_frame
+
+    def spied(message: Any) -> bytes:
+        if message[0] == "batch":
+            slices = [e for _, e in message[1] if e[0] == "prompt" or (e[0] == "output" and e[1][3] is not None)]
+            frames.append(len(slices))
+        return encode(message)
+
+    monkeypatch.setattr(remote_module, "encode_frame", spied)
+    params = {"prompt_logprobs": True, "top_logprobs": 3, "return_logprobs": True}
+    streams = [await remote.open_stream(prompt, 2, **params) for prompt in PROMPTS[:3]]
+    outputs = await asyncio.gather(*(_last(stream) for stream in streams))
+    assert sum(frames) > 2 * len(streams) and max(frames) == 1, frames  # (a slice is the 8 entries a frame takes)
+    for prompt, (far, _) in zip(PROMPTS[:3], outputs, strict=True):
+        local, _ = await _last(manager.stream(manager.add_request_nowait(prompt, max_new_tokens=2, **params)))
+        assert far.prompt_logprobs == local.prompt_logprobs and far.prompt_top_logprobs == local.prompt_top_logprobs
+
+
 async def test_a_worker_refuses_what_comes_after_its_drain_began(manager: aiocb.Manager, remote: RemoteManager) -> None:
     """A request still being prepared when the drain began (a long prompt tokenizing, say)
     is refused as the manager refuses it after its stop: it would outlive the drain."""
