@@ -63,10 +63,14 @@ def merged(fragments: list[Fragment]) -> list[Fragment]:
 
 
 def partial_suffix(text: str, marker: str) -> int:
-    """How many characters at the end of ``text`` could be the start of ``marker``."""
-    for size in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-size:]):
-            return size
+    """How many characters at the end of ``text`` could be the start of ``marker`` (tried
+    only where its first character is: called for each marker on each delta of a stream)."""
+    tail = text[len(text) - min(len(text), len(marker) - 1) :]
+    at = tail.find(marker[:1]) if marker else -1
+    while at >= 0:
+        if marker.startswith(tail[at:]):
+            return len(tail) - at
+        at = tail.find(marker[0], at + 1)
     return 0
 
 

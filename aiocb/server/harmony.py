@@ -198,7 +198,7 @@ class HarmonyOutput:
         while self._buffer:
             if self._in_header:
                 at = self._buffer.find(MESSAGE)
-                if at < 0 and len(self._buffer) <= _MOST_HEADER:
+                if at < 0 and len(self._buffer) < _MOST_HEADER + len(MESSAGE):  # (a marker may be coming)
                     break
                 if at < 0 or at > _MOST_HEADER:  # (no header: the text is content, whatever its split)
                     self._begin("content")

@@ -621,3 +621,16 @@ def test_a_named_function_s_call_cut_before_its_arguments_is_that_call() -> None
         assert _calls(stopped.feed(text) + stopped.finish()) == ([("get_weather", "")] if text.startswith(head) else [])
     whole = HarmonyOutput(["get_weather"], forced="get_weather")
     assert _calls(whole.feed(head + '{"city": "Pa') + whole.finish(cut=True)) == [("get_weather", '{"city": "Pa')]
+
+
+@pytest.mark.parametrize("lead", [240, 246, 250, 256])
+def test_a_header_whose_marker_ends_past_the_allowance_is_read_however_split(lead: int) -> None:
+    """A header's ``<|message|>`` that begins within the 256 characters a header may have
+    and ends past them: read a character at a time, it was taken for content (whole, for
+    a header)."""
+    head = "<|channel|>commentary to=functions.get_weather "
+    text = head + "x" * (lead - len(head)) + '<|message|>{"a": 1}<|call|>'
+    for step in (1, 8, len(text)):
+        output = HarmonyOutput(["get_weather"])
+        fragments = [f for at in range(0, len(text), step) for f in output.feed(text[at : at + step])]
+        assert _calls(fragments + output.finish()) == [("get_weather", '{"a": 1}')], step

@@ -370,3 +370,119 @@ def test_mistral_s_brace_form_before_an_args_form_call_is_read_however_split() -
     looked for after it, and both calls were content)."""
     text = '[TOOL_CALLS]get_weather{"city": "Paris"}[TOOL_CALLS]add[ARGS]{"a": 1}'
     assert _parse_every_way(MistralParser, text) == ("", "", [("get_weather", {"city": "Paris"}), ("add", {"a": 1})])
+
+
+@pytest.mark.parametrize(
+    ("parser", "text"),
+    [
+        (Llama3JsonParser, '{"name": "add", "parameters": {"a": ' + "[" * 5000 + "]" * 5000 + "}}"),
+        (MistralParser, '[TOOL_CALLS][{"name": "add", "arguments": "' + "[" * 5000 + '"}]'),
+        (HermesParser, '<tool_call>{"name": "add", "arguments": "{\\"a\\": ' + "[" * 5000 + '"}</tool_call>'),
+        (Llama3JsonParser, 'Here: {"name": ' + "[" * 5000),
+    ],
+)
+def test_json_nested_past_the_decoder_s_depth_is_no_error(parser: type[ToolCallParser], text: str) -> None:
+    """Nested deeper than Python's recursion limit, the decoder raised RecursionError: the
+    choice failed with a 500 (its batch-mates with it)."""
+    results = []
+    for pieces in ([text], _cuts(text, random.Random(2))):
+        fragments = _run(ChoiceOutput(None, parser(FUNCTIONS)), pieces)
+        content = "".join(f.text for f in fragments if isinstance(f, Content))
+        results.append((content, _calls(fragments)))
+    assert results[0] == results[1]
+    content, calls = results[0]
+    # (a call its head decided keeps its arguments' text; any other text stays content)
+    assert calls == [("add", text[text.index('{"a"') : -1])] if parser is Llama3JsonParser and calls else not calls
+    assert content == ("" if calls else text)
+
+
+def test_a_list_s_calls_after_those_decided_by_their_heads_come_whole() -> None:
+    """An object of Mistral's list that gives its arguments as a string (or its name after
+    them) is no head: it was dropped once an earlier object's head decided a call."""
+    for second in (
+        '{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}',
+        '{"arguments": {"city": "Paris"}, "name": "get_weather"}',
+    ):
+        text = f'[TOOL_CALLS][{{"name": "add", "arguments": {{"a": 1}}}}, {second}]'
+        assert _parse_every_way(MistralParser, text)[2] == [("add", {"a": 1}), ("get_weather", {"city": "Paris"})]
+        single = ChoiceOutput(None, MistralParser(FUNCTIONS, parallel=False))
+        assert _calls(_run(single, list(text))) == [("add", '{"a": 1}')]
+
+
+def test_a_hermes_call_left_unclosed_ends_where_the_next_begins_or_the_text_goes_on() -> None:
+    """Without its closing tag, a call decided by its head ran to the end of the output:
+    the next call, or the text after it, was lost."""
+    first = '<tool_call>{"name": "add", "arguments": {"a": 1}}\n'
+    second = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    assert _parse_every_way(HermesParser, first + second) == (
+        "",
+        "",
+        [("add", {"a": 1}), ("get_weather", {"city": "Paris"})],
+    )
+    assert _parse_every_way(HermesParser, first + "I have called add.") == (
+        "I have called add.",
+        "",
+        [("add", {"a": 1})],
+    )
+    # Closed, what follows its arguments inside the call is no part of anything.
+    closed = '<tool_call>{"name": "add", "arguments": {"a": 1}} extra</tool_call>'
+    assert _parse_every_way(HermesParser, closed) == ("", "", [("add", {"a": 1})])
+
+
+def test_a_call_cut_inside_a_string_keeps_what_may_look_like_the_closing_tag() -> None:
+    """Text inside an argument's string is the argument's, however it ends: the end of one
+    that could begin ``</tool_call>`` was dropped when the output was cut there."""
+    for written in ('{"html": "<b>a</b><', '{"html": "see </tool_call>', '{"html": "a\\'):
+        output = ChoiceOutput(None, HermesParser(FUNCTIONS))
+        fragments = _run(output, list(f'<tool_call>{{"name": "add", "arguments": {written}'), cut=True)
+        assert _calls(fragments) == [("add", written)]
+    # Outside strings, a tag's beginning at the cut is markup, not arguments.
+    fragments = _run(ChoiceOutput(None, HermesParser(FUNCTIONS)), ['<tool_call>{"name": "add", "arguments": {}}</tool'])
+    assert _calls(fragments) == [("add", "{}")]
+
+
+def test_mistral_s_args_marker_kept_when_the_client_skips_special_tokens() -> None:
+    """``[ARGS]`` is a special token the client's skipped tokens may list: hidden, no call
+    was decided until its JSON closed, and one cut short became content."""
+    hidden = ["</s>", "[ARGS]", "[TOOL_CALLS]"]
+    text = '[TOOL_CALLS]get_weather[ARGS]{"city": "Pa'
+    output = ChoiceOutput(None, MistralParser(FUNCTIONS, hidden=hidden), hidden)
+    streamed = [f for char in text for f in output.feed(char)]
+    assert isinstance(streamed[0], ToolCall) and streamed[0].name == "get_weather"
+    assert _calls(streamed + output.finish(cut=True)) == [("get_weather", '{"city": "Pa')]
+    plain = ChoiceOutput(None, MistralParser(FUNCTIONS, hidden=hidden), hidden)
+    assert _run(plain, ["[TOOL_CALLS]no call[ARGS] here"]) == [Content("no call here")]
+
+
+def test_a_call_s_text_is_read_once_however_long() -> None:
+    """Finding a call's end rescanned or decoded its whole text on each delta (a call of
+    14,000 characters, 40 closing tags inside its strings, took 290 ms a step at the end
+    of 64 choices): the scan reads each delta once."""
+    from aiocb.server import tool_parsers
+
+    content = 'print("</tool_call>")\n' * 40 + "x = [1, {2: 3}]\n" * 400
+    arguments = json.dumps({"path": "a.py", "content": content})
+    texts = {
+        HermesParser: f'<tool_call>{{"name": "add", "arguments": {arguments}}}</tool_call>',
+        Llama3JsonParser: f'{{"name": "add", "parameters": {arguments}}}',
+        MistralParser: f'[TOOL_CALLS][{{"name": "add", "arguments": {arguments}}}]',
+    }
+    searches = 0
+    signs = tool_parsers._SIGNS
+
+    class Counted:
+        def search(self, *args: int | str) -> re.Match[str] | None:
+            nonlocal searches
+            searches += 1
+            return signs.search(*args)  # type: ignore[arg-type]
+
+    original, tool_parsers._SIGNS = tool_parsers._SIGNS, Counted()  # type: ignore[assignment]
+    try:
+        for parser, text in texts.items():
+            searches = 0
+            pieces = [text[at : at + 4] for at in range(0, len(text), 4)]
+            assert _calls(_run(ChoiceOutput(None, parser(FUNCTIONS)), pieces)) == [("add", arguments)]
+            marks = sum(text.count(char) for char in '"\\{}[]<')
+            assert searches <= 2 * (marks + len(pieces)), (parser, searches, marks, len(pieces))
+    finally:
+        tool_parsers._SIGNS = original
