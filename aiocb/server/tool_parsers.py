@@ -201,7 +201,7 @@ class ToolCallParser(ABC):
         call = self._open
         if call is not None:
             self._open = None
-            out += self._undecided_rest(body)
+            out += self._undecided_rest(body, call)
             if call.end is not None and not (closed and self._closed(body)):
                 # (a call left unclosed, what follows its arguments is content: the output
                 # went on, or another call began)
@@ -226,7 +226,7 @@ class ToolCallParser(ABC):
         """Whether a call's text ends with the format's closing markup (where it has any)."""
         return True
 
-    def _undecided_rest(self, body: str) -> list[Fragment]:
+    def _undecided_rest(self, body: str, last: _OpenCall) -> list[Fragment]:
         """Calls after those their heads decided in one marker's text (a list's objects
         that give their name after their arguments, or their arguments as a string), whole."""
         return []
@@ -408,26 +408,22 @@ def _json_end(text: str, start: int) -> int | None:
 
 
 class _ValueEnd:
-    """Where a JSON value in a call's text ends, read as it comes: its closing bracket is
-    found by a scan, and the value decoded once, then (None while it is incomplete; -1 if
-    it closed as no JSON: the call then runs to the end of the output, as it did)."""
+    """Where a JSON value in a call's text ends (past its closing bracket), read as it comes
+    (None while it is open). One that is no JSON ends there too: the call's text is then
+    content, and what follows is read on (decoded whole on each delta, it ran to the end of
+    the output)."""
 
-    __slots__ = ("_scan", "_start", "end")
+    __slots__ = ("_scan", "end")
 
     def __init__(self, start: int) -> None:
-        self._start = start
         self._scan = _Scan(start)
         self.end: int | None = None
 
     def read(self, text: str) -> int | None:
         """Where the value ends in ``text`` (the call's, from its marker), once known."""
         if self.end is None:
-            closed = self._scan.read(text, len(text), close=True)
-            if closed is not None:
-                value = text[self._start : closed]
-                start = closed - len(value.lstrip())  # (the decoder takes no space before it)
-                self.end = closed if _json_end(text, start) == closed else -1
-        return None if self.end is None or self.end < 0 else self.end
+            self.end = self._scan.read(text, len(text), close=True)
+        return self.end
 
 
 class HermesParser(ToolCallParser):
@@ -558,7 +554,9 @@ class MistralParser(ToolCallParser):
             return marker + len(self.args)
         return brace if brace > offset else None
 
-    def _undecided_rest(self, body: str) -> list[Fragment]:
+    def _undecided_rest(self, body: str, last: _OpenCall) -> list[Fragment]:
+        if last.end is None or body.find("{", last.end) < 0:
+            return []  # (no object after the last decided call's)
         parsed = self.parse(body)
         if parsed is None:
             return []

@@ -486,3 +486,12 @@ def test_a_call_s_text_is_read_once_however_long() -> None:
             assert searches <= 2 * (marks + len(pieces)), (parser, searches, marks, len(pieces))
     finally:
         tool_parsers._SIGNS = original
+
+
+def test_what_looks_like_a_call_but_is_no_json_ends_where_its_brackets_close() -> None:
+    """Decoded whole on each delta, a would-be call that was no JSON never ended: the rest
+    of the output, a call after it too, was taken for its text."""
+    text = 'Like {"name": Bob} and then {"name": "add", "parameters": {"a": 1}}'
+    assert _parse_every_way(Llama3JsonParser, text) == ('Like {"name": Bob} and then', "", [("add", {"a": 1})])
+    listed = '[TOOL_CALLS][{"name": add}] then [TOOL_CALLS][{"name": "add", "arguments": {"a": 2}}]'
+    assert _parse_every_way(MistralParser, listed) == ('[TOOL_CALLS][{"name": add}] then', "", [("add", {"a": 2})])
