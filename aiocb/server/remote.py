@@ -163,10 +163,11 @@ async def read_frame(reader: asyncio.StreamReader) -> Any:
 
 
 def error_to_wire(error: BaseException) -> tuple[str, str, str | None]:
-    """An exception as ``(class name, message, parameter at fault)``; one outside aiocb's own
-    tree becomes a dead engine."""
-    name = type(error).__name__ if type(error).__name__ in _ERRORS else EngineDeadError.__name__
-    return name, str(error) or repr(error), getattr(error, "param", None)
+    """An exception as ``(class name, message, parameter at fault)``: the nearest of the
+    classes a worker knows that it is one of (an ``InvalidConfigError`` is a bad request);
+    one outside aiocb's own tree becomes a dead engine."""
+    known = next((cls for cls in type(error).__mro__ if _ERRORS.get(cls.__name__) is cls), EngineDeadError)
+    return known.__name__, str(error) or repr(error), getattr(error, "param", None)
 
 
 def error_from_wire(wire: tuple[str, str, str | None]) -> AiocbError:

@@ -189,13 +189,15 @@ async def _submit_remote(manager: RemoteManager, specs: Sequence[ChoiceSpec]) ->
                 opening = manager.open_streams(g[0].prompt_ids, max(g[0].max_tokens, 1), len(g), **g[0].params)
                 openings.append(asyncio.create_task(opening))
             await asyncio.sleep(0)
+        opened = await asyncio.gather(*openings, return_exceptions=True)
     except BaseException:
+        # (cancelled while they open, say by a forced shutdown: those open already are
+        # closed now, which cancels their requests, not when the garbage is collected)
         for task in openings:
             task.cancel()
         for remote in await _opened(openings):
             await remote.aclose()
         raise
-    opened = await asyncio.gather(*openings, return_exceptions=True)
     streams: list[OutputStream] = list(_succeeded(opened))
     errors = [error for error in opened if isinstance(error, BaseException)]
     if errors:

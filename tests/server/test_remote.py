@@ -103,6 +103,18 @@ async def test_refusals_arrive_as_the_managers_errors(manager: aiocb.Manager, re
     assert len(output.generated_tokens) == 3
 
 
+def test_an_error_crosses_as_the_nearest_class_the_worker_knows() -> None:
+    """A subclass of a refusal (a config error met while adding a request) crossed as a
+    dead engine: a 500 for a bad request."""
+    from aiocb.server.remote import error_from_wire, error_to_wire
+
+    wire = error_to_wire(aiocb.InvalidConfigError("bad value", param="seed"))
+    assert wire == ("InvalidRequestError", "bad value", "seed")
+    again = error_from_wire(wire)
+    assert isinstance(again, aiocb.InvalidRequestError) and again.param == "seed"
+    assert error_to_wire(KeyError("x"))[0] == "EngineDeadError"
+
+
 async def test_closing_a_remote_stream_cancels_the_request(manager: aiocb.Manager, remote: RemoteManager) -> None:
     stream = await remote.open_stream(PROMPTS[1], 500, eos_token_id=[])
     await stream.__anext__()
@@ -614,3 +626,35 @@ async def test_a_constrained_request_compiles_off_the_engines_loop(
             await engine.close()
     assert compiled_on == [False], "compiled once, off the loop's thread"
     assert re.fullmatch("[0-9]{3}", tokenizer.decode(output.generated_tokens, skip_special_tokens=True))
+
+
+async def test_streams_opened_when_their_submission_is_cancelled_are_closed_then() -> None:
+    """Cancelled while other prompts' streams were still opening (a forced shutdown, say),
+    the submission left those already open to the garbage collector to cancel."""
+    from aiocb.server.serving import ChoiceSpec, _submit_remote
+
+    closed: list[int] = []
+    second_asked = asyncio.Event()
+
+    class Stream:
+        def __init__(self, key: int) -> None:
+            self.key = key
+
+        async def aclose(self) -> None:
+            closed.append(self.key)
+
+    class Opening:
+        async def open_streams(self, prompt: list[int], *_: Any, **__: Any) -> list[Stream]:
+            if prompt == [2]:
+                second_asked.set()
+                await asyncio.Event().wait()  # (never opens)
+            return [Stream(prompt[0])]
+
+    specs = [ChoiceSpec(i, [i + 1], 4, {}, (), True) for i in range(2)]
+    submission = asyncio.create_task(_submit_remote(Opening(), specs))  # type: ignore[arg-type]
+    await second_asked.wait()
+    await asyncio.sleep(0)
+    submission.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await submission
+    assert closed == [1]
