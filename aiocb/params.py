@@ -120,10 +120,14 @@ class SamplingParams:
     )
     sequence_bias: Mapping[tuple[int, ...], float] | tuple[SequenceBias, ...] | None = field(
         default=None,
-        metadata=_doc("transformers': bias a sequence's last token when the output ends with the rest", "none"),
+        metadata=_doc(
+            "transformers': bias a sequence's last token where the prompt and output so far end with the rest",
+            "none",
+        ),
     )
     bad_words_ids: Iterable[Iterable[int]] | None = field(
-        default=None, metadata=_doc("token sequences never generated", "none")
+        default=None,
+        metadata=_doc("token sequences never generated (a sequence's start may end the prompt)", "none"),
     )
     bad_words: str | Iterable[str] | None = field(
         default=None,

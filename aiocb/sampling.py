@@ -329,6 +329,37 @@ def config_min_tokens(min_new_tokens: int | None, min_length: int | None, prompt
     return max(min_length - prompt_len, 0) if min_length else 0
 
 
+#: the filters of a draw, and the values at which each filters nothing (transformers' defaults)
+_FILTERS_OFF: dict[str, tuple[float, ...]] = {
+    "top_k": (0, 50),
+    "top_p": (1.0,),
+    "min_p": (0.0,),
+    "typical_p": (1.0,),
+    "epsilon_cutoff": (0.0,),
+    "eta_cutoff": (0.0,),
+    "top_h": (0.0,),
+}
+#: the sets of filters a greedy request was warned of (once each: a server's requests repeat)
+_WARNED_FILTERS: set[tuple[str, ...]] = set()
+
+
+def _warn_unused_filters(request: SamplingParams, do_sample: bool) -> None:
+    """Warn once of the draw's filters a greedy request gave, which greedy decoding does not
+    use (as transformers' generate, which warns likewise): it takes the most likely token."""
+    given = [name for name, off in _FILTERS_OFF.items() if getattr(request, name) not in (None, *off)]
+    if not do_sample and request.temperature not in (None, 1.0):
+        given.insert(0, "temperature")
+    if given and tuple(given) not in _WARNED_FILTERS:
+        _WARNED_FILTERS.add(tuple(given))
+        why = "do_sample=False" if not do_sample else "temperature=0"
+        logger.warning(
+            "%s is greedy decoding, which does not use %s (as transformers' generate): the most likely token "
+            "is taken; give do_sample=True and a temperature above 0 to sample with them (said once)",
+            why,
+            ", ".join(f"{name}={getattr(request, name)!r}" for name in given),
+        )
+
+
 def resolve_params(
     request: SamplingParams,
     defaults: ConfigDefaults,
@@ -388,6 +419,8 @@ def resolve_params(
         filters = ("temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h")
         do_sample = any(getattr(request, name) is not None for name in filters) or bool(config.do_sample)
     temperature = pick("temperature", _DEFAULT_TEMPERATURE)
+    if not do_sample or temperature == 0.0:
+        _warn_unused_filters(request, do_sample)
     if do_sample and 0.0 < temperature < MIN_TEMPERATURE:
         # (logits / temperature would run far past where float32 tells tokens apart, or
         # leave its range: the draw would not be the softmax's)

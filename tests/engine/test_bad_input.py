@@ -394,3 +394,27 @@ async def test_a_generation_config_asking_for_more_than_tokens_is_told_what_outp
     strict = aiocb.ContinuousBatchingConfig(drop_unsupported_processors=False)
     with pytest.raises(aiocb.InvalidRequestError, match="output_scores"):
         aiocb.Manager(qwen3, config, strict)
+
+
+async def test_filters_a_greedy_request_gives_are_warned_of_once(
+    qwen3: PreTrainedModel, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Greedy decoding takes the most likely token: a request's top_p or typical_p went
+    unused without a word (transformers' generate warns); the output is generate's."""
+    from aiocb import sampling
+
+    monkeypatch.setattr(sampling, "_WARNED_FILTERS", set())
+    plain = reference_generate(qwen3, GOOD, 4)
+    with caplog.at_level("WARNING", logger="aiocb"):
+        async with aiocb.Manager(qwen3) as manager:
+            for _ in range(2):
+                got = await manager.generate(GOOD, max_new_tokens=4, do_sample=False, temperature=0.3, typical_p=0.5)
+                assert got.generated_tokens == plain
+            await manager.generate(GOOD, max_new_tokens=4, temperature=0.0, top_p=0.2)
+            await manager.generate(GOOD, max_new_tokens=4, temperature=0.0, top_p=1.0, top_k=50)  # (filters nothing)
+    warnings = [r.getMessage() for r in caplog.records if "greedy decoding" in r.getMessage()]
+    assert len(warnings) == 2, warnings
+    assert warnings[0].startswith(
+        "do_sample=False is greedy decoding, which does not use temperature=0.3, typical_p=0.5"
+    )
+    assert warnings[1].startswith("temperature=0 is greedy decoding, which does not use top_p=0.2")
