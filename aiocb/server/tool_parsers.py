@@ -78,8 +78,10 @@ class ToolCallParser(ABC):
         self.forced = forced
         #: texts of special tokens that are not content (``</s>``) when they are kept
         self._hidden = HiddenTexts([t for t in hidden if t not in self.markers])
-        #: the markers that are such tokens too: left out of a call that stays content
+        #: the markers that are such tokens too: left out of a call that stays content, and
+        #: (but the start, which begins a call) of the content
         self._hidden_markers = [marker for marker in self.markers if marker in hidden]
+        self._hidden_in_content = HiddenTexts([marker for marker in self._hidden_markers if marker != self.start])
         self.calls = 0
         self._buffer = ""
         self._in_call = False
@@ -127,7 +129,7 @@ class ToolCallParser(ABC):
         if self._in_call:
             out += self._calls(self._buffer, self._call_end(self._buffer)[0], cut=cut, closed=False)
         else:
-            self._content(self._buffer, out, before_call=False)
+            self._content(self._buffer, out, before_call=False, last=True)
         self._buffer = ""
         if self._space and not self.calls and not self.calls_only:
             out.append(Content(self._space))
@@ -143,7 +145,10 @@ class ToolCallParser(ABC):
         self._decided = 0
         self._begin_scan()
 
-    def _content(self, text: str, out: list[Fragment], *, before_call: bool) -> None:
+    def _content(self, text: str, out: list[Fragment], *, before_call: bool, last: bool = False) -> None:
+        text = self._hidden_in_content.feed(text)
+        if before_call or last:
+            text += self._hidden_in_content.finish()
         text = self._space + text
         stripped = text.rstrip()
         self._space, self._before_call = ("", text[len(stripped) :]) if before_call else (text[len(stripped) :], "")
@@ -205,7 +210,8 @@ class ToolCallParser(ABC):
             if call.end is not None and not (closed and self._closed(body)):
                 # (a call left unclosed, what follows its arguments is content: the output
                 # went on, or another call began)
-                self._content(body[call.end : content].lstrip().lstrip("}]").lstrip(), out, before_call=False)
+                tail = _CLOSING.match(body, call.end, content)
+                self._content(body[tail.end() if tail else call.end : content], out, before_call=False, last=not closed)
             return out
         parsed = self.parse(body)
         if parsed is None and cut and self.calls_only:
@@ -255,6 +261,11 @@ class ToolCallParser(ABC):
         """``(name, arguments JSON)`` of each call in one call's text; None if it is not one."""
 
 
+#: what closes a call's JSON after its arguments (its object, a list's)
+_CLOSING = re.compile(r"\s*(?:\}\s*)?(?:\]\s*)?")
+#: what goes from the end of a list's object's arguments (or of an object) to the next object
+_NEXT_OBJECT = re.compile(r"\s*\}?\s*,\s*(?=\{)")
+
 #: what a JSON scan stops at: strings' quotes and escapes, brackets, a marker's ``<``
 _SIGNS = re.compile(r'["\\{}\[\]<]')
 
@@ -263,13 +274,15 @@ class _Scan:
     """A JSON text read as it comes: whether it is inside a string (after a backslash),
     and the depth of its brackets. Each read goes on from where the last stopped."""
 
-    __slots__ = ("at", "depth", "escaped", "in_string")
+    __slots__ = ("at", "closed", "depth", "escaped", "in_string")
 
     def __init__(self, at: int) -> None:
         #: where the next read begins
         self.at = at
         self.depth = 0
         self.in_string = self.escaped = False
+        #: whether a read ended where the value closed (not at a marker)
+        self.closed = False
 
     def read(self, text: str, limit: int, *, close: bool = False, markers: tuple[str, ...] = ()) -> int | None:
         """Read ``text`` up to ``limit``: where the value the scan began at closes (``close``:
@@ -313,7 +326,7 @@ class _Scan:
             else:
                 self.depth -= 1
                 if close and self.depth == 0:
-                    self.at = i + 1
+                    self.at, self.closed = i + 1, True
                     return i + 1
             i += 1
 
@@ -413,14 +426,27 @@ class _ValueEnd:
     content, and what follows is read on (decoded whole on each delta, it ran to the end of
     the output)."""
 
-    __slots__ = ("_scan", "end")
+    __slots__ = ("_opened", "_scan", "end")
 
     def __init__(self, start: int) -> None:
         self._scan = _Scan(start)
+        self._opened = False
         self.end: int | None = None
 
     def read(self, text: str) -> int | None:
-        """Where the value ends in ``text`` (the call's, from its marker), once known."""
+        """Where the value ends in ``text`` (the call's, from its marker), once known; a
+        value that opens no bracket (``[ARGS]5``) ends the call where it begins: it is
+        content, and what follows is read on."""
+        if self.end is None and not self._opened:
+            at = self._scan.at
+            while at < len(text) and text[at].isspace():
+                at += 1
+            if at == len(text):
+                return None
+            if text[at] not in "{[":
+                self.end = at
+                return at
+            self._opened = True
         if self.end is None:
             self.end = self._scan.read(text, len(text), close=True)
         return self.end
@@ -438,15 +464,30 @@ class HermesParser(ToolCallParser):
 
     def _begin_scan(self) -> None:
         self._scan = _Scan(len(self.start))
+        #: where the call's object closed, once it did (text after it is no JSON: its
+        #: quotes open no string), and how far it was looked through for the markers since
+        self._closed_at: int | None = None
+        self._looked = 0
 
     def _call_end(self, text: str) -> tuple[int, int | None]:
         # A closing tag inside one of the call's JSON strings is an argument's text, which
         # an enforced call's grammar allows: the call ends at the first one outside them,
         # or where another call begins (this one left unclosed).
-        at = self._scan.read(text, len(text), markers=(self.end, self.start))
-        if at is None:
-            return self._scan.at, None
-        return at, at + (len(self.end) if text.startswith(self.end, at) else 0)
+        if self._closed_at is None:
+            at = self._scan.read(text, len(text), close=True, markers=(self.end, self.start))
+            if at is None:
+                return self._scan.at, None
+            if not self._scan.closed:
+                return at, at + (len(self.end) if text.startswith(self.end, at) else 0)
+            self._closed_at = self._looked = at
+        since = max(self._closed_at, self._looked - len(self.end) + 1)
+        self._looked = len(text)
+        found = [at for at in (text.find(self.end, since), text.find(self.start, since)) if at >= 0]
+        if found:
+            at = min(found)
+            return at, at + (len(self.end) if text.startswith(self.end, at) else 0)
+        held = max(partial_suffix(text, self.end), partial_suffix(text, self.start))
+        return max(self._closed_at, len(text) - held), None
 
     def _closed(self, body: str) -> bool:
         return body.endswith(self.end)
@@ -552,15 +593,25 @@ class MistralParser(ToolCallParser):
         # (a marker after the brace is a later call's: this one is name{...})
         if marker >= 0 and (brace < 0 or marker < brace):
             return marker + len(self.args)
-        return brace if brace > offset else None
+        return brace if brace >= offset else None
 
     def _undecided_rest(self, body: str, last: _OpenCall) -> list[Fragment]:
-        if last.end is None or body.find("{", last.end) < 0:
-            return []  # (no object after the last decided call's)
-        parsed = self.parse(body)
-        if parsed is None:
+        if last.end is None:
             return []
-        return self._whole([(name, arguments) for name, arguments in parsed[self._decided :] if name in self.functions])
+        out: list[Fragment] = []
+        following = _NEXT_OBJECT.match(body, last.end)  # (past the decided call's object)
+        at = following.end() if following else -1
+        while at >= 0:  # (each object after it, whole, up to one that is no call of an offered function)
+            end = _Scan(at).read(body, len(body), close=True)
+            call = None if end is None else _named(_loads(body[at:end]), "arguments")
+            if end is None or call is None or call[0] not in self.functions:
+                rest = body[at:].rstrip()
+                self._content(rest.removesuffix("]").rstrip(), out, before_call=False)
+                break
+            out += self._whole([call])
+            following = _NEXT_OBJECT.match(body, end)
+            at = following.end() if following else -1
+        return out
 
     def parse(self, body: str) -> list[tuple[str, str]] | None:
         rest = body.removeprefix(self.start).strip()

@@ -495,3 +495,59 @@ def test_what_looks_like_a_call_but_is_no_json_ends_where_its_brackets_close() -
     assert _parse_every_way(Llama3JsonParser, text) == ('Like {"name": Bob} and then', "", [("add", {"a": 1})])
     listed = '[TOOL_CALLS][{"name": add}] then [TOOL_CALLS][{"name": "add", "arguments": {"a": 2}}]'
     assert _parse_every_way(MistralParser, listed) == ('[TOOL_CALLS][{"name": add}] then', "", [("add", {"a": 2})])
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        # a nameless object right after the marker is no call: content, and reading goes on
+        (
+            '[TOOL_CALLS]{"x": {"y": 1}} [TOOL_CALLS]add[ARGS]{"a": 1}',
+            ('[TOOL_CALLS]{"x": {"y": 1}}', "", [("add", {"a": 1})]),
+        ),
+        # arguments that open no bracket: content, and the next call is read
+        (
+            '[TOOL_CALLS]add[ARGS]5 [TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}',
+            ("[TOOL_CALLS]add[ARGS]5", "", [("get_weather", {"city": "Oslo"})]),
+        ),
+        # from a list's object calling no offered function on, the list is content
+        (
+            '[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}}, {"name": "rm_rf", "arguments": {}}, '
+            '{"name": "add", "arguments": {"a": 2}}]',
+            ('{"name": "rm_rf", "arguments": {}}, {"name": "add", "arguments": {"a": 2}}', "", [("add", {"a": 1})]),
+        ),
+    ],
+)
+def test_mistral_s_odd_texts_read_the_same_however_split(
+    text: str, expected: tuple[str, str, list[tuple[str, dict[str, object]]]]
+) -> None:
+    """Each read differently whole and split (a later call lost as content), or ran to the
+    end of the output, or dropped an object that named a function not offered."""
+    assert _parse_every_way(MistralParser, text) == expected
+
+
+def test_hidden_markers_stay_out_of_the_content() -> None:
+    """``[ARGS]`` is kept for the parser, never hidden from it; where the client skips
+    special tokens it stays out of the content too, however split."""
+    hidden = ["</s>", "[TOOL_CALLS]", "[ARGS]"]
+    for text, content in (
+        ("Sure [ARGS] x</s>", "Sure  x"),
+        ('[TOOL_CALLS]add[ARGS]{"a": 1} then [ARGS] x', " then  x"),
+    ):
+        for pieces in ([text], list(text)):
+            fragments = _run(ChoiceOutput(None, MistralParser(FUNCTIONS, hidden=hidden), hidden), pieces)
+            assert "".join(f.text for f in fragments if isinstance(f, Content)) == content
+
+
+def test_text_after_a_closed_call_object_opens_no_string() -> None:
+    """After an unclosed Hermes call's object, a lone quote in the text that follows hid
+    the next call's marker, as if inside a JSON string: the call came as content."""
+    text = (
+        '<tool_call>{"name": "add", "arguments": {"a": 1}}\nI said "hi\n'
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    )
+    assert _parse_every_way(HermesParser, text) == (
+        'I said "hi',
+        "",
+        [("add", {"a": 1}), ("get_weather", {"city": "Oslo"})],
+    )
