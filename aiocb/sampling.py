@@ -347,7 +347,7 @@ def _warn_unused_filters(request: SamplingParams, do_sample: bool) -> None:
     """Warn once of the draw's filters a greedy request gave, which greedy decoding does not
     use (as transformers' generate, which warns likewise): it takes the most likely token."""
     given = [name for name, off in _FILTERS_OFF.items() if getattr(request, name) not in (None, *off)]
-    if not do_sample and request.temperature not in (None, 1.0):
+    if not do_sample and request.temperature not in (None, 0.0, 1.0):  # (0 asks for greedy itself)
         given.insert(0, "temperature")
     if given and tuple(given) not in _WARNED_FILTERS:
         _WARNED_FILTERS.add(tuple(given))

@@ -523,10 +523,10 @@ def _json_schema_spec(spec: Any) -> dict[str, Any]:
     return schema
 
 
-#: Fields that do not change what is generated (identifiers, bookkeeping): accepted when of
-#: their type (``store`` only when false, ``service_tier`` only auto or default:
-#: :func:`_check_no_effect`).
-_NO_EFFECT = frozenset({"user", "metadata", "store", "service_tier"})
+#: Fields that do not change what is generated (identifiers, bookkeeping, a cache hint):
+#: accepted when of their type (``store`` only when false, ``service_tier`` only auto or
+#: default: :func:`_check_no_effect`).
+_NO_EFFECT = frozenset({"user", "safety_identifier", "prompt_cache_key", "metadata", "store", "service_tier"})
 _SAMPLING_FIELDS = frozenset(
     {
         "model",
@@ -580,7 +580,9 @@ DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
 
 
 def _refuse_unknown(body: Mapping[str, Any], known: frozenset[str]) -> None:
-    unknown = sorted(set(body) - known)
+    """A 400 naming the first field given that the endpoint does not honour (one sent as
+    null asks for nothing: clients that write out every field send their unset ones so)."""
+    unknown = sorted(key for key, value in body.items() if value is not None and key not in known)
     if unknown:
         raise bad_request(
             f"unsupported field(s): {', '.join(repr(k) for k in unknown)}; this server does not implement them",
@@ -593,7 +595,7 @@ def _check_no_effect(body: Mapping[str, Any]) -> None:
     """The bookkeeping fields' types, as OpenAI's API (and vLLM's) checks them; ``store``
     true asks to keep the completion, and a ``service_tier`` other than the default one
     asks for a tier, which this server cannot do."""
-    for name in ("user", "service_tier"):
+    for name in ("user", "safety_identifier", "prompt_cache_key", "service_tier"):
         if body.get(name) is not None and not isinstance(body[name], str):
             raise bad_request(f"'{name}' must be a string", name)
     if body.get("service_tier") not in (None, "auto", "default"):

@@ -412,6 +412,7 @@ async def test_filters_a_greedy_request_gives_are_warned_of_once(
                 assert got.generated_tokens == plain
             await manager.generate(GOOD, max_new_tokens=4, temperature=0.0, top_p=0.2)
             await manager.generate(GOOD, max_new_tokens=4, temperature=0.0, top_p=1.0, top_k=50)  # (filters nothing)
+            await manager.generate(GOOD, max_new_tokens=4, do_sample=False, temperature=0.0)  # (a server's greedy)
     warnings = [r.getMessage() for r in caplog.records if "greedy decoding" in r.getMessage()]
     assert len(warnings) == 2, warnings
     assert warnings[0].startswith(

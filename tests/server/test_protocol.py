@@ -126,6 +126,9 @@ def test_sampling_fields() -> None:
         ({"prompt": "x", "request_id": ""}, "request_id"),
         ({"prompt": "x", "request_id": "two words"}, "request_id"),
         ({"prompt": "x", "service_tier": "priority"}, "service_tier"),
+        ({"prompt": "x", "safety_identifier": 5}, "safety_identifier"),
+        ({"prompt": "x", "prompt_cache_key": ["k"]}, "prompt_cache_key"),
+        ({"prompt": "x", "audio": {"voice": "alloy"}}, "audio"),
     ],
 )
 def test_bad_completion_fields_are_named(body: dict[str, Any], param: str) -> None:
@@ -133,6 +136,17 @@ def test_bad_completion_fields_are_named(body: dict[str, Any], param: str) -> No
         parse_completion_request(body)
     assert caught.value.status == 400
     assert caught.value.param == param
+
+
+def test_a_field_the_server_does_not_implement_is_taken_when_null() -> None:
+    """Null asks for nothing: clients that write out every field send their unset ones so
+    (each was a 400); the identifiers that replaced ``user`` are taken as it is."""
+    unset = {name: None for name in ("audio", "modalities", "prediction", "reasoning_effort", "web_search_options")}
+    chat = parse_chat_request({"messages": [{"role": "user", "content": "hi"}], **unset})
+    assert chat.messages == [{"role": "user", "content": "hi"}]
+    parse_completion_request({"prompt": "x", "safety_identifier": "u-1", "prompt_cache_key": "tenant-7", **unset})
+    with pytest.raises(APIError, match="unsupported field\\(s\\): 'modalities'"):
+        parse_chat_request({"messages": [{"role": "user", "content": "hi"}], "modalities": ["text", "audio"]})
 
 
 def test_body_must_be_an_object() -> None:
