@@ -94,7 +94,7 @@ class GrammarCompiler:
                 # No free whitespace: a weak model could otherwise pad its JSON without end.
                 compiled = self._compiler.compile_grammar(json_schema_grammar(text, any_whitespace=False))
             elif kind == "regex":
-                compiled = self._compiler.compile_regex(text)
+                compiled = self._compiler.compile_regex(python_dots(text))
             elif kind == "structural_tag":
                 compiled = self._compiler.compile_structural_tag(_mended_json_elements(text))
             else:
@@ -324,7 +324,8 @@ def _left_out(schema: Any) -> str | None:
     nodes = list(_schemas(schema))
     for path, node in nodes:
         for key in _NEVER_ENFORCED.intersection(node):
-            return f"{key!r} at /{'/'.join(str(step) for step in path)}"
+            if not _says_nothing(key, node):
+                return f"{key!r} at /{'/'.join(str(step) for step in path)}"
     for path, node in nodes:
         where = f"at /{'/'.join(str(step) for step in path)}"
         ref = node.get("$ref")
@@ -336,6 +337,16 @@ def _left_out(schema: Any) -> str | None:
         if beside:
             return f"{beside[0]!r} {where} (beside a '$ref', which the grammar follows alone)"
         types = _types(node)
+        listed = [key for key in ("enum", "const") if key in node]
+        if listed:
+            beside = sorted(set(node) - _BESIDE_A_LIST)
+            if beside:
+                return f"{beside[0]!r} {where} (beside {listed[0]!r}, whose values the grammar takes alone)"
+            values = node["enum"] if isinstance(node.get("enum"), list) else []
+            values = [*values, node["const"]] if "const" in node else values
+            other = next((value for value in values if types is not None and not types & _json_types(value)), None)
+            if other is not None:
+                return f"{listed[0]!r} {where} (its {other!r} is not of its 'type', which the grammar leaves out)"
         multiple = node.get("multipleOf")
         if multiple is not None and (types is None or "number" in types or not _is_integer(multiple)):
             return f"'multipleOf' {where} (enforced only for integers, by an integer)"
@@ -354,6 +365,66 @@ def _left_out(schema: Any) -> str | None:
         if bounded and ("pattern" in node or "format" in node):
             return f"{bounded[0]!r} {where} (beside a 'pattern' or 'format')"
     return None
+
+
+#: What an ``enum`` or ``const`` may have beside it: annotations, a ``type`` its values are
+#: of, the definitions a schema keeps (xgrammar's grammar takes the values alone).
+_BESIDE_A_LIST = (_BESIDE_A_REF - {"$ref"}) | {"enum", "const", "type"}
+
+
+def _json_types(value: Any) -> frozenset[str]:
+    """The JSON types ``value`` is of (an integer is a number too)."""
+    if isinstance(value, bool):
+        return frozenset({"boolean"})
+    if _is_integer(value):
+        return frozenset({"integer", "number"})
+    if isinstance(value, float):
+        return frozenset({"number"})
+    names = {str: "string", type(None): "null", list: "array", dict: "object"}
+    return frozenset({names[type(value)]}) if type(value) in names else frozenset()
+
+
+def _says_nothing(key: str, node: dict[str, Any]) -> bool:
+    """Whether ``key`` of ``node`` constrains nothing (its grammar is rightly the same
+    without it): ``uniqueItems`` false, an empty ``dependentRequired``, a ``propertyNames``
+    any name passes, ``unevaluatedProperties`` true, ``minContains`` without ``contains``."""
+    value: object = node[key]
+    if key == "uniqueItems":
+        return value is False
+    if key in ("dependentRequired", "dependentSchemas", "dependencies"):
+        return value == {}
+    if key == "propertyNames":
+        return value in (True, {}, {"type": "string"})
+    if key in ("unevaluatedProperties", "unevaluatedItems"):
+        return value in (True, {})
+    if key in ("minContains", "maxContains"):
+        return "contains" not in node  # (``contains`` itself is refused)
+    return False
+
+
+def python_dots(pattern: str) -> str:
+    """``pattern`` with each ``.`` that stands for a character (not escaped, outside a
+    class) written ``[^\\n]``: in Python's ``re``, which clients check outputs with, it
+    matches any character but a line break; in xgrammar's regexes, any character."""
+    out: list[str] = []
+    i, size = 0, len(pattern)
+    while i < size:
+        char = pattern[i]
+        if char == "\\":
+            out.append(pattern[i : i + 2])
+            i += 2
+        elif char == "[":  # (a class, copied whole: a ']' first, after an optional '^', is its own)
+            end = i + 1
+            end += pattern.startswith("^", end)
+            end += pattern.startswith("]", end)
+            while end < size and pattern[end] != "]":
+                end += 2 if pattern[end] == "\\" else 1
+            out.append(pattern[i : end + 1])
+            i = end + 1
+        else:
+            out.append("[^\\n]" if char == "." else char)
+            i += 1
+    return "".join(out)
 
 
 def _types(node: dict[str, Any]) -> frozenset[str] | None:
@@ -463,7 +534,12 @@ def _unenforced_keyword(schema: Any) -> str | None:
     """``'KEYWORD' at PATH`` for the first constraining keyword of ``schema`` (parsed) that
     the grammar xgrammar builds leaves out (the grammar is the same without it); None if
     there is none. A grammar that ignored it would let through outputs the schema forbids."""
-    found = [(path, key) for path, node in _schemas(schema) for key in node if key in _CHECKED_KEYWORDS]
+    found = [
+        (path, key)
+        for path, node in _schemas(schema)
+        for key in node
+        if key in _CHECKED_KEYWORDS and not _says_nothing(key, node)
+    ]
     if not found:
         return None
     grammar = _xgrammar().Grammar.from_json_schema

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from aiocb.core.kv_cache import KVCacheManager
+from aiocb.core.params import ResolvedParams
 from aiocb.core.request import NONE_YET, Request
 from aiocb.core.speculation import SpeculationPlanner
 from aiocb.outputs import FinishReason, RequestStatus
@@ -597,7 +598,7 @@ class Scheduler:
                 request.num_pending_tokens -= 1
                 status = request.status
                 if blocked is not None and row in blocked and status < finished_status:
-                    request.error = _NOTHING_ALLOWED if request.grammar is None else _CONSTRAINT_CONFLICT
+                    request.error = _NOTHING_ALLOWED if request.grammar is None else _conflict(params)
                     self.finish(request, FinishReason.ERROR, now)
                     finished.append(request)
                 elif status < finished_status:  # (else ended while the step ran: no token)
@@ -762,7 +763,7 @@ class Scheduler:
         num_output = len(request.token_ids) - len(request.prompt_ids)
         completed = request.grammar is not None and request.grammar.accept(token)
         if completed and request.grammar is not None and request.grammar.rejected:
-            request.error = _CONSTRAINT_CONFLICT
+            request.error = _conflict(params)
             return FinishReason.ERROR
         # (a grammar that allows nothing more lets its end token through under min_tokens)
         stops = token in params.stop_token_ids and (num_output > params.min_tokens or completed)
@@ -1053,6 +1054,16 @@ _CONSTRAINT_CONFLICT = (
     "no token satisfies both the request's output constraint and its other controls "
     "(allowed_token_ids, bad_words_ids, no_repeat_ngram_size, sequence_bias, ...)"
 )
+#: the error of a constrained request whose constraint alone allows no token (a grammar
+#: that admits no text, or none at this point)
+_CONSTRAINT_ALONE = "no token satisfies the request's output constraint at this point: its grammar allows no text here"
+
+
+def _conflict(params: ResolvedParams) -> str:
+    """Why a constrained request was left no token: its constraint, or its other controls too."""
+    return _CONSTRAINT_CONFLICT if params.uses_controls else _CONSTRAINT_ALONE
+
+
 #: the error of a request whose controls left no token at a step (its pick would be a
 #: token it forbade: transformers' greedy search gives token 0 there)
 _NOTHING_ALLOWED = (

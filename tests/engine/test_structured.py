@@ -777,3 +777,82 @@ async def test_the_vocabularys_grammar_tables_are_built_off_the_loop(
         await manager.generate(PROMPTS[1], max_new_tokens=NEW, regex="[ab]{3}")
     jsonschema.validate(json.loads(output.text or ""), SCHEMAS[0])
     assert len(threads) == 1 and threads[0] != threading.current_thread().name
+
+
+def test_a_regex_dot_matches_no_line_break_as_python_s(bundled: tuple[Any, Any]) -> None:
+    """xgrammar's ``.`` matched any character: outputs of ``# .{10,40}`` held line breaks
+    that ``re.fullmatch`` refuses. Escaped dots and dots in classes stay themselves."""
+    import xgrammar
+
+    from aiocb.structured import GrammarCompiler
+
+    model, tokenizer = bundled
+    compiler = GrammarCompiler(tokenizer, model.config.vocab_size)
+    for pattern, text in (
+        ("a.b", "axb"),
+        ("a.b", "a\nb"),
+        (r"a\.b", "a.b"),
+        (r"a\.b", "axb"),
+        ("[.]x.", ".xy"),
+        ("[.]x.", ".x\n"),
+        (r"[\].]+.", "].\r"),
+        (r"[\].]+.", "]\n"),
+    ):
+        matcher = xgrammar.GrammarMatcher(compiler.compile(("regex", pattern)))
+        accepted = matcher.accept_string(text) and matcher.accept_token(min(compiler.stop_token_ids))
+        assert accepted == (re.fullmatch(pattern, text) is not None), (pattern, text)
+
+
+@pytest.mark.parametrize(
+    ("schema", "problem"),
+    [
+        ({"type": "integer", "enum": [1, 7], "minimum": 5}, "'minimum' at / (beside 'enum'"),
+        ({"type": "string", "enum": ["ok", "toolong"], "maxLength": 3}, "'maxLength' at / (beside 'enum'"),
+        ({"type": "string", "const": "abc", "maxLength": 2}, "'maxLength' at / (beside 'const'"),
+        ({"type": "integer", "enum": [1, "a"]}, "'enum' at / (its 'a' is not of its 'type'"),
+    ],
+)
+async def test_an_enum_or_const_beside_what_the_grammar_leaves_out_is_refused(
+    bundled: tuple[Any, Any], schema: dict[str, Any], problem: str
+) -> None:
+    """xgrammar takes an enum's values alone: outputs broke the keywords beside them."""
+    model, tokenizer = bundled
+    async with aiocb.Manager(model, tokenizer=tokenizer) as manager:
+        with pytest.raises(aiocb.InvalidRequestError, match=re.escape(problem)):
+            await manager.generate("x", json_schema=schema, max_new_tokens=4)
+        # (the values of its type, with annotations: served)
+        served = {"type": "string", "enum": ["ok", "no"], "title": "Answer", "description": "d"}
+        output = await manager.generate("x", json_schema=served, max_new_tokens=8)
+        assert json.loads(output.text or "") in ("ok", "no")
+
+
+@pytest.mark.parametrize(
+    "keyword",
+    [
+        {"uniqueItems": False},
+        {"propertyNames": {"type": "string"}},
+        {"dependentRequired": {}},
+        {"minContains": 0},
+        {"unevaluatedProperties": True},
+    ],
+)
+async def test_a_keyword_that_constrains_nothing_is_served(bundled: tuple[Any, Any], keyword: dict[str, Any]) -> None:
+    """Its grammar is rightly the grammar without it: it was refused as left out."""
+    model, tokenizer = bundled
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], **keyword}
+    if "uniqueItems" in keyword or "minContains" in keyword:
+        schema = {"type": "array", "items": {"type": "integer"}, "maxItems": 2, **keyword}
+    async with aiocb.Manager(model, tokenizer=tokenizer) as manager:
+        await manager.generate("x", json_schema=schema, max_new_tokens=4)
+
+
+async def test_a_constraint_that_allows_no_text_says_so(bundled: tuple[Any, Any]) -> None:
+    """Its error named controls the request never set."""
+    model, tokenizer = bundled
+    async with aiocb.Manager(model, tokenizer=tokenizer) as manager:
+        output = await manager.generate("x", grammar="root ::= [^\\x00-\\U0010FFFF]", max_new_tokens=4)
+    assert output.finish_reason == aiocb.FinishReason.ERROR
+    assert (
+        output.error
+        == "no token satisfies the request's output constraint at this point: its grammar allows no text here"
+    )
