@@ -21,7 +21,7 @@ import re
 import threading
 import typing
 from collections import OrderedDict
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import numpy as np
@@ -339,14 +339,10 @@ def _left_out(schema: Any) -> str | None:
         types = _types(node)
         listed = [key for key in ("enum", "const") if key in node]
         if listed:
-            beside = sorted(set(node) - _BESIDE_A_LIST)
-            if beside:
-                return f"{beside[0]!r} {where} (beside {listed[0]!r}, whose values the grammar takes alone)"
-            values = node["enum"] if isinstance(node.get("enum"), list) else []
-            values = [*values, node["const"]] if "const" in node else values
-            other = next((value for value in values if types is not None and not types & _json_types(value)), None)
-            if other is not None:
-                return f"{listed[0]!r} {where} (its {other!r} is not of its 'type', which the grammar leaves out)"
+            problem = _beside_values(node, listed[0], types)
+            if problem is not None:
+                return f"{problem[0]!r} {where} ({problem[1]})"
+            continue  # (its values are all the grammar takes: what else it holds was checked against them)
         multiple = node.get("multipleOf")
         if multiple is not None and (types is None or "number" in types or not _is_integer(multiple)):
             return f"'multipleOf' {where} (enforced only for integers, by an integer)"
@@ -367,9 +363,69 @@ def _left_out(schema: Any) -> str | None:
     return None
 
 
-#: What an ``enum`` or ``const`` may have beside it: annotations, a ``type`` its values are
-#: of, the definitions a schema keeps (xgrammar's grammar takes the values alone).
-_BESIDE_A_LIST = (_BESIDE_A_REF - {"$ref"}) | {"enum", "const", "type"}
+#: Keywords beside an ``enum`` or ``const`` (whose values xgrammar's grammar takes alone)
+#: that are checked against the values: each value must pass them.
+_VALUE_CHECKS: dict[str, Callable[[Any, Any], bool]] = {
+    "minimum": lambda value, bound: not _is_number(value) or value >= bound,
+    "maximum": lambda value, bound: not _is_number(value) or value <= bound,
+    "exclusiveMinimum": lambda value, bound: not _is_number(value) or value > bound,
+    "exclusiveMaximum": lambda value, bound: not _is_number(value) or value < bound,
+    "multipleOf": lambda value, factor: not _is_number(value) or (value / factor).is_integer(),
+    "minLength": lambda value, bound: not isinstance(value, str) or len(value) >= bound,
+    "maxLength": lambda value, bound: not isinstance(value, str) or len(value) <= bound,
+    "pattern": lambda value, pattern: not isinstance(value, str) or re.search(pattern, value) is not None,
+}
+#: Keywords beside an ``enum`` or ``const`` that constrain its values in ways not checked
+#: here: refused (the grammar would let through the values they forbid). Other keys
+#: (annotations, ``x-`` extensions, ``enumDescriptions``) are no constraint.
+_BESIDE_VALUES_REFUSED = frozenset(
+    {
+        "format",
+        "items",
+        "prefixItems",
+        "minItems",
+        "maxItems",
+        "properties",
+        "patternProperties",
+        "additionalProperties",
+        "required",
+        "minProperties",
+        "maxProperties",
+        "anyOf",
+        "oneOf",
+        "allOf",
+    }
+    | _CHECKED_KEYWORDS
+)
+
+
+def _beside_values(node: dict[str, Any], listed: str, types: frozenset[str] | None) -> tuple[str, str] | None:
+    """``(keyword, why)`` for the first keyword beside ``node``'s ``enum`` or ``const``
+    (``listed``) that a value it lists breaks, or that cannot be checked so; None if none."""
+    values = node["enum"] if isinstance(node.get("enum"), list) else []
+    values = [*values, node["const"]] if "const" in node else values
+    other = next((value for value in values if types is not None and not types & _json_types(value)), _NO_VALUE)
+    if other is not _NO_VALUE:
+        return listed, f"its {other!r} is not of its 'type', which the grammar leaves out"
+    for key in sorted(_BESIDE_VALUES_REFUSED.intersection(node)):
+        return key, f"beside {listed!r}, whose values the grammar takes alone"
+    for key in sorted(_VALUE_CHECKS.keys() & node.keys()):
+        for value in values:
+            try:
+                passes = _VALUE_CHECKS[key](value, node[key])
+            except (TypeError, ValueError, ZeroDivisionError, re.error):
+                passes = False
+            if not passes:
+                return key, f"beside {listed!r}, whose value {value!r} it forbids: the grammar takes the values alone"
+    return None
+
+
+#: a value no schema lists
+_NO_VALUE = object()
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _json_types(value: Any) -> frozenset[str]:

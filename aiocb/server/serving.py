@@ -115,12 +115,12 @@ def engine_params(
     params: dict[str, Any] = {
         "do_sample": not greedy,
         "temperature": 0.0 if greedy else sampling.temperature,
-        "top_p": sampling.top_p,
-        "top_k": sampling.top_k,
         "return_logprobs": logprobs,
         "top_logprobs": top_logprobs if logprobs else 0,
         "prompt_logprobs": prompt_logprobs,
     }
+    if not greedy:  # (greedy takes the most likely token: the server's defaults for them filter nothing)
+        params |= {"top_p": sampling.top_p, "top_k": sampling.top_k}
     if seed is not None:
         params["seed"] = seed
     if sampling.ignore_eos or score_only:

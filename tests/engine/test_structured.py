@@ -820,10 +820,14 @@ async def test_an_enum_or_const_beside_what_the_grammar_leaves_out_is_refused(
     async with aiocb.Manager(model, tokenizer=tokenizer) as manager:
         with pytest.raises(aiocb.InvalidRequestError, match=re.escape(problem)):
             await manager.generate("x", json_schema=schema, max_new_tokens=4)
-        # (the values of its type, with annotations: served)
-        served = {"type": "string", "enum": ["ok", "no"], "title": "Answer", "description": "d"}
-        output = await manager.generate("x", json_schema=served, max_new_tokens=8)
-        assert json.loads(output.text or "") in ("ok", "no")
+        # (the values of its type, with annotations, extensions and keywords they all pass: served)
+        for served in (
+            {"type": "string", "enum": ["ok", "no"], "title": "Answer", "description": "d"},
+            {"type": "string", "enum": ["ok", "no"], "enumDescriptions": ["yes", "no"], "x-enum-varnames": ["A", "B"]},
+            {"$id": "answer", "enum": ["ok", "no"], "maxLength": 2, "pattern": "^[a-z]+$"},
+        ):
+            output = await manager.generate("x", json_schema=served, max_new_tokens=8)
+            assert json.loads(output.text or "") in ("ok", "no")
 
 
 @pytest.mark.parametrize(

@@ -177,12 +177,17 @@ async def test_a_kept_stop_tokens_text_is_whole_though_a_stop_string_ends_in_it(
 
 
 async def test_a_models_generation_config_gives_what_a_request_leaves_out(
-    model: PreTrainedModel, tokenizer: Any
+    model: PreTrainedModel, tokenizer: Any, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """As vLLM's server: the sampling fields the model's generation config sets fill a
     request's left-out ones, its max_new_tokens caps a chat's default length; and its
     num_return_sequences and min_new_tokens never outdo what the request says, nor its
-    EOS ids the tokenizer's."""
+    EOS ids the tokenizer's. A greedy request is not warned of the config's top_p and
+    top_k, which it did not give."""
+    from aiocb import sampling
+
+    monkeypatch.setattr(sampling, "_WARNED_FILTERS", set())
+    caplog.set_level("WARNING", logger="aiocb")
     shipped = copy.deepcopy(model)
     shipped.generation_config = GenerationConfig(
         do_sample=True,
@@ -227,6 +232,7 @@ async def test_a_models_generation_config_gives_what_a_request_leaves_out(
             chat_waited = (await http.post("/v1/chat/completions", json=chat_stop)).json()
             chat_early = (await http.post("/v1/chat/completions", json={**chat_stop, "min_tokens": 0})).json()
     assert waited == asked != early == text[:1]
+    assert "greedy decoding" not in caplog.text
     assert chat_waited["choices"][0]["message"] == reply != chat_early["choices"][0]["message"]
     assert left_out == given != openai_defaults
     assert capped["usage"]["completion_tokens"] == 7
