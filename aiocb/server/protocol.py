@@ -63,7 +63,10 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 def refuse_unknown_keys(keys: Iterable[str], known: tuple[str, ...], where: str, what: str = "") -> None:
     """Refuse the ``keys`` of the object at ``where`` (a body path such as ``tools[0]``) that
     are not ``known``: a 400 whose ``param`` is the first one's path, as OpenAI names a nested
-    field. ``what`` describes the object in the message (default: its path)."""
+    field. ``what`` describes the object in the message (default: its path). Given the
+    object itself, a key whose value is null is one not given, as at the top level."""
+    if isinstance(keys, Mapping):
+        keys = [key for key, value in keys.items() if value is not None]
     unknown = sorted(set(keys) - set(known))
     if unknown:
         paths = [f"{where}.{key}" for key in unknown]

@@ -147,6 +147,13 @@ def test_a_field_the_server_does_not_implement_is_taken_when_null() -> None:
     parse_completion_request({"prompt": "x", "safety_identifier": "u-1", "prompt_cache_key": "tenant-7", **unset})
     with pytest.raises(APIError, match="unsupported field\\(s\\): 'modalities'"):
         parse_chat_request({"messages": [{"role": "user", "content": "hi"}], "modalities": ["text", "audio"]})
+    # (inside an object too)
+    options = {"include_usage": True, "continuous_usage_stats": None}
+    parse_completion_request({"prompt": "x", "stream": True, "stream_options": options})
+    with pytest.raises(APIError, match=r"stream_options\.continuous_usage_stats"):
+        parse_completion_request(
+            {"prompt": "x", "stream": True, "stream_options": {**options, "continuous_usage_stats": True}}
+        )
 
 
 def test_body_must_be_an_object() -> None:
