@@ -112,6 +112,11 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidConfigError(f"{name} must be an int >= 1, got {value!r}")
+        if self.num_speculative_tokens > MOST_SPECULATIVE_TOKENS:  # type: ignore[operator]
+            raise InvalidConfigError(
+                f"num_speculative_tokens must be <= {MOST_SPECULATIVE_TOKENS} (each step verifies that many a row, "
+                f"and its host work grows with them), got {self.num_speculative_tokens}"
+            )
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise InvalidConfigError(
                 f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max ({self.prompt_lookup_max})"
@@ -145,6 +150,9 @@ _DEFAULTS = {f.name: f.default for f in dataclasses.fields(SpeculativeConfig)}
 #: per position and length (about 150 bytes each); vLLM's and transformers' defaults are 5
 #: and less
 MOST_LOOKUP_LENGTH = 8
+#: the most tokens a request may propose a step (vLLM's and transformers' defaults are 5 to
+#: 10; a proposal is verified in one pass, and a wider one is rarely accepted whole)
+MOST_SPECULATIVE_TOKENS = 64
 
 
 def load_draft_model(config: SpeculativeConfig | None, target: PreTrainedModel) -> PreTrainedModel | None:
@@ -434,8 +442,9 @@ class NgramProposer(Acceptance):
         at most ``budget`` tokens in all (a token's at least, while any is left); and how many
         of the budget's that took (charged, the steady tokens too left the requests planned
         after the first few behind for good with long lengths)."""
-        if len(tokens) - self._indexed <= k + 1:
-            self._catch_up(tokens, k + 1)
+        steady = min(k, self._config.num_speculative_tokens or 0) + 1  # (a step's tokens at most)
+        if len(tokens) - self._indexed <= steady:
+            self._catch_up(tokens, steady)
             indexed = 0
         else:
             indexed = self._catch_up(tokens, -(-budget // self._index_cost)) * self._index_cost

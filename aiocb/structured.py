@@ -370,10 +370,8 @@ _VALUE_CHECKS: dict[str, Callable[[Any, Any], bool]] = {
     "maximum": lambda value, bound: not _is_number(value) or value <= bound,
     "exclusiveMinimum": lambda value, bound: not _is_number(value) or value > bound,
     "exclusiveMaximum": lambda value, bound: not _is_number(value) or value < bound,
-    "multipleOf": lambda value, factor: not _is_number(value) or (value / factor).is_integer(),
     "minLength": lambda value, bound: not isinstance(value, str) or len(value) >= bound,
     "maxLength": lambda value, bound: not isinstance(value, str) or len(value) <= bound,
-    "pattern": lambda value, pattern: not isinstance(value, str) or re.search(pattern, value) is not None,
 }
 #: Keywords beside an ``enum`` or ``const`` that constrain its values in ways not checked
 #: here: refused (the grammar would let through the values they forbid). Other keys
@@ -381,6 +379,7 @@ _VALUE_CHECKS: dict[str, Callable[[Any, Any], bool]] = {
 _BESIDE_VALUES_REFUSED = frozenset(
     {
         "format",
+        "pattern",  # (an ECMA regex: Python's re reads $, \d or \w otherwise)
         "items",
         "prefixItems",
         "minItems",
@@ -411,9 +410,10 @@ def _beside_values(node: dict[str, Any], listed: str, types: frozenset[str] | No
         return key, f"beside {listed!r}, whose values the grammar takes alone"
     for key in sorted(_VALUE_CHECKS.keys() & node.keys()):
         for value in values:
-            try:
-                passes = _VALUE_CHECKS[key](value, node[key])
-            except (TypeError, ValueError, ZeroDivisionError, re.error):
+            bound = node[key]
+            try:  # (a bound that is no number, draft 4's boolean exclusive bounds too: refused)
+                passes = _is_number(bound) and _VALUE_CHECKS[key](value, bound)
+            except (TypeError, ValueError, OverflowError):
                 passes = False
             if not passes:
                 return key, f"beside {listed!r}, whose value {value!r} it forbids: the grammar takes the values alone"

@@ -137,7 +137,9 @@ def _tool(tool: Any, index: int) -> dict[str, Any]:
     name = function.get("name")
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise bad_request(f"{where}.name must be 1 to 64 letters, digits, '_', '.' or '-'", f"{where}.name")
-    refuse_unknown_keys(function, ("name", "description", "parameters", "strict"), where)
+    known = ("name", "description", "parameters", "strict")
+    refuse_unknown_keys(function, known, where)
+    function = _known_or_given(function, known)  # (a null key is none given: not the template's either)
     if function.get("description") is not None and not isinstance(function["description"], str):
         raise bad_request(f"{where}.description must be a string", f"{where}.description")
     parameters = function.get("parameters")
@@ -153,6 +155,11 @@ def _tool(tool: Any, index: int) -> dict[str, Any]:
     if strict is not None and not isinstance(strict, bool):
         raise bad_request(f"{where}.strict must be true or false", f"{where}.strict")
     return {"type": "function", "function": function}
+
+
+def _known_or_given(fields: Mapping[str, Any], known: tuple[str, ...]) -> dict[str, Any]:
+    """``fields`` less the keys it does not know that were sent as null (none given)."""
+    return {key: value for key, value in fields.items() if key in known or value is not None}
 
 
 def _strict(tool: Mapping[str, Any]) -> bool:
@@ -190,6 +197,7 @@ def _template_call(call: Any, i: int, j: int) -> dict[str, Any]:
     if call.get("type") not in (None, "function"):
         raise bad_request(f"{where}.type must be 'function', got {call['type']!r}", f"{where}.type")
     refuse_unknown_keys(function, _CALL_FUNCTION_FIELDS, f"{where}.function")
+    call, function = _known_or_given(call, _CALL_FIELDS), _known_or_given(function, _CALL_FUNCTION_FIELDS)
     where += ".function.arguments"
     arguments = function.get("arguments", "{}")
     if isinstance(arguments, str):

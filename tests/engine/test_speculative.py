@@ -613,6 +613,11 @@ def test_prompt_lookup_indexes_a_bounded_number_of_n_gram_tokens_a_step() -> Non
     while not proposer.propose(tokens, 8, budget=9 * 1024)[0]:
         pass
     assert proposer.propose([*tokens, 0], 8, budget=9 * 1024)[0] == list(range(1, 9))
+    # Free: the tokens one step gives (num_speculative_tokens + 1 at most), whatever the room
+    # the step leaves (a step's whole room, a prompt was once indexed free).
+    fresh = NgramProposer(aiocb.SpeculativeConfig(num_speculative_tokens=3))
+    assert fresh.propose(tokens[:5], 4000, budget=0) == ([], 0)
+    assert fresh.propose(tokens[:500], 4000, budget=90) == ([], 90)
 
 
 def test_a_step_s_indexing_budget_leaves_no_request_behind_for_good() -> None:
@@ -656,6 +661,7 @@ def test_a_step_s_indexing_budget_leaves_no_request_behind_for_good() -> None:
         ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"prompt_lookup_min": 5, "prompt_lookup_max": 3}, "prompt_lookup_min"),
         ({"prompt_lookup_max": 9}, "prompt_lookup_max must be <= 8"),
+        ({"num_speculative_tokens": 65}, "num_speculative_tokens must be <= 64"),
         ({"disable_by_batch_size": 0}, "disable_by_batch_size"),
         ({"min_acceptance": 2.0}, "min_acceptance"),
         ({"min_acceptance": True}, "min_acceptance"),

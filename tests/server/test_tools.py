@@ -698,3 +698,17 @@ async def test_an_enforced_tool_schema_with_a_keyword_the_grammar_leaves_out_is_
     error = response.json()["error"]
     assert error["param"] == "tools"
     assert "'not' at /" in error["message"] and '"add"' in error["message"], error["message"]
+
+
+def test_a_key_sent_as_null_reaches_no_template() -> None:
+    """A null key is none given: neither refused nor rendered (it reached templates that
+    write a tool or a call as JSON)."""
+    from aiocb.server.tools import template_messages
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}, "x_unknown": None}}
+    request = parse_tools({"tools": [tool]})
+    assert request is not None and "x_unknown" not in request.tools[0]["function"]
+    call = {"id": "c", "type": "function", "bogus": None, "function": {"name": "f", "arguments": "{}", "junk": None}}
+    (message,) = template_messages([{"role": "assistant", "content": None, "tool_calls": [call]}])
+    (rendered,) = message["tool_calls"]
+    assert "bogus" not in rendered and "junk" not in rendered["function"]
