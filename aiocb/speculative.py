@@ -437,11 +437,11 @@ class NgramProposer(Acceptance):
 
     def propose(self, tokens: list[int], k: int, budget: int) -> tuple[list[int], int]:
         """Up to ``k`` tokens that may follow ``tokens`` (empty: nothing to propose), indexing
-        first the tokens its last step gave (at most ``k + 1``: each decoded token is
-        indexed, whatever the budget), or, further behind (a prompt to catch up), n-grams of
-        at most ``budget`` tokens in all (a token's at least, while any is left); and how many
-        of the budget's that took (charged, the steady tokens too left the requests planned
-        after the first few behind for good with long lengths)."""
+        first the tokens its last step gave (``num_speculative_tokens + 1`` at most: each
+        decoded token is indexed, whatever the budget), or, further behind (a prompt to catch
+        up), n-grams of at most ``budget`` tokens in all (a token's at least, while any is
+        left); and how many of the budget's that took (charged, a step's own tokens left the
+        requests planned after the first few behind for good with long lengths)."""
         steady = min(k, self._config.num_speculative_tokens or 0) + 1  # (a step's tokens at most)
         if len(tokens) - self._indexed <= steady:
             self._catch_up(tokens, steady)
