@@ -112,7 +112,7 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidConfigError(f"{name} must be an int >= 1, got {value!r}")
-        if self.num_speculative_tokens > MOST_SPECULATIVE_TOKENS:  # type: ignore[operator]
+        if (self.num_speculative_tokens or 0) > MOST_SPECULATIVE_TOKENS:
             raise InvalidConfigError(
                 f"num_speculative_tokens must be <= {MOST_SPECULATIVE_TOKENS} (each step verifies that many a row, "
                 f"and its host work grows with them), got {self.num_speculative_tokens}"

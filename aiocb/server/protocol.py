@@ -60,13 +60,19 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
+def without_unset(fields: Mapping[str, Any], known: Iterable[str]) -> dict[str, Any]:
+    """``fields`` less the keys not ``known`` that were sent as null: none given."""
+    known = frozenset(known)
+    return {key: value for key, value in fields.items() if key in known or value is not None}
+
+
 def refuse_unknown_keys(keys: Iterable[str], known: tuple[str, ...], where: str, what: str = "") -> None:
     """Refuse the ``keys`` of the object at ``where`` (a body path such as ``tools[0]``) that
     are not ``known``: a 400 whose ``param`` is the first one's path, as OpenAI names a nested
     field. ``what`` describes the object in the message (default: its path). Given the
     object itself, a key whose value is null is one not given, as at the top level."""
     if isinstance(keys, Mapping):
-        keys = [key for key, value in keys.items() if value is not None]
+        keys = without_unset(keys, known)
     unknown = sorted(set(keys) - set(known))
     if unknown:
         paths = [f"{where}.{key}" for key in unknown]

@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from aiocb.server.protocol import bad_request, refuse_unknown_keys
+from aiocb.server.protocol import bad_request, refuse_unknown_keys, without_unset
 from aiocb.server.reasoning import CLOSE, thinking_first
 
 _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
@@ -139,7 +139,7 @@ def _tool(tool: Any, index: int) -> dict[str, Any]:
         raise bad_request(f"{where}.name must be 1 to 64 letters, digits, '_', '.' or '-'", f"{where}.name")
     known = ("name", "description", "parameters", "strict")
     refuse_unknown_keys(function, known, where)
-    function = _known_or_given(function, known)  # (a null key is none given: not the template's either)
+    function = without_unset(function, known)  # (a null key is none given: not the template's either)
     if function.get("description") is not None and not isinstance(function["description"], str):
         raise bad_request(f"{where}.description must be a string", f"{where}.description")
     parameters = function.get("parameters")
@@ -155,11 +155,6 @@ def _tool(tool: Any, index: int) -> dict[str, Any]:
     if strict is not None and not isinstance(strict, bool):
         raise bad_request(f"{where}.strict must be true or false", f"{where}.strict")
     return {"type": "function", "function": function}
-
-
-def _known_or_given(fields: Mapping[str, Any], known: tuple[str, ...]) -> dict[str, Any]:
-    """``fields`` less the keys it does not know that were sent as null (none given)."""
-    return {key: value for key, value in fields.items() if key in known or value is not None}
 
 
 def _strict(tool: Mapping[str, Any]) -> bool:
@@ -197,7 +192,7 @@ def _template_call(call: Any, i: int, j: int) -> dict[str, Any]:
     if call.get("type") not in (None, "function"):
         raise bad_request(f"{where}.type must be 'function', got {call['type']!r}", f"{where}.type")
     refuse_unknown_keys(function, _CALL_FUNCTION_FIELDS, f"{where}.function")
-    call, function = _known_or_given(call, _CALL_FIELDS), _known_or_given(function, _CALL_FUNCTION_FIELDS)
+    call, function = without_unset(call, _CALL_FIELDS), without_unset(function, _CALL_FUNCTION_FIELDS)
     where += ".function.arguments"
     arguments = function.get("arguments", "{}")
     if isinstance(arguments, str):
