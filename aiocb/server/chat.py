@@ -66,8 +66,11 @@ def prepare_chat(ctx: ServerContext, body: bytes) -> PreparedChat:
     ctx.limits.check_token_ids(request.sampling)
     request = dataclasses.replace(request, sampling=ctx.with_bad_words(request.sampling))
     ctx.limits.check_choices(1, request.sampling.n)
+    # Under "none" the template still shows the tools (as vLLM's default: a conversation
+    # with earlier calls reads as it did), but no call is parsed or enforced.
+    shown = tools
     if tools is not None and tools.choice == "none":
-        tools = None  # (the model is not shown tools it may not call)
+        tools = None
     parser = ctx.tool_parser
     if tools is not None and parser is None and not ctx.harmony_calls:
         raise bad_request(
@@ -98,7 +101,7 @@ def prepare_chat(ctx: ServerContext, body: bytes) -> PreparedChat:
         template_messages(request.messages),
         add_generation_prompt=request.add_generation_prompt,
         kwargs=request.chat_template_kwargs,
-        tools=None if tools is None else list(tools.tools),
+        tools=None if shown is None else list(shown.tools),
     )
     keep = request.sampling.truncate_prompt_tokens
     check_truncation(keep, ctx.max_model_len)

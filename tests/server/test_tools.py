@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import threading
 from collections.abc import AsyncIterator
 from typing import Any
@@ -378,13 +379,26 @@ async def test_a_named_call_cut_before_its_arguments_is_still_that_functions_cal
     assert streamed == [_flat(choice) for choice in whole["choices"]]
 
 
-async def test_auto_without_strict_is_free_text_and_none_hides_the_tools(client: httpx.AsyncClient) -> None:
+async def test_auto_without_strict_is_free_text_and_none_shows_the_tools_but_calls_none(
+    client: httpx.AsyncClient,
+) -> None:
     free = await _chat(client, max_tokens=24)
     assert free["choices"][0]["message"]["content"] is not None or free["choices"][0]["message"].get("tool_calls")
     plain = await _chat(client, tools=None, max_tokens=4)
-    hidden = await _chat(client, tool_choice="none", max_tokens=4)
-    assert hidden["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"] < free["usage"]["prompt_tokens"]
-    assert "tool_calls" not in hidden["choices"][0]["message"]
+    # The text of a call, written under a regex: a call under "auto", content under "none".
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": true}}\n</tool_call>'
+    fields = {"structured_outputs": {"regex": re.escape(call)}, "max_tokens": 120}
+    called = await _chat(client, **fields)
+    assert [c["function"] for c in called["choices"][0]["message"]["tool_calls"]] == [
+        {"name": "add", "arguments": '{"a": 1, "b": true}'}
+    ]
+    shown = await _chat(client, tool_choice="none", **fields)
+    assert shown["usage"]["prompt_tokens"] == free["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"]
+    assert shown["choices"][0]["message"]["content"] == call
+    assert "tool_calls" not in shown["choices"][0]["message"]
+    assert shown["choices"][0]["finish_reason"] == "stop"
+    streamed = _reassemble(await _stream(client, tool_choice="none", **fields), 1)
+    assert streamed == [_flat(shown["choices"][0])]
 
 
 async def test_tokenize_counts_a_chat_with_its_tools(client: httpx.AsyncClient) -> None:
