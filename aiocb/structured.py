@@ -94,7 +94,7 @@ class GrammarCompiler:
                 # No free whitespace: a weak model could otherwise pad its JSON without end.
                 compiled = self._compiler.compile_grammar(json_schema_grammar(text, any_whitespace=False))
             elif kind == "regex":
-                compiled = self._compiler.compile_regex(python_dots(text))
+                compiled = self._compiler.compile_regex(python_regex(text))
             elif kind == "structural_tag":
                 compiled = self._compiler.compile_structural_tag(_mended_json_elements(text))
             else:
@@ -458,28 +458,41 @@ def _says_nothing(key: str, node: dict[str, Any]) -> bool:
     return False
 
 
-def python_dots(pattern: str) -> str:
-    """``pattern`` with each ``.`` that stands for a character (not escaped, outside a
-    class) written ``[^\\n]``: in Python's ``re``, which clients check outputs with, it
-    matches any character but a line break; in xgrammar's regexes, any character."""
+#: Characters ``re.escape`` escapes that are no escape to xgrammar: it matches each as
+#: itself, as Python's ``re`` does, but writes a warning to the process's stderr for every
+#: pattern compiled (a client's escaped literal text filled the server's log).
+_LITERAL_ESCAPES = frozenset(" \t\n\r\x0b\x0c#&~")
+
+
+def python_regex(pattern: str) -> str:
+    """``pattern`` as xgrammar reads it the way Python's ``re`` (which clients check outputs
+    with) does: each ``.`` that stands for a character (not escaped, outside a class)
+    written ``[^\\n]`` (in ``re`` it matches any character but a line break; in xgrammar's
+    regexes, any character), and an escaped literal of :data:`_LITERAL_ESCAPES` written
+    as itself."""
     out: list[str] = []
     i, size = 0, len(pattern)
+    in_class = False
     while i < size:
         char = pattern[i]
         if char == "\\":
-            out.append(pattern[i : i + 2])
+            escaped = pattern[i + 1 : i + 2]
+            out.append(escaped if escaped in _LITERAL_ESCAPES else pattern[i : i + 2])
             i += 2
-        elif char == "[":  # (a class, copied whole: a ']' first, after an optional '^', is its own)
-            end = i + 1
-            end += pattern.startswith("^", end)
-            end += pattern.startswith("]", end)
-            while end < size and pattern[end] != "]":
-                end += 2 if pattern[end] == "\\" else 1
-            out.append(pattern[i : end + 1])
-            i = end + 1
-        else:
-            out.append("[^\\n]" if char == "." else char)
-            i += 1
+            continue
+        if in_class:
+            in_class = char != "]"
+        elif char == "[":  # (a ']' first in a class, after an optional '^', is its own)
+            in_class = True
+            first = i + 1 + pattern.startswith("^", i + 1)
+            first += pattern.startswith("]", first)
+            out.append(pattern[i:first])
+            i = first
+            continue
+        elif char == ".":
+            char = "[^\\n]"
+        out.append(char)
+        i += 1
     return "".join(out)
 
 

@@ -803,6 +803,31 @@ def test_a_regex_dot_matches_no_line_break_as_python_s(bundled: tuple[Any, Any])
         assert accepted == (re.fullmatch(pattern, text) is not None), (pattern, text)
 
 
+def test_re_escape_s_literals_match_themselves_and_log_nothing(
+    bundled: tuple[Any, Any], capfd: pytest.CaptureFixture[str]
+) -> None:
+    """``re.escape`` escapes spaces, line breaks, ``#``, ``&`` and ``~``, which xgrammar
+    matched as themselves but warned of on stderr, once for every pattern compiled."""
+    import xgrammar
+
+    from aiocb.structured import GrammarCompiler
+
+    model, tokenizer = bundled
+    compiler = GrammarCompiler(tokenizer, model.config.vocab_size)
+    literal = "a b\tc\nd#e&f~g\rh"
+    for pattern, text, matches in (
+        (re.escape(literal), literal, True),
+        (re.escape(literal), literal.replace(" ", "x"), False),
+        (f"[{re.escape(' #&~')}]+", " #~&", True),
+        (f"[{re.escape(' #&~')}]+", " x", False),
+        (r"\\ ", "\\ ", True),
+    ):
+        matcher = xgrammar.GrammarMatcher(compiler.compile(("regex", pattern)))
+        accepted = matcher.accept_string(text) and matcher.accept_token(min(compiler.stop_token_ids))
+        assert accepted == matches == (re.fullmatch(pattern, text) is not None), (pattern, text)
+    assert "not recognized" not in capfd.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("schema", "problem"),
     [
