@@ -135,9 +135,32 @@ class IncrementalDetokenizer:
         self._prefix_cache: tuple[tuple[int, ...], str] | None = None
         #: characters of text emitted so far (not counting the context)
         self.num_chars = 0
+        #: where, in those characters, the text of the token last added starts (see :meth:`add`)
+        self.last_start = 0
 
     def add(self, token_id: int) -> str:
-        """Append one token; returns the text it completes (often all of its own text, maybe "")."""
+        """Append one token; returns the text it completes (often all of its own text, maybe "").
+
+        :attr:`last_start` is then where its own text starts. That is after the characters
+        of tokens held before it that come out with it: a character they made before the
+        one it completes, the U+FFFD of bytes that no character took. A character split
+        between them and it starts where it starts."""
+        before = self.num_chars
+        if self._read_offset == len(self._ids):  # (nothing held: the usual case)
+            text = self._add_text(token_id)
+            self.last_start = before
+            return text
+        held, ahead = self._ids[self._read_offset :], self._ahead
+        text = self._add_text(token_id)
+        # (the held tokens' text alone ends where theirs and this token's part: at a split
+        # character's U+FFFD, which the text then does not have)
+        theirs = self._decode_ids(held)[len(ahead) :]
+        shared = next((i for i, (a, b) in enumerate(zip(text, theirs, strict=False)) if a != b), None)
+        self.last_start = before + (min(len(text), len(theirs)) if shared is None else shared)
+        return text
+
+    def _add_text(self, token_id: int) -> str:
+        """:meth:`add`'s text."""
         text = self._less_ahead(self._add(token_id))
         if self._release_ahead and self._read_offset < len(self._ids) and self._releases_ahead(token_id):
             # Tokens held: the characters they complete before the incomplete last one are

@@ -364,8 +364,8 @@ class Completion:
         offsets: list[int] = []
         detokenizer = IncrementalDetokenizer(self.ctx.tokenizer, skip_special_tokens=False)
         for token_id in prompt.ids:
-            offsets.append(detokenizer.num_chars)
             detokenizer.add(token_id)
+            offsets.append(detokenizer.last_start)
             await turn.give()
         return offsets
 

@@ -380,11 +380,17 @@ def _add_tokens(
     # or kept whole, with the text held, a stop string in it not ending the output first.
     last = len(output.generated_tokens) - 1 if _ended_by_token(output) else -1
     for position, token_id in enumerate(new, start=start):
-        delta.text_offsets.append(detokenizer.num_chars)
         if position != last:
-            delta.text += stopper.feed(detokenizer.add(token_id), position + 1)
+            text = detokenizer.add(token_id)
+            delta.text_offsets.append(detokenizer.last_start)
+            delta.text += stopper.feed(text, position + 1)
         elif include_stop_str:
-            delta.text += stopper.flush() + detokenizer.add(token_id) + detokenizer.flush()
+            held = stopper.flush()
+            text = detokenizer.add(token_id)
+            delta.text_offsets.append(detokenizer.last_start)
+            delta.text += held + text + detokenizer.flush()
+        else:
+            delta.text_offsets.append(detokenizer.num_chars)
         delta.token_ids.append(token_id)
         if logprobs is not None and position < len(logprobs):
             delta.logprobs.append(logprobs[position])

@@ -884,3 +884,25 @@ async def test_a_replica_s_metrics_carry_its_name(manager: aiocb.Manager, tokeni
         s.name for s in samples
     }
     assert all(s.labels["replica"] == "r7" and s.labels["model_name"] == MODEL_NAME for s in samples)
+
+
+async def test_a_token_after_stray_bytes_is_offset_to_its_own_text(client: httpx.AsyncClient, tokenizer: Any) -> None:
+    """Bytes that make no character come out as U+FFFD with the next token's text: that
+    token's ``text_offset`` is after them, where its own text starts (echoed prompt tokens
+    and generated ones, whole and streamed alike)."""
+    stray = tokenizer.convert_tokens_to_ids("î")  # (a byte-level token: the lone byte 0xEE)
+    ids = [tokenizer.convert_tokens_to_ids("0"), stray, tokenizer.convert_tokens_to_ids("ran"), stray, stray]
+    ids.append(tokenizer.convert_tokens_to_ids("0"))
+    body = {"prompt": ids, "max_tokens": 40, "temperature": 1.0, "seed": 0, "echo": True, "logprobs": 0}
+    whole = (await client.post("/v1/completions", json={**body, "ignore_eos": True})).json()["choices"][0]
+    events = sse_events((await client.post("/v1/completions", json={**body, "ignore_eos": True, "stream": True})).text)
+    streamed = [t for e in events[:-1] for t in e["choices"][0]["logprobs"]["text_offset"]]
+    text, tokens, offsets = whole["text"], whole["logprobs"]["tokens"], whole["logprobs"]["text_offset"]
+    assert text.startswith("0\ufffdran\ufffd\ufffd0") and streamed == offsets
+    assert [offsets[k] for k in (0, 1, 2, 5)] == [0, 1, 2, 7]
+    after_stray = 0
+    for k, (token, at) in enumerate(zip(tokens, offsets, strict=True)):
+        if not token.startswith("bytes:") and token not in tokenizer.all_special_tokens:  # (skipped)
+            assert text[at:].startswith(token), (k, token, text[at : at + 10])
+            after_stray += k > 6 and tokens[k - 1].startswith("bytes:")
+    assert after_stray >= 3  # (the sampled output has stray bytes too)

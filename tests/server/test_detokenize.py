@@ -590,3 +590,35 @@ def test_automata_looked_up_from_two_threads_at_once() -> None:
     assert not errors, errors
     with stop_strings._lock:
         assert stop_strings._kept_nodes == sum(a.nodes + stop_strings._ENTRY_NODES for a in stop_strings._kept.values())
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["", "ahead"])
+@pytest.mark.parametrize("fallback", [False, True])
+def test_a_token_s_start_is_where_its_own_text_starts(
+    tokenizer: Any, byte_fallback: Any, fallback: bool, ahead: bool
+) -> None:
+    """``last_start`` after the characters that tokens held before it come out with (a
+    character they made, U+FFFD for bytes no character took), at the start of a character
+    it shares with them: random ids' word tokens are found where it says."""
+    rng = random.Random(1)
+    chosen = byte_fallback if fallback else tokenizer
+    checked = missed = 0
+    for _ in range(80):
+        ids = [rng.randrange(3, len(chosen)) for _ in range(30)]
+        detokenizer = IncrementalDetokenizer(chosen, skip_special_tokens=False, release_ahead=ahead)
+        text, starts = "", []
+        for token in ids:
+            text += detokenizer.add(token)
+            starts.append(detokenizer.last_start)
+        text += detokenizer.flush()
+        assert starts == sorted(starts) and starts[-1] <= len(text)
+        for token, start in zip(ids, starts, strict=True):
+            raw = chosen.convert_ids_to_tokens(token)
+            piece = chosen.decode([token])
+            if "\ufffd" in piece or not piece.strip() or raw.startswith("<0x"):
+                continue  # (a byte, or a token of no visible text)
+            checked += 1
+            missed += not text[start:].startswith(raw.replace("\u2581", " ") if fallback else piece)
+    # (a byte-fallback run of bytes that is not valid turns into U+FFFD whole, later bytes
+    # that made characters among them: those few tokens' text is then no longer there)
+    assert checked > 1000 and missed <= (checked // 200 if fallback else 0)
