@@ -71,12 +71,20 @@ _JOB_SIZE = 4096
 def completion_specs(ctx: ServerContext, request: CompletionRequest, prompts: list[Prompt]) -> list[ChoiceSpec]:
     """What each choice asks of the engine."""
     sampling = request.sampling
-    max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if sampling.max_tokens is None else sampling.max_tokens
     want_logprobs = request.logprobs is not None
     specs: list[ChoiceSpec] = []
     for p, prompt in enumerate(prompts):
+        field = f"prompt[{p}]" if len(prompts) > 1 else "prompt"
+        max_tokens = sampling.max_tokens
+        if max_tokens is None:
+            # (OpenAI's default, within the model's cap, which gives way to the request's own
+            # min_tokens as a chat's does)
+            max_tokens = DEFAULT_COMPLETION_MAX_TOKENS
+            capped = ctx.config_max_tokens(len(prompt.ids), field)
+            if capped is not None:
+                max_tokens = min(max_tokens, max(capped, sampling.min_tokens or 0))
         if max_tokens == 0:
-            _check_scored_length(ctx, len(prompt.ids), f"prompt[{p}]" if len(prompts) > 1 else "prompt")
+            _check_scored_length(ctx, len(prompt.ids), field)
         for j in range(sampling.n):
             params = engine_params(
                 sampling,

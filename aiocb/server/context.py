@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -23,6 +24,8 @@ from aiocb.server.protocol import APIError, SamplingRequest, ServedDefaults, bad
 from aiocb.server.remote import ServedEngine
 from aiocb.server.tool_parsers import ToolCallParser
 from aiocb.tokenizer_process import Tokenized, TokenizerProcessHolder, encode_kept
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -367,9 +370,25 @@ class ServerContext:
             return sampling.min_tokens
         return config_min_tokens(self.defaults.min_new_tokens, self.defaults.min_length, prompt_len)
 
+    def config_max_tokens(self, prompt_len: int, param: str) -> int | None:
+        """What the model's generation config caps a request's default ``max_tokens`` at: its
+        ``max_new_tokens``, else its ``max_length`` less the prompt (None: neither is set). A
+        400 naming ``param`` (the prompt's field) where its ``max_length`` leaves no room."""
+        if self.defaults.max_new_tokens is not None:
+            return self.defaults.max_new_tokens
+        if self.defaults.max_length is None:
+            return None
+        if prompt_len >= self.defaults.max_length:
+            raise bad_request(
+                f"the prompt ({prompt_len} tokens) leaves no room under the model's generation config's "
+                f"max_length ({self.defaults.max_length}, which counts the prompt); give max_tokens",
+                param,
+            )
+        return self.defaults.max_length - prompt_len
+
     def default_max_tokens(self, prompt_len: int) -> int:
         """``max_tokens`` when a chat request does not say: what the context and the cache
-        leave, at most the model's generation config's ``max_new_tokens`` (where it sets it).
+        leave, at most what the model's generation config caps it at (:meth:`config_max_tokens`).
         A 400 naming ``messages`` when they leave no room for a reply."""
         capacity = self.cache_capacity_tokens()
         if self.max_model_len is not None and prompt_len >= self.max_model_len:
@@ -387,8 +406,9 @@ class ServerContext:
         room = capacity - prompt_len
         if self.max_model_len is not None:
             room = min(room, self.max_model_len - prompt_len)
-        if self.defaults.max_new_tokens is not None:
-            room = min(room, self.defaults.max_new_tokens)
+        capped = self.config_max_tokens(prompt_len, "messages")
+        if capped is not None:
+            room = min(room, capped)
         return max(room, 1)
 
 
@@ -432,6 +452,16 @@ def served_defaults(generation_config: Any, model_config: Any, tokenizer: Any) -
     (a fine-tune whose tokenizer ends turns with a token its generation config never named)."""
     given = generation_config.to_diff_dict() if generation_config is not None else {}
     fields: dict[str, Any] = {name: given[name] for name in _SERVED_FIELDS if given.get(name) is not None}
+    if "max_new_tokens" not in fields and given.get("max_length") is not None:
+        fields["max_length"] = given["max_length"]  # (as generate: max_new_tokens, where set, wins)
+    sampling = sorted(name for name in ("temperature", "top_p", "top_k") if name in fields)
+    if sampling and not given.get("do_sample"):
+        # (vLLM's server reads these without do_sample too; model.generate would be greedy)
+        logger.warning(
+            "the model's generation config sets %s with do_sample false: a request that leaves them out "
+            "is sampled with them (as vLLM's server does); send temperature 0 for greedy decoding",
+            ", ".join(sampling),
+        )
     if "top_k" in fields:
         fields["top_k"] = max(int(fields["top_k"]), 0)
     model_eos = eos_ids(getattr(generation_config, "eos_token_id", None)) or eos_ids(

@@ -144,8 +144,11 @@ class ServedDefaults:
     top_p: float = 1.0
     #: 0: off
     top_k: int = 0
-    #: what caps a chat's ``max_tokens`` when the request gives none (None: nothing)
+    #: what caps a request's default ``max_tokens`` (one it gives none; None: nothing) ...
     max_new_tokens: int | None = None
+    #: ... or, where that is None, what caps it with the prompt counted (as ``model.generate``
+    #: reads a generation config's ``max_length``; None: nothing)
+    max_length: int | None = None
     #: what makes a request's ``min_tokens`` when it gives none (as the engine resolves it:
     #: the server's stop strings wait for it too)
     min_new_tokens: int | None = None

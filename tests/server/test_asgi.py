@@ -241,6 +241,38 @@ async def test_a_models_generation_config_gives_what_a_request_leaves_out(
     assert (ended["usage"]["completion_tokens"], ended["choices"][0]["finish_reason"]) == (1, "stop")
 
 
+async def test_a_models_max_length_caps_a_default_length_with_the_prompt_counted(
+    model: PreTrainedModel, tokenizer: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As ``model.generate`` reads it: a generation config's ``max_length`` (no
+    ``max_new_tokens``) caps what a request that gives no ``max_tokens`` gets, the prompt
+    counted; one the prompt fills is a 400. Its sampling fields beside ``do_sample`` false
+    are warned of: the server samples with them, as vLLM's."""
+    caplog.set_level("WARNING", logger="aiocb")
+    shipped = copy.deepcopy(model)
+    shipped.generation_config = GenerationConfig(max_length=30, temperature=0.7, pad_token_id=0)
+    prompt_len = len(tokenizer.encode(PROMPT))
+    async with aiocb.Manager(shipped, continuous_batching_config=serve_config()) as manager:
+        app = build_app(manager, tokenizer, MODEL_NAME)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+            base = {"prompt": PROMPT, "ignore_eos": True, "temperature": 0}
+            short = (await http.post("/v1/completions", json=base)).json()
+            given = (await http.post("/v1/completions", json={**base, "max_tokens": 20})).json()
+            near = {**base, "prompt": [7] * 25}
+            capped = (await http.post("/v1/completions", json=near)).json()
+            full = await http.post("/v1/completions", json={**base, "prompt": [[7] * 3, [7] * 30]})
+            chat = {"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True, "temperature": 0}
+            reply = (await http.post("/v1/chat/completions", json=chat)).json()
+    assert short["usage"]["completion_tokens"] == 16 < 30 - prompt_len, "OpenAI's 16 within the cap"
+    assert given["usage"]["completion_tokens"] == 20, "the request's own length is not capped"
+    assert capped["usage"]["completion_tokens"] == 5
+    assert_error(full, 400, "prompt[1]")
+    assert "max_length (30" in full.json()["error"]["message"]
+    usage = reply["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == 30
+    assert "sets temperature with do_sample false" in caplog.text
+
+
 async def test_stop_token_ids_and_ignore_eos(model: PreTrainedModel, tokenizer: Any) -> None:
     ids = tokenizer.encode(PROMPT)
     async with aiocb.Manager(model, continuous_batching_config=serve_config()) as plain:
