@@ -86,6 +86,16 @@ class SequenceIndex:
     def __len__(self) -> int:
         return len(self._biases) + len(self._bad)
 
+    @property
+    def built(self) -> bool:
+        """Whether the sequences are indexed."""
+        return self._matchers is not None
+
+    def indexes(self, biases: Sequence[SequenceBias], bad: Sequence[SequenceBias]) -> bool:
+        """Whether this index is of these sequence biases and bad words (another request's
+        with the same ones may share it)."""
+        return (biases is self._biases or biases == self._biases) and (bad is self._bad or bad == self._bad)
+
     def build(self, pause: Callable[[], None] | None = None) -> None:
         """Index the sequences now (a worker thread may, calling ``pause`` now and then to
         let the event loop's thread have the GIL)."""

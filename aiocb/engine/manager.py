@@ -1263,9 +1263,7 @@ class Manager:
         self._check_start(start)
         request, samples = self._build(ids, request_id, max_new_tokens, sampling_params, params, checked)
         del stops  # (held until the request's text tracker holds it)
-        index = request.params.sequence_index
-        if index is not None and len(index) > _LARGE_SEQUENCE_INDEX:
-            await asyncio.to_thread(index.build, yield_gil)  # (about 1 ms a thousand sequences)
+        await _indexed(request)
         turn = LoopTurn()  # (n = 1,024 samples take about 6 ms)
         for sample in samples:
             if not request.children:
@@ -1392,6 +1390,9 @@ class Manager:
             except InvalidRequestError as exc:  # (which of thousands of prompts it was)
                 raise type(exc)(f"inputs[{index}]: {exc}", param=exc.param) from None
         del stops  # (the requests' text trackers hold it now)
+        for request in requests:  # (they share one index, as a rule: it is built once)
+            await _indexed(request)
+            await turn.give()
         order = list(range(len(requests)))
         if self.config.allow_block_sharing:  # (prompts that share a prefix queued together)
             keys: list[bytes] = []
@@ -1544,8 +1545,18 @@ class _Build:
                 self._runner = None
 
 
-#: sequence biases and bad words a request may have indexed on the loop (their first step)
-_LARGE_SEQUENCE_INDEX = 1_000
+#: sequence biases and bad words a request may have indexed on the loop, in the step that
+#: admits it (some 30 µs; a step admits up to 32 requests a turn)
+_LARGE_SEQUENCE_INDEX = 32
+
+
+async def _indexed(request: Request) -> None:
+    """Index ``request``'s sequence biases and bad words on a worker thread where they are
+    more than :data:`_LARGE_SEQUENCE_INDEX` (about 1 ms a thousand) and not indexed yet."""
+    index = request.params.sequence_index
+    if index is not None and not index.built and len(index) > _LARGE_SEQUENCE_INDEX:
+        await asyncio.to_thread(index.build, yield_gil)
+
 
 #: when a request's caller began: sessions begun by then, and whether one ran
 _Began = tuple[int, bool]

@@ -131,12 +131,13 @@ async def test_allowed_token_ids_and_penalties_restrict_outputs(model: PreTraine
 
 
 @pytest.mark.parametrize("many", [False, True])
-async def test_a_requests_samples_index_its_bad_words_once(
+async def test_requests_with_the_same_bad_words_index_them_once(
     qwen3: PreTrainedModel, many: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # One index of the sequences for all n samples (each used to build its own: a thousand
-    # bad words cost about a millisecond each time, on the loop); past a thousand, built
-    # on a worker thread before the request is queued.
+    # One index of the sequences for all n samples, and for the next requests with the same
+    # ones (the prompts of a batch: each used to build its own, a thousand bad words about
+    # a millisecond each time, on the loop); past 32, built on a worker thread before the
+    # request is queued.
     built: list[str] = []
     matcher = sequences.SequenceMatcher
 
@@ -149,15 +150,20 @@ async def test_a_requests_samples_index_its_bad_words_once(
     plain = reference_generate(qwen3, PROMPTS[0], NEW)
     words = [[plain[1], plain[2]], [PROMPTS[0][-1], plain[0]]]
     if many:
-        words += [[VOCAB - 1 - i % 50, i % VOCAB] for i in range(1_500)]
+        words += [[VOCAB - 1 - i % 50, i % VOCAB] for i in range(40)]
     controls: dict[str, Any] = {"bad_words_ids": words, "sequence_bias": {(plain[3], plain[4]): -50.0}}
     params = {"max_new_tokens": NEW, **controls}
     async with aiocb.Manager(qwen3, GenerationConfig(do_sample=False)) as manager:
         samples = await manager.generate(PROMPTS[0], n=4, temperature=1.0, seed=3, **params)
         alone = await manager.generate(PROMPTS[0], **params)
+        batch = await manager.generate_batch([PROMPTS[0]] * 3 + [PROMPTS[1]], **params)
+        assert len(built) == 2  # (the sequence biases' and the bad words' matchers)
+        other = {**params, "bad_words_ids": words[:1]}
+        await manager.generate(PROMPTS[0], **other)
     loop_thread = threading.current_thread().name
-    assert len(built) == 2 + 2  # (the sequence biases' and the bad words' matchers, per request)
+    assert len(built) == 4
     assert (built[0] != loop_thread) is many and (built[1] != loop_thread) is many
+    assert [output.generated_tokens for output in batch.values()][:3] == [alone.generated_tokens] * 3
     expected = reference_generate(
         qwen3, PROMPTS[0], NEW, sequence_bias={(plain[3], plain[4]): -50.0}, bad_words_ids=words
     )
