@@ -576,6 +576,7 @@ SLICE = 8192
 _INT = frozenset((int,))
 _NUMBERS = frozenset((int, float))
 _FLOAT = frozenset((float,))
+_STR = frozenset((str,))
 _FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
 
 
@@ -603,6 +604,19 @@ _DECIMAL = re.compile(r"-?[0-9]{1,19}")
 _NO_TOKEN_ID = 2**63
 
 
+def _decimal_ids(keys: list[Any]) -> list[int] | None:
+    """``keys``, token ids written as JSON object keys, read in a few C-level passes (a
+    pattern matched key by key cost 1 µs each: 4,000 of them held the loop for 4 ms); None
+    unless each is one written as ``str(id)`` writes it (no sign, no leading zero: then no
+    two name one id), which the key-by-key reading then reads or refuses."""
+    if set(map(type, keys)) != _STR or not all(map(str.isdigit, keys)) or not "".join(keys).isascii():
+        return None
+    if max(map(len, keys)) > 19:
+        return None
+    ids = list(map(int, keys))
+    return ids if list(map(str, ids)) == keys else None
+
+
 def _logit_bias(value: Any) -> tuple[tuple[int, float], ...] | None:
     if value is None:
         return None
@@ -612,9 +626,17 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...] | None:
         # collector's passes over them held the GIL for milliseconds).
         items = iter(value.items())
         checked: list[tuple[int, float]] = []
-        ascending, last = True, -1
+        keys: type | None = None  # (ints, or JSON object keys: never both, which could name one id twice)
         while part := list(itertools.islice(items, SLICE)):
             tokens, biases = list(map(_FIRST, part)), list(map(_SECOND, part))
+            if keys is not None and type(tokens[0]) is not keys:
+                break
+            keys = type(tokens[0])
+            if keys is str:  # (JSON object keys: read in C passes too)
+                read = _decimal_ids(tokens)
+                if read is None:
+                    break
+                tokens, part = read, list(zip(read, biases, strict=True))
             kinds = set(map(type, biases))
             if not (
                 all_ints(tokens)
@@ -627,12 +649,9 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...] | None:
             ):
                 break
             checked += part if kinds == _FLOAT else zip(tokens, map(float, biases), strict=True)
-            # (in order of the ids: a pass over ints in order when they come so, as from a range)
-            ascending = ascending and last < tokens[0] and tokens == sorted(tokens)
-            last = tokens[-1]
             pause()
         else:
-            return tuple(checked if ascending else _sorted(checked))
+            return tuple(_sorted(checked))
     pairs: dict[int, float] = {}
     for token, bias in _pairs("logit_bias", value, "token ids to biases, e.g. {42: -100}"):
         pause()
@@ -651,14 +670,19 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...] | None:
 
 
 def _sorted(pairs: list[tuple[int, float]]) -> list[tuple[int, float]]:
-    """``pairs`` sorted by their distinct ids: slices sorted, then merged an item at a time."""
+    """``pairs`` sorted by their distinct ids (by the ids alone, half the cost of comparing
+    pairs; pairs in order already, as from a range, in one pass): slices sorted, then merged
+    a slice at a time (a pause an item cost more than the sort: 4,000 pairs took 2 ms)."""
+    if len(pairs) <= SLICE:
+        return sorted(pairs, key=_FIRST)
     runs = []
     for start in range(0, len(pairs), SLICE):
-        runs.append(sorted(pairs[start : start + SLICE]))
+        runs.append(sorted(pairs[start : start + SLICE], key=_FIRST))
         pause()
-    merged = []
-    for pair in heapq.merge(*runs):
-        merged.append(pair)
+    merging = heapq.merge(*runs, key=_FIRST)
+    merged: list[tuple[int, float]] = []
+    while part := list(itertools.islice(merging, SLICE)):
+        merged += part
         pause()
     return merged
 

@@ -435,10 +435,12 @@ def _controls(body: Mapping[str, Any]) -> dict[str, Any]:
         if value is None:
             continue
         try:
-            SamplingParams(**{key: value})
+            checked = SamplingParams(**{key: value})
         except InvalidRequestError as exc:
             raise bad_request(str(exc), key) from None
-        controls[key] = value
+        # (a logit_bias's JSON keys read here, off the loop for a large body: the engine
+        # then checks ints in order, some 0.25 µs an id, on the loop)
+        controls[key] = dict(checked.logit_bias or ()) if key == "logit_bias" else value
     return controls
 
 
