@@ -47,7 +47,7 @@ from aiocb.errors import (
 )
 from aiocb.gil import pausing_call, yield_gil
 from aiocb.outputs import FinishReason, GenerationOutput, RequestStatus
-from aiocb.params import SamplingParams, asks_for_structure
+from aiocb.params import STRUCTURE_FIELDS, SamplingParams, asks_for_structure
 from aiocb.prompts import Prompt, check_prompt_list, is_large
 from aiocb.runner.distributed import build_runner, driver_layout, tensor_parallel_layout
 from aiocb.runner.memory import CachePlan, memory_percent, scored_rows
@@ -1245,16 +1245,24 @@ class Manager:
         await self._until_started()
         self._check_accepting()  # (before the first start: the runner whose vocabulary constraints use)
         structured = asks_for_structure(sampling_params, params)
-        # (merged here only when needed: the build merges again, from its cache for a SamplingParams)
-        merged = structured or is_large(input_ids) or is_long_id_prompt(input_ids)
-        requested = self._requests.merged(sampling_params, max_new_tokens, params) if merged else None
-        keep = None if requested is None else requested.truncate_prompt_tokens
+        keep = None
+        if structured or is_large(input_ids) or is_long_id_prompt(input_ids):
+            # Merged once, here (what follows takes it as it is), on a worker thread where
+            # its check is long: a constraint written as JSON (a structural tag of 256 tools'
+            # schemas took 3.5 ms, and was written twice), large controls.
+            merge = self._requests.merged
+            if has_large_controls(sampling_params, params) or _long_structure(params):
+                requested = await asyncio.to_thread(pausing_call, merge, sampling_params, max_new_tokens, params)
+            else:
+                requested = merge(sampling_params, max_new_tokens, params)
+            sampling_params, max_new_tokens, params = requested, None, {}
+            keep = requested.truncate_prompt_tokens
         ids = await self._requests.encode(
             input_ids, keep=keep, limit=self.max_model_len, vocab_size=self._model_spec.vocab_size
         )
         if structured:
-            assert requested is not None
-            await self._precompile(requested)
+            assert sampling_params is not None
+            await self._precompile(sampling_params)
         await self._requests.tokenize_bad_words(sampling_params, params)
         stops = await self._requests.prepare_stops(sampling_params, params)
         checked = None
@@ -1548,6 +1556,22 @@ class _Build:
 #: sequence biases and bad words a request may have indexed on the loop, in the step that
 #: admits it (some 30 µs; a step admits up to 32 requests a turn)
 _LARGE_SEQUENCE_INDEX = 32
+
+
+#: the characters of an output constraint given as text that a request's check reads on
+#: the loop (parsed and written as JSON: some 10 µs a kilobyte)
+_SHORT_STRUCTURE = 4096
+
+
+def _long_structure(params: dict[str, Any]) -> bool:
+    """Whether keyword fields give an output constraint whose check may be long: any but a
+    short text (a dict is written as JSON, a pydantic class asked for its schema, a
+    ``choice``'s texts checked one by one)."""
+    for name in STRUCTURE_FIELDS:
+        value = params.get(name)
+        if value is not None and not (isinstance(value, str) and len(value) <= _SHORT_STRUCTURE):
+            return True
+    return False
 
 
 async def _indexed(request: Request) -> None:

@@ -779,6 +779,33 @@ async def test_the_vocabularys_grammar_tables_are_built_off_the_loop(
     assert len(threads) == 1 and threads[0] != threading.current_thread().name
 
 
+async def test_a_constraint_given_as_a_dict_is_written_as_json_once_off_the_loop(
+    bundled: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A structural tag of many tools' schemas took milliseconds to write as JSON, twice a
+    request on the loop: a constraint not given as short text is checked on a worker
+    thread, once; a short text on the loop."""
+    from aiocb import params
+
+    written: list[str] = []
+    json_text = params._json_text
+
+    def recorded(name: str, value: Any) -> str:
+        written.append(threading.current_thread().name)
+        return json_text(name, value)
+
+    monkeypatch.setattr(params, "_json_text", recorded)
+    model, tokenizer = bundled
+    async with aiocb.Manager(model, tokenizer=tokenizer) as manager:
+        output = await manager.generate(PROMPTS[0], max_new_tokens=NEW, temperature=0, json_schema=SCHEMAS[0])
+        assert len(written) == 1 and written[0] != threading.current_thread().name
+        text = json.dumps(SCHEMAS[0])
+        again = await manager.generate(PROMPTS[0], max_new_tokens=NEW, temperature=0, json_schema=text)
+        assert written[1:] == [threading.current_thread().name]
+    jsonschema.validate(json.loads(output.text or ""), SCHEMAS[0])
+    assert again.generated_tokens == output.generated_tokens
+
+
 def test_a_regex_dot_matches_no_line_break_as_python_s(bundled: tuple[Any, Any]) -> None:
     """xgrammar's ``.`` matched any character: outputs of ``# .{10,40}`` held line breaks
     that ``re.fullmatch`` refuses. Escaped dots and dots in classes stay themselves."""
