@@ -194,7 +194,9 @@ class Manager:
     same manager (and its cache), even under a new event loop; given another configuration
     it raises :class:`~aiocb.InvalidConfigError` naming what differs (transformers'
     ``generate_batch`` takes a new generation config's ``max_new_tokens`` then, and ignores
-    its other fields; here a request's own parameters are the way to change them).
+    its other fields; here a request's own parameters are the way to change them). Its
+    cache and batches keep the sizes the first hints gave (a ``num_requests_hint`` other
+    than that one is warned of).
     """
 
     config: ContinuousBatchingConfig
@@ -226,6 +228,14 @@ class Manager:
             self._refuse_another_configuration(
                 generation_config, continuous_batching_config, speculative_config, tokenizer, grammar_tokenizer
             )
+            if num_requests_hint is not None and num_requests_hint != self._num_requests_hint:
+                built = self._num_requests_hint
+                logger.warning(
+                    "num_requests_hint=%r is not applied: the model's persistent manager was sized %s when it was "
+                    "built; destroy it (await manager.destroy()) to size another",
+                    num_requests_hint,
+                    "without one" if built is None else f"for {built} requests",
+                )
             return
         _check_manager_arguments(generation_config, tokenizer, grammar_tokenizer, num_requests_hint, speculative_config)
         self._initialized = True
@@ -254,7 +264,7 @@ class Manager:
         self._runner_config = self.config.sized_for(hints, self.max_model_len)
         if num_requests_hint is None and hints is not None and hints.num_requests:
             num_requests_hint = hints.num_requests
-        self._num_requests_hint = num_requests_hint
+        self._num_requests_hint: int | None = num_requests_hint
         self._state = _State.CREATED
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None

@@ -122,7 +122,9 @@ async def test_a_manager_is_sized_by_its_workload_hints(qwen3: PreTrainedModel) 
         aiocb.WorkloadHints(num_requests=-1)
 
 
-def test_transformers_own_arguments(qwen3: PreTrainedModel, capsys: pytest.CaptureFixture[str]) -> None:
+def test_transformers_own_arguments(
+    qwen3: PreTrainedModel, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
     """``record_timestamps``, ``progress_bar``, ``persistent_manager`` and ``warmup``, as
     transformers' ``generate_batch`` takes them."""
     outputs = aiocb.generate_batch(qwen3, PROMPTS, max_new_tokens=5, record_timestamps=True, progress_bar=True)
@@ -147,6 +149,9 @@ def test_transformers_own_arguments(qwen3: PreTrainedModel, capsys: pytest.Captu
         assert [o.generated_tokens for o in again.values()] == [o.generated_tokens for o in kept.values()]
         assert aiocb.Manager(qwen3, persistent_manager=True) is manager
         assert manager.config == config
+        with caplog.at_level("WARNING", logger="aiocb"):
+            assert aiocb.Manager(qwen3, persistent_manager=True, num_requests_hint=7) is manager
+        assert "num_requests_hint=7 is not applied: the model's persistent manager was sized for 2" in caplog.text
     finally:
         import asyncio
 
