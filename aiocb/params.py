@@ -694,6 +694,9 @@ _FLOAT32_MAX = 3.4028234663852886e38
 def _sequence_bias(value: Any) -> tuple[SequenceBias, ...] | None:
     if value is None:
         return None
+    plain = _plain_sequence_bias(value)
+    if plain is not None:
+        return plain
     out: dict[tuple[int, ...], float] = {}  # as transformers: a sequence given twice keeps its last bias
     for sequence, bias in _pairs("sequence_bias", value, "token sequences to biases, e.g. [[[42, 7], -5.0]]"):
         pause()
@@ -710,6 +713,35 @@ def _sequence_bias(value: Any) -> tuple[SequenceBias, ...] | None:
                 param="sequence_bias",
             )
         out[ids] = float(bias)
+    return tuple(out.items())
+
+
+def _plain_sequence_bias(value: Any) -> tuple[SequenceBias, ...] | None:
+    """A ``sequence_bias`` in its common forms (a mapping of id tuples, or a list of
+    ``[ids, bias]`` pairs, with numbers), checked in a few C-level passes a slice at a time
+    (item by item, 900 cost 2-3 ms); None where any is otherwise (then the item-by-item
+    check names it)."""
+    if isinstance(value, Mapping):
+        items = list(value.items())
+    elif _listed(value):
+        items = list(value)
+        if not set(map(type, items)) <= _LISTS or set(map(len, items)) != {2}:
+            return None
+    else:
+        return None
+    out: dict[tuple[int, ...], float] = {}  # (a sequence given twice keeps its last bias)
+    for start in range(0, len(items), SLICE):
+        part = items[start : start + SLICE]
+        sequences, biases = list(map(_FIRST, part)), list(map(_SECOND, part))
+        if not set(map(type, sequences)) <= _LISTS or not set(map(type, biases)) <= _NUMBERS:
+            return None
+        keys = list(map(tuple, sequences))
+        if not (min(map(len, keys)) and _plain_ids(list(itertools.chain.from_iterable(keys)))):
+            return None
+        if math.isnan(sum(biases)) or max(biases) > _FLOAT32_MAX:  # (a NaN escapes max)
+            return None
+        out.update(zip(keys, map(float, biases), strict=True))
+        pause()
     return tuple(out.items())
 
 

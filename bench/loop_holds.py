@@ -42,7 +42,14 @@ Scenarios, each on a fresh Manager with ``bench/overhead.py``'s near-zero-comput
   ``min_tokens`` with 4,000 stop token ids (``aiocb serve`` allows 4,096): the stop tokens banned
   at every step;
 * ``scored``: one 4,000-token prompt scored with ``prompt_logprobs`` and 20 alternatives a
-  position, 1 new token: a step scores up to ``--rows`` of its positions, and records them.
+  position, 1 new token: a step scores up to ``--rows`` of its positions, and records them;
+* ``batch_bad_words``: ``generate_batch`` of ``--rows`` / 16 16-token prompts, 8 new tokens,
+  with 1,000 bad words of 2 to 4 tokens given once: the words resolved for each prompt and
+  indexed;
+* ``batch_sequence_bias``: ``generate_batch`` of ``--rows`` / 4 16-token prompts, 8 new
+  tokens, with a ``sequence_bias`` of 900 two-token sequences;
+* ``json_logit_bias``: 16 requests at once, 8 new tokens each, with a ``logit_bias`` of
+  3,997 entries keyed by JSON object keys (strings), as a client's body gives them.
 
 Callbacks are listed by their task: ``run_scenario`` is the caller's (aiocb's
 ``generate_batch`` and ``add_requests`` run inside it), ``Manager._run_steps`` the step loop.
@@ -87,6 +94,9 @@ SCENARIOS = (
     "cancel_batch",
     "min_tokens",
     "scored",
+    "batch_bad_words",
+    "batch_sequence_bias",
+    "json_logit_bias",
 )
 #: The scenarios whose model has more positions than ``TINY_SHAPE``'s.
 CONTEXTS = {"long_ids": 131_072}
@@ -282,6 +292,22 @@ def scenarios(rows: int) -> dict[str, Callable[[aiocb.Manager], Awaitable[None]]
         prompt = [(i * 7) % 4000 + 1 for i in range(4000)]
         await manager.generate(prompt, max_new_tokens=1, prompt_logprobs=True, top_logprobs=20)
 
+    batch_words = [[(i * 7 + k * 101) % 4000 + 1 for k in range(2 + i % 3)] for i in range(1000)]
+
+    async def batch_bad_words(manager: aiocb.Manager) -> None:
+        await manager.generate_batch(short_prompts[: rows // 16], max_new_tokens=8, bad_words_ids=batch_words)
+
+    sequences = {((i * 7) % 4000 + 1, (i * 13) % 4000 + 1): -2.0 for i in range(900)}
+
+    async def batch_sequence_bias(manager: aiocb.Manager) -> None:
+        await manager.generate_batch(short_prompts[: rows // 4], max_new_tokens=8, sequence_bias=sequences)
+
+    json_bias = {str(token): -1.0 for token in range(3, 4000)}
+
+    async def json_logit_bias(manager: aiocb.Manager) -> None:
+        prompts = short_prompts[:16]
+        await asyncio.gather(*(manager.generate(p, max_new_tokens=8, logit_bias=json_bias) for p in prompts))
+
     return {
         "prefix": prefix,
         "pages": pages,
@@ -295,6 +321,9 @@ def scenarios(rows: int) -> dict[str, Callable[[aiocb.Manager], Awaitable[None]]
         "cancel_batch": cancel_batch,
         "min_tokens": min_tokens,
         "scored": scored,
+        "batch_bad_words": batch_bad_words,
+        "batch_sequence_bias": batch_sequence_bias,
+        "json_logit_bias": json_logit_bias,
     }
 
 

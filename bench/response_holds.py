@@ -17,7 +17,12 @@ and the full collections made meanwhile. The model is the bundled one, on a 4,09
   the server's process, as every prompt was before the tokenizer process;
 * ``ids``: one completion whose prompt is 2.5 million token ids (a 7.5 MB body, parsed a
   run of elements at a time in the tokenizer thread, then refused: longer than the
-  context), answered 400.
+  context), answered 400;
+* ``tools``: one chat completion offering 256 tools (8 string arguments each) under
+  ``tool_choice`` ``required``, its rendered prompt cut to its last 256 tokens, 16 tokens:
+  the tools' structural tag (every schema) checked and written as JSON, and compiled.
+
+A request's body is written as JSON before the heartbeat starts.
 
     python bench/response_holds.py                  # every scenario, once each
     python bench/response_holds.py --scenarios chat --repeat 3
@@ -45,7 +50,7 @@ from aiocb.default_model import load_default_model
 from aiocb.server import build_app
 from bench.common import machine_info
 
-SCENARIOS = ("chat", "echo", "prompt", "ids")
+SCENARIOS = ("chat", "echo", "prompt", "ids", "tools")
 MODEL_NAME = "bundled"
 
 
@@ -65,17 +70,41 @@ def _bodies(vocab_size: int) -> dict[str, tuple[str, dict[str, Any]]]:
     words = ["def", " return", " self", " x", " import", " foo", " bar", "(", ")", ":", "\n", "    ", " 1234", " print"]
     text = "".join(rng.choice(words) for _ in range(1_500_000))
     long = {"prompt": text, "truncate_prompt_tokens": 64, "max_tokens": 1, "temperature": 1.0}
+    arguments = {f"a{j}": {"type": "string", "description": "x" * 30} for j in range(8)}
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": f"tool_{i}",
+                "description": "does a thing " * 20,
+                "parameters": {"type": "object", "properties": arguments},
+            },
+        }
+        for i in range(256)
+    ]
+    called = {
+        "messages": [{"role": "user", "content": "Call one."}],
+        "tools": tools,
+        "tool_choice": "required",
+        "truncate_prompt_tokens": 256,
+        "max_tokens": 16,
+    }
     return {
         "chat": ("/v1/chat/completions", chat),
         "echo": ("/v1/completions", echo),
         "prompt": ("/v1/completions", long),
         "ids": ("/v1/completions", {"prompt": [7] * 2_500_000, "max_tokens": 1}),
+        "tools": ("/v1/chat/completions", called),
     }
 
 
-async def _post(app: Any, path: str, body: dict[str, Any]) -> tuple[int, int]:
-    """``(status, body bytes)`` of one POST through ``app``, the body dropped as it comes."""
-    payload = json.dumps({"model": MODEL_NAME, **body}).encode()
+def _payload(body: dict[str, Any]) -> bytes:
+    return json.dumps({"model": MODEL_NAME, **body}).encode()
+
+
+async def _post(app: Any, path: str, payload: bytes) -> tuple[int, int]:
+    """``(status, body bytes)`` of one POST of ``payload`` through ``app``, the response's
+    body dropped as it comes."""
     received = False
     status, size = 0, 0
 
@@ -128,16 +157,17 @@ async def run(scenarios: list[str], repeat: int) -> None:
     bodies = _bodies(len(tokenizer))
     async with aiocb.Manager(model, tokenizer=tokenizer, continuous_batching_config=config) as manager:
         app = build_app(manager, tokenizer, MODEL_NAME)
-        await _post(app, "/v1/completions", {"prompt": "warm up", "max_tokens": 4})
+        await _post(app, "/v1/completions", _payload({"prompt": "warm up", "max_tokens": 4}))
         for _ in range(repeat):
             for name in scenarios:
                 path, body = bodies[name]
+                payload = _payload(body)
                 lags: list[float] = []
                 done = asyncio.Event()
                 heart = asyncio.create_task(_beat(lags, done))
                 full_before = gc.get_stats()[2]["collections"]
                 began = time.perf_counter()
-                status, size = await _post(app, path, body)
+                status, size = await _post(app, path, payload)
                 took = time.perf_counter() - began
                 await asyncio.sleep(0.02)
                 done.set()

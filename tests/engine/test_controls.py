@@ -16,6 +16,7 @@ import pytest
 from transformers import GenerationConfig, PreTrainedModel
 
 import aiocb
+from aiocb import sampling
 from aiocb.core import sequences
 from tests.conftest import MODELS, VOCAB, random_prompts, reference_generate
 
@@ -147,6 +148,11 @@ async def test_requests_with_the_same_bad_words_index_them_once(
             super().__init__(*args)
 
     monkeypatch.setattr(sequences, "SequenceMatcher", Counted)
+    checked: list[str] = []  # (the words checked and split: once too, for the same ones)
+    checked_ids = sampling._checked_ids
+    monkeypatch.setattr(
+        sampling, "_checked_ids", lambda name, *a, **k: checked.append(name) or checked_ids(name, *a, **k)
+    )
     plain = reference_generate(qwen3, PROMPTS[0], NEW)
     words = [[plain[1], plain[2]], [PROMPTS[0][-1], plain[0]]]
     if many:
@@ -158,6 +164,7 @@ async def test_requests_with_the_same_bad_words_index_them_once(
         alone = await manager.generate(PROMPTS[0], **params)
         batch = await manager.generate_batch([PROMPTS[0]] * 3 + [PROMPTS[1]], **params)
         assert len(built) == 2  # (the sequence biases' and the bad words' matchers)
+        assert checked.count("bad_words_ids") == 1
         other = {**params, "bad_words_ids": words[:1]}
         await manager.generate(PROMPTS[0], **other)
     loop_thread = threading.current_thread().name
