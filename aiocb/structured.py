@@ -458,10 +458,15 @@ def _says_nothing(key: str, node: dict[str, Any]) -> bool:
     return False
 
 
-#: Characters ``re.escape`` escapes that are no escape to xgrammar: it matches each as
-#: itself, as Python's ``re`` does, but writes a warning to the process's stderr for every
-#: pattern compiled (a client's escaped literal text filled the server's log).
-_LITERAL_ESCAPES = frozenset(" \t\n\r\x0b\x0c#&~")
+#: Characters ``re.escape`` escapes that are no escape to xgrammar, and how they are
+#: written for it: it matches each as itself, as Python's ``re`` does, but writes a warning
+#: to the process's stderr for every pattern compiled (a client's escaped literal text
+#: filled the server's log); line breaks and other control characters as xgrammar's own
+#: escapes (a bare line break in a class is an error to it).
+_LITERAL_ESCAPES = {
+    **{char: char for char in " #&~"},
+    **{"\t": "\\t", "\n": "\\n", "\r": "\\r", "\x0b": "\\v", "\x0c": "\\f"},
+}
 
 
 def python_regex(pattern: str) -> str:
@@ -469,15 +474,14 @@ def python_regex(pattern: str) -> str:
     with) does: each ``.`` that stands for a character (not escaped, outside a class)
     written ``[^\\n]`` (in ``re`` it matches any character but a line break; in xgrammar's
     regexes, any character), and an escaped literal of :data:`_LITERAL_ESCAPES` written
-    as itself."""
+    as xgrammar reads it."""
     out: list[str] = []
     i, size = 0, len(pattern)
     in_class = False
     while i < size:
         char = pattern[i]
         if char == "\\":
-            escaped = pattern[i + 1 : i + 2]
-            out.append(escaped if escaped in _LITERAL_ESCAPES else pattern[i : i + 2])
+            out.append(_LITERAL_ESCAPES.get(pattern[i + 1 : i + 2], pattern[i : i + 2]))
             i += 2
             continue
         if in_class:

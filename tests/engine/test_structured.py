@@ -841,12 +841,14 @@ def test_re_escape_s_literals_match_themselves_and_log_nothing(
 
     model, tokenizer = bundled
     compiler = GrammarCompiler(tokenizer, model.config.vocab_size)
-    literal = "a b\tc\nd#e&f~g\rh"
+    literal = "a b\tc\nd#e&f~g\rh\x0bi\x0cj"
+    members = re.escape(" #&~\n\r\t\x0b\x0c")
     for pattern, text, matches in (
         (re.escape(literal), literal, True),
         (re.escape(literal), literal.replace(" ", "x"), False),
-        (f"[{re.escape(' #&~')}]+", " #~&", True),
-        (f"[{re.escape(' #&~')}]+", " x", False),
+        (f"[{members}]+", " #~&\r\n\x0c\x0b\t", True),
+        (f"[{members}]+", " x", False),
+        (f"[^{members}]", "\n", False),
         (r"\\ ", "\\ ", True),
     ):
         matcher = xgrammar.GrammarMatcher(compiler.compile(("regex", pattern)))
