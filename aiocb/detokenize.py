@@ -150,14 +150,23 @@ class IncrementalDetokenizer:
             text = self._add_text(token_id)
             self.last_start = before
             return text
-        held, ahead = self._ids[self._read_offset :], self._ahead
+        theirs = self._held_text()[len(self._ahead) :]
         text = self._add_text(token_id)
-        # (the held tokens' text alone ends where theirs and this token's part: at a split
+        # (the held tokens' text ends where theirs and this token's part: at a split
         # character's U+FFFD, which the text then does not have)
-        theirs = self._decode_ids(held)[len(ahead) :]
         shared = next((i for i, (a, b) in enumerate(zip(text, theirs, strict=False)) if a != b), None)
         self.last_start = before + (min(len(text), len(theirs)) if shared is None else shared)
         return text
+
+    def _held_text(self) -> str:
+        """The text the held tokens would give now, as :meth:`flush` decodes them (in the
+        window: a byte-fallback decoder's run of bytes that is not valid, one U+FFFD a byte,
+        where a byte decoded alone may be a character)."""
+        prefix = self._decode(self._prefix_offset, self._read_offset)
+        text = self._decode(self._prefix_offset, len(self._ids))
+        if not text.startswith(prefix):
+            return self._decode(self._read_offset, len(self._ids))
+        return text[len(prefix) :]
 
     def _add_text(self, token_id: int) -> str:
         """:meth:`add`'s text."""

@@ -598,8 +598,10 @@ def test_a_token_s_start_is_where_its_own_text_starts(
     tokenizer: Any, byte_fallback: Any, fallback: bool, ahead: bool
 ) -> None:
     """``last_start`` after the characters that tokens held before it come out with (a
-    character they made, U+FFFD for bytes no character took), at the start of a character
-    it shares with them: random ids' word tokens are found where it says."""
+    character they made, U+FFFD for bytes no character took: a byte-fallback run that is
+    not valid gives one a byte, though a byte alone may decode as a character), at the
+    start of a character it shares with them: random ids' word tokens are found where it
+    says."""
     rng = random.Random(1)
     chosen = byte_fallback if fallback else tokenizer
     checked = missed = 0
@@ -618,7 +620,8 @@ def test_a_token_s_start_is_where_its_own_text_starts(
             if "\ufffd" in piece or not piece.strip() or raw.startswith("<0x"):
                 continue  # (a byte, or a token of no visible text)
             checked += 1
-            missed += not text[start:].startswith(raw.replace("\u2581", " ") if fallback else piece)
-    # (a byte-fallback run of bytes that is not valid turns into U+FFFD whole, later bytes
-    # that made characters among them: those few tokens' text is then no longer there)
-    assert checked > 1000 and missed <= (checked // 200 if fallback else 0)
+            shown = raw.replace("\u2581", " ") if fallback else piece
+            if fallback and start == 0:  # (a SentencePiece decoder drops the text's first space)
+                shown = shown.removeprefix(" ")
+            missed += not text[start:].startswith(shown)
+    assert checked > 1000 and missed == 0
