@@ -193,7 +193,9 @@ class ChatCompletion:
         if max_tokens is None:
             # (the model's cap gives way to the request's own min_tokens, not refused naming
             # a length the client never gave)
-            max_tokens = max(ctx.default_max_tokens(len(self.prompt_ids)), sampling.min_tokens or 0)
+            max_tokens = max(
+                ctx.default_max_tokens(len(self.prompt_ids), sampling.min_tokens), sampling.min_tokens or 0
+            )
         specs = [
             ChoiceSpec(
                 index=j,

@@ -77,12 +77,13 @@ def completion_specs(ctx: ServerContext, request: CompletionRequest, prompts: li
         field = f"prompt[{p}]" if len(prompts) > 1 else "prompt"
         max_tokens = sampling.max_tokens
         if max_tokens is None:
-            # (OpenAI's default, within the model's cap, which gives way to the request's own
-            # min_tokens as a chat's does)
+            # (OpenAI's default, within the model's cap; a length the client never gave gives
+            # way to its own min_tokens, as a chat's does)
             max_tokens = DEFAULT_COMPLETION_MAX_TOKENS
-            capped = ctx.config_max_tokens(len(prompt.ids), field)
+            capped = ctx.config_max_tokens(len(prompt.ids), field, sampling.min_tokens)
             if capped is not None:
-                max_tokens = min(max_tokens, max(capped, sampling.min_tokens or 0))
+                max_tokens = min(max_tokens, capped)
+            max_tokens = max(max_tokens, sampling.min_tokens or 0)
         if max_tokens == 0:
             _check_scored_length(ctx, len(prompt.ids), field)
         for j in range(sampling.n):

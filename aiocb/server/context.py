@@ -370,23 +370,24 @@ class ServerContext:
             return sampling.min_tokens
         return config_min_tokens(self.defaults.min_new_tokens, self.defaults.min_length, prompt_len)
 
-    def config_max_tokens(self, prompt_len: int, param: str) -> int | None:
+    def config_max_tokens(self, prompt_len: int, param: str, min_tokens: int | None) -> int | None:
         """What the model's generation config caps a request's default ``max_tokens`` at: its
         ``max_new_tokens``, else its ``max_length`` less the prompt (None: neither is set). A
-        400 naming ``param`` (the prompt's field) where its ``max_length`` leaves no room."""
+        400 naming ``param`` (the prompt's field) where its ``max_length`` leaves no room and
+        the request's ``min_tokens`` (which the cap gives way to) asks for none."""
         if self.defaults.max_new_tokens is not None:
             return self.defaults.max_new_tokens
         if self.defaults.max_length is None:
             return None
-        if prompt_len >= self.defaults.max_length:
+        if prompt_len >= self.defaults.max_length and not min_tokens:
             raise bad_request(
                 f"the prompt ({prompt_len} tokens) leaves no room under the model's generation config's "
                 f"max_length ({self.defaults.max_length}, which counts the prompt); give max_tokens",
                 param,
             )
-        return self.defaults.max_length - prompt_len
+        return max(self.defaults.max_length - prompt_len, 0)
 
-    def default_max_tokens(self, prompt_len: int) -> int:
+    def default_max_tokens(self, prompt_len: int, min_tokens: int | None) -> int:
         """``max_tokens`` when a chat request does not say: what the context and the cache
         leave, at most what the model's generation config caps it at (:meth:`config_max_tokens`).
         A 400 naming ``messages`` when they leave no room for a reply."""
@@ -406,7 +407,7 @@ class ServerContext:
         room = capacity - prompt_len
         if self.max_model_len is not None:
             room = min(room, self.max_model_len - prompt_len)
-        capped = self.config_max_tokens(prompt_len, "messages")
+        capped = self.config_max_tokens(prompt_len, "messages", min_tokens)
         if capped is not None:
             room = min(room, capped)
         return max(room, 1)

@@ -3,7 +3,8 @@
 A chat request's tools are rendered by the model's chat template (``tools=``). What the
 model may do with them is ``tool_choice``:
 
-- ``none``: no calls; the tools are left out of the prompt, and the output is plain text.
+- ``none``: no calls; the template still shows the tools (as vLLM's default), and the
+  output is plain text (one that reads like a call is content).
 - ``auto`` (the default with tools): the model may call them; the server's tool-call
   parser finds the calls in its output. Tools marked ``strict`` are enforced: the output
   follows a structural tag (xgrammar) in the parser's format, so a call's arguments

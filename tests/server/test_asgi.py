@@ -261,6 +261,9 @@ async def test_a_models_max_length_caps_a_default_length_with_the_prompt_counted
             near = {**base, "prompt": [7] * 25}
             capped = (await http.post("/v1/completions", json=near)).json()
             full = await http.post("/v1/completions", json={**base, "prompt": [[7] * 3, [7] * 30]})
+            # (a length the client never gave gives way to its own min_tokens)
+            asked = (await http.post("/v1/completions", json={**base, "prompt": [7] * 30, "min_tokens": 3})).json()
+            longer = (await http.post("/v1/completions", json={**base, "min_tokens": 20})).json()
             chat = {"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True, "temperature": 0}
             reply = (await http.post("/v1/chat/completions", json=chat)).json()
     assert short["usage"]["completion_tokens"] == 16 < 30 - prompt_len, "OpenAI's 16 within the cap"
@@ -268,6 +271,8 @@ async def test_a_models_max_length_caps_a_default_length_with_the_prompt_counted
     assert capped["usage"]["completion_tokens"] == 5
     assert_error(full, 400, "prompt[1]")
     assert "max_length (30" in full.json()["error"]["message"]
+    assert asked["usage"]["completion_tokens"] == 3
+    assert longer["usage"]["completion_tokens"] == 20
     usage = reply["usage"]
     assert usage["prompt_tokens"] + usage["completion_tokens"] == 30
     assert "sets temperature with do_sample false" in caplog.text
