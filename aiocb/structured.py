@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import os
 import re
 import threading
 import typing
@@ -29,6 +30,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from aiocb.errors import InvalidRequestError
+from aiocb.params import MAX_LITERAL_CHARACTERS
 
 
 def _xgrammar() -> Any:
@@ -62,8 +64,12 @@ class GrammarCompiler:
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stops)
         #: the tokens that end a complete grammar unless a request says otherwise
         self.stop_token_ids = frozenset(info.stop_token_ids)
-        # (no cache of its own: this one's, bounded, holds every compiled grammar)
-        self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
+        # (no cache of its own: this one's, bounded, holds every compiled grammar; at most
+        # half the usable cores, from its 8: a long compile took every core of two from
+        # the steps, which ran 10-20 times slower meanwhile)
+        usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
+        threads = max(1, min(8, usable // 2))
+        self._compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
         self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._cached_bytes = 0
         self._lock = threading.Lock()  # (compiled on worker threads too)
@@ -184,7 +190,24 @@ def _problem_of(schema: Any) -> str | None:
     ignored = _left_out(schema) or _unenforced_keyword(schema)
     if ignored is not None:
         return f"{ignored}, which constrained decoding cannot enforce; leave it out (and check the output yourself)"
-    return _slow_pattern(schema)
+    return _slow_pattern(schema) or _many_literals(schema)
+
+
+def _many_literals(schema: Any) -> str | None:
+    """Why the ``enum`` and ``const`` values of ``schema`` (parsed) are too long to compile
+    in good time (:data:`~aiocb.params.MAX_LITERAL_CHARACTERS`, counted as JSON, over the
+    whole schema); None if they are not."""
+    characters = 0
+    for _, node in _schemas(schema):
+        for key in ("enum", "const"):
+            if key in node:
+                characters += len(json.dumps(node[key], ensure_ascii=False))
+    if characters <= MAX_LITERAL_CHARACTERS:
+        return None
+    return (
+        f"its enum and const values hold {characters} characters as JSON, more than the {MAX_LITERAL_CHARACTERS} "
+        "that compile in good time"
+    )
 
 
 #: The most times a JSON schema's ``pattern`` may repeat a piece through bounded

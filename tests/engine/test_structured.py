@@ -732,6 +732,27 @@ def test_compiled_constraints_are_kept_within_a_memory_bound(
     assert [compiler.is_cached(p) for p in patterns] == [False, False, True, True]
 
 
+async def test_literals_too_long_to_compile_are_refused_at_once(bundled: tuple[Any, Any]) -> None:
+    """A choice of 50,000 strings, or an enum of them (a 3 MB body), took minutes of a
+    compile thread that other constraints wait for; past MAX_LITERAL_CHARACTERS they are
+    refused by name, and a long enum under it is served."""
+    from aiocb.params import MAX_LITERAL_CHARACTERS
+
+    model, tokenizer = bundled
+    many = [f"e{i}" * 10 for i in range(50_000)]
+    split = {"type": "object", "properties": {"a": {"enum": many[:2000]}, "b": {"const": "x" * 60_000}}}  # (in all)
+    async with aiocb.Manager(model, tokenizer=tokenizer) as manager:
+        with pytest.raises(aiocb.InvalidRequestError, match=f"more than the {MAX_LITERAL_CHARACTERS}") as caught:
+            await manager.generate("x", choice=many, max_new_tokens=4)
+        assert caught.value.param == "choice"
+        for schema in ({"enum": many}, split):
+            with pytest.raises(aiocb.InvalidRequestError, match="its enum and const values hold") as caught:
+                await manager.generate("x", json_schema=schema, max_new_tokens=4)
+            assert caught.value.param == "json_schema"
+        served = await manager.generate("x", json_schema={"enum": many[:2000]}, max_new_tokens=60, temperature=0)
+    assert json.loads(served.text or "") in many[:2000]
+
+
 async def test_a_pattern_too_slow_to_compile_is_refused_at_once(bundled: tuple[Any, Any]) -> None:
     """A 47-byte schema whose pattern repeats a piece 50,000 times took four minutes of a
     compile thread (every other constraint waiting) to fail; refused by name before that."""
