@@ -306,6 +306,33 @@ async def test_a_pipelined_request_s_headers_are_bounded_while_a_response_stream
 
 
 @pytest.mark.parametrize("protocol", [h11_protocol, httptools_protocol], ids=["h11", "httptools"])
+async def test_a_client_that_leaves_with_a_request_pipelined_is_gone_for_the_response_under_way(
+    manager: aiocb.Manager,
+    tokenizer: Any,
+    protocol: Callable[..., type[asyncio.Protocol]],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A client that pipelines a second streamed request, then closes the connection while
+    the first one's response streams: that response is cut as any other whose client left
+    (uvicorn's httptools protocol marked only the queued cycle gone, and the response went
+    on writing to the closed transport, an error logged and a 200 recorded)."""
+    body = json.dumps({"prompt": "hi", "max_tokens": 2000, "ignore_eos": True, "stream": True}).encode()
+    post = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    post += b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    async with live_server(manager, tokenizer, protocol=protocol) as server:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(post + post)
+        await asyncio.wait_for(reader.read(300), 30)  # (the first stream has begun)
+        writer.close()
+        await wait_until_idle(manager)
+        async with httpx.AsyncClient(base_url=server.url) as http:
+            metrics = (await http.get("/metrics")).text
+    assert 'aiocb_http_errors_total{model_name="tiny-qwen3",status="499"} 1.0' in metrics
+    assert manager.statistics().tokens_generated < 2000
+    assert "Exception in ASGI application" not in caplog.text
+
+
+@pytest.mark.parametrize("protocol", [h11_protocol, httptools_protocol], ids=["h11", "httptools"])
 async def test_requests_past_the_connection_bound_are_503_naming_it_but_probes_are_served(
     manager: aiocb.Manager, tokenizer: Any, protocol: Callable[..., type[asyncio.Protocol]]
 ) -> None:
