@@ -9,6 +9,7 @@ are refused with an :class:`APIError` of status 400 that names the field.
 from __future__ import annotations
 
 import re
+import reprlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -801,17 +802,18 @@ def _is_int(value: Any) -> bool:
 
 
 def _opt_int(body: Mapping[str, Any], key: str, *, minimum: int | None, maximum: int | None = None) -> int | None:
-    value = body.get(key)
+    given = value = body.get(key)
     if value is None:
         return None
     if isinstance(value, float) and value.is_integer():
         value = int(value)
+    # (as sent, shortened: 1e308 as an int is 309 digits)
     if not _is_int(value):
-        raise bad_request(f"'{key}' must be an integer, got {value!r}", key)
+        raise bad_request(f"'{key}' must be an integer, got {reprlib.repr(given)}", key)
     if minimum is not None and value < minimum:
-        raise bad_request(f"'{key}' must be >= {minimum}, got {value}", key)
+        raise bad_request(f"'{key}' must be >= {minimum}, got {reprlib.repr(given)}", key)
     if maximum is not None and value > maximum:
-        raise bad_request(f"'{key}' must be <= {maximum}, got {value}", key)
+        raise bad_request(f"'{key}' must be <= {maximum}, got {reprlib.repr(given)}", key)
     return int(value)
 
 

@@ -138,6 +138,16 @@ def test_bad_completion_fields_are_named(body: dict[str, Any], param: str) -> No
     assert caught.value.param == param
 
 
+@pytest.mark.parametrize(
+    ("seed", "shown"), [(1e308, "1e+308"), (2**70, "1180591620717411303424"), (1.5, "1.5"), (-(10**60), "-1000")]
+)
+def test_an_integer_field_out_of_range_is_shown_as_sent_and_short(seed: Any, shown: str) -> None:
+    with pytest.raises(APIError) as caught:
+        parse_completion_request({"prompt": "x", "seed": seed})
+    message = caught.value.message
+    assert caught.value.param == "seed" and shown in message and len(message) < 120, message
+
+
 def test_a_field_the_server_does_not_implement_is_taken_when_null() -> None:
     """Null asks for nothing: clients that write out every field send their unset ones so
     (each was a 400); the identifiers that replaced ``user`` are taken as it is."""
