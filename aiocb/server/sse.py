@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -66,8 +67,13 @@ async def events(
 class EventStreamResponse(StreamingResponse):
     """A ``text/event-stream`` response that always closes its iterator.
 
-    When the client goes away, Starlette stops sending; closing the iterator here (rather
-    than whenever it is garbage-collected) cancels the requests behind it at once.
+    When the client goes away the stream stops; closing the iterator here (rather than
+    whenever it is garbage-collected) cancels the requests behind it at once. The client's
+    leaving is listened for by a plain task that cancels the stream, not Starlette's anyio
+    task group: anyio's task-done callback keeps the stream's CancelledError in a reference
+    cycle with its traceback, and so every frame of the stream's pipeline and the requests
+    behind it (some 140 objects a stream, for the cyclic collector: 512 streams that went
+    at once made young collections of 20-30 ms on the loop).
     """
 
     media_type = "text/event-stream"
@@ -89,11 +95,37 @@ class EventStreamResponse(StreamingResponse):
         self._client_gone = not self._complete
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        streaming = asyncio.current_task()
+        assert streaming is not None
+        listener = asyncio.get_running_loop().create_task(self.listen_for_disconnect(receive))
+        stopped = False  # (the stream cancelled here, its client gone)
+
+        def stop(done: asyncio.Task[None]) -> None:
+            nonlocal stopped
+            if done.cancelled():
+                return
+            if done.exception() is not None:  # (the connection's receive failed: no client to answer)
+                self._client_gone = not self._complete
+            if self._client_gone:
+                stopped = True
+                streaming.cancel()
+
+        listener.add_done_callback(stop)
         try:
-            await super().__call__(scope, receive, send)
+            try:
+                await self.stream_response(send)
+            except OSError:
+                raise ClientDisconnect() from None
+            except asyncio.CancelledError:
+                if not stopped or streaming.uncancel() > 0:  # (cancelled from elsewhere too)
+                    raise
+            if self.background is not None and not self._client_gone:
+                await self.background()
         except ClientDisconnect:
             self._client_gone = True
         finally:
+            listener.remove_done_callback(stop)
+            listener.cancel()
             if self._client_gone:
                 self._metrics.observe_client_gone()
                 access_record(scope).status = CLIENT_GONE

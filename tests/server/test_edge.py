@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import socket
@@ -330,6 +331,29 @@ async def test_a_client_that_leaves_with_a_request_pipelined_is_gone_for_the_res
     assert 'aiocb_http_errors_total{model_name="tiny-qwen3",status="499"} 1.0' in metrics
     assert manager.statistics().tokens_generated < 2000
     assert "Exception in ASGI application" not in caplog.text
+
+
+async def test_streams_whose_clients_leave_leave_no_cycles_behind(manager: aiocb.Manager, tokenizer: Any) -> None:
+    """A stream cut by its client's leaving is freed when its last reference goes: within
+    Starlette's anyio task group its CancelledError held every frame of the stream's
+    pipeline, and the requests behind it, in a cycle (some 140 objects a stream for the
+    cyclic collector, which freed 512 of them in young collections of 20-30 ms)."""
+    body = json.dumps({"prompt": "hi", "max_tokens": 2000, "ignore_eos": True, "stream": True}).encode()
+    post = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    post += b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    async with live_server(manager, tokenizer) as server:
+        gc.collect()
+        streams = [await asyncio.open_connection("127.0.0.1", server.port) for _ in range(8)]
+        for _, writer in streams:
+            writer.write(post)
+        for reader, _ in streams:
+            await asyncio.wait_for(reader.read(300), 30)  # (every stream has begun)
+        for _, writer in streams:
+            writer.close()
+        await wait_until_idle(manager)
+        await asyncio.sleep(0.2)
+        cyclic = gc.collect()
+    assert cyclic < 8 * 20, cyclic
 
 
 @pytest.mark.parametrize("protocol", [h11_protocol, httptools_protocol], ids=["h11", "httptools"])
