@@ -49,10 +49,16 @@ Scenarios, each on a fresh Manager with ``bench/overhead.py``'s near-zero-comput
 * ``batch_sequence_bias``: ``generate_batch`` of ``--rows`` / 4 16-token prompts, 8 new
   tokens, with a ``sequence_bias`` of 900 two-token sequences;
 * ``json_logit_bias``: 16 requests at once, 8 new tokens each, with a ``logit_bias`` of
-  3,997 entries keyed by JSON object keys (strings), as a client's body gives them.
+  3,997 entries keyed by JSON object keys (strings), as a client's body gives them;
+* ``required_tools``: the OpenAI app over the bundled model (raw ASGI, bodies written
+  before timing): 8 chat completions at once, each offering 256 tools (8 string arguments
+  each) under ``tool_choice`` ``required``, the rendered prompt cut to its last 256 tokens,
+  8 tokens (after one such round, untimed, that compiles their structural tag).
 
 Callbacks are listed by their task: ``run_scenario`` is the caller's (aiocb's
-``generate_batch`` and ``add_requests`` run inside it), ``Manager._run_steps`` the step loop.
+``generate_batch`` and ``add_requests`` run inside it), ``Manager._run_steps`` the step loop,
+``_post`` an HTTP request's; with the loop thread's own CPU time in each (less than the wall
+time where it waited for the GIL that worker threads held).
 
     python bench/loop_holds.py                      # all scenarios, 1,024 rows
     python bench/loop_holds.py --scenarios prefix --stacks
@@ -65,6 +71,7 @@ import asyncio
 import asyncio.events
 import collections
 import gc
+import json
 import sys
 import threading
 import time
@@ -77,8 +84,11 @@ if __package__ in (None, ""):  # run as `python bench/loop_holds.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import aiocb
+from aiocb.default_model import load_default_model
+from aiocb.server import build_app
 from bench.common import build_model, machine_info
 from bench.overhead import TINY_SHAPE
+from bench.response_holds import _post
 from tests.server.conftest import build_tokenizer
 
 SCENARIOS = (
@@ -97,11 +107,14 @@ SCENARIOS = (
     "batch_bad_words",
     "batch_sequence_bias",
     "json_logit_bias",
+    "required_tools",
 )
 #: The scenarios whose model has more positions than ``TINY_SHAPE``'s.
 CONTEXTS = {"long_ids": 131_072}
 #: The scenarios whose manager has a tokenizer (and a model of its vocabulary).
 TOKENIZED = ("stop_strings",)
+#: The scenarios served by the bundled model and its tokenizer (a chat template with tools).
+BUNDLED = ("required_tools",)
 GC_REPORTED_S = 0.0005
 
 
@@ -114,6 +127,9 @@ class HoldRecorder:
         self.holds: list[tuple[float, str, float]] = []  # (seconds, task or callback, started)
         self.stacks: dict[float, list[str]] = collections.defaultdict(list)
         self.gc_pauses: list[tuple[int, float]] = []  # (generation, seconds)
+        #: the loop thread's own CPU time in each long callback, by its start (less than its
+        #: wall time where the thread waited for the GIL, which worker threads held)
+        self.cpu: dict[float, float] = {}
         self._current: tuple[asyncio.Handle, float] | None = None
         self._gc_started = 0.0
         self._loop_thread = threading.get_ident()
@@ -121,7 +137,7 @@ class HoldRecorder:
         recorder = self
 
         def timed_run(handle: asyncio.Handle) -> None:
-            started = time.perf_counter()
+            started, used = time.perf_counter(), time.thread_time()
             recorder._current = (handle, started)
             try:
                 original(handle)
@@ -130,6 +146,7 @@ class HoldRecorder:
                 held = time.perf_counter() - started
                 if recorder.active and held > recorder.threshold_s:
                     recorder.holds.append((held, _owner(handle), started))
+                    recorder.cpu[started] = time.thread_time() - used
 
         asyncio.events.Handle._run = timed_run  # type: ignore[method-assign]
         gc.callbacks.append(self._on_gc)
@@ -161,9 +178,13 @@ class HoldRecorder:
         by_owner = collections.Counter(owner for _, owner, _ in holds)
         lines.append(f"callbacks over {self.threshold_s * 1e3:g} ms: {len(holds)} ({dict(by_owner)})")
         for held, owner, started in holds[:5]:
-            lines.append(f"- {held * 1e3:.2f} ms in {owner}")
+            lines.append(f"- {held * 1e3:.2f} ms ({self.cpu.get(started, 0.0) * 1e3:.2f} ms CPU) in {owner}")
             for stack, count in collections.Counter(self.stacks.get(started, [])).most_common(2):
                 lines.append(f"    {count}x {stack}")
+        by_cpu = sorted(((self.cpu.get(started, 0.0), owner) for _, owner, started in holds), reverse=True)
+        if by_cpu:
+            longest = ", ".join(f"{cpu * 1e3:.2f} ms in {owner}" for cpu, owner in by_cpu[:3])
+            lines.append(f"longest in the loop thread's CPU time: {longest}")
         pauses = sorted(self.gc_pauses, key=lambda p: -p[1])
         if pauses:
             per_gen = collections.Counter(gen for gen, _ in pauses)
@@ -186,10 +207,13 @@ def _owner(handle: asyncio.Handle) -> str:
 async def run_scenario(
     recorder: HoldRecorder, name: str, rows: int, work: Callable[[aiocb.Manager], Awaitable[None]]
 ) -> str:
-    tokenizer = build_tokenizer() if name in TOKENIZED else None
-    vocab = 4096 if tokenizer is None else len(tokenizer)
-    shape = {**TINY_SHAPE, "max_position_embeddings": CONTEXTS.get(name, TINY_SHAPE["max_position_embeddings"])}
-    model = build_model(seed=0, vocab_size=vocab, num_hidden_layers=1, **shape)
+    if name in BUNDLED:
+        model, tokenizer = load_default_model()
+    else:
+        tokenizer = build_tokenizer() if name in TOKENIZED else None
+        vocab = 4096 if tokenizer is None else len(tokenizer)
+        shape = {**TINY_SHAPE, "max_position_embeddings": CONTEXTS.get(name, TINY_SHAPE["max_position_embeddings"])}
+        model = build_model(seed=0, vocab_size=vocab, num_hidden_layers=1, **shape)
     config = aiocb.ContinuousBatchingConfig(
         num_blocks=rows * 40 + 64,
         page_size=16,
@@ -201,6 +225,8 @@ async def run_scenario(
         model, tokenizer=tokenizer, continuous_batching_config=config, num_requests_hint=rows
     ) as manager:
         await manager.generate([1, 2, 3], max_new_tokens=2)
+        if name in BUNDLED:
+            await work(manager)  # (once untimed: its constraint compiled, the app's first requests made)
         # Fenced by loop turns: the callbacks that begin and end the work are timed whole
         # (the one that turned the recorder off was never recorded).
         await asyncio.sleep(0)
@@ -308,6 +334,35 @@ def scenarios(rows: int) -> dict[str, Callable[[aiocb.Manager], Awaitable[None]]
         prompts = short_prompts[:16]
         await asyncio.gather(*(manager.generate(p, max_new_tokens=8, logit_bias=json_bias) for p in prompts))
 
+    arguments = {
+        "type": "object",
+        "properties": {f"a{j}": {"type": "string", "description": "x" * 30} for j in range(8)},
+    }
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": f"tool_{i}", "description": "does a thing " * 20, "parameters": arguments},
+        }
+        for i in range(256)
+    ]
+    chat = {
+        "model": "bundled",
+        "messages": [{"role": "user", "content": "Call one."}],
+        "tools": tools,
+        "tool_choice": "required",
+        "truncate_prompt_tokens": 256,
+        "max_tokens": 8,
+    }
+    payload = json.dumps(chat).encode()
+
+    apps: dict[int, Any] = {}  # (made by the untimed round)
+
+    async def required_tools(manager: aiocb.Manager) -> None:
+        if id(manager) not in apps:
+            apps[id(manager)] = build_app(manager, manager.tokenizer, "bundled")
+        app = apps[id(manager)]
+        await asyncio.gather(*(_post(app, "/v1/chat/completions", payload) for _ in range(8)))
+
     return {
         "prefix": prefix,
         "pages": pages,
@@ -324,6 +379,7 @@ def scenarios(rows: int) -> dict[str, Callable[[aiocb.Manager], Awaitable[None]]
         "batch_bad_words": batch_bad_words,
         "batch_sequence_bias": batch_sequence_bias,
         "json_logit_bias": json_logit_bias,
+        "required_tools": required_tools,
     }
 
 
