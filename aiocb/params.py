@@ -703,9 +703,18 @@ def _sequence_bias(value: Any) -> tuple[SequenceBias, ...] | None:
         one = [sequence] if token_id(sequence) is not None else sequence
         ids = _ids("sequence_bias", one, empty_ok=False, empty="one of its sequences holds no token")
         assert ids is not None
-        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or math.isnan(bias):
+        if (
+            isinstance(bias, bool)
+            or not isinstance(bias, (int, float))
+            or (isinstance(bias, float) and math.isnan(bias))
+        ):
             raise InvalidRequestError(
-                f"sequence_bias of {list(ids)} must be a number, got {bias!r}", param="sequence_bias"
+                f"sequence_bias of {list(ids)} must be a number, got {_shown(bias)}", param="sequence_bias"
+            )
+        if isinstance(bias, int) and not _float_range([bias]):
+            raise InvalidRequestError(
+                f"sequence_bias of {list(ids)} must be within float32's range, got {_shown(bias)}",
+                param="sequence_bias",
             )
         if bias > _FLOAT32_MAX:  # (-inf bans a sequence; +inf, or a bias past float32's range, makes NaNs)
             raise InvalidRequestError(
@@ -714,6 +723,15 @@ def _sequence_bias(value: Any) -> tuple[SequenceBias, ...] | None:
             )
         out[ids] = float(bias)
     return tuple(out.items())
+
+
+def _float_range(biases: list[Any]) -> bool:
+    """Whether ``biases`` (ints and floats) are numbers a float holds, none NaN nor past
+    float32's largest (-inf may be: it bans)."""
+    try:
+        return not math.isnan(sum(map(float, biases))) and max(biases) <= _FLOAT32_MAX  # (a NaN escapes max)
+    except OverflowError:  # (an int past a float's range)
+        return False
 
 
 def _plain_sequence_bias(value: Any) -> tuple[SequenceBias, ...] | None:
@@ -738,7 +756,7 @@ def _plain_sequence_bias(value: Any) -> tuple[SequenceBias, ...] | None:
         keys = list(map(tuple, sequences))
         if not (min(map(len, keys)) and _plain_ids(list(itertools.chain.from_iterable(keys)))):
             return None
-        if math.isnan(sum(biases)) or max(biases) > _FLOAT32_MAX:  # (a NaN escapes max)
+        if not _float_range(biases):
             return None
         out.update(zip(keys, map(float, biases), strict=True))
         pause()

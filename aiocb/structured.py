@@ -153,8 +153,9 @@ _CHECKED_KEYWORDS = frozenset(
 def _schema_problem(kind: str, text: str) -> str | None:
     """What the JSON schemas of the constraint ``(kind, text)`` hold that is refused (a
     ``json_schema``, or a ``structural_tag``'s ``json_schema`` contents, named by the tag
-    they are in): a keyword its grammar leaves out (:func:`_unenforced_keyword`) or a
-    pattern too slow to compile (:func:`_slow_pattern`); None if neither."""
+    they are in): a keyword its grammar leaves out (:func:`_unenforced_keyword`), a
+    pattern too slow to compile (:func:`_slow_pattern`), or more literal values than
+    compile in good time, all its schemas' together (:func:`_many_literals`); None if none."""
     if kind not in ("json_schema", "structural_tag"):
         return None
     try:
@@ -162,15 +163,18 @@ def _schema_problem(kind: str, text: str) -> str | None:
     except ValueError:
         return None  # (compiling reports it)
     if kind == "json_schema":
-        return _problem_of(parsed)
+        return _problem_of(parsed) or _many_literals(_literal_characters(parsed))
+    literals = 0  # (of all the tag's schemas: its grammar holds them all)
 
     def walk(node: Any, tag: Any) -> str | None:
+        nonlocal literals
         if isinstance(node, dict):
             if node.get("type") == "json_schema" and "json_schema" in node:
                 problem = _problem_of(node["json_schema"])
                 if problem is not None:
                     where = "" if tag is None else f" of the tag beginning {tag!r}"
                     return f"the json_schema{where}: {problem}"
+                literals += _literal_characters(node["json_schema"])
             tag = node.get("begin", tag) if node.get("type") == "tag" else tag
             children: Collection[Any] = node.values()
         elif isinstance(node, list):
@@ -183,30 +187,35 @@ def _schema_problem(kind: str, text: str) -> str | None:
                 return found
         return None
 
-    return walk(parsed, None)
+    problem = walk(parsed, None)
+    return problem if problem is not None else _many_literals(literals, "its schemas'")
 
 
 def _problem_of(schema: Any) -> str | None:
     ignored = _left_out(schema) or _unenforced_keyword(schema)
     if ignored is not None:
         return f"{ignored}, which constrained decoding cannot enforce; leave it out (and check the output yourself)"
-    return _slow_pattern(schema) or _many_literals(schema)
+    return _slow_pattern(schema)
 
 
-def _many_literals(schema: Any) -> str | None:
-    """Why the ``enum`` and ``const`` values of ``schema`` (parsed) are too long to compile
-    in good time (:data:`~aiocb.params.MAX_LITERAL_CHARACTERS`, counted as JSON, over the
-    whole schema); None if they are not."""
+def _literal_characters(schema: Any) -> int:
+    """The characters of the ``enum`` and ``const`` values of ``schema`` (parsed), as JSON."""
     characters = 0
     for _, node in _schemas(schema):
         for key in ("enum", "const"):
             if key in node:
                 characters += len(json.dumps(node[key], ensure_ascii=False))
+    return characters
+
+
+def _many_literals(characters: int, whose: str = "its") -> str | None:
+    """Why a constraint's ``enum`` and ``const`` values of ``characters`` are too long to
+    compile in good time (:data:`~aiocb.params.MAX_LITERAL_CHARACTERS`); None if they are not."""
     if characters <= MAX_LITERAL_CHARACTERS:
         return None
     return (
-        f"its enum and const values hold {characters} characters as JSON, more than the {MAX_LITERAL_CHARACTERS} "
-        "that compile in good time"
+        f"{whose} enum and const values hold {characters} characters as JSON, more than the "
+        f"{MAX_LITERAL_CHARACTERS} that compile in good time"
     )
 
 

@@ -152,7 +152,12 @@ def test_a_sequence_bias_in_its_common_forms_is_read_in_c_passes(monkeypatch: py
     assert aiocb.SamplingParams(sequence_bias=mapping).sequence_bias == tuple(mapping.items())
     assert aiocb.SamplingParams(sequence_bias=pairs).sequence_bias == expected
     assert not read
-    for bias, problem in ((float("nan"), "must be a number"), (True, "must be a number"), (1e39, "at most")):
+    for bias, problem in (
+        (float("nan"), "must be a number"),
+        (True, "must be a number"),
+        (1e39, "at most"),
+        (-(10**400), "within float32's range"),  # (past a float's: OverflowError before)
+    ):
         with pytest.raises(aiocb.InvalidRequestError, match=problem):
             aiocb.SamplingParams(sequence_bias={**mapping, (3, 4): bias})
     for key, problem in (((-1, 2), "negative token id"), ((), "is empty")):

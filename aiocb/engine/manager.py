@@ -225,6 +225,9 @@ class Manager:
     ) -> None:
         if getattr(self, "_initialized", False):
             # A cached persistent manager, returned by __new__: it keeps its configuration.
+            _check_manager_arguments(
+                generation_config, tokenizer, grammar_tokenizer, num_requests_hint, speculative_config
+            )
             self._refuse_another_configuration(
                 generation_config, continuous_batching_config, speculative_config, tokenizer, grammar_tokenizer
             )

@@ -105,8 +105,9 @@ class _HeaderBounds:
     _header_timer: asyncio.TimerHandle | None = None
     _header_bytes: int = 0
     _header_tail = b""
-    #: the cycle whose response is still going when a pipelined request's took its place
-    _answering: Any = None
+    #: the cycles whose responses were still going when a pipelined request's took their
+    #: place (the one under way among them: uvicorn's protocol knows only the newest)
+    _displaced: list[Any] | None = None
     # provided by the uvicorn protocol
     app: ASGIApp
     connections: set[Any]
@@ -156,13 +157,15 @@ class _HeaderBounds:
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
-        answering, self._answering = self._answering, None
-        if answering is not None and not answering.response_complete:
-            # A response under way when a pipelined request came: uvicorn's protocol marks
+        displaced, self._displaced = self._displaced or [], None
+        for cycle in displaced:
+            # A response under way when pipelined requests came: uvicorn's protocol marks
             # only the newest cycle gone, and this one's next write met the closed transport
-            # (an error logged, a 200 recorded for a client that left).
-            answering.disconnected = True
-            answering.message_event.set()
+            # (an error logged, a 200 recorded for a client that left). Those still queued
+            # never start: marking them changes nothing.
+            if not cycle.response_complete:
+                cycle.disconnected = True
+                cycle.message_event.set()
         lingering = self.transport if isinstance(self.transport, _LingeringClose) else None
         super().connection_lost(exc)  # type: ignore[misc]
         if lingering is not None:  # (after: uvicorn's protocol closes its transport again)
@@ -231,17 +234,18 @@ class _H11BodyEnd:
 
 class _HttpToolsBodyEnd:
     """httptools' protocol: as :class:`_H11BodyEnd`, at the parser's end of the message;
-    and the cycle whose response is under way kept when a pipelined request's takes its
+    and the cycles whose responses are under way kept when pipelined requests' take their
     place (uvicorn's protocol then knows only the newest: see ``connection_lost``)."""
 
     cycle: Any
-    _answering: Any
+    _displaced: list[Any] | None
 
     def on_headers_complete(self) -> None:
         before = self.cycle
         super().on_headers_complete()  # type: ignore[misc]
         if self.cycle is not before and before is not None and not before.response_complete:
-            self._answering = before
+            kept = [cycle for cycle in self._displaced or () if not cycle.response_complete]
+            self._displaced = [*kept, before]
 
     def on_message_complete(self) -> None:
         cycle = self.cycle

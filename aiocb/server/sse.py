@@ -99,10 +99,11 @@ class EventStreamResponse(StreamingResponse):
         assert streaming is not None
         listener = asyncio.get_running_loop().create_task(self.listen_for_disconnect(receive))
         stopped = False  # (the stream cancelled here, its client gone)
+        ended = False  # (this call past its stream: a callback scheduled before may come after)
 
         def stop(done: asyncio.Task[None]) -> None:
             nonlocal stopped
-            if done.cancelled():
+            if ended or done.cancelled():
                 return
             if done.exception() is not None:  # (the connection's receive failed: no client to answer)
                 self._client_gone = not self._complete
@@ -124,6 +125,7 @@ class EventStreamResponse(StreamingResponse):
         except ClientDisconnect:
             self._client_gone = True
         finally:
+            ended = True
             listener.remove_done_callback(stop)
             listener.cancel()
             if self._client_gone:

@@ -152,6 +152,8 @@ def test_transformers_own_arguments(
         with caplog.at_level("WARNING", logger="aiocb"):
             assert aiocb.Manager(qwen3, persistent_manager=True, num_requests_hint=7) is manager
         assert "num_requests_hint=7 is not applied: the model's persistent manager was sized for 2" in caplog.text
+        with pytest.raises(aiocb.InvalidConfigError, match="num_requests_hint must be an int of at least 1"):
+            aiocb.Manager(qwen3, persistent_manager=True, num_requests_hint=-5)
     finally:
         import asyncio
 

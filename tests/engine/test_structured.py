@@ -749,6 +749,20 @@ async def test_literals_too_long_to_compile_are_refused_at_once(bundled: tuple[A
             with pytest.raises(aiocb.InvalidRequestError, match="its enum and const values hold") as caught:
                 await manager.generate("x", json_schema=schema, max_new_tokens=4)
             assert caught.value.param == "json_schema"
+        # (a structural tag's schemas together: its grammar holds them all)
+        tags = [
+            {
+                "type": "tag",
+                "begin": f"<{k}>",
+                "content": {"type": "json_schema", "json_schema": {"enum": many[:1000]}},
+                "end": f"</{k}>",
+            }
+            for k in range(4)
+        ]
+        tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": tags}}
+        with pytest.raises(aiocb.InvalidRequestError, match="its schemas' enum and const values hold") as caught:
+            await manager.generate("x", structural_tag=tag, max_new_tokens=4)
+        assert caught.value.param == "structural_tag"
         served = await manager.generate("x", json_schema={"enum": many[:2000]}, max_new_tokens=60, temperature=0)
     assert json.loads(served.text or "") in many[:2000]
 

@@ -306,11 +306,13 @@ async def test_a_pipelined_request_s_headers_are_bounded_while_a_response_stream
                 each.close()
 
 
+@pytest.mark.parametrize("behind", [1, 3])
 @pytest.mark.parametrize("protocol", [h11_protocol, httptools_protocol], ids=["h11", "httptools"])
 async def test_a_client_that_leaves_with_a_request_pipelined_is_gone_for_the_response_under_way(
     manager: aiocb.Manager,
     tokenizer: Any,
     protocol: Callable[..., type[asyncio.Protocol]],
+    behind: int,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A client that pipelines a second streamed request, then closes the connection while
@@ -322,7 +324,7 @@ async def test_a_client_that_leaves_with_a_request_pipelined_is_gone_for_the_res
     post += b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
     async with live_server(manager, tokenizer, protocol=protocol) as server:
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-        writer.write(post + post)
+        writer.write(post * (1 + behind))
         await asyncio.wait_for(reader.read(300), 30)  # (the first stream has begun)
         writer.close()
         await wait_until_idle(manager)
@@ -723,3 +725,47 @@ def test_limits_are_validated() -> None:
     with pytest.raises(ValueError, match="body_timeout"):
         ServerLimits(body_timeout=0)
     assert json.loads(json.dumps(ServerLimits().max_request_bytes)) == 8 * MiB
+
+
+async def test_a_client_leaving_as_the_last_event_goes_out_cancels_nothing_after_the_stream(
+    manager: aiocb.Manager,
+) -> None:
+    """The client's leaving is heard (its listener done, the stream's cancel scheduled) just
+    as the last event is written: the response ends as it would have, and no cancel lands
+    on what its caller awaits next (a middleware's, the server's)."""
+    from aiocb.server.edge import _SCOPE_KEY, AccessRecord
+    from aiocb.server.metrics import ServerMetrics
+    from aiocb.server.sse import EventStreamResponse
+
+    loop = asyncio.get_running_loop()
+    left, drained = asyncio.Event(), loop.create_future()
+
+    async def body() -> AsyncIterator[bytes]:
+        yield b"data: 1\n\n"
+        yield b"data: 2\n\n"
+
+    async def receive() -> dict[str, Any]:
+        await left.wait()
+        return {"type": "http.disconnect"}
+
+    sent = 0
+
+    async def send(message: dict[str, Any]) -> None:
+        nonlocal sent
+        sent += 1
+        if sent == 2:  # (the first event waits on the transport's flow control)
+            await drained
+
+    scope: dict[str, Any] = {"type": "http", _SCOPE_KEY: AccessRecord("x")}
+    response = EventStreamResponse(body(), ServerMetrics(manager, MODEL_NAME))
+
+    async def app() -> str:
+        await response(scope, receive, send)
+        await asyncio.sleep(0.01)  # (the caller's next await)
+        return "ended"
+
+    task = asyncio.create_task(app())
+    await asyncio.sleep(0.01)
+    left.set()  # (as uvicorn's connection_lost: the disconnect, then writing resumed)
+    drained.set_result(None)
+    assert await task == "ended"
