@@ -159,12 +159,14 @@ class IncrementalDetokenizer:
         return text
 
     def _held_text(self) -> str:
-        """The text the held tokens would give now, as :meth:`flush` decodes them (in the
-        window: a byte-fallback decoder's run of bytes that is not valid, one U+FFFD a byte,
-        where a byte decoded alone may be a character)."""
+        """The text the held tokens give now, decoded in the window (a byte-fallback
+        decoder's run of bytes that is not valid: one U+FFFD a byte, where a byte decoded
+        alone may be a character)."""
         prefix = self._decode(self._prefix_offset, self._read_offset)
         text = self._decode(self._prefix_offset, len(self._ids))
         if not text.startswith(prefix):
+            # (a byte-fallback decoder turned the window's run of bytes, its last text among
+            # them, into U+FFFD with the held ones: they are decoded alone, as in _release)
             return self._decode(self._read_offset, len(self._ids))
         return text[len(prefix) :]
 
@@ -327,19 +329,13 @@ class IncrementalDetokenizer:
         """:meth:`flush` without the text released ahead."""
         if self._read_offset == len(self._ids):
             return ""
-        prefix = self._decode(self._prefix_offset, self._read_offset)
-        text = self._decode(self._prefix_offset, len(self._ids))
-        if not text.startswith(prefix):
-            # (a byte-fallback decoder turned the window's run of bytes, its last text among
-            # them, into U+FFFD with the held ones: they are decoded alone, as in _release)
-            prefix, text = "", self._decode(self._read_offset, len(self._ids))
+        delta = self._held_text()
         # The held tokens are spent: a later token starts after them, as with a decode (by
         # either method: the window too starts again, after the same context).
         context = self._context(self._ids)
         self._ids, self._prefix_offset, self._read_offset = context, 0, len(context)
         if self._stream is not None and self._backend is not None:
             self._stream = self._new_stream(self._backend, context)
-        delta = text[len(prefix) :] if len(text) > len(prefix) else ""
         self.num_chars += len(delta)
         return delta
 

@@ -734,6 +734,18 @@ def _float_range(biases: list[Any]) -> bool:
         return False
 
 
+def _plain_sequences(part: list[Any]) -> tuple[tuple[int, ...], ...] | None:
+    """``part``'s token sequences as tuples, checked in a few C-level passes: None unless
+    each is a non-empty list or tuple of non-negative ints (the item-by-item check then
+    names the one that is not)."""
+    if not set(map(type, part)) <= _LISTS:
+        return None
+    sequences = tuple(map(tuple, part))
+    if not (min(map(len, sequences)) and _plain_ids(list(itertools.chain.from_iterable(sequences)))):
+        return None
+    return sequences
+
+
 def _plain_sequence_bias(value: Any) -> tuple[SequenceBias, ...] | None:
     """A ``sequence_bias`` in its common forms (a mapping of id tuples, or a list of
     ``[ids, bias]`` pairs, with numbers), checked in a few C-level passes a slice at a time
@@ -750,13 +762,8 @@ def _plain_sequence_bias(value: Any) -> tuple[SequenceBias, ...] | None:
     out: dict[tuple[int, ...], float] = {}  # (a sequence given twice keeps its last bias)
     for start in range(0, len(items), SLICE):
         part = items[start : start + SLICE]
-        sequences, biases = list(map(_FIRST, part)), list(map(_SECOND, part))
-        if not set(map(type, sequences)) <= _LISTS or not set(map(type, biases)) <= _NUMBERS:
-            return None
-        keys = list(map(tuple, sequences))
-        if not (min(map(len, keys)) and _plain_ids(list(itertools.chain.from_iterable(keys)))):
-            return None
-        if not _float_range(biases):
+        keys, biases = _plain_sequences(list(map(_FIRST, part))), list(map(_SECOND, part))
+        if keys is None or not set(map(type, biases)) <= _NUMBERS or not _float_range(biases):
             return None
         out.update(zip(keys, map(float, biases), strict=True))
         pause()
@@ -774,11 +781,8 @@ def _bad_words(value: Any) -> tuple[tuple[int, ...], ...] | None:
     items = list(value)
     plain: list[tuple[int, ...]] = []
     for start in range(0, len(items), SLICE):  # (the common form, checked a few C-level passes at a time)
-        part = items[start : start + SLICE]
-        if not set(map(type, part)) <= _LISTS:
-            break
-        some = tuple(map(tuple, part))
-        if not (min(map(len, some)) and _plain_ids(list(itertools.chain.from_iterable(some)))):
+        some = _plain_sequences(items[start : start + SLICE])
+        if some is None:
             break
         plain += some
         pause()

@@ -85,7 +85,8 @@ class ResolvedParams:
     #: whether any logits control is used (computed): rows without one cost nothing extra
     uses_controls: bool = field(init=False, default=False)
     #: ``sequence_biases`` and ``bad_sequences`` indexed (made on first use; computed, and
-    #: shared by the copies :meth:`with_seed` makes: a request's samples index them once)
+    #: shared by the copies :meth:`with_seed` makes, a request's samples, and with the last
+    #: request of the same sequences: :meth:`~aiocb.core.sequences.SequenceIndex.of`)
     sequence_index: SequenceIndex | None = field(init=False, default=None, compare=False, repr=False)
     #: the stop tokens, banned before ``min_tokens`` (computed; empty when it is 0)
     held_stops: array[int] = field(init=False, compare=False, repr=False)
@@ -103,7 +104,7 @@ class ResolvedParams:
         )
         object.__setattr__(self, "uses_controls", uses)
         if self.sequence_biases or self.bad_sequences:
-            object.__setattr__(self, "sequence_index", SequenceIndex(self.sequence_biases, self.bad_sequences))
+            object.__setattr__(self, "sequence_index", SequenceIndex.of(self.sequence_biases, self.bad_sequences))
 
     def with_seed(self, seed: int) -> ResolvedParams:
         """A copy with another seed: each of ``n`` samples' own stream (a field-by-field

@@ -24,7 +24,6 @@ from transformers import GenerationConfig, PreTrainedTokenizerBase
 from aiocb.config import ContinuousBatchingConfig
 from aiocb.core.params import ResolvedParams
 from aiocb.core.request import Request
-from aiocb.core.sequences import SequenceIndex
 from aiocb.detokenize import TextTracker
 from aiocb.errors import InvalidRequestError
 from aiocb.gil import pausing_call
@@ -134,8 +133,6 @@ class RequestFactory:
         self._bad_words: dict[tuple[str, ...], list[list[int]]] = {}
         #: the last merge of a SamplingParams with a max_new_tokens: (given, max_new_tokens, merged)
         self._last_merge: tuple[SamplingParams, int, SamplingParams] | None = None
-        #: the sequence biases and bad words a request last indexed (see :meth:`_shared_index`)
-        self._last_index: SequenceIndex | None = None
         #: where very long prompts are tokenized
         self._processes = TokenizerProcessHolder(tokenizer) if tokenizer is not None else None
 
@@ -192,22 +189,7 @@ class RequestFactory:
             has_tokenizer=self.tokenizer is not None,
             can_constrain=self.grammar_tokenizer is not None,
         )
-        self._shared_index(resolved)
         return CheckedRequest(requested, prompt, resolved, limits, off_the_loop)
-
-    def _shared_index(self, resolved: ResolvedParams) -> None:
-        """Give ``resolved`` the index of the last request's sequence biases and bad words
-        where they are the same: the prompts of a batch, a completion's, or a client's
-        requests one by one nearly always repeat them, and an index of a thousand
-        sequences costs a millisecond to build (its tuples, a garbage collection more)
-        where comparing them costs some 30 µs."""
-        index, last = resolved.sequence_index, self._last_index
-        if index is None:
-            return
-        if last is not None and last.indexes(resolved.sequence_biases, resolved.bad_sequences):
-            object.__setattr__(resolved, "sequence_index", last)
-        else:
-            self._last_index = index
 
     def build(
         self, checked: CheckedRequest, request_id: str | None, *, in_use: Container[str]
