@@ -127,6 +127,9 @@ def generate_batch(
             return {}
 
         async def generate() -> dict[str, GenerationOutput]:
+            # (a kept manager keeps the sizes it was built with: these prompts' hints are
+            # for a new one, and given to a kept one they would only be warned of)
+            reused = persistent_manager and Manager.persistent_manager_of(model) is not None
             manager = Manager(
                 model,
                 generation_config,
@@ -134,9 +137,9 @@ def generate_batch(
                 tokenizer=tokenizer,
                 speculative_config=speculative_config,
                 persistent_manager=persistent_manager,
-                workload_hints=_workload_hints(
-                    model, inputs, generation_config, max_new_tokens, sampling_params, params
-                ),
+                workload_hints=None
+                if reused
+                else _workload_hints(model, inputs, generation_config, max_new_tokens, sampling_params, params),
             )
             async with manager:
                 return await manager.generate_batch(

@@ -196,14 +196,14 @@ class Manager:
     ``generate_batch`` takes a new generation config's ``max_new_tokens`` then, and ignores
     its other fields; here a request's own parameters are the way to change them). Its
     cache and batches keep the sizes the first hints gave (a ``num_requests_hint`` other
-    than that one is warned of).
+    than that one, or other ``workload_hints``, are warned of).
     """
 
     config: ContinuousBatchingConfig
 
     def __new__(cls, model: PreTrainedModel, *args: Any, persistent_manager: bool = False, **kwargs: Any) -> Manager:
-        cached = getattr(model, _CACHED_MANAGER_ATTR, None)
-        if persistent_manager and isinstance(cached, cls) and cached._state is not _State.DESTROYED:
+        cached = cls.persistent_manager_of(model)
+        if persistent_manager and isinstance(cached, cls):
             return cached
         # Before the manager exists, so that it (and the runner and cache it will build)
         # stays out of the frozen set; see _freeze_the_first_managers_model.
@@ -239,6 +239,14 @@ class Manager:
                     num_requests_hint,
                     "without one" if built is None else f"for {built} requests",
                 )
+            hints = WorkloadHints.of(workload_hints)
+            if hints is not None and hints != self._workload_hints:
+                logger.warning(
+                    "workload_hints=%r are not applied: the model's persistent manager was sized by %r when it was "
+                    "built; destroy it (await manager.destroy()) to size another",
+                    hints,
+                    self._workload_hints,
+                )
             return
         _check_manager_arguments(generation_config, tokenizer, grammar_tokenizer, num_requests_hint, speculative_config)
         self._initialized = True
@@ -263,6 +271,8 @@ class Manager:
         #: its draft model (``method="draft"``), loaded here rather than on the event loop
         self._draft_model = load_draft_model(speculative_config, model)
         hints = WorkloadHints.of(workload_hints)
+        #: the hints it was sized by (a persistent manager's reuse warns of others)
+        self._workload_hints: WorkloadHints | None = hints
         #: what the runner is built with: :attr:`config` sized by the hints
         self._runner_config = self.config.sized_for(hints, self.max_model_len)
         if num_requests_hint is None and hints is not None and hints.num_requests:
@@ -687,6 +697,13 @@ class Manager:
             await self._stopped(timeout)
         else:  # (kept: a task nothing refers to may be collected before it ends)
             self._stopping = asyncio.ensure_future(self._stopped(timeout))
+
+    @staticmethod
+    def persistent_manager_of(model: PreTrainedModel) -> Manager | None:
+        """The persistent manager ``model`` keeps (one a ``persistent_manager=True``
+        construction returns), or None."""
+        cached = getattr(model, _CACHED_MANAGER_ATTR, None)
+        return cached if isinstance(cached, Manager) and cached._state is not _State.DESTROYED else None
 
     def _keep_for_next_session(self) -> None:
         if tensor_parallel_layout(self.model) is not None and self._runner is not None:

@@ -152,6 +152,19 @@ def test_transformers_own_arguments(
         with caplog.at_level("WARNING", logger="aiocb"):
             assert aiocb.Manager(qwen3, persistent_manager=True, num_requests_hint=7) is manager
         assert "num_requests_hint=7 is not applied: the model's persistent manager was sized for 2" in caplog.text
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="aiocb"):
+            assert aiocb.Manager(qwen3, persistent_manager=True, workload_hints=aiocb.WorkloadHints(3, 4, 9)) is manager
+        assert "workload_hints=WorkloadHints(max_prompt_length=3, max_generated_length=4, num_requests=9) are not " in (
+            caplog.text
+        )
+        with pytest.raises(aiocb.InvalidConfigError, match="workload_hints must be a WorkloadHints, got dict"):
+            aiocb.Manager(qwen3, persistent_manager=True, workload_hints={"num_requests": 9})
+        # (generate_batch's own hints, from other prompts, are not the caller's to be warned of)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="aiocb"):
+            aiocb.generate_batch(qwen3, PROMPTS, max_new_tokens=1, persistent_manager=True)
+        assert "not applied" not in caplog.text
         with pytest.raises(aiocb.InvalidConfigError, match="num_requests_hint must be an int of at least 1"):
             aiocb.Manager(qwen3, persistent_manager=True, num_requests_hint=-5)
     finally:
