@@ -88,12 +88,12 @@ def prepare_chat(ctx: ServerContext, body: bytes) -> PreparedChat:
     if ctx.harmony and tools is not None and tools.calls_only and harmony_inside(request) == "content":
         raise bad_request(
             f"tool_choice {tools.choice!r} asks for a call, which cannot follow the final message that "
-            "chat_template_kwargs.continue_final_message continues",
+            "continue_final_message continues",
             "tool_choice",
         )
     if request.chat_template_kwargs.get("continue_final_message") and request.add_generation_prompt:
         raise bad_request(
-            "chat_template_kwargs.continue_final_message continues the last message, which add_generation_prompt "
+            "continue_final_message continues the last message, which add_generation_prompt "
             "(true by default) would follow with a new one: send add_generation_prompt false with it",
             "add_generation_prompt",
         )

@@ -300,7 +300,7 @@ def parse_tokenize_request(body: Any) -> TokenizeRequest:
         raise bad_request("'prompt' must be a string", "prompt")
     _refuse_unknown(body, TOKENIZE_FIELDS)
     kwargs = _template_kwargs(body)
-    for name in ("chat_template_kwargs", "tools"):
+    for name in ("chat_template_kwargs", "tools", "continue_final_message"):
         if body.get(name) and messages is None:
             raise bad_request(f"'{name}' is for 'messages'", name)
     return TokenizeRequest(
@@ -579,6 +579,7 @@ CHAT_FIELDS = (
         "logprobs",
         "top_logprobs",
         "add_generation_prompt",
+        "continue_final_message",
         "chat_template_kwargs",
         "tools",
         "tool_choice",
@@ -589,7 +590,16 @@ CHAT_FIELDS = (
 
 
 TOKENIZE_FIELDS = frozenset(
-    {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "chat_template_kwargs", "tools"}
+    {
+        "model",
+        "prompt",
+        "messages",
+        "add_special_tokens",
+        "add_generation_prompt",
+        "continue_final_message",
+        "chat_template_kwargs",
+        "tools",
+    }
 )
 DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
 
@@ -664,10 +674,22 @@ def _refuse_unsupported(body: Mapping[str, Any]) -> None:
 
 
 def _template_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The body's ``chat_template_kwargs``, with its top-level ``continue_final_message``
+    (vLLM's field; transformers' template argument, which the kwargs may give too)."""
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs")
-    return dict(kwargs or {})
+    kwargs = dict(kwargs or {})
+    continues = _bool(body, "continue_final_message", False)
+    if body.get("continue_final_message") is not None:
+        if kwargs.get("continue_final_message", continues) != continues:
+            raise bad_request(
+                "'continue_final_message' and chat_template_kwargs.continue_final_message differ; give it once",
+                "continue_final_message",
+            )
+        if continues:
+            kwargs["continue_final_message"] = True
+    return kwargs
 
 
 def _object(body: Any) -> dict[str, Any]:

@@ -508,13 +508,36 @@ async def test_continue_final_message_continues_the_last_message(client: httpx.A
     """``continue_final_message`` renders the conversation to end inside its last message
     (transformers' option); a new message after it (``add_generation_prompt``) is refused."""
     messages = [{"role": "user", "content": "Name a planet."}, {"role": "assistant", "content": "The red one is"}]
-    body = {"messages": messages, "max_tokens": 2, "chat_template_kwargs": {"continue_final_message": True}}
+    body = {
+        "messages": messages,
+        "max_tokens": 2,
+        "temperature": 0,
+        "chat_template_kwargs": {"continue_final_message": True},
+    }
     error = assert_error(await client.post("/v1/chat/completions", json=body), 400, "add_generation_prompt")
     assert "continue_final_message" in error["message"]
     data = (await client.post("/v1/chat/completions", json={**body, "add_generation_prompt": False})).json()
     rendered = tokenizer.apply_chat_template(messages, continue_final_message=True, tokenize=False)
     assert rendered.endswith("The red one is")
     assert data["usage"]["prompt_tokens"] == len(tokenizer.encode(rendered))
+    # vLLM's top-level field says the same
+    top = {**body, "chat_template_kwargs": None, "continue_final_message": True, "add_generation_prompt": False}
+    same = (await client.post("/v1/chat/completions", json=top)).json()
+    assert same["usage"]["prompt_tokens"] == data["usage"]["prompt_tokens"]
+    assert same["choices"][0]["message"] == data["choices"][0]["message"]
+    assert_error(await client.post("/v1/chat/completions", json={**top, "add_generation_prompt": True}), 400)
+    tokenize = {"messages": messages, "continue_final_message": True, "add_generation_prompt": False}
+    tokenized = (await client.post("/tokenize", json=tokenize)).json()
+    assert tokenized["tokens"] == tokenizer.encode(rendered)
+    clash = {**top, "chat_template_kwargs": {"continue_final_message": False}}
+    error = assert_error(await client.post("/v1/chat/completions", json=clash), 400, "continue_final_message")
+    assert "differ" in error["message"]
+    assert_error(
+        await client.post("/v1/chat/completions", json={**top, "continue_final_message": "yes"}),
+        400,
+        "continue_final_message",
+    )
+    assert_error(await client.post("/tokenize", json={"prompt": "x", "continue_final_message": True}), 400)
 
 
 async def test_chat_stream_and_logprobs(client: httpx.AsyncClient) -> None:
