@@ -276,10 +276,11 @@ class ChatCompletion:
 
     async def _chunks(self) -> AsyncGenerator[dict[str, Any]]:
         n = self.request.sampling.n
-        for j in range(n):
-            yield self._chunk(j, {"role": "assistant", "content": None if self._calls_only else ""}, None, None)
-        outputs = [self._output() for _ in range(n)]
         generated = [0] * n
+        for j in range(n):
+            role = {"role": "assistant", "content": None if self._calls_only else ""}
+            yield self._usage_so_far(self._chunk(j, role, None, None), generated)
+        outputs = [self._output() for _ in range(n)]
         turn = LoopTurn()
         async with aclosing(self.submission.deltas()) as deltas:
             async for delta in deltas:
@@ -298,13 +299,14 @@ class ChatCompletion:
                     parts = [{}]
                 for k, part in enumerate(parts):
                     last = k == len(parts) - 1
-                    yield self._chunk(
+                    chunk = self._chunk(
                         j,
                         part,
                         logprobs if k == 0 else None,
                         finish_reason if last else None,
                         delta.stop_reason if last else None,
                     )
+                    yield self._usage_so_far(chunk, generated)
         if self.request.sampling.include_usage:
             yield {**self._header(), "choices": [], "usage": self._usage(sum(generated))}
 
@@ -362,6 +364,14 @@ class ChatCompletion:
 
     def _usage(self, completion_tokens: int) -> dict[str, Any]:
         return self.submission.usage(completion_tokens)
+
+    def _usage_so_far(self, chunk: dict[str, Any], generated: list[int]) -> dict[str, Any]:
+        """``chunk``, with its choice's usage so far where the request asks for it in each
+        chunk (``continuous_usage_stats``)."""
+        if self.request.sampling.continuous_usage:
+            index = chunk["choices"][0]["index"]
+            chunk["usage"] = self.submission.choice_usage(index, generated[index])
+        return chunk
 
     async def _logprob_entries(self, delta: ChoiceDelta, turn: LoopTurn) -> list[dict[str, Any]]:
         """The delta's tokens' logprobs entries, a slice of the loop at a time (a delta may

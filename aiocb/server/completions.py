@@ -270,6 +270,7 @@ class Completion:
         echoed: set[int] = set()
         generated = [0] * len(self.submission.specs)
         want_logprobs = self.request.logprobs is not None
+        continuous_usage = self.request.sampling.continuous_usage
         turn = LoopTurn()
         async with aclosing(self.submission.deltas()) as deltas:
             async for delta in deltas:
@@ -283,7 +284,7 @@ class Completion:
                     text = prompt.text + text
                 elif not text and delta.finish_reason is None and not (want_logprobs and delta.token_ids):
                     continue
-                yield {
+                chunk = {
                     **self._header(),
                     "choices": [
                         {
@@ -295,6 +296,9 @@ class Completion:
                         }
                     ],
                 }
+                if continuous_usage:  # (vLLM's continuous_usage_stats: the choice's usage so far)
+                    chunk["usage"] = self.submission.choice_usage(delta.index, delta.num_generated)
+                yield chunk
         if self.request.sampling.include_usage:
             yield {**self._header(), "choices": [], "usage": self._usage(sum(generated))}
 

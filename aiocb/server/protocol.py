@@ -176,6 +176,9 @@ class SamplingRequest:
     skip_special_tokens: bool
     stream: bool
     include_usage: bool
+    #: vLLM's ``stream_options.continuous_usage_stats``: each chunk carries its choice's
+    #: usage so far (with ``include_usage`` alone)
+    continuous_usage: bool = False
     #: no stop token or stop string before this many tokens (None: not given, the model's
     #: generation config says)
     min_tokens: int | None = None
@@ -332,6 +335,7 @@ def _sampling(
     max_tokens_field = _max_tokens_field(body, max_tokens_keys)
     top_k = _opt_int(body, "top_k", minimum=-1)
     stream = _bool(body, "stream", False)
+    include_usage, continuous_usage = _usage_options(body, stream)
     constraint, constraint_field = _structure(body)
     max_tokens = _opt_int(body, max_tokens_field, minimum=least_max_tokens)
     min_tokens = _opt_int(body, "min_tokens", minimum=0)
@@ -351,7 +355,8 @@ def _sampling(
         ignore_eos=_bool(body, "ignore_eos", False),
         skip_special_tokens=_bool(body, "skip_special_tokens", True),
         stream=stream,
-        include_usage=_include_usage(body, stream),
+        include_usage=include_usage,
+        continuous_usage=continuous_usage,
         request_id=_request_id(body),
         min_tokens=min_tokens,
         include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False),
@@ -400,16 +405,25 @@ def _max_tokens_field(body: Mapping[str, Any], keys: tuple[str, ...]) -> str:
     return given[0] if given else keys[0]
 
 
-def _include_usage(body: Mapping[str, Any], stream: bool) -> bool:
+def _usage_options(body: Mapping[str, Any], stream: bool) -> tuple[bool, bool]:
+    """``stream_options``' ``include_usage`` and ``continuous_usage_stats`` (vLLM's: each
+    chunk carries its choice's usage so far, where the stream's last one carries the whole)."""
     options = body.get("stream_options")
     if options is None:
-        return False
+        return False, False
     if not isinstance(options, dict):
         raise bad_request("'stream_options' must be an object", "stream_options")
     if not stream:
         raise bad_request("'stream_options' is for streamed responses; give it with 'stream': true", "stream_options")
-    refuse_unknown_keys(options, ("include_usage",), "stream_options")
-    return _bool(options, "include_usage", False, path="stream_options.include_usage")
+    refuse_unknown_keys(options, ("include_usage", "continuous_usage_stats"), "stream_options")
+    include = _bool(options, "include_usage", False, path="stream_options.include_usage")
+    continuous = _bool(options, "continuous_usage_stats", False, path="stream_options.continuous_usage_stats")
+    if continuous and not include:
+        raise bad_request(
+            "stream_options.continuous_usage_stats needs stream_options.include_usage true",
+            "stream_options.continuous_usage_stats",
+        )
+    return include, continuous
 
 
 #: Body fields that become ``aiocb.SamplingParams`` fields of the same name, checked there.

@@ -279,6 +279,16 @@ class Submission:
             "prompt_tokens_details": {"cached_tokens": sum(cached.values())},
         }
 
+    def choice_usage(self, index: int, completion_tokens: int) -> dict[str, int]:
+        """Choice ``index``'s usage so far, as vLLM's ``continuous_usage_stats`` gives it in
+        each chunk: its prompt's tokens and the ``completion_tokens`` it has generated."""
+        prompt_tokens = len(self.specs[index].prompt_ids)
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
+
     async def aclose(self) -> None:
         """Cancel whatever has not finished, and let go of the streams (idempotent).
 

@@ -575,6 +575,41 @@ async def test_chat_stream_and_logprobs(client: httpx.AsyncClient) -> None:
         assert [e["logprob"] for e in streamed] == pytest.approx([e["logprob"] for e in expected], abs=1e-4)
 
 
+async def test_continuous_usage_stats_give_each_chunk_its_choices_usage(client: httpx.AsyncClient) -> None:
+    """vLLM's ``stream_options.continuous_usage_stats``: every chunk carries its choice's
+    prompt tokens and the tokens it has generated so far; the last chunk the whole usage."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    completion = {"prompt": ["Hello there", "A"], "max_tokens": 5, "n": 2, "temperature": 0, "ignore_eos": True}
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "n": 2, "ignore_eos": True}
+    for path, body in [("/v1/completions", completion), ("/v1/chat/completions", chat)]:
+        whole = (await client.post(path, json=body)).json()
+        stream = {**body, "stream": True, "stream_options": options}
+        events = sse_events((await client.post(path, json=stream)).text)
+        assert events[-1] == "[DONE]" and events[-2]["choices"] == []
+        assert events[-2]["usage"]["completion_tokens"] == whole["usage"]["completion_tokens"]
+        chunks = events[:-2]
+        per_choice: dict[int, list[dict[str, int]]] = {}
+        for chunk in chunks:
+            per_choice.setdefault(chunk["choices"][0]["index"], []).append(chunk["usage"])
+        assert sorted(per_choice) == list(range(len(whole["choices"])))
+        for usages in per_choice.values():
+            counts = [u["completion_tokens"] for u in usages]
+            assert counts == sorted(counts) and counts[-1] == body["max_tokens"]
+            assert all(u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"] for u in usages)
+            assert len({u["prompt_tokens"] for u in usages}) == 1
+        if path == "/v1/chat/completions":
+            assert [u[0]["completion_tokens"] for u in per_choice.values()] == [0, 0]  # (the role chunks)
+            assert per_choice[0][0]["prompt_tokens"] == whole["usage"]["prompt_tokens"]  # (one prompt, n of 2)
+        else:
+            for index, text in [(0, "Hello there"), (2, "A")]:
+                tokens = (await client.post("/tokenize", json={"prompt": text})).json()["count"]
+                assert per_choice[index][0]["prompt_tokens"] == tokens
+    # (without include_usage there is no usage to give: refused, not ignored)
+    alone = {**chat, "stream": True, "stream_options": {"continuous_usage_stats": True}}
+    error = assert_error(await client.post("/v1/chat/completions", json=alone), 400)
+    assert error["param"] == "stream_options.continuous_usage_stats" and "include_usage" in error["message"]
+
+
 # --------------------------------------------------------------------------- errors
 
 
