@@ -91,6 +91,12 @@ def prepare_chat(ctx: ServerContext, body: bytes) -> PreparedChat:
             "continue_final_message continues",
             "tool_choice",
         )
+    if request.echo and tools is not None and tools.calls_only:
+        raise bad_request(
+            f"echo puts the last message's content before the reply's, which tool_choice {tools.choice!r} makes "
+            "tool calls alone (no content)",
+            "echo",
+        )
     if request.chat_template_kwargs.get("continue_final_message") and request.add_generation_prompt:
         raise bad_request(
             "continue_final_message continues the last message, which add_generation_prompt "
@@ -182,6 +188,10 @@ class ChatCompletion:
         self.tools = prepared.tools
         self.opens_thinking = prepared.opens_thinking
         self.json_kinds = prepared.json_kinds
+        last = request.messages[-1]
+        #: what ``echo`` puts before each choice's content: the last message's, where the
+        #: reply (an assistant message) continues or follows one of its own role (as vLLM's)
+        self.echoed = (last.get("content") or "") if request.echo and last.get("role") == "assistant" else ""
         sampling = request.sampling
         # (harmony's markers are special tokens too)
         keep_special = ctx.harmony or (
@@ -254,7 +264,7 @@ class ChatCompletion:
         choices = [
             {
                 "index": j,
-                "message": messages[j].message(),
+                "message": self._echoed(messages[j].message()),
                 "logprobs": {"content": Lazy(scored[j], self._logprob_entry)} if self.request.logprobs else None,
                 "finish_reason": finish[j],
                 "stop_reason": stop_reasons[j],
@@ -280,6 +290,8 @@ class ChatCompletion:
         for j in range(n):
             role = {"role": "assistant", "content": None if self._calls_only else ""}
             yield self._usage_so_far(self._chunk(j, role, None, None), generated)
+            if self.echoed:
+                yield self._usage_so_far(self._chunk(j, {"content": self.echoed}, None, None), generated)
         outputs = [self._output() for _ in range(n)]
         turn = LoopTurn()
         async with aclosing(self.submission.deltas()) as deltas:
@@ -309,6 +321,12 @@ class ChatCompletion:
                     yield self._usage_so_far(chunk, generated)
         if self.request.sampling.include_usage:
             yield {**self._header(), "choices": [], "usage": self._usage(sum(generated))}
+
+    def _echoed(self, message: dict[str, Any]) -> dict[str, Any]:
+        """``message`` with :attr:`echoed` before its content (``echo``)."""
+        if self.echoed:
+            message["content"] = self.echoed + (message["content"] or "")
+        return message
 
     def _output(self) -> ChoiceOutput | HarmonyOutput:
         """A parser of one choice's text: reasoning split off, tool calls found."""

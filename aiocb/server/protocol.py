@@ -229,6 +229,8 @@ class ChatCompletionRequest:
     top_logprobs: int
     add_generation_prompt: bool
     chat_template_kwargs: dict[str, Any]
+    #: vLLM's: the reply's content starts with the last message's, where that is the assistant's
+    echo: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,6 +291,7 @@ def parse_chat_request(body: Any, defaults: ServedDefaults = ServedDefaults()) -
         top_logprobs=top_logprobs or 0,
         add_generation_prompt=_bool(body, "add_generation_prompt", True),
         chat_template_kwargs=kwargs,
+        echo=_bool(body, "echo", False),
     )
 
 
@@ -595,6 +598,7 @@ CHAT_FIELDS = (
         "add_generation_prompt",
         "continue_final_message",
         "chat_template_kwargs",
+        "echo",
         "tools",
         "tool_choice",
         "parallel_tool_calls",

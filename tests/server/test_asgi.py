@@ -575,6 +575,31 @@ async def test_chat_stream_and_logprobs(client: httpx.AsyncClient) -> None:
         assert [e["logprob"] for e in streamed] == pytest.approx([e["logprob"] for e in expected], abs=1e-4)
 
 
+async def test_chat_echo_puts_the_last_assistant_messages_content_first(client: httpx.AsyncClient) -> None:
+    """vLLM's chat ``echo``: each choice's content starts with the last message's where that
+    is the assistant's (the message continued, or one the reply follows); else nothing."""
+    messages = [{"role": "user", "content": "Name a planet."}, {"role": "assistant", "content": "The red one is"}]
+    body = {"messages": messages, "max_tokens": 3, "temperature": 0, "n": 2, "ignore_eos": True}
+    body |= {"continue_final_message": True, "add_generation_prompt": False}
+    plain = (await client.post("/v1/chat/completions", json=body)).json()
+    echoed = (await client.post("/v1/chat/completions", json={**body, "echo": True})).json()
+    for mine, theirs in zip(echoed["choices"], plain["choices"], strict=True):
+        assert mine["message"]["content"] == "The red one is" + theirs["message"]["content"]
+    assert echoed["usage"]["completion_tokens"] == plain["usage"]["completion_tokens"]
+    events = sse_events((await client.post("/v1/chat/completions", json={**body, "echo": True, "stream": True})).text)
+    for index in (0, 1):
+        deltas = [e["choices"][0]["delta"] for e in events[:-1] if e["choices"][0]["index"] == index]
+        assert deltas[1] == {"content": "The red one is"}
+        assert "".join(d.get("content") or "" for d in deltas) == echoed["choices"][index]["message"]["content"]
+    # a reply after a user's message echoes nothing (the roles differ)
+    user_last = {"messages": messages[:1], "max_tokens": 3, "temperature": 0}
+    without, with_echo = [
+        (await client.post("/v1/chat/completions", json={**user_last, "echo": echo})).json() for echo in (False, True)
+    ]
+    assert with_echo["choices"][0]["message"] == without["choices"][0]["message"]
+    assert_error(await client.post("/v1/chat/completions", json={**body, "echo": 1}), 400, "echo")
+
+
 async def test_continuous_usage_stats_give_each_chunk_its_choices_usage(client: httpx.AsyncClient) -> None:
     """vLLM's ``stream_options.continuous_usage_stats``: every chunk carries its choice's
     prompt tokens and the tokens it has generated so far; the last chunk the whole usage."""

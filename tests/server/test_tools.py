@@ -466,6 +466,7 @@ NAMED = {"type": "function", "function": {"name": "add"}}
         ({"tools": [{**_tools()[0], "cache_control": {"type": "ephemeral"}}]}, "tools[0].cache_control"),
         ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
         ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+        ({"tool_choice": "required", "echo": True}, "echo"),
         ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
         (
             {"messages": _turn(function={"name": "add", "arguments": "{oops"})},
