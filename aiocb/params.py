@@ -151,7 +151,8 @@ class SamplingParams:
     include_stop_str_in_output: bool | None = field(
         default=None,
         metadata=_doc(
-            "keep the stop string (or the text of the stop token) that ended the request at the end of `text`",
+            "keep the stop string (or the text of the stop token) that ended the request at the end of `text` "
+            "(needs a tokenizer)",
             "False",
         ),
     )
@@ -168,7 +169,9 @@ class SamplingParams:
     ignore_eos: bool | None = field(
         default=None, metadata=_doc("do not stop at EOS (`stop_token_ids` still stop)", "False")
     )
-    skip_special_tokens: bool | None = field(default=None, metadata=_doc("leave special tokens out of `text`", "True"))
+    skip_special_tokens: bool | None = field(
+        default=None, metadata=_doc("leave special tokens out of `text` (needs a tokenizer)", "True")
+    )
     return_logprobs: bool | None = field(
         default=None,
         metadata=_doc("each generated token's log-probability", "`ContinuousBatchingConfig.return_logprobs`"),
@@ -184,7 +187,7 @@ class SamplingParams:
         metadata=_doc(
             '`"raw"`: logprobs of the model\'s distribution (a log-softmax of its logits); `"processed"`: of '
             "the distribution the token was drawn from (after the logits controls, a grammar's mask, temperature "
-            "and the filters), as transformers gives them",
+            "and the filters), as transformers gives them; for a request that returns logprobs",
             '`"raw"`',
         ),
     )

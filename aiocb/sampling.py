@@ -453,6 +453,14 @@ def resolve_params(
         raise InvalidRequestError(
             "stop strings need a tokenizer: pass tokenizer=... (to aiocb.Manager or aiocb.generate_batch)", param="stop"
         )
+    if not has_tokenizer:  # (asked of ``text``, which only a tokenizer makes)
+        for name in ("skip_special_tokens", "include_stop_str_in_output"):
+            if getattr(request, name) is not None:
+                raise InvalidRequestError(
+                    f"{name} shapes text, which needs a tokenizer: pass tokenizer=... (to aiocb.Manager or "
+                    "aiocb.generate_batch)",
+                    param=name,
+                )
     structure = request.structure()
     if structure is not None and not can_constrain:
         given = next(name for name in STRUCTURE_FIELDS if getattr(request, name) is not None)
@@ -502,6 +510,14 @@ def resolve_params(
             "give one of them",
             param="top_logprobs",
         )
+    if return_logprobs is None:
+        return_logprobs = bool(top_logprobs) or default_logprobs
+    if request.logprobs_mode is not None and not return_logprobs:
+        raise InvalidRequestError(
+            f"logprobs_mode={request.logprobs_mode!r} says which log-probabilities the generated tokens carry, "
+            "which this request does not ask for (return_logprobs, top_logprobs)",
+            param="logprobs_mode",
+        )
     seed = pick("seed", None)
     return ResolvedParams(
         max_new_tokens=max_new_tokens,
@@ -516,7 +532,7 @@ def resolve_params(
         seed=default_seed if seed is None else seed,
         stop_token_ids=stops,
         min_tokens=min_tokens,
-        return_logprobs=bool(top_logprobs) or (default_logprobs if return_logprobs is None else return_logprobs),
+        return_logprobs=return_logprobs,
         top_logprobs=top_logprobs,
         prompt_logprobs=pick("prompt_logprobs", False),
         record_timestamps=pick("record_timestamps", False),
