@@ -432,10 +432,11 @@ def forward(
                 **{METADATA_KWARG: metadata},
             )
     except Exception as exc:
-        if probe is None or probe.calls or probe.unpassed or _compiling_failed(exc):
+        if probe is None or probe.calls or probe.unpassed or _compiling_failed(exc) or _out_of_memory(exc):
             raise
-        # (no layer reached aiocb's attention: the model's own failed on aiocb's inputs)
-        raise probe.outside(model, f"its first pass failed: {exc!r}") from exc
+        # (no layer reached aiocb's attention: most likely the model's own failed on
+        # aiocb's inputs, though what failed may have come before any attention)
+        raise probe.outside(model, f"its first pass failed before any layer called it: {exc!r}") from exc
     finally:
         _local.probe = None
     if probe is not None:
@@ -450,6 +451,12 @@ def _compiling_failed(exc: Exception) -> bool:
     from torch._dynamo.exc import TorchDynamoException
 
     return isinstance(exc, TorchDynamoException)
+
+
+def _out_of_memory(exc: Exception) -> bool:
+    """Whether ``exc`` says the device or the host ran out of memory (a first pass that
+    fails so says nothing of the model's attention)."""
+    return isinstance(exc, (torch.OutOfMemoryError, MemoryError))
 
 
 def _name(model: Any) -> str:

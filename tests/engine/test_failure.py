@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
 import aiocb
 from tests.conftest import arm_failure, random_prompts, tiny_qwen3
@@ -49,6 +50,19 @@ async def test_a_failing_forward_reaches_every_awaiter_and_stream() -> None:
     await manager.stop()  # no-op on a dead manager
     await manager.destroy()
     assert model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("error", [torch.OutOfMemoryError, MemoryError])
+async def test_a_first_pass_out_of_memory_is_the_cause_not_the_models_attention(error: type[Exception]) -> None:
+    """A first pass that fails before any layer reaches aiocb's attention is taken for a
+    model whose own attention failed on aiocb's inputs, unless it ran out of memory: that
+    is the cause, as it came."""
+    model = tiny_qwen3()
+    arm_failure(model, error)["fail"] = True
+    with pytest.raises(aiocb.EngineDeadError) as caught:
+        async with aiocb.Manager(model) as manager:
+            await manager.generate(PROMPTS[0], max_new_tokens=3)
+    assert type(caught.value.cause) is error
 
 
 async def test_async_with_around_a_dying_engine_exits_cleanly() -> None:
