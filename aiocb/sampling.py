@@ -403,8 +403,10 @@ def resolve_params(
             max_new_tokens = defaults.max_length - prompt_len
         else:  # as generate: 20 new tokens
             max_new_tokens = _DEFAULT_MAX_NEW_TOKENS
-        if limits.max_model_len is not None:  # (within the served context: a config's max_length may pass it)
-            max_new_tokens = max(1, min(max_new_tokens, limits.max_model_len - prompt_len))
+    if request.max_new_tokens is None and limits.max_model_len is not None:
+        # (a default, the GenerationConfig's or generate's, within the served context, as
+        # vLLM's is: a config's length may pass a max_model_len the manager was given)
+        max_new_tokens = max(1, min(max_new_tokens, limits.max_model_len - prompt_len))
     min_tokens = request.min_tokens
     if min_tokens is None:
         min_tokens = config_min_tokens(config.min_tokens, defaults.min_length, prompt_len)

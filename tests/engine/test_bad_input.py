@@ -180,6 +180,13 @@ async def test_max_model_len_bounds_every_request_below_the_model_s_context(qwen
     async with aiocb.Manager(qwen3, longer, continuous_batching_config=config) as manager:
         output = await manager.generate(prompt)
         assert output.generated_tokens == reference_generate(qwen3, prompt, 8)
+    # ... and so does its max_new_tokens (a request's own is refused past it, as above)
+    more = GenerationConfig(max_new_tokens=100, eos_token_id=None)
+    async with aiocb.Manager(qwen3, more, continuous_batching_config=config) as manager:
+        output = await manager.generate(prompt)
+        assert output.generated_tokens == reference_generate(qwen3, prompt, 8)
+        with pytest.raises(aiocb.InvalidRequestError, match="is 140 tokens, beyond the model's context length"):
+            await manager.add_request(prompt, max_new_tokens=100)
     with pytest.raises(aiocb.InvalidConfigError, match=r"max_model_len=99999 is more than the model's context length"):
         aiocb.Manager(qwen3, continuous_batching_config=aiocb.ContinuousBatchingConfig(max_model_len=99999))
     with pytest.raises(aiocb.InvalidConfigError, match="max_model_len"):
