@@ -781,6 +781,14 @@ _ROLE_FIELDS = {
 #: The fields some role takes, and those of them whose value must be text when given.
 _ROLE_SPECIFIC = frozenset(name for names in _ROLE_FIELDS.values() for name in names)
 _TEXT_FIELDS = ("name", "tool_call_id", "reasoning_content")
+#: The fields OpenAI's API requires of a message of each of its roles (an assistant's
+#: content may be left out: its tool calls, or the message a reply continues, say enough).
+_REQUIRED_FIELDS = {
+    "system": ("content",),
+    "developer": ("content",),
+    "user": ("content",),
+    "tool": ("content", "tool_call_id"),
+}
 #: Fields of assistant messages that OpenAI's responses carry, accepted while empty (a client
 #: sends a response's message back as it came).
 _UNSET_OK = frozenset({"refusal", "function_call", "audio", "annotations"})
@@ -805,6 +813,9 @@ def _message(message: Any, where: str) -> dict[str, Any]:
     refuse_unknown_keys(given, _ROLE_FIELDS.get(role, _MESSAGE_FIELDS), where, f"a message of role {role!r}")
     for key in _TEXT_FIELDS:
         _opt_str(message, key, path=f"{where}.{key}")
+    for key in _REQUIRED_FIELDS.get(role, ()):
+        if message.get(key) is None:
+            raise bad_request(f"{where}.{key} is required in a message of role {role!r}", f"{where}.{key}")
     return {**message, "content": _content(message.get("content"), f"{where}.content")}
 
 

@@ -324,6 +324,12 @@ def test_known_nested_fields_are_accepted() -> None:
         ({"role": "tool", "content": "x", "tool_call_id": 5}, "messages[0].tool_call_id"),
         ({"role": "assistant", "content": "x", "reasoning_content": {"x": 1}}, "messages[0].reasoning_content"),
         ({"role": "assistant", "content": "x", "refusal": "I cannot"}, "messages[0].refusal"),
+        # (as OpenAI's API: these roles' content, and a tool result's call id, are required)
+        ({"role": "user"}, "messages[0].content"),
+        ({"role": "system", "content": None}, "messages[0].content"),
+        ({"role": "developer", "name": "x"}, "messages[0].content"),
+        ({"role": "tool", "tool_call_id": "c1"}, "messages[0].content"),
+        ({"role": "tool", "content": "20 C"}, "messages[0].tool_call_id"),
     ],
 )
 def test_message_fields_are_checked_by_role_and_named_by_their_path(message: dict[str, Any], param: str) -> None:
