@@ -226,6 +226,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     for flag, kwargs in config_flags():
         if flag == "--return-logprobs":  # (refused where the arguments are checked)
             kwargs = {**kwargs, "help": "refused: a server's requests always say (their logprobs field)"}
+        elif flag in ("--max-queue-size", "--max-queued-tokens"):  # (a server's requests never wait for room)
+            what = "requests" if flag == "--max-queue-size" else "prompt tokens"
+            kwargs = {
+                **kwargs,
+                "help": f"waiting {what} the engine takes at most; beyond them a request gets 429 with "
+                "Retry-After (default: 0, no bound)",
+            }
         group.add_argument(flag, **kwargs)
 
 

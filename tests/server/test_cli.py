@@ -59,6 +59,10 @@ def test_every_config_field_has_a_flag() -> None:
     entry = dict(config_flags())
     assert entry["--kv-padding-interval-size"]["help"] == entry["--q-padding-interval-size"]["help"]
     assert "(default" not in entry["--use-cuda-graph"]["help"].partition("(default")[2][1:]
+    # (a served request never waits in add_request: a full queue is a 429)
+    served = {action.option_strings[0]: action.help for action in parser._actions if action.option_strings}
+    assert "429 with Retry-After" in (served["--max-queue-size"] or "")
+    assert "429 with Retry-After" in (served["--max-queued-tokens"] or "")
 
 
 def test_unset_flags_keep_the_defaults() -> None:
