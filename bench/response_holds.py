@@ -20,7 +20,11 @@ and the full collections made meanwhile. The model is the bundled one, on a 4,09
   context), answered 400;
 * ``tools``: one chat completion offering 256 tools (8 string arguments each) under
   ``tool_choice`` ``required``, its rendered prompt cut to its last 256 tokens, 16 tokens:
-  the tools' structural tag (every schema) checked and written as JSON, and compiled.
+  the tools' structural tag (every schema) checked and written as JSON, and compiled;
+* ``stream`` and ``stream_usage``: one streamed chat completion, ``n`` 64, 256 tokens each
+  (some 16,000 chunks), with ``stream_options`` ``include_usage``, and for the second
+  ``continuous_usage_stats`` too (each chunk carries its choice's usage): the loop
+  thread's CPU time of the two tells what the usage in every chunk costs.
 
 A request's body is written as JSON before the heartbeat starts.
 
@@ -50,7 +54,7 @@ from aiocb.default_model import load_default_model
 from aiocb.server import build_app
 from bench.common import machine_info
 
-SCENARIOS = ("chat", "echo", "prompt", "ids", "tools")
+SCENARIOS = ("chat", "echo", "prompt", "ids", "tools", "stream", "stream_usage")
 MODEL_NAME = "bundled"
 
 
@@ -89,8 +93,20 @@ def _bodies(vocab_size: int) -> dict[str, tuple[str, dict[str, Any]]]:
         "truncate_prompt_tokens": 256,
         "max_tokens": 16,
     }
+    streamed = {
+        "messages": [{"role": "user", "content": "Write a function."}],
+        "n": 64,
+        "max_tokens": 256,
+        "ignore_eos": True,
+        "temperature": 1.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    usage = {**streamed, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     return {
         "chat": ("/v1/chat/completions", chat),
+        "stream": ("/v1/chat/completions", streamed),
+        "stream_usage": ("/v1/chat/completions", usage),
         "echo": ("/v1/completions", echo),
         "prompt": ("/v1/completions", long),
         "ids": ("/v1/completions", {"prompt": [7] * 2_500_000, "max_tokens": 1}),
@@ -166,15 +182,16 @@ async def run(scenarios: list[str], repeat: int) -> None:
                 done = asyncio.Event()
                 heart = asyncio.create_task(_beat(lags, done))
                 full_before = gc.get_stats()[2]["collections"]
-                began = time.perf_counter()
+                began, cpu = time.perf_counter(), time.thread_time()
                 status, size = await _post(app, path, payload)
-                took = time.perf_counter() - began
+                took, cpu = time.perf_counter() - began, time.thread_time() - cpu
                 await asyncio.sleep(0.02)
                 done.set()
                 await heart
                 longest = ", ".join(f"{lag * 1e3:.0f}" for lag in sorted(lags)[-5:])
                 print(
-                    f"{name}: {status}, {size / 1e6:.0f} MB in {took:.1f} s; longest loop lags {longest} ms; "
+                    f"{name}: {status}, {size / 1e6:.0f} MB in {took:.1f} s (loop thread CPU {cpu:.2f} s); "
+                    f"longest loop lags {longest} ms; "
                     f"{gc.get_stats()[2]['collections'] - full_before} full collections",
                     flush=True,
                 )

@@ -142,10 +142,12 @@ def serve_with_replicas(args: argparse.Namespace, config: ContinuousBatchingConf
         stop.wait()
         logger.info("shutting down: the replicas drain, then the app is deleted")
     finally:
+        if deployed:
+            # The app first: its replicas drain while Ray Serve's proxy still carries their
+            # responses (serve.shutdown() alone kills the proxy at once, cutting them off).
+            serve.delete(APP_NAME)
         if local:
             serve.shutdown()
-        elif deployed:
-            serve.delete(APP_NAME)
         ray.shutdown()
     return 0
 

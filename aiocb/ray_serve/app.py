@@ -41,6 +41,9 @@ PROBE_ROOM = 16
 INGRESS_MAX_ONGOING_REQUESTS = 8192
 #: Seconds a replica's destructor gets once Ray Serve's drain ended (the engine stopped).
 _DESTRUCTOR_S = 2.0
+#: Seconds the ingress's drain outlasts the engine replicas' (it carries their responses,
+#: and a stream the engine's end cut off to its error event and ``[DONE]``).
+_INGRESS_DRAIN_MARGIN_S = 5.0
 
 Routing = Literal["prefix_affinity", "power_of_two"]
 
@@ -153,6 +156,7 @@ def build_app(
         name="AiocbIngress",
         num_replicas=num_ingress_replicas,
         max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS,
+        graceful_shutdown_timeout_s=shutdown_s + _INGRESS_DRAIN_MARGIN_S,
         ray_actor_options={"num_cpus": 0},
     )(Ingress)
     application: Application = ingress.bind(engine, options.limits, BLOCK_CHARS, options.api_key)

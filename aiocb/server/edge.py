@@ -3,9 +3,12 @@
 :class:`EdgeMiddleware` is pure ASGI (streams pass through untouched). For every HTTP
 request it
 
-- gives the request an id, the client's ``X-Request-Id`` when it is a sane one, else a
-  fresh one, and puts it on the response's ``X-Request-Id`` header;
-- refuses, before the app runs, a body whose ``Content-Length`` is over the limit (413,
+- gives the request an id, the client's ``X-Request-Id``, else a fresh one, and puts it on
+  the response's ``X-Request-Id`` header;
+- refuses, before the app runs, an API request whose ``X-Request-Id`` is not 1 to 128
+  visible ASCII characters (400: replaced, it would name the response other than the
+  client named it; behind Ray Serve's proxy, which puts the client's on the response,
+  the two would differ), a body whose ``Content-Length`` is over the limit (413,
   with the body unread), a request on a server past ``--max-connections`` (503, which the
   connection's protocol marks in the scope: :data:`CROWDED_KEY`) and an API request
   beyond ``max_concurrent_requests`` (429 with ``Retry-After``); probes (``/health``,
@@ -32,7 +35,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from aiocb.server.limits import ServerLimits
 from aiocb.server.metrics import CLIENT_GONE, ServerMetrics
-from aiocb.server.protocol import APIError, sane_request_id
+from aiocb.server.protocol import APIError, bad_request, sane_request_id
 
 access_logger = logging.getLogger("aiocb.access")
 
@@ -187,6 +190,15 @@ class EdgeMiddleware:
         too_large = self.limits.declared_too_large(headers.get("content-length"))
         if too_large is not None:
             return too_large
+        # (the client's id, moved by a Ray Serve ingress where one forwarded the request:
+        # the ids Ray's proxy makes are sane, so one that is not is the client's)
+        given = headers.get("x-request-id") or headers.get(PROXIED_REQUEST_ID_HEADER)
+        if given and not sane_request_id(given):
+            return bad_request(
+                "X-Request-Id must be 1 to 128 visible ASCII characters (it names the request and its "
+                "response); send another, or none",
+                "X-Request-Id",
+            )
         connections = scope.get(CROWDED_KEY)
         if connections is not None:
             return APIError(
@@ -208,6 +220,8 @@ class EdgeMiddleware:
         return None
 
     def _headers(self, error: APIError) -> dict[str, str]:
+        if error.status == 400:
+            return {}
         if error.status == 413:
             return {"Connection": "close"}  # the body was not read: the connection cannot go on
         if error.code == "too_many_connections":  # (this one among them)

@@ -8,8 +8,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -187,8 +189,31 @@ def test_two_replicas_from_the_command_line(tmp_path: Path) -> None:
             if len(replicas_rendered) == 2:
                 break
         assert len(replicas_rendered) == 2, "both replicas rendered with the template"
+        # SIGTERM drains: running requests go on (for up to --shutdown-timeout) through
+        # Ray Serve's proxy, which stays until the app is deleted.
+        outcomes: dict[str, Any] = {}
+
+        def short() -> None:
+            request = {**body, "max_tokens": 40, "ignore_eos": True}
+            outcomes["short"] = httpx.post(f"{url}/v1/completions", json=request, timeout=60).status_code
+
+        def streamed() -> None:
+            request = {**body, "max_tokens": 900, "ignore_eos": True, "n": 2, "stream": True}
+            with httpx.stream("POST", f"{url}/v1/completions", json=request, timeout=60) as response:
+                outcomes["stream"] = [line for line in response.iter_lines() if line]
+
+        clients = [threading.Thread(target=short), threading.Thread(target=streamed)]
+        for client in clients:
+            client.start()
+        time.sleep(0.5)
+        process.send_signal(signal.SIGTERM)
+        for client in clients:
+            client.join(timeout=60)
+        assert outcomes.get("short") == 200, outcomes
+        assert outcomes["stream"][-1] == "data: [DONE]", outcomes["stream"][-3:]
     finally:
-        process.send_signal(signal.SIGINT)
+        if process.poll() is None:
+            process.send_signal(signal.SIGINT)
         try:
             process.wait(timeout=90)
         except subprocess.TimeoutExpired:

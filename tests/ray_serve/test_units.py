@@ -250,20 +250,28 @@ async def test_a_body_s_request_id_names_the_request_though_the_proxy_gave_it_an
 
     ingress = Ingress(Handle(), ServerLimits(), BLOCK_CHARS)  # type: ignore[arg-type]
     completion = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 2, "temperature": 0}
-    for body in ({**completion, "request_id": "mine-42"}, completion):
+    # (the last: a client's id the proxy passed on, which cannot name the response as the
+    # proxy's header will: refused, as one process refuses it)
+    for body, given in [
+        ({**completion, "request_id": "mine-42"}, b"proxy-7"),
+        (completion, b"proxy-7"),
+        (completion, b"my id"),
+    ]:
         raw = json.dumps(body).encode()
 
         async def receive(raw: bytes = raw) -> dict[str, Any]:
             return {"type": "http.request", "body": raw, "more_body": False}
 
-        headers = [(b"content-length", str(len(raw)).encode()), (b"x-request-id", b"proxy-7")]
+        headers = [(b"content-length", str(len(raw)).encode()), (b"x-request-id", given)]
         scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": headers}
         await ingress(Request(scope, receive))
     async with aiocb.Manager(model, continuous_batching_config=serve_config()) as manager:
         app = build_server(manager, tokenizer, MODEL_NAME)
         named = [await _collect(run_asgi(app, forwarded)) for forwarded in sent]
-    assert [json.loads(body)["id"] for _, body in named] == ["cmpl-mine-42", "cmpl-proxy-7"]
-    assert [dict(start.headers)[b"x-request-id"] for start, _ in named] == [b"mine-42", b"proxy-7"]
+    assert [json.loads(body)["id"] for _, body in named[:2]] == ["cmpl-mine-42", "cmpl-proxy-7"]
+    assert [dict(start.headers)[b"x-request-id"] for start, _ in named[:2]] == [b"mine-42", b"proxy-7"]
+    start, refused = named[2]
+    assert start.status == 400 and json.loads(refused)["error"]["param"] == "X-Request-Id"
 
 
 @pytest.mark.parametrize("stream", [True, False])

@@ -560,8 +560,15 @@ async def test_every_response_carries_a_request_id(
             await client.get("/nowhere"),
             await client.get("/health"),
             await limited.post(COMPLETIONS, json=body(prompt="x" * 5000)),  # 413
-            await client.post(COMPLETIONS, json=body(), headers={"X-Request-Id": "bad id" + "x" * 200}),
+            await client.get("/health", headers={"X-Request-Id": "bad id"}),  # (a probe is never refused)
+            await client.post(COMPLETIONS, json=body(), headers={"X-Request-Id": ""}),  # (none given)
         ]
+        # An id that cannot name the response as the client named it is refused, not replaced
+        # (behind Ray Serve's proxy, which puts the client's on the response, the two differed).
+        for bad in (b"bad id", b"x" * 129, b"caf\xe9"):
+            refused = await client.post(COMPLETIONS, json=body(), headers={"X-Request-Id": bad})
+            assert refused.status_code == 400 and "retry-after" not in refused.headers, refused.text
+            assert refused.json()["error"]["param"] == "X-Request-Id"
         async with client.stream("POST", COMPLETIONS, json=body(stream=True)) as stream:
             events = sse_events((await stream.aread()).decode())
     ids = [r.headers["x-request-id"] for r in [*fresh, stream]]
@@ -570,6 +577,7 @@ async def test_every_response_carries_a_request_id(
     # The response's id is made from the request's, as vLLM's is: the client's X-Request-Id,
     # else the body's request_id (which then names the request in the header and the log).
     assert mine.json()["id"] == "cmpl-trace-42" and fresh[0].json()["id"] == f"cmpl-{ids[0]}"
+    assert fresh[-1].json()["id"] == f"cmpl-{ids[len(fresh) - 1]}"
     assert {event["id"] for event in events[:-1]} == {f"cmpl-{ids[-1]}"}
     both = await client.post(COMPLETIONS, json=body(request_id="job-7"), headers={"X-Request-Id": "trace-43"})
     assert both.json()["id"] == "cmpl-trace-43" and both.headers["x-request-id"] == "trace-43"
