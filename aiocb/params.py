@@ -834,6 +834,14 @@ def _check_choice(params: SamplingParams, name: str) -> None:
             "good time",
             param=name,
         )
+    if not "".join(choices).isascii():  # (a lone surrogate is no text: no output could be it)
+        for index, text in enumerate(choices):
+            try:
+                text.encode()
+            except UnicodeEncodeError as error:
+                raise InvalidRequestError(
+                    f"choice[{index}] holds {text[error.start]!r}, a lone surrogate, which no text holds", param=name
+                ) from None
     _set(params, name, choices)
 
 

@@ -31,6 +31,7 @@ from transformers import PreTrainedTokenizerBase
 
 from aiocb.errors import InvalidRequestError
 from aiocb.params import MAX_LITERAL_CHARACTERS
+from aiocb.python_regex import UnsupportedPattern, xgrammar_regex
 
 
 def _xgrammar() -> Any:
@@ -100,11 +101,13 @@ class GrammarCompiler:
                 # No free whitespace: a weak model could otherwise pad its JSON without end.
                 compiled = self._compiler.compile_grammar(json_schema_grammar(text, any_whitespace=False))
             elif kind == "regex":
-                compiled = self._compiler.compile_regex(python_regex(text))
+                compiled = self._compiler.compile_regex(xgrammar_regex(text))
             elif kind == "structural_tag":
                 compiled = self._compiler.compile_structural_tag(_mended_json_elements(text))
             else:
-                compiled = self._compiler.compile_grammar(text)
+                compiled = self._compiler.compile_grammar(_mended_grammar(text))
+        except UnsupportedPattern as error:
+            raise InvalidRequestError(f"{kind} cannot be compiled: {error}", param=kind) from None
         except Exception as error:  # (xgrammar raises RuntimeError and others on bad input)
             raise InvalidRequestError(f"{kind} cannot be compiled: {_xgrammar_text(error)}", param=kind) from None
         with self._lock:
@@ -195,7 +198,25 @@ def _problem_of(schema: Any) -> str | None:
     ignored = _left_out(schema) or _unenforced_keyword(schema)
     if ignored is not None:
         return f"{ignored}, which constrained decoding cannot enforce; leave it out (and check the output yourself)"
-    return _slow_pattern(schema)
+    return _slow_pattern(schema) or _pattern_problem(schema)
+
+
+def _pattern_problem(schema: Any) -> str | None:
+    """``the pattern at PATH: why`` for the first ``pattern`` (or ``patternProperties``
+    name) of ``schema`` (parsed) that :func:`~aiocb.python_regex.xgrammar_regex` refuses;
+    None if none."""
+    for path, node in _schemas(schema):
+        pattern = node.get("pattern")
+        names = node.get("patternProperties")
+        found = [("pattern", pattern)] if isinstance(pattern, str) else []
+        found += [("patternProperties", name) for name in names] if isinstance(names, dict) else []
+        for key, text in found:
+            try:
+                xgrammar_regex(text)
+            except UnsupportedPattern as error:
+                where = "/".join(str(step) for step in (*path, key))
+                return f"the {key} {text!r} at /{where}: {error}"
+    return None
 
 
 def _literal_characters(schema: Any) -> int:
@@ -389,6 +410,8 @@ def _left_out(schema: Any) -> str | None:
             undefined = [name for name in required if not isinstance(properties, dict) or name not in properties]
             if undefined:
                 return f"'required' {where} (its {undefined[0]!r}, which 'properties' does not define)"
+        if "pattern" in node and "format" in node:
+            return f"'pattern' {where} (beside a 'format', which the grammar follows alone)"
         bounded = [key for key in ("minLength", "maxLength") if key in node]
         if bounded and ("pattern" in node or "format" in node):
             return f"{bounded[0]!r} {where} (beside a 'pattern' or 'format')"
@@ -488,48 +511,6 @@ def _says_nothing(key: str, node: dict[str, Any]) -> bool:
     if key in ("minContains", "maxContains"):
         return "contains" not in node  # (``contains`` itself is refused)
     return False
-
-
-#: Characters ``re.escape`` escapes that are no escape to xgrammar, and how they are
-#: written for it: it matches each as itself, as Python's ``re`` does, but writes a warning
-#: to the process's stderr for every pattern compiled (a client's escaped literal text
-#: filled the server's log); line breaks and other control characters as xgrammar's own
-#: escapes (a bare line break in a class is an error to it).
-_LITERAL_ESCAPES = {
-    **{char: char for char in " #&~"},
-    **{"\t": "\\t", "\n": "\\n", "\r": "\\r", "\x0b": "\\v", "\x0c": "\\f"},
-}
-
-
-def python_regex(pattern: str) -> str:
-    """``pattern`` as xgrammar reads it the way Python's ``re`` (which clients check outputs
-    with) does: each ``.`` that stands for a character (not escaped, outside a class)
-    written ``[^\\n]`` (in ``re`` it matches any character but a line break; in xgrammar's
-    regexes, any character), and an escaped literal of :data:`_LITERAL_ESCAPES` written
-    as xgrammar reads it."""
-    out: list[str] = []
-    i, size = 0, len(pattern)
-    in_class = False
-    while i < size:
-        char = pattern[i]
-        if char == "\\":
-            out.append(_LITERAL_ESCAPES.get(pattern[i + 1 : i + 2], pattern[i : i + 2]))
-            i += 2
-            continue
-        if in_class:
-            in_class = char != "]"
-        elif char == "[":  # (a ']' first in a class, after an optional '^', is its own)
-            in_class = True
-            first = i + 1 + pattern.startswith("^", i + 1)
-            first += pattern.startswith("]", first)
-            out.append(pattern[i:first])
-            i = first
-            continue
-        elif char == ".":
-            char = "[^\\n]"
-        out.append(char)
-        i += 1
-    return "".join(out)
 
 
 def _types(node: dict[str, Any]) -> frozenset[str] | None:
@@ -806,9 +787,15 @@ def answer_format(structure: tuple[str, str]) -> dict[str, Any]:
     if problem is not None:
         raise InvalidRequestError(f"{kind}: {problem}", param=kind)
     if kind == "regex":
-        return {"type": "regex", "pattern": text}
+        try:
+            return {"type": "regex", "pattern": xgrammar_regex(text)}
+        except UnsupportedPattern as error:
+            raise InvalidRequestError(f"{kind} cannot be compiled: {error}", param=kind) from None
     if kind == "grammar":
-        return {"type": "grammar", "grammar": text}
+        try:
+            return {"type": "grammar", "grammar": _mended_grammar(text)}
+        except Exception as error:  # (xgrammar raises RuntimeError and others on bad input)
+            raise InvalidRequestError(f"{kind} cannot be compiled: {_xgrammar_text(error)}", param=kind) from None
     if kind == "structural_tag":
         format_: dict[str, Any] = json.loads(current_structural_tag(text))["format"]
         return format_
@@ -828,12 +815,43 @@ def _xgrammar_text(error: Exception) -> str:
     return _SOURCE_POSITION.sub("", str(error).strip(), count=1) or type(error).__name__
 
 
-#: The rule xgrammar (0.2.8 and 0.2.9) writes for the characters of a JSON string with a
-#: length bound (``minLength``, ``maxLength``): ``[^"\\\r\n]``, which takes raw control
-#: characters, which no JSON text holds (``json.loads`` refuses them), where its strings
-#: without a bound take none; :data:`_MENDED_CHARACTERS` is the rule mended.
-_BOUNDED_CHARACTERS = re.compile(r'^(\w+_characters ::= \(\(\[\^)\\"\\\\\\r\\n(\]\)\))$', re.MULTILINE)
-_MENDED_CHARACTERS = r'\1\\0-\\x1f\\"\\\\\2'
+#: A string literal or a character class of the EBNF text xgrammar prints (read whole, so
+#: that neither is mistaken for the other).
+_EBNF_ATOMS = re.compile(r'"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\]')
+#: The class xgrammar (0.2.8 and 0.2.9) writes for the characters of a JSON string with a
+#: length bound (``minLength``, ``maxLength``), which takes raw control characters, which no
+#: JSON text holds (``json.loads`` refuses them), where its strings without a bound take none.
+_BOUNDED_CHARACTERS = r"[^\"\\\r\n]"
+_JSON_CHARACTERS = r"[^\0-\x1f\"\\\r\n]"
+#: What a negated class leaves out besides its own: the UTF-8 bytes of UTF-16 surrogates,
+#: which xgrammar's negated classes take (``ED A0 80``...) and no text holds (they decode
+#: to U+FFFD, a JSON string's length past its bound, a regex's class not matched).
+_SURROGATES = r"\ud800-\udfff"
+
+
+def _mended_classes(ebnf: str) -> str:
+    """``ebnf`` (xgrammar's printed form) with each negated class leaving out surrogates,
+    and a length-bounded JSON string's characters those of any JSON string."""
+
+    def mend(atom: re.Match[str]) -> str:
+        text = atom[0]
+        if not text.startswith("[^"):
+            return text
+        if text == _BOUNDED_CHARACTERS:
+            text = _JSON_CHARACTERS
+        return text[:-1] + _SURROGATES + "]"
+
+    return _EBNF_ATOMS.sub(mend, ebnf)
+
+
+def _mended_grammar(text: str) -> Any:
+    """A client's EBNF grammar, its negated classes leaving out surrogates (see
+    :func:`_mended_classes`): the text, or the mended grammar's printed form."""
+    printed = str(_xgrammar().Grammar.from_ebnf(text))
+    mended = _mended_classes(printed)
+    return text if mended == printed else mended
+
+
 #: The keys of a structural tag's ``json_schema`` format that :func:`json_schema_grammar`
 #: takes (one with other keys, or another ``style``, is left to xgrammar as it is)
 _GRAMMAR_OPTIONS = frozenset({"type", "json_schema", "style", "max_whitespace_cnt", "any_order"})
@@ -843,11 +861,56 @@ def json_schema_grammar(schema: Any, **options: Any) -> Any:
     """xgrammar's grammar of a JSON schema (``schema``: its text, or parsed; ``options``:
     ``Grammar.from_json_schema``'s), its length-bounded strings' characters mended (see
     :data:`_BOUNDED_CHARACTERS`): the grammar, or the mended grammar's EBNF text."""
-    text = schema if isinstance(schema, str) else json.dumps(schema)
+    text = json.dumps(_python_patterns(json.loads(schema) if isinstance(schema, str) else schema))
     grammar = _xgrammar().Grammar.from_json_schema(text, **options)
     ebnf = str(grammar)
-    mended = _BOUNDED_CHARACTERS.sub(_MENDED_CHARACTERS, ebnf)
+    mended = _mended_classes(ebnf)
     return grammar if mended == ebnf else mended
+
+
+#: A calendar date (``YYYY-MM-DD``) as ``datetime.date.fromisoformat`` takes it, which is
+#: how ``jsonschema`` checks the ``date`` format: each month's days, February's 29th in leap
+#: years alone, no year 0 (xgrammar's grammar for the format takes any day up to 31).
+_DATE = (
+    "(?:(?:[0-9]{3}[1-9]|[0-9]{2}[1-9][0-9]|[0-9][1-9][0-9]{2}|[1-9][0-9]{3})-"
+    "(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
+    "|02-(?:0[1-9]|1[0-9]|2[0-8]))"
+    "|(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)-02-29)"
+)
+#: The formats whose values xgrammar's grammar holds loosely, as patterns that hold them
+#: exactly (a ``date-time``'s time as xgrammar writes it, less the leap second, which
+#: ``rfc3339-validator``, the checker ``jsonschema`` uses, refuses).
+_EXACT_FORMATS = {
+    "date": _DATE,
+    "date-time": _DATE
+    + "T(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\\.[0-9]+)?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])",
+}
+
+
+def _python_patterns(schema: Any) -> Any:
+    """``schema`` (parsed) with each ``pattern`` (and ``patternProperties`` name) written
+    as xgrammar reads what Python's ``re`` does (:func:`~aiocb.python_regex.xgrammar_regex`;
+    :func:`_pattern_problem` refused those it cannot write)."""
+    if isinstance(schema, list):
+        return [_python_patterns(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    exact = _EXACT_FORMATS.get(schema["format"]) if isinstance(schema.get("format"), str) else None
+    if exact is not None and "pattern" not in schema:
+        schema = {**{key: value for key, value in schema.items() if key != "format"}, "pattern": exact}
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _DATA:
+            out[key] = value
+        elif key == "pattern" and isinstance(value, str):
+            out[key] = xgrammar_regex(value)
+        elif key == "patternProperties" and isinstance(value, dict):
+            out[key] = {xgrammar_regex(name): _python_patterns(item) for name, item in value.items()}
+        elif key in _NAME_MAPS and isinstance(value, dict):
+            out[key] = {name: _python_patterns(item) for name, item in value.items()}
+        else:
+            out[key] = _python_patterns(value)
+    return out
 
 
 def _mended_json_elements(text: str) -> str:

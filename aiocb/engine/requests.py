@@ -273,7 +273,7 @@ class RequestFactory:
             if self._compilers[lane] is None:
                 self._compilers[lane] = ThreadPoolExecutor(1, thread_name_prefix=f"aiocb-grammar-{lane}")
             loop = asyncio.get_running_loop()
-            await loop.run_in_executor(self._compilers[lane], grammars.compile, structure)
+            await loop.run_in_executor(self._compilers[lane], pausing_call, grammars.compile, structure)
 
     def _grammars(self, vocab_size: int) -> GrammarCompiler:
         """The compiler of constraints for the model's vocabulary (built on first use, on a

@@ -13,6 +13,7 @@ from functools import partial
 from typing import Any, TypeVar
 
 from aiocb.errors import InvalidRequestError
+from aiocb.gil import pausing_call
 from aiocb.prompts import bad_words_ids
 from aiocb.runner.model_spec import served_context
 from aiocb.sampling import config_min_tokens, eos_ids
@@ -156,7 +157,7 @@ class ServerContext:
         that other work of the process shares."""
         if self._builder is None:
             self._builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aiocb-constraints")
-        return await asyncio.get_running_loop().run_in_executor(self._builder, work)
+        return await asyncio.get_running_loop().run_in_executor(self._builder, pausing_call, work)
 
     def close(self) -> None:
         """Let the tokenizer and constraint threads and the tokenizer process go (at shutdown)."""
