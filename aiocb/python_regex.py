@@ -46,11 +46,11 @@ def xgrammar_regex(pattern: str) -> str:
     language under ``re.fullmatch``; :class:`UnsupportedPattern` saying why not."""
     try:
         parsed = sre_parse.parse(pattern)
+        return _Writer(_flags(parsed.state.flags)).sequence(list(parsed), start=True, end=True)
     except re.error as error:
         raise UnsupportedPattern(f"not a regular expression: {error}") from None
     except RecursionError:
         raise UnsupportedPattern("nested too deeply") from None
-    return _Writer(_flags(parsed.state.flags)).sequence(list(parsed), start=True, end=True)
 
 
 def _flags(flags: int) -> int:

@@ -85,6 +85,7 @@ def test_no_class_takes_the_bytes_of_a_surrogate(pattern: str) -> None:
         ("(?>a)", "atomic group"),
         (r"[^\s\S]", "matches no character"),
         ("(", "not a regular expression: missing \\)"),
+        ("(" * 3000 + "a" + ")" * 3000, "nested too deeply"),
     ],
 )
 def test_what_no_grammar_holds_is_refused_naming_it(pattern: str, why: str) -> None:
