@@ -859,8 +859,9 @@ _GRAMMAR_OPTIONS = frozenset({"type", "json_schema", "style", "max_whitespace_cn
 
 def json_schema_grammar(schema: Any, **options: Any) -> Any:
     """xgrammar's grammar of a JSON schema (``schema``: its text, or parsed; ``options``:
-    ``Grammar.from_json_schema``'s), its length-bounded strings' characters mended (see
-    :data:`_BOUNDED_CHARACTERS`): the grammar, or the mended grammar's EBNF text."""
+    ``Grammar.from_json_schema``'s), its patterns read as Python's (:func:`_python_patterns`)
+    and its strings' characters mended (:func:`_mended_classes`): the grammar, or the
+    mended grammar's EBNF text."""
     text = json.dumps(_python_patterns(json.loads(schema) if isinstance(schema, str) else schema))
     grammar = _xgrammar().Grammar.from_json_schema(text, **options)
     ebnf = str(grammar)
@@ -914,8 +915,8 @@ def _python_patterns(schema: Any) -> Any:
 
 
 def _mended_json_elements(text: str) -> str:
-    """A structural tag (its text) whose ``json_schema`` formats with length-bounded strings
-    are ``grammar`` ones, their characters mended (see :data:`_BOUNDED_CHARACTERS`)."""
+    """A structural tag (its text) whose ``json_schema`` formats are ``grammar`` ones where
+    :func:`json_schema_grammar` mends their grammar."""
 
     def mend(node: Any) -> Any:
         if isinstance(node, list):
