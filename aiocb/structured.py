@@ -389,6 +389,8 @@ def _left_out(schema: Any) -> str | None:
         beside = sorted(set(node) - _BESIDE_A_REF) if ref is not None else []
         if beside:
             return f"{beside[0]!r} {where} (beside a '$ref', which the grammar follows alone)"
+        if node.get("type") == []:
+            return f"'type' {where} (an empty list, which no value is of)"
         types = _types(node)
         listed = [key for key in ("enum", "const") if key in node]
         if listed:

@@ -467,6 +467,8 @@ async def test_a_long_constraint_compiles_in_a_lane_of_its_own(
         ("oneOf", {"oneOf": [{"type": "integer", "maximum": 50}, {"type": "integer", "minimum": 10}]}),
         ("required", {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "zz"]}),
         ("maxLength", {"type": "string", "pattern": "[a-z]+", "maxLength": 3}),
+        # (no value is of no type: xgrammar's grammar took some all the same)
+        ("type", {"type": "object", "properties": {"a": {"type": []}}}),
     ],
 )
 async def test_a_schema_keyword_the_grammar_cannot_enforce_is_refused_by_name(
