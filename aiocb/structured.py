@@ -795,7 +795,7 @@ def answer_format(structure: tuple[str, str]) -> dict[str, Any]:
             raise InvalidRequestError(f"{kind} cannot be compiled: {error}", param=kind) from None
     if kind == "grammar":
         try:
-            return {"type": "grammar", "grammar": _mended_grammar(text)}
+            return {"type": "grammar", "grammar": str(_mended_grammar(text))}
         except Exception as error:  # (xgrammar raises RuntimeError and others on bad input)
             raise InvalidRequestError(f"{kind} cannot be compiled: {_xgrammar_text(error)}", param=kind) from None
     if kind == "structural_tag":
@@ -848,10 +848,11 @@ def _mended_classes(ebnf: str) -> str:
 
 def _mended_grammar(text: str) -> Any:
     """A client's EBNF grammar, its negated classes leaving out surrogates (see
-    :func:`_mended_classes`): the text, or the mended grammar's printed form."""
-    printed = str(_xgrammar().Grammar.from_ebnf(text))
+    :func:`_mended_classes`): the grammar, or the mended grammar's printed form."""
+    grammar = _xgrammar().Grammar.from_ebnf(text)
+    printed = str(grammar)
     mended = _mended_classes(printed)
-    return text if mended == printed else mended
+    return grammar if mended == printed else mended
 
 
 #: The keys of a structural tag's ``json_schema`` format that :func:`json_schema_grammar`
@@ -864,7 +865,8 @@ def json_schema_grammar(schema: Any, **options: Any) -> Any:
     ``Grammar.from_json_schema``'s), its patterns read as Python's (:func:`_python_patterns`)
     and its strings' characters mended (:func:`_mended_classes`): the grammar, or the
     mended grammar's EBNF text."""
-    text = json.dumps(_python_patterns(json.loads(schema) if isinstance(schema, str) else schema))
+    parsed = json.loads(schema) if isinstance(schema, str) else copy.deepcopy(schema)
+    text = json.dumps(_python_patterns(parsed))
     grammar = _xgrammar().Grammar.from_json_schema(text, **options)
     ebnf = str(grammar)
     mended = _mended_classes(ebnf)
@@ -891,29 +893,21 @@ _EXACT_FORMATS = {
 
 
 def _python_patterns(schema: Any) -> Any:
-    """``schema`` (parsed) with each ``pattern`` (and ``patternProperties`` name) written
-    as xgrammar reads what Python's ``re`` does (:func:`~aiocb.python_regex.xgrammar_regex`;
-    :func:`_pattern_problem` refused those it cannot write)."""
-    if isinstance(schema, list):
-        return [_python_patterns(item) for item in schema]
-    if not isinstance(schema, dict):
-        return schema
-    exact = _EXACT_FORMATS.get(schema["format"]) if isinstance(schema.get("format"), str) else None
-    if exact is not None and "pattern" not in schema:
-        schema = {**{key: value for key, value in schema.items() if key != "format"}, "pattern": exact}
-    out: dict[str, Any] = {}
-    for key, value in schema.items():
-        if key in _DATA:
-            out[key] = value
-        elif key == "pattern" and isinstance(value, str):
-            out[key] = xgrammar_regex(value)
-        elif key == "patternProperties" and isinstance(value, dict):
-            out[key] = {xgrammar_regex(name): _python_patterns(item) for name, item in value.items()}
-        elif key in _NAME_MAPS and isinstance(value, dict):
-            out[key] = {name: _python_patterns(item) for name, item in value.items()}
-        else:
-            out[key] = _python_patterns(value)
-    return out
+    """``schema`` (parsed; changed in place) with each ``pattern`` (and ``patternProperties`` name)
+    written as xgrammar reads what Python's ``re`` does (:func:`~aiocb.python_regex.xgrammar_regex`;
+    :func:`_pattern_problem` refused those it cannot write), and each format of
+    :data:`_EXACT_FORMATS` without a pattern made that pattern."""
+    for _, node in _schemas(schema):  # (each node changed as it comes, before its keys are walked)
+        exact = _EXACT_FORMATS.get(node["format"]) if isinstance(node.get("format"), str) else None
+        if exact is not None and "pattern" not in node:
+            del node["format"]
+            node["pattern"] = exact
+        if isinstance(node.get("pattern"), str):
+            node["pattern"] = xgrammar_regex(node["pattern"])
+        names = node.get("patternProperties")
+        if isinstance(names, dict):
+            node["patternProperties"] = {xgrammar_regex(name): value for name, value in names.items()}
+    return schema
 
 
 def _mended_json_elements(text: str) -> str:
