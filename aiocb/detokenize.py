@@ -501,14 +501,19 @@ class TextTracker:
         min_tokens: int = 0,
         config_stop: Sequence[str] = (),
     ) -> None:
+        self._config_stop = tuple(dict.fromkeys(s for s in config_stop if s))
+        # (released ahead for any stop string: one ends in the token whose text ends it, not
+        # in a later one that completes a character the token begins)
         self._detokenizer = IncrementalDetokenizer(
-            tokenizer, prompt_ids, skip_special_tokens=skip_special_tokens, release_ahead=bool(stop)
+            tokenizer,
+            prompt_ids,
+            skip_special_tokens=skip_special_tokens,
+            release_ahead=bool(stop or self._config_stop),
         )
         self._matcher = StopStringMatcher(stop, min_tokens=min_tokens, include=include_stop_str) if stop else None
-        self._config_stop = tuple(dict.fromkeys(s for s in config_stop if s))
         #: the text with special tokens, where the released text skips them
         self._special_text = (
-            IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=False)
+            IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=False, release_ahead=True)
             if self._config_stop and skip_special_tokens
             else None
         )

@@ -292,6 +292,38 @@ async def test_a_generation_configs_stop_strings_end_where_generate_ends(
             assert own.generated_tokens == [im_end] * NEW and own.text == ""
 
 
+async def test_a_generation_configs_stop_string_ends_in_a_token_that_begins_a_character(
+    model: PreTrainedModel, tokenizer: Any, plain: list[list[int]]
+) -> None:
+    """A byte-level token may end a stop string and begin a character (``"n"`` and the
+    first byte of ``"ñ"``): the output ends with it, as generate's, not with the later token
+    that completes the character; with special tokens' text skipped or kept."""
+    found = None
+    for prompt, tokens in zip(PROMPTS, plain, strict=True):
+        for j in range(1, len(tokens)):
+            before = tokenizer.decode(tokens[:j]).rstrip("\ufffd")
+            text = tokenizer.decode(tokens[: j + 1])
+            ahead = text.rstrip("\ufffd")
+            if text.endswith("\ufffd") and len(ahead) >= len(before) + 2 and "\ufffd" not in ahead[-2:]:
+                stop = ahead[-2:]
+                if stop not in tokenizer.decode(tokenizer.encode(prompt) + tokens[:j]):
+                    found = prompt, tokens[: j + 1], stop
+                    break
+        if found:
+            break
+    assert found is not None
+    prompt, expected, stop = found
+    config = GenerationConfig(stop_strings=[stop], do_sample=False, max_new_tokens=NEW)
+    ids = tokenizer.encode(prompt)
+    generated = model.generate(torch.tensor([ids]), generation_config=config, tokenizer=tokenizer)
+    assert generated[0, len(ids) :].tolist() == expected
+    async with aiocb.Manager(model, config, tokenizer=tokenizer) as manager:
+        for skip in (True, False):
+            output = await manager.generate(prompt, skip_special_tokens=skip)
+            assert output.generated_tokens == expected, skip
+            assert output.stop_reason == stop
+
+
 def test_the_prompts_end_a_stop_string_may_begin_in_is_whole_characters(tokenizer: Any) -> None:
     """A byte-level tokenizer writes a character in up to four tokens: the prompt's end is
     decoded far enough back to hold as many whole characters as a stop string may need."""
