@@ -664,11 +664,12 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...] | None:
         if token is None or not 0 <= token < _NO_TOKEN_ID:
             shown = _shown(given if token is None else token)
             raise InvalidRequestError(f"logit_bias keys must be token ids, got {shown}", param="logit_bias")
-        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+        number = _real(bias)
+        if number is None or not -100 <= number <= 100:
             raise InvalidRequestError(
-                f"logit_bias[{token}] must be a number in [-100, 100], got {bias!r}", param="logit_bias"
+                f"logit_bias[{token}] must be a number in [-100, 100], got {_shown(bias)}", param="logit_bias"
             )
-        pairs[token] = float(bias)
+        pairs[token] = number
     return tuple(sorted(pairs.items()))
 
 
@@ -706,26 +707,35 @@ def _sequence_bias(value: Any) -> tuple[SequenceBias, ...] | None:
         one = [sequence] if token_id(sequence) is not None else sequence
         ids = _ids("sequence_bias", one, empty_ok=False, empty="one of its sequences holds no token")
         assert ids is not None
-        if (
-            isinstance(bias, bool)
-            or not isinstance(bias, (int, float))
-            or (isinstance(bias, float) and math.isnan(bias))
-        ):
+        number = _real(bias)
+        if number is None or math.isnan(number):
             raise InvalidRequestError(
                 f"sequence_bias of {list(ids)} must be a number, got {_shown(bias)}", param="sequence_bias"
             )
-        if isinstance(bias, int) and not _float_range([bias]):
+        if isinstance(bias, numbers.Integral) and math.isinf(number):
             raise InvalidRequestError(
                 f"sequence_bias of {list(ids)} must be within float32's range, got {_shown(bias)}",
                 param="sequence_bias",
             )
-        if bias > _FLOAT32_MAX:  # (-inf bans a sequence; +inf, or a bias past float32's range, makes NaNs)
+        if number > _FLOAT32_MAX:  # (-inf bans a sequence; +inf, or a bias past float32's range, makes NaNs)
             raise InvalidRequestError(
-                f"sequence_bias of {list(ids)} must be at most float32's largest ({_FLOAT32_MAX:.4g}), got {bias}",
+                f"sequence_bias of {list(ids)} must be at most float32's largest ({_FLOAT32_MAX:.4g}), "
+                f"got {_shown(bias)}",
                 param="sequence_bias",
             )
-        out[ids] = float(bias)
+        out[ids] = number
     return tuple(out.items())
+
+
+def _real(value: Any) -> float | None:
+    """``value`` as a float if it is a real number (NumPy's too; no bool), an int past a
+    float's range as infinite; None if it is none."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
 
 
 def _float_range(biases: list[Any]) -> bool:

@@ -165,6 +165,21 @@ def test_a_sequence_bias_in_its_common_forms_is_read_in_c_passes(monkeypatch: py
             aiocb.SamplingParams(sequence_bias={**mapping, key: 1.0})
 
 
+def test_numpy_numbers_are_biases_as_the_floats_they_hold() -> None:
+    """A NumPy number is a bias as any other field takes one (a NumPy bool is no number)."""
+    import numpy as np
+
+    for bias in (np.float32(2.0), np.float16(2.0), np.int64(2)):
+        assert aiocb.SamplingParams(logit_bias={3: bias}).logit_bias == ((3, 2.0),)
+        assert aiocb.SamplingParams(sequence_bias={(3, 4): -bias}).sequence_bias == (((3, 4), -2.0),)
+    for bias, problem in ((np.float32("nan"), "must be a number"), (np.bool_(True), "must be a number")):
+        with pytest.raises(aiocb.InvalidRequestError, match=problem):
+            aiocb.SamplingParams(sequence_bias={(3, 4): bias})
+    for bias in (np.float32(101.0), np.bool_(True), np.float32("nan")):
+        with pytest.raises(aiocb.InvalidRequestError, match=r"logit_bias\[3\] must be a number in \[-100, 100\]"):
+            aiocb.SamplingParams(logit_bias={3: bias})
+
+
 def test_unknown_names_are_refused() -> None:
     with pytest.raises(aiocb.InvalidRequestError, match=r"unknown request parameter.*temprature"):
         aiocb.SamplingParams().updated(temprature=0.5)
