@@ -499,9 +499,9 @@ def resolve_params(
             "raise num_blocks or max_memory_percent",
             param="input_ids",
         )
-    if total > limits.cache_capacity:
+    if total - 1 > limits.cache_capacity:  # (the last token is sampled, never attended to: no slot)
         raise InvalidRequestError(
-            f"prompt plus max_new_tokens ({total} tokens) cannot fit the whole KV cache "
+            f"prompt plus max_new_tokens less the last token ({total - 1} tokens) cannot fit the whole KV cache "
             f"({limits.cache_capacity} tokens); lower max_new_tokens or enlarge the cache",
             param="max_new_tokens",
         )

@@ -399,13 +399,13 @@ class ServerContext:
                 f"length of {self.max_model_len}",
                 "messages",
             )
-        if prompt_len >= capacity:
+        if prompt_len > capacity:
             raise bad_request(
                 f"the conversation ({prompt_len} tokens) leaves no room for a reply in the KV cache "
                 f"({capacity} tokens)",
                 "messages",
             )
-        room = capacity - prompt_len
+        room = capacity - prompt_len + 1  # (the last token is sampled, never attended to: no slot)
         if self.max_model_len is not None:
             room = min(room, self.max_model_len - prompt_len)
         capped = self.config_max_tokens(prompt_len, "messages", min_tokens)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import copy
 from typing import Any
 
 import pytest
@@ -159,6 +160,32 @@ async def test_a_prompt_that_cannot_fit_the_cache_is_refused(qwen3: PreTrainedMo
             await manager.add_request([1] * 40, max_new_tokens=30)
         output = await manager.generate([1] * 40, max_new_tokens=24)
         assert len(output.generated_tokens) == 24
+
+
+@pytest.mark.parametrize("speculative", [None, "ngram", "draft"])
+async def test_a_request_whose_last_token_is_past_the_cache_fits(
+    qwen3: PreTrainedModel, speculative: str | None
+) -> None:
+    """The last token is sampled, never attended to: a request needs a slot for each of its
+    tokens but that one (a prompt of the cache's size takes one token), with every sample of
+    it, steps planned ahead and proposals (prompt lookup's, a draft model's)."""
+    config = aiocb.ContinuousBatchingConfig(page_size=16, num_blocks=4, use_async_batching=True)
+    spec = None
+    if speculative is not None:
+        how: dict[str, Any] = {"prompt_lookup_min": 1}
+        if speculative == "draft":
+            how = {"method": "draft", "draft_model": copy.deepcopy(qwen3)}
+        spec = aiocb.SpeculativeConfig(num_speculative_tokens=4, disable_by_batch_size=None, **how)
+    prompts = [random_prompts(1, 64, 64, seed=3)[0], [5, 6, 7, 8] * 10]
+    async with aiocb.Manager(qwen3, continuous_batching_config=config, speculative_config=spec) as manager:
+        with pytest.raises(aiocb.InvalidRequestError, match=r"\(65 tokens\) cannot fit the whole KV cache"):
+            await manager.add_request(prompts[1], max_new_tokens=26)
+        for prompt, new in zip(prompts, (1, 25), strict=True):
+            output = await manager.generate(prompt, max_new_tokens=new, ignore_eos=True)
+            assert output.generated_tokens == reference_generate(qwen3, prompt, new)
+            first, second = await manager.generate(prompt, max_new_tokens=new, ignore_eos=True, n=2)
+            assert first.generated_tokens == second.generated_tokens == output.generated_tokens
+        assert manager.statistics().free_blocks == 4
 
 
 async def test_max_model_len_bounds_every_request_below_the_model_s_context(qwen3: PreTrainedModel) -> None:

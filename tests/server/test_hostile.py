@@ -161,6 +161,34 @@ async def test_empty_stop_token_ids_of_another_type_are_refused(
     await still_serves(client, manager)
 
 
+async def test_a_conversation_that_fills_the_kv_cache_gets_a_one_token_reply(model: Any, tokenizer: Any) -> None:
+    """A chat that gives no length gets what the cache leaves: its last token needs no slot,
+    so a conversation of the cache's size gets one token; one past it, a 400."""
+    config = serve_config(num_blocks=2)  # (32 tokens, far below the model's context)
+    async with aiocb.Manager(model, continuous_batching_config=config) as manager:
+        app = build_app(manager, tokenizer, MODEL_NAME)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+
+            async def rendered(content: str) -> int:
+                counted = await client.post("/tokenize", json={"messages": [{"role": "user", "content": content}]})
+                return int(counted.json()["count"])
+
+            words = 32 - await rendered("")
+            while await rendered("a " * words) > 32:
+                words -= 1
+            assert await rendered("a " * words) == 32 and await rendered("a " * (words + 1)) > 32
+            messages = [{"role": "user", "content": "a " * words}]
+            response = await client.post(CHAT, json=chat(messages=messages, max_tokens=None))
+            assert response.status_code == 200, response.text
+            assert response.json()["usage"]["completion_tokens"] == 1
+            messages = [{"role": "user", "content": "a " * (words + 1)}]
+            error = assert_error(
+                await client.post(CHAT, json=chat(messages=messages, max_tokens=None)), 400, "messages"
+            )
+            assert "leaves no room for a reply in the KV cache (32 tokens)" in error["message"]
+        assert (await wait_until_idle(manager)).free_blocks == 2
+
+
 async def test_a_prompt_that_fills_the_context_is_refused_naming_what_the_client_sent(
     client: httpx.AsyncClient, manager: aiocb.Manager, tokenizer: Any
 ) -> None:
