@@ -734,8 +734,8 @@ def _real(value: Any) -> float | None:
         return None
     try:
         return float(value)
-    except OverflowError:
-        return math.inf if value > 0 else -math.inf
+    except OverflowError:  # (an int: no other real number here overflows a float)
+        return -math.inf if isinstance(value, int) and value < 0 else math.inf
 
 
 def _float_range(biases: list[Any]) -> bool:
