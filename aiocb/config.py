@@ -108,6 +108,11 @@ class ContinuousBatchingConfig:
             is refused with ``InvalidRequestError`` when the manager is built.
         disable_nccl_graph_mixing: under tensor parallelism (``WORLD_SIZE`` > 1), set
             ``NCCL_GRAPH_MIXING_SUPPORT=0`` (as transformers does).
+        grammar_compile_timeout: (aiocb) seconds a structured-output constraint may take to
+            compile: one of over 2,048 characters compiles in a child process first,
+            stopped past it, and the request is refused naming it (xgrammar's compile
+            cannot be stopped in the engine's process). None: every constraint compiles in
+            the engine's process alone, with no bound.
         block_size: deprecated name of ``page_size``.
         use_default_compile_configs: deprecated in transformers, mapped as it maps it:
             True sets ``default_compile_level`` to 3, False to 0 (with a warning).
@@ -142,6 +147,7 @@ class ContinuousBatchingConfig:
     max_model_len: int | None = None
     drop_unsupported_processors: bool = True
     disable_nccl_graph_mixing: bool = True
+    grammar_compile_timeout: float | None = 10.0
     block_size: int | None = None
     use_default_compile_configs: bool | None = None
     max_cached_graphs: int | None = None
@@ -219,6 +225,10 @@ class ContinuousBatchingConfig:
             raise InvalidConfigError(
                 f"cpu_group_timeout must be at most {MAX_CPU_GROUP_TIMEOUT} s (a year), or None to wait for ever; "
                 f"got {self.cpu_group_timeout}"
+            )
+        if self.grammar_compile_timeout is not None and self.grammar_compile_timeout <= 0:
+            raise InvalidConfigError(
+                f"grammar_compile_timeout must be > 0 seconds or None, got {self.grammar_compile_timeout}"
             )
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise InvalidConfigError(f"seed must be an int or None, got {self.seed!r}")
@@ -452,7 +462,13 @@ _BOOLS = (
 _OPTIONAL_BOOLS = ("use_async_batching", "use_default_compile_configs")
 #: ... and a finite number (or may be None too), before their ranges are checked
 _NUMBERS = ("cpu_offload_space_safety_threshold",)
-_OPTIONAL_NUMBERS = ("max_memory_percent", "safety_margin", "cpu_offload_space", "cpu_group_timeout")
+_OPTIONAL_NUMBERS = (
+    "max_memory_percent",
+    "safety_margin",
+    "cpu_offload_space",
+    "cpu_group_timeout",
+    "grammar_compile_timeout",
+)
 
 
 def _check_bool(value: object, name: str) -> None:

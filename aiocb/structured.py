@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import logging
 import os
 import re
 import threading
@@ -29,9 +30,13 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from aiocb import grammar_process
 from aiocb.errors import InvalidRequestError
+from aiocb.grammar_process import CompileFailed, CompileTimeout, GrammarProcessError
 from aiocb.params import MAX_LITERAL_CHARACTERS
 from aiocb.python_regex import UnsupportedPattern, xgrammar_regex
+
+logger = logging.getLogger(__name__)
 
 
 def _xgrammar() -> Any:
@@ -44,6 +49,11 @@ def _xgrammar() -> Any:
     return xgrammar
 
 
+#: Constraints longer than this many characters compile in a child process first, under
+#: the manager's ``grammar_compile_timeout`` (a shorter one compiles in well under a second:
+#: 33 levels of nested objects in 20 ms, 70 optional properties in less).
+PROBED_ABOVE = 2048
+
 #: What the compiled constraints of one manager may hold in memory: each distinct
 #: constraint's grammar is kept (a quarter of a megabyte for a 4,096-token vocabulary, more
 #: for larger ones), and clients may send as many distinct ones as they like.
@@ -55,7 +65,11 @@ class GrammarCompiler:
     recently used dropped once they hold more than :data:`CACHE_LIMIT_BYTES`)."""
 
     def __init__(
-        self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_token_ids: Collection[int] = ()
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        vocab_size: int,
+        stop_token_ids: Collection[int] = (),
+        compile_timeout: float | None = None,
     ) -> None:
         xgr = _xgrammar()
         self.vocab_size = vocab_size
@@ -71,6 +85,11 @@ class GrammarCompiler:
         usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
         threads = max(1, min(8, usable // 2))
         self._compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
+        self._info, self._threads = info, threads
+        #: seconds a constraint may take to compile (in a child process first, stopped past
+        #: it; None: compiled in this process alone, with no bound)
+        self.compile_timeout = compile_timeout
+        self._processes: grammar_process.GrammarProcesses | None = None
         self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._cached_bytes = 0
         self._lock = threading.Lock()  # (compiled on worker threads too)
@@ -97,19 +116,15 @@ class GrammarCompiler:
         if problem is not None:
             raise InvalidRequestError(f"{kind}: {problem}", param=kind)
         try:
-            if kind == "json_schema":
-                # No free whitespace: a weak model could otherwise pad its JSON without end.
-                compiled = self._compiler.compile_grammar(json_schema_grammar(text, any_whitespace=False))
-            elif kind == "regex":
-                compiled = self._compiler.compile_regex(xgrammar_regex(text))
-            elif kind == "structural_tag":
-                compiled = self._compiler.compile_structural_tag(_mended_json_elements(text))
-            else:
-                compiled = self._compiler.compile_grammar(_mended_grammar(text))
-        except UnsupportedPattern as error:
-            raise InvalidRequestError(f"{kind} cannot be compiled: {error}", param=kind) from None
-        except Exception as error:  # (xgrammar raises RuntimeError and others on bad input)
-            raise InvalidRequestError(f"{kind} cannot be compiled: {_xgrammar_text(error)}", param=kind) from None
+            method, argument = _compiler_input(kind, text)
+        except Exception as error:
+            raise _not_compiled(kind, error) from None
+        if self.compile_timeout is not None and len(structure[1]) > PROBED_ABOVE:
+            self._probe(kind, method, str(argument))
+        try:
+            compiled = getattr(self._compiler, f"compile_{method}")(argument)
+        except Exception as error:
+            raise _not_compiled(kind, error) from None
         with self._lock:
             if structure not in self._compiled:
                 self._compiled[structure] = compiled
@@ -118,6 +133,33 @@ class GrammarCompiler:
                     _, dropped = self._compiled.popitem(last=False)
                     self._cached_bytes -= dropped.memory_size_bytes
         return compiled
+
+    def _probe(self, kind: str, method: str, text: str) -> None:
+        """Compile ``text`` in a child process first (see :mod:`aiocb.grammar_process`):
+        InvalidRequestError when it does not compile, or not within :attr:`compile_timeout`."""
+        assert self.compile_timeout is not None
+        with self._lock:
+            if self._processes is None:
+                self._processes = grammar_process.shared(self._info.serialize_json(), self._threads)
+            processes = self._processes
+        try:
+            message = processes.compiles(method, text, self.compile_timeout)
+        except CompileTimeout:
+            raise InvalidRequestError(
+                f"{kind} does not compile within grammar_compile_timeout ({self.compile_timeout:g} s; it was "
+                "stopped): give a simpler one (fewer optional properties, less nesting), or raise the manager's "
+                "ContinuousBatchingConfig.grammar_compile_timeout",
+                param=kind,
+            ) from None
+        except CompileFailed as error:
+            raise InvalidRequestError(f"{kind} cannot be compiled: {error}", param=kind) from None
+        except GrammarProcessError as error:
+            logger.warning("%s; constraints compile in this process alone, with no deadline", error)
+            with self._lock:
+                self.compile_timeout = None
+            return
+        if message is not None:
+            raise InvalidRequestError(f"{kind} cannot be compiled: {_xgrammar_text(message)}", param=kind)
 
     def state(self, structure: tuple[str, str], ends: frozenset[int] | None = None) -> GrammarState:
         """A fresh matcher for one request (or one sample of it), whose complete output ends
@@ -812,9 +854,30 @@ def answer_format(structure: tuple[str, str]) -> dict[str, Any]:
 _SOURCE_POSITION = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")
 
 
-def _xgrammar_text(error: Exception) -> str:
-    """An xgrammar error's message without the time and source file its C++ code gives it."""
+def _xgrammar_text(error: Exception | str) -> str:
+    """An xgrammar error's message (or its text) without the time and source file its C++
+    code gives it."""
     return _SOURCE_POSITION.sub("", str(error).strip(), count=1) or type(error).__name__
+
+
+def _not_compiled(kind: str, error: Exception) -> InvalidRequestError:
+    """The refusal of a constraint that xgrammar (or the translation of its patterns) refused."""
+    message = str(error) if isinstance(error, UnsupportedPattern) else _xgrammar_text(error)
+    return InvalidRequestError(f"{kind} cannot be compiled: {message}", param=kind)
+
+
+def _compiler_input(kind: str, text: str) -> tuple[str, Any]:
+    """What xgrammar's compiler is given for a constraint: ``(method, argument)``, the
+    compiler's ``compile_<method>`` and its argument (a grammar, or text; its ``str`` is
+    text the same method takes)."""
+    if kind == "json_schema":
+        # No free whitespace: a weak model could otherwise pad its JSON without end.
+        return "grammar", json_schema_grammar(text, any_whitespace=False)
+    if kind == "regex":
+        return "regex", xgrammar_regex(text)
+    if kind == "structural_tag":
+        return "structural_tag", _mended_json_elements(text)
+    return "grammar", _mended_grammar(text)
 
 
 #: A string literal or a character class of the EBNF text xgrammar prints (read whole, so

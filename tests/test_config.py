@@ -54,8 +54,9 @@ def test_defaults_follow_the_seed() -> None:
     for name, default in SEED_DEFAULTS.items():
         assert values[name] == default, name
         assert type(values[name]) is type(default), name
-    assert set(values) == {*SEED_DEFAULTS, "max_queued_tokens", "max_model_len"}  # the fields aiocb adds
-    assert config.max_queued_tokens == 0 and config.max_model_len is None
+    # the fields aiocb adds
+    assert set(values) == {*SEED_DEFAULTS, "max_queued_tokens", "max_model_len", "grammar_compile_timeout"}
+    assert config.max_queued_tokens == 0 and config.max_model_len is None and config.grammar_compile_timeout == 10.0
 
 
 def test_shared_defaults_equal_transformers_own() -> None:
@@ -279,6 +280,8 @@ def test_negative_or_zero_counts_raise(field: str, value: int) -> None:
         ("cpu_offload_space_safety_threshold", 0.0),
         ("cpu_group_timeout", None),
         ("cpu_group_timeout", 0.5),
+        ("grammar_compile_timeout", None),
+        ("grammar_compile_timeout", 0.25),
         ("seed", 0),
         ("seed", 2**40),
         ("use_cuda_graph", True),
@@ -310,6 +313,7 @@ def test_a_cuda_graph_pair_read_from_json_is_taken() -> None:
         ("cpu_offload_space_safety_threshold", 1.2, "cpu_offload_space_safety_threshold must be in"),
         ("cpu_group_timeout", 0, "cpu_group_timeout must be > 0"),
         ("cpu_group_timeout", -5.0, "cpu_group_timeout must be > 0"),
+        ("grammar_compile_timeout", 0, "grammar_compile_timeout must be > 0"),
         ("seed", True, "seed must be an int"),
         ("seed", 1.0, "seed must be an int"),
         ("seed", "7", "seed must be an int"),
@@ -342,6 +346,8 @@ def test_invalid_values_raise(field: str, value: Any, message: str) -> None:
         ("cpu_offload_space", float("inf")),
         ("cpu_offload_space_safety_threshold", None),
         ("cpu_group_timeout", float("nan")),
+        ("grammar_compile_timeout", float("inf")),
+        ("grammar_compile_timeout", "10"),
         ("scheduler_type", ["fifo"]),
     ],
 )

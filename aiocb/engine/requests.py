@@ -123,6 +123,7 @@ class RequestFactory:
         self._default_eos = default_eos
         self._default_logprobs = config.return_logprobs
         self._max_queue_size = config.max_queue_size
+        self._compile_timeout = config.grammar_compile_timeout
         self._seeds = random.Random(config.seed)
         self._ids = itertools.count()
         self._grammar_compiler: GrammarCompiler | None = None
@@ -285,7 +286,9 @@ class RequestFactory:
                 # EOS tokens, a chat model's <|im_end|> among them, else the model config's)
                 configured = self.defaults.params.eos_token_id
                 ends = self._default_eos if configured is None else eos_ids(configured)
-                self._grammar_compiler = GrammarCompiler(self.grammar_tokenizer, vocab_size, ends)
+                self._grammar_compiler = GrammarCompiler(
+                    self.grammar_tokenizer, vocab_size, ends, compile_timeout=self._compile_timeout
+                )
             return self._grammar_compiler
 
     def merged(

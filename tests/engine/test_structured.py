@@ -4,11 +4,14 @@ the manager with the bundled model and its tokenizer, at temperature 1.0."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import re
 import threading
+import time
 from typing import Any
 
+import psutil
 import pytest
 
 xgrammar = pytest.importorskip("xgrammar")
@@ -803,9 +806,9 @@ async def test_the_vocabularys_grammar_tables_are_built_off_the_loop(
     threads: list[str] = []
 
     class Recorded(GrammarCompiler):
-        def __init__(self, *args: Any) -> None:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
             threads.append(threading.current_thread().name)
-            super().__init__(*args)
+            super().__init__(*args, **kwargs)
 
     monkeypatch.setattr(requests, "GrammarCompiler", Recorded)
     model, tokenizer = bundled
@@ -955,3 +958,117 @@ async def test_a_constraint_that_allows_no_text_says_so(bundled: tuple[Any, Any]
         output.error
         == "no token satisfies the request's output constraint at this point: its grammar allows no text here"
     )
+
+
+def _optional_integers(count: int) -> str:
+    """A schema of ``count`` optional integer properties: xgrammar's compile time grows
+    fast with them (1,000 took 17 s on a 2-core machine, 2,000 minutes)."""
+    return json.dumps({"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(count)}})
+
+
+def _children(ignored: frozenset[int] = frozenset()) -> list[Any]:
+    """This process's live grammar processes (the children that compile constraints first),
+    but the ``ignored`` ones (other tests' managers share theirs)."""
+    children = [c for c in psutil.Process().children() if c.pid not in ignored]
+    return [c for c in children if c.status() != psutil.STATUS_ZOMBIE and "grammar_process" in " ".join(c.cmdline())]
+
+
+def test_the_grammar_process_answers_and_is_killed_past_the_deadline(
+    bundled: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A child answers whether a constraint compiles (xgrammar's message if not), is killed
+    past the deadline (the constraint then refused at once), and ends once idle; another
+    starts for the next constraint."""
+    from aiocb import grammar_process
+    from aiocb.grammar_process import CompileFailed, CompileTimeout, GrammarProcesses
+
+    monkeypatch.setattr(grammar_process, "IDLE_EXIT_S", 1.0)
+    others = frozenset(c.pid for c in _children())
+    _, tokenizer = bundled
+    info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer))
+    processes = GrammarProcesses(info.serialize_json(), 1)
+    slow = str(xgrammar.Grammar.from_json_schema(_optional_integers(2000), any_whitespace=False))
+    try:
+        assert processes.compiles("regex", "[a-z]{1,8}", 30.0) is None
+        refused = processes.compiles("grammar", 'root ::= "a" | other', 30.0)
+        assert refused is not None and 'Rule "other" is not defined' in refused
+        began = time.monotonic()
+        with pytest.raises(CompileTimeout):
+            processes.compiles("grammar", slow, 1.0)
+        assert time.monotonic() - began < 3.0  # (killed at the deadline, not left compiling)
+        assert not _children(others)
+        began = time.monotonic()
+        with pytest.raises(CompileTimeout):  # (remembered: refused again without a compile)
+            processes.compiles("grammar", slow, 1.0)
+        assert time.monotonic() - began < 0.1
+        assert (
+            processes.compiles("structural_tag", json.dumps({"format": {"type": "const_string", "value": "x"}}), 30.0)
+            is None
+        )
+        assert len(_children(others)) == 1  # (another child, started for it)
+        time.sleep(2.0)
+        assert not _children(others)  # (idle: it ended)
+        # A child that ends while it compiles (a crash, the out-of-memory killer) fails
+        # that constraint's compile: it would have failed the engine's process.
+        also_slow = str(xgrammar.Grammar.from_json_schema(_optional_integers(1999), any_whitespace=False))
+        assert processes.compiles("regex", "[a-z]{1,9}", 30.0) is None  # (a child started again)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            compiling = pool.submit(processes.compiles, "grammar", also_slow, 60.0)
+            time.sleep(0.5)
+            _children(others)[0].kill()
+            with pytest.raises(CompileFailed, match="ended with status -9"):
+                compiling.result()
+    finally:
+        processes.close()
+    assert not _children(others)
+
+
+async def test_a_constraint_past_the_compile_timeout_is_refused_and_harms_no_other_request(
+    bundled: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long constraint compiles in a child process first: past ``grammar_compile_timeout``
+    the child and its compile are killed and the request refused naming the constraint;
+    requests beside it, and long constraints after it, are served."""
+    from aiocb import grammar_process
+    from aiocb.structured import PROBED_ABOVE
+
+    monkeypatch.setattr(grammar_process, "_SHARED", {})  # (children of its own, not other tests')
+    model, tokenizer = bundled
+    words = [f"word{i:04}" for i in range(300)]
+    quick = json.dumps({"enum": words})
+    assert len(quick) > PROBED_ABOVE
+    config = aiocb.ContinuousBatchingConfig(num_blocks=256, grammar_compile_timeout=1.0)
+    others = frozenset(c.pid for c in _children())
+    async with aiocb.Manager(model, tokenizer=tokenizer, continuous_batching_config=config) as manager:
+        greedy = {"max_new_tokens": 24, "ignore_eos": True, "do_sample": False}
+        alone = await manager.generate("def f(x):", **greedy)
+        free = asyncio.create_task(manager.generate("def f(x):", **greedy))
+        for _ in range(2):  # (the second refused at once: it was found too slow)
+            began = time.monotonic()
+            with pytest.raises(aiocb.InvalidRequestError, match="grammar_compile_timeout") as caught:
+                await manager.generate("x = ", json_schema=_optional_integers(2000), max_new_tokens=8)
+            assert caught.value.param == "json_schema"
+            assert time.monotonic() - began < 30.0  # (a child's start, then the second's deadline)
+            assert not _children(others)  # (the child compiling it was killed)
+        assert (await free).generated_tokens == alone.generated_tokens
+        output = await manager.generate("x = ", json_schema=quick, max_new_tokens=NEW)
+        assert json.loads(output.text) in words
+        assert manager.statistics().free_blocks == 256
+
+
+async def test_constraints_compile_in_process_when_no_child_starts(
+    bundled: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from aiocb import grammar_process
+
+    def no_child(*args: Any, **kwargs: Any) -> Any:
+        raise OSError("no interpreter here")
+
+    monkeypatch.setattr(grammar_process.subprocess, "Popen", no_child)
+    monkeypatch.setattr(grammar_process, "_SHARED", {})  # (none of other managers' children)
+    model, tokenizer = bundled
+    words = [f"word{i:04}" for i in range(300)]
+    async with aiocb.Manager(model, tokenizer=tokenizer) as manager:
+        output = await manager.generate("x = ", json_schema=json.dumps({"enum": words}), max_new_tokens=NEW)
+    assert json.loads(output.text) in words
+    assert "no interpreter here" in caplog.text and "with no deadline" in caplog.text

@@ -1,0 +1,305 @@
+"""Constraints compiled first in a child process, under a deadline, so that no constraint
+compiles in the engine's process for longer than it.
+
+xgrammar's compile cannot be stopped, and its time grows fast with a constraint's shape: a
+JSON schema of 1,000 optional properties (29 KB) took 17 s here, 400 levels of nesting (24
+KB) 20 s, 2,000 objects of 10 optional properties minutes. A client could otherwise keep
+a core busy for as long as it liked, and the compile lane of every other constraint with
+it. A compiled grammar cannot be brought back cheaply (xgrammar's serialised form of a
+3 MB grammar is 400 MB of JSON), so the child compiles the constraint to learn whether it
+compiles within the deadline, and is killed, with its compile, where it does not; one that
+did is compiled again in the engine's process, in about the same time.
+
+The child runs this module (``python -m aiocb.grammar_process``; xgrammar imports torch and
+transformers: a start of some 3 s and 260 MiB). The children of a vocabulary are shared by
+every manager of the process (:func:`shared`), kept between managers, and end once idle
+for :data:`IDLE_EXIT_S` (the parent retires one idle for half of that before using it, so
+that none ends as it is sent a constraint), or with the process. A child reads frames on
+its standard input and answers each on its standard output:
+
+- first, the vocabulary: ``<BdQ`` (the compiler's threads; the seconds it waits for a
+  constraint before it ends; the length) and the UTF-8 JSON of xgrammar's
+  ``TokenizerInfo``, answered by :data:`_READY`; its standard output is the protocol's
+  alone from then on;
+- then one constraint after another: ``<BQ`` (what it is: 0 an EBNF grammar, 1 a regular
+  expression, 2 a structural tag; the length) and its UTF-8 text, answered ``<BQ`` (0, 0)
+  when it compiled, or (1, the message's length) and xgrammar's message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import select
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections import OrderedDict
+from typing import IO, Any
+
+_FRAME = struct.Struct("<BQ")
+_FIRST_FRAME = struct.Struct("<BdQ")
+#: what the child writes once it has its compiler, before its first answer
+_READY = b"\x00aiocb-grammar-ready\x00"
+#: bytes of other output a child may write before it is ready
+_MAX_BANNER = 1 << 16
+#: the longest error message an answer may carry
+_MAX_MESSAGE = 1 << 20
+#: how long a child may take to start (the imports of torch and transformers)
+START_TIMEOUT_S = 120.0
+#: the directory ``aiocb`` is imported from here, for the child to import the same
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: the kinds of constraint the child compiles, by their code in the protocol
+METHODS = ("grammar", "regex", "structural_tag")
+#: children kept per vocabulary: one per compile lane (see ``aiocb.engine.requests``)
+MAX_CHILDREN = 2
+#: constraints remembered as past the deadline (refused again at once)
+_REMEMBERED = 1024
+#: seconds a child waits for a constraint before it ends
+IDLE_EXIT_S = 900.0
+
+
+class CompileTimeout(Exception):
+    """A constraint did not compile within the deadline (its compile was stopped)."""
+
+
+class GrammarProcessError(RuntimeError):
+    """The child did not start (the caller compiles in its own process)."""
+
+
+class CompileFailed(RuntimeError):
+    """The child ended, or answered out of step, while it compiled a constraint (one that
+    crashed it would crash the engine's process too)."""
+
+
+class GrammarProcess:
+    """One child: one constraint at a time, from any thread but an event loop's (a call
+    blocks its thread, not the GIL, while the child works)."""
+
+    def __init__(self, tokenizer_info_json: str, max_threads: int) -> None:
+        self._info = tokenizer_info_json.encode()
+        self._threads = max_threads
+        self._child: subprocess.Popen[bytes] | None = None
+        self._ending: weakref.finalize[Any, Any] | None = None
+        self._pid = os.getpid()
+        #: when the child last answered (it ends once idle for IDLE_EXIT_S)
+        self._last_used = time.monotonic()
+
+    def compiles(self, method: str, text: str, timeout_s: float) -> str | None:
+        """None if ``text`` (an EBNF grammar, a regular expression or a structural tag, by
+        ``method``) compiles within ``timeout_s`` seconds, else xgrammar's message. Raises
+        :class:`CompileTimeout` past the deadline (the child is killed; the next call
+        starts another), :class:`GrammarProcessError` when no child starts and
+        :class:`CompileFailed` when the child fails."""
+        if self._pid != os.getpid():  # (forked: the parent's child is not this process's)
+            if self._ending is not None:
+                self._ending.detach()
+            self._child, self._ending, self._pid = None, None, os.getpid()
+        child = self._started()
+        data = text.encode()
+        try:
+            assert child.stdin is not None and child.stdout is not None
+            child.stdin.write(_FRAME.pack(METHODS.index(method), len(data)))
+            child.stdin.write(data)
+            child.stdin.flush()
+            status, length = _FRAME.unpack(_read(child.stdout, _FRAME.size, time.monotonic() + timeout_s))
+            self._last_used = time.monotonic()
+            if status == 0 and length == 0:
+                return None
+            if status != 1 or length > _MAX_MESSAGE:
+                raise ValueError(f"an answer ({status}, {length}) out of step")
+            return _read(child.stdout, length, time.monotonic() + START_TIMEOUT_S).decode(errors="replace")
+        except TimeoutError:
+            self.close()
+            raise CompileTimeout from None
+        except Exception as exc:  # (a pipe closed, an answer out of step: the child goes)
+            code = child.poll()
+            self.close()
+            ended = f"it ended with status {code}" if code is not None else repr(exc)
+            raise CompileFailed(f"the process compiling it failed ({ended})") from None
+        except BaseException:  # (interrupted mid-answer: the stream is out of step)
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """End the child at once (a compile it is running with it)."""
+        ending, self._ending, self._child = self._ending, None, None
+        if ending is not None:
+            ending()
+
+    def _started(self) -> subprocess.Popen[bytes]:
+        idle = time.monotonic() - self._last_used
+        if self._child is not None and self._child.poll() is None and idle < IDLE_EXIT_S / 2:
+            return self._child
+        self.close()  # (dead, or soon to end by itself: a fresh one)
+        start = (
+            f"import sys, runpy; sys.path.insert(0, {_PACKAGE_ROOT!r}); "
+            f"runpy.run_module({__name__!r}, run_name='__main__')"
+        )
+        try:
+            child = subprocess.Popen([sys.executable, "-c", start], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            self._ending = weakref.finalize(self, _end, child, self._pid)
+            assert child.stdin is not None and child.stdout is not None
+            child.stdin.write(_FIRST_FRAME.pack(self._threads, IDLE_EXIT_S, len(self._info)) + self._info)
+            child.stdin.flush()
+            _await_ready(child.stdout, time.monotonic() + START_TIMEOUT_S)
+        except Exception as exc:  # (no interpreter, no xgrammar there, a child that died or babbled)
+            self.close()
+            raise GrammarProcessError(f"the grammar process did not start: {exc!r}") from None
+        self._child = child
+        return child
+
+
+class GrammarProcesses:
+    """The children of one vocabulary (at most :data:`MAX_CHILDREN`, started on first
+    use), and the constraints found past the deadline (refused again without a compile)."""
+
+    def __init__(self, tokenizer_info_json: str, max_threads: int) -> None:
+        self._info = tokenizer_info_json
+        self._threads = max_threads
+        self._idle: list[GrammarProcess] = []
+        self._made = 0
+        self._free = threading.Condition()
+        self._too_slow: OrderedDict[bytes, None] = OrderedDict()
+        self._closed = False
+
+    def compiles(self, method: str, text: str, timeout_s: float) -> str | None:
+        """:meth:`GrammarProcess.compiles` in an idle child (waiting for one when all are
+        busy); raises :class:`CompileTimeout` at once for a constraint that was too slow."""
+        key = hashlib.sha256(f"{method}\0{text}".encode()).digest()
+        with self._free:
+            if key in self._too_slow:
+                self._too_slow.move_to_end(key)
+                raise CompileTimeout
+            while not self._idle and self._made >= MAX_CHILDREN:
+                self._free.wait()
+            if self._closed:
+                raise GrammarProcessError("the grammar processes were closed")
+            if self._idle:
+                process = self._idle.pop()
+            else:
+                process = GrammarProcess(self._info, self._threads)
+                self._made += 1
+        try:
+            return process.compiles(method, text, timeout_s)
+        except CompileTimeout:
+            with self._free:
+                self._too_slow[key] = None
+                while len(self._too_slow) > _REMEMBERED:
+                    self._too_slow.popitem(last=False)
+            raise
+        finally:
+            with self._free:
+                if self._closed:
+                    process.close()
+                else:
+                    self._idle.append(process)
+                self._free.notify()
+
+    def close(self) -> None:
+        """End every child (one compiling ends as its compile does; later calls are refused)."""
+        with self._free:
+            self._closed = True
+            idle, self._idle = self._idle, []
+            self._free.notify_all()
+        for process in idle:
+            process.close()
+
+
+#: the children of each vocabulary, by its digest and the compiler's threads (see :func:`shared`)
+_SHARED: dict[tuple[bytes, int], GrammarProcesses] = {}
+_SHARED_LOCK = threading.Lock()
+_SHARED_PID = [os.getpid()]
+
+
+def shared(tokenizer_info_json: str, max_threads: int) -> GrammarProcesses:
+    """The children of this vocabulary (xgrammar's ``TokenizerInfo`` as JSON) and number of
+    compiler threads, made on first use and shared by the process's managers."""
+    key = (hashlib.sha256(tokenizer_info_json.encode()).digest(), max_threads)
+    with _SHARED_LOCK:
+        if _SHARED_PID[0] != os.getpid():  # (forked: the parent's children are not this process's)
+            _SHARED.clear()
+            _SHARED_PID[0] = os.getpid()
+        processes = _SHARED.get(key)
+        if processes is None:
+            processes = _SHARED[key] = GrammarProcesses(tokenizer_info_json, max_threads)
+        return processes
+
+
+def _end(child: subprocess.Popen[bytes], pid: int) -> None:
+    """Kill the child made by process ``pid`` and close its pipes."""
+    if os.getpid() == pid and child.poll() is None:
+        child.kill()
+        child.wait()
+    for stream in (child.stdin, child.stdout):
+        if stream is not None:
+            with contextlib.suppress(OSError, ValueError):
+                stream.close()
+
+
+def _read(stream: IO[bytes], size: int, deadline: float) -> bytes:
+    """``size`` bytes of the child's output by ``deadline`` (TimeoutError), read from its
+    file descriptor (never through the stream's buffer, which ``select`` does not see)."""
+    data = b""
+    while len(data) < size:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([stream], [], [], left)[0]:
+            raise TimeoutError
+        chunk = os.read(stream.fileno(), size - len(data))
+        if not chunk:
+            raise EOFError(f"the grammar process ended ({len(data)} of {size} bytes read)")
+        data += chunk
+    return data
+
+
+def _await_ready(stdout: IO[bytes], deadline: float) -> None:
+    """Read the child's output up to :data:`_READY` (what came before it is no answer)."""
+    seen = b""
+    while not seen.endswith(_READY):
+        if len(seen) > _MAX_BANNER:
+            raise EOFError("the grammar process wrote too much before it was ready")
+        seen += _read(stdout, 1, deadline)
+
+
+def _serve(stdin: IO[bytes], stdout: IO[bytes]) -> None:
+    """The child: compile each constraint it is sent, until its input ends."""
+    import xgrammar
+
+    threads, idle_exit_s, length = _FIRST_FRAME.unpack(stdin.read(_FIRST_FRAME.size))
+    info = xgrammar.TokenizerInfo.deserialize_json(stdin.read(length).decode())
+    compiler = xgrammar.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
+    compile_ = (compiler.compile_grammar, compiler.compile_regex, compiler.compile_structural_tag)
+    stdout.write(_READY)
+    stdout.flush()
+    while select.select([stdin], [], [], idle_exit_s)[0] and len(header := stdin.read(_FRAME.size)) == _FRAME.size:
+        method, length = _FRAME.unpack(header)
+        text = stdin.read(length).decode()
+        try:
+            compile_[method](text)
+        except Exception as exc:  # (its message goes back to the request)
+            message = str(exc).encode()[:_MAX_MESSAGE]
+            stdout.write(_FRAME.pack(1, len(message)) + message)
+        else:
+            stdout.write(_FRAME.pack(0, 0))
+        stdout.flush()
+
+
+if __name__ == "__main__":
+    # Its parent ends it (closing its input, or killing it); a Ctrl-C in the parent's
+    # terminal, sent to the child as well, is not its to act on.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A constraint that takes all memory: the kernel's out-of-memory killer takes this
+    # process first, not the engine's.
+    with contextlib.suppress(OSError), open("/proc/self/oom_score_adj", "w") as adjust:
+        adjust.write("1000")
+    # The answers go out on a copy of the standard output; what anything prints from now
+    # on (xgrammar's warnings among it) goes to the standard error.
+    answers = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    _serve(sys.stdin.buffer, answers)
+    os._exit(0)  # (nothing to tear down: torch's teardown took a second)
