@@ -290,21 +290,28 @@ MAX_PATTERN_REPEATS = 128
 
 
 def _slow_pattern(schema: Any) -> str | None:
-    """``the pattern at PATH ...`` for the first ``pattern`` of ``schema`` (parsed) that
-    repeats a piece more than :data:`MAX_PATTERN_REPEATS` times; None if none does."""
+    """``the pattern at PATH ...`` for the first ``pattern`` of ``schema`` (parsed), or key
+    of its ``patternProperties``, that repeats a piece more than :data:`MAX_PATTERN_REPEATS`
+    times; None if none does."""
     for path, node in _schemas(schema):
-        pattern = node.get("pattern")
-        if isinstance(pattern, str) and (repeats := pattern_repeats(pattern)) > MAX_PATTERN_REPEATS:
-            return (
-                f"the pattern at /{'/'.join(str(step) for step in path)} repeats a piece {repeats} times through "
-                f"bounded quantifiers, more than the {MAX_PATTERN_REPEATS} that compile in good time (a quantifier "
-                "inside another counts their product); use a smaller bound, or * and + (unbounded repetition is cheap)"
-            )
+        keyed = node.get("patternProperties")
+        patterns = [("pattern", node.get("pattern"))]
+        if isinstance(keyed, dict):
+            patterns += [("patternProperties key", key) for key in keyed]
+        for what, pattern in patterns:
+            if isinstance(pattern, str) and (repeats := pattern_repeats(pattern)) > MAX_PATTERN_REPEATS:
+                return (
+                    f"the {what} at /{'/'.join(str(step) for step in path)} repeats a piece {repeats} times through "
+                    f"bounded quantifiers, more than the {MAX_PATTERN_REPEATS} that compile in good time (a "
+                    "quantifier inside another counts their product); use a smaller bound, or * and + (unbounded "
+                    "repetition is cheap)"
+                )
     return None
 
 
-#: a bounded quantifier: ``{m}``, ``{m,}`` or ``{m,n}``
-_BOUNDED = re.compile(r"\{([0-9]+)(?:,([0-9]*))?\}")
+#: a bounded quantifier: ``{m}``, ``{m,}``, ``{m,n}`` or ``{,n}`` (Python's 0 to n; ``{}`` is
+#: no quantifier)
+_BOUNDED = re.compile(r"\{(?:([0-9]+)(?:,([0-9]*))?|,([0-9]*))\}")
 
 
 def pattern_repeats(pattern: str) -> int:
@@ -332,7 +339,7 @@ def pattern_repeats(pattern: str) -> int:
             continue
         quantifier = _BOUNDED.match(pattern, i) if char == "{" else None
         if quantifier is not None:
-            last *= max(int(quantifier[1]), int(quantifier[2] or 0), 1)
+            last *= max(*(int(bound or 0) for bound in quantifier.groups()), 1)
             stack[-1] = max(stack[-1], last)
             i = quantifier.end()
             continue

@@ -780,15 +780,24 @@ async def test_a_pattern_too_slow_to_compile_is_refused_at_once(bundled: tuple[A
     model, tokenizer = bundled
     slow = {"type": "object", "properties": {"id": {"type": "string", "pattern": "[a-z]{1,50000}"}}}
     nested = {"type": "string", "pattern": "([a-z]{1,30}){1,30}"}
+    # (Python's {,n} is 0 to n; a key of patternProperties is a pattern too: 12,000 took 12 s)
+    zero_to = {"type": "string", "pattern": "^a{,12000}$"}
+    keyed = {"type": "object", "patternProperties": {"^a{12000}$": {"type": "integer"}}}
     fine = {"type": "string", "pattern": "([a-z]{1,4}){1,3}"}
+    cases = [
+        (slow, "pattern at /properties/id", 50000),
+        (nested, "pattern at /", 900),
+        (zero_to, "pattern at /", 12000),
+        (keyed, "patternProperties key at /", 12000),
+    ]
     async with aiocb.Manager(model, tokenizer=tokenizer) as manager:
-        for schema, where, repeats in ((slow, "/properties/id", 50000), (nested, "/", 900)):
+        for schema, where, repeats in cases:
             started = time.perf_counter()
             with pytest.raises(aiocb.InvalidRequestError) as caught:
                 await manager.generate("x", json_schema=schema, max_new_tokens=4)
             assert time.perf_counter() - started < 5
             assert caught.value.param == "json_schema"
-            assert f"the pattern at {where} repeats a piece {repeats} times" in str(caught.value)
+            assert f"the {where} repeats a piece {repeats} times" in str(caught.value)
         output = await manager.generate("x", json_schema=fine, max_new_tokens=40)
         assert output.finish_reason is aiocb.FinishReason.STOP
         assert re.fullmatch("[a-z]{1,12}", json.loads(output.text or ""))
