@@ -6,24 +6,26 @@ JSON schema of 1,000 optional properties (29 KB) took 17 s here, 400 levels of n
 KB) 20 s, 2,000 objects of 10 optional properties minutes. A client could otherwise keep
 a core busy for as long as it liked, and the compile lane of every other constraint with
 it. A compiled grammar cannot be brought back cheaply (xgrammar's serialised form of a
-3 MB grammar is 400 MB of JSON), so the child compiles the constraint to learn whether it
-compiles within the deadline, and is killed, with its compile, where it does not; one that
-did is compiled again in the engine's process, in about the same time.
+3 MB grammar is 400 MB of JSON), so the child makes and compiles the constraint's grammar
+exactly as the engine's process does (``aiocb.structured.compiler_input``, then the
+compile) to learn whether it does so within the deadline, and is killed, with its compile,
+where it does not; one that did is made and compiled again in the engine's process, in
+about the same time.
 
 The child runs this module (``python -m aiocb.grammar_process``; xgrammar imports torch and
 transformers: a start of some 3 s and 260 MiB). The children of a vocabulary are shared by
-every manager of the process (:func:`shared`), kept between managers, and end once idle
-for :data:`IDLE_EXIT_S` (the parent retires one idle for half of that before using it, so
-that none ends as it is sent a constraint), or with the process. A child reads frames on
-its standard input and answers each on its standard output:
+every manager of the process (:func:`shared`): one is started whenever a constraint finds
+none idle (each compile lane of each manager holds at most one at a time), and one idle
+for :data:`IDLE_EXIT_S` is ended by a watcher thread. A child ends with its parent (it
+watches its parent's id). It reads frames on its standard input and answers each on its
+standard output:
 
-- first, the vocabulary: ``<BdQ`` (the compiler's threads; the seconds it waits for a
-  constraint before it ends; the length) and the UTF-8 JSON of xgrammar's
-  ``TokenizerInfo``, answered by :data:`_READY`; its standard output is the protocol's
-  alone from then on;
-- then one constraint after another: ``<BQ`` (what it is: 0 an EBNF grammar, 1 a regular
-  expression, 2 a structural tag; the length) and its UTF-8 text, answered ``<BQ`` (0, 0)
-  when it compiled, or (1, the message's length) and xgrammar's message.
+- first, the vocabulary: ``<BQ`` (the compiler's threads; the length) and the UTF-8 JSON of
+  xgrammar's ``TokenizerInfo``, answered by :data:`_READY`; its standard output is the
+  protocol's alone from then on;
+- then one constraint after another: ``<BQ`` (its kind's index in :data:`KINDS`; the
+  length) and its UTF-8 text, answered ``<BQ`` (0, 0) when it compiled, or (1, the
+  message's length) and the refusal's message.
 """
 
 from __future__ import annotations
@@ -43,25 +45,24 @@ from collections import OrderedDict
 from typing import IO, Any
 
 _FRAME = struct.Struct("<BQ")
-_FIRST_FRAME = struct.Struct("<BdQ")
 #: what the child writes once it has its compiler, before its first answer
 _READY = b"\x00aiocb-grammar-ready\x00"
 #: bytes of other output a child may write before it is ready
 _MAX_BANNER = 1 << 16
-#: the longest error message an answer may carry
+#: the longest refusal message an answer may carry
 _MAX_MESSAGE = 1 << 20
 #: how long a child may take to start (the imports of torch and transformers)
 START_TIMEOUT_S = 120.0
 #: the directory ``aiocb`` is imported from here, for the child to import the same
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-#: the kinds of constraint the child compiles, by their code in the protocol
-METHODS = ("grammar", "regex", "structural_tag")
-#: children kept per vocabulary: one per compile lane (see ``aiocb.engine.requests``)
-MAX_CHILDREN = 2
-#: constraints remembered as past the deadline (refused again at once)
+#: the kinds of constraint, by their index in the protocol
+KINDS = ("json_schema", "regex", "structural_tag", "grammar")
+#: constraints remembered as past a deadline (refused again at once under one no longer)
 _REMEMBERED = 1024
-#: seconds a child waits for a constraint before it ends
+#: seconds an idle child is kept
 IDLE_EXIT_S = 900.0
+#: how often a child looks for its parent
+_PARENT_CHECK_S = 1.0
 
 
 class CompileTimeout(Exception):
@@ -86,29 +87,23 @@ class GrammarProcess:
         self._threads = max_threads
         self._child: subprocess.Popen[bytes] | None = None
         self._ending: weakref.finalize[Any, Any] | None = None
-        self._pid = os.getpid()
-        #: when the child last answered (it ends once idle for IDLE_EXIT_S)
-        self._last_used = time.monotonic()
+        #: when the child last answered
+        self.last_used = time.monotonic()
 
-    def compiles(self, method: str, text: str, timeout_s: float) -> str | None:
-        """None if ``text`` (an EBNF grammar, a regular expression or a structural tag, by
-        ``method``) compiles within ``timeout_s`` seconds, else xgrammar's message. Raises
-        :class:`CompileTimeout` past the deadline (the child is killed; the next call
-        starts another), :class:`GrammarProcessError` when no child starts and
-        :class:`CompileFailed` when the child fails."""
-        if self._pid != os.getpid():  # (forked: the parent's child is not this process's)
-            if self._ending is not None:
-                self._ending.detach()
-            self._child, self._ending, self._pid = None, None, os.getpid()
+    def compiles(self, kind: str, text: str, timeout_s: float) -> str | None:
+        """None if the constraint ``(kind, text)`` compiles within ``timeout_s`` seconds,
+        else the message of its refusal. Raises :class:`CompileTimeout` past the deadline
+        (the child is killed; the next call starts another), :class:`GrammarProcessError`
+        when no child starts and :class:`CompileFailed` when the child fails."""
         child = self._started()
         data = text.encode()
         try:
             assert child.stdin is not None and child.stdout is not None
-            child.stdin.write(_FRAME.pack(METHODS.index(method), len(data)))
+            child.stdin.write(_FRAME.pack(KINDS.index(kind), len(data)))
             child.stdin.write(data)
             child.stdin.flush()
             status, length = _FRAME.unpack(_read(child.stdout, _FRAME.size, time.monotonic() + timeout_s))
-            self._last_used = time.monotonic()
+            self.last_used = time.monotonic()
             if status == 0 and length == 0:
                 return None
             if status != 1 or length > _MAX_MESSAGE:
@@ -118,7 +113,10 @@ class GrammarProcess:
             self.close()
             raise CompileTimeout from None
         except Exception as exc:  # (a pipe closed, an answer out of step: the child goes)
-            code = child.poll()
+            try:
+                code: int | None = child.wait(timeout=1.0)  # (its output closed as it ended)
+            except subprocess.TimeoutExpired:
+                code = None
             self.close()
             ended = f"it ended with status {code}" if code is not None else repr(exc)
             raise CompileFailed(f"the process compiling it failed ({ended})") from None
@@ -132,20 +130,30 @@ class GrammarProcess:
         if ending is not None:
             ending()
 
+    def forget(self) -> None:
+        """Let go of the child without ending it (in a process forked from its parent's:
+        only this process's ends of its pipes are closed)."""
+        if self._ending is not None:
+            self._ending.detach()
+        for stream in (self._child.stdin, self._child.stdout) if self._child is not None else ():
+            if stream is not None:
+                with contextlib.suppress(OSError, ValueError):
+                    stream.close()
+        self._child = self._ending = None
+
     def _started(self) -> subprocess.Popen[bytes]:
-        idle = time.monotonic() - self._last_used
-        if self._child is not None and self._child.poll() is None and idle < IDLE_EXIT_S / 2:
+        if self._child is not None and self._child.poll() is None:
             return self._child
-        self.close()  # (dead, or soon to end by itself: a fresh one)
+        self.close()  # (one that died: its pipes closed)
         start = (
             f"import sys, runpy; sys.path.insert(0, {_PACKAGE_ROOT!r}); "
             f"runpy.run_module({__name__!r}, run_name='__main__')"
         )
         try:
             child = subprocess.Popen([sys.executable, "-c", start], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-            self._ending = weakref.finalize(self, _end, child, self._pid)
+            self._ending = weakref.finalize(self, _end, child, os.getpid())
             assert child.stdin is not None and child.stdout is not None
-            child.stdin.write(_FIRST_FRAME.pack(self._threads, IDLE_EXIT_S, len(self._info)) + self._info)
+            child.stdin.write(_FRAME.pack(self._threads, len(self._info)) + self._info)
             child.stdin.flush()
             _await_ready(child.stdout, time.monotonic() + START_TIMEOUT_S)
         except Exception as exc:  # (no interpreter, no xgrammar there, a child that died or babbled)
@@ -156,65 +164,78 @@ class GrammarProcess:
 
 
 class GrammarProcesses:
-    """The children of one vocabulary (at most :data:`MAX_CHILDREN`, started on first
-    use), and the constraints found past the deadline (refused again without a compile)."""
+    """The children of one vocabulary, and the constraints found past a deadline."""
 
     def __init__(self, tokenizer_info_json: str, max_threads: int) -> None:
         self._info = tokenizer_info_json
         self._threads = max_threads
+        self._lock = threading.Lock()
         self._idle: list[GrammarProcess] = []
-        self._made = 0
-        self._free = threading.Condition()
-        self._too_slow: OrderedDict[bytes, None] = OrderedDict()
+        #: the longest deadline each constraint was found past (by its digest)
+        self._too_slow: OrderedDict[bytes, float] = OrderedDict()
+        self._pid = os.getpid()
+        self._watcher: threading.Thread | None = None
         self._closed = False
 
-    def compiles(self, method: str, text: str, timeout_s: float) -> str | None:
-        """:meth:`GrammarProcess.compiles` in an idle child (waiting for one when all are
-        busy); raises :class:`CompileTimeout` at once for a constraint that was too slow."""
-        key = hashlib.sha256(f"{method}\0{text}".encode()).digest()
-        with self._free:
-            if key in self._too_slow:
-                self._too_slow.move_to_end(key)
-                raise CompileTimeout
-            while not self._idle and self._made >= MAX_CHILDREN:
-                self._free.wait()
+    def compiles(self, kind: str, text: str, timeout_s: float) -> str | None:
+        """:meth:`GrammarProcess.compiles` in an idle child, or a new one; raises
+        :class:`CompileTimeout` at once for a constraint found past a deadline as long."""
+        key = hashlib.sha256(f"{kind}\0{text}".encode()).digest()
+        with self._lock:
+            if self._pid != os.getpid():  # (forked: the parent's children are not this process's)
+                for process in self._idle:
+                    process.forget()
+                self._idle, self._watcher, self._pid = [], None, os.getpid()
             if self._closed:
                 raise GrammarProcessError("the grammar processes were closed")
-            if self._idle:
-                process = self._idle.pop()
-            else:
-                process = GrammarProcess(self._info, self._threads)
-                self._made += 1
+            failed_under = self._too_slow.get(key)
+            if failed_under is not None and timeout_s <= failed_under:
+                self._too_slow.move_to_end(key)
+                raise CompileTimeout
+            process = self._idle.pop() if self._idle else GrammarProcess(self._info, self._threads)
+            if self._watcher is None:
+                self._watcher = threading.Thread(target=self._end_idle, name="aiocb-grammar-idle", daemon=True)
+                self._watcher.start()
         try:
-            return process.compiles(method, text, timeout_s)
+            return process.compiles(kind, text, timeout_s)
         except CompileTimeout:
-            with self._free:
-                self._too_slow[key] = None
+            with self._lock:
+                self._too_slow[key] = max(timeout_s, self._too_slow.get(key, 0.0))
+                self._too_slow.move_to_end(key)
                 while len(self._too_slow) > _REMEMBERED:
                     self._too_slow.popitem(last=False)
             raise
         finally:
-            with self._free:
+            with self._lock:
                 if self._closed:
                     process.close()
                 else:
                     self._idle.append(process)
-                self._free.notify()
 
     def close(self) -> None:
-        """End every child (one compiling ends as its compile does; later calls are refused)."""
-        with self._free:
+        """End every idle child (one compiling ends as its compile does; later calls are
+        refused)."""
+        with self._lock:
             self._closed = True
             idle, self._idle = self._idle, []
-            self._free.notify_all()
         for process in idle:
             process.close()
+
+    def _end_idle(self) -> None:
+        """The watcher: end the children idle for :data:`IDLE_EXIT_S` (their processes kept
+        for later constraints, which start new ones)."""
+        pid = os.getpid()
+        while not self._closed and self._pid == pid:
+            time.sleep(min(IDLE_EXIT_S / 4, 60.0))
+            with self._lock:
+                stale = [p for p in self._idle if time.monotonic() - p.last_used > IDLE_EXIT_S]
+            for process in stale:  # (a stale one taken meanwhile restarts its child when used)
+                process.close()
 
 
 #: the children of each vocabulary, by its digest and the compiler's threads (see :func:`shared`)
 _SHARED: dict[tuple[bytes, int], GrammarProcesses] = {}
 _SHARED_LOCK = threading.Lock()
-_SHARED_PID = [os.getpid()]
 
 
 def shared(tokenizer_info_json: str, max_threads: int) -> GrammarProcesses:
@@ -222,9 +243,6 @@ def shared(tokenizer_info_json: str, max_threads: int) -> GrammarProcesses:
     compiler threads, made on first use and shared by the process's managers."""
     key = (hashlib.sha256(tokenizer_info_json.encode()).digest(), max_threads)
     with _SHARED_LOCK:
-        if _SHARED_PID[0] != os.getpid():  # (forked: the parent's children are not this process's)
-            _SHARED.clear()
-            _SHARED_PID[0] = os.getpid()
         processes = _SHARED.get(key)
         if processes is None:
             processes = _SHARED[key] = GrammarProcesses(tokenizer_info_json, max_threads)
@@ -266,23 +284,35 @@ def _await_ready(stdout: IO[bytes], deadline: float) -> None:
         seen += _read(stdout, 1, deadline)
 
 
+def _watch_parent(parent: int) -> None:
+    """End this process once its parent is gone (it is then another's child), even while it
+    compiles (xgrammar lets the GIL go)."""
+    while os.getppid() == parent:
+        time.sleep(_PARENT_CHECK_S)
+    os._exit(0)
+
+
 def _serve(stdin: IO[bytes], stdout: IO[bytes]) -> None:
-    """The child: compile each constraint it is sent, until its input ends."""
+    """The child: make and compile each constraint it is sent, until its input ends."""
     import xgrammar
 
-    threads, idle_exit_s, length = _FIRST_FRAME.unpack(stdin.read(_FIRST_FRAME.size))
+    from aiocb.errors import InvalidRequestError
+    from aiocb.structured import compiler_input, not_compiled
+
+    threads, length = _FRAME.unpack(stdin.read(_FRAME.size))
     info = xgrammar.TokenizerInfo.deserialize_json(stdin.read(length).decode())
     compiler = xgrammar.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
-    compile_ = (compiler.compile_grammar, compiler.compile_regex, compiler.compile_structural_tag)
     stdout.write(_READY)
     stdout.flush()
-    while select.select([stdin], [], [], idle_exit_s)[0] and len(header := stdin.read(_FRAME.size)) == _FRAME.size:
-        method, length = _FRAME.unpack(header)
-        text = stdin.read(length).decode()
+    while len(header := stdin.read(_FRAME.size)) == _FRAME.size:
+        index, length = _FRAME.unpack(header)
+        kind, text = KINDS[index], stdin.read(length).decode()
         try:
-            compile_[method](text)
-        except Exception as exc:  # (its message goes back to the request)
-            message = str(exc).encode()[:_MAX_MESSAGE]
+            method, argument = compiler_input(kind, text)
+            getattr(compiler, f"compile_{method}")(argument)
+        except Exception as exc:  # (its refusal's message goes back to the request)
+            refusal = exc if isinstance(exc, InvalidRequestError) else not_compiled(kind, exc)
+            message = str(refusal.args[0]).encode()[:_MAX_MESSAGE]
             stdout.write(_FRAME.pack(1, len(message)) + message)
         else:
             stdout.write(_FRAME.pack(0, 0))
@@ -290,6 +320,7 @@ def _serve(stdin: IO[bytes], stdout: IO[bytes]) -> None:
 
 
 if __name__ == "__main__":
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     # Its parent ends it (closing its input, or killing it); a Ctrl-C in the parent's
     # terminal, sent to the child as well, is not its to act on.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

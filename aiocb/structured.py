@@ -115,16 +115,13 @@ class GrammarCompiler:
         problem = _schema_problem(kind, text)
         if problem is not None:
             raise InvalidRequestError(f"{kind}: {problem}", param=kind)
-        try:
-            method, argument = _compiler_input(kind, text)
-        except Exception as error:
-            raise _not_compiled(kind, error) from None
         if self.compile_timeout is not None and len(structure[1]) > PROBED_ABOVE:
-            self._probe(kind, method, str(argument))
+            self._probe(kind, text)
         try:
+            method, argument = compiler_input(kind, text)
             compiled = getattr(self._compiler, f"compile_{method}")(argument)
         except Exception as error:
-            raise _not_compiled(kind, error) from None
+            raise not_compiled(kind, error) from None
         with self._lock:
             if structure not in self._compiled:
                 self._compiled[structure] = compiled
@@ -134,16 +131,17 @@ class GrammarCompiler:
                     self._cached_bytes -= dropped.memory_size_bytes
         return compiled
 
-    def _probe(self, kind: str, method: str, text: str) -> None:
-        """Compile ``text`` in a child process first (see :mod:`aiocb.grammar_process`):
-        InvalidRequestError when it does not compile, or not within :attr:`compile_timeout`."""
+    def _probe(self, kind: str, text: str) -> None:
+        """Make and compile the constraint in a child process first (see
+        :mod:`aiocb.grammar_process`): InvalidRequestError when it does not compile, or not
+        within :attr:`compile_timeout`."""
         assert self.compile_timeout is not None
         with self._lock:
             if self._processes is None:
                 self._processes = grammar_process.shared(self._info.serialize_json(), self._threads)
             processes = self._processes
         try:
-            message = processes.compiles(method, text, self.compile_timeout)
+            message = processes.compiles(kind, text, self.compile_timeout)
         except CompileTimeout:
             raise InvalidRequestError(
                 f"{kind} does not compile within grammar_compile_timeout ({self.compile_timeout:g} s; it was "
@@ -159,7 +157,7 @@ class GrammarCompiler:
                 self.compile_timeout = None
             return
         if message is not None:
-            raise InvalidRequestError(f"{kind} cannot be compiled: {_xgrammar_text(message)}", param=kind)
+            raise InvalidRequestError(message, param=kind)
 
     def state(self, structure: tuple[str, str], ends: frozenset[int] | None = None) -> GrammarState:
         """A fresh matcher for one request (or one sample of it), whose complete output ends
@@ -861,19 +859,18 @@ def answer_format(structure: tuple[str, str]) -> dict[str, Any]:
 _SOURCE_POSITION = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")
 
 
-def _xgrammar_text(error: Exception | str) -> str:
-    """An xgrammar error's message (or its text) without the time and source file its C++
-    code gives it."""
+def _xgrammar_text(error: Exception) -> str:
+    """An xgrammar error's message without the time and source file its C++ code gives it."""
     return _SOURCE_POSITION.sub("", str(error).strip(), count=1) or type(error).__name__
 
 
-def _not_compiled(kind: str, error: Exception) -> InvalidRequestError:
+def not_compiled(kind: str, error: Exception) -> InvalidRequestError:
     """The refusal of a constraint that xgrammar (or the translation of its patterns) refused."""
     message = str(error) if isinstance(error, UnsupportedPattern) else _xgrammar_text(error)
     return InvalidRequestError(f"{kind} cannot be compiled: {message}", param=kind)
 
 
-def _compiler_input(kind: str, text: str) -> tuple[str, Any]:
+def compiler_input(kind: str, text: str) -> tuple[str, Any]:
     """What xgrammar's compiler is given for a constraint: ``(method, argument)``, the
     compiler's ``compile_<method>`` and its argument (a grammar, or text; its ``str`` is
     text the same method takes)."""
