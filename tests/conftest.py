@@ -85,7 +85,7 @@ def _generate_alone(model: PreTrainedModel, prompt: Sequence[int], max_new_token
     return [int(t) for t in out[0, len(prompt) :]]
 
 
-def arm_failure(model: PreTrainedModel, error: type[Exception] = RuntimeError) -> dict[str, bool]:
+def arm_failure(model: PreTrainedModel, error: type[BaseException] = RuntimeError) -> dict[str, bool]:
     """Make the model's first layer raise ``error`` once ``switch["fail"]`` is set."""
     switch = {"fail": False}
 

@@ -59,6 +59,8 @@ from aiocb.speculative import SpeculativeConfig, draft_share, load_draft_model
 logger = logging.getLogger(__name__)
 
 _CACHED_MANAGER_ATTR = "_aiocb_persistent_manager"
+#: what a session's task raises again once every waiter has its end (the event loop's to act on)
+_INTERRUPTS = (KeyboardInterrupt, SystemExit)
 
 
 class _State(enum.Enum):
@@ -527,8 +529,10 @@ class Manager:
                 previous, starting, ManagerClosedError("the event loop shut down while the manager started")
             )
             raise
-        except Exception as exc:
+        except BaseException as exc:  # (a BaseException of the model's too: every waiter must hear)
             self._not_started(previous, starting, exc)
+            if isinstance(exc, _INTERRUPTS):
+                raise
             return
         self._state = _State.RUNNING
         starting.set_result(None)
@@ -548,12 +552,14 @@ class Manager:
             starting.exception()  # (retrieved: nobody has to wait for the start)
             self._end_session()
             raise
-        except Exception as exc:
+        except BaseException as exc:  # (a BaseException of the model's too: every waiter must hear)
             assert self._steps is steps
             self._drop_queue(f"the manager's start failed (building the model runner and its KV cache: {exc!r})")
             if self._runner is None:
                 self._layout = None  # (the next start plans anew)
             self._not_started(previous, starting, exc)
+            if isinstance(exc, _INTERRUPTS):
+                raise
             return
         self._stop_deadline_timers()  # (the step loop ends those requests from now on)
         self._runner = runner
@@ -835,8 +841,10 @@ class Manager:
             self._router.abort_all("the event loop running the manager shut down")
             self._end_session()
             raise
-        except Exception as exc:
+        except BaseException as exc:  # (a BaseException of the model's too: pytest.fail in a hook, say)
             self._die(exc)
+            if isinstance(exc, _INTERRUPTS):
+                raise
         else:
             self._end_session()
 

@@ -52,6 +52,48 @@ async def test_a_failing_forward_reaches_every_awaiter_and_stream() -> None:
     assert model.config._attn_implementation == "sdpa"
 
 
+class Interrupt(BaseException):
+    """Not an Exception (as pytest.fail's and pytest.skip's are not)."""
+
+
+async def test_a_base_exception_from_the_model_kills_the_engine_as_an_exception_does() -> None:
+    model = tiny_qwen3()
+    switch = arm_failure(model, Interrupt)
+    manager = aiocb.Manager(model)
+    manager.start()
+    await manager.generate(PROMPTS[0], max_new_tokens=2)  # healthy first
+    stream = manager.stream(await manager.add_request(PROMPTS[1], max_new_tokens=500))
+    await anext(stream)
+    switch["fail"] = True
+    with pytest.raises(aiocb.EngineDeadError) as caught:
+        await asyncio.wait_for(manager.generate(PROMPTS[0], max_new_tokens=500), 10)
+    assert isinstance(caught.value.cause, Interrupt)
+    with pytest.raises(aiocb.EngineDeadError):
+        await asyncio.wait_for(anext(stream), 10)
+    assert manager.is_dead
+    with pytest.raises(aiocb.EngineDeadError):
+        await manager.add_request(PROMPTS[2])
+    await manager.stop()
+    await manager.destroy()
+
+
+async def test_a_base_exception_while_the_runner_is_built_fails_the_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    from aiocb.engine import manager as manager_module
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise Interrupt("while building the runner")
+
+    monkeypatch.setattr(manager_module, "build_runner", interrupted)
+    manager = aiocb.Manager(tiny_qwen3())
+    manager.start()
+    queued = asyncio.create_task(manager.generate(PROMPTS[0], max_new_tokens=2))
+    with pytest.raises(Interrupt):
+        await asyncio.wait_for(manager.wait_started(), 10)
+    with pytest.raises(aiocb.RequestAbortedError, match="Interrupt"):
+        await asyncio.wait_for(queued, 10)
+    assert not manager.is_running and not manager.is_dead
+
+
 @pytest.mark.parametrize("error", [torch.OutOfMemoryError, MemoryError])
 async def test_a_first_pass_out_of_memory_is_the_cause_not_the_models_attention(error: type[Exception]) -> None:
     """A first pass that fails before any layer reaches aiocb's attention is taken for a
