@@ -26,7 +26,15 @@ def tests(session: nox.Session) -> None:
     """Run the test suite on CPU (no slow or GPU tests)."""
     _install(session, "test")
     # (the slowest tests listed: the session must stay well under 15 minutes on 2 cores)
-    session.run("pytest", "-m", "not slow and not gpu", "--durations=25", *session.posargs)
+    session.run("pytest", "-m", "not slow and not gpu and not multiprocess", "--durations=25", *session.posargs)
+
+
+@nox.session
+def multiprocess(session: nox.Session) -> None:
+    """Run the tests that launch processes: tensor-parallel ranks under torchrun, Ray Serve
+    replicas, the server's API workers (the slow ones among them run with `nox -s slow`)."""
+    _install(session, "test")
+    session.run("pytest", "-m", "multiprocess and not slow and not gpu", "--durations=10", *session.posargs)
 
 
 @nox.session

@@ -16,9 +16,12 @@ from tests.conftest import reference_generate
 from tests.distributed._ranks import MAX_NEW_TOKENS, PROMPTS
 from tests.distributed.launch import Ranks, launch, logs_of
 
-pytestmark = pytest.mark.skipif(
-    not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo"
-)
+pytestmark = [
+    pytest.mark.multiprocess,
+    pytest.mark.skipif(
+        not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo"
+    ),
+]
 
 
 def _both_ran(scenario: str, llama_dir: Path, tmp_path: Path) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -138,6 +138,7 @@ def test_sharded_plans_agree_on_the_smallest_sizes() -> None:
     assert _minimum_plan(plans) == CachePlan(16, [90, 40], 4096, 128, 9_000, [0, 0])
 
 
+@pytest.mark.multiprocess
 def test_generate_batch_s_argument_fingerprint_is_the_same_in_every_process() -> None:
     """Sets of strings iterate in another order under another hash seed, and an object's
     default repr names its address: the digest must not change with either."""
@@ -192,6 +193,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.multiprocess
 def test_shutdown_puts_what_aiocb_froze_back_in_the_collectors_view() -> None:
     """Frozen cycles keep what they refer to of torch.distributed alive past
     destroy_process_group(), to be torn down at exit: shutdown() thaws and collects them

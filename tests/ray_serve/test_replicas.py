@@ -26,6 +26,8 @@ from aiocb.ray_serve.tensor_parallel import FOLLOWER_NAMESPACE, follower_name
 from aiocb.server import build_app as build_server
 from tests.distributed.launch import free_port
 
+pytestmark = pytest.mark.multiprocess
+
 MODEL = "pycode-tiny"
 CONFIG = aiocb.ContinuousBatchingConfig(page_size=16, num_blocks=1024)
 #: 8 tenants' system prompts of about 1,000 characters, different from their first line.

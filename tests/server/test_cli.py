@@ -453,6 +453,7 @@ def _metric(text: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
+@pytest.mark.multiprocess
 def test_api_workers_serve_together_and_drain(model_dir: Path, tmp_path: Path, tokenizer: Any) -> None:
     """Two HTTP processes over one engine: the same answers, metrics summed, SIGTERM drains."""
     port = _free_port()
@@ -525,6 +526,7 @@ def _worker_pid(log: Path) -> int:
     return int(log.read_text().split("API workers (pids ")[1].split(")")[0])
 
 
+@pytest.mark.multiprocess
 def test_a_dead_api_worker_stops_the_server(model_dir: Path, tmp_path: Path) -> None:
     process, log, _ = _one_api_worker(model_dir, tmp_path)
     try:
@@ -538,6 +540,7 @@ def test_a_dead_api_worker_stops_the_server(model_dir: Path, tmp_path: Path) -> 
     assert f"API worker {worker} exited" in log.read_text()
 
 
+@pytest.mark.multiprocess
 def test_api_workers_exit_when_the_engine_dies(model_dir: Path, tmp_path: Path) -> None:
     """A killed engine's workers leave too, freeing the port for the supervisor's restart."""
     process, log, port = _one_api_worker(model_dir, tmp_path)
