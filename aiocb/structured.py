@@ -3,7 +3,9 @@ of strings, an EBNF grammar or a structural tag, through xgrammar (the ``aiocb[s
 
 A constraint is compiled once per ``(kind, text)`` against the tokenizer's vocabulary
 (:class:`GrammarCompiler`, cached, the least recently used dropped beyond
-:data:`CACHE_LIMIT_BYTES`; the manager's async methods compile off the event loop). Each
+:data:`CACHE_LIMIT_BYTES`; the manager's async methods compile off the event loop; one
+longer than :data:`PROBED_ABOVE` characters is compiled in a child process first, under
+the manager's deadline: see :mod:`aiocb.grammar_process`). Each
 constrained request keeps a :class:`GrammarState` on the loop's thread: the plan's copy
 for the device fills the request's row of the step's token bitmask (what the grammar
 allows next), the sampler masks that row's logits with it, and the sampled token moves
@@ -115,8 +117,9 @@ class GrammarCompiler:
         problem = _schema_problem(kind, text)
         if problem is not None:
             raise InvalidRequestError(f"{kind}: {problem}", param=kind)
-        if self.compile_timeout is not None and len(structure[1]) > PROBED_ABOVE:
-            self._probe(kind, text)
+        timeout = self.compile_timeout  # (None from now on where no child starts: read once)
+        if timeout is not None and len(structure[1]) > PROBED_ABOVE:
+            self._probe(kind, text, timeout)
         try:
             method, argument = compiler_input(kind, text)
             compiled = getattr(self._compiler, f"compile_{method}")(argument)
@@ -131,20 +134,19 @@ class GrammarCompiler:
                     self._cached_bytes -= dropped.memory_size_bytes
         return compiled
 
-    def _probe(self, kind: str, text: str) -> None:
+    def _probe(self, kind: str, text: str, timeout: float) -> None:
         """Make and compile the constraint in a child process first (see
         :mod:`aiocb.grammar_process`): InvalidRequestError when it does not compile, or not
-        within :attr:`compile_timeout`."""
-        assert self.compile_timeout is not None
+        within ``timeout`` seconds."""
         with self._lock:
             if self._processes is None:
                 self._processes = grammar_process.shared(self._info.serialize_json(), self._threads)
             processes = self._processes
         try:
-            message = processes.compiles(kind, text, self.compile_timeout)
+            message = processes.compiles(kind, text, timeout)
         except CompileTimeout:
             raise InvalidRequestError(
-                f"{kind} does not compile within grammar_compile_timeout ({self.compile_timeout:g} s; it was "
+                f"{kind} does not compile within grammar_compile_timeout ({timeout:g} s; it was "
                 "stopped): give a simpler one (fewer optional properties, less nesting), or raise the manager's "
                 "ContinuousBatchingConfig.grammar_compile_timeout",
                 param=kind,
