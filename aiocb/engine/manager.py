@@ -529,6 +529,8 @@ class Manager:
                 previous, starting, ManagerClosedError("the event loop shut down while the manager started")
             )
             raise
+        except GeneratorExit:  # (the coroutine closed with its loop: nothing of the model's)
+            raise
         except BaseException as exc:  # (a BaseException of the model's too: every waiter must hear)
             self._not_started(previous, starting, exc)
             if isinstance(exc, _INTERRUPTS):
@@ -551,6 +553,8 @@ class Manager:
             starting.set_exception(ManagerClosedError("the event loop shut down while the manager started"))
             starting.exception()  # (retrieved: nobody has to wait for the start)
             self._end_session()
+            raise
+        except GeneratorExit:  # (the coroutine closed with its loop: nothing of the model's)
             raise
         except BaseException as exc:  # (a BaseException of the model's too: every waiter must hear)
             assert self._steps is steps
@@ -840,6 +844,8 @@ class Manager:
             # The event loop is closing under us (asyncio.run() returned, say).
             self._router.abort_all("the event loop running the manager shut down")
             self._end_session()
+            raise
+        except GeneratorExit:  # (the coroutine closed with its loop: nothing of the model's)
             raise
         except BaseException as exc:  # (a BaseException of the model's too: pytest.fail in a hook, say)
             self._die(exc)
