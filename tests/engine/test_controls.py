@@ -30,7 +30,11 @@ SCHEDULES: dict[str, dict[str, Any]] = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(MODELS))
+# (llama's cases run with `nox -s slow`; the gate checks llama's parity in tests/runner/test_parity.py)
+@pytest.fixture(
+    scope="module",
+    params=[name if name == "qwen3" else pytest.param(name, marks=pytest.mark.slow) for name in sorted(MODELS)],
+)
 def model(request: pytest.FixtureRequest) -> PreTrainedModel:
     return MODELS[request.param]()
 

@@ -178,6 +178,7 @@ def test_wide_graphs_run_steps_whose_block_tables_fit_theirs() -> None:
     assert width([2] * 5, 5, 40) == 0  # (more rows than the graphs hold)
 
 
+@pytest.mark.slow  # (20 s of the default session; the graphs of proposals are checked there)
 async def test_a_failed_capture_of_speculations_graphs_leaves_its_steps_eager(
     graphs_on_cpu: list[int], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
