@@ -1014,7 +1014,7 @@ def test_the_grammar_process_answers_and_is_killed_past_the_deadline(
             began = time.monotonic()
             with pytest.raises(CompileTimeout):
                 processes.compiles("json_schema", slow, deadline)
-            assert deadline <= time.monotonic() - began < deadline + 5  # (killed at the deadline, and a start)
+            assert deadline <= time.monotonic() - began < deadline + 20  # (killed at the deadline, and a start)
             assert not _children(others)
         began = time.monotonic()
         with pytest.raises(CompileTimeout):  # (remembered: refused again without a compile)
@@ -1023,7 +1023,9 @@ def test_the_grammar_process_answers_and_is_killed_past_the_deadline(
         tag = json.dumps({"format": {"type": "const_string", "value": "x"}})
         assert processes.compiles("structural_tag", tag, 30.0) is None
         assert len(_children(others)) == 1  # (another child, started for it)
-        time.sleep(2.0)
+        idle_for = time.monotonic() + 10.0
+        while _children(others) and time.monotonic() < idle_for:
+            time.sleep(0.1)
         assert not _children(others)  # (idle: it was ended)
         # A child that ends while it compiles (a crash, the out-of-memory killer) fails
         # that constraint's compile: it would have failed the engine's process.
