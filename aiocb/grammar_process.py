@@ -44,6 +44,8 @@ import weakref
 from collections import OrderedDict
 from typing import IO, Any
 
+from aiocb import child_processes
+
 _FRAME = struct.Struct("<BQ")
 #: what the child writes once it has its compiler, before its first answer
 _READY = b"\x00aiocb-grammar-ready\x00"
@@ -133,12 +135,7 @@ class GrammarProcess:
     def forget(self) -> None:
         """Let go of the child without ending it (in a process forked from its parent's:
         only this process's ends of its pipes are closed)."""
-        if self._ending is not None:
-            self._ending.detach()
-        for stream in (self._child.stdin, self._child.stdout) if self._child is not None else ():
-            if stream is not None:
-                with contextlib.suppress(OSError, ValueError):
-                    stream.close()
+        child_processes.let_go(self._child, self._ending)
         self._child = self._ending = None
 
     def _started(self) -> subprocess.Popen[bytes]:
@@ -151,7 +148,7 @@ class GrammarProcess:
         )
         try:
             child = subprocess.Popen([sys.executable, "-c", start], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-            self._ending = weakref.finalize(self, _end, child, os.getpid())
+            self._ending = weakref.finalize(self, child_processes.end, child, os.getpid())
             assert child.stdin is not None and child.stdout is not None
             child.stdin.write(_FRAME.pack(self._threads, len(self._info)) + self._info)
             child.stdin.flush()
@@ -247,17 +244,6 @@ def shared(tokenizer_info_json: str, max_threads: int) -> GrammarProcesses:
         if processes is None:
             processes = _SHARED[key] = GrammarProcesses(tokenizer_info_json, max_threads)
         return processes
-
-
-def _end(child: subprocess.Popen[bytes], pid: int) -> None:
-    """Kill the child made by process ``pid`` and close its pipes."""
-    if os.getpid() == pid and child.poll() is None:
-        child.kill()
-        child.wait()
-    for stream in (child.stdin, child.stdout):
-        if stream is not None:
-            with contextlib.suppress(OSError, ValueError):
-                stream.close()
 
 
 def _read(stream: IO[bytes], size: int, deadline: float) -> bytes:

@@ -28,7 +28,6 @@ its standard input and answers each on its standard output:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import signal
@@ -40,6 +39,7 @@ import weakref
 from array import array
 from typing import IO, Any, NamedTuple
 
+from aiocb import child_processes
 from aiocb.gil import yield_gil
 
 log = logging.getLogger(__name__)
@@ -221,7 +221,7 @@ class TokenizerProcess:
             child = subprocess.Popen(
                 [sys.executable, "-c", start], stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=1 << 16
             )
-            self._ending = weakref.finalize(self, _end, child, self._pid)
+            self._ending = weakref.finalize(self, child_processes.end, child, self._pid)
             assert child.stdin is not None and child.stdout is not None
             child.stdin.write(self._source)
             child.stdin.flush()
@@ -245,27 +245,10 @@ class TokenizerProcess:
         """In a process forked from the one that made the child: let go of the parent's
         child (it is not this process's to end) and of a lock a parent's thread may have
         held at the fork."""
-        if self._ending is not None:
-            self._ending.detach()
-        for stream in (self._child.stdin, self._child.stdout) if self._child is not None else ():
-            if stream is not None:
-                with contextlib.suppress(OSError, ValueError):
-                    stream.close()
+        child_processes.let_go(self._child, self._ending)
         self._child = self._ending = None
         self._lock = threading.Lock()
         self._pid = os.getpid()
-
-
-def _end(child: subprocess.Popen[bytes], pid: int) -> None:
-    """End the child made by process ``pid`` and close its pipes (only close them in a
-    process forked from that one: the child is not its to end)."""
-    if os.getpid() == pid and child.poll() is None:
-        child.kill()  # (idle, it holds nothing; busy, its caller tokenizes in its own process)
-        child.wait()
-    for stream in (child.stdin, child.stdout):
-        if stream is not None:
-            with contextlib.suppress(OSError, ValueError):
-                stream.close()
 
 
 class TokenizerProcessHolder:
