@@ -2,8 +2,8 @@
 compiles in the engine's process for longer than it.
 
 xgrammar's compile cannot be stopped, and its time grows fast with a constraint's shape: a
-JSON schema of 1,000 optional properties (29 KB) took 17 s here, 400 levels of nesting (24
-KB) 20 s, 2,000 objects of 10 optional properties minutes. A client could otherwise keep
+JSON schema of 1,000 optional properties (28 KB) took 12 s on a 2-core machine, 400 levels
+of nesting (24 KB) 18 s, 2,000 objects of 10 optional properties minutes. A client could otherwise keep
 a core busy for as long as it liked, and the compile lane of every other constraint with
 it. A compiled grammar cannot be brought back cheaply (xgrammar's serialised form of a
 3 MB grammar is 400 MB of JSON), so the child makes and compiles the constraint's grammar

@@ -14,7 +14,7 @@ compile there, the compile here), a second one's (a warm child), and how long a 
 past the deadline takes to be refused, and to be refused again.
 
     python bench/grammar_compile.py            # the shapes up to a few seconds each
-    python bench/grammar_compile.py --full     # and the largest (17-20 s each here)
+    python bench/grammar_compile.py --full     # and the largest (10-18 s each on a 2-core EPYC)
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def _timed_compile(compiler: GrammarCompiler, schema: dict[str, Any]) -> tuple[f
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--full", action="store_true", help="also the largest shapes (17-20 s each here)")
+    parser.add_argument("--full", action="store_true", help="also the largest shapes (10-18 s each on a 2-core EPYC)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     print(machine_info())
