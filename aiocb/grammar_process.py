@@ -34,7 +34,6 @@ import contextlib
 import hashlib
 import os
 import select
-import signal
 import struct
 import subprocess
 import sys
@@ -49,14 +48,10 @@ from aiocb import child_processes
 _FRAME = struct.Struct("<BQ")
 #: what the child writes once it has its compiler, before its first answer
 _READY = b"\x00aiocb-grammar-ready\x00"
-#: bytes of other output a child may write before it is ready
-_MAX_BANNER = 1 << 16
 #: the longest refusal message an answer may carry
 _MAX_MESSAGE = 1 << 20
 #: how long a child may take to start (the imports of torch and transformers)
 START_TIMEOUT_S = 120.0
-#: the directory ``aiocb`` is imported from here, for the child to import the same
-_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: the kinds of constraint, by their index in the protocol
 KINDS = ("json_schema", "regex", "structural_tag", "grammar")
 #: constraints remembered as past a deadline (refused again at once under one no longer)
@@ -142,17 +137,14 @@ class GrammarProcess:
         if self._child is not None and self._child.poll() is None:
             return self._child
         self.close()  # (one that died: its pipes closed)
-        start = (
-            f"import sys, runpy; sys.path.insert(0, {_PACKAGE_ROOT!r}); "
-            f"runpy.run_module({__name__!r}, run_name='__main__')"
-        )
         try:
-            child = subprocess.Popen([sys.executable, "-c", start], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            child = child_processes.launch(__name__)
             self._ending = weakref.finalize(self, child_processes.end, child, os.getpid())
             assert child.stdin is not None and child.stdout is not None
             child.stdin.write(_FRAME.pack(self._threads, len(self._info)) + self._info)
             child.stdin.flush()
-            _await_ready(child.stdout, time.monotonic() + START_TIMEOUT_S)
+            deadline, stdout = time.monotonic() + START_TIMEOUT_S, child.stdout
+            child_processes.await_ready(lambda: _read(stdout, 1, deadline), _READY, "grammar process")
         except Exception as exc:  # (no interpreter, no xgrammar there, a child that died or babbled)
             self.close()
             raise GrammarProcessError(f"the grammar process did not start: {exc!r}") from None
@@ -261,15 +253,6 @@ def _read(stream: IO[bytes], size: int, deadline: float) -> bytes:
     return data
 
 
-def _await_ready(stdout: IO[bytes], deadline: float) -> None:
-    """Read the child's output up to :data:`_READY` (what came before it is no answer)."""
-    seen = b""
-    while not seen.endswith(_READY):
-        if len(seen) > _MAX_BANNER:
-            raise EOFError("the grammar process wrote too much before it was ready")
-        seen += _read(stdout, 1, deadline)
-
-
 def _watch_parent(parent: int) -> None:
     """End this process once its parent is gone (it is then another's child), even while it
     compiles (xgrammar lets the GIL go)."""
@@ -307,16 +290,9 @@ def _serve(stdin: IO[bytes], stdout: IO[bytes]) -> None:
 
 if __name__ == "__main__":
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
-    # Its parent ends it (closing its input, or killing it); a Ctrl-C in the parent's
-    # terminal, sent to the child as well, is not its to act on.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
     # A constraint that takes all memory: the kernel's out-of-memory killer takes this
     # process first, not the engine's.
     with contextlib.suppress(OSError), open("/proc/self/oom_score_adj", "w") as adjust:
         adjust.write("1000")
-    # The answers go out on a copy of the standard output; what anything prints from now
-    # on (xgrammar's warnings among it) goes to the standard error.
-    answers = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
-    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
-    _serve(sys.stdin.buffer, answers)
+    _serve(sys.stdin.buffer, child_processes.protocol_output())  # (xgrammar's warnings to stderr)
     os._exit(0)  # (nothing to tear down: torch's teardown took a second)

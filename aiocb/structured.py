@@ -247,18 +247,25 @@ def _pattern_problem(schema: Any) -> str | None:
     """``the pattern at PATH: why`` for the first ``pattern`` (or ``patternProperties``
     name) of ``schema`` (parsed) that :func:`~aiocb.python_regex.xgrammar_regex` refuses;
     None if none."""
-    for path, node in _schemas(schema):
-        pattern = node.get("pattern")
-        names = node.get("patternProperties")
-        found = [("pattern", pattern)] if isinstance(pattern, str) else []
-        found += [("patternProperties", name) for name in names] if isinstance(names, dict) else []
-        for key, text in found:
-            try:
-                xgrammar_regex(text)
-            except UnsupportedPattern as error:
-                where = "/".join(str(step) for step in (*path, key))
-                return f"the {key} {text!r} at /{where}: {error}"
+    for path, key, text in _patterns(schema):
+        try:
+            xgrammar_regex(text)
+        except UnsupportedPattern as error:
+            where = "/".join(str(step) for step in (*path, key))
+            return f"the {key} {text!r} at /{where}: {error}"
     return None
+
+
+def _patterns(schema: Any) -> Iterator[tuple[tuple[str | int, ...], str, str]]:
+    """``(path, key, pattern)`` for every regular expression of ``schema`` (parsed): a
+    ``pattern`` (key ``"pattern"``) and each name of a ``patternProperties`` (key
+    ``"patternProperties"``)."""
+    for path, node in _schemas(schema):
+        pattern, names = node.get("pattern"), node.get("patternProperties")
+        if isinstance(pattern, str):
+            yield path, "pattern", pattern
+        if isinstance(names, dict):
+            yield from ((path, "patternProperties", name) for name in names if isinstance(name, str))
 
 
 def _literal_characters(schema: Any) -> int:
@@ -293,19 +300,15 @@ def _slow_pattern(schema: Any) -> str | None:
     """``the pattern at PATH ...`` for the first ``pattern`` of ``schema`` (parsed), or key
     of its ``patternProperties``, that repeats a piece more than :data:`MAX_PATTERN_REPEATS`
     times; None if none does."""
-    for path, node in _schemas(schema):
-        keyed = node.get("patternProperties")
-        patterns = [("pattern", node.get("pattern"))]
-        if isinstance(keyed, dict):
-            patterns += [("patternProperties key", key) for key in keyed]
-        for what, pattern in patterns:
-            if isinstance(pattern, str) and (repeats := pattern_repeats(pattern)) > MAX_PATTERN_REPEATS:
-                return (
-                    f"the {what} at /{'/'.join(str(step) for step in path)} repeats a piece {repeats} times through "
-                    f"bounded quantifiers, more than the {MAX_PATTERN_REPEATS} that compile in good time (a "
-                    "quantifier inside another counts their product); use a smaller bound, or * and + (unbounded "
-                    "repetition is cheap)"
-                )
+    for path, key, pattern in _patterns(schema):
+        if (repeats := pattern_repeats(pattern)) > MAX_PATTERN_REPEATS:
+            what = "pattern" if key == "pattern" else "patternProperties key"
+            return (
+                f"the {what} at /{'/'.join(str(step) for step in path)} repeats a piece {repeats} times through "
+                f"bounded quantifiers, more than the {MAX_PATTERN_REPEATS} that compile in good time (a "
+                "quantifier inside another counts their product); use a smaller bound, or * and + (unbounded "
+                "repetition is cheap)"
+            )
     return None
 
 
@@ -837,24 +840,16 @@ def answer_format(structure: tuple[str, str]) -> dict[str, Any]:
     problem = _schema_problem(kind, text)
     if problem is not None:
         raise InvalidRequestError(f"{kind}: {problem}", param=kind)
-    if kind == "regex":
-        try:
-            return {"type": "regex", "pattern": xgrammar_regex(text)}
-        except UnsupportedPattern as error:
-            raise InvalidRequestError(f"{kind} cannot be compiled: {error}", param=kind) from None
-    if kind == "grammar":
-        try:
-            return {"type": "grammar", "grammar": str(_mended_grammar(text))}
-        except Exception as error:  # (xgrammar raises RuntimeError and others on bad input)
-            raise InvalidRequestError(f"{kind} cannot be compiled: {_xgrammar_text(error)}", param=kind) from None
     if kind == "structural_tag":
         format_: dict[str, Any] = json.loads(current_structural_tag(text))["format"]
         return format_
     try:
-        grammar = json_schema_grammar(text, any_whitespace=False)
-    except Exception as error:  # (xgrammar raises RuntimeError and others on bad input)
-        raise InvalidRequestError(f"{kind} cannot be compiled: {_xgrammar_text(error)}", param=kind) from None
-    return {"type": "grammar", "grammar": str(grammar)}
+        method, argument = compiler_input(kind, text)
+    except Exception as error:
+        raise not_compiled(kind, error) from None
+    if method == "regex":
+        return {"type": "regex", "pattern": argument}
+    return {"type": "grammar", "grammar": str(argument)}
 
 
 #: The time and source position xgrammar's C++ errors begin with (``[08:20:44] /x/y.cc:4944: ``).

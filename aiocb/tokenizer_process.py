@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 import struct
 import subprocess
 import sys
@@ -51,12 +50,10 @@ _LENGTH = struct.Struct("<Q")
 _SOURCE = struct.Struct("<BQ")
 #: what the child writes once it has loaded the tokenizer, before its first answer
 _READY = b"\x00aiocb-tokenizer-ready\x00"
-#: bytes of other output a child may write before it is ready
-_MAX_BANNER = 1 << 16
+#: the longest error message an answer may carry
+_MAX_MESSAGE = 1 << 16
 #: the largest ``keep`` or ``limit`` sent (the protocol's are signed 64-bit)
 _MAX_COUNT = 1 << 62
-#: the directory ``aiocb`` is imported from here, for the child to import the same
-_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: characters encoded to UTF-8 at a time when a text is sent (each a short hold of the GIL)
 _SEND_CHARS = 1 << 16
 #: Prompts longer than this many characters are worth the child (one of this length holds
@@ -212,21 +209,15 @@ class TokenizerProcess:
         if self._child is not None and self._child.poll() is None:
             return self._child
         self._stop()  # (a child that died: its pipes closed now, not when this object goes)
-        # The same aiocb as this process's, whatever the working directory holds.
-        start = (
-            f"import sys, runpy; sys.path.insert(0, {_PACKAGE_ROOT!r}); "
-            f"runpy.run_module({__name__!r}, run_name='__main__')"
-        )
         try:
-            child = subprocess.Popen(
-                [sys.executable, "-c", start], stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=1 << 16
-            )
+            child = child_processes.launch(__name__, bufsize=1 << 16)
             self._ending = weakref.finalize(self, child_processes.end, child, self._pid)
             assert child.stdin is not None and child.stdout is not None
             child.stdin.write(self._source)
             child.stdin.flush()
-            _await_ready(child.stdout)
-            (self.vocab_size,) = _LENGTH.unpack(_read(child.stdout, _LENGTH.size))
+            stdout = child.stdout
+            child_processes.await_ready(lambda: _read(stdout, 1), _READY, "tokenizer process")
+            (self.vocab_size,) = _LENGTH.unpack(_read(stdout, _LENGTH.size))
         except Exception as exc:  # (no interpreter to start, no pipe, a child that died or babbled)
             self._stop()
             raise TokenizerProcessError(f"the tokenizer process did not start: {exc!r}") from None
@@ -359,15 +350,6 @@ def fingerprint(tokenizer: Any) -> tuple[Any, ...]:
     return (len(tokenizer), *(tuple(tokenizer.encode(probe, add_special_tokens=s)) for s in (True, False)))
 
 
-def _await_ready(stdout: IO[bytes]) -> None:
-    """Read the child's output up to :data:`_READY` (what came before it is no answer)."""
-    seen = b""
-    while not seen.endswith(_READY):
-        if len(seen) > _MAX_BANNER:
-            raise EOFError("the tokenizer process wrote too much before it was ready")
-        seen += _read(stdout, 1)
-
-
 def _answer(stdout: IO[bytes], bound: int) -> Tokenized:
     """The child's answer; ``bound``: the most ids it may send (0: any number up to the
     count). Raises _Refused with the tokenizer's message, and ValueError for an answer
@@ -375,7 +357,7 @@ def _answer(stdout: IO[bytes], bound: int) -> Tokenized:
     status = _read(stdout, 1)[0]
     if status == 1:
         (length,) = _LENGTH.unpack(_read(stdout, _LENGTH.size))
-        if length > _MAX_BANNER:
+        if length > _MAX_MESSAGE:
             raise ValueError(f"an error message of {length} bytes")
         raise _Refused(_read(stdout, length).decode(errors="replace"))
     if status != 0:
@@ -442,11 +424,4 @@ def _serve(stdin: IO[bytes], stdout: IO[bytes]) -> None:
 
 
 if __name__ == "__main__":
-    # Its parent ends it (closing its input, or killing it); a Ctrl-C in the parent's
-    # terminal, sent to the child as well, is not its to act on.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # The answers go out on a copy of the standard output; what anything prints from now
-    # on goes to the standard error, out of the protocol's way.
-    answers = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
-    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
-    _serve(sys.stdin.buffer, answers)
+    _serve(sys.stdin.buffer, child_processes.protocol_output())

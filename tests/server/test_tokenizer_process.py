@@ -16,6 +16,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 import aiocb
 from aiocb import tokenizer_process
+from aiocb.child_processes import MAX_BANNER, await_ready
 from aiocb.tokenizer_process import (
     PROCESS_PROMPT_CHARS,
     Tokenized,
@@ -197,9 +198,11 @@ def test_a_refusal_keeps_the_child_and_an_answer_out_of_step_is_a_failure(tokeni
         assert process._child is child and child is not None and child.poll() is None
     finally:
         process.close()
-    tokenizer_process._await_ready(io.BytesIO(b"a site's banner\n" + tokenizer_process._READY))
+    banner = io.BytesIO(b"a site's banner\n" + tokenizer_process._READY)
+    await_ready(lambda: tokenizer_process._read(banner, 1), tokenizer_process._READY, "tokenizer process")
+    babble = io.BytesIO(b"x" * (MAX_BANNER + 2))
     with pytest.raises(EOFError):
-        tokenizer_process._await_ready(io.BytesIO(b"x" * (tokenizer_process._MAX_BANNER + 2)))
+        await_ready(lambda: tokenizer_process._read(babble, 1), tokenizer_process._READY, "tokenizer process")
     answer = struct.pack("<BQQ", 0, 5, 3) + struct.pack("<3q", 1, 2, 3)
     assert tokenizer_process._answer(io.BytesIO(answer), 3) == ([1, 2, 3], 5)
     for wrong, bound in ((answer, 2), (struct.pack("<BQQ", 0, 2, 3), 0), (b"h" + answer[1:], 3)):
