@@ -380,7 +380,8 @@ class _Api:
             self.ctx.check_prompt_chars(text, "prompt")
         else:
             assert parsed.messages is not None
-            messages = template_messages(parsed.messages)
+            parser = self.ctx.tool_parser
+            messages = template_messages(parsed.messages, None if parser is None else parser.template_id)
             tools = parse_tools(fields)  # (rendered as a chat with them renders them)
             text = self.ctx.render_chat(
                 messages,

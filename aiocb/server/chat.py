@@ -104,7 +104,7 @@ def prepare_chat(ctx: ServerContext, body: bytes) -> PreparedChat:
             "add_generation_prompt",
         )
     text = ctx.render_chat(
-        template_messages(request.messages),
+        template_messages(request.messages, None if ctx.tool_parser is None else ctx.tool_parser.template_id),
         add_generation_prompt=request.add_generation_prompt,
         kwargs=request.chat_template_kwargs,
         tools=None if shown is None else list(shown.tools),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import re
+import uuid
 from collections.abc import Collection
 from dataclasses import dataclass
 
@@ -20,6 +21,11 @@ class Reasoning:
     """Text for the message's ``reasoning_content``."""
 
     text: str
+
+
+def call_id() -> str:
+    """A new id for a tool call, as OpenAI's look (``call_`` and 24 hex digits)."""
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 @dataclass(frozen=True, slots=True)

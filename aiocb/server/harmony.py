@@ -17,7 +17,6 @@ tools hold for the final message and the calls alone (:func:`harmony_constraint`
 from __future__ import annotations
 
 import re
-import uuid
 from collections.abc import Collection
 from typing import Any
 
@@ -29,6 +28,7 @@ from aiocb.server.fragments import (
     Reasoning,
     ToolArguments,
     ToolCall,
+    call_id,
     merged,
     partial_suffix,
 )
@@ -237,7 +237,7 @@ class HarmonyOutput:
             self._body(self._buffer, out)
         self._buffer = ""
         if cut and self._forced is not None and not self.calls:
-            out.append(ToolCall(self.calls, f"call_{uuid.uuid4().hex[:24]}", self._forced, ""))
+            out.append(ToolCall(self.calls, call_id(), self._forced, ""))
             self.calls += 1
         return merged(out)
 
@@ -333,7 +333,7 @@ class HarmonyOutput:
             self._held_space = ""
             return
         self._call = self.calls
-        out.append(ToolCall(self.calls, f"call_{uuid.uuid4().hex[:24]}", self._function, arguments))
+        out.append(ToolCall(self.calls, call_id(), self._function, arguments))
         self.calls += 1
 
     def _close(self, out: list[Fragment], *, cut: bool) -> None:
@@ -352,7 +352,7 @@ class HarmonyOutput:
             return
         if began or cut:
             return
-        out.append(ToolCall(self.calls, f"call_{uuid.uuid4().hex[:24]}", name, ""))
+        out.append(ToolCall(self.calls, call_id(), name, ""))
         self.calls += 1
 
 

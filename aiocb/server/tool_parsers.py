@@ -27,14 +27,16 @@ Formats:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
-import uuid
+import secrets
+import string
 from abc import ABC, abstractmethod
 from collections.abc import Collection
 from typing import Any, ClassVar
 
-from aiocb.server.fragments import Content, Fragment, HiddenTexts, ToolArguments, ToolCall, partial_suffix
+from aiocb.server.fragments import Content, Fragment, HiddenTexts, ToolArguments, ToolCall, call_id, partial_suffix
 
 
 class ToolCallParser(ABC):
@@ -95,6 +97,16 @@ class ToolCallParser(ABC):
         self._decided = 0
         self._begin_scan()
 
+    @staticmethod
+    def call_id() -> str:
+        """A new id for a call the model makes."""
+        return call_id()
+
+    @staticmethod
+    def template_id(given: str) -> str:
+        """A call id a client sent back, as the format's chat template takes it."""
+        return given
+
     def feed(self, text: str) -> list[Fragment]:
         """The fragments ``text`` completes."""
         self._buffer += self._hidden.feed(text)
@@ -135,7 +147,7 @@ class ToolCallParser(ABC):
             out.append(Content(self._space))
         self._space = ""
         if cut and self.forced is not None and not self.calls:  # (as OpenAI's: its name is not the model's)
-            out.append(ToolCall(self.calls, f"call_{uuid.uuid4().hex[:24]}", self.forced, ""))
+            out.append(ToolCall(self.calls, self.call_id(), self.forced, ""))
             self.calls += 1
         return out
 
@@ -166,7 +178,6 @@ class ToolCallParser(ABC):
                 head = self._head(text, 0) if self.parallel or not self.calls else None
                 if head is None or head[0] not in self.functions:
                     return out
-                self._before_call = ""
                 out.append(self._decide(*head))
                 call = self._open
                 assert call is not None
@@ -186,7 +197,7 @@ class ToolCallParser(ABC):
         self._open = _OpenCall(self.calls, arguments_at)
         self._decided += 1
         self.calls += 1
-        return ToolCall(self.calls - 1, f"call_{uuid.uuid4().hex[:24]}", name, "")
+        return ToolCall(self.calls - 1, self.call_id(), name, "")
 
     def _head(self, text: str, at: int) -> tuple[str, int] | None:
         """The name of the call whose head is at ``at`` of a call's text (at 0: the first
@@ -203,10 +214,12 @@ class ToolCallParser(ABC):
         it), or that text as content when it is not calls."""
         self._in_call = False
         out = self._stream(body, content)
+        # (the space before the marker: content, should the text turn out not to be calls)
+        space, self._before_call = self._before_call, ""
         call = self._open
         if call is not None:
             self._open = None
-            out += self._undecided_rest(body, call)
+            out += self._undecided_rest(body, call, space)
             if call.end is not None and not (closed and self._closed(body)):
                 # (a call left unclosed, what follows its arguments is content: the output
                 # went on, or another call began)
@@ -216,7 +229,6 @@ class ToolCallParser(ABC):
         parsed = self.parse(body)
         if parsed is None and cut and self.calls_only:
             parsed = _cut_short(body)
-        space, self._before_call = self._before_call, ""
         if parsed is None or not parsed or any(name not in self.functions for name, _ in parsed):
             if self.calls_only:
                 return []
@@ -232,9 +244,10 @@ class ToolCallParser(ABC):
         """Whether a call's text ends with the format's closing markup (where it has any)."""
         return True
 
-    def _undecided_rest(self, body: str, last: _OpenCall) -> list[Fragment]:
+    def _undecided_rest(self, body: str, last: _OpenCall, space: str) -> list[Fragment]:
         """Calls after those their heads decided in one marker's text (a list's objects
-        that give their name after their arguments, or their arguments as a string), whole."""
+        that give their name after their arguments, or their arguments as a string), whole;
+        ``space`` went before the marker."""
         return []
 
     def _whole(self, parsed: list[tuple[str, str]]) -> list[Fragment]:
@@ -243,7 +256,7 @@ class ToolCallParser(ABC):
             parsed = parsed[: max(0, 1 - self.calls)]
         calls: list[Fragment] = []
         for name, arguments in parsed:
-            calls.append(ToolCall(self.calls, f"call_{uuid.uuid4().hex[:24]}", name, arguments))
+            calls.append(ToolCall(self.calls, self.call_id(), name, arguments))
             self.calls += 1
         return calls
 
@@ -595,7 +608,25 @@ class MistralParser(ToolCallParser):
             return marker + len(self.args)
         return brace if brace >= offset else None
 
-    def _undecided_rest(self, body: str, last: _OpenCall) -> list[Fragment]:
+    @staticmethod
+    def call_id() -> str:
+        # Mistral's templates refuse any other id: nine letters and digits.
+        return "".join(secrets.choice(_ID_CHARACTERS) for _ in range(9))
+
+    @staticmethod
+    def template_id(given: str) -> str:
+        # (an id made elsewhere, OpenAI's say, becomes nine letters and digits, the same each
+        # time it is sent: a call's and its result's stay paired)
+        if len(given) == 9 and given.isascii() and given.isalnum():
+            return given
+        number = int.from_bytes(hashlib.sha256(given.encode()).digest()[:8], "big")
+        digits = []
+        for _ in range(9):
+            number, digit = divmod(number, len(_ID_CHARACTERS))
+            digits.append(_ID_CHARACTERS[digit])
+        return "".join(digits)
+
+    def _undecided_rest(self, body: str, last: _OpenCall, space: str) -> list[Fragment]:
         if last.end is None:
             return []
         out: list[Fragment] = []
@@ -606,6 +637,7 @@ class MistralParser(ToolCallParser):
             call = None if end is None else _named(_loads(body[at:end]), "arguments")
             if end is None or call is None or call[0] not in self.functions:
                 rest = body[at:].rstrip()
+                self._space = space
                 self._content(rest.removesuffix("]").rstrip(), out, before_call=False)
                 break
             out += self._whole([call])
@@ -629,6 +661,9 @@ class MistralParser(ToolCallParser):
         name = name.strip()
         return None if parsed is None or not name else [(name, parsed)]
 
+
+#: the characters of a Mistral call id
+_ID_CHARACTERS = string.ascii_letters + string.digits
 
 PARSERS: dict[str, type[ToolCallParser]] = {
     parser.name: parser for parser in (HermesParser, Llama3JsonParser, MistralParser)

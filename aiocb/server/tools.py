@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -162,17 +162,28 @@ def _strict(tool: Mapping[str, Any]) -> bool:
     return bool(tool["function"].get("strict"))
 
 
-def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Messages as chat templates expect them: a tool call's ``arguments`` as an object."""
+def template_messages(
+    messages: list[dict[str, Any]], template_id: Callable[[str], str] | None = None
+) -> list[dict[str, Any]]:
+    """Messages as chat templates expect them: a tool call's ``arguments`` as an object, and
+    call ids (a call's, a tool result's) as ``template_id`` makes them, where given (the tool
+    parser's :meth:`~aiocb.server.tool_parsers.ToolCallParser.template_id`)."""
     rendered = []
     for i, message in enumerate(messages):
         calls = message.get("tool_calls")
+        if template_id is not None and isinstance(message.get("tool_call_id"), str):
+            message = {**message, "tool_call_id": template_id(message["tool_call_id"])}
         if calls is None:
             rendered.append(message)
             continue
         if not isinstance(calls, list):
             raise bad_request(f"messages[{i}].tool_calls must be a list", f"messages[{i}].tool_calls")
-        rendered.append({**message, "tool_calls": [_template_call(call, i, j) for j, call in enumerate(calls)]})
+        calls = [_template_call(call, i, j) for j, call in enumerate(calls)]
+        if template_id is not None:
+            calls = [
+                {**call, "id": template_id(call["id"])} if isinstance(call.get("id"), str) else call for call in calls
+            ]
+        rendered.append({**message, "tool_calls": calls})
     return rendered
 
 

@@ -516,6 +516,10 @@ def test_what_looks_like_a_call_but_is_no_json_ends_where_its_brackets_close() -
             '{"name": "add", "arguments": {"a": 2}}]',
             ('{"name": "rm_rf", "arguments": {}}, {"name": "add", "arguments": {"a": 2}}', "", [("add", {"a": 1})]),
         ),
+        (  # (the space before the marker stays between the content and that object)
+            'Sure. [TOOL_CALLS][{"name": "add", "arguments": {"a": 1}}, {"name": "rm_rf", "arguments": {}}] ok',
+            ('Sure. {"name": "rm_rf", "arguments": {}} ok', "", [("add", {"a": 1})]),
+        ),
     ],
 )
 def test_mistral_s_odd_texts_read_the_same_however_split(

@@ -40,6 +40,21 @@ TOOLS_TEMPLATE = (
     "{%- endfor %}<|im_end|>\n{%- endif %}{%- endfor %}"
     "{%- if add_generation_prompt %}<|im_start|>assistant\n{% if think %}<think>\n{% endif %}{%- endif %}"
 )
+#: A Mistral-style (v0.3) template, reduced: as Mistral's own, it takes only call ids of
+#: nine letters and digits, and writes them into the prompt.
+MISTRAL_TEMPLATE = (
+    "{%- set refuse = 'Tool call IDs should be alphanumeric strings with length 9!' %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' %}[INST] {{ message.content }}[/INST]"
+    "{%- elif message.tool_calls %}[TOOL_CALLS] [{%- for call in message.tool_calls %}"
+    "{%- if call.id | length != 9 %}{{ raise_exception(refuse) }}{%- endif %}"
+    '{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}, '
+    '"id": "{{ call.id }}"}{%- if not loop.last %}, {% endif %}{%- endfor %}]'
+    "{%- elif message.role == 'tool' %}"
+    "{%- if message.tool_call_id | length != 9 %}{{ raise_exception(refuse) }}{%- endif %}"
+    '[TOOL_RESULTS] {"content": {{ message.content | tojson }}, "call_id": "{{ message.tool_call_id }}"}'
+    "[/TOOL_RESULTS]{%- else %} {{ message.content }}{%- endif %}{%- endfor %}"
+)
 WEATHER = {
     "type": "object",
     "properties": {
@@ -492,6 +507,45 @@ async def test_a_call_sent_back_as_clients_rebuild_it_is_taken(client: httpx.Asy
     for messages in (_turn(), _turn(index=0), _turn(function=parsed)):
         response = await client.post("/tokenize", json={"model": MODEL_NAME, "messages": messages})
         assert response.status_code == 200, response.text
+
+
+async def test_mistral_call_ids_make_the_round_trip(manager: aiocb.Manager, tokenizer: Any) -> None:
+    """Mistral's templates refuse call ids other than nine letters and digits: the server's
+    own ids (streamed and not) were OpenAI's 29-character ones, so no call could be sent
+    back with its result. Ids made elsewhere are mapped alike for a call and its result."""
+    mistral = copy.deepcopy(tokenizer)
+    mistral.chat_template = MISTRAL_TEMPLATE
+    forced = {"tool_choice": {"type": "function", "function": {"name": "add"}}, "n": 2}
+    user = {"role": "user", "content": "Add 1."}
+    async with await _client(manager, mistral, tool_call_parser="mistral") as http:
+        whole = await _chat(http, **forced)
+        events = await _stream(http, **forced)
+        ids = [choice["message"]["tool_calls"][0]["id"] for choice in whole["choices"]]
+        ids += [
+            call["id"]
+            for event in events
+            for choice in event["choices"]
+            for call in choice["delta"].get("tool_calls", [])
+            if "id" in call
+        ]
+        assert len(ids) == len(set(ids)) == 4
+        assert all(re.fullmatch("[A-Za-z0-9]{9}", call_id) for call_id in ids), ids
+        message = whole["choices"][0]["message"]
+        result = {"role": "tool", "tool_call_id": ids[0], "content": "3"}
+        await _chat(http, messages=[user, message, result], max_tokens=2)  # (a 200)
+
+        theirs = "call_8ccfa0b46a2c45aa9f84adc3"
+        message = {**message, "tool_calls": [{**message["tool_calls"][0], "id": theirs}]}
+        turns = [[user, message, {**result, "tool_call_id": theirs}]] * 2
+        texts = []
+        for turn in turns:
+            response = await http.post("/tokenize", json={"model": MODEL_NAME, "messages": turn})
+            assert response.status_code == 200, response.text
+            texts.append(mistral.decode(response.json()["tokens"]))
+    assert texts[0] == texts[1]
+    (call_id,) = re.findall(r'"id": "(\w+)"', texts[0])
+    assert re.findall(r'"call_id": "(\w+)"', texts[0]) == [call_id]
+    assert re.fullmatch("[A-Za-z0-9]{9}", call_id)
 
 
 async def test_without_a_parser_tools_are_refused(manager: aiocb.Manager, tokenizer: Any) -> None:
