@@ -55,7 +55,7 @@ class ContinuousBatchingConfig:
         max_batch_tokens: query tokens per forward pass (longer prompts are chunked);
             8192 by default, lowered to fit memory but never below 256.
         max_memory_percent: share of free device memory (host memory on CPU) the cache and
-            batch buffers may use; 0.9 on accelerators, 0.6 on CPU by default.
+            batch buffers may use; 0.9 on CUDA, 0.6 on CPU and other devices by default.
         max_requests_per_batch: requests per forward pass; by default the number of
             prompts submitted (``generate_batch``, or the manager's :class:`WorkloadHints`)
             or 1024, capped by ``max_batch_tokens``.
@@ -86,7 +86,8 @@ class ContinuousBatchingConfig:
             new request is admitted; 0.15 for fifo and 0.0 for prefill_first by default.
         return_logprobs: return each generated token's log-probability by default.
         seed: seeds the per-request random streams of requests that bring no seed.
-        auto_switch_to_flash: use flash-attn for the paged attention when it is importable.
+        auto_switch_to_flash: use flash-attn for the paged attention when it is importable
+            (False: aiocb's own kernels still, never the model's ``sdpa`` or ``eager``).
         cpu_offload_space: GiB of host memory for KV blocks of preempted requests (0 = off;
             None sizes it from ``cpu_offload_space_safety_threshold``).
         cpu_offload_space_safety_threshold: share of available host memory the offload

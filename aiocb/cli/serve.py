@@ -24,15 +24,17 @@ import json
 import logging
 import math
 import os
+import re
 import socket
 import sys
 import types
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from aiocb.config import ContinuousBatchingConfig
 from aiocb.errors import InvalidConfigError
+from aiocb.server.app import api_key_problem
 from aiocb.server.harmony import REASONING_PARSER as HARMONY_REASONING
 from aiocb.server.harmony import TOOL_CALL_PARSER as HARMONY_TOOL_CALLS
 from aiocb.server.limits import ServerLimits
@@ -273,13 +275,22 @@ def _given(args: argparse.Namespace, cls: type, prefix: str) -> dict[str, Any]:
     }
 
 
+def said_by_flag(message: str, fields: Iterable[str]) -> str:
+    """A config's or limits' error as a command line's: the fields it names (of those given)
+    named by their flags."""
+    for name in fields:
+        message = re.sub(rf"(?<![\w-]){re.escape(name)}(?![\w-])", "--" + name.replace("_", "-"), message)
+    return message
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Load the model and tokenizer, then serve until interrupted; returns the exit status."""
     try:
         config = config_from_args(args)
         limits = limits_from_args(args)
     except (InvalidConfigError, ValueError) as exc:
-        print(f"aiocb serve: {exc}", file=sys.stderr)
+        given = [*_given(args, ContinuousBatchingConfig, "cb_"), *_given(args, ServerLimits, "limit_")]
+        print(f"aiocb serve: {said_by_flag(str(exc), given)}", file=sys.stderr)
         return 2
     if args.chat_template is not None:
         try:  # (read here: replicas and API workers get the text, which a remote node can use)
@@ -408,6 +419,10 @@ def flag_problems(args: argparse.Namespace) -> list[str]:
             problems.append(f"{flag} must be {wanted}, got {value}")
     if args.api_key is not None and not args.api_key.strip():
         problems.append("--api-key (or $AIOCB_API_KEY) is empty: give a key, or leave both unset for no key")
+    else:
+        problems += filter(None, [api_key_problem(args.api_key, "--api-key (or $AIOCB_API_KEY)")])
+    if args.loop == "uvloop" and importlib.util.find_spec("uvloop") is None:
+        problems.append("--loop uvloop needs the uvloop package, which is not installed (pip install 'aiocb[uvloop]')")
     if getattr(args, "cb_return_logprobs", False):
         problems.append(
             "--return-logprobs is the library's default for requests that do not say; a server's requests "

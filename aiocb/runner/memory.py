@@ -63,10 +63,12 @@ def free_memory_bytes(device: torch.device) -> int:
 
 def memory_percent(config: ContinuousBatchingConfig, device: torch.device) -> float:
     """The share of free memory the cache plan takes on ``device``: ``max_memory_percent``,
-    else the device kind's default."""
+    else the device kind's default: CUDA's, or the host's wherever the memory counted is the
+    host's (:func:`free_memory_bytes`; Apple's MPS shares it too: there transformers takes
+    the CPU's share as well, keeping clear of swap)."""
     if config.max_memory_percent is not None:
         return config.max_memory_percent
-    return DEFAULT_MEMORY_PERCENT_CPU if device.type == "cpu" else DEFAULT_MEMORY_PERCENT_ACCELERATOR
+    return DEFAULT_MEMORY_PERCENT_ACCELERATOR if device.type == "cuda" else DEFAULT_MEMORY_PERCENT_CPU
 
 
 def host_memory_bytes() -> int:

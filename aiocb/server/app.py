@@ -59,12 +59,32 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def check_api_key(api_key: object, name: str = "api_key") -> None:
-    """A key requests must give, or None for none: an empty one is refused (taken as none,
-    an empty ``$AIOCB_API_KEY`` would leave the server open without a word)."""
-    if api_key is not None and (not isinstance(api_key, str) or not api_key.strip()):
+def api_key_problem(api_key: object, name: str) -> str | None:
+    """What makes ``api_key`` no key requests could give (None: it is one, or None for none).
+
+    An empty one is refused (taken as none, an empty ``$AIOCB_API_KEY`` would leave the
+    server open without a word), and so is one that no ``Authorization`` header can carry:
+    space at its ends (HTTP strips it, say the ``\\r`` of an env file's CRLF) or a character
+    outside printable ASCII.
+    """
+    if api_key is None:
+        return None
+    if not isinstance(api_key, str) or not api_key.strip():
         given = "an empty string" if isinstance(api_key, str) else type(api_key).__name__
-        raise InvalidConfigError(f"{name} must be a key that is not empty, or None for no key; got {given}")
+        return f"{name} must be a key that is not empty, or None for no key; got {given}"
+    if api_key != api_key.strip():
+        return f"{name} has space at its start or end, which no request's Authorization header can carry"
+    if not all(" " <= character <= "~" for character in api_key):
+        return f"{name} has characters outside printable ASCII, which no request's Authorization header can carry"
+    return None
+
+
+def check_api_key(api_key: object, name: str = "api_key") -> None:
+    """InvalidConfigError unless ``api_key`` is a key requests can give, or None for none
+    (see :func:`api_key_problem`)."""
+    problem = api_key_problem(api_key, name)
+    if problem is not None:
+        raise InvalidConfigError(problem)
 
 
 def build_app(

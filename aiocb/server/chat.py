@@ -65,7 +65,7 @@ def prepare_chat(ctx: ServerContext, body: bytes) -> PreparedChat:
     ctx.limits.check_stop(request.sampling.stop)
     ctx.limits.check_token_ids(request.sampling)
     request = dataclasses.replace(request, sampling=ctx.with_bad_words(request.sampling))
-    ctx.limits.check_choices(1, request.sampling.n)
+    ctx.check_choices(1, request.sampling.n)
     # Under "none" the template still shows the tools (as vLLM's default: a conversation
     # with earlier calls reads as it did), but no call is parsed or enforced.
     shown = tools

@@ -130,7 +130,7 @@ def parse_completion(ctx: ServerContext, body: bytes) -> CompletionRequest:
     ctx.limits.check_stop(request.sampling.stop)
     ctx.limits.check_token_ids(request.sampling)
     request = dataclasses.replace(request, sampling=ctx.with_bad_words(request.sampling))
-    ctx.limits.check_choices(len(request.prompts), request.sampling.n)
+    ctx.check_choices(len(request.prompts), request.sampling.n)
     many = len(request.prompts) > 1
     keep = request.sampling.truncate_prompt_tokens
     check_truncation(keep, ctx.max_model_len)  # (before a long text is tokenized)

@@ -177,6 +177,20 @@ class ServerContext:
                 code="model_not_found",
             )
 
+    def check_choices(self, prompts: int, n: int) -> None:
+        """Refuse a request for more choices (prompts times ``n``) than ``--max-choices``
+        allows, or than the engine's admission queue holds: they are queued together,
+        without waiting for room, so such a request could never be taken (429 for ever)."""
+        self.limits.check_choices(prompts, n)
+        room = self.manager.config.max_queue_size
+        if room and prompts * n > room:
+            said = f"{prompts} prompts times n = {n}" if prompts > 1 else f"n = {n}"
+            raise bad_request(
+                f"the request asks for {prompts * n} choices ({said}), more than the engine's admission queue "
+                f"holds: {room} (--max-queue-size)",
+                "prompt" if prompts > 1 else "n",
+            )
+
     def check_prompt_ids(self, ids: Sequence[int], param: str, where: str | None = None) -> None:
         """Refuse a token-id prompt longer than the context or with ids outside the model's
         vocabulary (checked here, off the loop for a large body, rather than by the engine).

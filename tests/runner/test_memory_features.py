@@ -312,6 +312,13 @@ def test_processes_sharing_the_host_plan_with_their_share_of_its_memory(
     assert 0 < shared.num_host_blocks[0] < 0.6 * alone.num_host_blocks[0]
 
 
+@pytest.mark.parametrize(("device", "share"), [("cuda", 0.9), ("cpu", 0.6), ("mps", 0.6), ("xpu", 0.6)])
+def test_the_default_memory_share_is_the_hosts_wherever_host_memory_is_counted(device: str, share: float) -> None:
+    """MPS (memory shared with the host, counted as the host's) took CUDA's 0.9 of it."""
+    assert memory.memory_percent(aiocb.ContinuousBatchingConfig(), torch.device(device)) == share
+    assert memory.memory_percent(aiocb.ContinuousBatchingConfig(max_memory_percent=0.3), torch.device(device)) == 0.3
+
+
 def test_the_plan_on_cuda_keeps_room_for_the_decode_graphs(qwen3: PreTrainedModel) -> None:
     """Captured decode graphs keep their pool (the largest bucket's activations and logits)
     and their logits' output buffer allocated beside the step buffers: a CUDA plan leaves

@@ -717,6 +717,30 @@ async def test_n_choices_are_queued_all_or_none(model: PreTrainedModel, tokenize
         manager.cancel_request(running)
 
 
+async def test_more_choices_than_the_queue_holds_are_a_400_not_a_429_for_ever(
+    model: PreTrainedModel, tokenizer: Any
+) -> None:
+    """A batch of prompts is queued at once: more of them than ``max_queue_size`` was a 429
+    on an idle server, every time (a client that obeys Retry-After retried for ever)."""
+    config = serve_config(max_queue_size=2)
+    async with aiocb.Manager(model, continuous_batching_config=config) as manager:
+        app = build_app(manager, tokenizer, MODEL_NAME)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+            for body, param in (
+                ({"prompt": ["a b", "c d", "e f"]}, "prompt"),
+                ({"prompt": ["a b"] * 2, "n": 2}, "prompt"),
+            ):
+                error = assert_error(await http.post("/v1/completions", json={**body, "max_tokens": 2}), 400)
+                assert error["param"] == param and "--max-queue-size" in error["message"], error
+            chat = {"messages": [{"role": "user", "content": "hi"}], "n": 3, "max_tokens": 2}
+            error = assert_error(await http.post("/v1/chat/completions", json=chat), 400)
+            assert error["param"] == "n" and "--max-queue-size" in error["message"], error
+            taken = await http.post("/v1/completions", json={"prompt": ["a b", "c d"], "max_tokens": 2})
+            assert taken.status_code == 200, taken.text
+        stats = manager.statistics()
+        assert stats.free_blocks == stats.total_blocks
+
+
 async def test_an_engine_failure_is_a_500(tokenizer: Any) -> None:
     model = serve_model(tokenizer)
     failing = arm_failure(model)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import importlib.util
 import json
 import os
 import shutil
@@ -142,8 +143,13 @@ def test_bad_values_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         parse("--use-cuda-graph", "maybe")
     capsys.readouterr()
-    assert run_serve(parse("--page-size", "2")) == 2  # validated before anything loads
-    assert "page_size" in capsys.readouterr().err
+    # (validated before anything loads, named by the flag given)
+    for flags, said in (
+        (("--page-size", "2"), "aiocb serve: --page-size must be >= 4, got 2"),
+        (("--max-request-bytes", "0"), "aiocb serve: --max-request-bytes must be"),
+    ):
+        assert run_serve(parse(*flags)) == 2
+        assert capsys.readouterr().err.startswith(said)
     for template, message in (
         ("missing.jinja", "--chat-template 'missing.jinja': no such file (nor a Jinja template)"),
         ("{% if %}", "--chat-template text: not a Jinja template transformers can compile"),
@@ -228,6 +234,8 @@ def test_limit_flags() -> None:
         ("--device", "meta"),  # (a torch device, on which no model runs)
         ("--return-logprobs", None),  # (a server's requests always say)
         ("--api-key", " "),  # (taken as no key, the server was open)
+        ("--api-key", "sk-secret\r"),  # (a CRLF env file's: no header carries it, every request was a 401)
+        ("--api-key", "clé"),
     ],
 )
 def test_server_flags_out_of_range_are_refused_by_name(
@@ -235,6 +243,16 @@ def test_server_flags_out_of_range_are_refused_by_name(
 ) -> None:
     assert run_serve(parse(flag) if value is None else parse(flag, value)) == 2  # before anything loads
     assert flag in capsys.readouterr().err
+
+
+def test_uvloop_asked_for_but_not_installed_is_refused_before_anything_loads(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It was a traceback from uvicorn once the model had loaded."""
+    real = importlib.util.find_spec  # (uvloop as if not installed)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "uvloop" else real(name, *a))
+    assert run_serve(parse("--loop", "uvloop")) == 2
+    assert "--loop uvloop needs the uvloop package" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
@@ -347,11 +365,6 @@ def test_a_port_in_use_fails_before_the_model_loads(workers: str, capsys: pytest
         assert run_serve(parse("--api-workers", workers, "--host", "127.0.0.1", "--port", str(port))) == 2
     assert "cannot listen" in capsys.readouterr().err
     assert time.perf_counter() - started < 0.5, "refused before the model loaded"
-
-
-def test_bad_limits_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
-    assert run_serve(parse("--max-request-bytes", "0")) == 2  # before anything loads
-    assert "max_request_bytes" in capsys.readouterr().err
 
 
 def test_without_a_model_the_bundled_one_is_loaded() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pytest
@@ -136,6 +137,22 @@ def test_bad_completion_fields_are_named(body: dict[str, Any], param: str) -> No
         parse_completion_request(body)
     assert caught.value.status == 400
     assert caught.value.param == param
+
+
+@pytest.mark.parametrize(
+    ("prompt", "said"),
+    [
+        (["a", 1], "mixes strings and token ids"),
+        ([[1], "a"], "mixes strings and token ids"),
+        ([1.0, 2.0], "token ids (integers) or lists of token ids; it holds 1.0"),
+        (["a", None], "it holds None"),
+    ],
+)
+def test_a_prompt_of_the_wrong_kind_is_named_for_what_it_holds(prompt: list[Any], said: str) -> None:
+    """A list of floats was said to mix strings and token ids."""
+    with pytest.raises(APIError, match=re.escape(said)) as caught:
+        parse_completion_request({"prompt": prompt})
+    assert caught.value.param == "prompt"
 
 
 @pytest.mark.parametrize(
