@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import nox
@@ -21,12 +22,27 @@ def _install(session: nox.Session, *groups: str) -> None:
         session.install(*CONSTRAINTS, "--group", group)
 
 
+def _workers() -> str:
+    """Test worker processes: one a core this process may use, at most four (each holds its
+    own models and caches)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return str(min(cores, 4))
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Run the test suite on CPU (no slow or GPU tests)."""
+    """Run the test suite on CPU (no slow or GPU tests), in a worker process a core."""
     _install(session, "test")
-    # (the slowest tests listed: the session must stay well under 15 minutes on 2 cores)
-    session.run("pytest", "-m", "not slow and not gpu and not multiprocess", "--durations=25", *session.posargs)
+    # A test file's tests run in one worker (its module fixtures, the models, built once);
+    # one torch thread a worker, as more than a core each would only contend. The slowest
+    # tests are listed: the session must stay well under 15 minutes on 2 cores.
+    session.run(
+        "pytest",
+        *("-n", _workers(), "--dist", "loadfile"),
+        *("-m", "not slow and not gpu and not multiprocess", "--durations=25"),
+        *session.posargs,
+        env={"OMP_NUM_THREADS": "1"},
+    )
 
 
 @nox.session

@@ -83,7 +83,7 @@ def test_a_bad_device_or_seed_is_one_line_naming_it(
     assert message in error and "Traceback" not in error, error
 
 
-def test_live_view_redraws_slots_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_live_view_redraws_slots_in_place_below_the_finished_requests(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("NO_COLOR", raising=False)
     out = io.StringIO()
     status = asyncio.run(_demo(_args("--requests", "3", "--concurrency", "2", "--max-new-tokens", "6"), out, live=True))
@@ -92,7 +92,9 @@ def test_live_view_redraws_slots_in_place(monkeypatch: pytest.MonkeyPatch) -> No
     assert "\x1b[3F" in text  # moved up over the two slot lines and the footer to redraw them
     assert text.count("\x1b[?25l") == text.count("\x1b[?25h") == 1  # cursor hidden, then shown again
     plain = _ANSI.sub("", text)
-    assert all(f"req_{i}" in plain for i in range(3))
+    # Each finished request's line stays above the slots, once, however soon a later
+    # request took its slot (one that came and went between two frames was never shown).
+    assert sorted(rid for rid, *_ in _REQUEST_LINE.findall(plain)) == ["req_0", "req_1", "req_2"]
     assert _summary(plain)["requests"] == 3
 
 

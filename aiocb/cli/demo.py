@@ -280,12 +280,12 @@ async def _run_slot(
         tally.tokens += len(output.generated_tokens)
         if first_token is not None:
             tally.ttfts.append(first_token)
-        if view is None:
-            ttft = f"{first_token * 1000:.0f} ms" if first_token is not None else "-"
-            out.write(
-                f"[{request_id}] {slot.tokens} tokens ({output.finish_reason}), time to first token {ttft}: "
-                f"{job.prompt!r} + {slot.text!r}\n"
-            )
+        ttft = f"{first_token * 1000:.0f} ms" if first_token is not None else "-"
+        said = f"[{request_id}] {slot.tokens} tokens ({output.finish_reason}), time to first token {ttft}: "
+        if view is not None:
+            view.log(said, job.prompt, slot.text)
+        else:
+            out.write(f"{said}{job.prompt!r} + {slot.text!r}\n")
             out.flush()
 
 
@@ -354,7 +354,8 @@ def _fit(prompt: str, text: str, width: int, ellipsis: str) -> tuple[str, str]:
 
 
 class _LiveView:
-    """Redraws one line per slot, in place, at most 30 times a second."""
+    """Redraws one line per slot, in place, at most 30 times a second; each finished
+    request's line goes above them, for good (however short-lived, every request is seen)."""
 
     def __init__(self, out: TextIO, slots: Sequence[_Slot], glyphs: _Glyphs, tally: _Tally, total: int) -> None:
         self._out = out
@@ -365,7 +366,12 @@ class _LiveView:
         self._colors = not os.environ.get("NO_COLOR")
         self._drawn_lines = 0
         self._last_frame: list[str] = []
+        self._finished: list[tuple[str, str, str]] = []
         self._stopping = asyncio.Event()
+
+    def log(self, said: str, prompt: str, text: str) -> None:
+        """Write a finished request's line above the slots with the next frame."""
+        self._finished.append((said, prompt, text))
 
     def stop(self) -> None:
         """Draw a last frame and end :meth:`run`."""
@@ -388,9 +394,11 @@ class _LiveView:
         width = shutil.get_terminal_size().columns - 1  # never the last column: some terminals wrap there
         frame = [self._line(i, slot, width) for i, slot in enumerate(self._slots)]
         frame.append(self._footer(width))
-        if frame == self._last_frame:
+        if frame == self._last_frame and not self._finished:
             return
         parts = [f"\x1b[{self._drawn_lines}F"] if self._drawn_lines else []
+        parts.extend(f"{_CLEAR_LINE}{self._logged(*finished, width)}\n" for finished in self._finished)
+        self._finished.clear()
         parts.extend(f"{_CLEAR_LINE}{line}\n" for line in frame)
         self._out.write("".join(parts))
         self._out.flush()
@@ -406,6 +414,11 @@ class _LiveView:
         prompt, text = _fit(_visible(slot.prompt, g), _visible(slot.text, g), width - len(head), g.ellipsis)
         head_color = _GREEN if slot.finished else _CYAN
         return self._paint(head_color, head[:width]) + self._paint(_DIM, prompt) + self._paint(_BOLD, text)
+
+    def _logged(self, said: str, prompt: str, text: str, width: int) -> str:
+        g = self._glyphs
+        prompt, text = _fit(_visible(prompt, g), _visible(text, g), width - len(said), g.ellipsis)
+        return self._paint(_GREEN, said[:width]) + self._paint(_DIM, prompt) + self._paint(_BOLD, text)
 
     def _footer(self, width: int) -> str:
         tally = self._tally
