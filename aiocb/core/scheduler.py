@@ -387,8 +387,11 @@ class Scheduler:
         # queued behind it for its whole prefill (vLLM's long_prefill_token_threshold does
         # the like). The step's size is the same: the other half admits them. (At least
         # one token: the admission foreseen may not come, its prefix hits taking the free
-        # blocks it was counted on, and a step must not plan nothing.)
-        prefill_room = max(budget // 2, 1) if self._admission_waits(budget // 2) else budget
+        # blocks it was counted on, and a step must not plan nothing.) Under priorities, a
+        # prompt that outranks the waiting request is not held back for it.
+        halved = self._admission_waits(budget // 2)
+        prefill_room = max(budget // 2, 1) if halved else budget
+        outranking = self._order[self._first_waiting()][0] if halved and self.prioritized else None
         # Most rows of most steps only decode: a short loop plans those, and the general one
         # below the rest (or everything, when a decoding row needs more than its next token).
         rest = None
@@ -413,7 +416,7 @@ class Scheduler:
             if forks and request in forks:  # its children fork before the prompt's last token
                 num_new = min(num_new, request.num_prompt_tokens - 1 - computed)
             prefilling = request.status is RequestStatus.PREFILLING
-            if prefilling:
+            if prefilling and (outranking is None or self._order[request][0] >= outranking):
                 num_new = min(num_new, prefill_room)
             if request.params.prompt_logprobs:
                 num_new = self._within_scored_budget(request, computed, num_new)

@@ -10,6 +10,8 @@ per iteration and parks the rest on futures released in later iterations, in ord
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import time
 from collections import deque
 
@@ -104,14 +106,17 @@ class Turnstile:
 
 class AdmissionQueue:
     """Backpressure: room in the scheduler's queue (``max_queue_size``, ``max_queued_tokens``),
-    handed out first come, first served to the callers waiting for it."""
+    handed out to the callers waiting for it by their requests' ``priority`` (lower first,
+    as the scheduler admits them), first come, first served within one."""
 
     def __init__(self, max_queue_size: int, max_queued_tokens: int) -> None:
         self.max_queue_size = max_queue_size
         self.max_queued_tokens = max_queued_tokens
         #: the scheduler of the running session (None between sessions)
         self.scheduler: Scheduler | None = None
-        self._waiters: deque[tuple[asyncio.Future[None], Request]] = deque()
+        #: the waiting callers, a heap by (priority, arrival)
+        self._waiters: list[tuple[int, int, asyncio.Future[None], Request]] = []
+        self._arrivals = itertools.count()
         #: room handed to waiters whose callers have not queued their requests yet (they
         #: resume in a later callback): requests (samples counted) and tokens
         self._granted = 0
@@ -124,9 +129,10 @@ class AdmissionQueue:
         self._granted = self._granted_tokens = 0
 
     def has_room(self, request: Request) -> bool:
-        """Whether ``request`` (and its samples) may be queued now, ahead of nobody."""
-        if self._waiters:
-            return False  # first come, first served
+        """Whether ``request`` (and its samples) may be queued now, ahead of nobody of its
+        priority or a lower value's."""
+        if self._waiters and self._waiters[0][0] <= request.params.priority:
+            return False  # (first come, first served within a priority)
         return self._fits(request)
 
     async def wait_for_room(self, request: Request) -> None:
@@ -134,8 +140,8 @@ class AdmissionQueue:
         if self.has_room(request):
             return
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        entry = (waiter, request)
-        self._waiters.append(entry)
+        entry = (request.params.priority, next(self._arrivals), waiter, request)
+        heapq.heappush(self._waiters, entry)
         remaining = None if request.deadline is None else request.deadline - time.perf_counter()
         gave_up = True
         try:
@@ -147,6 +153,7 @@ class AdmissionQueue:
         finally:
             if entry in self._waiters:
                 self._waiters.remove(entry)
+                heapq.heapify(self._waiters)
                 self.release()
             elif waiter.done() and not waiter.cancelled() and waiter.exception() is None:
                 # Its room, held for it since release(): the caller queues the request as
@@ -158,8 +165,8 @@ class AdmissionQueue:
 
     def release(self) -> None:
         """Let through the waiters that fit now, in order (call when the queue shrank)."""
-        while self._waiters and self._fits(self._waiters[0][1]):
-            waiter, request = self._waiters.popleft()
+        while self._waiters and self._fits(self._waiters[0][3]):
+            _, _, waiter, request = heapq.heappop(self._waiters)
             if not waiter.done():
                 waiter.set_result(None)
                 self._granted += 1 + len(request.children)
@@ -168,7 +175,7 @@ class AdmissionQueue:
     def fail(self, error: BaseException) -> None:
         """Wake every waiter with ``error`` (the manager stops or died)."""
         while self._waiters:
-            waiter, _ = self._waiters.popleft()
+            _, _, waiter, _ = self._waiters.pop()
             # (one whose loop was closed under it can never run again: nothing to wake)
             if not waiter.done() and not waiter.get_loop().is_closed():
                 waiter.set_exception(error)

@@ -448,6 +448,22 @@ def test_a_long_prompt_leaves_half_the_step_to_requests_waiting_behind_it(schedu
     assert plan(step(scheduler)[0]) == expected
 
 
+def test_a_prompt_that_outranks_the_waiting_request_keeps_the_whole_step() -> None:
+    """Under priorities the half-step cap holds back only prompts that do not outrank the
+    request waiting: an urgent prompt's prefill was halved by lower-priority requests
+    arriving behind it (its first token twice as late), an equal one's still is."""
+    scheduler = make_scheduler(full_cache(64), budget=16)
+    scheduler.add(_prioritised("urgent", 100, -10, 2))
+    assert plan(step(scheduler)[0]) == [("urgent", 0, 16, False)]
+    scheduler.add(_prioritised("low", 5, 10, 2))
+    assert plan(step(scheduler)[0]) == [("urgent", 16, 16, False)]  # (low waits: urgent outranks it)
+    equal = make_scheduler(full_cache(64), budget=16)
+    equal.add(_prioritised("first", 100, 3, 2))
+    step(equal)
+    equal.add(_prioritised("second", 5, 3, 2))
+    assert plan(step(equal)[0]) == [("first", 16, 8, False), ("second", 0, 5, True)]
+
+
 def test_a_long_prompt_keeps_the_whole_step_while_nothing_waiting_could_be_admitted() -> None:
     """The cap is for admitting what waits: with the batch's rows all taken, or no blocks
     for the waiting request's first chunk, the running prompt keeps the whole step."""

@@ -39,6 +39,33 @@ async def test_add_request_waits_for_room_and_nowait_raises(qwen3: PreTrainedMod
         assert result is not None and result.status is aiocb.RequestStatus.FINISHED
 
 
+async def test_room_goes_to_the_waiting_callers_by_priority(qwen3: PreTrainedModel) -> None:
+    """The admission queue handed out room first come, first served: an urgent request
+    waited behind every lower-priority caller blocked before it (finishing fifth of six)."""
+    config = aiocb.ContinuousBatchingConfig(max_queue_size=1, max_requests_per_batch=1)
+    finished: list[str] = []
+
+    async def generate(name: str, prompt: list[int], priority: int) -> None:
+        await manager.generate(prompt, max_new_tokens=6, ignore_eos=True, priority=priority)
+        finished.append(name)
+
+    async with aiocb.Manager(qwen3, continuous_batching_config=config) as manager:
+        # (long enough to run until every caller below waits, however fast the machine)
+        hog = await manager.add_request(PROMPTS[0], max_new_tokens=400, ignore_eos=True, priority=5)
+        await asyncio.sleep(0.05)
+        low = [asyncio.create_task(generate(f"low{i}", PROMPTS[1 + i], 5)) for i in range(4)]
+        await asyncio.sleep(0.02)
+        urgent = asyncio.create_task(generate("urgent", PROMPTS[5], -10))
+        await asyncio.sleep(0.02)
+        manager.cancel_request(hog)
+        await asyncio.gather(urgent, *low)
+        stats = manager.statistics()
+        assert stats.free_blocks == stats.total_blocks
+    # (low0 may have been queued before the urgent request came: only it may finish first)
+    assert finished.index("urgent") <= 1, finished
+    assert [name for name in finished if name != "urgent"] == ["low0", "low1", "low2", "low3"]
+
+
 async def test_queued_tokens_bound(qwen3: PreTrainedModel) -> None:
     config = aiocb.ContinuousBatchingConfig(max_queued_tokens=50, max_requests_per_batch=1)
     async with aiocb.Manager(qwen3, continuous_batching_config=config) as manager:
