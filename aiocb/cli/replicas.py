@@ -40,7 +40,10 @@ def replica_problems(args: argparse.Namespace) -> list[str]:
             if value is not None:
                 problems.append(f"{flag} needs --replicas")
         if args.tensor_parallel_size != 1:
-            problems.append("--tensor-parallel-size needs --replicas (on one machine, launch ranks with torchrun)")
+            problems.append(
+                "--tensor-parallel-size needs --replicas (Ray Serve places each replica's ranks); on one machine "
+                "without Ray, write a torchrun script around aiocb.Manager (README: Tensor parallelism)"
+            )
         return problems
     if args.api_workers:
         problems.append("--api-workers does not apply to --replicas (Ray Serve's proxy and ingress take HTTP)")

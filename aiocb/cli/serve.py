@@ -421,6 +421,13 @@ def flag_problems(args: argparse.Namespace) -> list[str]:
         problems.append("--api-key (or $AIOCB_API_KEY) is empty: give a key, or leave both unset for no key")
     else:
         problems += filter(None, [api_key_problem(args.api_key, "--api-key (or $AIOCB_API_KEY)")])
+    world = os.environ.get("WORLD_SIZE", "")
+    if world.isdigit() and int(world) > 1:
+        problems.append(
+            f"aiocb serve runs one process, not one of torchrun's {world} (each would load the "
+            "whole model and serve on the same port): for tensor parallelism give --tensor-parallel-size with "
+            "--replicas, or write a torchrun script around aiocb.Manager (README: Tensor parallelism)"
+        )
     if args.loop == "uvloop" and importlib.util.find_spec("uvloop") is None:
         problems.append("--loop uvloop needs the uvloop package, which is not installed (pip install 'aiocb[uvloop]')")
     if getattr(args, "cb_return_logprobs", False):

@@ -245,6 +245,15 @@ def test_server_flags_out_of_range_are_refused_by_name(
     assert flag in capsys.readouterr().err
 
 
+def test_serve_under_torchrun_is_refused_before_anything_loads(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each rank loaded the whole model and served on the same port (the second died of it)."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert run_serve(parse()) == 2
+    assert "aiocb serve runs one process, not one of torchrun's 2" in capsys.readouterr().err
+
+
 def test_uvloop_asked_for_but_not_installed_is_refused_before_anything_loads(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
