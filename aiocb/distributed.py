@@ -46,6 +46,7 @@ from aiocb.runner.distributed import (
     TensorParallelLayout,
     check_tp_size,
     follow,
+    note_layout,
     tensor_parallel_layout,
 )
 from aiocb.runner.distributed import shutdown as _shutdown
@@ -66,8 +67,9 @@ def validate_tp(path: str | os.PathLike[str], tp_size: int, *, device_map: Any =
     """Check, from the model's config alone, that ``tp_size`` can shard it.
 
     Raises :class:`~aiocb.InvalidConfigError` when ``device_map`` is given with
-    ``tp_size > 1`` (each rank loads its own shard on its own device) or when ``tp_size``
-    does not divide the model's ``num_key_value_heads``.
+    ``tp_size > 1`` (each rank loads its own shard on its own device), when transformers
+    has no tensor-parallel plan for the model, or when ``tp_size`` does not divide the
+    model's ``num_key_value_heads``.
     """
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
         raise InvalidConfigError(f"tp_size must be an int >= 1, got {tp_size!r}")
@@ -79,6 +81,11 @@ def validate_tp(path: str | os.PathLike[str], tp_size: int, *, device_map: Any =
             "under torchrun every rank loads its shard on its own device; drop device_map"
         )
     text = AutoConfig.from_pretrained(path, **config_kwargs).get_text_config()
+    if not getattr(text, "base_model_tp_plan", None):
+        raise InvalidConfigError(
+            f"transformers has no tensor-parallel plan for {type(text).__name__} (its base_model_tp_plan is "
+            f"empty): the model cannot be sharded, tp_size={tp_size}"
+        )
     num_heads = int(text.num_attention_heads)
     check_tp_size(tp_size, int(getattr(text, "num_key_value_heads", None) or num_heads))
 
@@ -110,6 +117,7 @@ def load_model(
         model = AutoModelForCausalLM.from_pretrained(
             path, distributed_config=DistributedConfig(tp_size=tp_size), **kwargs
         )
+        note_layout(tensor_parallel_layout(model))  # (shutdown() releases the followers of rank 0's groups)
     return model  # from_pretrained returns it in eval mode
 
 
@@ -117,6 +125,7 @@ def is_driver(model: PreTrainedModel) -> bool:
     """Whether this process runs the :class:`~aiocb.Manager`: rank 0 of the model's
     tensor-parallel group, or any process of a model without tensor parallelism."""
     layout = tensor_parallel_layout(model)
+    note_layout(layout)
     return layout is None or layout.is_driver
 
 
@@ -140,9 +149,13 @@ def run_follower(
 def shutdown(timeout: float | None = None) -> None:
     """On rank 0: release the follower ranks (their :func:`run_follower` returns).
 
-    Call it once rank 0 is done with its managers, before ``destroy_process_group()``.
-    It also runs at interpreter exit. A no-op on other ranks and without tensor
-    parallelism; waits at most ``timeout`` seconds (default: ``cpu_group_timeout``).
+    Call it once rank 0 is done with its managers, before ``destroy_process_group()``,
+    whether or not a manager ran (the followers of a model :func:`load_model` loaded or
+    :func:`is_driver` saw on rank 0 are released all the same). It also runs at interpreter
+    exit, for the followers of managers. A no-op without tensor parallelism; waits at most
+    ``timeout`` seconds (default: ``cpu_group_timeout``). After ``generate_batch()`` called
+    on every rank, call it on every rank or on none: a follower's takes rank 0's release
+    (so does its ``run_follower()``), for which rank 0's waits.
 
     On every rank of a process group, the objects aiocb moved out of the garbage collector's view (see
     :mod:`aiocb.collector`) are put back and collected: a cycle of them left frozen keeps

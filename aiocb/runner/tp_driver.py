@@ -65,6 +65,8 @@ class Driver:
         self.after_shutdown = after_shutdown
         #: whether shutdown() released the followers through this driver
         self.released = False
+        #: whether an every-rank generate_batch() ended it (its followers left with the outputs)
+        self.retired = False
         #: events for the followers, carried by the next message (appended from any thread)
         self.events: deque[Event] = deque()
         #: why the group is unusable (a rank failed, or a step failed half-way); None while healthy
@@ -192,7 +194,7 @@ class Driver:
 
     def retire(self) -> None:
         """End the driver thread without a word to the followers (they no longer listen)."""
-        self.closed = True
+        self.closed = self.retired = True
         self._forget_runners()
         self._end_thread()
 
@@ -281,13 +283,27 @@ def _outcome(job: Callable[[], T]) -> tuple[T | None, BaseException | None]:
 
 
 _DRIVERS: dict[tuple[int, tuple[int, ...]], Driver] = {}
+#: The tensor-parallel groups this process is rank 0 of (noted when it learns so), by key
+_LAYOUTS: dict[tuple[int, tuple[int, ...]], TensorParallelLayout] = {}
 #: How long ending the driver thread waits for it (it has only to take the stop from its queue).
 _JOIN_TIMEOUT_S = 5.0
 
 
+def _key(layout: TensorParallelLayout) -> tuple[int, tuple[int, ...]]:
+    return (id(dist.group.WORLD), layout.ranks)
+
+
+def note_layout(layout: TensorParallelLayout | None) -> None:
+    """Remember that this process is rank 0 of ``layout`` (if it is): :func:`shutdown`
+    releases its followers even if no manager ever ran here."""
+    if layout is not None and layout.is_driver:
+        _LAYOUTS[_key(layout)] = layout
+
+
 def driver_for(layout: TensorParallelLayout, timeout: float | None) -> Driver:
     """This process's driver for ``layout``: reused across managers until :func:`shutdown`."""
-    key = (id(dist.group.WORLD), layout.ranks)
+    note_layout(layout)
+    key = _key(layout)
     driver = _DRIVERS.get(key)
     if driver is None or driver.closed:
         released = driver is not None and driver.released
@@ -295,10 +311,29 @@ def driver_for(layout: TensorParallelLayout, timeout: float | None) -> Driver:
     return driver
 
 
-def shutdown(timeout: float | None = None) -> None:
-    """Rank 0: release the follower ranks (their :func:`~aiocb.runner.tp_follower.follow` returns); no-op elsewhere."""
+def shutdown(timeout: float | None = None, *, at_exit: bool = False) -> None:
+    """Rank 0: release the follower ranks (their :func:`~aiocb.runner.tp_follower.follow`
+    returns); no-op elsewhere.
+
+    Each live driver sends ``shutdown``. Called by the program (not ``at_exit``), so are the
+    followers of every group this process is rank 0 of that no driver released: where no
+    manager ever ran (the channel is made now, as the followers wait to make it in
+    :func:`~aiocb.runner.tp_follower.follow`), and where an every-rank ``generate_batch()``
+    retired the driver (the followers, which left with its outputs, take the release in
+    ``run_follower()`` or their own ``shutdown()``). At exit only live drivers send: a
+    send waits for its receiver, and nobody may be listening on the others.
+    """
     for driver in list(_DRIVERS.values()):
         driver.close(timeout)
+    if at_exit or not dist.is_available() or not dist.is_initialized():
+        return
+    for key, layout in list(_LAYOUTS.items()):
+        last = _DRIVERS.get(key)
+        if last is None or (last.retired and not last.released):
+            if last is None:
+                logger.info("releasing the follower ranks of a group no manager ran on")
+            channel_timeout = timeout if timeout is not None else ContinuousBatchingConfig().cpu_group_timeout
+            driver_for(layout, channel_timeout).close(timeout)
 
 
 def return_to_followers(
@@ -339,7 +374,7 @@ def return_to_followers(
 
 @atexit.register
 def _release_followers_at_exit() -> None:
-    shutdown(_EXIT_TIMEOUT)
+    shutdown(_EXIT_TIMEOUT, at_exit=True)
 
 
 class DriverRunner(ModelRunner):

@@ -91,7 +91,9 @@ def follow(model: PreTrainedModel, config: ContinuousBatchingConfig | None = Non
     ``config`` gives only the ``cpu_group_timeout`` to use until rank 0's first manager
     starts; from then on every setting comes from rank 0's configuration.
     """
-    follower = _Follower(model, _channel(model, config, "run_follower()"))
+    channel = _channel(model, config, "run_follower()")
+    _left.pop(id(channel), None)  # (a release rank 0 sent after a call every rank made comes here)
+    follower = _Follower(model, channel)
     follower.run()
     return follower.counters.report()
 
@@ -104,12 +106,15 @@ def follow_call(model: PreTrainedModel, config: ContinuousBatchingConfig | None,
     arguments raises :class:`~aiocb.InvalidRequestError` (the ranks' scripts diverged),
     and an exception rank 0 raised is raised here too.
     """
-    follower = _Follower(model, _channel(model, config, "generate_batch()"))
+    channel = _channel(model, config, "generate_batch()")
+    _left.pop(id(channel), None)
+    follower = _Follower(model, channel)
     returned = follower.run(until_return=True)
     if returned is None:
         raise DistributedError(
             "rank 0 called aiocb.distributed.shutdown() while this rank waited for its generate_batch() to return"
         )
+    _left[id(channel)] = channel
     value, error, driver_fingerprint = returned
     if driver_fingerprint != fingerprint:
         raise InvalidRequestError(
@@ -127,9 +132,45 @@ def _channel(model: PreTrainedModel, config: ContinuousBatchingConfig | None, ca
         raise InvalidRequestError(f"{caller} on a follower needs a model loaded with tensor parallelism (tp_size > 1)")
     if layout.is_driver:
         raise InvalidRequestError(f"this process is tensor-parallel rank 0: it runs the aiocb.Manager, not {caller}")
-    channel = control_channel(layout, (config or ContinuousBatchingConfig()).cpu_group_timeout)
+    timeout = (config or ContinuousBatchingConfig()).cpu_group_timeout
+    try:
+        channel = control_channel(layout, timeout)
+    except Exception as exc:
+        if not is_comm_failure(exc):
+            raise
+        raise DistributedError(
+            f"rank 0 (global rank {layout.ranks[0]}) did not join this tensor-parallel group's control channel "
+            f"within cpu_group_timeout={timeout} s: it died, or it neither started a manager nor called "
+            f"aiocb.distributed.shutdown() ({exc})"
+        ) from exc
     logger.info("tensor-parallel rank %d of %d follows rank 0", layout.rank, layout.size)
     return channel
+
+
+#: The channels whose follower left rank 0's last message there an every-rank
+#: generate_batch()'s return (by id): rank 0's shutdown() sends them a release, which
+#: run_follower() or this rank's own shutdown() takes (a send waits for its receiver).
+_left: dict[int, ControlChannel] = {}
+
+
+def take_release() -> None:
+    """A follower's ``shutdown()``: take rank 0's release on each channel an every-rank
+    ``generate_batch()`` left last (within its ``cpu_group_timeout``; a warning if none comes)."""
+    while _left:
+        _, channel = _left.popitem()
+        try:
+            kind = "heartbeat"
+            while kind == "heartbeat":  # (a new driver's, idle before its release)
+                kind, *_ = _receive(channel)
+        except DistributedError as exc:
+            logger.warning("rank 0 did not release tensor-parallel rank %d: %s", channel.layout.rank, exc)
+            continue
+        if kind != "shutdown":
+            logger.warning(
+                "rank 0 sent %r, not the release, after generate_batch(): it went on without this rank (call "
+                "run_follower() here to follow it)",
+                kind,
+            )
 
 
 class _Follower:

@@ -357,6 +357,11 @@ async def scenario_generate_batch_alone(model: Any, out: Path) -> dict[str, Any]
     return {"generate_batch": [o.generated_tokens for o in outputs.values()], "after": after}
 
 
+async def scenario_no_manager(model: Any, out: Path) -> dict[str, Any]:
+    """Rank 0 starts no manager (its work failed before one, say), then calls shutdown()."""
+    return {}
+
+
 async def scenario_shutdown_mid_session(model: Any, out: Path) -> dict[str, Any]:
     """aiocb.distributed.shutdown() while a manager runs: its request fails, naming it."""
     manager = aiocb.Manager(model, continuous_batching_config=_config(cpu_group_timeout=10.0))
@@ -493,6 +498,7 @@ SCENARIOS: dict[str, Scenario] = {
     "driver_forward_fails": scenario_driver_forward_fails,
     "restart_after_shutdown": scenario_restart_after_shutdown,
     "failed_builds": scenario_failed_builds,
+    "no_manager": scenario_no_manager,
 }
 #: What a follower does before run_follower() in a scenario.
 FOLLOWER_SETUP: dict[str, Callable[[int], None]] = {
@@ -542,6 +548,18 @@ def main() -> None:
     if scenario == "generate_batch":
         record = every_rank_generate_batch(model, rank)
         aiocb.distributed.shutdown()
+        (out_dir / f"rank{rank}.json").write_text(json.dumps(record))
+    elif scenario == "generate_batch_then_follow":
+        # Every rank calls generate_batch(); then rank 0 releases the others, which follow.
+        outputs = aiocb.generate_batch(model, PROMPTS, continuous_batching_config=_config(), max_new_tokens=2)
+        record = {"tokens": [o.generated_tokens for o in outputs.values()], "error": None}
+        if aiocb.distributed.is_driver(model):
+            aiocb.distributed.shutdown()
+        else:
+            try:
+                aiocb.distributed.run_follower(model, _config(cpu_group_timeout=10.0))
+            except Exception as exc:
+                record["error"] = {"type": type(exc).__name__, "message": str(exc)}
         (out_dir / f"rank{rank}.json").write_text(json.dumps(record))
     elif aiocb.distributed.is_driver(model):
         result = asyncio.run(SCENARIOS[scenario](model, out_dir))

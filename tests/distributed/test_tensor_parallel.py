@@ -113,6 +113,22 @@ def test_generate_batch_on_rank_0_alone_leaves_run_follower_following(
     assert "could not release" not in (tmp_path / "rank0.log").read_text(), "shutdown() released the follower"
 
 
+def test_shutdown_releases_the_followers_when_no_manager_ran(llama_dir: Path, tmp_path: Path) -> None:
+    """Rank 0's shutdown() released only the followers of a live driver: without a manager,
+    run_follower() waited out cpu_group_timeout for the channel, then raised a store error."""
+    driver, follower = _both_ran("no_manager", llama_dir, tmp_path)
+    assert follower["error"] is None, follower
+    assert follower["report"]["sessions"] == 0
+
+
+def test_shutdown_after_generate_batch_on_every_rank_releases_run_follower(llama_dir: Path, tmp_path: Path) -> None:
+    """The call every rank made retired rank 0's driver, so its shutdown() sent nothing:
+    the follower's run_follower() failed at cpu_group_timeout, saying rank 0 hung or died."""
+    driver, follower = _both_ran("generate_batch_then_follow", llama_dir, tmp_path)
+    assert follower == driver, "released, and the same outputs"
+    assert "could not release" not in (tmp_path / "rank0.log").read_text()
+
+
 def test_one_manager_at_a_time_runs_on_the_ranks(llama_model: PreTrainedModel, llama_dir: Path, tmp_path: Path) -> None:
     driver, follower = _both_ran("two_managers", llama_dir, tmp_path)
     expected = [reference_generate(llama_model, p, MAX_NEW_TOKENS) for p in PROMPTS]

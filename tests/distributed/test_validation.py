@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
-from transformers import PreTrainedModel
+from transformers import GPT2Config, PreTrainedModel
 
 import aiocb
 import aiocb.distributed
@@ -54,6 +54,15 @@ def test_a_tp_size_that_does_not_divide_the_kv_heads_fails_before_loading(llama_
     with pytest.raises(aiocb.InvalidConfigError, match=r"tp_size=3 .*num_key_value_heads=2.*\[1, 2\]"):
         aiocb.distributed.validate_tp(llama_dir, 3)
     assert not dist.is_initialized(), "the check runs before transformers sets up torch.distributed"
+
+
+def test_a_model_transformers_cannot_shard_fails_before_loading(tmp_path: Path) -> None:
+    """GPT-2 has no tensor-parallel plan: validate_tp passed it, then transformers refused
+    it with a plain ValueError once loading began."""
+    GPT2Config(n_layer=1, n_embd=32, n_head=2).save_pretrained(tmp_path)
+    with pytest.raises(aiocb.InvalidConfigError, match="no tensor-parallel plan for GPT2Config"):
+        aiocb.distributed.validate_tp(tmp_path, 2)
+    aiocb.distributed.validate_tp(tmp_path, 1)  # (one process needs no plan)
 
 
 def test_device_map_with_tensor_parallelism_is_an_error(llama_dir: Path) -> None:
