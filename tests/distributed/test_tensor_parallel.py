@@ -116,7 +116,7 @@ def test_generate_batch_on_rank_0_alone_leaves_run_follower_following(
 def test_shutdown_releases_the_followers_when_no_manager_ran(llama_dir: Path, tmp_path: Path) -> None:
     """Rank 0's shutdown() released only the followers of a live driver: without a manager,
     run_follower() waited out cpu_group_timeout for the channel, then raised a store error."""
-    driver, follower = _both_ran("no_manager", llama_dir, tmp_path)
+    _, follower = _both_ran("no_manager", llama_dir, tmp_path)
     assert follower["error"] is None, follower
     assert follower["report"]["sessions"] == 0
 
