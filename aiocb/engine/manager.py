@@ -97,6 +97,8 @@ class ManagerStatistics:
     #: them it agreed with
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
+    #: the longest sequence the cache holds when it holds nothing else (tokens)
+    capacity_tokens: int = 0
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -1183,7 +1185,7 @@ class Manager:
             waiting_requests=len(scheduler.waiting) + scheduler.num_held_children,
             free_blocks=kv.num_free_blocks,
             total_blocks=kv.num_total_blocks,
-            cache_usage=1.0 - kv.num_free_blocks / kv.num_total_blocks,
+            cache_usage=1.0 - kv.free_fraction,  # (the tightest group's: a hybrid model's full layers')
             steps=stats.num_steps,
             tokens_computed=stats.num_computed_tokens,
             tokens_generated=stats.num_generated_tokens,
@@ -1194,6 +1196,7 @@ class Manager:
             restored_blocks=kv.num_restored_blocks,
             draft_tokens=stats.num_draft_tokens,
             accepted_draft_tokens=stats.num_accepted_tokens,
+            capacity_tokens=kv.capacity_tokens,
         )
 
     # ------------------------------------------------------------------ internals

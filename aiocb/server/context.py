@@ -376,7 +376,7 @@ class ServerContext:
 
     def cache_capacity_tokens(self) -> int:
         """Tokens the whole KV cache holds (an estimate, for default ``max_tokens``)."""
-        return self.manager.statistics().total_blocks * self.manager.config.page_size
+        return self.manager.statistics().capacity_tokens
 
     def min_tokens(self, sampling: SamplingRequest, prompt_len: int) -> int:
         """A choice's ``min_tokens``: the request's, else what the engine takes from the

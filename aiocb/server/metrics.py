@@ -32,6 +32,10 @@ class _ManagerCollector(Collector):
     def __init__(self, manager: ServedEngine, labels: dict[str, str]) -> None:
         self._manager = manager
         self._labels = labels
+        #: whether the counters are collected: not from an API worker's copy of an engine
+        #: that did not answer (another worker may have served later values, and a counter
+        #: that goes back reads as a reset: left out, it reads as a gap)
+        self.counters = True
 
     def collect(self) -> Iterable[Metric]:
         stats = self._manager.statistics()
@@ -50,12 +54,18 @@ class _ManagerCollector(Collector):
 
         yield gauge("aiocb_num_requests_running", "Requests in the running batch.", stats.running_requests)
         yield gauge("aiocb_num_requests_waiting", "Requests waiting for admission.", stats.waiting_requests)
-        yield gauge("aiocb_kv_cache_usage_perc", "Share of KV cache blocks in use (0 to 1).", stats.cache_usage)
-        yield gauge("aiocb_kv_cache_free_blocks", "Free KV cache blocks.", stats.free_blocks)
-        yield gauge("aiocb_kv_cache_total_blocks", "KV cache blocks in all.", stats.total_blocks)
+        yield gauge(
+            "aiocb_kv_cache_usage_perc",
+            "Share of KV cache blocks in use (0 to 1), of the tightest cache group (a hybrid model's full layers).",
+            stats.cache_usage,
+        )
+        yield gauge("aiocb_kv_cache_free_blocks", "Free KV cache blocks (all cache groups).", stats.free_blocks)
+        yield gauge("aiocb_kv_cache_total_blocks", "KV cache blocks in all (all cache groups).", stats.total_blocks)
         # (the manager's own word: an API worker's statistics may be a copy from before a hang)
         running = self._manager.is_running
         yield gauge("aiocb_engine_running", "1 while the step loop runs.", 1.0 if running else 0.0)
+        if not self.counters:
+            return
         yield counter("aiocb_engine_steps", "Forward steps run.", stats.steps)
         yield counter("aiocb_engine_computed_tokens", "Tokens run through the model.", stats.tokens_computed)
         yield counter("aiocb_engine_generated_tokens", "Tokens sampled by the engine.", stats.tokens_generated)
@@ -160,7 +170,8 @@ class ServerMetrics:
     async def render(self) -> bytes:
         """The metrics in Prometheus' text format."""
         if isinstance(self._manager, RemoteManager):
-            await self._manager.fresh_statistics()
+            # (no await from here to the collection: a concurrent scrape cannot change it)
+            self._engine.counters = await self._manager.fresh_statistics() is not None
         if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
             registry = CollectorRegistry()
             MultiProcessCollector(registry)  # type: ignore[no-untyped-call]  # registers itself

@@ -544,17 +544,21 @@ class RemoteManager:
         """The engine's statistics, as last sent (at most ``STATS_INTERVAL_S`` old)."""
         return self._statistics
 
-    async def fresh_statistics(self) -> ManagerStatistics:
+    async def fresh_statistics(self) -> ManagerStatistics | None:
         """The engine's statistics as of now: taken after this call asked for them, so never
-        older than what any earlier call got, in any worker (the last sent if the engine
-        does not answer within ``FRESH_STATISTICS_TIMEOUT_S``, or is gone, or taken for hung:
-        a scrape of a hung engine asks it nothing, or the questions would pile up)."""
-        if self._lost is None and self.silence() is None:
-            answered = self._loop.create_future()
-            self._asking.append(answered)
-            self._writer.write(encode_frame(("statistics",)))
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(answered), FRESH_STATISTICS_TIMEOUT_S)
+        older than what any earlier call got, in any worker; None if the engine does not
+        answer within ``FRESH_STATISTICS_TIMEOUT_S``, or is gone, or is taken for hung (a
+        scrape of a hung engine asks it nothing, or the questions would pile up), where
+        :meth:`statistics` has the last sent, which another worker may have passed."""
+        if self._lost is not None or self.silence() is not None:
+            return None
+        answered = self._loop.create_future()
+        self._asking.append(answered)
+        self._writer.write(encode_frame(("statistics",)))
+        try:
+            await asyncio.wait_for(asyncio.shield(answered), FRESH_STATISTICS_TIMEOUT_S)
+        except TimeoutError:
+            return None
         return self._statistics
 
     async def wait_lost(self) -> str:

@@ -343,6 +343,7 @@ async def choice_deltas(
                     metrics.generation_tokens.inc(returned)
                     if seen == 0:
                         metrics.time_to_first_token.observe(now - received)
+                        metrics.observe_inter_token(returned - 1, 0.0)  # (the rest came with it)
                     else:
                         metrics.observe_inter_token(returned, now - last_time)
                     last_time = now

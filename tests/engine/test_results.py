@@ -10,7 +10,7 @@ import pytest
 from transformers import PreTrainedModel
 
 import aiocb
-from tests.conftest import random_prompts, reference_generate
+from tests.conftest import random_prompts, reference_generate, tiny_qwen3
 
 PROMPTS = random_prompts(8, 5, 50, seed=8)
 
@@ -197,6 +197,27 @@ async def test_one_stream_per_request(qwen3: PreTrainedModel) -> None:
             manager.stream(rid)
         async with stream:
             assert [c async for c in stream][-1].is_finished()
+
+
+async def test_a_hybrid_models_cache_use_and_capacity_are_its_full_layers() -> None:
+    """The sliding layers' pool counted as room: usage read 0.47 with the full layers' pool
+    nearly full (preemptions came at "65%"), and the capacity was twice what fits."""
+    model = tiny_qwen3(
+        0,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=16,
+        use_sliding_window=True,
+        max_window_layers=0,
+    )
+    config = aiocb.ContinuousBatchingConfig(num_blocks=16, page_size=16, max_batch_tokens=256)
+    async with aiocb.Manager(model, continuous_batching_config=config) as manager:
+        assert manager.statistics().capacity_tokens == 16 * 16
+        rid = await manager.add_request(list(range(1, 201)), max_new_tokens=8, ignore_eos=True)
+        seen = [manager.statistics() async for _ in manager.stream(rid)]
+    stats = seen[0]  # (as the first token came)
+    # The full layers hold 13 blocks of 16 for 201 tokens; the sliding ones a ring of 2 or 3.
+    assert stats.cache_usage == 13 / 16, stats
+    assert stats.total_blocks == 32
 
 
 async def test_statistics_snapshot(qwen3: PreTrainedModel) -> None:

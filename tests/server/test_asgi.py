@@ -866,6 +866,36 @@ async def test_metrics_count_a_prompt_once_and_only_the_tokens_clients_get(clien
     assert grew("aiocb_e2e_request_latency_seconds_count") == 3
 
 
+async def test_every_token_after_a_choices_first_is_an_inter_token_observation(
+    client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A choice whose first read found several tokens (the loop busy before it) observed the
+    time to first token alone: the others of that read were no inter-token observation."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from aiocb.server import serving
+
+    async def values() -> dict[str, float]:
+        text = (await client.get("/metrics")).text
+        return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+    prepare = serving.prepare_stop_strings
+
+    async def late(*args: Any) -> Any:
+        await asyncio.sleep(0.3)  # (the tokens come meanwhile: the first read takes them all)
+        return await prepare(*args)
+
+    monkeypatch.setattr(serving, "prepare_stop_strings", late)
+    before = await values()
+    response = await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 10, "ignore_eos": True})
+    assert response.status_code == 200, response.text
+    after = await values()
+    assert response.json()["usage"]["completion_tokens"] == 10
+    grew = {name: after[name] - before.get(name, 0.0) for name in after}
+    assert grew["aiocb_time_to_first_token_seconds_count"] == 1
+    assert grew["aiocb_inter_token_latency_seconds_count"] == 9
+
+
 async def test_a_long_texts_ids_come_from_the_tokenizer_process_whole(
     client: httpx.AsyncClient, tokenizer: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
