@@ -150,12 +150,14 @@ def shutdown(timeout: float | None = None) -> None:
     """On rank 0: release the follower ranks (their :func:`run_follower` returns).
 
     Call it once rank 0 is done with its managers, before ``destroy_process_group()``,
-    whether or not a manager ran (the followers of a model :func:`load_model` loaded or
-    :func:`is_driver` saw on rank 0 are released all the same). It also runs at interpreter
-    exit, for the followers of managers. A no-op without tensor parallelism; waits at most
-    ``timeout`` seconds (default: ``cpu_group_timeout``). After ``generate_batch()`` called
-    on every rank, call it on every rank or on none: a follower's takes rank 0's release
-    (so does its ``run_follower()``), for which rank 0's waits.
+    whether or not a manager ran: the followers of a model :func:`load_model` loaded or
+    :func:`is_driver` saw on rank 0 are released all the same (where none ran, it waits up
+    to ``timeout`` for them to join in :func:`run_follower`, then warns). It also runs at
+    interpreter exit, for the followers of managers. A no-op on other ranks and without
+    tensor parallelism; waits at most ``timeout`` seconds a step (default:
+    ``cpu_group_timeout``). After ``generate_batch()`` called on every rank the followers
+    are free: it releases nobody (a follower that then runs :func:`run_follower` follows
+    rank 0's next manager or ``generate_batch()``).
 
     On every rank of a process group, the objects aiocb moved out of the garbage collector's view (see
     :mod:`aiocb.collector`) are put back and collected: a cycle of them left frozen keeps

@@ -422,11 +422,13 @@ def flag_problems(args: argparse.Namespace) -> list[str]:
     else:
         problems += filter(None, [api_key_problem(args.api_key, "--api-key (or $AIOCB_API_KEY)")])
     world = os.environ.get("WORLD_SIZE", "")
-    if world.isdigit() and int(world) > 1:
+    launched = "TORCHELASTIC_RUN_ID" in os.environ or {"RANK", "LOCAL_RANK"} <= os.environ.keys()
+    if args.replicas is None and launched and world.isdigit() and int(world) > 1:
         problems.append(
-            f"aiocb serve runs one process, not one of torchrun's {world} (each would load the "
-            "whole model and serve on the same port): for tensor parallelism give --tensor-parallel-size with "
-            "--replicas, or write a torchrun script around aiocb.Manager (README: Tensor parallelism)"
+            f"this is one of {world} processes torchrun launched (WORLD_SIZE={world}), and the server is one "
+            "process: each would load the whole model and serve on the same port. For tensor parallelism give "
+            "--tensor-parallel-size with --replicas, or write a torchrun script around aiocb.Manager (README: "
+            "Tensor parallelism)"
         )
     if args.loop == "uvloop" and importlib.util.find_spec("uvloop") is None:
         problems.append("--loop uvloop needs the uvloop package, which is not installed (pip install 'aiocb[uvloop]')")

@@ -92,10 +92,12 @@ class TensorParallelGroup:
         import aiocb.distributed
 
         self.closed = True
-        aiocb.distributed.shutdown(CLOSE_TIMEOUT_S)
-        ray.wait(self.runs, num_returns=len(self.runs), timeout=CLOSE_TIMEOUT_S)
-        for actor in self.actors:
-            ray.kill(actor)
+        try:
+            aiocb.distributed.shutdown(CLOSE_TIMEOUT_S)
+            ray.wait(self.runs, num_returns=len(self.runs), timeout=CLOSE_TIMEOUT_S)
+        finally:  # (the actors end whatever the release did)
+            for actor in self.actors:
+                ray.kill(actor)
 
 
 class TensorParallelRank:

@@ -19,9 +19,8 @@ This module gathers the names the rest of aiocb uses (the engine builds its runn
 
 from __future__ import annotations
 
-from aiocb.runner import tp_driver
-from aiocb.runner.tp_driver import build_runner, driver_layout, note_layout, return_to_followers
-from aiocb.runner.tp_follower import FollowerReport, follow, follow_call, take_release
+from aiocb.runner.tp_driver import build_runner, driver_layout, note_layout, return_to_followers, shutdown
+from aiocb.runner.tp_follower import FollowerReport, follow, follow_call
 from aiocb.runner.tp_layout import TensorParallelLayout, check_tp_size, tensor_parallel_layout
 
 __all__ = [
@@ -37,10 +36,3 @@ __all__ = [
     "shutdown",
     "tensor_parallel_layout",
 ]
-
-
-def shutdown(timeout: float | None = None) -> None:
-    """Rank 0: release the follower ranks (see :func:`aiocb.runner.tp_driver.shutdown`); a
-    follower: take that release where an every-rank ``generate_batch()`` left it last."""
-    tp_driver.shutdown(timeout)
-    take_release()

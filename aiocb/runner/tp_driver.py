@@ -65,8 +65,6 @@ class Driver:
         self.after_shutdown = after_shutdown
         #: whether shutdown() released the followers through this driver
         self.released = False
-        #: whether an every-rank generate_batch() ended it (its followers left with the outputs)
-        self.retired = False
         #: events for the followers, carried by the next message (appended from any thread)
         self.events: deque[Event] = deque()
         #: why the group is unusable (a rank failed, or a step failed half-way); None while healthy
@@ -194,7 +192,7 @@ class Driver:
 
     def retire(self) -> None:
         """End the driver thread without a word to the followers (they no longer listen)."""
-        self.closed = self.retired = True
+        self.closed = True
         self._forget_runners()
         self._end_thread()
 
@@ -316,24 +314,32 @@ def shutdown(timeout: float | None = None, *, at_exit: bool = False) -> None:
     returns); no-op elsewhere.
 
     Each live driver sends ``shutdown``. Called by the program (not ``at_exit``), so are the
-    followers of every group this process is rank 0 of that no driver released: where no
-    manager ever ran (the channel is made now, as the followers wait to make it in
-    :func:`~aiocb.runner.tp_follower.follow`), and where an every-rank ``generate_batch()``
-    retired the driver (the followers, which left with its outputs, take the release in
-    ``run_follower()`` or their own ``shutdown()``). At exit only live drivers send: a
-    send waits for its receiver, and nobody may be listening on the others.
+    followers of a group this process is rank 0 of where no manager ever ran: the channel is
+    made now, with the followers waiting to make it in
+    :func:`~aiocb.runner.tp_follower.follow` (a warning if they do not come within
+    ``timeout``). Where an every-rank ``generate_batch()`` ended the driver nothing is sent:
+    its followers left with the outputs, and a send waits for its receiver. At exit only
+    live drivers send, for the same reason.
     """
     for driver in list(_DRIVERS.values()):
         driver.close(timeout)
     if at_exit or not dist.is_available() or not dist.is_initialized():
         return
     for key, layout in list(_LAYOUTS.items()):
-        last = _DRIVERS.get(key)
-        if last is None or (last.retired and not last.released):
-            if last is None:
-                logger.info("releasing the follower ranks of a group no manager ran on")
-            channel_timeout = timeout if timeout is not None else ContinuousBatchingConfig().cpu_group_timeout
+        if key in _DRIVERS:
+            continue
+        channel_timeout = timeout if timeout is not None else ContinuousBatchingConfig().cpu_group_timeout
+        try:
             driver_for(layout, channel_timeout).close(timeout)
+        except Exception as exc:
+            if not is_comm_failure(exc):
+                raise
+            logger.warning(
+                "could not release the follower ranks, which did not join the control channel within %s s "
+                "(no manager ran here; they are not in run_follower()): %s",
+                channel_timeout,
+                exc,
+            )
 
 
 def return_to_followers(

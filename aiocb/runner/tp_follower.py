@@ -91,9 +91,7 @@ def follow(model: PreTrainedModel, config: ContinuousBatchingConfig | None = Non
     ``config`` gives only the ``cpu_group_timeout`` to use until rank 0's first manager
     starts; from then on every setting comes from rank 0's configuration.
     """
-    channel = _channel(model, config, "run_follower()")
-    _left.pop(id(channel), None)  # (a release rank 0 sent after a call every rank made comes here)
-    follower = _Follower(model, channel)
+    follower = _Follower(model, _channel(model, config, "run_follower()"))
     follower.run()
     return follower.counters.report()
 
@@ -106,15 +104,12 @@ def follow_call(model: PreTrainedModel, config: ContinuousBatchingConfig | None,
     arguments raises :class:`~aiocb.InvalidRequestError` (the ranks' scripts diverged),
     and an exception rank 0 raised is raised here too.
     """
-    channel = _channel(model, config, "generate_batch()")
-    _left.pop(id(channel), None)
-    follower = _Follower(model, channel)
+    follower = _Follower(model, _channel(model, config, "generate_batch()"))
     returned = follower.run(until_return=True)
     if returned is None:
         raise DistributedError(
             "rank 0 called aiocb.distributed.shutdown() while this rank waited for its generate_batch() to return"
         )
-    _left[id(channel)] = channel
     value, error, driver_fingerprint = returned
     if driver_fingerprint != fingerprint:
         raise InvalidRequestError(
@@ -145,32 +140,6 @@ def _channel(model: PreTrainedModel, config: ContinuousBatchingConfig | None, ca
         ) from exc
     logger.info("tensor-parallel rank %d of %d follows rank 0", layout.rank, layout.size)
     return channel
-
-
-#: The channels whose follower left rank 0's last message there an every-rank
-#: generate_batch()'s return (by id): rank 0's shutdown() sends them a release, which
-#: run_follower() or this rank's own shutdown() takes (a send waits for its receiver).
-_left: dict[int, ControlChannel] = {}
-
-
-def take_release() -> None:
-    """A follower's ``shutdown()``: take rank 0's release on each channel an every-rank
-    ``generate_batch()`` left last (within its ``cpu_group_timeout``; a warning if none comes)."""
-    while _left:
-        _, channel = _left.popitem()
-        try:
-            kind = "heartbeat"
-            while kind == "heartbeat":  # (a new driver's, idle before its release)
-                kind, *_ = _receive(channel)
-        except DistributedError as exc:
-            logger.warning("rank 0 did not release tensor-parallel rank %d: %s", channel.layout.rank, exc)
-            continue
-        if kind != "shutdown":
-            logger.warning(
-                "rank 0 sent %r, not the release, after generate_batch(): it went on without this rank (call "
-                "run_follower() here to follow it)",
-                kind,
-            )
 
 
 class _Follower:

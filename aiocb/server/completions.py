@@ -149,6 +149,7 @@ async def prepare_completion(ctx: ServerContext, body: bytes) -> PreparedComplet
     tokenizer thread."""
     request = await ctx.prepare(body, partial(parse_completion, ctx))
     prompts = await tokenize_prompts(ctx, request)
+    ctx.check_queued_tokens([len(prompt.ids) for prompt in prompts])
     if request.echo and request.logprobs is not None:
         ctx.limits.check_echo_logprobs(sum(len(p.ids) for p in prompts), request.logprobs, request.sampling.n)
     choices = len(prompts) * request.sampling.n

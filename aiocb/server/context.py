@@ -191,6 +191,18 @@ class ServerContext:
                 "prompt" if prompts > 1 else "n",
             )
 
+    def check_queued_tokens(self, prompt_lengths: Sequence[int]) -> None:
+        """Refuse prompts (a request's, queued together) whose tokens add up to more than the
+        engine's admission queue holds: the first always fits an empty queue, but the others
+        never fit with it, so the request could never be taken (429 for ever)."""
+        limit = self.manager.config.max_queued_tokens
+        if limit and len(prompt_lengths) > 1 and sum(prompt_lengths) > limit:
+            raise bad_request(
+                f"the request's {len(prompt_lengths)} prompts have {sum(prompt_lengths)} tokens in all, more than "
+                f"the engine's admission queue holds: {limit} (--max-queued-tokens)",
+                "prompt",
+            )
+
     def check_prompt_ids(self, ids: Sequence[int], param: str, where: str | None = None) -> None:
         """Refuse a token-id prompt longer than the context or with ids outside the model's
         vocabulary (checked here, off the loop for a large body, rather than by the engine).

@@ -549,18 +549,6 @@ def main() -> None:
         record = every_rank_generate_batch(model, rank)
         aiocb.distributed.shutdown()
         (out_dir / f"rank{rank}.json").write_text(json.dumps(record))
-    elif scenario == "generate_batch_then_follow":
-        # Every rank calls generate_batch(); then rank 0 releases the others, which follow.
-        outputs = aiocb.generate_batch(model, PROMPTS, continuous_batching_config=_config(), max_new_tokens=2)
-        record = {"tokens": [o.generated_tokens for o in outputs.values()], "error": None}
-        if aiocb.distributed.is_driver(model):
-            aiocb.distributed.shutdown()
-        else:
-            try:
-                aiocb.distributed.run_follower(model, _config(cpu_group_timeout=10.0))
-            except Exception as exc:
-                record["error"] = {"type": type(exc).__name__, "message": str(exc)}
-        (out_dir / f"rank{rank}.json").write_text(json.dumps(record))
     elif aiocb.distributed.is_driver(model):
         result = asyncio.run(SCENARIOS[scenario](model, out_dir))
         aiocb.distributed.shutdown()

@@ -66,6 +66,27 @@ async def test_room_goes_to_the_waiting_callers_by_priority(qwen3: PreTrainedMod
     assert [name for name in finished if name != "urgent"] == ["low0", "low1", "low2", "low3"]
 
 
+async def test_a_newcomer_goes_ahead_of_waiting_callers_only_by_a_better_priority(qwen3: PreTrainedModel) -> None:
+    """Where the first waiting caller does not fit yet (its prompt too long for the room
+    left), a newcomer that fits is refused behind it at the same priority, first come first
+    served, and let through at a better one."""
+    config = aiocb.ContinuousBatchingConfig(max_queued_tokens=50, max_requests_per_batch=1)
+    long, short = list(range(1, 41)), list(range(1, 11))
+    async with aiocb.Manager(qwen3, continuous_batching_config=config) as manager:
+        hog = await manager.add_request(PROMPTS[0], max_new_tokens=400, ignore_eos=True)
+        await asyncio.sleep(0.05)  # (running: the queue is empty)
+        queued = manager.add_request_nowait(list(range(1, 31)), max_new_tokens=2, priority=5)  # 30 tokens wait
+        waiter = asyncio.create_task(manager.add_request(long, max_new_tokens=2, priority=5))
+        await asyncio.sleep(0.01)
+        assert not waiter.done()  # (30 + 40 tokens would pass the bound)
+        with pytest.raises(aiocb.WouldBlock):
+            manager.add_request_nowait(short, max_new_tokens=2, priority=5)
+        ahead = manager.add_request_nowait(short, max_new_tokens=2, priority=4)
+        for rid in (hog, queued, ahead):
+            manager.cancel_request(rid)
+        manager.cancel_request(await asyncio.wait_for(waiter, 5))
+
+
 async def test_queued_tokens_bound(qwen3: PreTrainedModel) -> None:
     config = aiocb.ContinuousBatchingConfig(max_queued_tokens=50, max_requests_per_batch=1)
     async with aiocb.Manager(qwen3, continuous_batching_config=config) as manager:

@@ -739,6 +739,18 @@ async def test_more_choices_than_the_queue_holds_are_a_400_not_a_429_for_ever(
             assert taken.status_code == 200, taken.text
         stats = manager.statistics()
         assert stats.free_blocks == stats.total_blocks
+    ids = tokenizer.encode(PROMPT)
+    config = serve_config(max_queued_tokens=len(ids) + 2)
+    async with aiocb.Manager(model, continuous_batching_config=config) as manager:
+        app = build_app(manager, tokenizer, MODEL_NAME)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+            # (two prompts past the bound in all: the first fits the empty queue, the second never with it)
+            error = assert_error(await http.post("/v1/completions", json={"prompt": [ids, ids], "max_tokens": 2}), 400)
+            assert error["param"] == "prompt" and "--max-queued-tokens" in error["message"], error
+            one = await http.post("/v1/completions", json={"prompt": ids, "n": 3, "max_tokens": 2})
+            assert one.status_code == 200, one.text  # (one prompt always fits an empty queue)
+        stats = manager.statistics()
+        assert stats.free_blocks == stats.total_blocks
 
 
 async def test_an_engine_failure_is_a_500(tokenizer: Any) -> None:

@@ -29,6 +29,7 @@ from aiocb.cli.serve import (
     chat_parsers,
     config_flags,
     config_from_args,
+    flag_problems,
     limits_from_args,
     listen,
     load_model,
@@ -250,8 +251,10 @@ def test_serve_under_torchrun_is_refused_before_anything_loads(
 ) -> None:
     """Each rank loaded the whole model and served on the same port (the second died of it)."""
     monkeypatch.setenv("WORLD_SIZE", "2")
+    assert flag_problems(parse()) == [], "a stale WORLD_SIZE alone is no torchrun"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
     assert run_serve(parse()) == 2
-    assert "aiocb serve runs one process, not one of torchrun's 2" in capsys.readouterr().err
+    assert "one of 2 processes torchrun launched (WORLD_SIZE=2)" in capsys.readouterr().err
 
 
 def test_uvloop_asked_for_but_not_installed_is_refused_before_anything_loads(
