@@ -435,6 +435,11 @@ def test_a_tensor_parallel_rank_s_group_waits_as_long_as_cpu_group_timeout(monke
 
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    # (join_and_load sets torchrun's variables in this process: put back as they were after,
+    # or every later test of the process ran as a torchrun rank)
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     for timeout in (42.0, None):
         options = ReplicaOptions(
             device="cpu", continuous_batching_config=aiocb.ContinuousBatchingConfig(cpu_group_timeout=timeout)
