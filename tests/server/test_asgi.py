@@ -795,6 +795,25 @@ async def test_models_health_and_tokenizer_routes(client: httpx.AsyncClient, tok
     assert_error(await client.post("/detokenize", json={"tokens": [len(tokenizer)]}), 400)
 
 
+async def test_metrics_export_the_offloaded_and_restored_blocks() -> None:
+    """The manager counted them; /metrics left them out."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from aiocb.engine.manager import ManagerStatistics
+    from aiocb.server.metrics import ServerMetrics
+
+    class Engine:
+        is_running = True
+
+        def statistics(self) -> ManagerStatistics:
+            return ManagerStatistics(True, 1, 2, 3, 4, 0.25, 5, 6, 7, 8, 9, 10, offloaded_blocks=11, restored_blocks=12)
+
+    text = (await ServerMetrics(Engine(), MODEL_NAME).render()).decode()  # type: ignore[arg-type]
+    value = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert value["aiocb_kv_offloaded_blocks_total"] == 11 and value["aiocb_kv_restored_blocks_total"] == 12
+    assert value["aiocb_num_preemptions_total"] == 8
+
+
 async def test_metrics(client: httpx.AsyncClient) -> None:
     body = {"prompt": PROMPT, "max_tokens": 5, "ignore_eos": True, "stream": True}
     await client.post("/v1/completions", json=body)
