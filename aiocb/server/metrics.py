@@ -73,9 +73,7 @@ class _ManagerCollector(Collector):
         yield counter("aiocb_num_preemptions", "Requests preempted for lack of cache blocks.", stats.preemptions)
         yield counter("aiocb_recomputed_tokens", "Tokens recomputed after preemption.", stats.recomputed_tokens)
         yield counter(
-            "aiocb_kv_offloaded_blocks",
-            "KV blocks of preempted requests copied to host memory.",
-            stats.offloaded_blocks,
+            "aiocb_kv_offloaded_blocks", "Preempted requests' KV blocks copied to host.", stats.offloaded_blocks
         )
         yield counter("aiocb_kv_restored_blocks", "KV blocks copied back from host memory.", stats.restored_blocks)
         yield counter("aiocb_spec_decode_draft_tokens", "Tokens proposed by speculative decoding.", stats.draft_tokens)
