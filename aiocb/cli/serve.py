@@ -419,8 +419,8 @@ def flag_problems(args: argparse.Namespace) -> list[str]:
             problems.append(f"{flag} must be {wanted}, got {value}")
     if args.api_key is not None and not args.api_key.strip():
         problems.append("--api-key (or $AIOCB_API_KEY) is empty: give a key, or leave both unset for no key")
-    else:
-        problems += filter(None, [api_key_problem(args.api_key, "--api-key (or $AIOCB_API_KEY)")])
+    elif (problem := api_key_problem(args.api_key, "--api-key (or $AIOCB_API_KEY)")) is not None:
+        problems.append(problem)
     world = os.environ.get("WORLD_SIZE", "")
     launched = "TORCHELASTIC_RUN_ID" in os.environ or {"RANK", "LOCAL_RANK"} <= os.environ.keys()
     if args.replicas is None and launched and world.isdigit() and int(world) > 1:

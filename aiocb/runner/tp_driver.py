@@ -325,10 +325,10 @@ def shutdown(timeout: float | None = None, *, at_exit: bool = False) -> None:
         driver.close(timeout)
     if at_exit or not dist.is_available() or not dist.is_initialized():
         return
+    channel_timeout = timeout if timeout is not None else ContinuousBatchingConfig().cpu_group_timeout
     for key, layout in list(_LAYOUTS.items()):
         if key in _DRIVERS:
             continue
-        channel_timeout = timeout if timeout is not None else ContinuousBatchingConfig().cpu_group_timeout
         try:
             driver_for(layout, channel_timeout).close(timeout)
         except Exception as exc:

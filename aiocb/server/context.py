@@ -178,18 +178,9 @@ class ServerContext:
             )
 
     def check_choices(self, prompts: int, n: int) -> None:
-        """Refuse a request for more choices (prompts times ``n``) than ``--max-choices``
-        allows, or than the engine's admission queue holds: they are queued together,
-        without waiting for room, so such a request could never be taken (429 for ever)."""
-        self.limits.check_choices(prompts, n)
-        room = self.manager.config.max_queue_size
-        if room and prompts * n > room:
-            said = f"{prompts} prompts times n = {n}" if prompts > 1 else f"n = {n}"
-            raise bad_request(
-                f"the request asks for {prompts * n} choices ({said}), more than the engine's admission queue "
-                f"holds: {room} (--max-queue-size)",
-                "prompt" if prompts > 1 else "n",
-            )
+        """Refuse a request for more choices than ``--max-choices`` allows or the engine's
+        admission queue holds (:meth:`ServerLimits.check_choices`)."""
+        self.limits.check_choices(prompts, n, self.manager.config.max_queue_size)
 
     def check_queued_tokens(self, prompt_lengths: Sequence[int]) -> None:
         """Refuse prompts (a request's, queued together) whose tokens add up to more than the

@@ -149,14 +149,25 @@ class ServerLimits:
                 "logprobs",
             )
 
-    def check_choices(self, prompts: int, n: int) -> None:
-        """Refuse a request for more choices (prompts times ``n``) than :attr:`max_choices`."""
-        if self.max_choices and prompts * n > self.max_choices:
-            said = f"{prompts} prompts times n = {n}" if prompts > 1 else f"n = {n}"
+    def check_choices(self, prompts: int, n: int, max_queue_size: int = 0) -> None:
+        """Refuse a request for more choices (prompts times ``n``) than :attr:`max_choices`,
+        or than the engine's admission queue holds (``max_queue_size``, 0: no bound): they
+        are queued together, without waiting for room, so such a request could never be
+        taken (429 for ever)."""
+        choices = prompts * n
+        said = f"{prompts} prompts times n = {n}" if prompts > 1 else f"n = {n}"
+        param = "prompt" if prompts > 1 else "n"
+        if self.max_choices and choices > self.max_choices:
             raise bad_request(
-                f"the request asks for {prompts * n} choices ({said}); the server allows at most "
+                f"the request asks for {choices} choices ({said}); the server allows at most "
                 f"{self.max_choices} (--max-choices)",
-                "prompt" if prompts > 1 else "n",
+                param,
+            )
+        if max_queue_size and choices > max_queue_size:
+            raise bad_request(
+                f"the request asks for {choices} choices ({said}), more than the engine's admission queue "
+                f"holds: {max_queue_size} (--max-queue-size)",
+                param,
             )
 
 

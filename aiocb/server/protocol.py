@@ -728,15 +728,12 @@ def _prompts(value: Any) -> list[str | list[int]]:
     if all(isinstance(v, list) for v in value):
         prompts: list[str | list[int]] = [_token_ids(v, "prompt") for v in value]
         return prompts
-    kinds = {
-        "strings" if isinstance(v, str) else "token ids" if _is_int(v) or isinstance(v, list) else "" for v in value
-    }
-    if "" not in kinds:
+    odd = [v for v in value if not (isinstance(v, (str, list)) or _is_int(v))]
+    if not odd:
         raise bad_request("'prompt' mixes strings and token ids; send one kind", "prompt")
-    odd = next(v for v in value if not (isinstance(v, (str, list)) or _is_int(v)))
     raise bad_request(
         f"'prompt' must be a string, a list of strings, token ids (integers) or lists of token ids; "
-        f"it holds {reprlib.repr(odd)}",
+        f"it holds {reprlib.repr(odd[0])}",
         "prompt",
     )
 
