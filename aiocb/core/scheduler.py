@@ -18,8 +18,10 @@ it when the cache has no room for it. Without priorities nothing of this applies
 Several samples of one prompt (``n``) are one parent request and children held aside: the
 parent computes the prompt but its last token, then each child forks from it (sharing its
 full blocks, with a copy of the partial one) and all of them compute the last token and
-sample on their own. A child that finds no room for its copy, or whose parent ended
-first, is queued as a request of its own.
+sample on their own. A child that finds no room for its copy is queued as a request of
+its own; when a parent ends first, its first child computes the prompt in its place and
+the others fork from that one (queued all at once they would each compute it, and count
+``n`` prompts against ``max_queued_tokens``).
 """
 
 from __future__ import annotations
@@ -224,8 +226,9 @@ class Scheduler:
         #: parents still computing their prompt, and the children that will fork from them
         #: (last first: they are taken from the end of the list)
         self._forks: dict[Request, list[Request]] = {}
-        #: each held child's parent
-        self._held: dict[Request, Request] = {}
+        #: each held child's list in ``_forks`` (the same list object: a parent's children
+        #: pass to its heir with nothing to update per child)
+        self._held: dict[Request, list[Request]] = {}
         #: requests that left the running set since the last plan
         self._departed: list[Request] = []
         #: while set, ended requests keep their blocks (see :meth:`hold_blocks`)
@@ -264,8 +267,9 @@ class Scheduler:
             heapq.heapify(self._heap)
         self._enqueue(request)
         if children and request.num_prompt_tokens > 1:
-            self._forks[request] = list(children)[::-1]  # (last first: forked from the end, in order)
-            self._held.update((child, request) for child in children)
+            samples = list(children)[::-1]  # (last first: forked from the end, in order)
+            self._forks[request] = samples
+            self._held.update((child, samples) for child in children)
         else:  # nothing to share
             for child in children:
                 self._enqueue(child)
@@ -294,12 +298,16 @@ class Scheduler:
         self._order.pop(request, None)
         if request in self.waiting:
             self._dequeue(request)
-        parent = self._held.pop(request, None)
-        if parent is not None:  # a held sample: it no longer waits for the fork
-            self._forks[parent].remove(request)
-        for child in reversed(self._forks.pop(request, [])):
-            del self._held[child]
-            self._enqueue(child)  # the parent will not compute the prompt: they do
+        samples = self._held.pop(request, None)
+        if samples is not None:  # a held sample: it no longer waits for the fork
+            samples.remove(request)
+        samples = self._forks.pop(request, None)
+        if samples:  # the parent will not compute the prompt: its first sample does, for the rest
+            heir = samples.pop()
+            del self._held[heir]
+            self._enqueue(heir)
+            if samples:
+                self._forks[heir] = samples
         if self._holding:
             self._ended_holding.append(request)
         else:
@@ -847,7 +855,7 @@ class Scheduler:
                 if forked and forked % chunk == 0:
                     yield
                     if self._forks.get(parent) is not children:
-                        break  # (the parent ended meanwhile: its other samples were queued)
+                        break  # (the parent ended meanwhile: its other samples passed to an heir)
                     if not children:
                         break  # (its last samples ended meanwhile)
                 forked += 1

@@ -1081,19 +1081,65 @@ def test_many_samples_fork_over_several_pauses_and_survive_what_ends_meanwhile(e
             scheduler.finish(parent, FinishReason.CANCELLED, 1.0)
     scheduler.release_blocks()
     assert pauses >= 3, "forked a slice at a time"
-    forked = [r for r in children if r in scheduler.running]
+    running = [r for r in children if r in scheduler.running]
     queued = [r for r in children if r in scheduler.waiting]
     finished = [r for r in children if r.is_finished]
-    assert len(forked) + len(queued) + len(finished) == 10 and not scheduler._held
-    assert [r.request_id for r in forked] == [c.request_id for c in children[: len(forked)]], "in order"
-    if ends == "the parent":  # the first were forked; the rest compute their prompts themselves
-        cached = [r.num_cached_tokens for r in children]
-        assert 0 < cached.count(11) < 10 and cached.count(0) == 10 - cached.count(11)
+    held = [r for r in children if not (r in scheduler.running or r in scheduler.waiting or r.is_finished)]
+    assert len(running) + len(queued) + len(finished) + len(held) == 10
+    assert [r.request_id for r in running] == [c.request_id for c in children[: len(running)]], "in order"
+    if ends == "the parent":  # the first were forked; the next computes the prompt for the rest
+        assert running == children[:7] and held == children[7:] and scheduler.num_held_children == 3
+        assert [r.num_cached_tokens for r in running] == [11] * 6 + [0]
+        assert (children[6], 0, 11) in [(s.request, s.start, s.num_tokens) for s in output.scheduled]
+    else:
+        assert not held and scheduler.num_held_children == 0
     scheduled = {item.request for item in output.scheduled}
-    assert set(forked) <= scheduled
-    for request in list(scheduler.running) + list(scheduler.waiting):
+    assert set(running) <= scheduled
+    for request in (parent, *children):
+        scheduler.finish(request, FinishReason.CANCELLED, 2.0)
+    assert not scheduler.waiting and scheduler.num_held_children == 0 and scheduler.num_waiting_tokens == 0
+    assert kv.num_free_blocks == kv.num_total_blocks
+
+
+@pytest.mark.parametrize("computed", [False, True], ids=["queued", "computing its prompt"])
+def test_a_parent_that_ends_before_its_samples_fork_passes_them_to_its_first_sample(computed: bool) -> None:
+    """Its first sample computes the prompt in its place and the others still fork from it:
+    the queue holds one prompt's tokens (``max_queued_tokens``), not ``n``, and the prompt
+    is computed once."""
+    kv = full_cache(200)
+    scheduler = make_scheduler(kv, budget=8)
+    parent, children = _with_samples(4)
+    scheduler.add(parent, children)
+    if computed:
+        step(scheduler)  # 8 of its 12 prompt tokens
+        assert parent.num_computed_tokens == 8
+    scheduler.finish(parent, FinishReason.CANCELLED, 1.0)
+    assert list(scheduler.waiting) == [children[0]] and scheduler.num_waiting_tokens == 12
+    assert scheduler.num_held_children == 3
+    for _ in range(2):  # 8 tokens, then 3: the prompt but its last token
+        step(scheduler)
+    assert children[0].num_computed_tokens == 11 and scheduler.num_held_children == 3
+    output, _ = step(scheduler)  # the other samples fork, and all compute the last token
+    assert [(s.request, s.start, s.num_tokens) for s in output.scheduled] == [(r, 11, 1) for r in children]
+    assert [r.num_cached_tokens for r in children] == [0, 11, 11, 11]
+    assert scheduler.num_held_children == 0 and not scheduler.waiting
+    for request in children:
         scheduler.finish(request, FinishReason.CANCELLED, 2.0)
     assert kv.num_free_blocks == kv.num_total_blocks
+
+
+def test_samples_cancelled_parent_first_each_pass_the_rest_on_and_leave_nothing_behind() -> None:
+    """The order the router cancels a group in: every heir passes the rest to the next."""
+    kv = full_cache(200)
+    scheduler = make_scheduler(kv)
+    parent, children = _with_samples(5)
+    scheduler.add(parent, children)
+    group = [parent, *children]
+    for ended, request in enumerate(group, 1):
+        scheduler.finish(request, FinishReason.CANCELLED, 1.0)
+        live = group[ended:]
+        assert list(scheduler.waiting) == live[:1] and scheduler.num_held_children == len(live[1:])
+    assert not scheduler.waiting and scheduler.num_held_children == 0 and scheduler.num_waiting_tokens == 0
 
 
 def test_a_step_update_ends_its_chunks_sooner_for_requests_recording_many_prompt_logprobs() -> None:

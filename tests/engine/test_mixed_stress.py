@@ -484,3 +484,27 @@ async def test_samples_cancelled_before_their_fork_free_their_place_in_the_queue
         if admitted:
             assert (await manager.get_result("other")) is not None
     assert admitted, "WouldBlock: the two cancelled samples still hold their places in the queue"
+
+
+# A request of n samples cancelled before they forked used to queue every sample not yet
+# cancelled as a request of its own (past the first 64 they end in later loop turns):
+# each counted its whole prompt against max_queued_tokens, and a step could compute
+# prompts of samples about to end. Its first live sample now computes it for the rest.
+
+
+async def test_samples_cancelled_before_their_fork_queue_one_prompt_while_they_end(model: PreTrainedModel) -> None:
+    prompt, other = random_prompts(2, 40, 40, seed=11)
+    config = aiocb.ContinuousBatchingConfig(page_size=16, max_queued_tokens=80)
+    async with aiocb.Manager(model, continuous_batching_config=config) as manager:
+        rid = await manager.add_request(prompt, max_new_tokens=4, n=100)  # (no step has run yet)
+        assert manager.cancel_request(rid)  # it and 64 samples now, 35 in the loop turns that follow
+        try:  # one sample's prompt is queued (40 tokens): there is room for 40 more
+            manager.add_request_nowait(other, request_id="other", max_new_tokens=4)
+            admitted = True
+        except aiocb.WouldBlock:
+            admitted = False
+        if admitted:
+            result = await manager.get_result("other")
+            assert result is not None and result.generated_tokens == reference_generate(model, other, 4)
+        assert (await manager.get_result(f"{rid}__child#98")).status == aiocb.RequestStatus.CANCELLED
+    assert admitted, "WouldBlock: the samples still queued count 35 prompts against max_queued_tokens"
