@@ -187,7 +187,8 @@ class SamplingParams:
         metadata=_doc(
             '`"raw"`: logprobs of the model\'s distribution (a log-softmax of its logits); `"processed"`: of '
             "the distribution the token was drawn from (after the logits controls, a grammar's mask, temperature "
-            "and the filters), as transformers gives them; for a request that returns logprobs",
+            "and the filters), as transformers gives them; for a request that returns logprobs (prompt logprobs are "
+            "always the model's: no prompt token is drawn)",
             '`"raw"`',
         ),
     )

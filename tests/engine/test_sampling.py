@@ -127,6 +127,33 @@ async def test_processed_logprobs_are_of_the_distribution_drawn_from(qwen3: PreT
         assert torch.allclose(torch.tensor(output.logprobs), torch.tensor(expected), atol=1e-4), case
 
 
+async def test_processed_logprobs_leave_the_prompt_logprobs_the_models(qwen3: PreTrainedModel) -> None:
+    """No prompt token is drawn: its logprob is of the model's distribution whatever the
+    mode, while the generated tokens' follow the temperature they were drawn with."""
+    prompt = PROMPTS[1]
+    async with aiocb.Manager(qwen3) as manager:
+        output = await manager.generate(
+            prompt,
+            max_new_tokens=3,
+            return_logprobs=True,
+            prompt_logprobs=True,
+            logprobs_mode="processed",
+            temperature=0.5,
+            seed=2,
+        )
+    sequence = prompt + output.generated_tokens
+    with torch.no_grad():
+        logits = qwen3(torch.tensor([sequence])).logits[0]
+    targets = torch.tensor(sequence[1:])[:, None]
+    raw = logits.log_softmax(-1)[:-1].gather(1, targets)[:, 0]
+    drawn = logits / 0.5  # (and top-k 50, the default: the drawn tokens are within it)
+    drawn = drawn.masked_fill(drawn < drawn.topk(50).values[:, -1:], float("-inf"))
+    drawn = drawn.log_softmax(-1)[:-1].gather(1, targets)[:, 0]
+    assert output.prompt_logprobs is not None and output.logprobs is not None
+    assert torch.allclose(torch.tensor(output.prompt_logprobs[1:]), raw[: len(prompt) - 1], atol=1e-4)
+    assert torch.allclose(torch.tensor(output.logprobs), drawn[len(prompt) - 1 :], atol=1e-4)
+
+
 async def test_logprobs_are_absent_unless_asked(qwen3: PreTrainedModel) -> None:
     async with aiocb.Manager(qwen3) as manager:
         plain = await manager.generate(PROMPTS[0], max_new_tokens=3)
