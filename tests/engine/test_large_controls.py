@@ -16,7 +16,7 @@ from transformers import GenerationConfig, PreTrainedModel
 
 import aiocb
 from aiocb import gil
-from aiocb.engine.requests import LARGE_CONTROLS, RequestFactory
+from aiocb.engine.requests import LARGE_CONTROLS, RequestFactory, has_large_controls
 from aiocb.params import SLICE
 from aiocb.sampling import RequestLimits
 from tests.conftest import VOCAB, random_prompts, reference_generate
@@ -91,6 +91,23 @@ async def test_a_bad_id_in_large_controls_is_refused_by_name(qwen3: PreTrainedMo
         stats = manager.statistics()
         assert stats.free_blocks == stats.total_blocks
     assert checked_on == [True, False, False, False, True]
+
+
+async def test_a_logit_bias_of_json_keys_is_large_sooner(qwen3: PreTrainedModel, checked_on: list[bool]) -> None:
+    """A token id written as a JSON object key costs some three times an int's check: 1,500
+    of them (a request body's ``logit_bias``) are checked on a worker thread, as ints are
+    past 4,096."""
+    keys = {str(i): 1.0 for i in range(1_500)}
+    assert has_large_controls(None, {"logit_bias": keys}) and not has_large_controls(
+        None, {"logit_bias": dict(enumerate(keys.values()))}
+    )
+    assert not has_large_controls(aiocb.SamplingParams(logit_bias={"3": 1.0}), {})
+    async with aiocb.Manager(qwen3, GenerationConfig(do_sample=False)) as manager:
+        with pytest.raises(aiocb.InvalidRequestError, match=r"logit_bias 1499 is outside the vocabulary"):
+            await manager.generate(PROMPT, max_new_tokens=4, logit_bias=keys)
+        stats = manager.statistics()
+        assert stats.free_blocks == stats.total_blocks
+    assert checked_on == [False]
 
 
 async def test_an_eos_token_id_given_as_a_zero_dimensional_array_is_one_id(qwen3: PreTrainedModel) -> None:
