@@ -127,7 +127,11 @@ class SamplingParams:
     )
     bad_words_ids: Iterable[Iterable[int]] | None = field(
         default=None,
-        metadata=_doc("token sequences never generated (a sequence's start may end the prompt)", "none"),
+        metadata=_doc(
+            "token sequences never generated (a sequence's start may end the prompt; as in transformers, a "
+            "one-token EOS stays allowed, unless `ignore_eos`)",
+            "none",
+        ),
     )
     bad_words: str | Iterable[str] | None = field(
         default=None,

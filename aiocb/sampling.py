@@ -447,7 +447,8 @@ def resolve_params(
 
     eos = request.eos_token_id if request.eos_token_id is not None else config.eos_token_id
     eos_set = default_eos if eos is None else _checked_ids("eos_token_id", eos, vocab)
-    stops = frozenset() if pick("ignore_eos", False) else eos_set
+    ignore_eos = pick("ignore_eos", False)
+    stops = frozenset() if ignore_eos else eos_set
     if request.stop_token_ids:
         stops = _checked_ids("stop_token_ids", request.stop_token_ids, vocab, more=stops)
     stop = pick("stop", ())
@@ -470,7 +471,10 @@ def resolve_params(
             f"{given} needs a tokenizer: pass tokenizer=... (to aiocb.Manager or aiocb.generate_batch)", param=given
         )
 
-    words = _sequence_controls(pick("sequence_bias", ()), pick("bad_words_ids", ()), eos_set, vocab)
+    # (an EOS the request ignores is a token as any other: nothing keeps it reachable)
+    words = _sequence_controls(
+        pick("sequence_bias", ()), pick("bad_words_ids", ()), frozenset() if ignore_eos else eos_set, vocab
+    )
     biased, sequences, bad_sequences, word_bans = words
     logit_bias = pick("logit_bias", ())
     if logit_bias and logit_bias[-1][0] >= vocab:  # (SamplingParams sorts them by id)
@@ -617,7 +621,8 @@ def _sequence_controls(
     given_sequences: Sequence[SequenceBias], bad_words: Sequence[tuple[int, ...]], eos: frozenset[int], vocab: int
 ) -> _SequenceControls:
     """A request's ``sequence_bias`` and ``bad_words_ids`` checked and split by length (as
-    transformers: a bad word that is an EOS token stays allowed). Made again only when they
+    transformers: a bad word that is one of ``eos``, the ids that end the request as EOS, stays
+    allowed). Made again only when they
     are not the last request's: a thousand bad words cost 0.7 ms a request on the loop, and
     new tuples for the collector, for each prompt of a batch."""
     global _last_sequence_controls

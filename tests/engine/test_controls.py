@@ -121,6 +121,22 @@ async def test_stop_reason_is_the_stop_token(model: PreTrainedModel) -> None:
     assert len(later.generated_tokens) > 5 and eos not in later.generated_tokens[:5]
 
 
+async def test_a_bad_word_that_is_an_eos_is_banned_only_when_the_eos_is_ignored(model: PreTrainedModel) -> None:
+    """transformers keeps a one-token bad word that is an EOS reachable (the request can
+    still end); with ``ignore_eos`` that EOS is a token as any other, and banned as one."""
+    plain = reference_generate(model, PROMPTS[0], NEW)
+    eos = plain[0]
+    banned = reference_generate(model, PROMPTS[0], NEW, bad_words_ids=[[eos]])
+    async with aiocb.Manager(model, GenerationConfig(do_sample=False)) as manager:
+        kept = await manager.generate(PROMPTS[0], max_new_tokens=NEW, eos_token_id=eos, bad_words_ids=[[eos]])
+        ignored = await manager.generate(
+            PROMPTS[0], max_new_tokens=NEW, eos_token_id=eos, bad_words_ids=[[eos]], ignore_eos=True
+        )
+    assert kept.generated_tokens == [eos] and kept.finish_reason is aiocb.FinishReason.STOP
+    assert ignored.generated_tokens == banned and eos not in banned
+    assert ignored.finish_reason is aiocb.FinishReason.LENGTH
+
+
 async def test_allowed_token_ids_and_penalties_restrict_outputs(model: PreTrainedModel) -> None:
     allowed = [5, 17, 99, 300]
     async with aiocb.Manager(model, GenerationConfig(do_sample=False)) as manager:
