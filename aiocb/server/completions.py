@@ -17,7 +17,7 @@ from aiocb.engine.turns import LoopTurn, release
 from aiocb.sampling import check_truncation, truncated_prompt
 from aiocb.server import sse
 from aiocb.server.bodies import Chain, Uneven, array_items
-from aiocb.server.context import INLINE_BODY_BYTES, ServerContext, finite
+from aiocb.server.context import INLINE_BODY_BYTES, LARGE_BODY_BYTES, ServerContext, finite
 from aiocb.server.edge import AccessRecord
 from aiocb.server.limits import parse_json
 from aiocb.server.protocol import (
@@ -148,7 +148,8 @@ async def prepare_completion(ctx: ServerContext, body: bytes) -> PreparedComplet
     """Parse, check and tokenize a completions body; a large body's work runs in the
     tokenizer thread."""
     request = await ctx.prepare(body, partial(parse_completion, ctx))
-    prompts = await tokenize_prompts(ctx, request)
+    large = len(body) > LARGE_BODY_BYTES
+    prompts = await tokenize_prompts(ctx, request, large=large)
     ctx.check_queued_tokens([len(prompt.ids) for prompt in prompts])
     if request.echo and request.logprobs is not None:
         ctx.limits.check_echo_logprobs(sum(len(p.ids) for p in prompts), request.logprobs, request.sampling.n)
@@ -157,21 +158,22 @@ async def prepare_completion(ctx: ServerContext, body: bytes) -> PreparedComplet
     specs = (
         completion_specs(ctx, request, prompts)
         if inline
-        else await ctx.in_thread(completion_specs, ctx, request, prompts)
+        else await ctx.in_thread(completion_specs, ctx, request, prompts, large=large)
     )
     return PreparedCompletion(request, prompts, specs)
 
 
-async def tokenize_prompts(ctx: ServerContext, request: CompletionRequest) -> list[Prompt]:
+async def tokenize_prompts(ctx: ServerContext, request: CompletionRequest, *, large: bool) -> list[Prompt]:
     """The request's prompts, tokenized (or decoded, to echo them): on the loop when all of
-    them together are small, else in the tokenizer thread, a job per few kilobytes of
-    prompts so that other requests' jobs come between them (a thousand small prompts
-    tokenized on the loop one after another held it for over half a second)."""
+    them together are small, else in a tokenizer thread (that of large bodies when
+    ``large``), a job per few kilobytes of prompts so that other requests' jobs come
+    between them (a thousand small prompts tokenized on the loop one after another held
+    it for over half a second)."""
     if sum(map(len, request.prompts)) <= INLINE_BODY_BYTES:
         return _tokenize(ctx, request, 0, len(request.prompts))
     prompts: list[Prompt] = []
     for start, stop in _jobs(request.prompts):
-        prompts += await ctx.in_thread(_tokenize, ctx, request, start, stop)
+        prompts += await ctx.in_thread(_tokenize, ctx, request, start, stop, large=large)
     return prompts
 
 

@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, TypeVar
 
+from aiocb.collector import full_collections_deferred
 from aiocb.errors import InvalidRequestError
 from aiocb.gil import pausing_call
 from aiocb.prompts import bad_words_ids
@@ -34,6 +35,10 @@ T = TypeVar("T")
 #: millisecond); larger ones in the tokenizer thread, so that a big prompt never holds
 #: the loop (the tokenizers library releases the GIL while it encodes).
 INLINE_BODY_BYTES = 2048
+#: Bodies larger than this are worked on in a tokenizer thread of their own, one at a
+#: time: a few of the largest (8 MiB of messages or tools take seconds to render) then
+#: never hold up the ordinary ones queued behind them.
+LARGE_BODY_BYTES = 256 * 1024
 #: A prompt is refused unseen when it has more characters than this many times the
 #: context times the vocabulary's longest token: no tokenization could make it fit
 #: (the factor covers normalizers that merge characters).
@@ -121,7 +126,8 @@ class ServerContext:
         #: (the server that runs the app started it first: see ``DrainingServer``)
         self.stops_engine = False
         self._token_texts: dict[int, str] = {}
-        self._executor: ThreadPoolExecutor | None = None
+        #: the tokenizer threads: for ordinary bodies (False) and large ones (True)
+        self._executors: dict[bool, ThreadPoolExecutor] = {}
         #: where output constraints are built (:meth:`building`)
         self._builder: ThreadPoolExecutor | None = None
         #: where long prompts are tokenized
@@ -131,24 +137,30 @@ class ServerContext:
     async def prepare(self, body: bytes, work: Callable[[bytes], T]) -> T:
         """``work(body)``: parsing and tokenizing a request, off the loop when the body is large.
 
-        One thread does it for every large body in turn (the tokenizer is not used from
-        two threads at once for long inputs); small bodies are cheaper than the hop.
+        A tokenizer thread does it for the bodies of its size in turn (a long text is
+        tokenized in a child process, :mod:`aiocb.tokenizer_process`); small bodies are
+        cheaper than the hop.
         """
         return await self.off_loop(len(body), work, body)
 
     async def off_loop(self, size: int, work: Callable[..., T], *args: Any) -> T:
         """``work(*args)`` on the loop when ``size`` (bytes, characters or tokens) is small,
-        else in the tokenizer thread. Jobs there run in turn: a request with many prompts
-        sends one job a few kilobytes of them, so that other requests' jobs come between."""
+        else in a tokenizer thread (:meth:`in_thread`)."""
         if size <= INLINE_BODY_BYTES:
             return work(*args)
-        return await self.in_thread(work, *args)
+        return await self.in_thread(work, *args, large=size > LARGE_BODY_BYTES)
 
-    async def in_thread(self, work: Callable[..., T], *args: Any) -> T:
-        """``work(*args)`` in the tokenizer thread, in turn with the other jobs there."""
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aiocb-tokenizer")
-        return await asyncio.get_running_loop().run_in_executor(self._executor, partial(work, *args))
+    async def in_thread(self, work: Callable[..., T], *args: Any, large: bool = False) -> T:
+        """``work(*args)`` in a tokenizer thread, in turn with the other jobs there: that of
+        the bodies over :data:`LARGE_BODY_BYTES` when ``large``, else the other. Jobs run
+        in turn: a request with many prompts sends one job a few kilobytes of them, so
+        that other requests' jobs come between."""
+        executor = self._executors.get(large)
+        if executor is None:
+            name = "aiocb-tokenizer-large" if large else "aiocb-tokenizer"
+            executor = self._executors[large] = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        job = partial(_deferring_full_collections, work, *args) if large else partial(work, *args)
+        return await asyncio.get_running_loop().run_in_executor(executor, job)
 
     async def building(self, work: Callable[[], T]) -> T:
         """``work()``, an output constraint's building (a JSON schema made a grammar: tens of
@@ -161,10 +173,11 @@ class ServerContext:
 
     def close(self) -> None:
         """Let the tokenizer and constraint threads and the tokenizer process go (at shutdown)."""
-        for executor in (self._executor, self._builder):
+        for executor in (*self._executors.values(), self._builder):
             if executor is not None:
                 executor.shutdown(wait=False, cancel_futures=True)
-        self._executor = self._builder = None
+        self._executors.clear()
+        self._builder = None
         self._processes.close()
 
     def check_model(self, model: str | None) -> None:
@@ -510,6 +523,14 @@ def _template_variables(template: Any) -> frozenset[str] | None:
     except Exception:  # (a private helper of transformers: any failure means "cannot tell")
         return None
     return frozenset(variables) | {"continue_final_message"}
+
+
+def _deferring_full_collections(work: Callable[..., T], *args: Any) -> T:
+    """``work(*args)`` with no full collection in the middle: a large body's millions of
+    small values (tools, messages) would each have it walk them all (see
+    :func:`~aiocb.collector.full_collections_deferred`)."""
+    with full_collections_deferred():
+        return work(*args)
 
 
 def finite(logprob: float) -> float:

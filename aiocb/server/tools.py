@@ -93,10 +93,12 @@ def parse_tools(body: Mapping[str, Any]) -> ToolRequest | None:
         return None
     checked = tuple(_tool(tool, i) for i, tool in enumerate(tools))
     names = [tool["function"]["name"] for tool in checked]
+    seen: set[str] = set()  # (a set: 50,000 tools checked against a list took 90 s)
     for j, name in enumerate(names):
-        if name in names[:j]:
+        if name in seen:
             where = f"tools[{j}].function.name"
             raise bad_request(f"'{where}' is {name!r}, which an earlier tool is named too", where)
+        seen.add(name)
     forced = False
     if choice is None:
         choice = "auto"

@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 import aiocb
+from aiocb import collector
 from aiocb.server import build_app
 from aiocb.server.context import ServerContext
 from aiocb.server.limits import ServerLimits
@@ -369,6 +370,40 @@ async def test_a_request_with_many_prompts_lets_others_tokenize_between_them(
     other = await client.post(COMPLETIONS, json=body(prompt="Z" + " the quick brown fox" * 150, max_tokens=1))
     assert other.status_code == 200 and (await many).status_code == 200
     assert order[0] == "A" and order.index("Z") < 4, order  # not behind every prompt of the other request
+    await wait_until_idle(manager)
+
+
+async def test_a_large_body_does_not_hold_up_an_ordinary_one_off_the_loop(
+    client: httpx.AsyncClient, manager: aiocb.Manager
+) -> None:
+    """Bodies over 256 KiB are worked on in a tokenizer thread of their own: one that takes
+    seconds (8 MiB of chat messages or tools to render) leaves the thread of the others free;
+    full collections wait while it works (each would walk its millions of values)."""
+    ctx: ServerContext = client._transport.app.state.aiocb  # type: ignore[attr-defined]
+    large_started, ordinary_done = threading.Event(), threading.Event()
+    waited: list[bool] = []
+    deferred: dict[str, bool] = {}
+    encode = ctx.encode_prompt
+
+    def slow_encode(text: str, **kwargs: Any) -> Tokenized:
+        deferred[text[0]] = gc.get_threshold()[2] == collector._NEVER
+        if text.startswith("L"):  # the large body's prompt: working until the other is done
+            large_started.set()
+            waited.append(ordinary_done.wait(timeout=10))
+        return encode(text, **kwargs)
+
+    ctx.encode_prompt = slow_encode  # type: ignore[method-assign]
+    padding = " " * (300 * 1024)  # (a body's size, whatever makes it up)
+    large = json.dumps(body(prompt="L" + " the quick brown fox" * 150, max_tokens=1)) + padding
+    headers = {"content-type": "application/json"}
+    task = asyncio.create_task(client.post(COMPLETIONS, content=large, headers=headers))
+    await asyncio.get_running_loop().run_in_executor(None, large_started.wait, 10)
+    ordinary = await client.post(COMPLETIONS, json=body(prompt="O" + " the quick brown fox" * 150, max_tokens=1))
+    ordinary_done.set()
+    assert ordinary.status_code == 200 and (await task).status_code == 200
+    assert waited == [True], "the ordinary body waited behind the large one"
+    assert deferred == {"L": True, "O": True}  # (the large body's work was still going on)
+    assert gc.get_threshold()[2] != collector._NEVER
     await wait_until_idle(manager)
 
 

@@ -9,6 +9,7 @@ import copy
 import json
 import re
 import threading
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -21,6 +22,7 @@ jsonschema = pytest.importorskip("jsonschema")
 
 import aiocb  # noqa: E402
 from aiocb.server import build_app, chat  # noqa: E402
+from aiocb.server.protocol import APIError  # noqa: E402
 from aiocb.server.reasoning import after_thinking  # noqa: E402
 from aiocb.server.tool_parsers import PARSERS, ToolCallParser  # noqa: E402
 from aiocb.server.tools import parse_tools, structural_tag  # noqa: E402
@@ -165,6 +167,16 @@ async def test_required_and_named_tool_choice_give_valid_calls(client: httpx.Asy
     for choice in result["choices"]:
         if choice["finish_reason"] == "tool_calls":
             assert len(_check_calls(choice["message"])) >= 1
+
+
+def test_many_tools_names_are_checked_in_one_pass() -> None:
+    """40,000 tools whose last repeats a name: refused naming it at once (each name looked
+    for among the earlier ones in a list took 50 s)."""
+    tools = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(40_000)]
+    started = time.perf_counter()
+    with pytest.raises(APIError, match=r"'tools\[40000\].function.name' is 'f7'"):
+        parse_tools({"tools": [*tools, tools[7]]})
+    assert time.perf_counter() - started < 10
 
 
 def test_parameters_that_say_no_type_are_an_objects() -> None:
