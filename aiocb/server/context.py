@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from aiocb.collector import full_collections_deferred
 from aiocb.errors import InvalidRequestError
-from aiocb.gil import pausing_call
+from aiocb.gil import pausing_call, switching_often
 from aiocb.prompts import bad_words_ids
 from aiocb.runner.model_spec import served_context
 from aiocb.sampling import config_min_tokens, eos_ids
@@ -159,7 +159,7 @@ class ServerContext:
         if executor is None:
             name = "aiocb-tokenizer-large" if large else "aiocb-tokenizer"
             executor = self._executors[large] = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
-        job = partial(_deferring_full_collections, work, *args) if large else partial(work, *args)
+        job = partial(_large_work, work, *args) if large else partial(work, *args)
         return await asyncio.get_running_loop().run_in_executor(executor, job)
 
     async def building(self, work: Callable[[], T]) -> T:
@@ -525,11 +525,12 @@ def _template_variables(template: Any) -> frozenset[str] | None:
     return frozenset(variables) | {"continue_final_message"}
 
 
-def _deferring_full_collections(work: Callable[..., T], *args: Any) -> T:
-    """``work(*args)`` with no full collection in the middle: a large body's millions of
-    small values (tools, messages) would each have it walk them all (see
-    :func:`~aiocb.collector.full_collections_deferred`)."""
-    with full_collections_deferred():
+def _large_work(work: Callable[..., T], *args: Any) -> T:
+    """``work(*args)`` for a large body: with no full collection in the middle (each would
+    walk its millions of small values: :func:`~aiocb.collector.full_collections_deferred`),
+    and the GIL handed to the threads that wait for it within half a millisecond (the
+    template's rendering cannot pause: :func:`~aiocb.gil.switching_often`)."""
+    with full_collections_deferred(), switching_often():
         return work(*args)
 
 

@@ -1,14 +1,16 @@
-"""Full collections put off while a large body's objects live (``aiocb.collector``)."""
+"""What a large body's work changes while it runs: full collections put off
+(``aiocb.collector``), the GIL handed over sooner (``aiocb.gil``)."""
 
 from __future__ import annotations
 
 import gc
+import sys
 import threading
 from collections.abc import Iterator
 
 import pytest
 
-from aiocb import collector
+from aiocb import collector, gil
 from aiocb.collector import full_collections_deferred
 
 
@@ -75,3 +77,29 @@ def test_thresholds_set_meanwhile_are_left_alone(thresholds: tuple[int, int, int
     with full_collections_deferred():
         gc.set_threshold(500, 5, 5)
     assert gc.get_threshold() == (500, 5, 5)
+
+
+def test_the_switch_interval_is_short_until_the_last_block_ends() -> None:
+    before = sys.getswitchinterval()
+    entered, release = threading.Event(), threading.Event()
+
+    def other() -> None:
+        with gil.switching_often():
+            entered.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=other)
+    try:
+        with gil.switching_often():
+            assert sys.getswitchinterval() == gil.OFTEN
+            thread.start()
+            assert entered.wait(10)
+        assert sys.getswitchinterval() == gil.OFTEN, "the other thread's block still runs"
+        release.set()
+        thread.join()
+        assert sys.getswitchinterval() == before
+        with gil.switching_often():
+            sys.setswitchinterval(0.002)
+        assert sys.getswitchinterval() == 0.002, "an interval set meanwhile is left alone"
+    finally:
+        sys.setswitchinterval(before)
