@@ -1,0 +1,136 @@
+"""Huge chat bodies beside ordinary requests: ``aiocb serve`` keeps serving the others.
+
+Serves the bundled model (``python -m aiocb serve --torch-threads 1``, a subprocess on
+127.0.0.1), then for each scenario sends one chat request the server refuses (its
+rendered prompt cannot fit the context), megabytes of
+
+* ``tools``: 30,000 tools (3.85 MiB);
+* ``messages``: 270,000 one-word messages (7.98 MiB);
+
+and, half a second in, an ordinary chat (a 2.6 KB system prompt, 4 greedy tokens,
+streamed), while a thread of its own asks ``/health`` every 20 ms. It reports when the
+ordinary chat's headers and last chunk came, how long the huge request took to be
+refused, and the slowest ``/health`` answer during it (a server whose event loop is held
+answers late).
+
+    python bench/huge_bodies.py               # both scenarios, twice each
+    python bench/huge_bodies.py --repeats 1 --scenarios tools
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as `python bench/huge_bodies.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import httpx
+
+from bench.common import REPO_ROOT, machine_info, markdown_table
+from bench.serve_load import free_port, stop_server, wait_healthy
+
+_TOOL = {"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object"}}}
+_ORDINARY = {
+    "max_tokens": 4,
+    "temperature": 0,
+    "stream": True,
+    "messages": [{"role": "system", "content": "def f(a):\n    return a\n" * 110}, {"role": "user", "content": "hi"}],
+}
+
+
+def huge_body(scenario: str) -> bytes:
+    """The scenario's chat body, as compact JSON."""
+    body: dict[str, Any] = {"max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+    if scenario == "tools":
+        body["tools"] = [{**_TOOL, "function": {**_TOOL["function"], "name": f"f{i}"}} for i in range(30_000)]
+    else:
+        body["messages"] = body["messages"] * 270_000
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def probe_health(base: str, stop: threading.Event, lags: list[float]) -> None:
+    """``/health`` every 20 ms on a connection of its own, until ``stop``: each answer's time."""
+    with httpx.Client(base_url=base, timeout=30) as http:
+        while not stop.is_set():
+            started = time.perf_counter()
+            http.get("/health")
+            lags.append(time.perf_counter() - started)
+            stop.wait(0.02)
+
+
+async def ordinary_chat(http: httpx.AsyncClient) -> tuple[float, float]:
+    """The ordinary chat, streamed: when its headers and its last chunk came (seconds)."""
+    started = time.perf_counter()
+    async with http.stream("POST", "/v1/chat/completions", json=_ORDINARY) as response:
+        headers = time.perf_counter() - started
+        async for _ in response.aiter_lines():
+            pass
+    if response.status_code != 200:
+        raise RuntimeError(f"the ordinary chat failed: {response.status_code}")
+    return headers, time.perf_counter() - started
+
+
+async def run_scenario(base: str, scenario: str) -> list[str]:
+    body = huge_body(scenario)
+    stop, lags = threading.Event(), []
+    async with httpx.AsyncClient(base_url=base, timeout=600) as http:
+        await ordinary_chat(http)  # (warm)
+        prober = threading.Thread(target=probe_health, args=(base, stop, lags))
+        prober.start()
+        started = time.perf_counter()
+        huge = asyncio.create_task(
+            http.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+        )
+        await asyncio.sleep(0.5)
+        headers, last = await ordinary_chat(http)
+        refused = await huge
+        refused_s = time.perf_counter() - started
+        stop.set()
+        prober.join()
+    if refused.status_code != 400:
+        raise RuntimeError(f"the huge request got {refused.status_code}, not 400: {refused.text[:200]}")
+    return [
+        f"{scenario} ({len(body) / 2**20:.2f} MiB)",
+        f"{headers:.3f} s",
+        f"{last:.2f} s",
+        f"{refused_s:.2f} s",
+        f"{max(lags) * 1e3:.0f} ms",
+    ]
+
+
+async def measure(base: str, server: subprocess.Popen[bytes], args: argparse.Namespace) -> list[list[str]]:
+    async with httpx.AsyncClient(base_url=base) as http:
+        await wait_healthy(http, server)
+    return [await run_scenario(base, s) for _ in range(args.repeats) for s in args.scenarios]
+
+
+def main(args: argparse.Namespace) -> None:
+    port = free_port()
+    command = [sys.executable, "-m", "aiocb", "serve", "--port", str(port), "--torch-threads", "1", "--log-level"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
+    with open(args.server_log, "wb") as log:
+        server = subprocess.Popen([*command, "warning"], env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            rows = asyncio.run(measure(f"http://127.0.0.1:{port}", server, args))
+        finally:
+            stop_server(server)
+    print(machine_info())
+    headers = ["huge request", "ordinary chat's headers", "its last chunk", "huge one refused", "slowest /health"]
+    print(markdown_table(headers, rows))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--scenarios", nargs="+", choices=["tools", "messages"], default=["tools", "messages"])
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--server-log", default=os.devnull, help="where the server's output goes")
+    main(parser.parse_args())
