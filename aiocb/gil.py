@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -70,6 +71,7 @@ def switching_often() -> Iterator[None]:
     the interval back, unless it was set to another meanwhile.
     """
     global _switching, _replaced_interval
+    pid = os.getpid()
     with _switching_lock:
         if _switching == 0:
             _replaced_interval = sys.getswitchinterval()
@@ -78,12 +80,31 @@ def switching_often() -> Iterator[None]:
     try:
         yield
     finally:
-        with _switching_lock:
-            _switching -= 1
-            if _switching == 0 and _replaced_interval is not None:
-                if sys.getswitchinterval() == OFTEN:
-                    sys.setswitchinterval(_replaced_interval)
-                _replaced_interval = None
+        if os.getpid() == pid:  # (a child forked inside began with no block: see _forked)
+            _end_switching()
+
+
+def _end_switching() -> None:
+    global _switching, _replaced_interval
+    with _switching_lock:
+        _switching -= 1
+        if _switching == 0 and _replaced_interval is not None:
+            if sys.getswitchinterval() == OFTEN:
+                sys.setswitchinterval(_replaced_interval)
+            _replaced_interval = None
+
+
+def _forked() -> None:
+    """In a child forked inside a :func:`switching_often` block: no block runs there, so
+    the interval goes back (and the lock is new: another thread may have held it)."""
+    global _switching_lock, _switching, _replaced_interval
+    _switching_lock = threading.Lock()
+    if _switching and _replaced_interval is not None and sys.getswitchinterval() == OFTEN:
+        sys.setswitchinterval(_replaced_interval)
+    _switching, _replaced_interval = 0, None
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def pausing_call(function: Callable[..., _T], *args: object) -> _T:

@@ -4,7 +4,7 @@ Serves the bundled model (``python -m aiocb serve --torch-threads 1``, a subproc
 127.0.0.1), then for each scenario sends one chat request the server refuses (its
 rendered prompt cannot fit the context), megabytes of
 
-* ``tools``: 30,000 tools (3.85 MiB);
+* ``tools``: 30,000 tools (2.79 MiB);
 * ``messages``: 270,000 one-word messages (7.98 MiB);
 
 and, half a second in, an ordinary chat (a 2.6 KB system prompt, 4 greedy tokens,

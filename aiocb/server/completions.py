@@ -5,13 +5,14 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence, Sized
-from contextlib import aclosing
+from contextlib import aclosing, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 import orjson
 
+from aiocb.collector import full_collections_deferred
 from aiocb.detokenize import IncrementalDetokenizer
 from aiocb.engine.turns import LoopTurn, release
 from aiocb.sampling import check_truncation, truncated_prompt
@@ -145,21 +146,23 @@ def parse_completion(ctx: ServerContext, body: bytes) -> CompletionRequest:
 
 
 async def prepare_completion(ctx: ServerContext, body: bytes) -> PreparedCompletion:
-    """Parse, check and tokenize a completions body; a large body's work runs in the
+    """Parse, check and tokenize a completions body; a large body's work runs in a
     tokenizer thread."""
-    request = await ctx.prepare(body, partial(parse_completion, ctx))
     large = len(body) > LARGE_BODY_BYTES
-    prompts = await tokenize_prompts(ctx, request, large=large)
-    ctx.check_queued_tokens([len(prompt.ids) for prompt in prompts])
-    if request.echo and request.logprobs is not None:
-        ctx.limits.check_echo_logprobs(sum(len(p.ids) for p in prompts), request.logprobs, request.sampling.n)
-    choices = len(prompts) * request.sampling.n
-    inline = choices <= _INLINE_CHOICES
-    specs = (
-        completion_specs(ctx, request, prompts)
-        if inline
-        else await ctx.in_thread(completion_specs, ctx, request, prompts, large=large)
-    )
+    # (a large body's value lives from its parsing to its last job: no full collection walks it between)
+    with full_collections_deferred() if large else nullcontext():
+        request = await ctx.prepare(body, partial(parse_completion, ctx))
+        prompts = await tokenize_prompts(ctx, request, large=large)
+        ctx.check_queued_tokens([len(prompt.ids) for prompt in prompts])
+        if request.echo and request.logprobs is not None:
+            ctx.limits.check_echo_logprobs(sum(len(p.ids) for p in prompts), request.logprobs, request.sampling.n)
+        choices = len(prompts) * request.sampling.n
+        inline = choices <= _INLINE_CHOICES
+        specs = (
+            completion_specs(ctx, request, prompts)
+            if inline
+            else await ctx.in_thread(completion_specs, ctx, request, prompts, large=large)
+        )
     return PreparedCompletion(request, prompts, specs)
 
 

@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import logging
 import re
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +40,9 @@ INLINE_BODY_BYTES = 2048
 #: time: a few of the largest (8 MiB of messages or tools take seconds to render) then
 #: never hold up the ordinary ones queued behind them.
 LARGE_BODY_BYTES = 256 * 1024
+#: ``large`` is set in the thread of the large bodies (its long prompts go to a tokenizer
+#: process of its own)
+_lane = threading.local()
 #: A prompt is refused unseen when it has more characters than this many times the
 #: context times the vocabulary's longest token: no tokenization could make it fit
 #: (the factor covers normalizers that merge characters).
@@ -130,8 +134,10 @@ class ServerContext:
         self._executors: dict[bool, ThreadPoolExecutor] = {}
         #: where output constraints are built (:meth:`building`)
         self._builder: ThreadPoolExecutor | None = None
-        #: where long prompts are tokenized
+        #: where long prompts are tokenized: those of ordinary bodies, and those of large ones
+        #: (in turn in each: a 7 MB prompt held a 100 KB one there for 9 s)
         self._processes = TokenizerProcessHolder(tokenizer)
+        self._large_processes = TokenizerProcessHolder(tokenizer)
         self._template_variables = _template_variables(getattr(tokenizer, "chat_template", None))
 
     async def prepare(self, body: bytes, work: Callable[[bytes], T]) -> T:
@@ -158,7 +164,8 @@ class ServerContext:
         executor = self._executors.get(large)
         if executor is None:
             name = "aiocb-tokenizer-large" if large else "aiocb-tokenizer"
-            executor = self._executors[large] = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+            initializer = _mark_large_lane if large else None
+            executor = self._executors[large] = ThreadPoolExecutor(1, name, initializer=initializer)
         job = partial(_large_work, work, *args) if large else partial(work, *args)
         return await asyncio.get_running_loop().run_in_executor(executor, job)
 
@@ -179,6 +186,7 @@ class ServerContext:
         self._executors.clear()
         self._builder = None
         self._processes.close()
+        self._large_processes.close()
 
     def check_model(self, model: str | None) -> None:
         """A 404 unless ``model`` (when given) is the served model's name."""
@@ -295,8 +303,9 @@ class ServerContext:
         """:func:`encode_kept` with this server's tokenizer and its process; a 400 naming
         ``where`` (or ``param``) when the text is not one the tokenizer takes."""
         try:
+            processes = self._large_processes if getattr(_lane, "large", False) else self._processes
             return encode_kept(
-                text, self.tokenizer, self._processes, add_special_tokens=add_special_tokens, keep=keep, limit=limit
+                text, self.tokenizer, processes, add_special_tokens=add_special_tokens, keep=keep, limit=limit
             )
         except (TypeError, ValueError) as exc:  # (UnicodeError is a ValueError)
             raise _untokenizable(where or param, param, exc) from None
@@ -523,6 +532,10 @@ def _template_variables(template: Any) -> frozenset[str] | None:
     except Exception:  # (a private helper of transformers: any failure means "cannot tell")
         return None
     return frozenset(variables) | {"continue_final_message"}
+
+
+def _mark_large_lane() -> None:
+    _lane.large = True
 
 
 def _large_work(work: Callable[..., T], *args: Any) -> T:

@@ -18,7 +18,7 @@ import pytest
 
 import aiocb
 from aiocb import collector, gil
-from aiocb.server import build_app
+from aiocb.server import build_app, context
 from aiocb.server.context import ServerContext
 from aiocb.server.limits import ServerLimits
 from aiocb.tokenizer_process import Tokenized
@@ -375,7 +375,7 @@ async def test_a_request_with_many_prompts_lets_others_tokenize_between_them(
 
 
 async def test_a_large_body_does_not_hold_up_an_ordinary_one_off_the_loop(
-    client: httpx.AsyncClient, manager: aiocb.Manager
+    client: httpx.AsyncClient, manager: aiocb.Manager, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Bodies over 256 KiB are worked on in a tokenizer thread of their own: one that takes
     seconds (8 MiB of chat messages or tools to render) leaves the thread of the others free;
@@ -394,6 +394,14 @@ async def test_a_large_body_does_not_hold_up_an_ordinary_one_off_the_loop(
             waited.append(ordinary_done.wait(timeout=10))
         return encode(text, **kwargs)
 
+    holders: dict[str, object] = {}
+    encode_kept = context.encode_kept
+
+    def recording(text: str, tokenizer: Any, processes: Any, **kwargs: Any) -> Tokenized:
+        holders[text[0]] = processes
+        return encode_kept(text, tokenizer, processes, **kwargs)
+
+    monkeypatch.setattr(context, "encode_kept", recording)
     ctx.encode_prompt = slow_encode  # type: ignore[method-assign]
     padding = " " * (300 * 1024)  # (a body's size, whatever makes it up)
     large = json.dumps(body(prompt="L" + " the quick brown fox" * 150, max_tokens=1)) + padding
@@ -406,6 +414,8 @@ async def test_a_large_body_does_not_hold_up_an_ordinary_one_off_the_loop(
     assert waited == [True], "the ordinary body waited behind the large one"
     assert deferred == {"L": (True, True), "O": (True, True)}  # (the large body's work was still going on)
     assert gc.get_threshold()[2] != collector._NEVER and sys.getswitchinterval() != gil.OFTEN
+    # (each lane's long prompts go to a tokenizer process of its own)
+    assert holders == {"L": ctx._large_processes, "O": ctx._processes}
     await wait_until_idle(manager)
 
 
