@@ -1,19 +1,21 @@
 """Huge chat bodies beside ordinary requests: ``aiocb serve`` keeps serving the others.
 
 Serves the bundled model (``python -m aiocb serve --torch-threads 1``, a subprocess on
-127.0.0.1), then for each scenario sends one chat request the server refuses (its
-rendered prompt cannot fit the context), megabytes of
+127.0.0.1), then for each scenario sends one huge request, megabytes of
 
-* ``tools``: 30,000 tools (2.79 MiB);
-* ``messages``: 270,000 one-word messages (7.98 MiB);
+* ``tools``: a chat with 30,000 tools (2.79 MiB), refused (its prompt cannot fit the context);
+* ``messages``: a chat of 270,000 one-word messages (7.98 MiB), refused likewise;
+* ``prompt``: a completion of a 7.5 MB prompt cut to its last 64 tokens (tokenized in a
+  child process: seconds), answered;
 
-and, half a second in, an ordinary chat (a 2.6 KB system prompt, 4 greedy tokens,
-streamed), while a thread of its own asks ``/health`` every 20 ms. It reports when the
-ordinary chat's headers and last chunk came, how long the huge request took to be
-refused, and the slowest ``/health`` answer during it (a server whose event loop is held
-answers late).
+and, half a second in, an ordinary request, streamed: for the chats a chat (a 2.6 KB
+system prompt, 4 greedy tokens), for the prompt a completion of a 100 KB prompt cut to
+its last 64 tokens (also tokenized in a child process), while a thread of its own asks
+``/health`` every 20 ms. It reports when the ordinary request's headers and last chunk
+came, how long the huge one took to be answered, and the slowest ``/health`` answer during
+it (a server whose event loop is held answers late).
 
-    python bench/huge_bodies.py               # both scenarios, twice each
+    python bench/huge_bodies.py               # every scenario, twice each
     python bench/huge_bodies.py --repeats 1 --scenarios tools
 """
 
@@ -39,22 +41,33 @@ from bench.common import REPO_ROOT, machine_info, markdown_table
 from bench.serve_load import free_port, stop_server, wait_healthy
 
 _TOOL = {"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object"}}}
-_ORDINARY = {
+_ORDINARY_CHAT = {
     "max_tokens": 4,
     "temperature": 0,
     "stream": True,
     "messages": [{"role": "system", "content": "def f(a):\n    return a\n" * 110}, {"role": "user", "content": "hi"}],
 }
+_WORDS = "def f(a):\n    return a\n"
+_ORDINARY_COMPLETION = {
+    "max_tokens": 4,
+    "temperature": 0,
+    "stream": True,
+    "prompt": _WORDS * (100_000 // len(_WORDS)),
+    "truncate_prompt_tokens": 64,
+}
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 
 
-def huge_body(scenario: str) -> bytes:
-    """The scenario's chat body, as compact JSON."""
+def huge_request(scenario: str) -> tuple[str, bytes]:
+    """The scenario's endpoint and body, as compact JSON."""
     body: dict[str, Any] = {"max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
     if scenario == "tools":
         body["tools"] = [{**_TOOL, "function": {**_TOOL["function"], "name": f"f{i}"}} for i in range(30_000)]
-    else:
+    elif scenario == "messages":
         body["messages"] = body["messages"] * 270_000
-    return json.dumps(body, separators=(",", ":")).encode()
+    else:
+        body = {"max_tokens": 1, "prompt": _WORDS * (7_500_000 // len(_WORDS)), "truncate_prompt_tokens": 64}
+    return (COMPLETIONS if scenario == "prompt" else CHAT), json.dumps(body, separators=(",", ":")).encode()
 
 
 def probe_health(base: str, stop: threading.Event, lags: list[float]) -> None:
@@ -67,37 +80,37 @@ def probe_health(base: str, stop: threading.Event, lags: list[float]) -> None:
             stop.wait(0.02)
 
 
-async def ordinary_chat(http: httpx.AsyncClient) -> tuple[float, float]:
-    """The ordinary chat, streamed: when its headers and its last chunk came (seconds)."""
+async def ordinary_request(http: httpx.AsyncClient, endpoint: str) -> tuple[float, float]:
+    """The ordinary request, streamed: when its headers and its last chunk came (seconds)."""
     started = time.perf_counter()
-    async with http.stream("POST", "/v1/chat/completions", json=_ORDINARY) as response:
+    body = _ORDINARY_CHAT if endpoint == CHAT else _ORDINARY_COMPLETION
+    async with http.stream("POST", endpoint, json=body) as response:
         headers = time.perf_counter() - started
         async for _ in response.aiter_lines():
             pass
     if response.status_code != 200:
-        raise RuntimeError(f"the ordinary chat failed: {response.status_code}")
+        raise RuntimeError(f"the ordinary request failed: {response.status_code}")
     return headers, time.perf_counter() - started
 
 
 async def run_scenario(base: str, scenario: str) -> list[str]:
-    body = huge_body(scenario)
+    endpoint, body = huge_request(scenario)
     stop, lags = threading.Event(), []
     async with httpx.AsyncClient(base_url=base, timeout=600) as http:
-        await ordinary_chat(http)  # (warm)
+        await ordinary_request(http, endpoint)  # (warm: the tokenizer process started)
         prober = threading.Thread(target=probe_health, args=(base, stop, lags))
         prober.start()
         started = time.perf_counter()
-        huge = asyncio.create_task(
-            http.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
-        )
+        huge = asyncio.create_task(http.post(endpoint, content=body, headers={"content-type": "application/json"}))
         await asyncio.sleep(0.5)
-        headers, last = await ordinary_chat(http)
+        headers, last = await ordinary_request(http, endpoint)
         refused = await huge
         refused_s = time.perf_counter() - started
         stop.set()
         prober.join()
-    if refused.status_code != 400:
-        raise RuntimeError(f"the huge request got {refused.status_code}, not 400: {refused.text[:200]}")
+    expected = 200 if scenario == "prompt" else 400
+    if refused.status_code != expected:
+        raise RuntimeError(f"the huge request got {refused.status_code}, not {expected}: {refused.text[:200]}")
     return [
         f"{scenario} ({len(body) / 2**20:.2f} MiB)",
         f"{headers:.3f} s",
@@ -124,13 +137,14 @@ def main(args: argparse.Namespace) -> None:
         finally:
             stop_server(server)
     print(machine_info())
-    headers = ["huge request", "ordinary chat's headers", "its last chunk", "huge one refused", "slowest /health"]
+    headers = ["huge request", "ordinary one's headers", "its last chunk", "huge one answered", "slowest /health"]
     print(markdown_table(headers, rows))
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--scenarios", nargs="+", choices=["tools", "messages"], default=["tools", "messages"])
+    scenarios = ["tools", "messages", "prompt"]
+    parser.add_argument("--scenarios", nargs="+", choices=scenarios, default=scenarios)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--server-log", default=os.devnull, help="where the server's output goes")
     main(parser.parse_args())
