@@ -10,21 +10,22 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import os
-import threading
-import time
 from collections.abc import Iterator
+
+from aiocb.held_setting import HeldSetting
 
 #: a full collection's threshold that is never reached (the largest the collector takes)
 _NEVER = 2**31 - 1
 #: blocks back to back put full collections off at most this long (seconds): then one runs
 LONGEST_DEFERRAL_S = 30.0
-_deferral_lock = threading.Lock()
-#: the blocks deferring full collections now, the threshold they took, and since when
-#: (``time.monotonic()``) full collections are off
-_deferring = 0
-_deferred_threshold: int | None = None
-_deferred_since = 0.0
+
+
+def _set_full_threshold(full: int) -> None:
+    young, middle, _ = gc.get_threshold()
+    gc.set_threshold(young, middle, full)
+
+
+_FULL_THRESHOLD = HeldSetting(lambda: gc.get_threshold()[2], _set_full_threshold, _NEVER)
 
 
 def freeze_alive_objects() -> None:
@@ -51,50 +52,10 @@ def full_collections_deferred() -> Iterator[None]:
     Process-wide (the collector's thresholds are), nested and thread-safe: the last
     block to end puts the threshold back.
     """
-    global _deferring, _deferred_threshold, _deferred_since
-    pid = os.getpid()
-    overdue = False
-    with _deferral_lock:
-        now = time.monotonic()
-        if _deferring == 0:
-            young, middle, _deferred_threshold = gc.get_threshold()
-            gc.set_threshold(young, middle, _NEVER)
-            _deferred_since = now
-        elif now - _deferred_since > LONGEST_DEFERRAL_S:
-            overdue, _deferred_since = True, now
-        _deferring += 1
-    if overdue:
+    if _FULL_THRESHOLD.overdue(LONGEST_DEFERRAL_S):
         gc.collect()
-    try:
+    with _FULL_THRESHOLD.held():
         yield
-    finally:
-        if os.getpid() == pid:  # (a child forked inside began with no block: see _forked)
-            _end_deferral()
-
-
-def _end_deferral() -> None:
-    global _deferring, _deferred_threshold
-    with _deferral_lock:
-        _deferring -= 1
-        if _deferring == 0 and _deferred_threshold is not None:
-            young, middle, full = gc.get_threshold()
-            if full == _NEVER:  # (unless someone set thresholds of their own meanwhile)
-                gc.set_threshold(young, middle, _deferred_threshold)
-            _deferred_threshold = None
-
-
-def _forked() -> None:
-    """In a child forked inside a block: no block runs there, so the threshold goes back
-    (and the lock is new: the parent's may have been held by another thread)."""
-    global _deferral_lock, _deferring, _deferred_threshold
-    _deferral_lock = threading.Lock()
-    if _deferring and _deferred_threshold is not None and gc.get_threshold()[2] == _NEVER:
-        young, middle, _ = gc.get_threshold()
-        gc.set_threshold(young, middle, _deferred_threshold)
-    _deferring, _deferred_threshold = 0, None
-
-
-os.register_at_fork(after_in_child=_forked)
 
 
 def thaw_frozen_objects() -> None:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TypeVar
+
+from aiocb.held_setting import HeldSetting
 
 _T = TypeVar("_T")
 
@@ -18,10 +19,7 @@ PAUSE_EVERY = 0.0005
 
 #: The interpreter's switch interval while :func:`switching_often` blocks run (seconds).
 OFTEN = 0.0005
-_switching_lock = threading.Lock()
-#: the blocks inside :func:`switching_often` now, and the interval they replaced
-_switching = 0
-_replaced_interval: float | None = None
+_INTERVAL = HeldSetting(sys.getswitchinterval, sys.setswitchinterval, OFTEN)
 
 #: when each thread inside :func:`pausing` last let the GIL go (a dictionary by thread id:
 #: looked up several times faster than a ``threading.local``'s attribute)
@@ -70,41 +68,8 @@ def switching_often() -> Iterator[None]:
     Process-wide (the interval is), nested and thread-safe: the last block to end puts
     the interval back, unless it was set to another meanwhile.
     """
-    global _switching, _replaced_interval
-    pid = os.getpid()
-    with _switching_lock:
-        if _switching == 0:
-            _replaced_interval = sys.getswitchinterval()
-            sys.setswitchinterval(OFTEN)
-        _switching += 1
-    try:
+    with _INTERVAL.held():
         yield
-    finally:
-        if os.getpid() == pid:  # (a child forked inside began with no block: see _forked)
-            _end_switching()
-
-
-def _end_switching() -> None:
-    global _switching, _replaced_interval
-    with _switching_lock:
-        _switching -= 1
-        if _switching == 0 and _replaced_interval is not None:
-            if sys.getswitchinterval() == OFTEN:
-                sys.setswitchinterval(_replaced_interval)
-            _replaced_interval = None
-
-
-def _forked() -> None:
-    """In a child forked inside a :func:`switching_often` block: no block runs there, so
-    the interval goes back (and the lock is new: another thread may have held it)."""
-    global _switching_lock, _switching, _replaced_interval
-    _switching_lock = threading.Lock()
-    if _switching and _replaced_interval is not None and sys.getswitchinterval() == OFTEN:
-        sys.setswitchinterval(_replaced_interval)
-    _switching, _replaced_interval = 0, None
-
-
-os.register_at_fork(after_in_child=_forked)
 
 
 def pausing_call(function: Callable[..., _T], *args: object) -> _T:
