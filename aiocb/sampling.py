@@ -621,10 +621,10 @@ def _sequence_controls(
     given_sequences: Sequence[SequenceBias], bad_words: Sequence[tuple[int, ...]], eos: frozenset[int], vocab: int
 ) -> _SequenceControls:
     """A request's ``sequence_bias`` and ``bad_words_ids`` checked and split by length (as
-    transformers: a bad word that is one of ``eos``, the ids that end the request as EOS, stays
-    allowed). Made again only when they
-    are not the last request's: a thousand bad words cost 0.7 ms a request on the loop, and
-    new tuples for the collector, for each prompt of a batch."""
+    transformers: a bad word that is one of ``eos``, the ids that end the request as EOS,
+    stays allowed). Made again only when they are not the last request's: a thousand bad
+    words cost 0.7 ms a request on the loop, and new tuples for the collector, for each
+    prompt of a batch."""
     global _last_sequence_controls
     key = (given_sequences, bad_words, eos, vocab)
     last = _last_sequence_controls

@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 #: Bodies up to this size are parsed and tokenized on the event loop (well under a
-#: millisecond); larger ones in the tokenizer thread, so that a big prompt never holds
+#: millisecond); larger ones in a tokenizer thread, so that a big prompt never holds
 #: the loop (the tokenizers library releases the GIL while it encodes).
 INLINE_BODY_BYTES = 2048
 #: Bodies larger than this are worked on in a tokenizer thread of their own, one at a
