@@ -60,14 +60,18 @@ class HeldSetting(Generic[_T]):
     def _release(self) -> None:
         with self._lock:
             self._blocks -= 1
-            if self._blocks == 0 and self._replaced is not None:
-                if self._read() == self.value:
-                    self._write(self._replaced)
-                self._replaced = None
+            if self._blocks == 0:
+                self._put_back()
 
     def _forked(self) -> None:
         # (a new lock: a thread of the parent may have held its lock)
         self._lock = threading.Lock()
-        if self._blocks and self._replaced is not None and self._read() == self.value:
+        self._blocks = 0
+        self._put_back()
+
+    def _put_back(self) -> None:
+        """The value the blocks replaced back (none is held when no block runs), unless the
+        setting was changed meanwhile."""
+        if self._replaced is not None and self._read() == self.value:
             self._write(self._replaced)
-        self._blocks, self._replaced = 0, None
+        self._replaced = None
